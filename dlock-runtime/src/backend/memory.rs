@@ -1,0 +1,315 @@
+//! The in-process backend: the embedded default.
+//!
+//! Locks live in a sharded hash map guarded by short, never-awaited mutexes, so the backend is
+//! correct under heavy concurrency inside one process and shared by every
+//! [`Locker`](crate::Locker) built from the same [`MemoryBackend`] value. It keeps the same
+//! semantics as the Redis backend: owner-checked release and extend, leases that expire, a FIFO
+//! waiter queue whose entries expire, and release notifications to the next waiter.
+//!
+//! Fencing tokens come from one counter per backend, `max(previous + 1, wall clock in µs)`,
+//! so they increase strictly per key (and across keys), also across expiry, and stay ahead of
+//! tokens issued by an earlier process as long as the wall clock does not step back.
+//!
+//! It does not survive a restart and does not coordinate between processes: use it for one
+//! instance, for development, or as the fallback when no Redis URL is configured.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, WaitMode, Watch};
+use crate::key::ResourceName;
+use crate::LockError;
+
+const SHARDS: usize = 64;
+
+/// The in-process lock store. Cheap to clone; clones share the same locks.
+///
+/// ```
+/// use dlock_runtime::{backend::MemoryBackend, Locker};
+///
+/// let store = MemoryBackend::new();
+/// // Two lockers over one store exclude each other, like two instances over one Redis.
+/// let a = Locker::new(store.clone());
+/// let b = Locker::new(store);
+/// # let _ = (a, b);
+/// ```
+#[derive(Clone, Debug)]
+pub struct MemoryBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    fence: AtomicU64,
+    hub: Arc<ReleaseHub>,
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    map: HashMap<Arc<str>, Entry>,
+    sweep_at: usize,
+}
+
+#[derive(Debug, Default)]
+struct Entry {
+    holder: Option<(OwnerToken, Instant)>,
+    /// Waiters in arrival order, with the instant their entry expires.
+    queue: VecDeque<(OwnerToken, Instant)>,
+}
+
+impl Entry {
+    fn live_holder(&self, now: Instant) -> Option<&(OwnerToken, Instant)> {
+        self.holder.as_ref().filter(|(_, exp)| *exp > now)
+    }
+
+    fn prune_queue(&mut self, now: Instant) {
+        while let Some((_, exp)) = self.queue.front() {
+            if *exp > now {
+                break;
+            }
+            self.queue.pop_front();
+        }
+    }
+
+    fn is_dead(&self, now: Instant) -> bool {
+        self.live_holder(now).is_none() && self.queue.iter().all(|(_, exp)| *exp <= now)
+    }
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBackend {
+    /// An empty store.
+    pub fn new() -> Self {
+        MemoryBackend {
+            inner: Arc::new(Inner {
+                shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+                hasher: RandomState::new(),
+                fence: AtomicU64::new(0),
+                hub: ReleaseHub::new(),
+            }),
+        }
+    }
+
+    /// How many keys currently have state (a live holder or live waiters); for tests and
+    /// metrics.
+    pub fn len(&self) -> usize {
+        let now = Instant::now();
+        self.inner
+            .shards
+            .iter()
+            .map(|s| {
+                let s = s.lock().unwrap_or_else(PoisonError::into_inner);
+                s.map.values().filter(|e| !e.is_dead(now)).count()
+            })
+            .sum()
+    }
+
+    /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`)
+    /// whoever holds it, like `DEL` on the Redis backend: an operator's tool for a stuck lock,
+    /// and how tests take a lock away behind its holder's back. The holder learns at its next
+    /// renewal. Returns whether a live lock was freed.
+    pub fn force_release(&self, resource: &str) -> bool {
+        self.with_entry(resource, |e, now| {
+            let held = e.live_holder(now).is_some();
+            e.holder = None;
+            held
+        })
+    }
+
+    /// `true` when no key has a live holder or waiter.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn with_entry<R>(&self, name: &str, f: impl FnOnce(&mut Entry, Instant) -> R) -> R {
+        let mut h = self.inner.hasher.build_hasher();
+        name.hash(&mut h);
+        let shard = &self.inner.shards[(h.finish() as usize) % SHARDS];
+        let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        let out = match shard.map.get_mut(name) {
+            Some(e) => {
+                let out = f(e, now);
+                if e.is_dead(now) {
+                    shard.map.remove(name);
+                }
+                out
+            }
+            None => {
+                let mut e = Entry::default();
+                let out = f(&mut e, now);
+                if !e.is_dead(now) {
+                    shard.map.insert(name.into(), e);
+                    // Amortised sweep of entries whose leases ran out unobserved.
+                    if shard.map.len() > shard.sweep_at {
+                        shard.map.retain(|_, e| !e.is_dead(now));
+                        shard.sweep_at = (shard.map.len() * 2).max(64);
+                    }
+                }
+                out
+            }
+        };
+        out
+    }
+
+    fn next_fence(&self) -> u64 {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        let mut cur = self.inner.fence.load(Ordering::Relaxed);
+        loop {
+            let next = (cur + 1).max(wall);
+            match self.inner.fence.compare_exchange_weak(
+                cur,
+                next,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return next,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// After a release or abandon freed the lock: the token of the next live waiter.
+    fn next_waiter(entry: &mut Entry, now: Instant) -> Option<OwnerToken> {
+        entry.prune_queue(now);
+        entry.queue.front().map(|(t, _)| t.clone())
+    }
+
+    fn attempt(&self, args: &AcquireArgs<'_>) -> Attempt {
+        self.with_entry(args.resource.as_str(), |e, now| {
+            e.prune_queue(now);
+            if let Some((_, exp)) = e.live_holder(now) {
+                let remaining = *exp - now;
+                if args.mode == WaitMode::Queue {
+                    enqueue(e, args.token, now + args.waiter_ttl);
+                }
+                return Attempt::Held {
+                    remaining: Some(remaining),
+                };
+            }
+            let my_turn = match e.queue.front() {
+                None => true,
+                Some((head, _)) => head == args.token || args.mode == WaitMode::Barge,
+            };
+            if !my_turn {
+                if args.mode == WaitMode::Queue {
+                    enqueue(e, args.token, now + args.waiter_ttl);
+                }
+                return Attempt::Held { remaining: None };
+            }
+            e.queue.retain(|(t, _)| t != args.token);
+            e.holder = Some((args.token.clone(), now + args.ttl));
+            Attempt::Acquired {
+                fencing_token: self.next_fence(),
+            }
+        })
+    }
+}
+
+fn enqueue(e: &mut Entry, token: &OwnerToken, expires: Instant) {
+    match e.queue.iter_mut().find(|(t, _)| t == token) {
+        Some(slot) => slot.1 = expires,
+        None => e.queue.push_back((token.clone(), expires)),
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        let out = self.attempt(&args);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        let (released, next) = self.with_entry(resource.as_str(), |e, now| {
+            match e.live_holder(now) {
+                Some((t, _)) if t == token => {
+                    e.holder = None;
+                    (true, Self::next_waiter(e, now))
+                }
+                _ => (false, None),
+            }
+        });
+        if released {
+            self.inner
+                .hub
+                .notify(resource.as_str(), next.as_ref().map(OwnerToken::as_str));
+        }
+        Box::pin(std::future::ready(Ok(released)))
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        let ok = self.with_entry(resource.as_str(), |e, now| {
+            match e.holder.as_mut().filter(|(_, exp)| *exp > now) {
+                Some((t, exp)) if t == token => {
+                    *exp = now + ttl;
+                    true
+                }
+                _ => false,
+            }
+        });
+        Box::pin(std::future::ready(Ok(ok)))
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        let wake = self.with_entry(resource.as_str(), |e, now| {
+            let mut freed = false;
+            if matches!(e.live_holder(now), Some((t, _)) if t == token) {
+                e.holder = None;
+                freed = true;
+            }
+            let before = e.queue.len();
+            e.queue.retain(|(t, _)| t != token);
+            let left_queue = e.queue.len() != before;
+            if freed || (left_queue && e.live_holder(now).is_none()) {
+                Some(Self::next_waiter(e, now))
+            } else {
+                None
+            }
+        });
+        if let Some(next) = wake {
+            self.inner
+                .hub
+                .notify(resource.as_str(), next.as_ref().map(OwnerToken::as_str));
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        let (watch, _) = self.inner.hub.register(resource, token, None);
+        Box::pin(std::future::ready(Ok(watch)))
+    }
+}

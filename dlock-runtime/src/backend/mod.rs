@@ -1,0 +1,416 @@
+//! The backend trait and what backends share.
+//!
+//! A backend stores locks; the [`Locker`](crate::Locker) above it owns everything that is the
+//! same for every store: owner tokens, deadlines, waiting and backoff, the renewal engine, drop
+//! handling and cancel safety. A backend implements a handful of owner-checked primitives:
+//!
+//! * [`acquire`](Backend::acquire): one atomic attempt that either grants the lock with a new
+//!   fencing token or reports the holder's remaining lease. In [`WaitMode::Queue`] a failed
+//!   attempt also puts (or keeps) the caller in the key's FIFO waiter queue, with an entry that
+//!   expires after the waiter TTL unless refreshed by the next attempt.
+//! * [`release`](Backend::release), [`extend`](Backend::extend): compare the owner token and act,
+//!   atomically, server side.
+//! * [`abandon`](Backend::abandon): for a cancelled or abandoned acquire — release if the token
+//!   owns the lock and leave the waiter queue; harmless if the token never got anywhere.
+//! * [`watch`](Backend::watch): be told when the lock is released and it is this waiter's turn.
+//!
+//! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
+//! [`RedisBackend`](crate::backend::RedisBackend).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::key::ResourceName;
+use crate::LockError;
+
+mod memory;
+pub use memory::MemoryBackend;
+
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisBackend, RedisOptions, FENCE_RETENTION};
+
+/// A boxed, `Send` future, the return type of [`Backend`] methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The secret that identifies one owner (one acquisition) of a lock: 128 bits from the
+/// operating system's CSPRNG, hex-encoded. Its `Debug` output is redacted so it never
+/// reaches logs.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct OwnerToken(Arc<str>);
+
+impl OwnerToken {
+    /// A fresh token from the OS CSPRNG.
+    ///
+    /// # Panics
+    /// If the operating system cannot provide randomness (never on supported platforms);
+    /// a lock library must not fall back to a weaker source.
+    pub fn generate() -> Self {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes).expect("the OS CSPRNG is unavailable");
+        let mut s = String::with_capacity(32);
+        for b in bytes {
+            use std::fmt::Write as _;
+            let _ = write!(s, "{b:02x}");
+        }
+        OwnerToken(s.into())
+    }
+
+    /// The token as sent to the backend.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnerToken(..)")
+    }
+}
+
+/// How an acquire attempt treats the key's waiter queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitMode {
+    /// One attempt; never enqueue. Granted only if the lock is free and nobody is queued.
+    Try,
+    /// Granted if the lock is free and the caller is first in the queue (or the queue is
+    /// empty); otherwise join (or refresh the caller's place in) the queue.
+    Queue,
+    /// Granted whenever the lock is free, ignoring the queue (unfair, "barging" waiting).
+    Barge,
+}
+
+/// One acquire attempt's parameters.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct AcquireArgs<'a> {
+    /// The lock.
+    pub resource: &'a ResourceName,
+    /// This acquisition's owner token (also its waiter id).
+    pub token: &'a OwnerToken,
+    /// Lease length.
+    pub ttl: Duration,
+    /// Queue behaviour.
+    pub mode: WaitMode,
+    /// How long a queue entry lives without being refreshed by another attempt.
+    pub waiter_ttl: Duration,
+}
+
+/// The outcome of one acquire attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Attempt {
+    /// The lock is ours.
+    Acquired {
+        /// Strictly greater than every token issued for this key before.
+        fencing_token: u64,
+    },
+    /// Someone else holds it, or the lock is free but another waiter is ahead in the queue
+    /// (`remaining` is then `None`).
+    Held {
+        /// The holder's remaining lease, when known.
+        remaining: Option<Duration>,
+    },
+}
+
+/// One entry of a batched renewal ([`Backend::extend_many`]).
+#[derive(Clone, Debug)]
+pub struct ExtendItem {
+    /// The lock.
+    pub resource: ResourceName,
+    /// The owner token that must still hold it.
+    pub token: OwnerToken,
+    /// The new lease length, counted from now.
+    pub ttl: Duration,
+}
+
+/// A lock store. See the [module docs](self) for the contract; every method must be atomic
+/// with respect to the owner check, and must not wait longer than the backend's own command
+/// timeout (the [`Locker`](crate::Locker) adds its own deadline on top).
+pub trait Backend: Send + Sync + 'static {
+    /// A short name for logs and errors (`"memory"`, `"redis"`).
+    fn name(&self) -> &'static str;
+
+    /// One acquire attempt.
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>>;
+
+    /// Releases the lock if `token` owns it and notifies the next waiter. `Ok(false)` when the
+    /// token does not own it (it expired, maybe someone else holds it now).
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>>;
+
+    /// Sets the lease to `ttl` from now if `token` owns the lock.
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>>;
+
+    /// Extends many locks in one go (the watchdog's batch). The default runs
+    /// [`extend`](Backend::extend) for each item concurrently; network backends pipeline.
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(futures_util::future::join_all(
+            items
+                .iter()
+                .map(|i| self.extend(&i.resource, &i.token, i.ttl)),
+        ))
+    }
+
+    /// Undoes whatever an acquire with `token` may have done: releases the lock if the token
+    /// owns it, removes the token from the waiter queue, and notifies the next waiter if that
+    /// freed the way. Harmless when the token never reached the backend.
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>>;
+
+    /// Registers `token` as a local waiter of `resource`. The returned [`Watch`] is notified when
+    /// a release names `token` as the next waiter (or, for barging waiters, when a release names
+    /// nobody). When this future completes, no later release can be missed.
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>>;
+}
+
+impl<B: Backend + ?Sized> Backend for Arc<B> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        (**self).acquire(args)
+    }
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        (**self).release(resource, token)
+    }
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        (**self).extend(resource, token, ttl)
+    }
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        (**self).extend_many(items)
+    }
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        (**self).abandon(resource, token)
+    }
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        (**self).watch(resource, token)
+    }
+}
+
+/// A registered waiter: resolves [`notified`](Watch::notified) when it is this waiter's turn.
+/// Dropping it unregisters the waiter.
+pub struct Watch {
+    notify: Arc<Notify>,
+    hub: Arc<ReleaseHub>,
+    resource: Arc<str>,
+    token: OwnerToken,
+    on_last: Option<Box<dyn Fn(&str) + Send + Sync>>,
+}
+
+impl Watch {
+    /// Waits for a notification. A notification that arrived before this call is not lost.
+    pub async fn notified(&self) {
+        self.notify.notified().await;
+    }
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watch")
+            .field("resource", &self.resource)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let last = self.hub.unregister(&self.resource, &self.token);
+        if last {
+            if let Some(on_last) = &self.on_last {
+                on_last(&self.resource);
+            }
+        }
+    }
+}
+
+/// The local side of release notifications: resource name → this process's waiters. A
+/// backend feeds it release events ([`ReleaseHub::notify`]); it wakes exactly one local waiter
+/// per event. Shared by the memory and Redis backends.
+#[derive(Debug, Default)]
+pub struct ReleaseHub {
+    keys: Mutex<HashMap<Arc<str>, Vec<(OwnerToken, Arc<Notify>)>>>,
+}
+
+impl ReleaseHub {
+    /// An empty hub.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Registers a waiter. Returns the [`Watch`] and whether it is the first local waiter of
+    /// the resource (a network backend subscribes then). `on_last` runs when the last waiter of
+    /// the resource unregisters.
+    pub fn register(
+        self: &Arc<Self>,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        on_last: Option<Box<dyn Fn(&str) + Send + Sync>>,
+    ) -> (Watch, bool) {
+        let notify = Arc::new(Notify::new());
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let name: Arc<str> = match keys.get_key_value(resource.as_str()) {
+            Some((k, _)) => k.clone(),
+            None => resource.as_str().into(),
+        };
+        let list = keys.entry(name.clone()).or_default();
+        let first = list.is_empty();
+        list.push((token.clone(), notify.clone()));
+        drop(keys);
+        (
+            Watch {
+                notify,
+                hub: self.clone(),
+                resource: name,
+                token: token.clone(),
+                on_last,
+            },
+            first,
+        )
+    }
+
+    fn unregister(&self, resource: &str, token: &OwnerToken) -> bool {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(list) = keys.get_mut(resource) else {
+            return false;
+        };
+        list.retain(|(t, _)| t != token);
+        if list.is_empty() {
+            keys.remove(resource);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A release of `resource` happened. `next` names the waiter whose turn it is (fair
+    /// queue); `None` means nobody is queued, and one local (barging) waiter is woken.
+    pub fn notify(&self, resource: &str, next: Option<&str>) {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(list) = keys.get(resource) else {
+            return;
+        };
+        match next {
+            Some(next) => {
+                if let Some((_, n)) = list.iter().find(|(t, _)| t.as_str() == next) {
+                    n.notify_one();
+                }
+            }
+            None => {
+                if let Some((_, n)) = list.first() {
+                    n.notify_one();
+                }
+            }
+        }
+    }
+
+    /// Wakes every local waiter (used after a reconnect, when notifications may have been
+    /// missed: each waiter re-checks once).
+    pub fn notify_all(&self) {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        for list in keys.values() {
+            for (_, n) in list {
+                n.notify_one();
+            }
+        }
+    }
+
+    /// Whether `resource` has local waiters.
+    pub fn has_waiters(&self, resource: &str) -> bool {
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(resource)
+    }
+
+    /// How many resources have local waiters.
+    pub fn watched(&self) -> usize {
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LockKey;
+
+    #[test]
+    fn owner_tokens_are_random_and_redacted() {
+        let a = OwnerToken::generate();
+        let b = OwnerToken::generate();
+        assert_ne!(a, b);
+        assert_eq!(a.as_str().len(), 32);
+        assert_eq!(format!("{a:?}"), "OwnerToken(..)");
+    }
+
+    #[test]
+    fn hub_wakes_exactly_the_named_waiter() {
+        let hub = ReleaseHub::new();
+        let res = ResourceName::new("p", LockKey::new("k").unwrap());
+        let (t1, t2) = (OwnerToken::generate(), OwnerToken::generate());
+        let (w1, first) = hub.register(&res, &t1, None);
+        assert!(first);
+        let (w2, first) = hub.register(&res, &t2, None);
+        assert!(!first);
+        hub.notify(res.as_str(), Some(t2.as_str()));
+        // w2 holds a stored permit, w1 none: polling once tells them apart without timing.
+        use futures_util::FutureExt as _;
+        assert!(w2.notified().now_or_never().is_some(), "named waiter woken");
+        assert!(
+            w1.notified().now_or_never().is_none(),
+            "other waiter must stay asleep"
+        );
+        drop(w1);
+        drop(w2);
+        assert_eq!(hub.watched(), 0);
+    }
+}

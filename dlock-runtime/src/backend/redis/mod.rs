@@ -1,0 +1,428 @@
+//! The Redis backend: one server (or a managed primary), over ONE multiplexed RESP3
+//! connection per backend that carries both commands and release notifications.
+//!
+//! * Acquire is one `EVALSHA` (the uncontended path is a single round trip): `SET NX PX`
+//!   semantics plus the fencing counter and the fair waiter queue, atomically
+//!   (see [`scripts`]).
+//! * Release and extend compare the owner token server side; release publishes the next
+//!   waiter's token on the lock's channel, so exactly that waiter retries at once.
+//! * Notifications arrive as RESP3 pushes on the same connection; subscriptions are per lock,
+//!   made when the first local waiter of that lock appears and dropped with the last one, and
+//!   re-established automatically after a reconnect.
+//! * The connection reconnects on its own (redis-rs `ConnectionManager`); every command has a
+//!   deadline ([`RedisOptions::command_timeout`]), so a hung server turns into
+//!   [`LockError::Unavailable`] instead of a hung handler.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError, Script};
+
+use super::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+};
+use crate::key::ResourceName;
+use crate::LockError;
+
+mod scripts;
+
+/// How long the fencing counter outlives the lease it was issued with. Fencing tokens stay
+/// strictly increasing across the counter's expiry unless the Redis server's clock steps back
+/// by more than this (plus the lease).
+pub const FENCE_RETENTION: Duration = Duration::from_secs(60);
+
+const CHANNEL_SUFFIX: &str = "ch";
+const PIPELINE_CHUNK: usize = 512;
+
+/// Connection settings of the Redis backend. Defaults: command timeout 1 s, connect timeout
+/// 1 s.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RedisOptions {
+    /// Deadline of every command (and of each reconnect attempt's wait).
+    pub command_timeout: Duration,
+    /// Deadline of establishing a connection.
+    pub connect_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            command_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// Sets [`command_timeout`](RedisOptions::command_timeout).
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.command_timeout = d;
+        self
+    }
+
+    /// Sets [`connect_timeout`](RedisOptions::connect_timeout).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+}
+
+/// A lock store in one Redis server. Cheap to clone.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use dlock_runtime::{backend::{RedisBackend, RedisOptions}, Locker};
+///
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379", RedisOptions::default()).await?;
+/// let locker = Locker::new(backend);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("options", &self.inner.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    hub: Arc<ReleaseHub>,
+    /// Channels this connection is subscribed to. Changes happen under this async mutex and
+    /// consult the hub, so a subscribe and an unsubscribe of one channel never reorder.
+    subscribed: tokio::sync::Mutex<HashSet<String>>,
+    acquire: Script,
+    release: Script,
+    abandon: Script,
+    extend: Script,
+    opts: RedisOptions,
+}
+
+fn redis_err(what: &str, e: RedisError) -> LockError {
+    LockError::unavailable(format!("redis {what}: {:?}", e.kind()), Some(Box::new(e)))
+}
+
+impl RedisBackend {
+    /// Connects to `url` (`redis://[user:pass@]host:port[/db]`, or `rediss://` with feature
+    /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
+    /// connect timeout.
+    pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
+        // The URL may carry a password: never put it in an error message.
+        let info = url
+            .into_connection_info()
+            .map_err(|e| LockError::unavailable(format!("invalid redis url: {:?}", e.kind()), None))?;
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let info = info.set_redis_settings(settings);
+        let client = redis::Client::open(info).map_err(|e| redis_err("client", e))?;
+
+        let hub = ReleaseHub::new();
+        let push_hub = Arc::downgrade(&hub);
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(opts.connect_timeout))
+            .set_response_timeout(Some(opts.command_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(opts.connect_timeout)
+            .set_push_sender(move |push: PushInfo| {
+                on_push(&push_hub, push);
+                Ok::<(), redis::aio::SendError>(())
+            })
+            .set_automatic_resubscription();
+        let conn = tokio::time::timeout(
+            opts.connect_timeout + opts.command_timeout,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| LockError::unavailable("redis connect timed out", None))?
+        .map_err(|e| redis_err("connect", e))?;
+
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn,
+                hub,
+                subscribed: tokio::sync::Mutex::new(HashSet::new()),
+                acquire: scripts::acquire(),
+                release: scripts::release(),
+                abandon: scripts::abandon(),
+                extend: scripts::extend(),
+                opts,
+            }),
+        })
+    }
+
+    /// The connection options in force.
+    pub fn options(&self) -> &RedisOptions {
+        &self.inner.opts
+    }
+
+    async fn deadline<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
+        match tokio::time::timeout(self.inner.opts.command_timeout, fut).await {
+            Ok(r) => r.map_err(|e| redis_err(what, e)),
+            Err(_) => Err(LockError::unavailable(
+                format!(
+                    "redis {what} timed out after {:?}",
+                    self.inner.opts.command_timeout
+                ),
+                None,
+            )),
+        }
+    }
+
+    async fn owner_script(
+        &self,
+        script: &Script,
+        what: &str,
+        resource: &ResourceName,
+        token: &OwnerToken,
+    ) -> Result<i64, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = script.prepare_invoke();
+        inv.key(resource.as_str())
+            .key(resource.with_suffix("q"))
+            .key(resource.with_suffix("qt"))
+            .arg(token.as_str())
+            .arg(resource.with_suffix(CHANNEL_SUFFIX));
+        self.deadline(what, inv.invoke_async(&mut conn)).await
+    }
+
+    async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
+        let Some(inner) = inner.upgrade() else { return };
+        let mut subscribed = inner.subscribed.lock().await;
+        if inner.hub.has_waiters(&resource) || !subscribed.contains(&channel) {
+            return;
+        }
+        let mut conn = inner.conn.clone();
+        match tokio::time::timeout(inner.opts.command_timeout, conn.unsubscribe(&channel)).await {
+            Ok(Ok(())) => {
+                subscribed.remove(&channel);
+            }
+            // Still subscribed as far as we know; a stray notification is harmless.
+            Ok(Err(e)) => tracing::debug!(error = ?e.kind(), "redis unsubscribe failed"),
+            Err(_) => tracing::debug!("redis unsubscribe timed out"),
+        }
+    }
+}
+
+fn on_push(hub: &Weak<ReleaseHub>, push: PushInfo) {
+    let Some(hub) = hub.upgrade() else { return };
+    match push.kind {
+        PushKind::Message => {
+            let mut data = push.data.into_iter();
+            let (Some(channel), Some(payload)) = (data.next(), data.next()) else {
+                return;
+            };
+            let (Ok(channel), Ok(payload)) = (
+                redis::from_redis_value::<String>(channel),
+                redis::from_redis_value::<String>(payload),
+            ) else {
+                return;
+            };
+            let Some(resource) = channel
+                .strip_suffix(CHANNEL_SUFFIX)
+                .and_then(|r| r.strip_suffix(':'))
+            else {
+                return;
+            };
+            let next = (!payload.is_empty()).then_some(payload.as_str());
+            hub.notify(resource, next);
+        }
+        PushKind::Disconnection => {
+            tracing::warn!("redis connection lost; waiters fall back to their timers until it is back");
+        }
+        _ => {}
+    }
+}
+
+impl Backend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            let mode = match args.mode {
+                WaitMode::Try => "0",
+                WaitMode::Queue => "1",
+                WaitMode::Barge => "2",
+            };
+            let mut conn = self.inner.conn.clone();
+            let mut inv = self.inner.acquire.prepare_invoke();
+            inv.key(args.resource.as_str())
+                .key(args.resource.with_suffix("q"))
+                .key(args.resource.with_suffix("qt"))
+                .key(args.resource.with_suffix("fence"))
+                .arg(args.token.as_str())
+                .arg(millis(args.ttl))
+                .arg(mode)
+                .arg(millis(args.waiter_ttl))
+                .arg(millis(FENCE_RETENTION));
+            let (granted, value): (i64, String) =
+                self.deadline("acquire", inv.invoke_async(&mut conn)).await?;
+            let bad = || LockError::unavailable("redis acquire: malformed script reply", None);
+            if granted == 1 {
+                let fencing_token = value.parse::<u64>().map_err(|_| bad())?;
+                Ok(Attempt::Acquired { fencing_token })
+            } else {
+                let pttl = value.parse::<i64>().map_err(|_| bad())?;
+                let remaining = (pttl >= 0).then(|| Duration::from_millis(pttl as u64));
+                Ok(Attempt::Held { remaining })
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let n = self
+                .owner_script(&self.inner.release, "release", resource, token)
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let mut conn = self.inner.conn.clone();
+            let mut inv = self.inner.extend.prepare_invoke();
+            inv.key(resource.as_str())
+                .arg(token.as_str())
+                .arg(millis(ttl));
+            let n: i64 = self.deadline("extend", inv.invoke_async(&mut conn)).await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(async move {
+            let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
+                match self.extend_chunk(chunk).await {
+                    Ok(v) => v.into_iter().map(|n| Ok(n == 1)).collect::<Vec<_>>(),
+                    Err(e) => {
+                        let msg = e.to_string();
+                        (0..chunk.len())
+                            .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                            .collect()
+                    }
+                }
+            });
+            futures_util::future::join_all(chunks)
+                .await
+                .into_iter()
+                .flatten()
+                .collect()
+        })
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            self.owner_script(&self.inner.abandon, "abandon", resource, token)
+                .await
+                .map(|_| ())
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let channel = resource.with_suffix(CHANNEL_SUFFIX);
+            let mut subscribed = self.inner.subscribed.lock().await;
+            let weak = Arc::downgrade(&self.inner);
+            let on_last: Box<dyn Fn(&str) + Send + Sync> = {
+                let channel = channel.clone();
+                Box::new(move |resource: &str| {
+                    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                        rt.spawn(Self::unsubscribe_if_unused(
+                            weak.clone(),
+                            channel.clone(),
+                            resource.to_owned(),
+                        ));
+                    }
+                })
+            };
+            // Register first: a notification that arrives right after SUBSCRIBE is not lost.
+            let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
+            if !subscribed.contains(&channel) {
+                let mut conn = self.inner.conn.clone();
+                self.deadline("subscribe", conn.subscribe(&channel)).await?;
+                subscribed.insert(channel);
+            }
+            Ok(watch)
+        })
+    }
+}
+
+impl RedisBackend {
+    async fn extend_chunk(&self, chunk: &[ExtendItem]) -> Result<Vec<i64>, LockError> {
+        let build = || {
+            let mut pipe = redis::pipe();
+            for item in chunk {
+                pipe.cmd("EVALSHA")
+                    .arg(self.inner.extend.get_hash())
+                    .arg(1)
+                    .arg(item.resource.as_str())
+                    .arg(item.token.as_str())
+                    .arg(millis(item.ttl));
+            }
+            pipe
+        };
+        let mut conn = self.inner.conn.clone();
+        let first = tokio::time::timeout(
+            self.inner.opts.command_timeout,
+            build().query_async::<Vec<i64>>(&mut conn),
+        )
+        .await;
+        match first {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                // The server lost its script cache (restart, SCRIPT FLUSH): load and retry once.
+                self.deadline(
+                    "script load",
+                    self.inner.extend.prepare_invoke().load_async(&mut conn),
+                )
+                .await?;
+                self.deadline("extend", build().query_async::<Vec<i64>>(&mut conn))
+                    .await
+            }
+            Ok(Err(e)) => Err(redis_err("extend", e)),
+            Err(_) => Err(LockError::unavailable("redis extend timed out", None)),
+        }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}

@@ -1,0 +1,149 @@
+//! The Lua scripts of the Redis backend. Each runs atomically on the server and is invoked by
+//! SHA (`EVALSHA`), reloaded on `NOSCRIPT`.
+//!
+//! Key layout of one lock (all share the hash tag `{<key>}`):
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `<p>:{<k>}` | string | owner token, `PX` = lease |
+//! | `<p>:{<k>}:q` | list | waiter tokens in arrival order |
+//! | `<p>:{<k>}:qt` | zset | waiter token → entry deadline (ms, server clock) |
+//! | `<p>:{<k>}:fence` | string | last fencing token issued |
+//! | `<p>:{<k>}:ch` | channel | release notifications; payload = next waiter's token or `""` |
+//!
+//! Fencing: `token = max(last + 1, server TIME in µs)`, stored with a retention of
+//! [`FENCE_RETENTION`](super::FENCE_RETENTION) beyond the lease. Tokens therefore increase strictly per key while the
+//! counter lives, and keep increasing after it expired as long as the server clock has not
+//! stepped back by more than the retention period.
+
+use redis::Script;
+
+/// Lua that drops expired waiters from the head of the queue and leaves the live head (or
+/// `false`) in `head`. Expects `now_ms` in scope.
+macro_rules! prune_head {
+    () => {
+        r#"
+local head = redis.call('LINDEX', KEYS[2], 0)
+while head do
+  local dl = redis.call('ZSCORE', KEYS[3], head)
+  if dl and tonumber(dl) > now_ms then break end
+  redis.call('LPOP', KEYS[2])
+  redis.call('ZREM', KEYS[3], head)
+  head = redis.call('LINDEX', KEYS[2], 0)
+end
+"#
+    };
+}
+
+/// Server time in ms and µs: `t`, `now_ms`.
+macro_rules! server_time {
+    () => {
+        r#"
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"#
+    };
+}
+
+/// One acquire attempt.
+///
+/// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence.
+/// ARGV: 1 owner token, 2 lease ms, 3 mode (`0` try, `1` queue, `2` barge), 4 waiter entry
+/// ttl ms, 5 fence retention ms.
+/// Returns `{1, "<fencing token>"}` when granted, `{0, "<pttl>"}` otherwise (`pttl` = -2 when the
+/// lock is free but another waiter is first in line).
+pub(super) fn acquire() -> Script {
+    Script::new(concat!(
+        server_time!(),
+        prune_head!(),
+        r#"
+local token = ARGV[1]
+local mode = ARGV[3]
+if redis.call('EXISTS', KEYS[1]) == 0 and ((not head) or head == token or mode == '2') then
+  if head == token then
+    redis.call('LPOP', KEYS[2])
+    redis.call('ZREM', KEYS[3], token)
+  end
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
+  if us > fence then fence = us end
+  local f = string.format('%.0f', fence)
+  redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[5]))
+  redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+  return {1, f}
+end
+if mode == '1' then
+  local wttl = tonumber(ARGV[4])
+  if not redis.call('ZSCORE', KEYS[3], token) then
+    redis.call('RPUSH', KEYS[2], token)
+  end
+  redis.call('ZADD', KEYS[3], now_ms + wttl, token)
+  if redis.call('PTTL', KEYS[2]) < wttl then redis.call('PEXPIRE', KEYS[2], wttl) end
+  if redis.call('PTTL', KEYS[3]) < wttl then redis.call('PEXPIRE', KEYS[3], wttl) end
+end
+return {0, tostring(redis.call('PTTL', KEYS[1]))}
+"#
+    ))
+}
+
+/// Owner-checked release; publishes the next live waiter's token (or `""`) on the channel.
+///
+/// KEYS: 1 lock, 2 queue list, 3 queue deadlines. ARGV: 1 owner token, 2 channel.
+/// Returns 1 when released, 0 when the token did not own the lock.
+pub(super) fn release() -> Script {
+    Script::new(concat!(
+        r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+"#,
+        server_time!(),
+        prune_head!(),
+        r#"
+redis.call('PUBLISH', ARGV[2], head or '')
+return 1
+"#
+    ))
+}
+
+/// Undo of a cancelled or abandoned acquire: release if owner, leave the queue, notify the
+/// next waiter when that freed the way.
+///
+/// KEYS: 1 lock, 2 queue list, 3 queue deadlines. ARGV: 1 owner token, 2 channel.
+/// Returns 1 when the token held the lock, 0 otherwise.
+pub(super) fn abandon() -> Script {
+    Script::new(concat!(
+        r#"
+local held = 0
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  held = 1
+end
+local removed = redis.call('LREM', KEYS[2], 0, ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+if held == 0 and (removed == 0 or redis.call('EXISTS', KEYS[1]) == 1) then
+  return 0
+end
+"#,
+        server_time!(),
+        prune_head!(),
+        r#"
+redis.call('PUBLISH', ARGV[2], head or '')
+return held
+"#
+    ))
+}
+
+/// Owner-checked lease extension.
+///
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 lease ms. Returns 1 when extended, 0 otherwise.
+pub(super) fn extend() -> Script {
+    Script::new(
+        r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"#,
+    )
+}

@@ -1,0 +1,106 @@
+//! The lock held by the current task, for fencing writes from inside a locked function.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use crate::LockKey;
+
+/// What a holder knows about its lock: the key and the fencing token to pass to the resource
+/// it writes (the resource rejects tokens lower than one it has seen).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LockInfo {
+    key: LockKey,
+    fencing_token: u64,
+}
+
+impl LockInfo {
+    pub(crate) fn new(key: LockKey, fencing_token: u64) -> Self {
+        LockInfo { key, fencing_token }
+    }
+
+    /// The (encoded) logical key.
+    pub fn key(&self) -> &str {
+        self.key.as_str()
+    }
+
+    /// The key as a [`LockKey`].
+    pub fn lock_key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The fencing token: strictly greater than every token issued for this key before.
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+}
+
+type Held = Arc<Vec<(u64, LockInfo)>>;
+
+tokio::task_local! {
+    static HELD: Held;
+}
+
+/// The innermost lock held by the current task through `#[distributed_lock]` (or
+/// [`with_lock`]), if any.
+///
+/// ```
+/// # async fn f() {
+/// if let Some(lock) = dlock_runtime::current_lock() {
+///     println!("writing with fencing token {}", lock.fencing_token());
+/// }
+/// # }
+/// ```
+pub fn current_lock() -> Option<LockInfo> {
+    HELD.try_with(|h| h.last().map(|(_, i)| i.clone()))
+        .ok()
+        .flatten()
+}
+
+/// Every lock the current task holds through `#[distributed_lock]` / [`with_lock`], outermost
+/// first.
+pub fn held_locks() -> Vec<LockInfo> {
+    HELD.try_with(|h| h.iter().map(|(_, i)| i.clone()).collect())
+        .unwrap_or_default()
+}
+
+/// The current task's lock on `key` taken through `locker_id`, if it holds one.
+pub(crate) fn held_by_task(locker_id: u64, key: &LockKey) -> Option<LockInfo> {
+    HELD.try_with(|h| {
+        h.iter()
+            .find(|(l, i)| *l == locker_id && i.lock_key() == key)
+            .map(|(_, i)| i.clone())
+    })
+    .ok()
+    .flatten()
+}
+
+/// Runs `fut` with `info` added to the task's held locks (what [`current_lock`] returns inside).
+pub(crate) fn scope<F: Future>(
+    locker_id: u64,
+    info: LockInfo,
+    fut: F,
+) -> impl Future<Output = F::Output> {
+    let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
+    held.push((locker_id, info));
+    HELD.scope(Arc::new(held), fut)
+}
+
+/// Runs `fut` with the lock `guard` holds visible to [`current_lock`] (and to nested
+/// `#[distributed_lock]` calls, which re-enter instead of waiting for themselves).
+///
+/// ```
+/// # async fn f(locker: dlock_runtime::Locker) -> Result<(), dlock_runtime::LockError> {
+/// let guard = locker.lock("report:2026-11").acquire().await?;
+/// dlock_runtime::with_lock(&guard, async {
+///     assert!(dlock_runtime::current_lock().is_some());
+/// })
+/// .await;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub fn with_lock<'g, F: Future + 'g>(
+    guard: &'g crate::LockGuard,
+    fut: F,
+) -> impl Future<Output = F::Output> + 'g {
+    scope(guard.locker_id(), guard.info(), fut)
+}

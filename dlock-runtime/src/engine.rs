@@ -1,0 +1,355 @@
+//! The one background task per [`Locker`](crate::Locker): watchdog renewal and deferred
+//! releases.
+//!
+//! * **Renewal.** Held guards sit in one ordered schedule (`BTreeMap` keyed by due time), not a
+//!   task or timer each. The task sleeps until the earliest due time, takes every guard due
+//!   within a small batching window, and renews them with one [`Backend::extend_many`] call
+//!   (pipelined by network backends). A renewal is due every TTL/3. A guard whose extend
+//!   answers "not the owner" is lost at once; one whose extend fails keeps trying until its
+//!   local lease clock (`last successful renewal + TTL`, measured from when the request was
+//!   *sent*) runs out, and is then lost — which also catches a process that was frozen past its
+//!   lease: on waking, the lease is checked before anything is sent.
+//! * **Releases from `Drop`.** `LockGuard::drop` and the drop of a cancelled acquire cannot
+//!   await; they send the owner-checked release (or abandon) to this task over an unbounded
+//!   channel, which never blocks the dropping thread. With no runtime alive, nothing runs and
+//!   the TTL ends the lock.
+//!
+//! Release and drop remove the guard from the schedule before the release script runs, and a
+//! renewal that races a release is owner-checked, so a released lock is never renewed.
+//!
+//! The task is spawned lazily on the runtime of the first caller that needs it, and respawned
+//! if that runtime went away; the schedule lives outside the task, so nothing is lost.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Backend, ExtendItem, OwnerToken};
+use crate::key::ResourceName;
+
+/// Guards due within this window of the earliest one are renewed in the same batch.
+const BATCH_WINDOW: Duration = Duration::from_millis(5);
+const NOT_SCHEDULED: u64 = u64::MAX;
+
+/// State shared by a [`LockGuard`](crate::LockGuard) and the engine.
+pub(crate) struct GuardState {
+    pub(crate) id: u64,
+    pub(crate) resource: ResourceName,
+    pub(crate) token: OwnerToken,
+    pub(crate) fencing_token: u64,
+    ttl_ms: AtomicU64,
+    /// End of the local lease, ns since the engine's epoch.
+    lease_end: AtomicU64,
+    /// The due time this guard is scheduled under, or `NOT_SCHEDULED`.
+    due: AtomicU64,
+    pub(crate) lost: CancellationToken,
+    /// Released or dropped: the engine must not renew it any more.
+    pub(crate) done: AtomicBool,
+}
+
+impl GuardState {
+    pub(crate) fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn lease_end_ns(&self) -> u64 {
+        self.lease_end.load(Ordering::Acquire)
+    }
+
+    /// Records a successful acquire/extend sent at `sent_ns` with lease `ttl`.
+    pub(crate) fn renewed(&self, sent_ns: u64, ttl: Duration) {
+        self.ttl_ms
+            .store(ttl.as_millis().max(1) as u64, Ordering::Release);
+        self.lease_end
+            .fetch_max(sent_ns.saturating_add(ttl.as_nanos() as u64), Ordering::AcqRel);
+    }
+
+    pub(crate) fn mark_lost(&self, why: &'static str) {
+        if !self.lost.is_cancelled() && !self.done.load(Ordering::Acquire) {
+            tracing::warn!(key = %self.resource.key(), reason = why, "dlock.lost");
+        }
+        self.lost.cancel();
+    }
+}
+
+enum Cmd {
+    Release(ResourceName, OwnerToken),
+    Abandon(ResourceName, OwnerToken),
+}
+
+/// Shared between the [`Locker`](crate::Locker) and its background task.
+pub(crate) struct Engine {
+    epoch: Instant,
+    schedule: Mutex<BTreeMap<(u64, u64), Arc<GuardState>>>,
+    wake: Arc<Notify>,
+    tx: Mutex<Option<mpsc::UnboundedSender<Cmd>>>,
+    backend: Arc<dyn Backend>,
+    command_timeout: Duration,
+    next_id: AtomicU64,
+}
+
+impl Engine {
+    pub(crate) fn new(backend: Arc<dyn Backend>, command_timeout: Duration) -> Arc<Self> {
+        Arc::new(Engine {
+            epoch: Instant::now(),
+            schedule: Mutex::new(BTreeMap::new()),
+            wake: Arc::new(Notify::new()),
+            tx: Mutex::new(None),
+            backend,
+            command_timeout,
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    pub(crate) fn instant_at(&self, ns: u64) -> Instant {
+        self.epoch + Duration::from_nanos(ns)
+    }
+
+    /// A new guard's state; registered for renewal when `auto_renew`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        resource: ResourceName,
+        token: OwnerToken,
+        fencing_token: u64,
+        ttl: Duration,
+        sent_ns: u64,
+        auto_renew: bool,
+    ) -> Arc<GuardState> {
+        let state = Arc::new(GuardState {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            resource,
+            token,
+            fencing_token,
+            ttl_ms: AtomicU64::new(ttl.as_millis().max(1) as u64),
+            lease_end: AtomicU64::new(sent_ns.saturating_add(ttl.as_nanos() as u64)),
+            due: AtomicU64::new(NOT_SCHEDULED),
+            lost: CancellationToken::new(),
+            done: AtomicBool::new(false),
+        });
+        if auto_renew {
+            self.schedule_at(&state, sent_ns.saturating_add(ttl.as_nanos() as u64 / 3));
+        }
+        state
+    }
+
+    fn schedule_at(self: &Arc<Self>, state: &Arc<GuardState>, due_ns: u64) {
+        let earliest = {
+            let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
+            if state.done.load(Ordering::Acquire) {
+                return;
+            }
+            let old = state.due.swap(due_ns, Ordering::AcqRel);
+            if old != NOT_SCHEDULED {
+                map.remove(&(old, state.id));
+            }
+            let earliest = map.keys().next().is_none_or(|&(d, _)| due_ns < d);
+            map.insert((due_ns, state.id), state.clone());
+            earliest
+        };
+        self.ensure_running();
+        if earliest {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Takes the guard out of the renewal schedule (release, drop).
+    pub(crate) fn unschedule(&self, state: &GuardState) {
+        let old = state.due.swap(NOT_SCHEDULED, Ordering::AcqRel);
+        if old != NOT_SCHEDULED {
+            let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
+            map.remove(&(old, state.id));
+        }
+    }
+
+    /// How many guards are scheduled for renewal.
+    pub(crate) fn scheduled(&self) -> usize {
+        self.schedule
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Release from a context that cannot await (guard drop).
+    pub(crate) fn release_later(self: &Arc<Self>, resource: ResourceName, token: OwnerToken) {
+        self.send(Cmd::Release(resource, token));
+    }
+
+    /// Undo a cancelled acquire from a context that cannot await.
+    pub(crate) fn abandon_later(self: &Arc<Self>, resource: ResourceName, token: OwnerToken) {
+        self.send(Cmd::Abandon(resource, token));
+    }
+
+    fn send(self: &Arc<Self>, cmd: Cmd) {
+        if let Some(tx) = self.ensure_running() {
+            // Fails only if the task died since; then the TTL ends the lock.
+            let _ = tx.send(cmd);
+        } else {
+            tracing::debug!("no tokio runtime to release a dropped lock; its TTL will end it");
+        }
+    }
+
+    /// The command channel of a live task, spawning the task if needed (and possible).
+    fn ensure_running(self: &Arc<Self>) -> Option<mpsc::UnboundedSender<Cmd>> {
+        let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = tx.as_ref().filter(|t| !t.is_closed()) {
+            return Some(t.clone());
+        }
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let (t, rx) = mpsc::unbounded_channel();
+        rt.spawn(run(
+            Arc::downgrade(self),
+            self.backend.clone(),
+            self.command_timeout,
+            self.wake.clone(),
+            rx,
+        ));
+        *tx = Some(t.clone());
+        Some(t)
+    }
+
+    /// Removes and returns every guard due by now (plus the batching window), and the next
+    /// due time after that.
+    fn take_due(&self) -> (Vec<Arc<GuardState>>, Option<u64>) {
+        let limit = self.now_ns() + BATCH_WINDOW.as_nanos() as u64;
+        let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut due = Vec::new();
+        while let Some(entry) = map.first_entry() {
+            if entry.key().0 > limit {
+                break;
+            }
+            let state = entry.remove();
+            state.due.store(NOT_SCHEDULED, Ordering::Release);
+            due.push(state);
+        }
+        let next = map.keys().next().map(|&(d, _)| d);
+        (due, next)
+    }
+
+    async fn renew(self: Arc<Self>, batch: Vec<Arc<GuardState>>) {
+        let now = self.now_ns();
+        let mut live = Vec::with_capacity(batch.len());
+        let mut items = Vec::with_capacity(batch.len());
+        for g in batch {
+            if g.done.load(Ordering::Acquire) {
+                continue;
+            }
+            if now >= g.lease_end_ns() {
+                g.mark_lost("lease ran out before it could be renewed");
+                continue;
+            }
+            items.push(ExtendItem {
+                resource: g.resource.clone(),
+                token: g.token.clone(),
+                ttl: g.ttl(),
+            });
+            live.push(g);
+        }
+        if items.is_empty() {
+            return;
+        }
+        let sent = self.now_ns();
+        let results =
+            match tokio::time::timeout(self.command_timeout, self.backend.extend_many(&items))
+                .await
+            {
+                Ok(r) => r,
+                Err(_) => Vec::new(),
+            };
+        let renewed = results.iter().filter(|r| matches!(r, Ok(true))).count();
+        tracing::trace!(batch = items.len(), renewed, "dlock.renew");
+        for (i, (g, item)) in live.iter().zip(&items).enumerate() {
+            if g.done.load(Ordering::Acquire) {
+                continue;
+            }
+            let ttl_ns = item.ttl.as_nanos() as u64;
+            match results.get(i) {
+                Some(Ok(true)) => {
+                    g.renewed(sent, item.ttl);
+                    self.schedule_at(g, sent + ttl_ns / 3);
+                }
+                Some(Ok(false)) => g.mark_lost("the backend no longer has this owner's lock"),
+                // Error or timeout: retry soon, until the local lease runs out.
+                _ => {
+                    let now = self.now_ns();
+                    if now >= g.lease_end_ns() {
+                        g.mark_lost("renewal failed until the lease ran out");
+                    } else {
+                        let retry = (ttl_ns / 10).max(10_000_000);
+                        self.schedule_at(g, (now + retry).min(g.lease_end_ns()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn run(
+    engine: Weak<Engine>,
+    backend: Arc<dyn Backend>,
+    command_timeout: Duration,
+    wake: Arc<Notify>,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+) {
+    loop {
+        let next = match engine.upgrade() {
+            Some(e) => {
+                let (due, next) = e.take_due();
+                if !due.is_empty() {
+                    tokio::spawn(e.clone().renew(due));
+                }
+                next.map(|ns| e.instant_at(ns))
+            }
+            // The locker is gone; only queued releases remain to be sent.
+            None => None,
+        };
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            cmd = rx.recv() => {
+                // `None`: every sender (the engine) is gone and the queue is drained.
+                let Some(cmd) = cmd else { return };
+                tokio::spawn(background_release(backend.clone(), command_timeout, cmd));
+            }
+            _ = wake.notified() => {}
+            _ = sleep => {}
+        }
+    }
+}
+
+async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration, cmd: Cmd) {
+    let (op, res) = match &cmd {
+        Cmd::Release(r, t) => (
+            "release",
+            tokio::time::timeout(command_timeout, async {
+                backend.release(r, t).await.map(|_| ())
+            })
+            .await,
+        ),
+        Cmd::Abandon(r, t) => (
+            "abandon",
+            tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
+        ),
+    };
+    match res {
+        Ok(Ok(())) => tracing::trace!(op, "dlock background release"),
+        Ok(Err(err)) => {
+            tracing::debug!(op, error = %err, "dlock background release failed; the TTL will end the lock")
+        }
+        Err(_) => {
+            tracing::debug!(op, "dlock background release timed out; the TTL will end the lock")
+        }
+    }
+}

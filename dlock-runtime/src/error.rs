@@ -1,0 +1,373 @@
+//! [`LockError`], the one error type of the runtime, and its HTTP mapping.
+
+use std::time::Duration;
+
+/// A boxed error source, kept for `Error::source` chains.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong when taking, keeping or releasing a lock.
+///
+/// The variants separate the outcomes a caller handles differently:
+///
+/// | variant | meaning | HTTP ([`LockError::status`]) |
+/// |---|---|---|
+/// | [`Contended`](LockError::Contended) | someone else holds the lock (one attempt was made) | 409 + `Retry-After` |
+/// | [`Timeout`](LockError::Timeout) | waited until the deadline, still held by someone else | 409 + `Retry-After` |
+/// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time or refused | 503 + `Retry-After` |
+/// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
+/// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
+/// | [`Lost`](LockError::Lost) | the lock expired or was taken over while held | 503 |
+/// | [`NoLocker`](LockError::NoLocker) | the attribute ran with no default locker set | 500 |
+///
+/// Match with a wildcard arm: the enum is `#[non_exhaustive]` and grows with the product
+/// (the defer strategy adds "deferred").
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// The lock is held by another owner and the strategy made a single attempt.
+    #[error("lock `{key}` is held by another owner")]
+    #[non_exhaustive]
+    Contended {
+        /// The logical key.
+        key: String,
+        /// How long until the holder's lease ends, when the backend knows.
+        retry_after: Option<Duration>,
+        /// A human-readable detail for the response (the attribute's `message`).
+        detail: Option<String>,
+    },
+    /// Waiting (the retry strategy) reached its deadline while another owner held the lock.
+    #[error("gave up waiting for lock `{key}` after {waited:?}")]
+    #[non_exhaustive]
+    Timeout {
+        /// The logical key.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+        /// How long until the holder's lease ends, when the backend knows.
+        retry_after: Option<Duration>,
+        /// A human-readable detail for the response (the attribute's `message`).
+        detail: Option<String>,
+    },
+    /// The backend could not be reached, timed out or answered with an error.
+    #[error("lock backend unavailable: {message}")]
+    #[non_exhaustive]
+    Unavailable {
+        /// What failed, without secrets (no owner tokens, no passwords).
+        message: String,
+        /// The underlying error, if any.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// The key is empty, too long or otherwise unusable.
+    #[error("invalid lock key: {reason}")]
+    #[non_exhaustive]
+    InvalidKey {
+        /// Why the key was refused.
+        reason: String,
+    },
+    /// The TTL is zero or outside [`MIN_TTL`](crate::MIN_TTL)..=[`MAX_TTL`](crate::MAX_TTL).
+    #[error("invalid lock ttl {ttl:?}: {reason}")]
+    #[non_exhaustive]
+    InvalidTtl {
+        /// The TTL that was refused.
+        ttl: Duration,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The lock was lost while held: its lease ran out (renewal failed, the process froze) or
+    /// another owner holds it now.
+    #[error("lock `{key}` was lost")]
+    #[non_exhaustive]
+    Lost {
+        /// The logical key.
+        key: String,
+    },
+    /// The `#[distributed_lock]` attribute ran with no `locker = …` and no default locker set
+    /// with [`set_default_locker`](crate::set_default_locker).
+    #[error("no locker configured: call dlock_runtime::set_default_locker at startup or pass `locker = …`")]
+    NoLocker,
+}
+
+impl LockError {
+    pub(crate) fn unavailable(message: impl Into<String>, source: Option<BoxError>) -> Self {
+        LockError::Unavailable {
+            message: message.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
+        LockError::InvalidKey {
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn contended(key: &str, retry_after: Option<Duration>) -> Self {
+        LockError::Contended {
+            key: key.to_owned(),
+            retry_after,
+            detail: None,
+        }
+    }
+
+    pub(crate) fn timeout(key: &str, waited: Duration, retry_after: Option<Duration>) -> Self {
+        LockError::Timeout {
+            key: key.to_owned(),
+            waited,
+            retry_after,
+            detail: None,
+        }
+    }
+
+    pub(crate) fn lost(key: &str) -> Self {
+        LockError::Lost {
+            key: key.to_owned(),
+        }
+    }
+
+    /// Replaces the human-readable detail of a [`Contended`](LockError::Contended) or
+    /// [`Timeout`](LockError::Timeout) error (other variants are returned unchanged).
+    ///
+    /// ```
+    /// # use dlock_runtime::LockError;
+    /// # fn f(err: LockError) -> LockError {
+    /// err.with_detail("this order is already being submitted, try again in a few seconds")
+    /// # }
+    /// ```
+    pub fn with_detail(mut self, text: impl Into<String>) -> Self {
+        match &mut self {
+            LockError::Contended { detail, .. } | LockError::Timeout { detail, .. } => {
+                *detail = Some(text.into());
+            }
+            _ => {}
+        }
+        self
+    }
+
+    /// Someone else holds the lock ([`Contended`](LockError::Contended) or
+    /// [`Timeout`](LockError::Timeout)).
+    pub fn is_contended(&self) -> bool {
+        matches!(self, LockError::Contended { .. } | LockError::Timeout { .. })
+    }
+
+    /// The retry strategy gave up at its deadline.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, LockError::Timeout { .. })
+    }
+
+    /// The backend was unreachable, slow or failing.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, LockError::Unavailable { .. })
+    }
+
+    /// The key or TTL was refused before anything was sent.
+    pub fn is_invalid(&self) -> bool {
+        matches!(
+            self,
+            LockError::InvalidKey { .. } | LockError::InvalidTtl { .. }
+        )
+    }
+
+    /// The lock was lost while held.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, LockError::Lost { .. })
+    }
+
+    /// No locker was configured for the attribute.
+    pub fn is_no_locker(&self) -> bool {
+        matches!(self, LockError::NoLocker)
+    }
+
+    /// How long a client should wait before trying again, when that is known: the holder's
+    /// remaining lease for contention, one second for an unavailable backend.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            LockError::Contended { retry_after, .. } | LockError::Timeout { retry_after, .. } => {
+                *retry_after
+            }
+            LockError::Unavailable { .. } | LockError::Lost { .. } => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    /// The HTTP status this error maps to (see the table on the type).
+    pub fn status(&self) -> u16 {
+        match self {
+            LockError::Contended { .. } | LockError::Timeout { .. } => 409,
+            LockError::Unavailable { .. } | LockError::Lost { .. } => 503,
+            LockError::InvalidKey { .. } => 400,
+            LockError::InvalidTtl { .. } | LockError::NoLocker => 500,
+        }
+    }
+
+    /// The value of the `Retry-After` header in whole seconds (rounded up, at least 1), for
+    /// the statuses that carry one (409 and 503).
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        match self.status() {
+            409 => Some(ceil_secs(self.retry_after().unwrap_or(Duration::from_secs(1)))),
+            503 => Some(ceil_secs(
+                self.retry_after().unwrap_or(Duration::from_secs(1)),
+            )),
+            _ => None,
+        }
+    }
+
+    /// An RFC 9457 `application/problem+json` body describing this error.
+    ///
+    /// Server-side failures (5xx other than 503) get a generic detail so that internals are
+    /// not shown to clients; the full error stays available through `Display` for logs.
+    pub fn problem_json(&self) -> String {
+        let status = self.status();
+        let (kind, title) = match self {
+            LockError::Contended { .. } => ("lock-contended", "Conflict"),
+            LockError::Timeout { .. } => ("lock-timeout", "Conflict"),
+            LockError::Unavailable { .. } => ("lock-backend-unavailable", "Service Unavailable"),
+            LockError::Lost { .. } => ("lock-lost", "Service Unavailable"),
+            LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
+            LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
+            LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
+        };
+        let detail = match self {
+            LockError::Contended {
+                detail: Some(d), ..
+            }
+            | LockError::Timeout {
+                detail: Some(d), ..
+            } => d.clone(),
+            LockError::Contended { .. } | LockError::Timeout { .. } => {
+                "the resource is locked by another request; try again later".to_owned()
+            }
+            LockError::Unavailable { .. } => "the lock service is unavailable".to_owned(),
+            LockError::Lost { .. } => "the lock was lost while the request ran".to_owned(),
+            LockError::InvalidKey { reason } => format!("invalid lock key: {reason}"),
+            LockError::InvalidTtl { .. } | LockError::NoLocker => {
+                "the lock is misconfigured on the server".to_owned()
+            }
+        };
+        let mut out = String::with_capacity(160);
+        out.push_str("{\"type\":\"urn:dlock:problem:");
+        out.push_str(kind);
+        out.push_str("\",\"title\":");
+        push_json_str(&mut out, title);
+        out.push_str(",\"status\":");
+        out.push_str(&status.to_string());
+        out.push_str(",\"detail\":");
+        push_json_str(&mut out, &detail);
+        if let Some(secs) = self.retry_after_secs() {
+            out.push_str(",\"retry_after\":");
+            out.push_str(&secs.to_string());
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// The media type of [`LockError::problem_json`].
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+fn ceil_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// Appends `s` as a JSON string literal.
+pub(crate) fn push_json_str(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(feature = "axum")]
+mod axum_impl {
+    use super::{LockError, PROBLEM_JSON};
+    use axum_core::response::{IntoResponse, Response};
+    use http::{header, HeaderValue, StatusCode};
+
+    /// 409/503/400/500 with `Retry-After` and an `application/problem+json` body.
+    impl IntoResponse for LockError {
+        fn into_response(self) -> Response {
+            let status = StatusCode::from_u16(self.status())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut res = (status, self.problem_json()).into_response();
+            let headers = res.headers_mut();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+            if let Some(secs) = self.retry_after_secs() {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            }
+            res
+        }
+    }
+}
+
+#[cfg(feature = "actix")]
+mod actix_impl {
+    use super::{LockError, PROBLEM_JSON};
+    use actix_web::http::{header, StatusCode};
+    use actix_web::{HttpResponse, ResponseError};
+
+    /// 409/503/400/500 with `Retry-After` and an `application/problem+json` body.
+    impl ResponseError for LockError {
+        fn status_code(&self) -> StatusCode {
+            StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+
+        fn error_response(&self) -> HttpResponse {
+            let mut res = HttpResponse::build(self.status_code());
+            res.insert_header((header::CONTENT_TYPE, PROBLEM_JSON));
+            if let Some(secs) = self.retry_after_secs() {
+                res.insert_header((header::RETRY_AFTER, secs.to_string()));
+            }
+            res.body(self.problem_json())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one_second() {
+        let e = LockError::contended("k", Some(Duration::from_millis(1500)));
+        assert_eq!(e.retry_after_secs(), Some(2));
+        let e = LockError::contended("k", Some(Duration::from_millis(1)));
+        assert_eq!(e.retry_after_secs(), Some(1));
+        let e = LockError::contended("k", None);
+        assert_eq!(e.retry_after_secs(), Some(1));
+        assert_eq!(LockError::NoLocker.retry_after_secs(), None);
+    }
+
+    #[test]
+    fn status_mapping_follows_the_contract() {
+        assert_eq!(LockError::contended("k", None).status(), 409);
+        assert_eq!(
+            LockError::timeout("k", Duration::from_secs(1), None).status(),
+            409
+        );
+        assert_eq!(LockError::unavailable("down", None).status(), 503);
+        assert_eq!(LockError::invalid_key("empty").status(), 400);
+        assert_eq!(LockError::NoLocker.status(), 500);
+    }
+
+    #[test]
+    fn problem_json_escapes_and_carries_detail() {
+        let e = LockError::contended("k", Some(Duration::from_secs(3)))
+            .with_detail("already \"submitted\"\n");
+        let body = e.problem_json();
+        assert_eq!(
+            body,
+            "{\"type\":\"urn:dlock:problem:lock-contended\",\"title\":\"Conflict\",\
+             \"status\":409,\"detail\":\"already \\\"submitted\\\"\\n\",\"retry_after\":3}"
+        );
+    }
+}

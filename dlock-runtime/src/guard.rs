@@ -1,0 +1,173 @@
+//! [`LockGuard`]: proof of holding a lock, and the handle to keep, extend, watch and release it.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::Instrument as _;
+
+use crate::engine::GuardState;
+use crate::{LockError, LockInfo, Locker};
+
+/// A held lock.
+///
+/// * Renewed by the [`Locker`]'s watchdog every TTL/3 while held (unless the request turned
+///   auto-renewal off), so a long critical section keeps its lock.
+/// * [`lost`](LockGuard::lost) resolves as soon as the lock is known to be gone: an extend was
+///   refused, renewal kept failing until the lease ran out, or the local lease clock ran out
+///   (e.g. the process was frozen).
+/// * [`release`](LockGuard::release) releases and tells you whether the lock was still yours.
+/// * Dropping the guard releases it in the background without blocking the current thread;
+///   the release is owner-checked, so a guard whose lock expired and was taken by someone else
+///   never releases the new owner's lock. With no tokio runtime alive, the TTL ends the lock.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct LockGuard {
+    state: Arc<GuardState>,
+    locker: Locker,
+    /// The release was sent and answered; drop has nothing left to do.
+    released: bool,
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", &self.key())
+            .field("fencing_token", &self.state.fencing_token)
+            .field("held", &self.is_held())
+            .finish()
+    }
+}
+
+impl LockGuard {
+    pub(crate) fn new(state: Arc<GuardState>, locker: Locker) -> Self {
+        LockGuard {
+            state,
+            locker,
+            released: false,
+        }
+    }
+
+    /// The (encoded) logical key.
+    pub fn key(&self) -> &str {
+        self.state.resource.key().as_str()
+    }
+
+    /// The fencing token of this acquisition: strictly greater than every token issued for the
+    /// key before. Pass it to the resource you write so it can reject a stale holder.
+    pub fn fencing_token(&self) -> u64 {
+        self.state.fencing_token
+    }
+
+    /// Key and fencing token together.
+    pub fn info(&self) -> LockInfo {
+        LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+    }
+
+    pub(crate) fn locker_id(&self) -> u64 {
+        self.locker.id()
+    }
+
+    /// Whether the lock is still held as far as this process can tell: not reported lost and
+    /// the local lease (last successful renewal + TTL) has not run out.
+    pub fn is_held(&self) -> bool {
+        !self.state.lost.is_cancelled()
+            && self.locker.engine().now_ns() < self.state.lease_end_ns()
+    }
+
+    /// The time left on the local lease.
+    pub fn remaining(&self) -> Duration {
+        let now = self.locker.engine().now_ns();
+        Duration::from_nanos(self.state.lease_end_ns().saturating_sub(now))
+    }
+
+    /// Sets the lease to `ttl` from now (owner-checked), and makes `ttl` the lease the watchdog
+    /// renews from now on. Fails with [`LockError::Lost`] if the lock is no longer ours.
+    pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
+        crate::locker::validate_ttl(ttl)?;
+        let engine = self.locker.engine();
+        let sent = engine.now_ns();
+        let backend = self.locker.backend();
+        let res = self.locker.with_deadline("extend", async {
+            backend
+                .extend(&self.state.resource, &self.state.token, ttl)
+                .await
+        });
+        match res
+            .instrument(tracing::debug_span!("dlock.extend", key = %self.key()))
+            .await
+        {
+            Ok(true) => {
+                self.state.renewed(sent, ttl);
+                Ok(())
+            }
+            Ok(false) => {
+                self.state.mark_lost("extend found another owner");
+                Err(LockError::lost(self.key()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Resolves when the lock is lost (see the type docs). Never resolves while the lock is
+    /// held. Cancel-safe; may be called any number of times.
+    pub async fn lost(&self) {
+        let engine = self.locker.engine();
+        loop {
+            let end = self.state.lease_end_ns();
+            tokio::select! {
+                _ = self.state.lost.cancelled() => return,
+                _ = tokio::time::sleep_until(engine.instant_at(end).into()) => {
+                    if engine.now_ns() >= self.state.lease_end_ns() {
+                        self.state.mark_lost("the local lease ran out");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Releases the lock. `Ok(())` when it was still ours; [`LockError::Lost`] when it had
+    /// expired (and maybe been taken by another owner, whose lock is left alone);
+    /// [`LockError::Unavailable`] when the backend did not answer (the TTL then ends it).
+    ///
+    /// Cancel-safe: if this future is dropped before the backend answered, the release is
+    /// handed to the background task as on drop.
+    pub async fn release(mut self) -> Result<(), LockError> {
+        // Stop renewal first, so a renewal can never follow the release.
+        self.state.done.store(true, Ordering::Release);
+        self.locker.engine().unschedule(&self.state);
+        let backend = self.locker.backend();
+        let res = self
+            .locker
+            .with_deadline("release", async {
+                backend
+                    .release(&self.state.resource, &self.state.token)
+                    .await
+            })
+            .instrument(tracing::debug_span!("dlock.release", key = %self.key()))
+            .await;
+        // Answered (or timed out): the drop below must not release again.
+        self.released = true;
+        match res {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                self.state.lost.cancel();
+                Err(LockError::lost(self.key()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        self.state.done.store(true, Ordering::Release);
+        let engine = self.locker.engine();
+        engine.unschedule(&self.state);
+        engine.release_later(self.state.resource.clone(), self.state.token.clone());
+    }
+}

@@ -1,0 +1,90 @@
+//! # dlock-runtime
+//!
+//! Distributed locks for Rust services, made a one-line decision: the engine under
+//! `#[distributed_lock]` and the `dlock-tower` layer, usable by hand.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+//! use std::time::Duration;
+//! use dlock_runtime::{Locker, OnFail};
+//!
+//! // In-process by default; `Locker::from_url("redis://127.0.0.1:6379").await?` for Redis.
+//! let locker = Locker::memory();
+//!
+//! let guard = locker
+//!     .lock("report:2026-11")
+//!     .ttl(Duration::from_secs(30))
+//!     .on_fail(OnFail::retry(Duration::from_secs(5)))
+//!     .acquire()
+//!     .await?;
+//! // ... write, passing guard.fencing_token() to the resource ...
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## What you get
+//!
+//! * **Backends**: [`MemoryBackend`](backend::MemoryBackend) (in-process, the embedded
+//!   default) and Redis (`redis://`, feature `redis`, on by default) — one multiplexed RESP3
+//!   connection per [`Locker`] for commands *and* release notifications.
+//! * **Owner-checked everything**: 128-bit owner tokens from the OS CSPRNG; release and extend
+//!   compare them atomically server side, so a stale holder never frees or extends the new
+//!   owner's lock.
+//! * **Fencing tokens** ([`LockGuard::fencing_token`]) strictly increasing per key, also across
+//!   expiry.
+//! * **Watchdog**: one renewal engine per locker extends every held guard at TTL/3 in batches;
+//!   [`LockGuard::lost`] fires as soon as a lock is known gone (refused renewal, or the local
+//!   lease clock ran out, e.g. after a process freeze).
+//! * **Fair waiting** ([`OnFail::Retry`]): waiters queue in the backend in arrival order; a
+//!   release notifies exactly the next waiter; dead waiters' entries expire; a jittered backoff
+//!   bounded by the holder's lease is the fallback, so a lost message costs latency, never a
+//!   hang.
+//! * **Cancel safety**: dropping an `acquire` future or a guard never leaves a lock held
+//!   without an owner; drop never blocks a runtime thread.
+//! * **Keys** that request data cannot forge into collisions ([`LockKey`]), with one Cluster
+//!   hash tag per lock and bounded length.
+//! * **Deadlines** on every backend call; a down backend is [`LockError::Unavailable`]
+//!   (HTTP 503), never a hang or a panic.
+//! * **HTTP mapping** of [`LockError`] (409 + `Retry-After` + problem+json, 503, …), with
+//!   `IntoResponse` (feature `axum`) and `ResponseError` (feature `actix`).
+//!
+//! ## Features
+//!
+//! | feature | default | what |
+//! |---|---|---|
+//! | `macros` | yes | re-exports `#[distributed_lock]` |
+//! | `redis` | yes | the Redis backend |
+//! | `tls` | no | `rediss://` |
+//! | `axum` | no | `impl IntoResponse for LockError` |
+//! | `actix` | no | `impl actix_web::ResponseError for LockError` |
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod backend;
+mod context;
+mod engine;
+mod error;
+mod guard;
+pub mod key;
+mod locker;
+mod strategy;
+
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
+pub use context::{current_lock, held_locks, with_lock, LockInfo};
+pub use error::{BoxError, LockError, PROBLEM_JSON};
+pub use guard::LockGuard;
+pub use key::LockKey;
+pub use locker::{
+    default_locker, set_default_locker, IntoLockKey, LockRequest, Locker, LockerBuilder, MAX_TTL,
+    MIN_TTL,
+};
+pub use strategy::{OnFail, RetryPolicy};
+
+#[cfg(feature = "macros")]
+pub use dlock_macros::distributed_lock;
+
+/// `Result` with [`LockError`] as the default error.
+pub type Result<T, E = LockError> = std::result::Result<T, E>;

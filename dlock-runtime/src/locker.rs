@@ -1,0 +1,680 @@
+//! [`Locker`], its builder, and the lock request builder.
+
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use tracing::Instrument as _;
+
+use crate::backend::{
+    AcquireArgs, Attempt, Backend, BoxFuture, MemoryBackend, OwnerToken, WaitMode, Watch,
+};
+use crate::engine::Engine;
+use crate::key::{validate_prefix, ResourceName};
+use crate::{LockError, LockGuard, LockKey, OnFail, RetryPolicy};
+
+/// Smallest accepted lease.
+pub const MIN_TTL: Duration = Duration::from_millis(10);
+/// Largest accepted lease. Longer work keeps a shorter lease alive with the watchdog.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
+    let reason = if ttl.is_zero() {
+        "ttl must not be zero".to_owned()
+    } else if ttl < MIN_TTL {
+        format!("ttl must be at least {MIN_TTL:?}")
+    } else if ttl > MAX_TTL {
+        format!("ttl must be at most {MAX_TTL:?}; long work keeps a short lease renewed")
+    } else {
+        return Ok(ttl);
+    };
+    Err(LockError::InvalidTtl { ttl, reason })
+}
+
+static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The entry point: a handle to one lock store with its configuration. Cheap to clone (an
+/// `Arc` inside), `Send + Sync`; clones share the backend connection, the renewal engine and
+/// the notification subscriptions.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+/// use std::time::Duration;
+/// use dlock_runtime::Locker;
+///
+/// let locker = Locker::memory();
+/// let guard = locker.lock("report:2026-11").ttl(Duration::from_secs(30)).acquire().await?;
+/// assert!(locker.lock("report:2026-11").try_acquire().await?.is_none());
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Locker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    id: u64,
+    backend: Arc<dyn Backend>,
+    engine: Arc<Engine>,
+    config: Config,
+    /// Tasks currently waiting for a lock (subscribed to its release).
+    waiting: AtomicUsize,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    prefix: String,
+    command_timeout: Duration,
+    default_ttl: Duration,
+    waiter_ttl: Duration,
+    on_fail: OnFail,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            prefix: "dlock".to_owned(),
+            command_timeout: Duration::from_secs(1),
+            default_ttl: Duration::from_secs(30),
+            waiter_ttl: Duration::from_secs(5),
+            on_fail: OnFail::Reject,
+        }
+    }
+}
+
+impl fmt::Debug for Locker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locker")
+            .field("backend", &self.inner.backend.name())
+            .field("prefix", &self.inner.config.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Locker {
+    /// A locker over a fresh in-process [`MemoryBackend`], with default settings.
+    pub fn memory() -> Self {
+        Self::new(MemoryBackend::new())
+    }
+
+    /// A locker over `backend`, with default settings (see [`LockerBuilder`]).
+    pub fn new(backend: impl Backend) -> Self {
+        LockerBuilder::new().build(backend)
+    }
+
+    /// Connects to the backend named by `url`, with default settings:
+    ///
+    /// * `memory://` — a fresh in-process store;
+    /// * `redis://host:port[/db]`, `rediss://…` (feature `tls`) — one Redis server.
+    ///
+    /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
+    /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.
+    pub async fn from_url(url: &str) -> Result<Self, LockError> {
+        LockerBuilder::new().connect(url).await
+    }
+
+    /// Starts a [`LockerBuilder`] (namespace prefix, timeouts, defaults).
+    pub fn builder() -> LockerBuilder {
+        LockerBuilder::new()
+    }
+
+    /// Starts a request for the lock on `key`: a literal key (`&str`, `String`) or a
+    /// [`LockKey`]. Invalid keys are reported by `acquire`/`try_acquire`.
+    pub fn lock(&self, key: impl IntoLockKey) -> LockRequest<'_> {
+        LockRequest {
+            locker: self,
+            key: key.into_lock_key(),
+            ttl: None,
+            on_fail: None,
+            auto_renew: true,
+        }
+    }
+
+    /// The namespace prefix of every key this locker touches.
+    pub fn prefix(&self) -> &str {
+        &self.inner.config.prefix
+    }
+
+    /// The backend's name (`"memory"`, `"redis"`, …).
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
+
+    /// How many tasks of this locker are currently waiting for a lock (queued and subscribed
+    /// to its release). A metric, and what tests use to know a waiter is in line.
+    pub fn waiting(&self) -> usize {
+        self.inner.waiting.load(Ordering::Acquire)
+    }
+
+    /// How many held guards the watchdog is currently renewing.
+    pub fn renewing(&self) -> usize {
+        self.inner.engine.scheduled()
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.inner.engine
+    }
+
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// The backend-facing name of `key` under this locker's prefix.
+    pub fn resource(&self, key: LockKey) -> ResourceName {
+        ResourceName::new(&self.inner.config.prefix, key)
+    }
+
+    pub(crate) async fn with_deadline<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let d = self.inner.config.command_timeout;
+        match tokio::time::timeout(d, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(LockError::unavailable(
+                format!(
+                    "{} backend: {what} timed out after {d:?}",
+                    self.inner.backend.name()
+                ),
+                None,
+            )),
+        }
+    }
+
+    fn make_guard(
+        &self,
+        resource: ResourceName,
+        token: OwnerToken,
+        fencing_token: u64,
+        ttl: Duration,
+        sent_ns: u64,
+        auto_renew: bool,
+    ) -> LockGuard {
+        let state = self.inner.engine.register(
+            resource,
+            token,
+            fencing_token,
+            ttl,
+            sent_ns,
+            auto_renew,
+        );
+        LockGuard::new(state, self.clone())
+    }
+}
+
+/// Builds a [`Locker`]. Defaults: prefix `"dlock"`, command timeout 1 s, default TTL 30 s,
+/// waiter-queue entry TTL 5 s, [`OnFail::Reject`].
+#[derive(Clone, Debug, Default)]
+#[must_use]
+pub struct LockerBuilder {
+    config: Config,
+    prefix_error: Option<String>,
+}
+
+impl LockerBuilder {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The namespace prefix (`<prefix>:{<key>}`); lockers with different prefixes never
+    /// contend. Must not contain `{`, `}`, whitespace or control characters; may be empty.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        self.prefix_error = validate_prefix(&prefix).err().map(|e| e.to_string());
+        self.config.prefix = prefix;
+        self
+    }
+
+    /// The deadline of every backend call (acquire attempt, release, extend, renewal batch).
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.config.command_timeout = d;
+        self
+    }
+
+    /// The TTL of requests that don't set one.
+    pub fn default_ttl(mut self, d: Duration) -> Self {
+        self.config.default_ttl = d;
+        self
+    }
+
+    /// The strategy of requests that don't set one.
+    pub fn default_on_fail(mut self, on_fail: OnFail) -> Self {
+        self.config.on_fail = on_fail;
+        self
+    }
+
+    /// How long a waiter's place in a queue lives without being refreshed. A live waiter
+    /// refreshes it at least every third of this; a waiter that died holds up the queue at most
+    /// this long.
+    pub fn waiter_ttl(mut self, d: Duration) -> Self {
+        self.config.waiter_ttl = d.max(Duration::from_millis(30));
+        self
+    }
+
+    /// Builds a locker over `backend`.
+    ///
+    /// # Panics
+    /// If the prefix is invalid (use [`try_build`](LockerBuilder::try_build) to get an error).
+    pub fn build(self, backend: impl Backend) -> Locker {
+        match self.try_build(backend) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Builds a locker over `backend`, or reports an invalid prefix.
+    pub fn try_build(self, backend: impl Backend) -> Result<Locker, LockError> {
+        if let Some(reason) = self.prefix_error {
+            return Err(LockError::invalid_key(reason));
+        }
+        let backend: Arc<dyn Backend> = Arc::new(backend);
+        let engine = Engine::new(backend.clone(), self.config.command_timeout);
+        Ok(Locker {
+            inner: Arc::new(Inner {
+                id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
+                backend,
+                engine,
+                config: self.config,
+                waiting: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// Builds a locker over a fresh in-process store.
+    pub fn memory(self) -> Result<Locker, LockError> {
+        self.try_build(MemoryBackend::new())
+    }
+
+    /// Connects to the backend named by `url` (see [`Locker::from_url`]).
+    pub async fn connect(self, url: &str) -> Result<Locker, LockError> {
+        let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
+        match scheme {
+            "memory" => self.memory(),
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" | "redis+unix" | "unix" => {
+                let opts = crate::backend::RedisOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::RedisBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
+            _ => Err(LockError::unavailable(
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://)"),
+                None,
+            )),
+        }
+    }
+}
+
+/// Things [`Locker::lock`] accepts as a key.
+pub trait IntoLockKey {
+    /// Validates and encodes the key.
+    fn into_lock_key(self) -> Result<LockKey, LockError>;
+}
+
+impl IntoLockKey for LockKey {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        Ok(self)
+    }
+}
+
+impl IntoLockKey for &LockKey {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoLockKey for &str {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        LockKey::new(self)
+    }
+}
+
+impl IntoLockKey for String {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        LockKey::new(&self)
+    }
+}
+
+impl IntoLockKey for &String {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        LockKey::new(self)
+    }
+}
+
+impl IntoLockKey for Result<LockKey, LockError> {
+    fn into_lock_key(self) -> Result<LockKey, LockError> {
+        self
+    }
+}
+
+/// A request for one lock, from [`Locker::lock`]. Set options, then `acquire` (or `.await` it
+/// directly) or `try_acquire`.
+#[must_use = "a lock request does nothing until acquired"]
+pub struct LockRequest<'a> {
+    locker: &'a Locker,
+    key: Result<LockKey, LockError>,
+    ttl: Option<Duration>,
+    on_fail: Option<OnFail>,
+    auto_renew: bool,
+}
+
+impl fmt::Debug for LockRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockRequest")
+            .field("key", &self.key)
+            .field("ttl", &self.ttl)
+            .field("on_fail", &self.on_fail)
+            .field("auto_renew", &self.auto_renew)
+            .finish()
+    }
+}
+
+impl<'a> LockRequest<'a> {
+    /// The lease. Default: the locker's default TTL (30 s). Must be within
+    /// [`MIN_TTL`]..=[`MAX_TTL`]. With auto-renewal (the default) the lock is held until
+    /// released, however long that takes; the TTL is how quickly it frees if this process dies.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// What to do when the lock is held. Default: the locker's default ([`OnFail::Reject`]).
+    pub fn on_fail(mut self, on_fail: OnFail) -> Self {
+        self.on_fail = Some(on_fail);
+        self
+    }
+
+    /// Whether the watchdog renews the lock while the guard lives (default `true`). With
+    /// `false` the lock ends after one TTL, released or not, and the guard reports it lost then.
+    pub fn auto_renew(mut self, on: bool) -> Self {
+        self.auto_renew = on;
+        self
+    }
+
+    /// Acquires the lock with the request's strategy.
+    ///
+    /// Cancel-safe: dropping this future at any point never leaves the lock held without a
+    /// guard — whatever reached the backend is undone in the background (and a queued waiter
+    /// leaves the queue).
+    pub async fn acquire(self) -> Result<LockGuard, LockError> {
+        let locker = self.locker;
+        let key = self.key?;
+        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
+        let on_fail = self
+            .on_fail
+            .unwrap_or_else(|| locker.inner.config.on_fail.clone());
+        let span = tracing::debug_span!("dlock.acquire", key = %key);
+        let resource = locker.resource(key);
+        match on_fail {
+            OnFail::Reject => {
+                match attempt_once(locker, resource.clone(), ttl, self.auto_renew)
+                    .instrument(span)
+                    .await?
+                {
+                    Ok(guard) => Ok(guard),
+                    Err(remaining) => Err(LockError::contended(resource.key().as_str(), remaining)),
+                }
+            }
+            OnFail::Retry(policy) => wait_for(locker, resource, ttl, self.auto_renew, policy)
+                .instrument(span)
+                .await,
+        }
+    }
+
+    /// One attempt, whatever the strategy: `Ok(None)` when someone else holds the lock.
+    pub async fn try_acquire(self) -> Result<Option<LockGuard>, LockError> {
+        let locker = self.locker;
+        let key = self.key?;
+        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
+        let span = tracing::debug_span!("dlock.try_acquire", key = %key);
+        let resource = locker.resource(key);
+        Ok(attempt_once(locker, resource, ttl, self.auto_renew)
+            .instrument(span)
+            .await?
+            .ok())
+    }
+}
+
+impl<'a> IntoFuture for LockRequest<'a> {
+    type Output = Result<LockGuard, LockError>;
+    type IntoFuture = BoxFuture<'a, Result<LockGuard, LockError>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.acquire())
+    }
+}
+
+/// Undoes an acquire in flight if it is dropped before it is turned into a guard (HARD-PARTS
+/// §1): the token is made before anything is sent, so the background task can always release
+/// what the attempt may have taken and remove the queue entry it may have made.
+struct InFlight<'a> {
+    locker: &'a Locker,
+    resource: ResourceName,
+    token: OwnerToken,
+    armed: bool,
+}
+
+impl InFlight<'_> {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.locker
+                .engine()
+                .abandon_later(self.resource.clone(), self.token.clone());
+        }
+    }
+}
+
+async fn attempt(
+    locker: &Locker,
+    flight: &InFlight<'_>,
+    ttl: Duration,
+    mode: WaitMode,
+) -> Result<(Attempt, u64), LockError> {
+    let sent = locker.engine().now_ns();
+    let args = AcquireArgs {
+        resource: &flight.resource,
+        token: &flight.token,
+        ttl,
+        mode,
+        waiter_ttl: locker.inner.config.waiter_ttl,
+    };
+    let out = locker
+        .with_deadline("acquire", locker.backend().acquire(args))
+        .await?;
+    Ok((out, sent))
+}
+
+/// One attempt without queueing. `Err(remaining)` when held by someone else.
+async fn attempt_once(
+    locker: &Locker,
+    resource: ResourceName,
+    ttl: Duration,
+    auto_renew: bool,
+) -> Result<Result<LockGuard, Option<Duration>>, LockError> {
+    let mut flight = InFlight {
+        locker,
+        resource,
+        token: OwnerToken::generate(),
+        armed: true,
+    };
+    let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
+    // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
+    // takes over.
+    flight.disarm();
+    match out {
+        Attempt::Acquired { fencing_token } => Ok(Ok(locker.make_guard(
+            flight.resource.clone(),
+            flight.token.clone(),
+            fencing_token,
+            ttl,
+            sent,
+            auto_renew,
+        ))),
+        Attempt::Held { remaining } => Ok(Err(remaining)),
+    }
+}
+
+async fn wait_for(
+    locker: &Locker,
+    resource: ResourceName,
+    ttl: Duration,
+    auto_renew: bool,
+    policy: RetryPolicy,
+) -> Result<LockGuard, LockError> {
+    let start = Instant::now();
+    let deadline = start + policy.wait;
+    let mode = if policy.fair {
+        WaitMode::Queue
+    } else {
+        WaitMode::Barge
+    };
+    // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
+    // and undoes whatever the last attempt may have taken.
+    let mut flight = InFlight {
+        locker,
+        resource,
+        token: OwnerToken::generate(),
+        armed: true,
+    };
+    let refresh = locker.inner.config.waiter_ttl / 3;
+    let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
+    let mut step = 0u32;
+    loop {
+        let (out, sent) = attempt(locker, &flight, ttl, mode).await?;
+        let remaining = match out {
+            Attempt::Acquired { fencing_token } => {
+                flight.disarm();
+                return Ok(locker.make_guard(
+                    flight.resource.clone(),
+                    flight.token.clone(),
+                    fencing_token,
+                    ttl,
+                    sent,
+                    auto_renew,
+                ));
+            }
+            Attempt::Held { remaining } => remaining,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            // Leave the queue before reporting, so the caller's next move sees it gone.
+            let undo = locker.backend().abandon(&flight.resource, &flight.token);
+            if locker.with_deadline("abandon", undo).await.is_ok() {
+                flight.disarm();
+            }
+            return Err(LockError::timeout(
+                flight.resource.key().as_str(),
+                now - start,
+                remaining,
+            ));
+        }
+        if watch.is_none() {
+            // Subscribe, then attempt again at once: a release between the first attempt and
+            // the subscription is caught by that attempt, any later one by the notification.
+            let w = locker
+                .with_deadline(
+                    "subscribe",
+                    locker.backend().watch(&flight.resource, &flight.token),
+                )
+                .await?;
+            watch = Some((w, WaitingCount::enter(locker)));
+            continue;
+        }
+        let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
+        if let Some(r) = remaining {
+            // Wake when the holder's lease ends, in case it dies without releasing.
+            sleep = sleep.min(r + Duration::from_millis(1));
+        }
+        step = step.saturating_add(1);
+        if let Some((w, _)) = &watch {
+            tokio::select! {
+                _ = w.notified() => { step = 0; }
+                _ = tokio::time::sleep(sleep) => {}
+            }
+        }
+    }
+}
+
+/// Counts a task in [`Locker::waiting`] while it lives.
+struct WaitingCount<'a>(&'a Locker);
+
+impl<'a> WaitingCount<'a> {
+    fn enter(locker: &'a Locker) -> Self {
+        locker.inner.waiting.fetch_add(1, Ordering::AcqRel);
+        WaitingCount(locker)
+    }
+}
+
+impl Drop for WaitingCount<'_> {
+    fn drop(&mut self) {
+        self.0.inner.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+static DEFAULT_LOCKER: RwLock<Option<Locker>> = RwLock::new(None);
+
+/// Sets the locker that `#[distributed_lock]` uses when the attribute has no `locker = …`.
+/// Call it once at startup; a later call replaces it (returning the previous one), which is
+/// mostly useful in tests.
+///
+/// ```
+/// let previous = dlock_runtime::set_default_locker(dlock_runtime::Locker::memory());
+/// assert!(dlock_runtime::default_locker().is_some());
+/// # let _ = previous;
+/// ```
+pub fn set_default_locker(locker: Locker) -> Option<Locker> {
+    DEFAULT_LOCKER
+        .write()
+        .unwrap_or_else(PoisonError::into_inner)
+        .replace(locker)
+}
+
+/// The locker set with [`set_default_locker`], if any.
+pub fn default_locker() -> Option<Locker> {
+    DEFAULT_LOCKER
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_bounds_are_enforced() {
+        assert!(validate_ttl(Duration::ZERO).unwrap_err().is_invalid());
+        assert!(validate_ttl(Duration::from_millis(9)).is_err());
+        assert!(validate_ttl(MIN_TTL).is_ok());
+        assert!(validate_ttl(MAX_TTL).is_ok());
+        assert!(validate_ttl(MAX_TTL + Duration::from_millis(1)).is_err());
+    }
+
+    #[test]
+    fn bad_prefix_is_a_typed_error() {
+        let err = Locker::builder().prefix("a{b").memory().unwrap_err();
+        assert!(err.is_invalid(), "{err}");
+    }
+
+    #[tokio::test]
+    async fn unknown_url_scheme_is_a_typed_error() {
+        let err = Locker::from_url("zookeeper://x").await.unwrap_err();
+        assert!(err.to_string().contains("unsupported"), "{err}");
+    }
+}

@@ -1,0 +1,139 @@
+//! Support code for `#[distributed_lock]`. Not public API: the attribute's expansion is the
+//! only caller, and this module may change in any release. The surface is written down in
+//! `docs/macro-runtime-contract.md`.
+
+use std::future::Future;
+
+pub use crate::key::KeyBuilder;
+pub use crate::{LockError, LockKey, Locker, OnFail, RetryPolicy};
+pub use ::core::time::Duration;
+
+/// What the attribute asked for.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    ttl: Duration,
+    on_fail: OnFail,
+    cancel_on_lost: bool,
+    message: Option<&'static str>,
+}
+
+impl Spec {
+    /// `ttl`, reject on contention, ignore loss.
+    pub fn new(ttl: Duration) -> Self {
+        Spec {
+            ttl,
+            on_fail: OnFail::Reject,
+            cancel_on_lost: false,
+            message: None,
+        }
+    }
+
+    /// `on_fail = "retry"` with deadline `wait`.
+    pub fn retry(mut self, wait: Duration) -> Self {
+        self.on_fail = OnFail::retry(wait);
+        self
+    }
+
+    /// `on_lost = "cancel"`.
+    pub fn cancel_on_lost(mut self) -> Self {
+        self.cancel_on_lost = true;
+        self
+    }
+
+    /// `message = "…"`.
+    pub fn message(mut self, detail: &'static str) -> Self {
+        self.message = Some(detail);
+        self
+    }
+}
+
+/// `locker = <expr>` accepts a `Locker` or a reference to one.
+pub trait IntoLocker {
+    /// The locker handle.
+    fn into_locker(self) -> Locker;
+}
+
+impl IntoLocker for Locker {
+    fn into_locker(self) -> Locker {
+        self
+    }
+}
+
+impl IntoLocker for &Locker {
+    fn into_locker(self) -> Locker {
+        self.clone()
+    }
+}
+
+impl IntoLocker for &&Locker {
+    fn into_locker(self) -> Locker {
+        (*self).clone()
+    }
+}
+
+/// The global default locker, or [`LockError::NoLocker`].
+pub fn default_locker() -> Result<Locker, LockError> {
+    crate::default_locker().ok_or(LockError::NoLocker)
+}
+
+/// Takes the lock, runs `body` with the lock visible to [`current_lock`](crate::current_lock),
+/// releases. Re-enters when the current task already holds `key` on the same locker.
+pub async fn run<F: Future>(
+    locker: Result<Locker, LockError>,
+    key: Result<LockKey, LockError>,
+    spec: Spec,
+    body: F,
+) -> Result<F::Output, LockError> {
+    let locker = locker?;
+    let key = key?;
+    if crate::context::held_by_task(locker.id(), &key).is_some() {
+        // Re-entrant: this task already holds the lock (an outer locked call), so waiting for
+        // it would wait for ourselves.
+        return Ok(body.await);
+    }
+    let guard = locker
+        .lock(key)
+        .ttl(spec.ttl)
+        .on_fail(spec.on_fail)
+        .acquire()
+        .await
+        .map_err(|e| match spec.message {
+            Some(m) => e.with_detail(m),
+            None => e,
+        })?;
+    let scoped = crate::context::scope(locker.id(), guard.info(), body);
+    let out = if spec.cancel_on_lost {
+        tokio::pin!(scoped);
+        tokio::select! {
+            biased;
+            out = &mut scoped => out,
+            _ = guard.lost() => {
+                // Dropping `scoped` here cancels the body at its current await point.
+                return Err(LockError::lost(guard.key()));
+            }
+        }
+    } else {
+        scoped.await
+    };
+    if let Err(e) = guard.release().await {
+        tracing::warn!(error = %e, "dlock: lock was not cleanly released after the body finished");
+    }
+    Ok(out)
+}
+
+/// Turns a [`LockError`] into the function's own `Result` type.
+#[diagnostic::on_unimplemented(
+    message = "`#[distributed_lock]` cannot return a `LockError` as `{Self}`",
+    label = "the error type of this `Result` needs `impl From<dlock_runtime::LockError>`",
+    note = "add `impl From<dlock_runtime::LockError> for YourError`, or return a non-`Result` type (it becomes `Result<T, LockError>`)"
+)]
+pub trait FromLockError {
+    /// The conversion.
+    fn from_lock_error(err: LockError) -> Self;
+}
+
+impl<T, E: From<LockError>> FromLockError for Result<T, E> {
+    fn from_lock_error(err: LockError) -> Self {
+        Err(E::from(err))
+    }
+}

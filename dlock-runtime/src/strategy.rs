@@ -1,0 +1,165 @@
+//! What to do when the lock is held: [`OnFail`] and [`RetryPolicy`].
+
+use std::cell::Cell;
+use std::time::Duration;
+
+/// What an acquire does when another owner holds the lock.
+///
+/// The default is [`OnFail::Reject`]: one attempt, then [`LockError::Contended`]
+/// (HTTP 409 with `Retry-After`). It suits a person at a form and anti-duplicate-submit;
+/// choose [`OnFail::Retry`] for short critical sections that callers should wait for.
+///
+/// [`LockError::Contended`]: crate::LockError::Contended
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnFail {
+    /// Make one attempt; if the lock is held, fail with
+    /// [`LockError::Contended`](crate::LockError::Contended) carrying the holder's remaining
+    /// lease.
+    #[default]
+    Reject,
+    /// Wait for the lock until the policy's deadline, then fail with
+    /// [`LockError::Timeout`](crate::LockError::Timeout). Waiters are served in arrival order
+    /// and woken by the release itself; see [`RetryPolicy`].
+    Retry(RetryPolicy),
+}
+
+impl OnFail {
+    /// [`OnFail::Retry`] with the default policy and the given deadline.
+    ///
+    /// ```
+    /// # use dlock_runtime::OnFail;
+    /// # use std::time::Duration;
+    /// let on_fail = OnFail::retry(Duration::from_secs(5));
+    /// ```
+    pub fn retry(wait: Duration) -> Self {
+        OnFail::Retry(RetryPolicy::new(wait))
+    }
+}
+
+/// How [`OnFail::Retry`] waits.
+///
+/// A waiter joins the key's FIFO queue (in the backend, so it is fair across processes) and
+/// sleeps until the release of the lock names it as the next owner — one notification wakes one
+/// waiter. As a fallback for lost notifications and for holders that die without releasing, it
+/// also wakes after an exponential backoff with full jitter (`random(0, min(max_backoff,
+/// base · 2ⁿ))`), never later than the holder's remaining lease or the waiter queue's refresh
+/// interval, and never after the deadline.
+///
+/// Defaults: `wait` 10 s, `base` 10 ms, `max_backoff` 1 s, full jitter on, fair on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// The deadline: how long to wait in total.
+    pub wait: Duration,
+    /// First backoff step of the fallback timer.
+    pub base: Duration,
+    /// Largest backoff step of the fallback timer.
+    pub max_backoff: Duration,
+    /// Full jitter on the fallback timer (on by default; off gives deterministic steps).
+    pub jitter: bool,
+    /// Serve waiters in arrival order (default). `false` lets any waiter take a free lock
+    /// ("barging"): lower latency for the releaser's own next request, no fairness.
+    pub fair: bool,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy::new(Duration::from_secs(10))
+    }
+}
+
+impl RetryPolicy {
+    /// The default policy with deadline `wait`.
+    pub fn new(wait: Duration) -> Self {
+        RetryPolicy {
+            wait,
+            base: Duration::from_millis(10),
+            max_backoff: Duration::from_secs(1),
+            jitter: true,
+            fair: true,
+        }
+    }
+
+    /// Sets the fallback backoff's first and largest step.
+    pub fn backoff(mut self, base: Duration, max_backoff: Duration) -> Self {
+        self.base = base;
+        self.max_backoff = max_backoff.max(base);
+        self
+    }
+
+    /// Turns full jitter on the fallback timer on or off.
+    pub fn jitter(mut self, on: bool) -> Self {
+        self.jitter = on;
+        self
+    }
+
+    /// Fair (FIFO, the default) or barging waiting.
+    pub fn fair(mut self, on: bool) -> Self {
+        self.fair = on;
+        self
+    }
+
+    /// The fallback sleep before attempt number `n` (0-based).
+    pub(crate) fn backoff_step(&self, n: u32) -> Duration {
+        let cap = self
+            .base
+            .checked_mul(1u32.checked_shl(n.min(20)).unwrap_or(u32::MAX))
+            .unwrap_or(self.max_backoff)
+            .min(self.max_backoff);
+        if self.jitter {
+            let nanos = cap.as_nanos().min(u128::from(u64::MAX)) as u64;
+            Duration::from_nanos(if nanos == 0 { 0 } else { next_random() % (nanos + 1) })
+        } else {
+            cap
+        }
+    }
+}
+
+thread_local! {
+    static RNG: Cell<u64> = Cell::new({
+        let mut seed = [0u8; 8];
+        // Jitter needs no secrecy; a fixed odd seed is a fine fallback.
+        if getrandom::fill(&mut seed).is_err() {
+            seed = 0x9E37_79B9_7F4A_7C15u64.to_le_bytes();
+        }
+        u64::from_le_bytes(seed) | 1
+    });
+}
+
+/// xorshift64*: jitter only, never for tokens.
+pub(crate) fn next_random() -> u64 {
+    RNG.with(|c| {
+        let mut x = c.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        c.set(x);
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_without_jitter() {
+        let p = RetryPolicy::new(Duration::from_secs(1))
+            .backoff(Duration::from_millis(10), Duration::from_millis(70))
+            .jitter(false);
+        let steps: Vec<_> = (0..5).map(|n| p.backoff_step(n).as_millis()).collect();
+        assert_eq!(steps, vec![10, 20, 40, 70, 70]);
+        assert_eq!(p.backoff_step(1000).as_millis(), 70);
+    }
+
+    #[test]
+    fn full_jitter_stays_within_the_step() {
+        let p = RetryPolicy::new(Duration::from_secs(1))
+            .backoff(Duration::from_millis(10), Duration::from_millis(80));
+        for n in 0..200 {
+            let cap = Duration::from_millis(10 * (1 << (n % 4))).min(Duration::from_millis(80));
+            assert!(p.backoff_step(n % 4) <= cap);
+        }
+    }
+}

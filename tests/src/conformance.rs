@@ -1,0 +1,443 @@
+//! The one conformance suite every backend must pass (memory, Redis, later Redlock).
+//!
+//! A backend's test file builds a [`Store`] — a way to make independent [`Locker`]s over the
+//! same lock store (as separate service instances would have) and a way to take a lock away
+//! behind its holder's back — and calls [`run_all`] or the individual checks.
+//!
+//! Timing: the checks wait for *events* (a guard reported lost, a waiter counted as queued, a
+//! task finishing) and use wall-clock bounds only where time passing is the behaviour under
+//! test (leases, expiry, "woken by the release rather than by its backoff").
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, Locker, LockerBuilder, OnFail, RetryPolicy};
+
+/// A boxed future.
+pub type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// How the suite reaches one lock store.
+pub struct Store {
+    /// Name for messages.
+    pub name: &'static str,
+    /// A new, independent locker over the shared store, configured from `builder`.
+    pub locker: Box<dyn Fn(LockerBuilder) -> BoxFut<Locker> + Send + Sync>,
+    /// Deletes the lock named by the resource string (`<prefix>:{<key>}`) whoever holds it.
+    pub break_lock: Box<dyn Fn(String) -> BoxFut<()> + Send + Sync>,
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+/// A key no other check uses.
+pub fn unique_key(what: &str) -> String {
+    format!(
+        "conf:{what}:{}:{}",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Store {
+    async fn pair(&self) -> (Locker, Locker) {
+        ((self.locker)(Locker::builder()).await, (self.locker)(Locker::builder()).await)
+    }
+}
+
+async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Retries `try_acquire` until it succeeds or `limit` passes; returns how long it took.
+async fn free_within(locker: &Locker, key: &str, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if let Some(g) = locker.lock(key).try_acquire().await.expect("try_acquire") {
+            g.release().await.expect("release");
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "`{key}` still held after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Mutual exclusion: 2 lockers × 8 tasks × 25 rounds of a non-atomic read-modify-write; the
+/// counter ends exact and no two tasks are ever inside at once.
+pub async fn mutual_exclusion(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("mutex");
+    let counter = Arc::new(AtomicU64::new(0));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let rounds = 25u64;
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let locker = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let (key, counter, inside, overlaps) =
+            (key.clone(), counter.clone(), inside.clone(), overlaps.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..rounds {
+                let g = locker
+                    .lock(&key)
+                    .ttl(Duration::from_secs(5))
+                    .on_fail(OnFail::retry(Duration::from_secs(30)))
+                    .acquire()
+                    .await
+                    .expect("acquire");
+                if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                let v = counter.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                counter.store(v + 1, Ordering::SeqCst);
+                inside.fetch_sub(1, Ordering::SeqCst);
+                g.release().await.expect("release");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "{}: overlaps", store.name);
+    assert_eq!(counter.load(Ordering::SeqCst), 16 * rounds, "{}: lost updates", store.name);
+}
+
+/// A stale holder (lease expired, lock taken by another) can neither release nor extend the
+/// new owner's lock.
+pub async fn owner_checked_release_and_extend(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("owner");
+    let stale = a
+        .lock(&key)
+        .ttl(Duration::from_millis(150))
+        .auto_renew(false)
+        .acquire()
+        .await
+        .expect("acquire");
+    stale.lost().await; // the local lease ran out
+    assert!(!stale.is_held());
+    // The backend expires it too; b takes it.
+    let start = Instant::now();
+    let owner = loop {
+        if let Some(g) = b.lock(&key).ttl(Duration::from_secs(10)).try_acquire().await.unwrap() {
+            break g;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "lease never expired");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let err = stale.extend(Duration::from_secs(10)).await.unwrap_err();
+    assert!(err.is_lost(), "{}: stale extend must fail: {err}", store.name);
+    let err = stale.release().await.unwrap_err();
+    assert!(err.is_lost(), "{}: stale release must fail: {err}", store.name);
+    // The new owner still holds it.
+    assert!(a.lock(&key).try_acquire().await.unwrap().is_none(), "{}: new owner's lock was freed", store.name);
+    assert!(owner.is_held());
+    owner.release().await.expect("owner release");
+}
+
+/// Fencing tokens increase strictly per key: across owners, lockers, and expiry.
+pub async fn fencing_tokens_increase(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("fence");
+    let mut last = 0u64;
+    for i in 0..20 {
+        let l = if i % 2 == 0 { &a } else { &b };
+        let g = l.lock(&key).acquire().await.expect("acquire");
+        assert!(g.fencing_token() > last, "{}: token {} after {last}", store.name, g.fencing_token());
+        last = g.fencing_token();
+        g.release().await.unwrap();
+    }
+    // Across expiry: a lease that runs out without release.
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_millis(50))
+        .auto_renew(false)
+        .acquire()
+        .await
+        .unwrap();
+    assert!(g.fencing_token() > last);
+    last = g.fencing_token();
+    g.lost().await;
+    std::mem::forget(g);
+    let start = Instant::now();
+    let g = loop {
+        if let Some(g) = b.lock(&key).try_acquire().await.unwrap() {
+            break g;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(g.fencing_token() > last, "{}: token did not increase across expiry", store.name);
+    g.release().await.unwrap();
+}
+
+/// The watchdog keeps a lock for at least 5× its TTL.
+pub async fn watchdog_holds_past_ttl(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("watchdog");
+    let ttl = Duration::from_millis(200);
+    let g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let start = Instant::now();
+    while start.elapsed() < ttl * 6 {
+        assert!(b.lock(&key).try_acquire().await.unwrap().is_none(), "{}: lock lapsed at {:?}", store.name, start.elapsed());
+        assert!(g.is_held());
+        tokio::time::sleep(ttl / 4).await;
+    }
+    assert!(a.renewing() >= 1);
+    g.release().await.expect("still ours after 6 TTLs");
+    assert_eq!(a.renewing(), 0);
+    assert!(b.lock(&key).try_acquire().await.unwrap().is_some());
+}
+
+/// A lock deleted behind the holder's back is reported lost within one renewal interval
+/// (TTL/3), long before its local lease would run out.
+pub async fn loss_is_reported(store: &Store) {
+    let a = (store.locker)(Locker::builder()).await;
+    let key = unique_key("loss");
+    let ttl = Duration::from_millis(900);
+    let g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+    (store.break_lock)(resource.as_str().to_owned()).await;
+    let start = Instant::now();
+    tokio::time::timeout(ttl / 3 + Duration::from_millis(200), g.lost())
+        .await
+        .unwrap_or_else(|_| panic!("{}: loss not reported within one renewal interval", store.name));
+    assert!(start.elapsed() < ttl, "reported by the lease clock, not by renewal");
+    assert!(!g.is_held());
+}
+
+/// A release wakes a waiter at once, even when its fallback timer alone would take seconds.
+pub async fn release_wakes_waiter(store: &Store) {
+    let slow = || Locker::builder().waiter_ttl(Duration::from_secs(60));
+    let a = (store.locker)(slow()).await;
+    let b = (store.locker)(slow()).await;
+    let key = unique_key("wake");
+    let held = a.lock(&key).ttl(Duration::from_secs(30)).acquire().await.unwrap();
+    let waiter = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move {
+            let policy = RetryPolicy::new(Duration::from_secs(30))
+                .backoff(Duration::from_secs(10), Duration::from_secs(10))
+                .jitter(false);
+            let g = b.lock(&key).on_fail(OnFail::Retry(policy)).acquire().await.unwrap();
+            let at = Instant::now();
+            g.release().await.unwrap();
+            at
+        })
+    };
+    wait_until("the waiter is queued", Duration::from_secs(5), || b.waiting() == 1).await;
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let got = waiter.await.unwrap();
+    let gap = got - released;
+    assert!(gap < Duration::from_secs(2), "{}: waiter woke after {gap:?}, backoff is 10 s", store.name);
+}
+
+/// Waiters are served in arrival order, across lockers.
+pub async fn waiters_are_served_in_order(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("fifo");
+    let holder = a.lock(&key).acquire().await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..6usize {
+        let l = if i % 2 == 0 { b.clone() } else { a.clone() };
+        let (key, order) = (key.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let g = l
+                .lock(&key)
+                .on_fail(OnFail::retry(Duration::from_secs(30)))
+                .acquire()
+                .await
+                .unwrap();
+            order.lock().unwrap().push(i);
+            g.release().await.unwrap();
+        }));
+        let n = i + 1;
+        wait_until("the waiter is queued", Duration::from_secs(5), || {
+            a.waiting() + b.waiting() == n
+        })
+        .await;
+    }
+    holder.release().await.unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4, 5], "{}: not FIFO", store.name);
+}
+
+/// A waiter that gives up (its future dropped) leaves the queue at once; one that dies
+/// without a word (its future leaked) stops holding up the queue after the waiter TTL.
+pub async fn dead_waiters_leave_the_queue(store: &Store) {
+    let short = || Locker::builder().waiter_ttl(Duration::from_millis(300));
+    let a = (store.locker)(short()).await;
+    let b = (store.locker)(short()).await;
+    let key = unique_key("deadwaiter");
+    let retry = || OnFail::Retry(RetryPolicy::new(Duration::from_secs(30)));
+
+    // 1. Cancelled waiter.
+    let holder = a.lock(&key).acquire().await.unwrap();
+    let cancelled = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move { b.lock(&key).on_fail(retry()).acquire().await.map(drop) })
+    };
+    wait_until("first waiter queued", Duration::from_secs(5), || b.waiting() == 1).await;
+    let second = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move {
+            let g = a.lock(&key).on_fail(retry()).acquire().await.unwrap();
+            let at = Instant::now();
+            g.release().await.unwrap();
+            at
+        })
+    };
+    wait_until("second waiter queued", Duration::from_secs(5), || a.waiting() == 1).await;
+    cancelled.abort();
+    assert!(cancelled.await.unwrap_err().is_cancelled());
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let got = second.await.unwrap();
+    assert!(got - released < Duration::from_millis(250), "{}: cancelled waiter held up the queue for {:?}", store.name, got - released);
+
+    // 2. A waiter that vanishes without cleanup (its future is leaked, as in a crash).
+    let holder = a.lock(&key).acquire().await.unwrap();
+    let vanished = b.clone();
+    let vkey = key.clone();
+    let mut leaked = Box::pin(async move { vanished.lock(&vkey).on_fail(retry()).acquire().await.map(drop) });
+    // Poll it until it is queued, then forget it: no drop, no cleanup.
+    let start = Instant::now();
+    while b.waiting() == 0 {
+        std::future::poll_fn(|cx| {
+            assert!(leaked.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    std::mem::forget(leaked);
+    let next = {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move {
+            let g = a.lock(&key).on_fail(retry()).acquire().await.unwrap();
+            g.release().await.unwrap();
+        })
+    };
+    wait_until("next waiter queued", Duration::from_secs(5), || a.waiting() == 1).await;
+    holder.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(3), next)
+        .await
+        .unwrap_or_else(|_| panic!("{}: dead waiter blocked the queue", store.name))
+        .unwrap();
+}
+
+/// A holder that vanishes without releasing stops blocking others after its TTL.
+pub async fn vanished_holder_expires(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("vanish");
+    let ttl = Duration::from_millis(300);
+    let g = a.lock(&key).ttl(ttl).auto_renew(false).acquire().await.unwrap();
+    let taken = Instant::now();
+    std::mem::forget(g); // no release, no drop
+    let g = b
+        .lock(&key)
+        .on_fail(OnFail::retry(Duration::from_secs(10)))
+        .acquire()
+        .await
+        .expect("acquire after expiry");
+    let waited = taken.elapsed();
+    assert!(waited >= ttl - Duration::from_millis(50), "{}: got it before the TTL ended ({waited:?})", store.name);
+    assert!(waited < ttl + Duration::from_secs(2), "{}: waited {waited:?}", store.name);
+    g.release().await.unwrap();
+}
+
+/// Dropping a guard releases the lock in the background, promptly.
+pub async fn drop_releases(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("drop");
+    let g = a.lock(&key).ttl(Duration::from_secs(30)).acquire().await.unwrap();
+    drop(g);
+    free_within(&b, &key, Duration::from_secs(2)).await;
+    assert_eq!(a.renewing(), 0);
+}
+
+/// Reject reports the holder's remaining lease; retry gives up at its deadline.
+pub async fn reject_and_timeout_errors(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("errors");
+    let g = a.lock(&key).ttl(Duration::from_secs(20)).acquire().await.unwrap();
+    let err = b.lock(&key).acquire().await.unwrap_err();
+    assert!(matches!(err, LockError::Contended { .. }), "{err}");
+    let ra = err.retry_after().expect("remaining lease");
+    assert!(ra > Duration::from_secs(15) && ra <= Duration::from_secs(20), "{ra:?}");
+    assert_eq!(err.status(), 409);
+    let start = Instant::now();
+    let err = b
+        .lock(&key)
+        .on_fail(OnFail::retry(Duration::from_millis(300)))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(b.waiting(), 0);
+    g.release().await.unwrap();
+    // The timed-out waiter left the queue: a one-shot attempt gets the free lock.
+    assert!(b.lock(&key).try_acquire().await.unwrap().is_some());
+}
+
+/// Cancelling acquires at many points never leaves the lock held without a guard, nor a
+/// waiter entry that holds up the queue.
+pub async fn cancelled_acquires_leave_no_lock(store: &Store) {
+    let (a, b) = store.pair().await;
+    let mut cancelled = 0;
+    for round in 0..200u64 {
+        let key = unique_key("cancel");
+        // Contended half the time, so cancellation also hits queued waiters.
+        let holder = if round % 2 == 0 {
+            Some(b.lock(&key).acquire().await.unwrap())
+        } else {
+            None
+        };
+        let cut = Duration::from_micros((round * 37) % 400);
+        let attempt = a
+            .lock(&key)
+            .ttl(Duration::from_secs(30))
+            .on_fail(OnFail::retry(Duration::from_secs(5)));
+        match tokio::time::timeout(cut, attempt.acquire()).await {
+            Ok(Ok(guard)) => drop(guard),
+            Ok(Err(e)) => panic!("{}: acquire failed: {e}", store.name),
+            Err(_) => cancelled += 1,
+        }
+        drop(holder);
+        // Far less than the 30 s TTL and the 5 s waiter TTL: only a clean undo frees it this fast.
+        free_within(&b, &key, Duration::from_secs(3)).await;
+    }
+    assert!(cancelled >= 100, "{}: only {cancelled} acquires were cancelled", store.name);
+}
+
+/// Runs every check.
+pub async fn run_all(store: &Store) {
+    mutual_exclusion(store).await;
+    owner_checked_release_and_extend(store).await;
+    fencing_tokens_increase(store).await;
+    watchdog_holds_past_ttl(store).await;
+    loss_is_reported(store).await;
+    release_wakes_waiter(store).await;
+    waiters_are_served_in_order(store).await;
+    dead_waiters_leave_the_queue(store).await;
+    vanished_holder_expires(store).await;
+    drop_releases(store).await;
+    reject_and_timeout_errors(store).await;
+    cancelled_acquires_leave_no_lock(store).await;
+}
