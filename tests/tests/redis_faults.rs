@@ -1,0 +1,190 @@
+//! The Redis backend under faults, against real `redis-server` processes: a server that dies
+//! mid-hold and comes back, a server that stops answering, nothing listening at all, and a
+//! second OS process contending for the same lock.
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{Locker, OnFail};
+use dlock_tests::RedisServer;
+use redis::AsyncCommands;
+
+fn fast_fail() -> dlock_runtime::LockerBuilder {
+    Locker::builder().command_timeout(Duration::from_millis(200))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
+    let mut server = RedisServer::start();
+    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let ttl = Duration::from_millis(600);
+    let guard = locker.lock("fault:restart").ttl(ttl).acquire().await.unwrap();
+
+    server.stop();
+    let start = Instant::now();
+    tokio::time::timeout(ttl + Duration::from_secs(1), guard.lost())
+        .await
+        .expect("loss reported once renewals fail for a whole lease");
+    assert!(!guard.is_held());
+    let lost_after = start.elapsed();
+    assert!(lost_after <= ttl + Duration::from_millis(300), "{lost_after:?}");
+    drop(guard);
+
+    server.restart();
+    // The connection comes back on its own; the key was lost with the server's memory.
+    let start = Instant::now();
+    let g = loop {
+        match locker.lock("fault:restart").try_acquire().await {
+            Ok(Some(g)) => break g,
+            Ok(None) => panic!("the restarted server has no lock to hold"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                assert!(start.elapsed() < Duration::from_secs(10), "no reconnect: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    g.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_server_gives_a_typed_error_within_the_deadline() {
+    let mut server = RedisServer::start();
+    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    server.pause();
+
+    for on_fail in [OnFail::Reject, OnFail::retry(Duration::from_secs(30))] {
+        let start = Instant::now();
+        let err = locker
+            .lock("fault:hung")
+            .on_fail(on_fail)
+            .acquire()
+            .await
+            .unwrap_err();
+        let took = start.elapsed();
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(err.status(), 503);
+        assert!(err.retry_after_secs().is_some());
+        assert!(took < Duration::from_millis(700), "took {took:?} with a 200 ms deadline");
+    }
+
+    server.resume();
+    let start = Instant::now();
+    loop {
+        match locker.lock("fault:hung").try_acquire().await {
+            Ok(g) => {
+                // The abandoned attempts above must not have left the lock held.
+                let g = g.expect("lock left held by an abandoned attempt");
+                g.release().await.unwrap();
+                break;
+            }
+            Err(e) => {
+                assert!(start.elapsed() < Duration::from_secs(10), "{e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_server_gives_a_typed_error_within_the_deadline() {
+    let mut server = RedisServer::start();
+    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    server.stop();
+    let start = Instant::now();
+    let err = locker.lock("fault:stopped").acquire().await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert!(start.elapsed() < Duration::from_millis(700), "{:?}", start.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_listening_at_connect_is_a_typed_error() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let start = Instant::now();
+    let err = fast_fail()
+        .connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn url_password_never_appears_in_errors() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let err = fast_fail()
+        .connect(&format!("redis://user:s3cr3t-pw@127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+}
+
+/// Two OS processes (this one and a child) plus tasks in each: zero overlaps, no lost update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_os_process_contends_without_overlap() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let key = "fault:xproc";
+    let rounds_child = 30u64;
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock-contender"))
+        .args([url.as_str(), key, &rounds_child.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn dlock-contender");
+
+    let locker = Locker::from_url(&url).await.unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let rounds_here = 30u64;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (locker, mut conn, overlaps) = (locker.clone(), conn.clone(), overlaps.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..rounds_here {
+                let g = locker
+                    .lock(key)
+                    .ttl(Duration::from_secs(10))
+                    .on_fail(OnFail::retry(Duration::from_secs(60)))
+                    .acquire()
+                    .await
+                    .unwrap();
+                let inside: i64 = conn.incr(format!("{key}:inside"), 1).await.unwrap();
+                if inside != 1 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                let v: i64 = conn.get(format!("{key}:counter")).await.unwrap_or(0);
+                tokio::task::yield_now().await;
+                let _: () = conn.set(format!("{key}:counter"), v + 1).await.unwrap();
+                let _: i64 = conn.decr(format!("{key}:inside"), 1).await.unwrap();
+                g.release().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let out = child.wait_with_output().await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("overlaps=0"), "child saw overlaps: {stdout}");
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "overlaps in this process");
+    let mut conn = conn;
+    let total: u64 = conn.get(format!("{key}:counter")).await.unwrap();
+    assert_eq!(total, 4 * rounds_here + 4 * rounds_child, "lost updates");
+}
