@@ -60,12 +60,13 @@ impl GuardState {
         self.lease_end.load(Ordering::Acquire)
     }
 
-    /// Records a successful acquire/extend sent at `sent_ns` with lease `ttl`.
-    pub(crate) fn renewed(&self, sent_ns: u64, ttl: Duration) {
+    /// Records a successful acquire/extend sent at `sent_ns` with lease `ttl`, of which the
+    /// last `margin` is not counted on.
+    pub(crate) fn renewed(&self, sent_ns: u64, ttl: Duration, margin: Duration) {
         self.ttl_ms
             .store(ttl.as_millis().max(1) as u64, Ordering::Release);
         self.lease_end
-            .fetch_max(sent_ns.saturating_add(ttl.as_nanos() as u64), Ordering::AcqRel);
+            .fetch_max(lease_end(sent_ns, ttl, margin), Ordering::AcqRel);
     }
 
     pub(crate) fn mark_lost(&self, why: &'static str) {
@@ -74,6 +75,10 @@ impl GuardState {
         }
         self.lost.cancel();
     }
+}
+
+fn lease_end(sent_ns: u64, ttl: Duration, margin: Duration) -> u64 {
+    sent_ns.saturating_add(ttl.saturating_sub(margin).as_nanos() as u64)
 }
 
 enum Cmd {
@@ -105,6 +110,10 @@ impl Engine {
         })
     }
 
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
     pub(crate) fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
@@ -130,7 +139,7 @@ impl Engine {
             token,
             fencing_token,
             ttl_ms: AtomicU64::new(ttl.as_millis().max(1) as u64),
-            lease_end: AtomicU64::new(sent_ns.saturating_add(ttl.as_nanos() as u64)),
+            lease_end: AtomicU64::new(lease_end(sent_ns, ttl, self.backend.lease_margin(ttl))),
             due: AtomicU64::new(NOT_SCHEDULED),
             lost: CancellationToken::new(),
             done: AtomicBool::new(false),
@@ -273,7 +282,7 @@ impl Engine {
             let ttl_ns = item.ttl.as_nanos() as u64;
             match results.get(i) {
                 Some(Ok(true)) => {
-                    g.renewed(sent, item.ttl);
+                    g.renewed(sent, item.ttl, self.backend.lease_margin(item.ttl));
                     self.schedule_at(g, sent + ttl_ns / 3);
                 }
                 Some(Ok(false)) => g.mark_lost("the backend no longer has this owner's lock"),

@@ -98,7 +98,8 @@ impl LockGuard {
             .await
         {
             Ok(true) => {
-                self.state.renewed(sent, ttl);
+                self.state
+                    .renewed(sent, ttl, engine.backend().lease_margin(ttl));
                 Ok(())
             }
             Ok(false) => {

@@ -108,7 +108,9 @@ impl Locker {
     /// Connects to the backend named by `url`, with default settings:
     ///
     /// * `memory://` — a fresh in-process store;
-    /// * `redis://host:port[/db]`, `rediss://…` (feature `tls`) — one Redis server.
+    /// * `redis://host:port[/db]`, `rediss://…` (feature `tls`) — one Redis server;
+    /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
+    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.
@@ -307,8 +309,15 @@ impl LockerBuilder {
                 let backend = crate::backend::RedisBackend::connect(url, opts).await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "redis")]
+            "redlock" => {
+                let opts = crate::backend::RedlockOptions::default()
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::RedlockBackend::connect_url(url, opts).await?;
+                self.try_build(backend)
+            }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redlock://)"),
                 None,
             )),
         }

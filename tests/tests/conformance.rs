@@ -19,6 +19,7 @@ fn memory_store() -> Store {
             assert!(freed, "no live lock named {resource}");
             Box::pin(async {})
         }),
+        fifo: true,
     }
 }
 
@@ -40,6 +41,7 @@ fn redis_store(server: &RedisServer) -> Store {
                 assert_eq!(n, 1, "no lock key {resource}");
             })
         }),
+        fifo: true,
     }
 }
 

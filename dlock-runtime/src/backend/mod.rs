@@ -36,6 +36,10 @@ pub use memory::MemoryBackend;
 mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions, FENCE_RETENTION};
+#[cfg(feature = "redis")]
+pub mod redlock;
+#[cfg(feature = "redis")]
+pub use self::redlock::{RedlockBackend, RedlockOptions};
 
 /// A boxed, `Send` future, the return type of [`Backend`] methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -139,6 +143,14 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and errors (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
 
+    /// How much of a granted lease the holder must not count on (clock drift between the
+    /// holder and the servers). The local lease clock ends `lease_margin(ttl)` before the TTL.
+    /// Default: none.
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        let _ = ttl;
+        Duration::ZERO
+    }
+
     /// One acquire attempt.
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>>;
 
@@ -193,6 +205,9 @@ pub trait Backend: Send + Sync + 'static {
 impl<B: Backend + ?Sized> Backend for Arc<B> {
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        (**self).lease_margin(ttl)
     }
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         (**self).acquire(args)

@@ -103,6 +103,7 @@ struct Inner {
     release: Script,
     abandon: Script,
     extend: Script,
+    raise_fence: Script,
     opts: RedisOptions,
 }
 
@@ -115,10 +116,28 @@ impl RedisBackend {
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
     /// connect timeout.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
+        let backend = Self::build(url, opts, ReleaseHub::new())?;
+        // Establish the connection now, so a wrong URL or a down server fails at startup.
+        backend.ping().await?;
+        Ok(backend)
+    }
+
+    /// Like [`connect`](RedisBackend::connect) but does not wait for the server: the
+    /// connection is made on first use (and retried after). Release notifications are delivered
+    /// into `hub`, which several backends may share (Redlock does, across its nodes).
+    pub fn connect_lazy(
+        url: &str,
+        opts: RedisOptions,
+        hub: Arc<ReleaseHub>,
+    ) -> Result<Self, LockError> {
+        Self::build(url, opts, hub)
+    }
+
+    fn build(url: &str, opts: RedisOptions, hub: Arc<ReleaseHub>) -> Result<Self, LockError> {
         // The URL may carry a password: never put it in an error message.
-        let info = url
-            .into_connection_info()
-            .map_err(|e| LockError::unavailable(format!("invalid redis url: {:?}", e.kind()), None))?;
+        let info = url.into_connection_info().map_err(|e| {
+            LockError::unavailable(format!("invalid redis url: {:?}", e.kind()), None)
+        })?;
         let settings = info
             .redis_settings()
             .clone()
@@ -126,7 +145,6 @@ impl RedisBackend {
         let info = info.set_redis_settings(settings);
         let client = redis::Client::open(info).map_err(|e| redis_err("client", e))?;
 
-        let hub = ReleaseHub::new();
         let push_hub = Arc::downgrade(&hub);
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(opts.connect_timeout))
@@ -138,13 +156,8 @@ impl RedisBackend {
                 Ok::<(), redis::aio::SendError>(())
             })
             .set_automatic_resubscription();
-        let conn = tokio::time::timeout(
-            opts.connect_timeout + opts.command_timeout,
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| LockError::unavailable("redis connect timed out", None))?
-        .map_err(|e| redis_err("connect", e))?;
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| redis_err("connect", e))?;
 
         Ok(RedisBackend {
             inner: Arc::new(Inner {
@@ -155,9 +168,66 @@ impl RedisBackend {
                 release: scripts::release(),
                 abandon: scripts::abandon(),
                 extend: scripts::extend(),
+                raise_fence: scripts::raise_fence(),
                 opts,
             }),
         })
+    }
+
+    /// Round trip to the server (connects first if needed).
+    pub async fn ping(&self) -> Result<(), LockError> {
+        let mut conn = self.inner.conn.clone();
+        let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
+        match tokio::time::timeout(limit, redis::cmd("PING").query_async::<()>(&mut conn)).await {
+            Ok(r) => r.map_err(|e| redis_err("ping", e)),
+            Err(_) => Err(LockError::unavailable(
+                format!("redis ping timed out after {limit:?}"),
+                None,
+            )),
+        }
+    }
+
+    /// Makes sure this connection is subscribed to `resource`'s release channel.
+    pub(crate) async fn ensure_subscribed(&self, resource: &ResourceName) -> Result<(), LockError> {
+        let channel = resource.with_suffix(CHANNEL_SUFFIX);
+        let mut subscribed = self.inner.subscribed.lock().await;
+        if !subscribed.contains(&channel) {
+            let mut conn = self.inner.conn.clone();
+            self.deadline("subscribe", conn.subscribe(&channel)).await?;
+            subscribed.insert(channel);
+        }
+        Ok(())
+    }
+
+    /// Drops the subscription to `resource`'s channel if no local waiter needs it any more
+    /// (spawned on the current runtime; a no-op without one).
+    pub(crate) fn unsubscribe_later(&self, resource: &str) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let channel = format!("{resource}:{CHANNEL_SUFFIX}");
+            rt.spawn(Self::unsubscribe_if_unused(
+                Arc::downgrade(&self.inner),
+                channel,
+                resource.to_owned(),
+            ));
+        }
+    }
+
+    /// Raises the key's fencing counter to at least `token` (Redlock: every granting node is
+    /// raised to the majority's maximum).
+    pub(crate) async fn raise_fence(
+        &self,
+        resource: &ResourceName,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<(), LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.raise_fence.prepare_invoke();
+        inv.key(resource.with_suffix("fence"))
+            .arg(token.to_string())
+            .arg(millis(ttl + FENCE_RETENTION));
+        self.deadline("raise fence", inv.invoke_async::<i64>(&mut conn))
+            .await
+            .map(|_| ())
     }
 
     /// The connection options in force.
@@ -356,28 +426,12 @@ impl Backend for RedisBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            let channel = resource.with_suffix(CHANNEL_SUFFIX);
-            let mut subscribed = self.inner.subscribed.lock().await;
-            let weak = Arc::downgrade(&self.inner);
-            let on_last: Box<dyn Fn(&str) + Send + Sync> = {
-                let channel = channel.clone();
-                Box::new(move |resource: &str| {
-                    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                        rt.spawn(Self::unsubscribe_if_unused(
-                            weak.clone(),
-                            channel.clone(),
-                            resource.to_owned(),
-                        ));
-                    }
-                })
-            };
+            let me = self.clone();
+            let on_last: Box<dyn Fn(&str) + Send + Sync> =
+                Box::new(move |resource: &str| me.unsubscribe_later(resource));
             // Register first: a notification that arrives right after SUBSCRIBE is not lost.
             let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
-            if !subscribed.contains(&channel) {
-                let mut conn = self.inner.conn.clone();
-                self.deadline("subscribe", conn.subscribe(&channel)).await?;
-                subscribed.insert(channel);
-            }
+            self.ensure_subscribed(resource).await?;
             Ok(watch)
         })
     }

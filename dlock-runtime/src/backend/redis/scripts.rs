@@ -147,3 +147,18 @@ return 0
 "#,
     )
 }
+
+/// Raises the fencing counter to at least the given token (Redlock's majority maximum).
+///
+/// KEYS: 1 fence. ARGV: 1 token, 2 retention ms. Returns 1.
+pub(super) fn raise_fence() -> Script {
+    Script::new(
+        r#"
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+return 1
+"#,
+    )
+}

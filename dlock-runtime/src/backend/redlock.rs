@@ -1,0 +1,570 @@
+//! Redlock: one lock over N independent Redis servers, held while a majority agrees.
+//!
+//! # When to use which backend
+//!
+//! * **One Redis server** ([`RedisBackend`]) is the right default when the lock is about
+//!   *efficiency* — not doing the same work twice, not sending two e-mails. If that server
+//!   fails over or restarts, a lock can be granted twice for a moment; the cost is some
+//!   duplicated work.
+//! * **Redlock** keeps locking through the loss of a minority of servers (1 of 3, 2 of 5), and a
+//!   single server's restart does not hand out a second lock as long as the restart rules below
+//!   are followed. It is still a lease on wall-clock time across machines: a process that pauses
+//!   past its lease (GC, SIGSTOP, a VM migration) can act after its lock has moved on, and clock
+//!   jumps on the servers shorten leases. That is Martin Kleppmann's critique, and antirez's
+//!   answer is to bound those risks, not to remove them.
+//! * **When correctness depends on it** (money moves, a record must never be written by two
+//!   owners), use fencing: pass [`LockGuard::fencing_token`](crate::LockGuard::fencing_token) to
+//!   the resource and let it reject lower tokens — with any backend. If the resource cannot check
+//!   tokens, use a consensus store (etcd, ZooKeeper, a database transaction) instead of a lease.
+//!
+//! # Algorithm
+//!
+//! * **Acquire** sends the acquire script to every node at once, each with its own deadline
+//!   ([`RedlockOptions::node_timeout`], far below the TTL). It returns as soon as a majority has
+//!   granted the lock or a majority can no longer grant it. Node errors and timeouts are "no"
+//!   votes. The lock is valid for `TTL − elapsed − drift`, where
+//!   `drift = TTL × drift_factor + 2 ms` (`drift_factor` 0.01 by default, as the Redis
+//!   documentation suggests); if no validity is left, it counts as a failure. A failed attempt
+//!   undoes itself on **every** node, including those that did not answer (their reply may still
+//!   come; the undo is queued behind it on the same connection).
+//! * **Extend / renewal** succeeds only if a majority extends within the validity window; the
+//!   watchdog uses it, and a guard is lost when a majority can no longer be renewed.
+//! * **Release** goes to every node; notifications from any node wake local waiters.
+//! * **Waiting** is not FIFO: per-node queues could disagree on who is first and deadlock the
+//!   majority, so waiters compete ("barge") on each release notification and on a jittered
+//!   backoff, as the Redlock description prescribes.
+//!
+//! # Fencing tokens
+//!
+//! Each granting node proposes `max(its counter + 1, its clock in µs)`; the lock's token is the
+//! maximum over the granting majority, and every granting node is raised to it before the
+//! acquire returns (the acquire fails if fewer than a majority confirm). Any later majority
+//! shares at least one node with this one, so later tokens are strictly larger — **as long as a
+//! majority of nodes keeps its data**. A node restarted without persistence forgets its counter
+//! and its locks.
+//!
+//! # Restarts and persistence
+//!
+//! Run the nodes with `appendonly yes` and `appendfsync always`, or keep a restarted node out
+//! of service for longer than the largest TTL in use (the Redis documentation's "delayed
+//! restart"). Otherwise a node that restarts empty can vote for a second owner while the first
+//! still holds the lock on the remaining minority.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
+
+use super::redis::{RedisBackend, RedisOptions};
+use super::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+};
+use crate::key::ResourceName;
+use crate::LockError;
+
+/// Settings of a [`RedlockBackend`]. Defaults: node timeout 50 ms, drift factor 0.01,
+/// connect timeout 1 s.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RedlockOptions {
+    /// The deadline of one command on one node. Keep it far below the TTL.
+    pub node_timeout: Duration,
+    /// Clock drift allowance as a fraction of the TTL (plus 2 ms).
+    pub drift_factor: f64,
+    /// How long to wait for each node's first connection at startup.
+    pub connect_timeout: Duration,
+}
+
+impl Default for RedlockOptions {
+    fn default() -> Self {
+        RedlockOptions {
+            node_timeout: Duration::from_millis(50),
+            drift_factor: 0.01,
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RedlockOptions {
+    /// Sets [`node_timeout`](RedlockOptions::node_timeout).
+    pub fn node_timeout(mut self, d: Duration) -> Self {
+        self.node_timeout = d;
+        self
+    }
+
+    /// Sets [`drift_factor`](RedlockOptions::drift_factor).
+    pub fn drift_factor(mut self, f: f64) -> Self {
+        self.drift_factor = f.clamp(0.0, 0.5);
+        self
+    }
+
+    /// Sets [`connect_timeout`](RedlockOptions::connect_timeout).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+}
+
+/// A lock store over N independent Redis servers (N odd, 3 or 5 typical). See the
+/// [module docs](self) for the guarantees and their limits.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use dlock_runtime::Locker;
+/// // By URL: every node listed, comma-separated.
+/// let locker = Locker::from_url("redlock://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379").await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct RedlockBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    nodes: Vec<RedisBackend>,
+    hub: Arc<ReleaseHub>,
+    quorum: usize,
+    opts: RedlockOptions,
+}
+
+/// What one node said.
+enum Answer<T> {
+    Yes(T),
+    No(Option<Duration>),
+}
+
+/// One node's vote, after its deadline.
+#[derive(Debug)]
+enum Vote<T> {
+    Yes(T),
+    No(Option<Duration>),
+    Failed(String),
+}
+
+impl RedlockBackend {
+    /// Connects to every node (`redis://…` URLs). Nodes that are down at startup are retried in
+    /// the background and join when they come up; at least a majority must answer now, or this
+    /// fails with [`LockError::Unavailable`].
+    pub async fn connect(urls: &[&str], opts: RedlockOptions) -> Result<Self, LockError> {
+        if urls.is_empty() {
+            return Err(LockError::unavailable("redlock needs at least one node", None));
+        }
+        if urls.len() % 2 == 0 {
+            tracing::warn!(
+                nodes = urls.len(),
+                "redlock with an even number of nodes tolerates no more failures than one node fewer"
+            );
+        }
+        let hub = ReleaseHub::new();
+        let node_opts = RedisOptions::default()
+            .command_timeout(opts.node_timeout)
+            .connect_timeout(opts.connect_timeout);
+        let nodes = urls
+            .iter()
+            .map(|u| RedisBackend::connect_lazy(u, node_opts.clone(), hub.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let backend = RedlockBackend {
+            inner: Arc::new(Inner {
+                quorum: nodes.len() / 2 + 1,
+                nodes,
+                hub,
+                opts,
+            }),
+        };
+        let up = futures_util::future::join_all(backend.inner.nodes.iter().map(|n| async {
+            tokio::time::timeout(backend.inner.opts.connect_timeout, n.ping())
+                .await
+                .map(|r| r.is_ok())
+                .unwrap_or(false)
+        }))
+        .await
+        .into_iter()
+        .filter(|ok| *ok)
+        .count();
+        if up < backend.inner.quorum {
+            return Err(LockError::unavailable(
+                format!(
+                    "redlock: only {up} of {} nodes answered at startup (quorum {})",
+                    backend.inner.nodes.len(),
+                    backend.inner.quorum
+                ),
+                None,
+            ));
+        }
+        Ok(backend)
+    }
+
+    /// Parses `redlock://host:port,host:port,…` (each part may also be a full `redis://` URL)
+    /// and connects.
+    pub async fn connect_url(url: &str, opts: RedlockOptions) -> Result<Self, LockError> {
+        let rest = url
+            .strip_prefix("redlock://")
+            .ok_or_else(|| LockError::unavailable("redlock url must start with redlock://", None))?;
+        let urls: Vec<String> = rest
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                if p.contains("://") {
+                    p.to_owned()
+                } else {
+                    format!("redis://{p}")
+                }
+            })
+            .collect();
+        let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+        Self::connect(&refs, opts).await
+    }
+
+    /// How many nodes must agree.
+    pub fn quorum(&self) -> usize {
+        self.inner.quorum
+    }
+
+    /// How many nodes there are.
+    pub fn nodes(&self) -> usize {
+        self.inner.nodes.len()
+    }
+
+    fn drift(&self, ttl: Duration) -> Duration {
+        ttl.mul_f64(self.inner.opts.drift_factor) + Duration::from_millis(2)
+    }
+
+    fn describe<T>(&self, what: &str, votes: &[(usize, Vote<T>)]) -> String {
+        let mut parts: Vec<String> = votes
+            .iter()
+            .map(|(i, v)| match v {
+                Vote::Yes(_) => format!("node{i}=ok"),
+                Vote::No(_) => format!("node{i}=held"),
+                Vote::Failed(e) => format!("node{i}=failed ({e})"),
+            })
+            .collect();
+        parts.sort();
+        format!(
+            "redlock {what}: {} of {} nodes agreed, quorum {}: {}",
+            votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count(),
+            self.inner.nodes.len(),
+            self.inner.quorum,
+            parts.join(", ")
+        )
+    }
+
+    /// Runs `op` on every node concurrently and collects votes until `decided` says the outcome
+    /// is settled (the remaining nodes' futures are dropped; their commands are already queued
+    /// on their connections).
+    async fn poll<'a, T, F>(
+        &'a self,
+        op: F,
+        stop_early: bool,
+    ) -> Vec<(usize, Vote<T>)>
+    where
+        T: Send + 'a,
+        F: Fn(&'a RedisBackend) -> BoxFuture<'a, Result<Answer<T>, LockError>>,
+    {
+        let n = self.inner.nodes.len();
+        let quorum = self.inner.quorum;
+        let mut pending: FuturesUnordered<_> = self
+            .inner
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let fut = op(node);
+                let limit = self.inner.opts.node_timeout;
+                async move {
+                    let vote = match tokio::time::timeout(limit, fut).await {
+                        Ok(Ok(Answer::Yes(v))) => Vote::Yes(v),
+                        Ok(Ok(Answer::No(rem))) => Vote::No(rem),
+                        Ok(Err(e)) => Vote::Failed(short(&e)),
+                        Err(_) => Vote::Failed("timeout".to_owned()),
+                    };
+                    (i, vote)
+                }
+            })
+            .collect();
+        let mut votes = Vec::with_capacity(n);
+        let (mut yes, mut no) = (0, 0);
+        while let Some((i, v)) = pending.next().await {
+            if matches!(v, Vote::Yes(_)) {
+                yes += 1;
+            } else {
+                no += 1;
+            }
+            votes.push((i, v));
+            if stop_early && (yes >= quorum || no > n - quorum) {
+                break;
+            }
+        }
+        votes
+    }
+
+    async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) {
+        futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
+            let _ = tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token))
+                .await;
+        }))
+        .await;
+    }
+}
+
+fn short(e: &LockError) -> String {
+    match e {
+        LockError::Unavailable { message, .. } => message.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl Backend for RedlockBackend {
+    fn name(&self) -> &'static str {
+        "redlock"
+    }
+
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        self.drift(ttl)
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            let start = Instant::now();
+            // Per-node FIFO queues could disagree on who is first: barge instead.
+            let mode = match args.mode {
+                WaitMode::Try => WaitMode::Try,
+                _ => WaitMode::Barge,
+            };
+            let (resource, token, ttl, waiter_ttl) =
+                (args.resource, args.token, args.ttl, args.waiter_ttl);
+            let votes = self
+                .poll(
+                    |node| {
+                        Box::pin(async move {
+                            let a = AcquireArgs {
+                                resource,
+                                token,
+                                ttl,
+                                mode,
+                                waiter_ttl,
+                            };
+                            Ok(match node.acquire(a).await? {
+                                Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),
+                                Attempt::Held { remaining } => Answer::No(remaining),
+                            })
+                        })
+                    },
+                    true,
+                )
+                .await;
+            let granted: Vec<(usize, u64)> = votes
+                .iter()
+                .filter_map(|(i, v)| match v {
+                    Vote::Yes(t) => Some((*i, *t)),
+                    _ => None,
+                })
+                .collect();
+            let validity = ttl
+                .checked_sub(start.elapsed())
+                .and_then(|v| v.checked_sub(self.drift(ttl)));
+            if granted.len() >= self.inner.quorum && validity.is_some_and(|v| !v.is_zero()) {
+                // Raise every granting node to the majority's maximum, so that any later
+                // majority (which shares a node with this one) issues a larger token.
+                let max = granted.iter().map(|(_, t)| *t).max().unwrap_or(0);
+                let raised = futures_util::future::join_all(granted.iter().map(|&(i, t)| {
+                    let node = &self.inner.nodes[i];
+                    async move {
+                        t == max
+                            || matches!(
+                                tokio::time::timeout(
+                                    self.inner.opts.node_timeout,
+                                    node.raise_fence(resource, max, ttl)
+                                )
+                                .await,
+                                Ok(Ok(()))
+                            )
+                    }
+                }))
+                .await
+                .into_iter()
+                .filter(|ok| *ok)
+                .count();
+                if raised >= self.inner.quorum {
+                    return Ok(Attempt::Acquired { fencing_token: max });
+                }
+                tracing::warn!(raised, "redlock: fencing token not confirmed by a majority");
+            }
+            // Failed: undo on every node, answered or not.
+            self.undo_everywhere(resource, token).await;
+            let failed = votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
+                .count();
+            let unanswered = self.inner.nodes.len() - votes.len();
+            if failed + unanswered > self.inner.nodes.len() - self.inner.quorum {
+                return Err(LockError::unavailable(self.describe("acquire", &votes), None));
+            }
+            let remaining = votes
+                .iter()
+                .filter_map(|(_, v)| match v {
+                    Vote::No(Some(r)) => Some(*r),
+                    _ => None,
+                })
+                .min();
+            Ok(Attempt::Held { remaining })
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let votes = self
+                .poll(
+                    |node| {
+                        Box::pin(async move {
+                            Ok(match node.release(resource, token).await? {
+                                true => Answer::Yes(()),
+                                false => Answer::No(None),
+                            })
+                        })
+                    },
+                    false,
+                )
+                .await;
+            let yes = votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count();
+            let failed = votes.iter().filter(|(_, v)| matches!(v, Vote::Failed(_))).count();
+            if yes >= self.inner.quorum {
+                Ok(true)
+            } else if yes + failed >= self.inner.quorum {
+                // Cannot tell whether it was still ours.
+                Err(LockError::unavailable(self.describe("release", &votes), None))
+            } else {
+                Ok(false)
+            }
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let start = Instant::now();
+            let votes = self
+                .poll(
+                    |node| {
+                        Box::pin(async move {
+                            Ok(match node.extend(resource, token, ttl).await? {
+                                true => Answer::Yes(()),
+                                false => Answer::No(None),
+                            })
+                        })
+                    },
+                    false,
+                )
+                .await;
+            let yes = votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count();
+            let in_window = start.elapsed() + self.drift(ttl) < ttl;
+            if yes >= self.inner.quorum && in_window {
+                return Ok(true);
+            }
+            let failed = votes.iter().filter(|(_, v)| matches!(v, Vote::Failed(_))).count();
+            if yes + failed >= self.inner.quorum && in_window {
+                Err(LockError::unavailable(self.describe("extend", &votes), None))
+            } else {
+                Ok(false)
+            }
+        })
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(async move {
+            let start = Instant::now();
+            // One pipelined batch per node, all nodes at once.
+            let per_node = futures_util::future::join_all(self.inner.nodes.iter().map(|n| async {
+                match tokio::time::timeout(self.inner.opts.node_timeout, n.extend_many(items)).await
+                {
+                    Ok(v) => v,
+                    Err(_) => (0..items.len())
+                        .map(|_| Err(LockError::unavailable("timeout", None)))
+                        .collect(),
+                }
+            }))
+            .await;
+            let elapsed = start.elapsed();
+            (0..items.len())
+                .map(|i| {
+                    let yes = per_node
+                        .iter()
+                        .filter(|r| matches!(r.get(i), Some(Ok(true))))
+                        .count();
+                    let failed = per_node
+                        .iter()
+                        .filter(|r| !matches!(r.get(i), Some(Ok(_))))
+                        .count();
+                    let in_window = elapsed + self.drift(items[i].ttl) < items[i].ttl;
+                    if yes >= self.inner.quorum && in_window {
+                        Ok(true)
+                    } else if yes + failed >= self.inner.quorum && in_window {
+                        Err(LockError::unavailable(
+                            format!(
+                                "redlock extend: {yes} of {} nodes agreed, {failed} failed",
+                                self.inner.nodes.len()
+                            ),
+                            None,
+                        ))
+                    } else {
+                        Ok(false)
+                    }
+                })
+                .collect()
+        })
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            self.undo_everywhere(resource, token).await;
+            Ok(())
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let me = self.clone();
+            let on_last: Box<dyn Fn(&str) + Send + Sync> = Box::new(move |resource: &str| {
+                for n in &me.inner.nodes {
+                    n.unsubscribe_later(resource);
+                }
+            });
+            let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
+            // Notifications from any node will do; a node that cannot subscribe now is skipped
+            // (the fallback timer covers it).
+            let ok = futures_util::future::join_all(
+                self.inner.nodes.iter().map(|n| n.ensure_subscribed(resource)),
+            )
+            .await
+            .into_iter()
+            .filter(Result::is_ok)
+            .count();
+            if ok == 0 {
+                return Err(LockError::unavailable(
+                    "redlock: no node accepted the release subscription",
+                    None,
+                ));
+            }
+            Ok(watch)
+        })
+    }
+}

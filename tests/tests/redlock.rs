@@ -1,0 +1,284 @@
+//! Redlock over 5 real `redis-server` processes: the shared conformance suite, and the quorum
+//! under faults (paused, resumed and stopped nodes).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::backend::{RedlockBackend, RedlockOptions};
+use dlock_runtime::{Locker, OnFail};
+use dlock_tests::conformance::Store;
+use dlock_tests::redis_server::{start_many, RedisServer};
+
+const NODES: usize = 5;
+
+fn urls(servers: &[RedisServer]) -> Vec<String> {
+    servers.iter().map(RedisServer::url).collect()
+}
+
+async fn redlock(servers: &[RedisServer], builder: dlock_runtime::LockerBuilder) -> Locker {
+    let urls = urls(servers);
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let backend = RedlockBackend::connect(
+        &refs,
+        RedlockOptions::default().node_timeout(Duration::from_millis(100)),
+    )
+    .await
+    .expect("redlock connect");
+    builder.try_build(backend).expect("locker")
+}
+
+fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
+    let for_lockers = servers.clone();
+    let urls = urls(servers);
+    Store {
+        name: "redlock",
+        locker: Box::new(move |b| {
+            let servers = for_lockers.clone();
+            Box::pin(async move { redlock(&servers, b).await })
+        }),
+        break_lock: Box::new(move |resource| {
+            let urls = urls.clone();
+            Box::pin(async move {
+                let mut deleted = 0;
+                for url in urls {
+                    let client = redis::Client::open(url).unwrap();
+                    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+                    let n: i64 = redis::cmd("DEL").arg(&resource).query_async(&mut c).await.unwrap();
+                    deleted += n;
+                }
+                assert!(deleted >= 3, "lock was on {deleted} nodes only");
+            })
+        }),
+        fifo: false,
+    }
+}
+
+macro_rules! conformance {
+    ($($check:ident),* $(,)?) => {
+        mod conformance {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    let servers = std::sync::Arc::new(super::start_many(super::NODES));
+                    dlock_tests::conformance::$check(&super::store(&servers)).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    mutual_exclusion,
+    owner_checked_release_and_extend,
+    fencing_tokens_increase,
+    watchdog_holds_past_ttl,
+    loss_is_reported,
+    release_wakes_waiter,
+    waiters_are_served_in_order,
+    dead_waiters_leave_the_queue,
+    vanished_holder_expires,
+    drop_releases,
+    reject_and_timeout_errors,
+    cancelled_acquires_leave_no_lock,
+);
+
+async fn lock_key_exists(server: &RedisServer, resource: &str) -> bool {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let n: i64 = redis::cmd("EXISTS").arg(resource).query_async(&mut c).await.unwrap();
+    n == 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_up_acquire_and_release() {
+    let servers = start_many(NODES);
+    let locker = redlock(&servers, Locker::builder()).await;
+    let g = locker.lock("rl:basic").acquire().await.unwrap();
+    let resource = locker.resource(dlock_runtime::LockKey::new("rl:basic").unwrap());
+    for s in &servers {
+        assert!(lock_key_exists(s, resource.as_str()).await, "lock missing on a node");
+    }
+    g.release().await.unwrap();
+    for s in &servers {
+        assert!(!lock_key_exists(s, resource.as_str()).await, "lock left on a node");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
+    let mut servers = start_many(NODES);
+    let locker = redlock(&servers, Locker::builder()).await;
+    // Warm the connections so the measurement is the acquire itself.
+    locker.lock("rl:warm").acquire().await.unwrap().release().await.unwrap();
+    servers[0].pause();
+    servers[3].pause();
+    let start = Instant::now();
+    let g = locker.lock("rl:two-paused").acquire().await.expect("majority is up");
+    let took = start.elapsed();
+    // A majority answers within a round trip; the paused nodes' 100 ms deadline is not waited for.
+    assert!(took < Duration::from_millis(100), "took {took:?}");
+    g.release().await.unwrap();
+    servers[0].resume();
+    servers[3].resume();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
+    let mut servers = start_many(NODES);
+    let locker = redlock(&servers, Locker::builder().command_timeout(Duration::from_secs(2))).await;
+    locker.lock("rl:warm").acquire().await.unwrap().release().await.unwrap();
+    for i in [1, 2, 4] {
+        servers[i].pause();
+    }
+    let start = Instant::now();
+    let err = locker.lock("rl:three-paused").acquire().await.unwrap_err();
+    let took = start.elapsed();
+    assert!(err.is_unavailable(), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("node1=failed") && msg.contains("quorum 3"), "per-node outcomes: {msg}");
+    // node deadline (100 ms) for the votes + one more for the undo on every node.
+    assert!(took < Duration::from_millis(400), "took {took:?}");
+    let resource = locker.resource(dlock_runtime::LockKey::new("rl:three-paused").unwrap());
+    for i in [0, 3] {
+        assert!(!lock_key_exists(&servers[i], resource.as_str()).await, "lock left on reachable node {i}");
+    }
+    for i in [1, 2, 4] {
+        servers[i].resume();
+    }
+    // The paused nodes executed the queued acquire after resuming, then the queued undo:
+    // nothing is left anywhere.
+    let start = Instant::now();
+    for s in &servers {
+        while lock_key_exists(s, resource.as_str()).await {
+            assert!(start.elapsed() < Duration::from_secs(2), "lock left on a resumed node");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_node_rejoins_the_quorum() {
+    let mut servers = start_many(NODES);
+    let locker = redlock(&servers, Locker::builder()).await;
+    servers[0].pause();
+    servers[1].pause();
+    locker.lock("rl:rejoin-a").acquire().await.unwrap().release().await.unwrap();
+    servers[0].resume();
+    servers[1].resume();
+    // Now pause two others: the majority needs node 0 or 1 back.
+    servers[2].pause();
+    servers[3].pause();
+    let start = Instant::now();
+    loop {
+        match locker.lock("rl:rejoin-b").acquire().await {
+            Ok(g) => {
+                g.release().await.unwrap();
+                break;
+            }
+            Err(e) => {
+                assert!(start.elapsed() < Duration::from_secs(5), "resumed nodes never rejoined: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    servers[2].resume();
+    servers[3].resume();
+}
+
+/// Two lockers contend while nodes are paused and resumed underneath: never two holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_exclusion_holds_through_node_faults() {
+    let servers = Arc::new(std::sync::Mutex::new(start_many(NODES)));
+    let (a, b) = {
+        let s = servers.lock().unwrap();
+        (redlock(&s, Locker::builder()).await, redlock(&s, Locker::builder()).await)
+    };
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let l = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let (inside, overlaps, done, stop) = (inside.clone(), overlaps.clone(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let acquire = l
+                    .lock("rl:faults")
+                    .ttl(Duration::from_secs(2))
+                    .on_fail(OnFail::retry(Duration::from_millis(500)))
+                    .acquire();
+                let g = tokio::select! {
+                    _ = stop.notified() => return,
+                    r = acquire => r,
+                };
+                let Ok(g) = g else { continue };
+                if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                done.fetch_add(1, Ordering::SeqCst);
+                let _ = g.release().await;
+            }
+        }));
+    }
+    for round in 0..6usize {
+        let pick = [round % NODES, (round + 2) % NODES];
+        {
+            let mut s = servers.lock().unwrap();
+            for &i in &pick {
+                s[i].pause();
+            }
+        }
+        let before = done.load(Ordering::SeqCst);
+        let start = Instant::now();
+        while done.load(Ordering::SeqCst) < before + 10 {
+            assert!(start.elapsed() < Duration::from_secs(10), "no progress with 3 of 5 up");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut s = servers.lock().unwrap();
+        for &i in &pick {
+            s[i].resume();
+        }
+    }
+    stop.notify_waiters();
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holders at once");
+    assert!(done.load(Ordering::SeqCst) >= 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_selects_redlock() {
+    let servers = start_many(3);
+    let url = format!(
+        "redlock://{}",
+        servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let locker = Locker::from_url(&url).await.unwrap();
+    assert_eq!(locker.backend_name(), "redlock");
+    let g = locker.lock("rl:url").acquire().await.unwrap();
+    assert!(locker.lock("rl:url").try_acquire().await.unwrap().is_none());
+    g.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_without_a_majority_is_a_typed_error() {
+    let mut servers = start_many(3);
+    servers[0].stop();
+    servers[1].stop();
+    let urls = urls(&servers);
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let err = RedlockBackend::connect(&refs, RedlockOptions::default().connect_timeout(Duration::from_millis(300)))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+}
