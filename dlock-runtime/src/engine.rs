@@ -95,6 +95,8 @@ pub(crate) struct Engine {
     backend: Arc<dyn Backend>,
     command_timeout: Duration,
     next_id: AtomicU64,
+    /// Successful watchdog renewals, for metrics.
+    renewed: AtomicU64,
 }
 
 impl Engine {
@@ -107,6 +109,7 @@ impl Engine {
             backend,
             command_timeout,
             next_id: AtomicU64::new(1),
+            renewed: AtomicU64::new(0),
         })
     }
 
@@ -177,6 +180,11 @@ impl Engine {
             let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
             map.remove(&(old, state.id));
         }
+    }
+
+    /// Successful watchdog renewals so far.
+    pub(crate) fn renewals(&self) -> u64 {
+        self.renewed.load(Ordering::Relaxed)
     }
 
     /// How many guards are scheduled for renewal.
@@ -274,6 +282,7 @@ impl Engine {
                 Err(_) => Vec::new(),
             };
         let renewed = results.iter().filter(|r| matches!(r, Ok(true))).count();
+        self.renewed.fetch_add(renewed as u64, Ordering::Relaxed);
         tracing::trace!(batch = items.len(), renewed, "dlock.renew");
         for (i, (g, item)) in live.iter().zip(&items).enumerate() {
             if g.done.load(Ordering::Acquire) {

@@ -151,6 +151,12 @@ impl Locker {
         self.inner.waiting.load(Ordering::Acquire)
     }
 
+    /// How many watchdog renewals have succeeded since this locker was built (a counter for
+    /// metrics).
+    pub fn renewals(&self) -> u64 {
+        self.inner.engine.renewals()
+    }
+
     /// How many held guards the watchdog is currently renewing.
     pub fn renewing(&self) -> usize {
         self.inner.engine.scheduled()
