@@ -115,8 +115,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
 
-    let client: Client<_, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let post = |path: String| {
         let client = client.clone();
         async move {
@@ -139,10 +138,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     for round in 1..=2 {
         println!("\nround {round}: 20 concurrent POST /orders/42/submit");
-        let replies = futures_util::future::join_all(
-            (0..20).map(|_| post("/orders/42/submit".to_owned())),
-        )
-        .await;
+        let replies =
+            futures_util::future::join_all((0..20).map(|_| post("/orders/42/submit".to_owned())))
+                .await;
         let mut created = Vec::new();
         let mut conflicts = 0;
         let mut retry_after = None;

@@ -274,13 +274,10 @@ impl Engine {
             return;
         }
         let sent = self.now_ns();
-        let results =
-            match tokio::time::timeout(self.command_timeout, self.backend.extend_many(&items))
-                .await
-            {
-                Ok(r) => r,
-                Err(_) => Vec::new(),
-            };
+        // A timed-out batch yields no results: every item is retried below.
+        let results = tokio::time::timeout(self.command_timeout, self.backend.extend_many(&items))
+            .await
+            .unwrap_or_default();
         let renewed = results.iter().filter(|r| matches!(r, Ok(true))).count();
         self.renewed.fetch_add(renewed as u64, Ordering::Relaxed);
         tracing::trace!(batch = items.len(), renewed, "dlock.renew");
@@ -367,7 +364,10 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
             tracing::debug!(op, error = %err, "dlock background release failed; the TTL will end the lock")
         }
         Err(_) => {
-            tracing::debug!(op, "dlock background release timed out; the TTL will end the lock")
+            tracing::debug!(
+                op,
+                "dlock background release timed out; the TTL will end the lock"
+            )
         }
     }
 }

@@ -147,7 +147,10 @@ impl LockError {
     /// Someone else holds the lock ([`Contended`](LockError::Contended) or
     /// [`Timeout`](LockError::Timeout)).
     pub fn is_contended(&self) -> bool {
-        matches!(self, LockError::Contended { .. } | LockError::Timeout { .. })
+        matches!(
+            self,
+            LockError::Contended { .. } | LockError::Timeout { .. }
+        )
     }
 
     /// The retry strategy gave up at its deadline.
@@ -204,7 +207,9 @@ impl LockError {
     /// the statuses that carry one (409 and 503).
     pub fn retry_after_secs(&self) -> Option<u64> {
         match self.status() {
-            409 => Some(ceil_secs(self.retry_after().unwrap_or(Duration::from_secs(1)))),
+            409 => Some(ceil_secs(
+                self.retry_after().unwrap_or(Duration::from_secs(1)),
+            )),
             503 => Some(ceil_secs(
                 self.retry_after().unwrap_or(Duration::from_secs(1)),
             )),
@@ -296,8 +301,8 @@ mod axum_impl {
     /// 409/503/400/500 with `Retry-After` and an `application/problem+json` body.
     impl IntoResponse for LockError {
         fn into_response(self) -> Response {
-            let status = StatusCode::from_u16(self.status())
-                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let status =
+                StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             let mut res = (status, self.problem_json()).into_response();
             let headers = res.headers_mut();
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));

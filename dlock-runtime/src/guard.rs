@@ -71,8 +71,7 @@ impl LockGuard {
     /// Whether the lock is still held as far as this process can tell: not reported lost and
     /// the local lease (last successful renewal + TTL) has not run out.
     pub fn is_held(&self) -> bool {
-        !self.state.lost.is_cancelled()
-            && self.locker.engine().now_ns() < self.state.lease_end_ns()
+        !self.state.lost.is_cancelled() && self.locker.engine().now_ns() < self.state.lease_end_ns()
     }
 
     /// The time left on the local lease.

@@ -182,10 +182,7 @@ impl KeyBuilder {
 }
 
 fn needs_escape(c: char, value: bool) -> bool {
-    matches!(c, '%' | '{' | '}' | '#')
-        || (value && c == ':')
-        || c.is_whitespace()
-        || c.is_control()
+    matches!(c, '%' | '{' | '}' | '#') || (value && c == ':') || c.is_whitespace() || c.is_control()
 }
 
 struct Encoder<'a> {

@@ -206,14 +206,10 @@ impl Locker {
         sent_ns: u64,
         auto_renew: bool,
     ) -> LockGuard {
-        let state = self.inner.engine.register(
-            resource,
-            token,
-            fencing_token,
-            ttl,
-            sent_ns,
-            auto_renew,
-        );
+        let state =
+            self.inner
+                .engine
+                .register(resource, token, fencing_token, ttl, sent_ns, auto_renew);
         LockGuard::new(state, self.clone())
     }
 }
@@ -440,9 +436,11 @@ impl<'a> LockRequest<'a> {
                     Err(remaining) => Err(LockError::contended(resource.key().as_str(), remaining)),
                 }
             }
-            OnFail::Retry(policy) => wait_for(locker, resource, ttl, self.auto_renew, policy)
-                .instrument(span)
-                .await,
+            OnFail::Retry(policy) => {
+                wait_for(locker, resource, ttl, self.auto_renew, policy)
+                    .instrument(span)
+                    .await
+            }
         }
     }
 

@@ -109,7 +109,11 @@ impl RetryPolicy {
             .min(self.max_backoff);
         if self.jitter {
             let nanos = cap.as_nanos().min(u128::from(u64::MAX)) as u64;
-            Duration::from_nanos(if nanos == 0 { 0 } else { next_random() % (nanos + 1) })
+            Duration::from_nanos(if nanos == 0 {
+                0
+            } else {
+                next_random() % (nanos + 1)
+            })
         } else {
             cap
         }

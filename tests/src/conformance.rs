@@ -46,7 +46,10 @@ pub fn unique_key(what: &str) -> String {
 
 impl Store {
     async fn pair(&self) -> (Locker, Locker) {
-        ((self.locker)(Locker::builder()).await, (self.locker)(Locker::builder()).await)
+        (
+            (self.locker)(Locker::builder()).await,
+            (self.locker)(Locker::builder()).await,
+        )
     }
 }
 
@@ -86,8 +89,12 @@ pub async fn mutual_exclusion(store: &Store) {
     let mut tasks = Vec::new();
     for i in 0..16 {
         let locker = if i % 2 == 0 { a.clone() } else { b.clone() };
-        let (key, counter, inside, overlaps) =
-            (key.clone(), counter.clone(), inside.clone(), overlaps.clone());
+        let (key, counter, inside, overlaps) = (
+            key.clone(),
+            counter.clone(),
+            inside.clone(),
+            overlaps.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             for _ in 0..rounds {
                 let g = locker
@@ -111,8 +118,18 @@ pub async fn mutual_exclusion(store: &Store) {
     for t in tasks {
         t.await.expect("task");
     }
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "{}: overlaps", store.name);
-    assert_eq!(counter.load(Ordering::SeqCst), 16 * rounds, "{}: lost updates", store.name);
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "{}: overlaps",
+        store.name
+    );
+    assert_eq!(
+        counter.load(Ordering::SeqCst),
+        16 * rounds,
+        "{}: lost updates",
+        store.name
+    );
 }
 
 /// A stale holder (lease expired, lock taken by another) can neither release nor extend the
@@ -132,18 +149,39 @@ pub async fn owner_checked_release_and_extend(store: &Store) {
     // The backend expires it too; b takes it.
     let start = Instant::now();
     let owner = loop {
-        if let Some(g) = b.lock(&key).ttl(Duration::from_secs(10)).try_acquire().await.unwrap() {
+        if let Some(g) = b
+            .lock(&key)
+            .ttl(Duration::from_secs(10))
+            .try_acquire()
+            .await
+            .unwrap()
+        {
             break g;
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "lease never expired");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "lease never expired"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let err = stale.extend(Duration::from_secs(10)).await.unwrap_err();
-    assert!(err.is_lost(), "{}: stale extend must fail: {err}", store.name);
+    assert!(
+        err.is_lost(),
+        "{}: stale extend must fail: {err}",
+        store.name
+    );
     let err = stale.release().await.unwrap_err();
-    assert!(err.is_lost(), "{}: stale release must fail: {err}", store.name);
+    assert!(
+        err.is_lost(),
+        "{}: stale release must fail: {err}",
+        store.name
+    );
     // The new owner still holds it.
-    assert!(a.lock(&key).try_acquire().await.unwrap().is_none(), "{}: new owner's lock was freed", store.name);
+    assert!(
+        a.lock(&key).try_acquire().await.unwrap().is_none(),
+        "{}: new owner's lock was freed",
+        store.name
+    );
     assert!(owner.is_held());
     owner.release().await.expect("owner release");
 }
@@ -156,7 +194,12 @@ pub async fn fencing_tokens_increase(store: &Store) {
     for i in 0..20 {
         let l = if i % 2 == 0 { &a } else { &b };
         let g = l.lock(&key).acquire().await.expect("acquire");
-        assert!(g.fencing_token() > last, "{}: token {} after {last}", store.name, g.fencing_token());
+        assert!(
+            g.fencing_token() > last,
+            "{}: token {} after {last}",
+            store.name,
+            g.fencing_token()
+        );
         last = g.fencing_token();
         g.release().await.unwrap();
     }
@@ -180,7 +223,11 @@ pub async fn fencing_tokens_increase(store: &Store) {
         assert!(start.elapsed() < Duration::from_secs(5));
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    assert!(g.fencing_token() > last, "{}: token did not increase across expiry", store.name);
+    assert!(
+        g.fencing_token() > last,
+        "{}: token did not increase across expiry",
+        store.name
+    );
     g.release().await.unwrap();
 }
 
@@ -192,7 +239,12 @@ pub async fn watchdog_holds_past_ttl(store: &Store) {
     let g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
     let start = Instant::now();
     while start.elapsed() < ttl * 6 {
-        assert!(b.lock(&key).try_acquire().await.unwrap().is_none(), "{}: lock lapsed at {:?}", store.name, start.elapsed());
+        assert!(
+            b.lock(&key).try_acquire().await.unwrap().is_none(),
+            "{}: lock lapsed at {:?}",
+            store.name,
+            start.elapsed()
+        );
         assert!(g.is_held());
         tokio::time::sleep(ttl / 4).await;
     }
@@ -214,8 +266,16 @@ pub async fn loss_is_reported(store: &Store) {
     let start = Instant::now();
     tokio::time::timeout(ttl / 3 + Duration::from_millis(200), g.lost())
         .await
-        .unwrap_or_else(|_| panic!("{}: loss not reported within one renewal interval", store.name));
-    assert!(start.elapsed() < ttl, "reported by the lease clock, not by renewal");
+        .unwrap_or_else(|_| {
+            panic!(
+                "{}: loss not reported within one renewal interval",
+                store.name
+            )
+        });
+    assert!(
+        start.elapsed() < ttl,
+        "reported by the lease clock, not by renewal"
+    );
     assert!(!g.is_held());
 }
 
@@ -225,25 +285,42 @@ pub async fn release_wakes_waiter(store: &Store) {
     let a = (store.locker)(slow()).await;
     let b = (store.locker)(slow()).await;
     let key = unique_key("wake");
-    let held = a.lock(&key).ttl(Duration::from_secs(30)).acquire().await.unwrap();
+    let held = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
     let waiter = {
         let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move {
             let policy = RetryPolicy::new(Duration::from_secs(30))
                 .backoff(Duration::from_secs(10), Duration::from_secs(10))
                 .jitter(false);
-            let g = b.lock(&key).on_fail(OnFail::Retry(policy)).acquire().await.unwrap();
+            let g = b
+                .lock(&key)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+                .unwrap();
             let at = Instant::now();
             g.release().await.unwrap();
             at
         })
     };
-    wait_until("the waiter is queued", Duration::from_secs(5), || b.waiting() == 1).await;
+    wait_until("the waiter is queued", Duration::from_secs(5), || {
+        b.waiting() == 1
+    })
+    .await;
     let released = Instant::now();
     held.release().await.unwrap();
     let got = waiter.await.unwrap();
     let gap = got - released;
-    assert!(gap < Duration::from_secs(2), "{}: waiter woke after {gap:?}, backoff is 10 s", store.name);
+    assert!(
+        gap < Duration::from_secs(2),
+        "{}: waiter woke after {gap:?}, backoff is 10 s",
+        store.name
+    );
 }
 
 /// Waiters are served in arrival order, across lockers (for non-FIFO backends: all are served).
@@ -298,7 +375,10 @@ pub async fn dead_waiters_leave_the_queue(store: &Store) {
         let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move { b.lock(&key).on_fail(retry()).acquire().await.map(drop) })
     };
-    wait_until("first waiter queued", Duration::from_secs(5), || b.waiting() == 1).await;
+    wait_until("first waiter queued", Duration::from_secs(5), || {
+        b.waiting() == 1
+    })
+    .await;
     let second = {
         let (a, key) = (a.clone(), key.clone());
         tokio::spawn(async move {
@@ -308,19 +388,34 @@ pub async fn dead_waiters_leave_the_queue(store: &Store) {
             at
         })
     };
-    wait_until("second waiter queued", Duration::from_secs(5), || a.waiting() == 1).await;
+    wait_until("second waiter queued", Duration::from_secs(5), || {
+        a.waiting() == 1
+    })
+    .await;
     cancelled.abort();
     assert!(cancelled.await.unwrap_err().is_cancelled());
     let released = Instant::now();
     holder.release().await.unwrap();
     let got = second.await.unwrap();
-    assert!(got - released < Duration::from_millis(250), "{}: cancelled waiter held up the queue for {:?}", store.name, got - released);
+    assert!(
+        got - released < Duration::from_millis(250),
+        "{}: cancelled waiter held up the queue for {:?}",
+        store.name,
+        got - released
+    );
 
     // 2. A waiter that vanishes without cleanup (its future is leaked, as in a crash).
     let holder = a.lock(&key).acquire().await.unwrap();
     let vanished = b.clone();
     let vkey = key.clone();
-    let mut leaked = Box::pin(async move { vanished.lock(&vkey).on_fail(retry()).acquire().await.map(drop) });
+    let mut leaked = Box::pin(async move {
+        vanished
+            .lock(&vkey)
+            .on_fail(retry())
+            .acquire()
+            .await
+            .map(drop)
+    });
     // Poll it until it is queued, then forget it: no drop, no cleanup.
     let start = Instant::now();
     while b.waiting() == 0 {
@@ -340,7 +435,10 @@ pub async fn dead_waiters_leave_the_queue(store: &Store) {
             g.release().await.unwrap();
         })
     };
-    wait_until("next waiter queued", Duration::from_secs(5), || a.waiting() == 1).await;
+    wait_until("next waiter queued", Duration::from_secs(5), || {
+        a.waiting() == 1
+    })
+    .await;
     holder.release().await.unwrap();
     tokio::time::timeout(Duration::from_secs(3), next)
         .await
@@ -353,7 +451,13 @@ pub async fn vanished_holder_expires(store: &Store) {
     let (a, b) = store.pair().await;
     let key = unique_key("vanish");
     let ttl = Duration::from_millis(300);
-    let g = a.lock(&key).ttl(ttl).auto_renew(false).acquire().await.unwrap();
+    let g = a
+        .lock(&key)
+        .ttl(ttl)
+        .auto_renew(false)
+        .acquire()
+        .await
+        .unwrap();
     let taken = Instant::now();
     std::mem::forget(g); // no release, no drop
     let g = b
@@ -363,8 +467,16 @@ pub async fn vanished_holder_expires(store: &Store) {
         .await
         .expect("acquire after expiry");
     let waited = taken.elapsed();
-    assert!(waited >= ttl - Duration::from_millis(50), "{}: got it before the TTL ended ({waited:?})", store.name);
-    assert!(waited < ttl + Duration::from_secs(2), "{}: waited {waited:?}", store.name);
+    assert!(
+        waited >= ttl - Duration::from_millis(50),
+        "{}: got it before the TTL ended ({waited:?})",
+        store.name
+    );
+    assert!(
+        waited < ttl + Duration::from_secs(2),
+        "{}: waited {waited:?}",
+        store.name
+    );
     g.release().await.unwrap();
 }
 
@@ -372,7 +484,12 @@ pub async fn vanished_holder_expires(store: &Store) {
 pub async fn drop_releases(store: &Store) {
     let (a, b) = store.pair().await;
     let key = unique_key("drop");
-    let g = a.lock(&key).ttl(Duration::from_secs(30)).acquire().await.unwrap();
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
     drop(g);
     free_within(&b, &key, Duration::from_secs(2)).await;
     assert_eq!(a.renewing(), 0);
@@ -382,11 +499,19 @@ pub async fn drop_releases(store: &Store) {
 pub async fn reject_and_timeout_errors(store: &Store) {
     let (a, b) = store.pair().await;
     let key = unique_key("errors");
-    let g = a.lock(&key).ttl(Duration::from_secs(20)).acquire().await.unwrap();
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_secs(20))
+        .acquire()
+        .await
+        .unwrap();
     let err = b.lock(&key).acquire().await.unwrap_err();
     assert!(matches!(err, LockError::Contended { .. }), "{err}");
     let ra = err.retry_after().expect("remaining lease");
-    assert!(ra > Duration::from_secs(15) && ra <= Duration::from_secs(20), "{ra:?}");
+    assert!(
+        ra > Duration::from_secs(15) && ra <= Duration::from_secs(20),
+        "{ra:?}"
+    );
     assert_eq!(err.status(), 409);
     let start = Instant::now();
     let err = b
@@ -397,7 +522,10 @@ pub async fn reject_and_timeout_errors(store: &Store) {
         .unwrap_err();
     assert!(err.is_timeout(), "{err}");
     let took = start.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
     assert_eq!(b.waiting(), 0);
     g.release().await.unwrap();
     // The timed-out waiter left the queue: a one-shot attempt gets the free lock.
@@ -431,7 +559,11 @@ pub async fn cancelled_acquires_leave_no_lock(store: &Store) {
         // Far less than the 30 s TTL and the 5 s waiter TTL: only a clean undo frees it this fast.
         free_within(&b, &key, Duration::from_secs(3)).await;
     }
-    assert!(cancelled >= 100, "{}: only {cancelled} acquires were cancelled", store.name);
+    assert!(
+        cancelled >= 100,
+        "{}: only {cancelled} acquires were cancelled",
+        store.name
+    );
 }
 
 /// Runs every check.

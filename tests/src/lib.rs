@@ -5,4 +5,3 @@ pub mod conformance;
 pub mod redis_server;
 
 pub use redis_server::RedisServer;
-

@@ -37,7 +37,11 @@ fn redis_store(server: &RedisServer) -> Store {
             Box::pin(async move {
                 let client = ::redis::Client::open(url).unwrap();
                 let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                let n: i64 = ::redis::cmd("DEL").arg(&resource).query_async(&mut c).await.unwrap();
+                let n: i64 = ::redis::cmd("DEL")
+                    .arg(&resource)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
                 assert_eq!(n, 1, "no lock key {resource}");
             })
         }),

@@ -20,7 +20,12 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
     let mut server = RedisServer::start();
     let locker = fast_fail().connect(&server.url()).await.unwrap();
     let ttl = Duration::from_millis(600);
-    let guard = locker.lock("fault:restart").ttl(ttl).acquire().await.unwrap();
+    let guard = locker
+        .lock("fault:restart")
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
 
     server.stop();
     let start = Instant::now();
@@ -29,7 +34,10 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
         .expect("loss reported once renewals fail for a whole lease");
     assert!(!guard.is_held());
     let lost_after = start.elapsed();
-    assert!(lost_after <= ttl + Duration::from_millis(300), "{lost_after:?}");
+    assert!(
+        lost_after <= ttl + Duration::from_millis(300),
+        "{lost_after:?}"
+    );
     drop(guard);
 
     server.restart();
@@ -41,7 +49,10 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
             Ok(None) => panic!("the restarted server has no lock to hold"),
             Err(e) => {
                 assert!(e.is_unavailable(), "{e}");
-                assert!(start.elapsed() < Duration::from_secs(10), "no reconnect: {e}");
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "no reconnect: {e}"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -67,7 +78,10 @@ async fn hung_server_gives_a_typed_error_within_the_deadline() {
         assert!(err.is_unavailable(), "{err}");
         assert_eq!(err.status(), 503);
         assert!(err.retry_after_secs().is_some());
-        assert!(took < Duration::from_millis(700), "took {took:?} with a 200 ms deadline");
+        assert!(
+            took < Duration::from_millis(700),
+            "took {took:?} with a 200 ms deadline"
+        );
     }
 
     server.resume();
@@ -96,7 +110,11 @@ async fn stopped_server_gives_a_typed_error_within_the_deadline() {
     let start = Instant::now();
     let err = locker.lock("fault:stopped").acquire().await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
-    assert!(start.elapsed() < Duration::from_millis(700), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(700),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +129,11 @@ async fn nothing_listening_at_connect_is_a_typed_error() {
         .await
         .unwrap_err();
     assert!(err.is_unavailable(), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -182,8 +204,15 @@ async fn second_os_process_contends_without_overlap() {
         "child failed: {stdout} {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("overlaps=0"), "child saw overlaps: {stdout}");
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "overlaps in this process");
+    assert!(
+        stdout.contains("overlaps=0"),
+        "child saw overlaps: {stdout}"
+    );
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "overlaps in this process"
+    );
     let mut conn = conn;
     let total: u64 = conn.get(format!("{key}:counter")).await.unwrap();
     assert_eq!(total, 4 * rounds_here + 4 * rounds_child, "lost updates");

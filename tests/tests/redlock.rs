@@ -44,7 +44,11 @@ fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
                 for url in urls {
                     let client = redis::Client::open(url).unwrap();
                     let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                    let n: i64 = redis::cmd("DEL").arg(&resource).query_async(&mut c).await.unwrap();
+                    let n: i64 = redis::cmd("DEL")
+                        .arg(&resource)
+                        .query_async(&mut c)
+                        .await
+                        .unwrap();
                     deleted += n;
                 }
                 assert!(deleted >= 3, "lock was on {deleted} nodes only");
@@ -86,7 +90,11 @@ conformance!(
 async fn lock_key_exists(server: &RedisServer, resource: &str) -> bool {
     let client = redis::Client::open(server.url()).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let n: i64 = redis::cmd("EXISTS").arg(resource).query_async(&mut c).await.unwrap();
+    let n: i64 = redis::cmd("EXISTS")
+        .arg(resource)
+        .query_async(&mut c)
+        .await
+        .unwrap();
     n == 1
 }
 
@@ -97,11 +105,17 @@ async fn all_up_acquire_and_release() {
     let g = locker.lock("rl:basic").acquire().await.unwrap();
     let resource = locker.resource(dlock_runtime::LockKey::new("rl:basic").unwrap());
     for s in &servers {
-        assert!(lock_key_exists(s, resource.as_str()).await, "lock missing on a node");
+        assert!(
+            lock_key_exists(s, resource.as_str()).await,
+            "lock missing on a node"
+        );
     }
     g.release().await.unwrap();
     for s in &servers {
-        assert!(!lock_key_exists(s, resource.as_str()).await, "lock left on a node");
+        assert!(
+            !lock_key_exists(s, resource.as_str()).await,
+            "lock left on a node"
+        );
     }
 }
 
@@ -110,11 +124,22 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     let mut servers = start_many(NODES);
     let locker = redlock(&servers, Locker::builder()).await;
     // Warm the connections so the measurement is the acquire itself.
-    locker.lock("rl:warm").acquire().await.unwrap().release().await.unwrap();
+    locker
+        .lock("rl:warm")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
     servers[0].pause();
     servers[3].pause();
     let start = Instant::now();
-    let g = locker.lock("rl:two-paused").acquire().await.expect("majority is up");
+    let g = locker
+        .lock("rl:two-paused")
+        .acquire()
+        .await
+        .expect("majority is up");
     let took = start.elapsed();
     // A majority answers within a round trip; the paused nodes' 100 ms deadline is not waited for.
     assert!(took < Duration::from_millis(100), "took {took:?}");
@@ -126,8 +151,19 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
     let mut servers = start_many(NODES);
-    let locker = redlock(&servers, Locker::builder().command_timeout(Duration::from_secs(2))).await;
-    locker.lock("rl:warm").acquire().await.unwrap().release().await.unwrap();
+    let locker = redlock(
+        &servers,
+        Locker::builder().command_timeout(Duration::from_secs(2)),
+    )
+    .await;
+    locker
+        .lock("rl:warm")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
     for i in [1, 2, 4] {
         servers[i].pause();
     }
@@ -136,12 +172,18 @@ async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
     let took = start.elapsed();
     assert!(err.is_unavailable(), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("node1=failed") && msg.contains("quorum 3"), "per-node outcomes: {msg}");
+    assert!(
+        msg.contains("node1=failed") && msg.contains("quorum 3"),
+        "per-node outcomes: {msg}"
+    );
     // node deadline (100 ms) for the votes + one more for the undo on every node.
     assert!(took < Duration::from_millis(400), "took {took:?}");
     let resource = locker.resource(dlock_runtime::LockKey::new("rl:three-paused").unwrap());
     for i in [0, 3] {
-        assert!(!lock_key_exists(&servers[i], resource.as_str()).await, "lock left on reachable node {i}");
+        assert!(
+            !lock_key_exists(&servers[i], resource.as_str()).await,
+            "lock left on reachable node {i}"
+        );
     }
     for i in [1, 2, 4] {
         servers[i].resume();
@@ -151,7 +193,10 @@ async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
     let start = Instant::now();
     for s in &servers {
         while lock_key_exists(s, resource.as_str()).await {
-            assert!(start.elapsed() < Duration::from_secs(2), "lock left on a resumed node");
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "lock left on a resumed node"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -163,7 +208,14 @@ async fn resumed_node_rejoins_the_quorum() {
     let locker = redlock(&servers, Locker::builder()).await;
     servers[0].pause();
     servers[1].pause();
-    locker.lock("rl:rejoin-a").acquire().await.unwrap().release().await.unwrap();
+    locker
+        .lock("rl:rejoin-a")
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
     servers[0].resume();
     servers[1].resume();
     // Now pause two others: the majority needs node 0 or 1 back.
@@ -177,7 +229,10 @@ async fn resumed_node_rejoins_the_quorum() {
                 break;
             }
             Err(e) => {
-                assert!(start.elapsed() < Duration::from_secs(5), "resumed nodes never rejoined: {e}");
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "resumed nodes never rejoined: {e}"
+                );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
@@ -189,11 +244,12 @@ async fn resumed_node_rejoins_the_quorum() {
 /// Two lockers contend while nodes are paused and resumed underneath: never two holders.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_exclusion_holds_through_node_faults() {
-    let servers = Arc::new(std::sync::Mutex::new(start_many(NODES)));
-    let (a, b) = {
-        let s = servers.lock().unwrap();
-        (redlock(&s, Locker::builder()).await, redlock(&s, Locker::builder()).await)
-    };
+    let servers = start_many(NODES);
+    let (a, b) = (
+        redlock(&servers, Locker::builder()).await,
+        redlock(&servers, Locker::builder()).await,
+    );
+    let servers = std::sync::Mutex::new(servers);
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicU64::new(0));
@@ -201,7 +257,8 @@ async fn mutual_exclusion_holds_through_node_faults() {
     let mut tasks = Vec::new();
     for i in 0..8 {
         let l = if i % 2 == 0 { a.clone() } else { b.clone() };
-        let (inside, overlaps, done, stop) = (inside.clone(), overlaps.clone(), done.clone(), stop.clone());
+        let (inside, overlaps, done, stop) =
+            (inside.clone(), overlaps.clone(), done.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             loop {
                 let acquire = l
@@ -235,7 +292,10 @@ async fn mutual_exclusion_holds_through_node_faults() {
         let before = done.load(Ordering::SeqCst);
         let start = Instant::now();
         while done.load(Ordering::SeqCst) < before + 10 {
-            assert!(start.elapsed() < Duration::from_secs(10), "no progress with 3 of 5 up");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no progress with 3 of 5 up"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let mut s = servers.lock().unwrap();
@@ -277,8 +337,11 @@ async fn startup_without_a_majority_is_a_typed_error() {
     servers[1].stop();
     let urls = urls(&servers);
     let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let err = RedlockBackend::connect(&refs, RedlockOptions::default().connect_timeout(Duration::from_millis(300)))
-        .await
-        .unwrap_err();
+    let err = RedlockBackend::connect(
+        &refs,
+        RedlockOptions::default().connect_timeout(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap_err();
     assert!(err.is_unavailable(), "{err}");
 }

@@ -14,7 +14,7 @@
 //! instance, for development, or as the fallback when no Redis URL is configured.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -132,9 +132,7 @@ impl MemoryBackend {
     }
 
     fn with_entry<R>(&self, name: &str, f: impl FnOnce(&mut Entry, Instant) -> R) -> R {
-        let mut h = self.inner.hasher.build_hasher();
-        name.hash(&mut h);
-        let shard = &self.inner.shards[(h.finish() as usize) % SHARDS];
+        let shard = &self.inner.shards[(self.inner.hasher.hash_one(name) as usize) % SHARDS];
         let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         let out = match shard.map.get_mut(name) {
@@ -241,15 +239,14 @@ impl Backend for MemoryBackend {
         resource: &'a ResourceName,
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
-        let (released, next) = self.with_entry(resource.as_str(), |e, now| {
-            match e.live_holder(now) {
+        let (released, next) =
+            self.with_entry(resource.as_str(), |e, now| match e.live_holder(now) {
                 Some((t, _)) if t == token => {
                     e.holder = None;
                     (true, Self::next_waiter(e, now))
                 }
                 _ => (false, None),
-            }
-        });
+            });
         if released {
             self.inner
                 .hub

@@ -249,6 +249,12 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
 }
 
+/// Called with the resource name when its last local waiter unregisters (a network backend
+/// unsubscribes then).
+pub type OnLastWaiter = Box<dyn Fn(&str) + Send + Sync>;
+
+type WaiterMap = HashMap<Arc<str>, Vec<(OwnerToken, Arc<Notify>)>>;
+
 /// A registered waiter: resolves [`notified`](Watch::notified) when it is this waiter's turn.
 /// Dropping it unregisters the waiter.
 pub struct Watch {
@@ -256,7 +262,7 @@ pub struct Watch {
     hub: Arc<ReleaseHub>,
     resource: Arc<str>,
     token: OwnerToken,
-    on_last: Option<Box<dyn Fn(&str) + Send + Sync>>,
+    on_last: Option<OnLastWaiter>,
 }
 
 impl Watch {
@@ -290,7 +296,7 @@ impl Drop for Watch {
 /// per event. Shared by the memory and Redis backends.
 #[derive(Debug, Default)]
 pub struct ReleaseHub {
-    keys: Mutex<HashMap<Arc<str>, Vec<(OwnerToken, Arc<Notify>)>>>,
+    keys: Mutex<WaiterMap>,
 }
 
 impl ReleaseHub {
@@ -306,7 +312,7 @@ impl ReleaseHub {
         self: &Arc<Self>,
         resource: &ResourceName,
         token: &OwnerToken,
-        on_last: Option<Box<dyn Fn(&str) + Send + Sync>>,
+        on_last: Option<OnLastWaiter>,
     ) -> (Watch, bool) {
         let notify = Arc::new(Notify::new());
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);

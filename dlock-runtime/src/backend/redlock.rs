@@ -148,7 +148,10 @@ impl RedlockBackend {
     /// fails with [`LockError::Unavailable`].
     pub async fn connect(urls: &[&str], opts: RedlockOptions) -> Result<Self, LockError> {
         if urls.is_empty() {
-            return Err(LockError::unavailable("redlock needs at least one node", None));
+            return Err(LockError::unavailable(
+                "redlock needs at least one node",
+                None,
+            ));
         }
         if urls.len() % 2 == 0 {
             tracing::warn!(
@@ -198,9 +201,9 @@ impl RedlockBackend {
     /// Parses `redlock://host:port,host:port,…` (each part may also be a full `redis://` URL)
     /// and connects.
     pub async fn connect_url(url: &str, opts: RedlockOptions) -> Result<Self, LockError> {
-        let rest = url
-            .strip_prefix("redlock://")
-            .ok_or_else(|| LockError::unavailable("redlock url must start with redlock://", None))?;
+        let rest = url.strip_prefix("redlock://").ok_or_else(|| {
+            LockError::unavailable("redlock url must start with redlock://", None)
+        })?;
         let urls: Vec<String> = rest
             .split(',')
             .filter(|p| !p.is_empty())
@@ -242,7 +245,10 @@ impl RedlockBackend {
         parts.sort();
         format!(
             "redlock {what}: {} of {} nodes agreed, quorum {}: {}",
-            votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count(),
+            votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Yes(_)))
+                .count(),
             self.inner.nodes.len(),
             self.inner.quorum,
             parts.join(", ")
@@ -252,11 +258,7 @@ impl RedlockBackend {
     /// Runs `op` on every node concurrently and collects votes until `decided` says the outcome
     /// is settled (the remaining nodes' futures are dropped; their commands are already queued
     /// on their connections).
-    async fn poll<'a, T, F>(
-        &'a self,
-        op: F,
-        stop_early: bool,
-    ) -> Vec<(usize, Vote<T>)>
+    async fn poll<'a, T, F>(&'a self, op: F, stop_early: bool) -> Vec<(usize, Vote<T>)>
     where
         T: Send + 'a,
         F: Fn(&'a RedisBackend) -> BoxFuture<'a, Result<Answer<T>, LockError>>,
@@ -398,7 +400,10 @@ impl Backend for RedlockBackend {
                 .count();
             let unanswered = self.inner.nodes.len() - votes.len();
             if failed + unanswered > self.inner.nodes.len() - self.inner.quorum {
-                return Err(LockError::unavailable(self.describe("acquire", &votes), None));
+                return Err(LockError::unavailable(
+                    self.describe("acquire", &votes),
+                    None,
+                ));
             }
             let remaining = votes
                 .iter()
@@ -430,13 +435,22 @@ impl Backend for RedlockBackend {
                     false,
                 )
                 .await;
-            let yes = votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count();
-            let failed = votes.iter().filter(|(_, v)| matches!(v, Vote::Failed(_))).count();
+            let yes = votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Yes(_)))
+                .count();
+            let failed = votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
+                .count();
             if yes >= self.inner.quorum {
                 Ok(true)
             } else if yes + failed >= self.inner.quorum {
                 // Cannot tell whether it was still ours.
-                Err(LockError::unavailable(self.describe("release", &votes), None))
+                Err(LockError::unavailable(
+                    self.describe("release", &votes),
+                    None,
+                ))
             } else {
                 Ok(false)
             }
@@ -464,14 +478,23 @@ impl Backend for RedlockBackend {
                     false,
                 )
                 .await;
-            let yes = votes.iter().filter(|(_, v)| matches!(v, Vote::Yes(_))).count();
+            let yes = votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Yes(_)))
+                .count();
             let in_window = start.elapsed() + self.drift(ttl) < ttl;
             if yes >= self.inner.quorum && in_window {
                 return Ok(true);
             }
-            let failed = votes.iter().filter(|(_, v)| matches!(v, Vote::Failed(_))).count();
+            let failed = votes
+                .iter()
+                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
+                .count();
             if yes + failed >= self.inner.quorum && in_window {
-                Err(LockError::unavailable(self.describe("extend", &votes), None))
+                Err(LockError::unavailable(
+                    self.describe("extend", &votes),
+                    None,
+                ))
             } else {
                 Ok(false)
             }
@@ -543,7 +566,7 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
             let me = self.clone();
-            let on_last: Box<dyn Fn(&str) + Send + Sync> = Box::new(move |resource: &str| {
+            let on_last: super::OnLastWaiter = Box::new(move |resource: &str| {
                 for n in &me.inner.nodes {
                     n.unsubscribe_later(resource);
                 }
@@ -552,7 +575,10 @@ impl Backend for RedlockBackend {
             // Notifications from any node will do; a node that cannot subscribe now is skipped
             // (the fallback timer covers it).
             let ok = futures_util::future::join_all(
-                self.inner.nodes.iter().map(|n| n.ensure_subscribed(resource)),
+                self.inner
+                    .nodes
+                    .iter()
+                    .map(|n| n.ensure_subscribed(resource)),
             )
             .await
             .into_iter()

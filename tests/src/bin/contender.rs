@@ -48,14 +48,23 @@ async fn contend(url: &str, key: &str, rounds: u64, tasks: usize) -> Result<u64,
                     .acquire()
                     .await
                     .map_err(|e| e.to_string())?;
-                let inside: i64 = conn.incr(format!("{key}:inside"), 1).await.map_err(|e| e.to_string())?;
+                let inside: i64 = conn
+                    .incr(format!("{key}:inside"), 1)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 if inside != 1 {
                     overlaps += 1;
                 }
                 let v: i64 = conn.get(format!("{key}:counter")).await.unwrap_or(0);
                 tokio::task::yield_now().await;
-                let _: () = conn.set(format!("{key}:counter"), v + 1).await.map_err(|e| e.to_string())?;
-                let _: i64 = conn.decr(format!("{key}:inside"), 1).await.map_err(|e| e.to_string())?;
+                let _: () = conn
+                    .set(format!("{key}:counter"), v + 1)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let _: i64 = conn
+                    .decr(format!("{key}:inside"), 1)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 g.release().await.map_err(|e| e.to_string())?;
             }
             Ok::<u64, String>(overlaps)

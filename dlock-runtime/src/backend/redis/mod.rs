@@ -311,7 +311,9 @@ fn on_push(hub: &Weak<ReleaseHub>, push: PushInfo) {
             hub.notify(resource, next);
         }
         PushKind::Disconnection => {
-            tracing::warn!("redis connection lost; waiters fall back to their timers until it is back");
+            tracing::warn!(
+                "redis connection lost; waiters fall back to their timers until it is back"
+            );
         }
         _ => {}
     }
@@ -340,8 +342,9 @@ impl Backend for RedisBackend {
                 .arg(mode)
                 .arg(millis(args.waiter_ttl))
                 .arg(millis(FENCE_RETENTION));
-            let (granted, value): (i64, String) =
-                self.deadline("acquire", inv.invoke_async(&mut conn)).await?;
+            let (granted, value): (i64, String) = self
+                .deadline("acquire", inv.invoke_async(&mut conn))
+                .await?;
             let bad = || LockError::unavailable("redis acquire: malformed script reply", None);
             if granted == 1 {
                 let fencing_token = value.parse::<u64>().map_err(|_| bad())?;
@@ -427,7 +430,7 @@ impl Backend for RedisBackend {
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
             let me = self.clone();
-            let on_last: Box<dyn Fn(&str) + Send + Sync> =
+            let on_last: super::OnLastWaiter =
                 Box::new(move |resource: &str| me.unsubscribe_later(resource));
             // Register first: a notification that arrives right after SUBSCRIBE is not lost.
             let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));

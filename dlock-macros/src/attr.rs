@@ -1,0 +1,786 @@
+//! The arguments of `#[distributed_lock(...)]`, parsed and validated into [`Args`].
+//!
+//! Parsing has two phases. The first reads the `name = value` list and only fails on malformed
+//! syntax (a missing `=`, a missing `,`). The second checks every value and every combination,
+//! recording each problem in [`Errors`] so that all of them are reported together, each spanned
+//! on the offending token: the value for a bad value, the argument name for an unknown,
+//! duplicate or misplaced argument.
+
+use std::time::Duration;
+
+use proc_macro2::{Span, TokenStream};
+use syn::ext::IdentExt as _;
+use syn::parse::{Parse, ParseStream};
+use syn::spanned::Spanned as _;
+use syn::{Expr, Ident, Lit, LitStr, Token};
+
+use crate::errors::Errors;
+use crate::key_template::Template;
+
+mod kw {
+    syn::custom_keyword!(key);
+    syn::custom_keyword!(ttl);
+    syn::custom_keyword!(on_fail);
+    syn::custom_keyword!(wait);
+    syn::custom_keyword!(delay);
+    syn::custom_keyword!(max_attempts);
+    syn::custom_keyword!(on_lost);
+    syn::custom_keyword!(locker);
+    syn::custom_keyword!(message);
+}
+
+/// The default `ttl`.
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// The default `wait` of `on_fail = "retry"`.
+pub(crate) const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+const MIN_TTL: Duration = Duration::from_millis(10);
+const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Everything the attribute asked for, validated.
+pub(crate) struct Args {
+    /// `key = "…"`.
+    pub(crate) key: Key,
+    /// `ttl = "…"`, or [`DEFAULT_TTL`].
+    pub(crate) ttl: Duration,
+    /// `on_fail = "…"` and the arguments that belong to it.
+    pub(crate) on_fail: OnFail,
+    /// `on_lost = "…"`.
+    pub(crate) on_lost: OnLost,
+    /// `locker = <expr>`; `None` means the global default locker.
+    pub(crate) locker: Option<Expr>,
+    /// `message = "…"`.
+    pub(crate) message: Option<LitStr>,
+    /// `crate = "…"`; `None` means `::dlock_runtime`.
+    pub(crate) krate: Option<syn::Path>,
+}
+
+/// `key = "…"`: the literal (for spans) and its parsed template.
+pub(crate) struct Key {
+    pub(crate) lit: LitStr,
+    pub(crate) template: Template,
+}
+
+/// `on_fail = "…"`.
+pub(crate) enum OnFail {
+    /// One attempt; the call fails at once when the lock is held.
+    Reject,
+    /// Wait for the lock up to `wait`.
+    Retry { wait: Duration },
+    /// Hand the call to the delay queue (not available yet; see `expand::defer`).
+    Defer(Defer),
+}
+
+/// `on_fail = "defer"` and its arguments.
+pub(crate) struct Defer {
+    /// The `"defer"` literal, where "not available yet" is reported.
+    pub(crate) lit: LitStr,
+    /// `delay = "…"`; `None` leaves the runtime's default.
+    #[allow(dead_code, reason = "read once defer is wired to the runtime")]
+    pub(crate) delay: Option<Duration>,
+    /// `max_attempts = N`; `None` leaves the runtime's default.
+    #[allow(dead_code, reason = "read once defer is wired to the runtime")]
+    pub(crate) max_attempts: Option<u32>,
+}
+
+/// `on_lost = "…"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnLost {
+    /// Keep running the body when the lock is lost.
+    Ignore,
+    /// Cancel the body when the lock is lost.
+    Cancel,
+}
+
+/// The argument names, in the order the error for an unknown one lists them.
+const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `delay`, `max_attempts`, `on_lost`, \
+                     `locker`, `message`, `crate`";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Name {
+    Key,
+    Ttl,
+    OnFail,
+    Wait,
+    Delay,
+    MaxAttempts,
+    OnLost,
+    Locker,
+    Message,
+    Crate,
+}
+
+impl Name {
+    fn as_str(self) -> &'static str {
+        match self {
+            Name::Key => "key",
+            Name::Ttl => "ttl",
+            Name::OnFail => "on_fail",
+            Name::Wait => "wait",
+            Name::Delay => "delay",
+            Name::MaxAttempts => "max_attempts",
+            Name::OnLost => "on_lost",
+            Name::Locker => "locker",
+            Name::Message => "message",
+            Name::Crate => "crate",
+        }
+    }
+
+    /// How the argument is written, for error messages.
+    fn example(self) -> &'static str {
+        match self {
+            Name::Key => "key = \"order:<id>\"",
+            Name::Ttl => "ttl = \"30s\"",
+            Name::OnFail => "on_fail = \"retry\"",
+            Name::Wait => "wait = \"5s\"",
+            Name::Delay => "delay = \"2s\"",
+            Name::MaxAttempts => "max_attempts = 5",
+            Name::OnLost => "on_lost = \"cancel\"",
+            Name::Locker => "locker = state.locker",
+            Name::Message => "message = \"this order is being processed\"",
+            Name::Crate => "crate = \"::dlock_runtime\"",
+        }
+    }
+}
+
+/// One `name = value` as written. `name` is `Err` for an unknown name.
+struct RawArg {
+    name: Result<Name, Ident>,
+    name_span: Span,
+    value: Expr,
+}
+
+/// The comma-separated list as written.
+struct RawArgs(Vec<RawArg>);
+
+impl Parse for RawArgs {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Vec::new();
+        while !input.is_empty() {
+            let name_span = input.span();
+            let lookahead = input.lookahead1();
+            let name = if lookahead.peek(kw::key) {
+                input.parse::<kw::key>().map(|_| Ok(Name::Key))
+            } else if lookahead.peek(kw::ttl) {
+                input.parse::<kw::ttl>().map(|_| Ok(Name::Ttl))
+            } else if lookahead.peek(kw::on_fail) {
+                input.parse::<kw::on_fail>().map(|_| Ok(Name::OnFail))
+            } else if lookahead.peek(kw::wait) {
+                input.parse::<kw::wait>().map(|_| Ok(Name::Wait))
+            } else if lookahead.peek(kw::delay) {
+                input.parse::<kw::delay>().map(|_| Ok(Name::Delay))
+            } else if lookahead.peek(kw::max_attempts) {
+                input
+                    .parse::<kw::max_attempts>()
+                    .map(|_| Ok(Name::MaxAttempts))
+            } else if lookahead.peek(kw::on_lost) {
+                input.parse::<kw::on_lost>().map(|_| Ok(Name::OnLost))
+            } else if lookahead.peek(kw::locker) {
+                input.parse::<kw::locker>().map(|_| Ok(Name::Locker))
+            } else if lookahead.peek(kw::message) {
+                input.parse::<kw::message>().map(|_| Ok(Name::Message))
+            } else if lookahead.peek(Token![crate]) {
+                input.parse::<Token![crate]>().map(|_| Ok(Name::Crate))
+            } else if input.peek(Ident::peek_any) {
+                // Unknown, but well-formed: keep going so that every problem is reported.
+                Ident::parse_any(input).map(Err)
+            } else {
+                return Err(lookahead.error());
+            }?;
+
+            if !input.peek(Token![=]) {
+                let written = match &name {
+                    Ok(name) => name.example().to_owned(),
+                    Err(ident) => format!("{ident} = …"),
+                };
+                return Err(input.error(format!("expected `=` and a value, as in `{written}`")));
+            }
+            input.parse::<Token![=]>()?;
+            let value = input.parse::<Expr>()?;
+            args.push(RawArg {
+                name,
+                name_span,
+                value,
+            });
+
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(RawArgs(args))
+    }
+}
+
+/// One argument's value, set at most once. The one helper every argument goes through, so a
+/// duplicate always gets the same error at the repeated name.
+struct Slot<T> {
+    name: Name,
+    /// The name's span and the value (`None` when the value was invalid, already reported).
+    given: Option<(Span, Option<T>)>,
+}
+
+impl<T> Slot<T> {
+    fn new(name: Name) -> Self {
+        Slot { name, given: None }
+    }
+
+    fn set(&mut self, errors: &mut Errors, name_span: Span, value: syn::Result<T>) {
+        let value = errors.ok(value);
+        if self.given.is_some() {
+            errors.error(
+                name_span,
+                format_args!(
+                    "duplicate argument `{}`: each argument may be given only once",
+                    self.name.as_str()
+                ),
+            );
+        } else {
+            self.given = Some((name_span, value));
+        }
+    }
+
+    /// Where the argument was given, if it was.
+    fn span(&self) -> Option<Span> {
+        self.given.as_ref().map(|(span, _)| *span)
+    }
+
+    /// The value, if given and valid.
+    fn value(self) -> Option<T> {
+        self.given.and_then(|(_, value)| value)
+    }
+
+    /// Whether the argument was given with an invalid value.
+    fn is_invalid(&self) -> bool {
+        matches!(self.given, Some((_, None)))
+    }
+}
+
+impl Args {
+    /// Parses the attribute's arguments. Malformed syntax is returned as `Err`; every other
+    /// problem is recorded in `errors`, and the model is still returned (with defaults in place
+    /// of invalid values) whenever it has a valid key, so that the caller can go on checking
+    /// the key's placeholders against the function.
+    pub(crate) fn parse(tokens: TokenStream, errors: &mut Errors) -> syn::Result<Option<Args>> {
+        let RawArgs(raw) = syn::parse2(tokens)?;
+
+        let mut key = Slot::new(Name::Key);
+        let mut ttl = Slot::new(Name::Ttl);
+        let mut on_fail = Slot::new(Name::OnFail);
+        let mut wait = Slot::new(Name::Wait);
+        let mut delay = Slot::new(Name::Delay);
+        let mut max_attempts = Slot::new(Name::MaxAttempts);
+        let mut on_lost = Slot::new(Name::OnLost);
+        let mut locker = Slot::new(Name::Locker);
+        let mut message = Slot::new(Name::Message);
+        let mut krate = Slot::new(Name::Crate);
+
+        for RawArg {
+            name,
+            name_span,
+            value,
+        } in raw
+        {
+            let name = match name {
+                Ok(name) => name,
+                Err(unknown) => {
+                    errors.error(
+                        name_span,
+                        format_args!("unknown argument `{unknown}`; expected one of: {KNOWN}"),
+                    );
+                    continue;
+                }
+            };
+            match name {
+                Name::Key => key.set(errors, name_span, parse_key(&value)),
+                Name::Ttl => ttl.set(errors, name_span, parse_ttl(&value)),
+                Name::OnFail => on_fail.set(errors, name_span, parse_on_fail(&value)),
+                Name::Wait => wait.set(errors, name_span, parse_wait(name, &value)),
+                Name::Delay => delay.set(errors, name_span, parse_wait(name, &value)),
+                Name::MaxAttempts => {
+                    max_attempts.set(errors, name_span, parse_max_attempts(&value));
+                }
+                Name::OnLost => on_lost.set(errors, name_span, parse_on_lost(&value)),
+                Name::Locker => locker.set(errors, name_span, Ok(value)),
+                Name::Message => message.set(errors, name_span, parse_message(&value)),
+                Name::Crate => krate.set(errors, name_span, parse_crate(&value)),
+            }
+        }
+
+        if key.span().is_none() {
+            errors.error(
+                Span::call_site(),
+                "missing required argument `key`, e.g. \
+                 `#[distributed_lock(key = \"order:<id>\")]`",
+            );
+        }
+
+        // Arguments that belong to one strategy. When `on_fail` itself is invalid that error
+        // says enough.
+        let strategy = if on_fail.is_invalid() {
+            None
+        } else {
+            Some(on_fail_name(on_fail.given.as_ref()))
+        };
+        for (span, name, belongs_to) in [
+            (wait.span(), Name::Wait, "retry"),
+            (delay.span(), Name::Delay, "defer"),
+            (max_attempts.span(), Name::MaxAttempts, "defer"),
+        ] {
+            if let (Some(span), Some(strategy)) = (span, strategy) {
+                if strategy != belongs_to {
+                    errors.error(
+                        span,
+                        format_args!(
+                            "`{}` only applies to `on_fail = \"{belongs_to}\"`, but this lock \
+                             uses `on_fail = \"{strategy}\"`{}",
+                            name.as_str(),
+                            if strategy == "reject" && on_fail.span().is_none() {
+                                " (the default)"
+                            } else {
+                                ""
+                            }
+                        ),
+                    );
+                }
+            }
+        }
+
+        let on_fail = match on_fail.value() {
+            None | Some(Strategy::Reject) => OnFail::Reject,
+            Some(Strategy::Retry) => OnFail::Retry {
+                wait: wait.value().unwrap_or(DEFAULT_WAIT),
+            },
+            Some(Strategy::Defer(lit)) => OnFail::Defer(Defer {
+                lit,
+                delay: delay.value(),
+                max_attempts: max_attempts.value(),
+            }),
+        };
+        let Some(key) = key.value() else {
+            return Ok(None);
+        };
+        Ok(Some(Args {
+            key,
+            ttl: ttl.value().unwrap_or(DEFAULT_TTL),
+            on_fail,
+            on_lost: on_lost.value().unwrap_or(OnLost::Ignore),
+            locker: locker.value(),
+            message: message.value(),
+            krate: krate.value(),
+        }))
+    }
+}
+
+/// `on_fail` as parsed, before its companion arguments are attached.
+enum Strategy {
+    Reject,
+    Retry,
+    Defer(LitStr),
+}
+
+fn on_fail_name(given: Option<&(Span, Option<Strategy>)>) -> &'static str {
+    match given {
+        None | Some((_, Some(Strategy::Reject))) | Some((_, None)) => "reject",
+        Some((_, Some(Strategy::Retry))) => "retry",
+        Some((_, Some(Strategy::Defer(_)))) => "defer",
+    }
+}
+
+/// The string literal of `value`, or an error spanned on `value`.
+fn string_literal(name: Name, value: &Expr) -> syn::Result<LitStr> {
+    let mut value = value;
+    // A literal passed through a `macro_rules!` fragment arrives in an invisible group.
+    while let Expr::Group(group) = value {
+        value = &group.expr;
+    }
+    match value {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => Ok(lit.clone()),
+        other => Err(syn::Error::new(
+            other.span(),
+            format_args!(
+                "`{}` expects a string literal, as in `{}`",
+                name.as_str(),
+                name.example()
+            ),
+        )),
+    }
+}
+
+fn parse_key(value: &Expr) -> syn::Result<Key> {
+    let lit = string_literal(Name::Key, value)?;
+    match Template::parse(&lit.value()) {
+        Ok(template) => Ok(Key { lit, template }),
+        Err(messages) => Err(messages
+            .into_iter()
+            .map(|message| syn::Error::new(lit.span(), message))
+            .reduce(|mut all, error| {
+                all.combine(error);
+                all
+            })
+            .unwrap_or_else(|| syn::Error::new(lit.span(), "invalid key"))),
+    }
+}
+
+fn parse_ttl(value: &Expr) -> syn::Result<Duration> {
+    let lit = string_literal(Name::Ttl, value)?;
+    let ttl = parse_duration(Name::Ttl, &lit)?;
+    let problem = if ttl.is_zero() {
+        "must be greater than zero: a lock with a zero ttl would expire at once"
+    } else if ttl < MIN_TTL {
+        "is shorter than the minimum of 10ms"
+    } else if ttl > MAX_DURATION {
+        "is longer than the maximum of 24h"
+    } else {
+        return Ok(ttl);
+    };
+    Err(syn::Error::new(
+        lit.span(),
+        format_args!(
+            "`ttl` {problem} (ttl is how long the lock lives if it is not renewed; \
+             it must be between 10ms and 24h)"
+        ),
+    ))
+}
+
+/// `wait` and `delay`: more than zero, at most 24h.
+fn parse_wait(name: Name, value: &Expr) -> syn::Result<Duration> {
+    let lit = string_literal(name, value)?;
+    let duration = parse_duration(name, &lit)?;
+    let problem = if duration.is_zero() {
+        match name {
+            Name::Wait => {
+                "must be greater than zero (to fail at once when the lock is held, use \
+                 `on_fail = \"reject\"`)"
+            }
+            _ => "must be greater than zero",
+        }
+    } else if duration > MAX_DURATION {
+        "is longer than the maximum of 24h"
+    } else {
+        return Ok(duration);
+    };
+    Err(syn::Error::new(
+        lit.span(),
+        format_args!("`{}` {problem}", name.as_str()),
+    ))
+}
+
+/// A humantime duration such as `"30s"`, `"500ms"` or `"1m 30s"`.
+fn parse_duration(name: Name, lit: &LitStr) -> syn::Result<Duration> {
+    humantime::parse_duration(&lit.value()).map_err(|error| {
+        syn::Error::new(
+            lit.span(),
+            format_args!(
+                "invalid duration for `{}`: {error}; write a number and a unit, \
+                 such as \"30s\", \"500ms\" or \"1m 30s\"",
+                name.as_str()
+            ),
+        )
+    })
+}
+
+fn parse_on_fail(value: &Expr) -> syn::Result<Strategy> {
+    let lit = string_literal(Name::OnFail, value)?;
+    match lit.value().as_str() {
+        "reject" => Ok(Strategy::Reject),
+        "retry" => Ok(Strategy::Retry),
+        "defer" => Ok(Strategy::Defer(lit)),
+        other => Err(syn::Error::new(
+            lit.span(),
+            format_args!(
+                "unknown `on_fail` strategy {other:?}; expected \"reject\" (fail at once), \
+                 \"retry\" (wait for the lock up to `wait`) or \"defer\" (run later)"
+            ),
+        )),
+    }
+}
+
+fn parse_on_lost(value: &Expr) -> syn::Result<OnLost> {
+    let lit = string_literal(Name::OnLost, value)?;
+    match lit.value().as_str() {
+        "ignore" => Ok(OnLost::Ignore),
+        "cancel" => Ok(OnLost::Cancel),
+        other => Err(syn::Error::new(
+            lit.span(),
+            format_args!(
+                "unknown `on_lost` policy {other:?}; expected \"ignore\" (keep running) or \
+                 \"cancel\" (stop the function when the lock is lost)"
+            ),
+        )),
+    }
+}
+
+fn parse_max_attempts(value: &Expr) -> syn::Result<u32> {
+    let mut value = value;
+    while let Expr::Group(group) = value {
+        value = &group.expr;
+    }
+    let error = |span| {
+        syn::Error::new(
+            span,
+            "`max_attempts` expects a whole number from 1 to 4294967295, as in \
+             `max_attempts = 5`",
+        )
+    };
+    match value {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Int(lit), ..
+        }) => match lit.base10_parse::<u32>() {
+            Ok(0) | Err(_) => Err(error(lit.span())),
+            Ok(attempts) => Ok(attempts),
+        },
+        other => Err(error(other.span())),
+    }
+}
+
+fn parse_message(value: &Expr) -> syn::Result<LitStr> {
+    let lit = string_literal(Name::Message, value)?;
+    if lit.value().trim().is_empty() {
+        return Err(syn::Error::new(
+            lit.span(),
+            "`message` must not be empty; leave it out to use the default message",
+        ));
+    }
+    Ok(lit)
+}
+
+fn parse_crate(value: &Expr) -> syn::Result<syn::Path> {
+    let lit = string_literal(Name::Crate, value)?;
+    lit.parse::<syn::Path>().map_err(|_| {
+        syn::Error::new(
+            lit.span(),
+            "`crate` expects the path of the dlock_runtime crate or of a re-export of it, \
+             as in `crate = \"::dlock_runtime\"` or `crate = \"my_app::dlock\"`",
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(tokens: TokenStream) -> syn::Result<Args> {
+        let mut errors = Errors::default();
+        let args = Args::parse(tokens, &mut errors)?;
+        errors.finish()?;
+        Ok(args.expect("no errors, so a key"))
+    }
+
+    /// Every error message, in order.
+    fn errors(tokens: TokenStream) -> Vec<String> {
+        match parse(tokens) {
+            Ok(_) => panic!("expected errors"),
+            Err(error) => error.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    fn one_error(tokens: TokenStream) -> String {
+        let mut all = errors(tokens);
+        assert_eq!(all.len(), 1, "{all:?}");
+        all.remove(0)
+    }
+
+    #[test]
+    fn defaults() {
+        let args = parse(quote::quote!(key = "order:<id>")).expect("valid");
+        assert_eq!(args.key.lit.value(), "order:<id>");
+        assert_eq!(args.ttl, Duration::from_secs(30));
+        assert!(matches!(args.on_fail, OnFail::Reject));
+        assert_eq!(args.on_lost, OnLost::Ignore);
+        assert!(args.locker.is_none());
+        assert!(args.message.is_none());
+        assert!(args.krate.is_none());
+    }
+
+    #[test]
+    fn everything() {
+        let args = parse(quote::quote!(
+            key = "a:<b>",
+            ttl = "1m 30s",
+            on_fail = "retry",
+            wait = "500ms",
+            on_lost = "cancel",
+            locker = state.locker,
+            message = "busy",
+            crate = "my_app::dlock",
+        ))
+        .expect("valid");
+        assert_eq!(args.ttl, Duration::from_secs(90));
+        assert!(
+            matches!(args.on_fail, OnFail::Retry { wait } if wait == Duration::from_millis(500))
+        );
+        assert_eq!(args.on_lost, OnLost::Cancel);
+        let locker = args.locker.expect("locker");
+        assert_eq!(quote::quote!(#locker).to_string(), "state . locker");
+        assert_eq!(args.message.expect("message").value(), "busy");
+        let krate = args.krate.expect("crate");
+        assert_eq!(quote::quote!(#krate).to_string(), "my_app :: dlock");
+    }
+
+    #[test]
+    fn retry_default_wait() {
+        let args = parse(quote::quote!(key = "a", on_fail = "retry")).expect("valid");
+        assert!(matches!(args.on_fail, OnFail::Retry { wait } if wait == DEFAULT_WAIT));
+    }
+
+    #[test]
+    fn defer_arguments() {
+        let args = parse(quote::quote!(
+            key = "a",
+            on_fail = "defer",
+            delay = "2s",
+            max_attempts = 5
+        ))
+        .expect("valid");
+        let OnFail::Defer(defer) = args.on_fail else {
+            panic!("expected defer")
+        };
+        assert_eq!(defer.lit.value(), "defer");
+        assert_eq!(defer.delay, Some(Duration::from_secs(2)));
+        assert_eq!(defer.max_attempts, Some(5));
+    }
+
+    #[test]
+    fn missing_key() {
+        assert!(one_error(quote::quote!(ttl = "1s")).contains("missing required argument `key`"));
+        assert!(one_error(quote::quote!()).contains("missing required argument `key`"));
+    }
+
+    #[test]
+    fn unknown_argument_lists_known_ones() {
+        let message = one_error(quote::quote!(key = "a", tll = "1s"));
+        assert!(message.starts_with("unknown argument `tll`"), "{message}");
+        assert!(
+            message.contains("`ttl`") && message.contains("`crate`"),
+            "{message}"
+        );
+        // Keywords are names too.
+        assert!(one_error(quote::quote!(key = "a", type = "x")).contains("unknown argument `type`"));
+    }
+
+    #[test]
+    fn duplicate_argument() {
+        let message = one_error(quote::quote!(key = "a", ttl = "1s", ttl = "2s"));
+        assert_eq!(
+            message,
+            "duplicate argument `ttl`: each argument may be given only once"
+        );
+        let message = one_error(quote::quote!(key = "a", key = "b"));
+        assert!(message.contains("duplicate argument `key`"), "{message}");
+    }
+
+    #[test]
+    fn bad_durations() {
+        let message = one_error(quote::quote!(key = "a", ttl = "30 parsecs"));
+        assert!(
+            message.starts_with("invalid duration for `ttl`"),
+            "{message}"
+        );
+        assert!(one_error(quote::quote!(key = "a", ttl = "0s")).contains("greater than zero"));
+        assert!(one_error(quote::quote!(key = "a", ttl = "5ms")).contains("minimum of 10ms"));
+        assert!(one_error(quote::quote!(key = "a", ttl = "25h")).contains("maximum of 24h"));
+        assert!(one_error(quote::quote!(key = "a", ttl = 30)).contains("expects a string literal"));
+        let message = one_error(quote::quote!(key = "a", on_fail = "retry", wait = "0s"));
+        assert!(
+            message.contains("`wait` must be greater than zero"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn bad_choices() {
+        let message = one_error(quote::quote!(key = "a", on_fail = "panic"));
+        assert!(
+            message.starts_with("unknown `on_fail` strategy \"panic\""),
+            "{message}"
+        );
+        let message = one_error(quote::quote!(key = "a", on_lost = "abort"));
+        assert!(
+            message.starts_with("unknown `on_lost` policy \"abort\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn strategy_arguments_must_match() {
+        let message = one_error(quote::quote!(key = "a", wait = "5s"));
+        assert!(
+            message.contains("`wait` only applies to `on_fail = \"retry\"`"),
+            "{message}"
+        );
+        assert!(message.contains("(the default)"), "{message}");
+        let message = one_error(quote::quote!(key = "a", on_fail = "retry", delay = "1s"));
+        assert!(message.contains("`delay` only applies to `on_fail = \"defer\"`"));
+        let message = one_error(quote::quote!(
+            key = "a",
+            on_fail = "reject",
+            max_attempts = 3
+        ));
+        assert!(message.contains("`max_attempts` only applies"), "{message}");
+        assert!(!message.contains("(the default)"), "{message}");
+        // No follow-up error when `on_fail` itself is wrong.
+        let all = errors(quote::quote!(key = "a", on_fail = "x", wait = "1s"));
+        assert_eq!(all.len(), 1, "{all:?}");
+    }
+
+    #[test]
+    fn max_attempts_values() {
+        assert!(one_error(quote::quote!(
+            key = "a",
+            on_fail = "defer",
+            max_attempts = 0
+        ))
+        .contains("whole number"));
+        assert!(one_error(quote::quote!(
+            key = "a",
+            on_fail = "defer",
+            max_attempts = "5"
+        ))
+        .contains("whole number"));
+    }
+
+    #[test]
+    fn bad_key_template_is_reported() {
+        let message = one_error(quote::quote!(key = "a:<>"));
+        assert!(message.contains("empty placeholder"), "{message}");
+        assert!(one_error(quote::quote!(key = some_fn())).contains("expects a string literal"));
+    }
+
+    #[test]
+    fn collects_every_error() {
+        let all = errors(quote::quote!(
+            ttl = "0s",
+            on_fail = "later",
+            nope = 1,
+            message = "",
+            crate = "not a path",
+        ));
+        assert_eq!(all.len(), 6, "{all:?}");
+        assert!(
+            all[5].contains("missing required argument `key`"),
+            "{all:?}"
+        );
+    }
+
+    #[test]
+    fn syntax_errors() {
+        let message = parse(quote::quote!(key "a"))
+            .err()
+            .expect("error")
+            .to_string();
+        assert_eq!(
+            message,
+            "expected `=` and a value, as in `key = \"order:<id>\"`"
+        );
+        let message = parse(quote::quote!("a")).err().expect("error").to_string();
+        assert!(
+            message.starts_with("expected one of: `key`, `ttl`"),
+            "{message}"
+        );
+        assert!(parse(quote::quote!(key = "a" ttl = "1s")).is_err());
+        // A trailing comma is fine.
+        assert!(parse(quote::quote!(key = "a",)).is_ok());
+    }
+}

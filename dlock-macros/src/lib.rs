@@ -1,0 +1,122 @@
+//! The `#[distributed_lock]` attribute of [dlock](https://docs.rs/dlock-runtime).
+//!
+//! Do not depend on this crate directly: use `dlock-runtime`, which re-exports the attribute as
+//! `dlock_runtime::distributed_lock` (feature `macros`, on by default) together with everything
+//! the generated code calls.
+//!
+//! The attribute parses and validates its arguments at compile time and emits code that calls
+//! only `::dlock_runtime::__private::…` (or `<crate>::__private::…` with `crate = "…"`).
+
+mod attr;
+mod errors;
+mod expand;
+mod key_template;
+
+use proc_macro::TokenStream;
+
+/// Runs an `async fn` under a distributed lock: at most one call with the same key runs at a
+/// time, across every instance of the service that shares the locker.
+///
+/// ```no_run
+/// use dlock_runtime::{distributed_lock, LockError};
+///
+/// #[distributed_lock(key = "order:<order_id>:pay", ttl = "30s", on_fail = "retry", wait = "5s")]
+/// async fn pay(order_id: u64, amount_cents: u64) -> Result<String, LockError> {
+///     // Only one `pay` for this order runs at a time.
+///     Ok(format!("paid {amount_cents} for order {order_id}"))
+/// }
+///
+/// #[tokio::main(flavor = "current_thread")]
+/// async fn main() {
+///     dlock_runtime::set_default_locker(dlock_runtime::Locker::memory());
+///     println!("{:?}", pay(42, 1999).await);
+/// }
+/// ```
+///
+/// The key is built from the arguments, the lock is taken before the body runs (according to
+/// `on_fail`), kept alive while the body runs (renewed every `ttl / 3`), and released when the
+/// body finishes — or when its future is dropped. Inside the body, the current lock's key and
+/// fencing token are reachable through the runtime's task-local lock context.
+///
+/// # Arguments
+///
+/// | argument | value | default |
+/// |---|---|---|
+/// | `key` | the key template, see below | required |
+/// | `ttl` | how long the lock lives if its holder stops renewing it; a duration such as `"30s"`, `"500ms"`, `"1m 30s"`, from 10ms to 24h | `"30s"` |
+/// | `on_fail` | what to do when another call holds the lock: `"reject"` (fail at once), `"retry"` (wait up to `wait`), `"defer"` (run later; **not available yet**) | `"reject"` |
+/// | `wait` | with `on_fail = "retry"`: how long to wait for the lock before giving up | `"10s"` |
+/// | `delay`, `max_attempts` | with `on_fail = "defer"`: the delay between attempts, and how many | — |
+/// | `on_lost` | what to do if the lock is lost while the body runs (renewal failed, lease ran out): `"ignore"` keeps running, `"cancel"` stops the body and returns a lock-lost error | `"ignore"` |
+/// | `locker` | any expression giving a `Locker` or `&Locker`, such as `state.locker`; it may use the arguments | the global default locker (`dlock_runtime::set_default_locker`) |
+/// | `message` | a human-readable detail for the rejection (shown in the HTTP problem response) | — |
+/// | `crate` | the path of `dlock_runtime`, when it is re-exported under another name | `"::dlock_runtime"` |
+///
+/// Every misuse is a compile error pointing at the offending token: unknown or duplicate
+/// arguments, a bad duration or strategy, `wait` without `on_fail = "retry"`, a bad key template,
+/// a function that is not `async`.
+///
+/// # Key templates
+///
+/// A key is literal text with placeholders in angle brackets:
+/// `key = "user:<id>:order:<req.order_no>"`.
+///
+/// - A placeholder names a parameter (`id: u64` gives `<id>`), any name bound by a parameter
+///   pattern (`Path(id): Path<u64>` gives `<id>`, `Json(NewOrder { order_no, .. }): Json<NewOrder>`
+///   gives `<order_no>`), or `self` in a method.
+/// - It may go on with fields and tuple indices: `<req.order_no>`, `<pair.0>`, `<self.tenant>`.
+/// - Its value is formatted with `Display`, and encoded so that different values never build
+///   the same key.
+/// - Two placeholders must be separated by literal text containing `:` (`"<a>:<b>"`, not
+///   `"<a><b>"` or `"<a>-<b>"`): the runtime escapes `:` inside values, so the `:` is what keeps
+///   `("1", "23")` and `("12", "3")` apart.
+/// - The literal text may not contain `{`, `}`, `%`, `#`, whitespace or control characters, which
+///   the runtime reserves.
+///
+/// The key and the `locker` expression are evaluated before the body starts, when the arguments
+/// are still whole.
+///
+/// # Return types
+///
+/// - A return type whose last path segment is `Result` (`Result<T, E>`, `io::Result<T>`,
+///   `anyhow::Result<T>`) is kept as it is; a lock failure becomes `E` through
+///   `From<LockError>`, so `E` must implement `From<dlock_runtime::LockError>`.
+/// - Any other return type `T` — including no return type, and `impl Trait` — becomes
+///   `Result<T, dlock_runtime::LockError>`.
+///
+/// `?` and early `return`s in the body work as before. No `Send` bound is added: the function's
+/// future is `Send` when the body's is (axum handlers) and works when it is not (actix-web
+/// handlers).
+///
+/// # Methods and handlers
+///
+/// The attribute works on free functions, methods taking `&self` or `&mut self`, generic
+/// functions, and web handlers with extractor patterns:
+///
+/// ```ignore
+/// use axum::extract::{Path, State};
+/// use dlock_runtime::distributed_lock;
+///
+/// #[distributed_lock(key = "order:<id>", locker = state.locker, message = "payment in progress")]
+/// async fn pay(State(state): State<AppState>, Path(id): Path<u64>) -> impl IntoResponse {
+///     // `LockError` implements `IntoResponse` (feature `axum`): 409 Conflict when held.
+/// }
+///
+/// impl Reports {
+///     #[distributed_lock(key = "report:<self.tenant>:<day>", ttl = "10m")]
+///     async fn build(&self, day: String) -> Result<Report, AppError> { /* … */ }
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
+    let item = proc_macro2::TokenStream::from(item);
+    match expand::expand(args.into(), item.clone()) {
+        Ok(expanded) => expanded.into(),
+        Err(error) => {
+            // Keep the item as written, so the rest of the crate (and the IDE) still sees it.
+            let mut tokens = item;
+            tokens.extend(error.into_compile_error());
+            tokens.into()
+        }
+    }
+}
