@@ -137,3 +137,48 @@ impl<T, E: From<LockError>> FromLockError for Result<T, E> {
         Err(E::from(err))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // No unit test in this crate sets the global default locker, so it is unset here.
+    #[tokio::test]
+    async fn no_default_locker_is_a_typed_error_not_a_panic() {
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let err = run(
+            default_locker(),
+            LockKey::new("k"),
+            Spec::new(Duration::from_secs(1)),
+            async { ran.store(true, std::sync::atomic::Ordering::SeqCst) },
+        )
+        .await
+        .unwrap_err();
+        assert!(err.is_no_locker(), "{err}");
+        assert_eq!(err.status(), 500);
+        assert!(
+            !ran.load(std::sync::atomic::Ordering::SeqCst),
+            "body ran without a lock"
+        );
+    }
+
+    #[tokio::test]
+    async fn message_becomes_the_problem_detail() {
+        let locker = Locker::memory();
+        let _held = locker.lock("m").acquire().await.unwrap();
+        let err = run(
+            Ok(locker.clone()),
+            LockKey::new("m"),
+            Spec::new(Duration::from_secs(1)).message("busy, try later"),
+            async {},
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            err.problem_json()
+                .contains("\"detail\":\"busy, try later\""),
+            "{}",
+            err.problem_json()
+        );
+    }
+}

@@ -1,0 +1,411 @@
+//! `#[distributed_lock]` end to end: axum and actix-web handlers over real HTTP servers
+//! against a real Redis, and plain async fns (re-entrancy, default locker, panics, `?`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{current_lock, distributed_lock, LockError, Locker};
+use dlock_tests::RedisServer;
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use http_body_util::{BodyExt as _, Empty};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::{mpsc, Notify};
+
+/// One HTTP reply: status, `Retry-After`, content type, body.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    retry_after: Option<u64>,
+    content_type: Option<String>,
+    body: String,
+}
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn post(client: &HttpClient, url: &str) -> Reply {
+    let req = hyper::Request::post(url).body(Empty::new()).unwrap();
+    let res = client.request(req).await.expect("http request");
+    let header = |name: &str| {
+        res.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let (retry_after, content_type) = (header("retry-after"), header("content-type"));
+    let status = res.status().as_u16();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    Reply {
+        status,
+        retry_after: retry_after.map(|v| v.parse().expect("Retry-After in seconds")),
+        content_type,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+/// Shared by the handlers of one test.
+struct App {
+    locker: Locker,
+    ran: AtomicUsize,
+    inside: AtomicUsize,
+    overlaps: AtomicUsize,
+    entered: mpsc::UnboundedSender<()>,
+    proceed: Notify,
+}
+
+fn app(locker: Locker) -> (Arc<App>, mpsc::UnboundedReceiver<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (
+        Arc::new(App {
+            locker,
+            ran: AtomicUsize::new(0),
+            inside: AtomicUsize::new(0),
+            overlaps: AtomicUsize::new(0),
+            entered: tx,
+            proceed: Notify::new(),
+        }),
+        rx,
+    )
+}
+
+mod axum_app {
+    use super::*;
+    use axum::extract::{Path, State};
+    use axum::routing::post;
+    use axum::Router;
+
+    #[distributed_lock(key = "order:<id>", ttl = "30s", on_fail = "reject", locker = app.locker,
+        message = "this order is already being submitted")]
+    async fn submit(State(app): State<Arc<App>>, Path(id): Path<u64>) -> String {
+        app.ran.fetch_add(1, Ordering::SeqCst);
+        let _ = app.entered.send(());
+        // Hold the lock until the test has seen every duplicate rejected.
+        app.proceed.notified().await;
+        format!("{id}:{}", current_lock().unwrap().fencing_token())
+    }
+
+    #[distributed_lock(key = "order:<id>", ttl = "30s", on_fail = "retry", wait = "60s", locker = app.locker)]
+    async fn pay(State(app): State<Arc<App>>, Path(id): Path<u64>) -> String {
+        if app.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+            app.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        tokio::task::yield_now().await;
+        app.ran.fetch_add(1, Ordering::SeqCst);
+        app.inside.fetch_sub(1, Ordering::SeqCst);
+        format!("{id}:{}", current_lock().unwrap().fencing_token())
+    }
+
+    #[distributed_lock(key = "job:<id>", ttl = "600ms", on_lost = "cancel", locker = app.locker)]
+    async fn long_job(State(app): State<Arc<App>>, Path(id): Path<u64>) -> String {
+        let _ = app.entered.send(());
+        app.proceed.notified().await;
+        // The side effect that must not happen once the lock is lost.
+        app.ran.fetch_add(1, Ordering::SeqCst);
+        format!("{id}")
+    }
+
+    pub(super) async fn serve(app: Arc<App>) -> String {
+        let router = Router::new()
+            .route("/orders/{id}/submit", post(submit))
+            .route("/orders/{id}/pay", post(pay))
+            .route("/jobs/{id}", post(long_job))
+            .with_state(app);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        format!("http://{addr}")
+    }
+}
+
+/// Fires `n` requests at once; returns the replies in completion order, calling `after(k)`
+/// once `k` replies are in.
+async fn burst(url: &str, n: usize, mut after: impl FnMut(usize)) -> Vec<Reply> {
+    let client = client();
+    let mut pending: FuturesUnordered<_> = (0..n).map(|_| post(&client, url)).collect();
+    let mut replies = Vec::new();
+    while let Some(r) = pending.next().await {
+        replies.push(r);
+        after(replies.len());
+    }
+    replies
+}
+
+fn assert_conflict(r: &Reply, detail: Option<&str>) {
+    assert_eq!(r.status, 409, "{r:?}");
+    let ra = r.retry_after.expect("Retry-After");
+    assert!((29..=30).contains(&ra), "Retry-After {ra} for a 30 s lease");
+    assert_eq!(r.content_type.as_deref(), Some("application/problem+json"));
+    assert!(r.body.contains("\"status\":409"), "{}", r.body);
+    if let Some(d) = detail {
+        assert!(r.body.contains(d), "{}", r.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
+    let server = RedisServer::start();
+    let (app, mut entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let base = axum_app::serve(app.clone()).await;
+    let url = format!("{base}/orders/7/submit");
+    let a = app.clone();
+    let replies = burst(&url, 50, |k| {
+        // 49 rejections in while the one holder still waits: let it finish.
+        if k == 49 {
+            a.proceed.notify_one();
+        }
+    })
+    .await;
+    assert_eq!(
+        app.ran.load(Ordering::SeqCst),
+        1,
+        "critical section ran more than once"
+    );
+    assert!(entered.try_recv().is_ok());
+    let ok: Vec<_> = replies.iter().filter(|r| r.status == 200).collect();
+    assert_eq!(ok.len(), 1, "{replies:?}");
+    assert_eq!(ok[0].body.split(':').next(), Some("7"));
+    for r in replies.iter().filter(|r| r.status != 200) {
+        assert_conflict(r, Some("this order is already being submitted"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_retry_runs_all_50_one_at_a_time_with_increasing_tokens() {
+    let server = RedisServer::start();
+    let (app, _entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let base = axum_app::serve(app.clone()).await;
+    let url = format!("{base}/orders/9/pay");
+    let replies = burst(&url, 50, |_| {}).await;
+    assert!(replies.iter().all(|r| r.status == 200), "{replies:?}");
+    assert_eq!(app.ran.load(Ordering::SeqCst), 50);
+    assert_eq!(
+        app.overlaps.load(Ordering::SeqCst),
+        0,
+        "two handlers inside at once"
+    );
+    let mut tokens: Vec<u64> = replies
+        .iter()
+        .map(|r| r.body.split(':').nth(1).unwrap().parse().unwrap())
+        .collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 50, "fencing tokens must be distinct");
+
+    // Sequential calls see strictly increasing tokens.
+    let client = client();
+    let mut last = 0;
+    for _ in 0..5 {
+        let r = post(&client, &url).await;
+        let t: u64 = r.body.split(':').nth(1).unwrap().parse().unwrap();
+        assert!(t > last, "token {t} after {last}");
+        last = t;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_on_lost_cancel_stops_the_side_effect() {
+    let server = RedisServer::start();
+    let (app, mut entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let base = axum_app::serve(app.clone()).await;
+    let client = client();
+    let url = format!("{base}/jobs/5");
+    let request = tokio::spawn(async move { post(&client, &url).await });
+    entered.recv().await.expect("handler entered");
+
+    // Take the lock away behind the handler's back.
+    let redis = redis::Client::open(server.url()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let n: i64 = redis::cmd("DEL")
+        .arg("dlock:{job:5}")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+
+    let reply = request.await.unwrap();
+    assert_eq!(reply.status, 503, "{reply:?}");
+    assert!(reply.body.contains("lock-lost"), "{}", reply.body);
+    // The body was dropped at its await point: letting it proceed now runs nothing.
+    app.proceed.notify_waiters();
+    tokio::task::yield_now().await;
+    assert_eq!(
+        app.ran.load(Ordering::SeqCst),
+        0,
+        "side effect ran after the lock was lost"
+    );
+}
+
+mod actix_app {
+    use super::*;
+    use actix_web::{web, App as ActixApp, HttpResponse, HttpServer};
+
+    // actix-web handler futures are !Send; the attribute must not require Send.
+    #[distributed_lock(key = "order:<id>", ttl = "30s", on_fail = "reject", locker = app.locker)]
+    async fn submit(app: web::Data<Arc<App>>, id: web::Path<u64>) -> HttpResponse {
+        let not_send = std::rc::Rc::new(());
+        app.ran.fetch_add(1, Ordering::SeqCst);
+        let _ = app.entered.send(());
+        app.proceed.notified().await;
+        drop(not_send);
+        HttpResponse::Ok().body(format!("{id}:{}", current_lock().unwrap().fencing_token()))
+    }
+
+    /// Runs an actix-web server on its own thread and system; returns its base URL.
+    pub(super) fn serve(app: Arc<App>) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            actix_web::rt::System::new().block_on(async move {
+                let data = web::Data::new(app);
+                let server = HttpServer::new(move || {
+                    ActixApp::new()
+                        .app_data(data.clone())
+                        .route("/orders/{id}/submit", web::post().to(submit))
+                })
+                .workers(1)
+                .bind(("127.0.0.1", 0))
+                .unwrap();
+                tx.send(server.addrs()[0]).unwrap();
+                server.run().await.unwrap();
+            });
+        });
+        format!("http://{}", rx.recv().unwrap())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actix_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
+    let server = RedisServer::start();
+    let (app, _entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let base = actix_app::serve(app.clone());
+    let url = format!("{base}/orders/3/submit");
+    let a = app.clone();
+    let replies = burst(&url, 50, |k| {
+        if k == 49 {
+            a.proceed.notify_one();
+        }
+    })
+    .await;
+    assert_eq!(app.ran.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        replies.iter().filter(|r| r.status == 200).count(),
+        1,
+        "{replies:?}"
+    );
+    for r in replies.iter().filter(|r| r.status != 200) {
+        assert_conflict(r, None);
+    }
+}
+
+// ---- plain async fns -------------------------------------------------------------------
+
+#[distributed_lock(key = "acct:<id>", on_fail = "reject", locker = locker)]
+async fn outer(locker: &Locker, id: u64) -> Result<(u64, u64), LockError> {
+    let mine = current_lock().unwrap().fencing_token();
+    let nested = inner(locker, id).await?;
+    Ok((mine, nested))
+}
+
+#[distributed_lock(key = "acct:<id>", on_fail = "retry", wait = "30s", locker = locker)]
+async fn inner(locker: &Locker, id: u64) -> u64 {
+    current_lock().unwrap().fencing_token()
+}
+
+#[tokio::test]
+async fn nested_call_with_the_same_key_re_enters() {
+    let locker = Locker::memory();
+    let start = Instant::now();
+    let (outer_token, inner_token) = outer(&locker, 1).await.unwrap();
+    // Re-entered: the same lock (no second acquisition), and no wait for ourselves.
+    assert_eq!(outer_token, inner_token);
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // Released once the outer call returned.
+    assert!(locker.lock("acct:1").try_acquire().await.unwrap().is_some());
+}
+
+#[derive(Debug)]
+enum AppError {
+    Lock(LockError),
+    Invalid,
+}
+
+impl From<LockError> for AppError {
+    fn from(e: LockError) -> Self {
+        AppError::Lock(e)
+    }
+}
+
+#[distributed_lock(key = "validate:<n>", locker = locker)]
+async fn validate(locker: &Locker, n: i32) -> Result<i32, AppError> {
+    let checked = if n < 0 { Err(AppError::Invalid) } else { Ok(n) };
+    let v = checked?; // early exit through `?` must still release the lock
+    Ok(v * 2)
+}
+
+#[distributed_lock(key = "boom:<n>", ttl = "30s", locker = locker)]
+async fn boom(locker: Locker, n: u32) -> u32 {
+    if n > 0 {
+        panic!("handler panicked");
+    }
+    n
+}
+
+#[tokio::test]
+async fn question_mark_and_panics_release_the_lock() {
+    let locker = Locker::memory();
+    assert!(matches!(
+        validate(&locker, -1).await,
+        Err(AppError::Invalid)
+    ));
+    assert!(locker
+        .lock("validate:-1")
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_some());
+    assert_eq!(validate(&locker, 4).await.unwrap(), 8);
+
+    let l = locker.clone();
+    let joined = tokio::spawn(async move { boom(l, 1).await }).await;
+    assert!(joined.unwrap_err().is_panic());
+    // Released in the background by the guard's drop during unwinding: promptly, not after 30 s.
+    let start = Instant::now();
+    while locker.lock("boom:1").try_acquire().await.unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "panicked holder kept the lock"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn contended_plain_fn_returns_a_typed_error_with_the_key() {
+    let locker = Locker::memory();
+    let held = locker.lock("validate:5").acquire().await.unwrap();
+    match validate(&locker, 5).await {
+        Err(AppError::Lock(e)) => {
+            assert!(e.is_contended(), "{e}");
+            assert_eq!(e.status(), 409);
+        }
+        other => panic!("expected a lock error, got {other:?}"),
+    }
+    held.release().await.unwrap();
+}
+
+#[distributed_lock(key = "report:<day>", ttl = "5s")]
+async fn report_with_default_locker(day: u32) -> u32 {
+    day
+}
+
+#[tokio::test]
+async fn the_default_locker_is_used_when_none_is_given() {
+    // The only test in this binary that touches the global default.
+    dlock_runtime::set_default_locker(Locker::memory());
+    assert_eq!(report_with_default_locker(3).await.unwrap(), 3);
+}
