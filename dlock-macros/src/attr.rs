@@ -66,19 +66,18 @@ pub(crate) enum OnFail {
     Reject,
     /// Wait for the lock up to `wait`.
     Retry { wait: Duration },
-    /// Hand the call to the delay queue (not available yet; see `expand::defer`).
+    /// Hand the call to the runtime's in-process delay queue (see `expand::defer`).
     Defer(Defer),
 }
 
 /// `on_fail = "defer"` and its arguments.
 pub(crate) struct Defer {
-    /// The `"defer"` literal, where "not available yet" is reported.
+    /// The `"defer"` literal.
+    #[allow(dead_code, reason = "kept for diagnostics spanned on the strategy")]
     pub(crate) lit: LitStr,
     /// `delay = "…"`; `None` leaves the runtime's default.
-    #[allow(dead_code, reason = "read once defer is wired to the runtime")]
     pub(crate) delay: Option<Duration>,
     /// `max_attempts = N`; `None` leaves the runtime's default.
-    #[allow(dead_code, reason = "read once defer is wired to the runtime")]
     pub(crate) max_attempts: Option<u32>,
 }
 

@@ -32,7 +32,7 @@ use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned as _;
 use syn::{Attribute, FnArg, Ident, Pat, ReturnType, Signature, Token, Type, Visibility};
 
-use crate::attr::{Args, Defer, OnFail, OnLost};
+use crate::attr::{Args, OnFail, OnLost};
 use crate::errors::Errors;
 use crate::key_template::{Field, Placeholder, Segment};
 
@@ -56,10 +56,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> syn::Result<TokenS
             "invalid #[distributed_lock]",
         ));
     };
-    if let OnFail::Defer(defer) = &args.on_fail {
-        return Ok(defer::expand(&function, body, defer, &bindings));
-    }
-    Ok(expand_locked(&function, body, &args, &key))
+    Ok(expand_locked(&function, body, &args, &key, &bindings))
 }
 
 /// An `async fn` as written: free fn, method, or trait method (with or without a body).
@@ -521,7 +518,13 @@ fn fake_return(sig: &Signature) -> TokenStream {
     }
 }
 
-fn expand_locked(function: &LockedFn, body: &Body, args: &Args, key: &TokenStream) -> TokenStream {
+fn expand_locked(
+    function: &LockedFn,
+    body: &Body,
+    args: &Args,
+    key: &TokenStream,
+    bindings: &Bindings,
+) -> TokenStream {
     let LockedFn {
         attrs, vis, sig, ..
     } = function;
@@ -556,6 +559,15 @@ fn expand_locked(function: &LockedFn, body: &Body, args: &Args, key: &TokenStrea
         let wait = duration(&private, wait);
         spec.extend(quote!(.retry(#wait)));
     }
+    let (run_fn, defer_checks) = match &args.on_fail {
+        OnFail::Defer(defer) => {
+            let delay = duration(&private, defer.delay.unwrap_or(defer::DEFAULT_DELAY));
+            let max_attempts = defer.max_attempts.unwrap_or(defer::DEFAULT_MAX_ATTEMPTS);
+            spec.extend(quote!(.defer(#delay, #max_attempts)));
+            (quote!(run_deferrable), defer::checks(bindings))
+        }
+        _ => (quote!(run), TokenStream::new()),
+    };
     if args.on_lost == OnLost::Cancel {
         spec.extend(quote!(.cancel_on_lost()));
     }
@@ -573,7 +585,7 @@ fn expand_locked(function: &LockedFn, body: &Body, args: &Args, key: &TokenStrea
     };
 
     let run = quote! {
-        #private::run(#locker_var, #key_var, #spec_var, #body_var).await
+        #private::#run_fn(#locker_var, #key_var, #spec_var, #body_var).await
     };
     let (sig, tail) = match output(sig) {
         Output::Result(ty) => {
@@ -597,6 +609,7 @@ fn expand_locked(function: &LockedFn, body: &Body, args: &Args, key: &TokenStrea
         #(#attrs)*
         #vis #sig {
             #(#inner_attrs)*
+            #defer_checks
             let #key_var = { #key };
             let #locker_var = #locker;
             let #spec_var = #spec;
@@ -623,25 +636,18 @@ fn wrap_output(sig: &Signature, private: &TokenStream) -> Signature {
     sig
 }
 
-/// `on_fail = "defer"`.
-///
-/// The runtime's delay queue arrives in a later version. Until then the arguments are parsed and
-/// validated (`attr.rs`), every argument is checked to be `Send + 'static` (what a deferred call
-/// will need, since it runs later on another task), and the attribute refuses with an error on
-/// the `"defer"` literal. To wire it up: replace [`defer::expand`] with a call into the runtime's
-/// delay queue; the checks stay.
+/// `on_fail = "defer"`: the body goes to the runtime's in-process delay queue when the lock is
+/// busy (`__private::run_deferrable`), so it runs later on another task. Every argument must
+/// therefore be `Send + 'static`; each gets a check spanned on it.
 mod defer {
     use super::*;
 
-    pub(super) fn expand(
-        function: &LockedFn,
-        body: &Body,
-        defer: &Defer,
-        bindings: &Bindings,
-    ) -> TokenStream {
-        let LockedFn {
-            attrs, vis, sig, ..
-        } = function;
+    /// `delay` when the attribute gives none (the runtime's `DeferPolicy` default).
+    pub(super) const DEFAULT_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+    /// `max_attempts` when the attribute gives none (the runtime's `DeferPolicy` default).
+    pub(super) const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+
+    pub(super) fn checks(bindings: &Bindings) -> TokenStream {
         // Named for the diagnostic: "required by a bound in `__dlock_defer_arg_must_be_…`".
         let assert = local("__dlock_defer_arg_must_be_send_and_static");
         let checks = bindings.all().map(|binding| {
@@ -651,24 +657,10 @@ mod defer {
             let assert = Ident::new(&assert.to_string(), span);
             quote_spanned!(span=> #assert(&#binding);)
         });
-        let not_yet = syn::Error::new(
-            defer.lit.span(),
-            "`on_fail = \"defer\"` is not available yet in this version of dlock; \
-             use \"retry\" (wait for the lock) or \"reject\" (fail at once) for now",
-        )
-        .into_compile_error();
-        let inner_attrs = &body.inner_attrs;
-        let stmts = &body.stmts;
         quote! {
-            #(#attrs)*
-            #vis #sig {
-                #(#inner_attrs)*
-                #[allow(dead_code)]
-                fn #assert<T: ::core::marker::Send + 'static>(_: &T) {}
-                #(#checks)*
-                #stmts
-            }
-            #not_yet
+            #[allow(dead_code)]
+            fn #assert<T: ::core::marker::Send + 'static>(_: &T) {}
+            #(#checks)*
         }
     }
 }
@@ -995,9 +987,8 @@ mod tests {
             out.contains("__dlock_defer_arg_must_be_send_and_static (& p) ;"),
             "{out}"
         );
-        assert!(
-            out.contains("compile_error ! { \"`on_fail = \\\"defer\\\"` is not available yet"),
-            "{out}"
-        );
+        assert!(out.contains("run_deferrable (__dlock_locker"), "{out}");
+        assert!(out.contains(". defer ("), "{out}");
+        assert!(!out.contains("compile_error"), "{out}");
     }
 }

@@ -44,9 +44,9 @@ use proc_macro::TokenStream;
 /// |---|---|---|
 /// | `key` | the key template, see below | required |
 /// | `ttl` | how long the lock lives if its holder stops renewing it; a duration such as `"30s"`, `"500ms"`, `"1m 30s"`, from 10ms to 24h | `"30s"` |
-/// | `on_fail` | what to do when another call holds the lock: `"reject"` (fail at once), `"retry"` (wait up to `wait`), `"defer"` (run later; **not available yet**) | `"reject"` |
+/// | `on_fail` | what to do when another call holds the lock: `"reject"` (fail at once), `"retry"` (wait up to `wait`), `"defer"` (return `LockError::Deferred` — HTTP 202 — at once and run the body later from the locker's in-process delay queue; every argument must be `Send + 'static`) | `"reject"` |
 /// | `wait` | with `on_fail = "retry"`: how long to wait for the lock before giving up | `"10s"` |
-/// | `delay`, `max_attempts` | with `on_fail = "defer"`: the delay between attempts, and how many | — |
+/// | `delay`, `max_attempts` | with `on_fail = "defer"`: the delay before the first deferred attempt (doubling, with jitter, after each busy attempt), and how many attempts before the job is dead-lettered | `"1s"`, `5` |
 /// | `on_lost` | what to do if the lock is lost while the body runs (renewal failed, lease ran out): `"ignore"` keeps running, `"cancel"` stops the body and returns a lock-lost error | `"ignore"` |
 /// | `locker` | any expression giving a `Locker` or `&Locker`, such as `state.locker`; it may use the arguments | the global default locker (`dlock_runtime::set_default_locker`) |
 /// | `message` | a human-readable detail for the rejection (shown in the HTTP problem response) | — |

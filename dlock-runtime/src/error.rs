@@ -13,6 +13,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// |---|---|---|
 /// | [`Contended`](LockError::Contended) | someone else holds the lock (one attempt was made) | 409 + `Retry-After` |
 /// | [`Timeout`](LockError::Timeout) | waited until the deadline, still held by someone else | 409 + `Retry-After` |
+/// | [`Deferred`](LockError::Deferred) | the work was queued to run when the lock frees | 202 |
 /// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time or refused | 503 + `Retry-After` |
 /// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
@@ -47,6 +48,16 @@ pub enum LockError {
         retry_after: Option<Duration>,
         /// A human-readable detail for the response (the attribute's `message`).
         detail: Option<String>,
+    },
+    /// The lock was busy and the work was handed to a delay queue ([`OnFail::Defer`](crate::OnFail::Defer));
+    /// it will run when the lock frees. Not a failure: HTTP 202 Accepted.
+    #[error("lock `{key}` is busy; the work was deferred as job {job_id}")]
+    #[non_exhaustive]
+    Deferred {
+        /// The logical key.
+        key: String,
+        /// The queue's id for the job (look it up in the queue).
+        job_id: String,
     },
     /// The backend could not be reached, timed out or answered with an error.
     #[error("lock backend unavailable: {message}")]
@@ -153,6 +164,19 @@ impl LockError {
         )
     }
 
+    /// The work was deferred ([`Deferred`](LockError::Deferred)); see [`job_id`](LockError::job_id).
+    pub fn is_deferred(&self) -> bool {
+        matches!(self, LockError::Deferred { .. })
+    }
+
+    /// The job id of a [`Deferred`](LockError::Deferred) outcome.
+    pub fn job_id(&self) -> Option<&str> {
+        match self {
+            LockError::Deferred { job_id, .. } => Some(job_id),
+            _ => None,
+        }
+    }
+
     /// The retry strategy gave up at its deadline.
     pub fn is_timeout(&self) -> bool {
         matches!(self, LockError::Timeout { .. })
@@ -197,6 +221,7 @@ impl LockError {
     pub fn status(&self) -> u16 {
         match self {
             LockError::Contended { .. } | LockError::Timeout { .. } => 409,
+            LockError::Deferred { .. } => 202,
             LockError::Unavailable { .. } | LockError::Lost { .. } => 503,
             LockError::InvalidKey { .. } => 400,
             LockError::InvalidTtl { .. } | LockError::NoLocker => 500,
@@ -217,12 +242,32 @@ impl LockError {
         }
     }
 
-    /// An RFC 9457 `application/problem+json` body describing this error.
+    /// The `Content-Type` of [`problem_json`](LockError::problem_json):
+    /// `application/problem+json`, or `application/json` for the 202 of a deferred job.
+    pub fn content_type(&self) -> &'static str {
+        if self.is_deferred() {
+            "application/json"
+        } else {
+            PROBLEM_JSON
+        }
+    }
+
+    /// An RFC 9457 `application/problem+json` body describing this error (for
+    /// [`Deferred`](LockError::Deferred), a plain JSON body naming the job:
+    /// `{"status":202,"title":"Accepted","detail":…,"job_id":…}`).
     ///
     /// Server-side failures (5xx other than 503) get a generic detail so that internals are
     /// not shown to clients; the full error stays available through `Display` for logs.
     pub fn problem_json(&self) -> String {
         let status = self.status();
+        if let LockError::Deferred { job_id, .. } = self {
+            let mut out = String::from(
+                "{\"status\":202,\"title\":\"Accepted\",\"detail\":\"the resource is busy; the work will run when it frees\",\"job_id\":",
+            );
+            push_json_str(&mut out, job_id);
+            out.push('}');
+            return out;
+        }
         let (kind, title) = match self {
             LockError::Contended { .. } => ("lock-contended", "Conflict"),
             LockError::Timeout { .. } => ("lock-timeout", "Conflict"),
@@ -231,6 +276,7 @@ impl LockError {
             LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
             LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
+            LockError::Deferred { .. } => ("deferred", "Accepted"),
         };
         let detail = match self {
             LockError::Contended {
@@ -248,6 +294,7 @@ impl LockError {
             LockError::InvalidTtl { .. } | LockError::NoLocker => {
                 "the lock is misconfigured on the server".to_owned()
             }
+            LockError::Deferred { .. } => String::new(),
         };
         let mut out = String::with_capacity(160);
         out.push_str("{\"type\":\"urn:dlock:problem:");
@@ -294,7 +341,7 @@ pub(crate) fn push_json_str(out: &mut String, s: &str) {
 
 #[cfg(feature = "axum")]
 mod axum_impl {
-    use super::{LockError, PROBLEM_JSON};
+    use super::LockError;
     use axum_core::response::{IntoResponse, Response};
     use http::{header, HeaderValue, StatusCode};
 
@@ -305,7 +352,10 @@ mod axum_impl {
                 StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             let mut res = (status, self.problem_json()).into_response();
             let headers = res.headers_mut();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(self.content_type()),
+            );
             if let Some(secs) = self.retry_after_secs() {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
             }
@@ -316,7 +366,7 @@ mod axum_impl {
 
 #[cfg(feature = "actix")]
 mod actix_impl {
-    use super::{LockError, PROBLEM_JSON};
+    use super::LockError;
     use actix_web::http::{header, StatusCode};
     use actix_web::{HttpResponse, ResponseError};
 
@@ -328,7 +378,7 @@ mod actix_impl {
 
         fn error_response(&self) -> HttpResponse {
             let mut res = HttpResponse::build(self.status_code());
-            res.insert_header((header::CONTENT_TYPE, PROBLEM_JSON));
+            res.insert_header((header::CONTENT_TYPE, self.content_type()));
             if let Some(secs) = self.retry_after_secs() {
                 res.insert_header((header::RETRY_AFTER, secs.to_string()));
             }
@@ -362,6 +412,14 @@ mod tests {
         assert_eq!(LockError::unavailable("down", None).status(), 503);
         assert_eq!(LockError::invalid_key("empty").status(), 400);
         assert_eq!(LockError::NoLocker.status(), 500);
+        let deferred = LockError::Deferred {
+            key: "k".into(),
+            job_id: "j1".into(),
+        };
+        assert_eq!(deferred.status(), 202);
+        assert_eq!(deferred.content_type(), "application/json");
+        assert!(deferred.problem_json().contains("\"job_id\":\"j1\""));
+        assert_eq!(deferred.retry_after_secs(), None);
     }
 
     #[test]

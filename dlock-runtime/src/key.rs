@@ -69,6 +69,19 @@ impl LockKey {
         KeyBuilder::new()
     }
 
+    /// A key that is already encoded (read back from storage), taken as is.
+    pub(crate) fn from_encoded(encoded: &str) -> Result<Self, LockError> {
+        if encoded.is_empty() {
+            return Err(LockError::invalid_key("key is empty"));
+        }
+        if encoded.len() > MAX_KEY_INPUT_LEN * 3 {
+            return Err(LockError::invalid_key("stored key is too long"));
+        }
+        Ok(LockKey {
+            encoded: encoded.into(),
+        })
+    }
+
     /// The encoded key.
     pub fn as_str(&self) -> &str {
         &self.encoded

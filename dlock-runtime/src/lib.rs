@@ -62,6 +62,7 @@
 
 pub mod backend;
 mod context;
+pub mod defer;
 mod engine;
 mod error;
 mod guard;

@@ -62,6 +62,8 @@ struct Inner {
     config: Config,
     /// Tasks currently waiting for a lock (subscribed to its release).
     waiting: AtomicUsize,
+    /// The in-process delay queue for `OnFail::Defer`.
+    defer: crate::defer::DeferQueue,
 }
 
 #[derive(Clone, Debug)]
@@ -143,6 +145,12 @@ impl Locker {
     /// The backend's name (`"memory"`, `"redis"`, …).
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
+    }
+
+    /// This locker's in-process delay queue, where [`OnFail::Defer`] puts work whose lock is
+    /// busy (list and re-queue dead letters, shut it down gracefully).
+    pub fn defer_queue(&self) -> &crate::defer::DeferQueue {
+        &self.inner.defer
     }
 
     /// How many tasks of this locker are currently waiting for a lock (queued and subscribed
@@ -289,6 +297,7 @@ impl LockerBuilder {
                 engine,
                 config: self.config,
                 waiting: AtomicUsize::new(0),
+                defer: crate::defer::DeferQueue::new(),
             }),
         })
     }
@@ -427,7 +436,8 @@ impl<'a> LockRequest<'a> {
         let span = tracing::debug_span!("dlock.acquire", key = %key);
         let resource = locker.resource(key);
         match on_fail {
-            OnFail::Reject => {
+            // `acquire` has no work to defer: one attempt, like Reject.
+            OnFail::Reject | OnFail::Defer(_) => {
                 match attempt_once(locker, resource.clone(), ttl, self.auto_renew)
                     .instrument(span)
                     .await?
@@ -455,6 +465,84 @@ impl<'a> LockRequest<'a> {
             .instrument(span)
             .await?
             .ok())
+    }
+
+    /// Takes the lock with the request's strategy, runs `work` while holding it (with the lock
+    /// visible to [`current_lock`](crate::current_lock)), releases it, and returns the work's
+    /// output.
+    ///
+    /// With [`OnFail::Defer`], a busy lock does not fail the call: `work` goes to the locker's
+    /// [`defer_queue`](Locker::defer_queue) and [`LockError::Deferred`] (with the job id) is
+    /// returned at once; the queue runs `work` later under the lock, and its output is then
+    /// dropped. Hence the `'static + Send` bounds.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// use dlock_runtime::{Locker, OnFail};
+    ///
+    /// let locker = Locker::memory();
+    /// let held = locker.lock("invoice:7").acquire().await.unwrap();
+    /// let outcome = locker
+    ///     .lock("invoice:7")
+    ///     .on_fail(OnFail::defer(Duration::from_millis(10), 5))
+    ///     .run(async { println!("sending invoice 7") })
+    ///     .await;
+    /// let err = outcome.unwrap_err();
+    /// assert!(err.is_deferred());
+    /// assert_eq!(err.status(), 202);
+    /// drop(held); // the queue runs the work once the lock frees
+    /// # }
+    /// ```
+    pub async fn run<F>(self, work: F) -> Result<F::Output, LockError>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let locker = self.locker;
+        let policy = match &self.on_fail {
+            Some(OnFail::Defer(p)) => Some(p.clone()),
+            None => match &locker.inner.config.on_fail {
+                OnFail::Defer(p) => Some(p.clone()),
+                _ => None,
+            },
+            Some(_) => None,
+        };
+        let Some(policy) = policy else {
+            let guard = self.acquire().await?;
+            let out = crate::context::scope(locker.id(), guard.info(), work).await;
+            if let Err(e) = guard.release().await {
+                tracing::warn!(error = %e, "dlock: lock was not cleanly released after the work finished");
+            }
+            return Ok(out);
+        };
+        let key = self.key?;
+        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
+        let resource = locker.resource(key.clone());
+        match attempt_once(locker, resource, ttl, self.auto_renew).await? {
+            Ok(guard) => {
+                let out = crate::context::scope(locker.id(), guard.info(), work).await;
+                if let Err(e) = guard.release().await {
+                    tracing::warn!(error = %e, "dlock: lock was not cleanly released after the work finished");
+                }
+                Ok(out)
+            }
+            Err(_) => {
+                let job_id = locker.inner.defer.push(
+                    locker.clone(),
+                    key.clone(),
+                    ttl,
+                    policy,
+                    Box::pin(async move {
+                        let _ = work.await;
+                    }),
+                )?;
+                Err(LockError::Deferred {
+                    key: key.as_str().to_owned(),
+                    job_id,
+                })
+            }
+        }
     }
 }
 

@@ -34,6 +34,12 @@ impl Spec {
         self
     }
 
+    /// `on_fail = "defer"` with `delay` and `max_attempts`.
+    pub fn defer(mut self, delay: Duration, max_attempts: u32) -> Self {
+        self.on_fail = OnFail::defer(delay, max_attempts);
+        self
+    }
+
     /// `on_lost = "cancel"`.
     pub fn cancel_on_lost(mut self) -> Self {
         self.cancel_on_lost = true;
@@ -119,6 +125,32 @@ pub async fn run<F: Future>(
         tracing::warn!(error = %e, "dlock: lock was not cleanly released after the body finished");
     }
     Ok(out)
+}
+
+/// `run` for `on_fail = "defer"`: when the lock is busy, the (not yet polled) body goes to the
+/// locker's in-process delay queue and [`LockError::Deferred`] comes back at once. The
+/// attribute checks that every argument is `'static + Send`, so the body is too.
+pub async fn run_deferrable<F>(
+    locker: Result<Locker, LockError>,
+    key: Result<LockKey, LockError>,
+    spec: Spec,
+    body: F,
+) -> Result<F::Output, LockError>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let locker = locker?;
+    let key = key?;
+    if crate::context::held_by_task(locker.id(), &key).is_some() {
+        return Ok(body.await);
+    }
+    locker
+        .lock(key)
+        .ttl(spec.ttl)
+        .on_fail(spec.on_fail)
+        .run(body)
+        .await
 }
 
 /// Turns a [`LockError`] into the function's own `Result` type.

@@ -22,6 +22,12 @@ pub enum OnFail {
     /// [`LockError::Timeout`](crate::LockError::Timeout). Waiters are served in arrival order
     /// and woken by the release itself; see [`RetryPolicy`].
     Retry(RetryPolicy),
+    /// Hand the work to the locker's in-process delay queue and return
+    /// [`LockError::Deferred`](crate::LockError::Deferred) (HTTP 202) at once; the queue runs it
+    /// when the lock is free. Needs the work: use [`LockRequest::run`](crate::LockRequest::run)
+    /// or the attribute (`acquire()` has no work to defer and treats this like `Reject`). See
+    /// [`crate::defer`].
+    Defer(crate::defer::DeferPolicy),
 }
 
 impl OnFail {
@@ -34,6 +40,11 @@ impl OnFail {
     /// ```
     pub fn retry(wait: Duration) -> Self {
         OnFail::Retry(RetryPolicy::new(wait))
+    }
+
+    /// [`OnFail::Defer`]: first deferred attempt after `delay`, at most `max_attempts`.
+    pub fn defer(delay: Duration, max_attempts: u32) -> Self {
+        OnFail::Defer(crate::defer::DeferPolicy::new(delay, max_attempts))
     }
 }
 

@@ -1,6 +1,5 @@
 // `on_fail = "defer"` runs the call later, on another task, so every argument must be `Send`
-// and `'static`: each argument that is not is an error on that argument. Defer itself is not
-// available yet in this version, which is reported on the "defer" literal.
+// and `'static`: each argument that is not is an error on that argument.
 
 #![allow(unused_variables)]
 

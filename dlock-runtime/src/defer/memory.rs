@@ -1,0 +1,354 @@
+//! The in-process delay queue.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::time::DelayQueue;
+
+use super::{new_job_id, DeferPolicy, JobInfo};
+use crate::{LockError, LockKey, Locker};
+
+type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// One deferred piece of work with what it needs to run.
+struct PendingJob {
+    info: JobInfo,
+    locker: Locker,
+    key: LockKey,
+    ttl: Duration,
+    policy: DeferPolicy,
+    work: Work,
+}
+
+enum Cmd {
+    Push(PendingJob, Duration),
+    Shutdown(Duration, oneshot::Sender<ShutdownReport>),
+}
+
+enum Outcome {
+    Done(JobInfo),
+    Busy(PendingJob),
+}
+
+/// What [`DeferQueue::shutdown`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Jobs that ran during the drain.
+    pub completed: usize,
+    /// Jobs that could not run before the drain deadline (their lock stayed busy) or sat in
+    /// the dead-letter set: they were dropped, and are listed here.
+    pub dropped: Vec<JobInfo>,
+}
+
+#[derive(Default)]
+struct Shared {
+    pending: HashMap<String, JobInfo>,
+    dead: Vec<PendingJob>,
+    closed: bool,
+}
+
+/// The in-process delay queue of a [`Locker`] (see the [module docs](super)). Cheap to
+/// clone. Get it with [`Locker::defer_queue`]; jobs go in through
+/// [`LockRequest::run`](crate::LockRequest::run) with [`OnFail::Defer`](crate::OnFail::Defer)
+/// or `#[distributed_lock(on_fail = "defer")]`.
+///
+/// Jobs live in memory only: a crash or restart loses them. Use the durable queue when that
+/// matters.
+#[derive(Clone)]
+pub struct DeferQueue {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tx: Mutex<Option<mpsc::UnboundedSender<Cmd>>>,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl fmt::Debug for DeferQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeferQueue")
+            .field("pending", &self.pending().len())
+            .field("dead", &self.dead_letters().len())
+            .finish()
+    }
+}
+
+impl Default for DeferQueue {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn event(event: &'static str, info: &JobInfo) {
+    tracing::info!(
+        target: "dlock::defer",
+        event,
+        queue = "memory",
+        job_id = %info.id,
+        key = %info.key,
+        attempt = info.attempts,
+    );
+}
+
+impl DeferQueue {
+    /// An empty queue; its task starts on the first job.
+    pub fn new() -> Self {
+        DeferQueue {
+            inner: Arc::new(Inner {
+                tx: Mutex::new(None),
+                shared: Arc::new(Mutex::new(Shared::default())),
+            }),
+        }
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.inner
+            .shared
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues `work` to run under the lock `key` after the policy's first delay. Returns the
+    /// job id.
+    pub(crate) fn push(
+        &self,
+        locker: Locker,
+        key: LockKey,
+        ttl: Duration,
+        policy: DeferPolicy,
+        work: Work,
+    ) -> Result<String, LockError> {
+        if self.shared().closed {
+            return Err(LockError::unavailable(
+                "the in-process defer queue is shut down",
+                None,
+            ));
+        }
+        let info = JobInfo {
+            id: new_job_id(),
+            key: key.as_str().to_owned(),
+            attempts: 0,
+        };
+        let first = policy.backoff(1);
+        let job = PendingJob {
+            info: info.clone(),
+            locker,
+            key,
+            ttl,
+            policy,
+            work,
+        };
+        self.shared().pending.insert(info.id.clone(), info.clone());
+        let tx = self.sender()?;
+        if tx.send(Cmd::Push(job, first)).is_err() {
+            self.shared().pending.remove(&info.id);
+            return Err(LockError::unavailable("the defer queue task is gone", None));
+        }
+        event("deferred", &info);
+        Ok(info.id)
+    }
+
+    fn sender(&self) -> Result<mpsc::UnboundedSender<Cmd>, LockError> {
+        let mut tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = tx.as_ref().filter(|t| !t.is_closed()) {
+            return Ok(t.clone());
+        }
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| LockError::unavailable("deferring work needs a tokio runtime", None))?;
+        let (t, rx) = mpsc::unbounded_channel();
+        rt.spawn(run(rx, self.inner.shared.clone()));
+        *tx = Some(t.clone());
+        Ok(t)
+    }
+
+    /// Jobs waiting for their next attempt.
+    pub fn pending(&self) -> Vec<JobInfo> {
+        self.shared().pending.values().cloned().collect()
+    }
+
+    /// Jobs that used up their attempts.
+    pub fn dead_letters(&self) -> Vec<JobInfo> {
+        self.shared().dead.iter().map(|j| j.info.clone()).collect()
+    }
+
+    /// Moves a dead-lettered job back into the queue with a fresh attempt budget; `false` if
+    /// no such dead letter exists (or the queue is shut down).
+    pub fn requeue(&self, job_id: &str) -> bool {
+        let job = {
+            let mut shared = self.shared();
+            if shared.closed {
+                return false;
+            }
+            let Some(pos) = shared.dead.iter().position(|j| j.info.id == job_id) else {
+                return false;
+            };
+            let mut job = shared.dead.remove(pos);
+            job.info.attempts = 0;
+            shared.pending.insert(job.info.id.clone(), job.info.clone());
+            job
+        };
+        let first = job.policy.backoff(1);
+        event("requeued", &job.info);
+        match self.sender() {
+            Ok(tx) => tx.send(Cmd::Push(job, first)).is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// Stops accepting jobs and drains: every pending job is tried at once (and retried with a
+    /// short step) until it has run or `within` has passed. Jobs still pending then, and
+    /// dead letters, are dropped and listed in the report.
+    pub async fn shutdown(&self, within: Duration) -> ShutdownReport {
+        self.shared().closed = true;
+        let tx = self
+            .inner
+            .tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut report = match tx {
+            Some(tx) => {
+                let (reply, rx) = oneshot::channel();
+                if tx.send(Cmd::Shutdown(within, reply)).is_ok() {
+                    rx.await.unwrap_or_default()
+                } else {
+                    ShutdownReport::default()
+                }
+            }
+            None => ShutdownReport::default(),
+        };
+        let mut shared = self.shared();
+        for job in shared.dead.drain(..) {
+            event("dropped", &job.info);
+            report.dropped.push(job.info);
+        }
+        shared.pending.clear();
+        report
+    }
+}
+
+async fn attempt(job: PendingJob) -> Outcome {
+    let locker = job.locker.clone();
+    match locker
+        .lock(job.key.clone())
+        .ttl(job.ttl)
+        .try_acquire()
+        .await
+    {
+        Ok(Some(guard)) => {
+            let scoped = crate::context::scope(locker.id(), guard.info(), job.work);
+            scoped.await;
+            if let Err(e) = guard.release().await {
+                tracing::warn!(error = %e, "dlock: deferred job's lock was not cleanly released");
+            }
+            Outcome::Done(job.info)
+        }
+        Ok(None) => Outcome::Busy(job),
+        Err(e) => {
+            tracing::debug!(error = %e, "dlock: deferred attempt could not reach the backend");
+            Outcome::Busy(job)
+        }
+    }
+}
+
+async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
+    let lock = || shared.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut queue: DelayQueue<PendingJob> = DelayQueue::new();
+    let mut running: JoinSet<Outcome> = JoinSet::new();
+    // Which job each running attempt belongs to, to account for a panicking one.
+    let mut running_ids: HashMap<tokio::task::Id, String> = HashMap::new();
+    let mut draining: Option<(Instant, oneshot::Sender<ShutdownReport>)> = None;
+    let mut completed = 0usize;
+    loop {
+        if let Some((deadline, _)) = &draining {
+            let deadline = *deadline;
+            if queue.is_empty() && running.is_empty() || Instant::now() >= deadline {
+                let (_, reply) = draining.take().expect("draining");
+                let mut dropped = Vec::new();
+                while let Some(key) = queue.peek() {
+                    dropped.push(queue.remove(&key).into_inner().info);
+                }
+                lock().pending.clear();
+                for info in &dropped {
+                    event("dropped", info);
+                }
+                let _ = reply.send(ShutdownReport { completed, dropped });
+                running.abort_all();
+                return;
+            }
+        }
+        let deadline = draining.as_ref().map(|(d, _)| *d);
+        tokio::select! {
+            cmd = rx.recv(), if draining.is_none() => match cmd {
+                Some(Cmd::Push(job, delay)) => {
+                    queue.insert(job, delay);
+                }
+                Some(Cmd::Shutdown(within, reply)) => {
+                    // Everything pending becomes due now.
+                    let mut all = Vec::new();
+                    while let Some(key) = queue.peek() {
+                        all.push(queue.remove(&key).into_inner());
+                    }
+                    for job in all {
+                        queue.insert(job, Duration::ZERO);
+                    }
+                    draining = Some((Instant::now() + within, reply));
+                }
+                None => return,
+            },
+            Some(expired) = futures_util::future::poll_fn(|cx| queue.poll_expired(cx)), if !queue.is_empty() => {
+                let job = expired.into_inner();
+                let id = job.info.id.clone();
+                let handle = running.spawn(attempt(job));
+                running_ids.insert(handle.id(), id);
+            }
+            Some(done) = running.join_next_with_id(), if !running.is_empty() => match done {
+                Ok((task, Outcome::Done(info))) => {
+                    running_ids.remove(&task);
+                    lock().pending.remove(&info.id);
+                    completed += 1;
+                    event("completed", &info);
+                }
+                Ok((task, Outcome::Busy(mut job))) => {
+                    running_ids.remove(&task);
+                    job.info.attempts += 1;
+                    if job.info.attempts >= job.policy.max_attempts {
+                        event("dead_lettered", &job.info);
+                        let mut s = lock();
+                        s.pending.remove(&job.info.id);
+                        s.dead.push(job);
+                    } else {
+                        let wait = if draining.is_some() {
+                            Duration::from_millis(10)
+                        } else {
+                            job.policy.backoff(job.info.attempts + 1)
+                        };
+                        lock().pending.insert(job.info.id.clone(), job.info.clone());
+                        event("retried", &job.info);
+                        queue.insert(job, wait);
+                    }
+                }
+                Err(e) => {
+                    // The work panicked (or was aborted); its future is gone, it cannot be retried.
+                    let job_id = running_ids.remove(&e.id()).unwrap_or_default();
+                    lock().pending.remove(&job_id);
+                    tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %job_id, error = %e);
+                }
+            },
+            _ = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+    }
+}

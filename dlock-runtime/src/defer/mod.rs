@@ -1,0 +1,126 @@
+//! Defer: the third fail strategy. When the lock is busy, put the work aside and run it
+//! later — without blocking the caller and, with the durable queue, without losing it.
+//!
+//! * [`OnFail::Defer`](crate::OnFail::Defer) with a [`DeferPolicy`]: the caller gets
+//!   [`LockError::Deferred`](crate::LockError::Deferred) at once, carrying the job id (HTTP
+//!   202). When the job's turn comes it makes one attempt at the lock; if the lock is still
+//!   busy it is deferred again with exponential backoff and jitter, up to `max_attempts`, and
+//!   then moved to the dead-letter set, which can be listed and re-queued.
+//! * [`DeferQueue`] — the in-process queue (the default, one per [`Locker`](crate::Locker)),
+//!   built on tokio-util's `DelayQueue`. It holds closures and futures, so it serves
+//!   `LockRequest::run` and `#[distributed_lock(on_fail = "defer")]`. **It does not survive a
+//!   crash or a restart**: jobs live in this process's memory. [`DeferQueue::shutdown`] drains
+//!   it and reports exactly what was dropped.
+//! * [`DurableQueue`] (feature `redis`) — typed jobs ([`Job`], serde types) in Redis, run by a
+//!   [`DurableWorker`] that every instance of the service can run. Claims carry a visibility
+//!   timeout: a job claimed by a process that dies is run by another instance once the claim
+//!   expires (at-least-once).
+//!
+//! Every step emits a `tracing` event on target `dlock::defer` with the fields `event`
+//! (`deferred`, `retried`, `dead_lettered`, `completed`, `failed`, `requeued`, `dropped`),
+//! `queue` (`memory` or `redis`), `job_id`, `key` and `attempt`, ready to be counted by a
+//! metrics layer.
+
+use std::time::Duration;
+
+mod memory;
+pub use memory::{DeferQueue, ShutdownReport};
+
+#[cfg(feature = "redis")]
+mod durable;
+#[cfg(feature = "redis")]
+pub use durable::{DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted};
+
+/// How deferred work is retried. Defaults: first delay 1 s, 5 attempts, backoff capped at
+/// 5 minutes.
+///
+/// Attempt `n` (1-based, counting the caller's own first try as attempt 0) waits
+/// `delay · 2ⁿ⁻¹` with "equal jitter" (a random point in the upper half of the step), capped at
+/// `max_delay`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeferPolicy {
+    /// Delay before the first deferred attempt.
+    pub delay: Duration,
+    /// How many deferred attempts before the job is dead-lettered.
+    pub max_attempts: u32,
+    /// Largest backoff step.
+    pub max_delay: Duration,
+}
+
+impl Default for DeferPolicy {
+    fn default() -> Self {
+        DeferPolicy::new(Duration::from_secs(1), 5)
+    }
+}
+
+impl DeferPolicy {
+    /// `delay` before the first deferred attempt, `max_attempts` attempts in all.
+    pub fn new(delay: Duration, max_attempts: u32) -> Self {
+        DeferPolicy {
+            delay,
+            max_attempts: max_attempts.max(1),
+            max_delay: Duration::from_secs(300),
+        }
+    }
+
+    /// Caps the backoff step.
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        self.max_delay = d;
+        self
+    }
+
+    /// The wait before deferred attempt `attempt` (1-based).
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let step = self
+            .delay
+            .checked_mul(1u32 << attempt.saturating_sub(1).min(20))
+            .unwrap_or(self.max_delay)
+            .min(self.max_delay);
+        let half = step / 2;
+        let nanos = half.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let jitter = if nanos == 0 {
+            0
+        } else {
+            crate::strategy::next_random() % (nanos + 1)
+        };
+        half + Duration::from_nanos(jitter)
+    }
+}
+
+/// What a queue knows about one job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct JobInfo {
+    /// The job id returned to the caller (also in [`LockError::Deferred`](crate::LockError::Deferred)).
+    pub id: String,
+    /// The lock key the job needs.
+    pub key: String,
+    /// Deferred attempts made so far.
+    pub attempts: u32,
+}
+
+/// A fresh job id: 128 random bits, hex.
+pub(crate) fn new_job_id() -> String {
+    crate::backend::OwnerToken::generate().as_str().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_in_the_upper_half_and_is_capped() {
+        let p =
+            DeferPolicy::new(Duration::from_millis(100), 5).max_delay(Duration::from_millis(500));
+        for (attempt, step) in [(1u32, 100u64), (2, 200), (3, 400), (4, 500), (9, 500)] {
+            for _ in 0..50 {
+                let b = p.backoff(attempt).as_millis() as u64;
+                assert!(
+                    b >= step / 2 && b <= step,
+                    "attempt {attempt}: {b} ms vs step {step}"
+                );
+            }
+        }
+    }
+}
