@@ -1,3 +1,84 @@
-//! `dlock-tower`: per-request distributed locks for any `tower` + `http` stack.
+//! # dlock-tower
 //!
-//! The layer itself is being built (issue 4); this crate currently contains no public API.
+//! Per-request distributed locks for any `tower` + `http` stack (axum, hyper, tonic):
+//! [`DistributedLockLayer`] takes a [`dlock_runtime`] lock keyed by the request before calling
+//! your service, and answers `409 Conflict` with `Retry-After` when another request holds it.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use std::convert::Infallible;
+//! use std::time::Duration;
+//! use dlock_runtime::{LockInfo, Locker};
+//! use dlock_tower::{key, DistributedLockLayer};
+//! use http::{Request, Response};
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//!
+//! // In-process locks; `Locker::from_url("redis://…").await?` to share them across instances.
+//! let locker = Locker::memory();
+//! let svc = ServiceBuilder::new()
+//!     .layer(
+//!         DistributedLockLayer::new(locker.clone(), key::header("idempotency-key"))
+//!             .ttl(Duration::from_secs(10)),
+//!     )
+//!     .service(service_fn(|req: Request<String>| async move {
+//!         // The lock's key and fencing token are in the request extensions.
+//!         let lock = req.extensions().get::<LockInfo>().unwrap();
+//!         Ok::<_, Infallible>(Response::new(format!("fencing token {}", lock.fencing_token())))
+//!     }));
+//!
+//! let request = || {
+//!     Request::post("/payments")
+//!         .header("idempotency-key", "4f1c")
+//!         .body(String::new())
+//!         .unwrap()
+//! };
+//!
+//! let res = svc.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(res.status(), 200);
+//!
+//! // While another holder has the lock, the same key is answered 409 + Retry-After.
+//! let held = locker.lock("hdr:idempotency-key:4f1c").acquire().await.unwrap();
+//! let res = svc.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(res.status(), 409);
+//! assert!(res.headers().contains_key("retry-after"));
+//! assert_eq!(res.headers()["content-type"], "application/problem+json");
+//! drop(held);
+//!
+//! // No key: 400 by default (or pass through, see `MissingKey`).
+//! let res = svc.oneshot(Request::new(String::new())).await.unwrap();
+//! assert_eq!(res.status(), 400);
+//! # }
+//! ```
+//!
+//! ## What you get
+//!
+//! * [`DistributedLockLayer`] / [`DistributedLock`], laid out like tower's own middleware, with
+//!   a TTL, a strategy for a held lock ([`OnFail`](dlock_runtime::OnFail): reject at once, or
+//!   wait in line), fail-open or fail-closed ([`FailMode`]) when the backend is down, and a
+//!   choice of what a request without a key gets ([`MissingKey`]). See [`lock`] for the
+//!   lifecycle and every response.
+//! * [Key extractors](key): a header (`Idempotency-Key`), method + path, axum's matched route
+//!   and path parameters (feature `axum`), an identity from the request extensions, a bounded
+//!   body digest, closures, and `and`/`or` combinations. Request data can never forge a key
+//!   that collides with another request's.
+//! * The handler reads the lock's [`LockInfo`](dlock_runtime::LockInfo) (key, fencing token)
+//!   from the request extensions (`Extension<LockInfo>` in axum).
+//! * Rejections are responses (409, 503, 400, 413 with `application/problem+json`), so the
+//!   service's error type is untouched; the response body type is the inner service's own
+//!   (`ResBody: From<String>`), so the layer fits axum's `Router::layer` / `route_layer` and a
+//!   plain `tower::ServiceBuilder` over hyper alike.
+//!
+//! ## Features
+//!
+//! | feature | default | what |
+//! |---|---|---|
+//! | `axum` | no | [`key::matched_path`], [`key::path_params`], [`key::path_param`] |
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod key;
+pub mod lock;
+mod rejection;
+
+pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};
+pub use rejection::Rejection;

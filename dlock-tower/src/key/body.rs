@@ -1,0 +1,135 @@
+//! [`body_digest`]: a digest of the request body, read up to a size limit.
+
+use std::fmt::Write as _;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::request::Parts;
+use http::{Request, StatusCode};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use sha2::{Digest, Sha256};
+
+use super::{combinators, ExtractKey, Extracted, Key};
+use crate::Rejection;
+
+/// Keys requests by the SHA-256 of their body: `body:sha256:<hex>`. Two requests with the same
+/// payload share a lock, e.g. to stop a double-clicked form from being processed twice.
+///
+/// The body is read into memory, at most `limit` bytes, and handed on to the inner service
+/// intact as `B::from(bytes)` (so the body type must implement `From<Bytes>`, as axum's
+/// `Body` and http-body-util's `Full<Bytes>` do; hyper's `Incoming` does not: map it into one
+/// of those first). A body longer than `limit` (by its declared size or as it is read) is
+/// answered with `413 Payload Too Large` and an `application/problem+json` body; a body that
+/// fails to read with 400. Trailers are not handed on. An empty body has a key too (the
+/// digest of nothing).
+///
+/// Usually combined with the endpoint, so that equal payloads to different endpoints do not
+/// contend:
+///
+/// ```
+/// use dlock_tower::key;
+/// let same_payload_same_endpoint = key::method_path().and(key::body_digest(64 * 1024));
+/// # let _ = same_payload_same_endpoint;
+/// ```
+pub fn body_digest(limit: usize) -> BodyDigest {
+    BodyDigest { limit }
+}
+
+/// The extractor of [`body_digest`].
+#[derive(Clone, Copy, Debug)]
+pub struct BodyDigest {
+    limit: usize,
+}
+
+combinators!(BodyDigest);
+
+impl BodyDigest {
+    /// The largest body read, in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}
+
+impl<B> ExtractKey<B> for BodyDigest
+where
+    B: Body + From<Bytes>,
+{
+    type Future = BodyDigestFuture<B>;
+
+    fn extract(&mut self, request: Request<B>) -> Self::Future {
+        let (parts, body) = request.into_parts();
+        let hint = body.size_hint();
+        let too_large = hint.lower() > self.limit as u64;
+        let capacity = hint.upper().unwrap_or(hint.lower()).min(self.limit as u64);
+        BodyDigestFuture {
+            body,
+            parts: Some(parts),
+            buf: BytesMut::with_capacity(usize::try_from(capacity).unwrap_or(self.limit)),
+            limit: self.limit,
+            too_large,
+        }
+    }
+}
+
+pin_project! {
+    /// The future of [`BodyDigest`]: reads the body, up to the limit.
+    pub struct BodyDigestFuture<B> {
+        #[pin]
+        body: B,
+        parts: Option<Parts>,
+        buf: BytesMut,
+        limit: usize,
+        too_large: bool,
+    }
+}
+
+impl<B> Future for BodyDigestFuture<B>
+where
+    B: Body + From<Bytes>,
+{
+    type Output = Extracted<B>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if *this.too_large {
+            return Poll::Ready(Err(Rejection::body_too_large(*this.limit)));
+        }
+        loop {
+            match ready!(this.body.as_mut().poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers
+                    };
+                    let n = bytes::Buf::remaining(&data);
+                    if this.buf.len().saturating_add(n) > *this.limit {
+                        *this.too_large = true;
+                        return Poll::Ready(Err(Rejection::body_too_large(*this.limit)));
+                    }
+                    this.buf.put(data);
+                }
+                Some(Err(_)) => {
+                    return Poll::Ready(Err(Rejection::new(
+                        StatusCode::BAD_REQUEST,
+                        "body-unreadable",
+                        "the request body could not be read",
+                    )));
+                }
+                None => break,
+            }
+        }
+        let parts = this
+            .parts
+            .take()
+            .expect("BodyDigestFuture polled after completion");
+        let bytes: Bytes = this.buf.split().freeze();
+        let mut hex = String::with_capacity(64);
+        for b in Sha256::digest(&bytes) {
+            let _ = write!(hex, "{b:02x}");
+        }
+        let key = Key::new("body").lit("sha256").value(hex.as_str());
+        Poll::Ready(Ok((Request::from_parts(parts, B::from(bytes)), Some(key))))
+    }
+}

@@ -1,0 +1,98 @@
+//! [`extension`]: a value an earlier layer put in the request extensions.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::{ready, Ready};
+use std::marker::PhantomData;
+
+use http::Request;
+
+use super::{combinators, ExtractKey, Extracted, Key};
+
+/// Keys requests by a value of type `T` found in the request extensions, typically the
+/// identity an authentication layer placed there: `ext:<label>:<value>`, where the value is
+/// `T`'s `Display` output. A request without a `T` has no key.
+///
+/// The label defaults to `T`'s name without its module path (`UserId` for
+/// `my_app::auth::UserId`). It is taken from [`std::any::type_name`], whose output the
+/// standard library does not promise to keep across compiler versions: when instances built
+/// by different compilers share a lock store, set a fixed label with
+/// [`Extension::label`].
+///
+/// ```
+/// use dlock_tower::key;
+///
+/// #[derive(Clone)]
+/// struct UserId(u64);
+/// impl std::fmt::Display for UserId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         self.0.fmt(f)
+///     }
+/// }
+///
+/// // `ext:user:<id>:path:<METHOD>:<path>`: one request per user and endpoint at a time.
+/// let per_user = key::extension::<UserId>().label("user").and(key::method_path());
+/// # let _ = per_user;
+/// ```
+pub fn extension<T>() -> Extension<T>
+where
+    T: fmt::Display + Clone + Send + Sync + 'static,
+{
+    let full = std::any::type_name::<T>();
+    let base = full.split('<').next().unwrap_or(full);
+    let short = base.rsplit("::").next().unwrap_or(base);
+    Extension {
+        label: Cow::Owned(short.to_owned()),
+        _marker: PhantomData,
+    }
+}
+
+/// The extractor of [`extension`].
+pub struct Extension<T> {
+    label: Cow<'static, str>,
+    _marker: PhantomData<fn() -> T>,
+}
+
+combinators!(Extension<T>);
+
+impl<T> Extension<T> {
+    /// Sets the literal that names the value in the key (`ext:<label>:<value>`).
+    #[must_use]
+    pub fn label(mut self, label: impl Into<Cow<'static, str>>) -> Self {
+        self.label = label.into();
+        self
+    }
+}
+
+impl<T> Clone for Extension<T> {
+    fn clone(&self) -> Self {
+        Extension {
+            label: self.label.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T> fmt::Debug for Extension<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Extension")
+            .field("type", &std::any::type_name::<T>())
+            .field("label", &self.label)
+            .finish()
+    }
+}
+
+impl<B, T> ExtractKey<B> for Extension<T>
+where
+    T: fmt::Display + Clone + Send + Sync + 'static,
+{
+    type Future = Ready<Extracted<B>>;
+
+    fn extract(&mut self, request: Request<B>) -> Self::Future {
+        let key = request
+            .extensions()
+            .get::<T>()
+            .map(|value| Key::new("ext").lit(self.label.clone()).value(value));
+        ready(Ok((request, key)))
+    }
+}

@@ -1,0 +1,120 @@
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_runtime::{Locker, OnFail};
+use tower_layer::Layer;
+
+use super::{DistributedLock, FailMode, MissingKey, Shared};
+
+/// Takes a distributed lock per request, keyed by an [extractor](crate::key), around the
+/// inner service. See the [module docs](crate::lock) for what it does and answers.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::post, Router};
+/// use dlock_runtime::{Locker, OnFail};
+/// use dlock_tower::{key, DistributedLockLayer, MissingKey};
+///
+/// let locker = Locker::memory();
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }))
+///     .route_layer(
+///         DistributedLockLayer::new(locker, key::header("idempotency-key"))
+///             .ttl(Duration::from_secs(10))
+///             .on_fail(OnFail::retry(Duration::from_secs(2)))
+///             .missing_key(MissingKey::Reject),
+///     );
+/// ```
+#[must_use]
+pub struct DistributedLockLayer<K> {
+    shared: Arc<Shared>,
+    extractor: K,
+}
+
+impl<K> DistributedLockLayer<K> {
+    /// Locks on `extractor`'s key with `locker`, with the defaults documented on each setter:
+    /// the locker's TTL and strategy, fail-closed, 400 for a missing key.
+    pub fn new(locker: Locker, extractor: K) -> Self {
+        DistributedLockLayer {
+            shared: Arc::new(Shared::new(locker)),
+            extractor,
+        }
+    }
+
+    /// The lease of each request's lock. Default: the locker's default TTL (30 s unless set
+    /// with `LockerBuilder::default_ttl`).
+    ///
+    /// The watchdog renews the lock while the request runs, so this is not a limit on how
+    /// long a request may take: it is how long the lock outlives a process that dies holding
+    /// it, and what a rejected client's `Retry-After` counts down from. Must be within
+    /// [`MIN_TTL`](dlock_runtime::MIN_TTL)..=[`MAX_TTL`](dlock_runtime::MAX_TTL); an invalid
+    /// TTL makes every request fail with 500.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        Arc::make_mut(&mut self.shared).ttl = Some(ttl);
+        self
+    }
+
+    /// What a request does when another holds its lock. Default: the locker's default,
+    /// [`OnFail::Reject`] unless set with `LockerBuilder::default_on_fail` — answer 409 at
+    /// once. [`OnFail::Retry`] waits in line (fairly, woken by the release) up to its deadline,
+    /// then answers 409. A deferring strategy needs the work as a closure, which a layer in
+    /// front of a service does not have: the runtime treats it like [`OnFail::Reject`] here.
+    pub fn on_fail(mut self, on_fail: OnFail) -> Self {
+        Arc::make_mut(&mut self.shared).on_fail = Some(on_fail);
+        self
+    }
+
+    /// What a request gets when the lock backend is unavailable. Default:
+    /// [`FailMode::Closed`] (503 + `Retry-After`).
+    pub fn fail_mode(mut self, mode: FailMode) -> Self {
+        Arc::make_mut(&mut self.shared).fail_mode = mode;
+        self
+    }
+
+    /// What a request without a key gets. Default: [`MissingKey::Reject`] (400).
+    pub fn missing_key(mut self, missing: MissingKey) -> Self {
+        Arc::make_mut(&mut self.shared).missing_key = missing;
+        self
+    }
+
+    /// The locker.
+    pub fn locker(&self) -> &Locker {
+        &self.shared.locker
+    }
+
+    /// The key extractor.
+    pub fn extractor(&self) -> &K {
+        &self.extractor
+    }
+}
+
+impl<S, K: Clone> Layer<S> for DistributedLockLayer<K> {
+    type Service = DistributedLock<S, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        DistributedLock::from_parts(inner, self.extractor.clone(), self.shared.clone())
+    }
+}
+
+impl<K: Clone> Clone for DistributedLockLayer<K> {
+    fn clone(&self) -> Self {
+        DistributedLockLayer {
+            shared: self.shared.clone(),
+            extractor: self.extractor.clone(),
+        }
+    }
+}
+
+impl<K> fmt::Debug for DistributedLockLayer<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedLockLayer")
+            .field("locker", &self.shared.locker)
+            .field("extractor", &std::any::type_name::<K>())
+            .field("ttl", &self.shared.ttl)
+            .field("on_fail", &self.shared.on_fail)
+            .field("fail_mode", &self.shared.fail_mode)
+            .field("missing_key", &self.shared.missing_key)
+            .finish()
+    }
+}

@@ -1,0 +1,104 @@
+use std::fmt;
+use std::mem;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use dlock_runtime::Locker;
+use http::{Request, Response};
+use tower_service::Service;
+
+use super::{DistributedLockLayer, ResponseFuture, Shared};
+use crate::key::ExtractKey;
+
+/// The service of [`DistributedLockLayer`]: takes the request's lock, then calls `S`. See the
+/// [module docs](crate::lock).
+pub struct DistributedLock<S, K> {
+    inner: S,
+    extractor: K,
+    shared: Arc<Shared>,
+}
+
+impl<S, K> DistributedLock<S, K> {
+    /// Wraps `inner` with the defaults of [`DistributedLockLayer::new`]; use the layer to
+    /// change them.
+    pub fn new(inner: S, locker: Locker, extractor: K) -> Self {
+        Self::from_parts(inner, extractor, Arc::new(Shared::new(locker)))
+    }
+
+    pub(crate) fn from_parts(inner: S, extractor: K, shared: Arc<Shared>) -> Self {
+        DistributedLock {
+            inner,
+            extractor,
+            shared,
+        }
+    }
+
+    /// A [`DistributedLockLayer`] (same as [`DistributedLockLayer::new`]).
+    pub fn layer(locker: Locker, extractor: K) -> DistributedLockLayer<K> {
+        DistributedLockLayer::new(locker, extractor)
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes `self`, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// The locker.
+    pub fn locker(&self) -> &Locker {
+        &self.shared.locker
+    }
+}
+
+impl<S, K, ReqBody, ResBody> Service<Request<ReqBody>> for DistributedLock<S, K>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    K: ExtractKey<ReqBody>,
+    ResBody: From<String>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<K, S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The inner service was driven to readiness: keep that instance for this request and
+        // leave a fresh clone behind (tower-service docs, "Be careful when cloning inner
+        // services").
+        let clone = self.inner.clone();
+        let inner = mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(self.extractor.extract(request), inner, self.shared.clone())
+    }
+}
+
+impl<S: Clone, K: Clone> Clone for DistributedLock<S, K> {
+    fn clone(&self) -> Self {
+        DistributedLock {
+            inner: self.inner.clone(),
+            extractor: self.extractor.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K> fmt::Debug for DistributedLock<S, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedLock")
+            .field("inner", &self.inner)
+            .field("extractor", &std::any::type_name::<K>())
+            .field("shared", &self.shared)
+            .finish()
+    }
+}

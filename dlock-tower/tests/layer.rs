@@ -1,0 +1,713 @@
+//! `DistributedLockLayer` against real `redis-server` processes: mutual exclusion per key,
+//! parallelism across keys, release on cancellation, fail-open/fail-closed, the body digest,
+//! `LockInfo` in extensions, and composition with axum and a plain hyper + tower stack.
+//!
+//! Inner services block on signals the test controls (watch channels, barriers), never on
+//! sleeps; assertions are about behaviour, not speed.
+
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
+use dlock_tests::RedisServer;
+use dlock_tower::key::{self, Key};
+use dlock_tower::{DistributedLockLayer, FailMode, MissingKey};
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::{mpsc, watch, Barrier};
+use tokio::task::JoinSet;
+use tower::{service_fn, ServiceBuilder, ServiceExt};
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// A generous bound on how long a behaviour may take before the test calls it a hang.
+const HANG: Duration = Duration::from_secs(30);
+
+async fn redis_locker(server: &RedisServer) -> Locker {
+    Locker::from_url(&server.url())
+        .await
+        .expect("connect to redis")
+}
+
+fn idem(key: &str) -> Request<Body> {
+    Request::post("/work")
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn text<B>(res: Response<B>) -> String
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn retry_after<B>(res: &Response<B>) -> u64 {
+    res.headers()
+        .get(RETRY_AFTER)
+        .expect("Retry-After")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn assert_problem<B>(res: &Response<B>, status: StatusCode) {
+    assert_eq!(res.status(), status);
+    assert_eq!(res.headers()[CONTENT_TYPE], PROBLEM_JSON);
+}
+
+/// A gate the test opens; handlers wait on it.
+fn gate() -> (watch::Sender<bool>, watch::Receiver<bool>) {
+    watch::channel(false)
+}
+
+async fn wait_open(mut rx: watch::Receiver<bool>) {
+    rx.wait_for(|open| *open).await.expect("gate dropped");
+}
+
+async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).into_future().await.unwrap();
+    });
+    (addr, server)
+}
+
+/// 100 concurrent requests with one `Idempotency-Key`, over a real HTTP server: exactly one
+/// reaches the handler while it holds the lock; the other 99 get 409 with the holder's
+/// remaining lease as `Retry-After` and a problem+json body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_over_http_admits_one_and_rejects_the_rest() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let entered = Arc::new(AtomicUsize::new(0));
+    let (open, gate_rx) = gate();
+
+    let handler = {
+        let entered = entered.clone();
+        move || {
+            let entered = entered.clone();
+            let gate_rx = gate_rx.clone();
+            async move {
+                entered.fetch_add(1, Ordering::SeqCst);
+                wait_open(gate_rx).await;
+                "done"
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/work", post(handler))
+        .route_layer(DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL));
+    let (addr, server) = serve(app).await;
+
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let started = Instant::now();
+    let mut requests = JoinSet::new();
+    for _ in 0..100 {
+        let client = client.clone();
+        let req = Request::post(format!("http://{addr}/work"))
+            .header("idempotency-key", "order-77")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        requests.spawn(async move {
+            let res = client.request(req).await.expect("http request");
+            let status = res.status();
+            let retry = res.headers().get(RETRY_AFTER).cloned();
+            let ctype = res.headers().get(CONTENT_TYPE).cloned();
+            (status, retry, ctype, text(res).await)
+        });
+    }
+
+    // The holder cannot finish before the gate opens, so the first 99 answers are the others.
+    for _ in 0..99 {
+        let (status, retry, ctype, body) = tokio::time::timeout(HANG, requests.join_next())
+            .await
+            .expect("rejections arrive while the lock is held")
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(ctype.unwrap(), PROBLEM_JSON);
+        let secs: u64 = retry.unwrap().to_str().unwrap().parse().unwrap();
+        // The holder's lease: at most the TTL, and at least what is left of it since the
+        // requests started (the watchdog only ever extends it).
+        let elapsed = started.elapsed().as_secs() + 1;
+        assert!(secs <= TTL.as_secs(), "Retry-After {secs}");
+        assert!(
+            secs >= TTL.as_secs().saturating_sub(elapsed),
+            "Retry-After {secs}"
+        );
+        assert!(body.contains("\"status\":409"), "{body}");
+        assert!(body.contains("urn:dlock:problem:lock-contended"), "{body}");
+        assert!(body.contains(&format!("\"retry_after\":{secs}")), "{body}");
+    }
+    assert_eq!(entered.load(Ordering::SeqCst), 1);
+
+    open.send(true).unwrap();
+    let (status, _, _, body) = requests.join_next().await.unwrap().unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, "done");
+    assert_eq!(entered.load(Ordering::SeqCst), 1);
+    server.abort();
+}
+
+/// Requests with different keys are inside the handler at the same time: the handler waits on
+/// a barrier that only opens when all of them are in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_keys_run_in_parallel() {
+    const N: usize = 8;
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let barrier = Arc::new(Barrier::new(N));
+    let svc = ServiceBuilder::new()
+        .layer(DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL))
+        .service(service_fn(move |_req: Request<Body>| {
+            let barrier = barrier.clone();
+            async move {
+                barrier.wait().await;
+                Ok::<_, Infallible>(Response::new(Body::from("in")))
+            }
+        }));
+
+    let mut requests = JoinSet::new();
+    for i in 0..N {
+        requests.spawn(svc.clone().oneshot(idem(&format!("key-{i}"))));
+    }
+    let all = tokio::time::timeout(HANG, requests.join_all())
+        .await
+        .expect("all keys get in together");
+    for res in all {
+        assert_eq!(res.unwrap().status(), StatusCode::OK);
+    }
+}
+
+/// A request whose future is dropped while the handler runs releases its lock: the next
+/// request with that key gets in, well before the TTL would have freed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_request_releases_its_lock() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel();
+
+    let svc = ServiceBuilder::new()
+        .layer(
+            DistributedLockLayer::new(locker, key::header("idempotency-key"))
+                .ttl(TTL)
+                // Waiting (woken by the release) far shorter than the TTL: getting in proves
+                // the dropped request released the lock.
+                .on_fail(OnFail::retry(Duration::from_secs(5))),
+        )
+        .service(service_fn({
+            let calls = calls.clone();
+            let tokens = tokens.clone();
+            move |req: Request<Body>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                let info = req.extensions().get::<LockInfo>().cloned().unwrap();
+                tokens.lock().unwrap().push(info.fencing_token());
+                let entered_tx = entered_tx.clone();
+                async move {
+                    if n == 0 {
+                        entered_tx.send(()).unwrap();
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, Infallible>(Response::new(Body::from("second")))
+                }
+            }
+        }));
+
+    let first = tokio::spawn(svc.clone().oneshot(idem("cancel-me")));
+    entered_rx.recv().await.unwrap();
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+
+    let started = Instant::now();
+    let res = svc.clone().oneshot(idem("cancel-me")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK, "{}", text(res).await);
+    assert!(started.elapsed() < TTL);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let tokens = tokens.lock().unwrap().clone();
+    assert!(tokens[1] > tokens[0], "fencing tokens {tokens:?}");
+}
+
+/// With the backend down, fail-closed answers 503 + Retry-After and fail-open calls the
+/// service without a lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_down_fails_closed_or_open() {
+    let mut redis = RedisServer::start();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&redis.url())
+        .await
+        .unwrap();
+    let saw_lock = Arc::new(Mutex::new(Vec::new()));
+    let inner = service_fn({
+        let saw_lock = saw_lock.clone();
+        move |req: Request<Body>| {
+            saw_lock
+                .lock()
+                .unwrap()
+                .push(req.extensions().get::<LockInfo>().is_some());
+            async { Ok::<_, Infallible>(Response::new(Body::from("served"))) }
+        }
+    });
+    let layer = DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL);
+    let closed = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(inner.clone());
+    let open = ServiceBuilder::new()
+        .layer(layer.fail_mode(FailMode::Open))
+        .service(inner);
+
+    // Up: both take the lock.
+    assert_eq!(
+        closed.clone().oneshot(idem("a")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(open.clone().oneshot(idem("b")).await.unwrap().status(), 200);
+    assert_eq!(*saw_lock.lock().unwrap(), [true, true]);
+    saw_lock.lock().unwrap().clear();
+
+    for down in ["paused", "stopped"] {
+        if down == "paused" {
+            redis.pause();
+        } else {
+            redis.resume();
+            redis.stop();
+        }
+        let res = closed.clone().oneshot(idem("c")).await.unwrap();
+        assert_problem(&res, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(retry_after(&res) >= 1);
+        let body = text(res).await;
+        assert!(
+            body.contains("urn:dlock:problem:lock-backend-unavailable"),
+            "{down}: {body}"
+        );
+
+        let res = open.clone().oneshot(idem("d")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{down}");
+        assert_eq!(text(res).await, "served");
+    }
+    // Fail-closed never reached the service; fail-open reached it without a lock.
+    assert_eq!(*saw_lock.lock().unwrap(), [false, false]);
+}
+
+/// A body that yields its chunks one by one and does not announce its size.
+struct Chunked(Vec<Bytes>);
+
+impl http_body::Body for Chunked {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if self.0.is_empty() {
+            Poll::Ready(None)
+        } else {
+            Poll::Ready(Some(Ok(http_body::Frame::data(self.0.remove(0)))))
+        }
+    }
+}
+
+/// The body digest hands the handler the exact bytes and keys by their SHA-256; a body over
+/// the limit (declared or streamed) is answered 413 without calling the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_digest_hands_on_the_body_and_rejects_oversized_ones() {
+    use sha2::{Digest, Sha256};
+    const LIMIT: usize = 4096;
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = ServiceBuilder::new()
+        .layer(DistributedLockLayer::new(locker, key::body_digest(LIMIT)).ttl(TTL))
+        .service(service_fn({
+            let calls = calls.clone();
+            move |req: Request<Body>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let info = req.extensions().get::<LockInfo>().cloned().unwrap();
+                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let mut res = Response::new(Body::from(body));
+                    res.headers_mut()
+                        .insert("x-lock-key", info.key().parse().unwrap());
+                    Ok::<_, Infallible>(res)
+                }
+            }
+        }));
+
+    // Every byte value, not UTF-8, exactly at the limit.
+    let payload: Vec<u8> = (0..LIMIT).map(|i| (i * 7 % 256) as u8).collect();
+    let digest: String = Sha256::digest(&payload)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let req = Request::post("/upload")
+        .body(Body::from(payload.clone()))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        res.headers()["x-lock-key"],
+        format!("body:sha256:{digest}").as_str()
+    );
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), payload);
+
+    // Streamed in chunks without a declared size: same bytes, same key.
+    let chunks: Vec<Bytes> = payload.chunks(1000).map(Bytes::copy_from_slice).collect();
+    let req = Request::post("/upload")
+        .body(Body::new(Chunked(chunks)))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        res.headers()["x-lock-key"],
+        format!("body:sha256:{digest}").as_str()
+    );
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), payload);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    // One byte over: declared size, then streamed.
+    let over = vec![b'x'; LIMIT + 1];
+    let req = Request::post("/upload")
+        .body(Body::from(over.clone()))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(text(res).await.contains("urn:dlock:problem:body-too-large"));
+
+    let chunks = vec![Bytes::from(vec![b'x'; LIMIT]), Bytes::from_static(b"x")];
+    let req = Request::post("/upload")
+        .body(Body::new(Chunked(chunks)))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[cfg(feature = "axum")]
+#[derive(Clone, Debug)]
+struct UserId(u64);
+
+#[cfg(feature = "axum")]
+impl std::fmt::Display for UserId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// An axum handler reads the lock's key and fencing token from the request extensions; the
+/// key is the authenticated user (put in the extensions by an earlier layer) plus the route.
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_reads_lock_info_from_extensions() {
+    use axum::extract::Extension;
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+
+    async fn handler(Extension(lock): Extension<LockInfo>) -> String {
+        format!("{} {}", lock.key(), lock.fencing_token())
+    }
+
+    let app = Router::new()
+        .route("/users/{id}/orders", post(handler))
+        .route_layer(
+            DistributedLockLayer::new(
+                locker.clone(),
+                key::extension::<UserId>()
+                    .label("user")
+                    .and(key::matched_path()),
+            )
+            .ttl(TTL),
+        )
+        // The "auth layer": runs first and places the identity in the extensions.
+        .layer(tower::util::MapRequestLayer::new(
+            |mut req: Request<Body>| {
+                let user = req
+                    .headers()
+                    .get("x-user")
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .map(UserId);
+                if let Some(user) = user {
+                    req.extensions_mut().insert(user);
+                }
+                req
+            },
+        ));
+
+    let call = |user: &str| {
+        Request::post("/users/42/orders")
+            .header("x-user", user)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let res = app.clone().oneshot(call("7")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = text(res).await;
+    let (key, token) = body.split_once(' ').unwrap();
+    // The route template's braces are percent-encoded by the runtime's key encoding.
+    assert_eq!(key, "ext:user:7:route:POST:/users/%7Bid%7D/orders");
+    let first: u64 = token.parse().unwrap();
+
+    let res = app.clone().oneshot(call("7")).await.unwrap();
+    let second: u64 = text(res).await.split_once(' ').unwrap().1.parse().unwrap();
+    assert!(second > first);
+
+    // No identity: 400, the handler is not called.
+    let res = app
+        .clone()
+        .oneshot(
+            Request::post("/users/42/orders")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_problem(&res, StatusCode::BAD_REQUEST);
+    assert!(text(res).await.contains("lock-key-missing"));
+}
+
+/// axum path parameters as keys; the same key on two routes excludes across them.
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_path_params_key_across_routes() {
+    use axum::extract::Extension;
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let (open, gate_rx) = gate();
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
+
+    let pay = move |Extension(lock): Extension<LockInfo>| {
+        let gate_rx = gate_rx.clone();
+        let entered_tx = entered_tx.clone();
+        async move {
+            entered_tx.send(()).unwrap();
+            wait_open(gate_rx).await;
+            lock.key().to_owned()
+        }
+    };
+    let cancel = |Extension(lock): Extension<LockInfo>| async move { lock.key().to_owned() };
+    let app = Router::new()
+        .route("/orders/{id}/pay", post(pay))
+        .route("/orders/{id}/cancel", post(cancel))
+        .route(
+            "/all/{a}/{b}",
+            get(|Extension(lock): Extension<LockInfo>| async move { lock.key().to_owned() }),
+        )
+        .route_layer(
+            DistributedLockLayer::new(locker, key::path_param("id").or(key::path_params()))
+                .ttl(TTL),
+        );
+
+    let req = |path: &str| Request::post(path).body(Body::empty()).unwrap();
+    let paying = tokio::spawn(app.clone().oneshot(req("/orders/a:b/pay")));
+    entered_rx.recv().await.unwrap();
+
+    // Same order, other route: held.
+    let res = app
+        .clone()
+        .oneshot(req("/orders/a:b/cancel"))
+        .await
+        .unwrap();
+    assert_problem(&res, StatusCode::CONFLICT);
+    // Another order: free. The `:` in the value is encoded, so it cannot pose as a separator.
+    let res = app.clone().oneshot(req("/orders/a/cancel")).await.unwrap();
+    assert_eq!(text(res).await, "param:id:a");
+
+    open.send(true).unwrap();
+    let res = paying.await.unwrap().unwrap();
+    assert_eq!(text(res).await, "param:id:a%3Ab");
+
+    let res = app
+        .clone()
+        .oneshot(Request::get("/all/x%20y/z").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(text(res).await, "params:a:x%20y:b:z");
+}
+
+/// Missing, repeated, oversized and forged keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_and_invalid_keys() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let inner = service_fn(|req: Request<Body>| async move {
+        let key = req
+            .extensions()
+            .get::<LockInfo>()
+            .map(|l| l.key().to_owned())
+            .unwrap_or_else(|| "no lock".to_owned());
+        Ok::<_, Infallible>(Response::new(Body::from(key)))
+    });
+    let layer = DistributedLockLayer::new(locker, key::header("Idempotency-Key")).ttl(TTL);
+    let reject = ServiceBuilder::new().layer(layer.clone()).service(inner);
+    let pass = ServiceBuilder::new()
+        .layer(layer.missing_key(MissingKey::PassThrough))
+        .service(inner);
+
+    let bare = || Request::post("/work").body(Body::empty()).unwrap();
+    let res = reject.clone().oneshot(bare()).await.unwrap();
+    assert_problem(&res, StatusCode::BAD_REQUEST);
+    assert!(text(res)
+        .await
+        .contains("urn:dlock:problem:lock-key-missing"));
+    let res = pass.clone().oneshot(bare()).await.unwrap();
+    assert_eq!(text(res).await, "no lock");
+
+    // Oversized value: the runtime's InvalidKey, 400, in both modes.
+    let huge = "k".repeat(10_000);
+    for svc in [&reject, &pass] {
+        let res = svc.clone().oneshot(idem(&huge)).await.unwrap();
+        assert_problem(&res, StatusCode::BAD_REQUEST);
+        assert!(text(res)
+            .await
+            .contains("urn:dlock:problem:lock-invalid-key"));
+    }
+
+    // The header twice: ambiguous, 400.
+    let twice = Request::post("/work")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(Body::empty())
+        .unwrap();
+    let res = reject.clone().oneshot(twice).await.unwrap();
+    assert_problem(&res, StatusCode::BAD_REQUEST);
+
+    // Separators and braces in the value are encoded, so they cannot forge another key.
+    let res = reject.clone().oneshot(idem("a:b {c}")).await.unwrap();
+    assert_eq!(text(res).await, "hdr:idempotency-key:a%3Ab%20%7Bc%7D");
+}
+
+/// A closure extractor (the blanket impl) can reject with its own response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closure_extractor_can_key_and_reject() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let extractor = |req: Request<Body>| async move {
+        let tenant = req
+            .headers()
+            .get("x-tenant")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        match tenant {
+            None => Ok((req, None)),
+            Some(t) if t.parse::<u32>().is_ok() => {
+                Ok((req, Some(Key::new("tenant").value(t.as_str()))))
+            }
+            Some(_) => Err(dlock_tower::Rejection::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "bad-tenant",
+                "x-tenant must be a number",
+            )),
+        }
+    };
+    let svc = ServiceBuilder::new()
+        .layer(DistributedLockLayer::new(locker, extractor).ttl(TTL))
+        .service(service_fn(|req: Request<Body>| async move {
+            let key = req.extensions().get::<LockInfo>().unwrap().key().to_owned();
+            Ok::<_, Infallible>(Response::new(Body::from(key)))
+        }));
+    let tenant = |t: &str| {
+        Request::get("/")
+            .header("x-tenant", t)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let res = svc.clone().oneshot(tenant("12")).await.unwrap();
+    assert_eq!(text(res).await, "tenant:12");
+    let res = svc.clone().oneshot(tenant("x")).await.unwrap();
+    assert_problem(&res, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+/// The layer composes with axum's `Router::layer` and `route_layer`, and with a plain
+/// `tower::ServiceBuilder` over a hyper server (`Request<Incoming>` in, `Full<Bytes>` out),
+/// served for real and called with the hyper-util client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn composes_with_axum_and_plain_hyper() {
+    use hyper::body::Incoming;
+    use hyper_util::service::TowerToHyperService;
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let layer = DistributedLockLayer::new(locker, key::method_path()).ttl(TTL);
+
+    // axum, both ways.
+    let with_layer: Router = Router::new()
+        .route("/a", get(|| async { "a" }))
+        .layer(layer.clone());
+    let with_route_layer: Router = Router::new()
+        .route("/b", get(|| async { "b" }))
+        .route_layer(layer.clone());
+    let res = with_layer
+        .oneshot(Request::get("/a").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(text(res).await, "a");
+    let res = with_route_layer
+        .clone()
+        .oneshot(Request::get("/b").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(text(res).await, "b");
+    // route_layer leaves unmatched requests alone: still a 404.
+    let res = with_route_layer
+        .oneshot(Request::get("/nope").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::NOT_FOUND);
+
+    // Plain hyper + tower.
+    let svc = ServiceBuilder::new().layer(layer).service(service_fn(
+        |req: Request<Incoming>| async move {
+            let lock = req.extensions().get::<LockInfo>().unwrap().key().to_owned();
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(lock))))
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let svc = TowerToHyperService::new(svc.clone());
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let res = client
+        .request(
+            Request::get(format!("http://{addr}/plain/hyper"))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(text(res).await, "path:GET:/plain/hyper");
+    server.abort();
+}
