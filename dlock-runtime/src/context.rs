@@ -85,6 +85,18 @@ pub(crate) fn scope<F: Future>(
     HELD.scope(Arc::new(held), fut)
 }
 
+/// Polls `fut` once with `info` added to the task's held locks.
+pub(crate) fn poll_scoped<F: Future + ?Sized>(
+    locker_id: u64,
+    info: &LockInfo,
+    fut: std::pin::Pin<&mut F>,
+    cx: &mut std::task::Context<'_>,
+) -> std::task::Poll<F::Output> {
+    let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
+    held.push((locker_id, info.clone()));
+    HELD.sync_scope(Arc::new(held), || fut.poll(cx))
+}
+
 /// Runs `fut` with the lock `guard` holds visible to [`current_lock`] (and to nested
 /// `#[distributed_lock]` calls, which re-enter instead of waiting for themselves).
 ///

@@ -107,7 +107,9 @@ impl LockError {
         }
     }
 
-    pub(crate) fn invalid_key(reason: impl Into<String>) -> Self {
+    /// A [`LockError::InvalidKey`] with the given reason, for key extractors outside this crate
+    /// (a repeated header, a value that is not UTF-8).
+    pub fn invalid_key(reason: impl Into<String>) -> Self {
         LockError::InvalidKey {
             reason: reason.into(),
         }

@@ -64,6 +64,18 @@ impl LockGuard {
         LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
     }
 
+    /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock) (and to
+    /// nested `#[distributed_lock]` calls, which then re-enter). For hand-written futures that
+    /// own the guard, such as a middleware's response future; async code uses
+    /// [`with_lock`](crate::with_lock).
+    pub fn poll_scoped<F: std::future::Future + ?Sized>(
+        &self,
+        fut: std::pin::Pin<&mut F>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        crate::context::poll_scoped(self.locker.id(), &self.info(), fut, cx)
+    }
+
     pub(crate) fn locker_id(&self) -> u64 {
         self.locker.id()
     }

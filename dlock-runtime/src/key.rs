@@ -103,7 +103,7 @@ impl fmt::Debug for LockKey {
 /// Builds a [`LockKey`] from literal parts and [`Display`](fmt::Display) values, encoding the
 /// values so that no two different value tuples give the same key (see the
 /// [module docs](self)). Used by the attribute and the tower key extractors.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct KeyBuilder {
     out: String,
     raw_len: usize,

@@ -427,7 +427,9 @@ async fn handler_reads_lock_info_from_extensions() {
     let locker = redis_locker(&redis).await;
 
     async fn handler(Extension(lock): Extension<LockInfo>) -> String {
-        format!("{} {}", lock.key(), lock.fencing_token())
+        // The same lock is visible through the task-local context.
+        let same = dlock_runtime::current_lock().as_ref() == Some(&lock);
+        format!("{} {} {same}", lock.key(), lock.fencing_token())
     }
 
     let app = Router::new()
@@ -465,13 +467,15 @@ async fn handler_reads_lock_info_from_extensions() {
     let res = app.clone().oneshot(call("7")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     let body = text(res).await;
-    let (key, token) = body.split_once(' ').unwrap();
+    let mut parts = body.split(' ');
+    let (key, token, same) = (parts.next().unwrap(), parts.next().unwrap(), parts.next());
     // The route template's braces are percent-encoded by the runtime's key encoding.
     assert_eq!(key, "ext:user:7:route:POST:/users/%7Bid%7D/orders");
+    assert_eq!(same, Some("true"), "current_lock() inside the handler");
     let first: u64 = token.parse().unwrap();
 
     let res = app.clone().oneshot(call("7")).await.unwrap();
-    let second: u64 = text(res).await.split_once(' ').unwrap().1.parse().unwrap();
+    let second: u64 = text(res).await.split(' ').nth(1).unwrap().parse().unwrap();
     assert!(second > first);
 
     // No identity: 400, the handler is not called.

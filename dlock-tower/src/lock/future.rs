@@ -149,7 +149,13 @@ where
                     }
                 }
                 StateProj::Call { fut } => {
-                    let response = match ready!(fut.poll(cx)) {
+                    // With the lock visible to `current_lock()` inside the handler (and nested
+                    // `#[distributed_lock]` calls on the same key re-entering).
+                    let polled = match this.guard.as_ref() {
+                        Some(guard) => guard.poll_scoped(fut, cx),
+                        None => fut.poll(cx),
+                    };
+                    let response = match ready!(polled) {
                         Ok(response) => response,
                         Err(err) => {
                             this.state.set(State::Done);
