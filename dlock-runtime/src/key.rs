@@ -69,8 +69,10 @@ impl LockKey {
         KeyBuilder::new()
     }
 
-    /// A key that is already encoded (read back from storage), taken as is.
-    pub(crate) fn from_encoded(encoded: &str) -> Result<Self, LockError> {
+    /// A key that is already encoded — read back from storage, such as a queued job's key
+    /// ([`LockKey::as_str`] of an earlier key) — taken as is, without encoding it again. Not
+    /// for request data: build those keys with [`LockKey::builder`].
+    pub fn from_encoded(encoded: &str) -> Result<Self, LockError> {
         if encoded.is_empty() {
             return Err(LockError::invalid_key("key is empty"));
         }

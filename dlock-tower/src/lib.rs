@@ -63,6 +63,9 @@
 //!   that collides with another request's.
 //! * The handler reads the lock's [`LockInfo`](dlock_runtime::LockInfo) (key, fencing token)
 //!   from the request extensions (`Extension<LockInfo>` in axum).
+//! * [`DeferLayer`]: when a request's lock is busy, `202 Accepted` with a job id and a status
+//!   location; the request is stored in the durable Redis queue and replayed through the
+//!   application when the lock frees ([`defer`]).
 //! * Rejections are responses (409, 503, 400, 413 with `application/problem+json`), so the
 //!   service's error type is untouched; the response body type is the inner service's own
 //!   (`ResBody: From<String>`), so the layer fits axum's `Router::layer` / `route_layer` and a
@@ -76,9 +79,11 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod defer;
 pub mod key;
 pub mod lock;
 mod rejection;
 
+pub use defer::DeferLayer;
 pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};
 pub use rejection::Rejection;

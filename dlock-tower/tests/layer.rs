@@ -715,3 +715,149 @@ async fn composes_with_axum_and_plain_hyper() {
     assert_eq!(text(res).await, "path:GET:/plain/hyper");
     server.abort();
 }
+
+/// The defer path: a busy lock answers 202 with a job id and a status location; the request
+/// goes to the durable queue and is replayed through the app when the lock frees; the status
+/// lookup reports the replayed response's status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
+    use axum::extract::{Extension, Path};
+    use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+    use dlock_tower::defer::{replay_worker, status_response};
+    use dlock_tower::DeferLayer;
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let queue = DurableQueue::connect(&redis.url(), "http-defer")
+        .await
+        .unwrap();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<(String, u64)>();
+
+    // The application, without the defer layer: this is what the worker replays through.
+    let app = Router::new().route(
+        "/orders",
+        post(move |Extension(lock): Extension<LockInfo>, body: String| {
+            let seen = seen_tx.clone();
+            async move {
+                seen.send((body, lock.fencing_token())).unwrap();
+                (StatusCode::CREATED, "created")
+            }
+        }),
+    );
+    let q = queue.clone();
+    let served = Router::new()
+        .route(
+            "/jobs/{id}",
+            get(move |Path(id): Path<String>| {
+                let q = q.clone();
+                async move { status_response::<Body>(&q, &id).await }
+            }),
+        )
+        .merge(
+            app.clone().layer(
+                DeferLayer::new(
+                    locker.clone(),
+                    key::header("idempotency-key"),
+                    queue.clone(),
+                )
+                .policy(
+                    DeferPolicy::new(Duration::from_millis(20), 100)
+                        .max_delay(Duration::from_millis(50)),
+                )
+                .status_path("/jobs"),
+            ),
+        );
+    let (addr, _server) = serve(served).await;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let get_status = |path: String| {
+        let client = client.clone();
+        async move {
+            let res = client
+                .request(
+                    Request::get(format!("http://{addr}{path}"))
+                        .body(Full::default())
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            text(res).await
+        }
+    };
+
+    // Someone holds the request's lock.
+    let held = locker
+        .lock("hdr:idempotency-key:k1")
+        .acquire()
+        .await
+        .unwrap();
+    let res = client
+        .request(
+            Request::post(format!("http://{addr}/orders"))
+                .header("idempotency-key", "k1")
+                .body(Full::new(Bytes::from_static(b"order #1 payload")))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::ACCEPTED);
+    let location = res.headers()["location"].to_str().unwrap().to_owned();
+    assert!(location.starts_with("/jobs/"), "{location}");
+    let body = text(res).await;
+    let job_id = location.trim_start_matches("/jobs/").to_owned();
+    assert!(body.contains(&format!("\"job_id\":\"{job_id}\"")), "{body}");
+    assert!(get_status(location.clone())
+        .await
+        .contains("\"state\":\"queued\""));
+    assert!(
+        seen_rx.try_recv().is_err(),
+        "the handler must not run while the lock is busy"
+    );
+
+    // A worker on this instance replays deferred requests through the app.
+    let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app.clone())
+        .poll_interval(Duration::from_millis(10));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let w = {
+        let stop = stop.clone();
+        tokio::spawn(async move { worker.run_until(stop.notified()).await })
+    };
+    let holder_token = held.fencing_token();
+    held.release().await.unwrap();
+    let (body, token) = tokio::time::timeout(Duration::from_secs(10), seen_rx.recv())
+        .await
+        .expect("replayed")
+        .unwrap();
+    assert_eq!(body, "order #1 payload", "the exact body is replayed");
+    assert!(
+        token > holder_token,
+        "the replay holds the lock with a newer token"
+    );
+
+    let start = Instant::now();
+    loop {
+        let status = get_status(location.clone()).await;
+        if status.contains("\"state\":\"completed\"") {
+            assert!(status.contains("\"result\":\"201\""), "{status}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{status}");
+        tokio::task::yield_now().await;
+    }
+    assert!(get_status("/jobs/0123abcd".into())
+        .await
+        .contains("job-unknown"));
+
+    // A free lock runs the request at once.
+    let res = client
+        .request(
+            Request::post(format!("http://{addr}/orders"))
+                .header("idempotency-key", "k2")
+                .body(Full::new(Bytes::from_static(b"order #2")))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    stop.notify_one();
+    w.await.unwrap();
+}
