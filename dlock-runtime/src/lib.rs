@@ -66,6 +66,7 @@ pub mod defer;
 mod engine;
 mod error;
 mod guard;
+pub mod idempotency;
 pub mod key;
 mod locker;
 mod strategy;

@@ -170,6 +170,11 @@ impl Locker {
         self.inner.engine.scheduled()
     }
 
+    /// The TTL of requests that don't set one ([`LockerBuilder::default_ttl`]).
+    pub fn default_ttl(&self) -> Duration {
+        self.inner.config.default_ttl
+    }
+
     pub(crate) fn id(&self) -> u64 {
         self.inner.id
     }

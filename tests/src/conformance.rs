@@ -581,3 +581,41 @@ pub async fn run_all(store: &Store) {
     reject_and_timeout_errors(store).await;
     cancelled_acquires_leave_no_lock(store).await;
 }
+
+/// Generates one `#[tokio::test]` per conformance check. `$make` is a function returning
+/// `(keep_alive, Store)`: whatever must live for the test (e.g. the `RedisServer`s) and the
+/// store. Use it inside a module per backend:
+///
+/// ```ignore
+/// mod redis {
+///     dlock_tests::conformance_tests!(super::redis_store);
+/// }
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            mutual_exclusion,
+            owner_checked_release_and_extend,
+            fencing_tokens_increase,
+            watchdog_holds_past_ttl,
+            loss_is_reported,
+            release_wakes_waiter,
+            waiters_are_served_in_order,
+            dead_waiters_leave_the_queue,
+            vanished_holder_expires,
+            drop_releases,
+            reject_and_timeout_errors,
+            cancelled_acquires_leave_no_lock,
+        );
+    };
+    (@each $make:path; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                let (_keep_alive, store) = $make();
+                $crate::conformance::$check(&store).await;
+            }
+        )*
+    };
+}

@@ -5,7 +5,17 @@ use dlock_runtime::backend::MemoryBackend;
 use dlock_tests::conformance::Store;
 use dlock_tests::RedisServer;
 
-fn memory_store() -> Store {
+fn memory_store() -> ((), Store) {
+    ((), memory())
+}
+
+fn redis_store() -> (RedisServer, Store) {
+    let server = RedisServer::start();
+    let store = redis(&server);
+    (server, store)
+}
+
+fn memory() -> Store {
     let shared = MemoryBackend::new();
     let for_break = shared.clone();
     Store {
@@ -23,7 +33,7 @@ fn memory_store() -> Store {
     }
 }
 
-fn redis_store(server: &RedisServer) -> Store {
+fn redis(server: &RedisServer) -> Store {
     let url = server.url();
     let url2 = url.clone();
     Store {
@@ -49,39 +59,10 @@ fn redis_store(server: &RedisServer) -> Store {
     }
 }
 
-macro_rules! conformance {
-    ($($check:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $check() {
-                    dlock_tests::conformance::$check(&super::memory_store()).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $check() {
-                    let server = super::RedisServer::start();
-                    dlock_tests::conformance::$check(&super::redis_store(&server)).await;
-                }
-            )*
-        }
-    };
+mod memory {
+    dlock_tests::conformance_tests!(super::memory_store);
 }
 
-conformance!(
-    mutual_exclusion,
-    owner_checked_release_and_extend,
-    fencing_tokens_increase,
-    watchdog_holds_past_ttl,
-    loss_is_reported,
-    release_wakes_waiter,
-    waiters_are_served_in_order,
-    dead_waiters_leave_the_queue,
-    vanished_holder_expires,
-    drop_releases,
-    reject_and_timeout_errors,
-    cancelled_acquires_leave_no_lock,
-);
+mod redis {
+    dlock_tests::conformance_tests!(super::redis_store);
+}

@@ -58,34 +58,15 @@ fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
     }
 }
 
-macro_rules! conformance {
-    ($($check:ident),* $(,)?) => {
-        mod conformance {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $check() {
-                    let servers = std::sync::Arc::new(super::start_many(super::NODES));
-                    dlock_tests::conformance::$check(&super::store(&servers)).await;
-                }
-            )*
-        }
-    };
+fn redlock_store() -> (Arc<Vec<RedisServer>>, Store) {
+    let servers = Arc::new(start_many(NODES));
+    let store = store(&servers);
+    (servers, store)
 }
 
-conformance!(
-    mutual_exclusion,
-    owner_checked_release_and_extend,
-    fencing_tokens_increase,
-    watchdog_holds_past_ttl,
-    loss_is_reported,
-    release_wakes_waiter,
-    waiters_are_served_in_order,
-    dead_waiters_leave_the_queue,
-    vanished_holder_expires,
-    drop_releases,
-    reject_and_timeout_errors,
-    cancelled_acquires_leave_no_lock,
-);
+mod conformance {
+    dlock_tests::conformance_tests!(super::redlock_store);
+}
 
 async fn lock_key_exists(server: &RedisServer, resource: &str) -> bool {
     let client = redis::Client::open(server.url()).unwrap();
@@ -104,12 +85,13 @@ async fn all_up_acquire_and_release() {
     let locker = redlock(&servers, Locker::builder()).await;
     let g = locker.lock("rl:basic").acquire().await.unwrap();
     let resource = locker.resource(dlock_runtime::LockKey::new("rl:basic").unwrap());
+    // The acquire returns at the first majority; the other nodes may answer later.
+    let mut holding = 0;
     for s in &servers {
-        assert!(
-            lock_key_exists(s, resource.as_str()).await,
-            "lock missing on a node"
-        );
+        holding += usize::from(lock_key_exists(s, resource.as_str()).await);
     }
+    assert!(holding >= 3, "lock on {holding} of 5 nodes");
+    // Release waits for every node (each processes it after its acquire, in order).
     g.release().await.unwrap();
     for s in &servers {
         assert!(

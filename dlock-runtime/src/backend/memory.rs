@@ -23,6 +23,8 @@ use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, Wa
 use crate::key::ResourceName;
 use crate::LockError;
 
+mod idempotency;
+
 const SHARDS: usize = 64;
 
 /// The in-process lock store. Cheap to clone; clones share the same locks.
@@ -47,6 +49,7 @@ struct Inner {
     hasher: RandomState,
     fence: AtomicU64,
     hub: Arc<ReleaseHub>,
+    idempotency: idempotency::Records,
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +99,7 @@ impl MemoryBackend {
                 hasher: RandomState::new(),
                 fence: AtomicU64::new(0),
                 hub: ReleaseHub::new(),
+                idempotency: Default::default(),
             }),
         }
     }
@@ -227,6 +231,10 @@ fn enqueue(e: &mut Entry, token: &OwnerToken, expires: Instant) {
 impl Backend for MemoryBackend {
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+        Some(self)
     }
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {

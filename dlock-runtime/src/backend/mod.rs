@@ -200,6 +200,12 @@ pub trait Backend: Send + Sync + 'static {
         resource: &'a ResourceName,
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>>;
+
+    /// Where this backend keeps idempotency records, atomically with its locks (see
+    /// [`crate::idempotency`]). Default: none — the backend does not support them.
+    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+        None
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Arc<B> {
@@ -246,6 +252,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         (**self).watch(resource, token)
+    }
+    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+        (**self).idempotency()
     }
 }
 

@@ -300,6 +300,46 @@ impl RedlockBackend {
         votes
     }
 
+    /// Runs an owner-checked yes/no operation on every node, waiting for all answers.
+    async fn poll_owner_checked<'a>(
+        &'a self,
+        op: impl Fn(&'a RedisBackend) -> BoxFuture<'a, Result<bool, LockError>>,
+    ) -> Vec<(usize, Vote<()>)> {
+        self.poll(
+            |node| {
+                let answer = op(node);
+                Box::pin(async move {
+                    Ok(if answer.await? {
+                        Answer::Yes(())
+                    } else {
+                        Answer::No(None)
+                    })
+                })
+            },
+            false,
+        )
+        .await
+    }
+
+    /// A majority said yes (inside the validity window): `true`. Failed nodes make the outcome
+    /// unknowable (they might have said yes): `Unavailable`. Otherwise a majority said no:
+    /// `false`.
+    fn verdict(
+        &self,
+        yes: usize,
+        failed: usize,
+        in_window: bool,
+        describe: impl FnOnce() -> String,
+    ) -> Result<bool, LockError> {
+        if yes >= self.inner.quorum && in_window {
+            Ok(true)
+        } else if yes + failed >= self.inner.quorum && in_window {
+            Err(LockError::unavailable(describe(), None))
+        } else {
+            Ok(false)
+        }
+    }
+
     async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) {
         futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
             let _ = tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token))
@@ -307,6 +347,19 @@ impl RedlockBackend {
         }))
         .await;
     }
+}
+
+/// (yes votes, failed nodes).
+fn tally<T>(votes: &[(usize, Vote<T>)]) -> (usize, usize) {
+    let yes = votes
+        .iter()
+        .filter(|(_, v)| matches!(v, Vote::Yes(_)))
+        .count();
+    let failed = votes
+        .iter()
+        .filter(|(_, v)| matches!(v, Vote::Failed(_)))
+        .count();
+    (yes, failed)
 }
 
 fn short(e: &LockError) -> String {
@@ -423,37 +476,11 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let votes = self
-                .poll(
-                    |node| {
-                        Box::pin(async move {
-                            Ok(match node.release(resource, token).await? {
-                                true => Answer::Yes(()),
-                                false => Answer::No(None),
-                            })
-                        })
-                    },
-                    false,
-                )
+                .poll_owner_checked(|n| n.release(resource, token))
                 .await;
-            let yes = votes
-                .iter()
-                .filter(|(_, v)| matches!(v, Vote::Yes(_)))
-                .count();
-            let failed = votes
-                .iter()
-                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
-                .count();
-            if yes >= self.inner.quorum {
-                Ok(true)
-            } else if yes + failed >= self.inner.quorum {
-                // Cannot tell whether it was still ours.
-                Err(LockError::unavailable(
-                    self.describe("release", &votes),
-                    None,
-                ))
-            } else {
-                Ok(false)
-            }
+            let (yes, failed) = tally(&votes);
+            // In the window by definition: a release has no validity to keep.
+            self.verdict(yes, failed, true, || self.describe("release", &votes))
         })
     }
 
@@ -466,38 +493,11 @@ impl Backend for RedlockBackend {
         Box::pin(async move {
             let start = Instant::now();
             let votes = self
-                .poll(
-                    |node| {
-                        Box::pin(async move {
-                            Ok(match node.extend(resource, token, ttl).await? {
-                                true => Answer::Yes(()),
-                                false => Answer::No(None),
-                            })
-                        })
-                    },
-                    false,
-                )
+                .poll_owner_checked(|n| n.extend(resource, token, ttl))
                 .await;
-            let yes = votes
-                .iter()
-                .filter(|(_, v)| matches!(v, Vote::Yes(_)))
-                .count();
+            let (yes, failed) = tally(&votes);
             let in_window = start.elapsed() + self.drift(ttl) < ttl;
-            if yes >= self.inner.quorum && in_window {
-                return Ok(true);
-            }
-            let failed = votes
-                .iter()
-                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
-                .count();
-            if yes + failed >= self.inner.quorum && in_window {
-                Err(LockError::unavailable(
-                    self.describe("extend", &votes),
-                    None,
-                ))
-            } else {
-                Ok(false)
-            }
+            self.verdict(yes, failed, in_window, || self.describe("extend", &votes))
         })
     }
 
@@ -530,19 +530,12 @@ impl Backend for RedlockBackend {
                         .filter(|r| !matches!(r.get(i), Some(Ok(_))))
                         .count();
                     let in_window = elapsed + self.drift(items[i].ttl) < items[i].ttl;
-                    if yes >= self.inner.quorum && in_window {
-                        Ok(true)
-                    } else if yes + failed >= self.inner.quorum && in_window {
-                        Err(LockError::unavailable(
-                            format!(
-                                "redlock extend: {yes} of {} nodes agreed, {failed} failed",
-                                self.inner.nodes.len()
-                            ),
-                            None,
-                        ))
-                    } else {
-                        Ok(false)
-                    }
+                    self.verdict(yes, failed, in_window, || {
+                        format!(
+                            "redlock extend: {yes} of {} nodes agreed, {failed} failed",
+                            self.inner.nodes.len()
+                        )
+                    })
                 })
                 .collect()
         })

@@ -790,6 +790,21 @@ impl DurableWorker {
         }
     }
 
+    /// Puts a claimed job back with backoff (or dead-letters it) and says which.
+    async fn put_back(&self, info: &JobInfo, policy: &DeferPolicy) {
+        match self
+            .queue
+            .retry(&info.id, policy.backoff(info.attempts), policy.max_attempts)
+            .await
+        {
+            Ok(true) => event("dead_lettered", info),
+            Ok(false) => event("retried", info),
+            Err(e) => {
+                tracing::warn!(error = %e, "dlock job worker: retry failed; the claim will expire")
+            }
+        }
+    }
+
     async fn process(&self, id: String, payload: String, attempt: u32) {
         let info = |key: &str| JobInfo {
             id: id.clone(),
@@ -827,17 +842,7 @@ impl DurableWorker {
         let guard = match self.locker.lock(key).ttl(ttl).try_acquire().await {
             Ok(Some(g)) => g,
             Ok(None) | Err(_) => {
-                match self
-                    .queue
-                    .retry(&id, policy.backoff(attempt), policy.max_attempts)
-                    .await
-                {
-                    Ok(true) => event("dead_lettered", &info(&env.key)),
-                    Ok(false) => event("retried", &info(&env.key)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "dlock job worker: retry failed; the claim will expire")
-                    }
-                }
+                self.put_back(&info(&env.key), &policy).await;
                 return;
             }
         };
@@ -891,17 +896,7 @@ impl DurableWorker {
             }
             Err(e) => {
                 tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %id, error = %e);
-                match self
-                    .queue
-                    .retry(&id, policy.backoff(attempt), policy.max_attempts)
-                    .await
-                {
-                    Ok(true) => event("dead_lettered", &info(&env.key)),
-                    Ok(false) => event("retried", &info(&env.key)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "dlock job worker: retry failed; the claim will expire")
-                    }
-                }
+                self.put_back(&info(&env.key), &policy).await;
             }
         }
     }

@@ -26,6 +26,7 @@ use super::{
 use crate::key::ResourceName;
 use crate::LockError;
 
+mod idempotency;
 mod scripts;
 
 /// How long the fencing counter outlives the lease it was issued with. Fencing tokens stay
@@ -322,6 +323,10 @@ fn on_push(hub: &Weak<ReleaseHub>, push: PushInfo) {
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+        Some(self)
     }
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {

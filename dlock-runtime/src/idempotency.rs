@@ -1,0 +1,750 @@
+//! Idempotency records kept with the lock: run an operation once per idempotency key, and
+//! answer every later attempt with the stored result.
+//!
+//! This is the engine under `dlock_tower::IdempotencyLayer` (the `Idempotency-Key` HTTP header),
+//! usable by hand for any operation whose result fits in bytes.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+//! use dlock_runtime::idempotency::{Begin, Fingerprint};
+//! use dlock_runtime::Locker;
+//!
+//! let locker = Locker::memory();
+//! let fingerprint = Fingerprint::builder().field("charge").field("42.00 EUR").finish();
+//!
+//! // First attempt: we hold the key's lock; run the operation and store its result.
+//! let Begin::Run(op) = locker.idempotency("pay:7f3a", fingerprint).begin().await? else {
+//!     unreachable!()
+//! };
+//! // ... charge the card, passing op.fencing_token() to the ledger ...
+//! op.complete(b"charge ch_1 created").await?;
+//!
+//! // A retry gets the stored result; the operation does not run again.
+//! match locker.idempotency("pay:7f3a", fingerprint).begin().await? {
+//!     Begin::Replay(result) => assert_eq!(result, b"charge ch_1 created"),
+//!     _ => unreachable!(),
+//! }
+//!
+//! // The same key with a different request is refused.
+//! let other = Fingerprint::builder().field("charge").field("99.00 EUR").finish();
+//! assert!(matches!(
+//!     locker.idempotency("pay:7f3a", other).begin().await?,
+//!     Begin::Mismatch
+//! ));
+//! # Ok(()) }
+//! ```
+//!
+//! # What happens, atomically
+//!
+//! Every idempotency key is a lock ([`LockKey`]) like any other — same owner tokens, fencing
+//! tokens, lease and watchdog — plus a *record* stored next to it in the same backend (in Redis
+//! under the lock's hash tag, in memory under the lock's shard mutex). Each step is one atomic
+//! backend operation ([`IdempotencyStore`]):
+//!
+//! * **begin**: a completed record exists → [`Begin::Replay`] if its fingerprint matches, else
+//!   [`Begin::Mismatch`]; else the lock is held → [`Begin::InProgress`] with the holder's
+//!   remaining lease (and whether the holder's request had the same fingerprint); else take the
+//!   lock (a single attempt that respects a fair waiter queue, like
+//!   [`try_acquire`](crate::LockRequest::try_acquire)) and note the fingerprint with it →
+//!   [`Begin::Run`].
+//! * **complete** ([`IdempotentOperation::complete`]): only if this owner still holds the lock,
+//!   store the record (fingerprint + result) with the retention period **and** delete the lock,
+//!   and notify the next waiter, in one step.
+//! * **abort** ([`IdempotentOperation::abort`], or dropping the operation): owner-checked
+//!   release without a record; the next attempt runs the operation again.
+//!
+//! # Crashes
+//!
+//! There is no state in which a key blocks forever or replays a result that was not stored:
+//!
+//! * **Crash (or lost connection, or a frozen process) while the operation runs, or after it
+//!   ran but before `complete` reached the backend**: nothing renews the lease, so the lock
+//!   frees after its TTL; no record exists, so the next attempt runs the operation *again*.
+//!   The operation's side effects must therefore be safe to repeat: pass the
+//!   [fencing token](IdempotentOperation::fencing_token) to the resource you write (so it
+//!   rejects a stale holder and can recognise a repeat), or make the effect idempotent at the
+//!   resource (a unique constraint on the key). Until the TTL ends, attempts get
+//!   [`Begin::InProgress`].
+//! * **Crash after `complete` reached the backend**: the record and the lock's deletion are one
+//!   step, so the next attempt replays the stored result.
+//! * **A holder that lost its lock** (lease ran out while the backend was unreachable, and
+//!   another attempt took the key) cannot store a record: `complete` is owner-checked and
+//!   answers [`LockError::Lost`].
+//! * A note of the running request's fingerprint may outlive a crashed or cancelled holder
+//!   (until the retention period ends); it is only read while its own holder's lock exists and
+//!   is replaced by the next holder, so it never blocks or answers anything.
+//!
+//! # Backends
+//!
+//! [`MemoryBackend`](crate::backend::MemoryBackend) and the Redis backend store records.
+//! Redlock ([`RedlockBackend`](crate::backend::RedlockBackend)) does not (yet): a record would
+//! need a majority write that is atomic with the majority's lock release, which independent
+//! servers cannot give; [`IdempotencyRequest::begin`] answers [`LockError::Unavailable`] naming
+//! the backend, and [`Locker::supports_idempotency`] tells you at startup.
+
+use std::fmt::{self, Write as _};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tracing::Instrument as _;
+
+use crate::backend::{BoxFuture, OwnerToken};
+use crate::engine::GuardState;
+use crate::key::ResourceName;
+use crate::locker::validate_ttl;
+use crate::{IntoLockKey, LockError, LockInfo, LockKey, Locker};
+
+/// How long a completed record is kept by default: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The longest accepted retention period: 365 days.
+pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// A digest of what an attempt asks for (for HTTP: method, path and body), stored with the
+/// record so that a key reused for a *different* request is told apart from a retry.
+///
+/// SHA-256 over the fields given to [`FingerprintBuilder::field`], each framed by its length,
+/// so that `["ab", "c"]` and `["a", "bc"]` differ.
+///
+/// ```
+/// use dlock_runtime::idempotency::Fingerprint;
+///
+/// let a = Fingerprint::builder().field("POST").field("/payments").field(b"{}").finish();
+/// let b = Fingerprint::builder().field("POST").field("/payments").field(b"{}").finish();
+/// assert_eq!(a, b);
+/// assert_eq!(a.to_hex().len(), 64);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Starts a fingerprint over fields.
+    pub fn builder() -> FingerprintBuilder {
+        let mut hasher = Sha256::new();
+        hasher.update(b"dlock-idempotency-fingerprint-v1\0");
+        FingerprintBuilder { hasher }
+    }
+
+    /// A fingerprint computed elsewhere (any 32-byte digest).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Fingerprint(bytes)
+    }
+
+    /// The digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The digest as 64 lowercase hex digits (how backends store it).
+    pub fn to_hex(&self) -> String {
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Builds a [`Fingerprint`] from length-framed fields.
+#[derive(Clone, Debug)]
+pub struct FingerprintBuilder {
+    hasher: Sha256,
+}
+
+impl FingerprintBuilder {
+    /// Adds one field (its length, then its bytes).
+    pub fn field(&mut self, bytes: impl AsRef<[u8]>) -> &mut Self {
+        let bytes = bytes.as_ref();
+        self.hasher.update((bytes.len() as u64).to_be_bytes());
+        self.hasher.update(bytes);
+        self
+    }
+
+    /// The fingerprint of the fields added so far.
+    pub fn finish(&self) -> Fingerprint {
+        Fingerprint(self.hasher.clone().finalize().into())
+    }
+}
+
+/// One `begin` step's parameters (see [`IdempotencyStore::begin`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct BeginArgs<'a> {
+    /// The key's lock.
+    pub resource: &'a ResourceName,
+    /// The owner token the lock is taken with.
+    pub token: &'a OwnerToken,
+    /// The lease.
+    pub ttl: Duration,
+    /// What this attempt asks for.
+    pub fingerprint: &'a Fingerprint,
+    /// How long the note of the running attempt's fingerprint lives at most.
+    pub retention: Duration,
+}
+
+/// What a `begin` step found (see [`IdempotencyStore::begin`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BeginReply {
+    /// The lock is ours; the attempt runs the operation.
+    Acquired {
+        /// Strictly greater than every token issued for this key before.
+        fencing_token: u64,
+    },
+    /// A completed record with the same fingerprint: its stored result.
+    Replay {
+        /// The bytes given to `complete`.
+        record: Vec<u8>,
+    },
+    /// A completed record with a different fingerprint.
+    Mismatch,
+    /// Another attempt holds the key's lock (or the lock is free but a waiter is ahead).
+    Held {
+        /// The holder's remaining lease, when known.
+        remaining: Option<Duration>,
+        /// Whether the holder's attempt had the same fingerprint (`None`: unknown, e.g. the
+        /// lock was taken by a plain lock request).
+        same_fingerprint: Option<bool>,
+    },
+}
+
+/// One `complete` step's parameters (see [`IdempotencyStore::complete`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct CompleteArgs<'a> {
+    /// The key's lock.
+    pub resource: &'a ResourceName,
+    /// The owner token that must still hold it.
+    pub token: &'a OwnerToken,
+    /// The fingerprint stored with the record.
+    pub fingerprint: &'a Fingerprint,
+    /// The result to store.
+    pub record: &'a [u8],
+    /// How long the record is kept.
+    pub retention: Duration,
+}
+
+/// Where a backend keeps idempotency records, next to its locks.
+///
+/// Every method is one atomic step with respect to the key's lock (see the
+/// [module docs](self)). A backend offers it through
+/// [`Backend::idempotency`](crate::backend::Backend::idempotency).
+pub trait IdempotencyStore: Send + Sync {
+    /// A completed record → [`BeginReply::Replay`] or [`BeginReply::Mismatch`]; else the lock is
+    /// held (or a waiter is ahead) → [`BeginReply::Held`]; else take the lock with
+    /// `args.token` for `args.ttl` with a new fencing token, note the fingerprint, and answer
+    /// [`BeginReply::Acquired`].
+    fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>>;
+
+    /// If `args.token` still owns the lock: store the record with the retention period, release
+    /// the lock and notify the next waiter, all at once, and answer `true`. Otherwise change
+    /// nothing and answer `false`.
+    fn complete<'a>(&'a self, args: CompleteArgs<'a>) -> BoxFuture<'a, Result<bool, LockError>>;
+
+    /// If `token` still owns the lock: release it without a record (dropping the note of its
+    /// fingerprint) and notify the next waiter; `false` when it did not own the lock.
+    fn abort<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>>;
+}
+
+pub(crate) fn validate_retention(retention: Duration) -> Result<Duration, LockError> {
+    let reason = if retention < crate::MIN_TTL {
+        format!("retention must be at least {:?}", crate::MIN_TTL)
+    } else if retention > MAX_RETENTION {
+        format!("retention must be at most {MAX_RETENTION:?}")
+    } else {
+        return Ok(retention);
+    };
+    Err(LockError::InvalidTtl {
+        ttl: retention,
+        reason,
+    })
+}
+
+fn unsupported(locker: &Locker) -> LockError {
+    LockError::unavailable(
+        format!(
+            "the {} backend does not store idempotency records (supported: memory, redis)",
+            locker.backend_name()
+        ),
+        None,
+    )
+}
+
+impl Locker {
+    /// Starts an idempotent operation on `key` (a literal key or a [`LockKey`]) for an attempt
+    /// whose request is summed up by `fingerprint`. See the [module docs](self).
+    pub fn idempotency(
+        &self,
+        key: impl IntoLockKey,
+        fingerprint: Fingerprint,
+    ) -> IdempotencyRequest<'_> {
+        IdempotencyRequest {
+            locker: self,
+            key: key.into_lock_key(),
+            fingerprint,
+            ttl: None,
+            retention: DEFAULT_RETENTION,
+            auto_renew: true,
+        }
+    }
+
+    /// Whether this locker's backend stores idempotency records (memory and Redis do, Redlock
+    /// does not).
+    pub fn supports_idempotency(&self) -> bool {
+        self.backend().idempotency().is_some()
+    }
+}
+
+/// An idempotent operation about to begin, from [`Locker::idempotency`]. Set options, then
+/// [`begin`](IdempotencyRequest::begin).
+#[must_use = "an idempotency request does nothing until `begin` is awaited"]
+pub struct IdempotencyRequest<'a> {
+    locker: &'a Locker,
+    key: Result<LockKey, LockError>,
+    fingerprint: Fingerprint,
+    ttl: Option<Duration>,
+    retention: Duration,
+    auto_renew: bool,
+}
+
+impl fmt::Debug for IdempotencyRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyRequest")
+            .field("key", &self.key)
+            .field("fingerprint", &self.fingerprint)
+            .field("ttl", &self.ttl)
+            .field("retention", &self.retention)
+            .field("auto_renew", &self.auto_renew)
+            .finish()
+    }
+}
+
+impl IdempotencyRequest<'_> {
+    /// The lease of the key's lock while the operation runs. Default: the locker's default TTL
+    /// ([`Locker::default_ttl`]). The watchdog renews it while the operation runs; it is how
+    /// long the key stays blocked after this process dies mid-operation.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// How long the completed record is kept. Default: [`DEFAULT_RETENTION`] (24 h); at most
+    /// [`MAX_RETENTION`].
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Whether the watchdog renews the lock while the operation runs (default `true`). With
+    /// `false` the lock ends after one TTL, completed or not.
+    pub fn auto_renew(mut self, on: bool) -> Self {
+        self.auto_renew = on;
+        self
+    }
+
+    /// One atomic step: replay, mismatch, in progress, or the lock for this attempt (see
+    /// [`Begin`]).
+    ///
+    /// Cancel-safe: dropping this future never leaves the key's lock held without an owner.
+    pub async fn begin(self) -> Result<Begin, LockError> {
+        let locker = self.locker;
+        let key = self.key?;
+        let ttl = validate_ttl(self.ttl.unwrap_or_else(|| locker.default_ttl()))?;
+        let retention = validate_retention(self.retention)?;
+        let Some(store) = locker.backend().idempotency() else {
+            return Err(unsupported(locker));
+        };
+        let span = tracing::debug_span!("dlock.idempotency.begin", key = %key);
+        let resource = locker.resource(key);
+        let mut flight = Flight {
+            locker,
+            resource,
+            token: OwnerToken::generate(),
+            armed: true,
+        };
+        let sent = locker.engine().now_ns();
+        let args = BeginArgs {
+            resource: &flight.resource,
+            token: &flight.token,
+            ttl,
+            fingerprint: &self.fingerprint,
+            retention,
+        };
+        let reply = locker
+            .with_deadline("idempotency begin", store.begin(args))
+            .instrument(span)
+            .await?;
+        // The reply is in: nothing is left to undo unless we hold the lock, and then the
+        // operation takes over.
+        flight.armed = false;
+        Ok(match reply {
+            BeginReply::Acquired { fencing_token } => {
+                let state = locker.engine().register(
+                    flight.resource.clone(),
+                    flight.token.clone(),
+                    fencing_token,
+                    ttl,
+                    sent,
+                    self.auto_renew,
+                );
+                Begin::Run(IdempotentOperation {
+                    state,
+                    locker: locker.clone(),
+                    fingerprint: self.fingerprint,
+                    retention,
+                    finished: false,
+                })
+            }
+            BeginReply::Replay { record } => Begin::Replay(record),
+            BeginReply::Mismatch => Begin::Mismatch,
+            BeginReply::Held {
+                remaining,
+                same_fingerprint,
+            } => Begin::InProgress {
+                retry_after: remaining,
+                same_fingerprint: same_fingerprint.unwrap_or(true),
+            },
+        })
+    }
+}
+
+/// Undoes a `begin` in flight if it is dropped before the reply is in (HARD-PARTS §1).
+struct Flight<'a> {
+    locker: &'a Locker,
+    resource: ResourceName,
+    token: OwnerToken,
+    armed: bool,
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.locker
+                .engine()
+                .abandon_later(self.resource.clone(), self.token.clone());
+        }
+    }
+}
+
+/// The outcome of [`IdempotencyRequest::begin`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Begin {
+    /// No record: this attempt holds the key's lock. Run the operation, then
+    /// [`complete`](IdempotentOperation::complete) it with its result, or
+    /// [`abort`](IdempotentOperation::abort) it to let the next attempt run again.
+    Run(IdempotentOperation),
+    /// A completed record with the same fingerprint: the result given to `complete`. Do not
+    /// run the operation.
+    Replay(Vec<u8>),
+    /// A completed record with a different fingerprint: the key was reused for another
+    /// request.
+    Mismatch,
+    /// Another attempt with this key is running.
+    InProgress {
+        /// The running attempt's remaining lease, when known (an upper bound on how long the
+        /// key stays blocked if that attempt's process died).
+        retry_after: Option<Duration>,
+        /// Whether the running attempt has the same fingerprint (`true` when unknown).
+        same_fingerprint: bool,
+    },
+}
+
+/// A running idempotent operation: holds the key's lock (renewed by the locker's watchdog)
+/// until [`complete`](IdempotentOperation::complete), [`abort`](IdempotentOperation::abort)
+/// or drop.
+///
+/// It shares the engine's per-guard state with [`LockGuard`](crate::LockGuard) — same
+/// watchdog, local lease clock and loss detection — but ends differently: `complete` replaces
+/// the release with one step that stores the record and releases together. Dropping it
+/// releases the lock in the background without a record (like dropping a guard), so the next
+/// attempt runs the operation again.
+#[must_use = "the key's lock is released without a record when the operation is dropped"]
+pub struct IdempotentOperation {
+    state: Arc<GuardState>,
+    locker: Locker,
+    fingerprint: Fingerprint,
+    retention: Duration,
+    /// `complete` or `abort` got an answer: drop has nothing left to do.
+    finished: bool,
+}
+
+impl fmt::Debug for IdempotentOperation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentOperation")
+            .field("key", &self.key())
+            .field("fencing_token", &self.state.fencing_token)
+            .field("fingerprint", &self.fingerprint)
+            .field("held", &self.is_held())
+            .finish()
+    }
+}
+
+impl IdempotentOperation {
+    /// The (encoded) logical key.
+    pub fn key(&self) -> &str {
+        self.state.resource.key().as_str()
+    }
+
+    /// The fencing token of this attempt's lock: pass it to the resource you write.
+    pub fn fencing_token(&self) -> u64 {
+        self.state.fencing_token
+    }
+
+    /// Key and fencing token together.
+    pub fn info(&self) -> LockInfo {
+        LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+    }
+
+    /// The fingerprint the record will be stored with.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// Whether the lock is still held as far as this process can tell (see
+    /// [`LockGuard::is_held`](crate::LockGuard::is_held)).
+    pub fn is_held(&self) -> bool {
+        !self.state.lost.is_cancelled() && self.locker.engine().now_ns() < self.state.lease_end_ns()
+    }
+
+    /// Resolves when the lock is lost (see [`LockGuard::lost`](crate::LockGuard::lost)).
+    pub async fn lost(&self) {
+        let engine = self.locker.engine();
+        loop {
+            let end = self.state.lease_end_ns();
+            tokio::select! {
+                _ = self.state.lost.cancelled() => return,
+                _ = tokio::time::sleep_until(engine.instant_at(end).into()) => {
+                    if engine.now_ns() >= self.state.lease_end_ns() {
+                        self.state.mark_lost("the local lease ran out");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock), like
+    /// [`LockGuard::poll_scoped`](crate::LockGuard::poll_scoped).
+    pub fn poll_scoped<F: std::future::Future + ?Sized>(
+        &self,
+        fut: std::pin::Pin<&mut F>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        crate::context::poll_scoped(self.locker.id(), &self.info(), fut, cx)
+    }
+
+    /// Stops renewal, so that none can follow the final step.
+    fn stop(&self) {
+        self.state.done.store(true, Ordering::Release);
+        self.locker.engine().unschedule(&self.state);
+    }
+
+    /// Stores `record` as the key's result for the retention period and releases the lock, in
+    /// one atomic step. Later attempts with the same fingerprint get [`Begin::Replay`] with
+    /// these bytes.
+    ///
+    /// [`LockError::Lost`] when the lock was no longer ours (nothing is stored; the next
+    /// attempt runs the operation again). [`LockError::Unavailable`] when the backend did not
+    /// answer: the record may or may not be stored; if it is not, the lock is released in the
+    /// background (or ends with its TTL) and the next attempt runs again.
+    ///
+    /// Cancel-safe: dropping this future releases the lock in the background; whether the
+    /// record was stored then depends on whether the step reached the backend.
+    pub async fn complete(mut self, record: &[u8]) -> Result<(), LockError> {
+        self.stop();
+        let locker = self.locker.clone();
+        let Some(store) = locker.backend().idempotency() else {
+            return Err(unsupported(&locker));
+        };
+        let args = CompleteArgs {
+            resource: &self.state.resource,
+            token: &self.state.token,
+            fingerprint: &self.fingerprint,
+            record,
+            retention: self.retention,
+        };
+        let res = locker
+            .with_deadline("idempotency complete", store.complete(args))
+            .instrument(tracing::debug_span!("dlock.idempotency.complete", key = %self.key()))
+            .await;
+        match res {
+            Ok(true) => {
+                self.finished = true;
+                Ok(())
+            }
+            Ok(false) => {
+                self.finished = true;
+                self.state.lost.cancel();
+                Err(LockError::lost(self.key()))
+            }
+            // Unknown outcome: drop hands an owner-checked release to the background task,
+            // harmless if the record was stored (the lock is gone then).
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Releases the lock without storing a record: the next attempt runs the operation again.
+    /// [`LockError::Lost`] when the lock was no longer ours.
+    ///
+    /// Cancel-safe, like [`complete`](IdempotentOperation::complete).
+    pub async fn abort(mut self) -> Result<(), LockError> {
+        self.stop();
+        let locker = self.locker.clone();
+        let Some(store) = locker.backend().idempotency() else {
+            return Err(unsupported(&locker));
+        };
+        let res = locker
+            .with_deadline(
+                "idempotency abort",
+                store.abort(&self.state.resource, &self.state.token),
+            )
+            .instrument(tracing::debug_span!("dlock.idempotency.abort", key = %self.key()))
+            .await;
+        match res {
+            Ok(held) => {
+                self.finished = true;
+                if held {
+                    Ok(())
+                } else {
+                    self.state.lost.cancel();
+                    Err(LockError::lost(self.key()))
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for IdempotentOperation {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        self.stop();
+        self.locker
+            .engine()
+            .release_later(self.state.resource.clone(), self.state.token.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(fields: &[&[u8]]) -> Fingerprint {
+        let mut b = Fingerprint::builder();
+        for f in fields {
+            b.field(f);
+        }
+        b.finish()
+    }
+
+    #[test]
+    fn fingerprint_fields_are_framed() {
+        assert_ne!(fp(&[b"ab", b"c"]), fp(&[b"a", b"bc"]));
+        assert_ne!(fp(&[b"abc"]), fp(&[b"abc", b""]));
+        assert_ne!(fp(&[]), fp(&[b""]));
+        assert_eq!(fp(&[b"a", b"b"]), fp(&[b"a", b"b"]));
+    }
+
+    #[test]
+    fn fingerprint_hex_is_64_lowercase_digits() {
+        let f = fp(&[b"POST", b"/payments", b"{}"]);
+        let hex = f.to_hex();
+        assert_eq!(hex.len(), 64);
+        assert!(hex
+            .chars()
+            .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)));
+        assert_eq!(f.to_string(), hex);
+        assert_eq!(Fingerprint::from_bytes(*f.as_bytes()), f);
+    }
+
+    #[test]
+    fn retention_bounds_are_enforced() {
+        assert!(validate_retention(Duration::ZERO).unwrap_err().is_invalid());
+        assert!(validate_retention(DEFAULT_RETENTION).is_ok());
+        assert!(validate_retention(MAX_RETENTION + Duration::from_secs(1)).is_err());
+    }
+
+    #[tokio::test]
+    async fn memory_flow_run_replay_mismatch_in_progress() {
+        let locker = Locker::memory();
+        let a = fp(&[b"a"]);
+        let b = fp(&[b"b"]);
+        let Begin::Run(op) = locker.idempotency("k", a).begin().await.unwrap() else {
+            panic!("first attempt runs")
+        };
+        match locker.idempotency("k", a).begin().await.unwrap() {
+            Begin::InProgress {
+                retry_after: Some(_),
+                same_fingerprint: true,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        match locker.idempotency("k", b).begin().await.unwrap() {
+            Begin::InProgress {
+                same_fingerprint: false,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        op.complete(b"result").await.unwrap();
+        match locker.idempotency("k", a).begin().await.unwrap() {
+            Begin::Replay(r) => assert_eq!(r, b"result"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            locker.idempotency("k", b).begin().await.unwrap(),
+            Begin::Mismatch
+        ));
+        // The lock itself is free after completion.
+        assert!(locker.lock("k").try_acquire().await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn abort_and_drop_free_the_key_without_a_record() {
+        let locker = Locker::memory();
+        let a = fp(&[b"a"]);
+        let Begin::Run(op) = locker.idempotency("k", a).begin().await.unwrap() else {
+            panic!()
+        };
+        op.abort().await.unwrap();
+        let Begin::Run(op) = locker.idempotency("k", a).begin().await.unwrap() else {
+            panic!("aborted key runs again")
+        };
+        let first = op.fencing_token();
+        drop(op);
+        // The background release runs on this runtime: wait for it through a fair waiter.
+        let guard = locker
+            .lock("k")
+            .on_fail(crate::OnFail::retry(Duration::from_secs(5)))
+            .acquire()
+            .await
+            .unwrap();
+        guard.release().await.unwrap();
+        let Begin::Run(op) = locker.idempotency("k", a).begin().await.unwrap() else {
+            panic!("dropped key runs again")
+        };
+        assert!(op.fencing_token() > first);
+        op.complete(b"x").await.unwrap();
+    }
+}
