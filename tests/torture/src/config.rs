@@ -1,0 +1,368 @@
+//! Command line, modes and the run configuration.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// `--name value` pairs and `--flag`s.
+#[derive(Debug, Default)]
+pub(crate) struct Args {
+    values: BTreeMap<String, String>,
+    flags: Vec<String>,
+}
+
+impl Args {
+    /// Parses `args` (without the program name and mode word).
+    pub(crate) fn parse(args: &[String]) -> Result<Args, String> {
+        let mut out = Args::default();
+        let mut it = args.iter().peekable();
+        while let Some(a) = it.next() {
+            let Some(name) = a.strip_prefix("--") else {
+                return Err(format!("unexpected argument `{a}`"));
+            };
+            if let Some((k, v)) = name.split_once('=') {
+                out.values.insert(k.to_owned(), v.to_owned());
+            } else if it.peek().is_some_and(|n| !n.starts_with("--")) {
+                let v = it.next().cloned().unwrap_or_default();
+                out.values.insert(name.to_owned(), v);
+            } else {
+                out.flags.push(name.to_owned());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether `--name` was given as a flag.
+    pub(crate) fn flag(&self, name: &str) -> bool {
+        self.flags.iter().any(|f| f == name)
+    }
+
+    /// `--name value` as text.
+    pub(crate) fn string(&self, name: &str) -> Option<String> {
+        self.values.get(name).cloned()
+    }
+
+    /// `--name <u64>`.
+    pub(crate) fn num(&self, name: &str) -> Result<Option<u64>, String> {
+        self.values
+            .get(name)
+            .map(|v| v.parse().map_err(|_| format!("--{name}: not a number: {v}")))
+            .transpose()
+    }
+
+    /// `--name <lo>..<hi>` (or a single number).
+    pub(crate) fn range(&self, name: &str) -> Result<Option<(u64, u64)>, String> {
+        let Some(v) = self.values.get(name) else {
+            return Ok(None);
+        };
+        let bad = || format!("--{name}: expected <lo>..<hi>, got {v}");
+        match v.split_once("..") {
+            Some((a, b)) => {
+                let (a, b) = (
+                    a.parse().map_err(|_| bad())?,
+                    b.parse().map_err(|_| bad())?,
+                );
+                if a > b {
+                    return Err(bad());
+                }
+                Ok(Some((a, b)))
+            }
+            None => {
+                let x = v.parse().map_err(|_| bad())?;
+                Ok(Some((x, x)))
+            }
+        }
+    }
+
+    /// Names of everything given, for rejecting unknown options.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.values
+            .keys()
+            .map(String::as_str)
+            .chain(self.flags.iter().map(String::as_str))
+    }
+}
+
+/// Which lock backend a phase runs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BackendKind {
+    /// One Redis server.
+    Redis,
+    /// Redlock over five servers.
+    Redlock,
+}
+
+impl BackendKind {
+    /// `redis` / `redlock`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            BackendKind::Redis => "redis",
+            BackendKind::Redlock => "redlock",
+        }
+    }
+
+    /// Parses [`name`](BackendKind::name).
+    pub(crate) fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "redis" => Ok(BackendKind::Redis),
+            "redlock" => Ok(BackendKind::Redlock),
+            _ => Err(format!("unknown backend `{s}` (redis, redlock)")),
+        }
+    }
+
+    /// How many lock servers it runs on.
+    pub(crate) fn servers(self) -> usize {
+        match self {
+            BackendKind::Redis => 1,
+            BackendKind::Redlock => 5,
+        }
+    }
+}
+
+/// The kinds of fault the coordinator injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FaultKind {
+    /// SIGSTOP a lock holder (preferably past its last check) for longer than the TTL, then
+    /// SIGCONT it: the GC-pause case.
+    Pause,
+    /// SIGKILL a lock holder (a replacement worker is started).
+    Kill,
+    /// Kill a lock server and start it again, empty, on the same port (Redlock: one of five).
+    Restart,
+    /// Add latency in the proxies (Redlock: on two of five nodes, above the node timeout).
+    Latency,
+    /// Close every proxied connection and refuse new ones for a moment.
+    Cut,
+}
+
+impl FaultKind {
+    /// Every kind, in a fixed order.
+    pub(crate) const ALL: [FaultKind; 5] = [
+        FaultKind::Pause,
+        FaultKind::Kill,
+        FaultKind::Restart,
+        FaultKind::Latency,
+        FaultKind::Cut,
+    ];
+
+    /// Parses [`name`](FaultKind::name).
+    pub(crate) fn parse(s: &str) -> Result<Self, String> {
+        FaultKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown fault `{s}` (pause, kill, restart, latency, cut)"))
+    }
+
+    /// Short name.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            FaultKind::Pause => "pause",
+            FaultKind::Kill => "kill",
+            FaultKind::Restart => "restart",
+            FaultKind::Latency => "latency",
+            FaultKind::Cut => "cut",
+        }
+    }
+}
+
+/// Everything a run is configured with.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    /// `smoke`, `quick` or `long`.
+    pub(crate) mode: &'static str,
+    /// Seed of the fault schedule and every random choice.
+    pub(crate) seed: u64,
+    /// Backends to run, in order.
+    pub(crate) backends: Vec<BackendKind>,
+    /// Worker processes.
+    pub(crate) procs: u32,
+    /// Tasks per worker process.
+    pub(crate) tasks: u32,
+    /// Lock keys contended on.
+    pub(crate) keys: u32,
+    /// Lock TTL.
+    pub(crate) ttl: Duration,
+    /// Waiter-queue entry TTL (`LockerBuilder::waiter_ttl`).
+    pub(crate) waiter_ttl: Duration,
+    /// Locker command timeout.
+    pub(crate) command_timeout: Duration,
+    /// Redlock per-node timeout.
+    pub(crate) node_timeout: Duration,
+    /// Rounds of faults per backend; a round is every kind in `faults` once, in a seeded order.
+    pub(crate) rounds: u32,
+    /// The fault kinds of a round.
+    pub(crate) faults: Vec<FaultKind>,
+    /// Liveness margin on top of the TTL.
+    pub(crate) margin: Duration,
+    /// Pause between one fault's recovery and the next fault, ms range.
+    pub(crate) gap_ms: (u64, u64),
+    /// Critical section work phase, ms range.
+    pub(crate) work_ms: (u64, u64),
+    /// Critical section commit window, ms range.
+    pub(crate) commit_ms: (u64, u64),
+}
+
+impl Config {
+    /// The liveness bound: no key goes longer than this without a completed critical
+    /// section. A dead or frozen holder's lock frees within the TTL; its process's dead waiter
+    /// entries (fair queue) stop blocking within the waiter TTL; the margin covers the
+    /// waiters' fallback wake-up (at most a third of the waiter TTL), reconnects and the
+    /// critical section itself.
+    pub(crate) fn stall_bound(&self) -> Duration {
+        self.ttl.max(self.waiter_ttl) + self.margin
+    }
+
+    fn preset(mode: &'static str) -> Config {
+        let base = Config {
+            mode,
+            seed: 0,
+            backends: vec![BackendKind::Redis, BackendKind::Redlock],
+            procs: 4,
+            tasks: 16,
+            keys: 4,
+            ttl: Duration::from_millis(1000),
+            waiter_ttl: Duration::from_millis(1000),
+            command_timeout: Duration::from_millis(500),
+            node_timeout: Duration::from_millis(50),
+            rounds: 2,
+            faults: FaultKind::ALL.to_vec(),
+            margin: Duration::from_millis(1000),
+            gap_ms: (300, 800),
+            work_ms: (1, 3),
+            commit_ms: (4, 8),
+        };
+        match mode {
+            "smoke" => Config {
+                procs: 2,
+                tasks: 4,
+                keys: 2,
+                ttl: Duration::from_millis(500),
+                waiter_ttl: Duration::from_millis(500),
+                command_timeout: Duration::from_millis(300),
+                rounds: 1,
+                margin: Duration::from_millis(1500),
+                gap_ms: (100, 200),
+                ..base
+            },
+            "quick" => base,
+            _ => Config {
+                rounds: 20,
+                ..base
+            },
+        }
+    }
+
+    /// Builds the configuration from the command line.
+    pub(crate) fn from_args(args: &Args) -> Result<Config, String> {
+        const KNOWN: &[&str] = &[
+            "quick",
+            "smoke",
+            "long",
+            "seed",
+            "backend",
+            "procs",
+            "tasks",
+            "keys",
+            "ttl-ms",
+            "waiter-ttl-ms",
+            "command-timeout-ms",
+            "node-timeout-ms",
+            "rounds",
+            "faults",
+            "margin-ms",
+            "gap-ms",
+            "work-ms",
+            "commit-ms",
+            "help",
+        ];
+        if let Some(bad) = args.names().find(|n| !KNOWN.contains(n)) {
+            return Err(format!("unknown option --{bad}"));
+        }
+        let mode = if args.flag("smoke") {
+            "smoke"
+        } else if args.flag("quick") {
+            "quick"
+        } else {
+            "long"
+        };
+        let mut c = Config::preset(mode);
+        c.seed = match args.num("seed")? {
+            Some(s) => s,
+            None => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64 % 1_000_000_000)
+                .unwrap_or(1),
+        };
+        if let Some(b) = args.string("backend") {
+            c.backends = match b.as_str() {
+                "both" => vec![BackendKind::Redis, BackendKind::Redlock],
+                other => vec![BackendKind::parse(other)?],
+            };
+        }
+        let ms = Duration::from_millis;
+        if let Some(v) = args.num("procs")? {
+            c.procs = v.max(1) as u32;
+        }
+        if let Some(v) = args.num("tasks")? {
+            c.tasks = v.max(1) as u32;
+        }
+        if let Some(v) = args.num("keys")? {
+            c.keys = v.max(1) as u32;
+        }
+        if let Some(v) = args.num("ttl-ms")? {
+            c.ttl = ms(v.max(100));
+        }
+        c.waiter_ttl = args.num("waiter-ttl-ms")?.map(ms).unwrap_or(c.ttl);
+        if let Some(v) = args.num("command-timeout-ms")? {
+            c.command_timeout = ms(v);
+        }
+        if let Some(v) = args.num("node-timeout-ms")? {
+            c.node_timeout = ms(v);
+        }
+        if let Some(v) = args.num("rounds")? {
+            c.rounds = v.max(1) as u32;
+        }
+        if let Some(v) = args.string("faults") {
+            c.faults = v
+                .split(',')
+                .map(FaultKind::parse)
+                .collect::<Result<Vec<_>, _>>()?;
+        }
+        if let Some(v) = args.num("margin-ms")? {
+            c.margin = ms(v);
+        }
+        if let Some(v) = args.range("gap-ms")? {
+            c.gap_ms = v;
+        }
+        if let Some(v) = args.range("work-ms")? {
+            c.work_ms = v;
+        }
+        if let Some(v) = args.range("commit-ms")? {
+            c.commit_ms = v;
+        }
+        Ok(c)
+    }
+}
+
+/// The `--help` text.
+pub(crate) const USAGE: &str = "\
+dlock-torture: fault-injection harness for dlock (see tests/README.md)
+
+usage:
+  dlock-torture [--quick | --smoke] [options]    coordinator (default: the long mode)
+  dlock-torture worker ...                       a worker process (spawned by the coordinator)
+
+modes:
+  --smoke    2 procs x 4 tasks, 2 keys, TTL 500 ms, one round per backend (the cargo test)
+  --quick    4 procs x 16 tasks, 4 keys, TTL 1 s, 2 rounds per backend (CI; < 2 min)
+  (none)     the long mode: as --quick with 20 rounds per backend (release checks)
+
+options:
+  --seed N                 repeat a run's fault schedule (printed at the start and the end)
+  --backend redis|redlock|both
+  --procs N  --tasks N  --keys N
+  --ttl-ms N  --waiter-ttl-ms N  --command-timeout-ms N  --node-timeout-ms N
+  --rounds N               rounds of faults per backend (each round: every fault kind once)
+  --faults K,K,...         the fault kinds of a round (pause,kill,restart,latency,cut)
+  --margin-ms N            liveness bound = max(TTL, waiter TTL) + margin
+  --gap-ms A..B  --work-ms A..B  --commit-ms A..B
+";

@@ -1,0 +1,789 @@
+//! Coordinator mode (the default): starts the servers, the proxies and the worker processes,
+//! injects the seeded fault schedule, stops everything, checks for locks left behind, and
+//! reports.
+//!
+//! One **phase** per backend:
+//!
+//! 1. start the lock servers (1 for `redis`, 5 for `redlock`), one [`Proxy`] in front of each,
+//!    and the resource server (direct, never faulted);
+//! 2. spawn `procs` worker processes (`current_exe() worker …`) and wait until every key has
+//!    completed a critical section;
+//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] once, in an order drawn
+//!    from the seed, with seeded parameters. Faults run one at a time: inject, lift, wait until
+//!    every key has progressed again (bounded), then a seeded gap;
+//! 4. lift everything, close the workers' stdin (they finish and exit), and wait — bounded by
+//!    the liveness bound — until no lock key is left on any lock server;
+//! 5. replay the resource's logs into a [`PhaseReport`].
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use dlock_tests::RedisServer;
+use tokio::io::AsyncBufReadExt as _;
+use tokio::process::{Child, ChildStdin, Command};
+
+use crate::config::{BackendKind, Config, FaultKind};
+use crate::proxy::Proxy;
+use crate::report::{self, FaultRecord, PhaseReport};
+use crate::resource::{Entrant, Resource};
+use crate::rng::Rng;
+use crate::worker::{self, WorkerConfig};
+
+type Shared<T> = Arc<Mutex<T>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`, `-KILL`) to `pid`.
+async fn signal(sig: &str, pid: u32) -> bool {
+    Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+struct WorkerProc {
+    name: String,
+    pid: u32,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: tokio::task::JoinHandle<Vec<String>>,
+}
+
+/// The worker processes of one phase.
+struct Workers {
+    exe: PathBuf,
+    template: WorkerConfig,
+    procs: Vec<WorkerProc>,
+    next_id: u32,
+    crashes: Vec<String>,
+    stats: Vec<String>,
+    seed: Rng,
+}
+
+impl Workers {
+    fn spawn(&mut self) -> Result<(), String> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let cfg = WorkerConfig {
+            id,
+            seed: self.seed.fork(u64::from(id)).next_u64(),
+            ..self.template.clone()
+        };
+        let mut child = Command::new(&self.exe)
+            .args(cfg.to_args())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot spawn a worker ({}): {e}", self.exe.display()))?;
+        let pid = child.id().unwrap_or(0);
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take();
+        let out = tokio::spawn(async move {
+            let mut lines = Vec::new();
+            if let Some(stdout) = stdout {
+                let mut r = tokio::io::BufReader::new(stdout).lines();
+                while let Ok(Some(l)) = r.next_line().await {
+                    lines.push(l);
+                }
+            }
+            lines
+        });
+        self.procs.push(WorkerProc {
+            name: format!("w{id}"),
+            pid,
+            child,
+            stdin,
+            out,
+        });
+        Ok(())
+    }
+
+    fn by_pid(&self, pid: u32) -> Option<usize> {
+        self.procs.iter().position(|p| p.pid == pid)
+    }
+
+    /// Reaps workers that exited on their own (a crash: they only exit when told) and
+    /// replaces them.
+    fn check(&mut self) -> Result<(), String> {
+        let mut i = 0;
+        while i < self.procs.len() {
+            if let Ok(Some(status)) = self.procs[i].child.try_wait() {
+                let p = self.procs.remove(i);
+                let msg = format!("worker {} (pid {}) exited on its own: {status}", p.name, p.pid);
+                eprintln!("torture: {msg}");
+                self.crashes.push(msg);
+                self.spawn()?;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs the worker at `idx`, reaps it and starts a replacement. Returns its name.
+    async fn kill(&mut self, idx: usize) -> Result<String, String> {
+        let mut p = self.procs.remove(idx);
+        let _ = p.child.start_kill();
+        let _ = p.child.wait().await;
+        p.out.abort();
+        self.spawn()?;
+        Ok(p.name)
+    }
+
+    /// Resumes everyone (harmless if not stopped), closes every stdin, and waits.
+    async fn stop_all(&mut self) {
+        for p in &self.procs {
+            signal("-CONT", p.pid).await;
+        }
+        for p in &mut self.procs {
+            p.stdin = None;
+        }
+        for mut p in self.procs.drain(..) {
+            let status = tokio::time::timeout(Duration::from_secs(30), p.child.wait()).await;
+            match status {
+                Ok(Ok(s)) if s.success() => {}
+                Ok(Ok(s)) => self
+                    .crashes
+                    .push(format!("worker {} exited with {s} when stopped", p.name)),
+                _ => {
+                    let _ = p.child.start_kill();
+                    let _ = p.child.wait().await;
+                    self.crashes
+                        .push(format!("worker {} did not stop within 30 s", p.name));
+                }
+            }
+            if let Ok(lines) = p.out.await {
+                self.stats
+                    .extend(lines.into_iter().filter(|l| l.starts_with("worker ")));
+            }
+        }
+    }
+}
+
+/// One backend's servers, proxies, resource and workers.
+struct Phase {
+    backend: BackendKind,
+    servers: Vec<Shared<RedisServer>>,
+    server_ports: Vec<u16>,
+    proxies: Vec<Proxy>,
+    _resource_server: RedisServer,
+    resource: Resource,
+    workers: Workers,
+    keys: Vec<String>,
+    rng: Rng,
+    cfg: Config,
+    faults: Vec<FaultRecord>,
+}
+
+impl Phase {
+    async fn start(cfg: &Config, backend: BackendKind, rng: Rng) -> Result<Phase, String> {
+        let (servers, resource_server) = tokio::task::spawn_blocking(move || {
+            let servers = dlock_tests::redis_server::start_many(backend.servers());
+            (servers, RedisServer::start())
+        })
+        .await
+        .map_err(|e| format!("starting redis-server: {e}"))?;
+        let server_ports: Vec<u16> = servers.iter().map(RedisServer::port).collect();
+        let mut proxies = Vec::new();
+        for &port in &server_ports {
+            proxies.push(
+                Proxy::start(port)
+                    .await
+                    .map_err(|e| format!("proxy: {e}"))?,
+            );
+        }
+        let resource = Resource::connect(&resource_server.url())
+            .await
+            .map_err(|e| format!("resource: {e}"))?;
+        let keys: Vec<String> = (0..cfg.keys).map(|k| format!("k{k}")).collect();
+        let ms = |d: Duration| d.as_millis() as u64;
+        let template = WorkerConfig {
+            id: 0,
+            backend,
+            lock_urls: proxies.iter().map(Proxy::url).collect(),
+            resource_url: resource_server.url(),
+            keys: cfg.keys,
+            tasks: cfg.tasks,
+            ttl_ms: ms(cfg.ttl),
+            waiter_ttl_ms: ms(cfg.waiter_ttl),
+            command_timeout_ms: ms(cfg.command_timeout),
+            node_timeout_ms: ms(cfg.node_timeout),
+            wait_ms: 10_000,
+            work_ms: cfg.work_ms,
+            commit_ms: cfg.commit_ms,
+            seed: 0,
+        };
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        let workers = Workers {
+            exe,
+            template,
+            procs: Vec::new(),
+            next_id: 1,
+            crashes: Vec::new(),
+            stats: Vec::new(),
+            seed: rng.fork(0x5eed),
+        };
+        Ok(Phase {
+            backend,
+            servers: servers
+                .into_iter()
+                .map(|s| Arc::new(Mutex::new(s)))
+                .collect(),
+            server_ports,
+            proxies,
+            _resource_server: resource_server,
+            resource,
+            workers,
+            keys,
+            rng,
+            cfg: cfg.clone(),
+            faults: Vec::new(),
+        })
+    }
+
+    fn tag(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    async fn now_us(&self) -> Result<u64, String> {
+        self.resource
+            .now_us()
+            .await
+            .map_err(|e| format!("resource: {e}"))
+    }
+
+    /// Waits until every key has an accepted write after `since_us`, up to `limit`.
+    /// Returns when that happened (µs), or `None` on timeout.
+    async fn wait_progress(&mut self, since_us: u64, limit: Duration) -> Result<Option<u64>, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            self.workers.check()?;
+            let last = self
+                .resource
+                .last_writes(&self.keys)
+                .await
+                .map_err(|e| format!("resource: {e}"))?;
+            if last.iter().all(|&t| t > since_us) {
+                return Ok(last.into_iter().max());
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A worker currently inside a critical section, chosen at random; with `prefer_commit`,
+    /// one past its last lock check if one shows up within `within`.
+    async fn pick_holder(&mut self, prefer_commit: bool, within: Duration) -> Option<(usize, Entrant)> {
+        let deadline = Instant::now() + within;
+        loop {
+            let inside = self.resource.inside().await.unwrap_or_default();
+            let live: Vec<(usize, Entrant)> = inside
+                .into_iter()
+                .filter_map(|e| self.workers.by_pid(e.pid).map(|i| (i, e)))
+                .collect();
+            let timed_out = Instant::now() >= deadline;
+            let pool: Vec<&(usize, Entrant)> = if prefer_commit && !timed_out {
+                live.iter().filter(|(_, e)| e.phase == "commit").collect()
+            } else {
+                live.iter().collect()
+            };
+            if !pool.is_empty() {
+                let pick = pool[self.rng.below(pool.len() as u64) as usize].clone();
+                return Some(pick);
+            }
+            if timed_out && Instant::now() >= deadline + within {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    async fn record(&self, what: String) -> Result<u64, String> {
+        self.resource
+            .fault(&what)
+            .await
+            .map_err(|e| format!("resource: {e}"))
+    }
+
+    /// Injects one fault and lifts it. Returns its record, or `None`
+    /// when there was no lock holder to pause or kill.
+    async fn inject(&mut self, kind: FaultKind) -> Result<Option<FaultRecord>, String> {
+        let ttl = self.cfg.ttl;
+        match kind {
+            FaultKind::Pause => {
+                let dur = ttl.mul_f64(1.5 + self.rng.below(1001) as f64 / 1000.0);
+                let Some((_, victim)) = self.pick_holder(true, Duration::from_secs(2)).await else {
+                    return Ok(None);
+                };
+                let detail = format!(
+                    "victim={} pid={} key={} phase={} for_ms={}",
+                    victim.writer,
+                    victim.pid,
+                    victim.key,
+                    victim.phase,
+                    dur.as_millis()
+                );
+                let start_us = self.record(format!("pause {detail}")).await?;
+                signal("-STOP", victim.pid).await;
+                tokio::time::sleep(dur).await;
+                signal("-CONT", victim.pid).await;
+                let end_us = self.record("pause-end".into()).await?;
+                Ok(Some(FaultRecord {
+                    kind,
+                    start_us,
+                    end_us,
+                    detail,
+                    victim: Some((victim.key, victim.writer)),
+                }))
+            }
+            FaultKind::Kill => {
+                let Some((idx, victim)) = self.pick_holder(false, Duration::from_secs(2)).await else {
+                    return Ok(None);
+                };
+                let detail = format!(
+                    "victim={} pid={} key={} phase={}",
+                    victim.writer, victim.pid, victim.key, victim.phase
+                );
+                let start_us = self.record(format!("kill {detail}")).await?;
+                let name = self.workers.kill(idx).await?;
+                self.resource
+                    .killed(&self.keys, &name, victim.pid)
+                    .await
+                    .map_err(|e| format!("resource: {e}"))?;
+                Ok(Some(FaultRecord {
+                    kind,
+                    start_us,
+                    end_us: start_us,
+                    detail,
+                    victim: Some((victim.key, victim.writer)),
+                }))
+            }
+            FaultKind::Restart => {
+                let node = self.rng.below(self.servers.len() as u64) as usize;
+                let down = self.rng.millis(50, 300);
+                let detail = format!(
+                    "node={node} port={} down_ms={}",
+                    self.server_ports[node],
+                    down.as_millis()
+                );
+                let start_us = self.record(format!("restart {detail}")).await?;
+                let server = self.servers[node].clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut s = lock(&server);
+                    s.stop();
+                    std::thread::sleep(down);
+                    s.restart();
+                })
+                .await
+                .map_err(|e| format!("restart: {e}"))?;
+                let end_us = self.record("restart-end".into()).await?;
+                Ok(Some(FaultRecord {
+                    kind,
+                    start_us,
+                    end_us,
+                    detail,
+                    victim: None,
+                }))
+            }
+            FaultKind::Latency => {
+                let dur = self.rng.millis(1000, 2500);
+                let (targets, latency) = match self.backend {
+                    // Every connection slower, well within the command timeout.
+                    BackendKind::Redis => ((0..self.proxies.len()).collect::<Vec<_>>(), {
+                        let hi = (self.cfg.command_timeout.as_millis() as u64 / 6).max(5);
+                        self.rng.millis(hi / 3, hi)
+                    }),
+                    // Two of five nodes slower than the node timeout: they vote "no".
+                    BackendKind::Redlock => {
+                        let mut idx: Vec<usize> = (0..self.proxies.len()).collect();
+                        self.rng.shuffle(&mut idx);
+                        idx.truncate(2);
+                        idx.sort_unstable();
+                        let nt = self.cfg.node_timeout.as_millis() as u64;
+                        (idx, self.rng.millis(nt, nt * 3))
+                    }
+                };
+                let detail = format!(
+                    "nodes={targets:?} one_way_ms={} for_ms={}",
+                    latency.as_millis(),
+                    dur.as_millis()
+                );
+                let start_us = self.record(format!("latency {detail}")).await?;
+                for &i in &targets {
+                    self.proxies[i].set_latency(latency);
+                }
+                tokio::time::sleep(dur).await;
+                for &i in &targets {
+                    self.proxies[i].set_latency(Duration::ZERO);
+                }
+                let end_us = self.record("latency-end".into()).await?;
+                Ok(Some(FaultRecord {
+                    kind,
+                    start_us,
+                    end_us,
+                    detail,
+                    victim: None,
+                }))
+            }
+            FaultKind::Cut => {
+                let refuse = self.rng.millis(100, 400);
+                let start_us = self.record("cut".into()).await?;
+                let mut cut = 0;
+                for p in &self.proxies {
+                    cut += p.cut(true);
+                }
+                tokio::time::sleep(refuse).await;
+                for p in &self.proxies {
+                    p.allow();
+                }
+                let detail = format!("connections={cut} refuse_ms={}", refuse.as_millis());
+                let end_us = self.record(format!("cut-end {detail}")).await?;
+                Ok(Some(FaultRecord {
+                    kind,
+                    start_us,
+                    end_us,
+                    detail,
+                    victim: None,
+                }))
+            }
+        }
+    }
+
+    /// Counts lock keys (and waiter queues) on every lock server, directly (not proxied).
+    async fn leftovers(&self) -> (u64, u64) {
+        let mut locks = 0;
+        let mut queues = 0;
+        for &port in &self.server_ports {
+            let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+                continue;
+            };
+            let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                continue;
+            };
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg("torture:*")
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            locks += keys.iter().filter(|k| k.ends_with('}')).count() as u64;
+            queues += keys.iter().filter(|k| k.ends_with("}:q")).count() as u64;
+        }
+        (locks, queues)
+    }
+
+    /// The whole phase. Returns its report.
+    async fn run(mut self) -> Result<PhaseReport, String> {
+        let tag = self.tag();
+        for _ in 0..self.cfg.procs {
+            self.workers.spawn()?;
+        }
+        let t0 = self.now_us().await?;
+        if self
+            .wait_progress(t0, Duration::from_secs(30))
+            .await?
+            .is_none()
+        {
+            self.workers.stop_all().await;
+            return Err(format!("[{tag}] no progress on every key within 30 s of start"));
+        }
+
+        let mut schedule = Vec::new();
+        for _ in 0..self.cfg.rounds {
+            let mut round = self.cfg.faults.clone();
+            self.rng.shuffle(&mut round);
+            schedule.extend(round);
+        }
+        let names: Vec<&str> = schedule.iter().map(|k| k.name()).collect();
+        println!("[{tag}] schedule: {}", names.join(","));
+
+        let bound = self.cfg.stall_bound();
+        for (n, kind) in schedule.into_iter().enumerate() {
+            let Some(f) = self.inject(kind).await? else {
+                println!(
+                    "[{tag}] fault {:>2} {:<7} skipped: nobody inside a critical section",
+                    n + 1,
+                    kind.name()
+                );
+                continue;
+            };
+            println!(
+                "[{tag}] fault {:>2} {:<7} {} (lasted {} ms)",
+                n + 1,
+                kind.name(),
+                f.detail,
+                f.end_us.saturating_sub(f.start_us) / 1000,
+            );
+            // Before the next fault, every key must have completed a section that started
+            // after this one was lifted (sections in flight at that moment don't count).
+            let settle = self.cfg.work_ms.1 + self.cfg.commit_ms.1 + 50;
+            let since = f.end_us + settle * 1000;
+            if self
+                .wait_progress(since, bound + Duration::from_secs(5))
+                .await?
+                .is_none()
+            {
+                println!(
+                    "[{tag}] fault {:>2} {:<7} some key made no progress within {} ms",
+                    n + 1,
+                    kind.name(),
+                    (bound + Duration::from_secs(5)).as_millis()
+                );
+            }
+            self.faults.push(f);
+            let gap = self.rng.millis(self.cfg.gap_ms.0, self.cfg.gap_ms.1);
+            tokio::time::sleep(gap).await;
+        }
+
+        // Stop: nothing is faulted any more; workers finish and release.
+        for p in &self.proxies {
+            p.allow();
+            p.set_latency(Duration::ZERO);
+        }
+        let stop_us = self.now_us().await?;
+        self.workers.stop_all().await;
+        let stopped = Instant::now();
+        let (mut locks, mut queues) = self.leftovers().await;
+        let locks_at_exit = locks;
+        // A lock of a killed or frozen holder expires within its TTL: wait for that, bounded.
+        while locks > 0 && stopped.elapsed() < bound {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            (locks, queues) = self.leftovers().await;
+        }
+        let settle_ms = stopped.elapsed().as_millis() as u64;
+
+        // Replay the logs.
+        let mut r = PhaseReport::default();
+        let mut completions = Vec::new();
+        let mut logs = std::collections::HashMap::new();
+        for key in &self.keys {
+            let log = self
+                .resource
+                .log(key)
+                .await
+                .map_err(|e| format!("resource: {e}"))?;
+            if let Some(dir) = std::env::var_os("DLOCK_TORTURE_DUMP") {
+                let path = PathBuf::from(dir).join(format!("{tag}-{key}.log"));
+                let _ = std::fs::write(&path, log.join("\n"));
+            }
+            completions.push(report::replay(&log, &mut r)?);
+            logs.insert(key.clone(), log);
+            let (val, ver) = self
+                .resource
+                .final_state(key)
+                .await
+                .map_err(|e| format!("resource: {e}"))?;
+            if val != ver {
+                r.value_mismatch += 1;
+            }
+        }
+        if let Some(dir) = std::env::var_os("DLOCK_TORTURE_DUMP") {
+            let faults: Vec<String> = self
+                .faults
+                .iter()
+                .map(|f| format!("{} {} {} {}", f.start_us, f.end_us, f.kind.name(), f.detail))
+                .collect();
+            let path = PathBuf::from(dir).join(format!("{tag}-faults.log"));
+            let _ = std::fs::write(&path, format!("{}\nstop {stop_us}\n", faults.join("\n")));
+        }
+        let (per_fault, max) = report::stalls(&completions, &self.faults, stop_us);
+        r.fault_stalls = per_fault;
+        r.max_stall = max;
+        r.pauses = self.faults.iter().filter(|f| f.kind == FaultKind::Pause).count() as u64;
+        r.locks_left = locks;
+        r.queues_left = queues;
+        r.settle_ms = settle_ms;
+        r.worker_crashes = self.workers.crashes.len() as u64;
+        for line in &self.workers.stats {
+            if let Some(m) = worker::parse_stats(line) {
+                for (k, v) in m {
+                    *r.client.entry(k).or_default() += v;
+                }
+            }
+        }
+        for (n, (f, stall)) in self.faults.iter().zip(&r.fault_stalls).enumerate() {
+            let over = if stall.after_ms > bound.as_millis() as u64 {
+                "  <-- OVER BOUND"
+            } else {
+                ""
+            };
+            let victim = match &f.victim {
+                Some((key, writer)) => {
+                    let end = logs
+                        .get(key)
+                        .and_then(|log| report::outcome_after(log, writer, f.start_us));
+                    let end = end.as_deref().unwrap_or("never ended");
+                    if f.kind == FaultKind::Pause && end == "fenced" {
+                        r.pauses_fenced += 1;
+                    }
+                    format!("; victim's section: {end}")
+                }
+                None => String::new(),
+            };
+            println!(
+                "[{tag}] fault {:>2} {:<7} longest stall {:>5} ms after it was lifted (longest gap {:>5} ms){victim}{over}",
+                n + 1,
+                f.kind.name(),
+                stall.after_ms,
+                stall.gap_ms,
+            );
+        }
+        for c in &self.workers.crashes {
+            println!("[{tag}] CRASH: {c}");
+        }
+        if locks_at_exit > 0 {
+            println!(
+                "[{tag}] {locks_at_exit} lock key(s) present when the workers had exited; {locks} after waiting {settle_ms} ms"
+            );
+        }
+        let accepted: u64 = self.proxies.iter().map(Proxy::accepted).sum();
+        let mut client: Vec<String> = r.client.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        client.sort();
+        println!("[{tag}] client counters: {} proxied_connections={accepted}", client.join(" "));
+        Ok(r)
+    }
+}
+
+/// Runs every phase; prints the report; returns the exit code.
+pub(crate) async fn run(cfg: Config) -> i32 {
+    let started = Instant::now();
+    println!(
+        "torture: mode={} seed={} backends={} procs={} tasks={} keys={} ttl_ms={} waiter_ttl_ms={} \
+         command_timeout_ms={} node_timeout_ms={} rounds={} stall_bound_ms={}",
+        cfg.mode,
+        cfg.seed,
+        cfg.backends
+            .iter()
+            .map(|b| b.name())
+            .collect::<Vec<_>>()
+            .join(","),
+        cfg.procs,
+        cfg.tasks,
+        cfg.keys,
+        cfg.ttl.as_millis(),
+        cfg.waiter_ttl.as_millis(),
+        cfg.command_timeout.as_millis(),
+        cfg.node_timeout.as_millis(),
+        cfg.rounds,
+        cfg.stall_bound().as_millis(),
+    );
+    let root = Rng::new(cfg.seed);
+    let mut reports = Vec::new();
+    let mut errors = Vec::new();
+    for (i, &backend) in cfg.backends.iter().enumerate() {
+        let result = match Phase::start(&cfg, backend, root.fork(i as u64 + 1)).await {
+            Ok(phase) => phase.run().await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(r) => {
+                println!("[{}] {}", backend.name(), phase_line(&r, &cfg));
+                reports.push(r);
+            }
+            Err(e) => {
+                println!("[{}] ERROR: {e}", backend.name());
+                errors.push(format!("{}: {e}", backend.name()));
+            }
+        }
+    }
+
+    let sum = |f: fn(&PhaseReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let max_stall = reports.iter().map(|r| r.max_stall.after_ms).max().unwrap_or(0);
+    let max_gap = reports.iter().map(|r| r.max_stall.gap_ms).max().unwrap_or(0);
+    let bound = cfg.stall_bound().as_millis() as u64;
+    let stale = sum(|r| r.stale_writes_accepted + r.token_reuse + r.value_mismatch);
+    let locks_left = sum(|r| r.locks_left);
+    let crashes = sum(|r| r.worker_crashes);
+    let cs = sum(|r| r.cs);
+    let mut why = errors;
+    if stale > 0 {
+        why.push(format!("{stale} stale write(s) accepted"));
+    }
+    if locks_left > 0 {
+        why.push(format!("{locks_left} lock(s) left held"));
+    }
+    if max_stall > bound {
+        why.push(format!("a key stalled {max_stall} ms > bound {bound} ms"));
+    }
+    if crashes > 0 {
+        why.push(format!("{crashes} worker crash(es)"));
+    }
+    if cs == 0 {
+        why.push("no critical section completed".to_owned());
+    }
+    for w in &why {
+        println!("torture: FAIL: {w}");
+    }
+    let result = if why.is_empty() { "pass" } else { "fail" };
+    println!(
+        "summary: result={result} mode={} seed={} backends={} cs={cs} overlaps={} \
+         overlaps_fenced={} stale_writes_rejected={} stale_reads_rejected={} \
+         would_be_lost_updates={} stale_writes_accepted={stale} locks_left={locks_left} \
+         max_stall_ms={max_stall} stall_bound_ms={bound} max_gap_ms={max_gap} faults={} \
+         worker_crashes={crashes} \
+         elapsed_s={}",
+        cfg.mode,
+        cfg.seed,
+        cfg.backends
+            .iter()
+            .map(|b| b.name())
+            .collect::<Vec<_>>()
+            .join(","),
+        sum(|r| r.overlaps),
+        sum(|r| r.overlaps_fenced),
+        sum(|r| r.stale_writes_rejected),
+        sum(|r| r.stale_reads_rejected),
+        sum(|r| r.would_be_lost_updates),
+        sum(|r| r.fault_stalls.len() as u64),
+        started.elapsed().as_secs(),
+    );
+    i32::from(!why.is_empty())
+}
+
+fn phase_line(r: &PhaseReport, cfg: &Config) -> String {
+    format!(
+        "cs={} overlaps={} overlap_entries={} overlaps_wrote={} overlaps_fenced={} \
+         overlaps_aborted={} overlaps_other={} inverted_overlaps={} stale_writes_rejected={} \
+         stale_reads_rejected={} would_be_lost_updates={} stale_writes_accepted={} \
+         token_reuse={} value_mismatch={} lost_aborts={} unfinished={} max_stall_ms={} \
+         stall_bound_ms={} max_gap_ms={} pauses={} pauses_fenced={} locks_left={} queues_left={} settle_ms={} worker_crashes={}",
+        r.cs,
+        r.overlaps,
+        r.overlap_entries,
+        r.overlaps_wrote,
+        r.overlaps_fenced,
+        r.overlaps_aborted,
+        r.overlaps_other,
+        r.inverted_overlaps,
+        r.stale_writes_rejected,
+        r.stale_reads_rejected,
+        r.would_be_lost_updates,
+        r.stale_writes_accepted,
+        r.token_reuse,
+        r.value_mismatch,
+        r.lost_aborts,
+        r.unfinished,
+        r.max_stall.after_ms,
+        cfg.stall_bound().as_millis(),
+        r.max_stall.gap_ms,
+        r.pauses,
+        r.pauses_fenced,
+        r.locks_left,
+        r.queues_left,
+        r.settle_ms,
+        r.worker_crashes,
+    )
+}

@@ -1,0 +1,185 @@
+//! A fault-injecting TCP proxy between the workers and one Redis server.
+//!
+//! Every byte a worker exchanges with a lock server goes through one of these (one proxy per
+//! server, running in the coordinator). The coordinator can
+//!
+//! * add **latency**: each chunk read from either side is forwarded `latency` after it was
+//!   read (order preserved, throughput unlimited), so a round trip costs `2 × latency` more;
+//! * **cut** every open connection at once (both sockets closed, what a network partition or
+//!   a middlebox reset looks like to both ends), and optionally **refuse** new connections for
+//!   a while (accepted and closed at once), so clients see their reconnects fail too.
+//!
+//! When the upstream server is down (restarted), new connections are closed at once, and
+//! when the server closes a connection the proxy closes the client side.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+/// One proxy: listens on a free loopback port, forwards to `upstream`.
+pub(crate) struct Proxy {
+    port: u16,
+    shared: Arc<Shared>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+struct Shared {
+    upstream: SocketAddr,
+    latency_us: AtomicU64,
+    refuse: AtomicBool,
+    conns: Mutex<HashMap<u64, AbortHandle>>,
+    next_id: AtomicU64,
+    /// Connections accepted since start (for the report).
+    accepted: AtomicU64,
+}
+
+impl Proxy {
+    /// Starts a proxy in front of `127.0.0.1:<upstream_port>`.
+    pub(crate) async fn start(upstream_port: u16) -> io::Result<Proxy> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let shared = Arc::new(Shared {
+            upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
+            latency_us: AtomicU64::new(0),
+            refuse: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            accepted: AtomicU64::new(0),
+        });
+        let accept = tokio::spawn(accept_loop(listener, shared.clone()));
+        Ok(Proxy {
+            port,
+            shared,
+            accept,
+        })
+    }
+
+    /// `redis://127.0.0.1:<proxy port>`: what workers connect to.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Sets the one-way latency added to every chunk from now on.
+    pub(crate) fn set_latency(&self, d: Duration) {
+        self.shared
+            .latency_us
+            .store(d.as_micros() as u64, Ordering::Release);
+    }
+
+    /// Closes every open connection; with `refuse`, also closes new ones at once until
+    /// [`allow`](Proxy::allow).
+    pub(crate) fn cut(&self, refuse: bool) -> usize {
+        if refuse {
+            self.shared.refuse.store(true, Ordering::Release);
+        }
+        let conns: Vec<AbortHandle> = self
+            .shared
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .map(|(_, h)| h)
+            .collect();
+        for h in &conns {
+            h.abort();
+        }
+        conns.len()
+    }
+
+    /// Accepts new connections again.
+    pub(crate) fn allow(&self) {
+        self.shared.refuse.store(false, Ordering::Release);
+    }
+
+    /// Connections accepted so far.
+    pub(crate) fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut(true);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        };
+        if shared.refuse.load(Ordering::Acquire) {
+            drop(client);
+            continue;
+        }
+        shared.accepted.fetch_add(1, Ordering::Relaxed);
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let s = shared.clone();
+        // Register under the lock before the task can finish and deregister itself.
+        let mut conns = shared.conns.lock().unwrap_or_else(PoisonError::into_inner);
+        let task = tokio::spawn(async move {
+            let _ = serve(client, &s).await;
+            s.conns
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id);
+        });
+        conns.insert(id, task.abort_handle());
+    }
+}
+
+async fn serve(client: TcpStream, shared: &Shared) -> io::Result<()> {
+    let upstream =
+        tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(shared.upstream))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "upstream connect"))??;
+    let _ = client.set_nodelay(true);
+    let _ = upstream.set_nodelay(true);
+    let (cr, cw) = client.into_split();
+    let (ur, uw) = upstream.into_split();
+    // The first direction to end (EOF delivered, or an error) ends the connection: Redis
+    // clients and servers do not half-close.
+    tokio::select! {
+        r = pump(cr, uw, shared) => r,
+        r = pump(ur, cw, shared) => r,
+    }
+}
+
+/// Forwards `from` to `to`, each chunk delayed by the latency in force when it was read.
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) -> io::Result<()> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let reader = async move {
+        loop {
+            let mut buf = vec![0u8; 16 * 1024];
+            let n = from.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<(), io::Error>(());
+            }
+            buf.truncate(n);
+            let delay = Duration::from_micros(shared.latency_us.load(Ordering::Acquire));
+            if tx.send((Instant::now() + delay, buf)).is_err() {
+                return Ok(());
+            }
+        }
+    };
+    let writer = async {
+        while let Some((due, buf)) = rx.recv().await {
+            tokio::time::sleep_until(due).await;
+            to.write_all(&buf).await?;
+        }
+        to.shutdown().await
+    };
+    tokio::try_join!(reader, writer).map(|_| ())
+}
