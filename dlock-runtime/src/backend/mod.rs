@@ -15,7 +15,7 @@
 //! * [`watch`](Backend::watch): be told when the lock is released and it is this waiter's turn.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`](crate::backend::RedisBackend).
+//! [`RedisBackend`].
 
 use std::collections::HashMap;
 use std::fmt;

@@ -27,7 +27,7 @@ mod memory;
 pub use memory::{DeferQueue, ShutdownReport};
 
 #[cfg(feature = "redis")]
-mod durable;
+pub mod durable;
 #[cfg(feature = "redis")]
 pub use durable::{DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted};
 
