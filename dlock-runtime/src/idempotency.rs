@@ -80,7 +80,7 @@
 //! Redlock ([`RedlockBackend`](crate::backend::RedlockBackend)) does not (yet): a record would
 //! need a majority write that is atomic with the majority's lock release, which independent
 //! servers cannot give; [`IdempotencyRequest::begin`] answers [`LockError::Unavailable`] naming
-//! the backend, and [`Locker::supports_idempotency`] tells you at startup.
+//! the backend, and [`Locker::check_idempotency`] tells you at startup.
 
 use std::fmt::{self, Write as _};
 use std::sync::atomic::Ordering;
@@ -310,6 +310,17 @@ impl Locker {
     /// does not).
     pub fn supports_idempotency(&self) -> bool {
         self.backend().idempotency().is_some()
+    }
+
+    /// `Ok(())` when this locker's backend stores idempotency records, else the
+    /// [`LockError::Unavailable`] that [`IdempotencyRequest::begin`] would answer, naming the
+    /// backend: for a check at startup.
+    pub fn check_idempotency(&self) -> Result<(), LockError> {
+        if self.supports_idempotency() {
+            Ok(())
+        } else {
+            Err(unsupported(self))
+        }
     }
 }
 

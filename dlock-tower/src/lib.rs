@@ -66,6 +66,10 @@
 //! * [`DeferLayer`]: when a request's lock is busy, `202 Accepted` with a job id and a status
 //!   location; the request is stored in the durable Redis queue and replayed through the
 //!   application when the lock frees ([`defer`]).
+//! * [`IdempotencyLayer`] / [`Idempotency`]: the `Idempotency-Key` header (IETF draft). The
+//!   first request with a key runs and its response is stored atomically with the key's lock;
+//!   retries get the stored response byte for byte, a key reused with another payload `422`,
+//!   a duplicate while the first runs `409` ([`idempotency`]).
 //! * Rejections are responses (409, 503, 400, 413 with `application/problem+json`), so the
 //!   service's error type is untouched; the response body type is the inner service's own
 //!   (`ResBody: From<String>`), so the layer fits axum's `Router::layer` / `route_layer` and a
@@ -80,10 +84,12 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod defer;
+pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 
 pub use defer::DeferLayer;
+pub use idempotency::{Idempotency, IdempotencyLayer};
 pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};
 pub use rejection::Rejection;

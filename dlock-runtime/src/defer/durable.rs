@@ -690,8 +690,9 @@ type Runner = Arc<
 /// #   async fn run(self, _: JobContext) -> Result<(), JobError> { Ok(()) } }
 /// # async fn f(queue: DurableQueue, locker: dlock_runtime::Locker) {
 /// let worker = DurableWorker::new(queue, locker).register::<SendInvoice>();
-/// let shutdown = tokio::signal::ctrl_c();
-/// worker.run_until(async { let _ = shutdown.await; }).await;
+/// let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+/// // ... call `stop.notify_one()` on shutdown (e.g. from a signal handler) ...
+/// worker.run_until(stop.notified()).await;
 /// # }
 /// ```
 #[derive(Clone)]

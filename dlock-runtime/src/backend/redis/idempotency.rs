@@ -23,6 +23,9 @@ use std::time::Duration;
 
 use redis::Script;
 
+// Lua: server time (`t`, `now_ms`) and the live head of the waiter queue (`head`), shared with
+// the lock scripts.
+use super::scripts::TIME_AND_HEAD;
 use super::{millis, RedisBackend, CHANNEL_SUFFIX, FENCE_RETENTION};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -30,21 +33,6 @@ use crate::key::ResourceName;
 use crate::LockError;
 
 const RECORD_SUFFIX: &str = "idem";
-
-/// Lua: server time in ms (`t`, `now_ms`), and the live head of the waiter queue (`head`, or
-/// `false`) after dropping expired entries. The same fragments as the lock scripts.
-const TIME_AND_HEAD: &str = r#"
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local head = redis.call('LINDEX', KEYS[2], 0)
-while head do
-  local dl = redis.call('ZSCORE', KEYS[3], head)
-  if dl and tonumber(dl) > now_ms then break end
-  redis.call('LPOP', KEYS[2])
-  redis.call('ZREM', KEYS[3], head)
-  head = redis.call('LINDEX', KEYS[2], 0)
-end
-"#;
 
 /// One `begin` step.
 ///

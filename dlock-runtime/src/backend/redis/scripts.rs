@@ -45,6 +45,10 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     };
 }
 
+/// Server time (`t`, `now_ms`) and the live head of the waiter queue (`head`, or `false`), for
+/// scripts built elsewhere (the idempotency scripts). KEYS 2 and 3 must be the queue keys.
+pub(super) const TIME_AND_HEAD: &str = concat!(server_time!(), prune_head!());
+
 /// One acquire attempt.
 ///
 /// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence.

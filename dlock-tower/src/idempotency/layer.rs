@@ -1,0 +1,233 @@
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_runtime::{LockError, Locker};
+use http::header::HeaderName;
+use http::Method;
+use tower_layer::Layer;
+
+use super::record::NEVER_REPLAYED;
+use super::{Idempotency, Shared};
+use crate::{FailMode, MissingKey};
+
+/// Makes `POST` and `PATCH` (by default) requests that carry an `Idempotency-Key` run once,
+/// and answers retries with the stored response. See the [module docs](crate::idempotency)
+/// for the lifecycle, every response and the crash semantics.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::post, Router};
+/// use dlock_runtime::Locker;
+/// use dlock_tower::IdempotencyLayer;
+///
+/// #[derive(Clone)]
+/// struct UserId(u64);
+/// impl std::fmt::Display for UserId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         self.0.fmt(f)
+///     }
+/// }
+///
+/// let locker = Locker::memory();
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }))
+///     .route_layer(
+///         IdempotencyLayer::new(locker)
+///             .identity::<UserId>() // keys are per user when an auth layer set a `UserId`
+///             .retention(Duration::from_secs(24 * 60 * 60))
+///             .replay_header("x-payment-id"),
+///     );
+/// ```
+#[must_use]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+impl IdempotencyLayer {
+    /// Idempotency with `locker`'s backend and the defaults documented on each setter.
+    ///
+    /// # Panics
+    /// If the locker's backend does not store idempotency records (Redlock); use
+    /// [`try_new`](IdempotencyLayer::try_new) to get an error instead.
+    pub fn new(locker: Locker) -> Self {
+        match Self::try_new(locker) {
+            Ok(layer) => layer,
+            Err(e) => panic!("dlock_tower::IdempotencyLayer: {e}"),
+        }
+    }
+
+    /// Like [`new`](IdempotencyLayer::new), but a backend that does not store idempotency
+    /// records (Redlock) is a [`LockError::Unavailable`] naming it.
+    pub fn try_new(locker: Locker) -> Result<Self, LockError> {
+        locker.check_idempotency()?;
+        Ok(IdempotencyLayer {
+            shared: Arc::new(Shared::new(locker)),
+        })
+    }
+
+    /// The methods the layer applies to; other methods pass through untouched. Default:
+    /// `POST` and `PATCH` (the draft's non-idempotent methods; `PUT` and `DELETE` are
+    /// idempotent by definition).
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        Arc::make_mut(&mut self.shared).methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The request header carrying the key. Default: `Idempotency-Key`.
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name.
+    pub fn header<N>(mut self, name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
+        let name = name.try_into().unwrap_or_else(|e| {
+            panic!("dlock_tower::IdempotencyLayer: invalid header name: {e:?}")
+        });
+        Arc::make_mut(&mut self.shared).header = name;
+        self
+    }
+
+    /// The longest accepted key, in bytes (after removing the Structured Field quotes). A
+    /// longer key is answered `400`. Default: [`DEFAULT_MAX_KEY_LEN`](super::DEFAULT_MAX_KEY_LEN)
+    /// (255).
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        Arc::make_mut(&mut self.shared).max_key_len = len;
+        self
+    }
+
+    /// Scopes keys by the `T` an earlier layer (authentication) put in the request extensions:
+    /// the lock key becomes `idem:<T's Display>:<key>`, so one user can never replay, block or
+    /// probe another user's request by sending the same key. A request without a `T` uses the
+    /// unscoped `idem:<key>`. Default: no identity (every client shares one key space, so keys
+    /// must be unguessable, e.g. UUIDv4).
+    pub fn identity<T>(self) -> Self
+    where
+        T: fmt::Display + Send + Sync + 'static,
+    {
+        self.identity_fn(|extensions: &http::Extensions| {
+            extensions.get::<T>().map(|id| id.to_string())
+        })
+    }
+
+    /// Like [`identity`](IdempotencyLayer::identity), with a function of the request
+    /// extensions (`None`: no identity).
+    pub fn identity_fn<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&http::Extensions) -> Option<String> + Send + Sync + 'static,
+    {
+        Arc::make_mut(&mut self.shared).identity = Some(Arc::new(f));
+        self
+    }
+
+    /// The lease of a key's lock while its first request runs. Default: the locker's default
+    /// TTL ([`Locker::default_ttl`], 30 s unless configured).
+    ///
+    /// The watchdog renews the lease while the handler runs, so this does not limit how long
+    /// a request may take: it is how long a key stays blocked (`409`) after the process
+    /// running its first request died, and what `Retry-After` counts down from. Must be
+    /// within [`MIN_TTL`](dlock_runtime::MIN_TTL)..=[`MAX_TTL`](dlock_runtime::MAX_TTL); an
+    /// invalid TTL makes every covered request fail with 500.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        Arc::make_mut(&mut self.shared).ttl = Some(ttl);
+        self
+    }
+
+    /// How long a stored response is replayed. Default: 24 hours
+    /// ([`DEFAULT_RETENTION`](dlock_runtime::idempotency::DEFAULT_RETENTION)). After it, the
+    /// key is free and a request with it runs as a new one. An invalid retention (under
+    /// 10 ms, over 365 days) makes every covered request fail with 500.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        Arc::make_mut(&mut self.shared).retention = retention;
+        self
+    }
+
+    /// The largest request body read to compute the fingerprint; a larger one is answered
+    /// `413` with problem+json (declared by its size or found while reading). Default:
+    /// [`DEFAULT_MAX_REQUEST_BODY`](super::DEFAULT_MAX_REQUEST_BODY) (1 MiB).
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.shared).max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body stored. A larger response still reaches the client in full
+    /// but is **not** stored: the key is freed and a retry runs the handler again — set it
+    /// above your largest response. Default:
+    /// [`DEFAULT_MAX_RESPONSE_BODY`](super::DEFAULT_MAX_RESPONSE_BODY) (1 MiB).
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.shared).max_response_body = bytes;
+        self
+    }
+
+    /// Also stores and replays the response header `name` (in addition to
+    /// [`DEFAULT_REPLAY_HEADERS`](super::DEFAULT_REPLAY_HEADERS)), e.g. an `x-payment-id`.
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name, or is one that is never replayed: `set-cookie`,
+    /// `date`, `age`, `content-length`, `idempotent-replayed` and the hop-by-hop fields.
+    pub fn replay_header<N>(mut self, name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
+        let name = name.try_into().unwrap_or_else(|e| {
+            panic!("dlock_tower::IdempotencyLayer: invalid header name: {e:?}")
+        });
+        assert!(
+            !NEVER_REPLAYED.contains(&name.as_str()),
+            "dlock_tower::IdempotencyLayer: `{name}` is never replayed"
+        );
+        let shared = Arc::make_mut(&mut self.shared);
+        if !shared.replay_headers.contains(&name) {
+            shared.replay_headers.push(name);
+        }
+        self
+    }
+
+    /// What a covered request without a key gets. Default: [`MissingKey::Reject`], `400` with
+    /// a problem+json body of type `urn:dlock:problem:idempotency-key-missing`.
+    /// [`MissingKey::PassThrough`] makes the key optional.
+    pub fn missing_key(mut self, missing: MissingKey) -> Self {
+        Arc::make_mut(&mut self.shared).missing_key = missing;
+        self
+    }
+
+    /// What a covered request gets when the backend is unavailable. Default:
+    /// [`FailMode::Closed`] (`503` + `Retry-After`). [`FailMode::Open`] calls the handler
+    /// without idempotency (logged at `warn`): duplicates may then run twice.
+    pub fn fail_mode(mut self, mode: FailMode) -> Self {
+        Arc::make_mut(&mut self.shared).fail_mode = mode;
+        self
+    }
+
+    /// The locker.
+    pub fn locker(&self) -> &Locker {
+        &self.shared.locker
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::from_parts(inner, self.shared.clone())
+    }
+}
+
+impl Clone for IdempotencyLayer {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("shared", &self.shared)
+            .finish()
+    }
+}

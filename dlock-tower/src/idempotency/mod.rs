@@ -1,0 +1,303 @@
+//! The `Idempotency-Key` middleware: [`IdempotencyLayer`] and [`Idempotency`].
+//!
+//! Implements the IETF HTTP APIs working group draft "The Idempotency-Key HTTP Header Field"
+//! (draft-ietf-httpapi-idempotency-key-header): a client sends a unique key with a
+//! non-idempotent request (`POST`, `PATCH`), and may retry it with the same key after a
+//! timeout or a dropped connection without the operation running twice.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use std::convert::Infallible;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::sync::Arc;
+//! use bytes::Bytes;
+//! use dlock_runtime::Locker;
+//! use dlock_tower::IdempotencyLayer;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::{BodyExt, Full};
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//!
+//! let charges = Arc::new(AtomicUsize::new(0));
+//! let svc = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::new(Locker::memory()))
+//!     .service(service_fn({
+//!         let charges = charges.clone();
+//!         move |_req: Request<Full<Bytes>>| {
+//!             let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+//!             async move {
+//!                 let res = Response::builder()
+//!                     .status(StatusCode::CREATED)
+//!                     .header("location", format!("/payments/{n}"))
+//!                     .body(Full::new(Bytes::from(format!("payment {n}"))))
+//!                     .unwrap();
+//!                 Ok::<_, Infallible>(res)
+//!             }
+//!         }
+//!     }));
+//!
+//! let pay = |amount: &'static str| {
+//!     Request::post("/payments")
+//!         .header("idempotency-key", "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")
+//!         .body(Full::new(Bytes::from_static(amount.as_bytes())))
+//!         .unwrap()
+//! };
+//!
+//! // The first request runs the handler; its response is stored.
+//! let first = svc.clone().oneshot(pay("42.00")).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "payment 1");
+//!
+//! // A retry is answered with the stored response; the handler does not run again.
+//! let retry = svc.clone().oneshot(pay("42.00")).await.unwrap();
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["location"], "/payments/1");
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.into_body().collect().await.unwrap().to_bytes(), "payment 1");
+//! assert_eq!(charges.load(Ordering::SeqCst), 1);
+//!
+//! // The same key with another payload: 422.
+//! let other = svc.clone().oneshot(pay("99.00")).await.unwrap();
+//! assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+//! assert_eq!(other.headers()["content-type"], "application/problem+json");
+//!
+//! // No key: 400.
+//! let res = svc.oneshot(Request::post("/payments").body(Full::default()).unwrap()).await.unwrap();
+//! assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+//! # }
+//! ```
+//!
+//! # Lifecycle
+//!
+//! For a request whose method the layer covers ([`IdempotencyLayer::methods`], default `POST`
+//! and `PATCH`; other methods pass through untouched):
+//!
+//! 1. Read the key from the `Idempotency-Key` header and scope it by the request's identity,
+//!    when one is configured ([`IdempotencyLayer::identity`]) and present: lock key
+//!    `idem:<identity>:<key>`, else `idem:<key>`.
+//! 2. Read the request body (up to [`max_request_body`](IdempotencyLayer::max_request_body))
+//!    and compute the request's *fingerprint*: SHA-256 over the method, the path and query,
+//!    and the SHA-256 of the body. The body is handed on to the handler intact.
+//! 3. **Begin**, one atomic step in the backend (see
+//!    [`dlock_runtime::idempotency`]): a stored response → replay it (same fingerprint) or
+//!    `422` (different); the key's lock is held → `409` (or `422` if the running request has
+//!    a different fingerprint); else take the lock — a normal lock with an owner token, a
+//!    fencing token and a lease renewed by the watchdog — noting the fingerprint.
+//! 4. Call the handler, with the lock's [`LockInfo`](dlock_runtime::LockInfo) (key, fencing
+//!    token) in the request extensions and visible to
+//!    [`current_lock`](dlock_runtime::current_lock).
+//! 5. A storable response (below) is read in full and **completed**, one atomic step: store
+//!    the status, the replay-safe headers and the body with the fingerprint for the retention
+//!    period (default 24 h) *and* release the lock. A response that is not storable releases
+//!    the lock without a record, so the client's retry runs the handler again. Then the
+//!    response goes to the client.
+//!
+//! # Responses
+//!
+//! Every failure is a response with an RFC 9457 `application/problem+json` body (see
+//! [`Rejection`](crate::Rejection)), never a service error: `Infallible` stays `Infallible`.
+//!
+//! | situation | response | problem `type` (`urn:dlock:problem:…`) |
+//! |---|---|---|
+//! | method not covered | the handler's, untouched | |
+//! | first request with a key | the handler's (stored if storable) | |
+//! | same key, earlier response stored, same fingerprint | the stored response + `Idempotent-Replayed: true`; the handler does not run | |
+//! | same key, earlier response stored, different fingerprint | `422` | `idempotency-key-reused` |
+//! | same key while the first request runs | `409` + `Retry-After` (the running request's remaining lease, in seconds) | `idempotency-request-in-progress` |
+//! | same key while the first request runs, different fingerprint | `422` | `idempotency-key-reused` |
+//! | no key, [`MissingKey::Reject`] (default) | `400` | `idempotency-key-missing` |
+//! | no key, [`MissingKey::PassThrough`] | the handler's, without idempotency | |
+//! | key longer than [`max_key_len`](IdempotencyLayer::max_key_len) (default 255 bytes), repeated header, not a valid key | `400` | `idempotency-key-invalid` |
+//! | request body over [`max_request_body`](IdempotencyLayer::max_request_body) | `413` | `body-too-large` |
+//! | backend unavailable, [`FailMode::Closed`] (default) | `503` + `Retry-After` | `lock-backend-unavailable` |
+//! | backend unavailable, [`FailMode::Open`] | the handler's, without idempotency | |
+//!
+//! # What is stored and replayed
+//!
+//! The status, the headers in [`DEFAULT_REPLAY_HEADERS`] (plus any added with
+//! [`replay_header`](IdempotencyLayer::replay_header)) in their original order, and the body
+//! bytes: a replay is byte for byte the stored body with the same status and headers, plus
+//! `Idempotent-Replayed: true`. Never stored: `Set-Cookie`, `Date`, `Age`, `Content-Length`
+//! (recomputed) and hop-by-hop fields. The first client gets the handler's response with all
+//! its headers.
+//!
+//! Not stored — the key is freed and the client's retry runs the handler again:
+//!
+//! * every `5xx`, and `1xx`: the server failed; the outcome is not final;
+//! * `408 Request Timeout`, `425 Too Early`, `429 Too Many Requests`: they say "try again";
+//! * `409 Conflict` and `423 Locked`: a conflict with the resource's current state, which the
+//!   retry may not meet;
+//! * `401` and `407`: the request was refused for lack of credentials, which the client adds on
+//!   its retry (the fingerprint does not cover them);
+//! * a response body over [`max_response_body`](IdempotencyLayer::max_response_body) (default
+//!   1 MiB), a body with trailers, or one that fails while read: the client still gets it in
+//!   full (the layer hands on what it read, then the rest), but nothing is stored. **Set the
+//!   limit above your largest response**: a retry of a request whose response was too large to
+//!   store runs the handler again.
+//!
+//! Everything else (`2xx`, `3xx`, the other `4xx`) is the request's final outcome and is stored.
+//! The draft leaves this choice to the server; the list follows common practice (Stripe,
+//! the draft's discussion): store what a retry must not change, free what a retry is meant to
+//! redo.
+//!
+//! # The key
+//!
+//! The draft defines `Idempotency-Key` as a Structured Field string
+//! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`); the bare form many clients send
+//! (`Idempotency-Key: 8e03978e-…`) is accepted too and means the same key. Keys must be
+//! printable ASCII and at most [`max_key_len`](IdempotencyLayer::max_key_len) bytes (default
+//! [`DEFAULT_MAX_KEY_LEN`], 255, as common APIs use). Without an identity, all clients share one
+//! key space: keys must be unguessable (UUIDv4). With
+//! [`identity`](IdempotencyLayer::identity), one user's key can never replay, block or probe
+//! another user's request. Keys go through the runtime's collision-free key encoding, so no
+//! identity/key pair can forge another's lock key.
+//!
+//! # Crashes and cancellation
+//!
+//! * **The client disconnects** (or a timeout layer gives up): the response future is dropped
+//!   with the handler's future; the lock is released in the background without a record; the
+//!   client's retry runs the handler again.
+//! * **The process crashes while the handler runs** (or after it returned but before the
+//!   response was stored): nothing renews the key's lease, so the key answers `409` until the
+//!   lease ([`ttl`](IdempotencyLayer::ttl), default 30 s) runs out, then the client's retry
+//!   runs the handler **again**: no record exists. Make the handler's effects safe to repeat —
+//!   pass the fencing token from [`LockInfo`](dlock_runtime::LockInfo) to the resource you
+//!   write (it refuses a stale holder and sees the repeat), or make the write idempotent there
+//!   (a unique constraint on the key).
+//! * **The process crashes after the response was stored**: storing the record and releasing
+//!   the lock are one atomic step, so retries get the replay.
+//! * **The lock is lost while the handler runs** (the backend was unreachable for longer than
+//!   the lease): the handler is not interrupted, the response reaches the client, but it
+//!   cannot be stored (the step is owner-checked) — logged at `warn`.
+//!
+//! No state blocks a key forever or replays a response that was not stored for that key.
+//!
+//! # Backends
+//!
+//! Records live in the same backend as the lock, atomic with it: Redis (Lua scripts, all keys
+//! under the lock's Cluster hash tag; layout in [`dlock_runtime::idempotency`]) and the
+//! in-memory backend (under the lock's shard mutex). Redlock is not supported:
+//! [`IdempotencyLayer::new`] panics and [`IdempotencyLayer::try_new`] fails, naming the
+//! backend.
+//!
+//! # Where to put it
+//!
+//! After authentication (so the identity is in the extensions) and around the handlers that
+//! need it, e.g. `Router::route_layer` on the payment routes. The layer reads whole request
+//! and response bodies of covered requests into memory (both bounded); do not put it in front
+//! of streaming responses. The response body type becomes [`ResponseBody<B>`] around the inner
+//! service's `B`, which axum and hyper accept as they accept `B`.
+
+mod body;
+mod future;
+mod layer;
+mod record;
+mod request;
+mod service;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_runtime::idempotency::{Fingerprint, DEFAULT_RETENTION};
+use dlock_runtime::{LockError, LockKey, Locker};
+use http::header::HeaderName;
+use http::{Method, Uri};
+
+use crate::{FailMode, MissingKey};
+
+pub use self::body::ResponseBody;
+pub use self::future::ResponseFuture;
+pub use self::layer::IdempotencyLayer;
+pub use self::record::DEFAULT_REPLAY_HEADERS;
+pub use self::service::Idempotency;
+
+/// The default longest key, in bytes: 255.
+pub const DEFAULT_MAX_KEY_LEN: usize = 255;
+
+/// The default largest request body read for the fingerprint: 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+
+/// The default largest response body stored: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
+
+/// The lock key the layer uses for the idempotency key `key` of a request with `identity`:
+/// `idem:<identity>:<key>`, or `idem:<key>` without one, encoded by the runtime so that no
+/// identity/key pair collides with another. For looking a key up (or purging it) by hand, and
+/// for tests.
+///
+/// ```
+/// use dlock_tower::idempotency::lock_key;
+///
+/// assert_eq!(lock_key(Some("user-7"), "k1").unwrap().as_str(), "idem:user-7:k1");
+/// assert_eq!(lock_key(None, "a:b").unwrap().as_str(), "idem:a%3Ab");
+/// ```
+pub fn lock_key(identity: Option<&str>, key: &str) -> Result<LockKey, LockError> {
+    request::scoped_key(identity, key).to_lock_key()
+}
+
+/// The fingerprint the layer stores with a request's record: SHA-256 over the method, the path
+/// and query, and the SHA-256 of the body, each framed by its length (see
+/// [`Fingerprint`]). A request with the same key and another fingerprint is answered `422`.
+pub fn fingerprint(method: &Method, uri: &Uri, body: &[u8]) -> Fingerprint {
+    request::fingerprint(method, uri, body)
+}
+
+type Identity = Arc<dyn Fn(&http::Extensions) -> Option<String> + Send + Sync>;
+
+/// Configuration shared by the layer and every service and future it makes.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) locker: Locker,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) header: HeaderName,
+    pub(crate) max_key_len: usize,
+    pub(crate) identity: Option<Identity>,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) retention: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) fail_mode: FailMode,
+}
+
+impl Shared {
+    pub(crate) fn new(locker: Locker) -> Self {
+        Shared {
+            locker,
+            methods: vec![Method::POST, Method::PATCH],
+            header: HeaderName::from_static("idempotency-key"),
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            identity: None,
+            ttl: None,
+            retention: DEFAULT_RETENTION,
+            max_request_body: DEFAULT_MAX_REQUEST_BODY,
+            max_response_body: DEFAULT_MAX_RESPONSE_BODY,
+            replay_headers: DEFAULT_REPLAY_HEADERS
+                .iter()
+                .map(|h| HeaderName::from_static(h))
+                .collect(),
+            missing_key: MissingKey::default(),
+            fail_mode: FailMode::default(),
+        }
+    }
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("locker", &self.locker)
+            .field("methods", &self.methods)
+            .field("header", &self.header)
+            .field("max_key_len", &self.max_key_len)
+            .field("identity", &self.identity.is_some())
+            .field("ttl", &self.ttl)
+            .field("retention", &self.retention)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("replay_headers", &self.replay_headers)
+            .field("missing_key", &self.missing_key)
+            .field("fail_mode", &self.fail_mode)
+            .finish()
+    }
+}

@@ -1,0 +1,976 @@
+//! `IdempotencyLayer` over real HTTP (axum on 127.0.0.1:0, hyper-util client) against real
+//! `redis-server` processes, plus the in-memory backend for the basic flow. One test per
+//! numbered point of the issue:
+//!
+//! 1. methods and identity scope: `keys_are_required_bounded_and_limited_to_covered_methods`,
+//!    `identity_scopes_keys_per_user`;
+//! 2. first request stored with its fingerprint for the retention period, lock released in
+//!    the same step: `retry_after_completion_replays_byte_for_byte`;
+//! 3. duplicate while running → 409 + Retry-After:
+//!    `twenty_concurrent_duplicates_run_the_handler_once`;
+//! 4. replay byte for byte without running the handler: the two above;
+//! 5. different fingerprint → 422: `same_key_with_a_different_request_gets_422`;
+//! 6. missing / oversized key → 400: `keys_are_required_bounded_and_limited_to_covered_methods`;
+//! 7. not stored, key freed: `non_final_statuses_are_not_stored_and_the_retry_runs`,
+//!    `oversized_responses_are_delivered_but_not_stored`;
+//! 8. storage atomic with the lock, crash and cancel semantics:
+//!    `vanished_holder_blocks_until_its_ttl_then_the_retry_runs`,
+//!    `cancelled_request_frees_the_key_without_a_record`, `backend_down_fails_closed_or_open`,
+//!    `redlock_is_refused_with_a_clear_error`; in memory: `memory_backend_basic_flow`.
+//!
+//! Handlers block on signals the test controls (a watch-channel gate, an mpsc "entered"
+//! signal), never on sleeps; the only waits on the clock are for a lease to run out, which is
+//! the behaviour under test, and they go through the runtime's own waiting.
+
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Extension, State};
+use axum::response::Response;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use dlock_runtime::idempotency::Begin;
+use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
+use dlock_tests::RedisServer;
+use dlock_tower::idempotency::{fingerprint, lock_key, DEFAULT_REPLAY_HEADERS};
+use dlock_tower::{FailMode, IdempotencyLayer};
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tower::ServiceExt;
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// A generous bound on how long a behaviour may take before the test calls it a hang.
+const HANG: Duration = Duration::from_secs(30);
+
+const KEY_HEADER: &str = "idempotency-key";
+
+// ---------------------------------------------------------------------------------------------
+// The application: a payments-style endpoint whose behaviour the request chooses.
+
+/// The authenticated user, put in the extensions by the "auth layer" from `x-user`.
+#[derive(Clone, Debug)]
+struct UserId(u64);
+
+impl std::fmt::Display for UserId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What the handler reports to the test and waits on.
+#[derive(Clone)]
+struct Ctl {
+    calls: Arc<AtomicUsize>,
+    entered: mpsc::UnboundedSender<()>,
+    gate: watch::Receiver<bool>,
+}
+
+struct Harness {
+    ctl: Ctl,
+    entered: mpsc::UnboundedReceiver<()>,
+    open: watch::Sender<bool>,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let (entered_tx, entered) = mpsc::unbounded_channel();
+        let (open, gate) = watch::channel(false);
+        Harness {
+            ctl: Ctl {
+                calls: Arc::new(AtomicUsize::new(0)),
+                entered: entered_tx,
+                gate,
+            },
+            entered,
+            open,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.ctl.calls.load(Ordering::SeqCst)
+    }
+
+    async fn wait_entered(&mut self) {
+        tokio::time::timeout(HANG, self.entered.recv())
+            .await
+            .expect("the handler was entered")
+            .unwrap();
+    }
+
+    fn open_gate(&self) {
+        self.open.send(true).unwrap();
+    }
+}
+
+/// A body that yields its chunks one by one and does not announce its size.
+struct Chunked(Vec<Bytes>);
+
+impl http_body::Body for Chunked {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if self.0.is_empty() {
+            Poll::Ready(None)
+        } else {
+            Poll::Ready(Some(Ok(http_body::Frame::data(self.0.remove(0)))))
+        }
+    }
+}
+
+/// The handler. Request headers choose what it does:
+/// * `x-status: <n>` — answer with that status (default 201);
+/// * `x-wait: gate` — signal "entered", then wait for the test's gate; `x-wait: forever` —
+///   signal, then never answer;
+/// * `x-binary: <n>` — an octet-stream body of `n` bytes covering every byte value;
+///   `x-stream: 1` — send it in chunks without a declared length.
+///
+/// Every response carries headers that are replayed (content-type, location, etag, two links,
+/// cache-control) and some that are not (set-cookie, x-request-id).
+async fn pay(
+    State(ctl): State<Ctl>,
+    lock: Option<Extension<LockInfo>>,
+    user: Option<Extension<UserId>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let n = ctl.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    match header("x-wait") {
+        Some("gate") => {
+            ctl.entered.send(()).unwrap();
+            let mut gate = ctl.gate.clone();
+            gate.wait_for(|open| *open).await.unwrap();
+        }
+        Some("forever") => {
+            ctl.entered.send(()).unwrap();
+            std::future::pending::<()>().await;
+        }
+        _ => {}
+    }
+    let status = header("x-status").map_or(201, |s| s.parse().unwrap());
+    let (content_type, body) = match header("x-binary") {
+        Some(len) => {
+            let len: usize = len.parse().unwrap();
+            let bytes: Vec<u8> = (0..len).map(|i| ((i * 7 + n) % 256) as u8).collect();
+            let body = if header("x-stream").is_some() {
+                let chunks = bytes.chunks(1000).map(Bytes::copy_from_slice).collect();
+                Body::new(Chunked(chunks))
+            } else {
+                Body::from(bytes)
+            };
+            ("application/octet-stream", body)
+        }
+        None => {
+            let user = user.map_or("anonymous".to_owned(), |Extension(u)| u.to_string());
+            let json = format!(
+                "{{\"payment\":{n},\"user\":\"{user}\",\"fencing_token\":{},\"request\":{:?}}}",
+                lock.map_or(0, |Extension(l)| l.fencing_token()),
+                String::from_utf8_lossy(&body)
+            );
+            ("application/json", Body::from(json))
+        }
+    };
+    Response::builder()
+        .status(status)
+        .header(CONTENT_TYPE, content_type)
+        .header("location", format!("/payments/{n}"))
+        .header("etag", format!("\"p{n}\""))
+        .header("link", "</payments>; rel=\"collection\"")
+        .header("link", format!("</receipts/{n}>; rel=\"receipt\""))
+        .header("cache-control", "no-store")
+        .header("set-cookie", format!("session=s{n}; HttpOnly"))
+        .header("x-request-id", format!("req-{n}"))
+        .body(body)
+        .unwrap()
+}
+
+fn app(layer: IdempotencyLayer, ctl: Ctl) -> Router {
+    Router::new()
+        .route(
+            "/payments",
+            post(pay).patch(pay).put(pay).get(pay).delete(pay),
+        )
+        .route("/refunds", post(pay))
+        .route_layer(layer)
+        // The "auth layer": runs first and places the identity in the extensions.
+        .layer(tower::util::MapRequestLayer::new(
+            |mut req: Request<Body>| {
+                let user = req
+                    .headers()
+                    .get("x-user")
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .map(UserId);
+                if let Some(user) = user {
+                    req.extensions_mut().insert(user);
+                }
+                req
+            },
+        ))
+        .with_state(ctl)
+}
+
+async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).into_future().await.unwrap();
+    });
+    (addr, server)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client side.
+
+#[derive(Clone)]
+struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+    addr: SocketAddr,
+}
+
+#[derive(Clone, Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn replayed(&self) -> bool {
+        match self.headers.get("idempotent-replayed") {
+            Some(v) => {
+                assert_eq!(v, "true");
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn assert_problem(&self, status: StatusCode, kind: &str) {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(self.headers[CONTENT_TYPE], PROBLEM_JSON);
+        let body = self.text();
+        assert!(
+            body.contains(&format!("\"type\":\"urn:dlock:problem:{kind}\"")),
+            "{body}"
+        );
+        assert!(
+            body.contains(&format!("\"status\":{}", status.as_u16())),
+            "{body}"
+        );
+    }
+
+    fn retry_after(&self) -> u64 {
+        self.headers[RETRY_AFTER].to_str().unwrap().parse().unwrap()
+    }
+}
+
+/// A request: method, path, key, body and extra headers.
+struct Call {
+    method: Method,
+    path: &'static str,
+    headers: Vec<(&'static str, String)>,
+    body: Bytes,
+}
+
+fn post_with(key: &str, body: &str) -> Call {
+    Call {
+        method: Method::POST,
+        path: "/payments",
+        headers: vec![(KEY_HEADER, key.to_owned())],
+        body: Bytes::copy_from_slice(body.as_bytes()),
+    }
+}
+
+impl Call {
+    fn header(mut self, name: &'static str, value: impl Into<String>) -> Self {
+        self.headers.push((name, value.into()));
+        self
+    }
+
+    fn method(mut self, method: Method) -> Self {
+        self.method = method;
+        self
+    }
+
+    fn path(mut self, path: &'static str) -> Self {
+        self.path = path;
+        self
+    }
+
+    fn build<B: From<Bytes>>(self, base: &str) -> Request<B> {
+        let mut req = Request::builder()
+            .method(self.method)
+            .uri(format!("{base}{}", self.path));
+        for (name, value) in self.headers {
+            req = req.header(name, value);
+        }
+        req.body(B::from(self.body)).unwrap()
+    }
+}
+
+impl Http {
+    fn new(addr: SocketAddr) -> Self {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            addr,
+        }
+    }
+
+    async fn send(&self, call: Call) -> Reply {
+        let req = call.build(&format!("http://{}", self.addr));
+        let res = tokio::time::timeout(HANG, self.client.request(req))
+            .await
+            .expect("response in time")
+            .expect("http request");
+        let status = res.status();
+        let headers = res.headers().clone();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
+async fn redis_locker(server: &RedisServer) -> Locker {
+    Locker::from_url(&server.url())
+        .await
+        .expect("connect to redis")
+}
+
+/// Asserts that `replay` is `original` replayed: same status, same body bytes, same
+/// replay-safe headers in the same order, the replay marker, and none of the per-response
+/// headers.
+fn assert_replay_of(replay: &Reply, original: &Reply) {
+    assert!(replay.replayed(), "not a replay: {replay:?}");
+    assert!(!original.replayed());
+    assert_eq!(replay.status, original.status);
+    assert_eq!(replay.body, original.body, "body differs");
+    for name in DEFAULT_REPLAY_HEADERS {
+        let a: Vec<_> = original.headers.get_all(*name).iter().collect();
+        let b: Vec<_> = replay.headers.get_all(*name).iter().collect();
+        assert_eq!(a, b, "header {name}");
+    }
+    assert!(original.headers.contains_key("set-cookie"));
+    assert!(!replay.headers.contains_key("set-cookie"));
+    assert!(!replay.headers.contains_key("x-request-id"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+
+/// 20 concurrent duplicates over HTTP: the handler runs exactly once; every other answer is a
+/// 409 (problem+json, `Retry-After` within the lease) or a byte-identical replay. The handler
+/// holds at a gate until 10 answers are in, so both kinds occur; a later retry replays too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_duplicates_run_the_handler_once() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let mut h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let mut requests = JoinSet::new();
+    for _ in 0..20 {
+        let http = http.clone();
+        requests.spawn(async move {
+            http.send(post_with("pay-20", "{\"amount\":42}").header("x-wait", "gate"))
+                .await
+        });
+    }
+    h.wait_entered().await;
+    let mut replies = Vec::new();
+    // The first request cannot finish before the gate opens: these are all duplicates.
+    for _ in 0..10 {
+        let reply = requests.join_next().await.unwrap().unwrap();
+        reply.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+        let secs = reply.retry_after();
+        assert!((1..=TTL.as_secs()).contains(&secs), "Retry-After {secs}");
+        replies.push(reply);
+    }
+    h.open_gate();
+    while let Some(reply) = requests.join_next().await {
+        replies.push(reply.unwrap());
+    }
+    assert_eq!(replies.len(), 20);
+    assert_eq!(h.calls(), 1, "the handler ran exactly once");
+
+    let originals: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.replayed())
+        .collect();
+    assert_eq!(originals.len(), 1, "exactly one original response");
+    let original = originals[0].clone();
+    assert!(
+        original.text().contains("\"payment\":1"),
+        "{}",
+        original.text()
+    );
+    let (mut conflicts, mut replays) = (0, 0);
+    for reply in &replies {
+        if reply.status == StatusCode::CONFLICT {
+            reply.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+            conflicts += 1;
+        } else if reply.replayed() {
+            assert_replay_of(reply, &original);
+            replays += 1;
+        }
+    }
+    assert_eq!(
+        conflicts + replays,
+        19,
+        "{conflicts} conflicts, {replays} replays"
+    );
+    assert!(conflicts >= 10);
+
+    // A retry after completion replays without running the handler.
+    let retry = http.send(post_with("pay-20", "{\"amount\":42}")).await;
+    assert_replay_of(&retry, &original);
+    assert_eq!(h.calls(), 1);
+    server.abort();
+}
+
+/// A retry after completion gets the stored response byte for byte (a binary body covering
+/// every byte value; status, replay-safe headers in order, repeated `Link` fields) without
+/// running the handler; the bare and the Structured-Field-quoted key are the same key. In
+/// Redis, completion left a record with the retention period's TTL next to the lock, under
+/// the lock's hash tag, and no lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_completion_replays_byte_for_byte() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let retention = Duration::from_secs(3600);
+    let layer = IdempotencyLayer::new(locker.clone())
+        .ttl(TTL)
+        .retention(retention);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let call = || post_with("binary-1", "{\"amount\":7}").header("x-binary", "4096");
+    let original = http.send(call()).await;
+    assert_eq!(original.status, StatusCode::CREATED);
+    assert_eq!(original.body.len(), 4096);
+    assert!(!original.replayed());
+    assert_eq!(h.calls(), 1);
+
+    let retry = http.send(call()).await;
+    assert_replay_of(&retry, &original);
+    assert_eq!(retry.headers.get_all("link").iter().count(), 2);
+    assert_eq!(retry.headers["content-length"], "4096");
+    // The same key as a Structured Field string.
+    let quoted = http
+        .send(post_with("\"binary-1\"", "{\"amount\":7}").header("x-binary", "4096"))
+        .await;
+    assert_replay_of(&quoted, &original);
+    assert_eq!(h.calls(), 1, "the handler did not run again");
+
+    // Storage: the record next to the lock, same hash tag, retention as TTL; the lock gone.
+    let resource = locker.resource(lock_key(None, "binary-1").unwrap());
+    let record = resource.with_suffix("idem");
+    assert_eq!(resource.as_str(), "dlock:{idem:binary-1}");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(resource.as_str())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "the lock is released with the completion");
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&record)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let retention_ms = retention.as_millis() as i64;
+    assert!(
+        pttl > retention_ms - 60_000 && pttl <= retention_ms,
+        "record TTL {pttl} ms"
+    );
+    let (fp, tok): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(&record)
+        .arg("fp")
+        .arg("tok")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let expected = fingerprint(
+        &Method::POST,
+        &"/payments".parse().unwrap(),
+        b"{\"amount\":7}",
+    );
+    assert_eq!(fp.as_deref(), Some(expected.to_hex().as_str()));
+    assert_eq!(tok, None, "a completed record holds no owner token");
+    server.abort();
+}
+
+/// The same key with another body, path or method gets 422 after completion — and also while
+/// the first request is still running (a different request, not a retry); the handler never
+/// runs for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_with_a_different_request_gets_422() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let mut h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let first = http.send(post_with("k-422", "{\"amount\":10}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for call in [
+        post_with("k-422", "{\"amount\":11}"),
+        post_with("k-422", "{\"amount\":10}").path("/refunds"),
+        post_with("k-422", "{\"amount\":10}").method(Method::PATCH),
+    ] {
+        let reply = http.send(call).await;
+        reply.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused");
+    }
+    assert_eq!(h.calls(), 1);
+
+    // While running.
+    let running = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            http.send(post_with("k-422-running", "{\"amount\":1}").header("x-wait", "gate"))
+                .await
+        })
+    };
+    h.wait_entered().await;
+    let other = http
+        .send(post_with("k-422-running", "{\"amount\":2}"))
+        .await;
+    other.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused");
+    let dup = http
+        .send(post_with("k-422-running", "{\"amount\":1}"))
+        .await;
+    dup.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+    h.open_gate();
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(h.calls(), 2);
+    server.abort();
+}
+
+/// Responses that must not be replayed are not stored and the key is freed: after a 500 (and
+/// 503, 429, 409, 408, 425, 401) the retry runs the handler, and the retry's 201 is what is
+/// replayed afterwards. A final 4xx (404, 422 from the handler) is stored and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_final_statuses_are_not_stored_and_the_retry_runs() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let mut calls = 0;
+    for status in [500u16, 503, 429, 409, 408, 425, 401] {
+        let key = format!("not-stored-{status}");
+        let failed = http
+            .send(post_with(&key, "{}").header("x-status", status.to_string()))
+            .await;
+        assert_eq!(failed.status.as_u16(), status);
+        assert!(!failed.replayed());
+        calls += 1;
+        assert_eq!(h.calls(), calls);
+
+        // The retry runs the handler (the `x-status` header is not part of the fingerprint).
+        let retry = http.send(post_with(&key, "{}")).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "after {status}");
+        assert!(!retry.replayed(), "after {status}");
+        calls += 1;
+        assert_eq!(
+            h.calls(),
+            calls,
+            "after {status}: the retry ran the handler"
+        );
+
+        let again = http.send(post_with(&key, "{}")).await;
+        assert_replay_of(&again, &retry);
+        assert_eq!(h.calls(), calls);
+    }
+
+    for status in [404u16, 422] {
+        let key = format!("stored-{status}");
+        let first = http
+            .send(post_with(&key, "{}").header("x-status", status.to_string()))
+            .await;
+        assert_eq!(first.status.as_u16(), status);
+        calls += 1;
+        let retry = http.send(post_with(&key, "{}")).await;
+        assert_replay_of(&retry, &first);
+        assert_eq!(h.calls(), calls, "a final {status} is replayed");
+    }
+    server.abort();
+}
+
+/// Point 1 and 6: a covered method without a key is 400; a key over the limit (and a repeated
+/// header) is 400; at the limit it works. GET, PUT and DELETE are not covered by default and
+/// run every time; PATCH is covered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_required_bounded_and_limited_to_covered_methods() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let missing = http
+        .send(Call {
+            method: Method::POST,
+            path: "/payments",
+            headers: vec![],
+            body: Bytes::from_static(b"{}"),
+        })
+        .await;
+    missing.assert_problem(StatusCode::BAD_REQUEST, "idempotency-key-missing");
+
+    let too_long = http.send(post_with(&"k".repeat(256), "{}")).await;
+    too_long.assert_problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+    assert!(too_long.text().contains("255"), "{}", too_long.text());
+    let repeated = http
+        .send(post_with("a", "{}").header(KEY_HEADER, "b"))
+        .await;
+    repeated.assert_problem(StatusCode::BAD_REQUEST, "idempotency-key-invalid");
+    assert_eq!(h.calls(), 0, "rejections never reach the handler");
+
+    let at_limit = http.send(post_with(&"k".repeat(255), "{}")).await;
+    assert_eq!(at_limit.status, StatusCode::CREATED);
+    assert_eq!(h.calls(), 1);
+
+    for method in [Method::GET, Method::PUT, Method::DELETE] {
+        let before = h.calls();
+        for _ in 0..2 {
+            let reply = http
+                .send(post_with("uncovered", "{}").method(method.clone()))
+                .await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{method}");
+            assert!(!reply.replayed(), "{method}");
+        }
+        assert_eq!(h.calls(), before + 2, "{method} runs every time");
+    }
+
+    let patch = || post_with("patch-1", "{\"op\":\"x\"}").method(Method::PATCH);
+    let first = http.send(patch()).await;
+    let retry = http.send(patch()).await;
+    assert_replay_of(&retry, &first);
+    server.abort();
+}
+
+/// Point 1: keys are scoped by the identity in the request extensions. Two users with the
+/// same key (and body) each run the handler once and each get their own replay; a request
+/// without an identity has its own key space.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_scopes_keys_per_user() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL).identity::<UserId>();
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let as_user = |user: &str| post_with("shared-key", "{\"amount\":5}").header("x-user", user);
+    let one = http.send(as_user("1")).await;
+    let two = http.send(as_user("2")).await;
+    let anon = http.send(post_with("shared-key", "{\"amount\":5}")).await;
+    for (reply, who) in [(&one, "1"), (&two, "2"), (&anon, "anonymous")] {
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert!(!reply.replayed());
+        assert!(
+            reply.text().contains(&format!("\"user\":\"{who}\"")),
+            "{}",
+            reply.text()
+        );
+    }
+    assert_eq!(h.calls(), 3, "one run per identity");
+
+    assert_replay_of(&http.send(as_user("1")).await, &one);
+    assert_replay_of(&http.send(as_user("2")).await, &two);
+    assert_eq!(h.calls(), 3);
+    server.abort();
+}
+
+/// Point 8, crash mid-handler: an instance that began a key and vanished (no renewal, no
+/// release) blocks it with 409 until its lease runs out; no record exists, so the client's
+/// retry then runs the handler, and later retries replay that response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_holder_blocks_until_its_ttl_then_the_retry_runs() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    // The other instance: its own connection, began the same request, then died.
+    let crashed = redis_locker(&redis).await;
+    let key = lock_key(None, "crash-1").unwrap();
+    let body = "{\"amount\":99}";
+    let fp = fingerprint(
+        &Method::POST,
+        &"/payments".parse().unwrap(),
+        body.as_bytes(),
+    );
+    // Long enough that the request below surely finds it held on a loaded machine.
+    let lease = Duration::from_secs(3);
+    let Begin::Run(op) = crashed
+        .idempotency(key.clone(), fp)
+        .ttl(lease)
+        .auto_renew(false)
+        .begin()
+        .await
+        .unwrap()
+    else {
+        panic!("the crashed instance began first")
+    };
+    let began = Instant::now();
+    std::mem::forget(op); // no renewal, no release: the process is gone
+
+    let blocked = http.send(post_with("crash-1", body)).await;
+    blocked.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+    assert!((1..=3).contains(&blocked.retry_after()));
+    assert_eq!(h.calls(), 0);
+
+    // Wait for the key to free the way a waiter does (bounded by the holder's lease).
+    let waiter = locker
+        .lock(key)
+        .on_fail(OnFail::retry(HANG))
+        .acquire()
+        .await
+        .expect("the vanished holder's lock expires");
+    assert!(
+        began.elapsed() >= lease - Duration::from_millis(50),
+        "freed before the lease ended: {:?}",
+        began.elapsed()
+    );
+    waiter.release().await.unwrap();
+
+    let retry = http.send(post_with("crash-1", body)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed(), "no record existed: the handler ran");
+    assert_eq!(h.calls(), 1);
+    assert_replay_of(&http.send(post_with("crash-1", body)).await, &retry);
+    assert_eq!(h.calls(), 1);
+    server.abort();
+}
+
+/// A request cancelled while the handler runs releases the key without a record (well before
+/// the TTL): the next request with the key runs the handler instead of replaying anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_request_frees_the_key_without_a_record() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let mut h = Harness::new();
+    let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
+    let router = app(layer, h.ctl.clone());
+
+    let request = || post_with("cancel-1", "{}").build::<Body>("");
+    let first = tokio::spawn(
+        router.clone().oneshot(
+            post_with("cancel-1", "{}")
+                .header("x-wait", "forever")
+                .build::<Body>(""),
+        ),
+    );
+    h.wait_entered().await;
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+
+    // The background release notifies waiters: wait for it like a waiter, far below the TTL.
+    let started = Instant::now();
+    let waiter = locker
+        .lock(lock_key(None, "cancel-1").unwrap())
+        .on_fail(OnFail::retry(Duration::from_secs(5)))
+        .acquire()
+        .await
+        .expect("the cancelled request released the key");
+    assert!(started.elapsed() < TTL);
+    waiter.release().await.unwrap();
+
+    let res = router.clone().oneshot(request()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert!(!res.headers().contains_key("idempotent-replayed"));
+    assert_eq!(h.calls(), 2, "the retry ran the handler");
+    let res = router.oneshot(request()).await.unwrap();
+    assert_eq!(res.headers()["idempotent-replayed"], "true");
+    assert_eq!(h.calls(), 2);
+}
+
+/// A response over the size limit reaches the client in full (declared length, and streamed
+/// without one) but is not stored: the retry runs the handler again. A request body over its
+/// limit is 413 before the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_responses_are_delivered_but_not_stored() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(locker)
+        .ttl(TTL)
+        .max_response_body(1024)
+        .max_request_body(64);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let mut calls = 0;
+    for stream in [false, true] {
+        let key = format!("big-{stream}");
+        let call = || {
+            let c = post_with(&key, "{}").header("x-binary", "4096");
+            if stream {
+                c.header("x-stream", "1")
+            } else {
+                c
+            }
+        };
+        for _ in 0..2 {
+            let reply = http.send(call()).await;
+            assert_eq!(reply.status, StatusCode::CREATED);
+            assert_eq!(reply.body.len(), 4096, "stream={stream}");
+            assert!(!reply.replayed());
+            calls += 1;
+            assert_eq!(
+                h.calls(),
+                calls,
+                "stream={stream}: not stored, the handler ran"
+            );
+        }
+    }
+    // Within the limit it is stored.
+    let small = || {
+        post_with("small", "{}")
+            .header("x-binary", "1024")
+            .header("x-stream", "1")
+    };
+    let first = http.send(small()).await;
+    assert_replay_of(&http.send(small()).await, &first);
+
+    let too_big = http.send(post_with("big-request", &"x".repeat(65))).await;
+    too_big.assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    assert_eq!(h.calls(), calls + 1);
+    server.abort();
+}
+
+/// With Redis down, fail-closed answers 503 + Retry-After and fail-open runs the handler
+/// without idempotency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_down_fails_closed_or_open() {
+    let mut redis = RedisServer::start();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&redis.url())
+        .await
+        .unwrap();
+    let h = Harness::new();
+    let closed = app(
+        IdempotencyLayer::new(locker.clone()).ttl(TTL),
+        h.ctl.clone(),
+    );
+    let open = app(
+        IdempotencyLayer::new(locker)
+            .ttl(TTL)
+            .fail_mode(FailMode::Open),
+        h.ctl.clone(),
+    );
+    let (closed_addr, closed_server) = serve(closed).await;
+    let (open_addr, open_server) = serve(open).await;
+
+    redis.pause();
+    let reply = Http::new(closed_addr).send(post_with("down-1", "{}")).await;
+    reply.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "lock-backend-unavailable");
+    assert!(reply.retry_after() >= 1);
+    assert_eq!(h.calls(), 0);
+
+    let reply = Http::new(open_addr).send(post_with("down-2", "{}")).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(h.calls(), 1);
+    redis.resume();
+    closed_server.abort();
+    open_server.abort();
+}
+
+/// Redlock does not store idempotency records: building the layer fails with an error naming
+/// the backend (and `new` would panic), instead of failing requests later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_is_refused_with_a_clear_error() {
+    let servers = dlock_tests::redis_server::start_many(3);
+    let url = format!(
+        "redlock://{}",
+        servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let locker = Locker::from_url(&url).await.unwrap();
+    assert!(!locker.supports_idempotency());
+    let err = IdempotencyLayer::try_new(locker).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("redlock") && msg.contains("idempotency"),
+        "{msg}"
+    );
+}
+
+/// The in-memory backend, over HTTP: first run, 409 while running, replay, 422, 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_backend_basic_flow() {
+    let locker = Locker::memory();
+    let mut h = Harness::new();
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let http = Http::new(addr);
+
+    let first = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            http.send(post_with("mem-1", "{\"amount\":3}").header("x-wait", "gate"))
+                .await
+        })
+    };
+    h.wait_entered().await;
+    let dup = http.send(post_with("mem-1", "{\"amount\":3}")).await;
+    dup.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+    h.open_gate();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    let retry = http.send(post_with("mem-1", "{\"amount\":3}")).await;
+    assert_replay_of(&retry, &first);
+    let other = http.send(post_with("mem-1", "{\"amount\":4}")).await;
+    other.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused");
+    let failed = http
+        .send(post_with("mem-2", "{}").header("x-status", "500"))
+        .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let retry = http.send(post_with("mem-2", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(h.calls(), 3);
+    server.abort();
+}
