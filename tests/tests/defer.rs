@@ -220,8 +220,18 @@ async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
         token.parse::<u64>().unwrap() > holder_token,
         "job ran with a newer fencing token"
     );
+    // The job recorded its run from inside; the worker acknowledges right after.
+    let status = wait_for(
+        "the job to be acknowledged",
+        Duration::from_secs(5),
+        async || {
+            let s = queue.status(&id).await.unwrap();
+            (s != JobStatus::Running).then_some(s)
+        },
+    )
+    .await;
     assert_eq!(
-        queue.status(&id).await.unwrap(),
+        status,
         JobStatus::Completed {
             result: Some("done 2".into())
         }

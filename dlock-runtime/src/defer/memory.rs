@@ -37,14 +37,15 @@ enum Outcome {
     Busy(PendingJob),
 }
 
-/// What [`DeferQueue::shutdown`] did.
+/// What [`DeferQueue::shutdown`] did. Every job the queue held is in exactly one of the two.
 #[derive(Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
     /// Jobs that ran during the drain.
     pub completed: usize,
-    /// Jobs that could not run before the drain deadline (their lock stayed busy) or sat in
-    /// the dead-letter set: they were dropped, and are listed here.
+    /// Jobs that could not run before the drain deadline (their lock stayed busy, or their
+    /// attempt was still in flight and was cancelled) or sat in the dead-letter set: they
+    /// were dropped, and are listed here.
     pub dropped: Vec<JobInfo>,
 }
 
@@ -263,8 +264,9 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
     let lock = || shared.lock().unwrap_or_else(PoisonError::into_inner);
     let mut queue: DelayQueue<PendingJob> = DelayQueue::new();
     let mut running: JoinSet<Outcome> = JoinSet::new();
-    // Which job each running attempt belongs to, to account for a panicking one.
-    let mut running_ids: HashMap<tokio::task::Id, String> = HashMap::new();
+    // Which job each running attempt belongs to: to account for a panicking one, and for one
+    // still in flight when a drain runs out of time.
+    let mut running_ids: HashMap<tokio::task::Id, JobInfo> = HashMap::new();
     let mut draining: Option<(Instant, oneshot::Sender<ShutdownReport>)> = None;
     let mut completed = 0usize;
     loop {
@@ -273,6 +275,28 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
             if queue.is_empty() && running.is_empty() || Instant::now() >= deadline {
                 let (_, reply) = draining.take().expect("draining");
                 let mut dropped = Vec::new();
+                // Attempts that finished but were not looked at yet.
+                while let Some(done) = running.try_join_next_with_id() {
+                    match done {
+                        Ok((task, Outcome::Done(info))) => {
+                            running_ids.remove(&task);
+                            completed += 1;
+                            event("completed", &info);
+                        }
+                        Ok((task, Outcome::Busy(job))) => {
+                            running_ids.remove(&task);
+                            dropped.push(job.info);
+                        }
+                        Err(e) => {
+                            if let Some(info) = running_ids.remove(&e.id()) {
+                                dropped.push(info);
+                            }
+                        }
+                    }
+                }
+                // Attempts still in flight are cancelled (their work, if it started, is cut
+                // short): they are dropped too.
+                dropped.extend(running_ids.drain().map(|(_, info)| info));
                 while let Some(key) = queue.peek() {
                     dropped.push(queue.remove(&key).into_inner().info);
                 }
@@ -306,9 +330,9 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
             },
             Some(expired) = futures_util::future::poll_fn(|cx| queue.poll_expired(cx)), if !queue.is_empty() => {
                 let job = expired.into_inner();
-                let id = job.info.id.clone();
+                let info = job.info.clone();
                 let handle = running.spawn(attempt(job));
-                running_ids.insert(handle.id(), id);
+                running_ids.insert(handle.id(), info);
             }
             Some(done) = running.join_next_with_id(), if !running.is_empty() => match done {
                 Ok((task, Outcome::Done(info))) => {
@@ -338,7 +362,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                 }
                 Err(e) => {
                     // The work panicked (or was aborted); its future is gone, it cannot be retried.
-                    let job_id = running_ids.remove(&e.id()).unwrap_or_default();
+                    let job_id = running_ids.remove(&e.id()).map(|i| i.id).unwrap_or_default();
                     lock().pending.remove(&job_id);
                     tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %job_id, error = %e);
                 }

@@ -23,9 +23,8 @@ use std::time::Duration;
 
 use redis::Script;
 
-// Lua: server time (`t`, `now_ms`) and the live head of the waiter queue (`head`), shared with
-// the lock scripts.
-use super::scripts::TIME_AND_HEAD;
+// Lua: the live head of the waiter queue (`head`), shared with the lock scripts.
+use super::scripts::QUEUE_HEAD;
 use super::{millis, RedisBackend, CHANNEL_SUFFIX, FENCE_RETENTION};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -60,8 +59,9 @@ if holder then
   end
   return {{0, tostring(redis.call('PTTL', KEYS[1])), m}}
 end
-{TIME_AND_HEAD}
+{QUEUE_HEAD}
 if head then return {{0, '-2', ''}} end
+local t = redis.call('TIME')
 local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
 if us > fence then fence = us end
@@ -90,7 +90,7 @@ redis.call('DEL', KEYS[1])
 redis.call('DEL', KEYS[4])
 redis.call('HSET', KEYS[4], 'fp', ARGV[3], 'res', ARGV[4])
 redis.call('PEXPIRE', KEYS[4], ARGV[5])
-{TIME_AND_HEAD}
+{QUEUE_HEAD}
 redis.call('PUBLISH', ARGV[2], head or '')
 return 1
 "#
@@ -108,7 +108,7 @@ static ABORT: LazyLock<Script> = LazyLock::new(|| {
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 if redis.call('HGET', KEYS[4], 'tok') == ARGV[1] then redis.call('DEL', KEYS[4]) end
-{TIME_AND_HEAD}
+{QUEUE_HEAD}
 redis.call('PUBLISH', ARGV[2], head or '')
 return 1
 "#

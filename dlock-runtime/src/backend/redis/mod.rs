@@ -236,21 +236,16 @@ impl RedisBackend {
         &self.inner.opts
     }
 
+    /// Awaits a command. Its deadline is the connection's response timeout
+    /// ([`RedisOptions::command_timeout`]), which fails a hung command with a timeout error;
+    /// the [`Locker`](crate::Locker) adds its own deadline on top, so the hot path needs no
+    /// extra timer here.
     async fn deadline<T>(
         &self,
         what: &str,
         fut: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
-        match tokio::time::timeout(self.inner.opts.command_timeout, fut).await {
-            Ok(r) => r.map_err(|e| redis_err(what, e)),
-            Err(_) => Err(LockError::unavailable(
-                format!(
-                    "redis {what} timed out after {:?}",
-                    self.inner.opts.command_timeout
-                ),
-                None,
-            )),
-        }
+        fut.await.map_err(|e| redis_err(what, e))
     }
 
     async fn owner_script(

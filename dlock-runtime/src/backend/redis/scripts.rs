@@ -18,38 +18,35 @@
 
 use redis::Script;
 
-/// Lua that drops expired waiters from the head of the queue and leaves the live head (or
-/// `false`) in `head`. Expects `now_ms` in scope.
-macro_rules! prune_head {
+/// Lua that leaves the live head of the waiter queue (or `false`) in `head`, dropping expired
+/// entries first. When no queue exists (the uncontended case) it costs one `EXISTS`.
+/// Expects KEYS[2] = queue list, KEYS[3] = queue deadlines.
+macro_rules! queue_head {
     () => {
         r#"
-local head = redis.call('LINDEX', KEYS[2], 0)
-while head do
-  local dl = redis.call('ZSCORE', KEYS[3], head)
-  if dl and tonumber(dl) > now_ms then break end
-  redis.call('LPOP', KEYS[2])
-  redis.call('ZREM', KEYS[3], head)
+local head = false
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   head = redis.call('LINDEX', KEYS[2], 0)
+  while head do
+    local dl = redis.call('ZSCORE', KEYS[3], head)
+    if dl and tonumber(dl) > now_ms then break end
+    redis.call('LPOP', KEYS[2])
+    redis.call('ZREM', KEYS[3], head)
+    head = redis.call('LINDEX', KEYS[2], 0)
+  end
 end
 "#
     };
 }
 
-/// Server time in ms and µs: `t`, `now_ms`.
-macro_rules! server_time {
-    () => {
-        r#"
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"#
-    };
-}
+/// The live head of the waiter queue (`head`, or `false`), for scripts built elsewhere (the
+/// idempotency scripts). KEYS 2 and 3 must be the queue keys.
+pub(super) const QUEUE_HEAD: &str = queue_head!();
 
-/// Server time (`t`, `now_ms`) and the live head of the waiter queue (`head`, or `false`), for
-/// scripts built elsewhere (the idempotency scripts). KEYS 2 and 3 must be the queue keys.
-pub(super) const TIME_AND_HEAD: &str = concat!(server_time!(), prune_head!());
-
-/// One acquire attempt.
+/// One acquire attempt. The uncontended path is `EXISTS` (no queue), `SET NX PX`, `TIME` and
+/// the fencing counter's `GET`/`SET`.
 ///
 /// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence.
 /// ARGV: 1 owner token, 2 lease ms, 3 mode (`0` try, `1` queue, `2` barge), 4 waiter entry
@@ -58,25 +55,27 @@ pub(super) const TIME_AND_HEAD: &str = concat!(server_time!(), prune_head!());
 /// lock is free but another waiter is first in line).
 pub(super) fn acquire() -> Script {
     Script::new(concat!(
-        server_time!(),
-        prune_head!(),
+        queue_head!(),
         r#"
 local token = ARGV[1]
 local mode = ARGV[3]
-if redis.call('EXISTS', KEYS[1]) == 0 and ((not head) or head == token or mode == '2') then
+if ((not head) or head == token or mode == '2')
+    and redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then
   if head == token then
     redis.call('LPOP', KEYS[2])
     redis.call('ZREM', KEYS[3], token)
   end
+  local t = redis.call('TIME')
   local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
   if us > fence then fence = us end
   local f = string.format('%.0f', fence)
   redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[5]))
-  redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
   return {1, f}
 end
 if mode == '1' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local wttl = tonumber(ARGV[4])
   if not redis.call('ZSCORE', KEYS[3], token) then
     redis.call('RPUSH', KEYS[2], token)
@@ -100,8 +99,7 @@ pub(super) fn release() -> Script {
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 "#,
-        server_time!(),
-        prune_head!(),
+        queue_head!(),
         r#"
 redis.call('PUBLISH', ARGV[2], head or '')
 return 1
@@ -128,8 +126,7 @@ if held == 0 and (removed == 0 or redis.call('EXISTS', KEYS[1]) == 1) then
   return 0
 end
 "#,
-        server_time!(),
-        prune_head!(),
+        queue_head!(),
         r#"
 redis.call('PUBLISH', ARGV[2], head or '')
 return held
