@@ -81,9 +81,11 @@ fn lease_end(sent_ns: u64, ttl: Duration, margin: Duration) -> u64 {
     sent_ns.saturating_add(ttl.saturating_sub(margin).as_nanos() as u64)
 }
 
+/// A release or abandon to run in the background, retried until it lands or `give_up` has
+/// passed (by then the lock and its queue entry have expired on their own).
 enum Cmd {
-    Release(ResourceName, OwnerToken),
-    Abandon(ResourceName, OwnerToken),
+    Release(ResourceName, OwnerToken, Duration),
+    Abandon(ResourceName, OwnerToken, Duration),
 }
 
 /// Shared between the [`Locker`](crate::Locker) and its background task.
@@ -195,14 +197,28 @@ impl Engine {
             .len()
     }
 
-    /// Release from a context that cannot await (guard drop).
-    pub(crate) fn release_later(self: &Arc<Self>, resource: ResourceName, token: OwnerToken) {
-        self.send(Cmd::Release(resource, token));
+    /// Release from a context that cannot await (guard drop). Retried through backend errors
+    /// for up to `give_up` (the lease: after it the lock is gone anyway).
+    pub(crate) fn release_later(
+        self: &Arc<Self>,
+        resource: ResourceName,
+        token: OwnerToken,
+        give_up: Duration,
+    ) {
+        self.send(Cmd::Release(resource, token, give_up));
     }
 
-    /// Undo a cancelled acquire from a context that cannot await.
-    pub(crate) fn abandon_later(self: &Arc<Self>, resource: ResourceName, token: OwnerToken) {
-        self.send(Cmd::Abandon(resource, token));
+    /// Undo a cancelled or failed acquire from a context that cannot await. Retried through
+    /// backend errors for up to `give_up` (the longer of the lease and the waiter entry's
+    /// life), so a waiter whose connection was cut does not stay at the head of the queue once
+    /// the backend is back.
+    pub(crate) fn abandon_later(
+        self: &Arc<Self>,
+        resource: ResourceName,
+        token: OwnerToken,
+        give_up: Duration,
+    ) {
+        self.send(Cmd::Abandon(resource, token, give_up));
     }
 
     fn send(self: &Arc<Self>, cmd: Cmd) {
@@ -345,29 +361,38 @@ async fn run(
 }
 
 async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration, cmd: Cmd) {
-    let (op, res) = match &cmd {
-        Cmd::Release(r, t) => (
-            "release",
-            tokio::time::timeout(command_timeout, async {
-                backend.release(r, t).await.map(|_| ())
-            })
-            .await,
-        ),
-        Cmd::Abandon(r, t) => (
-            "abandon",
-            tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
-        ),
-    };
-    match res {
-        Ok(Ok(())) => tracing::trace!(op, "dlock background release"),
-        Ok(Err(err)) => {
-            tracing::debug!(op, error = %err, "dlock background release failed; the TTL will end the lock")
+    let start = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let (op, res, give_up) = match &cmd {
+            Cmd::Release(r, t, give_up) => (
+                "release",
+                tokio::time::timeout(command_timeout, async {
+                    backend.release(r, t).await.map(|_| ())
+                })
+                .await,
+                *give_up,
+            ),
+            Cmd::Abandon(r, t, give_up) => (
+                "abandon",
+                tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
+                *give_up,
+            ),
+        };
+        let error = match res {
+            Ok(Ok(())) => {
+                tracing::trace!(op, "dlock background release");
+                return;
+            }
+            Ok(Err(err)) => err.to_string(),
+            Err(_) => "timed out".to_owned(),
+        };
+        if start.elapsed() + pause >= give_up {
+            tracing::debug!(op, error = %error, "dlock background release gave up; the TTL ends the lock");
+            return;
         }
-        Err(_) => {
-            tracing::debug!(
-                op,
-                "dlock background release timed out; the TTL will end the lock"
-            )
-        }
+        tracing::trace!(op, error = %error, "dlock background release failed; retrying");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }

@@ -180,6 +180,10 @@ impl Drop for LockGuard {
         self.state.done.store(true, Ordering::Release);
         let engine = self.locker.engine();
         engine.unschedule(&self.state);
-        engine.release_later(self.state.resource.clone(), self.state.token.clone());
+        engine.release_later(
+            self.state.resource.clone(),
+            self.state.token.clone(),
+            self.state.ttl(),
+        );
     }
 }

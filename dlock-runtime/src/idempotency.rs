@@ -448,9 +448,11 @@ struct Flight<'a> {
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.locker
-                .engine()
-                .abandon_later(self.resource.clone(), self.token.clone());
+            self.locker.engine().abandon_later(
+                self.resource.clone(),
+                self.token.clone(),
+                self.locker.undo_horizon(),
+            );
         }
     }
 }
@@ -651,9 +653,11 @@ impl Drop for IdempotentOperation {
             return;
         }
         self.stop();
-        self.locker
-            .engine()
-            .release_later(self.state.resource.clone(), self.state.token.clone());
+        self.locker.engine().release_later(
+            self.state.resource.clone(),
+            self.state.token.clone(),
+            self.state.ttl(),
+        );
     }
 }
 

@@ -179,6 +179,25 @@ impl Locker {
         self.inner.id
     }
 
+    /// How long a background undo keeps trying: by then the lock (at the default TTL) and any
+    /// waiter entry have expired on their own.
+    pub(crate) fn undo_horizon(&self) -> Duration {
+        self.inner
+            .config
+            .default_ttl
+            .max(self.inner.config.waiter_ttl)
+    }
+
+    /// The waiter-queue entry life for a request with lease `ttl`: the locker's waiter TTL, but
+    /// no longer than the lease (and at least 300 ms), so the waiters of a process that died
+    /// hold up a short lock's queue for about as long as the lock itself would have.
+    pub(crate) fn waiter_ttl_for(&self, ttl: Duration) -> Duration {
+        self.inner
+            .config
+            .waiter_ttl
+            .min(ttl.max(Duration::from_millis(300)))
+    }
+
     pub(crate) fn engine(&self) -> &Arc<Engine> {
         &self.inner.engine
     }
@@ -269,9 +288,9 @@ impl LockerBuilder {
         self
     }
 
-    /// How long a waiter's place in a queue lives without being refreshed. A live waiter
-    /// refreshes it at least every third of this; a waiter that died holds up the queue at most
-    /// this long.
+    /// How long a waiter's place in a queue lives without being refreshed (at most; a request
+    /// whose lease is shorter uses its lease, but at least 300 ms). A live waiter refreshes it
+    /// at least every third of this; a waiter that died holds up the queue at most this long.
     pub fn waiter_ttl(mut self, d: Duration) -> Self {
         self.config.waiter_ttl = d.max(Duration::from_millis(30));
         self
@@ -568,6 +587,8 @@ struct InFlight<'a> {
     resource: ResourceName,
     token: OwnerToken,
     armed: bool,
+    /// How long the background undo keeps trying (lease and waiter entry life).
+    horizon: Duration,
 }
 
 impl InFlight<'_> {
@@ -579,9 +600,11 @@ impl InFlight<'_> {
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.locker
-                .engine()
-                .abandon_later(self.resource.clone(), self.token.clone());
+            self.locker.engine().abandon_later(
+                self.resource.clone(),
+                self.token.clone(),
+                self.horizon,
+            );
         }
     }
 }
@@ -598,7 +621,7 @@ async fn attempt(
         token: &flight.token,
         ttl,
         mode,
-        waiter_ttl: locker.inner.config.waiter_ttl,
+        waiter_ttl: locker.waiter_ttl_for(ttl),
     };
     let out = locker
         .with_deadline("acquire", locker.backend().acquire(args))
@@ -618,6 +641,7 @@ async fn attempt_once(
         resource,
         token: OwnerToken::generate(),
         armed: true,
+        horizon: ttl,
     };
     let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
@@ -652,15 +676,18 @@ async fn wait_for(
     };
     // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
     // and undoes whatever the last attempt may have taken.
+    let waiter_ttl = locker.waiter_ttl_for(ttl);
     let mut flight = InFlight {
         locker,
         resource,
         token: OwnerToken::generate(),
         armed: true,
+        horizon: ttl.max(waiter_ttl),
     };
-    let refresh = locker.inner.config.waiter_ttl / 3;
+    let refresh = waiter_ttl / 3;
     let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
     let mut step = 0u32;
+    let fifo = policy.fair && locker.backend().fifo();
     loop {
         let (out, sent) = attempt(locker, &flight, ttl, mode).await?;
         let remaining = match out {
@@ -710,7 +737,9 @@ async fn wait_for(
         step = step.saturating_add(1);
         if let Some((w, _)) = &watch {
             tokio::select! {
-                _ = w.notified() => { step = 0; }
+                // A fair waiter is woken alone, when it is first: start over. Barging waiters
+                // (Redlock) are woken together; keeping their backoff avoids a lockstep retry.
+                _ = w.notified() => { if fifo { step = 0; } }
                 _ = tokio::time::sleep(sleep) => {}
             }
         }

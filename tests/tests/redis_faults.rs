@@ -217,3 +217,61 @@ async fn second_os_process_contends_without_overlap() {
     let total: u64 = conn.get(format!("{key}:counter")).await.unwrap();
     assert_eq!(total, 4 * rounds_here + 4 * rounds_child, "lost updates");
 }
+
+/// A waiter that fails while the server is frozen (its refresh errors out) must not stay at
+/// the head of the queue once the server is back: its undo is retried in the background until
+/// it lands, well before its queue entry would have expired on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_cut_off_by_an_outage_leaves_the_queue_when_the_server_is_back() {
+    let mut server = RedisServer::start();
+    let waiter_ttl = Duration::from_secs(3);
+    let builder = || fast_fail().waiter_ttl(waiter_ttl);
+    let a = builder().connect(&server.url()).await.unwrap();
+    let b = builder().connect(&server.url()).await.unwrap();
+    let key = "fault:cut-waiter";
+    let held = a
+        .lock(key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            b.lock(key)
+                .ttl(Duration::from_secs(30))
+                .on_fail(OnFail::retry(Duration::from_secs(30)))
+                .acquire()
+                .await
+        })
+    };
+    let start = Instant::now();
+    while b.waiting() == 0 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The waiter refreshes its place every second; freeze the server across that refresh.
+    server.pause();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.resume();
+    let resumed = Instant::now();
+    // The holder's own renewals may have failed while frozen; release whatever is left.
+    drop(held);
+    // A one-shot attempt respects the queue: it succeeds only once the dead waiter is gone.
+    loop {
+        match a.lock(key).try_acquire().await {
+            Ok(Some(g)) => {
+                g.release().await.unwrap();
+                break;
+            }
+            Ok(None) | Err(_) => {}
+        }
+        assert!(
+            resumed.elapsed() < Duration::from_millis(1500),
+            "the cut-off waiter still holds the queue (its entry lives {waiter_ttl:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

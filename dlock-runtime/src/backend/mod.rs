@@ -143,6 +143,12 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and errors (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
 
+    /// Whether waiting in [`WaitMode::Queue`] is first-in-first-out on this backend. Redlock's
+    /// per-node queues could disagree, so it barges instead (and says `false`). Default `true`.
+    fn fifo(&self) -> bool {
+        true
+    }
+
     /// How much of a granted lease the holder must not count on (clock drift between the
     /// holder and the servers). The local lease clock ends `lease_margin(ttl)` before the TTL.
     /// Default: none.
@@ -214,6 +220,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn lease_margin(&self, ttl: Duration) -> Duration {
         (**self).lease_margin(ttl)
+    }
+    fn fifo(&self) -> bool {
+        (**self).fifo()
     }
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         (**self).acquire(args)

@@ -378,6 +378,10 @@ impl Backend for RedlockBackend {
         self.drift(ttl)
     }
 
+    fn fifo(&self) -> bool {
+        false
+    }
+
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
             let start = Instant::now();
