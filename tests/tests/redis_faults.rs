@@ -261,12 +261,9 @@ async fn waiter_cut_off_by_an_outage_leaves_the_queue_when_the_server_is_back() 
     drop(held);
     // A one-shot attempt respects the queue: it succeeds only once the dead waiter is gone.
     loop {
-        match a.lock(key).try_acquire().await {
-            Ok(Some(g)) => {
-                g.release().await.unwrap();
-                break;
-            }
-            Ok(None) | Err(_) => {}
+        if let Ok(Some(g)) = a.lock(key).try_acquire().await {
+            g.release().await.unwrap();
+            break;
         }
         assert!(
             resumed.elapsed() < Duration::from_millis(1500),
