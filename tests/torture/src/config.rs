@@ -45,7 +45,10 @@ impl Args {
     pub(crate) fn num(&self, name: &str) -> Result<Option<u64>, String> {
         self.values
             .get(name)
-            .map(|v| v.parse().map_err(|_| format!("--{name}: not a number: {v}")))
+            .map(|v| {
+                v.parse()
+                    .map_err(|_| format!("--{name}: not a number: {v}"))
+            })
             .transpose()
     }
 
@@ -57,10 +60,7 @@ impl Args {
         let bad = || format!("--{name}: expected <lo>..<hi>, got {v}");
         match v.split_once("..") {
             Some((a, b)) => {
-                let (a, b) = (
-                    a.parse().map_err(|_| bad())?,
-                    b.parse().map_err(|_| bad())?,
-                );
+                let (a, b) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
                 if a > b {
                     return Err(bad());
                 }
@@ -199,6 +199,9 @@ pub(crate) struct Config {
     pub(crate) work_ms: (u64, u64),
     /// Critical section commit window, ms range.
     pub(crate) commit_ms: (u64, u64),
+    /// Whether the resource checks fencing tokens (off only for the `--no-fencing`
+    /// demonstration).
+    pub(crate) fencing: bool,
 }
 
 impl Config {
@@ -223,12 +226,13 @@ impl Config {
             waiter_ttl: Duration::from_millis(1000),
             command_timeout: Duration::from_millis(500),
             node_timeout: Duration::from_millis(50),
-            rounds: 2,
+            rounds: 3,
             faults: FaultKind::ALL.to_vec(),
             margin: Duration::from_millis(1000),
             gap_ms: (300, 800),
             work_ms: (1, 3),
             commit_ms: (4, 8),
+            fencing: true,
         };
         match mode {
             "smoke" => Config {
@@ -244,10 +248,7 @@ impl Config {
                 ..base
             },
             "quick" => base,
-            _ => Config {
-                rounds: 20,
-                ..base
-            },
+            _ => Config { rounds: 20, ..base },
         }
     }
 
@@ -272,6 +273,7 @@ impl Config {
             "gap-ms",
             "work-ms",
             "commit-ms",
+            "no-fencing",
             "help",
         ];
         if let Some(bad) = args.names().find(|n| !KNOWN.contains(n)) {
@@ -339,6 +341,7 @@ impl Config {
         if let Some(v) = args.range("commit-ms")? {
             c.commit_ms = v;
         }
+        c.fencing = !args.flag("no-fencing");
         Ok(c)
     }
 }
@@ -353,7 +356,7 @@ usage:
 
 modes:
   --smoke    2 procs x 4 tasks, 2 keys, TTL 500 ms, one round per backend (the cargo test)
-  --quick    4 procs x 16 tasks, 4 keys, TTL 1 s, 2 rounds per backend (CI; < 2 min)
+  --quick    4 procs x 16 tasks, 4 keys, TTL 1 s, 3 rounds per backend (CI; about 1 min)
   (none)     the long mode: as --quick with 20 rounds per backend (release checks)
 
 options:
@@ -365,4 +368,6 @@ options:
   --faults K,K,...         the fault kinds of a round (pause,kill,restart,latency,cut)
   --margin-ms N            liveness bound = max(TTL, waiter TTL) + margin
   --gap-ms A..B  --work-ms A..B  --commit-ms A..B
+  --no-fencing             the resource accepts every write: shows what the overlaps do
+                           without the token check (expected to FAIL)
 ";

@@ -92,12 +92,12 @@ pub(crate) struct PhaseReport {
     pub(crate) pauses: u64,
     /// Pause faults whose victim's write was then refused by fencing.
     pub(crate) pauses_fenced: u64,
-    /// Lock keys still present at the end (must be 0).
+    /// Lock keys present after every worker exited (must be 0).
     pub(crate) locks_left: u64,
-    /// Waiter queues still present at the end (expire on their own; informational).
+    /// Of those, how many were still there one liveness bound later (never expiring).
+    pub(crate) locks_unexpired: u64,
+    /// Waiter queues present after every worker exited (informational: they expire).
     pub(crate) queues_left: u64,
-    /// Time from the workers' exit until no lock key was left, ms.
-    pub(crate) settle_ms: u64,
     /// Worker processes that exited on their own, unexpectedly.
     pub(crate) worker_crashes: u64,
     /// Sum of the workers' client-side counters (workers that were killed are missing).

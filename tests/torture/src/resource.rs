@@ -14,6 +14,9 @@
 //! Fencing the read too is what makes the read-modify-write safe: once a newer holder has
 //! read, an older holder can no longer write what it computed from an older read.
 //!
+//! With `--no-fencing` the checks are off (every operation is accepted, `max` is still
+//! tracked), which shows what the same overlaps do to the data without the token.
+//!
 //! Every operation appends one record to the key's append-only log `res:k:log`, stamped with
 //! the resource server's clock (µs); the report is computed from these logs afterwards
 //! ([`crate::report`]). Record formats (space-separated):
@@ -45,18 +48,24 @@ local t = redis.call('TIME')
 local now = t[1] .. string.format('%06d', tonumber(t[2]))
 "#;
 
+/// Whether the resource checks tokens (`res:fencing` = `0` turns it off, for the
+/// `--no-fencing` demonstration; the log still tells stale writes apart).
+const FENCING: &str = r#"
+local fencing = redis.call('GET', 'res:fencing') ~= '0'
+"#;
+
 /// KEYS: max, val, ver, log, inside. ARGV: key, token, writer, pid.
 /// Returns `{1, val, ver}` when accepted, `{0, 0, 0}` when refused.
 const BEGIN: &str = r#"
 local tok = tonumber(ARGV[2])
 local max = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tok < max then
+if tok < max and fencing then
   redis.call('RPUSH', KEYS[4], now .. ' b ' .. ARGV[2] .. ' ' .. ARGV[3])
   return {0, 0, 0}
 end
 local dup = 0
 if tok == max then dup = 1 end
-redis.call('SET', KEYS[1], ARGV[2])
+if tok > max then redis.call('SET', KEYS[1], ARGV[2]) end
 local val = redis.call('GET', KEYS[2]) or '0'
 local ver = redis.call('GET', KEYS[3]) or '0'
 redis.call('RPUSH', KEYS[4], now .. ' B ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ver .. ' ' .. dup)
@@ -70,11 +79,11 @@ const WRITE: &str = r#"
 local tok = tonumber(ARGV[2])
 local max = tonumber(redis.call('GET', KEYS[1]) or '0')
 local ver = tonumber(redis.call('GET', KEYS[3]) or '0')
-if tok < max then
+if tok < max and fencing then
   redis.call('RPUSH', KEYS[4], now .. ' w ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ver)
   return 0
 end
-redis.call('SET', KEYS[1], ARGV[2])
+if tok > max then redis.call('SET', KEYS[1], ARGV[2]) end
 redis.call('SET', KEYS[2], ARGV[5])
 redis.call('SET', KEYS[3], ver + 1)
 redis.call('RPUSH', KEYS[4], now .. ' W ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ver)
@@ -163,7 +172,7 @@ pub(crate) struct Resource {
 }
 
 fn script(body: &str) -> Script {
-    Script::new(&format!("{NOW}{body}"))
+    Script::new(&format!("{NOW}{FENCING}{body}"))
 }
 
 impl Resource {
@@ -294,6 +303,16 @@ impl Resource {
         }
         let now: String = inv.arg(name).arg(pid).invoke_async(&mut conn).await?;
         Ok(now.parse().unwrap_or(0))
+    }
+
+    /// Turns the token check off (`--no-fencing`): every read and write is accepted.
+    pub(crate) async fn disable_fencing(&self) -> redis::RedisResult<()> {
+        let mut conn = self.conn.clone();
+        redis::cmd("SET")
+            .arg("res:fencing")
+            .arg("0")
+            .query_async(&mut conn)
+            .await
     }
 
     /// Appends `what` to the fault list. Returns the server time (µs) of the record.

@@ -72,7 +72,10 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(a.next_u64(), b.next_u64());
         }
-        assert_ne!(Rng::new(7).fork(1).next_u64(), Rng::new(7).fork(2).next_u64());
+        assert_ne!(
+            Rng::new(7).fork(1).next_u64(),
+            Rng::new(7).fork(2).next_u64()
+        );
     }
 
     #[test]

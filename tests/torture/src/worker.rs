@@ -87,10 +87,7 @@ impl WorkerConfig {
         kv("command-timeout-ms", self.command_timeout_ms.to_string());
         kv("node-timeout-ms", self.node_timeout_ms.to_string());
         kv("wait-ms", self.wait_ms.to_string());
-        kv(
-            "work-ms",
-            format!("{}..{}", self.work_ms.0, self.work_ms.1),
-        );
+        kv("work-ms", format!("{}..{}", self.work_ms.0, self.work_ms.1));
         kv(
             "commit-ms",
             format!("{}..{}", self.commit_ms.0, self.commit_ms.1),
@@ -110,7 +107,9 @@ impl WorkerConfig {
                 .split(',')
                 .map(str::to_owned)
                 .collect(),
-            resource_url: args.string("resource-url").ok_or("--resource-url is required")?,
+            resource_url: args
+                .string("resource-url")
+                .ok_or("--resource-url is required")?,
             keys: args.num("keys")?.unwrap_or(4) as u32,
             tasks: args.num("tasks")?.unwrap_or(16) as u32,
             ttl_ms: args.num("ttl-ms")?.unwrap_or(1000),
