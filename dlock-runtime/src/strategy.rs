@@ -57,7 +57,9 @@ impl OnFail {
 /// base · 2ⁿ))`), never later than the holder's remaining lease or the waiter queue's refresh
 /// interval, and never after the deadline.
 ///
-/// Defaults: `wait` 10 s, `base` 10 ms, `max_backoff` 1 s, full jitter on, fair on.
+/// Defaults: `wait` 10 s, `base` 100 ms, `max_backoff` 1 s, full jitter on, fair on. The base is
+/// high on purpose: the release notification is what wakes a waiter; the timer is only the
+/// safety net, and a short one makes every queued waiter poll the backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
@@ -85,7 +87,7 @@ impl RetryPolicy {
     pub fn new(wait: Duration) -> Self {
         RetryPolicy {
             wait,
-            base: Duration::from_millis(10),
+            base: Duration::from_millis(100),
             max_backoff: Duration::from_secs(1),
             jitter: true,
             fair: true,

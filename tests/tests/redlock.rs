@@ -97,13 +97,18 @@ async fn all_up_acquire_and_release() {
         holding += usize::from(lock_key_exists(s, resource.as_str()).await);
     }
     assert!(holding >= 3, "lock on {holding} of 5 nodes");
-    // Release waits for every node (each processes it after its acquire, in order).
+    // Release returns at the first majority; every node processes it after its acquire (in
+    // order on its connection), so all five are clear shortly after.
     g.release().await.unwrap();
+    let start = Instant::now();
     for s in &servers {
-        assert!(
-            !lock_key_exists(s, resource.as_str()).await,
-            "lock left on a node"
-        );
+        while lock_key_exists(s, resource.as_str()).await {
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "lock left on a node"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }
 

@@ -300,7 +300,9 @@ impl RedlockBackend {
         votes
     }
 
-    /// Runs an owner-checked yes/no operation on every node, waiting for all answers.
+    /// Runs an owner-checked yes/no operation on every node and returns as soon as the outcome
+    /// is decided (a majority said yes, or can no longer say yes): frozen nodes are not waited
+    /// for. The other nodes' commands are already queued on their connections and still run.
     async fn poll_owner_checked<'a>(
         &'a self,
         op: impl Fn(&'a RedisBackend) -> BoxFuture<'a, Result<bool, LockError>>,
@@ -316,7 +318,7 @@ impl RedlockBackend {
                     })
                 })
             },
-            false,
+            true,
         )
         .await
     }
