@@ -69,6 +69,17 @@ impl GuardState {
             .fetch_max(lease_end(sent_ns, ttl, margin), Ordering::AcqRel);
     }
 
+    /// The caller's view of an owner-checked release that the backend answered: `true` → done;
+    /// `false` → the lock was no longer this owner's ([`LockError::Lost`]).
+    pub(crate) fn settle_release(&self, still_ours: bool) -> Result<(), crate::LockError> {
+        if still_ours {
+            Ok(())
+        } else {
+            self.lost.cancel();
+            Err(crate::LockError::lost(self.resource.key().as_str()))
+        }
+    }
+
     pub(crate) fn mark_lost(&self, why: &'static str) {
         if !self.lost.is_cancelled() && !self.done.load(Ordering::Acquire) {
             tracing::warn!(key = %self.resource.key(), reason = why, "dlock.lost");

@@ -161,14 +161,7 @@ impl LockGuard {
             .await;
         // Answered (or timed out): the drop below must not release again.
         self.released = true;
-        match res {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                self.state.lost.cancel();
-                Err(LockError::lost(self.key()))
-            }
-            Err(e) => Err(e),
-        }
+        self.state.settle_release(res?)
     }
 }
 

@@ -599,20 +599,12 @@ impl IdempotentOperation {
             .with_deadline("idempotency complete", store.complete(args))
             .instrument(tracing::debug_span!("dlock.idempotency.complete", key = %self.key()))
             .await;
-        match res {
-            Ok(true) => {
-                self.finished = true;
-                Ok(())
-            }
-            Ok(false) => {
-                self.finished = true;
-                self.state.lost.cancel();
-                Err(LockError::lost(self.key()))
-            }
-            // Unknown outcome: drop hands an owner-checked release to the background task,
-            // harmless if the record was stored (the lock is gone then).
-            Err(e) => Err(e),
-        }
+        // An unknown outcome (`Err`) leaves `finished` unset: drop hands an owner-checked
+        // release to the background task, harmless if the record was stored (the lock is gone
+        // then).
+        let stored = res?;
+        self.finished = true;
+        self.state.settle_release(stored)
     }
 
     /// Releases the lock without storing a record: the next attempt runs the operation again.
@@ -632,18 +624,9 @@ impl IdempotentOperation {
             )
             .instrument(tracing::debug_span!("dlock.idempotency.abort", key = %self.key()))
             .await;
-        match res {
-            Ok(held) => {
-                self.finished = true;
-                if held {
-                    Ok(())
-                } else {
-                    self.state.lost.cancel();
-                    Err(LockError::lost(self.key()))
-                }
-            }
-            Err(e) => Err(e),
-        }
+        let held = res?;
+        self.finished = true;
+        self.state.settle_release(held)
     }
 }
 
