@@ -102,7 +102,9 @@ impl RedisServer {
             if let Ok(Some(_)) = child.try_wait() {
                 return false; // exited: port taken, most likely
             }
-            if ping(self.port) {
+            // The port may have been taken by another process's server between our probe and
+            // the bind: only our own child counts as up.
+            if ping(self.port) && server_pid(self.port) == Some(child.id()) {
                 self.child = Some(child);
                 return true;
             }
@@ -205,6 +207,30 @@ fn ping(port: u16) -> bool {
     }
     let mut buf = [0u8; 7];
     matches!(s.read_exact(&mut buf), Ok(()) if &buf == b"+PONG\r\n")
+}
+
+/// The `process_id` a server on `port` reports in `INFO server`.
+fn server_pid(port: u16) -> Option<u32> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    s.write_all(b"INFO server\r\n").ok()?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while buf.len() < 64 * 1024 {
+        let n = s.read(&mut chunk).ok()?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf);
+        if let Some(rest) = text.split("process_id:").nth(1) {
+            if let Some(line) = rest.split("\r\n").next().filter(|_| rest.contains("\r\n")) {
+                return line.trim().parse().ok();
+            }
+        }
+    }
+    None
 }
 
 /// Starts `n` independent servers.

@@ -301,26 +301,46 @@ impl RedlockBackend {
     }
 
     /// Runs an owner-checked yes/no operation on every node and returns as soon as the outcome
-    /// is decided (a majority said yes, or can no longer say yes): frozen nodes are not waited
-    /// for. The other nodes' commands are already queued on their connections and still run.
-    async fn poll_owner_checked<'a>(
-        &'a self,
-        op: impl Fn(&'a RedisBackend) -> BoxFuture<'a, Result<bool, LockError>>,
-    ) -> Vec<(usize, Vote<()>)> {
-        self.poll(
-            |node| {
-                let answer = op(node);
-                Box::pin(async move {
-                    Ok(if answer.await? {
-                        Answer::Yes(())
-                    } else {
-                        Answer::No(None)
-                    })
-                })
-            },
-            true,
-        )
-        .await
+    /// is decided (a majority said yes, or can no longer say yes), so frozen nodes are not
+    /// waited for. Each node's command runs in its own task and finishes (or meets its node
+    /// deadline) in the background: a release really reaches every node that answers, even
+    /// after the caller has its answer. A dropped per-node future might never send its command.
+    async fn poll_owner_checked<F, Fut>(&self, op: F) -> Vec<(usize, Vote<()>)>
+    where
+        F: Fn(RedisBackend) -> Fut,
+        Fut: std::future::Future<Output = Result<bool, LockError>> + Send + 'static,
+    {
+        let n = self.inner.nodes.len();
+        let quorum = self.inner.quorum;
+        let limit = self.inner.opts.node_timeout;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (i, node) in self.inner.nodes.iter().enumerate() {
+            let (fut, tx) = (op(node.clone()), tx.clone());
+            tokio::spawn(async move {
+                let vote = match tokio::time::timeout(limit, fut).await {
+                    Ok(Ok(true)) => Vote::Yes(()),
+                    Ok(Ok(false)) => Vote::No(None),
+                    Ok(Err(e)) => Vote::Failed(short(&e)),
+                    Err(_) => Vote::Failed("timeout".to_owned()),
+                };
+                let _ = tx.send((i, vote));
+            });
+        }
+        drop(tx);
+        let mut votes = Vec::with_capacity(n);
+        let (mut yes, mut no) = (0, 0);
+        while let Some((i, vote)) = rx.recv().await {
+            if matches!(vote, Vote::Yes(_)) {
+                yes += 1;
+            } else {
+                no += 1;
+            }
+            votes.push((i, vote));
+            if yes >= quorum || no > n - quorum {
+                break;
+            }
+        }
+        votes
     }
 
     /// A majority said yes (inside the validity window): `true`. Failed nodes make the outcome
@@ -482,7 +502,10 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let votes = self
-                .poll_owner_checked(|n| n.release(resource, token))
+                .poll_owner_checked(|n| {
+                    let (r, t) = (resource.clone(), token.clone());
+                    async move { n.release(&r, &t).await }
+                })
                 .await;
             let (yes, failed) = tally(&votes);
             // In the window by definition: a release has no validity to keep.
@@ -499,7 +522,10 @@ impl Backend for RedlockBackend {
         Box::pin(async move {
             let start = Instant::now();
             let votes = self
-                .poll_owner_checked(|n| n.extend(resource, token, ttl))
+                .poll_owner_checked(|n| {
+                    let (r, t) = (resource.clone(), token.clone());
+                    async move { n.extend(&r, &t, ttl).await }
+                })
                 .await;
             let (yes, failed) = tally(&votes);
             let in_window = start.elapsed() + self.drift(ttl) < ttl;
