@@ -17,6 +17,12 @@
 //! Release and drop remove the guard from the schedule before the release script runs, and a
 //! renewal that races a release is owner-checked, so a released lock is never renewed.
 //!
+//! * **User extends.** A guard's renewals and its user's [`extend`](crate::LockGuard::extend)
+//!   calls take turns (one small async mutex per guard, tried — never awaited — by the
+//!   watchdog), so a watchdog batch sent with the old TTL can never land after an `extend` and
+//!   overwrite it. After `extend(t)` the server's expiry, the local lease end (set exactly, so
+//!   it can move *earlier*) and the next renewal (due `t/3` later, renewing `t`) all follow `t`.
+//!
 //! The task is spawned lazily on the runtime of the first caller that needs it, and respawned
 //! if that runtime went away; the schedule lives outside the task, so nothing is lost.
 
@@ -25,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Mutex as AsyncMutex, Notify, OwnedMutexGuard};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, ExtendItem, OwnerToken};
@@ -49,6 +55,13 @@ pub(crate) struct GuardState {
     pub(crate) lost: CancellationToken,
     /// Released or dropped: the engine must not renew it any more.
     pub(crate) done: AtomicBool,
+    /// Whether the watchdog renews this guard.
+    auto_renew: bool,
+    /// Held while a renewal or an extend of this guard is on its way to the backend, so the
+    /// two never overlap (see the module docs).
+    turn: Arc<AsyncMutex<()>>,
+    /// Signalled whenever `lease_end` changes, so [`Engine::wait_lost`] re-arms its timer.
+    lease_changed: Notify,
 }
 
 impl GuardState {
@@ -60,13 +73,32 @@ impl GuardState {
         self.lease_end.load(Ordering::Acquire)
     }
 
-    /// Records a successful acquire/extend sent at `sent_ns` with lease `ttl`, of which the
-    /// last `margin` is not counted on.
-    pub(crate) fn renewed(&self, sent_ns: u64, ttl: Duration, margin: Duration) {
+    /// Records a successful renewal or extend sent at `sent_ns` with lease `ttl`, of which the
+    /// last `margin` is not counted on. The lease end is *set*, not raised: an extend to a
+    /// shorter TTL shortens the local lease too. Callers hold the guard's turn, so no other
+    /// renewal of this guard is in flight.
+    fn renewed(&self, sent_ns: u64, ttl: Duration, margin: Duration) {
+        self.set_ttl(ttl);
+        self.set_lease_end(lease_end(sent_ns, ttl, margin));
+    }
+
+    /// An extend to `ttl` whose outcome is unknown (error, timeout, cancelled): the server may
+    /// or may not have applied it, so the local lease ends at the earlier of the two, and `ttl`
+    /// is what later renewals use.
+    fn extend_unknown(&self, sent_ns: u64, ttl: Duration, margin: Duration) {
+        self.set_ttl(ttl);
+        let end = lease_end(sent_ns, ttl, margin).min(self.lease_end_ns());
+        self.set_lease_end(end);
+    }
+
+    fn set_ttl(&self, ttl: Duration) {
         self.ttl_ms
             .store(ttl.as_millis().max(1) as u64, Ordering::Release);
-        self.lease_end
-            .fetch_max(lease_end(sent_ns, ttl, margin), Ordering::AcqRel);
+    }
+
+    fn set_lease_end(&self, end: u64) {
+        self.lease_end.store(end, Ordering::Release);
+        self.lease_changed.notify_waiters();
     }
 
     /// The caller's view of an owner-checked release that the backend answered: `true` → done;
@@ -126,10 +158,6 @@ impl Engine {
         })
     }
 
-    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
-    }
-
     pub(crate) fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
@@ -159,6 +187,9 @@ impl Engine {
             due: AtomicU64::new(NOT_SCHEDULED),
             lost: CancellationToken::new(),
             done: AtomicBool::new(false),
+            auto_renew,
+            turn: Arc::new(AsyncMutex::new(())),
+            lease_changed: Notify::new(),
         });
         if auto_renew {
             self.schedule_at(&state, sent_ns.saturating_add(ttl.as_nanos() as u64 / 3));
@@ -192,6 +223,103 @@ impl Engine {
         if old != NOT_SCHEDULED {
             let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
             map.remove(&(old, state.id));
+        }
+    }
+
+    /// Runs one backend command under the command timeout; a timeout is
+    /// [`LockError::Unavailable`](crate::LockError::Unavailable).
+    pub(crate) async fn with_deadline<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, crate::LockError>>,
+    ) -> Result<T, crate::LockError> {
+        let d = self.command_timeout;
+        match tokio::time::timeout(d, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(crate::LockError::unavailable(
+                format!(
+                    "{} backend: {what} timed out after {d:?}",
+                    self.backend.name()
+                ),
+                None,
+            )),
+        }
+    }
+
+    /// Whether `state`'s lock is held as far as this process can tell: not reported lost and
+    /// the local lease has not run out.
+    pub(crate) fn is_held(&self, state: &GuardState) -> bool {
+        !state.lost.is_cancelled() && self.now_ns() < state.lease_end_ns()
+    }
+
+    /// Resolves when `state`'s lock is lost: reported lost, or its local lease ran out (the
+    /// timer follows the lease end when an extend moves it, earlier or later). Cancel-safe.
+    pub(crate) async fn wait_lost(&self, state: &GuardState) {
+        loop {
+            let changed = state.lease_changed.notified();
+            tokio::pin!(changed);
+            // Registered before the lease end is read: a change after the read wakes us.
+            changed.as_mut().enable();
+            let end = state.lease_end_ns();
+            tokio::select! {
+                _ = state.lost.cancelled() => return,
+                _ = &mut changed => {}
+                _ = tokio::time::sleep_until(self.instant_at(end).into()) => {
+                    if self.now_ns() >= state.lease_end_ns() {
+                        state.mark_lost("the local lease ran out");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sets `state`'s lease to `ttl` from now on the backend (owner-checked) and makes `ttl`
+    /// the lease the watchdog renews from now on; waits for a renewal of this guard that is
+    /// already on its way. `deadline` wraps the backend call. Cancel-safe: a dropped extend is
+    /// treated like one whose outcome is unknown.
+    pub(crate) async fn extend(
+        self: &Arc<Self>,
+        state: &Arc<GuardState>,
+        ttl: Duration,
+    ) -> Result<(), crate::LockError> {
+        let _turn = state.turn.lock().await;
+        if state.lost.is_cancelled() {
+            return Err(crate::LockError::lost(state.resource.key().as_str()));
+        }
+        let sent = self.now_ns();
+        let margin = self.backend.lease_margin(ttl);
+        // Until the answer is in, the outcome is unknown (also if this future is dropped).
+        let mut pending = ExtendInFlight {
+            engine: self,
+            state,
+            sent,
+            ttl,
+            margin,
+            armed: true,
+        };
+        let res = self
+            .with_deadline(
+                "extend",
+                self.backend.extend(&state.resource, &state.token, ttl),
+            )
+            .await;
+        match res {
+            Ok(true) => {
+                pending.armed = false;
+                state.renewed(sent, ttl, margin);
+                if state.auto_renew {
+                    self.schedule_at(state, sent.saturating_add(ttl.as_nanos() as u64 / 3));
+                }
+                Ok(())
+            }
+            Ok(false) => {
+                pending.armed = false;
+                state.mark_lost("extend found another owner");
+                Err(crate::LockError::lost(state.resource.key().as_str()))
+            }
+            // `pending` settles the unknown outcome on drop.
+            Err(e) => Err(e),
         }
     }
 
@@ -282,10 +410,16 @@ impl Engine {
         let now = self.now_ns();
         let mut live = Vec::with_capacity(batch.len());
         let mut items = Vec::with_capacity(batch.len());
+        let mut turns: Vec<OwnedMutexGuard<()>> = Vec::with_capacity(batch.len());
         for g in batch {
             if g.done.load(Ordering::Acquire) {
                 continue;
             }
+            // An extend of this guard is on its way: it sets the lease and reschedules the
+            // renewal itself, so this batch leaves the guard alone.
+            let Ok(turn) = g.turn.clone().try_lock_owned() else {
+                continue;
+            };
             if now >= g.lease_end_ns() {
                 g.mark_lost("lease ran out before it could be renewed");
                 continue;
@@ -296,6 +430,7 @@ impl Engine {
                 ttl: g.ttl(),
             });
             live.push(g);
+            turns.push(turn);
         }
         if items.is_empty() {
             return;
@@ -330,6 +465,34 @@ impl Engine {
                     }
                 }
             }
+        }
+        // Only now may an extend of these guards go ahead.
+        drop(turns);
+    }
+}
+
+/// An extend whose answer is not in yet. Dropped armed (error, timeout, or the extend future
+/// dropped), it records the unknown outcome and has the watchdog renew soon, with the new TTL.
+struct ExtendInFlight<'a> {
+    engine: &'a Arc<Engine>,
+    state: &'a Arc<GuardState>,
+    sent: u64,
+    ttl: Duration,
+    margin: Duration,
+    armed: bool,
+}
+
+impl Drop for ExtendInFlight<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let state = self.state;
+        state.extend_unknown(self.sent, self.ttl, self.margin);
+        if state.auto_renew {
+            let retry = (self.ttl.as_nanos() as u64 / 10).max(10_000_000);
+            let due = (self.engine.now_ns() + retry).min(state.lease_end_ns());
+            self.engine.schedule_at(state, due);
         }
     }
 }
@@ -405,5 +568,126 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
         tracing::trace!(op, error = %error, "dlock background release failed; retrying");
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::backend::{AcquireArgs, Attempt, BoxFuture, MemoryBackend, Watch};
+    use crate::{LockError, Locker};
+
+    /// The memory backend, with the watchdog's batches held at a gate (after signalling that
+    /// one arrived, and signalling again once it was applied), and a log of every lease length
+    /// in the order the store applied it.
+    struct GatedRenewals {
+        inner: MemoryBackend,
+        arrived: Arc<Notify>,
+        gate: Arc<Notify>,
+        applied_batch: Arc<Notify>,
+        applied: Arc<Mutex<Vec<Duration>>>,
+    }
+
+    impl Backend for GatedRenewals {
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+        fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+            self.inner.acquire(a)
+        }
+        fn release<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(r, t)
+        }
+        fn extend<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            Box::pin(async move {
+                let out = self.inner.extend(r, t, ttl).await;
+                self.applied.lock().unwrap().push(ttl);
+                out
+            })
+        }
+        fn extend_many<'a>(
+            &'a self,
+            items: &'a [ExtendItem],
+        ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+            Box::pin(async move {
+                self.arrived.notify_one();
+                self.gate.notified().await;
+                let mut out = Vec::new();
+                for i in items {
+                    out.push(self.extend(&i.resource, &i.token, i.ttl).await);
+                }
+                self.applied_batch.notify_one();
+                out
+            })
+        }
+        fn abandon<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(r, t)
+        }
+        fn watch<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<Watch, LockError>> {
+            self.inner.watch(r, t)
+        }
+    }
+
+    /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not
+    /// overwrite it: the extend waits for the batch, and every lease applied after the extend
+    /// returned is the extended one.
+    #[tokio::test(flavor = "current_thread")]
+    async fn watchdog_batch_in_flight_cannot_overwrite_an_extend() {
+        let (arrived, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let applied_batch = Arc::new(Notify::new());
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(GatedRenewals {
+                inner: MemoryBackend::new(),
+                arrived: arrived.clone(),
+                gate: gate.clone(),
+                applied_batch: applied_batch.clone(),
+                applied: applied.clone(),
+            });
+        let short = Duration::from_millis(600);
+        let long = Duration::from_secs(30);
+        let guard = Arc::new(locker.lock("race").ttl(short).acquire().await.unwrap());
+        // The watchdog's first batch (due at TTL/3) is now on its way with the old TTL.
+        arrived.notified().await;
+        let extend = tokio::spawn({
+            let guard = guard.clone();
+            async move { guard.extend(long).await }
+        });
+        // On this single-threaded runtime, let the extend run as far as it can: an in-memory
+        // extend needs no I/O, so unless something holds it back it has landed by now.
+        for _ in 0..32 {
+            tokio::task::yield_now().await;
+        }
+        gate.notify_one();
+        applied_batch.notified().await;
+        extend.await.unwrap().unwrap();
+        let log = applied.lock().unwrap().clone();
+        assert_eq!(
+            log.last(),
+            Some(&long),
+            "a renewal with the old TTL landed after the extend: {log:?}"
+        );
+        assert!(guard.remaining() > short, "{:?}", guard.remaining());
+        assert_eq!(guard.state.ttl(), long, "the watchdog renews the new TTL");
     }
 }

@@ -23,7 +23,7 @@ use crate::{LockError, LockInfo, Locker};
 ///   never releases the new owner's lock. With no tokio runtime alive, the TTL ends the lock.
 #[must_use = "the lock is released when the guard is dropped"]
 pub struct LockGuard {
-    state: Arc<GuardState>,
+    pub(crate) state: Arc<GuardState>,
     locker: Locker,
     /// The release was sent and answered; drop has nothing left to do.
     released: bool,
@@ -81,9 +81,9 @@ impl LockGuard {
     }
 
     /// Whether the lock is still held as far as this process can tell: not reported lost and
-    /// the local lease (last successful renewal + TTL) has not run out.
+    /// the local lease (last successful renewal or extend + TTL) has not run out.
     pub fn is_held(&self) -> bool {
-        !self.state.lost.is_cancelled() && self.locker.engine().now_ns() < self.state.lease_end_ns()
+        self.locker.engine().is_held(&self.state)
     }
 
     /// The time left on the local lease.
@@ -94,49 +94,28 @@ impl LockGuard {
 
     /// Sets the lease to `ttl` from now (owner-checked), and makes `ttl` the lease the watchdog
     /// renews from now on. Fails with [`LockError::Lost`] if the lock is no longer ours.
+    ///
+    /// `ttl` may be shorter than the current lease: after `extend` returns, the backend's
+    /// expiry, the local lease ([`is_held`](LockGuard::is_held), [`remaining`](LockGuard::remaining),
+    /// [`lost`](LockGuard::lost)) and the watchdog's next renewal (due `ttl / 3` later) all
+    /// follow `ttl`. A watchdog renewal of this lock already on its way is waited for first, so
+    /// it can never overwrite the new lease. If the backend does not answer
+    /// ([`LockError::Unavailable`]), or this future is dropped before it answered, the new lease
+    /// may or may not be in place: the local lease then ends at the earlier of the old and the
+    /// new one, and the watchdog (if on) retries soon with `ttl`.
     pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
         crate::locker::validate_ttl(ttl)?;
-        let engine = self.locker.engine();
-        let sent = engine.now_ns();
-        let backend = self.locker.backend();
-        let res = self.locker.with_deadline("extend", async {
-            backend
-                .extend(&self.state.resource, &self.state.token, ttl)
-                .await
-        });
-        match res
+        self.locker
+            .engine()
+            .extend(&self.state, ttl)
             .instrument(tracing::debug_span!("dlock.extend", key = %self.key()))
             .await
-        {
-            Ok(true) => {
-                self.state
-                    .renewed(sent, ttl, engine.backend().lease_margin(ttl));
-                Ok(())
-            }
-            Ok(false) => {
-                self.state.mark_lost("extend found another owner");
-                Err(LockError::lost(self.key()))
-            }
-            Err(e) => Err(e),
-        }
     }
 
     /// Resolves when the lock is lost (see the type docs). Never resolves while the lock is
     /// held. Cancel-safe; may be called any number of times.
     pub async fn lost(&self) {
-        let engine = self.locker.engine();
-        loop {
-            let end = self.state.lease_end_ns();
-            tokio::select! {
-                _ = self.state.lost.cancelled() => return,
-                _ = tokio::time::sleep_until(engine.instant_at(end).into()) => {
-                    if engine.now_ns() >= self.state.lease_end_ns() {
-                        self.state.mark_lost("the local lease ran out");
-                        return;
-                    }
-                }
-            }
-        }
+        self.locker.engine().wait_lost(&self.state).await
     }
 
     /// Releases the lock. `Ok(())` when it was still ours; [`LockError::Lost`] when it had

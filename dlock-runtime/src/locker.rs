@@ -216,17 +216,7 @@ impl Locker {
         what: &str,
         fut: impl Future<Output = Result<T, LockError>>,
     ) -> Result<T, LockError> {
-        let d = self.inner.config.command_timeout;
-        match tokio::time::timeout(d, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(LockError::unavailable(
-                format!(
-                    "{} backend: {what} timed out after {d:?}",
-                    self.inner.backend.name()
-                ),
-                None,
-            )),
-        }
+        self.inner.engine.with_deadline(what, fut).await
     }
 
     fn make_guard(

@@ -571,6 +571,70 @@ pub async fn cancelled_acquires_leave_no_lock(store: &Store) {
     );
 }
 
+/// `extend` to a shorter lease is followed locally as well as by the backend: without renewal,
+/// the guard stops claiming the lock when the new lease ends (`remaining`, `is_held`, `lost`),
+/// and another owner can then take it.
+pub async fn extend_can_shorten_the_lease(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("shorten");
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .auto_renew(false)
+        .acquire()
+        .await
+        .expect("acquire");
+    let short = Duration::from_millis(300);
+    g.extend(short).await.expect("extend");
+    assert!(
+        g.remaining() <= short,
+        "{}: local lease not shortened: {:?} left",
+        store.name,
+        g.remaining()
+    );
+    tokio::time::timeout(Duration::from_secs(3), g.lost())
+        .await
+        .unwrap_or_else(|_| panic!("{}: lost() pending past the shortened lease", store.name));
+    assert!(!g.is_held(), "{}", store.name);
+    free_within(&b, &key, Duration::from_secs(5)).await;
+}
+
+/// With the watchdog on, `extend` to a shorter lease reschedules renewal to the new TTL: the
+/// lock stays held through many of the new leases, and the local lease never claims more
+/// than the new TTL.
+pub async fn extend_reschedules_the_watchdog(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("reschedule");
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("acquire");
+    let short = Duration::from_millis(400);
+    g.extend(short).await.expect("extend");
+    let start = Instant::now();
+    while start.elapsed() < short * 6 {
+        assert!(
+            b.lock(&key).try_acquire().await.unwrap().is_none(),
+            "{}: lock lapsed at {:?}: the watchdog kept the old schedule",
+            store.name,
+            start.elapsed()
+        );
+        assert!(g.is_held(), "{}", store.name);
+        assert!(
+            g.remaining() <= short,
+            "{}: {:?}",
+            store.name,
+            g.remaining()
+        );
+        tokio::time::sleep(short / 4).await;
+    }
+    g.release()
+        .await
+        .expect("still ours after 6 shortened leases");
+}
+
 /// Runs every check.
 pub async fn run_all(store: &Store) {
     mutual_exclusion(store).await;
@@ -585,6 +649,8 @@ pub async fn run_all(store: &Store) {
     drop_releases(store).await;
     reject_and_timeout_errors(store).await;
     cancelled_acquires_leave_no_lock(store).await;
+    extend_can_shorten_the_lease(store).await;
+    extend_reschedules_the_watchdog(store).await;
 }
 
 /// Generates one `#[tokio::test]` per conformance check. `$make` is a function returning
@@ -612,6 +678,8 @@ macro_rules! conformance_tests {
             drop_releases,
             reject_and_timeout_errors,
             cancelled_acquires_leave_no_lock,
+            extend_can_shorten_the_lease,
+            extend_reschedules_the_watchdog,
         );
     };
     (@each $make:path; $($check:ident),* $(,)?) => {
