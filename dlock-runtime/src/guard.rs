@@ -120,7 +120,10 @@ impl LockGuard {
 
     /// Releases the lock. `Ok(())` when it was still ours; [`LockError::Lost`] when it had
     /// expired (and maybe been taken by another owner, whose lock is left alone);
-    /// [`LockError::Unavailable`] when the backend did not answer (the TTL then ends it).
+    /// [`LockError::Unavailable`] when the backend did not answer in time. In that case the
+    /// release is not given up: it is handed to the locker's background task, which retries
+    /// it (owner-checked) until it lands or the lease has run out, so the key frees as soon as
+    /// the backend is back rather than at the end of the TTL.
     ///
     /// Cancel-safe: if this future is dropped before the backend answered, the release is
     /// handed to the background task as on drop.
@@ -138,9 +141,19 @@ impl LockGuard {
             })
             .instrument(tracing::debug_span!("dlock.release", key = %self.key()))
             .await;
-        // Answered (or timed out): the drop below must not release again.
+        // Answered, or handed to the background below: the drop must not release again.
         self.released = true;
-        self.state.settle_release(res?)
+        match res {
+            Ok(still_ours) => self.state.settle_release(still_ours),
+            Err(e) => {
+                self.locker.engine().release_later(
+                    self.state.resource.clone(),
+                    self.state.token.clone(),
+                    self.state.ttl(),
+                );
+                Err(e)
+            }
+        }
     }
 }
 

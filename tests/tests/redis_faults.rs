@@ -272,3 +272,42 @@ async fn waiter_cut_off_by_an_outage_leaves_the_queue_when_the_server_is_back() 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// `release()` during an outage returns the error and is not given up: once the server
+/// answers again, the background task finishes it, long before the lease would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_during_an_outage_is_finished_once_the_server_is_back() {
+    let mut server = RedisServer::start();
+    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let other = fast_fail().connect(&server.url()).await.unwrap();
+    let key = "fault:release-outage";
+    let guard = locker
+        .lock(key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+
+    server.pause();
+    let err = guard.release().await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    server.resume();
+
+    let resumed = Instant::now();
+    loop {
+        match other.lock(key).try_acquire().await {
+            Ok(Some(g)) => {
+                g.release().await.unwrap();
+                break;
+            }
+            Ok(None) => {}
+            Err(e) => assert!(e.is_unavailable(), "{e}"),
+        }
+        assert!(
+            resumed.elapsed() < Duration::from_secs(5),
+            "the key is still held {:?} after the server came back (30 s TTL)",
+            resumed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
