@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{Locker, OnFail};
+use dlock_runtime::{Locker, OnFail, RetryPolicy};
 use dlock_tests::RedisServer;
 use redis::AsyncCommands;
 
@@ -310,4 +310,76 @@ async fn release_during_an_outage_is_finished_once_the_server_is_back() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Release notifications published while the connection was down are missed; after the
+/// reconnect every local waiter re-checks at once instead of sleeping out its fallback timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_recheck_after_a_reconnect() {
+    let mut server = RedisServer::start();
+    let slow = || {
+        fast_fail()
+            .waiter_ttl(Duration::from_secs(60))
+            .command_timeout(Duration::from_millis(500))
+    };
+    let holder = slow().connect(&server.url()).await.unwrap();
+    let waiter = slow().connect(&server.url()).await.unwrap();
+    let counter = waiter.clone();
+    let key = "fault:reconnect-wake";
+    let held = holder
+        .lock(key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let evalsha_before = evalsha_calls(&server).await;
+    // Fallback timer 20 s (no jitter) and a 60 s lease, so the waiter's queue refresh is 20 s
+    // too: only a wake-up can make this quick.
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false);
+    let wait = tokio::spawn(async move {
+        waiter
+            .lock(key)
+            .ttl(Duration::from_secs(60))
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    // Before the outage: queued, subscribed (counted in `waiting`), and done with the attempt
+    // that follows the subscription (its second acquire script call), so it is asleep.
+    let start = Instant::now();
+    while counter.waiting() == 0 || evalsha_calls(&server).await < evalsha_before + 2 {
+        assert!(start.elapsed() < Duration::from_secs(5), "never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    std::mem::forget(held); // the server's restart takes the lock away
+    server.restart();
+    let restarted = Instant::now();
+    let guard = tokio::time::timeout(Duration::from_secs(8), wait)
+        .await
+        .expect("the waiter slept through the reconnect")
+        .unwrap()
+        .unwrap();
+    assert!(
+        restarted.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        restarted.elapsed()
+    );
+    guard.release().await.unwrap();
+}
+
+/// How many script calls (`EVALSHA`) the server has run.
+async fn evalsha_calls(server: &RedisServer) -> u64 {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
 }

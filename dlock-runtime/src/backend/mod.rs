@@ -389,8 +389,8 @@ impl ReleaseHub {
         }
     }
 
-    /// Wakes every local waiter (used after a reconnect, when notifications may have been
-    /// missed: each waiter re-checks once).
+    /// Wakes every local waiter once, to re-check the lock. The Redis backend calls it when its
+    /// connection is back after an outage, during which release notifications were missed.
     pub fn notify_all(&self) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         for list in keys.values() {

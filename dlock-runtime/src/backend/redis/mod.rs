@@ -8,13 +8,16 @@
 //!   waiter's token on the lock's channel, so exactly that waiter retries at once.
 //! * Notifications arrive as RESP3 pushes on the same connection; subscriptions are per lock,
 //!   made when the first local waiter of that lock appears and dropped with the last one, and
-//!   re-established automatically after a reconnect.
+//!   re-established automatically after a reconnect. Releases published while the connection
+//!   was down are missed, so once it is back (and resubscribed) every local waiter is woken to
+//!   re-check once instead of sleeping out its fallback timer.
 //! * The connection reconnects on its own (redis-rs `ConnectionManager`); every command has a
 //!   deadline ([`RedisOptions::command_timeout`]), so a hung server turns into
 //!   [`LockError::Unavailable`] instead of a hung handler.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -106,6 +109,8 @@ struct Inner {
     extend: Script,
     raise_fence: Script,
     opts: RedisOptions,
+    /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
+    recovering: AtomicBool,
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
@@ -147,20 +152,23 @@ impl RedisBackend {
         let client = redis::Client::open(info).map_err(|e| redis_err("client", e))?;
 
         let push_hub = Arc::downgrade(&hub);
+        // The push handler needs the backend, which needs the connection made with the handler.
+        let me: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
+        let push_me = me.clone();
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(opts.connect_timeout))
             .set_response_timeout(Some(opts.command_timeout))
             .set_number_of_retries(2)
             .set_max_delay(opts.connect_timeout)
             .set_push_sender(move |push: PushInfo| {
-                on_push(&push_hub, push);
+                on_push(&push_hub, &push_me, push);
                 Ok::<(), redis::aio::SendError>(())
             })
             .set_automatic_resubscription();
         let conn = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| redis_err("connect", e))?;
 
-        Ok(RedisBackend {
+        let backend = RedisBackend {
             inner: Arc::new(Inner {
                 conn,
                 hub,
@@ -171,8 +179,11 @@ impl RedisBackend {
                 extend: scripts::extend(),
                 raise_fence: scripts::raise_fence(),
                 opts,
+                recovering: AtomicBool::new(false),
             }),
-        })
+        };
+        let _ = me.set(Arc::downgrade(&backend.inner));
+        Ok(backend)
     }
 
     /// Round trip to the server (connects first if needed).
@@ -283,7 +294,34 @@ impl RedisBackend {
     }
 }
 
-fn on_push(hub: &Weak<ReleaseHub>, push: PushInfo) {
+/// Drives the reconnect (a `PING` through the connection manager, which resubscribes before
+/// it answers) while local waiters exist, then wakes every one of them to re-check the lock:
+/// a release published while the connection was down never reached them.
+async fn wake_after_reconnect(inner: Weak<Inner>) {
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(me) = inner.upgrade() else { return };
+        if me.hub.watched() == 0 {
+            me.recovering.store(false, Ordering::Release);
+            return;
+        }
+        let mut conn = me.conn.clone();
+        let ping = redis::cmd("PING");
+        let answer =
+            tokio::time::timeout(me.opts.command_timeout, ping.query_async::<()>(&mut conn));
+        if let Ok(Ok(())) = answer.await {
+            me.recovering.store(false, Ordering::Release);
+            me.hub.notify_all();
+            tracing::debug!("redis connection back; local waiters woken to re-check");
+            return;
+        }
+        drop(me);
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
         PushKind::Message => {
@@ -307,9 +345,22 @@ fn on_push(hub: &Weak<ReleaseHub>, push: PushInfo) {
             hub.notify(resource, next);
         }
         PushKind::Disconnection => {
-            tracing::warn!(
-                "redis connection lost; waiters fall back to their timers until it is back"
-            );
+            tracing::warn!("redis connection lost; waiters re-check once it is back");
+            if hub.watched() == 0 {
+                return;
+            }
+            let Some(inner) = me.get().and_then(Weak::upgrade) else {
+                return;
+            };
+            if inner.recovering.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(wake_after_reconnect(Arc::downgrade(&inner)));
+                }
+                Err(_) => inner.recovering.store(false, Ordering::Release),
+            }
         }
         _ => {}
     }
