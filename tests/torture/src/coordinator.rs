@@ -788,7 +788,18 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     let locks_left = sum(|r| r.locks_left);
     let crashes = sum(|r| r.worker_crashes);
     let cs = sum(|r| r.cs);
+    let client = |k: &str| -> u64 {
+        reports
+            .iter()
+            .map(|r| r.client.get(k).copied().unwrap_or(0))
+            .sum()
+    };
+    let extends = client("extend_shorter") + client("extend_longer");
+    let failed_releases = client("release_err");
     let mut why = errors;
+    if cs > 0 && (client("extend_shorter") == 0 || client("extend_longer") == 0) {
+        why.push("the workers never shortened and lengthened a lease with extend".to_owned());
+    }
     if stale > 0 {
         why.push(format!("{stale} stale write(s) accepted"));
     }
@@ -820,7 +831,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
          would_be_lost_updates={} stale_writes_accepted={stale} token_reuse={reuse} \
          value_mismatch={mismatch} locks_left={locks_left} \
          max_stall_ms={max_stall} stall_bound_ms={bound} max_gap_ms={max_gap} faults={} \
-         worker_crashes={crashes} \
+         worker_crashes={crashes} extends={extends} failed_releases={failed_releases} \
          elapsed_s={}",
         cfg.mode,
         cfg.seed,

@@ -7,7 +7,10 @@
 //! 1. `acquire` the lock (fair wait, bounded);
 //! 2. fenced **read** of the counter with the guard's fencing token;
 //! 3. "work" for a few ms, racing `guard.lost()` — if the lock is reported lost, stop here
-//!    (outcome `abort`, nothing written);
+//!    (outcome `abort`, nothing written). In one section of four the work also changes the
+//!    lease with `extend`: shortens it (to 30–80 % of the TTL), or shortens it and then
+//!    lengthens it back to the full TTL — never beyond, so the liveness bound still holds. A
+//!    failed extend is treated like a loss (outcome `abort`);
 //! 4. check `guard.is_held()` one last time (outcome `abort` if not);
 //! 5. the **commit window**: the write is on its way to the resource (a few ms, modelling
 //!    serialisation and the network). Nothing can check the lock any more: a process frozen
@@ -15,7 +18,8 @@
 //!    The worker tells the resource it entered this phase, so the coordinator can freeze it
 //!    exactly here;
 //! 6. fenced **write** of `read + 1` (outcome `ok`, or `fenced` when refused);
-//! 7. `release`.
+//! 7. `release` — which, when a fault cuts the connection at that moment, fails and is then
+//!    finished by the locker's background task; `locks_left` checks that none is leaked.
 //!
 //! The worker stops when its stdin closes (the coordinator's signal, and also what happens if
 //! the coordinator dies), finishing or cancelling what is in flight, then prints one line of
@@ -139,6 +143,9 @@ struct Stats {
     release_lost: AtomicU64,
     release_err: AtomicU64,
     resource_err: AtomicU64,
+    extend_shorter: AtomicU64,
+    extend_longer: AtomicU64,
+    extend_failed: AtomicU64,
     /// Acquire error messages (digits stripped) and how often each was seen.
     errors: std::sync::Mutex<BTreeMap<String, u64>>,
 }
@@ -149,7 +156,7 @@ impl Stats {
         format!(
             "worker id={id} acquired={} cs={} fenced_reads={} fenced_writes={} lost_aborts={} \
              acquire_unavailable={} acquire_timeout={} acquire_other={} release_lost={} \
-             release_err={} resource_err={}",
+             release_err={} resource_err={} extend_shorter={} extend_longer={} extend_failed={}",
             g(&self.acquired),
             g(&self.cs_ok),
             g(&self.fenced_reads),
@@ -161,6 +168,9 @@ impl Stats {
             g(&self.release_lost),
             g(&self.release_err),
             g(&self.resource_err),
+            g(&self.extend_shorter),
+            g(&self.extend_longer),
+            g(&self.extend_failed),
         )
     }
 }
@@ -343,13 +353,15 @@ impl Task {
                 }
             };
 
-            // Work, watching for loss like a careful user.
+            // Work, watching for loss like a careful user; sometimes changing the lease.
             let work = self.rng.millis(self.cfg.work_ms.0, self.cfg.work_ms.1);
-            let lost = tokio::select! {
-                biased;
-                _ = guard.lost() => true,
-                _ = tokio::time::sleep(work) => false,
-            };
+            let lease_ok = change_lease(&mut self.rng, &self.stats, &guard, ttl).await;
+            let lost = !lease_ok
+                || tokio::select! {
+                    biased;
+                    _ = guard.lost() => true,
+                    _ = tokio::time::sleep(work) => false,
+                };
             if lost || !guard.is_held() {
                 self.stats.lost_aborts.fetch_add(1, Ordering::Relaxed);
                 self.end(&key, token, "abort").await;
@@ -408,6 +420,43 @@ impl Task {
             }
         }
     }
+}
+
+/// In one section of four: `extend` to a shorter lease (30–80 % of `ttl`), and in half of
+/// those then back to `ttl`. The lease never exceeds `ttl`, so the liveness bound holds.
+/// `false` when an extend failed (lost, or the backend did not answer): the section must
+/// not write.
+async fn change_lease(
+    rng: &mut Rng,
+    stats: &Stats,
+    guard: &dlock_runtime::LockGuard,
+    ttl: Duration,
+) -> bool {
+    if rng.below(4) != 0 {
+        return true;
+    }
+    let ttl_ms = ttl.as_millis() as u64;
+    let shorter = rng.millis(ttl_ms * 3 / 10, ttl_ms * 8 / 10);
+    let lengthen = rng.below(2) == 0;
+    if guard.extend(shorter).await.is_err() {
+        stats.extend_failed.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    stats.extend_shorter.fetch_add(1, Ordering::Relaxed);
+    // The guard must follow the shorter lease at once (a worker that panics fails the run).
+    assert!(
+        guard.remaining() <= shorter,
+        "after extend({shorter:?}) the guard claims {:?}",
+        guard.remaining()
+    );
+    if lengthen {
+        if guard.extend(ttl).await.is_err() {
+            stats.extend_failed.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        stats.extend_longer.fetch_add(1, Ordering::Relaxed);
+    }
+    true
 }
 
 /// Parses a worker's stats line into counters.
