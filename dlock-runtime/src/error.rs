@@ -15,6 +15,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | [`Timeout`](LockError::Timeout) | waited until the deadline, still held by someone else | 409 + `Retry-After` |
 /// | [`Deferred`](LockError::Deferred) | the work was queued to run when the lock frees | 202 |
 /// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time or refused | 503 + `Retry-After` |
+/// | [`QueueFull`](LockError::QueueFull) | the lock was busy and the defer queue is at its bound | 503 + `Retry-After` |
 /// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
 /// | [`Lost`](LockError::Lost) | the lock expired or was taken over while held | 503 |
@@ -68,6 +69,19 @@ pub enum LockError {
         /// The underlying error, if any.
         #[source]
         source: Option<BoxError>,
+    },
+    /// The lock was busy and the work should have been deferred, but the queue already holds
+    /// its configured maximum of jobs ([`QueueLimits::max_queued`](crate::defer::QueueLimits)).
+    /// Nothing was queued and nothing already queued was dropped: try again later.
+    #[error("lock `{key}` is busy and the defer queue `{queue}` is full")]
+    #[non_exhaustive]
+    QueueFull {
+        /// The logical key.
+        key: String,
+        /// The queue's name (`memory` for the in-process queue).
+        queue: String,
+        /// When to try again (the queue's drain is not predictable; one second by default).
+        retry_after: Duration,
     },
     /// The key is empty, too long or otherwise unusable.
     #[error("invalid lock key: {reason}")]
@@ -132,6 +146,14 @@ impl LockError {
         }
     }
 
+    pub(crate) fn queue_full(key: &str, queue: &str) -> Self {
+        LockError::QueueFull {
+            key: key.to_owned(),
+            queue: queue.to_owned(),
+            retry_after: Duration::from_secs(1),
+        }
+    }
+
     pub(crate) fn lost(key: &str) -> Self {
         LockError::Lost {
             key: key.to_owned(),
@@ -189,6 +211,11 @@ impl LockError {
         matches!(self, LockError::Unavailable { .. })
     }
 
+    /// The defer queue was full ([`QueueFull`](LockError::QueueFull)).
+    pub fn is_queue_full(&self) -> bool {
+        matches!(self, LockError::QueueFull { .. })
+    }
+
     /// The key or TTL was refused before anything was sent.
     pub fn is_invalid(&self) -> bool {
         matches!(
@@ -214,6 +241,7 @@ impl LockError {
             LockError::Contended { retry_after, .. } | LockError::Timeout { retry_after, .. } => {
                 *retry_after
             }
+            LockError::QueueFull { retry_after, .. } => Some(*retry_after),
             LockError::Unavailable { .. } | LockError::Lost { .. } => Some(Duration::from_secs(1)),
             _ => None,
         }
@@ -224,7 +252,9 @@ impl LockError {
         match self {
             LockError::Contended { .. } | LockError::Timeout { .. } => 409,
             LockError::Deferred { .. } => 202,
-            LockError::Unavailable { .. } | LockError::Lost { .. } => 503,
+            LockError::Unavailable { .. }
+            | LockError::Lost { .. }
+            | LockError::QueueFull { .. } => 503,
             LockError::InvalidKey { .. } => 400,
             LockError::InvalidTtl { .. } | LockError::NoLocker => 500,
         }
@@ -275,6 +305,7 @@ impl LockError {
             LockError::Timeout { .. } => ("lock-timeout", "Conflict"),
             LockError::Unavailable { .. } => ("lock-backend-unavailable", "Service Unavailable"),
             LockError::Lost { .. } => ("lock-lost", "Service Unavailable"),
+            LockError::QueueFull { .. } => ("defer-queue-full", "Service Unavailable"),
             LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
             LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
@@ -292,6 +323,10 @@ impl LockError {
             }
             LockError::Unavailable { .. } => "the lock service is unavailable".to_owned(),
             LockError::Lost { .. } => "the lock was lost while the request ran".to_owned(),
+            LockError::QueueFull { .. } => {
+                "the resource is busy and the queue for deferred work is full; try again later"
+                    .to_owned()
+            }
             LockError::InvalidKey { reason } => format!("invalid lock key: {reason}"),
             LockError::InvalidTtl { .. } | LockError::NoLocker => {
                 "the lock is misconfigured on the server".to_owned()
@@ -414,6 +449,13 @@ mod tests {
         assert_eq!(LockError::unavailable("down", None).status(), 503);
         assert_eq!(LockError::invalid_key("empty").status(), 400);
         assert_eq!(LockError::NoLocker.status(), 500);
+        let full = LockError::queue_full("k", "memory");
+        assert_eq!(full.status(), 503);
+        assert_eq!(full.retry_after_secs(), Some(1));
+        assert!(full.is_queue_full() && !full.is_unavailable());
+        assert!(full
+            .problem_json()
+            .starts_with("{\"type\":\"urn:dlock:problem:defer-queue-full\""));
         let deferred = LockError::Deferred {
             key: "k".into(),
             job_id: "j1".into(),

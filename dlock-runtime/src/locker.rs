@@ -73,6 +73,7 @@ struct Config {
     default_ttl: Duration,
     waiter_ttl: Duration,
     on_fail: OnFail,
+    defer_limits: crate::defer::QueueLimits,
 }
 
 impl Default for Config {
@@ -83,6 +84,7 @@ impl Default for Config {
             default_ttl: Duration::from_secs(30),
             waiter_ttl: Duration::from_secs(5),
             on_fail: OnFail::Reject,
+            defer_limits: crate::defer::QueueLimits::default(),
         }
     }
 }
@@ -286,6 +288,13 @@ impl LockerBuilder {
         self
     }
 
+    /// The bounds of the locker's in-process [`DeferQueue`](crate::defer::DeferQueue): how many
+    /// jobs may wait, and how long and how many dead letters are kept.
+    pub fn defer_limits(mut self, limits: crate::defer::QueueLimits) -> Self {
+        self.config.defer_limits = limits;
+        self
+    }
+
     /// Builds a locker over `backend`.
     ///
     /// # Panics
@@ -304,6 +313,7 @@ impl LockerBuilder {
         }
         let backend: Arc<dyn Backend> = Arc::new(backend);
         let engine = Engine::new(backend.clone(), self.config.command_timeout);
+        let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone());
         Ok(Locker {
             inner: Arc::new(Inner {
                 id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
@@ -311,7 +321,7 @@ impl LockerBuilder {
                 engine,
                 config: self.config,
                 waiting: AtomicUsize::new(0),
-                defer: crate::defer::DeferQueue::new(),
+                defer,
             }),
         })
     }

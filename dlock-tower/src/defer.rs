@@ -27,9 +27,16 @@
 //! twice if its worker dies mid-request, so the handler should fence its writes with the
 //! [`LockInfo`](dlock_runtime::LockInfo) it finds in the request extensions.
 //!
-//! Stored requests include their `Authorization` and `Cookie` headers (the replay usually needs
-//! them), in your Redis, for as long as the job lives; list headers that must not be stored with
-//! [`DeferLayer::exclude_header`].
+//! Credentials are not stored by default: `Authorization`, `Cookie` and `Proxy-Authorization`
+//! are left out of the stored request (so the replay runs without them) unless you opt a header
+//! in by name with [`DeferLayer::store_header`] — it then sits in your Redis for as long as the
+//! job lives (a dead letter for the queue's dead-letter retention, 7 days by default). List
+//! other headers that must not be stored with [`DeferLayer::exclude_header`].
+//!
+//! The queue is bounded ([`QueueLimits::max_queued`](dlock_runtime::defer::QueueLimits)): when it
+//! is full, a busy request gets `503 Service Unavailable` with `Retry-After` (problem type
+//! `urn:dlock:problem:defer-queue-full`) and nothing already queued is lost. A stored request
+//! that cannot be rebuilt (corrupt data) is dead-lettered at once with the reason.
 
 use std::fmt;
 use std::future::Future;
@@ -42,6 +49,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dlock_runtime::defer::{
     DeferPolicy, DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus,
+    PermanentFailure,
 };
 use dlock_runtime::{BoxError, LockError, LockKey, Locker};
 use http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
@@ -54,15 +62,22 @@ use tower_service::Service;
 use crate::key::ExtractKey;
 use crate::Rejection;
 
-const HOP_BY_HOP: [&str; 8] = [
+const HOP_BY_HOP: [&str; 7] = [
     "connection",
     "keep-alive",
     "proxy-authenticate",
-    "proxy-authorization",
     "te",
     "trailer",
     "transfer-encoding",
     "upgrade",
+];
+
+/// Headers that carry credentials: never stored unless opted in with
+/// [`DeferLayer::store_header`].
+const CREDENTIALS: [HeaderName; 3] = [
+    header::AUTHORIZATION,
+    header::COOKIE,
+    header::PROXY_AUTHORIZATION,
 ];
 
 /// Adds [`Defer`] to a service. See the [module docs](self).
@@ -79,6 +94,21 @@ struct Shared {
     status_path: String,
     body_limit: usize,
     excluded: Vec<HeaderName>,
+    stored_credentials: Vec<HeaderName>,
+}
+
+impl Shared {
+    fn stores(&self, name: &HeaderName) -> bool {
+        stores(name, &self.excluded, &self.stored_credentials)
+    }
+}
+
+/// Whether header `name` goes into a stored request: not hop-by-hop, not excluded, and not a
+/// credential unless opted in.
+fn stores(name: &HeaderName, excluded: &[HeaderName], opted_in: &[HeaderName]) -> bool {
+    !HOP_BY_HOP.contains(&name.as_str())
+        && !excluded.contains(name)
+        && (!CREDENTIALS.contains(name) || opted_in.contains(name))
 }
 
 impl<K: Clone> Clone for DeferLayer<K> {
@@ -115,6 +145,7 @@ impl<K> DeferLayer<K> {
                 status_path: "/jobs".to_owned(),
                 body_limit: 1 << 20,
                 excluded: Vec::new(),
+                stored_credentials: Vec::new(),
             }),
         }
     }
@@ -150,6 +181,15 @@ impl<K> DeferLayer<K> {
     /// A request header that is never stored (and so not replayed).
     pub fn exclude_header(mut self, name: HeaderName) -> Self {
         self.shared_mut().excluded.push(name);
+        self
+    }
+
+    /// Stores (and so replays) a credential header that is left out by default:
+    /// `Authorization`, `Cookie` or `Proxy-Authorization`. Its value then sits in the queue's
+    /// Redis for as long as the job lives, dead letters included. Other headers are stored
+    /// anyway; naming one here has no effect.
+    pub fn store_header(mut self, name: HeaderName) -> Self {
+        self.shared_mut().stored_credentials.push(name);
         self
     }
 }
@@ -314,7 +354,7 @@ where
     let headers = parts
         .headers
         .iter()
-        .filter(|(name, _)| !HOP_BY_HOP.contains(&name.as_str()) && !shared.excluded.contains(name))
+        .filter(|(name, _)| shared.stores(name))
         .map(|(name, value)| (name.as_str().to_owned(), hex(value.as_bytes())))
         .collect();
     let job = ReplayRequest {
@@ -362,14 +402,22 @@ pub struct ReplayRequest {
 }
 
 impl ReplayRequest {
-    fn to_request(&self) -> Result<Request<Bytes>, BoxError> {
-        let mut req = Request::new(Bytes::from(unhex(&self.body)?));
-        *req.method_mut() = Method::from_bytes(self.method.as_bytes())?;
-        *req.uri_mut() = self.uri.parse::<Uri>()?;
+    /// Rebuilds the request. Stored data that does not decode is a [`PermanentFailure`]:
+    /// retrying cannot fix it.
+    fn to_request(&self) -> Result<Request<Bytes>, PermanentFailure> {
+        let bad = |what: &str, e: &dyn fmt::Display| {
+            PermanentFailure::new(format!("the stored request's {what} does not decode: {e}"))
+        };
+        let body = unhex(&self.body).map_err(|e| bad("body", &e))?;
+        let mut req = Request::new(Bytes::from(body));
+        *req.method_mut() =
+            Method::from_bytes(self.method.as_bytes()).map_err(|e| bad("method", &e))?;
+        *req.uri_mut() = self.uri.parse::<Uri>().map_err(|e| bad("URI", &e))?;
         for (name, value) in &self.headers {
+            let value = unhex(value).map_err(|e| bad("header value", &e))?;
             req.headers_mut().append(
-                HeaderName::from_bytes(name.as_bytes())?,
-                HeaderValue::from_bytes(&unhex(value)?)?,
+                HeaderName::from_bytes(name.as_bytes()).map_err(|e| bad("header name", &e))?,
+                HeaderValue::from_bytes(&value).map_err(|e| bad("header value", &e))?,
             );
         }
         Ok(req)
@@ -482,13 +530,23 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
-fn unhex(s: &str) -> Result<Vec<u8>, BoxError> {
-    if s.len() % 2 != 0 {
-        return Err("odd hex length".into());
+/// Decodes lowercase or uppercase hex. Works on bytes, so no input can make it panic.
+fn unhex(s: &str) -> Result<Vec<u8>, &'static str> {
+    fn digit(b: u8) -> Result<u8, &'static str> {
+        match b {
+            b'0'..=b'9' => Ok(b - b'0'),
+            b'a'..=b'f' => Ok(b - b'a' + 10),
+            b'A'..=b'F' => Ok(b - b'A' + 10),
+            _ => Err("not a hex digit"),
+        }
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(Into::into))
+    let bytes = s.as_bytes();
+    if bytes.len() % 2 != 0 {
+        return Err("odd hex length");
+    }
+    bytes
+        .chunks_exact(2)
+        .map(|pair| Ok(digit(pair[0])? << 4 | digit(pair[1])?))
         .collect()
 }
 
@@ -502,6 +560,46 @@ mod tests {
         assert_eq!(unhex(&hex(&bytes)).unwrap(), bytes);
         assert!(unhex("abc").is_err());
         assert!(unhex("zz").is_err());
+    }
+
+    #[test]
+    fn corrupt_hex_is_an_error_never_a_panic() {
+        // A multi-byte character across a digit pair used to panic on a str slice.
+        for corrupt in ["aéb", "é0", "0é", "\u{1F600}", "+1", "0x", " 1"] {
+            assert!(unhex(corrupt).is_err(), "{corrupt:?}");
+        }
+        let job = ReplayRequest {
+            key: "k".into(),
+            method: "POST".into(),
+            uri: "/".into(),
+            headers: vec![("x".into(), "aéb".into())],
+            body: String::new(),
+        };
+        let err = job.to_request().unwrap_err();
+        assert!(err.reason().contains("header value"), "{err}");
+    }
+
+    #[test]
+    fn credentials_are_not_stored_unless_opted_in_by_name() {
+        let excluded = [HeaderName::from_static("x-secret")];
+        let none: [HeaderName; 0] = [];
+        for name in [
+            header::AUTHORIZATION,
+            header::COOKIE,
+            header::PROXY_AUTHORIZATION,
+        ] {
+            assert!(!stores(&name, &excluded, &none), "{name} stored by default");
+        }
+        assert!(stores(&header::CONTENT_TYPE, &excluded, &none));
+        assert!(!stores(
+            &HeaderName::from_static("x-secret"),
+            &excluded,
+            &none
+        ));
+        assert!(!stores(&header::CONNECTION, &excluded, &none));
+        let opted = [header::AUTHORIZATION];
+        assert!(stores(&header::AUTHORIZATION, &excluded, &opted));
+        assert!(!stores(&header::COOKIE, &excluded, &opted));
     }
 
     #[test]

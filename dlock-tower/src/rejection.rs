@@ -20,6 +20,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 /// | the key is invalid (oversized, empty, not UTF-8, repeated header) | 400 | `urn:dlock:problem:lock-invalid-key` |
 /// | the key is missing and [`MissingKey::Reject`](crate::MissingKey::Reject) | 400 | `urn:dlock:problem:lock-key-missing` |
 /// | the body is over [`body_digest`](crate::key::body_digest)'s limit | 413 | `urn:dlock:problem:body-too-large` |
+/// | the lock is busy and the defer queue is full ([`LockError::QueueFull`], [`DeferLayer`](crate::DeferLayer)) | 503 + `Retry-After` | `urn:dlock:problem:defer-queue-full` |
 ///
 /// ```
 /// use dlock_tower::Rejection;

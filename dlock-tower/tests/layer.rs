@@ -861,3 +861,179 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     stop.notify_one();
     w.await.unwrap();
 }
+
+/// Deferred requests are stored without credentials unless opted in by name; a full queue
+/// answers 503 + `Retry-After` and keeps what it holds; a stored request that cannot be
+/// rebuilt is dead-lettered at once with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_corrupt_jobs() {
+    use dlock_runtime::defer::{DeferPolicy, DurableQueue, Job, JobContext, JobError, QueueLimits};
+    use dlock_tower::defer::replay_worker;
+    use dlock_tower::DeferLayer;
+    use http::header::{HeaderMap, AUTHORIZATION, COOKIE};
+
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let queue = DurableQueue::connect(&redis.url(), "http-bounded")
+        .await
+        .unwrap()
+        .with_limits(QueueLimits::default().max_queued(1));
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<HeaderMap>();
+    let app = Router::new().route(
+        "/orders",
+        post(move |headers: HeaderMap| {
+            let seen = seen_tx.clone();
+            async move {
+                seen.send(headers).unwrap();
+                StatusCode::CREATED
+            }
+        }),
+    );
+    let layer = |queue: DurableQueue| {
+        DeferLayer::new(locker.clone(), key::header("idempotency-key"), queue).policy(
+            DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50)),
+        )
+    };
+    // Two stacks over one queue: the default, and one that opts `Authorization` in.
+    let served = Router::new()
+        .merge(app.clone().layer(layer(queue.clone())))
+        .route(
+            "/opted-in",
+            post(|| async { StatusCode::CREATED })
+                .layer(layer(queue.clone()).store_header(AUTHORIZATION)),
+        );
+    let (addr, _server) = serve(served).await;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let send = |path: &'static str, key: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .request(
+                    Request::post(format!("http://{addr}{path}"))
+                        .header("idempotency-key", key)
+                        .header(AUTHORIZATION, "Bearer s3cret-token")
+                        .header(COOKIE, "session=s3cret-cookie")
+                        .header("x-trace", "t1")
+                        .body(Full::default())
+                        .unwrap(),
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let stored_payloads = || async {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let jobs: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg("dlock:{jobs:http-bounded}:jobs")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        jobs.into_values().collect::<Vec<_>>().join("\n")
+    };
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+
+    let held = locker
+        .lock("hdr:idempotency-key:k1")
+        .acquire()
+        .await
+        .unwrap();
+    let res = send("/orders", "k1").await;
+    assert_eq!(res.status(), StatusCode::ACCEPTED);
+    let stored = stored_payloads().await;
+    assert!(stored.contains(&hex("t1")), "ordinary headers are stored");
+    assert!(
+        !stored.contains(&hex("s3cret")),
+        "credentials stored: {stored}"
+    );
+
+    // The queue holds one job: the next busy request is refused, and nothing is dropped.
+    let _held2 = locker
+        .lock("hdr:idempotency-key:k2")
+        .acquire()
+        .await
+        .unwrap();
+    let res = send("/orders", "k2").await;
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()[RETRY_AFTER], "1");
+    assert_eq!(res.headers()[CONTENT_TYPE], PROBLEM_JSON);
+    assert!(text(res)
+        .await
+        .contains("urn:dlock:problem:defer-queue-full"));
+    assert_eq!(queue.len().await.unwrap(), 1);
+
+    // The replay runs without the credentials it was not allowed to keep.
+    let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app.clone())
+        .poll_interval(Duration::from_millis(10));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let w = {
+        let (worker, stop) = (worker.clone(), stop.clone());
+        tokio::spawn(async move { worker.run_until(stop.notified()).await })
+    };
+    held.release().await.unwrap();
+    let headers = tokio::time::timeout(HANG, seen_rx.recv())
+        .await
+        .expect("replayed")
+        .unwrap();
+    assert_eq!(headers["x-trace"], "t1");
+    assert!(headers.get(AUTHORIZATION).is_none() && headers.get(COOKIE).is_none());
+    stop.notify_one();
+    w.await.unwrap();
+
+    // Opted in by name: that header (and only that one) is stored.
+    let _held3 = locker
+        .lock("hdr:idempotency-key:k3")
+        .acquire()
+        .await
+        .unwrap();
+    assert_eq!(send("/opted-in", "k3").await.status(), StatusCode::ACCEPTED);
+    let stored = stored_payloads().await;
+    assert!(stored.contains(&hex("Bearer s3cret-token")));
+    assert!(!stored.contains(&hex("session=s3cret-cookie")));
+
+    // A stored request whose hex is corrupt (a multi-byte character across a digit pair):
+    // dead-lettered on its first claim, with the reason, and the worker lives on.
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct CorruptReplay {
+        key: String,
+        method: String,
+        uri: String,
+        headers: Vec<(String, String)>,
+        body: String,
+    }
+    impl Job for CorruptReplay {
+        const NAME: &'static str = "dlock-tower.replay";
+        fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> {
+            dlock_runtime::LockKey::from_encoded(&self.key)
+        }
+        async fn run(self, _: JobContext) -> Result<(), JobError> {
+            unreachable!("the worker decodes it as a ReplayRequest")
+        }
+    }
+    let corrupt_queue = DurableQueue::connect(&redis.url(), "http-corrupt")
+        .await
+        .unwrap();
+    let id = corrupt_queue
+        .enqueue(
+            &CorruptReplay {
+                key: "hdr:idempotency-key:k9".into(),
+                method: "POST".into(),
+                uri: "/orders".into(),
+                headers: vec![],
+                body: "aéb".into(),
+            },
+            &DeferPolicy::new(Duration::from_millis(5), 5),
+            TTL,
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let worker = replay_worker::<_, Body, _>(corrupt_queue.clone(), locker.clone(), app);
+    assert_eq!(worker.run_once().await.unwrap(), 1);
+    let dead = corrupt_queue.dead_letters().await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, id);
+    assert_eq!(dead[0].attempts, 1);
+    let reason = dead[0].reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("body does not decode"), "{reason}");
+}

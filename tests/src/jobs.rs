@@ -1,13 +1,16 @@
-//! A durable job for the defer tests: it records each run in Redis (a separate key space from
-//! the queue's), and can be told to hang on its first attempt, as a worker that is killed
-//! mid-job would.
+//! Durable jobs for the defer tests: they record each run in Redis (a separate key space from
+//! the queue's), and can be told to hang, fail or panic, as the tests need.
+
+use std::time::Duration;
 
 use dlock_runtime::defer::{Job, JobContext, JobError};
 use dlock_runtime::{LockError, LockKey};
+use redis::AsyncCommands as _;
 use serde::{Deserialize, Serialize};
 
-/// Records `started`/`done` for job `id` in the Redis at `record_url`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// Records `started`/`done` (and a run count in the hash `runs`) for job `id` in the Redis at
+/// `record_url`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RecordJob {
     /// Which job.
     pub id: u32,
@@ -17,8 +20,14 @@ pub struct RecordJob {
     pub record_url: String,
     /// Hang forever on attempt 1 (the worker running it is about to be killed).
     pub hang_first: bool,
+    /// Hang forever on every attempt.
+    #[serde(default)]
+    pub hang_always: bool,
     /// Fail (return an error) on every attempt.
     pub always_fail: bool,
+    /// Panic on every attempt.
+    #[serde(default)]
+    pub panic_always: bool,
 }
 
 impl Job for RecordJob {
@@ -29,12 +38,15 @@ impl Job for RecordJob {
     }
 
     async fn run(self, ctx: JobContext) -> Result<(), JobError> {
-        use redis::AsyncCommands as _;
         let client = redis::Client::open(self.record_url.as_str())?;
         let mut c = client.get_multiplexed_async_connection().await?;
         let _: () = c.sadd("started", self.id).await?;
-        if self.hang_first && ctx.attempt() == 1 {
+        let _: () = c.hincr("runs", self.id, 1).await?;
+        if self.hang_always || (self.hang_first && ctx.attempt() == 1) {
             std::future::pending::<()>().await;
+        }
+        if self.panic_always {
+            panic!("job {} panics on purpose", self.id);
         }
         if self.always_fail {
             return Err("this job always fails".into());
@@ -47,6 +59,48 @@ impl Job for RecordJob {
             )
             .await?;
         ctx.set_result(format!("done {}", self.id));
+        Ok(())
+    }
+}
+
+/// A job whose first run freezes its worker: attempt 1 blocks the worker's thread for
+/// `stall_ms` (as a stopped process or a long GC pause would: no heartbeat, no lock renewal on
+/// a current-thread runtime), then works on for `work_ms` and sets `first-finished`. Later
+/// attempts set `second-started`, wait until the key `release` exists, and finish with the
+/// result `second`. Every run increments `runs`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StallJob {
+    /// Where to record runs.
+    pub record_url: String,
+    /// How long attempt 1 blocks its thread.
+    pub stall_ms: u64,
+    /// How long attempt 1 works after the stall.
+    pub work_ms: u64,
+}
+
+impl Job for StallJob {
+    const NAME: &'static str = "stall";
+
+    fn lock_key(&self) -> Result<LockKey, LockError> {
+        LockKey::new("stall")
+    }
+
+    async fn run(self, ctx: JobContext) -> Result<(), JobError> {
+        let client = redis::Client::open(self.record_url.as_str())?;
+        let mut c = client.get_multiplexed_async_connection().await?;
+        let _: () = c.incr("runs", 1).await?;
+        if ctx.attempt() == 1 {
+            std::thread::sleep(Duration::from_millis(self.stall_ms));
+            tokio::time::sleep(Duration::from_millis(self.work_ms)).await;
+            let _: () = c.set("first-finished", ctx.attempt()).await?;
+            ctx.set_result("first");
+            return Ok(());
+        }
+        let _: () = c.set("second-started", ctx.attempt()).await?;
+        while !c.exists::<_, bool>("release").await? {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        ctx.set_result("second");
         Ok(())
     }
 }

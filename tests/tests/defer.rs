@@ -1,14 +1,18 @@
 //! The defer strategy: the in-process queue (closures, the attribute) and the durable queue
-//! in a real Redis (typed jobs, dead letters, a worker process killed mid-job).
+//! in a real Redis (typed jobs, dead letters, a worker process killed mid-job, a worker that
+//! stalls past its claim, jobs that panic or do not decode, the queue's bounds).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::defer::{DeferPolicy, DurableQueue, DurableWorker, JobStatus, Submitted};
+use dlock_runtime::defer::{
+    DeferPolicy, DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, QueueLimits,
+    Submitted,
+};
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::jobs::RecordJob;
+use dlock_tests::jobs::{RecordJob, StallJob};
 use dlock_tests::RedisServer;
 use redis::AsyncCommands as _;
 use tokio::sync::mpsc;
@@ -142,6 +146,64 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     assert!(err.is_unavailable(), "{err}");
 }
 
+#[tokio::test]
+async fn in_process_queue_is_bounded_and_dead_letters_expire() {
+    let limits = QueueLimits::default()
+        .max_queued(1)
+        .max_dead_letters(1)
+        .dead_letter_retention(Duration::from_millis(300));
+    let locker = Locker::builder().defer_limits(limits).memory().unwrap();
+    let _held = locker.lock("k").acquire().await.unwrap();
+    let policy = || OnFail::Defer(DeferPolicy::new(Duration::from_millis(5), 1));
+    let defer = || locker.lock("k").on_fail(policy()).run(async {});
+
+    // The queue holds one job: the second is refused with a typed 503, the first is kept.
+    let first = defer().await.unwrap_err();
+    assert!(first.is_deferred(), "{first}");
+    let full = defer().await.unwrap_err();
+    assert!(full.is_queue_full(), "{full}");
+    assert_eq!(full.status(), 503);
+    assert_eq!(full.retry_after_secs(), Some(1));
+    let pending = locker.defer_queue().pending();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].id, first.job_id().unwrap());
+
+    // The first is dead-lettered (its lock stays busy), making room for a second, which is
+    // dead-lettered too: only the newest dead letter is kept.
+    let first_id = first.job_id().unwrap().to_owned();
+    wait_for(
+        "the first dead letter",
+        Duration::from_secs(5),
+        async || (locker.defer_queue().dead_letters().len() == 1).then_some(()),
+    )
+    .await;
+    assert!(locker.defer_queue().dead_letters()[0]
+        .reason
+        .as_deref()
+        .is_some_and(|r| r.contains("busy")));
+    let second = defer().await.unwrap_err();
+    let second_id = second.job_id().unwrap().to_owned();
+    wait_for(
+        "the second dead letter to replace the first",
+        Duration::from_secs(5),
+        async || {
+            let dead = locker.defer_queue().dead_letters();
+            (dead.len() == 1 && dead[0].id == second_id).then_some(())
+        },
+    )
+    .await;
+    assert!(!locker.defer_queue().requeue(&first_id), "dropped for good");
+
+    // Past the retention it is deleted too.
+    wait_for(
+        "dead letters to expire",
+        Duration::from_secs(5),
+        async || locker.defer_queue().dead_letters().is_empty().then_some(()),
+    )
+    .await;
+    assert!(!locker.defer_queue().requeue(&second_id));
+}
+
 // ---- durable queue ---------------------------------------------------------------------
 
 fn record_job(server: &RedisServer, id: u32, lock: &str) -> RecordJob {
@@ -149,8 +211,7 @@ fn record_job(server: &RedisServer, id: u32, lock: &str) -> RecordJob {
         id,
         lock: lock.to_owned(),
         record_url: server.url(),
-        hang_first: false,
-        always_fail: false,
+        ..RecordJob::default()
     }
 }
 
@@ -344,6 +405,396 @@ async fn worker_killed_mid_job_loses_nothing() {
     }
     assert!(queue.is_empty().await.unwrap());
     assert!(queue.dead_letters().await.unwrap().is_empty());
+}
+
+async fn redis_conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(server.url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+async fn runs(server: &RedisServer, id: u32) -> u32 {
+    let n: Option<u32> = redis_conn(server).await.hget("runs", id).await.unwrap();
+    n.unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_job_is_a_failed_attempt_and_the_worker_goes_on() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let queue = DurableQueue::connect(&server.url(), "panics")
+        .await
+        .unwrap();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(10));
+    let mut bad = record_job(&server, 1, "p1");
+    bad.panic_always = true;
+    let bad_id = queue
+        .enqueue(&bad, &policy, Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    queue
+        .enqueue(
+            &record_job(&server, 2, "p2"),
+            &policy,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker)
+        .register::<RecordJob>()
+        .batch(4);
+    // One batch holds both: the panic is caught, the other job completes.
+    assert_eq!(worker.run_once().await.unwrap(), 2);
+    assert!(done(&server).await.contains_key(&2));
+    let dead = wait_for(
+        "the panicking job's dead letter",
+        Duration::from_secs(10),
+        async || {
+            worker.run_once().await.unwrap();
+            let d = queue.dead_letters().await.unwrap();
+            (!d.is_empty()).then_some(d)
+        },
+    )
+    .await;
+    assert_eq!(dead[0].id, bad_id);
+    assert_eq!(dead[0].attempts, 3);
+    let reason = dead[0].reason.as_deref().unwrap_or_default();
+    assert!(
+        reason.contains("panicked") && reason.contains("panics on purpose"),
+        "{reason}"
+    );
+    assert_eq!(runs(&server, 1).await, 3, "one run per attempt, then dead");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reaper_dead_letters_a_job_whose_claims_keep_expiring() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let queue = DurableQueue::connect_with(
+        &server.url(),
+        "reaped",
+        Duration::from_millis(200),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 2);
+    let mut job = record_job(&server, 1, "r1");
+    job.hang_always = true; // as a job that kills its worker every time
+    let id = queue
+        .enqueue(&job, &policy, Duration::from_millis(300), Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker)
+        .register::<RecordJob>()
+        .poll_interval(Duration::from_millis(10));
+    // Two workers die mid-job (their task is gone: no heartbeat, no ack, no retry).
+    for attempt in 1..=2 {
+        let w = worker.clone();
+        let task = tokio::spawn(async move { w.run_until(std::future::pending()).await });
+        wait_for("the job to start", Duration::from_secs(10), async || {
+            (runs(&server, 1).await == attempt).then_some(())
+        })
+        .await;
+        task.abort();
+    }
+    // The next claim after the deadline reaps it: dead, not a third run.
+    let dead = wait_for(
+        "the reaper to dead-letter the job",
+        Duration::from_secs(10),
+        async || {
+            let _ = tokio::time::timeout(Duration::from_millis(100), worker.run_once()).await;
+            assert!(
+                runs(&server, 1).await <= 2,
+                "claimed again past max_attempts"
+            );
+            let d = queue.dead_letters().await.unwrap();
+            (!d.is_empty()).then_some(d)
+        },
+    )
+    .await;
+    assert_eq!(dead[0].id, id);
+    assert!(
+        dead[0]
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("claim expired"),
+        "{:?}",
+        dead[0].reason
+    );
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Dead);
+    assert!(queue.is_empty().await.unwrap());
+}
+
+/// Same name as `RecordJob`, different shape: what a worker finds after a bad deploy or a
+/// corrupted payload.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NotARecord {
+    nonsense: Vec<u8>,
+}
+
+impl Job for NotARecord {
+    const NAME: &'static str = "record";
+
+    fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> {
+        dlock_runtime::LockKey::new("nonsense")
+    }
+
+    async fn run(self, _: JobContext) -> Result<(), JobError> {
+        unreachable!("never run: the worker decodes it as a RecordJob")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_job_is_dead_lettered_at_once_with_the_reason() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let queue = DurableQueue::connect(&server.url(), "corrupt")
+        .await
+        .unwrap();
+    let id = queue
+        .enqueue(
+            &NotARecord { nonsense: vec![1] },
+            &DeferPolicy::new(Duration::from_millis(5), 5),
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    assert_eq!(worker.run_once().await.unwrap(), 1);
+    let dead = queue.dead_letters().await.unwrap();
+    assert_eq!(
+        dead.len(),
+        1,
+        "dead-lettered on its first claim, not retried"
+    );
+    assert_eq!(dead[0].id, id);
+    assert_eq!(dead[0].attempts, 1);
+    let reason = dead[0].reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("does not decode"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let visibility = Duration::from_millis(300);
+    let queue = DurableQueue::connect_with(&url, "stalls", visibility, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let job = StallJob {
+        record_url: url.clone(),
+        stall_ms: 1500,
+        work_ms: 2000,
+    };
+    let id = queue
+        .enqueue(
+            &job,
+            &DeferPolicy::new(Duration::from_millis(10), 20).max_delay(Duration::from_millis(50)),
+            Duration::from_millis(300),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+
+    // Worker A: its own current-thread runtime, so the stall freezes all of it (heartbeats and
+    // lock renewal included), as a stopped process would be.
+    let (a_url, a_done) = (url.clone(), tokio::sync::oneshot::channel::<()>());
+    let (a_tx, a_rx) = a_done;
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let queue =
+                DurableQueue::connect_with(&a_url, "stalls", visibility, Duration::from_secs(60))
+                    .await
+                    .unwrap();
+            let locker = Locker::from_url(&a_url).await.unwrap();
+            let worker = DurableWorker::new(queue, locker).register::<StallJob>();
+            assert_eq!(worker.run_once().await.unwrap(), 1);
+        });
+        let _ = a_tx.send(());
+    });
+    let mut c = redis_conn(&server).await;
+    wait_for(
+        "worker A to start the job",
+        Duration::from_secs(10),
+        async || (c.get::<_, Option<u32>>("runs").await.unwrap() == Some(1)).then_some(()),
+    )
+    .await;
+
+    // Worker B takes the job over once A's claim expires, and is still running it when A wakes.
+    let locker = Locker::from_url(&url).await.unwrap();
+    let b = DurableWorker::new(queue.clone(), locker)
+        .register::<StallJob>()
+        .poll_interval(Duration::from_millis(10));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let b_task = {
+        let (b, stop) = (b.clone(), stop.clone());
+        tokio::spawn(async move { b.run_until(stop.notified()).await })
+    };
+    wait_for(
+        "worker B to take the job over",
+        Duration::from_secs(10),
+        async || c.get::<_, Option<u32>>("second-started").await.unwrap(),
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(10), a_rx)
+        .await
+        .expect("worker A to give up the job")
+        .expect("worker A's thread panicked");
+    // A found its heartbeat refused and stopped: it never finished its run, and its claim
+    // token could not complete (or re-queue) B's claim.
+    assert_eq!(
+        c.get::<_, Option<u32>>("first-finished").await.unwrap(),
+        None
+    );
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Running);
+
+    let _: () = c.set("release", 1).await.unwrap();
+    let status = wait_for(
+        "B to complete the job",
+        Duration::from_secs(10),
+        async || {
+            let s = queue.status(&id).await.unwrap();
+            (s != JobStatus::Running).then_some(s)
+        },
+    )
+    .await;
+    assert_eq!(
+        status,
+        JobStatus::Completed {
+            result: Some("second".into())
+        }
+    );
+    assert_eq!(c.get::<_, u32>("runs").await.unwrap(), 2, "no third run");
+    stop.notify_one();
+    b_task.await.unwrap();
+    assert!(queue.is_empty().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_refuses_new_jobs_and_loses_none() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let queue = DurableQueue::connect(&server.url(), "bounded")
+        .await
+        .unwrap()
+        .with_limits(QueueLimits::default().max_queued(2));
+    let policy = DeferPolicy::new(Duration::from_millis(5), 5);
+    let ttl = Duration::from_secs(5);
+    for i in 1..=2 {
+        queue
+            .enqueue(
+                &record_job(&server, i, &format!("b{i}")),
+                &policy,
+                ttl,
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+    }
+    let err = queue
+        .enqueue(&record_job(&server, 3, "b3"), &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap_err();
+    assert!(err.is_queue_full(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert_eq!(err.retry_after_secs(), Some(1));
+    assert_eq!(queue.len().await.unwrap(), 2);
+    // `submit` with a busy lock answers the same way.
+    let _held = locker.lock("record:b4").acquire().await.unwrap();
+    let err = queue
+        .submit(&locker, record_job(&server, 4, "b4"), &policy, ttl)
+        .await
+        .unwrap_err();
+    assert!(err.is_queue_full(), "{err}");
+
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    wait_for(
+        "both queued jobs to run",
+        Duration::from_secs(10),
+        async || {
+            worker.run_once().await.unwrap();
+            let d = done(&server).await;
+            (d.contains_key(&1) && d.contains_key(&2)).then_some(())
+        },
+    )
+    .await;
+    // Room again.
+    queue
+        .enqueue(&record_job(&server, 3, "b3"), &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_deleted_after_retention_and_beyond_the_bound() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let retention = Duration::from_millis(500);
+    let queue = DurableQueue::connect(&server.url(), "dlr")
+        .await
+        .unwrap()
+        .with_limits(
+            QueueLimits::default()
+                .dead_letter_retention(retention)
+                .max_dead_letters(2),
+        );
+    let policy = DeferPolicy::new(Duration::from_millis(5), 1);
+    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    let mut ids = Vec::new();
+    for i in 1..=3 {
+        let mut job = record_job(&server, i, &format!("d{i}"));
+        job.always_fail = true;
+        ids.push(
+            queue
+                .enqueue(&job, &policy, Duration::from_secs(5), Duration::ZERO)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(worker.run_once().await.unwrap(), 1);
+    }
+    // Three dead letters, bound 2: the next claim deletes the oldest.
+    worker.run_once().await.unwrap();
+    let dead: Vec<String> = queue
+        .dead_letters()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(dead, ids[1..].to_vec());
+    assert_eq!(queue.status(&ids[0]).await.unwrap(), JobStatus::Unknown);
+    let reason = queue.dead_letters().await.unwrap()[0].reason.clone();
+    assert!(
+        reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("always fails"),
+        "{reason:?}"
+    );
+
+    // Past the retention, the rest go, payload and bookkeeping included.
+    wait_for(
+        "dead letters to expire",
+        Duration::from_secs(10),
+        async || {
+            worker.run_once().await.unwrap();
+            queue.dead_letters().await.unwrap().is_empty().then_some(())
+        },
+    )
+    .await;
+    let mut c = redis_conn(&server).await;
+    for hash in ["jobs", "attempts", "reasons", "claims"] {
+        let n: usize = c.hlen(format!("dlock:{{jobs:dlr}}:{hash}")).await.unwrap();
+        assert_eq!(n, 0, "{hash} still holds entries");
+    }
+    assert_eq!(queue.status(&ids[2]).await.unwrap(), JobStatus::Unknown);
 }
 
 // ---- the attribute ---------------------------------------------------------------------

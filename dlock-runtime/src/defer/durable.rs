@@ -10,16 +10,24 @@
 //! | `dlock:{jobs:<name>}:jobs` | hash | job id → envelope (JSON: type, data, key, policy) |
 //! | `dlock:{jobs:<name>}:attempts` | hash | job id → times claimed |
 //! | `dlock:{jobs:<name>}:inflight` | zset | job id → claim deadline (ms) |
+//! | `dlock:{jobs:<name>}:claims` | hash | job id → the token of its current claim |
 //! | `dlock:{jobs:<name>}:dead` | zset | job id → time it was dead-lettered |
+//! | `dlock:{jobs:<name>}:reasons` | hash | job id → why it was dead-lettered |
 //! | `dlock:{jobs:<name>}:status:<id>` | string | final outcome, kept for the retention period |
 //!
 //! # Delivery
 //!
 //! A worker claims due jobs with one script: expired claims are first put back (the reaper),
 //! then up to a batch of due jobs move atomically from `due` to `inflight` with a deadline of
-//! now + the visibility timeout, and their attempt counts go up. While a job runs, its worker
-//! pushes the deadline forward every third of the timeout. A worker that dies stops doing so;
-//! once the deadline passes, the next claim by any instance puts the job back and runs it again.
+//! now + the visibility timeout, and their attempt counts go up. Every claim gets a fresh
+//! random token; the worker's heartbeat, acknowledgement and retry carry it and are refused
+//! once the claim is no longer theirs. While a job runs, its worker pushes the deadline forward
+//! every third of the timeout. A worker that dies stops doing so; once the deadline passes, the
+//! next claim by any instance puts the job back and runs it again — or dead-letters it, when it
+//! has used up its `max_attempts` (a job that kills its worker every time ends there too).
+//! A worker that was only stalled (frozen, cut off) past the deadline finds its heartbeat
+//! refused when it wakes: it stops working on that job, and its acknowledgement or retry, if it
+//! gets that far, changes nothing — the job belongs to whoever claimed it next.
 //!
 //! So every job runs **at least once**. It can run twice only if its worker lost contact (died,
 //! froze, or was cut off from Redis) for longer than the visibility timeout while running it:
@@ -27,9 +35,13 @@
 //! overlap while the first still holds the lock), and [`JobContext::fencing_token`] lets the job's
 //! writes reject the stale run; [`JobContext::attempt`] tells a job it is being retried.
 //!
-//! A job whose lock is busy, or which returns an error, is put back with the policy's backoff;
-//! after `max_attempts` claims it moves to the dead-letter set, where
-//! [`DurableQueue::dead_letters`] lists it and [`DurableQueue::requeue`] puts it back.
+//! A job whose lock is busy, or which returns an error or panics, is put back with the policy's
+//! backoff; after `max_attempts` claims it moves to the dead-letter set, where
+//! [`DurableQueue::dead_letters`] lists it (with the reason) and [`DurableQueue::requeue`] puts
+//! it back. A job that returns [`PermanentFailure`], or whose stored data does not decode, is
+//! dead-lettered at once. Dead letters are deleted after the queue's
+//! [`QueueLimits::dead_letter_retention`] (7 days by default); the queue holds at most
+//! [`QueueLimits::max_queued`] jobs (see [`DurableQueue::with_limits`]).
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -38,12 +50,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt as _;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{new_job_id, DeferPolicy, JobInfo};
+use super::{new_job_id, panic_message, DeferPolicy, JobInfo, PermanentFailure, QueueLimits};
 use crate::backend::BoxFuture;
 use crate::{BoxError, LockError, LockKey, Locker};
 
@@ -206,13 +219,16 @@ pub struct DurableQueue {
     inner: Arc<QueueInner>,
 }
 
+#[derive(Clone)]
 struct QueueInner {
     name: String,
     conn: ConnectionManager,
     base: String,
     visibility: Duration,
     retention: Duration,
+    limits: QueueLimits,
     command_timeout: Duration,
+    enqueue: Script,
     claim: Script,
     retry: Script,
     ack: Script,
@@ -225,13 +241,31 @@ impl fmt::Debug for DurableQueue {
         f.debug_struct("DurableQueue")
             .field("name", &self.inner.name)
             .field("visibility", &self.inner.visibility)
+            .field("limits", &self.inner.limits)
             .finish_non_exhaustive()
     }
 }
 
+/// One claimed job, as the claim script hands it out.
+struct Claimed {
+    id: String,
+    payload: String,
+    attempt: u32,
+    token: String,
+}
+
+/// What the retry script did.
+#[derive(Debug, PartialEq, Eq)]
+enum Retried {
+    Requeued,
+    DeadLettered,
+    /// The claim is not ours any more: nothing changed.
+    Stale,
+}
+
 impl DurableQueue {
     /// Connects to the queue `name` in the Redis at `url`. Defaults: visibility timeout 30 s,
-    /// outcome retention 24 h, command timeout 1 s.
+    /// outcome retention 24 h, command timeout 1 s, [`QueueLimits::default`].
     pub async fn connect(url: &str, name: &str) -> Result<Self, LockError> {
         Self::connect_with(
             url,
@@ -280,7 +314,9 @@ impl DurableQueue {
                 base: format!("dlock:{{jobs:{name}}}"),
                 visibility: visibility.max(Duration::from_millis(100)),
                 retention,
+                limits: QueueLimits::default(),
                 command_timeout,
+                enqueue: Script::new(ENQUEUE),
                 claim: Script::new(CLAIM),
                 retry: Script::new(RETRY),
                 ack: Script::new(ACK),
@@ -288,6 +324,22 @@ impl DurableQueue {
                 requeue: Script::new(REQUEUE),
             }),
         })
+    }
+
+    /// This queue with other bounds: the most jobs queued or running, and how long and how
+    /// many dead letters are kept. Every instance should use the same limits; each enforces its
+    /// own when it enqueues (the bound) or claims (dead-letter clean-up).
+    pub fn with_limits(self, limits: QueueLimits) -> Self {
+        let mut inner = Arc::unwrap_or_clone(self.inner);
+        inner.limits = limits;
+        DurableQueue {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The queue's bounds.
+    pub fn limits(&self) -> &QueueLimits {
+        &self.inner.limits
     }
 
     /// The queue's name.
@@ -319,7 +371,8 @@ impl DurableQueue {
     }
 
     /// Queues `job` to run after `delay` under `policy` (its lock held with lease `ttl`).
-    /// Returns the job id.
+    /// Returns the job id, or [`LockError::QueueFull`] when the queue holds
+    /// [`QueueLimits::max_queued`] jobs already.
     pub async fn enqueue<J: Job>(
         &self,
         job: &J,
@@ -354,25 +407,29 @@ impl DurableQueue {
     ) -> Result<String, LockError> {
         let id = new_job_id();
         let mut conn = self.inner.conn.clone();
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .hset(self.key("jobs"), &id, payload)
-            .ignore()
-            .cmd("EVAL")
-            .arg("local t = redis.call('TIME'); redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[1]), ARGV[2]) return 1")
-            .arg(1)
-            .arg(self.key("due"))
-            .arg(millis(delay))
+        let mut inv = self.inner.enqueue.prepare_invoke();
+        inv.key(self.key("due"))
+            .key(self.key("inflight"))
+            .key(self.key("jobs"))
             .arg(&id)
-            .ignore();
-        self.deadline("enqueue", pipe.query_async::<()>(&mut conn))
+            .arg(payload)
+            .arg(millis(delay))
+            .arg(self.inner.limits.max_queued);
+        let queued: i64 = self
+            .deadline("enqueue", inv.invoke_async(&mut conn))
             .await?;
-        let info = JobInfo {
-            id: id.clone(),
-            key: key.as_str().to_owned(),
-            attempts: 0,
-        };
-        event("deferred", &info);
+        if queued == 0 {
+            tracing::warn!(
+                target: "dlock::defer",
+                event = "full",
+                queue = "redis",
+                name = %self.inner.name,
+                key = %key.as_str(),
+                max_queued = self.inner.limits.max_queued,
+            );
+            return Err(LockError::queue_full(key.as_str(), &self.inner.name));
+        }
+        event("deferred", &JobInfo::new(id.clone(), key.as_str(), 0));
         Ok(id)
     }
 
@@ -461,7 +518,7 @@ impl DurableQueue {
         Ok(self.len().await? == 0)
     }
 
-    /// The dead-letter set.
+    /// The dead-letter set, oldest first, each with the reason it was dead-lettered.
     pub async fn dead_letters(&self) -> Result<Vec<JobInfo>, LockError> {
         let mut conn = self.inner.conn.clone();
         let ids: Vec<String> = self
@@ -476,12 +533,13 @@ impl DurableQueue {
             .await?;
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
-            let (payload, attempts): (Option<String>, Option<u32>) = self
+            let (payload, attempts, reason): (Option<String>, Option<u32>, Option<String>) = self
                 .deadline(
                     "dead letter",
                     redis::pipe()
                         .hget(self.key("jobs"), &id)
                         .hget(self.key("attempts"), &id)
+                        .hget(self.key("reasons"), &id)
                         .query_async(&mut conn),
                 )
                 .await?;
@@ -489,11 +547,9 @@ impl DurableQueue {
                 .and_then(|p| serde_json::from_str::<Envelope>(&p).ok())
                 .map(|e| e.key)
                 .unwrap_or_default();
-            out.push(JobInfo {
-                id,
-                key,
-                attempts: attempts.unwrap_or(0),
-            });
+            let mut info = JobInfo::new(id, key, attempts.unwrap_or(0));
+            info.reason = reason;
+            out.push(info);
         }
         Ok(out)
     }
@@ -506,80 +562,107 @@ impl DurableQueue {
         inv.key(self.key("dead"))
             .key(self.key("due"))
             .key(self.key("attempts"))
+            .key(self.key("reasons"))
             .arg(id);
         let n: i64 = self
             .deadline("requeue", inv.invoke_async(&mut conn))
             .await?;
         if n == 1 {
-            event(
-                "requeued",
-                &JobInfo {
-                    id: id.to_owned(),
-                    key: String::new(),
-                    attempts: 0,
-                },
-            );
+            event("requeued", &JobInfo::new(id, "", 0));
         }
         Ok(n == 1)
     }
 
-    async fn claim(&self, batch: usize) -> Result<Vec<(String, String, u32)>, LockError> {
+    async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.claim.prepare_invoke();
+        let limits = &self.inner.limits;
         inv.key(self.key("due"))
             .key(self.key("inflight"))
             .key(self.key("attempts"))
             .key(self.key("jobs"))
+            .key(self.key("claims"))
+            .key(self.key("dead"))
+            .key(self.key("reasons"))
             .arg(millis(self.inner.visibility))
-            .arg(batch);
+            .arg(batch)
+            // Unique per claim call (128 random bits); the script appends the job's position.
+            .arg(crate::backend::OwnerToken::generate().as_str())
+            .arg(millis(limits.dead_letter_retention))
+            .arg(limits.max_dead_letters);
         let flat: Vec<String> = self.deadline("claim", inv.invoke_async(&mut conn)).await?;
         Ok(flat
-            .chunks_exact(3)
-            .map(|c| (c[0].clone(), c[1].clone(), c[2].parse().unwrap_or(1)))
+            .chunks_exact(4)
+            .map(|c| Claimed {
+                id: c[0].clone(),
+                payload: c[1].clone(),
+                attempt: c[2].parse().unwrap_or(1),
+                token: c[3].clone(),
+            })
             .collect())
     }
 
-    async fn heartbeat(&self, id: &str) -> Result<(), LockError> {
+    /// Pushes the claim's deadline forward; `false` when the claim is no longer this one.
+    async fn heartbeat(&self, claim: &Claimed) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.heartbeat.prepare_invoke();
         inv.key(self.key("inflight"))
+            .key(self.key("claims"))
             .arg(millis(self.inner.visibility))
-            .arg(id);
-        self.deadline("heartbeat", inv.invoke_async::<i64>(&mut conn))
-            .await
-            .map(|_| ())
+            .arg(&claim.id)
+            .arg(&claim.token);
+        let n: i64 = self
+            .deadline("heartbeat", inv.invoke_async(&mut conn))
+            .await?;
+        Ok(n == 1)
     }
 
-    /// Puts a claimed job back after `delay`, or dead-letters it when it used up its attempts.
-    /// Returns whether it was dead-lettered.
-    async fn retry(&self, id: &str, delay: Duration, max_attempts: u32) -> Result<bool, LockError> {
+    /// Puts a claimed job back after `delay`, or dead-letters it (with `reason`) when it used
+    /// up `max_attempts`.
+    async fn retry(
+        &self,
+        claim: &Claimed,
+        delay: Duration,
+        max_attempts: u32,
+        reason: &str,
+    ) -> Result<Retried, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.retry.prepare_invoke();
         inv.key(self.key("inflight"))
             .key(self.key("due"))
             .key(self.key("dead"))
             .key(self.key("attempts"))
-            .arg(id)
+            .key(self.key("claims"))
+            .key(self.key("reasons"))
+            .arg(&claim.id)
+            .arg(&claim.token)
             .arg(millis(delay))
-            .arg(max_attempts);
-        let dead: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
-        Ok(dead == 1)
+            .arg(max_attempts)
+            .arg(reason);
+        let n: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
+        Ok(match n {
+            1 => Retried::DeadLettered,
+            0 => Retried::Requeued,
+            _ => Retried::Stale,
+        })
     }
 
-    /// Completes a claimed job and records its outcome for the retention period.
-    async fn ack(&self, id: &str, result: &str) -> Result<(), LockError> {
+    /// Completes a claimed job and records its outcome for the retention period; `false` when
+    /// the claim is no longer this one (nothing changed).
+    async fn ack(&self, claim: &Claimed, result: &str) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.ack.prepare_invoke();
         inv.key(self.key("inflight"))
             .key(self.key("jobs"))
             .key(self.key("attempts"))
-            .key(self.key(&format!("status:{id}")))
-            .arg(id)
+            .key(self.key(&format!("status:{}", claim.id)))
+            .key(self.key("claims"))
+            .arg(&claim.id)
             .arg(result)
-            .arg(millis(self.inner.retention).max(1));
-        self.deadline("ack", inv.invoke_async::<i64>(&mut conn))
-            .await
-            .map(|_| ())
+            .arg(millis(self.inner.retention).max(1))
+            .arg(&claim.token);
+        let n: i64 = self.deadline("ack", inv.invoke_async(&mut conn)).await?;
+        Ok(n == 1)
     }
 }
 
@@ -594,53 +677,121 @@ fn event(event: &'static str, info: &JobInfo) {
     );
 }
 
-/// Claim: put back expired claims (the reaper), then move up to ARGV[2] due jobs to `inflight`
-/// with deadline now + ARGV[1] ms, counting the attempt.
-/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs. Returns a flat list id, payload, attempt, ….
-const CLAIM: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+/// Lua: `now` in ms by the server's clock.
+macro_rules! now_ms {
+    () => {
+        "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    };
+}
+
+/// Enqueue, unless the queue already holds ARGV[4] jobs (due + in flight).
+/// KEYS: 1 due, 2 inflight, 3 jobs. ARGV: 1 id, 2 payload, 3 delay ms, 4 max queued.
+/// Returns 1 when queued, 0 when full (nothing changed).
+const ENQUEUE: &str = concat!(
+    r#"
+if redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then
+  return 0
+end
+"#,
+    now_ms!(),
+    r#"
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"#
+);
+
+/// Claim. First the clean-up: dead letters past their retention (ARGV[4] ms) or beyond the
+/// count bound (ARGV[5]) are deleted with their payload and bookkeeping; then expired claims
+/// are reaped: dead-lettered when the job used up its attempts, else put back due now. Then up
+/// to ARGV[2] due jobs move to `inflight` with deadline now + ARGV[1] ms, their attempt count
+/// goes up and each gets the claim token ARGV[3] .. ':' .. position.
+/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons.
+/// Returns a flat list id, payload, attempt, claim token, ….
+const CLAIM: &str = concat!(
+    now_ms!(),
+    r#"
+local function forget(id)
+  redis.call('ZREM', KEYS[6], id)
+  redis.call('HDEL', KEYS[4], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[7], id)
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 1000)) do
+  forget(id)
+end
+local excess = redis.call('ZCARD', KEYS[6]) - tonumber(ARGV[5])
+if excess > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, math.min(excess, 1000) - 1)) do
+    forget(id)
+  end
+end
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 1000)
 for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[2], id)
-  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('HDEL', KEYS[5], id)
+  local n = tonumber(redis.call('HGET', KEYS[3], id) or '0')
+  local payload = redis.call('HGET', KEYS[4], id)
+  local ok, env = pcall(cjson.decode, payload or '')
+  local max = ok and type(env) == 'table' and tonumber(env['max_attempts']) or 0
+  if n >= max then
+    redis.call('ZADD', KEYS[6], now, id)
+    redis.call('HSET', KEYS[7], id, 'its claim expired ' .. n .. ' times (a worker died, was killed or stalled past the visibility timeout while running it)')
+  else
+    redis.call('ZADD', KEYS[1], now, id)
+  end
 end
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local out = {}
-for _, id in ipairs(ids) do
+for i, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
   local payload = redis.call('HGET', KEYS[4], id)
   if payload then
     local n = redis.call('HINCRBY', KEYS[3], id, 1)
+    local token = ARGV[3] .. ':' .. i
+    redis.call('HSET', KEYS[5], id, token)
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), id)
     table.insert(out, id)
     table.insert(out, payload)
     table.insert(out, tostring(n))
+    table.insert(out, token)
   end
 end
 return out
-"#;
+"#
+);
 
-/// Retry: take the job out of `inflight`; dead-letter it when its attempts reached ARGV[3],
-/// else make it due in ARGV[2] ms.
-/// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts. ARGV: 1 id, 2 delay ms, 3 max attempts.
-/// Returns 1 when dead-lettered, 0 when re-queued, -1 when the job was not in flight.
-const RETRY: &str = r#"
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return -1 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+/// Retry, if claim ARGV[2] is still the job's: take it out of `inflight`; dead-letter it with
+/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms.
+/// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons.
+/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason.
+/// Returns 1 when dead-lettered, 0 when re-queued, -1 when the claim is not this one.
+const RETRY: &str = concat!(
+    r#"
+if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[2] then return -1 end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+"#,
+    now_ms!(),
+    r#"
 local n = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
-if n >= tonumber(ARGV[3]) then
+if n >= tonumber(ARGV[4]) then
   redis.call('ZADD', KEYS[3], now, ARGV[1])
+  redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
   return 1
 end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
 return 0
-"#;
+"#
+);
 
-/// Ack: the job is done; drop it and keep its outcome for ARGV[3] ms.
-/// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key. ARGV: 1 id, 2 outcome, 3 retention ms.
+/// Ack, if claim ARGV[4] is still the job's: drop the job and keep its outcome for ARGV[3] ms.
+/// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key, 5 claims.
+/// ARGV: 1 id, 2 outcome, 3 retention ms, 4 claim token.
+/// Returns 1 when acknowledged, 0 when the claim is not this one.
 const ACK: &str = r#"
+if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[4] then return 0 end
+redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -648,26 +799,34 @@ redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
 return 1
 "#;
 
-/// Heartbeat: push a claimed job's deadline to now + ARGV[1] ms, if it is still claimed.
-/// KEYS: 1 inflight. ARGV: 1 visibility ms, 2 id. Returns 1 if extended.
-const HEARTBEAT: &str = r#"
-if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+/// Heartbeat, if claim ARGV[3] is still the job's: push its deadline to now + ARGV[1] ms.
+/// KEYS: 1 inflight, 2 claims. ARGV: 1 visibility ms, 2 id, 3 claim token.
+/// Returns 1 if extended, 0 when the claim is not this one.
+const HEARTBEAT: &str = concat!(
+    r#"
+if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[3] then return 0 end
+"#,
+    now_ms!(),
+    r#"
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
 return 1
-"#;
+"#
+);
 
 /// Requeue a dead letter with a fresh attempt budget, due now.
-/// KEYS: 1 dead, 2 due, 3 attempts. ARGV: 1 id. Returns 1 if it was a dead letter.
-const REQUEUE: &str = r#"
+/// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
+const REQUEUE: &str = concat!(
+    r#"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], 0)
+"#,
+    now_ms!(),
+    r#"
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 return 1
-"#;
+"#
+);
 
 type Runner = Arc<
     dyn Fn(
@@ -756,15 +915,13 @@ impl DurableWorker {
     }
 
     /// Claims one batch and runs it to the end. Returns how many jobs were claimed.
+    ///
+    /// A job that panics does not take the batch (or the worker) down: the panic is caught,
+    /// logged with the job's id, and counts as a failed attempt.
     pub async fn run_once(&self) -> Result<usize, LockError> {
         let claimed = self.queue.claim(self.batch).await?;
         let n = claimed.len();
-        futures_util::future::join_all(
-            claimed
-                .into_iter()
-                .map(|(id, payload, attempt)| self.process(id, payload, attempt)),
-        )
-        .await;
+        futures_util::future::join_all(claimed.into_iter().map(|c| self.process(c))).await;
         Ok(n)
     }
 
@@ -791,42 +948,70 @@ impl DurableWorker {
         }
     }
 
-    /// Puts a claimed job back with backoff (or dead-letters it) and says which.
-    async fn put_back(&self, info: &JobInfo, policy: &DeferPolicy) {
-        match self
-            .queue
-            .retry(&info.id, policy.backoff(info.attempts), policy.max_attempts)
-            .await
-        {
-            Ok(true) => event("dead_lettered", info),
-            Ok(false) => event("retried", info),
+    /// Puts a claimed job back with backoff (or dead-letters it with `reason` when it used up
+    /// its attempts) and says which.
+    async fn put_back(&self, claim: &Claimed, info: &JobInfo, policy: &DeferPolicy, reason: &str) {
+        self.finish_failed(
+            claim,
+            info,
+            policy.backoff(claim.attempt),
+            policy.max_attempts,
+            reason,
+        )
+        .await;
+    }
+
+    /// Dead-letters a claimed job at once, with `reason`.
+    async fn dead_letter(&self, claim: &Claimed, info: &JobInfo, reason: &str) {
+        tracing::error!(
+            target: "dlock::defer",
+            event = "failed",
+            queue = "redis",
+            job_id = %claim.id,
+            reason,
+            "dlock job worker: the job cannot run; dead-lettering it"
+        );
+        self.finish_failed(claim, info, Duration::ZERO, 0, reason)
+            .await;
+    }
+
+    async fn finish_failed(
+        &self,
+        claim: &Claimed,
+        info: &JobInfo,
+        delay: Duration,
+        max_attempts: u32,
+        reason: &str,
+    ) {
+        match self.queue.retry(claim, delay, max_attempts, reason).await {
+            Ok(Retried::DeadLettered) => event("dead_lettered", info),
+            Ok(Retried::Requeued) => event("retried", info),
+            Ok(Retried::Stale) => tracing::warn!(
+                job_id = %claim.id,
+                "dlock job worker: the job's claim was taken over; leaving it to its new worker"
+            ),
             Err(e) => {
-                tracing::warn!(error = %e, "dlock job worker: retry failed; the claim will expire")
+                tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: retry failed; the claim will expire")
             }
         }
     }
 
-    async fn process(&self, id: String, payload: String, attempt: u32) {
-        let info = |key: &str| JobInfo {
-            id: id.clone(),
-            key: key.to_owned(),
-            attempts: attempt,
-        };
-        let env: Envelope = match serde_json::from_str(&payload) {
+    async fn process(&self, claim: Claimed) {
+        let info = |key: &str| JobInfo::new(claim.id.clone(), key, claim.attempt);
+        let env: Envelope = match serde_json::from_str(&claim.payload) {
             Ok(e) => e,
             Err(e) => {
-                tracing::error!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %id, error = %e, "undecodable job");
-                let _ = self.queue.retry(&id, Duration::from_secs(60), 0).await;
+                let reason = format!("the stored job does not decode: {e}");
+                self.dead_letter(&claim, &info(""), &reason).await;
                 return;
             }
         };
         let policy = env.policy();
         let Some(runner) = self.runners.get(env.kind.as_str()).cloned() else {
             // Another instance may know this type: put it back for them.
-            tracing::warn!(job_type = %env.kind, job_id = %id, "dlock job worker: unregistered job type");
-            let _ = self
-                .queue
-                .retry(&id, policy.backoff(attempt), policy.max_attempts)
+            tracing::warn!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
+            let reason = format!("no worker knows the job type `{}`", env.kind);
+            self.put_back(&claim, &info(&env.key), &policy, &reason)
                 .await;
             return;
         };
@@ -834,70 +1019,127 @@ impl DurableWorker {
         let key = match LockKey::from_encoded(&env.key) {
             Ok(k) => k,
             Err(e) => {
-                tracing::error!(job_id = %id, error = %e, "dlock job worker: bad lock key");
-                let _ = self.queue.retry(&id, policy.backoff(attempt), 0).await;
+                let reason = format!("the stored lock key is invalid: {e}");
+                self.dead_letter(&claim, &info(&env.key), &reason).await;
                 return;
             }
         };
         let ttl = Duration::from_millis(env.ttl_ms);
         let guard = match self.locker.lock(key).ttl(ttl).try_acquire().await {
             Ok(Some(g)) => g,
-            Ok(None) | Err(_) => {
-                self.put_back(&info(&env.key), &policy).await;
+            Ok(None) => {
+                let reason = format!("its lock was still busy after {} attempts", claim.attempt);
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+                return;
+            }
+            Err(e) => {
+                let reason = format!("its lock could not be taken: {e}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
                 return;
             }
         };
         let result = Arc::new(std::sync::Mutex::new(None));
         let ctx = JobContext {
-            job_id: id.clone(),
-            attempt,
+            job_id: claim.id.clone(),
+            attempt: claim.attempt,
             fencing_token: guard.fencing_token(),
             key: env.key.clone(),
             state: self.state.clone(),
             result: result.clone(),
         };
-        let run = match runner(env.data, ctx) {
-            Ok(fut) => fut,
-            Err(e) => {
-                tracing::error!(job_id = %id, error = %e, "dlock job worker: job data does not decode");
-                let _ = self.queue.retry(&id, policy.backoff(attempt), 0).await;
+        // Decoding runs the job type's own `Deserialize`: it may panic too.
+        let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            runner(env.data, ctx)
+        })) {
+            Ok(Ok(fut)) => fut,
+            Ok(Err(e)) => {
+                let _ = guard.release().await;
+                let reason = format!("the job's data does not decode: {e}");
+                self.dead_letter(&claim, &info(&env.key), &reason).await;
+                return;
+            }
+            Err(panic) => {
+                let _ = guard.release().await;
+                let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
                 return;
             }
         };
-        // Keep the claim alive while the job runs.
+        // Keep the claim alive while the job runs; stop the job if the claim is taken over.
         let beat = self.queue.inner.visibility / 3;
         let outcome = {
-            let work = crate::with_lock(&guard, run);
+            let work = std::panic::AssertUnwindSafe(crate::with_lock(&guard, run)).catch_unwind();
             tokio::pin!(work);
             loop {
                 tokio::select! {
-                    out = &mut work => break out,
-                    _ = tokio::time::sleep(beat) => {
-                        if let Err(e) = self.queue.heartbeat(&id).await {
-                            tracing::warn!(error = %e, job_id = %id, "dlock job worker: heartbeat failed");
-                        }
-                    }
+                    out = &mut work => break Some(out),
+                    _ = tokio::time::sleep(beat) => match self.queue.heartbeat(&claim).await {
+                        Ok(true) => {}
+                        Ok(false) => break None,
+                        Err(e) => tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: heartbeat failed"),
+                    },
                 }
             }
         };
         let _ = guard.release().await;
+        let Some(outcome) = outcome else {
+            tracing::warn!(
+                target: "dlock::defer",
+                event = "abandoned",
+                queue = "redis",
+                job_id = %claim.id,
+                attempt = claim.attempt,
+                "dlock job worker: the job's claim expired and was taken over (this worker \
+                 stalled past the visibility timeout); stopped working on it"
+            );
+            return;
+        };
         match outcome {
-            Ok(()) => {
+            Ok(Ok(())) => {
                 let recorded = result
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take()
                     .unwrap_or_default();
-                match self.queue.ack(&id, &recorded).await {
-                    Ok(()) => event("completed", &info(&env.key)),
+                match self.queue.ack(&claim, &recorded).await {
+                    Ok(true) => event("completed", &info(&env.key)),
+                    Ok(false) => tracing::warn!(
+                        job_id = %claim.id,
+                        "dlock job worker: the job ran, but its claim had been taken over; not acknowledged"
+                    ),
                     Err(e) => {
-                        tracing::warn!(error = %e, job_id = %id, "dlock job worker: ack failed; the job may run again")
+                        tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed; the job may run again")
                     }
                 }
             }
-            Err(e) => {
-                tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %id, error = %e);
-                self.put_back(&info(&env.key), &policy).await;
+            Ok(Err(e)) => {
+                if let Some(permanent) = e.downcast_ref::<PermanentFailure>() {
+                    self.dead_letter(&claim, &info(&env.key), permanent.reason())
+                        .await;
+                    return;
+                }
+                tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %claim.id, error = %e);
+                let reason = format!("the job failed: {e}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+            }
+            Err(panic) => {
+                let message = panic_message(&*panic);
+                tracing::error!(
+                    target: "dlock::defer",
+                    event = "failed",
+                    queue = "redis",
+                    job_id = %claim.id,
+                    attempt = claim.attempt,
+                    panic = %message,
+                    "dlock job worker: the job panicked"
+                );
+                let reason = format!("the job panicked: {message}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The in-process delay queue.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::time::DelayQueue;
 
-use super::{new_job_id, DeferPolicy, JobInfo};
+use super::{new_job_id, panic_message, DeferPolicy, JobInfo, QueueLimits};
 use crate::{LockError, LockKey, Locker};
 
 type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -52,8 +52,35 @@ pub struct ShutdownReport {
 #[derive(Default)]
 struct Shared {
     pending: HashMap<String, JobInfo>,
-    dead: Vec<PendingJob>,
+    /// Dead letters, oldest first, with the time each was dead-lettered.
+    dead: VecDeque<(PendingJob, Instant)>,
     closed: bool,
+    limits: QueueLimits,
+}
+
+impl Shared {
+    /// Deletes dead letters past their retention or beyond the count bound (oldest first).
+    /// Returns when the next one expires.
+    fn prune_dead(&mut self, now: Instant) -> Option<Instant> {
+        let retention = self.limits.dead_letter_retention;
+        while let Some((job, at)) = self.dead.front() {
+            let expired = now.saturating_duration_since(*at) >= retention;
+            if !expired && self.dead.len() <= self.limits.max_dead_letters {
+                break;
+            }
+            event("dropped", &job.info);
+            self.dead.pop_front();
+        }
+        self.dead.front().map(|(_, at)| *at + retention)
+    }
+
+    fn push_dead(&mut self, mut job: PendingJob, reason: String) {
+        job.info.reason = Some(reason);
+        event("dead_lettered", &job.info);
+        self.pending.remove(&job.info.id);
+        self.dead.push_back((job, Instant::now()));
+        self.prune_dead(Instant::now());
+    }
 }
 
 /// The in-process delay queue of a [`Locker`] (see the [module docs](super)). Cheap to
@@ -62,7 +89,10 @@ struct Shared {
 /// or `#[distributed_lock(on_fail = "defer")]`.
 ///
 /// Jobs live in memory only: a crash or restart loses them. Use the durable queue when that
-/// matters.
+/// matters. The queue is bounded by its [`QueueLimits`] (set with
+/// [`LockerBuilder::defer_limits`](crate::LockerBuilder::defer_limits)): a full queue refuses
+/// new work with [`LockError::QueueFull`], and dead letters are dropped after their retention
+/// or beyond their count bound, oldest first.
 #[derive(Clone)]
 pub struct DeferQueue {
     inner: Arc<Inner>,
@@ -100,14 +130,27 @@ fn event(event: &'static str, info: &JobInfo) {
 }
 
 impl DeferQueue {
-    /// An empty queue; its task starts on the first job.
+    /// An empty queue with the default [`QueueLimits`]; its task starts on the first job.
     pub fn new() -> Self {
+        Self::with_limits(QueueLimits::default())
+    }
+
+    /// An empty queue with the given bounds.
+    pub fn with_limits(limits: QueueLimits) -> Self {
         DeferQueue {
             inner: Arc::new(Inner {
                 tx: Mutex::new(None),
-                shared: Arc::new(Mutex::new(Shared::default())),
+                shared: Arc::new(Mutex::new(Shared {
+                    limits,
+                    ..Shared::default()
+                })),
             }),
         }
+    }
+
+    /// The queue's bounds.
+    pub fn limits(&self) -> QueueLimits {
+        self.shared().limits.clone()
     }
 
     fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
@@ -127,17 +170,26 @@ impl DeferQueue {
         policy: DeferPolicy,
         work: Work,
     ) -> Result<String, LockError> {
-        if self.shared().closed {
-            return Err(LockError::unavailable(
-                "the in-process defer queue is shut down",
-                None,
-            ));
+        {
+            let shared = self.shared();
+            if shared.closed {
+                return Err(LockError::unavailable(
+                    "the in-process defer queue is shut down",
+                    None,
+                ));
+            }
+            if shared.pending.len() >= shared.limits.max_queued {
+                tracing::warn!(
+                    target: "dlock::defer",
+                    event = "full",
+                    queue = "memory",
+                    key = %key.as_str(),
+                    max_queued = shared.limits.max_queued,
+                );
+                return Err(LockError::queue_full(key.as_str(), "memory"));
+            }
         }
-        let info = JobInfo {
-            id: new_job_id(),
-            key: key.as_str().to_owned(),
-            attempts: 0,
-        };
+        let info = JobInfo::new(new_job_id(), key.as_str(), 0);
         let first = policy.backoff(1);
         let job = PendingJob {
             info: info.clone(),
@@ -175,9 +227,11 @@ impl DeferQueue {
         self.shared().pending.values().cloned().collect()
     }
 
-    /// Jobs that used up their attempts.
+    /// Jobs that used up their attempts, oldest first, within the queue's dead-letter bounds.
     pub fn dead_letters(&self) -> Vec<JobInfo> {
-        self.shared().dead.iter().map(|j| j.info.clone()).collect()
+        let mut shared = self.shared();
+        shared.prune_dead(Instant::now());
+        shared.dead.iter().map(|(j, _)| j.info.clone()).collect()
     }
 
     /// Moves a dead-lettered job back into the queue with a fresh attempt budget; `false` if
@@ -188,11 +242,15 @@ impl DeferQueue {
             if shared.closed {
                 return false;
             }
-            let Some(pos) = shared.dead.iter().position(|j| j.info.id == job_id) else {
+            shared.prune_dead(Instant::now());
+            let Some(pos) = shared.dead.iter().position(|(j, _)| j.info.id == job_id) else {
                 return false;
             };
-            let mut job = shared.dead.remove(pos);
+            let Some((mut job, _)) = shared.dead.remove(pos) else {
+                return false;
+            };
             job.info.attempts = 0;
+            job.info.reason = None;
             shared.pending.insert(job.info.id.clone(), job.info.clone());
             job
         };
@@ -227,7 +285,7 @@ impl DeferQueue {
             None => ShutdownReport::default(),
         };
         let mut shared = self.shared();
-        for job in shared.dead.drain(..) {
+        for (job, _) in shared.dead.drain(..) {
             event("dropped", &job.info);
             report.dropped.push(job.info);
         }
@@ -310,6 +368,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
             }
         }
         let deadline = draining.as_ref().map(|(d, _)| *d);
+        let next_dead_expiry = lock().prune_dead(Instant::now());
         tokio::select! {
             cmd = rx.recv(), if draining.is_none() => match cmd {
                 Some(Cmd::Push(job, delay)) => {
@@ -345,10 +404,8 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                     running_ids.remove(&task);
                     job.info.attempts += 1;
                     if job.info.attempts >= job.policy.max_attempts {
-                        event("dead_lettered", &job.info);
-                        let mut s = lock();
-                        s.pending.remove(&job.info.id);
-                        s.dead.push(job);
+                        let reason = format!("its lock was still busy after {} attempts", job.info.attempts);
+                        lock().push_dead(job, reason);
                     } else {
                         let wait = if draining.is_some() {
                             Duration::from_millis(10)
@@ -364,11 +421,23 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                     // The work panicked (or was aborted); its future is gone, it cannot be retried.
                     let job_id = running_ids.remove(&e.id()).map(|i| i.id).unwrap_or_default();
                     lock().pending.remove(&job_id);
-                    tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %job_id, error = %e);
+                    let error = if e.is_panic() {
+                        format!("the job panicked: {}", panic_message(&*e.into_panic()))
+                    } else {
+                        e.to_string()
+                    };
+                    tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %job_id, error = %error);
                 }
             },
             _ = async {
                 match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+            // Dead letters past their retention are deleted on time, even in a quiet queue.
+            _ = async {
+                match next_dead_expiry {
                     Some(d) => tokio::time::sleep_until(d).await,
                     None => std::future::pending().await,
                 }

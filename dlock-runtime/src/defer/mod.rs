@@ -16,6 +16,19 @@
 //!   timeout: a job claimed by a process that dies is run by another instance once the claim
 //!   expires (at-least-once).
 //!
+//! # Bounds
+//!
+//! Both queues are bounded by [`QueueLimits`]: at most `max_queued` jobs waiting or running
+//! (a full queue refuses new work with [`LockError::QueueFull`](crate::LockError::QueueFull),
+//! 503 + `Retry-After`, and drops nothing already queued), and dead letters are kept for
+//! `dead_letter_retention` (7 days by default) and at most `max_dead_letters` of them (the
+//! oldest go first); after that a dead letter's payload and bookkeeping are deleted.
+//!
+//! A job that panics is a failed attempt like one that returns an error: the panic is caught
+//! and logged with the job's id, and the worker goes on with its other jobs. A job that can
+//! never succeed (its stored data is corrupt) returns [`PermanentFailure`] and is
+//! dead-lettered at once, with the reason, which [`JobInfo::reason`] shows.
+//!
 //! Every step emits a `tracing` event on target `dlock::defer` with the fields `event`
 //! (`deferred`, `retried`, `dead_lettered`, `completed`, `failed`, `requeued`, `dropped`),
 //! `queue` (`memory` or `redis`), `job_id`, `key` and `attempt`, ready to be counted by a
@@ -98,6 +111,104 @@ pub struct JobInfo {
     pub key: String,
     /// Deferred attempts made so far.
     pub attempts: u32,
+    /// For a dead letter: why it was dead-lettered (lock still busy, the job's last error or
+    /// panic, a claim that kept expiring, undecodable data).
+    pub reason: Option<String>,
+}
+
+impl JobInfo {
+    pub(crate) fn new(id: impl Into<String>, key: impl Into<String>, attempts: u32) -> Self {
+        JobInfo {
+            id: id.into(),
+            key: key.into(),
+            attempts,
+            reason: None,
+        }
+    }
+}
+
+/// The bounds of a defer queue (see the [module docs](self#bounds)). Defaults: 100 000 queued
+/// jobs, dead letters kept 7 days, at most 10 000 of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueLimits {
+    /// The most jobs waiting or running at once; deferring more answers
+    /// [`LockError::QueueFull`](crate::LockError::QueueFull).
+    pub max_queued: usize,
+    /// How long a dead letter is kept before its payload and bookkeeping are deleted.
+    pub dead_letter_retention: Duration,
+    /// The most dead letters kept; beyond it the oldest are deleted.
+    pub max_dead_letters: usize,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        QueueLimits {
+            max_queued: 100_000,
+            dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
+            max_dead_letters: 10_000,
+        }
+    }
+}
+
+impl QueueLimits {
+    /// Sets [`max_queued`](QueueLimits::max_queued) (at least 1).
+    pub fn max_queued(mut self, n: usize) -> Self {
+        self.max_queued = n.max(1);
+        self
+    }
+
+    /// Sets [`dead_letter_retention`](QueueLimits::dead_letter_retention).
+    pub fn dead_letter_retention(mut self, d: Duration) -> Self {
+        self.dead_letter_retention = d;
+        self
+    }
+
+    /// Sets [`max_dead_letters`](QueueLimits::max_dead_letters).
+    pub fn max_dead_letters(mut self, n: usize) -> Self {
+        self.max_dead_letters = n;
+        self
+    }
+}
+
+/// A job error that retrying cannot fix (corrupt stored data, a request that can never be
+/// rebuilt): the worker dead-letters the job at once with this reason instead of spending the
+/// rest of its attempts. Return it from a durable job's `run` as
+/// `Err(PermanentFailure::new("…").into())`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PermanentFailure {
+    reason: String,
+}
+
+impl PermanentFailure {
+    /// A permanent failure with a reason (kept with the dead letter: no secrets in it).
+    pub fn new(reason: impl Into<String>) -> Self {
+        PermanentFailure {
+            reason: reason.into(),
+        }
+    }
+
+    /// The reason.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl std::fmt::Display for PermanentFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "permanent failure: {}", self.reason)
+    }
+}
+
+impl std::error::Error for PermanentFailure {}
+
+/// The message of a caught panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
 }
 
 /// A fresh job id: 128 random bits, hex.
