@@ -53,7 +53,8 @@
 //! | feature | default | what |
 //! |---|---|---|
 //! | `macros` | yes | re-exports `#[distributed_lock]` |
-//! | `redis` | yes | the Redis backend |
+//! | `redis` | yes | the Redis and Redlock backends |
+//! | `durable` | no | the durable Redis job queue, [`defer::DurableQueue`] (implies `redis`, adds serde) |
 //! | `tls` | no | `rediss://` |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |

@@ -63,7 +63,7 @@
 //!   that collides with another request's.
 //! * The handler reads the lock's [`LockInfo`](dlock_runtime::LockInfo) (key, fencing token)
 //!   from the request extensions (`Extension<LockInfo>` in axum).
-//! * [`DeferLayer`]: when a request's lock is busy, `202 Accepted` with a job id and a status
+//! * [`DeferLayer`] (feature `defer`): when a request's lock is busy, `202 Accepted` with a job id and a status
 //!   location; the request is stored in the durable Redis queue and replayed through the
 //!   application when the lock frees ([`defer`]).
 //! * [`IdempotencyLayer`] / [`Idempotency`]: the `Idempotency-Key` header (IETF draft). The
@@ -80,15 +80,19 @@
 //! | feature | default | what |
 //! |---|---|---|
 //! | `axum` | no | [`key::matched_path`], [`key::path_params`], [`key::path_param`] |
+//! | `defer` | no | [`DeferLayer`] and [`defer`] (enables `dlock-runtime/durable`: the Redis job queue) |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "defer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "defer")))]
 pub mod defer;
 pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 
+#[cfg(feature = "defer")]
 pub use defer::DeferLayer;
 pub use idempotency::{Idempotency, IdempotencyLayer};
 pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};

@@ -719,6 +719,7 @@ async fn composes_with_axum_and_plain_hyper() {
 /// The defer path: a busy lock answers 202 with a job id and a status location; the request
 /// goes to the durable queue and is replayed through the app when the lock frees; the status
 /// lookup reports the replayed response's status.
+#[cfg(feature = "defer")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     use axum::extract::{Extension, Path};
@@ -865,6 +866,7 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
 /// Deferred requests are stored without credentials unless opted in by name; a full queue
 /// answers 503 + `Retry-After` and keeps what it holds; a stored request that cannot be
 /// rebuilt is dead-lettered at once with the reason.
+#[cfg(feature = "defer")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_corrupt_jobs() {
     use dlock_runtime::defer::{DeferPolicy, DurableQueue, Job, JobContext, JobError, QueueLimits};
@@ -1036,4 +1038,77 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
     assert_eq!(dead[0].attempts, 1);
     let reason = dead[0].reason.as_deref().unwrap_or_default();
     assert!(reason.contains("body does not decode"), "{reason}");
+}
+
+/// `DeferLayer` has the other layers' missing-key and fail-mode setters and defaults: 400 for
+/// no key unless `MissingKey::PassThrough`, 503 with the backend down unless `FailMode::Open`.
+#[cfg(feature = "defer")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
+    use dlock_runtime::defer::DurableQueue;
+    use dlock_tower::DeferLayer;
+
+    let mut lock_redis = RedisServer::start();
+    let queue_redis = RedisServer::start();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&lock_redis.url())
+        .await
+        .unwrap();
+    let queue = DurableQueue::connect(&queue_redis.url(), "defer-modes")
+        .await
+        .unwrap();
+    let saw_lock = Arc::new(Mutex::new(Vec::new()));
+    let inner = service_fn({
+        let saw_lock = saw_lock.clone();
+        move |req: Request<Body>| {
+            saw_lock
+                .lock()
+                .unwrap()
+                .push(req.extensions().get::<LockInfo>().is_some());
+            async { Ok::<_, Infallible>(Response::new(Body::from("served"))) }
+        }
+    });
+    let layer = DeferLayer::new(locker, key::header("idempotency-key"), queue).ttl(TTL);
+    let strict = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(inner.clone());
+    let lenient = ServiceBuilder::new()
+        .layer(
+            layer
+                .missing_key(MissingKey::PassThrough)
+                .fail_mode(FailMode::Open),
+        )
+        .service(inner);
+    let no_key = || Request::post("/work").body(Body::empty()).unwrap();
+
+    let res = strict.clone().oneshot(no_key()).await.unwrap();
+    assert_problem(&res, StatusCode::BAD_REQUEST);
+    assert!(text(res).await.contains("lock-key-missing"));
+    let res = lenient.clone().oneshot(no_key()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        *saw_lock.lock().unwrap(),
+        [false],
+        "passed through without a lock"
+    );
+    assert_eq!(
+        strict.clone().oneshot(idem("up")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(saw_lock.lock().unwrap().pop(), Some(true));
+    saw_lock.lock().unwrap().clear();
+
+    lock_redis.stop();
+    let res = strict.oneshot(idem("down")).await.unwrap();
+    assert_problem(&res, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(retry_after(&res) >= 1);
+    let res = lenient.oneshot(idem("down")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(text(res).await, "served");
+    assert_eq!(
+        *saw_lock.lock().unwrap(),
+        [false],
+        "fail-open ran without a lock"
+    );
 }

@@ -33,7 +33,7 @@ mod memory;
 pub use memory::MemoryBackend;
 
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions, FENCE_RETENTION};
 #[cfg(feature = "redis")]

@@ -11,7 +11,7 @@
 //!   `LockRequest::run` and `#[distributed_lock(on_fail = "defer")]`. **It does not survive a
 //!   crash or a restart**: jobs live in this process's memory. [`DeferQueue::shutdown`] drains
 //!   it and reports exactly what was dropped.
-//! * [`DurableQueue`] (feature `redis`) — typed jobs ([`Job`], serde types) in Redis, run by a
+//! * [`DurableQueue`] (feature `durable`) — typed jobs ([`Job`], serde types) in Redis, run by a
 //!   [`DurableWorker`] that every instance of the service can run. Claims carry a visibility
 //!   timeout: a job claimed by a process that dies is run by another instance once the claim
 //!   expires (at-least-once).
@@ -39,9 +39,9 @@ use std::time::Duration;
 mod memory;
 pub use memory::{DeferQueue, ShutdownReport};
 
-#[cfg(feature = "redis")]
+#[cfg(feature = "durable")]
 pub mod durable;
-#[cfg(feature = "redis")]
+#[cfg(feature = "durable")]
 pub use durable::{DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted};
 
 /// How deferred work is retried. Defaults: first delay 1 s, 5 attempts, backoff capped at

@@ -30,6 +30,8 @@ use crate::key::ResourceName;
 use crate::LockError;
 
 mod idempotency;
+#[cfg(feature = "durable")]
+pub(crate) mod job_scripts;
 mod scripts;
 
 /// How long the fencing counter outlives the lease it was issued with. Fencing tokens stay

@@ -1,0 +1,153 @@
+//! The Lua scripts of the durable job queue (`dlock_runtime::defer::DurableQueue`), beside the
+//! lock scripts. Each runs atomically on the server; the storage layout is in the queue's docs.
+
+/// Lua: `now` in ms by the server's clock.
+macro_rules! now_ms {
+    () => {
+        "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    };
+}
+
+/// Enqueue, unless the queue already holds ARGV[4] jobs (due + in flight).
+/// KEYS: 1 due, 2 inflight, 3 jobs. ARGV: 1 id, 2 payload, 3 delay ms, 4 max queued.
+/// Returns 1 when queued, 0 when full (nothing changed).
+pub(crate) const ENQUEUE: &str = concat!(
+    r#"
+if redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then
+  return 0
+end
+"#,
+    now_ms!(),
+    r#"
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"#
+);
+
+/// Claim. First the clean-up: dead letters past their retention (ARGV[4] ms) or beyond the
+/// count bound (ARGV[5]) are deleted with their payload and bookkeeping; then expired claims
+/// are reaped: dead-lettered when the job used up its attempts, else put back due now. Then up
+/// to ARGV[2] due jobs move to `inflight` with deadline now + ARGV[1] ms, their attempt count
+/// goes up and each gets the claim token ARGV[3] .. ':' .. position.
+/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons.
+/// Returns a flat list id, payload, attempt, claim token, ….
+pub(crate) const CLAIM: &str = concat!(
+    now_ms!(),
+    r#"
+local function forget(id)
+  redis.call('ZREM', KEYS[6], id)
+  redis.call('HDEL', KEYS[4], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[7], id)
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 1000)) do
+  forget(id)
+end
+local excess = redis.call('ZCARD', KEYS[6]) - tonumber(ARGV[5])
+if excess > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, math.min(excess, 1000) - 1)) do
+    forget(id)
+  end
+end
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 1000)
+for _, id in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[5], id)
+  local n = tonumber(redis.call('HGET', KEYS[3], id) or '0')
+  local payload = redis.call('HGET', KEYS[4], id)
+  local ok, env = pcall(cjson.decode, payload or '')
+  local max = ok and type(env) == 'table' and tonumber(env['max_attempts']) or 0
+  if n >= max then
+    redis.call('ZADD', KEYS[6], now, id)
+    redis.call('HSET', KEYS[7], id, 'its claim expired ' .. n .. ' times (a worker died, was killed or stalled past the visibility timeout while running it)')
+  else
+    redis.call('ZADD', KEYS[1], now, id)
+  end
+end
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for i, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  local payload = redis.call('HGET', KEYS[4], id)
+  if payload then
+    local n = redis.call('HINCRBY', KEYS[3], id, 1)
+    local token = ARGV[3] .. ':' .. i
+    redis.call('HSET', KEYS[5], id, token)
+    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), id)
+    table.insert(out, id)
+    table.insert(out, payload)
+    table.insert(out, tostring(n))
+    table.insert(out, token)
+  end
+end
+return out
+"#
+);
+
+/// Retry, if claim ARGV[2] is still the job's: take it out of `inflight`; dead-letter it with
+/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms.
+/// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons.
+/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason.
+/// Returns 1 when dead-lettered, 0 when re-queued, -1 when the claim is not this one.
+pub(crate) const RETRY: &str = concat!(
+    r#"
+if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[2] then return -1 end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+"#,
+    now_ms!(),
+    r#"
+local n = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+if n >= tonumber(ARGV[4]) then
+  redis.call('ZADD', KEYS[3], now, ARGV[1])
+  redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
+  return 1
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+return 0
+"#
+);
+
+/// Ack, if claim ARGV[4] is still the job's: drop the job and keep its outcome for ARGV[3] ms.
+/// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key, 5 claims.
+/// ARGV: 1 id, 2 outcome, 3 retention ms, 4 claim token.
+/// Returns 1 when acknowledged, 0 when the claim is not this one.
+pub(crate) const ACK: &str = r#"
+if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[4] then return 0 end
+redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
+return 1
+"#;
+
+/// Heartbeat, if claim ARGV[3] is still the job's: push its deadline to now + ARGV[1] ms.
+/// KEYS: 1 inflight, 2 claims. ARGV: 1 visibility ms, 2 id, 3 claim token.
+/// Returns 1 if extended, 0 when the claim is not this one.
+pub(crate) const HEARTBEAT: &str = concat!(
+    r#"
+if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[3] then return 0 end
+"#,
+    now_ms!(),
+    r#"
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
+return 1
+"#
+);
+
+/// Requeue a dead letter with a fresh attempt budget, due now.
+/// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
+pub(crate) const REQUEUE: &str = concat!(
+    r#"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], 0)
+"#,
+    now_ms!(),
+    r#"
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+return 1
+"#
+);

@@ -1,0 +1,230 @@
+//! The durable delay queue: typed jobs in Redis, at-least-once.
+//!
+//! # Storage
+//!
+//! One queue `<name>` is a handful of keys sharing the hash tag `{jobs:<name>}`:
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `dlock:{jobs:<name>}:due` | zset | job id → due time (ms, server clock) |
+//! | `dlock:{jobs:<name>}:jobs` | hash | job id → envelope (JSON: type, data, key, policy) |
+//! | `dlock:{jobs:<name>}:attempts` | hash | job id → times claimed |
+//! | `dlock:{jobs:<name>}:inflight` | zset | job id → claim deadline (ms) |
+//! | `dlock:{jobs:<name>}:claims` | hash | job id → the token of its current claim |
+//! | `dlock:{jobs:<name>}:dead` | zset | job id → time it was dead-lettered |
+//! | `dlock:{jobs:<name>}:reasons` | hash | job id → why it was dead-lettered |
+//! | `dlock:{jobs:<name>}:status:<id>` | string | final outcome, kept for the retention period |
+//!
+//! # Delivery
+//!
+//! A worker claims due jobs with one script: expired claims are first put back (the reaper),
+//! then up to a batch of due jobs move atomically from `due` to `inflight` with a deadline of
+//! now + the visibility timeout, and their attempt counts go up. Every claim gets a fresh
+//! random token; the worker's heartbeat, acknowledgement and retry carry it and are refused
+//! once the claim is no longer theirs. While a job runs, its worker pushes the deadline forward
+//! every third of the timeout. A worker that dies stops doing so; once the deadline passes, the
+//! next claim by any instance puts the job back and runs it again — or dead-letters it, when it
+//! has used up its `max_attempts` (a job that kills its worker every time ends there too).
+//! A worker that was only stalled (frozen, cut off) past the deadline finds its heartbeat
+//! refused when it wakes: it stops working on that job, and its acknowledgement or retry, if it
+//! gets that far, changes nothing — the job belongs to whoever claimed it next.
+//!
+//! So every job runs **at least once**. It can run twice only if its worker lost contact (died,
+//! froze, or was cut off from Redis) for longer than the visibility timeout while running it:
+//! that window is the at-least-once window. The job's lock narrows the damage (the two runs do not
+//! overlap while the first still holds the lock), and [`JobContext::fencing_token`] lets the job's
+//! writes reject the stale run; [`JobContext::attempt`] tells a job it is being retried.
+//!
+//! A job whose lock is busy, or which returns an error or panics, is put back with the policy's
+//! backoff; after `max_attempts` claims it moves to the dead-letter set, where
+//! [`DurableQueue::dead_letters`] lists it (with the reason) and [`DurableQueue::requeue`] puts
+//! it back. A job that returns [`PermanentFailure`], or whose stored data does not decode, is
+//! dead-lettered at once. Dead letters are deleted after the queue's
+//! [`QueueLimits::dead_letter_retention`] (7 days by default); the queue holds at most
+//! [`QueueLimits::max_queued`] jobs (see [`DurableQueue::with_limits`]).
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::RedisError;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::{DeferPolicy, JobInfo};
+use crate::{BoxError, LockError, LockKey};
+
+mod queue;
+mod worker;
+
+pub use queue::DurableQueue;
+pub use worker::DurableWorker;
+
+#[cfg(doc)]
+use super::{PermanentFailure, QueueLimits};
+
+/// The error a job returns; the job is retried with backoff, then dead-lettered.
+pub type JobError = BoxError;
+
+/// A unit of deferred work that survives restarts: plain data (serde) plus what to do with it.
+///
+/// ```no_run
+/// use dlock_runtime::defer::{Job, JobContext, JobError};
+/// use dlock_runtime::{LockError, LockKey};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct SendInvoice { order: u64 }
+///
+/// impl Job for SendInvoice {
+///     const NAME: &'static str = "send-invoice";
+///     fn lock_key(&self) -> Result<LockKey, LockError> {
+///         LockKey::builder().lit("order:").value(&self.order).finish()
+///     }
+///     async fn run(self, ctx: JobContext) -> Result<(), JobError> {
+///         println!("invoice for {} (attempt {}, token {})", self.order, ctx.attempt(), ctx.fencing_token());
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait Job: Serialize + DeserializeOwned + Send + Sync + 'static {
+    /// A stable name, stored with each job: the worker finds the job's type by it.
+    const NAME: &'static str;
+
+    /// The lock the job must hold while it runs.
+    fn lock_key(&self) -> Result<LockKey, LockError>;
+
+    /// Does the work, holding the lock.
+    fn run(self, ctx: JobContext) -> impl Future<Output = Result<(), JobError>> + Send;
+}
+
+/// What a running job knows about its run.
+#[derive(Clone)]
+pub struct JobContext {
+    job_id: String,
+    attempt: u32,
+    fencing_token: u64,
+    key: String,
+    state: Option<Arc<dyn Any + Send + Sync>>,
+    result: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl fmt::Debug for JobContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JobContext")
+            .field("job_id", &self.job_id)
+            .field("attempt", &self.attempt)
+            .field("fencing_token", &self.fencing_token)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JobContext {
+    /// The job's id.
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
+
+    /// Which claim of the job this is (1 the first time; higher after a busy lock, an error or
+    /// a worker that died).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The fencing token of the lock this run holds.
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+
+    /// The lock key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Records a short outcome (e.g. an HTTP status) that [`DurableQueue::status`] reports as
+    /// [`JobStatus::Completed`]'s `result` for the retention period.
+    pub fn set_result(&self, result: impl Into<String>) {
+        *self
+            .result
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(result.into());
+    }
+
+    /// The shared state given to [`DurableWorker::state`], if it has type `S`.
+    pub fn state<S: Clone + Send + Sync + 'static>(&self) -> Option<S> {
+        self.state.as_ref()?.downcast_ref::<S>().cloned()
+    }
+}
+
+/// Where a job stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum JobStatus {
+    /// Waiting for its due time.
+    Queued,
+    /// Claimed by a worker.
+    Running,
+    /// Ran to completion; `result` is what the job (or the layer) recorded, if anything.
+    Completed {
+        /// Free-form outcome, e.g. an HTTP status.
+        result: Option<String>,
+    },
+    /// Used up its attempts; in the dead-letter set.
+    Dead,
+    /// No such job, or its outcome is past the retention period.
+    Unknown,
+}
+
+/// What [`DurableQueue::submit`] did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Submitted {
+    /// The lock was free: the job ran now, with this result.
+    Ran(Result<(), JobError>),
+    /// The lock was busy: the job was queued under this id.
+    Deferred(String),
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Envelope {
+    #[serde(rename = "type")]
+    kind: String,
+    data: serde_json::Value,
+    key: String,
+    max_attempts: u32,
+    delay_ms: u64,
+    max_delay_ms: u64,
+    ttl_ms: u64,
+}
+
+impl Envelope {
+    pub(crate) fn policy(&self) -> DeferPolicy {
+        DeferPolicy::new(Duration::from_millis(self.delay_ms), self.max_attempts)
+            .max_delay(Duration::from_millis(self.max_delay_ms))
+    }
+}
+
+pub(crate) fn redis_err(what: &str, e: RedisError) -> LockError {
+    LockError::unavailable(
+        format!("job queue {what}: {:?}", e.kind()),
+        Some(Box::new(e)),
+    )
+}
+
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub(crate) fn event(event: &'static str, info: &JobInfo) {
+    tracing::info!(
+        target: "dlock::defer",
+        event,
+        queue = "redis",
+        job_id = %info.id,
+        key = %info.key,
+        attempt = info.attempts,
+    );
+}

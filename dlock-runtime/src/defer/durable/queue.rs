@@ -1,0 +1,467 @@
+//! [`DurableQueue`]: the queue's storage operations, one Lua script each.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script};
+
+use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
+use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, REQUEUE, RETRY};
+use crate::defer::{new_job_id, DeferPolicy, JobInfo, QueueLimits};
+use crate::{LockError, LockKey, Locker};
+
+/// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
+#[derive(Clone)]
+pub struct DurableQueue {
+    pub(super) inner: Arc<QueueInner>,
+}
+
+#[derive(Clone)]
+pub(super) struct QueueInner {
+    name: String,
+    conn: ConnectionManager,
+    base: String,
+    pub(super) visibility: Duration,
+    retention: Duration,
+    limits: QueueLimits,
+    command_timeout: Duration,
+    enqueue: Script,
+    claim: Script,
+    retry: Script,
+    ack: Script,
+    heartbeat: Script,
+    requeue: Script,
+}
+
+impl fmt::Debug for DurableQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DurableQueue")
+            .field("name", &self.inner.name)
+            .field("visibility", &self.inner.visibility)
+            .field("limits", &self.inner.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One claimed job, as the claim script hands it out.
+pub(super) struct Claimed {
+    pub(super) id: String,
+    pub(super) payload: String,
+    pub(super) attempt: u32,
+    pub(super) token: String,
+}
+
+/// What the retry script did.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Retried {
+    Requeued,
+    DeadLettered,
+    /// The claim is not ours any more: nothing changed.
+    Stale,
+}
+
+impl DurableQueue {
+    /// Connects to the queue `name` in the Redis at `url`. Defaults: visibility timeout 30 s,
+    /// outcome retention 24 h, command timeout 1 s, [`QueueLimits::default`].
+    pub async fn connect(url: &str, name: &str) -> Result<Self, LockError> {
+        Self::connect_with(
+            url,
+            name,
+            Duration::from_secs(30),
+            Duration::from_secs(86_400),
+        )
+        .await
+    }
+
+    /// Like [`connect`](DurableQueue::connect) with an explicit visibility timeout (how long a
+    /// claimed job may go without a heartbeat before another worker may run it) and outcome
+    /// retention.
+    pub async fn connect_with(
+        url: &str,
+        name: &str,
+        visibility: Duration,
+        retention: Duration,
+    ) -> Result<Self, LockError> {
+        if name.is_empty()
+            || name
+                .chars()
+                .any(|c| matches!(c, '{' | '}') || c.is_whitespace())
+        {
+            return Err(LockError::invalid_key(
+                "queue name must be non-empty, without braces or whitespace",
+            ));
+        }
+        let command_timeout = Duration::from_secs(1);
+        let client = redis::Client::open(url).map_err(|e| redis_err("url", e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(command_timeout))
+            .set_response_timeout(Some(command_timeout))
+            .set_number_of_retries(2);
+        let conn = tokio::time::timeout(
+            command_timeout * 2,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| LockError::unavailable("job queue connect timed out", None))?
+        .map_err(|e| redis_err("connect", e))?;
+        Ok(DurableQueue {
+            inner: Arc::new(QueueInner {
+                name: name.to_owned(),
+                conn,
+                base: format!("dlock:{{jobs:{name}}}"),
+                visibility: visibility.max(Duration::from_millis(100)),
+                retention,
+                limits: QueueLimits::default(),
+                command_timeout,
+                enqueue: Script::new(ENQUEUE),
+                claim: Script::new(CLAIM),
+                retry: Script::new(RETRY),
+                ack: Script::new(ACK),
+                heartbeat: Script::new(HEARTBEAT),
+                requeue: Script::new(REQUEUE),
+            }),
+        })
+    }
+
+    /// This queue with other bounds: the most jobs queued or running, and how long and how
+    /// many dead letters are kept. Every instance should use the same limits; each enforces its
+    /// own when it enqueues (the bound) or claims (dead-letter clean-up).
+    pub fn with_limits(self, limits: QueueLimits) -> Self {
+        let mut inner = Arc::unwrap_or_clone(self.inner);
+        inner.limits = limits;
+        DurableQueue {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The queue's bounds.
+    pub fn limits(&self) -> &QueueLimits {
+        &self.inner.limits
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The visibility timeout.
+    pub fn visibility_timeout(&self) -> Duration {
+        self.inner.visibility
+    }
+
+    fn key(&self, suffix: &str) -> String {
+        format!("{}:{suffix}", self.inner.base)
+    }
+
+    async fn deadline<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
+        match tokio::time::timeout(self.inner.command_timeout, fut).await {
+            Ok(r) => r.map_err(|e| redis_err(what, e)),
+            Err(_) => Err(LockError::unavailable(
+                format!("job queue {what} timed out"),
+                None,
+            )),
+        }
+    }
+
+    /// Queues `job` to run after `delay` under `policy` (its lock held with lease `ttl`).
+    /// Returns the job id, or [`LockError::QueueFull`] when the queue holds
+    /// [`QueueLimits::max_queued`] jobs already.
+    pub async fn enqueue<J: Job>(
+        &self,
+        job: &J,
+        policy: &DeferPolicy,
+        ttl: Duration,
+        delay: Duration,
+    ) -> Result<String, LockError> {
+        let key = job.lock_key()?;
+        let env = Envelope {
+            kind: J::NAME.to_owned(),
+            data: serde_json::to_value(job).map_err(|e| {
+                LockError::unavailable(
+                    format!("job {} does not serialize", J::NAME),
+                    Some(Box::new(e)),
+                )
+            })?,
+            key: key.as_str().to_owned(),
+            max_attempts: policy.max_attempts,
+            delay_ms: millis(policy.delay),
+            max_delay_ms: millis(policy.max_delay),
+            ttl_ms: millis(crate::locker::validate_ttl(ttl)?),
+        };
+        let payload = serde_json::to_string(&env).expect("an envelope of JSON values serializes");
+        self.enqueue_raw(&payload, &key, delay).await
+    }
+
+    async fn enqueue_raw(
+        &self,
+        payload: &str,
+        key: &LockKey,
+        delay: Duration,
+    ) -> Result<String, LockError> {
+        let id = new_job_id();
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.enqueue.prepare_invoke();
+        inv.key(self.key("due"))
+            .key(self.key("inflight"))
+            .key(self.key("jobs"))
+            .arg(&id)
+            .arg(payload)
+            .arg(millis(delay))
+            .arg(self.inner.limits.max_queued);
+        let queued: i64 = self
+            .deadline("enqueue", inv.invoke_async(&mut conn))
+            .await?;
+        if queued == 0 {
+            tracing::warn!(
+                target: "dlock::defer",
+                event = "full",
+                queue = "redis",
+                name = %self.inner.name,
+                key = %key.as_str(),
+                max_queued = self.inner.limits.max_queued,
+            );
+            return Err(LockError::queue_full(key.as_str(), &self.inner.name));
+        }
+        event("deferred", &JobInfo::new(id.clone(), key.as_str(), 0));
+        Ok(id)
+    }
+
+    /// Runs `job` now if its lock is free; otherwise queues it (first attempt after the
+    /// policy's delay) and says so.
+    pub async fn submit<J: Job>(
+        &self,
+        locker: &Locker,
+        job: J,
+        policy: &DeferPolicy,
+        ttl: Duration,
+    ) -> Result<Submitted, LockError> {
+        let key = job.lock_key()?;
+        match locker.lock(key.clone()).ttl(ttl).try_acquire().await? {
+            Some(guard) => {
+                let ctx = JobContext {
+                    job_id: String::new(),
+                    attempt: 0,
+                    fencing_token: guard.fencing_token(),
+                    key: key.as_str().to_owned(),
+                    state: None,
+                    result: Arc::default(),
+                };
+                let out = crate::with_lock(&guard, job.run(ctx)).await;
+                let _ = guard.release().await;
+                Ok(Submitted::Ran(out))
+            }
+            None => {
+                let id = self.enqueue(&job, policy, ttl, policy.backoff(1)).await?;
+                Ok(Submitted::Deferred(id))
+            }
+        }
+    }
+
+    /// Where job `id` stands.
+    pub async fn status(&self, id: &str) -> Result<JobStatus, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let (due, inflight, dead, outcome): (
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<String>,
+        ) = self
+            .deadline(
+                "status",
+                redis::pipe()
+                    .zscore(self.key("due"), id)
+                    .zscore(self.key("inflight"), id)
+                    .zscore(self.key("dead"), id)
+                    .get(self.key(&format!("status:{id}")))
+                    .query_async(&mut conn),
+            )
+            .await?;
+        Ok(if inflight.is_some() {
+            JobStatus::Running
+        } else if due.is_some() {
+            JobStatus::Queued
+        } else if dead.is_some() {
+            JobStatus::Dead
+        } else if let Some(o) = outcome {
+            JobStatus::Completed {
+                result: (!o.is_empty()).then_some(o),
+            }
+        } else {
+            JobStatus::Unknown
+        })
+    }
+
+    /// How many jobs are queued or running.
+    pub async fn len(&self) -> Result<usize, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let (a, b): (usize, usize) = self
+            .deadline(
+                "len",
+                redis::pipe()
+                    .zcard(self.key("due"))
+                    .zcard(self.key("inflight"))
+                    .query_async(&mut conn),
+            )
+            .await?;
+        Ok(a + b)
+    }
+
+    /// Whether no job is queued or running.
+    pub async fn is_empty(&self) -> Result<bool, LockError> {
+        Ok(self.len().await? == 0)
+    }
+
+    /// The dead-letter set, oldest first, each with the reason it was dead-lettered.
+    pub async fn dead_letters(&self) -> Result<Vec<JobInfo>, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let ids: Vec<String> = self
+            .deadline(
+                "dead letters",
+                redis::cmd("ZRANGE")
+                    .arg(self.key("dead"))
+                    .arg(0)
+                    .arg(-1)
+                    .query_async(&mut conn),
+            )
+            .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let (payload, attempts, reason): (Option<String>, Option<u32>, Option<String>) = self
+                .deadline(
+                    "dead letter",
+                    redis::pipe()
+                        .hget(self.key("jobs"), &id)
+                        .hget(self.key("attempts"), &id)
+                        .hget(self.key("reasons"), &id)
+                        .query_async(&mut conn),
+                )
+                .await?;
+            let key = payload
+                .and_then(|p| serde_json::from_str::<Envelope>(&p).ok())
+                .map(|e| e.key)
+                .unwrap_or_default();
+            let mut info = JobInfo::new(id, key, attempts.unwrap_or(0));
+            info.reason = reason;
+            out.push(info);
+        }
+        Ok(out)
+    }
+
+    /// Puts a dead-lettered job back with a fresh attempt budget, due now. `false` if it is not
+    /// in the dead-letter set.
+    pub async fn requeue(&self, id: &str) -> Result<bool, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.requeue.prepare_invoke();
+        inv.key(self.key("dead"))
+            .key(self.key("due"))
+            .key(self.key("attempts"))
+            .key(self.key("reasons"))
+            .arg(id);
+        let n: i64 = self
+            .deadline("requeue", inv.invoke_async(&mut conn))
+            .await?;
+        if n == 1 {
+            event("requeued", &JobInfo::new(id, "", 0));
+        }
+        Ok(n == 1)
+    }
+
+    pub(super) async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.claim.prepare_invoke();
+        let limits = &self.inner.limits;
+        inv.key(self.key("due"))
+            .key(self.key("inflight"))
+            .key(self.key("attempts"))
+            .key(self.key("jobs"))
+            .key(self.key("claims"))
+            .key(self.key("dead"))
+            .key(self.key("reasons"))
+            .arg(millis(self.inner.visibility))
+            .arg(batch)
+            // Unique per claim call (128 random bits); the script appends the job's position.
+            .arg(crate::backend::OwnerToken::generate().as_str())
+            .arg(millis(limits.dead_letter_retention))
+            .arg(limits.max_dead_letters);
+        let flat: Vec<String> = self.deadline("claim", inv.invoke_async(&mut conn)).await?;
+        Ok(flat
+            .chunks_exact(4)
+            .map(|c| Claimed {
+                id: c[0].clone(),
+                payload: c[1].clone(),
+                attempt: c[2].parse().unwrap_or(1),
+                token: c[3].clone(),
+            })
+            .collect())
+    }
+
+    /// Pushes the claim's deadline forward; `false` when the claim is no longer this one.
+    pub(super) async fn heartbeat(&self, claim: &Claimed) -> Result<bool, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.heartbeat.prepare_invoke();
+        inv.key(self.key("inflight"))
+            .key(self.key("claims"))
+            .arg(millis(self.inner.visibility))
+            .arg(&claim.id)
+            .arg(&claim.token);
+        let n: i64 = self
+            .deadline("heartbeat", inv.invoke_async(&mut conn))
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Puts a claimed job back after `delay`, or dead-letters it (with `reason`) when it used
+    /// up `max_attempts`.
+    pub(super) async fn retry(
+        &self,
+        claim: &Claimed,
+        delay: Duration,
+        max_attempts: u32,
+        reason: &str,
+    ) -> Result<Retried, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.retry.prepare_invoke();
+        inv.key(self.key("inflight"))
+            .key(self.key("due"))
+            .key(self.key("dead"))
+            .key(self.key("attempts"))
+            .key(self.key("claims"))
+            .key(self.key("reasons"))
+            .arg(&claim.id)
+            .arg(&claim.token)
+            .arg(millis(delay))
+            .arg(max_attempts)
+            .arg(reason);
+        let n: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
+        Ok(match n {
+            1 => Retried::DeadLettered,
+            0 => Retried::Requeued,
+            _ => Retried::Stale,
+        })
+    }
+
+    /// Completes a claimed job and records its outcome for the retention period; `false` when
+    /// the claim is no longer this one (nothing changed).
+    pub(super) async fn ack(&self, claim: &Claimed, result: &str) -> Result<bool, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.ack.prepare_invoke();
+        inv.key(self.key("inflight"))
+            .key(self.key("jobs"))
+            .key(self.key("attempts"))
+            .key(self.key(&format!("status:{}", claim.id)))
+            .key(self.key("claims"))
+            .arg(&claim.id)
+            .arg(result)
+            .arg(millis(self.inner.retention).max(1))
+            .arg(&claim.token);
+        let n: i64 = self.deadline("ack", inv.invoke_async(&mut conn)).await?;
+        Ok(n == 1)
+    }
+}

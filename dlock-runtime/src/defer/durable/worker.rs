@@ -1,0 +1,333 @@
+//! [`DurableWorker`]: claims, runs and settles jobs.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt as _;
+
+use super::queue::{Claimed, Retried};
+use super::{event, DurableQueue, Envelope, Job, JobContext, JobError};
+use crate::backend::BoxFuture;
+use crate::defer::{panic_message, DeferPolicy, JobInfo, PermanentFailure};
+use crate::{LockError, LockKey, Locker};
+
+type Runner = Arc<
+    dyn Fn(
+            serde_json::Value,
+            JobContext,
+        ) -> Result<BoxFuture<'static, Result<(), JobError>>, JobError>
+        + Send
+        + Sync,
+>;
+
+/// Runs the jobs of a [`DurableQueue`]: claims due jobs, takes each job's lock (one attempt),
+/// runs it with a heartbeat on its claim, and acknowledges it — or puts it back with backoff.
+/// Run one on every instance of the service.
+///
+/// ```no_run
+/// # use dlock_runtime::defer::{DurableQueue, DurableWorker, Job, JobContext, JobError};
+/// # #[derive(serde::Serialize, serde::Deserialize)] struct SendInvoice;
+/// # impl Job for SendInvoice { const NAME: &'static str = "x";
+/// #   fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> { dlock_runtime::LockKey::new("x") }
+/// #   async fn run(self, _: JobContext) -> Result<(), JobError> { Ok(()) } }
+/// # async fn f(queue: DurableQueue, locker: dlock_runtime::Locker) {
+/// let worker = DurableWorker::new(queue, locker).register::<SendInvoice>();
+/// let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+/// // ... call `stop.notify_one()` on shutdown (e.g. from a signal handler) ...
+/// worker.run_until(stop.notified()).await;
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct DurableWorker {
+    queue: DurableQueue,
+    locker: Locker,
+    runners: HashMap<&'static str, Runner>,
+    state: Option<Arc<dyn Any + Send + Sync>>,
+    batch: usize,
+    poll: Duration,
+}
+
+impl fmt::Debug for DurableWorker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DurableWorker")
+            .field("queue", &self.queue)
+            .field("jobs", &self.runners.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DurableWorker {
+    /// A worker for `queue` taking locks with `locker`. Defaults: batch 16, idle poll 100 ms.
+    pub fn new(queue: DurableQueue, locker: Locker) -> Self {
+        DurableWorker {
+            queue,
+            locker,
+            runners: HashMap::new(),
+            state: None,
+            batch: 16,
+            poll: Duration::from_millis(100),
+        }
+    }
+
+    /// Teaches the worker job type `J`.
+    pub fn register<J: Job>(mut self) -> Self {
+        let runner: Runner = Arc::new(|data, ctx| {
+            let job: J = serde_json::from_value(data)?;
+            Ok(Box::pin(job.run(ctx)))
+        });
+        self.runners.insert(J::NAME, runner);
+        self
+    }
+
+    /// Shared state handed to every job ([`JobContext::state`]).
+    pub fn state<S: Clone + Send + Sync + 'static>(mut self, state: S) -> Self {
+        self.state = Some(Arc::new(state));
+        self
+    }
+
+    /// How many jobs one claim takes (and runs concurrently).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+
+    /// How long to wait when no job is due.
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll = d;
+        self
+    }
+
+    /// Claims one batch and runs it to the end. Returns how many jobs were claimed.
+    ///
+    /// A job that panics does not take the batch (or the worker) down: the panic is caught,
+    /// logged with the job's id, and counts as a failed attempt.
+    pub async fn run_once(&self) -> Result<usize, LockError> {
+        let claimed = self.queue.claim(self.batch).await?;
+        let n = claimed.len();
+        futures_util::future::join_all(claimed.into_iter().map(|c| self.process(c))).await;
+        Ok(n)
+    }
+
+    /// Runs batches until `shutdown` resolves; the batch in progress is finished first.
+    pub async fn run_until(&self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        loop {
+            let idle = match self.run_once().await {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => {
+                    tracing::warn!(error = %e, queue = %self.queue.name(), "dlock job worker: claim failed");
+                    true
+                }
+            };
+            if idle {
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = tokio::time::sleep(self.poll) => {}
+                }
+            } else if futures_util::FutureExt::now_or_never(&mut shutdown).is_some() {
+                return;
+            }
+        }
+    }
+
+    /// Puts a claimed job back with backoff (or dead-letters it with `reason` when it used up
+    /// its attempts) and says which.
+    async fn put_back(&self, claim: &Claimed, info: &JobInfo, policy: &DeferPolicy, reason: &str) {
+        self.finish_failed(
+            claim,
+            info,
+            policy.backoff(claim.attempt),
+            policy.max_attempts,
+            reason,
+        )
+        .await;
+    }
+
+    /// Dead-letters a claimed job at once, with `reason`.
+    async fn dead_letter(&self, claim: &Claimed, info: &JobInfo, reason: &str) {
+        tracing::error!(
+            target: "dlock::defer",
+            event = "failed",
+            queue = "redis",
+            job_id = %claim.id,
+            reason,
+            "dlock job worker: the job cannot run; dead-lettering it"
+        );
+        self.finish_failed(claim, info, Duration::ZERO, 0, reason)
+            .await;
+    }
+
+    async fn finish_failed(
+        &self,
+        claim: &Claimed,
+        info: &JobInfo,
+        delay: Duration,
+        max_attempts: u32,
+        reason: &str,
+    ) {
+        match self.queue.retry(claim, delay, max_attempts, reason).await {
+            Ok(Retried::DeadLettered) => event("dead_lettered", info),
+            Ok(Retried::Requeued) => event("retried", info),
+            Ok(Retried::Stale) => tracing::warn!(
+                job_id = %claim.id,
+                "dlock job worker: the job's claim was taken over; leaving it to its new worker"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: retry failed; the claim will expire")
+            }
+        }
+    }
+
+    async fn process(&self, claim: Claimed) {
+        let info = |key: &str| JobInfo::new(claim.id.clone(), key, claim.attempt);
+        let env: Envelope = match serde_json::from_str(&claim.payload) {
+            Ok(e) => e,
+            Err(e) => {
+                let reason = format!("the stored job does not decode: {e}");
+                self.dead_letter(&claim, &info(""), &reason).await;
+                return;
+            }
+        };
+        let policy = env.policy();
+        let Some(runner) = self.runners.get(env.kind.as_str()).cloned() else {
+            // Another instance may know this type: put it back for them.
+            tracing::warn!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
+            let reason = format!("no worker knows the job type `{}`", env.kind);
+            self.put_back(&claim, &info(&env.key), &policy, &reason)
+                .await;
+            return;
+        };
+        // The stored key is already encoded: take it as is.
+        let key = match LockKey::from_encoded(&env.key) {
+            Ok(k) => k,
+            Err(e) => {
+                let reason = format!("the stored lock key is invalid: {e}");
+                self.dead_letter(&claim, &info(&env.key), &reason).await;
+                return;
+            }
+        };
+        let ttl = Duration::from_millis(env.ttl_ms);
+        let guard = match self.locker.lock(key).ttl(ttl).try_acquire().await {
+            Ok(Some(g)) => g,
+            Ok(None) => {
+                let reason = format!("its lock was still busy after {} attempts", claim.attempt);
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+                return;
+            }
+            Err(e) => {
+                let reason = format!("its lock could not be taken: {e}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+                return;
+            }
+        };
+        let result = Arc::new(std::sync::Mutex::new(None));
+        let ctx = JobContext {
+            job_id: claim.id.clone(),
+            attempt: claim.attempt,
+            fencing_token: guard.fencing_token(),
+            key: env.key.clone(),
+            state: self.state.clone(),
+            result: result.clone(),
+        };
+        // Decoding runs the job type's own `Deserialize`: it may panic too.
+        let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            runner(env.data, ctx)
+        })) {
+            Ok(Ok(fut)) => fut,
+            Ok(Err(e)) => {
+                let _ = guard.release().await;
+                let reason = format!("the job's data does not decode: {e}");
+                self.dead_letter(&claim, &info(&env.key), &reason).await;
+                return;
+            }
+            Err(panic) => {
+                let _ = guard.release().await;
+                let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+                return;
+            }
+        };
+        // Keep the claim alive while the job runs; stop the job if the claim is taken over.
+        let beat = self.queue.inner.visibility / 3;
+        let outcome = {
+            let work = std::panic::AssertUnwindSafe(crate::with_lock(&guard, run)).catch_unwind();
+            tokio::pin!(work);
+            loop {
+                tokio::select! {
+                    out = &mut work => break Some(out),
+                    _ = tokio::time::sleep(beat) => match self.queue.heartbeat(&claim).await {
+                        Ok(true) => {}
+                        Ok(false) => break None,
+                        Err(e) => tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: heartbeat failed"),
+                    },
+                }
+            }
+        };
+        let _ = guard.release().await;
+        let Some(outcome) = outcome else {
+            tracing::warn!(
+                target: "dlock::defer",
+                event = "abandoned",
+                queue = "redis",
+                job_id = %claim.id,
+                attempt = claim.attempt,
+                "dlock job worker: the job's claim expired and was taken over (this worker \
+                 stalled past the visibility timeout); stopped working on it"
+            );
+            return;
+        };
+        match outcome {
+            Ok(Ok(())) => {
+                let recorded = result
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+                    .unwrap_or_default();
+                match self.queue.ack(&claim, &recorded).await {
+                    Ok(true) => event("completed", &info(&env.key)),
+                    Ok(false) => tracing::warn!(
+                        job_id = %claim.id,
+                        "dlock job worker: the job ran, but its claim had been taken over; not acknowledged"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed; the job may run again")
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                if let Some(permanent) = e.downcast_ref::<PermanentFailure>() {
+                    self.dead_letter(&claim, &info(&env.key), permanent.reason())
+                        .await;
+                    return;
+                }
+                tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %claim.id, error = %e);
+                let reason = format!("the job failed: {e}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+            }
+            Err(panic) => {
+                let message = panic_message(&*panic);
+                tracing::error!(
+                    target: "dlock::defer",
+                    event = "failed",
+                    queue = "redis",
+                    job_id = %claim.id,
+                    attempt = claim.attempt,
+                    panic = %message,
+                    "dlock job worker: the job panicked"
+                );
+                let reason = format!("the job panicked: {message}");
+                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+            }
+        }
+    }
+}

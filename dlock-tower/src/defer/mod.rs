@@ -1,0 +1,158 @@
+//! Defer per request (feature `defer`): when a request's lock is busy, answer `202 Accepted` at once and run the
+//! request later, when the lock frees — durably, through the runtime's Redis job queue.
+//!
+//! [`DeferLayer`] takes the request's lock like [`DistributedLockLayer`](crate::DistributedLockLayer)
+//! (one attempt). If the lock is free it calls the inner service under the lock. If it is busy it
+//! stores the request — method, URI, headers (minus hop-by-hop ones) and body (up to a limit;
+//! larger is `413`) — as a job in a [`DurableQueue`] and answers
+//!
+//! ```text
+//! 202 Accepted
+//! Location: <status path>/<job id>
+//! Content-Type: application/json
+//!
+//! {"status":202,"title":"Accepted","job_id":"…","status_url":"<status path>/<job id>"}
+//! ```
+//!
+//! A request without a key gets `400` ([`MissingKey::Reject`](crate::MissingKey), the default)
+//! or passes through without a lock ([`MissingKey::PassThrough`](crate::MissingKey)); when the
+//! lock backend is down the layer answers `503` ([`FailMode::Closed`](crate::FailMode), the
+//! default) or calls the service without a lock ([`FailMode::Open`](crate::FailMode)) — the same
+//! setters and defaults as [`DistributedLockLayer`](crate::DistributedLockLayer).
+//!
+//! A [`replay_worker`] — one per instance, like any [`DurableWorker`](dlock_runtime::defer::DurableWorker) — claims the job when it is
+//! due, takes the same lock, and replays the request through the service you give it, which must
+//! be the application **without** the `DeferLayer` (the worker already holds the lock; going
+//! through the layer again would find it busy). The response status is recorded as the job's
+//! result; [`status_response`] serves it (for the queue's retention period) at the status path.
+//! A busy lock on replay defers the job again with the policy's backoff, up to its attempts,
+//! then dead-letters it. A replay whose response is a 5xx still counts as run: the handler ran,
+//! and running it again could repeat its effects.
+//!
+//! Delivery is at least once (see `dlock_runtime::defer`'s durable queue): a replay can run
+//! twice if its worker dies mid-request, so the handler should fence its writes with the
+//! [`LockInfo`](dlock_runtime::LockInfo) it finds in the request extensions.
+//!
+//! Credentials are not stored by default: `Authorization`, `Cookie` and `Proxy-Authorization`
+//! are left out of the stored request (so the replay runs without them) unless you opt a header
+//! in by name with [`DeferLayer::store_header`] — it then sits in your Redis for as long as the
+//! job lives (a dead letter for the queue's dead-letter retention, 7 days by default). List
+//! other headers that must not be stored with [`DeferLayer::exclude_header`].
+//!
+//! The queue is bounded ([`QueueLimits::max_queued`](dlock_runtime::defer::QueueLimits)): when it
+//! is full, a busy request gets `503 Service Unavailable` with `Retry-After` (problem type
+//! `urn:dlock:problem:defer-queue-full`) and nothing already queued is lost. A stored request
+//! that cannot be rebuilt (corrupt data) is dead-lettered at once with the reason.
+
+use std::time::Duration;
+
+use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+use dlock_runtime::Locker;
+use http::{header, HeaderName};
+
+use crate::{FailMode, MissingKey};
+
+mod future;
+mod layer;
+mod replay;
+mod service;
+
+pub use self::future::ResponseFuture;
+pub use self::layer::DeferLayer;
+pub use self::replay::{replay_worker, status_response, ReplayRequest, Replayer};
+pub use self::service::Defer;
+
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Headers that carry credentials: never stored unless opted in with
+/// [`DeferLayer::store_header`].
+const CREDENTIALS: [HeaderName; 3] = [
+    header::AUTHORIZATION,
+    header::COOKIE,
+    header::PROXY_AUTHORIZATION,
+];
+
+/// Configuration shared by the layer and every service and future it makes.
+#[derive(Clone, Debug)]
+pub(crate) struct Shared {
+    pub(crate) locker: Locker,
+    pub(crate) queue: DurableQueue,
+    pub(crate) policy: DeferPolicy,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) fail_mode: FailMode,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) status_path: String,
+    pub(crate) body_limit: usize,
+    pub(crate) excluded: Vec<HeaderName>,
+    pub(crate) stored_credentials: Vec<HeaderName>,
+}
+
+impl Shared {
+    pub(crate) fn new(locker: Locker, queue: DurableQueue) -> Self {
+        Shared {
+            locker,
+            queue,
+            policy: DeferPolicy::default(),
+            ttl: None,
+            fail_mode: FailMode::default(),
+            missing_key: MissingKey::default(),
+            status_path: "/jobs".to_owned(),
+            body_limit: 1 << 20,
+            excluded: Vec::new(),
+            stored_credentials: Vec::new(),
+        }
+    }
+
+    /// The lease of each request's lock (and of its replay).
+    pub(crate) fn ttl(&self) -> Duration {
+        self.ttl.unwrap_or_else(|| self.locker.default_ttl())
+    }
+
+    pub(crate) fn stores(&self, name: &HeaderName) -> bool {
+        stores(name, &self.excluded, &self.stored_credentials)
+    }
+}
+
+/// Whether header `name` goes into a stored request: not hop-by-hop, not excluded, and not a
+/// credential unless opted in.
+fn stores(name: &HeaderName, excluded: &[HeaderName], opted_in: &[HeaderName]) -> bool {
+    !HOP_BY_HOP.contains(&name.as_str())
+        && !excluded.contains(name)
+        && (!CREDENTIALS.contains(name) || opted_in.contains(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_not_stored_unless_opted_in_by_name() {
+        let excluded = [HeaderName::from_static("x-secret")];
+        let none: [HeaderName; 0] = [];
+        for name in [
+            header::AUTHORIZATION,
+            header::COOKIE,
+            header::PROXY_AUTHORIZATION,
+        ] {
+            assert!(!stores(&name, &excluded, &none), "{name} stored by default");
+        }
+        assert!(stores(&header::CONTENT_TYPE, &excluded, &none));
+        assert!(!stores(
+            &HeaderName::from_static("x-secret"),
+            &excluded,
+            &none
+        ));
+        assert!(!stores(&header::CONNECTION, &excluded, &none));
+        let opted = [header::AUTHORIZATION];
+        assert!(stores(&header::AUTHORIZATION, &excluded, &opted));
+        assert!(!stores(&header::COOKIE, &excluded, &opted));
+    }
+}
