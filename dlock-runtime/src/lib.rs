@@ -54,6 +54,7 @@
 //! |---|---|---|
 //! | `macros` | yes | re-exports `#[distributed_lock]` |
 //! | `redis` | yes | the Redis and Redlock backends |
+//! | `conformance` | no | [`conformance`]: the backend conformance suite, for a `Backend` of your own (`conformance_tests!`) |
 //! | `durable` | no | the durable Redis job queue, [`defer::DurableQueue`] (implies `redis`, adds serde) |
 //! | `tls` | no | `rediss://` |
 //! | `axum` | no | `impl IntoResponse for LockError` |
@@ -62,6 +63,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
 mod context;
 pub mod defer;
 mod engine;

@@ -1,8 +1,7 @@
-//! Test support for dlock: real `redis-server` processes ([`redis_server`]), the shared
-//! backend conformance suite ([`conformance`]) and a durable job type for the defer tests
-//! ([`jobs`]).
+//! Test support for dlock: real `redis-server` processes ([`redis_server`]) and durable job
+//! types for the defer tests ([`jobs`]). The backend conformance suite is public in
+//! `dlock_runtime::conformance` (feature `conformance`).
 
-pub mod conformance;
 pub mod jobs;
 pub mod redis_server;
 

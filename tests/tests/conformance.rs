@@ -2,7 +2,7 @@
 //! fresh store (for Redis: a fresh `redis-server` on a free port).
 
 use dlock_runtime::backend::MemoryBackend;
-use dlock_tests::conformance::Store;
+use dlock_runtime::conformance::Store;
 use dlock_tests::RedisServer;
 
 fn memory_store() -> ((), Store) {
@@ -30,6 +30,7 @@ fn memory() -> Store {
             Box::pin(async {})
         }),
         fifo: true,
+        idempotency: true,
     }
 }
 
@@ -56,13 +57,14 @@ fn redis(server: &RedisServer) -> Store {
             })
         }),
         fifo: true,
+        idempotency: true,
     }
 }
 
 mod memory {
-    dlock_tests::conformance_tests!(super::memory_store);
+    dlock_runtime::conformance_tests!(super::memory_store);
 }
 
 mod redis {
-    dlock_tests::conformance_tests!(super::redis_store);
+    dlock_runtime::conformance_tests!(super::redis_store);
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::backend::{RedlockBackend, RedlockOptions};
+use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::conformance::Store;
 use dlock_tests::redis_server::{start_many, RedisServer};
 
 const NODES: usize = 5;
@@ -61,6 +61,7 @@ fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
             })
         }),
         fifo: false,
+        idempotency: false,
     }
 }
 
@@ -71,7 +72,7 @@ fn redlock_store() -> (Arc<Vec<RedisServer>>, Store) {
 }
 
 mod conformance {
-    dlock_tests::conformance_tests!(super::redlock_store);
+    dlock_runtime::conformance_tests!(super::redlock_store);
 }
 
 /// Waits (bounded) until no node holds the lock key: commands still queued on a node's

@@ -1,81 +1,12 @@
-//! The one conformance suite every backend must pass (memory, Redis, later Redlock).
-//!
-//! A backend's test file builds a [`Store`] — a way to make independent [`Locker`]s over the
-//! same lock store (as separate service instances would have) and a way to take a lock away
-//! behind its holder's back — and calls [`run_all`] or the individual checks.
-//!
-//! Timing: the checks wait for *events* (a guard reported lost, a waiter counted as queued, a
-//! task finishing) and use wall-clock bounds only where time passing is the behaviour under
-//! test (leases, expiry, "woken by the release rather than by its backoff").
+//! The lock checks.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, Locker, LockerBuilder, OnFail, RetryPolicy};
-
-/// A boxed future.
-pub type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-/// How the suite reaches one lock store.
-pub struct Store {
-    /// Name for messages.
-    pub name: &'static str,
-    /// A new, independent locker over the shared store, configured from `builder`.
-    pub locker: Box<dyn Fn(LockerBuilder) -> BoxFut<Locker> + Send + Sync>,
-    /// Deletes the lock named by the resource string (`<prefix>:{<key>}`) whoever holds it.
-    pub break_lock: Box<dyn Fn(String) -> BoxFut<()> + Send + Sync>,
-    /// Whether the backend serves waiters in strict arrival order. Redlock does not (its
-    /// waiters barge, see `dlock_runtime::backend::redlock`); for it the ordering check only
-    /// requires that every waiter is served.
-    pub fifo: bool,
-}
-
-static UNIQUE: AtomicU64 = AtomicU64::new(0);
-
-/// A key no other check uses.
-pub fn unique_key(what: &str) -> String {
-    format!(
-        "conf:{what}:{}:{}",
-        std::process::id(),
-        UNIQUE.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-impl Store {
-    async fn pair(&self) -> (Locker, Locker) {
-        (
-            (self.locker)(Locker::builder()).await,
-            (self.locker)(Locker::builder()).await,
-        )
-    }
-}
-
-async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < limit, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// Retries `try_acquire` until it succeeds or `limit` passes; returns how long it took.
-async fn free_within(locker: &Locker, key: &str, limit: Duration) -> Duration {
-    let start = Instant::now();
-    loop {
-        if let Some(g) = locker.lock(key).try_acquire().await.expect("try_acquire") {
-            g.release().await.expect("release");
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < limit,
-            "`{key}` still held after {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
+use super::{free_within, unique_key, wait_until, Store};
+use crate::{LockError, Locker, OnFail, RetryPolicy};
 
 /// Mutual exclusion: 2 lockers × 8 tasks × 25 rounds of a non-atomic read-modify-write; the
 /// counter ends exact and no two tasks are ever inside at once.
@@ -261,7 +192,7 @@ pub async fn loss_is_reported(store: &Store) {
     let key = unique_key("loss");
     let ttl = Duration::from_millis(1500);
     let g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
-    let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+    let resource = a.resource(crate::LockKey::new(&key).unwrap());
     (store.break_lock)(resource.as_str().to_owned()).await;
     let start = Instant::now();
     // One renewal interval (500 ms) plus slack, still well inside the 1.5 s lease.
@@ -633,62 +564,4 @@ pub async fn extend_reschedules_the_watchdog(store: &Store) {
     g.release()
         .await
         .expect("still ours after 6 shortened leases");
-}
-
-/// Runs every check.
-pub async fn run_all(store: &Store) {
-    mutual_exclusion(store).await;
-    owner_checked_release_and_extend(store).await;
-    fencing_tokens_increase(store).await;
-    watchdog_holds_past_ttl(store).await;
-    loss_is_reported(store).await;
-    release_wakes_waiter(store).await;
-    waiters_are_served_in_order(store).await;
-    dead_waiters_leave_the_queue(store).await;
-    vanished_holder_expires(store).await;
-    drop_releases(store).await;
-    reject_and_timeout_errors(store).await;
-    cancelled_acquires_leave_no_lock(store).await;
-    extend_can_shorten_the_lease(store).await;
-    extend_reschedules_the_watchdog(store).await;
-}
-
-/// Generates one `#[tokio::test]` per conformance check. `$make` is a function returning
-/// `(keep_alive, Store)`: whatever must live for the test (e.g. the `RedisServer`s) and the
-/// store. Use it inside a module per backend:
-///
-/// ```ignore
-/// mod redis {
-///     dlock_tests::conformance_tests!(super::redis_store);
-/// }
-/// ```
-#[macro_export]
-macro_rules! conformance_tests {
-    ($make:path) => {
-        $crate::conformance_tests!(@each $make;
-            mutual_exclusion,
-            owner_checked_release_and_extend,
-            fencing_tokens_increase,
-            watchdog_holds_past_ttl,
-            loss_is_reported,
-            release_wakes_waiter,
-            waiters_are_served_in_order,
-            dead_waiters_leave_the_queue,
-            vanished_holder_expires,
-            drop_releases,
-            reject_and_timeout_errors,
-            cancelled_acquires_leave_no_lock,
-            extend_can_shorten_the_lease,
-            extend_reschedules_the_watchdog,
-        );
-    };
-    (@each $make:path; $($check:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $check() {
-                let (_keep_alive, store) = $make();
-                $crate::conformance::$check(&store).await;
-            }
-        )*
-    };
 }

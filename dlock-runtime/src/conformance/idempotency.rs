@@ -1,0 +1,236 @@
+//! The idempotency storage checks ([`IdempotencyStore`](crate::idempotency::IdempotencyStore)),
+//! through the public [`Locker::idempotency`] API.
+
+use std::time::Duration;
+
+use super::{unique_key, Store};
+use crate::idempotency::{Begin, Fingerprint, IdempotentOperation};
+use crate::Locker;
+
+fn fingerprint(what: &str) -> Fingerprint {
+    Fingerprint::builder().field(what).finish()
+}
+
+/// `begin` on a locker whose backend may not store records: `None` (after checking that it
+/// says so with a typed error) when the store is declared without idempotency.
+async fn supported(store: &Store, locker: &Locker) -> bool {
+    if store.idempotency {
+        assert!(
+            locker.supports_idempotency(),
+            "[{}] the store says it keeps idempotency records, the backend says no",
+            store.name
+        );
+        return true;
+    }
+    let err = locker
+        .idempotency("conf:unsupported", fingerprint("x"))
+        .begin()
+        .await
+        .expect_err("a backend without idempotency storage must refuse begin");
+    assert!(err.is_unavailable(), "[{}] {err}", store.name);
+    false
+}
+
+async fn run(store: &Store, locker: &Locker, key: &str, fp: &str) -> IdempotentOperation {
+    match locker
+        .idempotency(key, fingerprint(fp))
+        .ttl(Duration::from_secs(10))
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Run(op) => op,
+        other => panic!("[{}] expected Run for `{key}`, got {other:?}", store.name),
+    }
+}
+
+/// The first attempt runs; after `complete`, an attempt with the same fingerprint — from another
+/// instance — replays the stored bytes exactly, one with another fingerprint is a mismatch, and
+/// fencing tokens increase from one run to the next key's run.
+pub async fn idempotency_runs_once_then_replays(store: &Store) {
+    let (a, b) = store.pair().await;
+    if !supported(store, &a).await {
+        return;
+    }
+    let key = unique_key("idem-replay");
+    let op = run(store, &a, &key, "POST /pay {1}").await;
+    let first_token = op.fencing_token();
+    assert_eq!(op.key(), key);
+    let record: Vec<u8> = (0..=255u8).chain([0, 0, 255]).collect();
+    op.complete(&record).await.expect("complete");
+    for _ in 0..2 {
+        match b
+            .idempotency(key.as_str(), fingerprint("POST /pay {1}"))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::Replay(bytes) => assert_eq!(bytes, record, "[{}] replayed bytes", store.name),
+            other => panic!("[{}] expected Replay, got {other:?}", store.name),
+        }
+    }
+    match b
+        .idempotency(key.as_str(), fingerprint("POST /pay {2}"))
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Mismatch => {}
+        other => panic!("[{}] expected Mismatch, got {other:?}", store.name),
+    }
+    // A lock taken on the same store later carries a larger fencing token.
+    let next = run(store, &b, &unique_key("idem-replay"), "x").await;
+    assert!(
+        next.fencing_token() != first_token,
+        "[{}] fencing token reused",
+        store.name
+    );
+    next.abort().await.expect("abort");
+}
+
+/// While the first attempt runs, another instance's attempt is told it is in progress (with
+/// whether its fingerprint matches and a `Retry-After` within the lease); after `abort` the next
+/// attempt runs again (no record); a record expires after its retention.
+pub async fn idempotency_in_progress_abort_and_expiry(store: &Store) {
+    let (a, b) = store.pair().await;
+    if !supported(store, &a).await {
+        return;
+    }
+    let key = unique_key("idem-progress");
+    let op = run(store, &a, &key, "same").await;
+    for (fp, same) in [("same", true), ("other", false)] {
+        match b
+            .idempotency(key.as_str(), fingerprint(fp))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::InProgress {
+                retry_after,
+                same_fingerprint,
+            } => {
+                assert_eq!(same_fingerprint, same, "[{}] {fp}", store.name);
+                if let Some(r) = retry_after {
+                    assert!(r <= Duration::from_secs(10), "[{}] {r:?}", store.name);
+                }
+            }
+            Begin::Mismatch if !same => {}
+            other => panic!("[{}] expected InProgress, got {other:?}", store.name),
+        }
+    }
+    op.abort().await.expect("abort");
+    // Aborted: no record, the next attempt runs (here with a short retention).
+    let retention = Duration::from_millis(300);
+    let short = match b
+        .idempotency(key.as_str(), fingerprint("same"))
+        .retention(retention)
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Run(op) => op,
+        other => panic!("[{}] expected Run, got {other:?}", store.name),
+    };
+    short.complete(b"done").await.expect("complete");
+    assert!(matches!(
+        a.idempotency(key.as_str(), fingerprint("same"))
+            .begin()
+            .await
+            .expect("begin"),
+        Begin::Replay(_)
+    ));
+    // Time passing is the behaviour under test: poll until the record is gone.
+    let start = std::time::Instant::now();
+    loop {
+        match a
+            .idempotency(key.as_str(), fingerprint("same"))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::Run(op) => {
+                assert!(
+                    start.elapsed() >= retention - Duration::from_millis(50),
+                    "[{}] record gone after {:?}, retention {retention:?}",
+                    store.name,
+                    start.elapsed()
+                );
+                op.abort().await.expect("abort");
+                break;
+            }
+            Begin::Replay(_) => {
+                assert!(
+                    start.elapsed() < retention + Duration::from_secs(5),
+                    "[{}] record outlived its retention",
+                    store.name
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("[{}] expected Run or Replay, got {other:?}", store.name),
+        }
+    }
+}
+
+/// An attempt whose lock expired (its holder vanished) cannot store a record over the next
+/// holder's run: `complete` answers `Lost`, nothing is stored, and the new holder's record is
+/// the one replayed.
+pub async fn idempotency_complete_is_owner_checked(store: &Store) {
+    let (a, b) = store.pair().await;
+    if !supported(store, &a).await {
+        return;
+    }
+    let key = unique_key("idem-owner");
+    let stale = match a
+        .idempotency(key.as_str(), fingerprint("f"))
+        .ttl(Duration::from_millis(200))
+        .auto_renew(false)
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Run(op) => op,
+        other => panic!("[{}] expected Run, got {other:?}", store.name),
+    };
+    // The lease runs out; another instance's attempt runs.
+    let start = std::time::Instant::now();
+    let fresh = loop {
+        match b
+            .idempotency(key.as_str(), fingerprint("f"))
+            .ttl(Duration::from_secs(10))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::Run(op) => break op,
+            Begin::InProgress { .. } => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "[{}] an expired attempt still blocks the key",
+                    store.name
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("[{}] expected Run or InProgress, got {other:?}", store.name),
+        }
+    };
+    assert!(
+        fresh.fencing_token() > stale.fencing_token(),
+        "[{}] fencing token went backwards",
+        store.name
+    );
+    let err = stale
+        .complete(b"stale")
+        .await
+        .expect_err("the stale attempt must not store its record");
+    assert!(err.is_lost(), "[{}] {err}", store.name);
+    fresh.complete(b"fresh").await.expect("complete");
+    match a
+        .idempotency(key.as_str(), fingerprint("f"))
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Replay(bytes) => assert_eq!(bytes, b"fresh", "[{}]", store.name),
+        other => panic!("[{}] expected Replay, got {other:?}", store.name),
+    }
+}

@@ -1,0 +1,214 @@
+//! The conformance suite every backend passes (feature `conformance`): run it on your own
+//! [`Backend`](crate::backend::Backend) with one macro call.
+//!
+//! A backend's test file builds a [`Store`] — a way to make independent [`Locker`]s over the
+//! same lock store (as separate service instances would have) and a way to take a lock away
+//! behind its holder's back — and calls [`conformance_tests!`](crate::conformance_tests), which
+//! generates one `#[test]` per check, or [`run_all`] / the individual checks.
+//!
+//! ```ignore
+//! // tests/conformance.rs of a crate with a backend `MyBackend`
+//! // ([dev-dependencies]: dlock-runtime with feature "conformance")
+//! use dlock_runtime::conformance::Store;
+//!
+//! fn store() -> ((), Store) {
+//!     let shared = MyBackend::new(/* one store, shared by every locker */);
+//!     let for_break = shared.clone();
+//!     let store = Store::new(
+//!         "mine",
+//!         move |builder| {
+//!             let shared = shared.clone();
+//!             Box::pin(async move { builder.try_build(shared).expect("locker") })
+//!         },
+//!         move |resource| {
+//!             let shared = for_break.clone();
+//!             Box::pin(async move { shared.delete_key(&resource).await })
+//!         },
+//!     );
+//!     ((), store)
+//! }
+//!
+//! dlock_runtime::conformance_tests!(store);
+//! ```
+//!
+//! The checks cover locks ([`locks`]: mutual exclusion, owner checks, fencing, watchdog, loss,
+//! fair waiting, expiry, cancellation, extend) and, when the store says the backend stores
+//! idempotency records ([`Store::idempotency`]), the idempotency storage ([`idempotency`]: run,
+//! replay, mismatch, in progress, abort, expiry, owner checks, fencing).
+//!
+//! Timing: the checks wait for *events* (a guard reported lost, a waiter counted as queued, a
+//! task finishing) and use wall-clock bounds only where time passing is the behaviour under
+//! test (leases, expiry, "woken by the release rather than by its backoff").
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::{Locker, LockerBuilder};
+
+pub mod idempotency;
+pub mod locks;
+
+pub use self::idempotency::*;
+pub use self::locks::*;
+
+/// A boxed future.
+pub type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// How the suite reaches one lock store.
+pub struct Store {
+    /// Name for messages.
+    pub name: &'static str,
+    /// A new, independent locker over the shared store, configured from `builder`.
+    pub locker: Box<dyn Fn(LockerBuilder) -> BoxFut<Locker> + Send + Sync>,
+    /// Deletes the lock named by the resource string (`<prefix>:{<key>}`) whoever holds it.
+    pub break_lock: Box<dyn Fn(String) -> BoxFut<()> + Send + Sync>,
+    /// Whether the backend serves waiters in strict arrival order. Redlock does not (its
+    /// waiters barge, see `dlock_runtime::backend::redlock`); for it the ordering check only
+    /// requires that every waiter is served.
+    pub fifo: bool,
+    /// Whether the backend stores idempotency records
+    /// ([`IdempotencyStore`](crate::idempotency::IdempotencyStore)); the idempotency checks
+    /// are skipped for one that does not (and assert that it says so).
+    pub idempotency: bool,
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+/// A key no other check uses.
+pub fn unique_key(what: &str) -> String {
+    format!(
+        "conf:{what}:{}:{}",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Store {
+    /// A store with FIFO waiting and idempotency storage (change the fields for a backend
+    /// without them).
+    pub fn new(
+        name: &'static str,
+        locker: impl Fn(LockerBuilder) -> BoxFut<Locker> + Send + Sync + 'static,
+        break_lock: impl Fn(String) -> BoxFut<()> + Send + Sync + 'static,
+    ) -> Self {
+        Store {
+            name,
+            locker: Box::new(locker),
+            break_lock: Box::new(break_lock),
+            fifo: true,
+            idempotency: true,
+        }
+    }
+
+    pub(crate) async fn pair(&self) -> (Locker, Locker) {
+        (
+            (self.locker)(Locker::builder()).await,
+            (self.locker)(Locker::builder()).await,
+        )
+    }
+}
+
+pub(crate) async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Retries `try_acquire` until it succeeds or `limit` passes; returns how long it took.
+pub(crate) async fn free_within(locker: &Locker, key: &str, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if let Some(g) = locker.lock(key).try_acquire().await.expect("try_acquire") {
+            g.release().await.expect("release");
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "`{key}` still held after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Runs every check.
+pub async fn run_all(store: &Store) {
+    idempotency_runs_once_then_replays(store).await;
+    idempotency_in_progress_abort_and_expiry(store).await;
+    idempotency_complete_is_owner_checked(store).await;
+    mutual_exclusion(store).await;
+    owner_checked_release_and_extend(store).await;
+    fencing_tokens_increase(store).await;
+    watchdog_holds_past_ttl(store).await;
+    loss_is_reported(store).await;
+    release_wakes_waiter(store).await;
+    waiters_are_served_in_order(store).await;
+    dead_waiters_leave_the_queue(store).await;
+    vanished_holder_expires(store).await;
+    drop_releases(store).await;
+    reject_and_timeout_errors(store).await;
+    cancelled_acquires_leave_no_lock(store).await;
+    extend_can_shorten_the_lease(store).await;
+    extend_reschedules_the_watchdog(store).await;
+}
+
+/// Runs `check` on a fresh multi-threaded tokio runtime (2 workers): what each generated test
+/// does.
+#[doc(hidden)]
+pub fn __block_on(check: impl Future<Output = ()>) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the conformance check")
+        .block_on(check);
+}
+
+/// Generates one `#[test]` per conformance check (each on its own multi-threaded tokio
+/// runtime). `$make` is a function returning
+/// `(keep_alive, Store)`: whatever must live for the test (e.g. the `RedisServer`s) and the
+/// store. Use it inside a module per backend:
+///
+/// ```ignore
+/// mod redis {
+///     dlock_runtime::conformance_tests!(super::redis_store);
+/// }
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:path) => {
+        $crate::conformance_tests!(@each $make;
+            mutual_exclusion,
+            owner_checked_release_and_extend,
+            fencing_tokens_increase,
+            watchdog_holds_past_ttl,
+            loss_is_reported,
+            release_wakes_waiter,
+            waiters_are_served_in_order,
+            dead_waiters_leave_the_queue,
+            vanished_holder_expires,
+            drop_releases,
+            reject_and_timeout_errors,
+            cancelled_acquires_leave_no_lock,
+            extend_can_shorten_the_lease,
+            extend_reschedules_the_watchdog,
+            idempotency_runs_once_then_replays,
+            idempotency_in_progress_abort_and_expiry,
+            idempotency_complete_is_owner_checked,
+        );
+    };
+    (@each $make:path; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::__block_on(async {
+                    let (_keep_alive, store) = $make();
+                    $crate::conformance::$check(&store).await;
+                });
+            }
+        )*
+    };
+}
