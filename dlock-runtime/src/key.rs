@@ -160,9 +160,7 @@ impl KeyBuilder {
             let mut short = String::with_capacity(cut + 1 + 64);
             short.push_str(&out[..cut]);
             short.push('#');
-            for b in digest {
-                let _ = write!(short, "{b:02x}");
-            }
+            crate::util::hex_into(&mut short, &digest);
             short
         } else {
             out

@@ -75,6 +75,7 @@ pub mod idempotency;
 pub mod key;
 mod locker;
 mod strategy;
+mod util;
 
 #[doc(hidden)]
 #[path = "private.rs"]

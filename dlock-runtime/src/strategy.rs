@@ -1,7 +1,8 @@
 //! What to do when the lock is held: [`OnFail`] and [`RetryPolicy`].
 
-use std::cell::Cell;
 use std::time::Duration;
+
+use crate::util::{backoff, Jitter};
 
 /// What an acquire does when another owner holds the lock.
 ///
@@ -115,45 +116,13 @@ impl RetryPolicy {
 
     /// The fallback sleep before attempt number `n` (0-based).
     pub(crate) fn backoff_step(&self, n: u32) -> Duration {
-        let cap = self
-            .base
-            .checked_mul(1u32.checked_shl(n.min(20)).unwrap_or(u32::MAX))
-            .unwrap_or(self.max_backoff)
-            .min(self.max_backoff);
-        if self.jitter {
-            let nanos = cap.as_nanos().min(u128::from(u64::MAX)) as u64;
-            Duration::from_nanos(if nanos == 0 {
-                0
-            } else {
-                next_random() % (nanos + 1)
-            })
+        let jitter = if self.jitter {
+            Jitter::Full
         } else {
-            cap
-        }
+            Jitter::None
+        };
+        backoff(self.base, n, self.max_backoff, jitter)
     }
-}
-
-thread_local! {
-    static RNG: Cell<u64> = Cell::new({
-        let mut seed = [0u8; 8];
-        // Jitter needs no secrecy; a fixed odd seed is a fine fallback.
-        if getrandom::fill(&mut seed).is_err() {
-            seed = 0x9E37_79B9_7F4A_7C15u64.to_le_bytes();
-        }
-        u64::from_le_bytes(seed) | 1
-    });
-}
-
-/// xorshift64*: jitter only, never for tokens.
-pub(crate) fn next_random() -> u64 {
-    RNG.with(|c| {
-        let mut x = c.get();
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        c.set(x);
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    })
 }
 
 #[cfg(test)]

@@ -57,14 +57,7 @@ impl OwnerToken {
     /// If the operating system cannot provide randomness (never on supported platforms);
     /// a lock library must not fall back to a weaker source.
     pub fn generate() -> Self {
-        let mut bytes = [0u8; 16];
-        getrandom::fill(&mut bytes).expect("the OS CSPRNG is unavailable");
-        let mut s = String::with_capacity(32);
-        for b in bytes {
-            use std::fmt::Write as _;
-            let _ = write!(s, "{b:02x}");
-        }
-        OwnerToken(s.into())
+        OwnerToken(crate::util::secure_token::<16>().into())
     }
 
     /// The token as sent to the backend.

@@ -85,19 +85,12 @@ impl DeferPolicy {
 
     /// The wait before deferred attempt `attempt` (1-based).
     pub fn backoff(&self, attempt: u32) -> Duration {
-        let step = self
-            .delay
-            .checked_mul(1u32 << attempt.saturating_sub(1).min(20))
-            .unwrap_or(self.max_delay)
-            .min(self.max_delay);
-        let half = step / 2;
-        let nanos = half.as_nanos().min(u128::from(u64::MAX)) as u64;
-        let jitter = if nanos == 0 {
-            0
-        } else {
-            crate::strategy::next_random() % (nanos + 1)
-        };
-        half + Duration::from_nanos(jitter)
+        crate::util::backoff(
+            self.delay,
+            attempt.saturating_sub(1),
+            self.max_delay,
+            crate::util::Jitter::Equal,
+        )
     }
 }
 
@@ -213,7 +206,7 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// A fresh job id: 128 random bits, hex.
 pub(crate) fn new_job_id() -> String {
-    crate::backend::OwnerToken::generate().as_str().to_owned()
+    crate::util::secure_token::<16>()
 }
 
 #[cfg(test)]

@@ -387,7 +387,7 @@ impl DurableQueue {
             .arg(millis(self.inner.visibility))
             .arg(batch)
             // Unique per claim call (128 random bits); the script appends the job's position.
-            .arg(crate::backend::OwnerToken::generate().as_str())
+            .arg(crate::util::secure_token::<16>())
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
         let flat: Vec<String> = self.deadline("claim", inv.invoke_async(&mut conn)).await?;
