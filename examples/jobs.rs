@@ -21,9 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_runtime::defer::{
-    DeferPolicy, DurableQueue, DurableWorker, Job, JobContext, JobError, Submitted,
-};
+use dlock_runtime::durable::{DurableQueue, DurableWorker, Job, JobContext, JobError, Submitted};
+use dlock_runtime::DeferPolicy;
 use dlock_runtime::{distributed_lock, LockError, LockKey, Locker};
 use serde::{Deserialize, Serialize};
 

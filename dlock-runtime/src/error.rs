@@ -71,7 +71,7 @@ pub enum LockError {
         source: Option<BoxError>,
     },
     /// The lock was busy and the work should have been deferred, but the queue already holds
-    /// its configured maximum of jobs ([`QueueLimits::max_queued`](crate::defer::QueueLimits)).
+    /// its configured maximum of jobs (`defer::QueueLimits::max_queued`).
     /// Nothing was queued and nothing already queued was dropped: try again later.
     #[error("lock `{key}` is busy and the defer queue `{queue}` is full")]
     #[non_exhaustive]

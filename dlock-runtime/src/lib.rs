@@ -55,7 +55,7 @@
 //! | `macros` | yes | re-exports `#[distributed_lock]` |
 //! | `redis` | yes | the Redis and Redlock backends |
 //! | `conformance` | no | [`conformance`]: the backend conformance suite, for a `Backend` of your own (`conformance_tests!`) |
-//! | `durable` | no | the durable Redis job queue, [`defer::DurableQueue`] (implies `redis`, adds serde) |
+//! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
 //! | `tls` | no | `rediss://` |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
@@ -68,6 +68,9 @@ pub mod backend;
 pub mod conformance;
 mod context;
 pub mod defer;
+#[cfg(feature = "durable")]
+#[cfg_attr(docsrs, doc(cfg(feature = "durable")))]
+pub mod durable;
 mod engine;
 mod error;
 mod guard;
@@ -89,7 +92,7 @@ pub use locker::{
     default_locker, set_default_locker, IntoLockKey, LockRequest, Locker, LockerBuilder, MAX_TTL,
     MIN_TTL,
 };
-pub use strategy::{OnFail, RetryPolicy};
+pub use strategy::{DeferPolicy, OnFail, RetryPolicy};
 
 #[cfg(feature = "macros")]
 pub use dlock_macros::distributed_lock;

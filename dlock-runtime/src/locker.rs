@@ -553,12 +553,15 @@ impl<'a> LockRequest<'a> {
             }
             Err(_) => {
                 let job_id = locker.inner.defer.push(
-                    locker.clone(),
-                    key.clone(),
-                    ttl,
+                    key.as_str(),
                     policy,
-                    Box::pin(async move {
-                        let _ = work.await;
+                    Box::new(LockedWork {
+                        locker: locker.clone(),
+                        key: key.clone(),
+                        ttl,
+                        work: Box::pin(async move {
+                            let _ = work.await;
+                        }),
                     }),
                 )?;
                 Err(LockError::Deferred {
@@ -567,6 +570,45 @@ impl<'a> LockRequest<'a> {
                 })
             }
         }
+    }
+}
+
+/// Deferred work under its lock: what the in-process [`DeferQueue`](crate::defer::DeferQueue)
+/// attempts when the work's turn comes.
+struct LockedWork {
+    locker: Locker,
+    key: LockKey,
+    ttl: Duration,
+    work: BoxFuture<'static, ()>,
+}
+
+impl crate::defer::DeferredWork for LockedWork {
+    fn attempt(
+        self: Box<Self>,
+    ) -> BoxFuture<'static, Result<(), Box<dyn crate::defer::DeferredWork>>> {
+        Box::pin(async move {
+            let attempt = self
+                .locker
+                .lock(self.key.clone())
+                .ttl(self.ttl)
+                .try_acquire()
+                .await;
+            match attempt {
+                Ok(Some(guard)) => {
+                    let LockedWork { locker, work, .. } = *self;
+                    crate::context::scope(locker.id(), guard.info(), work).await;
+                    if let Err(e) = guard.release().await {
+                        tracing::warn!(error = %e, "dlock: deferred job's lock was not cleanly released");
+                    }
+                    Ok(())
+                }
+                Ok(None) => Err(self as Box<dyn crate::defer::DeferredWork>),
+                Err(e) => {
+                    tracing::debug!(error = %e, "dlock: deferred attempt could not reach the backend");
+                    Err(self as Box<dyn crate::defer::DeferredWork>)
+                }
+            }
+        })
     }
 }
 

@@ -1,4 +1,5 @@
-//! What to do when the lock is held: [`OnFail`] and [`RetryPolicy`].
+//! What to do when the lock is held: [`OnFail`], with [`RetryPolicy`] for waiting and
+//! [`DeferPolicy`] for deferring; both back off with the one backoff in `util`.
 
 use std::time::Duration;
 
@@ -27,8 +28,8 @@ pub enum OnFail {
     /// [`LockError::Deferred`](crate::LockError::Deferred) (HTTP 202) at once; the queue runs it
     /// when the lock is free. Needs the work: use [`LockRequest::run`](crate::LockRequest::run)
     /// or the attribute (`acquire()` has no work to defer and treats this like `Reject`). See
-    /// [`crate::defer`].
-    Defer(crate::defer::DeferPolicy),
+    /// the `defer` module.
+    Defer(DeferPolicy),
 }
 
 impl OnFail {
@@ -45,7 +46,7 @@ impl OnFail {
 
     /// [`OnFail::Defer`]: first deferred attempt after `delay`, at most `max_attempts`.
     pub fn defer(delay: Duration, max_attempts: u32) -> Self {
-        OnFail::Defer(crate::defer::DeferPolicy::new(delay, max_attempts))
+        OnFail::Defer(DeferPolicy::new(delay, max_attempts))
     }
 }
 
@@ -125,6 +126,56 @@ impl RetryPolicy {
     }
 }
 
+/// How deferred work is retried. Defaults: first delay 1 s, 5 attempts, backoff capped at
+/// 5 minutes.
+///
+/// Attempt `n` (1-based, counting the caller's own first try as attempt 0) waits
+/// `delay · 2ⁿ⁻¹` with "equal jitter" (a random point in the upper half of the step), capped at
+/// `max_delay`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeferPolicy {
+    /// Delay before the first deferred attempt.
+    pub delay: Duration,
+    /// How many deferred attempts before the job is dead-lettered.
+    pub max_attempts: u32,
+    /// Largest backoff step.
+    pub max_delay: Duration,
+}
+
+impl Default for DeferPolicy {
+    fn default() -> Self {
+        DeferPolicy::new(Duration::from_secs(1), 5)
+    }
+}
+
+impl DeferPolicy {
+    /// `delay` before the first deferred attempt, `max_attempts` attempts in all.
+    pub fn new(delay: Duration, max_attempts: u32) -> Self {
+        DeferPolicy {
+            delay,
+            max_attempts: max_attempts.max(1),
+            max_delay: Duration::from_secs(300),
+        }
+    }
+
+    /// Caps the backoff step.
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        self.max_delay = d;
+        self
+    }
+
+    /// The wait before deferred attempt `attempt` (1-based).
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        backoff(
+            self.delay,
+            attempt.saturating_sub(1),
+            self.max_delay,
+            Jitter::Equal,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +197,21 @@ mod tests {
         for n in 0..200 {
             let cap = Duration::from_millis(10 * (1 << (n % 4))).min(Duration::from_millis(80));
             assert!(p.backoff_step(n % 4) <= cap);
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_with_jitter_in_the_upper_half_and_is_capped() {
+        let p =
+            DeferPolicy::new(Duration::from_millis(100), 5).max_delay(Duration::from_millis(500));
+        for (attempt, step) in [(1u32, 100u64), (2, 200), (3, 400), (4, 500), (9, 500)] {
+            for _ in 0..50 {
+                let b = p.backoff(attempt).as_millis() as u64;
+                assert!(
+                    b >= step / 2 && b <= step,
+                    "attempt {attempt}: {b} ms vs step {step}"
+                );
+            }
         }
     }
 }

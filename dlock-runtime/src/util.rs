@@ -85,6 +85,15 @@ pub(crate) fn backoff(base: Duration, n: u32, max: Duration, jitter: Jitter) -> 
     }
 }
 
+/// The message of a caught panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -723,7 +723,8 @@ async fn composes_with_axum_and_plain_hyper() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     use axum::extract::{Extension, Path};
-    use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+    use dlock_runtime::defer::DeferPolicy;
+    use dlock_runtime::durable::DurableQueue;
     use dlock_tower::defer::{replay_worker, status_response};
     use dlock_tower::DeferLayer;
 
@@ -869,7 +870,8 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
 #[cfg(feature = "defer")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_corrupt_jobs() {
-    use dlock_runtime::defer::{DeferPolicy, DurableQueue, Job, JobContext, JobError, QueueLimits};
+    use dlock_runtime::defer::{DeferPolicy, QueueLimits};
+    use dlock_runtime::durable::{DurableQueue, Job, JobContext, JobError};
     use dlock_tower::defer::replay_worker;
     use dlock_tower::DeferLayer;
     use http::header::{HeaderMap, AUTHORIZATION, COOKIE};
@@ -1045,7 +1047,7 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
 #[cfg(feature = "defer")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
-    use dlock_runtime::defer::DurableQueue;
+    use dlock_runtime::durable::DurableQueue;
     use dlock_tower::DeferLayer;
 
     let mut lock_redis = RedisServer::start();

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dlock_runtime::defer::{Job, JobContext, JobError};
+use dlock_runtime::durable::{Job, JobContext, JobError};
 use dlock_runtime::{LockError, LockKey};
 use redis::AsyncCommands as _;
 use serde::{Deserialize, Serialize};

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::defer::{
-    DeferPolicy, DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, QueueLimits,
-    Submitted,
+use dlock_runtime::defer::{DeferPolicy, QueueLimits};
+use dlock_runtime::durable::{
+    DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted,
 };
 use dlock_runtime::{Locker, OnFail};
 use dlock_tests::jobs::{RecordJob, StallJob};

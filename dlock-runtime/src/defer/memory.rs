@@ -2,8 +2,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -12,19 +10,25 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::time::DelayQueue;
 
-use super::{new_job_id, panic_message, DeferPolicy, JobInfo, QueueLimits};
-use crate::{LockError, LockKey, Locker};
+use super::{DeferPolicy, JobInfo, QueueLimits};
+use crate::backend::BoxFuture;
+use crate::util::panic_message;
+use crate::LockError;
 
-type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// One piece of deferred work, as the queue sees it: an attempt at the work's lock that runs
+/// the work when the lock is free. The queue knows nothing of lockers; the caller that defers
+/// the work says how to attempt it.
+pub(crate) trait DeferredWork: Send + 'static {
+    /// One attempt: `Ok(())` when the work ran, `Err(self)` when its lock was still busy (or
+    /// the backend did not answer), to be tried again later.
+    fn attempt(self: Box<Self>) -> BoxFuture<'static, Result<(), Box<dyn DeferredWork>>>;
+}
 
-/// One deferred piece of work with what it needs to run.
+/// One deferred piece of work with its bookkeeping.
 struct PendingJob {
     info: JobInfo,
-    locker: Locker,
-    key: LockKey,
-    ttl: Duration,
     policy: DeferPolicy,
-    work: Work,
+    work: Box<dyn DeferredWork>,
 }
 
 enum Cmd {
@@ -83,8 +87,8 @@ impl Shared {
     }
 }
 
-/// The in-process delay queue of a [`Locker`] (see the [module docs](super)). Cheap to
-/// clone. Get it with [`Locker::defer_queue`]; jobs go in through
+/// The in-process delay queue of a [`Locker`](crate::Locker) (see the [module docs](super)).
+/// Cheap to clone. Get it with [`Locker::defer_queue`](crate::Locker::defer_queue); jobs go in through
 /// [`LockRequest::run`](crate::LockRequest::run) with [`OnFail::Defer`](crate::OnFail::Defer)
 /// or `#[distributed_lock(on_fail = "defer")]`.
 ///
@@ -164,11 +168,9 @@ impl DeferQueue {
     /// job id.
     pub(crate) fn push(
         &self,
-        locker: Locker,
-        key: LockKey,
-        ttl: Duration,
+        key: &str,
         policy: DeferPolicy,
-        work: Work,
+        work: Box<dyn DeferredWork>,
     ) -> Result<String, LockError> {
         {
             let shared = self.shared();
@@ -183,19 +185,16 @@ impl DeferQueue {
                     target: "dlock::defer",
                     event = "full",
                     queue = "memory",
-                    key = %key.as_str(),
+                    key = %key,
                     max_queued = shared.limits.max_queued,
                 );
-                return Err(LockError::queue_full(key.as_str(), "memory"));
+                return Err(LockError::queue_full(key, "memory"));
             }
         }
-        let info = JobInfo::new(new_job_id(), key.as_str(), 0);
+        let info = JobInfo::new(crate::util::secure_token::<16>(), key, 0);
         let first = policy.backoff(1);
         let job = PendingJob {
             info: info.clone(),
-            locker,
-            key,
-            ttl,
             policy,
             work,
         };
@@ -295,26 +294,10 @@ impl DeferQueue {
 }
 
 async fn attempt(job: PendingJob) -> Outcome {
-    let locker = job.locker.clone();
-    match locker
-        .lock(job.key.clone())
-        .ttl(job.ttl)
-        .try_acquire()
-        .await
-    {
-        Ok(Some(guard)) => {
-            let scoped = crate::context::scope(locker.id(), guard.info(), job.work);
-            scoped.await;
-            if let Err(e) = guard.release().await {
-                tracing::warn!(error = %e, "dlock: deferred job's lock was not cleanly released");
-            }
-            Outcome::Done(job.info)
-        }
-        Ok(None) => Outcome::Busy(job),
-        Err(e) => {
-            tracing::debug!(error = %e, "dlock: deferred attempt could not reach the backend");
-            Outcome::Busy(job)
-        }
+    let PendingJob { info, policy, work } = job;
+    match work.attempt().await {
+        Ok(()) => Outcome::Done(info),
+        Err(work) => Outcome::Busy(PendingJob { info, policy, work }),
     }
 }
 

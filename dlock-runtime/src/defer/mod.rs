@@ -11,10 +11,11 @@
 //!   `LockRequest::run` and `#[distributed_lock(on_fail = "defer")]`. **It does not survive a
 //!   crash or a restart**: jobs live in this process's memory. [`DeferQueue::shutdown`] drains
 //!   it and reports exactly what was dropped.
-//! * [`DurableQueue`] (feature `durable`) — typed jobs ([`Job`], serde types) in Redis, run by a
-//!   [`DurableWorker`] that every instance of the service can run. Claims carry a visibility
-//!   timeout: a job claimed by a process that dies is run by another instance once the claim
-//!   expires (at-least-once).
+//! * The durable queue (`dlock_runtime::durable`, feature `durable`) — typed jobs (serde types)
+//!   in Redis, run by a worker that every instance of the service can run. Claims carry a
+//!   visibility timeout: a job claimed by a process that dies is run by another instance once
+//!   the claim expires (at-least-once). It shares this module's [`QueueLimits`] and
+//!   [`JobInfo`].
 //!
 //! # Bounds
 //!
@@ -26,7 +27,7 @@
 //!
 //! A job that panics is a failed attempt like one that returns an error: the panic is caught
 //! and logged with the job's id, and the worker goes on with its other jobs. A job that can
-//! never succeed (its stored data is corrupt) returns [`PermanentFailure`] and is
+//! never succeed (its stored data is corrupt) returns `durable::PermanentFailure` and is
 //! dead-lettered at once, with the reason, which [`JobInfo::reason`] shows.
 //!
 //! Every step emits a `tracing` event on target `dlock::defer` with the fields `event`
@@ -37,62 +38,10 @@
 use std::time::Duration;
 
 mod memory;
+pub(crate) use memory::DeferredWork;
 pub use memory::{DeferQueue, ShutdownReport};
 
-#[cfg(feature = "durable")]
-pub mod durable;
-#[cfg(feature = "durable")]
-pub use durable::{DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted};
-
-/// How deferred work is retried. Defaults: first delay 1 s, 5 attempts, backoff capped at
-/// 5 minutes.
-///
-/// Attempt `n` (1-based, counting the caller's own first try as attempt 0) waits
-/// `delay · 2ⁿ⁻¹` with "equal jitter" (a random point in the upper half of the step), capped at
-/// `max_delay`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeferPolicy {
-    /// Delay before the first deferred attempt.
-    pub delay: Duration,
-    /// How many deferred attempts before the job is dead-lettered.
-    pub max_attempts: u32,
-    /// Largest backoff step.
-    pub max_delay: Duration,
-}
-
-impl Default for DeferPolicy {
-    fn default() -> Self {
-        DeferPolicy::new(Duration::from_secs(1), 5)
-    }
-}
-
-impl DeferPolicy {
-    /// `delay` before the first deferred attempt, `max_attempts` attempts in all.
-    pub fn new(delay: Duration, max_attempts: u32) -> Self {
-        DeferPolicy {
-            delay,
-            max_attempts: max_attempts.max(1),
-            max_delay: Duration::from_secs(300),
-        }
-    }
-
-    /// Caps the backoff step.
-    pub fn max_delay(mut self, d: Duration) -> Self {
-        self.max_delay = d;
-        self
-    }
-
-    /// The wait before deferred attempt `attempt` (1-based).
-    pub fn backoff(&self, attempt: u32) -> Duration {
-        crate::util::backoff(
-            self.delay,
-            attempt.saturating_sub(1),
-            self.max_delay,
-            crate::util::Jitter::Equal,
-        )
-    }
-}
+pub use crate::strategy::DeferPolicy;
 
 /// What a queue knows about one job.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,70 +110,5 @@ impl QueueLimits {
     pub fn max_dead_letters(mut self, n: usize) -> Self {
         self.max_dead_letters = n;
         self
-    }
-}
-
-/// A job error that retrying cannot fix (corrupt stored data, a request that can never be
-/// rebuilt): the worker dead-letters the job at once with this reason instead of spending the
-/// rest of its attempts. Return it from a durable job's `run` as
-/// `Err(PermanentFailure::new("…").into())`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PermanentFailure {
-    reason: String,
-}
-
-impl PermanentFailure {
-    /// A permanent failure with a reason (kept with the dead letter: no secrets in it).
-    pub fn new(reason: impl Into<String>) -> Self {
-        PermanentFailure {
-            reason: reason.into(),
-        }
-    }
-
-    /// The reason.
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
-
-impl std::fmt::Display for PermanentFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "permanent failure: {}", self.reason)
-    }
-}
-
-impl std::error::Error for PermanentFailure {}
-
-/// The message of a caught panic's payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
-}
-
-/// A fresh job id: 128 random bits, hex.
-pub(crate) fn new_job_id() -> String {
-    crate::util::secure_token::<16>()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_with_jitter_in_the_upper_half_and_is_capped() {
-        let p =
-            DeferPolicy::new(Duration::from_millis(100), 5).max_delay(Duration::from_millis(500));
-        for (attempt, step) in [(1u32, 100u64), (2, 200), (3, 400), (4, 500), (9, 500)] {
-            for _ in 0..50 {
-                let b = p.backoff(attempt).as_millis() as u64;
-                assert!(
-                    b >= step / 2 && b <= step,
-                    "attempt {attempt}: {b} ms vs step {step}"
-                );
-            }
-        }
     }
 }

@@ -2,7 +2,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+use dlock_runtime::durable::DurableQueue;
+use dlock_runtime::DeferPolicy;
 use dlock_runtime::Locker;
 use http::HeaderName;
 use tower_layer::Layer;
@@ -17,7 +18,7 @@ use crate::{FailMode, MissingKey};
 /// # async fn f(locker: dlock_runtime::Locker) -> Result<(), dlock_runtime::LockError> {
 /// use std::time::Duration;
 /// use axum::{routing::post, Router};
-/// use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+/// use dlock_runtime::{durable::DurableQueue, DeferPolicy};
 /// use dlock_tower::{key, DeferLayer};
 ///
 /// let queue = DurableQueue::connect("redis://127.0.0.1:6379", "orders").await?;

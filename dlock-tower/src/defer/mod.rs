@@ -20,7 +20,7 @@
 //! default) or calls the service without a lock ([`FailMode::Open`](crate::FailMode)) — the same
 //! setters and defaults as [`DistributedLockLayer`](crate::DistributedLockLayer).
 //!
-//! A [`replay_worker`] — one per instance, like any [`DurableWorker`](dlock_runtime::defer::DurableWorker) — claims the job when it is
+//! A [`replay_worker`] — one per instance, like any [`DurableWorker`](dlock_runtime::durable::DurableWorker) — claims the job when it is
 //! due, takes the same lock, and replays the request through the service you give it, which must
 //! be the application **without** the `DeferLayer` (the worker already holds the lock; going
 //! through the layer again would find it busy). The response status is recorded as the job's
@@ -46,7 +46,8 @@
 
 use std::time::Duration;
 
-use dlock_runtime::defer::{DeferPolicy, DurableQueue};
+use dlock_runtime::durable::DurableQueue;
+use dlock_runtime::DeferPolicy;
 use dlock_runtime::Locker;
 use http::{header, HeaderName};
 

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use dlock_runtime::defer::{
+use dlock_runtime::durable::{
     DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, PermanentFailure,
 };
 use dlock_runtime::{BoxError, LockError, LockKey, Locker};

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use dlock_runtime::defer::{DurableQueue, DurableWorker};
+use dlock_runtime::durable::{DurableQueue, DurableWorker};
 use dlock_runtime::Locker;
 use dlock_tests::jobs::RecordJob;
 

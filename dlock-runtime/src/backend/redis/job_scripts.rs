@@ -1,4 +1,4 @@
-//! The Lua scripts of the durable job queue (`dlock_runtime::defer::DurableQueue`), beside the
+//! The Lua scripts of the durable job queue (`dlock_runtime::durable::DurableQueue`), beside the
 //! lock scripts. Each runs atomically on the server; the storage layout is in the queue's docs.
 
 /// Lua: `now` in ms by the server's clock.

@@ -10,8 +10,8 @@ use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
 use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, REQUEUE, RETRY};
-use crate::defer::{new_job_id, DeferPolicy, JobInfo, QueueLimits};
-use crate::{LockError, LockKey, Locker};
+use crate::defer::{JobInfo, QueueLimits};
+use crate::{DeferPolicy, LockError, LockKey, Locker};
 
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
@@ -205,7 +205,7 @@ impl DurableQueue {
         key: &LockKey,
         delay: Duration,
     ) -> Result<String, LockError> {
-        let id = new_job_id();
+        let id = crate::util::secure_token::<16>();
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.enqueue.prepare_invoke();
         inv.key(self.key("due"))

@@ -10,10 +10,11 @@ use std::time::Duration;
 use futures_util::FutureExt as _;
 
 use super::queue::{Claimed, Retried};
-use super::{event, DurableQueue, Envelope, Job, JobContext, JobError};
+use super::{event, DurableQueue, Envelope, Job, JobContext, JobError, PermanentFailure};
 use crate::backend::BoxFuture;
-use crate::defer::{panic_message, DeferPolicy, JobInfo, PermanentFailure};
-use crate::{LockError, LockKey, Locker};
+use crate::defer::JobInfo;
+use crate::util::panic_message;
+use crate::{DeferPolicy, LockError, LockKey, Locker};
 
 type Runner = Arc<
     dyn Fn(
@@ -29,7 +30,7 @@ type Runner = Arc<
 /// Run one on every instance of the service.
 ///
 /// ```no_run
-/// # use dlock_runtime::defer::{DurableQueue, DurableWorker, Job, JobContext, JobError};
+/// # use dlock_runtime::durable::{DurableQueue, DurableWorker, Job, JobContext, JobError};
 /// # #[derive(serde::Serialize, serde::Deserialize)] struct SendInvoice;
 /// # impl Job for SendInvoice { const NAME: &'static str = "x";
 /// #   fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> { dlock_runtime::LockKey::new("x") }

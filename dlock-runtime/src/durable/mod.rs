@@ -1,4 +1,5 @@
-//! The durable delay queue: typed jobs in Redis, at-least-once.
+//! The durable delay queue (feature `durable`): typed jobs in Redis, at-least-once. The
+//! in-process queue and what both share (bounds, dead-letter info) are in `defer`.
 //!
 //! # Storage
 //!
@@ -53,8 +54,8 @@ use redis::RedisError;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{DeferPolicy, JobInfo};
-use crate::{BoxError, LockError, LockKey};
+use crate::defer::JobInfo;
+use crate::{BoxError, DeferPolicy, LockError, LockKey};
 
 mod queue;
 mod worker;
@@ -63,7 +64,38 @@ pub use queue::DurableQueue;
 pub use worker::DurableWorker;
 
 #[cfg(doc)]
-use super::{PermanentFailure, QueueLimits};
+use crate::defer::QueueLimits;
+
+/// A job error that retrying cannot fix (corrupt stored data, a request that can never be
+/// rebuilt): the worker dead-letters the job at once with this reason instead of spending the
+/// rest of its attempts. Return it from [`Job::run`] as
+/// `Err(PermanentFailure::new("…").into())`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PermanentFailure {
+    reason: String,
+}
+
+impl PermanentFailure {
+    /// A permanent failure with a reason (kept with the dead letter: no secrets in it).
+    pub fn new(reason: impl Into<String>) -> Self {
+        PermanentFailure {
+            reason: reason.into(),
+        }
+    }
+
+    /// The reason.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl std::fmt::Display for PermanentFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "permanent failure: {}", self.reason)
+    }
+}
+
+impl std::error::Error for PermanentFailure {}
 
 /// The error a job returns; the job is retried with backoff, then dead-lettered.
 pub type JobError = BoxError;
@@ -71,7 +103,7 @@ pub type JobError = BoxError;
 /// A unit of deferred work that survives restarts: plain data (serde) plus what to do with it.
 ///
 /// ```no_run
-/// use dlock_runtime::defer::{Job, JobContext, JobError};
+/// use dlock_runtime::durable::{Job, JobContext, JobError};
 /// use dlock_runtime::{LockError, LockKey};
 /// use serde::{Deserialize, Serialize};
 ///
