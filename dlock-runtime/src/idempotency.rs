@@ -389,6 +389,7 @@ impl IdempotencyRequest<'_> {
             locker,
             resource,
             token: OwnerToken::generate(),
+            ttl,
             armed: true,
         };
         let sent = locker.engine().now_ns();
@@ -437,22 +438,23 @@ impl IdempotencyRequest<'_> {
     }
 }
 
-/// Undoes a `begin` in flight if it is dropped before the reply is in (HARD-PARTS §1).
+/// Undoes a `begin` in flight if it is dropped before the reply is in: the begin may have
+/// taken the key's lock on the server, so the background task keeps trying to undo it for as
+/// long as that lock could live (the request's TTL).
 struct Flight<'a> {
     locker: &'a Locker,
     resource: ResourceName,
     token: OwnerToken,
+    ttl: Duration,
     armed: bool,
 }
 
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.locker.engine().abandon_later(
-                self.resource.clone(),
-                self.token.clone(),
-                self.locker.undo_horizon(),
-            );
+            self.locker
+                .engine()
+                .abandon_later(self.resource.clone(), self.token.clone(), self.ttl);
         }
     }
 }

@@ -181,15 +181,6 @@ impl Locker {
         self.inner.id
     }
 
-    /// How long a background undo keeps trying: by then the lock (at the default TTL) and any
-    /// waiter entry have expired on their own.
-    pub(crate) fn undo_horizon(&self) -> Duration {
-        self.inner
-            .config
-            .default_ttl
-            .max(self.inner.config.waiter_ttl)
-    }
-
     /// The waiter-queue entry life for a request with lease `ttl`: the locker's waiter TTL, but
     /// no longer than the lease (and at least 300 ms), so the waiters of a process that died
     /// hold up a short lock's queue for about as long as the lock itself would have.

@@ -383,3 +383,80 @@ async fn evalsha_calls(server: &RedisServer) -> u64 {
         .and_then(|rest| rest.split(',').next())
         .map_or(0, |n| n.parse().unwrap())
 }
+
+/// An idempotency `begin` whose reply is lost (the server ran it, the connection died) is
+/// undone in the background for as long as the request's lease could hold the key — not just
+/// the locker's default TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_idempotency_begin_is_undone_within_the_requests_ttl() {
+    use dlock_runtime::idempotency::{Begin, Fingerprint};
+    use dlock_tests::proxy::Proxy;
+
+    let mut server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    // A short default lease and waiter entry: the old give-up horizon of the undo.
+    let short = || {
+        fast_fail()
+            .default_ttl(Duration::from_millis(300))
+            .waiter_ttl(Duration::from_millis(300))
+    };
+    let locker = short().connect(&proxy.url()).await.unwrap();
+    let other = short().connect(&server.url()).await.unwrap();
+    let key = "fault:idem-dropped-begin";
+    let fp = || Fingerprint::builder().field("POST /pay").finish();
+
+    // Scripts loaded, so the begin below is one EVALSHA the server can run later.
+    match locker
+        .idempotency("fault:warm-up", fp())
+        .begin()
+        .await
+        .unwrap()
+    {
+        Begin::Run(op) => op.abort().await.unwrap(),
+        other => panic!("unexpected {other:?}"),
+    }
+    // The begin reaches the (paused) server; its caller gives up; the connection dies and
+    // stays down, so the background undo fails until the network is back.
+    server.pause();
+    let begin = locker
+        .idempotency(key, fp())
+        .ttl(Duration::from_secs(20))
+        .begin();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), begin)
+            .await
+            .is_err(),
+        "begin cannot finish while the server is paused"
+    );
+    proxy.cut(true);
+    server.resume(); // runs the begin: the key is locked for 20 s
+    assert!(
+        matches!(
+            other.idempotency(key, fp()).begin().await,
+            Ok(Begin::InProgress { .. })
+        ),
+        "the begin ran on the server"
+    );
+    // The outage outlasts the locker's default TTL: time passing is the point here.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    proxy.allow();
+
+    let back = Instant::now();
+    loop {
+        match other.idempotency(key, fp()).begin().await {
+            Ok(Begin::Run(op)) => {
+                op.abort().await.unwrap();
+                break;
+            }
+            Ok(Begin::InProgress { .. }) => {}
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(e) => assert!(e.is_unavailable(), "{e}"),
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(5),
+            "the key is still held {:?} after the network came back (20 s lease)",
+            back.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -25,11 +25,11 @@ use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 
 use crate::config::{BackendKind, Config, FaultKind};
-use crate::proxy::Proxy;
 use crate::report::{self, FaultRecord, PhaseReport};
 use crate::resource::{Entrant, Resource};
 use crate::rng::Rng;
 use crate::worker::{self, WorkerConfig};
+use dlock_tests::proxy::Proxy;
 
 type Shared<T> = Arc<Mutex<T>>;
 

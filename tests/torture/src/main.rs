@@ -18,12 +18,11 @@
 //! number means and the results of reference runs.
 //!
 //! Modules: [`coordinator`] (the default mode), [`worker`] (`dlock-torture worker …`, spawned
-//! by the coordinator), [`proxy`] (the fault-injecting TCP proxy), [`resource`] (the
+//! by the coordinator), `dlock_tests::proxy` (the fault-injecting TCP proxy), [`resource`] (the
 //! fencing-checked resource), [`report`] (log replay and definitions), [`config`], [`rng`].
 
 mod config;
 mod coordinator;
-mod proxy;
 mod report;
 mod resource;
 mod rng;

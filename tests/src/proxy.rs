@@ -1,7 +1,7 @@
-//! A fault-injecting TCP proxy between the workers and one Redis server.
+//! A fault-injecting TCP proxy in front of one server, for fault tests and the torture harness.
 //!
-//! Every byte a worker exchanges with a lock server goes through one of these (one proxy per
-//! server, running in the coordinator). The coordinator can
+//! In the harness, every byte a worker exchanges with a lock server goes through one of these
+//! (one proxy per server, running in the coordinator). A test or the coordinator can
 //!
 //! * add **latency**: each chunk read from either side is forwarded `latency` after it was
 //!   read (order preserved, throughput unlimited), so a round trip costs `2 × latency` more;
@@ -27,12 +27,14 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 /// One proxy: listens on a free loopback port, forwards to `upstream`.
-pub(crate) struct Proxy {
+#[derive(Debug)]
+pub struct Proxy {
     port: u16,
     shared: Arc<Shared>,
     accept: tokio::task::JoinHandle<()>,
 }
 
+#[derive(Debug)]
 struct Shared {
     upstream: SocketAddr,
     latency_us: AtomicU64,
@@ -45,7 +47,7 @@ struct Shared {
 
 impl Proxy {
     /// Starts a proxy in front of `127.0.0.1:<upstream_port>`.
-    pub(crate) async fn start(upstream_port: u16) -> io::Result<Proxy> {
+    pub async fn start(upstream_port: u16) -> io::Result<Proxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
         let shared = Arc::new(Shared {
@@ -65,12 +67,12 @@ impl Proxy {
     }
 
     /// `redis://127.0.0.1:<proxy port>`: what workers connect to.
-    pub(crate) fn url(&self) -> String {
+    pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// Sets the one-way latency added to every chunk from now on.
-    pub(crate) fn set_latency(&self, d: Duration) {
+    pub fn set_latency(&self, d: Duration) {
         self.shared
             .latency_us
             .store(d.as_micros() as u64, Ordering::Release);
@@ -78,7 +80,7 @@ impl Proxy {
 
     /// Closes every open connection; with `refuse`, also closes new ones at once until
     /// [`allow`](Proxy::allow).
-    pub(crate) fn cut(&self, refuse: bool) -> usize {
+    pub fn cut(&self, refuse: bool) -> usize {
         if refuse {
             self.shared.refuse.store(true, Ordering::Release);
         }
@@ -97,12 +99,12 @@ impl Proxy {
     }
 
     /// Accepts new connections again.
-    pub(crate) fn allow(&self) {
+    pub fn allow(&self) {
         self.shared.refuse.store(false, Ordering::Release);
     }
 
     /// Connections accepted so far.
-    pub(crate) fn accepted(&self) -> u64 {
+    pub fn accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
     }
 }
