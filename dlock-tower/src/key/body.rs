@@ -61,13 +61,14 @@ where
 
     fn extract(&mut self, request: Request<B>) -> Self::Future {
         let (parts, body) = request.into_parts();
-        let hint = body.size_hint();
-        let too_large = hint.lower() > self.limit as u64;
-        let capacity = hint.upper().unwrap_or(hint.lower()).min(self.limit as u64);
+        // A declared length over the limit is refused at once; under it, the buffer grows
+        // with the bytes that actually arrive. Reserving the declared `Content-Length` up front
+        // would let a client that sends nothing hold `limit` bytes per connection.
+        let too_large = body.size_hint().lower() > self.limit as u64;
         BodyDigestFuture {
             body,
             parts: Some(parts),
-            buf: BytesMut::with_capacity(usize::try_from(capacity).unwrap_or(self.limit)),
+            buf: BytesMut::new(),
             limit: self.limit,
             too_large,
         }
@@ -131,5 +132,54 @@ where
         }
         let key = Key::new("body").lit("sha256").value(hex.as_str());
         Poll::Ready(Ok((Request::from_parts(parts, B::from(bytes)), Some(key))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body::{Frame, SizeHint};
+
+    /// Declares `len` bytes and never sends them.
+    struct Stalled(u64);
+
+    impl Body for Stalled {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Pending
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.0)
+        }
+    }
+
+    impl From<Bytes> for Stalled {
+        fn from(_: Bytes) -> Self {
+            Stalled(0)
+        }
+    }
+
+    #[test]
+    fn a_declared_length_reserves_nothing_before_the_bytes_arrive() {
+        let limit = 1 << 20;
+        let request = Request::new(Stalled(limit as u64));
+        let mut fut = Box::pin(body_digest(limit).extract(request));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        assert!(
+            fut.buf.capacity() < 64 * 1024,
+            "reserved {} bytes for a body that sent none",
+            fut.buf.capacity()
+        );
+        // Over the limit is still refused at once.
+        let request = Request::new(Stalled(limit as u64 + 1));
+        let mut fut = Box::pin(body_digest(limit).extract(request));
+        assert!(matches!(fut.as_mut().poll(&mut cx), Poll::Ready(Err(_))));
     }
 }
