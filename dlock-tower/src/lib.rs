@@ -94,6 +94,6 @@ mod rejection;
 
 #[cfg(feature = "defer")]
 pub use defer::DeferLayer;
-pub use idempotency::{Idempotency, IdempotencyLayer};
+pub use idempotency::{Idempotency, IdempotencyLayer, MissingIdentity};
 pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};
 pub use rejection::Rejection;

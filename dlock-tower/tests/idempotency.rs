@@ -41,7 +41,7 @@ use dlock_runtime::idempotency::Begin;
 use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
 use dlock_tests::RedisServer;
 use dlock_tower::idempotency::{fingerprint, lock_key, DEFAULT_REPLAY_HEADERS};
-use dlock_tower::{FailMode, IdempotencyLayer};
+use dlock_tower::{FailMode, IdempotencyLayer, MissingIdentity};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -684,22 +684,24 @@ async fn keys_are_required_bounded_and_limited_to_covered_methods() {
 }
 
 /// Point 1: keys are scoped by the identity in the request extensions. Two users with the
-/// same key (and body) each run the handler once and each get their own replay; a request
-/// without an identity has its own key space.
+/// same key (and body) each run the handler once and each get their own replay. A request
+/// without the identity is refused with 401 (it must not fall into a key space shared with
+/// others) unless the layer opts into the shared space.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_scopes_keys_per_user() {
     let redis = RedisServer::start();
     let locker = redis_locker(&redis).await;
     let h = Harness::new();
-    let layer = IdempotencyLayer::new(locker).ttl(TTL).identity::<UserId>();
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
+    let layer = IdempotencyLayer::new(locker.clone())
+        .ttl(TTL)
+        .identity::<UserId>();
+    let (addr, server) = serve(app(layer.clone(), h.ctl.clone())).await;
     let http = Http::new(addr);
 
     let as_user = |user: &str| post_with("shared-key", "{\"amount\":5}").header("x-user", user);
     let one = http.send(as_user("1")).await;
     let two = http.send(as_user("2")).await;
-    let anon = http.send(post_with("shared-key", "{\"amount\":5}")).await;
-    for (reply, who) in [(&one, "1"), (&two, "2"), (&anon, "anonymous")] {
+    for (reply, who) in [(&one, "1"), (&two, "2")] {
         assert_eq!(reply.status, StatusCode::CREATED);
         assert!(!reply.replayed());
         assert!(
@@ -708,10 +710,26 @@ async fn identity_scopes_keys_per_user() {
             reply.text()
         );
     }
-    assert_eq!(h.calls(), 3, "one run per identity");
-
+    assert_eq!(h.calls(), 2, "one run per identity");
     assert_replay_of(&http.send(as_user("1")).await, &one);
     assert_replay_of(&http.send(as_user("2")).await, &two);
+
+    let anon = http.send(post_with("shared-key", "{\"amount\":5}")).await;
+    anon.assert_problem(StatusCode::UNAUTHORIZED, "idempotency-identity-missing");
+    assert_eq!(h.calls(), 2, "the handler does not run without an identity");
+    server.abort();
+
+    // Opted into the shared space: an anonymous request runs there (and replays there).
+    let shared = layer.missing_identity(MissingIdentity::SharedSpace);
+    let (addr, server) = serve(app(shared, h.ctl.clone())).await;
+    let http = Http::new(addr);
+    let anon = http.send(post_with("anon-key", "{\"amount\":5}")).await;
+    assert_eq!(anon.status, StatusCode::CREATED);
+    assert!(anon.text().contains("\"user\":\"anonymous\""));
+    assert_replay_of(
+        &http.send(post_with("anon-key", "{\"amount\":5}")).await,
+        &anon,
+    );
     assert_eq!(h.calls(), 3);
     server.abort();
 }

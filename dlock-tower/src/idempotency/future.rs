@@ -15,7 +15,7 @@ use tower_service::Service;
 
 use super::record::{is_storable, StoredResponse};
 use super::request::{fingerprint, parse_key, scoped_key};
-use super::{ResponseBody, Shared};
+use super::{MissingIdentity, ResponseBody, Shared};
 use crate::{FailMode, MissingKey, Rejection};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -71,6 +71,15 @@ fn missing_key(header: &http::HeaderName) -> Rejection {
         StatusCode::BAD_REQUEST,
         "idempotency-key-missing",
         &format!("this operation is idempotent and requires an `{header}` header"),
+    )
+}
+
+fn identity_missing(status: StatusCode) -> Rejection {
+    Rejection::new(
+        status,
+        "idempotency-identity-missing",
+        "this operation's idempotency keys are per client, and the request carries no client \
+         identity",
     )
 }
 
@@ -207,10 +216,17 @@ where
         }
         Err(rejection) => return Ok(reject(rejection)),
     };
-    let identity = shared
-        .identity
-        .as_ref()
-        .and_then(|identity| identity(request.extensions()));
+    let identity = match shared.identity.as_ref() {
+        None => None,
+        Some(identity) => match identity(request.extensions()) {
+            Some(id) => Some(id),
+            None => match shared.missing_identity {
+                MissingIdentity::SharedSpace => None,
+                MissingIdentity::RejectWith(status) => return Ok(reject(identity_missing(status))),
+                _ => return Ok(reject(identity_missing(StatusCode::UNAUTHORIZED))),
+            },
+        },
+    };
     let lock_key = match scoped_key(identity.as_deref(), &key).to_lock_key() {
         Ok(k) => k,
         Err(err) => return Ok(reject(Rejection::from(err))),

@@ -8,7 +8,7 @@ use http::Method;
 use tower_layer::Layer;
 
 use super::record::NEVER_REPLAYED;
-use super::{Idempotency, Shared};
+use super::{Idempotency, MissingIdentity, Shared};
 use crate::{FailMode, MissingKey};
 
 /// Makes `POST` and `PATCH` (by default) requests that carry an `Idempotency-Key` run once,
@@ -100,9 +100,10 @@ impl IdempotencyLayer {
 
     /// Scopes keys by the `T` an earlier layer (authentication) put in the request extensions:
     /// the lock key becomes `idem:<T's Display>:<key>`, so one user can never replay, block or
-    /// probe another user's request by sending the same key. A request without a `T` uses the
-    /// unscoped `idem:<key>`. Default: no identity (every client shares one key space, so keys
-    /// must be unguessable, e.g. UUIDv4).
+    /// probe another user's request by sending the same key. A request without a `T` is
+    /// refused with `401` unless [`missing_identity`](IdempotencyLayer::missing_identity) says
+    /// otherwise. Default: no identity (every client shares one key space, so keys must be
+    /// unguessable, e.g. UUIDv4).
     pub fn identity<T>(self) -> Self
     where
         T: fmt::Display + Send + Sync + 'static,
@@ -113,12 +114,21 @@ impl IdempotencyLayer {
     }
 
     /// Like [`identity`](IdempotencyLayer::identity), with a function of the request
-    /// extensions (`None`: no identity).
+    /// extensions (`None`: the request has no identity).
     pub fn identity_fn<F>(mut self, f: F) -> Self
     where
         F: Fn(&http::Extensions) -> Option<String> + Send + Sync + 'static,
     {
         Arc::make_mut(&mut self.shared).identity = Some(Arc::new(f));
+        self
+    }
+
+    /// What a request without the configured identity gets. Default:
+    /// [`MissingIdentity::Reject`] (`401` + problem+json); [`MissingIdentity::SharedSpace`]
+    /// lets it use the shared key space. No effect without an
+    /// [`identity`](IdempotencyLayer::identity).
+    pub fn missing_identity(mut self, missing: MissingIdentity) -> Self {
+        Arc::make_mut(&mut self.shared).missing_identity = missing;
         self
     }
 

@@ -106,6 +106,8 @@
 //! | same key while the first request runs, different fingerprint | `422` | `idempotency-key-reused` |
 //! | no key, [`MissingKey::Reject`] (default) | `400` | `idempotency-key-missing` |
 //! | no key, [`MissingKey::PassThrough`] | the handler's, without idempotency | |
+//! | an [`identity`](IdempotencyLayer::identity) is configured and the request has none, [`MissingIdentity::Reject`] (default) | `401` | `idempotency-identity-missing` |
+//! | the same, [`MissingIdentity::SharedSpace`] | as if no identity were configured: the shared key space `idem:<key>` | |
 //! | key longer than [`max_key_len`](IdempotencyLayer::max_key_len) (default 255 bytes), repeated header, not a valid key | `400` | `idempotency-key-invalid` |
 //! | request body over [`max_request_body`](IdempotencyLayer::max_request_body) | `413` | `body-too-large` |
 //! | backend unavailable, [`FailMode::Closed`] (default) | `503` + `Retry-After` | `lock-backend-unavailable` |
@@ -149,7 +151,10 @@
 //! key space: keys must be unguessable (UUIDv4). With
 //! [`identity`](IdempotencyLayer::identity), one user's key can never replay, block or probe
 //! another user's request. Keys go through the runtime's collision-free key encoding, so no
-//! identity/key pair can forge another's lock key.
+//! identity/key pair can forge another's lock key. A request that lacks the identity is refused
+//! with `401` ([`MissingIdentity::Reject`]) rather than falling back to the shared key space,
+//! where its key could meet another client's — unless you choose
+//! [`MissingIdentity::SharedSpace`] (for routes that anonymous clients may also call).
 //!
 //! # Crashes and cancellation
 //!
@@ -244,6 +249,25 @@ pub fn fingerprint(method: &Method, uri: &Uri, body: &[u8]) -> Fingerprint {
 
 type Identity = Arc<dyn Fn(&http::Extensions) -> Option<String> + Send + Sync>;
 
+/// What the layer does with a request that lacks the configured
+/// [`identity`](IdempotencyLayer::identity) (no effect without one).
+///
+/// The default is [`MissingIdentity::Reject`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MissingIdentity {
+    /// Answer `401 Unauthorized` with a problem+json body (type
+    /// `urn:dlock:problem:idempotency-identity-missing`), without calling the handler. The
+    /// default: a request outside every user's key space must not share one with others.
+    #[default]
+    Reject,
+    /// Answer this status instead of `401` (e.g. `403`), same body.
+    RejectWith(http::StatusCode),
+    /// Use the shared, unscoped key space `idem:<key>`, as if no identity were configured.
+    /// Keys there must be unguessable (UUIDv4): every client without an identity shares it.
+    SharedSpace,
+}
+
 /// Configuration shared by the layer and every service and future it makes.
 #[derive(Clone)]
 pub(crate) struct Shared {
@@ -252,6 +276,7 @@ pub(crate) struct Shared {
     pub(crate) header: HeaderName,
     pub(crate) max_key_len: usize,
     pub(crate) identity: Option<Identity>,
+    pub(crate) missing_identity: MissingIdentity,
     pub(crate) ttl: Option<Duration>,
     pub(crate) retention: Duration,
     pub(crate) max_request_body: usize,
@@ -269,6 +294,7 @@ impl Shared {
             header: HeaderName::from_static("idempotency-key"),
             max_key_len: DEFAULT_MAX_KEY_LEN,
             identity: None,
+            missing_identity: MissingIdentity::default(),
             ttl: None,
             retention: DEFAULT_RETENTION,
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
@@ -291,6 +317,7 @@ impl fmt::Debug for Shared {
             .field("header", &self.header)
             .field("max_key_len", &self.max_key_len)
             .field("identity", &self.identity.is_some())
+            .field("missing_identity", &self.missing_identity)
             .field("ttl", &self.ttl)
             .field("retention", &self.retention)
             .field("max_request_body", &self.max_request_body)
