@@ -16,7 +16,9 @@
 //! 8. storage atomic with the lock, crash and cancel semantics:
 //!    `vanished_holder_blocks_until_its_ttl_then_the_retry_runs`,
 //!    `cancelled_request_frees_the_key_without_a_record`, `backend_down_fails_closed_or_open`,
-//!    `redlock_is_refused_with_a_clear_error`; in memory: `memory_backend_basic_flow`.
+//!    `redlock_is_refused_with_a_clear_error`; in memory: `memory_backend_basic_flow`;
+//!    the record is stored even when the response future is dropped after the handler
+//!    returned: `response_future_dropped_after_the_handler_returned_still_stores_the_record`.
 //!
 //! Handlers block on signals the test controls (a watch-channel gate, an mpsc "entered"
 //! signal), never on sleeps; the only waits on the clock are for a lease to run out, which is
@@ -990,5 +992,123 @@ async fn memory_backend_basic_flow() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
     assert_eq!(h.calls(), 3);
+    server.abort();
+}
+
+/// A response body that sends its first chunk at once, then signals `reading` and waits for
+/// the gate before sending the rest.
+struct GatedBody {
+    first: Option<Bytes>,
+    rest: Pin<Box<dyn std::future::Future<Output = Bytes> + Send>>,
+    done: bool,
+}
+
+impl http_body::Body for GatedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(first))));
+        }
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rest.as_mut().poll(cx) {
+            Poll::Ready(rest) => {
+                self.done = true;
+                Poll::Ready(Some(Ok(http_body::Frame::data(rest))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Issue 12 item 6: the handler has returned, the layer is reading its body to store it, and
+/// the response future is dropped (a timeout layer gives up, the client goes away). Storing
+/// the record still finishes: the client's retry is a replay, and the handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_future_dropped_after_the_handler_returned_still_stores_the_record() {
+    let redis = RedisServer::start();
+    let locker = redis_locker(&redis).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (reading_tx, mut reading) = mpsc::unbounded_channel::<()>();
+    let (open, gate) = watch::channel(false);
+    let (give_up, give_up_rx) = watch::channel(false);
+
+    let handler = {
+        let calls = calls.clone();
+        move || {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let (reading, mut gate) = (reading_tx.clone(), gate.clone());
+            async move {
+                let rest = Box::pin(async move {
+                    reading.send(()).unwrap();
+                    gate.wait_for(|open| *open).await.unwrap();
+                    Bytes::from(format!(" payment {n} done\"}}"))
+                });
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .body(Body::new(GatedBody {
+                        first: Some(Bytes::from_static(b"{\"status\":\"")),
+                        rest,
+                        done: false,
+                    }))
+                    .unwrap()
+            }
+        }
+    };
+    // An outer layer that drops the request's future when the test says so, answering 504:
+    // what a timeout layer (or a client that went away) does.
+    let timeout = axum::middleware::from_fn(
+        move |req: Request<Body>, next: axum::middleware::Next| {
+            let mut give_up = give_up_rx.clone();
+            async move {
+                tokio::select! {
+                    res = next.run(req) => res,
+                    _ = give_up.wait_for(|g| *g) => {
+                        Response::builder().status(StatusCode::GATEWAY_TIMEOUT).body(Body::empty()).unwrap()
+                    }
+                }
+            }
+        },
+    );
+    let app = Router::new()
+        .route("/payments", post(handler))
+        .route_layer(IdempotencyLayer::new(locker).ttl(TTL))
+        .layer(timeout);
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+
+    let first = {
+        let http = http.clone();
+        tokio::spawn(async move { http.send(post_with("gone-key", "{\"amount\":9}")).await })
+    };
+    tokio::time::timeout(HANG, reading.recv())
+        .await
+        .expect("the layer reads the handler's response body")
+        .unwrap();
+    give_up.send(true).unwrap();
+    assert_eq!(first.await.unwrap().status, StatusCode::GATEWAY_TIMEOUT);
+    give_up.send(false).unwrap();
+    open.send(true).unwrap();
+
+    // The retry: 409 while the record is being stored, then the stored response.
+    let start = Instant::now();
+    let retry = loop {
+        let reply = http.send(post_with("gone-key", "{\"amount\":9}")).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        assert!(start.elapsed() < HANG, "the key stays in progress");
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed(), "the retry must replay, not run again");
+    assert_eq!(retry.text(), "{\"status\":\" payment 1 done\"}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
     server.abort();
 }

@@ -22,10 +22,11 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// The response future of [`Idempotency`](super::Idempotency).
 ///
-/// It owns the key's lock (an [`IdempotentOperation`]) while the inner service runs and while
-/// the response is read to be stored: dropping it (a cancelled request) drops the inner
-/// service's future, then releases the lock in the background **without** a record, so the
-/// client's retry runs the handler again.
+/// It owns the key's lock (an [`IdempotentOperation`]) while the inner service runs: dropping
+/// it then (a cancelled request) drops the inner service's future and releases the lock in the
+/// background **without** a record, so the client's retry runs the handler again. Once the
+/// handler has returned, reading the response body and storing the record run in a spawned
+/// task that finishes even if this future is dropped.
 ///
 /// A boxed future (like axum's `from_fn`): the steps before and after the inner call (read the
 /// body, begin, read the response, complete) are each asynchronous.
@@ -201,7 +202,8 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     ReqBody: Body + From<Bytes>,
-    ResBody: Body<Data = Bytes>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Send + 'static,
 {
     if !shared.methods.contains(request.method()) {
         return pass(inner, request).await;
@@ -303,6 +305,59 @@ where
         abort(op).await;
         return Ok(Response::from_parts(head, ResponseBody::inner(body)));
     }
+    // The handler has produced its response: from here on, storing it must finish even if
+    // this future is dropped (a timeout layer gives up, the client goes away) — otherwise the
+    // client's retry would run the handler again. So the rest runs in its own task, which this
+    // future only waits for.
+    let store = finish(op, head, body, shared.clone());
+    let (head, answer) = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => match runtime.spawn(store).await {
+            Ok(done) => done,
+            Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+            Err(_) => {
+                return Ok(reject(internal(
+                    "idempotency-store-cancelled",
+                    "the server is shutting down; the response could not be stored",
+                )))
+            }
+        },
+        // No tokio runtime to hand the work to: do it here (a dropped future then stores
+        // nothing, and the retry runs again).
+        Err(_) => store.await,
+    };
+    Ok(match answer {
+        Answer::Full(bytes) => Response::from_parts(head, ResponseBody::full(bytes)),
+        Answer::Partial {
+            prefix,
+            pending,
+            rest,
+        } => Response::from_parts(head, ResponseBody::chain(prefix, pending, rest)),
+    })
+}
+
+/// The response body, after [`finish`].
+enum Answer<B: Body> {
+    /// Read whole and stored.
+    Full(Bytes),
+    /// Not storable: what was read, the frame that stopped the reading, and the rest.
+    Partial {
+        prefix: Bytes,
+        pending: Option<Result<Frame<Bytes>, B::Error>>,
+        rest: Pin<Box<B>>,
+    },
+}
+
+/// Reads the response body (up to the limit) and stores the record with the release — or
+/// releases without a record when the body is not storable.
+async fn finish<B>(
+    op: IdempotentOperation,
+    head: http::response::Parts,
+    body: B,
+    shared: Arc<Shared>,
+) -> (http::response::Parts, Answer<B>)
+where
+    B: Body<Data = Bytes>,
+{
     match read_response_body(body, shared.max_response_body).await {
         Collected::Full(bytes) => {
             let stored = StoredResponse::capture(&head, &shared.replay_headers, bytes.clone());
@@ -310,7 +365,7 @@ where
                 // The client still gets its response; without a record, a retry runs again.
                 tracing::warn!(error = %err, "dlock-tower: storing the idempotent response failed");
             }
-            Ok(Response::from_parts(head, ResponseBody::full(bytes)))
+            (head, Answer::Full(bytes))
         }
         Collected::Partial {
             prefix,
@@ -318,10 +373,14 @@ where
             rest,
         } => {
             abort(op).await;
-            Ok(Response::from_parts(
+            (
                 head,
-                ResponseBody::chain(prefix, pending, rest),
-            ))
+                Answer::Partial {
+                    prefix,
+                    pending,
+                    rest,
+                },
+            )
         }
     }
 }

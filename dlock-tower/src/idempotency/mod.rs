@@ -158,9 +158,12 @@
 //!
 //! # Crashes and cancellation
 //!
-//! * **The client disconnects** (or a timeout layer gives up): the response future is dropped
-//!   with the handler's future; the lock is released in the background without a record; the
-//!   client's retry runs the handler again.
+//! * **The client disconnects** (or a timeout layer gives up) **while the handler runs**: the
+//!   response future is dropped with the handler's future; the lock is released in the
+//!   background without a record; the client's retry runs the handler again.
+//! * **The client disconnects after the handler returned** (while the layer reads the response
+//!   body or stores the record): storing runs in its own tokio task and finishes anyway, so
+//!   the client's retry gets the stored response — the case `Idempotency-Key` exists for.
 //! * **The process crashes while the handler runs** (or after it returned but before the
 //!   response was stored): nothing renews the key's lease, so the key answers `409` until the
 //!   lease ([`ttl`](IdempotencyLayer::ttl), default 30 s) runs out, then the client's retry
