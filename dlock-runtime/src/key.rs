@@ -264,6 +264,17 @@ impl ResourceName {
         &self.key
     }
 
+    /// A key of the lock's namespace rather than of the lock: `<prefix>:<suffix>` (`<suffix>`
+    /// without a prefix). It has no hash tag, so it never names a lock's key.
+    pub(crate) fn namespace_key(&self, suffix: &str) -> String {
+        // The prefix has no braces: the first `{` opens the encoded key.
+        let brace = self.full.find('{').unwrap_or(0);
+        let mut s = String::with_capacity(brace + suffix.len());
+        s.push_str(&self.full[..brace]);
+        s.push_str(suffix);
+        s
+    }
+
     /// The name of a companion key of this lock (`<prefix>:{<key>}:<suffix>`).
     pub fn with_suffix(&self, suffix: &str) -> String {
         let mut s = String::with_capacity(self.full.len() + 1 + suffix.len());
@@ -277,6 +288,16 @@ impl ResourceName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn namespace_keys_have_no_hash_tag_and_follow_the_prefix() {
+        let key = || LockKey::new("order:{42}").unwrap();
+        assert_eq!(
+            ResourceName::new("dlock", key()).namespace_key("fence"),
+            "dlock:fence"
+        );
+        assert_eq!(ResourceName::new("", key()).namespace_key("fence"), "fence");
+    }
 
     fn two(a: &str, b: &str) -> String {
         LockKey::builder()

@@ -7,7 +7,10 @@
 //!   read (order preserved, throughput unlimited), so a round trip costs `2 × latency` more;
 //! * **cut** every open connection at once (both sockets closed, what a network partition or
 //!   a middlebox reset looks like to both ends), and optionally **refuse** new connections for
-//!   a while (accepted and closed at once), so clients see their reconnects fail too.
+//!   a while (accepted and closed at once), so clients see their reconnects fail too;
+//! * **cut right after the next reply** ([`cut_after_next_reply`](Proxy::cut_after_next_reply)):
+//!   the next chunk the server sends is delivered, then every connection is cut and new ones
+//!   are refused — a partition that falls exactly between two commands.
 //!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
@@ -39,6 +42,7 @@ struct Shared {
     upstream: SocketAddr,
     latency_us: AtomicU64,
     refuse: AtomicBool,
+    cut_after_reply: AtomicBool,
     conns: Mutex<HashMap<u64, AbortHandle>>,
     next_id: AtomicU64,
     /// Connections accepted since start (for the report).
@@ -54,6 +58,7 @@ impl Proxy {
             upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
             latency_us: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
+            cut_after_reply: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             accepted: AtomicU64::new(0),
@@ -81,21 +86,13 @@ impl Proxy {
     /// Closes every open connection; with `refuse`, also closes new ones at once until
     /// [`allow`](Proxy::allow).
     pub fn cut(&self, refuse: bool) -> usize {
-        if refuse {
-            self.shared.refuse.store(true, Ordering::Release);
-        }
-        let conns: Vec<AbortHandle> = self
-            .shared
-            .conns
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain()
-            .map(|(_, h)| h)
-            .collect();
-        for h in &conns {
-            h.abort();
-        }
-        conns.len()
+        self.shared.cut_all(refuse)
+    }
+
+    /// Delivers the next chunk any server sends, then cuts every connection and refuses new
+    /// ones until [`allow`](Proxy::allow).
+    pub fn cut_after_next_reply(&self) {
+        self.shared.cut_after_reply.store(true, Ordering::Release);
     }
 
     /// Accepts new connections again.
@@ -113,6 +110,25 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         self.accept.abort();
         self.cut(true);
+    }
+}
+
+impl Shared {
+    fn cut_all(&self, refuse: bool) -> usize {
+        if refuse {
+            self.refuse.store(true, Ordering::Release);
+        }
+        let conns: Vec<AbortHandle> = self
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .map(|(_, h)| h)
+            .collect();
+        for h in &conns {
+            h.abort();
+        }
+        conns.len()
     }
 }
 
@@ -154,13 +170,18 @@ async fn serve(client: TcpStream, shared: &Shared) -> io::Result<()> {
     // The first direction to end (EOF delivered, or an error) ends the connection: Redis
     // clients and servers do not half-close.
     tokio::select! {
-        r = pump(cr, uw, shared) => r,
-        r = pump(ur, cw, shared) => r,
+        r = pump(cr, uw, shared, false) => r,
+        r = pump(ur, cw, shared, true) => r,
     }
 }
 
 /// Forwards `from` to `to`, each chunk delayed by the latency in force when it was read.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) -> io::Result<()> {
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    shared: &Shared,
+    from_server: bool,
+) -> io::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let reader = async move {
         loop {
@@ -180,6 +201,10 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) 
         while let Some((due, buf)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
             to.write_all(&buf).await?;
+            if from_server && shared.cut_after_reply.swap(false, Ordering::AcqRel) {
+                to.flush().await?;
+                shared.cut_all(true);
+            }
         }
         to.shutdown().await
     };

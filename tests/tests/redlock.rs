@@ -341,3 +341,188 @@ async fn startup_without_a_majority_is_a_typed_error() {
     .unwrap_err();
     assert!(err.is_unavailable(), "{err}");
 }
+
+async fn node(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(server.url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
+/// Moves a node's key store `by` into the future, as its clock jumping ahead would: every key
+/// whose remaining TTL is shorter than `by` is gone. Keys without a TTL stay.
+async fn jump_ahead(server: &RedisServer, by: Duration) {
+    let mut c = node(server).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    for key in keys {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        if pttl >= 0 && (pttl as u128) < by.as_millis() {
+            let _: i64 = redis::cmd("DEL")
+                .arg(&key)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Issue 12 item 7: fencing tokens stay strictly increasing per key across expiry when one
+/// node's clock is ahead. Node 0's token source runs an hour ahead (its counter holds what a
+/// clock an hour fast proposes), so the first token comes from it and every granting node is
+/// raised to it. Then time passes on the other nodes well beyond the lease and the counters'
+/// old retention (TTL + 60 s), and node 0 goes away: the next holder, granted by nodes 1 and 2
+/// alone, must still get a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
+    let mut servers = start_many(3);
+    let locker = redlock(&servers, Locker::builder()).await;
+    let key = "rl:fence-ahead";
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let ahead = now_us + 3_600_000_000;
+    {
+        // Node 0's token source, an hour ahead: its per-key counter and its namespace counter
+        // (whichever the backend reads) hold what its clock proposed.
+        let mut c = node(&servers[0]).await;
+        for counter in [
+            resource.with_suffix("fence"),
+            format!("{}:fence", locker.prefix()),
+        ] {
+            let _: () = redis::cmd("SET")
+                .arg(counter)
+                .arg(ahead)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+    }
+    let first = locker
+        .lock(key)
+        .ttl(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap();
+    let t1 = first.fencing_token();
+    assert!(
+        t1 > ahead,
+        "the ahead node's proposal wins: {t1} vs {ahead}"
+    );
+    first.release().await.unwrap();
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
+
+    for s in &servers[1..] {
+        jump_ahead(s, Duration::from_secs(120)).await;
+    }
+    servers[0].stop();
+    let second = locker
+        .lock(key)
+        .ttl(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap();
+    assert!(
+        second.fencing_token() > t1,
+        "fencing went backwards: {} after {t1}",
+        second.fencing_token()
+    );
+    second.release().await.unwrap();
+}
+
+/// Issue 12 item 8c: a majority grants the lock but fewer than a majority confirm the raised
+/// fencing token (the network fails between the two steps): the acquire is a 503
+/// (unavailable), not a 409 (someone else holds it), and the lock frees within its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
+    use dlock_tests::proxy::Proxy;
+
+    let servers = start_many(3);
+    let proxies = [
+        Proxy::start(servers[1].port()).await.unwrap(),
+        Proxy::start(servers[2].port()).await.unwrap(),
+    ];
+    let urls = [servers[0].url(), proxies[0].url(), proxies[1].url()];
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let backend = RedlockBackend::connect(
+        &refs,
+        RedlockOptions::default().node_timeout(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
+    let locker = Locker::builder().try_build(backend).unwrap();
+    let key = "rl:raise-fails";
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    // Node 0's counter is ahead, so the token comes from it and nodes 1 and 2 must be raised.
+    let mut c = node(&servers[0]).await;
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let counters = [
+        resource.with_suffix("fence"),
+        format!("{}:fence", locker.prefix()),
+    ];
+    let mut put_node0_ahead = async |ahead: u64| {
+        for counter in &counters {
+            let _: () = redis::cmd("SET")
+                .arg(counter)
+                .arg(ahead)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+    };
+    // Warm up: every script (the raise included) is loaded on every node, so each step below
+    // is one command.
+    put_node0_ahead(now_us + 3_600_000_000).await;
+    let g = locker
+        .lock(key)
+        .ttl(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap();
+    let t1 = g.fencing_token();
+    assert!(t1 > now_us + 3_600_000_000);
+    g.release().await.unwrap();
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
+    put_node0_ahead(t1 + 3_600_000_000).await;
+
+    // Nodes 1 and 2 answer the acquire, then the network to them fails.
+    for p in &proxies {
+        p.cut_after_next_reply();
+    }
+    let err = locker
+        .lock(key)
+        .ttl(Duration::from_secs(1))
+        .try_acquire()
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(err.to_string().contains("fencing"), "{err}");
+
+    // The lock it may have left on nodes 1 and 2 ends with its lease.
+    for p in &proxies {
+        p.allow();
+    }
+    let start = Instant::now();
+    loop {
+        if let Ok(Some(g)) = locker.lock(key).try_acquire().await {
+            g.release().await.unwrap();
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the key stays locked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -36,12 +36,23 @@
 //!
 //! # Fencing tokens
 //!
-//! Each granting node proposes `max(its counter + 1, its clock in µs)`; the lock's token is the
+//! Each node keeps **one counter per namespace** (`<prefix>:fence`) that never expires. Each
+//! granting node proposes `max(its counter + 1, its clock in µs)`; the lock's token is the
 //! maximum over the granting majority, and every granting node is raised to it before the
-//! acquire returns (the acquire fails if fewer than a majority confirm). Any later majority
-//! shares at least one node with this one, so later tokens are strictly larger — **as long as a
-//! majority of nodes keeps its data**. A node restarted without persistence forgets its counter
-//! and its locks.
+//! acquire returns. If fewer than a majority confirm the raise, the acquire undoes itself and
+//! fails with [`LockError::Unavailable`] (503): the nodes could not be reached, nobody else
+//! holds the lock. Any later majority shares at least one node with the confirming one, and
+//! that node's counter only grows, so every later token — for this key or any other in the
+//! namespace — is strictly larger. No clock enters that argument: a node whose clock runs ahead
+//! only makes tokens jump forward, one whose clock steps back changes nothing, and nothing
+//! expires (so `extend` has nothing to refresh, and a key idle for a year still gets a larger
+//! token). The counter costs one small key per namespace per node.
+//!
+//! **The one assumption that remains: a majority of nodes keeps its data.** A node restarted
+//! without persistence (or from an old snapshot) forgets its counter and its locks; if a
+//! majority did at once, tokens could go backwards. The clock term keeps that case mild (an
+//! empty node proposes its clock, larger than any token it issued before, unless its clock
+//! stepped back), but only persistence makes it safe — see below.
 //!
 //! # Restarts and persistence
 //!
@@ -165,7 +176,7 @@ impl RedlockBackend {
             .connect_timeout(opts.connect_timeout);
         let nodes = urls
             .iter()
-            .map(|u| RedisBackend::connect_lazy(u, node_opts.clone(), hub.clone()))
+            .map(|u| RedisBackend::redlock_node(u, node_opts.clone(), hub.clone()))
             .collect::<Result<Vec<_>, _>>()?;
         let backend = RedlockBackend {
             inner: Arc::new(Inner {
@@ -469,7 +480,18 @@ impl Backend for RedlockBackend {
                 if raised >= self.inner.quorum {
                     return Ok(Attempt::Acquired { fencing_token: max });
                 }
+                // A majority granted the lock but its token is not on a majority: the outcome
+                // is not "someone else holds it" but "the nodes could not be reached".
                 tracing::warn!(raised, "redlock: fencing token not confirmed by a majority");
+                self.undo_everywhere(resource, token).await;
+                return Err(LockError::unavailable(
+                    format!(
+                        "redlock acquire: the fencing token was confirmed by {raised} of {} nodes, quorum {}",
+                        self.inner.nodes.len(),
+                        self.inner.quorum
+                    ),
+                    None,
+                ));
             }
             // Failed: undo on every node, answered or not.
             self.undo_everywhere(resource, token).await;

@@ -111,8 +111,31 @@ struct Inner {
     extend: Script,
     raise_fence: Script,
     opts: RedisOptions,
+    fence: Fence,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
+}
+
+/// Where a server keeps its fencing counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fence {
+    /// One counter per lock key, expiring [`FENCE_RETENTION`] after the lease (a single
+    /// server: the cluster-safe layout, nothing left behind by idle keys).
+    PerKey,
+    /// One counter per namespace, never expiring (a Redlock node: tokens must keep increasing
+    /// across any expiry, whatever the node clocks do; see `backend::redlock`).
+    Namespace,
+}
+
+impl Fence {
+    /// The counter's key for `resource`, and its retention beyond the lease in ms (`0`: no
+    /// expiry).
+    fn key_and_retention(self, resource: &ResourceName) -> (String, u64) {
+        match self {
+            Fence::PerKey => (resource.with_suffix("fence"), millis(FENCE_RETENTION)),
+            Fence::Namespace => (resource.namespace_key("fence"), 0),
+        }
+    }
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
@@ -124,7 +147,7 @@ impl RedisBackend {
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
     /// connect timeout.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
-        let backend = Self::build(url, opts, ReleaseHub::new())?;
+        let backend = Self::build(url, opts, ReleaseHub::new(), Fence::PerKey)?;
         // Establish the connection now, so a wrong URL or a down server fails at startup.
         backend.ping().await?;
         Ok(backend)
@@ -138,10 +161,25 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
     ) -> Result<Self, LockError> {
-        Self::build(url, opts, hub)
+        Self::build(url, opts, hub, Fence::PerKey)
     }
 
-    fn build(url: &str, opts: RedisOptions, hub: Arc<ReleaseHub>) -> Result<Self, LockError> {
+    /// A Redlock node: like [`connect_lazy`](RedisBackend::connect_lazy), with the namespace's
+    /// never-expiring fencing counter.
+    pub(crate) fn redlock_node(
+        url: &str,
+        opts: RedisOptions,
+        hub: Arc<ReleaseHub>,
+    ) -> Result<Self, LockError> {
+        Self::build(url, opts, hub, Fence::Namespace)
+    }
+
+    fn build(
+        url: &str,
+        opts: RedisOptions,
+        hub: Arc<ReleaseHub>,
+        fence: Fence,
+    ) -> Result<Self, LockError> {
         // The URL may carry a password: never put it in an error message.
         let info = url.into_connection_info().map_err(|e| {
             LockError::unavailable(format!("invalid redis url: {:?}", e.kind()), None)
@@ -181,6 +219,7 @@ impl RedisBackend {
                 extend: scripts::extend(),
                 raise_fence: scripts::raise_fence(),
                 opts,
+                fence,
                 recovering: AtomicBool::new(false),
             }),
         };
@@ -236,9 +275,13 @@ impl RedisBackend {
     ) -> Result<(), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.raise_fence.prepare_invoke();
-        inv.key(resource.with_suffix("fence"))
-            .arg(token.to_string())
-            .arg(millis(ttl + FENCE_RETENTION));
+        let (fence, retention) = self.inner.fence.key_and_retention(resource);
+        let retention = if retention == 0 {
+            0
+        } else {
+            millis(ttl) + retention
+        };
+        inv.key(fence).arg(token.to_string()).arg(retention);
         self.deadline("raise fence", inv.invoke_async::<i64>(&mut conn))
             .await
             .map(|_| ())
@@ -386,15 +429,16 @@ impl Backend for RedisBackend {
             };
             let mut conn = self.inner.conn.clone();
             let mut inv = self.inner.acquire.prepare_invoke();
+            let (fence, retention) = self.inner.fence.key_and_retention(args.resource);
             inv.key(args.resource.as_str())
                 .key(args.resource.with_suffix("q"))
                 .key(args.resource.with_suffix("qt"))
-                .key(args.resource.with_suffix("fence"))
+                .key(fence)
                 .arg(args.token.as_str())
                 .arg(millis(args.ttl))
                 .arg(mode)
                 .arg(millis(args.waiter_ttl))
-                .arg(millis(FENCE_RETENTION));
+                .arg(retention);
             let (granted, value): (i64, String) = self
                 .deadline("acquire", inv.invoke_async(&mut conn))
                 .await?;

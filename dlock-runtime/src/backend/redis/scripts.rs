@@ -8,13 +8,16 @@
 //! | `<p>:{<k>}` | string | owner token, `PX` = lease |
 //! | `<p>:{<k>}:q` | list | waiter tokens in arrival order |
 //! | `<p>:{<k>}:qt` | zset | waiter token → entry deadline (ms, server clock) |
-//! | `<p>:{<k>}:fence` | string | last fencing token issued |
+//! | `<p>:{<k>}:fence` | string | last fencing token issued for this key (single server) |
+//! | `<p>:fence` | string | last fencing token issued in the namespace (a Redlock node; no TTL) |
 //! | `<p>:{<k>}:ch` | channel | release notifications; payload = next waiter's token or `""` |
 //!
-//! Fencing: `token = max(last + 1, server TIME in µs)`, stored with a retention of
-//! [`FENCE_RETENTION`](super::FENCE_RETENTION) beyond the lease. Tokens therefore increase strictly per key while the
-//! counter lives, and keep increasing after it expired as long as the server clock has not
-//! stepped back by more than the retention period.
+//! Fencing: `token = max(last + 1, server TIME in µs)`. On a single server the counter is per
+//! key, stored with a retention of [`FENCE_RETENTION`](super::FENCE_RETENTION) beyond the lease
+//! (so a key's counter costs nothing once it is idle): tokens increase strictly per key while
+//! the counter lives, and keep increasing after it expired as long as the server clock has not
+//! stepped back by more than the retention period. A Redlock node keeps one counter per
+//! namespace instead, with no expiry (retention `0`), so no clock enters its tokens' order.
 
 use redis::Script;
 
@@ -50,7 +53,7 @@ pub(super) const QUEUE_HEAD: &str = queue_head!();
 ///
 /// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence.
 /// ARGV: 1 owner token, 2 lease ms, 3 mode (`0` try, `1` queue, `2` barge), 4 waiter entry
-/// ttl ms, 5 fence retention ms.
+/// ttl ms, 5 fence retention ms beyond the lease (`0`: the counter never expires).
 /// Returns `{1, "<fencing token>"}` when granted, `{0, "<pttl>"}` otherwise (`pttl` = -2 when the
 /// lock is free but another waiter is first in line).
 pub(super) fn acquire() -> Script {
@@ -70,7 +73,11 @@ if ((not head) or head == token or mode == '2')
   local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
   if us > fence then fence = us end
   local f = string.format('%.0f', fence)
-  redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[5]))
+  if ARGV[5] == '0' then
+    redis.call('SET', KEYS[4], f)
+  else
+    redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[5]))
+  end
   return {1, f}
 end
 if mode == '1' then
@@ -151,13 +158,17 @@ return 0
 
 /// Raises the fencing counter to at least the given token (Redlock's majority maximum).
 ///
-/// KEYS: 1 fence. ARGV: 1 token, 2 retention ms. Returns 1.
+/// KEYS: 1 fence. ARGV: 1 token, 2 retention ms (`0`: no expiry). Returns 1.
 pub(super) fn raise_fence() -> Script {
     Script::new(
         r#"
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur < tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  if ARGV[2] == '0' then
+    redis.call('SET', KEYS[1], ARGV[1])
+  else
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  end
 end
 return 1
 "#,
