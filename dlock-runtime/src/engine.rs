@@ -158,6 +158,11 @@ impl Engine {
         })
     }
 
+    /// The backend every lock of this engine lives in.
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
     pub(crate) fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
@@ -688,6 +693,10 @@ mod tests {
             "a renewal with the old TTL landed after the extend: {log:?}"
         );
         assert!(guard.remaining() > short, "{:?}", guard.remaining());
-        assert_eq!(guard.state.ttl(), long, "the watchdog renews the new TTL");
+        assert_eq!(
+            guard.lease().state().ttl(),
+            long,
+            "the watchdog renews the new TTL"
+        );
     }
 }

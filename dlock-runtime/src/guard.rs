@@ -1,18 +1,16 @@
 //! [`LockGuard`]: proof of holding a lock, and the handle to keep, extend, watch and release it.
 
 use std::fmt;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::Instrument as _;
 
-use crate::engine::GuardState;
-use crate::{LockError, LockInfo, Locker};
+use crate::lease::Lease;
+use crate::{LockError, LockInfo};
 
 /// A held lock.
 ///
-/// * Renewed by the [`Locker`]'s watchdog every TTL/3 while held (unless the request turned
+/// * Renewed by the [`Locker`](crate::Locker)'s watchdog every TTL/3 while held (unless the request turned
 ///   auto-renewal off), so a long critical section keeps its lock.
 /// * [`lost`](LockGuard::lost) resolves as soon as the lock is known to be gone: an extend was
 ///   refused, renewal kept failing until the lease ran out, or the local lease clock ran out
@@ -23,45 +21,43 @@ use crate::{LockError, LockInfo, Locker};
 ///   never releases the new owner's lock. With no tokio runtime alive, the TTL ends the lock.
 #[must_use = "the lock is released when the guard is dropped"]
 pub struct LockGuard {
-    pub(crate) state: Arc<GuardState>,
-    locker: Locker,
-    /// The release was sent and answered; drop has nothing left to do.
-    released: bool,
+    lease: Lease,
 }
 
 impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
             .field("key", &self.key())
-            .field("fencing_token", &self.state.fencing_token)
+            .field("fencing_token", &self.fencing_token())
             .field("held", &self.is_held())
             .finish()
     }
 }
 
 impl LockGuard {
-    pub(crate) fn new(state: Arc<GuardState>, locker: Locker) -> Self {
-        LockGuard {
-            state,
-            locker,
-            released: false,
-        }
+    pub(crate) fn new(lease: Lease) -> Self {
+        LockGuard { lease }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.lease
     }
 
     /// The (encoded) logical key.
     pub fn key(&self) -> &str {
-        self.state.resource.key().as_str()
+        self.lease.key()
     }
 
     /// The fencing token of this acquisition: strictly greater than every token issued for the
     /// key before. Pass it to the resource you write so it can reject a stale holder.
     pub fn fencing_token(&self) -> u64 {
-        self.state.fencing_token
+        self.lease.fencing_token()
     }
 
     /// Key and fencing token together.
     pub fn info(&self) -> LockInfo {
-        LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+        self.lease.info()
     }
 
     /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock) (and to
@@ -73,23 +69,22 @@ impl LockGuard {
         fut: std::pin::Pin<&mut F>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        crate::context::poll_scoped(self.locker.id(), &self.info(), fut, cx)
+        self.lease.poll_scoped(fut, cx)
     }
 
     pub(crate) fn locker_id(&self) -> u64 {
-        self.locker.id()
+        self.lease.locker_id()
     }
 
     /// Whether the lock is still held as far as this process can tell: not reported lost and
     /// the local lease (last successful renewal or extend + TTL) has not run out.
     pub fn is_held(&self) -> bool {
-        self.locker.engine().is_held(&self.state)
+        self.lease.is_held()
     }
 
     /// The time left on the local lease.
     pub fn remaining(&self) -> Duration {
-        let now = self.locker.engine().now_ns();
-        Duration::from_nanos(self.state.lease_end_ns().saturating_sub(now))
+        self.lease.remaining()
     }
 
     /// Sets the lease to `ttl` from now (owner-checked), and makes `ttl` the lease the watchdog
@@ -104,10 +99,8 @@ impl LockGuard {
     /// may or may not be in place: the local lease then ends at the earlier of the old and the
     /// new one, and the watchdog (if on) retries soon with `ttl`.
     pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
-        crate::locker::validate_ttl(ttl)?;
-        self.locker
-            .engine()
-            .extend(&self.state, ttl)
+        self.lease
+            .extend(ttl)
             .instrument(tracing::debug_span!("dlock.extend", key = %self.key()))
             .await
     }
@@ -115,7 +108,7 @@ impl LockGuard {
     /// Resolves when the lock is lost (see the type docs). Never resolves while the lock is
     /// held. Cancel-safe; may be called any number of times.
     pub async fn lost(&self) {
-        self.locker.engine().wait_lost(&self.state).await
+        self.lease.lost().await
     }
 
     /// Releases the lock. `Ok(())` when it was still ours; [`LockError::Lost`] when it had
@@ -127,48 +120,12 @@ impl LockGuard {
     ///
     /// Cancel-safe: if this future is dropped before the backend answered, the release is
     /// handed to the background task as on drop.
-    pub async fn release(mut self) -> Result<(), LockError> {
-        // Stop renewal first, so a renewal can never follow the release.
-        self.state.done.store(true, Ordering::Release);
-        self.locker.engine().unschedule(&self.state);
-        let backend = self.locker.backend();
-        let res = self
-            .locker
-            .with_deadline("release", async {
-                backend
-                    .release(&self.state.resource, &self.state.token)
-                    .await
-            })
+    pub async fn release(self) -> Result<(), LockError> {
+        let lease = &self.lease;
+        let backend = lease.engine().backend();
+        lease
+            .settle("release", backend.release(lease.resource(), lease.token()))
             .instrument(tracing::debug_span!("dlock.release", key = %self.key()))
-            .await;
-        // Answered, or handed to the background below: the drop must not release again.
-        self.released = true;
-        match res {
-            Ok(still_ours) => self.state.settle_release(still_ours),
-            Err(e) => {
-                self.locker.engine().release_later(
-                    self.state.resource.clone(),
-                    self.state.token.clone(),
-                    self.state.ttl(),
-                );
-                Err(e)
-            }
-        }
-    }
-}
-
-impl Drop for LockGuard {
-    fn drop(&mut self) {
-        if self.released {
-            return;
-        }
-        self.state.done.store(true, Ordering::Release);
-        let engine = self.locker.engine();
-        engine.unschedule(&self.state);
-        engine.release_later(
-            self.state.resource.clone(),
-            self.state.token.clone(),
-            self.state.ttl(),
-        );
+            .await
     }
 }

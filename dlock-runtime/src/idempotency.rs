@@ -82,18 +82,16 @@
 //! servers cannot give; [`IdempotencyRequest::begin`] answers [`LockError::Unavailable`] naming
 //! the backend, and [`Locker::check_idempotency`] tells you at startup.
 
-use std::fmt::{self, Write as _};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::fmt;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tracing::Instrument as _;
 
 use crate::backend::{BoxFuture, OwnerToken};
-use crate::engine::GuardState;
 use crate::key::ResourceName;
-use crate::locker::validate_ttl;
+use crate::lease::{Lease, Undo};
+use crate::util::validate_ttl;
 use crate::{IntoLockKey, LockError, LockInfo, LockKey, Locker};
 
 /// How long a completed record is kept by default: 24 hours.
@@ -139,11 +137,7 @@ impl Fingerprint {
 
     /// The digest as 64 lowercase hex digits (how backends store it).
     pub fn to_hex(&self) -> String {
-        let mut s = String::with_capacity(64);
-        for b in self.0 {
-            let _ = write!(s, "{b:02x}");
-        }
-        s
+        crate::util::hex(&self.0)
     }
 }
 
@@ -385,17 +379,13 @@ impl IdempotencyRequest<'_> {
         };
         let span = tracing::debug_span!("dlock.idempotency.begin", key = %key);
         let resource = locker.resource(key);
-        let mut flight = Flight {
-            locker,
-            resource,
-            token: OwnerToken::generate(),
-            ttl,
-            armed: true,
-        };
+        // The begin may take the key's lock on the server: if this future is dropped before
+        // the reply, undo it for as long as that lock could live (the request's TTL).
+        let mut flight = Undo::new(locker.engine(), resource, ttl);
         let sent = locker.engine().now_ns();
         let args = BeginArgs {
-            resource: &flight.resource,
-            token: &flight.token,
+            resource: flight.resource(),
+            token: flight.token(),
             ttl,
             fingerprint: &self.fingerprint,
             retention,
@@ -406,23 +396,22 @@ impl IdempotencyRequest<'_> {
             .await?;
         // The reply is in: nothing is left to undo unless we hold the lock, and then the
         // operation takes over.
-        flight.armed = false;
+        flight.disarm();
         Ok(match reply {
             BeginReply::Acquired { fencing_token } => {
                 let state = locker.engine().register(
-                    flight.resource.clone(),
-                    flight.token.clone(),
+                    flight.resource().clone(),
+                    flight.token().clone(),
                     fencing_token,
                     ttl,
                     sent,
                     self.auto_renew,
                 );
                 Begin::Run(IdempotentOperation {
-                    state,
+                    lease: Lease::new(state, locker.engine().clone(), locker.id()),
                     locker: locker.clone(),
                     fingerprint: self.fingerprint,
                     retention,
-                    finished: false,
                 })
             }
             BeginReply::Replay { record } => Begin::Replay(record),
@@ -435,27 +424,6 @@ impl IdempotencyRequest<'_> {
                 same_fingerprint: same_fingerprint.unwrap_or(true),
             },
         })
-    }
-}
-
-/// Undoes a `begin` in flight if it is dropped before the reply is in: the begin may have
-/// taken the key's lock on the server, so the background task keeps trying to undo it for as
-/// long as that lock could live (the request's TTL).
-struct Flight<'a> {
-    locker: &'a Locker,
-    resource: ResourceName,
-    token: OwnerToken,
-    ttl: Duration,
-    armed: bool,
-}
-
-impl Drop for Flight<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.locker
-                .engine()
-                .abandon_later(self.resource.clone(), self.token.clone(), self.ttl);
-        }
     }
 }
 
@@ -487,26 +455,24 @@ pub enum Begin {
 /// until [`complete`](IdempotentOperation::complete), [`abort`](IdempotentOperation::abort)
 /// or drop.
 ///
-/// It shares the engine's per-guard state with [`LockGuard`](crate::LockGuard) — same
-/// watchdog, local lease clock and loss detection — but ends differently: `complete` replaces
-/// the release with one step that stores the record and releases together. Dropping it
-/// releases the lock in the background without a record (like dropping a guard), so the next
-/// attempt runs the operation again.
+/// It is the same lease as a [`LockGuard`](crate::LockGuard) — same watchdog, local lease
+/// clock, loss detection and cancel safety — that ends differently: `complete` replaces the
+/// release with one step that stores the record and releases together. Dropping it releases
+/// the lock in the background without a record (like dropping a guard), so the next attempt
+/// runs the operation again.
 #[must_use = "the key's lock is released without a record when the operation is dropped"]
 pub struct IdempotentOperation {
-    state: Arc<GuardState>,
+    lease: Lease,
     locker: Locker,
     fingerprint: Fingerprint,
     retention: Duration,
-    /// `complete` or `abort` got an answer: drop has nothing left to do.
-    finished: bool,
 }
 
 impl fmt::Debug for IdempotentOperation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotentOperation")
             .field("key", &self.key())
-            .field("fencing_token", &self.state.fencing_token)
+            .field("fencing_token", &self.fencing_token())
             .field("fingerprint", &self.fingerprint)
             .field("held", &self.is_held())
             .finish()
@@ -516,17 +482,17 @@ impl fmt::Debug for IdempotentOperation {
 impl IdempotentOperation {
     /// The (encoded) logical key.
     pub fn key(&self) -> &str {
-        self.state.resource.key().as_str()
+        self.lease.key()
     }
 
     /// The fencing token of this attempt's lock: pass it to the resource you write.
     pub fn fencing_token(&self) -> u64 {
-        self.state.fencing_token
+        self.lease.fencing_token()
     }
 
     /// Key and fencing token together.
     pub fn info(&self) -> LockInfo {
-        LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+        self.lease.info()
     }
 
     /// The fingerprint the record will be stored with.
@@ -537,24 +503,12 @@ impl IdempotentOperation {
     /// Whether the lock is still held as far as this process can tell (see
     /// [`LockGuard::is_held`](crate::LockGuard::is_held)).
     pub fn is_held(&self) -> bool {
-        !self.state.lost.is_cancelled() && self.locker.engine().now_ns() < self.state.lease_end_ns()
+        self.lease.is_held()
     }
 
     /// Resolves when the lock is lost (see [`LockGuard::lost`](crate::LockGuard::lost)).
     pub async fn lost(&self) {
-        let engine = self.locker.engine();
-        loop {
-            let end = self.state.lease_end_ns();
-            tokio::select! {
-                _ = self.state.lost.cancelled() => return,
-                _ = tokio::time::sleep_until(engine.instant_at(end).into()) => {
-                    if engine.now_ns() >= self.state.lease_end_ns() {
-                        self.state.mark_lost("the local lease ran out");
-                        return;
-                    }
-                }
-            }
-        }
+        self.lease.lost().await
     }
 
     /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock), like
@@ -564,13 +518,7 @@ impl IdempotentOperation {
         fut: std::pin::Pin<&mut F>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        crate::context::poll_scoped(self.locker.id(), &self.info(), fut, cx)
-    }
-
-    /// Stops renewal, so that none can follow the final step.
-    fn stop(&self) {
-        self.state.done.store(true, Ordering::Release);
-        self.locker.engine().unschedule(&self.state);
+        self.lease.poll_scoped(fut, cx)
     }
 
     /// Stores `record` as the key's result for the retention period and releases the lock, in
@@ -584,65 +532,40 @@ impl IdempotentOperation {
     ///
     /// Cancel-safe: dropping this future releases the lock in the background; whether the
     /// record was stored then depends on whether the step reached the backend.
-    pub async fn complete(mut self, record: &[u8]) -> Result<(), LockError> {
-        self.stop();
-        let locker = self.locker.clone();
-        let Some(store) = locker.backend().idempotency() else {
-            return Err(unsupported(&locker));
+    pub async fn complete(self, record: &[u8]) -> Result<(), LockError> {
+        let Some(store) = self.locker.backend().idempotency() else {
+            return Err(unsupported(&self.locker));
         };
         let args = CompleteArgs {
-            resource: &self.state.resource,
-            token: &self.state.token,
+            resource: self.lease.resource(),
+            token: self.lease.token(),
             fingerprint: &self.fingerprint,
             record,
             retention: self.retention,
         };
-        let res = locker
-            .with_deadline("idempotency complete", store.complete(args))
+        // An unknown outcome (`Err`) hands an owner-checked release to the background,
+        // harmless if the record was stored (the lock is gone then).
+        self.lease
+            .settle("idempotency complete", store.complete(args))
             .instrument(tracing::debug_span!("dlock.idempotency.complete", key = %self.key()))
-            .await;
-        // An unknown outcome (`Err`) leaves `finished` unset: drop hands an owner-checked
-        // release to the background task, harmless if the record was stored (the lock is gone
-        // then).
-        let stored = res?;
-        self.finished = true;
-        self.state.settle_release(stored)
+            .await
     }
 
     /// Releases the lock without storing a record: the next attempt runs the operation again.
     /// [`LockError::Lost`] when the lock was no longer ours.
     ///
     /// Cancel-safe, like [`complete`](IdempotentOperation::complete).
-    pub async fn abort(mut self) -> Result<(), LockError> {
-        self.stop();
-        let locker = self.locker.clone();
-        let Some(store) = locker.backend().idempotency() else {
-            return Err(unsupported(&locker));
+    pub async fn abort(self) -> Result<(), LockError> {
+        let Some(store) = self.locker.backend().idempotency() else {
+            return Err(unsupported(&self.locker));
         };
-        let res = locker
-            .with_deadline(
+        self.lease
+            .settle(
                 "idempotency abort",
-                store.abort(&self.state.resource, &self.state.token),
+                store.abort(self.lease.resource(), self.lease.token()),
             )
             .instrument(tracing::debug_span!("dlock.idempotency.abort", key = %self.key()))
-            .await;
-        let held = res?;
-        self.finished = true;
-        self.state.settle_release(held)
-    }
-}
-
-impl Drop for IdempotentOperation {
-    fn drop(&mut self) {
-        if self.finished {
-            return;
-        }
-        self.stop();
-        self.locker.engine().release_later(
-            self.state.resource.clone(),
-            self.state.token.clone(),
-            self.state.ttl(),
-        );
+            .await
     }
 }
 

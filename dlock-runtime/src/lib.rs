@@ -76,6 +76,7 @@ mod error;
 mod guard;
 pub mod idempotency;
 pub mod key;
+mod lease;
 mod locker;
 mod strategy;
 mod util;

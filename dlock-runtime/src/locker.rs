@@ -13,25 +13,10 @@ use crate::backend::{
 };
 use crate::engine::Engine;
 use crate::key::{validate_prefix, ResourceName};
+use crate::lease::{Lease, Undo};
+use crate::util::validate_ttl;
+pub use crate::util::{MAX_TTL, MIN_TTL};
 use crate::{LockError, LockGuard, LockKey, OnFail, RetryPolicy};
-
-/// Smallest accepted lease.
-pub const MIN_TTL: Duration = Duration::from_millis(10);
-/// Largest accepted lease. Longer work keeps a shorter lease alive with the watchdog.
-pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
-
-pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
-    let reason = if ttl.is_zero() {
-        "ttl must not be zero".to_owned()
-    } else if ttl < MIN_TTL {
-        format!("ttl must be at least {MIN_TTL:?}")
-    } else if ttl > MAX_TTL {
-        format!("ttl must be at most {MAX_TTL:?}; long work keeps a short lease renewed")
-    } else {
-        return Ok(ttl);
-    };
-    Err(LockError::InvalidTtl { ttl, reason })
-}
 
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -225,7 +210,7 @@ impl Locker {
             self.inner
                 .engine
                 .register(resource, token, fencing_token, ttl, sent_ns, auto_renew);
-        LockGuard::new(state, self.clone())
+        LockGuard::new(Lease::new(state, self.inner.engine.clone(), self.id()))
     }
 }
 
@@ -612,46 +597,16 @@ impl<'a> IntoFuture for LockRequest<'a> {
     }
 }
 
-/// Undoes an acquire in flight if it is dropped before it is turned into a guard (HARD-PARTS
-/// §1): the token is made before anything is sent, so the background task can always release
-/// what the attempt may have taken and remove the queue entry it may have made.
-struct InFlight<'a> {
-    locker: &'a Locker,
-    resource: ResourceName,
-    token: OwnerToken,
-    armed: bool,
-    /// How long the background undo keeps trying (lease and waiter entry life).
-    horizon: Duration,
-}
-
-impl InFlight<'_> {
-    fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.locker.engine().abandon_later(
-                self.resource.clone(),
-                self.token.clone(),
-                self.horizon,
-            );
-        }
-    }
-}
-
 async fn attempt(
     locker: &Locker,
-    flight: &InFlight<'_>,
+    flight: &Undo<'_>,
     ttl: Duration,
     mode: WaitMode,
 ) -> Result<(Attempt, u64), LockError> {
     let sent = locker.engine().now_ns();
     let args = AcquireArgs {
-        resource: &flight.resource,
-        token: &flight.token,
+        resource: flight.resource(),
+        token: flight.token(),
         ttl,
         mode,
         waiter_ttl: locker.waiter_ttl_for(ttl),
@@ -669,21 +624,15 @@ async fn attempt_once(
     ttl: Duration,
     auto_renew: bool,
 ) -> Result<Result<LockGuard, Option<Duration>>, LockError> {
-    let mut flight = InFlight {
-        locker,
-        resource,
-        token: OwnerToken::generate(),
-        armed: true,
-        horizon: ttl,
-    };
+    let mut flight = Undo::new(locker.engine(), resource, ttl);
     let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
     flight.disarm();
     match out {
         Attempt::Acquired { fencing_token } => Ok(Ok(locker.make_guard(
-            flight.resource.clone(),
-            flight.token.clone(),
+            flight.resource().clone(),
+            flight.token().clone(),
             fencing_token,
             ttl,
             sent,
@@ -710,13 +659,7 @@ async fn wait_for(
     // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
     // and undoes whatever the last attempt may have taken.
     let waiter_ttl = locker.waiter_ttl_for(ttl);
-    let mut flight = InFlight {
-        locker,
-        resource,
-        token: OwnerToken::generate(),
-        armed: true,
-        horizon: ttl.max(waiter_ttl),
-    };
+    let mut flight = Undo::new(locker.engine(), resource, ttl.max(waiter_ttl));
     let refresh = waiter_ttl / 3;
     let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
     let mut step = 0u32;
@@ -727,8 +670,8 @@ async fn wait_for(
             Attempt::Acquired { fencing_token } => {
                 flight.disarm();
                 return Ok(locker.make_guard(
-                    flight.resource.clone(),
-                    flight.token.clone(),
+                    flight.resource().clone(),
+                    flight.token().clone(),
                     fencing_token,
                     ttl,
                     sent,
@@ -740,12 +683,12 @@ async fn wait_for(
         let now = Instant::now();
         if now >= deadline {
             // Leave the queue before reporting, so the caller's next move sees it gone.
-            let undo = locker.backend().abandon(&flight.resource, &flight.token);
+            let undo = locker.backend().abandon(flight.resource(), flight.token());
             if locker.with_deadline("abandon", undo).await.is_ok() {
                 flight.disarm();
             }
             return Err(LockError::timeout(
-                flight.resource.key().as_str(),
+                flight.resource().key().as_str(),
                 now - start,
                 remaining,
             ));
@@ -756,7 +699,7 @@ async fn wait_for(
             let w = locker
                 .with_deadline(
                     "subscribe",
-                    locker.backend().watch(&flight.resource, &flight.token),
+                    locker.backend().watch(flight.resource(), flight.token()),
                 )
                 .await?;
             watch = Some((w, WaitingCount::enter(locker)));

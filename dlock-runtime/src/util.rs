@@ -1,9 +1,29 @@
-//! Small pieces every layer uses: one hex codec, the two kinds of randomness (secure tokens from
+//! Small pieces every layer uses: the TTL bounds, one hex codec, the two kinds of randomness (secure tokens from
 //! the OS, fast jitter), and one exponential backoff.
 
 use std::cell::Cell;
 use std::fmt::Write as _;
 use std::time::Duration;
+
+use crate::LockError;
+
+/// Smallest accepted lease.
+pub const MIN_TTL: Duration = Duration::from_millis(10);
+/// Largest accepted lease. Longer work keeps a shorter lease alive with the watchdog.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
+    let reason = if ttl.is_zero() {
+        "ttl must not be zero".to_owned()
+    } else if ttl < MIN_TTL {
+        format!("ttl must be at least {MIN_TTL:?}")
+    } else if ttl > MAX_TTL {
+        format!("ttl must be at most {MAX_TTL:?}; long work keeps a short lease renewed")
+    } else {
+        return Ok(ttl);
+    };
+    Err(LockError::InvalidTtl { ttl, reason })
+}
 
 /// Appends `bytes` as lowercase hex.
 pub(crate) fn hex_into(out: &mut String, bytes: &[u8]) {

@@ -193,7 +193,7 @@ impl DurableQueue {
             max_attempts: policy.max_attempts,
             delay_ms: millis(policy.delay),
             max_delay_ms: millis(policy.max_delay),
-            ttl_ms: millis(crate::locker::validate_ttl(ttl)?),
+            ttl_ms: millis(crate::util::validate_ttl(ttl)?),
         };
         let payload = serde_json::to_string(&env).expect("an envelope of JSON values serializes");
         self.enqueue_raw(&payload, &key, delay).await

@@ -1,0 +1,199 @@
+//! The lease layer: [`Lease`], one held lock as the core sees it, and [`Undo`], the one
+//! undo-on-cancel guard of an attempt in flight.
+//!
+//! A `Lease` is the engine's per-lock state (owner token, fencing token, local lease clock,
+//! watchdog registration, loss signal) plus the rule that ends it: one final, owner-checked step
+//! (a release, or an idempotency record stored with the release) whose answer settles the lease;
+//! until then, dropping it hands an owner-checked release to the engine's background task.
+//! [`LockGuard`](crate::LockGuard) and
+//! [`IdempotentOperation`](crate::idempotency::IdempotentOperation) are thin wrappers over it, so
+//! loss detection, `extend` and cancel safety are written once.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::OwnerToken;
+use crate::context::LockInfo;
+use crate::engine::{Engine, GuardState};
+use crate::key::ResourceName;
+use crate::LockError;
+
+/// One held lock (see the [module docs](self)).
+pub(crate) struct Lease {
+    state: Arc<GuardState>,
+    engine: Arc<Engine>,
+    locker_id: u64,
+    /// The final step was answered (or handed to the background): drop has nothing to do.
+    settled: AtomicBool,
+}
+
+impl Lease {
+    pub(crate) fn new(state: Arc<GuardState>, engine: Arc<Engine>, locker_id: u64) -> Self {
+        Lease {
+            state,
+            engine,
+            locker_id,
+            settled: AtomicBool::new(false),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn state(&self) -> &GuardState {
+        &self.state
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    pub(crate) fn locker_id(&self) -> u64 {
+        self.locker_id
+    }
+
+    pub(crate) fn resource(&self) -> &ResourceName {
+        &self.state.resource
+    }
+
+    pub(crate) fn token(&self) -> &OwnerToken {
+        &self.state.token
+    }
+
+    /// The (encoded) logical key.
+    pub(crate) fn key(&self) -> &str {
+        self.state.resource.key().as_str()
+    }
+
+    pub(crate) fn fencing_token(&self) -> u64 {
+        self.state.fencing_token
+    }
+
+    pub(crate) fn info(&self) -> LockInfo {
+        LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+    }
+
+    /// Not reported lost, and the local lease has not run out.
+    pub(crate) fn is_held(&self) -> bool {
+        self.engine.is_held(&self.state)
+    }
+
+    /// The time left on the local lease.
+    pub(crate) fn remaining(&self) -> Duration {
+        let now = self.engine.now_ns();
+        Duration::from_nanos(self.state.lease_end_ns().saturating_sub(now))
+    }
+
+    /// Sets the lease to `ttl` from now; the local lease and the watchdog follow (see
+    /// [`LockGuard::extend`](crate::LockGuard::extend)).
+    pub(crate) async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
+        crate::util::validate_ttl(ttl)?;
+        self.engine.extend(&self.state, ttl).await
+    }
+
+    /// Resolves when the lock is known to be lost.
+    pub(crate) async fn lost(&self) {
+        self.engine.wait_lost(&self.state).await
+    }
+
+    /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock).
+    pub(crate) fn poll_scoped<F: Future + ?Sized>(
+        &self,
+        fut: std::pin::Pin<&mut F>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        crate::context::poll_scoped(self.locker_id, &self.info(), fut, cx)
+    }
+
+    /// Stops renewal, so that none can follow the final step.
+    fn stop(&self) {
+        self.state.done.store(true, Ordering::Release);
+        self.engine.unschedule(&self.state);
+    }
+
+    /// The final step: stops renewal, then runs `step` — owner-checked, answering whether the
+    /// lock was still ours — under the command deadline. Answered: the lease is settled
+    /// ([`LockError::Lost`] if it was not ours). Not answered: the error, and an owner-checked
+    /// release goes to the background task at once, retried until it lands or the lease has
+    /// run out. Dropped before either: drop hands the release to the background.
+    pub(crate) async fn settle(
+        &self,
+        what: &'static str,
+        step: impl Future<Output = Result<bool, LockError>>,
+    ) -> Result<(), LockError> {
+        self.stop();
+        let res = self.engine.with_deadline(what, step).await;
+        self.settled.store(true, Ordering::Release);
+        match res {
+            Ok(still_ours) => self.state.settle_release(still_ours),
+            Err(e) => {
+                self.release_later();
+                Err(e)
+            }
+        }
+    }
+
+    fn release_later(&self) {
+        self.engine.release_later(
+            self.state.resource.clone(),
+            self.state.token.clone(),
+            self.state.ttl(),
+        );
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.settled.load(Ordering::Acquire) {
+            self.stop();
+            self.release_later();
+        }
+    }
+}
+
+/// Undoes an attempt in flight (an acquire, an idempotency `begin`) if it is dropped before its
+/// reply is in: the owner token is made before anything is sent, so the background task can
+/// always release what the attempt may have taken and remove the queue entry it may have made.
+/// It keeps trying for `horizon`, by when that lock and entry have expired on their own.
+pub(crate) struct Undo<'a> {
+    engine: &'a Arc<Engine>,
+    resource: ResourceName,
+    token: OwnerToken,
+    horizon: Duration,
+    armed: bool,
+}
+
+impl<'a> Undo<'a> {
+    /// Armed, with a fresh owner token.
+    pub(crate) fn new(engine: &'a Arc<Engine>, resource: ResourceName, horizon: Duration) -> Self {
+        Undo {
+            engine,
+            resource,
+            token: OwnerToken::generate(),
+            horizon,
+            armed: true,
+        }
+    }
+
+    pub(crate) fn resource(&self) -> &ResourceName {
+        &self.resource
+    }
+
+    pub(crate) fn token(&self) -> &OwnerToken {
+        &self.token
+    }
+
+    /// The reply is in: nothing is left to undo (or someone else now owns what was taken).
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine
+                .abandon_later(self.resource.clone(), self.token.clone(), self.horizon);
+        }
+    }
+}
