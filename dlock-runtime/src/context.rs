@@ -41,7 +41,7 @@ tokio::task_local! {
 }
 
 /// The innermost lock held by the current task through `#[distributed_lock]` (or
-/// [`with_lock`]), if any.
+/// [`with_lock`](crate::with_lock)), if any.
 ///
 /// ```
 /// # async fn f() {
@@ -56,7 +56,7 @@ pub fn current_lock() -> Option<LockInfo> {
         .flatten()
 }
 
-/// Every lock the current task holds through `#[distributed_lock]` / [`with_lock`], outermost
+/// Every lock the current task holds through `#[distributed_lock]` / [`with_lock`](crate::with_lock), outermost
 /// first.
 pub fn held_locks() -> Vec<LockInfo> {
     HELD.try_with(|h| h.iter().map(|(_, i)| i.clone()).collect())
@@ -95,24 +95,4 @@ pub(crate) fn poll_scoped<F: Future + ?Sized>(
     let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
     held.push((locker_id, info.clone()));
     HELD.sync_scope(Arc::new(held), || fut.poll(cx))
-}
-
-/// Runs `fut` with the lock `guard` holds visible to [`current_lock`] (and to nested
-/// `#[distributed_lock]` calls, which re-enter instead of waiting for themselves).
-///
-/// ```
-/// # async fn f(locker: dlock_runtime::Locker) -> Result<(), dlock_runtime::LockError> {
-/// let guard = locker.lock("report:2026-11").acquire().await?;
-/// dlock_runtime::with_lock(&guard, async {
-///     assert!(dlock_runtime::current_lock().is_some());
-/// })
-/// .await;
-/// guard.release().await?;
-/// # Ok(()) }
-/// ```
-pub fn with_lock<'g, F: Future + 'g>(
-    guard: &'g crate::LockGuard,
-    fut: F,
-) -> impl Future<Output = F::Output> + 'g {
-    scope(guard.locker_id(), guard.info(), fut)
 }

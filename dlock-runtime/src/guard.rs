@@ -1,6 +1,7 @@
 //! [`LockGuard`]: proof of holding a lock, and the handle to keep, extend, watch and release it.
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use tracing::Instrument as _;
@@ -128,4 +129,24 @@ impl LockGuard {
             .instrument(tracing::debug_span!("dlock.release", key = %self.key()))
             .await
     }
+}
+
+/// Runs `fut` with the lock `guard` holds visible to [`current_lock`](crate::current_lock) (and to nested
+/// `#[distributed_lock]` calls, which re-enter instead of waiting for themselves).
+///
+/// ```
+/// # async fn f(locker: dlock_runtime::Locker) -> Result<(), dlock_runtime::LockError> {
+/// let guard = locker.lock("report:2026-11").acquire().await?;
+/// dlock_runtime::with_lock(&guard, async {
+///     assert!(dlock_runtime::current_lock().is_some());
+/// })
+/// .await;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub fn with_lock<'g, F: Future + 'g>(
+    guard: &'g LockGuard,
+    fut: F,
+) -> impl Future<Output = F::Output> + 'g {
+    crate::context::scope(guard.locker_id(), guard.info(), fut)
 }

@@ -5,8 +5,8 @@
 //! watchdog registration, loss signal) plus the rule that ends it: one final, owner-checked step
 //! (a release, or an idempotency record stored with the release) whose answer settles the lease;
 //! until then, dropping it hands an owner-checked release to the engine's background task.
-//! [`LockGuard`](crate::LockGuard) and
-//! [`IdempotentOperation`](crate::idempotency::IdempotentOperation) are thin wrappers over it, so
+//! [`LockGuard`](crate::LockGuard) and the idempotency feature's `IdempotentOperation` are thin
+//! wrappers over it, so
 //! loss detection, `extend` and cancel safety are written once.
 
 use std::future::Future;

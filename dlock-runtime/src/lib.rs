@@ -85,15 +85,15 @@ mod util;
 #[path = "private.rs"]
 pub mod __private;
 
-pub use context::{current_lock, held_locks, with_lock, LockInfo};
+pub use context::{current_lock, held_locks, LockInfo};
 pub use error::{BoxError, LockError, PROBLEM_JSON};
-pub use guard::LockGuard;
+pub use guard::{with_lock, LockGuard};
 pub use key::LockKey;
 pub use locker::{
-    default_locker, set_default_locker, IntoLockKey, LockRequest, Locker, LockerBuilder, MAX_TTL,
-    MIN_TTL,
+    default_locker, set_default_locker, IntoLockKey, LockRequest, Locker, LockerBuilder,
 };
 pub use strategy::{DeferPolicy, OnFail, RetryPolicy};
+pub use util::{MAX_TTL, MIN_TTL};
 
 #[cfg(feature = "macros")]
 pub use dlock_macros::distributed_lock;

@@ -119,6 +119,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ttl_bounds_are_enforced() {
+        assert!(validate_ttl(Duration::ZERO).unwrap_err().is_invalid());
+        assert!(validate_ttl(Duration::from_millis(9)).is_err());
+        assert!(validate_ttl(MIN_TTL).is_ok());
+        assert!(validate_ttl(MAX_TTL).is_ok());
+        assert!(validate_ttl(MAX_TTL + Duration::from_millis(1)).is_err());
+    }
+
+    #[test]
     fn hex_is_lowercase_and_two_digits_per_byte() {
         assert_eq!(hex(&[0x00, 0x0f, 0xa0, 0xff]), "000fa0ff");
         assert_eq!(secure_token::<16>().len(), 32);

@@ -233,7 +233,7 @@ impl Backend for MemoryBackend {
         "memory"
     }
 
-    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+    fn idempotency(&self) -> Option<&dyn super::IdempotencyStore> {
         Some(self)
     }
 

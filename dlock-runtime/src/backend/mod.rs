@@ -32,6 +32,8 @@ use crate::LockError;
 mod memory;
 pub use memory::MemoryBackend;
 
+pub mod idempotency;
+pub use self::idempotency::IdempotencyStore;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
@@ -200,9 +202,9 @@ pub trait Backend: Send + Sync + 'static {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>>;
 
-    /// Where this backend keeps idempotency records, atomically with its locks (see
-    /// [`crate::idempotency`]). Default: none — the backend does not support them.
-    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+    /// Where this backend keeps idempotency records, atomically with its locks (an optional
+    /// capability, [`IdempotencyStore`]). Default: none — the backend does not support them.
+    fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
         None
     }
 }
@@ -255,7 +257,7 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         (**self).watch(resource, token)
     }
-    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+    fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
         (**self).idempotency()
     }
 }

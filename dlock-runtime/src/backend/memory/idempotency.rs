@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::MemoryBackend;
+use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
-use crate::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::key::ResourceName;
 use crate::LockError;
 

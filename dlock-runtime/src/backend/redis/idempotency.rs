@@ -26,8 +26,8 @@ use redis::Script;
 // Lua: the live head of the waiter queue (`head`), shared with the lock scripts.
 use super::scripts::QUEUE_HEAD;
 use super::{millis, RedisBackend, CHANNEL_SUFFIX, FENCE_RETENTION};
+use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
-use crate::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::key::ResourceName;
 use crate::LockError;
 

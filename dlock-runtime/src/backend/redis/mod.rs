@@ -416,7 +416,7 @@ impl Backend for RedisBackend {
         "redis"
     }
 
-    fn idempotency(&self) -> Option<&dyn crate::idempotency::IdempotencyStore> {
+    fn idempotency(&self) -> Option<&dyn super::IdempotencyStore> {
         Some(self)
     }
 
