@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use tracing::Instrument as _;
 
 use crate::backend::{
-    AcquireArgs, Attempt, Backend, BoxFuture, MemoryBackend, OwnerToken, WaitMode, Watch,
+    AcquireArgs, Attempt, Backend, BoxFuture, IntoBackend, MemoryBackend, OwnerToken, WaitMode,
+    Watch,
 };
 use crate::engine::Engine;
 use crate::key::{validate_prefix, ResourceName};
@@ -89,7 +90,7 @@ impl Locker {
     }
 
     /// A locker over `backend`, with default settings (see [`LockerBuilder`]).
-    pub fn new(backend: impl Backend) -> Self {
+    pub fn new(backend: impl IntoBackend) -> Self {
         LockerBuilder::new().build(backend)
     }
 
@@ -274,7 +275,7 @@ impl LockerBuilder {
     ///
     /// # Panics
     /// If the prefix is invalid (use [`try_build`](LockerBuilder::try_build) to get an error).
-    pub fn build(self, backend: impl Backend) -> Locker {
+    pub fn build(self, backend: impl IntoBackend) -> Locker {
         match self.try_build(backend) {
             Ok(l) => l,
             Err(e) => panic!("{e}"),
@@ -282,11 +283,11 @@ impl LockerBuilder {
     }
 
     /// Builds a locker over `backend`, or reports an invalid prefix.
-    pub fn try_build(self, backend: impl Backend) -> Result<Locker, LockError> {
+    pub fn try_build(self, backend: impl IntoBackend) -> Result<Locker, LockError> {
         if let Some(reason) = self.prefix_error {
             return Err(LockError::invalid_key(reason));
         }
-        let backend: Arc<dyn Backend> = Arc::new(backend);
+        let backend = backend.into_backend();
         let engine = Engine::new(backend.clone(), self.config.command_timeout);
         let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone());
         Ok(Locker {
@@ -766,6 +767,20 @@ pub fn default_locker() -> Option<Locker> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_locker_takes_a_backend_by_value_arc_or_box() {
+        let shared = MemoryBackend::new();
+        let by_arc = Locker::new(Arc::new(shared.clone()));
+        let boxed: Box<dyn Backend> = Box::new(shared.clone());
+        let by_box = Locker::new(boxed);
+        let by_value = Locker::new(shared);
+        let g = by_arc.lock("k").try_acquire().await.unwrap().unwrap();
+        assert!(by_box.lock("k").try_acquire().await.unwrap().is_none());
+        assert!(by_value.lock("k").try_acquire().await.unwrap().is_none());
+        g.release().await.unwrap();
+        assert!(by_box.lock("k").try_acquire().await.unwrap().is_some());
+    }
 
     #[test]
     fn bad_prefix_is_a_typed_error() {

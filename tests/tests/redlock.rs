@@ -62,6 +62,7 @@ fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
         }),
         fifo: false,
         idempotency: false,
+        notifications: true,
     }
 }
 

@@ -12,10 +12,19 @@
 //!   atomically, server side.
 //! * [`abandon`](Backend::abandon): for a cancelled or abandoned acquire — release if the token
 //!   owns the lock and leave the waiter queue; harmless if the token never got anywhere.
-//! * [`watch`](Backend::watch): be told when the lock is released and it is this waiter's turn.
+//! * [`watch`](Backend::watch) (optional): be told when the lock is released and it is this
+//!   waiter's turn. The default never fires ([`Watch::never`]); waiters then re-check on their
+//!   fallback timer.
+//! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
+//!   records atomically with the locks.
+//!
+//! `name`, `acquire`, `release`, `extend` and `abandon` are all a backend must write; the
+//! conformance suite (feature `conformance`) checks every promise above against it. A locker
+//! takes a backend by value, as `Arc<B>`, `Arc<dyn Backend>` or `Box<dyn Backend>`
+//! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`].
+//! [`RedisBackend`] and [`RedlockBackend`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -196,11 +205,18 @@ pub trait Backend: Send + Sync + 'static {
     /// Registers `token` as a local waiter of `resource`. The returned [`Watch`] is notified when
     /// a release names `token` as the next waiter (or, for barging waiters, when a release names
     /// nobody). When this future completes, no later release can be missed.
+    ///
+    /// Optional: the default is [`Watch::never`], a watch that is never notified. Waiting
+    /// still works then — waiters re-check on their fallback timer (see
+    /// [`RetryPolicy`](crate::RetryPolicy)) — it is only slower to hand the lock over.
     fn watch<'a>(
         &'a self,
         resource: &'a ResourceName,
         token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<Watch, LockError>>;
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        let _ = (resource, token);
+        Box::pin(async { Ok(Watch::never()) })
+    }
 
     /// Where this backend keeps idempotency records, atomically with its locks (an optional
     /// capability, [`IdempotencyStore`]). Default: none — the backend does not support them.
@@ -209,56 +225,37 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
-impl<B: Backend + ?Sized> Backend for Arc<B> {
-    fn name(&self) -> &'static str {
-        (**self).name()
+/// What a [`Locker`](crate::Locker) can be built over: any [`Backend`] by value, or one already
+/// shared as `Arc<B>`, `Arc<dyn Backend>` or `Box<dyn Backend>`.
+///
+/// The locker keeps an `Arc<dyn Backend>`; these conversions hand it over without wrapping the
+/// backend in a forwarding type, so no method (default ones included) can be lost on the way.
+pub trait IntoBackend {
+    /// The shared backend.
+    fn into_backend(self) -> Arc<dyn Backend>;
+}
+
+impl<B: Backend> IntoBackend for B {
+    fn into_backend(self) -> Arc<dyn Backend> {
+        Arc::new(self)
     }
-    fn lease_margin(&self, ttl: Duration) -> Duration {
-        (**self).lease_margin(ttl)
+}
+
+impl<B: Backend> IntoBackend for Arc<B> {
+    fn into_backend(self) -> Arc<dyn Backend> {
+        self
     }
-    fn fifo(&self) -> bool {
-        (**self).fifo()
+}
+
+impl IntoBackend for Arc<dyn Backend> {
+    fn into_backend(self) -> Arc<dyn Backend> {
+        self
     }
-    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-        (**self).acquire(args)
-    }
-    fn release<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<bool, LockError>> {
-        (**self).release(resource, token)
-    }
-    fn extend<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, LockError>> {
-        (**self).extend(resource, token, ttl)
-    }
-    fn extend_many<'a>(
-        &'a self,
-        items: &'a [ExtendItem],
-    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
-        (**self).extend_many(items)
-    }
-    fn abandon<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
-        (**self).abandon(resource, token)
-    }
-    fn watch<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<Watch, LockError>> {
-        (**self).watch(resource, token)
-    }
-    fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
-        (**self).idempotency()
+}
+
+impl IntoBackend for Box<dyn Backend> {
+    fn into_backend(self) -> Arc<dyn Backend> {
+        Arc::from(self)
     }
 }
 
@@ -272,6 +269,11 @@ type WaiterMap = HashMap<Arc<str>, Vec<(OwnerToken, Arc<Notify>)>>;
 /// Dropping it unregisters the waiter.
 pub struct Watch {
     notify: Arc<Notify>,
+    /// Where it is registered; `None` for [`Watch::never`].
+    registration: Option<Registration>,
+}
+
+struct Registration {
     hub: Arc<ReleaseHub>,
     resource: Arc<str>,
     token: OwnerToken,
@@ -279,6 +281,15 @@ pub struct Watch {
 }
 
 impl Watch {
+    /// A watch that is never notified: what a backend without release notifications returns
+    /// (the default of [`Backend::watch`]). Waiters then wake on their fallback timer.
+    pub fn never() -> Self {
+        Watch {
+            notify: Arc::new(Notify::new()),
+            registration: None,
+        }
+    }
+
     /// Waits for a notification. A notification that arrived before this call is not lost.
     pub async fn notified(&self) {
         self.notify.notified().await;
@@ -288,17 +299,22 @@ impl Watch {
 impl fmt::Debug for Watch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Watch")
-            .field("resource", &self.resource)
+            .field(
+                "resource",
+                &self.registration.as_ref().map(|r| r.resource.clone()),
+            )
             .finish_non_exhaustive()
     }
 }
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        let last = self.hub.unregister(&self.resource, &self.token);
-        if last {
-            if let Some(on_last) = &self.on_last {
-                on_last(&self.resource);
+        let Some(r) = &self.registration else {
+            return;
+        };
+        if r.hub.unregister(&r.resource, &r.token) {
+            if let Some(on_last) = &r.on_last {
+                on_last(&r.resource);
             }
         }
     }
@@ -340,10 +356,12 @@ impl ReleaseHub {
         (
             Watch {
                 notify,
-                hub: self.clone(),
-                resource: name,
-                token: token.clone(),
-                on_last,
+                registration: Some(Registration {
+                    hub: self.clone(),
+                    resource: name,
+                    token: token.clone(),
+                    on_last,
+                }),
             },
             first,
         )

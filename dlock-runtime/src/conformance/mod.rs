@@ -72,6 +72,10 @@ pub struct Store {
     /// ([`IdempotencyStore`](crate::idempotency::IdempotencyStore)); the idempotency checks
     /// are skipped for one that does not (and assert that it says so).
     pub idempotency: bool,
+    /// Whether the backend delivers release notifications ([`Backend::watch`](crate::backend::Backend::watch)).
+    /// Without them waiters wake on their fallback timer, and the wake-up check asks only that
+    /// the waiter gets the lock on that timer.
+    pub notifications: bool,
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
@@ -99,6 +103,7 @@ impl Store {
             break_lock: Box::new(break_lock),
             fifo: true,
             idempotency: true,
+            notifications: true,
         }
     }
 
