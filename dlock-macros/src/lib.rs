@@ -10,7 +10,9 @@
 mod attr;
 mod errors;
 mod expand;
+mod function;
 mod key_template;
+mod output;
 
 use proc_macro::TokenStream;
 
