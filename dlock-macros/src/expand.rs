@@ -261,8 +261,15 @@ fn expand_locked(
     }
     let (run_fn, defer_checks) = match &args.on_fail {
         OnFail::Defer(defer) => {
-            let delay = duration(&private, defer.delay.unwrap_or(defer::DEFAULT_DELAY));
-            let max_attempts = defer.max_attempts.unwrap_or(defer::DEFAULT_MAX_ATTEMPTS);
+            // Spelled out even when not given: the runtime's `DeferPolicy` default is the same
+            // `dlock_limits` value.
+            let delay = duration(
+                &private,
+                defer.delay.unwrap_or(dlock_limits::DEFAULT_DEFER_DELAY),
+            );
+            let max_attempts = defer
+                .max_attempts
+                .unwrap_or(dlock_limits::DEFAULT_DEFER_MAX_ATTEMPTS);
             spec.extend(quote!(.defer(#delay, #max_attempts)));
             (quote!(run_deferrable), defer::checks(bindings))
         }
@@ -324,11 +331,6 @@ fn expand_locked(
 /// therefore be `Send + 'static`; each gets a check spanned on it.
 mod defer {
     use super::*;
-
-    /// `delay` when the attribute gives none (the runtime's `DeferPolicy` default).
-    pub(super) const DEFAULT_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
-    /// `max_attempts` when the attribute gives none (the runtime's `DeferPolicy` default).
-    pub(super) const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 
     pub(super) fn checks(bindings: &Bindings) -> TokenStream {
         // Named for the diagnostic: "required by a bound in `__dlock_defer_arg_must_be_…`".
@@ -501,6 +503,26 @@ mod tests {
         assert_eq!(errors.len(), 3, "{errors:?}");
     }
 
+    /// Without `delay` and `max_attempts`, the expansion spells out the runtime's
+    /// `DeferPolicy` defaults.
+    #[test]
+    fn defer_defaults_are_the_runtimes() {
+        let out = expand_str(
+            quote!(key = "a", on_fail = "defer"),
+            quote!(
+                async fn f() {}
+            ),
+        );
+        let policy = dlock_runtime::DeferPolicy::default();
+        let expected = format!(
+            ". defer (:: dlock_runtime :: __private :: Duration :: new ({}u64 , {}u32) , {}u32)",
+            policy.delay.as_secs(),
+            policy.delay.subsec_nanos(),
+            policy.max_attempts
+        );
+        assert!(out.contains(&expected), "missing `{expected}` in\n{out}");
+    }
+
     #[test]
     fn defer_checks_arguments() {
         let out = expand_str(
@@ -529,6 +551,12 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("run_deferrable (__dlock_locker"), "{out}");
+        assert!(
+            out.contains(
+                ". defer (:: dlock_runtime :: __private :: Duration :: new (1u64 , 0u32) , 3u32)"
+            ),
+            "{out}"
+        );
         assert!(out.contains(". defer ("), "{out}");
         assert!(!out.contains("compile_error"), "{out}");
     }

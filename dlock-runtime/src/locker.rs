@@ -15,10 +15,8 @@ use crate::engine::Engine;
 use crate::key::{validate_prefix, ResourceName};
 use crate::{LockError, LockGuard, LockKey, OnFail, RetryPolicy};
 
-/// Smallest accepted lease.
-pub const MIN_TTL: Duration = Duration::from_millis(10);
-/// Largest accepted lease. Longer work keeps a shorter lease alive with the watchdog.
-pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+// Shared with `#[distributed_lock]`, which checks `ttl` against them at compile time.
+pub use dlock_limits::{MAX_TTL, MIN_TTL};
 
 pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
     let reason = if ttl.is_zero() {
@@ -81,7 +79,7 @@ impl Default for Config {
         Config {
             prefix: "dlock".to_owned(),
             command_timeout: Duration::from_secs(1),
-            default_ttl: Duration::from_secs(30),
+            default_ttl: dlock_limits::DEFAULT_TTL,
             waiter_ttl: Duration::from_secs(5),
             on_fail: OnFail::Reject,
             defer_limits: crate::defer::QueueLimits::default(),
