@@ -271,9 +271,9 @@ fn expand_locked(
                 .max_attempts
                 .unwrap_or(dlock_limits::DEFAULT_DEFER_MAX_ATTEMPTS);
             spec.extend(quote!(.defer(#delay, #max_attempts)));
-            (quote!(run_deferrable), defer::checks(bindings))
+            (quote!(#private::run_deferrable), defer::checks(bindings))
         }
-        _ => (quote!(run), TokenStream::new()),
+        _ => (quote!(#private::run), TokenStream::new()),
     };
     if args.on_lost == OnLost::Cancel {
         spec.extend(quote!(.cancel_on_lost()));
@@ -292,7 +292,7 @@ fn expand_locked(
     };
 
     let run = quote! {
-        #private::#run_fn(#locker_var, #key_var, #spec_var, #body_var).await
+        #run_fn(#locker_var, #key_var, #spec_var, #body_var).await
     };
     let (sig, tail) = match output(sig) {
         Output::Result(ty) => {
