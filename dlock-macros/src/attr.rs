@@ -29,18 +29,14 @@ mod kw {
     syn::custom_keyword!(message);
 }
 
-/// The default `ttl`.
-pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// The default `wait` of `on_fail = "retry"`.
-pub(crate) const DEFAULT_WAIT: Duration = Duration::from_secs(10);
-const MIN_TTL: Duration = Duration::from_millis(10);
-const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+// The defaults and limits are the runtime's, from the crate both depend on.
+use dlock_limits::{DEFAULT_TTL, DEFAULT_WAIT, MAX_TTL, MIN_TTL};
 
 /// Everything the attribute asked for, validated.
 pub(crate) struct Args {
     /// `key = "…"`.
     pub(crate) key: Key,
-    /// `ttl = "…"`, or [`DEFAULT_TTL`].
+    /// `ttl = "…"`, or [`DEFAULT_TTL`] (the runtime's default lease).
     pub(crate) ttl: Duration,
     /// `on_fail = "…"` and the arguments that belong to it.
     pub(crate) on_fail: OnFail,
@@ -75,9 +71,9 @@ pub(crate) struct Defer {
     /// The `"defer"` literal.
     #[allow(dead_code, reason = "kept for diagnostics spanned on the strategy")]
     pub(crate) lit: LitStr,
-    /// `delay = "…"`; `None` leaves the runtime's default.
+    /// `delay = "…"`; `None` means [`dlock_limits::DEFAULT_DEFER_DELAY`].
     pub(crate) delay: Option<Duration>,
-    /// `max_attempts = N`; `None` leaves the runtime's default.
+    /// `max_attempts = N`; `None` means [`dlock_limits::DEFAULT_DEFER_MAX_ATTEMPTS`].
     pub(crate) max_attempts: Option<u32>,
 }
 
@@ -426,11 +422,11 @@ fn parse_ttl(value: &Expr) -> syn::Result<Duration> {
     let lit = string_literal(Name::Ttl, value)?;
     let ttl = parse_duration(Name::Ttl, &lit)?;
     let problem = if ttl.is_zero() {
-        "must be greater than zero: a lock with a zero ttl would expire at once"
+        "must be greater than zero: a lock with a zero ttl would expire at once".to_owned()
     } else if ttl < MIN_TTL {
-        "is shorter than the minimum of 10ms"
-    } else if ttl > MAX_DURATION {
-        "is longer than the maximum of 24h"
+        format!("is shorter than the minimum of {}", short(MIN_TTL))
+    } else if ttl > MAX_TTL {
+        format!("is longer than the maximum of {}", short(MAX_TTL))
     } else {
         return Ok(ttl);
     };
@@ -438,25 +434,26 @@ fn parse_ttl(value: &Expr) -> syn::Result<Duration> {
         lit.span(),
         format_args!(
             "`ttl` {problem} (ttl is how long the lock lives if it is not renewed; \
-             it must be between 10ms and 24h)"
+             it must be between {} and {})",
+            short(MIN_TTL),
+            short(MAX_TTL)
         ),
     ))
 }
 
-/// `wait` and `delay`: more than zero, at most 24h.
+/// `wait` and `delay`: more than zero, at most [`MAX_TTL`].
 fn parse_wait(name: Name, value: &Expr) -> syn::Result<Duration> {
     let lit = string_literal(name, value)?;
     let duration = parse_duration(name, &lit)?;
     let problem = if duration.is_zero() {
         match name {
-            Name::Wait => {
-                "must be greater than zero (to fail at once when the lock is held, use \
-                 `on_fail = \"reject\"`)"
-            }
-            _ => "must be greater than zero",
+            Name::Wait => "must be greater than zero (to fail at once when the lock is held, \
+                           use `on_fail = \"reject\"`)"
+                .to_owned(),
+            _ => "must be greater than zero".to_owned(),
         }
-    } else if duration > MAX_DURATION {
-        "is longer than the maximum of 24h"
+    } else if duration > MAX_TTL {
+        format!("is longer than the maximum of {}", short(MAX_TTL))
     } else {
         return Ok(duration);
     };
@@ -464,6 +461,22 @@ fn parse_wait(name: Name, value: &Expr) -> syn::Result<Duration> {
         lit.span(),
         format_args!("`{}` {problem}", name.as_str()),
     ))
+}
+
+/// `duration` in its largest whole unit, as the messages show limits: `10ms`, `24h`.
+pub(crate) fn short(duration: Duration) -> String {
+    let nanos = duration.as_nanos();
+    for (unit, unit_nanos) in [
+        ("h", 3_600_000_000_000),
+        ("m", 60_000_000_000),
+        ("s", 1_000_000_000),
+        ("ms", 1_000_000),
+    ] {
+        if nanos != 0 && nanos % unit_nanos == 0 {
+            return format!("{}{unit}", nanos / unit_nanos);
+        }
+    }
+    humantime::format_duration(duration).to_string()
 }
 
 /// A humantime duration such as `"30s"`, `"500ms"` or `"1m 30s"`.
@@ -639,6 +652,32 @@ mod tests {
         assert_eq!(defer.lit.value(), "defer");
         assert_eq!(defer.delay, Some(Duration::from_secs(2)));
         assert_eq!(defer.max_attempts, Some(5));
+    }
+
+    /// The attribute's defaults are the runtime's, and it accepts exactly the ttls the runtime
+    /// accepts.
+    #[tokio::test]
+    async fn defaults_and_limits_are_the_runtimes() {
+        let locker = dlock_runtime::Locker::memory();
+        let args = parse(quote::quote!(key = "a")).expect("valid");
+        assert_eq!(args.ttl, locker.default_ttl());
+        let args = parse(quote::quote!(key = "a", on_fail = "retry")).expect("valid");
+        let default_wait = dlock_runtime::RetryPolicy::default().wait;
+        assert!(matches!(args.on_fail, OnFail::Retry { wait } if wait == default_wait));
+
+        let ms = Duration::from_millis(1);
+        let (min, max) = (dlock_runtime::MIN_TTL, dlock_runtime::MAX_TTL);
+        for ttl in [min - ms, min, max, max + ms] {
+            let text = format!("{}ms", ttl.as_millis());
+            let lit = LitStr::new(&text, Span::call_site());
+            let macro_accepts = parse(quote::quote!(key = "a", ttl = #lit)).is_ok();
+            let runtime_accepts = match locker.lock("a").ttl(ttl).acquire().await {
+                Ok(guard) => guard.release().await.is_ok(),
+                Err(dlock_runtime::LockError::InvalidTtl { .. }) => false,
+                Err(error) => panic!("unexpected error: {error}"),
+            };
+            assert_eq!(macro_accepts, runtime_accepts, "ttl = {text:?}");
+        }
     }
 
     #[test]

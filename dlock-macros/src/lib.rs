@@ -10,7 +10,9 @@
 mod attr;
 mod errors;
 mod expand;
+mod function;
 mod key_template;
+mod output;
 
 use proc_macro::TokenStream;
 
@@ -51,6 +53,10 @@ use proc_macro::TokenStream;
 /// | `locker` | any expression giving a `Locker` or `&Locker`, such as `state.locker`; it may use the arguments | the global default locker (`dlock_runtime::set_default_locker`) |
 /// | `message` | a human-readable detail for the rejection (shown in the HTTP problem response) | — |
 /// | `crate` | the path of `dlock_runtime`, when it is re-exported under another name | `"::dlock_runtime"` |
+///
+/// These defaults and the `ttl` range are the runtime's own (a `Locker`'s default TTL,
+/// `RetryPolicy::default()`, `DeferPolicy::default()`, `dlock_runtime::MIN_TTL` and `MAX_TTL`):
+/// the attribute and the runtime read them from one crate, `dlock-limits`.
 ///
 /// Every misuse is a compile error pointing at the offending token: unknown or duplicate
 /// arguments, a bad duration or strategy, `wait` without `on_fail = "retry"`, a bad key template,
@@ -118,5 +124,77 @@ pub fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
             tokens.extend(error.into_compile_error());
             tokens.into()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::attr::short;
+
+    /// The argument table above states the defaults and the ttl range; they must be the values
+    /// the attribute applies.
+    #[test]
+    fn docs_state_the_defaults_and_limits() {
+        let docs = include_str!("lib.rs");
+        for expected in [
+            format!(
+                "from {} to {} | `\"{}\"` |",
+                short(dlock_limits::MIN_TTL),
+                short(dlock_limits::MAX_TTL),
+                short(dlock_limits::DEFAULT_TTL)
+            ),
+            format!(
+                "before giving up | `\"{}\"` |",
+                short(dlock_limits::DEFAULT_WAIT)
+            ),
+            format!(
+                "dead-lettered | `\"{}\"`, `{}` |",
+                short(dlock_limits::DEFAULT_DEFER_DELAY),
+                dlock_limits::DEFAULT_DEFER_MAX_ATTEMPTS
+            ),
+        ] {
+            assert!(
+                docs.contains(&expected),
+                "the docs of `distributed_lock` do not say `{expected}`"
+            );
+        }
+    }
+
+    /// The defaults and limits the attribute applies are the runtime's, read from `dlock-limits`.
+    /// A copy here would drift silently when the runtime changes, so the macro's own sources
+    /// (outside their tests) may not write a duration or a count constant at all.
+    #[test]
+    fn no_copies_of_runtime_defaults() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut copies = Vec::new();
+        let mut files: Vec<_> = std::fs::read_dir(&src)
+            .expect("read src/")
+            .map(|entry| entry.expect("dir entry").path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "rs"))
+            .collect();
+        files.sort();
+        for path in files {
+            let text = std::fs::read_to_string(&path).expect("read source");
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for (n, line) in code.lines().enumerate() {
+                let is_copy = ["from_secs(", "from_millis(", "from_micros(", "from_nanos("]
+                    .iter()
+                    .any(|ctor| line.contains(ctor))
+                    || (line.contains("const ")
+                        && [": Duration =", ": u32 =", ": u64 ="]
+                            .iter()
+                            .any(|ty| line.contains(ty)));
+                if is_copy {
+                    copies.push(format!("{}:{}: {}", path.display(), n + 1, line.trim()));
+                }
+            }
+        }
+        assert!(
+            copies.is_empty(),
+            "dlock-macros copies values that belong to dlock-limits (use the constant):\n{}",
+            copies.join("\n")
+        );
     }
 }

@@ -66,7 +66,7 @@ impl Default for Config {
         Config {
             prefix: "dlock".to_owned(),
             command_timeout: Duration::from_secs(1),
-            default_ttl: Duration::from_secs(30),
+            default_ttl: dlock_limits::DEFAULT_TTL,
             waiter_ttl: Duration::from_secs(5),
             on_fail: OnFail::Reject,
             defer_limits: crate::defer::QueueLimits::default(),

@@ -1,6 +1,7 @@
 //! Support code for `#[distributed_lock]`. Not public API: the attribute's expansion is the
-//! only caller, and this module may change in any release. The surface is written down in
-//! `docs/macro-runtime-contract.md`.
+//! only caller, and this module may change in any release. Its surface is listed in
+//! `docs/macro-runtime-contract.md`, generated from this file by `tests/contract.rs`
+//! (`DLOCK_BLESS=1 cargo test -p dlock-runtime --test contract` after a change here).
 
 use std::future::Future;
 

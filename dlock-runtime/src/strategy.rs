@@ -80,7 +80,7 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy::new(Duration::from_secs(10))
+        RetryPolicy::new(dlock_limits::DEFAULT_WAIT)
     }
 }
 
@@ -145,7 +145,10 @@ pub struct DeferPolicy {
 
 impl Default for DeferPolicy {
     fn default() -> Self {
-        DeferPolicy::new(Duration::from_secs(1), 5)
+        DeferPolicy::new(
+            dlock_limits::DEFAULT_DEFER_DELAY,
+            dlock_limits::DEFAULT_DEFER_MAX_ATTEMPTS,
+        )
     }
 }
 

@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use crate::LockError;
 
-/// Smallest accepted lease.
-pub const MIN_TTL: Duration = Duration::from_millis(10);
-/// Largest accepted lease. Longer work keeps a shorter lease alive with the watchdog.
-pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+// Shared with `#[distributed_lock]` (crate `dlock-limits`), which checks `ttl` against them
+// at compile time.
+pub use dlock_limits::{MAX_TTL, MIN_TTL};
 
 pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
     let reason = if ttl.is_zero() {
