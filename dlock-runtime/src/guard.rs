@@ -7,7 +7,7 @@ use std::time::Duration;
 use tracing::Instrument as _;
 
 use crate::lease::Lease;
-use crate::{LockError, LockInfo};
+use crate::LockError;
 
 /// A held lock.
 ///
@@ -35,6 +35,8 @@ impl fmt::Debug for LockGuard {
     }
 }
 
+crate::lease::lease_handle_methods!(LockGuard);
+
 impl LockGuard {
     pub(crate) fn new(lease: Lease) -> Self {
         LockGuard { lease }
@@ -45,42 +47,8 @@ impl LockGuard {
         &self.lease
     }
 
-    /// The (encoded) logical key.
-    pub fn key(&self) -> &str {
-        self.lease.key()
-    }
-
-    /// The fencing token of this acquisition: strictly greater than every token issued for the
-    /// key before. Pass it to the resource you write so it can reject a stale holder.
-    pub fn fencing_token(&self) -> u64 {
-        self.lease.fencing_token()
-    }
-
-    /// Key and fencing token together.
-    pub fn info(&self) -> LockInfo {
-        self.lease.info()
-    }
-
-    /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock) (and to
-    /// nested `#[distributed_lock]` calls, which then re-enter). For hand-written futures that
-    /// own the guard, such as a middleware's response future; async code uses
-    /// [`with_lock`](crate::with_lock).
-    pub fn poll_scoped<F: std::future::Future + ?Sized>(
-        &self,
-        fut: std::pin::Pin<&mut F>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<F::Output> {
-        self.lease.poll_scoped(fut, cx)
-    }
-
     pub(crate) fn locker_id(&self) -> u64 {
         self.lease.locker_id()
-    }
-
-    /// Whether the lock is still held as far as this process can tell: not reported lost and
-    /// the local lease (last successful renewal or extend + TTL) has not run out.
-    pub fn is_held(&self) -> bool {
-        self.lease.is_held()
     }
 
     /// The time left on the local lease.
@@ -104,12 +72,6 @@ impl LockGuard {
             .extend(ttl)
             .instrument(tracing::debug_span!("dlock.extend", key = %self.key()))
             .await
-    }
-
-    /// Resolves when the lock is lost (see the type docs). Never resolves while the lock is
-    /// held. Cancel-safe; may be called any number of times.
-    pub async fn lost(&self) {
-        self.lease.lost().await
     }
 
     /// Releases the lock. `Ok(())` when it was still ours; [`LockError::Lost`] when it had

@@ -92,7 +92,7 @@ pub use crate::backend::idempotency::{
 };
 use crate::lease::{Lease, Undo};
 use crate::util::validate_ttl;
-use crate::{IntoLockKey, LockError, LockInfo, LockKey, Locker};
+use crate::{IntoLockKey, LockError, LockKey, Locker};
 
 /// How long a completed record is kept by default: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -321,46 +321,12 @@ impl fmt::Debug for IdempotentOperation {
     }
 }
 
+crate::lease::lease_handle_methods!(IdempotentOperation);
+
 impl IdempotentOperation {
-    /// The (encoded) logical key.
-    pub fn key(&self) -> &str {
-        self.lease.key()
-    }
-
-    /// The fencing token of this attempt's lock: pass it to the resource you write.
-    pub fn fencing_token(&self) -> u64 {
-        self.lease.fencing_token()
-    }
-
-    /// Key and fencing token together.
-    pub fn info(&self) -> LockInfo {
-        self.lease.info()
-    }
-
     /// The fingerprint the record will be stored with.
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
-    }
-
-    /// Whether the lock is still held as far as this process can tell (see
-    /// [`LockGuard::is_held`](crate::LockGuard::is_held)).
-    pub fn is_held(&self) -> bool {
-        self.lease.is_held()
-    }
-
-    /// Resolves when the lock is lost (see [`LockGuard::lost`](crate::LockGuard::lost)).
-    pub async fn lost(&self) {
-        self.lease.lost().await
-    }
-
-    /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock), like
-    /// [`LockGuard::poll_scoped`](crate::LockGuard::poll_scoped).
-    pub fn poll_scoped<F: std::future::Future + ?Sized>(
-        &self,
-        fut: std::pin::Pin<&mut F>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<F::Output> {
-        self.lease.poll_scoped(fut, cx)
     }
 
     /// Stores `record` as the key's result for the retention period and releases the lock, in

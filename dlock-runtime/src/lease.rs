@@ -20,6 +20,59 @@ use crate::engine::{Engine, GuardState};
 use crate::key::ResourceName;
 use crate::LockError;
 
+/// The read-side methods every lease-holding handle has ([`LockGuard`](crate::LockGuard),
+/// `IdempotentOperation`), forwarding to its `lease` field, so they are written once.
+macro_rules! lease_handle_methods {
+    ($ty:ty) => {
+        impl $ty {
+            /// The (encoded) logical key.
+            pub fn key(&self) -> &str {
+                self.lease.key()
+            }
+
+            /// The fencing token of this acquisition: strictly greater than every token issued
+            /// for the key before. Pass it to the resource you write so it can reject a stale
+            /// holder.
+            pub fn fencing_token(&self) -> u64 {
+                self.lease.fencing_token()
+            }
+
+            /// Key and fencing token together.
+            pub fn info(&self) -> $crate::LockInfo {
+                self.lease.info()
+            }
+
+            /// Whether the lock is still held as far as this process can tell: not reported
+            /// lost and the local lease (last successful renewal or extend + TTL) has not run
+            /// out.
+            pub fn is_held(&self) -> bool {
+                self.lease.is_held()
+            }
+
+            /// Resolves when the lock is known to be gone: renewal refused, renewal failing
+            /// until the lease ran out, or the local lease clock ran out (e.g. after a process
+            /// freeze). Never resolves while the lock is held. Cancel-safe; may be called any
+            /// number of times.
+            pub async fn lost(&self) {
+                self.lease.lost().await
+            }
+
+            /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock)
+            /// (and to nested `#[distributed_lock]` calls, which then re-enter). For
+            /// hand-written futures that own the handle, such as a middleware's response
+            /// future; async code uses [`with_lock`](crate::with_lock).
+            pub fn poll_scoped<F: std::future::Future + ?Sized>(
+                &self,
+                fut: std::pin::Pin<&mut F>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<F::Output> {
+                self.lease.poll_scoped(fut, cx)
+            }
+        }
+    };
+}
+pub(crate) use lease_handle_methods;
+
 /// One held lock (see the [module docs](self)).
 pub(crate) struct Lease {
     state: Arc<GuardState>,

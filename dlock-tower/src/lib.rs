@@ -84,6 +84,60 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// The accessors every middleware service of this crate has (`inner` and `shared.locker`
+/// fields), written once: `get_ref`, `get_mut`, `into_inner` and `locker`.
+macro_rules! service_accessors {
+    ($ty:ident < $inner:ident $(, $g:ident)* >) => {
+        impl<$inner $(, $g)*> $ty<$inner $(, $g)*> {
+            /// The inner service.
+            pub fn get_ref(&self) -> &$inner {
+                &self.inner
+            }
+
+            /// The inner service, mutably.
+            pub fn get_mut(&mut self) -> &mut $inner {
+                &mut self.inner
+            }
+
+            /// Consumes `self`, returning the inner service.
+            pub fn into_inner(self) -> $inner {
+                self.inner
+            }
+
+            /// The locker.
+            pub fn locker(&self) -> &dlock_runtime::Locker {
+                &self.shared.locker
+            }
+        }
+    };
+}
+pub(crate) use service_accessors;
+
+/// The `missing_key`, `fail_mode` and `locker` methods every layer of this crate has (a
+/// `shared: Arc<Shared>` field with `missing_key`, `fail_mode` and `locker`), each with the
+/// layer's own docs.
+macro_rules! layer_common_setters {
+    (missing_key: $missing_doc:literal, fail_mode: $fail_doc:literal) => {
+        #[doc = $missing_doc]
+        pub fn missing_key(mut self, missing: $crate::MissingKey) -> Self {
+            std::sync::Arc::make_mut(&mut self.shared).missing_key = missing;
+            self
+        }
+
+        #[doc = $fail_doc]
+        pub fn fail_mode(mut self, mode: $crate::FailMode) -> Self {
+            std::sync::Arc::make_mut(&mut self.shared).fail_mode = mode;
+            self
+        }
+
+        /// The locker.
+        pub fn locker(&self) -> &dlock_runtime::Locker {
+            &self.shared.locker
+        }
+    };
+}
+pub(crate) use layer_common_setters;
+
 #[cfg(feature = "defer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "defer")))]
 pub mod defer;

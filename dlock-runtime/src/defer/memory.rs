@@ -123,14 +123,7 @@ impl Default for DeferQueue {
 }
 
 fn event(event: &'static str, info: &JobInfo) {
-    tracing::info!(
-        target: "dlock::defer",
-        event,
-        queue = "memory",
-        job_id = %info.id,
-        key = %info.key,
-        attempt = info.attempts,
-    );
+    info.event("memory", event);
 }
 
 impl DeferQueue {

@@ -31,7 +31,8 @@
 //! dead-lettered at once, with the reason, which [`JobInfo::reason`] shows.
 //!
 //! Every step emits a `tracing` event on target `dlock::defer` with the fields `event`
-//! (`deferred`, `retried`, `dead_lettered`, `completed`, `failed`, `requeued`, `dropped`),
+//! (`deferred`, `retried`, `dead_lettered`, `completed`, `failed`, `requeued`, `dropped`, and
+//! for the durable queue `abandoned`: a worker stalled past its claim and stopped the job),
 //! `queue` (`memory` or `redis`), `job_id`, `key` and `attempt`, ready to be counted by a
 //! metrics layer.
 
@@ -59,6 +60,18 @@ pub struct JobInfo {
 }
 
 impl JobInfo {
+    /// Emits the `tracing` event `event` for this job (see the [module docs](self)).
+    pub(crate) fn event(&self, queue: &'static str, event: &'static str) {
+        tracing::info!(
+            target: "dlock::defer",
+            event,
+            queue,
+            job_id = %self.id,
+            key = %self.key,
+            attempt = self.attempts,
+        );
+    }
+
     pub(crate) fn new(id: impl Into<String>, key: impl Into<String>, attempts: u32) -> Self {
         JobInfo {
             id: id.into(),

@@ -251,12 +251,5 @@ pub(crate) fn millis(d: Duration) -> u64 {
 }
 
 pub(crate) fn event(event: &'static str, info: &JobInfo) {
-    tracing::info!(
-        target: "dlock::defer",
-        event,
-        queue = "redis",
-        job_id = %info.id,
-        key = %info.key,
-        attempt = info.attempts,
-    );
+    info.event("redis", event);
 }

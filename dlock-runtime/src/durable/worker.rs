@@ -274,15 +274,8 @@ impl DurableWorker {
         };
         let _ = guard.release().await;
         let Some(outcome) = outcome else {
-            tracing::warn!(
-                target: "dlock::defer",
-                event = "abandoned",
-                queue = "redis",
-                job_id = %claim.id,
-                attempt = claim.attempt,
-                "dlock job worker: the job's claim expired and was taken over (this worker \
-                 stalled past the visibility timeout); stopped working on it"
-            );
+            // This worker stalled past the visibility timeout and another took the job over.
+            event("abandoned", &info(&env.key));
             return;
         };
         match outcome {

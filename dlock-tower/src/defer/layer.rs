@@ -9,7 +9,6 @@ use http::HeaderName;
 use tower_layer::Layer;
 
 use super::{Defer, Shared};
-use crate::{FailMode, MissingKey};
 
 /// Takes each request's lock, keyed by an [extractor](crate::key); defers the busy ones into a
 /// [`DurableQueue`]. See the [module docs](crate::defer).
@@ -62,19 +61,13 @@ impl<K> DeferLayer<K> {
         self
     }
 
-    /// What a request gets when the lock backend is unavailable. Default:
-    /// [`FailMode::Closed`] (503 + `Retry-After`). [`FailMode::Open`] calls the service
-    /// without a lock. A busy lock whose queue is unavailable is always a 503.
-    pub fn fail_mode(mut self, mode: FailMode) -> Self {
-        Arc::make_mut(&mut self.shared).fail_mode = mode;
-        self
-    }
-
-    /// What a request without a key gets. Default: [`MissingKey::Reject`] (400).
-    pub fn missing_key(mut self, missing: MissingKey) -> Self {
-        Arc::make_mut(&mut self.shared).missing_key = missing;
-        self
-    }
+    crate::layer_common_setters!(
+        missing_key: "What a request without a key gets. Default: [`MissingKey::Reject`](crate::MissingKey::Reject) (400); \
+            [`MissingKey::PassThrough`](crate::MissingKey::PassThrough) calls the inner service without a lock.",
+        fail_mode: "What a request gets when the lock backend is unavailable. Default: \
+            [`FailMode::Closed`](crate::FailMode::Closed) (503 + `Retry-After`); [`FailMode::Open`](crate::FailMode::Open) calls the inner \
+            service without a lock. A busy lock whose queue is unavailable is always a 503."
+    );
 
     /// Where the status of a job is served (`Location: <path>/<job id>`). Default: `/jobs`.
     pub fn status_path(mut self, path: impl Into<String>) -> Self {
@@ -104,11 +97,6 @@ impl<K> DeferLayer<K> {
             .stored_credentials
             .push(name);
         self
-    }
-
-    /// The locker.
-    pub fn locker(&self) -> &Locker {
-        &self.shared.locker
     }
 
     /// The queue deferred requests go to.

@@ -19,6 +19,8 @@ pub struct Defer<S, K> {
     shared: Arc<Shared>,
 }
 
+crate::service_accessors!(Defer<S, K>);
+
 impl<S, K> Defer<S, K> {
     pub(crate) fn from_parts(inner: S, extractor: K, shared: Arc<Shared>) -> Self {
         Defer {
@@ -26,21 +28,6 @@ impl<S, K> Defer<S, K> {
             extractor,
             shared,
         }
-    }
-
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes `self`, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
     }
 }
 

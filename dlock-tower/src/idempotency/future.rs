@@ -326,25 +326,13 @@ where
         Err(_) => store.await,
     };
     Ok(match answer {
-        Answer::Full(bytes) => Response::from_parts(head, ResponseBody::full(bytes)),
-        Answer::Partial {
+        Collected::Full(bytes) => Response::from_parts(head, ResponseBody::full(bytes)),
+        Collected::Partial {
             prefix,
             pending,
             rest,
         } => Response::from_parts(head, ResponseBody::chain(prefix, pending, rest)),
     })
-}
-
-/// The response body, after [`finish`].
-enum Answer<B: Body> {
-    /// Read whole and stored.
-    Full(Bytes),
-    /// Not storable: what was read, the frame that stopped the reading, and the rest.
-    Partial {
-        prefix: Bytes,
-        pending: Option<Result<Frame<Bytes>, B::Error>>,
-        rest: Pin<Box<B>>,
-    },
 }
 
 /// Reads the response body (up to the limit) and stores the record with the release — or
@@ -354,33 +342,20 @@ async fn finish<B>(
     head: http::response::Parts,
     body: B,
     shared: Arc<Shared>,
-) -> (http::response::Parts, Answer<B>)
+) -> (http::response::Parts, Collected<B>)
 where
     B: Body<Data = Bytes>,
 {
-    match read_response_body(body, shared.max_response_body).await {
+    let collected = read_response_body(body, shared.max_response_body).await;
+    match &collected {
         Collected::Full(bytes) => {
             let stored = StoredResponse::capture(&head, &shared.replay_headers, bytes.clone());
             if let Err(err) = op.complete(&stored.encode()).await {
                 // The client still gets its response; without a record, a retry runs again.
                 tracing::warn!(error = %err, "dlock-tower: storing the idempotent response failed");
             }
-            (head, Answer::Full(bytes))
         }
-        Collected::Partial {
-            prefix,
-            pending,
-            rest,
-        } => {
-            abort(op).await;
-            (
-                head,
-                Answer::Partial {
-                    prefix,
-                    pending,
-                    rest,
-                },
-            )
-        }
+        Collected::Partial { .. } => abort(op).await,
     }
+    (head, collected)
 }

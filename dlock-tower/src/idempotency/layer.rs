@@ -9,7 +9,6 @@ use tower_layer::Layer;
 
 use super::record::NEVER_REPLAYED;
 use super::{Idempotency, MissingIdentity, Shared};
-use crate::{FailMode, MissingKey};
 
 /// Makes `POST` and `PATCH` (by default) requests that carry an `Idempotency-Key` run once,
 /// and answers retries with the stored response. See the [module docs](crate::idempotency)
@@ -196,26 +195,14 @@ impl IdempotencyLayer {
         self
     }
 
-    /// What a covered request without a key gets. Default: [`MissingKey::Reject`], `400` with
-    /// a problem+json body of type `urn:dlock:problem:idempotency-key-missing`.
-    /// [`MissingKey::PassThrough`] makes the key optional.
-    pub fn missing_key(mut self, missing: MissingKey) -> Self {
-        Arc::make_mut(&mut self.shared).missing_key = missing;
-        self
-    }
-
-    /// What a covered request gets when the backend is unavailable. Default:
-    /// [`FailMode::Closed`] (`503` + `Retry-After`). [`FailMode::Open`] calls the handler
-    /// without idempotency (logged at `warn`): duplicates may then run twice.
-    pub fn fail_mode(mut self, mode: FailMode) -> Self {
-        Arc::make_mut(&mut self.shared).fail_mode = mode;
-        self
-    }
-
-    /// The locker.
-    pub fn locker(&self) -> &Locker {
-        &self.shared.locker
-    }
+    crate::layer_common_setters!(
+        missing_key: "What a covered request without a key gets. Default: [`MissingKey::Reject`](crate::MissingKey::Reject), \
+            `400` with a problem+json body of type `urn:dlock:problem:idempotency-key-missing`. \
+            [`MissingKey::PassThrough`](crate::MissingKey::PassThrough) makes the key optional.",
+        fail_mode: "What a covered request gets when the backend is unavailable. Default: \
+            [`FailMode::Closed`](crate::FailMode::Closed) (`503` + `Retry-After`). [`FailMode::Open`](crate::FailMode::Open) calls the handler \
+            without idempotency (logged at `warn`): duplicates may then run twice."
+    );
 }
 
 impl<S> Layer<S> for IdempotencyLayer {

@@ -18,6 +18,8 @@ pub struct Idempotency<S> {
     shared: Arc<Shared>,
 }
 
+crate::service_accessors!(Idempotency<S>);
+
 impl<S> Idempotency<S> {
     /// Wraps `inner` with the defaults of [`IdempotencyLayer::new`]; use the layer to change
     /// them.
@@ -41,26 +43,6 @@ impl<S> Idempotency<S> {
     /// An [`IdempotencyLayer`] (same as [`IdempotencyLayer::new`]).
     pub fn layer(locker: Locker) -> IdempotencyLayer {
         IdempotencyLayer::new(locker)
-    }
-
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes `self`, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
-
-    /// The locker.
-    pub fn locker(&self) -> &Locker {
-        &self.shared.locker
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use dlock_runtime::{Locker, OnFail};
 use tower_layer::Layer;
 
-use super::{DistributedLock, FailMode, MissingKey, Shared};
+use super::{DistributedLock, Shared};
 
 /// Takes a distributed lock per request, keyed by an [extractor](crate::key), around the
 /// inner service. See the [module docs](crate::lock) for what it does and answers.
@@ -65,23 +65,13 @@ impl<K> DistributedLockLayer<K> {
         self
     }
 
-    /// What a request gets when the lock backend is unavailable. Default:
-    /// [`FailMode::Closed`] (503 + `Retry-After`).
-    pub fn fail_mode(mut self, mode: FailMode) -> Self {
-        Arc::make_mut(&mut self.shared).fail_mode = mode;
-        self
-    }
-
-    /// What a request without a key gets. Default: [`MissingKey::Reject`] (400).
-    pub fn missing_key(mut self, missing: MissingKey) -> Self {
-        Arc::make_mut(&mut self.shared).missing_key = missing;
-        self
-    }
-
-    /// The locker.
-    pub fn locker(&self) -> &Locker {
-        &self.shared.locker
-    }
+    crate::layer_common_setters!(
+        missing_key: "What a request without a key gets. Default: [`MissingKey::Reject`](crate::MissingKey::Reject) (400); \
+            [`MissingKey::PassThrough`](crate::MissingKey::PassThrough) calls the inner service without a lock.",
+        fail_mode: "What a request gets when the lock backend is unavailable. Default: \
+            [`FailMode::Closed`](crate::FailMode::Closed) (503 + `Retry-After`); [`FailMode::Open`](crate::FailMode::Open) calls the inner \
+            service without a lock (logged at `warn`)."
+    );
 
     /// The key extractor.
     pub fn extractor(&self) -> &K {

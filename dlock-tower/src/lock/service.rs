@@ -18,6 +18,8 @@ pub struct DistributedLock<S, K> {
     shared: Arc<Shared>,
 }
 
+crate::service_accessors!(DistributedLock<S, K>);
+
 impl<S, K> DistributedLock<S, K> {
     /// Wraps `inner` with the defaults of [`DistributedLockLayer::new`]; use the layer to
     /// change them.
@@ -36,26 +38,6 @@ impl<S, K> DistributedLock<S, K> {
     /// A [`DistributedLockLayer`] (same as [`DistributedLockLayer::new`]).
     pub fn layer(locker: Locker, extractor: K) -> DistributedLockLayer<K> {
         DistributedLockLayer::new(locker, extractor)
-    }
-
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes `self`, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
-
-    /// The locker.
-    pub fn locker(&self) -> &Locker {
-        &self.shared.locker
     }
 }
 
