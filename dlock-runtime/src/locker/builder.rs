@@ -1,0 +1,132 @@
+//! [`LockerBuilder`]: a locker's settings.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Config, Inner, Locker, NEXT_LOCKER_ID};
+use crate::backend::{IntoBackend, MemoryBackend};
+use crate::engine::Engine;
+use crate::key::validate_prefix;
+use crate::{LockError, OnFail};
+
+/// Builds a [`Locker`]. Defaults: prefix `"dlock"`, command timeout 1 s, default TTL 30 s,
+/// waiter-queue entry TTL 5 s, [`OnFail::Reject`].
+#[derive(Clone, Debug, Default)]
+#[must_use]
+pub struct LockerBuilder {
+    config: Config,
+    prefix_error: Option<String>,
+}
+
+impl LockerBuilder {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The namespace prefix (`<prefix>:{<key>}`); lockers with different prefixes never
+    /// contend. Must not contain `{`, `}`, whitespace or control characters; may be empty.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        self.prefix_error = validate_prefix(&prefix).err().map(|e| e.to_string());
+        self.config.prefix = prefix;
+        self
+    }
+
+    /// The deadline of every backend call (acquire attempt, release, extend, renewal batch).
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.config.command_timeout = d;
+        self
+    }
+
+    /// The TTL of requests that don't set one.
+    pub fn default_ttl(mut self, d: Duration) -> Self {
+        self.config.default_ttl = d;
+        self
+    }
+
+    /// The strategy of requests that don't set one.
+    pub fn default_on_fail(mut self, on_fail: OnFail) -> Self {
+        self.config.on_fail = on_fail;
+        self
+    }
+
+    /// How long a waiter's place in a queue lives without being refreshed (at most; a request
+    /// whose lease is shorter uses its lease, but at least 300 ms). A live waiter refreshes it
+    /// at least every third of this; a waiter that died holds up the queue at most this long.
+    pub fn waiter_ttl(mut self, d: Duration) -> Self {
+        self.config.waiter_ttl = d.max(Duration::from_millis(30));
+        self
+    }
+
+    /// The bounds of the locker's in-process [`DeferQueue`](crate::defer::DeferQueue): how many
+    /// jobs may wait, and how long and how many dead letters are kept.
+    pub fn defer_limits(mut self, limits: crate::defer::QueueLimits) -> Self {
+        self.config.defer_limits = limits;
+        self
+    }
+
+    /// Builds a locker over `backend`.
+    ///
+    /// # Panics
+    /// If the prefix is invalid (use [`try_build`](LockerBuilder::try_build) to get an error).
+    pub fn build(self, backend: impl IntoBackend) -> Locker {
+        match self.try_build(backend) {
+            Ok(l) => l,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Builds a locker over `backend`, or reports an invalid prefix.
+    pub fn try_build(self, backend: impl IntoBackend) -> Result<Locker, LockError> {
+        if let Some(reason) = self.prefix_error {
+            return Err(LockError::invalid_key(reason));
+        }
+        let backend = backend.into_backend();
+        let engine = Engine::new(backend.clone(), self.config.command_timeout);
+        let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone());
+        Ok(Locker {
+            inner: Arc::new(Inner {
+                id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
+                backend,
+                engine,
+                config: self.config,
+                waiting: AtomicUsize::new(0),
+                defer,
+            }),
+        })
+    }
+
+    /// Builds a locker over a fresh in-process store.
+    pub fn memory(self) -> Result<Locker, LockError> {
+        self.try_build(MemoryBackend::new())
+    }
+
+    /// Connects to the backend named by `url` (see [`Locker::from_url`]).
+    pub async fn connect(self, url: &str) -> Result<Locker, LockError> {
+        let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
+        match scheme {
+            "memory" => self.memory(),
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" | "redis+unix" | "unix" => {
+                let opts = crate::backend::RedisOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::RedisBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
+            #[cfg(feature = "redis")]
+            "redlock" => {
+                let opts = crate::backend::RedlockOptions::default()
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::RedlockBackend::connect_url(url, opts).await?;
+                self.try_build(backend)
+            }
+            _ => Err(LockError::unavailable(
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redlock://)"),
+                None,
+            )),
+        }
+    }
+}
