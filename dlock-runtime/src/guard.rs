@@ -85,7 +85,7 @@ impl LockGuard {
     /// handed to the background task as on drop.
     pub async fn release(self) -> Result<(), LockError> {
         let lease = &self.lease;
-        let backend = lease.engine().backend();
+        let backend = lease.watchdog().backend();
         lease
             .settle("release", backend.release(lease.resource(), lease.token()))
             .instrument(tracing::debug_span!("dlock.release", key = %self.key()))

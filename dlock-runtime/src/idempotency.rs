@@ -1,7 +1,7 @@
 //! Idempotency records kept with the lock: run an operation once per idempotency key, and
 //! answer every later attempt with the stored result.
 //!
-//! This is the engine under `dlock_tower::IdempotencyLayer` (the `Idempotency-Key` HTTP header),
+//! This is the watchdog under `dlock_tower::IdempotencyLayer` (the `Idempotency-Key` HTTP header),
 //! usable by hand for any operation whose result fits in bytes.
 //!
 //! ```
@@ -223,8 +223,8 @@ impl IdempotencyRequest<'_> {
         let resource = locker.resource(key);
         // The begin may take the key's lock on the server: if this future is dropped before
         // the reply, undo it for as long as that lock could live (the request's TTL).
-        let mut flight = Undo::new(locker.engine(), resource, ttl);
-        let sent = locker.engine().now_ns();
+        let mut flight = Undo::new(locker.watchdog(), resource, ttl);
+        let sent = locker.watchdog().now_ns();
         let args = BeginArgs {
             resource: flight.resource(),
             token: flight.token(),
@@ -241,7 +241,7 @@ impl IdempotencyRequest<'_> {
         flight.disarm();
         Ok(match reply {
             BeginReply::Acquired { fencing_token } => {
-                let state = locker.engine().register(
+                let state = locker.watchdog().register(
                     flight.resource().clone(),
                     flight.token().clone(),
                     fencing_token,
@@ -250,7 +250,7 @@ impl IdempotencyRequest<'_> {
                     self.auto_renew,
                 );
                 Begin::Run(IdempotentOperation {
-                    lease: Lease::new(state, locker.engine().clone(), locker.id()),
+                    lease: Lease::new(state, locker.watchdog().clone(), locker.id()),
                     locker: locker.clone(),
                     fingerprint: self.fingerprint,
                     retention,

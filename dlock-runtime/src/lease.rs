@@ -1,10 +1,10 @@
 //! The lease layer: [`Lease`], one held lock as the core sees it, and [`Undo`], the one
 //! undo-on-cancel guard of an attempt in flight.
 //!
-//! A `Lease` is the engine's per-lock state (owner token, fencing token, local lease clock,
+//! A `Lease` is the watchdog's per-lock state (owner token, fencing token, local lease clock,
 //! watchdog registration, loss signal) plus the rule that ends it: one final, owner-checked step
 //! (a release, or an idempotency record stored with the release) whose answer settles the lease;
-//! until then, dropping it hands an owner-checked release to the engine's background task.
+//! until then, dropping it hands an owner-checked release to the watchdog's background task.
 //! [`LockGuard`](crate::LockGuard) and the idempotency feature's `IdempotentOperation` are thin
 //! wrappers over it, so
 //! loss detection, `extend` and cancel safety are written once.
@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use crate::backend::OwnerToken;
 use crate::context::LockInfo;
-use crate::engine::{Engine, GuardState};
 use crate::key::ResourceName;
+use crate::watchdog::{GuardState, Watchdog};
 use crate::LockError;
 
 /// The read-side methods every lease-holding handle has ([`LockGuard`](crate::LockGuard),
@@ -76,17 +76,17 @@ pub(crate) use lease_handle_methods;
 /// One held lock (see the [module docs](self)).
 pub(crate) struct Lease {
     state: Arc<GuardState>,
-    engine: Arc<Engine>,
+    watchdog: Arc<Watchdog>,
     locker_id: u64,
     /// The final step was answered (or handed to the background): drop has nothing to do.
     settled: AtomicBool,
 }
 
 impl Lease {
-    pub(crate) fn new(state: Arc<GuardState>, engine: Arc<Engine>, locker_id: u64) -> Self {
+    pub(crate) fn new(state: Arc<GuardState>, watchdog: Arc<Watchdog>, locker_id: u64) -> Self {
         Lease {
             state,
-            engine,
+            watchdog,
             locker_id,
             settled: AtomicBool::new(false),
         }
@@ -97,8 +97,8 @@ impl Lease {
         &self.state
     }
 
-    pub(crate) fn engine(&self) -> &Arc<Engine> {
-        &self.engine
+    pub(crate) fn watchdog(&self) -> &Arc<Watchdog> {
+        &self.watchdog
     }
 
     pub(crate) fn locker_id(&self) -> u64 {
@@ -128,12 +128,12 @@ impl Lease {
 
     /// Not reported lost, and the local lease has not run out.
     pub(crate) fn is_held(&self) -> bool {
-        self.engine.is_held(&self.state)
+        self.watchdog.is_held(&self.state)
     }
 
     /// The time left on the local lease.
     pub(crate) fn remaining(&self) -> Duration {
-        let now = self.engine.now_ns();
+        let now = self.watchdog.now_ns();
         Duration::from_nanos(self.state.lease_end_ns().saturating_sub(now))
     }
 
@@ -141,12 +141,12 @@ impl Lease {
     /// [`LockGuard::extend`](crate::LockGuard::extend)).
     pub(crate) async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
         crate::util::validate_ttl(ttl)?;
-        self.engine.extend(&self.state, ttl).await
+        self.watchdog.extend(&self.state, ttl).await
     }
 
     /// Resolves when the lock is known to be lost.
     pub(crate) async fn lost(&self) {
-        self.engine.wait_lost(&self.state).await
+        self.watchdog.wait_lost(&self.state).await
     }
 
     /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock).
@@ -161,7 +161,7 @@ impl Lease {
     /// Stops renewal, so that none can follow the final step.
     fn stop(&self) {
         self.state.done.store(true, Ordering::Release);
-        self.engine.unschedule(&self.state);
+        self.watchdog.unschedule(&self.state);
     }
 
     /// The final step: stops renewal, then runs `step` — owner-checked, answering whether the
@@ -175,7 +175,7 @@ impl Lease {
         step: impl Future<Output = Result<bool, LockError>>,
     ) -> Result<(), LockError> {
         self.stop();
-        let res = self.engine.with_deadline(what, step).await;
+        let res = self.watchdog.with_deadline(what, step).await;
         self.settled.store(true, Ordering::Release);
         match res {
             Ok(still_ours) => self.state.settle_release(still_ours),
@@ -187,7 +187,7 @@ impl Lease {
     }
 
     fn release_later(&self) {
-        self.engine.release_later(
+        self.watchdog.release_later(
             self.state.resource.clone(),
             self.state.token.clone(),
             self.state.ttl(),
@@ -209,7 +209,7 @@ impl Drop for Lease {
 /// always release what the attempt may have taken and remove the queue entry it may have made.
 /// It keeps trying for `horizon`, by when that lock and entry have expired on their own.
 pub(crate) struct Undo<'a> {
-    engine: &'a Arc<Engine>,
+    watchdog: &'a Arc<Watchdog>,
     resource: ResourceName,
     token: OwnerToken,
     horizon: Duration,
@@ -218,9 +218,13 @@ pub(crate) struct Undo<'a> {
 
 impl<'a> Undo<'a> {
     /// Armed, with a fresh owner token.
-    pub(crate) fn new(engine: &'a Arc<Engine>, resource: ResourceName, horizon: Duration) -> Self {
+    pub(crate) fn new(
+        watchdog: &'a Arc<Watchdog>,
+        resource: ResourceName,
+        horizon: Duration,
+    ) -> Self {
         Undo {
-            engine,
+            watchdog,
             resource,
             token: OwnerToken::generate(),
             horizon,
@@ -245,7 +249,7 @@ impl<'a> Undo<'a> {
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.engine
+            self.watchdog
                 .abandon_later(self.resource.clone(), self.token.clone(), self.horizon);
         }
     }

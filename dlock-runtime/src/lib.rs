@@ -1,6 +1,6 @@
 //! # dlock-runtime
 //!
-//! Distributed locks for Rust services, made a one-line decision: the engine under
+//! Distributed locks for Rust services, made a one-line decision: the watchdog under
 //! `#[distributed_lock]` and the `dlock-tower` layer, usable by hand.
 //!
 //! ```
@@ -32,7 +32,7 @@
 //!   owner's lock.
 //! * **Fencing tokens** ([`LockGuard::fencing_token`]) strictly increasing per key, also across
 //!   expiry.
-//! * **Watchdog**: one renewal engine per locker extends every held guard at TTL/3 in batches;
+//! * **Watchdog**: one renewal watchdog per locker extends every held guard at TTL/3 in batches;
 //!   [`LockGuard::lost`] fires as soon as a lock is known gone (refused renewal, or the local
 //!   lease clock ran out, e.g. after a process freeze).
 //! * **Fair waiting** ([`OnFail::Retry`]): waiters queue in the backend in arrival order; a
@@ -71,7 +71,6 @@ pub mod defer;
 #[cfg(feature = "durable")]
 #[cfg_attr(docsrs, doc(cfg(feature = "durable")))]
 pub mod durable;
-mod engine;
 mod error;
 mod guard;
 pub mod idempotency;
@@ -80,6 +79,7 @@ mod lease;
 mod locker;
 mod strategy;
 mod util;
+mod watchdog;
 
 #[doc(hidden)]
 #[path = "private.rs"]

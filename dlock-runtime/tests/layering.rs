@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     ("basics", &["error", "util", "key", "context"]),
     ("backend", &["backend"]),
-    ("lease", &["engine", "lease"]),
+    ("lease", &["watchdog", "lease"]),
     ("core", &["strategy", "defer", "guard", "locker", "private"]),
     ("features", &["idempotency", "durable", "conformance"]),
 ];

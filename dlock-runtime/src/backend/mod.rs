@@ -1,7 +1,7 @@
 //! The backend trait and what backends share.
 //!
 //! A backend stores locks; the [`Locker`](crate::Locker) above it owns everything that is the
-//! same for every store: owner tokens, deadlines, waiting and backoff, the renewal engine, drop
+//! same for every store: owner tokens, deadlines, waiting and backoff, the renewal watchdog, drop
 //! handling and cancel safety. A backend implements a handful of owner-checked primitives:
 //!
 //! * [`acquire`](Backend::acquire): one atomic attempt that either grants the lock with a new

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use super::{Config, Inner, Locker, NEXT_LOCKER_ID};
 use crate::backend::{IntoBackend, MemoryBackend};
-use crate::engine::Engine;
 use crate::key::validate_prefix;
+use crate::watchdog::Watchdog;
 use crate::{LockError, OnFail};
 
 /// Builds a [`Locker`]. Defaults: prefix `"dlock"`, command timeout 1 s, default TTL 30 s,
@@ -84,13 +84,13 @@ impl LockerBuilder {
             return Err(LockError::invalid_key(reason));
         }
         let backend = backend.into_backend();
-        let engine = Engine::new(backend.clone(), self.config.command_timeout);
+        let watchdog = Watchdog::new(backend.clone(), self.config.command_timeout);
         let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone());
         Ok(Locker {
             inner: Arc::new(Inner {
                 id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
                 backend,
-                engine,
+                watchdog,
                 config: self.config,
                 waiting: AtomicUsize::new(0),
                 defer,

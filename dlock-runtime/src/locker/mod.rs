@@ -8,9 +8,9 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::backend::{Backend, IntoBackend, MemoryBackend, OwnerToken};
-use crate::engine::Engine;
 use crate::key::ResourceName;
 use crate::lease::Lease;
+use crate::watchdog::Watchdog;
 use crate::{LockError, LockGuard, LockKey, OnFail};
 
 mod builder;
@@ -22,7 +22,7 @@ pub use request::LockRequest;
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The entry point: a handle to one lock store with its configuration. Cheap to clone (an
-/// `Arc` inside), `Send + Sync`; clones share the backend connection, the renewal engine and
+/// `Arc` inside), `Send + Sync`; clones share the backend connection, the renewal watchdog and
 /// the notification subscriptions.
 ///
 /// ```
@@ -44,7 +44,7 @@ pub struct Locker {
 struct Inner {
     id: u64,
     backend: Arc<dyn Backend>,
-    engine: Arc<Engine>,
+    watchdog: Arc<Watchdog>,
     config: Config,
     /// Tasks currently waiting for a lock (subscribed to its release).
     waiting: AtomicUsize,
@@ -150,12 +150,12 @@ impl Locker {
     /// How many watchdog renewals have succeeded since this locker was built (a counter for
     /// metrics).
     pub fn renewals(&self) -> u64 {
-        self.inner.engine.renewals()
+        self.inner.watchdog.renewals()
     }
 
     /// How many held guards the watchdog is currently renewing.
     pub fn renewing(&self) -> usize {
-        self.inner.engine.scheduled()
+        self.inner.watchdog.scheduled()
     }
 
     /// The TTL of requests that don't set one ([`LockerBuilder::default_ttl`]).
@@ -177,8 +177,8 @@ impl Locker {
             .min(ttl.max(Duration::from_millis(300)))
     }
 
-    pub(crate) fn engine(&self) -> &Arc<Engine> {
-        &self.inner.engine
+    pub(crate) fn watchdog(&self) -> &Arc<Watchdog> {
+        &self.inner.watchdog
     }
 
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
@@ -195,7 +195,7 @@ impl Locker {
         what: &str,
         fut: impl Future<Output = Result<T, LockError>>,
     ) -> Result<T, LockError> {
-        self.inner.engine.with_deadline(what, fut).await
+        self.inner.watchdog.with_deadline(what, fut).await
     }
 
     fn make_guard(
@@ -209,9 +209,9 @@ impl Locker {
     ) -> LockGuard {
         let state =
             self.inner
-                .engine
+                .watchdog
                 .register(resource, token, fencing_token, ttl, sent_ns, auto_renew);
-        LockGuard::new(Lease::new(state, self.inner.engine.clone(), self.id()))
+        LockGuard::new(Lease::new(state, self.inner.watchdog.clone(), self.id()))
     }
 }
 

@@ -241,7 +241,7 @@ async fn attempt(
     ttl: Duration,
     mode: WaitMode,
 ) -> Result<(Attempt, u64), LockError> {
-    let sent = locker.engine().now_ns();
+    let sent = locker.watchdog().now_ns();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
@@ -262,7 +262,7 @@ async fn attempt_once(
     ttl: Duration,
     auto_renew: bool,
 ) -> Result<Result<LockGuard, Option<Duration>>, LockError> {
-    let mut flight = Undo::new(locker.engine(), resource, ttl);
+    let mut flight = Undo::new(locker.watchdog(), resource, ttl);
     let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
@@ -297,7 +297,7 @@ async fn wait_for(
     // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
     // and undoes whatever the last attempt may have taken.
     let waiter_ttl = locker.waiter_ttl_for(ttl);
-    let mut flight = Undo::new(locker.engine(), resource, ttl.max(waiter_ttl));
+    let mut flight = Undo::new(locker.watchdog(), resource, ttl.max(waiter_ttl));
     let refresh = waiter_ttl / 3;
     let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
     let mut step = 0u32;

@@ -41,26 +41,26 @@ use crate::key::ResourceName;
 const BATCH_WINDOW: Duration = Duration::from_millis(5);
 const NOT_SCHEDULED: u64 = u64::MAX;
 
-/// State shared by a [`LockGuard`](crate::LockGuard) and the engine.
+/// State shared by a [`LockGuard`](crate::LockGuard) and the watchdog.
 pub(crate) struct GuardState {
     pub(crate) id: u64,
     pub(crate) resource: ResourceName,
     pub(crate) token: OwnerToken,
     pub(crate) fencing_token: u64,
     ttl_ms: AtomicU64,
-    /// End of the local lease, ns since the engine's epoch.
+    /// End of the local lease, ns since the watchdog's epoch.
     lease_end: AtomicU64,
     /// The due time this guard is scheduled under, or `NOT_SCHEDULED`.
     due: AtomicU64,
     pub(crate) lost: CancellationToken,
-    /// Released or dropped: the engine must not renew it any more.
+    /// Released or dropped: the watchdog must not renew it any more.
     pub(crate) done: AtomicBool,
     /// Whether the watchdog renews this guard.
     auto_renew: bool,
     /// Held while a renewal or an extend of this guard is on its way to the backend, so the
     /// two never overlap (see the module docs).
     turn: Arc<AsyncMutex<()>>,
-    /// Signalled whenever `lease_end` changes, so [`Engine::wait_lost`] re-arms its timer.
+    /// Signalled whenever `lease_end` changes, so [`Watchdog::wait_lost`] re-arms its timer.
     lease_changed: Notify,
 }
 
@@ -132,7 +132,7 @@ enum Cmd {
 }
 
 /// Shared between the [`Locker`](crate::Locker) and its background task.
-pub(crate) struct Engine {
+pub(crate) struct Watchdog {
     epoch: Instant,
     schedule: Mutex<BTreeMap<(u64, u64), Arc<GuardState>>>,
     wake: Arc<Notify>,
@@ -144,9 +144,9 @@ pub(crate) struct Engine {
     renewed: AtomicU64,
 }
 
-impl Engine {
+impl Watchdog {
     pub(crate) fn new(backend: Arc<dyn Backend>, command_timeout: Duration) -> Arc<Self> {
-        Arc::new(Engine {
+        Arc::new(Watchdog {
             epoch: Instant::now(),
             schedule: Mutex::new(BTreeMap::new()),
             wake: Arc::new(Notify::new()),
@@ -158,7 +158,7 @@ impl Engine {
         })
     }
 
-    /// The backend every lock of this engine lives in.
+    /// The backend every lock of this watchdog lives in.
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
@@ -296,7 +296,7 @@ impl Engine {
         let margin = self.backend.lease_margin(ttl);
         // Until the answer is in, the outcome is unknown (also if this future is dropped).
         let mut pending = ExtendInFlight {
-            engine: self,
+            watchdog: self,
             state,
             sent,
             ttl,
@@ -479,7 +479,7 @@ impl Engine {
 /// An extend whose answer is not in yet. Dropped armed (error, timeout, or the extend future
 /// dropped), it records the unknown outcome and has the watchdog renew soon, with the new TTL.
 struct ExtendInFlight<'a> {
-    engine: &'a Arc<Engine>,
+    watchdog: &'a Arc<Watchdog>,
     state: &'a Arc<GuardState>,
     sent: u64,
     ttl: Duration,
@@ -496,21 +496,21 @@ impl Drop for ExtendInFlight<'_> {
         state.extend_unknown(self.sent, self.ttl, self.margin);
         if state.auto_renew {
             let retry = (self.ttl.as_nanos() as u64 / 10).max(10_000_000);
-            let due = (self.engine.now_ns() + retry).min(state.lease_end_ns());
-            self.engine.schedule_at(state, due);
+            let due = (self.watchdog.now_ns() + retry).min(state.lease_end_ns());
+            self.watchdog.schedule_at(state, due);
         }
     }
 }
 
 async fn run(
-    engine: Weak<Engine>,
+    watchdog: Weak<Watchdog>,
     backend: Arc<dyn Backend>,
     command_timeout: Duration,
     wake: Arc<Notify>,
     mut rx: mpsc::UnboundedReceiver<Cmd>,
 ) {
     loop {
-        let next = match engine.upgrade() {
+        let next = match watchdog.upgrade() {
             Some(e) => {
                 let (due, next) = e.take_due();
                 if !due.is_empty() {
@@ -529,7 +529,7 @@ async fn run(
         };
         tokio::select! {
             cmd = rx.recv() => {
-                // `None`: every sender (the engine) is gone and the queue is drained.
+                // `None`: every sender (the watchdog) is gone and the queue is drained.
                 let Some(cmd) = cmd else { return };
                 tokio::spawn(background_release(backend.clone(), command_timeout, cmd));
             }
