@@ -48,11 +48,15 @@
 //! expires (so `extend` has nothing to refresh, and a key idle for a year still gets a larger
 //! token). The counter costs one small key per namespace per node.
 //!
-//! **The one assumption that remains: a majority of nodes keeps its data.** A node restarted
-//! without persistence (or from an old snapshot) forgets its counter and its locks; if a
-//! majority did at once, tokens could go backwards. The clock term keeps that case mild (an
-//! empty node proposes its clock, larger than any token it issued before, unless its clock
-//! stepped back), but only persistence makes it safe — see below.
+//! **The assumption that remains, exactly:** the next granting majority includes at least one
+//! node that confirmed the previous token *and still has its counter*. Two majorities always
+//! share a node, so this holds while no confirming node loses its data; it can fail if every
+//! node the two majorities share lost its counter — restarted without persistence, restored
+//! from an old snapshot, flushed, or evicted. The clock term keeps that case mild (an empty
+//! node proposes its clock, larger than any token it issued before unless its clock stepped
+//! back), but only keeping the data makes it safe: run the nodes with persistence (below) and
+//! with `maxmemory-policy` `noeviction` or a `volatile-*` policy — the counter has no TTL, so
+//! `allkeys-*` eviction could remove it.
 //!
 //! # Restarts and persistence
 //!
