@@ -140,7 +140,9 @@ impl StoredResponse {
         let status = StatusCode::from_u16(u16::from_be_bytes([status[0], status[1]])).ok()?;
         let count = take(2)?;
         let count = u16::from_be_bytes([count[0], count[1]]);
-        let mut headers = Vec::with_capacity(usize::from(count));
+        // Each header takes at least 7 bytes (two lengths and a name byte): never reserve more
+        // than the record can hold, whatever a corrupt count says.
+        let mut headers = Vec::with_capacity(usize::from(count).min(record.len() / 7));
         for _ in 0..count {
             let n = take(2)?;
             let name = take(usize::from(u16::from_be_bytes([n[0], n[1]])))?;
