@@ -141,6 +141,7 @@ pub(crate) use layer_common_setters;
 #[cfg(feature = "defer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "defer")))]
 pub mod defer;
+mod hex;
 pub mod idempotency;
 pub mod key;
 pub mod lock;

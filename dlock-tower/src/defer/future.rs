@@ -13,8 +13,9 @@ use http_body::Body;
 use http_body_util::BodyExt as _;
 use tower_service::Service;
 
-use super::replay::{hex, ReplayRequest};
+use super::replay::ReplayRequest;
 use super::Shared;
+use crate::hex::encode as hex;
 use crate::key::Extracted;
 use crate::{FailMode, MissingKey, Rejection};
 

@@ -1,6 +1,5 @@
 //! [`body_digest`]: a digest of the request body, read up to a size limit.
 
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
@@ -126,10 +125,7 @@ where
             .take()
             .expect("BodyDigestFuture polled after completion");
         let bytes: Bytes = this.buf.split().freeze();
-        let mut hex = String::with_capacity(64);
-        for b in Sha256::digest(&bytes) {
-            let _ = write!(hex, "{b:02x}");
-        }
+        let hex = crate::hex::encode(&Sha256::digest(&bytes));
         let key = Key::new("body").lit("sha256").value(hex.as_str());
         Poll::Ready(Ok((Request::from_parts(parts, B::from(bytes)), Some(key))))
     }
