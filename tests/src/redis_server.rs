@@ -203,6 +203,15 @@ impl RedisServer {
             .expect("connect to redis")
     }
 
+    /// Runs one command on a new connection ([`conn`](Self::conn)) and returns its reply, e.g.
+    /// `server.query::<i64>(redis::cmd("DEL").arg(key))`.
+    ///
+    /// # Panics
+    /// If the server cannot be reached or answers with an error.
+    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query_async(&mut self.conn().await).await.unwrap()
+    }
+
     /// A [`Locker`](dlock_runtime::Locker) on this server with the default settings
     /// (`Locker::from_url`).
     ///
