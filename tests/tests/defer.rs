@@ -12,7 +12,7 @@ use dlock_runtime::durable::{
     DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted,
 };
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::jobs::{run_in_background, RecordJob, StallJob};
+use dlock_tests::jobs::{run_in_background, start_queue, RecordJob, StallJob};
 use dlock_tests::wait::wait_for;
 use dlock_tests::RedisServer;
 use redis::AsyncCommands as _;
@@ -230,14 +230,6 @@ async fn server_and_queue(
     (server, queue)
 }
 
-/// A server, a locker on it and the durable queue `name` on it.
-async fn durable(name: &str) -> (RedisServer, Locker, DurableQueue) {
-    let server = RedisServer::start();
-    let locker = server.locker().await;
-    let queue = DurableQueue::connect(&server.url(), name).await.unwrap();
-    (server, locker, queue)
-}
-
 /// What the `RecordJob`s finished: id → `attempt:fencing token`.
 async fn done(server: &RedisServer) -> HashMap<u32, String> {
     server.conn().await.hgetall("done").await.unwrap()
@@ -287,7 +279,7 @@ async fn assert_completes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
-    let (server, locker, queue) = durable("invoices").await;
+    let (server, locker, queue) = start_queue("invoices").await;
     let policy =
         DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
 
@@ -342,7 +334,7 @@ async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
-    let (server, locker, queue) = durable("dlq").await;
+    let (server, locker, queue) = start_queue("dlq").await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(20));
     let mut job = record_job(&server, 7, "dl");
     job.always_fail = true;
@@ -428,7 +420,7 @@ async fn worker_killed_mid_job_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panicking_job_is_a_failed_attempt_and_the_worker_goes_on() {
-    let (server, locker, queue) = durable("panics").await;
+    let (server, locker, queue) = start_queue("panics").await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(10));
     let mut bad = record_job(&server, 1, "p1");
     bad.panic_always = true;
@@ -532,7 +524,7 @@ impl Job for NotARecord {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_job_is_dead_lettered_at_once_with_the_reason() {
-    let (_server, locker, queue) = durable("corrupt").await;
+    let (_server, locker, queue) = start_queue("corrupt").await;
     let id = queue
         .enqueue(
             &NotARecord { nonsense: vec![1] },
@@ -644,7 +636,7 @@ async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_refuses_new_jobs_and_loses_none() {
-    let (server, locker, queue) = durable("bounded").await;
+    let (server, locker, queue) = start_queue("bounded").await;
     let queue = queue.with_limits(QueueLimits::default().max_queued(2));
     let policy = DeferPolicy::new(Duration::from_millis(5), 5);
     let ttl = Duration::from_secs(5);
@@ -687,7 +679,7 @@ async fn full_queue_refuses_new_jobs_and_loses_none() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_deleted_after_retention_and_beyond_the_bound() {
-    let (server, locker, queue) = durable("dlr").await;
+    let (server, locker, queue) = start_queue("dlr").await;
     let retention = Duration::from_millis(500);
     let queue = queue.with_limits(
         QueueLimits::default()
