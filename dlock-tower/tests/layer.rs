@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use dlock_runtime::{LockGuard, LockInfo, Locker, OnFail, PROBLEM_JSON};
+use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
 use dlock_tests::http::{client, serve, text, Chunked};
 use dlock_tests::RedisServer;
 use dlock_tower::key::{self, Key};
@@ -59,7 +59,7 @@ fn defer_layer(
 
 /// Holds the lock that a request with `idempotency-key: <key>` needs.
 #[cfg(feature = "defer")]
-async fn hold(locker: &Locker, key: &str) -> LockGuard {
+async fn hold(locker: &Locker, key: &str) -> dlock_runtime::LockGuard {
     let resource = format!("hdr:idempotency-key:{key}");
     locker.lock(resource).acquire().await.unwrap()
 }
