@@ -20,7 +20,7 @@ use dlock_tests::RedisServer;
 use dlock_tower::key::{self, Key};
 use dlock_tower::{DistributedLockLayer, FailMode, MissingKey};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::sync::{mpsc, watch, Barrier};
@@ -82,11 +82,17 @@ fn served_recording_locks(
     })
 }
 
+/// A request without a body, with `headers`.
+fn bare(method: Method, uri: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut req = Request::builder().method(method).uri(uri);
+    for &(name, value) in headers {
+        req = req.header(name, value);
+    }
+    req.body(Body::empty()).unwrap()
+}
+
 fn idem(key: &str) -> Request<Body> {
-    Request::post("/work")
-        .header("idempotency-key", key)
-        .body(Body::empty())
-        .unwrap()
+    bare(Method::POST, "/work", &[("idempotency-key", key)])
 }
 
 fn retry_after<B>(res: &Response<B>) -> u64 {
@@ -405,12 +411,7 @@ async fn handler_reads_lock_info_from_extensions() {
         // The "auth layer": runs first and places the identity in the extensions.
         .layer(tower::util::MapRequestLayer::new(user_from_header::<Body>));
 
-    let call = |user: &str| {
-        Request::post("/users/42/orders")
-            .header("x-user", user)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let call = |user: &str| bare(Method::POST, "/users/42/orders", &[("x-user", user)]);
     let res = app.clone().oneshot(call("7")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     let body = text(res).await;
@@ -428,11 +429,7 @@ async fn handler_reads_lock_info_from_extensions() {
     // No identity: 400, the handler is not called.
     let res = app
         .clone()
-        .oneshot(
-            Request::post("/users/42/orders")
-                .body(Body::empty())
-                .unwrap(),
-        )
+        .oneshot(bare(Method::POST, "/users/42/orders", &[]))
         .await
         .unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
@@ -472,7 +469,7 @@ async fn axum_path_params_key_across_routes() {
                 .ttl(TTL),
         );
 
-    let req = |path: &str| Request::post(path).body(Body::empty()).unwrap();
+    let req = |path: &str| bare(Method::POST, path, &[]);
     let paying = tokio::spawn(app.clone().oneshot(req("/orders/a:b/pay")));
     entered_rx.recv().await.unwrap();
 
@@ -493,7 +490,7 @@ async fn axum_path_params_key_across_routes() {
 
     let res = app
         .clone()
-        .oneshot(Request::get("/all/x%20y/z").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/all/x%20y/z", &[]))
         .await
         .unwrap();
     assert_eq!(text(res).await, "params:a:x%20y:b:z");
@@ -518,13 +515,13 @@ async fn missing_and_invalid_keys() {
         .layer(layer.missing_key(MissingKey::PassThrough))
         .service(inner);
 
-    let bare = || Request::post("/work").body(Body::empty()).unwrap();
-    let res = reject.clone().oneshot(bare()).await.unwrap();
+    let no_key = || bare(Method::POST, "/work", &[]);
+    let res = reject.clone().oneshot(no_key()).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
     assert!(text(res)
         .await
         .contains("urn:dlock:problem:lock-key-missing"));
-    let res = pass.clone().oneshot(bare()).await.unwrap();
+    let res = pass.clone().oneshot(no_key()).await.unwrap();
     assert_eq!(text(res).await, "no lock");
 
     // Oversized value: the runtime's InvalidKey, 400, in both modes.
@@ -538,11 +535,11 @@ async fn missing_and_invalid_keys() {
     }
 
     // The header twice: ambiguous, 400.
-    let twice = Request::post("/work")
-        .header("idempotency-key", "a")
-        .header("idempotency-key", "b")
-        .body(Body::empty())
-        .unwrap();
+    let twice = bare(
+        Method::POST,
+        "/work",
+        &[("idempotency-key", "a"), ("idempotency-key", "b")],
+    );
     let res = reject.clone().oneshot(twice).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
 
@@ -580,12 +577,7 @@ async fn closure_extractor_can_key_and_reject() {
             let key = req.extensions().get::<LockInfo>().unwrap().key().to_owned();
             Ok::<_, Infallible>(Response::new(Body::from(key)))
         }));
-    let tenant = |t: &str| {
-        Request::get("/")
-            .header("x-tenant", t)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let tenant = |t: &str| bare(Method::GET, "/", &[("x-tenant", t)]);
     let res = svc.clone().oneshot(tenant("12")).await.unwrap();
     assert_eq!(text(res).await, "tenant:12");
     let res = svc.clone().oneshot(tenant("x")).await.unwrap();
@@ -612,19 +604,17 @@ async fn composes_with_axum_and_plain_hyper() {
         .route("/b", get(|| async { "b" }))
         .route_layer(layer.clone());
     let res = with_layer
-        .oneshot(Request::get("/a").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/a", &[]))
         .await
         .unwrap();
     assert_eq!(text(res).await, "a");
     let res = with_route_layer
         .clone()
-        .oneshot(Request::get("/b").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(text(res).await, "b");
+        .oneshot(bare(Method::GET, "/b", &[]));
+    assert_eq!(text(res.await.unwrap()).await, "b");
     // route_layer leaves unmatched requests alone: still a 404.
     let res = with_route_layer
-        .oneshot(Request::get("/nope").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/nope", &[]))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::NOT_FOUND);
@@ -934,7 +924,7 @@ async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
                 .fail_mode(FailMode::Open),
         )
         .service(inner);
-    let no_key = || Request::post("/work").body(Body::empty()).unwrap();
+    let no_key = || bare(Method::POST, "/work", &[]);
 
     let res = strict.clone().oneshot(no_key()).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
