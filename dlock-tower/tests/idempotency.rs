@@ -25,7 +25,6 @@
 //! the behaviour under test, and they go through the runtime's own waiting.
 
 use std::convert::Infallible;
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,17 +40,15 @@ use axum::Router;
 use bytes::Bytes;
 use dlock_runtime::idempotency::Begin;
 use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
+use dlock_tests::http::{client, serve, user_from_header, Chunked, HttpClient, UserId};
 use dlock_tests::RedisServer;
 use dlock_tower::idempotency::{fingerprint, lock_key, DEFAULT_REPLAY_HEADERS};
 use dlock_tower::{FailMode, IdempotencyLayer, MissingIdentity};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::BodyExt;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tower::ServiceExt;
 
 const TTL: Duration = Duration::from_secs(30);
@@ -63,16 +60,6 @@ const KEY_HEADER: &str = "idempotency-key";
 
 // ---------------------------------------------------------------------------------------------
 // The application: a payments-style endpoint whose behaviour the request chooses.
-
-/// The authenticated user, put in the extensions by the "auth layer" from `x-user`.
-#[derive(Clone, Debug)]
-struct UserId(u64);
-
-impl std::fmt::Display for UserId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 /// What the handler reports to the test and waits on.
 #[derive(Clone)]
@@ -117,24 +104,11 @@ impl Harness {
     fn open_gate(&self) {
         self.open.send(true).unwrap();
     }
-}
 
-/// A body that yields its chunks one by one and does not announce its size.
-struct Chunked(Vec<Bytes>);
-
-impl http_body::Body for Chunked {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        if self.0.is_empty() {
-            Poll::Ready(None)
-        } else {
-            Poll::Ready(Some(Ok(http_body::Frame::data(self.0.remove(0)))))
-        }
+    /// Serves [`app`] with `layer` over real HTTP; returns a client for it and the server task.
+    async fn serve(&self, layer: IdempotencyLayer) -> (Http, JoinHandle<()>) {
+        let (addr, server) = serve(app(layer, self.ctl.clone())).await;
+        (Http::new(addr), server)
     }
 }
 
@@ -213,30 +187,9 @@ fn app(layer: IdempotencyLayer, ctl: Ctl) -> Router {
         )
         .route("/refunds", post(pay))
         .route_layer(layer)
-        // The "auth layer": runs first and places the identity in the extensions.
-        .layer(tower::util::MapRequestLayer::new(
-            |mut req: Request<Body>| {
-                let user = req
-                    .headers()
-                    .get("x-user")
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .map(UserId);
-                if let Some(user) = user {
-                    req.extensions_mut().insert(user);
-                }
-                req
-            },
-        ))
+        // The "auth layer": runs first and places the identity (`x-user`) in the extensions.
+        .layer(tower::util::MapRequestLayer::new(user_from_header::<Body>))
         .with_state(ctl)
-}
-
-async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).into_future().await.unwrap();
-    });
-    (addr, server)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,7 +197,7 @@ async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
 
 #[derive(Clone)]
 struct Http {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: HttpClient,
     addr: SocketAddr,
 }
 
@@ -336,7 +289,7 @@ impl Call {
 impl Http {
     fn new(addr: SocketAddr) -> Self {
         Http {
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            client: client(),
             addr,
         }
     }
@@ -356,12 +309,6 @@ impl Http {
             body,
         }
     }
-}
-
-async fn redis_locker(server: &RedisServer) -> Locker {
-    Locker::from_url(&server.url())
-        .await
-        .expect("connect to redis")
 }
 
 /// Asserts that `replay` is `original` replayed: same status, same body bytes, same
@@ -391,11 +338,10 @@ fn assert_replay_of(replay: &Reply, original: &Reply) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_duplicates_run_the_handler_once() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let mut h = Harness::new();
     let layer = IdempotencyLayer::new(locker).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let mut requests = JoinSet::new();
     for _ in 0..20 {
@@ -465,14 +411,13 @@ async fn twenty_concurrent_duplicates_run_the_handler_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_completion_replays_byte_for_byte() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let retention = Duration::from_secs(3600);
     let layer = IdempotencyLayer::new(locker.clone())
         .ttl(TTL)
         .retention(retention);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let call = || post_with("binary-1", "{\"amount\":7}").header("x-binary", "4096");
     let original = http.send(call()).await;
@@ -537,11 +482,10 @@ async fn retry_after_completion_replays_byte_for_byte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_with_a_different_request_gets_422() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let mut h = Harness::new();
     let layer = IdempotencyLayer::new(locker).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let first = http.send(post_with("k-422", "{\"amount\":10}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -584,11 +528,10 @@ async fn same_key_with_a_different_request_gets_422() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_final_statuses_are_not_stored_and_the_retry_runs() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let layer = IdempotencyLayer::new(locker).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let mut calls = 0;
     for status in [500u16, 503, 429, 409, 408, 425, 401] {
@@ -637,11 +580,10 @@ async fn non_final_statuses_are_not_stored_and_the_retry_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_required_bounded_and_limited_to_covered_methods() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let layer = IdempotencyLayer::new(locker).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let missing = http
         .send(Call {
@@ -692,13 +634,12 @@ async fn keys_are_required_bounded_and_limited_to_covered_methods() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_scopes_keys_per_user() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let layer = IdempotencyLayer::new(locker.clone())
         .ttl(TTL)
         .identity::<UserId>();
-    let (addr, server) = serve(app(layer.clone(), h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer.clone()).await;
 
     let as_user = |user: &str| post_with("shared-key", "{\"amount\":5}").header("x-user", user);
     let one = http.send(as_user("1")).await;
@@ -723,8 +664,7 @@ async fn identity_scopes_keys_per_user() {
 
     // Opted into the shared space: an anonymous request runs there (and replays there).
     let shared = layer.missing_identity(MissingIdentity::SharedSpace);
-    let (addr, server) = serve(app(shared, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(shared).await;
     let anon = http.send(post_with("anon-key", "{\"amount\":5}")).await;
     assert_eq!(anon.status, StatusCode::CREATED);
     assert!(anon.text().contains("\"user\":\"anonymous\""));
@@ -742,14 +682,13 @@ async fn identity_scopes_keys_per_user() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vanished_holder_blocks_until_its_ttl_then_the_retry_runs() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     // The other instance: its own connection, began the same request, then died.
-    let crashed = redis_locker(&redis).await;
+    let crashed = redis.locker().await;
     let key = lock_key(None, "crash-1").unwrap();
     let body = "{\"amount\":99}";
     let fp = fingerprint(
@@ -805,7 +744,7 @@ async fn vanished_holder_blocks_until_its_ttl_then_the_retry_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_request_frees_the_key_without_a_record() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let mut h = Harness::new();
     let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
     let router = app(layer, h.ctl.clone());
@@ -848,14 +787,13 @@ async fn cancelled_request_frees_the_key_without_a_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_responses_are_delivered_but_not_stored() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let h = Harness::new();
     let layer = IdempotencyLayer::new(locker)
         .ttl(TTL)
         .max_response_body(1024)
         .max_request_body(64);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let mut calls = 0;
     for stream in [false, true] {
@@ -907,26 +845,17 @@ async fn backend_down_fails_closed_or_open() {
         .await
         .unwrap();
     let h = Harness::new();
-    let closed = app(
-        IdempotencyLayer::new(locker.clone()).ttl(TTL),
-        h.ctl.clone(),
-    );
-    let open = app(
-        IdempotencyLayer::new(locker)
-            .ttl(TTL)
-            .fail_mode(FailMode::Open),
-        h.ctl.clone(),
-    );
-    let (closed_addr, closed_server) = serve(closed).await;
-    let (open_addr, open_server) = serve(open).await;
+    let layer = IdempotencyLayer::new(locker).ttl(TTL);
+    let (closed, closed_server) = h.serve(layer.clone()).await;
+    let (open, open_server) = h.serve(layer.fail_mode(FailMode::Open)).await;
 
     redis.pause();
-    let reply = Http::new(closed_addr).send(post_with("down-1", "{}")).await;
+    let reply = closed.send(post_with("down-1", "{}")).await;
     reply.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "lock-backend-unavailable");
     assert!(reply.retry_after() >= 1);
     assert_eq!(h.calls(), 0);
 
-    let reply = Http::new(open_addr).send(post_with("down-2", "{}")).await;
+    let reply = open.send(post_with("down-2", "{}")).await;
     assert_eq!(reply.status, StatusCode::CREATED);
     assert_eq!(h.calls(), 1);
     redis.resume();
@@ -938,16 +867,10 @@ async fn backend_down_fails_closed_or_open() {
 /// the backend (and `new` would panic), instead of failing requests later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redlock_is_refused_with_a_clear_error() {
-    let servers = dlock_tests::redis_server::start_many(3);
-    let url = format!(
-        "redlock://{}",
-        servers
-            .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port()))
-            .collect::<Vec<_>>()
-            .join(",")
-    );
-    let locker = Locker::from_url(&url).await.unwrap();
+    use dlock_tests::redis_server::{redlock_url, start_many};
+
+    let servers = start_many(3);
+    let locker = Locker::from_url(&redlock_url(&servers)).await.unwrap();
     assert!(!locker.supports_idempotency());
     let err = IdempotencyLayer::try_new(locker).unwrap_err();
     let msg = err.to_string();
@@ -963,8 +886,7 @@ async fn memory_backend_basic_flow() {
     let locker = Locker::memory();
     let mut h = Harness::new();
     let layer = IdempotencyLayer::new(locker).ttl(TTL);
-    let (addr, server) = serve(app(layer, h.ctl.clone())).await;
-    let http = Http::new(addr);
+    let (http, server) = h.serve(layer).await;
 
     let first = {
         let http = http.clone();
@@ -1033,7 +955,7 @@ impl http_body::Body for GatedBody {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_future_dropped_after_the_handler_returned_still_stores_the_record() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let calls = Arc::new(AtomicUsize::new(0));
     let (reading_tx, mut reading) = mpsc::unbounded_channel::<()>();
     let (open, gate) = watch::channel(false);

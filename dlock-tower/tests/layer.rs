@@ -6,12 +6,8 @@
 //! sleeps; assertions are about behaviour, not speed.
 
 use std::convert::Infallible;
-use std::future::IntoFuture;
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -19,16 +15,17 @@ use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use dlock_runtime::{LockInfo, Locker, OnFail, PROBLEM_JSON};
+use dlock_tests::http::{client, serve, text, Chunked};
 use dlock_tests::RedisServer;
 use dlock_tower::key::{self, Key};
 use dlock_tower::{DistributedLockLayer, FailMode, MissingKey};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::sync::{mpsc, watch, Barrier};
 use tokio::task::JoinSet;
+use tower::util::ServiceFn;
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 
 const TTL: Duration = Duration::from_secs(30);
@@ -36,26 +33,66 @@ const TTL: Duration = Duration::from_secs(30);
 /// A generous bound on how long a behaviour may take before the test calls it a hang.
 const HANG: Duration = Duration::from_secs(30);
 
-async fn redis_locker(server: &RedisServer) -> Locker {
-    Locker::from_url(&server.url())
+/// A locker whose commands give up after 200 ms, so a stopped or paused server is an error
+/// quickly.
+async fn fast_fail_locker(server: &RedisServer) -> Locker {
+    Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&server.url())
         .await
-        .expect("connect to redis")
-}
-
-fn idem(key: &str) -> Request<Body> {
-    Request::post("/work")
-        .header("idempotency-key", key)
-        .body(Body::empty())
         .unwrap()
 }
 
-async fn text<B>(res: Response<B>) -> String
-where
-    B: http_body::Body,
-    B::Error: std::fmt::Debug,
-{
-    let bytes = res.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8(bytes.to_vec()).unwrap()
+/// A `DeferLayer` keyed by `idempotency-key` over `queue`, retrying every 20–50 ms.
+#[cfg(feature = "defer")]
+fn defer_layer(
+    locker: &Locker,
+    queue: dlock_runtime::durable::DurableQueue,
+) -> dlock_tower::DeferLayer<key::Header> {
+    use dlock_runtime::defer::DeferPolicy;
+
+    let policy =
+        DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
+    dlock_tower::DeferLayer::new(locker.clone(), key::header("idempotency-key"), queue)
+        .policy(policy)
+}
+
+/// Holds the lock that a request with `idempotency-key: <key>` needs.
+#[cfg(feature = "defer")]
+async fn hold(locker: &Locker, key: &str) -> dlock_runtime::LockGuard {
+    let resource = format!("hdr:idempotency-key:{key}");
+    locker.lock(resource).acquire().await.unwrap()
+}
+
+/// An inner service that answers "served" and records, per request, whether it came with a
+/// lock (`LockInfo` in the extensions).
+#[allow(clippy::type_complexity)]
+fn served_recording_locks(
+    saw_lock: &Arc<Mutex<Vec<bool>>>,
+) -> ServiceFn<
+    impl Fn(Request<Body>) -> std::future::Ready<Result<Response<Body>, Infallible>> + Clone,
+> {
+    let saw_lock = saw_lock.clone();
+    service_fn(move |req: Request<Body>| {
+        saw_lock
+            .lock()
+            .unwrap()
+            .push(req.extensions().get::<LockInfo>().is_some());
+        std::future::ready(Ok(Response::new(Body::from("served"))))
+    })
+}
+
+/// A request without a body, with `headers`.
+fn bare(method: Method, uri: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut req = Request::builder().method(method).uri(uri);
+    for &(name, value) in headers {
+        req = req.header(name, value);
+    }
+    req.body(Body::empty()).unwrap()
+}
+
+fn idem(key: &str) -> Request<Body> {
+    bare(Method::POST, "/work", &[("idempotency-key", key)])
 }
 
 fn retry_after<B>(res: &Response<B>) -> u64 {
@@ -82,22 +119,13 @@ async fn wait_open(mut rx: watch::Receiver<bool>) {
     rx.wait_for(|open| *open).await.expect("gate dropped");
 }
 
-async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).into_future().await.unwrap();
-    });
-    (addr, server)
-}
-
 /// 100 concurrent requests with one `Idempotency-Key`, over a real HTTP server: exactly one
 /// reaches the handler while it holds the lock; the other 99 get 409 with the holder's
 /// remaining lease as `Retry-After` and a problem+json body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_over_http_admits_one_and_rejects_the_rest() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let entered = Arc::new(AtomicUsize::new(0));
     let (open, gate_rx) = gate();
 
@@ -118,7 +146,7 @@ async fn same_key_over_http_admits_one_and_rejects_the_rest() {
         .route_layer(DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL));
     let (addr, server) = serve(app).await;
 
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client = client();
     let started = Instant::now();
     let mut requests = JoinSet::new();
     for _ in 0..100 {
@@ -174,7 +202,7 @@ async fn same_key_over_http_admits_one_and_rejects_the_rest() {
 async fn different_keys_run_in_parallel() {
     const N: usize = 8;
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let barrier = Arc::new(Barrier::new(N));
     let svc = ServiceBuilder::new()
         .layer(DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL))
@@ -203,7 +231,7 @@ async fn different_keys_run_in_parallel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_request_releases_its_lock() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let calls = Arc::new(AtomicUsize::new(0));
     let tokens = Arc::new(Mutex::new(Vec::new()));
     let (entered_tx, mut entered_rx) = mpsc::unbounded_channel();
@@ -253,22 +281,9 @@ async fn dropped_request_releases_its_lock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_down_fails_closed_or_open() {
     let mut redis = RedisServer::start();
-    let locker = Locker::builder()
-        .command_timeout(Duration::from_millis(200))
-        .connect(&redis.url())
-        .await
-        .unwrap();
+    let locker = fast_fail_locker(&redis).await;
     let saw_lock = Arc::new(Mutex::new(Vec::new()));
-    let inner = service_fn({
-        let saw_lock = saw_lock.clone();
-        move |req: Request<Body>| {
-            saw_lock
-                .lock()
-                .unwrap()
-                .push(req.extensions().get::<LockInfo>().is_some());
-            async { Ok::<_, Infallible>(Response::new(Body::from("served"))) }
-        }
-    });
+    let inner = served_recording_locks(&saw_lock);
     let layer = DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL);
     let closed = ServiceBuilder::new()
         .layer(layer.clone())
@@ -310,25 +325,6 @@ async fn backend_down_fails_closed_or_open() {
     assert_eq!(*saw_lock.lock().unwrap(), [false, false]);
 }
 
-/// A body that yields its chunks one by one and does not announce its size.
-struct Chunked(Vec<Bytes>);
-
-impl http_body::Body for Chunked {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        if self.0.is_empty() {
-            Poll::Ready(None)
-        } else {
-            Poll::Ready(Some(Ok(http_body::Frame::data(self.0.remove(0)))))
-        }
-    }
-}
-
 /// The body digest hands the handler the exact bytes and keys by their SHA-256; a body over
 /// the limit (declared or streamed) is answered 413 without calling the handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -337,7 +333,7 @@ async fn body_digest_hands_on_the_body_and_rejects_oversized_ones() {
     const LIMIT: usize = 4096;
 
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let calls = Arc::new(AtomicUsize::new(0));
     let svc = ServiceBuilder::new()
         .layer(DistributedLockLayer::new(locker, key::body_digest(LIMIT)).ttl(TTL))
@@ -356,64 +352,37 @@ async fn body_digest_hands_on_the_body_and_rejects_oversized_ones() {
             }
         }));
 
-    // Every byte value, not UTF-8, exactly at the limit.
+    let upload = |body: Body| {
+        let req = Request::post("/upload").body(body).unwrap();
+        svc.clone().oneshot(req)
+    };
+
+    // Every byte value, not UTF-8, exactly at the limit; then the same bytes streamed in chunks
+    // without a declared size: same bytes, same key.
     let payload: Vec<u8> = (0..LIMIT).map(|i| (i * 7 % 256) as u8).collect();
     let digest: String = Sha256::digest(&payload)
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let req = Request::post("/upload")
-        .body(Body::from(payload.clone()))
-        .unwrap();
-    let res = svc.clone().oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(
-        res.headers()["x-lock-key"],
-        format!("body:sha256:{digest}").as_str()
-    );
-    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), payload);
-
-    // Streamed in chunks without a declared size: same bytes, same key.
     let chunks: Vec<Bytes> = payload.chunks(1000).map(Bytes::copy_from_slice).collect();
-    let req = Request::post("/upload")
-        .body(Body::new(Chunked(chunks)))
-        .unwrap();
-    let res = svc.clone().oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    assert_eq!(
-        res.headers()["x-lock-key"],
-        format!("body:sha256:{digest}").as_str()
-    );
-    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), payload);
+    for body in [Body::from(payload.clone()), Body::new(Chunked(chunks))] {
+        let res = upload(body).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let lock_key = format!("body:sha256:{digest}");
+        assert_eq!(res.headers()["x-lock-key"], lock_key.as_str());
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), payload);
+    }
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 
     // One byte over: declared size, then streamed.
-    let over = vec![b'x'; LIMIT + 1];
-    let req = Request::post("/upload")
-        .body(Body::from(over.clone()))
-        .unwrap();
-    let res = svc.clone().oneshot(req).await.unwrap();
+    let res = upload(Body::from(vec![b'x'; LIMIT + 1])).await.unwrap();
     assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(text(res).await.contains("urn:dlock:problem:body-too-large"));
 
     let chunks = vec![Bytes::from(vec![b'x'; LIMIT]), Bytes::from_static(b"x")];
-    let req = Request::post("/upload")
-        .body(Body::new(Chunked(chunks)))
-        .unwrap();
-    let res = svc.clone().oneshot(req).await.unwrap();
+    let res = upload(Body::new(Chunked(chunks))).await.unwrap();
     assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
-}
-
-#[cfg(feature = "axum")]
-#[derive(Clone, Debug)]
-struct UserId(u64);
-
-#[cfg(feature = "axum")]
-impl std::fmt::Display for UserId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
 }
 
 /// An axum handler reads the lock's key and fencing token from the request extensions; the
@@ -422,9 +391,10 @@ impl std::fmt::Display for UserId {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_reads_lock_info_from_extensions() {
     use axum::extract::Extension;
+    use dlock_tests::http::{user_from_header, UserId};
 
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
 
     async fn handler(Extension(lock): Extension<LockInfo>) -> String {
         // The same lock is visible through the task-local context.
@@ -432,38 +402,16 @@ async fn handler_reads_lock_info_from_extensions() {
         format!("{} {} {same}", lock.key(), lock.fencing_token())
     }
 
+    let user_and_route = key::extension::<UserId>()
+        .label("user")
+        .and(key::matched_path());
     let app = Router::new()
         .route("/users/{id}/orders", post(handler))
-        .route_layer(
-            DistributedLockLayer::new(
-                locker.clone(),
-                key::extension::<UserId>()
-                    .label("user")
-                    .and(key::matched_path()),
-            )
-            .ttl(TTL),
-        )
+        .route_layer(DistributedLockLayer::new(locker.clone(), user_and_route).ttl(TTL))
         // The "auth layer": runs first and places the identity in the extensions.
-        .layer(tower::util::MapRequestLayer::new(
-            |mut req: Request<Body>| {
-                let user = req
-                    .headers()
-                    .get("x-user")
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .map(UserId);
-                if let Some(user) = user {
-                    req.extensions_mut().insert(user);
-                }
-                req
-            },
-        ));
+        .layer(tower::util::MapRequestLayer::new(user_from_header::<Body>));
 
-    let call = |user: &str| {
-        Request::post("/users/42/orders")
-            .header("x-user", user)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let call = |user: &str| bare(Method::POST, "/users/42/orders", &[("x-user", user)]);
     let res = app.clone().oneshot(call("7")).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     let body = text(res).await;
@@ -481,11 +429,7 @@ async fn handler_reads_lock_info_from_extensions() {
     // No identity: 400, the handler is not called.
     let res = app
         .clone()
-        .oneshot(
-            Request::post("/users/42/orders")
-                .body(Body::empty())
-                .unwrap(),
-        )
+        .oneshot(bare(Method::POST, "/users/42/orders", &[]))
         .await
         .unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
@@ -499,7 +443,7 @@ async fn axum_path_params_key_across_routes() {
     use axum::extract::Extension;
 
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let (open, gate_rx) = gate();
     let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
 
@@ -525,7 +469,7 @@ async fn axum_path_params_key_across_routes() {
                 .ttl(TTL),
         );
 
-    let req = |path: &str| Request::post(path).body(Body::empty()).unwrap();
+    let req = |path: &str| bare(Method::POST, path, &[]);
     let paying = tokio::spawn(app.clone().oneshot(req("/orders/a:b/pay")));
     entered_rx.recv().await.unwrap();
 
@@ -546,7 +490,7 @@ async fn axum_path_params_key_across_routes() {
 
     let res = app
         .clone()
-        .oneshot(Request::get("/all/x%20y/z").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/all/x%20y/z", &[]))
         .await
         .unwrap();
     assert_eq!(text(res).await, "params:a:x%20y:b:z");
@@ -556,7 +500,7 @@ async fn axum_path_params_key_across_routes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_invalid_keys() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let inner = service_fn(|req: Request<Body>| async move {
         let key = req
             .extensions()
@@ -571,13 +515,13 @@ async fn missing_and_invalid_keys() {
         .layer(layer.missing_key(MissingKey::PassThrough))
         .service(inner);
 
-    let bare = || Request::post("/work").body(Body::empty()).unwrap();
-    let res = reject.clone().oneshot(bare()).await.unwrap();
+    let no_key = || bare(Method::POST, "/work", &[]);
+    let res = reject.clone().oneshot(no_key()).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
     assert!(text(res)
         .await
         .contains("urn:dlock:problem:lock-key-missing"));
-    let res = pass.clone().oneshot(bare()).await.unwrap();
+    let res = pass.clone().oneshot(no_key()).await.unwrap();
     assert_eq!(text(res).await, "no lock");
 
     // Oversized value: the runtime's InvalidKey, 400, in both modes.
@@ -591,11 +535,11 @@ async fn missing_and_invalid_keys() {
     }
 
     // The header twice: ambiguous, 400.
-    let twice = Request::post("/work")
-        .header("idempotency-key", "a")
-        .header("idempotency-key", "b")
-        .body(Body::empty())
-        .unwrap();
+    let twice = bare(
+        Method::POST,
+        "/work",
+        &[("idempotency-key", "a"), ("idempotency-key", "b")],
+    );
     let res = reject.clone().oneshot(twice).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);
 
@@ -608,7 +552,7 @@ async fn missing_and_invalid_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closure_extractor_can_key_and_reject() {
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let extractor = |req: Request<Body>| async move {
         let tenant = req
             .headers()
@@ -633,12 +577,7 @@ async fn closure_extractor_can_key_and_reject() {
             let key = req.extensions().get::<LockInfo>().unwrap().key().to_owned();
             Ok::<_, Infallible>(Response::new(Body::from(key)))
         }));
-    let tenant = |t: &str| {
-        Request::get("/")
-            .header("x-tenant", t)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let tenant = |t: &str| bare(Method::GET, "/", &[("x-tenant", t)]);
     let res = svc.clone().oneshot(tenant("12")).await.unwrap();
     assert_eq!(text(res).await, "tenant:12");
     let res = svc.clone().oneshot(tenant("x")).await.unwrap();
@@ -654,7 +593,7 @@ async fn composes_with_axum_and_plain_hyper() {
     use hyper_util::service::TowerToHyperService;
 
     let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
+    let locker = redis.locker().await;
     let layer = DistributedLockLayer::new(locker, key::method_path()).ttl(TTL);
 
     // axum, both ways.
@@ -665,19 +604,17 @@ async fn composes_with_axum_and_plain_hyper() {
         .route("/b", get(|| async { "b" }))
         .route_layer(layer.clone());
     let res = with_layer
-        .oneshot(Request::get("/a").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/a", &[]))
         .await
         .unwrap();
     assert_eq!(text(res).await, "a");
     let res = with_route_layer
         .clone()
-        .oneshot(Request::get("/b").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(text(res).await, "b");
+        .oneshot(bare(Method::GET, "/b", &[]));
+    assert_eq!(text(res.await.unwrap()).await, "b");
     // route_layer leaves unmatched requests alone: still a 404.
     let res = with_route_layer
-        .oneshot(Request::get("/nope").body(Body::empty()).unwrap())
+        .oneshot(bare(Method::GET, "/nope", &[]))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::NOT_FOUND);
@@ -702,7 +639,7 @@ async fn composes_with_axum_and_plain_hyper() {
             });
         }
     });
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client = client();
     let res = client
         .request(
             Request::get(format!("http://{addr}/plain/hyper"))
@@ -723,16 +660,11 @@ async fn composes_with_axum_and_plain_hyper() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     use axum::extract::{Extension, Path};
-    use dlock_runtime::defer::DeferPolicy;
-    use dlock_runtime::durable::DurableQueue;
+    use dlock_tests::jobs::{run_in_background, start_queue};
+    use dlock_tests::wait::poll_until;
     use dlock_tower::defer::{replay_worker, status_response};
-    use dlock_tower::DeferLayer;
 
-    let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
-    let queue = DurableQueue::connect(&redis.url(), "http-defer")
-        .await
-        .unwrap();
+    let (_redis, locker, queue) = start_queue("http-defer").await;
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<(String, u64)>();
 
     // The application, without the defer layer: this is what the worker replays through.
@@ -756,60 +688,31 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
             }),
         )
         .merge(
-            app.clone().layer(
-                DeferLayer::new(
-                    locker.clone(),
-                    key::header("idempotency-key"),
-                    queue.clone(),
-                )
-                .policy(
-                    DeferPolicy::new(Duration::from_millis(20), 100)
-                        .max_delay(Duration::from_millis(50)),
-                )
-                .status_path("/jobs"),
-            ),
+            app.clone()
+                .layer(defer_layer(&locker, queue.clone()).status_path("/jobs")),
         );
     let (addr, _server) = serve(served).await;
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let get_status = |path: String| {
-        let client = client.clone();
-        async move {
-            let res = client
-                .request(
-                    Request::get(format!("http://{addr}{path}"))
-                        .body(Full::default())
-                        .unwrap(),
-                )
-                .await
-                .unwrap();
-            text(res).await
-        }
+    let client = client();
+    let send = |req: http::request::Builder, body: &'static [u8]| {
+        let req = req.body(Full::new(Bytes::from_static(body))).unwrap();
+        client.request(req)
     };
+    let get_status = async |path: &str| {
+        let res = send(Request::get(format!("http://{addr}{path}")), b"");
+        text(res.await.unwrap()).await
+    };
+    let order = |key| Request::post(format!("http://{addr}/orders")).header("idempotency-key", key);
 
     // Someone holds the request's lock.
-    let held = locker
-        .lock("hdr:idempotency-key:k1")
-        .acquire()
-        .await
-        .unwrap();
-    let res = client
-        .request(
-            Request::post(format!("http://{addr}/orders"))
-                .header("idempotency-key", "k1")
-                .body(Full::new(Bytes::from_static(b"order #1 payload")))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let held = hold(&locker, "k1").await;
+    let res = send(order("k1"), b"order #1 payload").await.unwrap();
     assert_eq!(res.status(), StatusCode::ACCEPTED);
     let location = res.headers()["location"].to_str().unwrap().to_owned();
     assert!(location.starts_with("/jobs/"), "{location}");
     let body = text(res).await;
     let job_id = location.trim_start_matches("/jobs/").to_owned();
     assert!(body.contains(&format!("\"job_id\":\"{job_id}\"")), "{body}");
-    assert!(get_status(location.clone())
-        .await
-        .contains("\"state\":\"queued\""));
+    assert!(get_status(&location).await.contains("\"state\":\"queued\""));
     assert!(
         seen_rx.try_recv().is_err(),
         "the handler must not run while the lock is busy"
@@ -818,11 +721,7 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     // A worker on this instance replays deferred requests through the app.
     let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app.clone())
         .poll_interval(Duration::from_millis(10));
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let w = {
-        let stop = stop.clone();
-        tokio::spawn(async move { worker.run_until(stop.notified()).await })
-    };
+    let w = run_in_background(worker);
     let holder_token = held.fencing_token();
     held.release().await.unwrap();
     let (body, token) = tokio::time::timeout(Duration::from_secs(10), seen_rx.recv())
@@ -835,33 +734,21 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
         "the replay holds the lock with a newer token"
     );
 
-    let start = Instant::now();
-    loop {
-        let status = get_status(location.clone()).await;
-        if status.contains("\"state\":\"completed\"") {
-            assert!(status.contains("\"result\":\"201\""), "{status}");
-            break;
+    let status = poll_until(Duration::from_secs(5), Duration::ZERO, async || {
+        let status = get_status(&location).await;
+        match status.contains("\"state\":\"completed\"") {
+            true => Ok(status),
+            false => Err(status),
         }
-        assert!(start.elapsed() < Duration::from_secs(5), "{status}");
-        tokio::task::yield_now().await;
-    }
-    assert!(get_status("/jobs/0123abcd".into())
-        .await
-        .contains("job-unknown"));
+    })
+    .await;
+    assert!(status.contains("\"result\":\"201\""), "{status}");
+    assert!(get_status("/jobs/0123abcd").await.contains("job-unknown"));
 
     // A free lock runs the request at once.
-    let res = client
-        .request(
-            Request::post(format!("http://{addr}/orders"))
-                .header("idempotency-key", "k2")
-                .body(Full::new(Bytes::from_static(b"order #2")))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let res = send(order("k2"), b"order #2").await.unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
-    stop.notify_one();
-    w.await.unwrap();
+    w.stop().await;
 }
 
 /// Deferred requests are stored without credentials unless opted in by name; a full queue
@@ -872,16 +759,12 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
 async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_corrupt_jobs() {
     use dlock_runtime::defer::{DeferPolicy, QueueLimits};
     use dlock_runtime::durable::{DurableQueue, Job, JobContext, JobError};
+    use dlock_tests::jobs::{run_in_background, start_queue};
     use dlock_tower::defer::replay_worker;
-    use dlock_tower::DeferLayer;
     use http::header::{HeaderMap, AUTHORIZATION, COOKIE};
 
-    let redis = RedisServer::start();
-    let locker = redis_locker(&redis).await;
-    let queue = DurableQueue::connect(&redis.url(), "http-bounded")
-        .await
-        .unwrap()
-        .with_limits(QueueLimits::default().max_queued(1));
+    let (redis, locker, queue) = start_queue("http-bounded").await;
+    let queue = queue.with_limits(QueueLimits::default().max_queued(1));
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<HeaderMap>();
     let app = Router::new().route(
         "/orders",
@@ -893,21 +776,14 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
             }
         }),
     );
-    let layer = |queue: DurableQueue| {
-        DeferLayer::new(locker.clone(), key::header("idempotency-key"), queue).policy(
-            DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50)),
-        )
-    };
+    let layer = || defer_layer(&locker, queue.clone());
     // Two stacks over one queue: the default, and one that opts `Authorization` in.
-    let served = Router::new()
-        .merge(app.clone().layer(layer(queue.clone())))
-        .route(
-            "/opted-in",
-            post(|| async { StatusCode::CREATED })
-                .layer(layer(queue.clone()).store_header(AUTHORIZATION)),
-        );
+    let served = Router::new().merge(app.clone().layer(layer())).route(
+        "/opted-in",
+        post(|| async { StatusCode::CREATED }).layer(layer().store_header(AUTHORIZATION)),
+    );
     let (addr, _server) = serve(served).await;
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client = client();
     let send = |path: &'static str, key: &'static str| {
         let client = client.clone();
         async move {
@@ -926,22 +802,14 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
         }
     };
     let stored_payloads = || async {
-        let client = redis::Client::open(redis.url()).unwrap();
-        let mut c = client.get_multiplexed_async_connection().await.unwrap();
-        let jobs: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-            .arg("dlock:{jobs:http-bounded}:jobs")
-            .query_async(&mut c)
-            .await
-            .unwrap();
+        let jobs: std::collections::HashMap<String, String> = redis
+            .query(redis::cmd("HGETALL").arg("dlock:{jobs:http-bounded}:jobs"))
+            .await;
         jobs.into_values().collect::<Vec<_>>().join("\n")
     };
     let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
 
-    let held = locker
-        .lock("hdr:idempotency-key:k1")
-        .acquire()
-        .await
-        .unwrap();
+    let held = hold(&locker, "k1").await;
     let res = send("/orders", "k1").await;
     assert_eq!(res.status(), StatusCode::ACCEPTED);
     let stored = stored_payloads().await;
@@ -952,11 +820,7 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
     );
 
     // The queue holds one job: the next busy request is refused, and nothing is dropped.
-    let _held2 = locker
-        .lock("hdr:idempotency-key:k2")
-        .acquire()
-        .await
-        .unwrap();
+    let _held2 = hold(&locker, "k2").await;
     let res = send("/orders", "k2").await;
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(res.headers()[RETRY_AFTER], "1");
@@ -969,11 +833,7 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
     // The replay runs without the credentials it was not allowed to keep.
     let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app.clone())
         .poll_interval(Duration::from_millis(10));
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let w = {
-        let (worker, stop) = (worker.clone(), stop.clone());
-        tokio::spawn(async move { worker.run_until(stop.notified()).await })
-    };
+    let w = run_in_background(worker);
     held.release().await.unwrap();
     let headers = tokio::time::timeout(HANG, seen_rx.recv())
         .await
@@ -981,15 +841,10 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
         .unwrap();
     assert_eq!(headers["x-trace"], "t1");
     assert!(headers.get(AUTHORIZATION).is_none() && headers.get(COOKIE).is_none());
-    stop.notify_one();
-    w.await.unwrap();
+    w.stop().await;
 
     // Opted in by name: that header (and only that one) is stored.
-    let _held3 = locker
-        .lock("hdr:idempotency-key:k3")
-        .acquire()
-        .await
-        .unwrap();
+    let _held3 = hold(&locker, "k3").await;
     assert_eq!(send("/opted-in", "k3").await.status(), StatusCode::ACCEPTED);
     let stored = stored_payloads().await;
     assert!(stored.contains(&hex("Bearer s3cret-token")));
@@ -1052,25 +907,12 @@ async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
 
     let mut lock_redis = RedisServer::start();
     let queue_redis = RedisServer::start();
-    let locker = Locker::builder()
-        .command_timeout(Duration::from_millis(200))
-        .connect(&lock_redis.url())
-        .await
-        .unwrap();
+    let locker = fast_fail_locker(&lock_redis).await;
     let queue = DurableQueue::connect(&queue_redis.url(), "defer-modes")
         .await
         .unwrap();
     let saw_lock = Arc::new(Mutex::new(Vec::new()));
-    let inner = service_fn({
-        let saw_lock = saw_lock.clone();
-        move |req: Request<Body>| {
-            saw_lock
-                .lock()
-                .unwrap()
-                .push(req.extensions().get::<LockInfo>().is_some());
-            async { Ok::<_, Infallible>(Response::new(Body::from("served"))) }
-        }
-    });
+    let inner = served_recording_locks(&saw_lock);
     let layer = DeferLayer::new(locker, key::header("idempotency-key"), queue).ttl(TTL);
     let strict = ServiceBuilder::new()
         .layer(layer.clone())
@@ -1082,7 +924,7 @@ async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
                 .fail_mode(FailMode::Open),
         )
         .service(inner);
-    let no_key = || Request::post("/work").body(Body::empty()).unwrap();
+    let no_key = || bare(Method::POST, "/work", &[]);
 
     let res = strict.clone().oneshot(no_key()).await.unwrap();
     assert_problem(&res, StatusCode::BAD_REQUEST);

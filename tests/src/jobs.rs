@@ -1,12 +1,19 @@
 //! Durable jobs for the defer tests: they record each run in Redis (a separate key space from
-//! the queue's), and can be told to hang, fail or panic, as the tests need.
+//! the queue's), and can be told to hang, fail or panic, as the tests need; a fresh server with
+//! a locker and a queue ([`start_queue`]); and [`run_in_background`], a worker running until
+//! the test stops it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_runtime::durable::{Job, JobContext, JobError};
-use dlock_runtime::{LockError, LockKey};
+use dlock_runtime::durable::{DurableQueue, DurableWorker, Job, JobContext, JobError};
+use dlock_runtime::{LockError, LockKey, Locker};
 use redis::AsyncCommands as _;
 use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::RedisServer;
 
 /// Records `started`/`done` (and a run count in the hash `runs`) for job `id` in the Redis at
 /// `record_url`.
@@ -102,5 +109,45 @@ impl Job for StallJob {
         }
         ctx.set_result("second");
         Ok(())
+    }
+}
+
+/// A new server, a locker on it ([`RedisServer::locker`]) and the durable queue `name` on it
+/// with the default settings.
+///
+/// # Panics
+/// If the server does not start or a connection fails.
+pub async fn start_queue(name: &str) -> (RedisServer, Locker, DurableQueue) {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let queue = DurableQueue::connect(&server.url(), name).await.unwrap();
+    (server, locker, queue)
+}
+
+/// A [`DurableWorker`] running in a task of its own (`run_until`) until [`stop`](Self::stop).
+#[derive(Debug)]
+pub struct Running {
+    stop: Arc<Notify>,
+    task: JoinHandle<()>,
+}
+
+/// Spawns `worker.run_until(..)` on the current runtime.
+pub fn run_in_background(worker: DurableWorker) -> Running {
+    let stop = Arc::new(Notify::new());
+    let task = {
+        let stop = stop.clone();
+        tokio::spawn(async move { worker.run_until(stop.notified()).await })
+    };
+    Running { stop, task }
+}
+
+impl Running {
+    /// Tells the worker to stop and waits until it has.
+    ///
+    /// # Panics
+    /// If the worker's task panicked.
+    pub async fn stop(self) {
+        self.stop.notify_one();
+        self.task.await.unwrap();
     }
 }

@@ -1,9 +1,14 @@
 //! Test support for dlock: real `redis-server` processes ([`redis_server`]), a fault-injecting
-//! TCP proxy ([`proxy`]) and durable job types for the defer tests ([`jobs`]). The backend conformance suite is public in
+//! TCP proxy ([`proxy`]), durable job types for the defer tests ([`jobs`]), bounded polling for
+//! state nothing signals ([`wait`]) and, with the feature `http`, HTTP helpers for the tower
+//! layer tests (`http`). The backend conformance suite is public in
 //! `dlock_runtime::conformance` (feature `conformance`).
 
+#[cfg(feature = "http")]
+pub mod http;
 pub mod jobs;
 pub mod proxy;
 pub mod redis_server;
+pub mod wait;
 
 pub use redis_server::RedisServer;

@@ -30,7 +30,9 @@ fn binary() -> String {
     std::env::var("DLOCK_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
 
-fn free_port() -> u16 {
+/// A loopback port nothing listened on a moment ago (the OS picked it for a listener that is
+/// closed again): for tests that need "nothing listening here".
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -187,6 +189,39 @@ impl RedisServer {
     pub fn is_up(&self) -> bool {
         ping(self.port)
     }
+
+    /// A new connection of its own to the server, for tests that read or change keys behind
+    /// the locker's back.
+    ///
+    /// # Panics
+    /// If the server does not accept the connection.
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to redis")
+    }
+
+    /// Runs one command on a new connection ([`conn`](Self::conn)) and returns its reply, e.g.
+    /// `server.query::<i64>(redis::cmd("DEL").arg(key))`.
+    ///
+    /// # Panics
+    /// If the server cannot be reached or answers with an error.
+    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query_async(&mut self.conn().await).await.unwrap()
+    }
+
+    /// A [`Locker`](dlock_runtime::Locker) on this server with the default settings
+    /// (`Locker::from_url`).
+    ///
+    /// # Panics
+    /// If it cannot connect.
+    pub async fn locker(&self) -> dlock_runtime::Locker {
+        dlock_runtime::Locker::from_url(&self.url())
+            .await
+            .expect("connect to redis")
+    }
 }
 
 impl Drop for RedisServer {
@@ -236,4 +271,18 @@ fn server_pid(port: u16) -> Option<u32> {
 /// Starts `n` independent servers.
 pub fn start_many(n: usize) -> Vec<RedisServer> {
     (0..n).map(|_| RedisServer::start()).collect()
+}
+
+/// The servers' [`url`](RedisServer::url)s, in order.
+pub fn urls(servers: &[RedisServer]) -> Vec<String> {
+    servers.iter().map(RedisServer::url).collect()
+}
+
+/// One `redlock://127.0.0.1:<p1>,127.0.0.1:<p2>,…` URL over all the servers.
+pub fn redlock_url(servers: &[RedisServer]) -> String {
+    let nodes: Vec<String> = servers
+        .iter()
+        .map(|s| format!("127.0.0.1:{}", s.port()))
+        .collect();
+    format!("redlock://{}", nodes.join(","))
 }

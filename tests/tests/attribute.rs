@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{current_lock, distributed_lock, LockError, Locker};
+use dlock_tests::wait::poll_until;
 use dlock_tests::RedisServer;
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use http_body_util::{BodyExt as _, Empty};
@@ -136,6 +137,17 @@ async fn burst(url: &str, n: usize, mut after: impl FnMut(usize)) -> Vec<Reply> 
     replies
 }
 
+/// Fires 50 duplicates at `url` (see [`burst`]); the handler holding the lock may proceed
+/// once the other 49 have been answered.
+async fn fifty_duplicates(url: &str, app: &Arc<App>) -> Vec<Reply> {
+    burst(url, 50, |k| {
+        if k == 49 {
+            app.proceed.notify_one();
+        }
+    })
+    .await
+}
+
 fn assert_conflict(r: &Reply, detail: Option<&str>) {
     assert_eq!(r.status, 409, "{r:?}");
     let ra = r.retry_after.expect("Retry-After");
@@ -150,17 +162,11 @@ fn assert_conflict(r: &Reply, detail: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
     let server = RedisServer::start();
-    let (app, mut entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let (app, mut entered) = app(server.locker().await);
     let base = axum_app::serve(app.clone()).await;
     let url = format!("{base}/orders/7/submit");
-    let a = app.clone();
-    let replies = burst(&url, 50, |k| {
-        // 49 rejections in while the one holder still waits: let it finish.
-        if k == 49 {
-            a.proceed.notify_one();
-        }
-    })
-    .await;
+    // 49 rejections in while the one holder still waits: then it may finish.
+    let replies = fifty_duplicates(&url, &app).await;
     assert_eq!(
         app.ran.load(Ordering::SeqCst),
         1,
@@ -178,7 +184,7 @@ async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn axum_retry_runs_all_50_one_at_a_time_with_increasing_tokens() {
     let server = RedisServer::start();
-    let (app, _entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let (app, _entered) = app(server.locker().await);
     let base = axum_app::serve(app.clone()).await;
     let url = format!("{base}/orders/9/pay");
     let replies = burst(&url, 50, |_| {}).await;
@@ -211,7 +217,7 @@ async fn axum_retry_runs_all_50_one_at_a_time_with_increasing_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn axum_on_lost_cancel_stops_the_side_effect() {
     let server = RedisServer::start();
-    let (app, mut entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let (app, mut entered) = app(server.locker().await);
     let base = axum_app::serve(app.clone()).await;
     let client = client();
     let url = format!("{base}/jobs/5");
@@ -219,13 +225,7 @@ async fn axum_on_lost_cancel_stops_the_side_effect() {
     entered.recv().await.expect("handler entered");
 
     // Take the lock away behind the handler's back.
-    let redis = redis::Client::open(server.url()).unwrap();
-    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
-    let n: i64 = redis::cmd("DEL")
-        .arg("dlock:{job:5}")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let n: i64 = server.query(redis::cmd("DEL").arg("dlock:{job:5}")).await;
     assert_eq!(n, 1);
 
     let reply = request.await.unwrap();
@@ -281,16 +281,10 @@ mod actix_app {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn actix_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
     let server = RedisServer::start();
-    let (app, _entered) = app(Locker::from_url(&server.url()).await.unwrap());
+    let (app, _entered) = app(server.locker().await);
     let base = actix_app::serve(app.clone());
     let url = format!("{base}/orders/3/submit");
-    let a = app.clone();
-    let replies = burst(&url, 50, |k| {
-        if k == 49 {
-            a.proceed.notify_one();
-        }
-    })
-    .await;
+    let replies = fifty_duplicates(&url, &app).await;
     assert_eq!(app.ran.load(Ordering::SeqCst), 1);
     assert_eq!(
         replies.iter().filter(|r| r.status == 200).count(),
@@ -374,14 +368,11 @@ async fn question_mark_and_panics_release_the_lock() {
     let joined = tokio::spawn(async move { boom(l, 1).await }).await;
     assert!(joined.unwrap_err().is_panic());
     // Released in the background by the guard's drop during unwinding: promptly, not after 30 s.
-    let start = Instant::now();
-    while locker.lock("boom:1").try_acquire().await.unwrap().is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "panicked holder kept the lock"
-        );
-        tokio::task::yield_now().await;
-    }
+    let _ = poll_until(Duration::from_secs(2), Duration::ZERO, async || {
+        let g = locker.lock("boom:1").try_acquire().await.unwrap();
+        g.ok_or("panicked holder kept the lock")
+    })
+    .await;
 }
 
 #[tokio::test]

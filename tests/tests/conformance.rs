@@ -2,68 +2,59 @@
 //! fresh store (for Redis: a fresh `redis-server` on a free port) — and on the least a backend
 //! author has to write (`minimal`).
 
-use dlock_runtime::backend::{AcquireArgs, Attempt, Backend, BoxFuture, MemoryBackend, OwnerToken};
+use std::sync::Arc;
+
+use dlock_runtime::backend::{
+    AcquireArgs, Attempt, Backend, BoxFuture, IntoBackend, MemoryBackend, OwnerToken,
+};
 use dlock_runtime::conformance::Store;
 use dlock_runtime::key::ResourceName;
 use dlock_runtime::LockError;
 use dlock_tests::RedisServer;
 
 fn memory_store() -> ((), Store) {
-    ((), memory())
-}
-
-fn redis_store() -> (RedisServer, Store) {
-    let server = RedisServer::start();
-    let store = redis(&server);
-    (server, store)
-}
-
-fn memory() -> Store {
     let shared = MemoryBackend::new();
-    let for_break = shared.clone();
-    Store {
-        name: "memory",
-        locker: Box::new(move |b| {
-            let s = shared.clone();
-            Box::pin(async move { b.try_build(s).expect("locker") })
-        }),
-        break_lock: Box::new(move |resource| {
-            let freed = for_break.force_release(&resource);
+    ((), memory_backed("memory", shared.clone(), shared))
+}
+
+/// A store whose lockers use `backend`, which keeps its locks in `memory` (where the suite
+/// breaks them).
+fn memory_backed<B>(name: &'static str, memory: MemoryBackend, backend: B) -> Store
+where
+    B: IntoBackend + Clone + Send + Sync + 'static,
+{
+    Store::new(
+        name,
+        move |b| {
+            let backend = backend.clone();
+            Box::pin(async move { b.try_build(backend).expect("locker") })
+        },
+        move |resource| {
+            let freed = memory.force_release(&resource);
             assert!(freed, "no live lock named {resource}");
             Box::pin(async {})
-        }),
-        fifo: true,
-        idempotency: true,
-        notifications: true,
-    }
+        },
+    )
 }
 
-fn redis(server: &RedisServer) -> Store {
-    let url = server.url();
-    let url2 = url.clone();
-    Store {
-        name: "redis",
-        locker: Box::new(move |b| {
-            let url = url.clone();
+fn redis_store() -> (Arc<RedisServer>, Store) {
+    let server = Arc::new(RedisServer::start());
+    let (for_lockers, for_breaking) = (server.clone(), server.clone());
+    let store = Store::new(
+        "redis",
+        move |b| {
+            let url = for_lockers.url();
             Box::pin(async move { b.connect(&url).await.expect("connect") })
-        }),
-        break_lock: Box::new(move |resource| {
-            let url = url2.clone();
+        },
+        move |resource| {
+            let server = for_breaking.clone();
             Box::pin(async move {
-                let client = ::redis::Client::open(url).unwrap();
-                let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                let n: i64 = ::redis::cmd("DEL")
-                    .arg(&resource)
-                    .query_async(&mut c)
-                    .await
-                    .unwrap();
+                let n: i64 = server.query(::redis::cmd("DEL").arg(&resource)).await;
                 assert_eq!(n, 1, "no lock key {resource}");
             })
-        }),
-        fifo: true,
-        idempotency: true,
-        notifications: true,
-    }
+        },
+    );
+    (server, store)
 }
 
 mod memory {
@@ -118,23 +109,9 @@ impl Backend for MinimalBackend {
 
 fn minimal_store() -> ((), Store) {
     let shared = MemoryBackend::new();
-    let for_break = shared.clone();
     // Shared as `Arc<B>`: the locker takes it without a forwarding wrapper.
-    let backend = std::sync::Arc::new(MinimalBackend(shared));
-    let mut store = Store::new(
-        "minimal",
-        move |b| {
-            let backend = backend.clone();
-            Box::pin(async move { b.try_build(backend).expect("locker") })
-        },
-        move |resource| {
-            assert!(
-                for_break.force_release(&resource),
-                "no live lock named {resource}"
-            );
-            Box::pin(async {})
-        },
-    );
+    let backend = Arc::new(MinimalBackend(shared.clone()));
+    let mut store = memory_backed("minimal", shared, backend);
     store.idempotency = false;
     store.notifications = false;
     ((), store)

@@ -5,35 +5,25 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use dlock_runtime::defer::{DeferPolicy, QueueLimits};
+use dlock_runtime::defer::{DeferPolicy, JobInfo, QueueLimits};
 use dlock_runtime::durable::{
     DurableQueue, DurableWorker, Job, JobContext, JobError, JobStatus, Submitted,
 };
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::jobs::{RecordJob, StallJob};
+use dlock_tests::jobs::{run_in_background, start_queue, RecordJob, StallJob};
+use dlock_tests::wait::wait_for;
 use dlock_tests::RedisServer;
 use redis::AsyncCommands as _;
 use tokio::sync::mpsc;
-
-async fn wait_for<T>(what: &str, limit: Duration, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = probe().await {
-            return v;
-        }
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 // ---- in-process queue ------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_key_defers_and_runs_once_the_holder_releases_in_process() {
     let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let locker = server.locker().await;
     let held = locker.lock("invoice:1").acquire().await.unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let err = locker
@@ -215,45 +205,97 @@ fn record_job(server: &RedisServer, id: u32, lock: &str) -> RecordJob {
     }
 }
 
+/// Enqueues `job` due now, with a 5 s lease for its runs.
+async fn enqueue(
+    queue: &DurableQueue,
+    job: &RecordJob,
+    policy: &DeferPolicy,
+) -> Result<String, dlock_runtime::LockError> {
+    queue
+        .enqueue(job, policy, Duration::from_secs(5), Duration::ZERO)
+        .await
+}
+
+/// A server and the durable queue `name` on it, with that claim visibility timeout and
+/// dead-letter retention.
+async fn server_and_queue(
+    name: &str,
+    visibility: Duration,
+    retention: Duration,
+) -> (RedisServer, DurableQueue) {
+    let server = RedisServer::start();
+    let queue = DurableQueue::connect_with(&server.url(), name, visibility, retention)
+        .await
+        .unwrap();
+    (server, queue)
+}
+
+/// What the `RecordJob`s finished: id → `attempt:fencing token`.
 async fn done(server: &RedisServer) -> HashMap<u32, String> {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    c.hgetall("done").await.unwrap()
+    server.conn().await.hgetall("done").await.unwrap()
+}
+
+/// How many times `RecordJob` `id` started.
+async fn runs(server: &RedisServer, id: u32) -> u32 {
+    let n: Option<u32> = server.conn().await.hget("runs", id).await.unwrap();
+    n.unwrap_or(0)
+}
+
+/// Runs `worker` once per poll until `queue` has a dead letter (at most 10 s); returns them.
+async fn run_until_dead_letter(
+    what: &str,
+    worker: &DurableWorker,
+    queue: &DurableQueue,
+) -> Vec<JobInfo> {
+    wait_for(what, Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        let d = queue.dead_letters().await.unwrap();
+        (!d.is_empty()).then_some(d)
+    })
+    .await
+}
+
+/// Waits (at most `limit`) until job `id` is no longer running, and asserts that it completed
+/// with `result`.
+async fn assert_completes(
+    what: &str,
+    limit: Duration,
+    queue: &DurableQueue,
+    id: &str,
+    result: &str,
+) {
+    let status = wait_for(what, limit, async || {
+        let s = queue.status(id).await.unwrap();
+        (s != JobStatus::Running).then_some(s)
+    })
+    .await;
+    assert_eq!(
+        status,
+        JobStatus::Completed {
+            result: Some(result.into())
+        }
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect(&server.url(), "invoices")
-        .await
-        .unwrap();
+    let (server, locker, queue) = start_queue("invoices").await;
     let policy =
         DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
 
+    let submit = async |id, lock| {
+        let job = record_job(&server, id, lock);
+        let ttl = Duration::from_secs(5);
+        queue.submit(&locker, job, &policy, ttl).await.unwrap()
+    };
+
     // Free: runs now.
-    let out = queue
-        .submit(
-            &locker,
-            record_job(&server, 1, "o1"),
-            &policy,
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let out = submit(1, "o1").await;
     assert!(matches!(out, Submitted::Ran(Ok(()))), "{out:?}");
 
     // Busy: queued.
     let held = locker.lock("record:o2").acquire().await.unwrap();
-    let out = queue
-        .submit(
-            &locker,
-            record_job(&server, 2, "o2"),
-            &policy,
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+    let out = submit(2, "o2").await;
     let Submitted::Deferred(id) = out else {
         panic!("expected deferral, got {out:?}")
     };
@@ -262,11 +304,7 @@ async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
     let worker = DurableWorker::new(queue.clone(), locker.clone())
         .register::<RecordJob>()
         .poll_interval(Duration::from_millis(10));
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let w = {
-        let (worker, stop) = (worker.clone(), stop.clone());
-        tokio::spawn(async move { worker.run_until(stop.notified()).await })
-    };
+    let w = run_in_background(worker);
     // While the holder holds on, the job bounces but does not run.
     let holder_token = held.fencing_token();
     assert!(!done(&server).await.contains_key(&2));
@@ -282,45 +320,27 @@ async fn durable_busy_key_defers_and_runs_once_the_holder_releases() {
         "job ran with a newer fencing token"
     );
     // The job recorded its run from inside; the worker acknowledges right after.
-    let status = wait_for(
+    assert_completes(
         "the job to be acknowledged",
         Duration::from_secs(5),
-        async || {
-            let s = queue.status(&id).await.unwrap();
-            (s != JobStatus::Running).then_some(s)
-        },
+        &queue,
+        &id,
+        "done 2",
     )
     .await;
-    assert_eq!(
-        status,
-        JobStatus::Completed {
-            result: Some("done 2".into())
-        }
-    );
-    stop.notify_one();
-    w.await.unwrap();
+    w.stop().await;
     assert!(queue.is_empty().await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect(&server.url(), "dlq").await.unwrap();
+    let (server, locker, queue) = start_queue("dlq").await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(20));
     let mut job = record_job(&server, 7, "dl");
     job.always_fail = true;
-    let id = queue
-        .enqueue(&job, &policy, Duration::from_secs(5), Duration::ZERO)
-        .await
-        .unwrap();
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
     let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
-    let dead = wait_for("dead letter", Duration::from_secs(10), async || {
-        worker.run_once().await.unwrap();
-        let d = queue.dead_letters().await.unwrap();
-        (!d.is_empty()).then_some(d)
-    })
-    .await;
+    let dead = run_until_dead_letter("dead letter", &worker, &queue).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, id);
     assert_eq!(dead[0].attempts, 3);
@@ -335,23 +355,15 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
     );
     // The job data still says always_fail; requeue proves the mechanics: it is claimed again
     // with a fresh budget (attempt 1) and dead-lettered again after 3 more attempts.
-    let dead = wait_for("dead letter again", Duration::from_secs(10), async || {
-        worker.run_once().await.unwrap();
-        let d = queue.dead_letters().await.unwrap();
-        (!d.is_empty()).then_some(d)
-    })
-    .await;
+    let dead = run_until_dead_letter("dead letter again", &worker, &queue).await;
     assert_eq!(dead[0].attempts, 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_job_loses_nothing() {
-    let server = RedisServer::start();
-    let url = server.url();
     let visibility = Duration::from_millis(800);
-    let queue = DurableQueue::connect_with(&url, "crash", visibility, Duration::from_secs(600))
-        .await
-        .unwrap();
+    let (server, queue) = server_and_queue("crash", visibility, Duration::from_secs(600)).await;
+    let url = server.url();
     let policy = DeferPolicy::new(Duration::from_millis(20), 10);
     let n = 5u32;
     for i in 0..n {
@@ -368,8 +380,7 @@ async fn worker_killed_mid_job_loses_nothing() {
         .kill_on_drop(true)
         .spawn()
         .expect("spawn dlock-job-worker");
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = server.conn().await;
     wait_for(
         "the child to claim and start every job",
         Duration::from_secs(10),
@@ -382,7 +393,7 @@ async fn worker_killed_mid_job_loses_nothing() {
     child.kill().await.unwrap(); // SIGKILL, with all jobs claimed and running
     assert!(done(&server).await.is_empty());
 
-    let locker = Locker::from_url(&url).await.unwrap();
+    let locker = server.locker().await;
     let worker = DurableWorker::new(queue.clone(), locker)
         .register::<RecordJob>()
         .poll_interval(Duration::from_millis(20));
@@ -407,37 +418,14 @@ async fn worker_killed_mid_job_loses_nothing() {
     assert!(queue.dead_letters().await.unwrap().is_empty());
 }
 
-async fn redis_conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    let client = redis::Client::open(server.url()).unwrap();
-    client.get_multiplexed_async_connection().await.unwrap()
-}
-
-async fn runs(server: &RedisServer, id: u32) -> u32 {
-    let n: Option<u32> = redis_conn(server).await.hget("runs", id).await.unwrap();
-    n.unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panicking_job_is_a_failed_attempt_and_the_worker_goes_on() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect(&server.url(), "panics")
-        .await
-        .unwrap();
+    let (server, locker, queue) = start_queue("panics").await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(10));
     let mut bad = record_job(&server, 1, "p1");
     bad.panic_always = true;
-    let bad_id = queue
-        .enqueue(&bad, &policy, Duration::from_secs(5), Duration::ZERO)
-        .await
-        .unwrap();
-    queue
-        .enqueue(
-            &record_job(&server, 2, "p2"),
-            &policy,
-            Duration::from_secs(5),
-            Duration::ZERO,
-        )
+    let bad_id = enqueue(&queue, &bad, &policy).await.unwrap();
+    enqueue(&queue, &record_job(&server, 2, "p2"), &policy)
         .await
         .unwrap();
     let worker = DurableWorker::new(queue.clone(), locker)
@@ -446,16 +434,7 @@ async fn panicking_job_is_a_failed_attempt_and_the_worker_goes_on() {
     // One batch holds both: the panic is caught, the other job completes.
     assert_eq!(worker.run_once().await.unwrap(), 2);
     assert!(done(&server).await.contains_key(&2));
-    let dead = wait_for(
-        "the panicking job's dead letter",
-        Duration::from_secs(10),
-        async || {
-            worker.run_once().await.unwrap();
-            let d = queue.dead_letters().await.unwrap();
-            (!d.is_empty()).then_some(d)
-        },
-    )
-    .await;
+    let dead = run_until_dead_letter("the panicking job's dead letter", &worker, &queue).await;
     assert_eq!(dead[0].id, bad_id);
     assert_eq!(dead[0].attempts, 3);
     let reason = dead[0].reason.as_deref().unwrap_or_default();
@@ -468,16 +447,13 @@ async fn panicking_job_is_a_failed_attempt_and_the_worker_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reaper_dead_letters_a_job_whose_claims_keep_expiring() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect_with(
-        &server.url(),
+    let (server, queue) = server_and_queue(
         "reaped",
         Duration::from_millis(200),
         Duration::from_secs(60),
     )
-    .await
-    .unwrap();
+    .await;
+    let locker = server.locker().await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 2);
     let mut job = record_job(&server, 1, "r1");
     job.hang_always = true; // as a job that kills its worker every time
@@ -548,11 +524,7 @@ impl Job for NotARecord {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_job_is_dead_lettered_at_once_with_the_reason() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect(&server.url(), "corrupt")
-        .await
-        .unwrap();
+    let (_server, locker, queue) = start_queue("corrupt").await;
     let id = queue
         .enqueue(
             &NotARecord { nonsense: vec![1] },
@@ -578,12 +550,9 @@ async fn undecodable_job_is_dead_lettered_at_once_with_the_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
-    let server = RedisServer::start();
-    let url = server.url();
     let visibility = Duration::from_millis(300);
-    let queue = DurableQueue::connect_with(&url, "stalls", visibility, Duration::from_secs(60))
-        .await
-        .unwrap();
+    let (server, queue) = server_and_queue("stalls", visibility, Duration::from_secs(60)).await;
+    let url = server.url();
     let job = StallJob {
         record_url: url.clone(),
         stall_ms: 1500,
@@ -619,7 +588,7 @@ async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
         });
         let _ = a_tx.send(());
     });
-    let mut c = redis_conn(&server).await;
+    let mut c = server.conn().await;
     wait_for(
         "worker A to start the job",
         Duration::from_secs(10),
@@ -628,15 +597,11 @@ async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
     .await;
 
     // Worker B takes the job over once A's claim expires, and is still running it when A wakes.
-    let locker = Locker::from_url(&url).await.unwrap();
+    let locker = server.locker().await;
     let b = DurableWorker::new(queue.clone(), locker)
         .register::<StallJob>()
         .poll_interval(Duration::from_millis(10));
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let b_task = {
-        let (b, stop) = (b.clone(), stop.clone());
-        tokio::spawn(async move { b.run_until(stop.notified()).await })
-    };
+    let b_task = run_in_background(b);
     wait_for(
         "worker B to take the job over",
         Duration::from_secs(10),
@@ -656,50 +621,31 @@ async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
     assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Running);
 
     let _: () = c.set("release", 1).await.unwrap();
-    let status = wait_for(
+    assert_completes(
         "B to complete the job",
         Duration::from_secs(10),
-        async || {
-            let s = queue.status(&id).await.unwrap();
-            (s != JobStatus::Running).then_some(s)
-        },
+        &queue,
+        &id,
+        "second",
     )
     .await;
-    assert_eq!(
-        status,
-        JobStatus::Completed {
-            result: Some("second".into())
-        }
-    );
     assert_eq!(c.get::<_, u32>("runs").await.unwrap(), 2, "no third run");
-    stop.notify_one();
-    b_task.await.unwrap();
+    b_task.stop().await;
     assert!(queue.is_empty().await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_refuses_new_jobs_and_loses_none() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
-    let queue = DurableQueue::connect(&server.url(), "bounded")
-        .await
-        .unwrap()
-        .with_limits(QueueLimits::default().max_queued(2));
+    let (server, locker, queue) = start_queue("bounded").await;
+    let queue = queue.with_limits(QueueLimits::default().max_queued(2));
     let policy = DeferPolicy::new(Duration::from_millis(5), 5);
     let ttl = Duration::from_secs(5);
     for i in 1..=2 {
-        queue
-            .enqueue(
-                &record_job(&server, i, &format!("b{i}")),
-                &policy,
-                ttl,
-                Duration::ZERO,
-            )
+        enqueue(&queue, &record_job(&server, i, &format!("b{i}")), &policy)
             .await
             .unwrap();
     }
-    let err = queue
-        .enqueue(&record_job(&server, 3, "b3"), &policy, ttl, Duration::ZERO)
+    let err = enqueue(&queue, &record_job(&server, 3, "b3"), &policy)
         .await
         .unwrap_err();
     assert!(err.is_queue_full(), "{err}");
@@ -726,37 +672,27 @@ async fn full_queue_refuses_new_jobs_and_loses_none() {
     )
     .await;
     // Room again.
-    queue
-        .enqueue(&record_job(&server, 3, "b3"), &policy, ttl, Duration::ZERO)
+    enqueue(&queue, &record_job(&server, 3, "b3"), &policy)
         .await
         .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_deleted_after_retention_and_beyond_the_bound() {
-    let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let (server, locker, queue) = start_queue("dlr").await;
     let retention = Duration::from_millis(500);
-    let queue = DurableQueue::connect(&server.url(), "dlr")
-        .await
-        .unwrap()
-        .with_limits(
-            QueueLimits::default()
-                .dead_letter_retention(retention)
-                .max_dead_letters(2),
-        );
+    let queue = queue.with_limits(
+        QueueLimits::default()
+            .dead_letter_retention(retention)
+            .max_dead_letters(2),
+    );
     let policy = DeferPolicy::new(Duration::from_millis(5), 1);
     let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
     let mut ids = Vec::new();
     for i in 1..=3 {
         let mut job = record_job(&server, i, &format!("d{i}"));
         job.always_fail = true;
-        ids.push(
-            queue
-                .enqueue(&job, &policy, Duration::from_secs(5), Duration::ZERO)
-                .await
-                .unwrap(),
-        );
+        ids.push(enqueue(&queue, &job, &policy).await.unwrap());
         assert_eq!(worker.run_once().await.unwrap(), 1);
     }
     // Three dead letters, bound 2: the next claim deletes the oldest.
@@ -789,7 +725,7 @@ async fn dead_letters_are_deleted_after_retention_and_beyond_the_bound() {
         },
     )
     .await;
-    let mut c = redis_conn(&server).await;
+    let mut c = server.conn().await;
     for hash in ["jobs", "attempts", "reasons", "claims"] {
         let n: usize = c.hlen(format!("dlock:{{jobs:dlr}}:{hash}")).await.unwrap();
         assert_eq!(n, 0, "{hash} still holds entries");
@@ -807,7 +743,7 @@ async fn send_mail(locker: Locker, user: u64, sent: mpsc::UnboundedSender<u64>) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attribute_defers_when_busy() {
     let server = RedisServer::start();
-    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let locker = server.locker().await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let held = locker.lock("mail:9").acquire().await.unwrap();
     let err = send_mail(locker.clone(), 9, tx.clone()).await.unwrap_err();

@@ -7,18 +7,42 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{Locker, OnFail, RetryPolicy};
+use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
+use dlock_tests::redis_server::free_port;
+use dlock_tests::wait::{poll_until, wait_until_free, Deadline};
 use dlock_tests::RedisServer;
 use redis::AsyncCommands;
+
+/// A lease no test here outlives.
+const LONG: Duration = Duration::from_secs(30);
 
 fn fast_fail() -> dlock_runtime::LockerBuilder {
     Locker::builder().command_timeout(Duration::from_millis(200))
 }
 
+/// A server and a [`fast_fail`] locker on it.
+async fn fast_fail_server() -> (RedisServer, Locker) {
+    let server = RedisServer::start();
+    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    (server, locker)
+}
+
+/// Awaits `attempt`, which must fail as unavailable in less than `limit`; returns the error.
+async fn unavailable_within<T: std::fmt::Debug>(
+    limit: Duration,
+    attempt: impl std::future::Future<Output = Result<T, LockError>>,
+) -> LockError {
+    let start = Instant::now();
+    let err = attempt.await.unwrap_err();
+    let took = start.elapsed();
+    assert!(err.is_unavailable(), "{err}");
+    assert!(took < limit, "took {took:?}, limit {limit:?}");
+    err
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
-    let mut server = RedisServer::start();
-    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let (mut server, locker) = fast_fail_server().await;
     let ttl = Duration::from_millis(600);
     let guard = locker
         .lock("fault:restart")
@@ -42,106 +66,64 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
 
     server.restart();
     // The connection comes back on its own; the key was lost with the server's memory.
-    let start = Instant::now();
-    let g = loop {
-        match locker.lock("fault:restart").try_acquire().await {
-            Ok(Some(g)) => break g,
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match locker.lock("fault:restart").try_acquire().await {
+            Ok(Some(g)) => Ok(g),
             Ok(None) => panic!("the restarted server has no lock to hold"),
             Err(e) => {
                 assert!(e.is_unavailable(), "{e}");
-                assert!(
-                    start.elapsed() < Duration::from_secs(10),
-                    "no reconnect: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(format!("no reconnect: {e}"))
             }
-        }
-    };
+        },
+    )
+    .await;
     g.release().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_server_gives_a_typed_error_within_the_deadline() {
-    let mut server = RedisServer::start();
-    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let (mut server, locker) = fast_fail_server().await;
     server.pause();
 
     for on_fail in [OnFail::Reject, OnFail::retry(Duration::from_secs(30))] {
-        let start = Instant::now();
-        let err = locker
-            .lock("fault:hung")
-            .on_fail(on_fail)
-            .acquire()
-            .await
-            .unwrap_err();
-        let took = start.elapsed();
-        assert!(err.is_unavailable(), "{err}");
+        // 700 ms: the 200 ms deadline and scheduling slack.
+        let acquire = locker.lock("fault:hung").on_fail(on_fail).acquire();
+        let err = unavailable_within(Duration::from_millis(700), acquire).await;
         assert_eq!(err.status(), 503);
         assert!(err.retry_after_secs().is_some());
-        assert!(
-            took < Duration::from_millis(700),
-            "took {took:?} with a 200 ms deadline"
-        );
     }
 
     server.resume();
-    let start = Instant::now();
-    loop {
-        match locker.lock("fault:hung").try_acquire().await {
-            Ok(g) => {
-                // The abandoned attempts above must not have left the lock held.
-                let g = g.expect("lock left held by an abandoned attempt");
-                g.release().await.unwrap();
-                break;
-            }
-            Err(e) => {
-                assert!(start.elapsed() < Duration::from_secs(10), "{e}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || locker.lock("fault:hung").try_acquire().await,
+    )
+    .await;
+    // The abandoned attempts above must not have left the lock held.
+    let g = g.expect("lock left held by an abandoned attempt");
+    g.release().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_server_gives_a_typed_error_within_the_deadline() {
-    let mut server = RedisServer::start();
-    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let (mut server, locker) = fast_fail_server().await;
     server.stop();
-    let start = Instant::now();
-    let err = locker.lock("fault:stopped").acquire().await.unwrap_err();
-    assert!(err.is_unavailable(), "{err}");
-    assert!(
-        start.elapsed() < Duration::from_millis(700),
-        "{:?}",
-        start.elapsed()
-    );
+    let acquire = locker.lock("fault:stopped").acquire();
+    unavailable_within(Duration::from_millis(700), acquire).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_listening_at_connect_is_a_typed_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let start = Instant::now();
-    let err = fast_fail()
-        .connect(&format!("redis://127.0.0.1:{port}"))
-        .await
-        .unwrap_err();
-    assert!(err.is_unavailable(), "{err}");
-    assert!(
-        start.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        start.elapsed()
-    );
+    let url = format!("redis://127.0.0.1:{}", free_port());
+    unavailable_within(Duration::from_secs(3), fast_fail().connect(&url)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn url_password_never_appears_in_errors() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let err = fast_fail()
         .connect(&format!("redis://user:s3cr3t-pw@127.0.0.1:{port}"))
         .await
@@ -166,8 +148,7 @@ async fn second_os_process_contends_without_overlap() {
         .expect("spawn dlock-contender");
 
     let locker = Locker::from_url(&url).await.unwrap();
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    let conn = server.conn().await;
     let overlaps = Arc::new(AtomicU64::new(0));
     let rounds_here = 30u64;
     let mut tasks = Vec::new();
@@ -229,87 +210,68 @@ async fn waiter_cut_off_by_an_outage_leaves_the_queue_when_the_server_is_back() 
     let a = builder().connect(&server.url()).await.unwrap();
     let b = builder().connect(&server.url()).await.unwrap();
     let key = "fault:cut-waiter";
-    let held = a
-        .lock(key)
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
+    let held = a.lock(key).ttl(LONG).acquire().await.unwrap();
     let waiter = {
         let b = b.clone();
         tokio::spawn(async move {
-            b.lock(key)
-                .ttl(Duration::from_secs(30))
-                .on_fail(OnFail::retry(Duration::from_secs(30)))
-                .acquire()
-                .await
+            let retry = OnFail::retry(LONG);
+            b.lock(key).ttl(LONG).on_fail(retry).acquire().await
         })
     };
-    let start = Instant::now();
-    while b.waiting() == 0 {
-        assert!(start.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            (b.waiting() != 0)
+                .then_some(())
+                .ok_or("the waiter never queued")
+        },
+    )
+    .await;
     // The waiter refreshes its place every second; freeze the server across that refresh.
     server.pause();
     let err = waiter.await.unwrap().unwrap_err();
     assert!(err.is_unavailable(), "{err}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     server.resume();
-    let resumed = Instant::now();
+    let resumed = Deadline::after(Duration::from_millis(1500));
     // The holder's own renewals may have failed while frozen; release whatever is left.
     drop(held);
     // A one-shot attempt respects the queue: it succeeds only once the dead waiter is gone.
-    loop {
-        if let Ok(Some(g)) = a.lock(key).try_acquire().await {
-            g.release().await.unwrap();
-            break;
-        }
-        assert!(
-            resumed.elapsed() < Duration::from_millis(1500),
-            "the cut-off waiter still holds the queue (its entry lives {waiter_ttl:?})"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let why = format!("the cut-off waiter still holds the queue (its entry lives {waiter_ttl:?})");
+    wait_until_free(&a, key, &resumed, Duration::from_millis(10), &why).await;
 }
 
 /// `release()` during an outage returns the error and is not given up: once the server
 /// answers again, the background task finishes it, long before the lease would have ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_during_an_outage_is_finished_once_the_server_is_back() {
-    let mut server = RedisServer::start();
-    let locker = fast_fail().connect(&server.url()).await.unwrap();
+    let (mut server, locker) = fast_fail_server().await;
     let other = fast_fail().connect(&server.url()).await.unwrap();
     let key = "fault:release-outage";
-    let guard = locker
-        .lock(key)
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
+    let guard = locker.lock(key).ttl(LONG).acquire().await.unwrap();
 
     server.pause();
     let err = guard.release().await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
     server.resume();
 
-    let resumed = Instant::now();
-    loop {
-        match other.lock(key).try_acquire().await {
-            Ok(Some(g)) => {
-                g.release().await.unwrap();
-                break;
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            match other.lock(key).try_acquire().await {
+                Ok(Some(g)) => {
+                    g.release().await.unwrap();
+                    return Ok(());
+                }
+                Ok(None) => {}
+                Err(e) => assert!(e.is_unavailable(), "{e}"),
             }
-            Ok(None) => {}
-            Err(e) => assert!(e.is_unavailable(), "{e}"),
-        }
-        assert!(
-            resumed.elapsed() < Duration::from_secs(5),
-            "the key is still held {:?} after the server came back (30 s TTL)",
-            resumed.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+            Err("the key is still held after the server came back (30 s TTL)")
+        },
+    )
+    .await;
 }
 
 /// Release notifications published while the connection was down are missed; after the
@@ -326,12 +288,7 @@ async fn waiters_recheck_after_a_reconnect() {
     let waiter = slow().connect(&server.url()).await.unwrap();
     let counter = waiter.clone();
     let key = "fault:reconnect-wake";
-    let held = holder
-        .lock(key)
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let evalsha_before = evalsha_calls(&server).await;
     // Fallback timer 20 s (no jitter) and a 60 s lease, so the waiter's queue refresh is 20 s
     // too: only a wake-up can make this quick.
@@ -348,11 +305,16 @@ async fn waiters_recheck_after_a_reconnect() {
     });
     // Before the outage: queued, subscribed (counted in `waiting`), and done with the attempt
     // that follows the subscription (its second acquire script call), so it is asleep.
-    let start = Instant::now();
-    while counter.waiting() == 0 || evalsha_calls(&server).await < evalsha_before + 2 {
-        assert!(start.elapsed() < Duration::from_secs(5), "never queued");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep =
+                counter.waiting() != 0 && evalsha_calls(&server).await >= evalsha_before + 2;
+            asleep.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
     std::mem::forget(held); // the server's restart takes the lock away
     server.restart();
     let restarted = Instant::now();
@@ -371,13 +333,7 @@ async fn waiters_recheck_after_a_reconnect() {
 
 /// How many script calls (`EVALSHA`) the server has run.
 async fn evalsha_calls(server: &RedisServer) -> u64 {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
     info.lines()
         .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
         .and_then(|rest| rest.split(',').next())
@@ -441,22 +397,21 @@ async fn dropped_idempotency_begin_is_undone_within_the_requests_ttl() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     proxy.allow();
 
-    let back = Instant::now();
-    loop {
-        match other.idempotency(key, fp()).begin().await {
-            Ok(Begin::Run(op)) => {
-                op.abort().await.unwrap();
-                break;
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            match other.idempotency(key, fp()).begin().await {
+                Ok(Begin::Run(op)) => {
+                    op.abort().await.unwrap();
+                    return Ok(());
+                }
+                Ok(Begin::InProgress { .. }) => {}
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(e) => assert!(e.is_unavailable(), "{e}"),
             }
-            Ok(Begin::InProgress { .. }) => {}
-            Ok(other) => panic!("unexpected {other:?}"),
-            Err(e) => assert!(e.is_unavailable(), "{e}"),
-        }
-        assert!(
-            back.elapsed() < Duration::from_secs(5),
-            "the key is still held {:?} after the network came back (20 s lease)",
-            back.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+            Err("the key is still held after the network came back (20 s lease)")
+        },
+    )
+    .await;
 }

@@ -7,13 +7,17 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::backend::{RedlockBackend, RedlockOptions};
 use dlock_runtime::conformance::Store;
-use dlock_runtime::{Locker, OnFail};
-use dlock_tests::redis_server::{start_many, RedisServer};
+use dlock_runtime::key::ResourceName;
+use dlock_runtime::{LockError, Locker, OnFail};
+use dlock_tests::redis_server::{redlock_url, start_many, urls, RedisServer};
+use dlock_tests::wait::{poll, poll_until, wait_until_free, Deadline};
 
 const NODES: usize = 5;
 
-fn urls(servers: &[RedisServer]) -> Vec<String> {
-    servers.iter().map(RedisServer::url).collect()
+/// A Redlock backend over the servers at `urls`.
+async fn connect(urls: &[String], opts: RedlockOptions) -> Result<RedlockBackend, LockError> {
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    RedlockBackend::connect(&refs, opts).await
 }
 
 async fn redlock(servers: &[RedisServer], builder: dlock_runtime::LockerBuilder) -> Locker {
@@ -25,50 +29,35 @@ async fn redlock_with(
     builder: dlock_runtime::LockerBuilder,
     node_timeout: Duration,
 ) -> Locker {
-    let urls = urls(servers);
-    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let backend =
-        RedlockBackend::connect(&refs, RedlockOptions::default().node_timeout(node_timeout))
-            .await
-            .expect("redlock connect");
+    let opts = RedlockOptions::default().node_timeout(node_timeout);
+    let backend = connect(&urls(servers), opts)
+        .await
+        .expect("redlock connect");
     builder.try_build(backend).expect("locker")
-}
-
-fn store(servers: &Arc<Vec<RedisServer>>) -> Store {
-    let for_lockers = servers.clone();
-    let urls = urls(servers);
-    Store {
-        name: "redlock",
-        locker: Box::new(move |b| {
-            let servers = for_lockers.clone();
-            Box::pin(async move { redlock(&servers, b).await })
-        }),
-        break_lock: Box::new(move |resource| {
-            let urls = urls.clone();
-            Box::pin(async move {
-                let mut deleted = 0;
-                for url in urls {
-                    let client = redis::Client::open(url).unwrap();
-                    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                    let n: i64 = redis::cmd("DEL")
-                        .arg(&resource)
-                        .query_async(&mut c)
-                        .await
-                        .unwrap();
-                    deleted += n;
-                }
-                assert!(deleted >= 3, "lock was on {deleted} nodes only");
-            })
-        }),
-        fifo: false,
-        idempotency: false,
-        notifications: true,
-    }
 }
 
 fn redlock_store() -> (Arc<Vec<RedisServer>>, Store) {
     let servers = Arc::new(start_many(NODES));
-    let store = store(&servers);
+    let (for_lockers, for_breaking) = (servers.clone(), servers.clone());
+    let mut store = Store::new(
+        "redlock",
+        move |b| {
+            let servers = for_lockers.clone();
+            Box::pin(async move { redlock(&servers, b).await })
+        },
+        move |resource| {
+            let servers = for_breaking.clone();
+            Box::pin(async move {
+                let mut deleted = 0;
+                for s in servers.iter() {
+                    deleted += s.query::<i64>(redis::cmd("DEL").arg(&resource)).await;
+                }
+                assert!(deleted >= 3, "lock was on {deleted} nodes only");
+            })
+        },
+    );
+    store.fifo = false;
+    store.idempotency = false;
     (servers, store)
 }
 
@@ -79,27 +68,31 @@ mod conformance {
 /// Waits (bounded) until no node holds the lock key: commands still queued on a node's
 /// connection (a late acquire, then its release or undo) land shortly after the caller returns.
 async fn assert_cleared_everywhere(servers: &[RedisServer], resource: &str) {
-    let start = Instant::now();
+    let deadline = Deadline::after(Duration::from_secs(2));
     for (i, s) in servers.iter().enumerate() {
-        while lock_key_exists(s, resource).await {
-            assert!(
-                start.elapsed() < Duration::from_secs(2),
-                "lock left on node {i}"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        poll(
+            &deadline,
+            Duration::from_millis(5),
+            async || match lock_key_exists(s, resource).await {
+                true => Err(format!("lock left on node {i}")),
+                false => Ok(()),
+            },
+        )
+        .await;
     }
 }
 
+/// Takes `key` (waiting as the locker's default policy says) and releases it.
+async fn acquire_and_release(locker: &Locker, key: &str) {
+    let g = locker.lock(key).acquire().await.unwrap();
+    g.release().await.unwrap();
+}
+
 async fn lock_key_exists(server: &RedisServer, resource: &str) -> bool {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let n: i64 = redis::cmd("EXISTS")
-        .arg(resource)
-        .query_async(&mut c)
+    server
+        .query::<i64>(redis::cmd("EXISTS").arg(resource))
         .await
-        .unwrap();
-    n == 1
+        == 1
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,14 +119,7 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     let node_timeout = Duration::from_millis(500);
     let locker = redlock_with(&servers, Locker::builder(), node_timeout).await;
     // Warm the connections so the measurement is the acquire itself.
-    locker
-        .lock("rl:warm")
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    acquire_and_release(&locker, "rl:warm").await;
     servers[0].pause();
     servers[3].pause();
     let start = Instant::now();
@@ -161,14 +147,7 @@ async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
         Locker::builder().command_timeout(Duration::from_secs(2)),
     )
     .await;
-    locker
-        .lock("rl:warm")
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    acquire_and_release(&locker, "rl:warm").await;
     for i in [1, 2, 4] {
         servers[i].pause();
     }
@@ -205,35 +184,22 @@ async fn resumed_node_rejoins_the_quorum() {
     let locker = redlock(&servers, Locker::builder()).await;
     servers[0].pause();
     servers[1].pause();
-    locker
-        .lock("rl:rejoin-a")
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    acquire_and_release(&locker, "rl:rejoin-a").await;
     servers[0].resume();
     servers[1].resume();
     // Now pause two others: the majority needs node 0 or 1 back.
     servers[2].pause();
     servers[3].pause();
-    let start = Instant::now();
-    loop {
-        match locker.lock("rl:rejoin-b").acquire().await {
-            Ok(g) => {
-                g.release().await.unwrap();
-                break;
-            }
-            Err(e) => {
-                assert!(
-                    start.elapsed() < Duration::from_secs(5),
-                    "resumed nodes never rejoined: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
+    let g = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let acquired = locker.lock("rl:rejoin-b").acquire().await;
+            acquired.map_err(|e| format!("resumed nodes never rejoined: {e}"))
+        },
+    )
+    .await;
+    g.release().await.unwrap();
     servers[2].resume();
     servers[3].resume();
 }
@@ -287,14 +253,15 @@ async fn mutual_exclusion_holds_through_node_faults() {
             }
         }
         let before = done.load(Ordering::SeqCst);
-        let start = Instant::now();
-        while done.load(Ordering::SeqCst) < before + 10 {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "no progress with 3 of 5 up"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            async || {
+                let progressed = done.load(Ordering::SeqCst) >= before + 10;
+                progressed.then_some(()).ok_or("no progress with 3 of 5 up")
+            },
+        )
+        .await;
         let mut s = servers.lock().unwrap();
         for &i in &pick {
             s[i].resume();
@@ -312,15 +279,7 @@ async fn mutual_exclusion_holds_through_node_faults() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_url_selects_redlock() {
     let servers = start_many(3);
-    let url = format!(
-        "redlock://{}",
-        servers
-            .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port()))
-            .collect::<Vec<_>>()
-            .join(",")
-    );
-    let locker = Locker::from_url(&url).await.unwrap();
+    let locker = Locker::from_url(&redlock_url(&servers)).await.unwrap();
     assert_eq!(locker.backend_name(), "redlock");
     let g = locker.lock("rl:url").acquire().await.unwrap();
     assert!(locker.lock("rl:url").try_acquire().await.unwrap().is_none());
@@ -332,26 +291,44 @@ async fn startup_without_a_majority_is_a_typed_error() {
     let mut servers = start_many(3);
     servers[0].stop();
     servers[1].stop();
-    let urls = urls(&servers);
-    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let err = RedlockBackend::connect(
-        &refs,
-        RedlockOptions::default().connect_timeout(Duration::from_millis(300)),
-    )
-    .await
-    .unwrap_err();
+    let opts = RedlockOptions::default().connect_timeout(Duration::from_millis(300));
+    let err = connect(&urls(&servers), opts).await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
 }
 
-async fn node(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    let client = redis::Client::open(server.url()).unwrap();
-    client.get_multiplexed_async_connection().await.unwrap()
+/// Now, in µs since the epoch: the unit of fencing tokens drawn from a clock.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// Sets a node's fencing counters for `resource` (its per-key counter and its namespace
+/// counter, whichever the backend reads) to `value`: what a clock that far ahead proposed.
+async fn put_counters(
+    c: &mut redis::aio::MultiplexedConnection,
+    locker: &Locker,
+    resource: &ResourceName,
+    value: u64,
+) {
+    for counter in [
+        resource.with_suffix("fence"),
+        format!("{}:fence", locker.prefix()),
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(counter)
+            .arg(value)
+            .query_async(c)
+            .await
+            .unwrap();
+    }
 }
 
 /// Moves a node's key store `by` into the future, as its clock jumping ahead would: every key
 /// whose remaining TTL is shorter than `by` is gone. Keys without a TTL stay.
 async fn jump_ahead(server: &RedisServer, by: Duration) {
-    let mut c = node(server).await;
+    let mut c = server.conn().await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg("*")
         .query_async(&mut c)
@@ -385,33 +362,11 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
     let locker = redlock(&servers, Locker::builder()).await;
     let key = "rl:fence-ahead";
     let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
-    let now_us = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64;
-    let ahead = now_us + 3_600_000_000;
-    {
-        // Node 0's token source, an hour ahead: its per-key counter and its namespace counter
-        // (whichever the backend reads) hold what its clock proposed.
-        let mut c = node(&servers[0]).await;
-        for counter in [
-            resource.with_suffix("fence"),
-            format!("{}:fence", locker.prefix()),
-        ] {
-            let _: () = redis::cmd("SET")
-                .arg(counter)
-                .arg(ahead)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-        }
-    }
-    let first = locker
-        .lock(key)
-        .ttl(Duration::from_secs(1))
-        .acquire()
-        .await
-        .unwrap();
+    let lease = Duration::from_secs(1);
+    let ahead = now_us() + 3_600_000_000;
+    // Node 0's token source, an hour ahead.
+    put_counters(&mut servers[0].conn().await, &locker, &resource, ahead).await;
+    let first = locker.lock(key).ttl(lease).acquire().await.unwrap();
     let t1 = first.fencing_token();
     assert!(
         t1 > ahead,
@@ -424,12 +379,7 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
         jump_ahead(s, Duration::from_secs(120)).await;
     }
     servers[0].stop();
-    let second = locker
-        .lock(key)
-        .ttl(Duration::from_secs(1))
-        .acquire()
-        .await
-        .unwrap();
+    let second = locker.lock(key).ttl(lease).acquire().await.unwrap();
     assert!(
         second.fencing_token() > t1,
         "fencing went backwards: {} after {t1}",
@@ -451,61 +401,30 @@ async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
         Proxy::start(servers[2].port()).await.unwrap(),
     ];
     let urls = [servers[0].url(), proxies[0].url(), proxies[1].url()];
-    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let backend = RedlockBackend::connect(
-        &refs,
-        RedlockOptions::default().node_timeout(Duration::from_millis(200)),
-    )
-    .await
-    .unwrap();
+    let opts = RedlockOptions::default().node_timeout(Duration::from_millis(200));
+    let backend = connect(&urls, opts).await.unwrap();
     let locker = Locker::builder().try_build(backend).unwrap();
     let key = "rl:raise-fails";
     let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
     // Node 0's counter is ahead, so the token comes from it and nodes 1 and 2 must be raised.
-    let mut c = node(&servers[0]).await;
-    let now_us = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64;
-    let counters = [
-        resource.with_suffix("fence"),
-        format!("{}:fence", locker.prefix()),
-    ];
-    let mut put_node0_ahead = async |ahead: u64| {
-        for counter in &counters {
-            let _: () = redis::cmd("SET")
-                .arg(counter)
-                .arg(ahead)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-        }
-    };
+    let mut c = servers[0].conn().await;
+    let now_us = now_us();
     // Warm up: every script (the raise included) is loaded on every node, so each step below
     // is one command.
-    put_node0_ahead(now_us + 3_600_000_000).await;
-    let g = locker
-        .lock(key)
-        .ttl(Duration::from_secs(1))
-        .acquire()
-        .await
-        .unwrap();
+    put_counters(&mut c, &locker, &resource, now_us + 3_600_000_000).await;
+    let lease = Duration::from_secs(1);
+    let g = locker.lock(key).ttl(lease).acquire().await.unwrap();
     let t1 = g.fencing_token();
     assert!(t1 > now_us + 3_600_000_000);
     g.release().await.unwrap();
     assert_cleared_everywhere(&servers, resource.as_str()).await;
-    put_node0_ahead(t1 + 3_600_000_000).await;
+    put_counters(&mut c, &locker, &resource, t1 + 3_600_000_000).await;
 
     // Nodes 1 and 2 answer the acquire, then the network to them fails.
     for p in &proxies {
         p.cut_after_next_reply();
     }
-    let err = locker
-        .lock(key)
-        .ttl(Duration::from_secs(1))
-        .try_acquire()
-        .await
-        .unwrap_err();
+    let err = locker.lock(key).ttl(lease).try_acquire().await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(err.status(), 503);
     assert!(err.to_string().contains("fencing"), "{err}");
@@ -514,16 +433,7 @@ async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
     for p in &proxies {
         p.allow();
     }
-    let start = Instant::now();
-    loop {
-        if let Ok(Some(g)) = locker.lock(key).try_acquire().await {
-            g.release().await.unwrap();
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "the key stays locked"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let deadline = Deadline::after(Duration::from_secs(5));
+    let every = Duration::from_millis(20);
+    wait_until_free(&locker, key, &deadline, every, "the key stays locked").await;
 }

@@ -82,6 +82,12 @@ impl Args {
     }
 }
 
+/// The names of `kinds` (`name` of each), comma-separated, as the command line and the
+/// report spell lists.
+pub(crate) fn names_of<K: Copy>(kinds: &[K], name: fn(K) -> &'static str) -> String {
+    kinds.iter().map(|&k| name(k)).collect::<Vec<_>>().join(",")
+}
+
 /// Which lock backend a phase runs against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BackendKind {

@@ -24,7 +24,7 @@ use dlock_tests::RedisServer;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 
-use crate::config::{BackendKind, Config, FaultKind};
+use crate::config::{names_of, BackendKind, Config, FaultKind};
 use crate::report::{self, FaultRecord, PhaseReport};
 use crate::resource::{Entrant, Resource};
 use crate::rng::Rng;
@@ -386,13 +386,10 @@ impl Phase {
                 tokio::time::sleep(dur).await;
                 self.signaller.send("CONT", victim.pid).await;
                 let end_us = self.record("pause-end".into()).await?;
-                Ok(Some(FaultRecord {
-                    kind,
-                    start_us,
-                    end_us,
-                    detail,
-                    victim: Some((victim.key, victim.writer)),
-                }))
+                let victim = Some((victim.key, victim.writer));
+                Ok(Some(FaultRecord::new(
+                    kind, start_us, end_us, detail, victim,
+                )))
             }
             FaultKind::Kill => {
                 let Some((idx, victim)) = self.pick_holder(false, Duration::from_secs(2)).await
@@ -409,13 +406,10 @@ impl Phase {
                     .killed(&self.keys, &name, victim.pid)
                     .await
                     .map_err(|e| format!("resource: {e}"))?;
-                Ok(Some(FaultRecord {
-                    kind,
-                    start_us,
-                    end_us: start_us,
-                    detail,
-                    victim: Some((victim.key, victim.writer)),
-                }))
+                let victim = Some((victim.key, victim.writer));
+                Ok(Some(FaultRecord::new(
+                    kind, start_us, start_us, detail, victim,
+                )))
             }
             FaultKind::Restart => {
                 let node = self.rng.below(self.servers.len() as u64) as usize;
@@ -436,13 +430,7 @@ impl Phase {
                 .await
                 .map_err(|e| format!("restart: {e}"))?;
                 let end_us = self.record("restart-end".into()).await?;
-                Ok(Some(FaultRecord {
-                    kind,
-                    start_us,
-                    end_us,
-                    detail,
-                    victim: None,
-                }))
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::Latency => {
                 let dur = self.rng.millis(1000, 2500);
@@ -476,13 +464,7 @@ impl Phase {
                     self.proxies[i].set_latency(Duration::ZERO);
                 }
                 let end_us = self.record("latency-end".into()).await?;
-                Ok(Some(FaultRecord {
-                    kind,
-                    start_us,
-                    end_us,
-                    detail,
-                    victim: None,
-                }))
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::Cut => {
                 let refuse = self.rng.millis(100, 400);
@@ -497,13 +479,7 @@ impl Phase {
                 }
                 let detail = format!("connections={cut} refuse_ms={}", refuse.as_millis());
                 let end_us = self.record(format!("cut-end {detail}")).await?;
-                Ok(Some(FaultRecord {
-                    kind,
-                    start_us,
-                    end_us,
-                    detail,
-                    victim: None,
-                }))
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
         }
     }
@@ -559,8 +535,7 @@ impl Phase {
             self.server_ports,
             self.resource_server.port()
         );
-        let names: Vec<&str> = schedule.iter().map(|k| k.name()).collect();
-        println!("[{tag}] schedule: {}", names.join(","));
+        println!("[{tag}] schedule: {}", names_of(&schedule, FaultKind::name));
 
         let bound = self.cfg.stall_bound();
         for (n, kind) in schedule.into_iter().enumerate() {
@@ -729,11 +704,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
          command_timeout_ms={} node_timeout_ms={} rounds={} faults={} fencing={} stall_bound_ms={}",
         cfg.mode,
         cfg.seed,
-        cfg.backends
-            .iter()
-            .map(|b| b.name())
-            .collect::<Vec<_>>()
-            .join(","),
+        names_of(&cfg.backends, BackendKind::name),
         cfg.procs,
         cfg.tasks,
         cfg.keys,
@@ -742,11 +713,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
         cfg.command_timeout.as_millis(),
         cfg.node_timeout.as_millis(),
         cfg.rounds,
-        cfg.faults
-            .iter()
-            .map(|f| f.name())
-            .collect::<Vec<_>>()
-            .join(","),
+        names_of(&cfg.faults, FaultKind::name),
         if cfg.fencing { "on" } else { "off" },
         cfg.stall_bound().as_millis(),
     );
@@ -835,11 +802,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
          elapsed_s={}",
         cfg.mode,
         cfg.seed,
-        cfg.backends
-            .iter()
-            .map(|b| b.name())
-            .collect::<Vec<_>>()
-            .join(","),
+        names_of(&cfg.backends, BackendKind::name),
         sum(|r| r.overlaps),
         sum(|r| r.overlaps_fenced),
         sum(|r| r.stale_writes_rejected),

@@ -297,6 +297,23 @@ pub(crate) struct Stall {
 }
 
 impl FaultRecord {
+    /// A fault of `kind` that took effect at `start_us` and was lifted at `end_us`.
+    pub(crate) fn new(
+        kind: FaultKind,
+        start_us: u64,
+        end_us: u64,
+        detail: String,
+        victim: Option<(String, String)>,
+    ) -> Self {
+        FaultRecord {
+            kind,
+            start_us,
+            end_us,
+            detail,
+            victim,
+        }
+    }
+
     /// When the fault stops excusing a lack of progress (µs). A paused or killed holder's
     /// lock must move on within the TTL *while* the holder stays frozen or dead, so those
     /// count from the start; a restart, latency or cut counts from when it was lifted.

@@ -1,0 +1,142 @@
+//! Bounded polling, for state that nothing signals: a key freeing on a server after a fault, a
+//! node rejoining a quorum, a queue reaching a state. Where a signal exists (a channel, a
+//! `Notify`, a join handle), wait on the signal instead.
+//!
+//! Every helper checks first, then fails the test if its deadline has passed, then sleeps and
+//! checks again: a condition that already holds never sleeps, and a condition that never holds
+//! fails the test with the reason the last check gave.
+//!
+//! ```no_run
+//! # async fn demo(locker: dlock_runtime::Locker) {
+//! use std::time::Duration;
+//! use dlock_tests::wait::{poll_until, wait_until_free, Deadline};
+//!
+//! // Until an acquire succeeds: at most 5 s, every 20 ms.
+//! let guard = poll_until(Duration::from_secs(5), Duration::from_millis(20), async || {
+//!     locker.lock("k").acquire().await.map_err(|e| format!("never acquired: {e}"))
+//! })
+//! .await;
+//! guard.release().await.unwrap();
+//! // Until the key is free again (taken and released at once).
+//! let deadline = Deadline::after(Duration::from_secs(5));
+//! wait_until_free(&locker, "k", &deadline, Duration::from_millis(20), "the key stays locked").await;
+//! # }
+//! ```
+
+use std::fmt::Display;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::Locker;
+
+/// A point in time a test must not wait past: the moment it was made plus a limit.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline {
+    start: Instant,
+    limit: Duration,
+}
+
+impl Deadline {
+    /// `limit` from now.
+    pub fn after(limit: Duration) -> Self {
+        Deadline {
+            start: Instant::now(),
+            limit,
+        }
+    }
+
+    /// The time since the deadline was made.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// Fails the test with `why` (and the time waited) if the deadline has passed.
+    ///
+    /// # Panics
+    /// When `limit` has passed since [`after`](Self::after).
+    pub fn check(&self, why: impl Display) {
+        let elapsed = self.elapsed();
+        assert!(
+            elapsed < self.limit,
+            "{why} (waited {elapsed:?}, limit {:?})",
+            self.limit
+        );
+    }
+}
+
+/// Calls `probe` until it returns `Ok`, and returns that value. After every `Err(why)` it
+/// [checks](Deadline::check) `deadline` with `why`, then sleeps `every` (or only yields to the
+/// scheduler when `every` is zero). `probe` may panic itself on an answer that must not occur.
+///
+/// # Panics
+/// When the deadline passes while `probe` still answers `Err`.
+pub async fn poll<T, E: Display>(
+    deadline: &Deadline,
+    every: Duration,
+    mut probe: impl AsyncFnMut() -> Result<T, E>,
+) -> T {
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(why) => deadline.check(why),
+        }
+        if every.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(every).await;
+        }
+    }
+}
+
+/// [`poll`] with a deadline `limit` from now.
+///
+/// # Panics
+/// When `limit` passes while `probe` still answers `Err`.
+pub async fn poll_until<T, E: Display>(
+    limit: Duration,
+    every: Duration,
+    probe: impl AsyncFnMut() -> Result<T, E>,
+) -> T {
+    poll(&Deadline::after(limit), every, probe).await
+}
+
+/// Calls `probe` every 10 ms until it returns `Some`, and returns that value.
+///
+/// # Panics
+/// "timed out waiting for `what`" when `limit` passes first.
+pub async fn wait_for<T>(
+    what: &str,
+    limit: Duration,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    poll_until(limit, Duration::from_millis(10), async || {
+        probe()
+            .await
+            .ok_or_else(|| format!("timed out waiting for {what}"))
+    })
+    .await
+}
+
+/// Waits until `locker` can take `key` at once (`try_acquire`), and releases it right away.
+/// Busy answers and errors are both "not yet"; `why` says what failed when the deadline
+/// passes.
+///
+/// # Panics
+/// When the deadline passes before the key was free, or when the release fails.
+pub async fn wait_until_free(
+    locker: &Locker,
+    key: &str,
+    deadline: &Deadline,
+    every: Duration,
+    why: &str,
+) {
+    poll(deadline, every, async || {
+        match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => {
+                g.release().await.unwrap();
+                Ok(())
+            }
+            _ => Err(why),
+        }
+    })
+    .await;
+}
