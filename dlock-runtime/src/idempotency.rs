@@ -90,7 +90,7 @@ use tracing::Instrument as _;
 pub use crate::backend::idempotency::{
     BeginArgs, BeginReply, CompleteArgs, Fingerprint, FingerprintBuilder, IdempotencyStore,
 };
-use crate::lease::{Lease, Undo};
+use crate::lease::{Grant, Lease, Undo};
 use crate::util::validate_ttl;
 use crate::{IntoLockKey, LockError, LockKey, Locker};
 
@@ -241,16 +241,14 @@ impl IdempotencyRequest<'_> {
         flight.disarm();
         Ok(match reply {
             BeginReply::Acquired { fencing_token } => {
-                let state = locker.watchdog().register(
-                    flight.resource().clone(),
-                    flight.token().clone(),
+                let grant = Grant {
                     fencing_token,
                     ttl,
-                    sent,
-                    self.auto_renew,
-                );
+                    sent_ns: sent,
+                    auto_renew: self.auto_renew,
+                };
                 Begin::Run(IdempotentOperation {
-                    lease: Lease::new(state, locker.watchdog().clone(), locker.id()),
+                    lease: flight.into_lease(grant, locker.id()),
                     locker: locker.clone(),
                     fingerprint: self.fingerprint,
                     retention,

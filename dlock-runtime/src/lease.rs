@@ -244,6 +244,30 @@ impl<'a> Undo<'a> {
     pub(crate) fn disarm(&mut self) {
         self.armed = false;
     }
+
+    /// The attempt took the lock (granted with `fencing_token`, the request sent at `sent_ns`):
+    /// the lease takes over from the undo, registered with the watchdog.
+    pub(crate) fn into_lease(mut self, grant: Grant, locker_id: u64) -> Lease {
+        self.disarm();
+        let state = self.watchdog.register(
+            self.resource.clone(),
+            self.token.clone(),
+            grant.fencing_token,
+            grant.ttl,
+            grant.sent_ns,
+            grant.auto_renew,
+        );
+        Lease::new(state, self.watchdog.clone(), locker_id)
+    }
+}
+
+/// What a granted attempt hands to its lease.
+pub(crate) struct Grant {
+    pub(crate) fencing_token: u64,
+    pub(crate) ttl: Duration,
+    /// When the granting request was sent: the lease clock starts there.
+    pub(crate) sent_ns: u64,
+    pub(crate) auto_renew: bool,
 }
 
 impl Drop for Undo<'_> {

@@ -7,11 +7,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use crate::backend::{Backend, IntoBackend, MemoryBackend, OwnerToken};
+use crate::backend::{Backend, IntoBackend, MemoryBackend};
 use crate::key::ResourceName;
-use crate::lease::Lease;
 use crate::watchdog::Watchdog;
-use crate::{LockError, LockGuard, LockKey, OnFail};
+use crate::{LockError, LockKey, OnFail};
 
 mod builder;
 mod request;
@@ -196,22 +195,6 @@ impl Locker {
         fut: impl Future<Output = Result<T, LockError>>,
     ) -> Result<T, LockError> {
         self.inner.watchdog.with_deadline(what, fut).await
-    }
-
-    fn make_guard(
-        &self,
-        resource: ResourceName,
-        token: OwnerToken,
-        fencing_token: u64,
-        ttl: Duration,
-        sent_ns: u64,
-        auto_renew: bool,
-    ) -> LockGuard {
-        let state =
-            self.inner
-                .watchdog
-                .register(resource, token, fencing_token, ttl, sent_ns, auto_renew);
-        LockGuard::new(Lease::new(state, self.inner.watchdog.clone(), self.id()))
     }
 }
 

@@ -9,7 +9,7 @@ use tracing::Instrument as _;
 
 use crate::backend::{AcquireArgs, Attempt, BoxFuture, WaitMode, Watch};
 use crate::key::ResourceName;
-use crate::lease::Undo;
+use crate::lease::{Grant, Undo};
 use crate::util::validate_ttl;
 use crate::{LockError, LockGuard, LockKey, OnFail, RetryPolicy};
 
@@ -266,17 +266,20 @@ async fn attempt_once(
     let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
-    flight.disarm();
     match out {
-        Attempt::Acquired { fencing_token } => Ok(Ok(locker.make_guard(
-            flight.resource().clone(),
-            flight.token().clone(),
-            fencing_token,
-            ttl,
-            sent,
-            auto_renew,
-        ))),
-        Attempt::Held { remaining } => Ok(Err(remaining)),
+        Attempt::Acquired { fencing_token } => {
+            let grant = Grant {
+                fencing_token,
+                ttl,
+                sent_ns: sent,
+                auto_renew,
+            };
+            Ok(Ok(LockGuard::new(flight.into_lease(grant, locker.id()))))
+        }
+        Attempt::Held { remaining } => {
+            flight.disarm();
+            Ok(Err(remaining))
+        }
     }
 }
 
@@ -306,15 +309,13 @@ async fn wait_for(
         let (out, sent) = attempt(locker, &flight, ttl, mode).await?;
         let remaining = match out {
             Attempt::Acquired { fencing_token } => {
-                flight.disarm();
-                return Ok(locker.make_guard(
-                    flight.resource().clone(),
-                    flight.token().clone(),
+                let grant = Grant {
                     fencing_token,
                     ttl,
-                    sent,
+                    sent_ns: sent,
                     auto_renew,
-                ));
+                };
+                return Ok(LockGuard::new(flight.into_lease(grant, locker.id())));
             }
             Attempt::Held { remaining } => remaining,
         };
