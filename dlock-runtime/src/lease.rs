@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::backend::OwnerToken;
 use crate::context::LockInfo;
 use crate::key::ResourceName;
-use crate::watchdog::{GuardState, Watchdog};
+use crate::watchdog::{Cmd, GuardState, Watchdog};
 use crate::LockError;
 
 /// The read-side methods every lease-holding handle has ([`LockGuard`](crate::LockGuard),
@@ -187,11 +187,11 @@ impl Lease {
     }
 
     fn release_later(&self) {
-        self.watchdog.release_later(
+        self.watchdog.later(Cmd::Release(
             self.state.resource.clone(),
             self.state.token.clone(),
             self.state.ttl(),
-        );
+        ));
     }
 }
 
@@ -273,8 +273,11 @@ pub(crate) struct Grant {
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.watchdog
-                .abandon_later(self.resource.clone(), self.token.clone(), self.horizon);
+            self.watchdog.later(Cmd::Abandon(
+                self.resource.clone(),
+                self.token.clone(),
+                self.horizon,
+            ));
         }
     }
 }

@@ -126,8 +126,10 @@ fn lease_end(sent_ns: u64, ttl: Duration, margin: Duration) -> u64 {
 
 /// A release or abandon to run in the background, retried until it lands or `give_up` has
 /// passed (by then the lock and its queue entry have expired on their own).
-enum Cmd {
+pub(crate) enum Cmd {
+    /// Release `token`'s lock, giving up after the duration.
     Release(ResourceName, OwnerToken, Duration),
+    /// Undo whatever an acquire with `token` may have done, giving up after the duration.
     Abandon(ResourceName, OwnerToken, Duration),
 }
 
@@ -341,28 +343,13 @@ impl Watchdog {
             .len()
     }
 
-    /// Release from a context that cannot await (guard drop). Retried through backend errors
-    /// for up to `give_up` (the lease: after it the lock is gone anyway).
-    pub(crate) fn release_later(
-        self: &Arc<Self>,
-        resource: ResourceName,
-        token: OwnerToken,
-        give_up: Duration,
-    ) {
-        self.send(Cmd::Release(resource, token, give_up));
-    }
-
-    /// Undo a cancelled or failed acquire from a context that cannot await. Retried through
-    /// backend errors for up to `give_up` (the longer of the lease and the waiter entry's
-    /// life), so a waiter whose connection was cut does not stay at the head of the queue once
-    /// the backend is back.
-    pub(crate) fn abandon_later(
-        self: &Arc<Self>,
-        resource: ResourceName,
-        token: OwnerToken,
-        give_up: Duration,
-    ) {
-        self.send(Cmd::Abandon(resource, token, give_up));
+    /// Runs `cmd` in the background, from a context that cannot await (a drop): a release
+    /// (for up to the lease — after it the lock is gone anyway) or the undo of a cancelled or
+    /// failed acquire (for up to the longer of the lease and the waiter entry's life, so a
+    /// waiter whose connection was cut does not stay at the head of the queue once the backend
+    /// is back). Retried through backend errors until it lands or its time is up.
+    pub(crate) fn later(self: &Arc<Self>, cmd: Cmd) {
+        self.send(cmd);
     }
 
     fn send(self: &Arc<Self>, cmd: Cmd) {
@@ -581,7 +568,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::backend::{AcquireArgs, Attempt, BoxFuture, MemoryBackend, Watch};
+    use crate::backend::{AcquireArgs, Attempt, BoxFuture, MemoryBackend};
     use crate::{LockError, Locker};
 
     /// The memory backend, with the watchdog's batches held at a gate (after signalling that
@@ -642,13 +629,6 @@ mod tests {
             t: &'a OwnerToken,
         ) -> BoxFuture<'a, Result<(), LockError>> {
             self.inner.abandon(r, t)
-        }
-        fn watch<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-        ) -> BoxFuture<'a, Result<Watch, LockError>> {
-            self.inner.watch(r, t)
         }
     }
 

@@ -235,13 +235,16 @@ impl<'a> IntoFuture for LockRequest<'a> {
     }
 }
 
+/// One acquire attempt: `Ok(grant)` when the lock is ours, `Err(remaining)` when someone else
+/// holds it (or is ahead in the queue).
 async fn attempt(
     locker: &Locker,
     flight: &Undo<'_>,
     ttl: Duration,
     mode: WaitMode,
-) -> Result<(Attempt, u64), LockError> {
-    let sent = locker.watchdog().now_ns();
+    auto_renew: bool,
+) -> Result<Result<Grant, Option<Duration>>, LockError> {
+    let sent_ns = locker.watchdog().now_ns();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
@@ -252,7 +255,15 @@ async fn attempt(
     let out = locker
         .with_deadline("acquire", locker.backend().acquire(args))
         .await?;
-    Ok((out, sent))
+    Ok(match out {
+        Attempt::Acquired { fencing_token } => Ok(Grant {
+            fencing_token,
+            ttl,
+            sent_ns,
+            auto_renew,
+        }),
+        Attempt::Held { remaining } => Err(remaining),
+    })
 }
 
 /// One attempt without queueing. `Err(remaining)` when held by someone else.
@@ -263,20 +274,11 @@ async fn attempt_once(
     auto_renew: bool,
 ) -> Result<Result<LockGuard, Option<Duration>>, LockError> {
     let mut flight = Undo::new(locker.watchdog(), resource, ttl);
-    let (out, sent) = attempt(locker, &flight, ttl, WaitMode::Try).await?;
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
-    match out {
-        Attempt::Acquired { fencing_token } => {
-            let grant = Grant {
-                fencing_token,
-                ttl,
-                sent_ns: sent,
-                auto_renew,
-            };
-            Ok(Ok(LockGuard::new(flight.into_lease(grant, locker.id()))))
-        }
-        Attempt::Held { remaining } => {
+    match attempt(locker, &flight, ttl, WaitMode::Try, auto_renew).await? {
+        Ok(grant) => Ok(Ok(LockGuard::new(flight.into_lease(grant, locker.id())))),
+        Err(remaining) => {
             flight.disarm();
             Ok(Err(remaining))
         }
@@ -306,18 +308,9 @@ async fn wait_for(
     let mut step = 0u32;
     let fifo = policy.fair && locker.backend().fifo();
     loop {
-        let (out, sent) = attempt(locker, &flight, ttl, mode).await?;
-        let remaining = match out {
-            Attempt::Acquired { fencing_token } => {
-                let grant = Grant {
-                    fencing_token,
-                    ttl,
-                    sent_ns: sent,
-                    auto_renew,
-                };
-                return Ok(LockGuard::new(flight.into_lease(grant, locker.id())));
-            }
-            Attempt::Held { remaining } => remaining,
+        let remaining = match attempt(locker, &flight, ttl, mode, auto_renew).await? {
+            Ok(grant) => return Ok(LockGuard::new(flight.into_lease(grant, locker.id()))),
+            Err(remaining) => remaining,
         };
         let now = Instant::now();
         if now >= deadline {
