@@ -1,4 +1,5 @@
-//! Starts real `redis-server` processes for tests and benchmarks.
+//! Starts real `redis-server` processes for tests and benchmarks, and reaches them past the
+//! locker ([`RedisServer::conn`], [`RedisServer::query`]).
 //!
 //! Each [`RedisServer`] is a fresh process on a free loopback port, with persistence off and
 //! its working directory in a private temporary folder. [`RedisServer::start`] returns once the
