@@ -1,6 +1,6 @@
 //! `IdempotencyLayer` over real HTTP (axum on 127.0.0.1:0, hyper-util client) against real
-//! `redis-server` processes, plus the in-memory backend for the basic flow. One test per
-//! numbered point of the issue:
+//! `redis-server` processes, plus the in-memory backend for the basic flow. What each
+//! test covers, by promise of the layer (see `dlock_tower::idempotency`):
 //!
 //! 1. methods and identity scope: `keys_are_required_bounded_and_limited_to_covered_methods`,
 //!    `identity_scopes_keys_per_user`;
@@ -574,7 +574,7 @@ async fn non_final_statuses_are_not_stored_and_the_retry_runs() {
     server.abort();
 }
 
-/// Point 1 and 6: a covered method without a key is 400; a key over the limit (and a repeated
+/// A covered method without a key is 400; a key over the limit (and a repeated
 /// header) is 400; at the limit it works. GET, PUT and DELETE are not covered by default and
 /// run every time; PATCH is covered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -627,7 +627,7 @@ async fn keys_are_required_bounded_and_limited_to_covered_methods() {
     server.abort();
 }
 
-/// Point 1: keys are scoped by the identity in the request extensions. Two users with the
+/// Keys are scoped by the identity in the request extensions. Two users with the
 /// same key (and body) each run the handler once and each get their own replay. A request
 /// without the identity is refused with 401 (it must not fall into a key space shared with
 /// others) unless the layer opts into the shared space.
@@ -676,7 +676,7 @@ async fn identity_scopes_keys_per_user() {
     server.abort();
 }
 
-/// Point 8, crash mid-handler: an instance that began a key and vanished (no renewal, no
+/// Crash mid-handler: an instance that began a key and vanished (no renewal, no
 /// release) blocks it with 409 until its lease runs out; no record exists, so the client's
 /// retry then runs the handler, and later retries replay that response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -949,7 +949,7 @@ impl http_body::Body for GatedBody {
     }
 }
 
-/// Issue 12 item 6: the handler has returned, the layer is reading its body to store it, and
+/// The handler has returned, the layer is reading its body to store it, and
 /// the response future is dropped (a timeout layer gives up, the client goes away). Storing
 /// the record still finishes: the client's retry is a replay, and the handler ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -350,7 +350,7 @@ async fn jump_ahead(server: &RedisServer, by: Duration) {
     }
 }
 
-/// Issue 12 item 7: fencing tokens stay strictly increasing per key across expiry when one
+/// Fencing tokens stay strictly increasing per key across expiry when one
 /// node's clock is ahead. Node 0's token source runs an hour ahead (its counter holds what a
 /// clock an hour fast proposes), so the first token comes from it and every granting node is
 /// raised to it. Then time passes on the other nodes well beyond the lease and the counters'
@@ -388,7 +388,7 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
     second.release().await.unwrap();
 }
 
-/// Issue 12 item 8c: a majority grants the lock but fewer than a majority confirm the raised
+/// A majority grants the lock but fewer than a majority confirm the raised
 /// fencing token (the network fails between the two steps): the acquire is a 503
 /// (unavailable), not a 409 (someone else holds it), and the lock frees within its lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
