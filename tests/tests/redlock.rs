@@ -366,6 +366,9 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
     let ahead = now_us() + 3_600_000_000;
     // Node 0's token source, an hour ahead.
     put_counters(&mut servers[0].conn().await, &locker, &resource, ahead).await;
+    // Node 2 does not answer for now, so the granting majority is nodes 0 and 1: the token is
+    // node 0's proposal, and node 1 is raised to it.
+    servers[2].pause();
     let first = locker.lock(key).ttl(lease).acquire().await.unwrap();
     let t1 = first.fencing_token();
     assert!(
@@ -373,6 +376,7 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
         "the ahead node's proposal wins: {t1} vs {ahead}"
     );
     first.release().await.unwrap();
+    servers[2].resume();
     assert_cleared_everywhere(&servers, resource.as_str()).await;
 
     for s in &servers[1..] {
@@ -406,19 +410,30 @@ async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
     let locker = Locker::builder().try_build(backend).unwrap();
     let key = "rl:raise-fails";
     let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
-    // Node 0's counter is ahead, so the token comes from it and nodes 1 and 2 must be raised.
-    let mut c = servers[0].conn().await;
-    let now_us = now_us();
-    // Warm up: every script (the raise included) is loaded on every node, so each step below
-    // is one command.
-    put_counters(&mut c, &locker, &resource, now_us + 3_600_000_000).await;
+    // Warm up: the acquire script is loaded on every node, so the acquire below is one
+    // command per node.
     let lease = Duration::from_secs(1);
     let g = locker.lock(key).ttl(lease).acquire().await.unwrap();
-    let t1 = g.fencing_token();
-    assert!(t1 > now_us + 3_600_000_000);
     g.release().await.unwrap();
     assert_cleared_everywhere(&servers, resource.as_str()).await;
-    put_counters(&mut c, &locker, &resource, t1 + 3_600_000_000).await;
+    // Three different proposals (node 0 highest, node 1 lowest): whichever two nodes grant
+    // first, one of them proposes less than the other and must be raised — and node 1 or 2 is
+    // always among them.
+    let base = now_us() + 3_600_000_000;
+    put_counters(
+        &mut servers[0].conn().await,
+        &locker,
+        &resource,
+        base + 7_200_000_000,
+    )
+    .await;
+    put_counters(
+        &mut servers[2].conn().await,
+        &locker,
+        &resource,
+        base + 3_600_000_000,
+    )
+    .await;
 
     // Nodes 1 and 2 answer the acquire, then the network to them fails.
     for p in &proxies {
