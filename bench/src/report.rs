@@ -33,6 +33,9 @@ fn ratios(s: &Value) -> Value {
             "dlock_over_raw": div(s, "uncontended.dlock.pairs_per_s", "uncontended.raw.pairs_per_s"),
             "dlock_over_rslock": div(s, "uncontended.dlock.pairs_per_s", "uncontended.rslock.pairs_per_s"),
             "p99_raw_over_dlock": div(s, "uncontended.raw.p99_us", "uncontended.dlock.p99_us"),
+            "redis_cpu_dlock_over_raw": div(s, "uncontended.dlock.redis_cpu_us_per_pair", "uncontended.raw.redis_cpu_us_per_pair"),
+            "client_cpu_dlock_over_raw": div(s, "uncontended.dlock.client_cpu_us_per_pair", "uncontended.raw.client_cpu_us_per_pair"),
+            "one_task_p50_dlock_over_raw": div(s, "uncontended.dlock.one_task_p50_us", "uncontended.raw.one_task_p50_us"),
         }),
     );
     for c in ["contended", "contended_think"] {
@@ -45,6 +48,7 @@ fn ratios(s: &Value) -> Value {
                 "handoff_p99_rslock_over_dlock": div(s, &p("rslock", "handoff_p99_us"), &p("dlock", "handoff_p99_us")),
                 "handoff_p99_raw_over_dlock": div(s, &p("raw", "handoff_p99_us"), &p("dlock", "handoff_p99_us")),
                 "wait_max_rslock_over_dlock": div(s, &p("rslock", "wait_max_ms"), &p("dlock", "wait_max_ms")),
+                "redis_cpu_dlock_over_raw": div(s, &p("dlock", "redis_cpu_us_per_cs"), &p("raw", "redis_cpu_us_per_cs")),
             }),
         );
     }
@@ -71,7 +75,7 @@ fn ratios(s: &Value) -> Value {
 }
 
 /// (name, path in the report, comparison, limit)
-const TARGETS: [(&str, &str, &str, f64); 12] = [
+const TARGETS: [(&str, &str, &str, f64); 18] = [
     (
         "uncontended dlock/raw ≥ 0.9",
         "ratios.uncontended.dlock_over_raw",
@@ -85,10 +89,40 @@ const TARGETS: [(&str, &str, &str, f64); 12] = [
         1.0,
     ),
     (
-        "contended_think handoff p99 ≤ 1 ms (µs)",
+        "uncontended Redis CPU per pair ≤ 1.5 × raw",
+        "ratios.uncontended.redis_cpu_dlock_over_raw",
+        "<=",
+        1.5,
+    ),
+    (
+        "uncontended client CPU per pair ≤ 1.3 × raw",
+        "ratios.uncontended.client_cpu_dlock_over_raw",
+        "<=",
+        1.3,
+    ),
+    (
+        "uncontended one-task pair p50 ≤ 1.15 × raw",
+        "ratios.uncontended.one_task_p50_dlock_over_raw",
+        "<=",
+        1.15,
+    ),
+    (
+        "contended cs/s ≥ 1.1 × rslock",
+        "ratios.contended.cs_per_s_dlock_over_rslock",
+        ">=",
+        1.1,
+    ),
+    (
+        "contended fairness ≥ 0.95",
+        "scenarios.contended.dlock.fairness",
+        ">=",
+        0.95,
+    ),
+    (
+        "contended_think handoff p99 ≤ 0.5 ms (µs)",
         "scenarios.contended_think.dlock.handoff_p99_us",
         "<=",
-        1000.0,
+        500.0,
     ),
     (
         "contended_think cs/s ≥ 1.8 × rslock",
@@ -97,16 +131,22 @@ const TARGETS: [(&str, &str, &str, f64); 12] = [
         1.8,
     ),
     (
-        "contended_think worst wait ≤ 100 ms",
+        "contended_think worst wait ≤ 50 ms",
         "scenarios.contended_think.dlock.wait_max_ms",
         "<=",
-        100.0,
+        50.0,
     ),
     (
         "contended_think fairness ≥ 0.8",
         "scenarios.contended_think.dlock.fairness",
         ">=",
         0.8,
+    ),
+    (
+        "redlock uncontended ≥ 1.0 × rslock",
+        "ratios.redlock.dlock_over_rslock",
+        ">=",
+        1.0,
     ),
     (
         "redlock acquire, 2 of 5 paused: median ≤ 5 ms",
