@@ -244,6 +244,7 @@ impl IdempotencyRequest<'_> {
                 let grant = Grant {
                     fencing_token,
                     ttl,
+                    lease: ttl,
                     sent_ns: sent,
                     auto_renew: self.auto_renew,
                 };

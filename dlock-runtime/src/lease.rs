@@ -166,7 +166,7 @@ impl Lease {
 
     /// The final step: stops renewal, then runs `step` — owner-checked, answering whether the
     /// lock was still ours — under the command deadline. Answered: the lease is settled
-    /// ([`LockError::Lost`] if it was not ours). Not answered: the error, and an owner-checked
+    /// ([`LockError::Lost`] if it was not ours, or if the local lease had run out before). Not answered: the error, and an owner-checked
     /// release goes to the background task at once, retried until it lands or the lease has
     /// run out. Dropped before either: drop hands the release to the background.
     pub(crate) async fn settle(
@@ -175,10 +175,14 @@ impl Lease {
         step: impl Future<Output = Result<bool, LockError>>,
     ) -> Result<(), LockError> {
         self.stop();
+        // A lease that had run out before the step was sent is lost, whatever the backend
+        // answers: a backend may find the lock still this owner's (nobody took it since), but the
+        // holder was told it was lost, and ran without the lock's protection.
+        let held_until_now = self.is_held();
         let res = self.watchdog.with_deadline(what, step).await;
         self.settled.store(true, Ordering::Release);
         match res {
-            Ok(still_ours) => self.state.settle_release(still_ours),
+            Ok(still_ours) => self.state.settle_release(still_ours && held_until_now),
             Err(e) => {
                 self.release_later();
                 Err(e)
@@ -254,6 +258,7 @@ impl<'a> Undo<'a> {
             self.token.clone(),
             grant.fencing_token,
             grant.ttl,
+            grant.lease,
             grant.sent_ns,
             grant.auto_renew,
         );
@@ -264,7 +269,11 @@ impl<'a> Undo<'a> {
 /// What a granted attempt hands to its lease.
 pub(crate) struct Grant {
     pub(crate) fencing_token: u64,
+    /// The lease each renewal asks for.
     pub(crate) ttl: Duration,
+    /// The lease granted now: `ttl`, or shorter for a lock handed over by a release (see
+    /// [`Backend::watch`](crate::backend::Backend::watch)).
+    pub(crate) lease: Duration,
     /// When the granting request was sent: the lease clock starts there.
     pub(crate) sent_ns: u64,
     pub(crate) auto_renew: bool,

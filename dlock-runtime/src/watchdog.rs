@@ -181,6 +181,7 @@ impl Watchdog {
         token: OwnerToken,
         fencing_token: u64,
         ttl: Duration,
+        lease: Duration,
         sent_ns: u64,
         auto_renew: bool,
     ) -> Arc<GuardState> {
@@ -190,7 +191,7 @@ impl Watchdog {
             token,
             fencing_token,
             ttl_ms: AtomicU64::new(ttl.as_millis().max(1) as u64),
-            lease_end: AtomicU64::new(lease_end(sent_ns, ttl, self.backend.lease_margin(ttl))),
+            lease_end: AtomicU64::new(lease_end(sent_ns, lease, self.backend.lease_margin(lease))),
             due: AtomicU64::new(NOT_SCHEDULED),
             lost: CancellationToken::new(),
             done: AtomicBool::new(false),
@@ -199,7 +200,7 @@ impl Watchdog {
             lease_changed: Notify::new(),
         });
         if auto_renew {
-            self.schedule_at(&state, sent_ns.saturating_add(ttl.as_nanos() as u64 / 3));
+            self.schedule_at(&state, sent_ns.saturating_add(lease.as_nanos() as u64 / 3));
         }
         state
     }

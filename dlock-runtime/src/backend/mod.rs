@@ -13,8 +13,15 @@
 //! * [`abandon`](Backend::abandon): for a cancelled or abandoned acquire — release if the token
 //!   owns the lock and leave the waiter queue; harmless if the token never got anywhere.
 //! * [`watch`](Backend::watch) (optional): be told when the lock is released and it is this
-//!   waiter's turn. The default never fires ([`Watch::never`]); waiters then re-check on their
-//!   fallback timer.
+//!   waiter's turn — or, with a *direct handoff*, that the release already granted the lock to
+//!   this waiter ([`ReleaseHub::hand_over`], [`Watch::take_handoff`]), so it starts without
+//!   asking again. The default never fires ([`Watch::never`]); waiters then re-check on their
+//!   fallback timer. A backend that hands over grants a lease of
+//!   `min(ttl, waiter_ttl)` ([`AcquireArgs`]; the waiter renews it to `ttl`), so that a waiter
+//!   that died holds the lock no longer than its queue entry would have held up the queue; and
+//!   it grants the lock to its owner when the waiter asks again (its notification may be lost):
+//!   [`acquire`](Backend::acquire) by the token that holds the lock answers `Acquired` with the
+//!   same fencing token and restarts the lease.
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
 //!
@@ -30,6 +37,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -46,7 +54,7 @@ pub use self::idempotency::IdempotencyStore;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisBackend, RedisOptions, FENCE_RETENTION};
+pub use self::redis::{RedisBackend, RedisOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]
@@ -203,8 +211,8 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), LockError>>;
 
     /// Registers `token` as a local waiter of `resource`. The returned [`Watch`] is notified when
-    /// a release names `token` as the next waiter (or, for barging waiters, when a release names
-    /// nobody). When this future completes, no later release can be missed.
+    /// a release names `token` as the next waiter or hands it the lock (or, for barging waiters,
+    /// when a release names nobody). When this future completes, no later release can be missed.
     ///
     /// Optional: the default is [`Watch::never`], a watch that is never notified. Waiting
     /// still works then — waiters re-check on their fallback timer (see
@@ -263,12 +271,20 @@ impl IntoBackend for Box<dyn Backend> {
 /// unsubscribes then).
 pub type OnLastWaiter = Box<dyn Fn(&str) + Send + Sync>;
 
-type WaiterMap = HashMap<Arc<str>, Vec<(OwnerToken, Arc<Notify>)>>;
+type WaiterMap = HashMap<Arc<str>, Vec<(OwnerToken, Arc<Slot>)>>;
+
+/// One registered waiter's mailbox.
+#[derive(Debug, Default)]
+struct Slot {
+    notify: Notify,
+    /// The fencing token of a lock handed to this waiter by a release (0: none).
+    handoff: AtomicU64,
+}
 
 /// A registered waiter: resolves [`notified`](Watch::notified) when it is this waiter's turn.
 /// Dropping it unregisters the waiter.
 pub struct Watch {
-    notify: Arc<Notify>,
+    slot: Arc<Slot>,
     /// Where it is registered; `None` for [`Watch::never`].
     registration: Option<Registration>,
 }
@@ -285,14 +301,23 @@ impl Watch {
     /// (the default of [`Backend::watch`]). Waiters then wake on their fallback timer.
     pub fn never() -> Self {
         Watch {
-            notify: Arc::new(Notify::new()),
+            slot: Arc::new(Slot::default()),
             registration: None,
         }
     }
 
     /// Waits for a notification. A notification that arrived before this call is not lost.
     pub async fn notified(&self) {
-        self.notify.notified().await;
+        self.slot.notify.notified().await;
+    }
+
+    /// The fencing token of the lock, if a release handed it to this waiter
+    /// ([`ReleaseHub::hand_over`]): the waiter holds it now, without asking again. Taken once.
+    pub fn take_handoff(&self) -> Option<u64> {
+        match self.slot.handoff.swap(0, Ordering::AcqRel) {
+            0 => None,
+            t => Some(t),
+        }
     }
 }
 
@@ -343,7 +368,7 @@ impl ReleaseHub {
         token: &OwnerToken,
         on_last: Option<OnLastWaiter>,
     ) -> (Watch, bool) {
-        let notify = Arc::new(Notify::new());
+        let slot = Arc::new(Slot::default());
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let name: Arc<str> = match keys.get_key_value(resource.as_str()) {
             Some((k, _)) => k.clone(),
@@ -351,11 +376,11 @@ impl ReleaseHub {
         };
         let list = keys.entry(name.clone()).or_default();
         let first = list.is_empty();
-        list.push((token.clone(), notify.clone()));
+        list.push((token.clone(), slot.clone()));
         drop(keys);
         (
             Watch {
-                notify,
+                slot,
                 registration: Some(Registration {
                     hub: self.clone(),
                     resource: name,
@@ -391,14 +416,28 @@ impl ReleaseHub {
         match next {
             Some(next) => {
                 if let Some((_, n)) = list.iter().find(|(t, _)| t.as_str() == next) {
-                    n.notify_one();
+                    n.notify.notify_one();
                 }
             }
             None => {
                 if let Some((_, n)) = list.first() {
-                    n.notify_one();
+                    n.notify.notify_one();
                 }
             }
+        }
+    }
+
+    /// A release of `resource` handed the lock to the waiter `token` with `fencing_token`
+    /// (direct handoff): that waiter is woken and finds the grant in
+    /// [`Watch::take_handoff`]. Nothing happens when `token` is not a local waiter.
+    pub fn hand_over(&self, resource: &str, token: &str, fencing_token: u64) {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(list) = keys.get(resource) else {
+            return;
+        };
+        if let Some((_, n)) = list.iter().find(|(t, _)| t.as_str() == token) {
+            n.handoff.store(fencing_token.max(1), Ordering::Release);
+            n.notify.notify_one();
         }
     }
 
@@ -408,7 +447,7 @@ impl ReleaseHub {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         for list in keys.values() {
             for (_, n) in list {
-                n.notify_one();
+                n.notify.notify_one();
             }
         }
     }

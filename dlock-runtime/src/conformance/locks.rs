@@ -579,3 +579,28 @@ pub async fn extend_reschedules_the_watchdog(store: &Store) {
         .await
         .expect("still ours after 6 shortened leases");
 }
+
+/// A release after the lease ran out is reported lost even when nobody took the lock in
+/// between (a backend may still find it this owner's): the holder was told it was lost, and
+/// ran unprotected. The release still frees the lock.
+pub async fn release_after_the_lease_ran_out_is_lost(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("lapsed");
+    let g = a
+        .lock(&key)
+        .ttl(Duration::from_millis(150))
+        .auto_renew(false)
+        .acquire()
+        .await
+        .expect("acquire");
+    tokio::time::timeout(Duration::from_secs(3), g.lost())
+        .await
+        .unwrap_or_else(|_| panic!("{}: lost() pending past the lease", store.name));
+    let err = g.release().await.unwrap_err();
+    assert!(
+        err.is_lost(),
+        "{}: release after the lease must report the loss: {err}",
+        store.name
+    );
+    free_within(&b, &key, Duration::from_secs(5)).await;
+}

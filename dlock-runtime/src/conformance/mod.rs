@@ -166,6 +166,7 @@ pub async fn run_all(store: &Store) {
     cancelled_acquires_leave_no_lock(store).await;
     extend_can_shorten_the_lease(store).await;
     extend_reschedules_the_watchdog(store).await;
+    release_after_the_lease_ran_out_is_lost(store).await;
 }
 
 /// Runs `check` on a fresh multi-threaded tokio runtime (2 workers): what each generated test
@@ -208,6 +209,7 @@ macro_rules! conformance_tests {
             cancelled_acquires_leave_no_lock,
             extend_can_shorten_the_lease,
             extend_reschedules_the_watchdog,
+            release_after_the_lease_ran_out_is_lost,
             idempotency_runs_once_then_replays,
             idempotency_in_progress_abort_and_expiry,
             idempotency_complete_is_owner_checked,

@@ -55,8 +55,9 @@ impl LockerBuilder {
     /// How long a waiter's place in a queue lives without being refreshed (at most; a request
     /// whose lease is shorter uses its lease, but at least 300 ms). A live waiter refreshes it
     /// at least every third of this; a waiter that died holds up the queue at most this long.
+    /// Between 30 ms and 60 s (values outside are clamped).
     pub fn waiter_ttl(mut self, d: Duration) -> Self {
-        self.config.waiter_ttl = d.max(Duration::from_millis(30));
+        self.config.waiter_ttl = d.clamp(Duration::from_millis(30), Duration::from_secs(60));
         self
     }
 

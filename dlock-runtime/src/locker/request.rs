@@ -259,6 +259,7 @@ async fn attempt(
         Attempt::Acquired { fencing_token } => Ok(Grant {
             fencing_token,
             ttl,
+            lease: ttl,
             sent_ns,
             auto_renew,
         }),
@@ -302,17 +303,28 @@ async fn wait_for(
     // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
     // and undoes whatever the last attempt may have taken.
     let waiter_ttl = locker.waiter_ttl_for(ttl);
+    // A lock handed over by a release comes with a lease this long, so that a waiter that died
+    // holds it no longer than its queue entry would have held up the queue.
+    let handoff_lease = ttl.min(waiter_ttl);
     let mut flight = Undo::new(locker.watchdog(), resource, ttl.max(waiter_ttl));
     let refresh = waiter_ttl / 3;
     let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
     let mut step = 0u32;
     let fifo = policy.fair && locker.backend().fifo();
+    // When the last attempt that found the lock held was sent. A release that hands the lock
+    // to this waiter does so after that attempt reached the backend, so the handed-over lease
+    // is counted from then: never later than it really started.
+    let mut asked_ns;
     loop {
+        asked_ns = locker.watchdog().now_ns();
         let remaining = match attempt(locker, &flight, ttl, mode, auto_renew).await? {
             Ok(grant) => return Ok(LockGuard::new(flight.into_lease(grant, locker.id()))),
             Err(remaining) => remaining,
         };
         let now = Instant::now();
+        if let Some(grant) = handed_over(&watch, ttl, handoff_lease, asked_ns, auto_renew) {
+            return taken_over(locker, flight, grant).await;
+        }
         if now >= deadline {
             // Leave the queue before reporting, so the caller's next move sees it gone.
             let undo = locker.backend().abandon(flight.resource(), flight.token());
@@ -350,8 +362,45 @@ async fn wait_for(
                 _ = w.notified() => { if fifo { step = 0; } }
                 _ = tokio::time::sleep(sleep) => {}
             }
+            if let Some(grant) = handed_over(&watch, ttl, handoff_lease, asked_ns, auto_renew) {
+                return taken_over(locker, flight, grant).await;
+            }
         }
     }
+}
+
+/// The guard of a lock handed over by a release. Its first lease may be shorter than `ttl`: the
+/// watchdog renews it to `ttl` in time; without auto-renewal it is extended to `ttl` here, so the
+/// caller gets the lease it asked for.
+async fn taken_over(
+    locker: &Locker,
+    flight: Undo<'_>,
+    grant: Grant,
+) -> Result<LockGuard, LockError> {
+    let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
+    let guard = LockGuard::new(flight.into_lease(grant, locker.id()));
+    if short {
+        guard.extend(ttl).await?;
+    }
+    Ok(guard)
+}
+
+/// The grant of a lock that a release handed to this waiter (direct handoff), if one did.
+fn handed_over(
+    watch: &Option<(Watch, WaitingCount<'_>)>,
+    ttl: Duration,
+    lease: Duration,
+    asked_ns: u64,
+    auto_renew: bool,
+) -> Option<Grant> {
+    let fencing_token = watch.as_ref()?.0.take_handoff()?;
+    Some(Grant {
+        fencing_token,
+        ttl,
+        lease,
+        sent_ns: asked_ns,
+        auto_renew,
+    })
 }
 
 /// Counts a task in [`Locker::waiting`] while it lives.
