@@ -1,6 +1,8 @@
-//! The Redis backend under faults, against real `redis-server` processes: a server that dies
-//! mid-hold and comes back, a server that stops answering, nothing listening at all, and a
-//! second OS process contending for the same lock.
+//! The Redis backend against real `redis-server` processes: what it leaves on the server and
+//! how it hands a lock over (one key per lock, nothing published when nobody waits, direct
+//! handoff to the first waiter, fencing across keys and a lost counter), and under faults: a
+//! server that dies mid-hold and comes back, a server that stops answering, nothing listening
+//! at all, a cut connection, and a second OS process contending for the same lock.
 
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -333,11 +335,24 @@ async fn waiters_recheck_after_a_reconnect() {
 
 /// How many script calls (`EVALSHA`) the server has run.
 async fn evalsha_calls(server: &RedisServer) -> u64 {
+    calls(server, "evalsha").await
+}
+
+/// How many times the server has run `command` (from clients, or from scripts), not counting
+/// calls that failed (an `EVALSHA` answered `NOSCRIPT` before the script is loaded).
+async fn calls(server: &RedisServer, command: &str) -> u64 {
     let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
+    let prefix = format!("cmdstat_{command}:");
+    let Some(stats) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
+        return 0;
+    };
+    let field = |name: &str| -> u64 {
+        stats
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name))
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    field("calls=") - field("failed_calls=")
 }
 
 /// An idempotency `begin` whose reply is lost (the server ran it, the connection died) is
@@ -414,4 +429,274 @@ async fn dropped_idempotency_begin_is_undone_within_the_requests_ttl() {
         },
     )
     .await;
+}
+
+/// An uncontended lock costs one script call to take and one to give back, leaves nothing on
+/// the server but the namespace's fencing counter, and publishes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let before = evalsha_calls(&server).await;
+    for i in 0..20 {
+        let g = locker
+            .lock(format!("quiet:{i}"))
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("uncontended");
+        g.release().await.unwrap();
+    }
+    assert_eq!(
+        evalsha_calls(&server).await - before,
+        40,
+        "one script per step"
+    );
+    assert_eq!(calls(&server, "publish").await, 0, "nobody waited");
+    let keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).await;
+    assert_eq!(keys, vec![format!("{}:fence", locker.prefix())]);
+}
+
+/// Starts a waiter for `key` on `waiter` whose own timers cannot fire within a test (20 s
+/// backoff and queue refresh), and returns once it is queued and asleep.
+async fn queued_waiter(
+    server: &RedisServer,
+    waiter: &Locker,
+    key: &'static str,
+    ttl: Duration,
+    auto_renew: bool,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
+    let before = evalsha_calls(server).await;
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false);
+    let w = waiter.clone();
+    let wait = tokio::spawn(async move {
+        w.lock(key)
+            .ttl(ttl)
+            .auto_renew(auto_renew)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    // Queued, subscribed, and done with the attempt that follows the subscription.
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep = waiter.waiting() != 0 && evalsha_calls(server).await >= before + 2;
+            asleep.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
+    wait
+}
+
+/// The fencing counter's value.
+async fn fence_counter(server: &RedisServer, locker: &Locker) -> u64 {
+    server
+        .query(redis::cmd("GET").arg(format!("{}:fence", locker.prefix())))
+        .await
+}
+
+/// A release with a queued waiter grants that waiter the lock in the same script and tells it
+/// so: the waiter holds the lock with the token the release issued, without asking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let key = "handoff:direct";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let wait = queued_waiter(&server, &waiter, key, LONG, true).await;
+    let asleep = evalsha_calls(&server).await;
+    let held_token = held.fencing_token();
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        evalsha_calls(&server).await,
+        asleep + 1,
+        "only the release ran a script: the waiter did not ask again"
+    );
+    assert_eq!(guard.fencing_token(), fence_counter(&server, &waiter).await);
+    assert!(guard.fencing_token() > held_token);
+    guard.release().await.unwrap();
+    assert_eq!(
+        calls(&server, "publish").await,
+        1,
+        "one grant, nothing else"
+    );
+}
+
+/// A Redis backend that never hears release notifications: a waiter on it misses every
+/// handoff and relies on its own timer.
+struct Deaf(dlock_runtime::backend::RedisBackend);
+
+impl dlock_runtime::backend::Backend for Deaf {
+    fn name(&self) -> &'static str {
+        "deaf-redis"
+    }
+    fn acquire<'a>(
+        &'a self,
+        args: dlock_runtime::backend::AcquireArgs<'a>,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<dlock_runtime::backend::Attempt, LockError>>
+    {
+        self.0.acquire(args)
+    }
+    fn release<'a>(
+        &'a self,
+        resource: &'a dlock_runtime::key::ResourceName,
+        token: &'a dlock_runtime::backend::OwnerToken,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<bool, LockError>> {
+        self.0.release(resource, token)
+    }
+    fn extend<'a>(
+        &'a self,
+        resource: &'a dlock_runtime::key::ResourceName,
+        token: &'a dlock_runtime::backend::OwnerToken,
+        ttl: Duration,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<bool, LockError>> {
+        self.0.extend(resource, token, ttl)
+    }
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a dlock_runtime::key::ResourceName,
+        token: &'a dlock_runtime::backend::OwnerToken,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<(), LockError>> {
+        self.0.abandon(resource, token)
+    }
+}
+
+/// A waiter that misses its handoff notification finds the lock already its own on its next
+/// attempt (a fresh grant, with a new fencing token). Meanwhile nobody else gets the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_handoff_is_found_on_the_next_attempt() {
+    use dlock_runtime::backend::{Backend as _, RedisBackend, RedisOptions};
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let other = server.locker().await;
+    let deaf = Deaf(
+        RedisBackend::connect(&server.url(), RedisOptions::default())
+            .await
+            .unwrap(),
+    );
+    assert_eq!(deaf.name(), "deaf-redis");
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .build(deaf);
+    let key = "handoff:missed";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let before = evalsha_calls(&server).await;
+    // The waiter's own timer: every 200 ms.
+    let policy = RetryPolicy::new(Duration::from_secs(10))
+        .backoff(Duration::from_millis(200), Duration::from_millis(200))
+        .jitter(false);
+    let w = waiter.clone();
+    let wait = tokio::spawn(async move {
+        w.lock(key)
+            .ttl(LONG)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let queued = evalsha_calls(&server).await > before;
+            queued.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
+    let held_token = held.fencing_token();
+    held.release().await.unwrap();
+    assert!(
+        other.lock(key).try_acquire().await.unwrap().is_none(),
+        "the release handed the lock to the waiter, not to a newcomer"
+    );
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter never found its lock")
+        .unwrap()
+        .unwrap();
+    assert!(guard.fencing_token() > held_token);
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+    assert!(other.lock(key).try_acquire().await.unwrap().is_some());
+}
+
+/// A handed-over lease is at most the waiter TTL (a dead waiter must not block the lock for a
+/// whole TTL); a waiter without auto-renewal still gets the lease it asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let key = "handoff:no-renewal";
+    let ttl = Duration::from_secs(90);
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let wait = queued_waiter(&server, &waiter, key, ttl, false).await;
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    let lock_key = waiter
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned();
+    let pttl: i64 = server.query(redis::cmd("PTTL").arg(&lock_key)).await;
+    // The key's PTTL is the lease plus the backend's 60 s linger: the 60 s handed over, then
+    // extended to 90 s.
+    assert!(
+        pttl > 60_000 + 85_000,
+        "lease not extended to the TTL: PTTL {pttl}"
+    );
+    assert!(
+        guard.remaining() > Duration::from_secs(85),
+        "{:?}",
+        guard.remaining()
+    );
+    guard.release().await.unwrap();
+}
+
+/// Fencing tokens come from one counter per namespace: they grow across keys, and when the
+/// counter is lost (a restart without persistence, here a `FLUSHALL`) the next token still
+/// exceeds every earlier one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let mut last = 0;
+    for key in ["fence:a", "fence:b", "fence:a"] {
+        let g = locker.lock(key).acquire().await.unwrap();
+        assert!(
+            g.fencing_token() > last,
+            "{key}: {} after {last}",
+            g.fencing_token()
+        );
+        last = g.fencing_token();
+        g.release().await.unwrap();
+    }
+    let _: () = server.query(&redis::cmd("FLUSHALL")).await;
+    let g = locker.lock("fence:a").acquire().await.unwrap();
+    assert!(
+        g.fencing_token() > last,
+        "{} after {last}",
+        g.fencing_token()
+    );
+    g.release().await.unwrap();
 }

@@ -452,3 +452,45 @@ async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
     let every = Duration::from_millis(20);
     wait_until_free(&locker, key, &deadline, every, "the key stays locked").await;
 }
+
+/// How many script calls (`EVALSHA`) a server has run.
+async fn evalsha_calls(server: &RedisServer) -> u64 {
+    let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Once the client's fencing floor is above the nodes' counters (after the first acquire),
+/// every node proposes the same token, so an uncontended acquire is one script call per node —
+/// no fence raise — and a release one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncontended_acquire_is_one_round_trip_per_node() {
+    let servers = start_many(3);
+    let locker = redlock(&servers, Locker::builder()).await;
+    let warm = locker.lock("rl:warm").acquire().await.unwrap();
+    warm.release().await.unwrap();
+    let mut before = Vec::new();
+    for s in &servers {
+        before.push(evalsha_calls(s).await);
+    }
+    let mut last = 0;
+    for i in 0..10 {
+        let g = locker
+            .lock(format!("rl:one-trip:{i}"))
+            .acquire()
+            .await
+            .unwrap();
+        assert!(g.fencing_token() > last);
+        last = g.fencing_token();
+        g.release().await.unwrap();
+    }
+    for (s, b) in servers.iter().zip(before) {
+        assert_eq!(
+            evalsha_calls(s).await - b,
+            20,
+            "an acquire and a release per lock on every node, nothing more"
+        );
+    }
+}

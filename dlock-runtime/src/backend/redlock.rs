@@ -37,9 +37,12 @@
 //! # Fencing tokens
 //!
 //! Each node keeps **one counter per namespace** (`<prefix>:fence`) that never expires. Each
-//! granting node proposes `max(its counter + 1, its clock in µs)`; the lock's token is the
-//! maximum over the granting majority, and every granting node is raised to it before the
-//! acquire returns. If fewer than a majority confirm the raise, the acquire undoes itself and
+//! granting node proposes `max(its counter + 1, floor)`, where the client's `floor` is above
+//! every token this backend has seen and at least its clock in µs (a hint: counters advance one
+//! per acquire, far slower than a µs clock, so usually every node proposes the floor itself);
+//! the lock's token is the maximum over the granting majority, and every granting node whose
+//! proposal was lower is raised to it before the acquire returns — a second round trip only when
+//! the proposals disagree. If fewer than a majority confirm the raise, the acquire undoes itself and
 //! fails with [`LockError::Unavailable`] (503): the nodes could not be reached, nobody else
 //! holds the lock. Any later majority shares at least one node with the confirming one, and
 //! that node's counter only grows, so every later token — for this key or any other in the
@@ -65,6 +68,7 @@
 //! restart"). Otherwise a node that restarts empty can vote for a second owner while the first
 //! still holds the lock on the remaining minority.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,6 +142,9 @@ pub struct RedlockBackend {
 #[derive(Debug)]
 struct Inner {
     nodes: Vec<RedisBackend>,
+    /// The largest fencing token this backend has seen: the next acquire proposes a floor
+    /// above it (see [`fence_floor`]).
+    fence_seen: AtomicU64,
     hub: Arc<ReleaseHub>,
     quorum: usize,
     opts: RedlockOptions,
@@ -186,6 +193,7 @@ impl RedlockBackend {
             inner: Arc::new(Inner {
                 quorum: nodes.len() / 2 + 1,
                 nodes,
+                fence_seen: AtomicU64::new(0),
                 hub,
                 opts,
             }),
@@ -386,6 +394,26 @@ impl RedlockBackend {
     }
 }
 
+/// The floor an acquire proposes for its fencing token: above every token this backend has
+/// seen, and at least the local clock in µs. The nodes' counters advance one per acquire, far
+/// slower than a microsecond clock, so the floor is usually above all of them and every
+/// granting node answers with the floor itself: the tokens agree and no raise round trip is
+/// needed. It is only a hint — safety rests on the raise, which still runs whenever the
+/// granting nodes' tokens differ.
+fn fence_floor(seen: &AtomicU64) -> u64 {
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let floor = seen.load(Ordering::Acquire).saturating_add(1).max(now_us);
+    // Concurrent acquires of this backend propose distinct floors.
+    let prev = seen.fetch_max(floor, Ordering::AcqRel);
+    if prev >= floor {
+        seen.fetch_add(1, Ordering::AcqRel) + 1
+    } else {
+        floor
+    }
+}
+
 /// (yes votes, failed nodes).
 fn tally<T>(votes: &[(usize, Vote<T>)]) -> (usize, usize) {
     let yes = votes
@@ -429,6 +457,7 @@ impl Backend for RedlockBackend {
             };
             let (resource, token, ttl, waiter_ttl) =
                 (args.resource, args.token, args.ttl, args.waiter_ttl);
+            let floor = fence_floor(&self.inner.fence_seen);
             let votes = self
                 .poll(
                     |node| {
@@ -440,7 +469,7 @@ impl Backend for RedlockBackend {
                                 mode,
                                 waiter_ttl,
                             };
-                            Ok(match node.acquire(a).await? {
+                            Ok(match node.acquire_with_floor(a, Some(floor)).await? {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),
                                 Attempt::Held { remaining } => Answer::No(remaining),
                             })
@@ -463,6 +492,7 @@ impl Backend for RedlockBackend {
                 // Raise every granting node to the majority's maximum, so that any later
                 // majority (which shares a node with this one) issues a larger token.
                 let max = granted.iter().map(|(_, t)| *t).max().unwrap_or(0);
+                self.inner.fence_seen.fetch_max(max, Ordering::AcqRel);
                 let raised = futures_util::future::join_all(granted.iter().map(|&(i, t)| {
                     let node = &self.inner.nodes[i];
                     async move {
@@ -470,7 +500,7 @@ impl Backend for RedlockBackend {
                             || matches!(
                                 tokio::time::timeout(
                                     self.inner.opts.node_timeout,
-                                    node.raise_fence(resource, max, ttl)
+                                    node.raise_fence(resource, max)
                                 )
                                 .await,
                                 Ok(Ok(()))

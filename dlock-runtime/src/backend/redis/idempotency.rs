@@ -1,14 +1,11 @@
 //! Idempotency records of the Redis backend: three Lua scripts, each one atomic step.
 //!
-//! Key layout of one idempotency key (the lock's keys plus one; all share the hash tag
-//! `{<k>}`, so the scripts also run on Redis Cluster):
+//! Key layout of one idempotency key: the lock's keys (see the lock scripts) plus one record,
+//! which shares the hash tag `{<k>}`:
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `<p>:{<k>}` | string | owner token, `PX` = lease (the key's lock, as for any lock) |
-//! | `<p>:{<k>}:q`, `:qt` | list, zset | the lock's fair waiter queue (see the lock scripts) |
-//! | `<p>:{<k>}:fence` | string | last fencing token issued |
-//! | `<p>:{<k>}:ch` | channel | release notifications; payload = next waiter's token or `""` |
+//! | `<p>:{<k>}`, `:q`, `:qw`, `<p>:fence`, `:ch` | | the key's lock, as for any lock |
 //! | `<p>:{<k>}:idem` | hash | `fp` = fingerprint (hex); then either `tok` = the running attempt's owner token, or `res` = the stored result; `PX` = retention |
 //!
 //! A hash with `res` is a completed record. A hash with `tok` only notes the running attempt's
@@ -23,9 +20,10 @@ use std::time::Duration;
 
 use redis::Script;
 
-// Lua: the live head of the waiter queue (`head`), shared with the lock scripts.
-use super::scripts::QUEUE_HEAD;
-use super::{millis, RedisBackend, CHANNEL_SUFFIX, FENCE_RETENTION};
+// Lua shared with the lock scripts: parsing the lock's value, the next fencing token, the live
+// head of the waiter queue, passing a given-up lock on.
+use super::scripts::{script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS};
+use super::{fence_key, millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
@@ -35,85 +33,112 @@ const RECORD_SUFFIX: &str = "idem";
 
 /// One `begin` step.
 ///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence, 5 record.
-/// ARGV: 1 owner token, 2 lease ms, 3 fingerprint, 4 fence retention ms, 5 retention ms.
+/// KEYS: 1 lock, 2 record. ARGV: 1 owner token, 2 the lock's `PX` (`scripts::px` of the
+/// lease), 3 fingerprint, 4 retention ms, 5 the fencing counter's key.
 /// Returns `{code, data, extra}`:
 /// * `{1, "<fencing token>", ""}` — granted: the lock is set and the fingerprint noted;
 /// * `{2, <stored result>, ""}` — a completed record with the same fingerprint;
 /// * `{3, "", ""}` — a completed record with a different fingerprint;
-/// * `{0, "<pttl>", m}` — held (`pttl` = -2 when the lock is free but a waiter is first in
+/// * `{0, "<lease left ms>", m}` — held (`-2` when the lock is free but a waiter is first in
 ///   line); `m` = `"1"` same fingerprint, `"0"` different, `""` unknown.
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+    script(&format!(
         r#"
-local rec = redis.call('HMGET', KEYS[5], 'fp', 'res', 'tok')
+local token, fence_key = ARGV[1], ARGV[5]
+{QUEUE_KEYS}
+local rec = redis.call('HMGET', KEYS[2], 'fp', 'res', 'tok')
 if rec[2] then
   if rec[1] == ARGV[3] then return {{2, rec[2], ''}} end
   return {{3, '', ''}}
 end
-local holder = redis.call('GET', KEYS[1])
-if holder then
-  local m = ''
-  if rec[3] and rec[3] == holder then
-    if rec[1] == ARGV[3] then m = '1' else m = '0' end
+local v = redis.call('GET', KEYS[1])
+local flags = ''
+if v then
+  {PARSE_LOCK}
+  local left = redis.call('PTTL', KEYS[1]) - LINGER
+  if left > 0 then
+    local m = ''
+    if rec[3] and rec[3] == o then
+      if rec[1] == ARGV[3] then m = '1' else m = '0' end
+    end
+    return {{0, tostring(left), m}}
   end
-  return {{0, tostring(redis.call('PTTL', KEYS[1])), m}}
+  flags = fl
+  if string.find(fl, 'q', 1, true) then
+    {QUEUE_HEAD}
+    if head then return {{0, '-2', ''}} end
+    flags = string.gsub(flags, 'q', '')
+  end
 end
-{QUEUE_HEAD}
-if head then return {{0, '-2', ''}} end
-local t = redis.call('TIME')
-local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
-if us > fence then fence = us end
-local f = string.format('%.0f', fence)
-redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[4]))
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('DEL', KEYS[5])
-redis.call('HSET', KEYS[5], 'fp', ARGV[3], 'tok', ARGV[1])
-redis.call('PEXPIRE', KEYS[5], ARGV[5])
-return {{1, f, ''}}
+{NEXT_FENCE}
+local nv = token
+if flags ~= '' then nv = flags .. '|' .. token end
+redis.call('SET', KEYS[1], nv, 'PX', ARGV[2])
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'tok', token)
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {{1, string.format('%.0f', fence), ''}}
 "#
     ))
 });
 
-/// One `complete` step: owner-checked; stores the record and releases the lock together, then
-/// publishes the next live waiter's token (or `""`) on the channel.
+/// Lua: the owner check of `complete` and `abort`: returns 0 unless ARGV[1] holds a live lease;
+/// leaves the lock's flags in `fl`.
+static OWNER_CHECK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        r#"
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+{PARSE_LOCK}
+if o ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= LINGER then return 0 end
+local fence_key = ARGV[2]
+{QUEUE_KEYS}
+"#
+    )
+});
+
+/// One `complete` step: owner-checked; stores the record and releases the lock together,
+/// handing it to the next live waiter if any.
 ///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 record.
-/// ARGV: 1 owner token, 2 channel, 3 fingerprint, 4 result, 5 retention ms.
+/// KEYS: 1 lock, 2 record. ARGV: 1 owner token, 2 the fencing counter's key, 3 fingerprint,
+/// 4 result, 5 retention ms.
 /// Returns 1 when stored, 0 when the token did not own the lock (nothing changed).
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+    script(&format!(
         r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[4])
-redis.call('HSET', KEYS[4], 'fp', ARGV[3], 'res', ARGV[4])
-redis.call('PEXPIRE', KEYS[4], ARGV[5])
-{QUEUE_HEAD}
-redis.call('PUBLISH', ARGV[2], head or '')
+{owner_check}
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'res', ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+{PASS_ON}
 return 1
-"#
+"#,
+        owner_check = *OWNER_CHECK
     ))
 });
 
 /// One `abort` step: owner-checked release without a record; drops this owner's note of its
-/// fingerprint; publishes the next live waiter's token (or `""`).
+/// fingerprint; hands the lock to the next live waiter if any.
 ///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 record. ARGV: 1 owner token, 2 channel.
+/// KEYS as `complete`. ARGV: 1 owner token, 2 the fencing counter's key.
 /// Returns 1 when released, 0 when the token did not own the lock.
 static ABORT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
+    script(&format!(
         r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-if redis.call('HGET', KEYS[4], 'tok') == ARGV[1] then redis.call('DEL', KEYS[4]) end
-{QUEUE_HEAD}
-redis.call('PUBLISH', ARGV[2], head or '')
+{owner_check}
+if redis.call('HGET', KEYS[2], 'tok') == ARGV[1] then redis.call('DEL', KEYS[2]) end
+{PASS_ON}
 return 1
-"#
+"#,
+        owner_check = *OWNER_CHECK
     ))
 });
+
+/// KEYS of every idempotency script: the lock, the record.
+fn lock_keys(inv: &mut redis::ScriptInvocation<'_>, resource: &ResourceName) {
+    inv.key(resource.as_str())
+        .key(resource.with_suffix(RECORD_SUFFIX));
+}
 
 fn malformed() -> LockError {
     LockError::unavailable("redis idempotency begin: malformed script reply", None)
@@ -124,16 +149,12 @@ impl IdempotencyStore for RedisBackend {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
             let mut inv = BEGIN.prepare_invoke();
-            inv.key(args.resource.as_str())
-                .key(args.resource.with_suffix("q"))
-                .key(args.resource.with_suffix("qt"))
-                .key(args.resource.with_suffix("fence"))
-                .key(args.resource.with_suffix(RECORD_SUFFIX))
-                .arg(args.token.as_str())
-                .arg(millis(args.ttl))
+            lock_keys(&mut inv, args.resource);
+            inv.arg(args.token.as_str())
+                .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())
-                .arg(millis(FENCE_RETENTION))
-                .arg(millis(args.retention));
+                .arg(millis(args.retention))
+                .arg(fence_key(args.resource));
             let (code, data, extra): (i64, Vec<u8>, String) = self
                 .deadline("idempotency begin", inv.invoke_async(&mut conn))
                 .await?;
@@ -167,12 +188,9 @@ impl IdempotencyStore for RedisBackend {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
             let mut inv = COMPLETE.prepare_invoke();
-            inv.key(args.resource.as_str())
-                .key(args.resource.with_suffix("q"))
-                .key(args.resource.with_suffix("qt"))
-                .key(args.resource.with_suffix(RECORD_SUFFIX))
-                .arg(args.token.as_str())
-                .arg(args.resource.with_suffix(CHANNEL_SUFFIX))
+            lock_keys(&mut inv, args.resource);
+            inv.arg(args.token.as_str())
+                .arg(fence_key(args.resource))
                 .arg(args.fingerprint.to_hex())
                 .arg(args.record)
                 .arg(millis(args.retention));
@@ -191,12 +209,8 @@ impl IdempotencyStore for RedisBackend {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
             let mut inv = ABORT.prepare_invoke();
-            inv.key(resource.as_str())
-                .key(resource.with_suffix("q"))
-                .key(resource.with_suffix("qt"))
-                .key(resource.with_suffix(RECORD_SUFFIX))
-                .arg(token.as_str())
-                .arg(resource.with_suffix(CHANNEL_SUFFIX));
+            lock_keys(&mut inv, resource);
+            inv.arg(token.as_str()).arg(fence_key(resource));
             let n: i64 = self
                 .deadline("idempotency abort", inv.invoke_async(&mut conn))
                 .await?;

@@ -2,10 +2,12 @@
 //! connection per backend that carries both commands and release notifications.
 //!
 //! * Acquire is one `EVALSHA` (the uncontended path is a single round trip): `SET NX PX`
-//!   semantics plus the fencing counter and the fair waiter queue, atomically
-//!   (see [`scripts`]).
-//! * Release and extend compare the owner token server side; release publishes the next
-//!   waiter's token on the lock's channel, so exactly that waiter retries at once.
+//!   semantics plus the fencing counter and the fair waiter queue, atomically, on one key per
+//!   lock (see [`scripts`]).
+//! * Release and extend compare the owner token server side. A release with queued waiters
+//!   hands the lock to the first live one in the same script and publishes the grant on the
+//!   lock's channel, so that waiter holds the lock before it hears of it; a release nobody
+//!   waits for publishes nothing.
 //! * Notifications arrive as RESP3 pushes on the same connection; subscriptions are per lock,
 //!   made when the first local waiter of that lock appears and dropped with the last one, and
 //!   re-established automatically after a reconnect. Releases published while the connection
@@ -33,11 +35,6 @@ mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
 mod scripts;
-
-/// How long the fencing counter outlives the lease it was issued with. Fencing tokens stay
-/// strictly increasing across the counter's expiry unless the Redis server's clock steps back
-/// by more than this (plus the lease).
-pub const FENCE_RETENTION: Duration = Duration::from_secs(60);
 
 const CHANNEL_SUFFIX: &str = "ch";
 const PIPELINE_CHUNK: usize = 512;
@@ -111,31 +108,13 @@ struct Inner {
     extend: Script,
     raise_fence: Script,
     opts: RedisOptions,
-    fence: Fence,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
 }
 
-/// Where a server keeps its fencing counter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Fence {
-    /// One counter per lock key, expiring [`FENCE_RETENTION`] after the lease (a single
-    /// server: the cluster-safe layout, nothing left behind by idle keys).
-    PerKey,
-    /// One counter per namespace, never expiring (a Redlock node: tokens must keep increasing
-    /// across any expiry, whatever the node clocks do; see `backend::redlock`).
-    Namespace,
-}
-
-impl Fence {
-    /// The counter's key for `resource`, and its retention beyond the lease in ms (`0`: no
-    /// expiry).
-    fn key_and_retention(self, resource: &ResourceName) -> (String, u64) {
-        match self {
-            Fence::PerKey => (resource.with_suffix("fence"), millis(FENCE_RETENTION)),
-            Fence::Namespace => (resource.namespace_key("fence"), 0),
-        }
-    }
+/// The key of the namespace's fencing counter.
+fn fence_key(resource: &ResourceName) -> String {
+    resource.namespace_key("fence")
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
@@ -147,7 +126,7 @@ impl RedisBackend {
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
     /// connect timeout.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
-        let backend = Self::build(url, opts, ReleaseHub::new(), Fence::PerKey)?;
+        let backend = Self::build(url, opts, ReleaseHub::new(), true)?;
         // Establish the connection now, so a wrong URL or a down server fails at startup.
         backend.ping().await?;
         Ok(backend)
@@ -161,24 +140,26 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
     ) -> Result<Self, LockError> {
-        Self::build(url, opts, hub, Fence::PerKey)
+        Self::build(url, opts, hub, true)
     }
 
-    /// A Redlock node: like [`connect_lazy`](RedisBackend::connect_lazy), with the namespace's
-    /// never-expiring fencing counter.
+    /// A Redlock node: like [`connect_lazy`](RedisBackend::connect_lazy), but a grant published
+    /// by a release only wakes the waiter (one node's grant is not the lock).
     pub(crate) fn redlock_node(
         url: &str,
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
     ) -> Result<Self, LockError> {
-        Self::build(url, opts, hub, Fence::Namespace)
+        Self::build(url, opts, hub, false)
     }
 
     fn build(
         url: &str,
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
-        fence: Fence,
+        // Whether a grant published by a release is taken as one (a single server). A Redlock
+        // node's grant is one node's vote, so there it only wakes the waiter.
+        handoff: bool,
     ) -> Result<Self, LockError> {
         // The URL may carry a password: never put it in an error message.
         let info = url.into_connection_info().map_err(|e| {
@@ -201,7 +182,7 @@ impl RedisBackend {
             .set_number_of_retries(2)
             .set_max_delay(opts.connect_timeout)
             .set_push_sender(move |push: PushInfo| {
-                on_push(&push_hub, &push_me, push);
+                on_push(&push_hub, &push_me, handoff, push);
                 Ok::<(), redis::aio::SendError>(())
             })
             .set_automatic_resubscription();
@@ -219,7 +200,6 @@ impl RedisBackend {
                 extend: scripts::extend(),
                 raise_fence: scripts::raise_fence(),
                 opts,
-                fence,
                 recovering: AtomicBool::new(false),
             }),
         };
@@ -271,17 +251,10 @@ impl RedisBackend {
         &self,
         resource: &ResourceName,
         token: u64,
-        ttl: Duration,
     ) -> Result<(), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.raise_fence.prepare_invoke();
-        let (fence, retention) = self.inner.fence.key_and_retention(resource);
-        let retention = if retention == 0 {
-            0
-        } else {
-            millis(ttl) + retention
-        };
-        inv.key(fence).arg(token.to_string()).arg(retention);
+        inv.key(fence_key(resource)).arg(token.to_string());
         self.deadline("raise fence", inv.invoke_async::<i64>(&mut conn))
             .await
             .map(|_| ())
@@ -314,10 +287,8 @@ impl RedisBackend {
         let mut conn = self.inner.conn.clone();
         let mut inv = script.prepare_invoke();
         inv.key(resource.as_str())
-            .key(resource.with_suffix("q"))
-            .key(resource.with_suffix("qt"))
             .arg(token.as_str())
-            .arg(resource.with_suffix(CHANNEL_SUFFIX));
+            .arg(fence_key(resource));
         self.deadline(what, inv.invoke_async(&mut conn)).await
     }
 
@@ -366,7 +337,7 @@ async fn wake_after_reconnect(inner: Weak<Inner>) {
     }
 }
 
-fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, push: PushInfo) {
+fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
         PushKind::Message => {
@@ -386,8 +357,15 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, push: PushInfo) {
             else {
                 return;
             };
-            let next = (!payload.is_empty()).then_some(payload.as_str());
-            hub.notify(resource, next);
+            // `""`: wake a barging waiter; `<token>:<fence>`: the lock was handed to `<token>`.
+            match payload.split_once(':') {
+                _ if payload.is_empty() => hub.notify(resource, None),
+                Some((token, fence)) => match fence.parse::<u64>() {
+                    Ok(fence) if handoff => hub.hand_over(resource, token, fence),
+                    _ => hub.notify(resource, Some(token)),
+                },
+                None => hub.notify(resource, Some(&payload)),
+            }
         }
         PushKind::Disconnection => {
             tracing::warn!("redis connection lost; waiters re-check once it is back");
@@ -411,6 +389,46 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, push: PushInfo) {
     }
 }
 
+impl RedisBackend {
+    /// One acquire attempt; `floor` (Redlock) is a lower bound for the fencing token.
+    pub(crate) async fn acquire_with_floor(
+        &self,
+        args: AcquireArgs<'_>,
+        floor: Option<u64>,
+    ) -> Result<Attempt, LockError> {
+        let mode = match args.mode {
+            WaitMode::Try => "0",
+            WaitMode::Queue => "1",
+            WaitMode::Barge => "2",
+        };
+        let mut conn = self.inner.conn.clone();
+        let mut inv = self.inner.acquire.prepare_invoke();
+        inv.key(args.resource.as_str())
+            .arg(args.token.as_str())
+            .arg(scripts::px(args.ttl))
+            .arg(fence_key(args.resource))
+            .arg(mode)
+            // An entry must not outlive the lock's key (see `scripts::LINGER`).
+            .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
+            .arg(millis(args.ttl));
+        if let Some(floor) = floor {
+            inv.arg(floor);
+        }
+        let reply: i64 = self
+            .deadline("acquire", inv.invoke_async(&mut conn))
+            .await?;
+        Ok(match reply {
+            1.. => Attempt::Acquired {
+                fencing_token: reply as u64,
+            },
+            0 => Attempt::Held { remaining: None },
+            _ => Attempt::Held {
+                remaining: Some(Duration::from_millis((-(reply + 1)) as u64)),
+            },
+        })
+    }
+}
+
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
         "redis"
@@ -421,37 +439,7 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-        Box::pin(async move {
-            let mode = match args.mode {
-                WaitMode::Try => "0",
-                WaitMode::Queue => "1",
-                WaitMode::Barge => "2",
-            };
-            let mut conn = self.inner.conn.clone();
-            let mut inv = self.inner.acquire.prepare_invoke();
-            let (fence, retention) = self.inner.fence.key_and_retention(args.resource);
-            inv.key(args.resource.as_str())
-                .key(args.resource.with_suffix("q"))
-                .key(args.resource.with_suffix("qt"))
-                .key(fence)
-                .arg(args.token.as_str())
-                .arg(millis(args.ttl))
-                .arg(mode)
-                .arg(millis(args.waiter_ttl))
-                .arg(retention);
-            let (granted, value): (i64, String) = self
-                .deadline("acquire", inv.invoke_async(&mut conn))
-                .await?;
-            let bad = || LockError::unavailable("redis acquire: malformed script reply", None);
-            if granted == 1 {
-                let fencing_token = value.parse::<u64>().map_err(|_| bad())?;
-                Ok(Attempt::Acquired { fencing_token })
-            } else {
-                let pttl = value.parse::<i64>().map_err(|_| bad())?;
-                let remaining = (pttl >= 0).then(|| Duration::from_millis(pttl as u64));
-                Ok(Attempt::Held { remaining })
-            }
-        })
+        Box::pin(self.acquire_with_floor(args, None))
     }
 
     fn release<'a>(
@@ -478,7 +466,7 @@ impl Backend for RedisBackend {
             let mut inv = self.inner.extend.prepare_invoke();
             inv.key(resource.as_str())
                 .arg(token.as_str())
-                .arg(millis(ttl));
+                .arg(scripts::px(ttl));
             let n: i64 = self.deadline("extend", inv.invoke_async(&mut conn)).await?;
             Ok(n == 1)
         })
@@ -547,7 +535,7 @@ impl RedisBackend {
                     .arg(1)
                     .arg(item.resource.as_str())
                     .arg(item.token.as_str())
-                    .arg(millis(item.ttl));
+                    .arg(scripts::px(item.ttl));
             }
             pipe
         };

@@ -1,175 +1,353 @@
 //! The Lua scripts of the Redis backend. Each runs atomically on the server and is invoked by
 //! SHA (`EVALSHA`), reloaded on `NOSCRIPT`.
 //!
-//! Key layout of one lock (all share the hash tag `{<key>}`):
+//! Key layout of one lock (the per-lock keys share the hash tag `{<key>}`):
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `<p>:{<k>}` | string | owner token, `PX` = lease |
+//! | `<p>:{<k>}` | string | the owner token, or `<flags>\|<owner token>`; `PX` = lease + [`LINGER`] |
 //! | `<p>:{<k>}:q` | list | waiter tokens in arrival order |
-//! | `<p>:{<k>}:qt` | zset | waiter token → entry deadline (ms, server clock) |
-//! | `<p>:{<k>}:fence` | string | last fencing token issued for this key (single server) |
-//! | `<p>:fence` | string | last fencing token issued in the namespace (a Redlock node; no TTL) |
-//! | `<p>:{<k>}:ch` | channel | release notifications; payload = next waiter's token or `""` |
+//! | `<p>:{<k>}:qw` | hash | waiter token → `<entry deadline ms>\|<lease ms>` |
+//! | `<p>:fence` | string | the namespace's fencing counter (no expiry) |
+//! | `<p>:{<k>}:ch` | channel | `<token>:<fence>` when the lock was handed to that waiter, `""` to wake a barging waiter |
 //!
-//! Fencing: `token = max(last + 1, server TIME in µs)`. On a single server the counter is per
-//! key, stored with a retention of [`FENCE_RETENTION`](super::FENCE_RETENTION) beyond the lease
-//! (so a key's counter costs nothing once it is idle): tokens increase strictly per key while
-//! the counter lives, and keep increasing after it expired as long as the server clock has not
-//! stepped back by more than the retention period. A Redlock node keeps one counter per
-//! namespace instead, with no expiry (retention `0`), so no clock enters its tokens' order.
+//! **One key per lock.** Its value is the owner token, prefixed by flags once someone waits:
+//! `q` (someone joined the fair queue since the lock was granted), `b` (a barging waiter failed
+//! against this holder). The lease is the key's `PTTL` minus [`LINGER`]: a lease that ends
+//! without a release leaves the key for `LINGER` more, lapsed, so a lock whose holder died still
+//! shows its waiters' flag to newcomers. A release with no flag set is a `DEL`: nothing is left
+//! behind, nothing is published. An uncontended acquire is `INCR` and `SET NX PX`, a release
+//! `GET` and `DEL` — the commands of a hand-written lock plus the fencing counter. A queue entry
+//! lives at most `LINGER`, and joining the queue keeps the lock's key at least as long as the
+//! entry, so a lock key that is gone has no queue: the uncontended path never looks for one.
+//!
+//! **Direct handoff.** A release (or a holder's abandon) with the `q` flag grants the lock to the
+//! first live waiter in the same script — a new fencing token, a lease of the waiter's TTL but
+//! at most its waiter TTL (the waiter's watchdog renews it to its TTL) — and publishes
+//! `<token>:<fence>`, so the waiter starts without another round trip. A waiter whose
+//! notification was lost finds the lock already its own on its next attempt, and is granted it
+//! again with a new fencing token (it never learnt the first).
+//!
+//! **Fencing.** `INCR` of one counter per namespace: strictly increasing across every key and
+//! every expiry, whatever the clocks do, as long as the server keeps its data. If the counter is
+//! lost (a restart without persistence, a failover to a replica that missed it), `INCR` answers
+//! 1 and the counter restarts from the server clock in µs, above every token issued before it
+//! (a counter advances far slower than a microsecond clock) unless that clock stepped back.
+//!
+//! Replies are integers where the hot path is concerned (a Lua table or a formatted number
+//! costs the server more than the rest of an uncontended acquire).
+
+use std::time::Duration;
 
 use redis::Script;
 
-/// Lua that leaves the live head of the waiter queue (or `false`) in `head`, dropping expired
-/// entries first. When no queue exists (the uncontended case) it costs one `EXISTS`.
-/// Expects KEYS[2] = queue list, KEYS[3] = queue deadlines.
+/// How long a lock's key outlives a lease that ended without a release (the holder died or
+/// overran), so newcomers still see that waiters are queued. Waiter entries live at most this
+/// long between refreshes.
+pub(super) const LINGER: Duration = Duration::from_secs(60);
+
+/// `LINGER` in ms, for the script text.
+const LINGER_MS: &str = "60000";
+
+/// Lua: splits the lock's value `v` (non-nil) into `fl` (flags) and `o` (owner token).
+macro_rules! parse_lock {
+    () => {
+        r#"
+local fl, o = string.match(v, '^(%l*)|(.+)$')
+if not fl then fl, o = '', v end
+"#
+    };
+}
+
+/// Lua: the next fencing token, a number, in `fence`. `fence_key` = the namespace counter.
+macro_rules! next_fence {
+    () => {
+        r#"
+local fence = redis.call('INCR', fence_key)
+if fence == 1 then
+  local t = redis.call('TIME')
+  fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  redis.call('SET', fence_key, string.format('%.0f', fence))
+end
+"#
+    };
+}
+
+/// Lua: the names of the lock's queue keys, derived from the lock's key (same hash tag, so the
+/// same cluster slot): `lq` (the list), `lqw` (the entries).
+macro_rules! queue_keys {
+    () => {
+        "local lq, lqw = KEYS[1] .. ':q', KEYS[1] .. ':qw'\n"
+    };
+}
+
+/// Lua: the first live waiter in `head` (or `false`) and its lease in `hlease`, dropping expired
+/// entries. Needs [`queue_keys`].
 macro_rules! queue_head {
     () => {
         r#"
-local head = false
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local head, hlease = false, 0
+do
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  head = redis.call('LINDEX', KEYS[2], 0)
+  head = redis.call('LINDEX', lq, 0)
   while head do
-    local dl = redis.call('ZSCORE', KEYS[3], head)
-    if dl and tonumber(dl) > now_ms then break end
-    redis.call('LPOP', KEYS[2])
-    redis.call('ZREM', KEYS[3], head)
-    head = redis.call('LINDEX', KEYS[2], 0)
+    local e = redis.call('HGET', lqw, head)
+    local dl, hl
+    if e then dl, hl = string.match(e, '^(%d+)|(%d+)$') end
+    if dl and tonumber(dl) > now_ms then hlease = tonumber(hl) break end
+    redis.call('LPOP', lq)
+    redis.call('HDEL', lqw, head)
+    head = redis.call('LINDEX', lq, 0)
   end
 end
 "#
     };
 }
 
-/// The live head of the waiter queue (`head`, or `false`), for scripts built elsewhere (the
-/// idempotency scripts). KEYS 2 and 3 must be the queue keys.
-pub(super) const QUEUE_HEAD: &str = queue_head!();
-
-/// One acquire attempt. The uncontended path is `EXISTS` (no queue), `SET NX PX`, `TIME` and
-/// the fencing counter's `GET`/`SET`.
-///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines, 4 fence.
-/// ARGV: 1 owner token, 2 lease ms, 3 mode (`0` try, `1` queue, `2` barge), 4 waiter entry
-/// ttl ms, 5 fence retention ms beyond the lease (`0`: the counter never expires).
-/// Returns `{1, "<fencing token>"}` when granted, `{0, "<pttl>"}` otherwise (`pttl` = -2 when the
-/// lock is free but another waiter is first in line).
-pub(super) fn acquire() -> Script {
-    Script::new(concat!(
-        queue_head!(),
-        r#"
-local token = ARGV[1]
-local mode = ARGV[3]
-if ((not head) or head == token or mode == '2')
-    and redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then
-  if head == token then
-    redis.call('LPOP', KEYS[2])
-    redis.call('ZREM', KEYS[3], token)
+/// Lua: the lock is being given up by its holder (or it lapsed) and its flags are `fl`: hand
+/// it to the first live waiter (publishing `<token>:<fence>`), or delete it, publishing `""`
+/// when a barging waiter asked to be woken on the lock's channel. Needs [`queue_keys`] and
+/// `fence_key`.
+macro_rules! pass_on {
+    () => {
+        concat!(
+            r#"
+local handed = false
+if string.find(fl, 'q', 1, true) then
+"#,
+            queue_head!(),
+            r#"
+  if head then
+    redis.call('LPOP', lq)
+    redis.call('HDEL', lqw, head)
+    local nfl = ''
+    if redis.call('EXISTS', lq) == 1 then nfl = 'q' end
+    if string.find(fl, 'b', 1, true) then nfl = nfl .. 'b' end
+    local nv = head
+    if nfl ~= '' then nv = nfl .. '|' .. head end
+"#,
+            next_fence!(),
+            r#"
+    redis.call('SET', KEYS[1], nv, 'PX', string.format('%d', hlease + LINGER))
+    redis.call('PUBLISH', KEYS[1] .. ':ch', head .. ':' .. string.format('%.0f', fence))
+    handed = true
   end
-  local t = redis.call('TIME')
-  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1
-  if us > fence then fence = us end
-  local f = string.format('%.0f', fence)
-  if ARGV[5] == '0' then
-    redis.call('SET', KEYS[4], f)
-  else
-    redis.call('SET', KEYS[4], f, 'PX', tonumber(ARGV[2]) + tonumber(ARGV[5]))
-  end
-  return {1, f}
 end
-if mode == '1' then
+if not handed then
+  if string.find(fl, 'b', 1, true) then redis.call('PUBLISH', KEYS[1] .. ':ch', '') end
+  redis.call('DEL', KEYS[1])
+end
+"#
+        )
+    };
+}
+
+/// Lua: puts (or keeps) `token` in the queue with a fresh entry deadline, noting the lease a
+/// release hands it: its lease, but no longer than the entry ttl (a waiter that died holds a
+/// handed-over lock no longer than its entry would have held up the queue). Keeps the lock's
+/// key at least as long as the entry. Needs [`queue_keys`], `token`, `lease` and `wttl` (ms).
+macro_rules! enqueue {
+    () => {
+        r#"
+do
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local wttl = tonumber(ARGV[4])
-  if not redis.call('ZSCORE', KEYS[3], token) then
-    redis.call('RPUSH', KEYS[2], token)
+  local entry = string.format('%.0f|%d', now_ms + wttl, math.min(lease, wttl))
+  if redis.call('HSET', lqw, token, entry) == 1 then redis.call('RPUSH', lq, token) end
+  for _, k in ipairs({lq, lqw, KEYS[1]}) do
+    if redis.call('PTTL', k) < wttl then redis.call('PEXPIRE', k, wttl) end
   end
-  redis.call('ZADD', KEYS[3], now_ms + wttl, token)
-  if redis.call('PTTL', KEYS[2]) < wttl then redis.call('PEXPIRE', KEYS[2], wttl) end
-  if redis.call('PTTL', KEYS[3]) < wttl then redis.call('PEXPIRE', KEYS[3], wttl) end
 end
-return {0, tostring(redis.call('PTTL', KEYS[1]))}
+"#
+    };
+}
+
+/// Lua shared with the idempotency scripts.
+pub(super) const PARSE_LOCK: &str = parse_lock!();
+pub(super) const QUEUE_KEYS: &str = queue_keys!();
+pub(super) const NEXT_FENCE: &str = next_fence!();
+pub(super) const QUEUE_HEAD: &str = queue_head!();
+pub(super) const PASS_ON: &str = pass_on!();
+
+/// A script's text with `LINGER` replaced by its value in ms.
+pub(super) fn script(text: &str) -> Script {
+    Script::new(&text.replace("LINGER", LINGER_MS))
+}
+
+/// `lease + LINGER` in ms: the `PX` of a lock granted or extended for `lease`.
+pub(super) fn px(lease: Duration) -> u64 {
+    super::millis(lease).saturating_add(super::millis(LINGER))
+}
+
+/// One acquire attempt. Uncontended: `INCR` and `SET NX PX`.
+///
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 [`px`] of the lease, 3 the fencing counter's key, 4 mode
+/// (`0` try, `1` queue, `2` barge), 5 waiter entry ttl ms, 6 lease ms, 7 (optional, Redlock) a
+/// floor for the fencing token: the counter is raised to it first.
+/// Returns the fencing token (> 0) when granted — also when the lock is already this token's
+/// (handed over by a release whose notification was lost: a fresh grant, new token, lease
+/// restarted) —, `-(lease left ms) - 1` when someone else holds it, `0` when it is free but
+/// another waiter is first in line.
+pub(super) fn acquire() -> Script {
+    script(concat!(
+        "local token, fence_key = ARGV[1], ARGV[3]\n",
+        next_fence!(),
+        r#"
+local floor = tonumber(ARGV[7])
+if floor and fence < floor then
+  redis.call('SET', fence_key, ARGV[7])
+  fence = floor
+end
+if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
+local mode, wttl, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local v = redis.call('GET', KEYS[1])
+"#,
+        queue_keys!(),
+        parse_lock!(),
+        r#"
+local left = redis.call('PTTL', KEYS[1]) - LINGER
+if left > 0 then
+  if o == token then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return fence
+  end
+  if mode ~= '0' then
+    local nfl = fl
+    if mode == '1' then
+"#,
+        enqueue!(),
+        r#"
+      if not string.find(fl, 'q', 1, true) then nfl = 'q' .. fl end
+    elseif not string.find(fl, 'b', 1, true) then
+      nfl = fl .. 'b'
+    end
+    if nfl ~= fl then redis.call('SET', KEYS[1], nfl .. '|' .. o, 'KEEPTTL') end
+  end
+  return -left - 1
+end
+local flags = fl
+if string.find(fl, 'q', 1, true) then
+"#,
+        queue_head!(),
+        r#"
+  if head and head ~= token and mode ~= '2' then
+    if mode == '1' then
+"#,
+        enqueue!(),
+        r#"
+    end
+    return 0
+  end
+  if head == token then
+    redis.call('LPOP', lq)
+    redis.call('HDEL', lqw, token)
+  end
+  if redis.call('EXISTS', lq) == 0 then flags = string.gsub(flags, 'q', '') end
+end
+local nv = token
+if flags ~= '' then nv = flags .. '|' .. token end
+redis.call('SET', KEYS[1], nv, 'PX', ARGV[2])
+return fence
 "#
     ))
 }
 
-/// Owner-checked release; publishes the next live waiter's token (or `""`) on the channel.
+/// Owner-checked release: hands the lock to the first live waiter, or deletes it. Uncontended:
+/// `GET` and `DEL`.
 ///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines. ARGV: 1 owner token, 2 channel.
-/// Returns 1 when released, 0 when the token did not own the lock.
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 the fencing counter's key. Returns 1 when the token
+/// held the lock, 0 when it did not. (A lease of this token
+/// that lapsed unnoticed, with nobody taking the lock since, counts as held: the locker reports
+/// such a release as lost by its own lease clock.)
 pub(super) fn release() -> Script {
-    Script::new(concat!(
+    script(concat!(
         r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if not v then return 0 end
+local fence_key = ARGV[2]
 "#,
-        queue_head!(),
+        parse_lock!(),
+        queue_keys!(),
         r#"
-redis.call('PUBLISH', ARGV[2], head or '')
+if o ~= ARGV[1] then return 0 end
+"#,
+        pass_on!(),
+        r#"
 return 1
 "#
     ))
 }
 
-/// Undo of a cancelled or abandoned acquire: release if owner, leave the queue, notify the
-/// next waiter when that freed the way.
+/// Undo of a cancelled or abandoned acquire: release if owner, leave the queue, and pass a
+/// free lock on if that made someone else first.
 ///
-/// KEYS: 1 lock, 2 queue list, 3 queue deadlines. ARGV: 1 owner token, 2 channel.
-/// Returns 1 when the token held the lock, 0 otherwise.
+/// KEYS and ARGV as [`release`]. Returns 1 when the token held a live lease, 0 otherwise.
 pub(super) fn abandon() -> Script {
-    Script::new(concat!(
+    script(concat!(
         r#"
-local held = 0
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  held = 1
-end
-local removed = redis.call('LREM', KEYS[2], 0, ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-if held == 0 and (removed == 0 or redis.call('EXISTS', KEYS[1]) == 1) then
-  return 0
-end
+local token, fence_key = ARGV[1], ARGV[2]
 "#,
-        queue_head!(),
+        queue_keys!(),
         r#"
-redis.call('PUBLISH', ARGV[2], head or '')
-return held
+local v = redis.call('GET', KEYS[1])
+local held, free, flags = 0, true, ''
+if v then
+"#,
+        parse_lock!(),
+        r#"
+  flags = fl
+  if redis.call('PTTL', KEYS[1]) > LINGER then
+    if o == token then held = 1 else free = false end
+  elseif o == token then
+    held = 2
+  end
+end
+local left = redis.call('HDEL', lqw, token)
+if left == 1 then redis.call('LREM', lq, 0, token) end
+if held == 0 and (left == 0 or not free or not v) then return 0 end
+local fl = flags
+"#,
+        pass_on!(),
+        r#"
+if held == 1 then return 1 end
+return 0
 "#
     ))
 }
 
 /// Owner-checked lease extension.
 ///
-/// KEYS: 1 lock. ARGV: 1 owner token, 2 lease ms. Returns 1 when extended, 0 otherwise.
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 [`px`] of the lease. Returns 1 when extended, 0
+/// otherwise.
 pub(super) fn extend() -> Script {
-    Script::new(
+    script(concat!(
         r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
 "#,
-    )
+        parse_lock!(),
+        r#"
+if o ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= LINGER then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"#
+    ))
 }
 
-/// Raises the fencing counter to at least the given token (Redlock's majority maximum).
+/// Raises the namespace's fencing counter to at least the given token (Redlock's majority
+/// maximum).
 ///
-/// KEYS: 1 fence. ARGV: 1 token, 2 retention ms (`0`: no expiry). Returns 1.
+/// KEYS: 1 fencing counter. ARGV: 1 token. Returns 1.
 pub(super) fn raise_fence() -> Script {
     Script::new(
         r#"
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-if cur < tonumber(ARGV[1]) then
-  if ARGV[2] == '0' then
-    redis.call('SET', KEYS[1], ARGV[1])
-  else
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  end
-end
+if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
 "#,
     )
