@@ -70,6 +70,7 @@ if v then
     flags = string.gsub(flags, 'q', '')
   end
 end
+local fence
 {NEXT_FENCE}
 local nv = token
 if flags ~= '' then nv = flags .. '|' .. token end

@@ -59,11 +59,12 @@ if not fl then fl, o = '', v end
     };
 }
 
-/// Lua: the next fencing token, a number, in `fence`. `fence_key` = the namespace counter.
+/// Lua: the next fencing token, a number, into `fence` (declared by the caller). `fence_key` =
+/// the namespace counter.
 macro_rules! next_fence {
     () => {
         r#"
-local fence = redis.call('INCR', fence_key)
+fence = redis.call('INCR', fence_key)
 if fence == 1 then
   local t = redis.call('TIME')
   fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -126,6 +127,7 @@ if string.find(fl, 'q', 1, true) then
     if string.find(fl, 'b', 1, true) then nfl = nfl .. 'b' end
     local nv = head
     if nfl ~= '' then nv = nfl .. '|' .. head end
+    local fence
 "#,
             next_fence!(),
             r#"
@@ -192,12 +194,21 @@ pub(super) fn px(lease: Duration) -> u64 {
 pub(super) fn acquire() -> Script {
     script(concat!(
         "local token, fence_key = ARGV[1], ARGV[3]\n",
+        r#"
+local fence
+local floor = tonumber(ARGV[7])
+if floor then
+  -- Redlock: the counter jumps to the client's floor (one write), unless it is already past it.
+  local old = tonumber(redis.call('SET', fence_key, ARGV[7], 'GET') or '0')
+  fence = floor
+  if old >= floor then
+    fence = old + 1
+    redis.call('SET', fence_key, string.format('%.0f', fence))
+  end
+else
+"#,
         next_fence!(),
         r#"
-local floor = tonumber(ARGV[7])
-if floor and fence < floor then
-  redis.call('SET', fence_key, ARGV[7])
-  fence = floor
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
 local mode, wttl, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
