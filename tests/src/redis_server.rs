@@ -23,6 +23,11 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     paused: bool,
+    /// Arguments beyond the defaults (cluster mode, …), kept for restarts.
+    extra: Vec<String>,
+    /// The process is killed when the thread that started it ends (servers shared by a
+    /// whole test binary, which would otherwise outlive it).
+    die_with_parent: bool,
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -46,6 +51,24 @@ impl RedisServer {
     /// # Panics
     /// If `redis-server` is missing or does not come up within 10 seconds.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`start`](RedisServer::start), with more `redis-server` arguments (they override
+    /// the defaults; e.g. `["--cluster-enabled", "yes"]`). Its temporary folder holds whatever
+    /// files they make (a cluster's `nodes.conf`).
+    pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_inner(extra, false)
+    }
+
+    /// Like [`start_with`](RedisServer::start_with), but the server is killed by the kernel
+    /// when the thread that started it ends — for servers a whole test binary shares (kept in
+    /// a static, never dropped): start them on a thread that lives as long as the process.
+    pub fn start_owned_by_thread(extra: &[&str]) -> Self {
+        Self::start_inner(extra, true)
+    }
+
+    fn start_inner(extra: &[&str], die_with_parent: bool) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "dlock-redis-{}-{}",
             std::process::id(),
@@ -60,6 +83,8 @@ impl RedisServer {
                 port,
                 dir: dir.clone(),
                 paused: false,
+                extra: extra.iter().map(|a| (*a).to_owned()).collect(),
+                die_with_parent,
             };
             if server.spawn() {
                 return server;
@@ -69,7 +94,16 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> bool {
-        let child = Command::new(binary())
+        // A shared server runs under `setpriv --pdeathsig KILL` (util-linux), which execs
+        // redis-server in the same process with the parent-death signal set.
+        let mut command = if self.die_with_parent {
+            let mut c = Command::new("setpriv");
+            c.args(["--pdeathsig", "KILL", "--"]).arg(binary());
+            c
+        } else {
+            Command::new(binary())
+        };
+        let child = command
             .args([
                 "--port",
                 &self.port.to_string(),
@@ -88,6 +122,7 @@ impl RedisServer {
             ])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -117,6 +117,16 @@ impl LockerBuilder {
                 let backend = crate::backend::RedisBackend::connect(url, opts).await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "cluster")]
+            "redis+cluster" | "rediss+cluster" => {
+                let opts = crate::backend::RedisOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend =
+                    crate::backend::RedisBackend::connect_cluster(&cluster_urls(url)?, opts)
+                        .await?;
+                self.try_build(backend)
+            }
             #[cfg(feature = "redis")]
             "redlock" => {
                 let opts = crate::backend::RedlockOptions::default()
@@ -125,9 +135,41 @@ impl LockerBuilder {
                 self.try_build(backend)
             }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redlock://)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redlock://; redis+cluster needs feature `cluster`)"),
                 None,
             )),
         }
     }
+}
+
+/// `redis+cluster://[user:pass@]h1:p1,h2:p2/…` → one `redis://[user:pass@]h:p` URL per node
+/// (`rediss://` for `rediss+cluster://`).
+#[cfg(feature = "cluster")]
+fn cluster_urls(url: &str) -> Result<Vec<String>, LockError> {
+    let bad = || {
+        LockError::unavailable(
+            "invalid redis cluster url: expected redis+cluster://host:port,host:port",
+            None,
+        )
+    };
+    let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
+    let scheme = if scheme == "rediss+cluster" {
+        "rediss"
+    } else {
+        "redis"
+    };
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    let hosts = hosts.split('/').next().unwrap_or("");
+    let urls: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect();
+    if urls.is_empty() {
+        return Err(bad());
+    }
+    Ok(urls)
 }

@@ -98,6 +98,9 @@ impl Locker {
     ///
     /// * `memory://` — a fresh in-process store;
     /// * `redis://host:port[/db]`, `rediss://…` (feature `tls`) — one Redis server;
+    /// * `redis+cluster://[user:pass@]host:port,host:port,…`, `rediss+cluster://…` (feature
+    ///   `cluster`) — a Redis Cluster (Redis ≥ 7: release notifications use sharded pub/sub),
+    ///   reached through any of the listed nodes;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
     ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
     ///

@@ -22,8 +22,8 @@ use redis::Script;
 
 // Lua shared with the lock scripts: parsing the lock's value, the next fencing token, the live
 // head of the waiter queue, passing a given-up lock on.
-use super::scripts::{script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS};
-use super::{fence_key, millis, RedisBackend};
+use super::scripts::{publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS};
+use super::{millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
@@ -104,9 +104,11 @@ local fence_key = ARGV[2]
 /// KEYS: 1 lock, 2 record. ARGV: 1 owner token, 2 the fencing counter's key, 3 fingerprint,
 /// 4 result, 5 retention ms.
 /// Returns 1 when stored, 0 when the token did not own the lock (nothing changed).
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    script(&format!(
-        r#"
+static COMPLETE: LazyLock<[Script; 2]> = LazyLock::new(|| {
+    [false, true].map(|cluster| {
+        publishing(
+            &format!(
+                r#"
 {owner_check}
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'res', ARGV[4])
@@ -114,8 +116,11 @@ redis.call('PEXPIRE', KEYS[2], ARGV[5])
 {PASS_ON}
 return 1
 "#,
-        owner_check = *OWNER_CHECK
-    ))
+                owner_check = *OWNER_CHECK
+            ),
+            cluster,
+        )
+    })
 });
 
 /// One `abort` step: owner-checked release without a record; drops this owner's note of its
@@ -123,16 +128,21 @@ return 1
 ///
 /// KEYS as `complete`. ARGV: 1 owner token, 2 the fencing counter's key.
 /// Returns 1 when released, 0 when the token did not own the lock.
-static ABORT: LazyLock<Script> = LazyLock::new(|| {
-    script(&format!(
-        r#"
+static ABORT: LazyLock<[Script; 2]> = LazyLock::new(|| {
+    [false, true].map(|cluster| {
+        publishing(
+            &format!(
+                r#"
 {owner_check}
 if redis.call('HGET', KEYS[2], 'tok') == ARGV[1] then redis.call('DEL', KEYS[2]) end
 {PASS_ON}
 return 1
 "#,
-        owner_check = *OWNER_CHECK
-    ))
+                owner_check = *OWNER_CHECK
+            ),
+            cluster,
+        )
+    })
 });
 
 /// KEYS of every idempotency script: the lock, the record.
@@ -155,7 +165,7 @@ impl IdempotencyStore for RedisBackend {
                 .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())
                 .arg(millis(args.retention))
-                .arg(fence_key(args.resource));
+                .arg(self.fence_key(args.resource));
             let (code, data, extra): (i64, Vec<u8>, String) = self
                 .deadline("idempotency begin", inv.invoke_async(&mut conn))
                 .await?;
@@ -188,10 +198,10 @@ impl IdempotencyStore for RedisBackend {
     fn complete<'a>(&'a self, args: CompleteArgs<'a>) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
-            let mut inv = COMPLETE.prepare_invoke();
+            let mut inv = COMPLETE[usize::from(self.is_cluster())].prepare_invoke();
             lock_keys(&mut inv, args.resource);
             inv.arg(args.token.as_str())
-                .arg(fence_key(args.resource))
+                .arg(self.fence_key(args.resource))
                 .arg(args.fingerprint.to_hex())
                 .arg(args.record)
                 .arg(millis(args.retention));
@@ -209,9 +219,9 @@ impl IdempotencyStore for RedisBackend {
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
-            let mut inv = ABORT.prepare_invoke();
+            let mut inv = ABORT[usize::from(self.is_cluster())].prepare_invoke();
             lock_keys(&mut inv, resource);
-            inv.arg(token.as_str()).arg(fence_key(resource));
+            inv.arg(token.as_str()).arg(self.fence_key(resource));
             let n: i64 = self
                 .deadline("idempotency abort", inv.invoke_async(&mut conn))
                 .await?;

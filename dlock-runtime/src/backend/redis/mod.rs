@@ -23,6 +23,8 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use self::conn::Conn;
 use redis::{IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError, Script};
 
 use super::{
@@ -31,6 +33,7 @@ use super::{
 use crate::key::ResourceName;
 use crate::LockError;
 
+mod conn;
 mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
@@ -97,7 +100,7 @@ impl std::fmt::Debug for RedisBackend {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    conn: Conn,
     hub: Arc<ReleaseHub>,
     /// Channels this connection is subscribed to. Changes happen under this async mutex and
     /// consult the hub, so a subscribe and an unsubscribe of one channel never reorder.
@@ -112,9 +115,24 @@ struct Inner {
     recovering: AtomicBool,
 }
 
-/// The key of the namespace's fencing counter.
-fn fence_key(resource: &ResourceName) -> String {
-    resource.namespace_key("fence")
+/// The push handler of a backend's connection, and where it finds the backend (set once the
+/// backend exists: the handler is needed to make the connection the backend holds).
+#[allow(clippy::type_complexity)]
+fn push_handler(
+    hub: &Arc<ReleaseHub>,
+    handoff: bool,
+) -> (
+    Arc<OnceLock<Weak<Inner>>>,
+    impl Fn(PushInfo) -> Result<(), redis::aio::SendError> + Send + Sync + 'static,
+) {
+    let push_hub = Arc::downgrade(hub);
+    let me: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
+    let push_me = me.clone();
+    let handler = move |push: PushInfo| {
+        on_push(&push_hub, &push_me, handoff, push);
+        Ok::<(), redis::aio::SendError>(())
+    };
+    (me, handler)
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
@@ -172,31 +190,69 @@ impl RedisBackend {
         let info = info.set_redis_settings(settings);
         let client = redis::Client::open(info).map_err(|e| redis_err("client", e))?;
 
-        let push_hub = Arc::downgrade(&hub);
-        // The push handler needs the backend, which needs the connection made with the handler.
-        let me: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
-        let push_me = me.clone();
+        let (me, push) = push_handler(&hub, handoff);
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(opts.connect_timeout))
             .set_response_timeout(Some(opts.command_timeout))
             .set_number_of_retries(2)
             .set_max_delay(opts.connect_timeout)
-            .set_push_sender(move |push: PushInfo| {
-                on_push(&push_hub, &push_me, handoff, push);
-                Ok::<(), redis::aio::SendError>(())
-            })
+            .set_push_sender(push)
             .set_automatic_resubscription();
         let conn = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| redis_err("connect", e))?;
+        Ok(Self::with_conn(Conn::Single(conn), opts, hub, &me))
+    }
 
+    /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each, or
+    /// `rediss://` with feature `tls`): every command of a lock goes to its slot's master, and
+    /// `MOVED`/`ASK` and topology changes are followed by redis-rs's cluster client. Release
+    /// notifications use sharded pub/sub (`SSUBSCRIBE`, Redis 7). Fails with
+    /// [`LockError::Unavailable`] if no node answers within the connect timeout.
+    #[cfg(feature = "cluster")]
+    pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
+        let hub = ReleaseHub::new();
+        let (me, push) = push_handler(&hub, true);
+        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+            .use_protocol(ProtocolVersion::RESP3)
+            .connection_timeout(opts.connect_timeout)
+            .response_timeout(opts.command_timeout)
+            .retries(3)
+            .push_sender(push)
+            .build()
+            // The URLs may carry a password: never put them in an error message.
+            .map_err(|e| {
+                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+            })?;
+        let limit = opts.connect_timeout + opts.command_timeout;
+        let conn = match tokio::time::timeout(limit, client.get_async_connection()).await {
+            Ok(r) => r.map_err(|e| redis_err("cluster connect", e))?,
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    format!("redis cluster: no node answered within {limit:?}"),
+                    None,
+                ))
+            }
+        };
+        let backend = Self::with_conn(Conn::Cluster(conn), opts, hub, &me);
+        backend.ping().await?;
+        Ok(backend)
+    }
+
+    fn with_conn(
+        conn: Conn,
+        opts: RedisOptions,
+        hub: Arc<ReleaseHub>,
+        me: &OnceLock<Weak<Inner>>,
+    ) -> Self {
+        let cluster = conn.is_cluster();
         let backend = RedisBackend {
             inner: Arc::new(Inner {
                 conn,
                 hub,
                 subscribed: tokio::sync::Mutex::new(HashSet::new()),
                 acquire: scripts::acquire(),
-                release: scripts::release(),
-                abandon: scripts::abandon(),
+                release: scripts::release(cluster),
+                abandon: scripts::abandon(cluster),
                 extend: scripts::extend(),
                 raise_fence: scripts::raise_fence(),
                 opts,
@@ -204,7 +260,24 @@ impl RedisBackend {
             }),
         };
         let _ = me.set(Arc::downgrade(&backend.inner));
-        Ok(backend)
+        backend
+    }
+
+    /// The key of the fencing counter `resource` draws from: `<prefix>:fence` on one server;
+    /// on a cluster one per slot, `<prefix>:{<tag>}:fence` with a tag of the lock's slot, so
+    /// the lock's scripts can reach it.
+    pub(crate) fn fence_key(&self, resource: &ResourceName) -> String {
+        #[cfg(feature = "cluster")]
+        if self.inner.conn.is_cluster() {
+            let tag = conn::slot_tag(conn::slot(resource.key().as_str()));
+            return resource.namespace_key(&format!("{{{tag}}}:fence"));
+        }
+        resource.namespace_key("fence")
+    }
+
+    /// Whether this backend talks to a cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        self.inner.conn.is_cluster()
     }
 
     /// Round trip to the server (connects first if needed).
@@ -254,7 +327,7 @@ impl RedisBackend {
     ) -> Result<(), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.raise_fence.prepare_invoke();
-        inv.key(fence_key(resource)).arg(token.to_string());
+        inv.key(self.fence_key(resource)).arg(token.to_string());
         self.deadline("raise fence", inv.invoke_async::<i64>(&mut conn))
             .await
             .map(|_| ())
@@ -288,7 +361,7 @@ impl RedisBackend {
         let mut inv = script.prepare_invoke();
         inv.key(resource.as_str())
             .arg(token.as_str())
-            .arg(fence_key(resource));
+            .arg(self.fence_key(resource));
         self.deadline(what, inv.invoke_async(&mut conn)).await
     }
 
@@ -340,7 +413,7 @@ async fn wake_after_reconnect(inner: Weak<Inner>) {
 fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
-        PushKind::Message => {
+        PushKind::Message | PushKind::SMessage => {
             let mut data = push.data.into_iter();
             let (Some(channel), Some(payload)) = (data.next(), data.next()) else {
                 return;
@@ -406,7 +479,7 @@ impl RedisBackend {
         inv.key(args.resource.as_str())
             .arg(args.token.as_str())
             .arg(scripts::px(args.ttl))
-            .arg(fence_key(args.resource))
+            .arg(self.fence_key(args.resource))
             .arg(mode)
             // An entry must not outlive the lock's key (see `scripts::LINGER`).
             .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
@@ -477,6 +550,16 @@ impl Backend for RedisBackend {
         items: &'a [ExtendItem],
     ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
         Box::pin(async move {
+            if self.is_cluster() {
+                // A cluster pipeline holds one slot: send each renewal on its own. They are
+                // multiplexed on each master's connection, so they still travel together.
+                return futures_util::future::join_all(
+                    items
+                        .iter()
+                        .map(|i| self.extend(&i.resource, &i.token, i.ttl)),
+                )
+                .await;
+            }
             let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
                 match self.extend_chunk(chunk).await {
                     Ok(v) => v.into_iter().map(|n| Ok(n == 1)).collect::<Vec<_>>(),

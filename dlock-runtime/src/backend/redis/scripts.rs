@@ -177,6 +177,17 @@ pub(super) fn script(text: &str) -> Script {
     Script::new(&text.replace("LINGER", LINGER_MS))
 }
 
+/// Like [`script`]; on a cluster (`cluster`), release notifications go out on the lock's
+/// sharded channel (`SPUBLISH`, delivered by the slot's own nodes) instead of `PUBLISH`, which
+/// a cluster broadcasts to every node.
+pub(super) fn publishing(text: &str, cluster: bool) -> Script {
+    if cluster {
+        script(&text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'"))
+    } else {
+        script(text)
+    }
+}
+
 /// `lease + LINGER` in ms: the `PX` of a lock granted or extended for `lease`.
 pub(super) fn px(lease: Duration) -> u64 {
     super::millis(lease).saturating_add(super::millis(LINGER))
@@ -271,9 +282,10 @@ return fence
 /// held the lock, 0 when it did not. (A lease of this token
 /// that lapsed unnoticed, with nobody taking the lock since, counts as held: the locker reports
 /// such a release as lost by its own lease clock.)
-pub(super) fn release() -> Script {
-    script(concat!(
-        r#"
+pub(super) fn release(cluster: bool) -> Script {
+    publishing(
+        concat!(
+            r#"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -282,35 +294,38 @@ end
 if not v then return 0 end
 local fence_key = ARGV[2]
 "#,
-        parse_lock!(),
-        queue_keys!(),
-        r#"
+            parse_lock!(),
+            queue_keys!(),
+            r#"
 if o ~= ARGV[1] then return 0 end
 "#,
-        pass_on!(),
-        r#"
+            pass_on!(),
+            r#"
 return 1
 "#
-    ))
+        ),
+        cluster,
+    )
 }
 
 /// Undo of a cancelled or abandoned acquire: release if owner, leave the queue, and pass a
 /// free lock on if that made someone else first.
 ///
 /// KEYS and ARGV as [`release`]. Returns 1 when the token held a live lease, 0 otherwise.
-pub(super) fn abandon() -> Script {
-    script(concat!(
-        r#"
+pub(super) fn abandon(cluster: bool) -> Script {
+    publishing(
+        concat!(
+            r#"
 local token, fence_key = ARGV[1], ARGV[2]
 "#,
-        queue_keys!(),
-        r#"
+            queue_keys!(),
+            r#"
 local v = redis.call('GET', KEYS[1])
 local held, free, flags = 0, true, ''
 if v then
 "#,
-        parse_lock!(),
-        r#"
+            parse_lock!(),
+            r#"
   flags = fl
   if redis.call('PTTL', KEYS[1]) > LINGER then
     if o == token then held = 1 else free = false end
@@ -323,12 +338,14 @@ if left == 1 then redis.call('LREM', lq, 0, token) end
 if held == 0 and (left == 0 or not free or not v) then return 0 end
 local fl = flags
 "#,
-        pass_on!(),
-        r#"
+            pass_on!(),
+            r#"
 if held == 1 then return 1 end
 return 0
 "#
-    ))
+        ),
+        cluster,
+    )
 }
 
 /// Owner-checked lease extension.

@@ -1,0 +1,132 @@
+//! The connection under a [`RedisBackend`](super::RedisBackend): one server (redis-rs's
+//! reconnecting `ConnectionManager`) or, under feature `cluster`, a Redis Cluster (redis-rs's
+//! cluster client, which routes each command to its slot's master and follows `MOVED`/`ASK`
+//! and topology changes). Both carry commands and RESP3 pushes on the same connections.
+
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+
+/// One server or a cluster. Cheap to clone.
+#[derive(Clone)]
+pub(super) enum Conn {
+    Single(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Conn {
+    /// Whether this is a cluster (scripts publish on sharded channels, fencing counters are
+    /// per slot, pipelines hold one slot).
+    pub(super) fn is_cluster(&self) -> bool {
+        !matches!(self, Conn::Single(_))
+    }
+
+    /// Subscribes to a lock's release channel: `SUBSCRIBE` on one server, `SSUBSCRIBE` (routed
+    /// to the channel's slot, re-established by the client after a topology change) on a
+    /// cluster.
+    pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self {
+            Conn::Single(c) => c.subscribe(channel).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.ssubscribe(channel).await,
+        }
+    }
+
+    /// The reverse of [`subscribe`](Conn::subscribe).
+    pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self {
+            Conn::Single(c) => c.unsubscribe(channel).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.sunsubscribe(channel).await,
+        }
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The cluster slot of a lock: CRC16 (XMODEM) of its hash tag — the encoded key, which holds no
+/// braces — modulo 16384, as Redis Cluster computes it.
+#[cfg(feature = "cluster")]
+pub(super) fn slot(tag: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in tag.as_bytes() {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+/// For every slot, a short hash tag that falls into it (`f<n>`): a cluster keeps one fencing
+/// counter per slot, `<prefix>:{<tag>}:fence`, which its scripts can reach beside any lock of
+/// the slot. The counter moves with its slot when the slot is resharded.
+#[cfg(feature = "cluster")]
+pub(super) fn slot_tag(of: u16) -> &'static str {
+    use std::sync::LazyLock;
+    static TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
+        let mut tags = vec![String::new(); 16384];
+        let mut missing = 16384usize;
+        let mut n = 0u32;
+        while missing > 0 {
+            let tag = format!("f{n}");
+            let t = &mut tags[usize::from(slot(&tag))];
+            if t.is_empty() {
+                *t = tag;
+                missing -= 1;
+            }
+            n += 1;
+        }
+        tags
+    });
+    &TAGS[usize::from(of)]
+}
+
+#[cfg(all(test, feature = "cluster"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis_and_every_slot_has_a_tag() {
+        // Values from the Redis Cluster specification's reference implementation.
+        assert_eq!(slot("123456789"), 0x31C3); // the CRC16 check value, below 16384
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("user:1000"), 1649);
+        for s in [0u16, 1, 8000, 16383] {
+            assert_eq!(slot(slot_tag(s)), s);
+        }
+    }
+}

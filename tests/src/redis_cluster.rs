@@ -1,0 +1,163 @@
+//! A real Redis Cluster for tests: 3 masters and 3 replicas, each a `redis-server` in cluster
+//! mode on a free loopback port in its own temporary folder, joined with
+//! `redis-cli --cluster create` (Debian's `redis-tools`, installed with the server by
+//! `./scripts/test`). Starting one takes a few seconds: start it once per test binary
+//! ([`shared`]) and give each test keys of its own.
+
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::RedisServer;
+
+/// Cluster node timeout: how long a master may be unreachable before its replica takes over.
+pub const NODE_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// A running cluster. Dropping it stops every node.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// Masters first (as created), then replicas.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` masters with `replicas` replicas each and waits until the cluster
+    /// reports `cluster_state:ok` on every node.
+    ///
+    /// # Panics
+    /// If a node does not start, `redis-cli` is missing, or the cluster is not ready within 30 s.
+    pub fn start(masters: usize, replicas: usize) -> Self {
+        Self::start_inner(masters, replicas, false)
+    }
+
+    fn start_inner(masters: usize, replicas: usize, owned_by_thread: bool) -> Self {
+        let timeout = NODE_TIMEOUT.as_millis().to_string();
+        let nodes: Vec<RedisServer> = (0..masters * (1 + replicas))
+            .map(|_| {
+                let args = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    &timeout,
+                    "--cluster-require-full-coverage",
+                    "no",
+                ];
+                if owned_by_thread {
+                    RedisServer::start_owned_by_thread(&args)
+                } else {
+                    RedisServer::start_with(&args)
+                }
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.args(["--cluster", "create"]);
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port()));
+        }
+        create.args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"]);
+        let out = create.output().unwrap_or_else(|e| {
+            panic!(
+                "cannot run `redis-cli` ({e}). Install it (`apt-get install redis-tools`) or run \
+                 the project's test command, `./scripts/test`, which installs it."
+            )
+        });
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ready(Duration::from_secs(30));
+        cluster
+    }
+
+    /// Waits until every running node reports `cluster_state:ok` and knows every slot.
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    pub fn wait_ready(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let ready = self.nodes.iter().filter(|n| n.is_up()).all(|n| {
+                cluster_info(n.port()).is_some_and(|i| {
+                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+                })
+            });
+            if ready {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster was not ready within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The seed URLs of every node (`redis://127.0.0.1:<port>`).
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// A cluster connection of its own, for tests that read or change keys behind the
+    /// locker's back (commands are routed to their slot's master).
+    ///
+    /// # Panics
+    /// If no node accepts it.
+    pub async fn conn(&self) -> redis::cluster_async::ClusterConnection {
+        redis::cluster::ClusterClient::new(self.urls())
+            .expect("cluster client")
+            .get_async_connection()
+            .await
+            .expect("connect to the cluster")
+    }
+
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…`, for `Locker::from_url`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+}
+
+/// `CLUSTER INFO` of the node on `port`, if it answers.
+fn cluster_info(port: u16) -> Option<String> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "cluster", "info"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The cluster of this test binary (3 masters, 3 replicas), started on first use and kept for
+/// the binary's life. Its nodes are started by a thread that lives as long as the process, and
+/// the kernel kills them when it ends (`PR_SET_PDEATHSIG`): a static is never dropped.
+pub fn shared() -> Arc<Mutex<RedisCluster>> {
+    static SHARED: OnceLock<Arc<Mutex<RedisCluster>>> = OnceLock::new();
+    SHARED
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("redis-cluster-owner".into())
+                .spawn(move || {
+                    let _ = tx.send(RedisCluster::start_inner(3, 1, true));
+                    loop {
+                        std::thread::park();
+                    }
+                })
+                .expect("spawn the cluster's owner thread");
+            Arc::new(Mutex::new(
+                rx.recv()
+                    .expect("the cluster's owner thread died starting it"),
+            ))
+        })
+        .clone()
+}
