@@ -44,18 +44,9 @@ mod conformance {
 /// How many times each master has run `command` (`INFO commandstats`), masters in creation
 /// order.
 async fn calls_per_master(command: &str) -> Vec<u64> {
-    let cluster = redis_cluster::shared();
-    let masters: Vec<_> = {
-        let c = cluster.lock().unwrap();
-        c.nodes.iter().take(3).map(|n| n.port()).collect()
-    };
     let mut out = Vec::new();
-    for port in masters {
-        let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
+    for port in master_ports() {
+        let mut c = node_conn(port).await;
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut c)
@@ -77,12 +68,15 @@ async fn calls_per_master(command: &str) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_spread_over_every_master_with_per_slot_fencing() {
     let url = redis_cluster::shared().lock().unwrap().url();
-    let locker = Locker::from_url(&url).await.unwrap();
-    let before = calls_per_master("incr").await;
+    let locker = Locker::builder()
+        .prefix("spread")
+        .connect(&url)
+        .await
+        .unwrap();
     let mut last = std::collections::HashMap::new();
     for round in 0..2 {
         for i in 0..30 {
-            let key = format!("spread:{i}");
+            let key = format!("k{i}");
             let g = locker.lock(&key).acquire().await.unwrap();
             if round == 1 {
                 assert!(
@@ -94,13 +88,42 @@ async fn locks_spread_over_every_master_with_per_slot_fencing() {
             g.release().await.unwrap();
         }
     }
-    let after = calls_per_master("incr").await;
-    for (b, a) in before.iter().zip(&after) {
-        assert!(
-            a > b,
-            "a master drew no fencing token: {before:?} -> {after:?}"
-        );
+    for (i, counters) in keys_per_master("spread:{f*}:fence")
+        .await
+        .iter()
+        .enumerate()
+    {
+        assert!(*counters > 0, "master {i} holds no fencing counter");
     }
+}
+
+/// How many keys matching `pattern` each master holds, masters in creation order.
+async fn keys_per_master(pattern: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for port in master_ports() {
+        let mut c = node_conn(port).await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        out.push(keys.len());
+    }
+    out
+}
+
+fn master_ports() -> Vec<u16> {
+    let cluster = redis_cluster::shared();
+    let c = cluster.lock().unwrap();
+    c.nodes.iter().take(3).map(|n| n.port()).collect()
+}
+
+async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
 }
 
 /// Release notifications on a cluster are sharded (`SPUBLISH`, served by the lock's own

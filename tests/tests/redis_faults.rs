@@ -674,8 +674,9 @@ async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
 }
 
 /// Fencing tokens come from one counter per namespace: they grow across keys, and when the
-/// counter is lost (a restart without persistence, here a `FLUSHALL`) the next token still
-/// exceeds every earlier one.
+/// counter is lost (a restart without persistence, here a `FLUSHALL`) or rolled back (a failover
+/// to a lagging replica, here a `SET` to a lower value) the next token still exceeds every
+/// earlier one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     let server = RedisServer::start();
@@ -693,6 +694,39 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     }
     let _: () = server.query(&redis::cmd("FLUSHALL")).await;
     let g = locker.lock("fence:a").acquire().await.unwrap();
+    assert!(
+        g.fencing_token() > last,
+        "{} after {last}",
+        g.fencing_token()
+    );
+    last = g.fencing_token();
+    g.release().await.unwrap();
+    // A counter rolled back (a failover to a replica that missed the latest tokens), seen by
+    // another client: the floor of its clock keeps the order.
+    let _: () = server
+        .query(
+            redis::cmd("SET")
+                .arg(format!("{}:fence", locker.prefix()))
+                .arg(last - 1_000),
+        )
+        .await;
+    // A failover takes seconds; here, wait until the clock is past the last token's millisecond.
+    let past = || {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        (now.as_millis() as u64 * 1000 > last)
+            .then_some(())
+            .ok_or("same millisecond")
+    };
+    poll_until(
+        Duration::from_secs(2),
+        Duration::from_millis(1),
+        async || past(),
+    )
+    .await;
+    let other = server.locker().await;
+    let g = other.lock("fence:a").acquire().await.unwrap();
     assert!(
         g.fencing_token() > last,
         "{} after {last}",

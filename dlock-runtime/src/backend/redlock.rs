@@ -143,7 +143,7 @@ pub struct RedlockBackend {
 struct Inner {
     nodes: Vec<RedisBackend>,
     /// The largest fencing token this backend has seen: the next acquire proposes a floor
-    /// above it (see [`fence_floor`]).
+    /// above it (see `redis::Floor::exact`).
     fence_seen: AtomicU64,
     hub: Arc<ReleaseHub>,
     quorum: usize,
@@ -394,26 +394,6 @@ impl RedlockBackend {
     }
 }
 
-/// The floor an acquire proposes for its fencing token: above every token this backend has
-/// seen, and at least the local clock in µs. The nodes' counters advance one per acquire, far
-/// slower than a microsecond clock, so the floor is usually above all of them and every
-/// granting node answers with the floor itself: the tokens agree and no raise round trip is
-/// needed. It is only a hint — safety rests on the raise, which still runs whenever the
-/// granting nodes' tokens differ.
-fn fence_floor(seen: &AtomicU64) -> u64 {
-    let now_us = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-    let floor = seen.load(Ordering::Acquire).saturating_add(1).max(now_us);
-    // Concurrent acquires of this backend propose distinct floors.
-    let prev = seen.fetch_max(floor, Ordering::AcqRel);
-    if prev >= floor {
-        seen.fetch_add(1, Ordering::AcqRel) + 1
-    } else {
-        floor
-    }
-}
-
 /// (yes votes, failed nodes).
 fn tally<T>(votes: &[(usize, Vote<T>)]) -> (usize, usize) {
     let yes = votes
@@ -457,7 +437,7 @@ impl Backend for RedlockBackend {
             };
             let (resource, token, ttl, waiter_ttl) =
                 (args.resource, args.token, args.ttl, args.waiter_ttl);
-            let floor = fence_floor(&self.inner.fence_seen);
+            let floor = super::redis::Floor::exact(&self.inner.fence_seen);
             let votes = self
                 .poll(
                     |node| {
@@ -469,7 +449,7 @@ impl Backend for RedlockBackend {
                                 mode,
                                 waiter_ttl,
                             };
-                            Ok(match node.acquire_with_floor(a, Some(floor)).await? {
+                            Ok(match node.acquire_with_floor(a, floor).await? {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),
                                 Attempt::Held { remaining } => Answer::No(remaining),
                             })

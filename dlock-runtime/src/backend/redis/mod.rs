@@ -18,7 +18,7 @@
 //!   [`LockError::Unavailable`] instead of a hung handler.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
@@ -111,8 +111,60 @@ struct Inner {
     extend: Script,
     raise_fence: Script,
     opts: RedisOptions,
+    /// The largest fencing token this backend has been granted (see [`Floor::clock`]).
+    fence_seen: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
+}
+
+/// A lower bound an acquire brings for its fencing token.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Floor {
+    /// One server or a cluster: the counter is `INCR`ed and raised to this if below. The floor
+    /// is above every token this backend has seen and at least its clock, in ms × 1000 (see
+    /// [`Floor::clock`]).
+    AtLeast(u64),
+    /// A Redlock node: the counter takes exactly this (one `SET … GET`) unless it is already
+    /// past it, so that the nodes' proposals agree (see `backend::redlock`).
+    Exactly(u64),
+}
+
+impl Floor {
+    /// The floor of a single server's or a cluster's acquire: `max(seen + 1, now in ms × 1000)`.
+    /// The counter advances one per acquire, far slower than the clock, so each client raises
+    /// it (one extra write) about once per millisecond and otherwise only `INCR`s it. Tokens
+    /// are then strictly increasing while the counter lives, whatever the clocks do; and when
+    /// the counter is lost or rolled back (a failover to a replica that missed the latest
+    /// tokens, a restart without persistence), the floors carry the order on: the lost tokens
+    /// are below the clocks of the moment they were issued (plus one per acquire within that
+    /// millisecond), the next ones at least the clock after the failover — which takes
+    /// seconds — unless the clients' clocks disagree by more than that.
+    pub(crate) fn clock(seen: &AtomicU64) -> Floor {
+        let now_ms = now_us() / 1000;
+        Floor::AtLeast(
+            seen.load(Ordering::Acquire)
+                .saturating_add(1)
+                .max(now_ms.saturating_mul(1000)),
+        )
+    }
+
+    /// The floor of a Redlock acquire: above every token this backend has seen, at least its
+    /// clock in µs, and distinct for concurrent acquires.
+    pub(crate) fn exact(seen: &AtomicU64) -> Floor {
+        let floor = seen.load(Ordering::Acquire).saturating_add(1).max(now_us());
+        let prev = seen.fetch_max(floor, Ordering::AcqRel);
+        Floor::Exactly(if prev >= floor {
+            seen.fetch_add(1, Ordering::AcqRel) + 1
+        } else {
+            floor
+        })
+    }
+}
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The push handler of a backend's connection, and where it finds the backend (set once the
@@ -256,6 +308,7 @@ impl RedisBackend {
                 extend: scripts::extend(),
                 raise_fence: scripts::raise_fence(),
                 opts,
+                fence_seen: AtomicU64::new(0),
                 recovering: AtomicBool::new(false),
             }),
         };
@@ -463,11 +516,11 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
 }
 
 impl RedisBackend {
-    /// One acquire attempt; `floor` (Redlock) is a lower bound for the fencing token.
+    /// One acquire attempt, its fencing token at least `floor`.
     pub(crate) async fn acquire_with_floor(
         &self,
         args: AcquireArgs<'_>,
-        floor: Option<u64>,
+        floor: Floor,
     ) -> Result<Attempt, LockError> {
         let mode = match args.mode {
             WaitMode::Try => "0",
@@ -484,9 +537,10 @@ impl RedisBackend {
             // An entry must not outlive the lock's key (see `scripts::LINGER`).
             .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
             .arg(millis(args.ttl));
-        if let Some(floor) = floor {
-            inv.arg(floor);
-        }
+        match floor {
+            Floor::AtLeast(f) => inv.arg(f),
+            Floor::Exactly(f) => inv.arg(f).arg("exact"),
+        };
         let reply: i64 = self
             .deadline("acquire", inv.invoke_async(&mut conn))
             .await?;
@@ -512,7 +566,14 @@ impl Backend for RedisBackend {
     }
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-        Box::pin(self.acquire_with_floor(args, None))
+        Box::pin(async move {
+            let seen = &self.inner.fence_seen;
+            let attempt = self.acquire_with_floor(args, Floor::clock(seen)).await?;
+            if let Attempt::Acquired { fencing_token } = attempt {
+                seen.fetch_max(fencing_token, Ordering::AcqRel);
+            }
+            Ok(attempt)
+        })
     }
 
     fn release<'a>(

@@ -16,8 +16,9 @@
 //! against this holder). The lease is the key's `PTTL` minus [`LINGER`]: a lease that ends
 //! without a release leaves the key for `LINGER` more, lapsed, so a lock whose holder died still
 //! shows its waiters' flag to newcomers. A release with no flag set is a `DEL`: nothing is left
-//! behind, nothing is published. An uncontended acquire is `INCR` and `SET NX PX`, a release
-//! `GET` and `DEL` — the commands of a hand-written lock plus the fencing counter. A queue entry
+//! behind, nothing is published. An uncontended acquire is `INCR` of the fencing counter and
+//! `SET NX PX`, a release `GET` and `DEL` — the commands of a hand-written lock plus the
+//! fencing counter. A queue entry
 //! lives at most `LINGER`, and joining the queue keeps the lock's key at least as long as the
 //! entry, so a lock key that is gone has no queue: the uncontended path never looks for one.
 //!
@@ -28,12 +29,18 @@
 //! notification was lost finds the lock already its own on its next attempt, and is granted it
 //! again with a new fencing token (it never learnt the first).
 //!
-//! **Fencing.** `INCR` of one counter per namespace: strictly increasing across every key and
-//! every expiry, whatever the clocks do, as long as the server keeps its data. If the counter is
-//! lost (a restart without persistence, a failover to a replica that missed it), `INCR` answers
-//! 1 and the counter restarts from the server clock in µs, above every token issued before it
-//! (a counter advances far slower than a microsecond clock) unless that clock stepped back.
-//!
+//! **Fencing.** One counter per namespace (per slot on a cluster), no expiry. An acquire brings
+//! the client's floor — above every token that client has seen, at least its clock in ms × 1000
+//! — and the counter is `INCR`ed and raised to the floor if below (about once per millisecond
+//! per client): tokens are strictly increasing across every key and every expiry, whatever the
+//! clocks do, as long as the server keeps its counter. If it loses or rolls it back (a failover
+//! to a replica that missed the latest tokens, a restart without persistence), the floors carry
+//! the order on: the lost tokens were below the clocks of their moment, and the next ones start
+//! from the clocks after the failure, so the order holds unless the clients' clocks disagree by
+//! more than the failover took. A release's handoff (which has no client floor) takes
+//! `counter + 1`; an `INCR` that answers 1 found no counter and starts it at the server clock
+//! in µs. A Redlock node takes the floor exactly (see `backend::redlock`).
+
 //! Replies are integers where the hot path is concerned (a Lua table or a formatted number
 //! costs the server more than the rest of an uncontended acquire).
 
@@ -193,11 +200,13 @@ pub(super) fn px(lease: Duration) -> u64 {
     super::millis(lease).saturating_add(super::millis(LINGER))
 }
 
-/// One acquire attempt. Uncontended: `INCR` and `SET NX PX`.
+/// One acquire attempt. Uncontended: `INCR` of the fencing counter (and about once per
+/// millisecond per client a `SET` raising it to the client's clock) and `SET NX PX`.
 ///
 /// KEYS: 1 lock. ARGV: 1 owner token, 2 [`px`] of the lease, 3 the fencing counter's key, 4 mode
-/// (`0` try, `1` queue, `2` barge), 5 waiter entry ttl ms, 6 lease ms, 7 (optional, Redlock) a
-/// floor for the fencing token: the counter is raised to it first.
+/// (`0` try, `1` queue, `2` barge), 5 waiter entry ttl ms, 6 lease ms, 7 (optional) the
+/// client's floor for the fencing token: the counter is `INCR`ed and raised to it if below; with
+/// 8 = `exact` (Redlock) the counter takes the floor itself unless already past it.
 /// Returns the fencing token (> 0) when granted — also when the lock is already this token's
 /// (handed over by a release whose notification was lost: a fresh grant, new token, lease
 /// restarted) —, `-(lease left ms) - 1` when someone else holds it, `0` when it is free but
@@ -208,8 +217,8 @@ pub(super) fn acquire() -> Script {
         r#"
 local fence
 local floor = tonumber(ARGV[7])
-if floor then
-  -- Redlock: the counter jumps to the client's floor (one write), unless it is already past it.
+if ARGV[8] then
+  -- Redlock: the counter takes the client's floor (one write), unless it is already past it.
   local old = tonumber(redis.call('SET', fence_key, ARGV[7], 'GET') or '0')
   fence = floor
   if old >= floor then
@@ -220,6 +229,10 @@ else
 "#,
         next_fence!(),
         r#"
+  if floor and fence < floor then
+    redis.call('SET', fence_key, ARGV[7])
+    fence = floor
+  end
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
 local mode, wttl, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
