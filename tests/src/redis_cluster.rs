@@ -71,6 +71,9 @@ impl RedisCluster {
         );
         let cluster = RedisCluster { nodes };
         cluster.wait_ready(Duration::from_secs(30));
+        if replicas > 0 {
+            cluster.wait_replicated(Duration::from_secs(30));
+        }
         cluster
     }
 
@@ -92,6 +95,31 @@ impl RedisCluster {
             assert!(
                 Instant::now() < deadline,
                 "the cluster was not ready within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until every running replica's link to its master is up and every running master
+    /// has a replica (what `CLUSTER SLOTS` then lists).
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    pub fn wait_replicated(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let linked = self.nodes.iter().filter(|n| n.is_up()).all(|n| {
+                redis_cli(n.port(), &["info", "replication"]).is_some_and(|i| {
+                    i.contains("master_link_status:up")
+                        || (i.contains("role:master") && !i.contains("connected_slaves:0"))
+                })
+            });
+            if linked {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replicas not linked within {limit:?}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -128,8 +156,14 @@ impl RedisCluster {
 
 /// `CLUSTER INFO` of the node on `port`, if it answers.
 fn cluster_info(port: u16) -> Option<String> {
+    redis_cli(port, &["cluster", "info"])
+}
+
+/// What `redis-cli -p <port> <args>` prints, if it succeeds.
+fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
     let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "cluster", "info"])
+        .args(["-p", &port.to_string()])
+        .args(args)
         .output()
         .ok()?;
     out.status
@@ -160,4 +194,93 @@ pub fn shared() -> Arc<Mutex<RedisCluster>> {
             ))
         })
         .clone()
+}
+
+/// One slot range of `CLUSTER SLOTS`: its master's port and its replicas' ports.
+#[derive(Clone, Debug)]
+pub struct SlotRange {
+    /// First slot.
+    pub start: u16,
+    /// Last slot (inclusive).
+    pub end: u16,
+    /// The master's port.
+    pub master: u16,
+    /// The replicas' ports.
+    pub replicas: Vec<u16>,
+}
+
+impl RedisCluster {
+    /// The slot map as the node on `port` sees it.
+    ///
+    /// # Panics
+    /// If that node does not answer `CLUSTER SLOTS`.
+    pub async fn slots_seen_by(port: u16) -> Vec<SlotRange> {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to a cluster node");
+        let v: redis::Value = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut c)
+            .await
+            .expect("CLUSTER SLOTS");
+        let redis::Value::Array(ranges) = v else {
+            panic!("CLUSTER SLOTS: {v:?}")
+        };
+        let int = |v: &redis::Value| match v {
+            redis::Value::Int(i) => *i as u16,
+            other => panic!("CLUSTER SLOTS: not an integer: {other:?}"),
+        };
+        ranges
+            .iter()
+            .map(|r| {
+                let redis::Value::Array(r) = r else {
+                    panic!("CLUSTER SLOTS: {r:?}")
+                };
+                let port = |node: &redis::Value| match node {
+                    redis::Value::Array(n) => int(&n[1]),
+                    other => panic!("CLUSTER SLOTS: {other:?}"),
+                };
+                SlotRange {
+                    start: int(&r[0]),
+                    end: int(&r[1]),
+                    master: port(&r[2]),
+                    replicas: r[3..].iter().map(port).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// The range serving `slot`, as the node on `port` sees it.
+    pub async fn range_of(port: u16, slot: u16) -> SlotRange {
+        Self::slots_seen_by(port)
+            .await
+            .into_iter()
+            .find(|r| (r.start..=r.end).contains(&slot))
+            .unwrap_or_else(|| panic!("no node serves slot {slot}"))
+    }
+
+    /// The node (index into [`nodes`](RedisCluster::nodes)) listening on `port`.
+    pub fn index_of(&self, port: u16) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.port() == port)
+            .unwrap_or_else(|| panic!("no node on port {port}"))
+    }
+}
+
+/// The cluster slot of `key`, as the node on `port` computes it (`CLUSTER KEYSLOT`).
+pub async fn key_slot(port: u16, key: &str) -> u16 {
+    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to a cluster node");
+    redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query_async(&mut c)
+        .await
+        .expect("CLUSTER KEYSLOT")
 }

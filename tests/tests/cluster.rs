@@ -2,11 +2,13 @@
 //! a real cluster of 3 masters and 3 replicas started once for this binary
 //! (`dlock_tests::redis_cluster::shared`); every test uses keys of its own.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::redis_cluster;
+use dlock_tests::redis_cluster::{self, key_slot, RedisCluster, SlotRange};
+use dlock_tests::wait::poll_until;
+use redis::AsyncCommands as _;
 
 fn cluster_store() -> ((), Store) {
     let cluster = redis_cluster::shared();
@@ -160,4 +162,147 @@ async fn handoff_uses_sharded_pub_sub() {
     g.release().await.unwrap();
     assert!(calls_per_master("spublish").await.iter().sum::<u64>() > spublish);
     assert_eq!(calls_per_master("publish").await, vec![0, 0, 0]);
+}
+
+/// Two of this locker's keys whose slots have different masters, with the map as the node on
+/// `seed` sees it: `(key, its range)` for each.
+async fn keys_on_two_masters(
+    locker: &Locker,
+    seed: u16,
+    prefix: &str,
+) -> ((String, SlotRange), (String, SlotRange)) {
+    let mut first: Option<(String, SlotRange)> = None;
+    for i in 0.. {
+        let key = format!("{prefix}:{i}");
+        let name = locker
+            .resource(dlock_runtime::LockKey::new(&key).unwrap())
+            .as_str()
+            .to_owned();
+        let slot = key_slot(seed, &name).await;
+        // Gossip may list a shard's replica a moment after its link is up.
+        let range = poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            async || {
+                let r = RedisCluster::range_of(seed, slot).await;
+                if r.replicas.is_empty() {
+                    Err(format!("slot {slot}: no replica listed yet"))
+                } else {
+                    Ok(r)
+                }
+            },
+        )
+        .await;
+        match &first {
+            None => first = Some((key, range)),
+            Some((_, r)) if r.master != range.master => {
+                return (first.unwrap(), (key, range));
+            }
+            Some(_) => {}
+        }
+    }
+    unreachable!()
+}
+
+/// A master is killed in the middle of a run, after its replica missed the last lock taken on
+/// it. Locks on the other shards keep being renewed; acquiring on the dead shard is a prompt
+/// typed error, never a hang; the replica takes over and the shard works again; the holder
+/// whose lock did not survive is told through `lost()`; and the next fencing token for that key
+/// is larger than the lost holder's, although the promoted replica's counter is older. (Its own
+/// cluster: this test kills a node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let command_timeout = Duration::from_millis(500);
+    let locker = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let seed = cluster.nodes[0].port();
+    let ((a, ra), (b, rb)) = keys_on_two_masters(&locker, seed, "failover").await;
+    let ttl = Duration::from_secs(2);
+    let held_b = locker.lock(&b).ttl(ttl).acquire().await.unwrap();
+    // A's slot's fencing counter exists, and its replica has it.
+    let first = locker.lock(&a).acquire().await.unwrap();
+    first.release().await.unwrap();
+    let counters: Vec<String> = node_conn(ra.master).await.keys("*:fence").await.unwrap();
+    let [counter] = &counters[..] else {
+        panic!("one fencing counter on A's master: {counters:?}")
+    };
+    let on_master: u64 = node_conn(ra.master).await.get(counter).await.unwrap();
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || {
+            let mut r = node_conn(ra.replicas[0]).await;
+            let (_, v): ((), Option<u64>) = redis::pipe()
+                .cmd("READONLY")
+                .cmd("GET")
+                .arg(counter)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            (v == Some(on_master))
+                .then_some(())
+                .ok_or("not replicated yet")
+        },
+    )
+    .await;
+    // The dying master's replica stops taking the replication stream before A is taken again:
+    // that lock, and the counter's advance, exist only on the master that dies.
+    let replica = cluster.index_of(ra.replicas[0]);
+    cluster.nodes[replica].pause();
+    // Frozen, it cannot reconnect; cut its replication link, so nothing more reaches it.
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query_async(&mut node_conn(ra.master).await)
+        .await
+        .unwrap();
+    let held_a = locker.lock(&a).ttl(ttl).acquire().await.unwrap();
+    let master = cluster.index_of(ra.master);
+    cluster.nodes[master].stop();
+    cluster.nodes[replica].resume();
+
+    // While the shard has no master, an acquire there fails fast with a typed error.
+    let started = Instant::now();
+    if let Err(e) = locker.lock(&a).try_acquire().await {
+        assert!(e.is_unavailable(), "{e}");
+    }
+    assert!(
+        started.elapsed() < command_timeout + Duration::from_millis(500),
+        "an acquire on a dead shard took {:?}",
+        started.elapsed()
+    );
+
+    // The holder of A is told.
+    tokio::time::timeout(ttl + Duration::from_secs(2), held_a.lost())
+        .await
+        .expect("the loss of a lock the failover dropped was not reported");
+
+    // The replica takes over: the shard works again, with a larger token for the same key.
+    let g = poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        async || match locker.lock(&a).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    assert!(
+        g.fencing_token() > held_a.fencing_token(),
+        "fencing went backwards across the failover: {} after {}",
+        g.fencing_token(),
+        held_a.fencing_token()
+    );
+    g.release().await.unwrap();
+
+    // B, on another master, was renewed all along.
+    assert_ne!(rb.master, ra.master);
+    assert!(held_b.is_held(), "a lock on a healthy shard was lost");
+    held_b.release().await.unwrap();
 }
