@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use crate::backend::redis::conn::Conn;
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
@@ -22,7 +24,7 @@ pub struct DurableQueue {
 #[derive(Clone)]
 pub(super) struct QueueInner {
     name: String,
-    conn: ConnectionManager,
+    conn: Conn,
     base: String,
     pub(super) visibility: Duration,
     retention: Duration,
@@ -64,8 +66,11 @@ pub(super) enum Retried {
 }
 
 impl DurableQueue {
-    /// Connects to the queue `name` in the Redis at `url`. Defaults: visibility timeout 30 s,
-    /// outcome retention 24 h, command timeout 1 s, [`QueueLimits::default`].
+    /// Connects to the queue `name` in the Redis at `url` — one server (`redis://`,
+    /// `rediss://`) or, with feature `cluster`, a Redis Cluster (`redis+cluster://h1:p1,h2:p2`;
+    /// all of a queue's keys share one hash tag, so its scripts run on one shard). Defaults:
+    /// visibility timeout 30 s, outcome retention 24 h, command timeout 1 s,
+    /// [`QueueLimits::default`].
     pub async fn connect(url: &str, name: &str) -> Result<Self, LockError> {
         Self::connect_with(
             url,
@@ -95,18 +100,11 @@ impl DurableQueue {
             ));
         }
         let command_timeout = Duration::from_secs(1);
-        let client = redis::Client::open(url).map_err(|e| redis_err("url", e))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(command_timeout))
-            .set_response_timeout(Some(command_timeout))
-            .set_number_of_retries(2);
-        let conn = tokio::time::timeout(
-            command_timeout * 2,
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| LockError::unavailable("job queue connect timed out", None))?
-        .map_err(|e| redis_err("connect", e))?;
+        let conn = if crate::backend::redis::conn::is_cluster_url(url) {
+            Self::cluster_conn(url, command_timeout).await?
+        } else {
+            Conn::Single(Self::single_conn(url, command_timeout).await?)
+        };
         Ok(DurableQueue {
             inner: Arc::new(QueueInner {
                 name: name.to_owned(),
@@ -124,6 +122,37 @@ impl DurableQueue {
                 requeue: Script::new(REQUEUE),
             }),
         })
+    }
+
+    async fn single_conn(
+        url: &str,
+        command_timeout: Duration,
+    ) -> Result<ConnectionManager, LockError> {
+        let client = redis::Client::open(url).map_err(|e| redis_err("url", e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(command_timeout))
+            .set_response_timeout(Some(command_timeout))
+            .set_number_of_retries(2);
+        tokio::time::timeout(
+            command_timeout * 2,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| LockError::unavailable("job queue connect timed out", None))?
+        .map_err(|e| redis_err("connect", e))
+    }
+
+    #[cfg(feature = "cluster")]
+    async fn cluster_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
+        crate::backend::redis::conn::connect_cluster(url, command_timeout, command_timeout).await
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    async fn cluster_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
+        Err(LockError::unavailable(
+            "redis+cluster:// needs dlock-runtime's feature `cluster`",
+            None,
+        ))
     }
 
     /// This queue with other bounds: the most jobs queued or running, and how long and how

@@ -123,7 +123,10 @@ impl LockerBuilder {
                     .command_timeout(self.config.command_timeout)
                     .connect_timeout(self.config.command_timeout);
                 let backend =
-                    crate::backend::RedisBackend::connect_cluster(&cluster_urls(url)?, opts)
+                    crate::backend::RedisBackend::connect_cluster(
+                        &crate::backend::redis::conn::cluster_urls(url)?,
+                        opts,
+                    )
                         .await?;
                 self.try_build(backend)
             }
@@ -140,36 +143,4 @@ impl LockerBuilder {
             )),
         }
     }
-}
-
-/// `redis+cluster://[user:pass@]h1:p1,h2:p2/…` → one `redis://[user:pass@]h:p` URL per node
-/// (`rediss://` for `rediss+cluster://`).
-#[cfg(feature = "cluster")]
-fn cluster_urls(url: &str) -> Result<Vec<String>, LockError> {
-    let bad = || {
-        LockError::unavailable(
-            "invalid redis cluster url: expected redis+cluster://host:port,host:port",
-            None,
-        )
-    };
-    let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
-    let scheme = if scheme == "rediss+cluster" {
-        "rediss"
-    } else {
-        "redis"
-    };
-    let (auth, hosts) = match rest.rsplit_once('@') {
-        Some((auth, hosts)) => (format!("{auth}@"), hosts),
-        None => (String::new(), rest),
-    };
-    let hosts = hosts.split('/').next().unwrap_or("");
-    let urls: Vec<String> = hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| format!("{scheme}://{auth}{h}"))
-        .collect();
-    if urls.is_empty() {
-        return Err(bad());
-    }
-    Ok(urls)
 }

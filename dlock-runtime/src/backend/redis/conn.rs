@@ -8,7 +8,7 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 /// One server or a cluster. Cheap to clone.
 #[derive(Clone)]
-pub(super) enum Conn {
+pub(crate) enum Conn {
     Single(ConnectionManager),
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
@@ -17,7 +17,7 @@ pub(super) enum Conn {
 impl Conn {
     /// Whether this is a cluster (scripts publish on sharded channels, fencing counters are
     /// per slot, pipelines hold one slot).
-    pub(super) fn is_cluster(&self) -> bool {
+    pub(crate) fn is_cluster(&self) -> bool {
         !matches!(self, Conn::Single(_))
     }
 
@@ -40,6 +40,78 @@ impl Conn {
             Conn::Cluster(c) => c.sunsubscribe(channel).await,
         }
     }
+}
+
+/// Connects to the cluster behind `url` (`redis+cluster://[user:pass@]h1:p1,h2:p2`,
+/// `rediss+cluster://…`) without release notifications (the durable queue's connection).
+#[cfg(all(feature = "cluster", feature = "durable"))]
+pub(crate) async fn connect_cluster(
+    url: &str,
+    connect_timeout: std::time::Duration,
+    command_timeout: std::time::Duration,
+) -> Result<Conn, crate::LockError> {
+    let client = redis::cluster::ClusterClient::builder(cluster_urls(url)?)
+        .connection_timeout(connect_timeout)
+        .response_timeout(command_timeout)
+        .retries(3)
+        .build()
+        // The URL may carry a password: never put it in an error message.
+        .map_err(|e| {
+            crate::LockError::unavailable(
+                format!("invalid redis cluster url: {:?}", e.kind()),
+                None,
+            )
+        })?;
+    let limit = connect_timeout + command_timeout;
+    match tokio::time::timeout(limit, client.get_async_connection()).await {
+        Ok(Ok(c)) => Ok(Conn::Cluster(c)),
+        Ok(Err(e)) => Err(crate::LockError::unavailable(
+            format!("redis cluster connect: {:?}", e.kind()),
+            Some(Box::new(e)),
+        )),
+        Err(_) => Err(crate::LockError::unavailable(
+            format!("redis cluster: no node answered within {limit:?}"),
+            None,
+        )),
+    }
+}
+
+/// Whether `url` names a cluster (`redis+cluster://`, `rediss+cluster://`).
+#[cfg(feature = "durable")]
+pub(crate) fn is_cluster_url(url: &str) -> bool {
+    url.starts_with("redis+cluster://") || url.starts_with("rediss+cluster://")
+}
+
+/// `redis+cluster://[user:pass@]h1:p1,h2:p2/…` → one `redis://[user:pass@]h:p` URL per node
+/// (`rediss://` for `rediss+cluster://`).
+#[cfg(feature = "cluster")]
+pub(crate) fn cluster_urls(url: &str) -> Result<Vec<String>, crate::LockError> {
+    let bad = || {
+        crate::LockError::unavailable(
+            "invalid redis cluster url: expected redis+cluster://host:port,host:port",
+            None,
+        )
+    };
+    let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
+    let scheme = if scheme == "rediss+cluster" {
+        "rediss"
+    } else {
+        "redis"
+    };
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    let hosts = hosts.split('/').next().unwrap_or("");
+    let urls: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect();
+    if urls.is_empty() {
+        return Err(bad());
+    }
+    Ok(urls)
 }
 
 impl ConnectionLike for Conn {
@@ -118,6 +190,19 @@ pub(super) fn slot_tag(of: u16) -> &'static str {
 #[cfg(all(test, feature = "cluster"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cluster_urls_keep_credentials_and_scheme_per_node() {
+        assert_eq!(
+            cluster_urls("redis+cluster://u:p@a:1,b:2/").unwrap(),
+            vec!["redis://u:p@a:1", "redis://u:p@b:2"]
+        );
+        assert_eq!(
+            cluster_urls("rediss+cluster://a:1").unwrap(),
+            vec!["rediss://a:1"]
+        );
+        assert!(cluster_urls("redis+cluster://").is_err());
+    }
 
     #[test]
     fn slots_match_redis_and_every_slot_has_a_tag() {

@@ -33,7 +33,7 @@ use super::{
 use crate::key::ResourceName;
 use crate::LockError;
 
-mod conn;
+pub(crate) mod conn;
 mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
