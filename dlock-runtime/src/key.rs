@@ -266,6 +266,7 @@ impl ResourceName {
 
     /// A key of the lock's namespace rather than of the lock: `<prefix>:<suffix>` (`<suffix>`
     /// without a prefix). It has no hash tag, so it never names a lock's key.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn namespace_key(&self, suffix: &str) -> String {
         // The prefix has no braces: the first `{` opens the encoded key.
         let brace = self.full.find('{').unwrap_or(0);
