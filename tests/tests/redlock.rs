@@ -486,11 +486,23 @@ async fn uncontended_acquire_is_one_round_trip_per_node() {
         last = g.fencing_token();
         g.release().await.unwrap();
     }
+    // Acquire and release return at the majority; the last node's calls may still be landing.
+    let mut deltas = Vec::new();
     for (s, b) in servers.iter().zip(before) {
-        assert_eq!(
-            evalsha_calls(s).await - b,
-            20,
-            "an acquire and a release per lock on every node, nothing more"
-        );
+        let delta = poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(5),
+            async || {
+                let d = evalsha_calls(s).await - b;
+                (d >= 20).then_some(d).ok_or(format!("{d} calls so far"))
+            },
+        )
+        .await;
+        deltas.push(delta);
     }
+    assert_eq!(
+        deltas,
+        vec![20; servers.len()],
+        "an acquire and a release per lock on every node, nothing more"
+    );
 }
