@@ -82,22 +82,11 @@ impl RedisCluster {
     /// # Panics
     /// If that does not happen within `limit`.
     pub fn wait_ready(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        loop {
-            let ready = self.nodes.iter().filter(|n| n.is_up()).all(|n| {
-                cluster_info(n.port()).is_some_and(|i| {
-                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
-                })
-            });
-            if ready {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the cluster was not ready within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.wait_all("the cluster ready", limit, |port| {
+            cluster_info(port).is_some_and(|i| {
+                i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+            })
+        });
     }
 
     /// Waits until every running replica's link to its master is up and every running master
@@ -106,21 +95,24 @@ impl RedisCluster {
     /// # Panics
     /// If that does not happen within `limit`.
     pub fn wait_replicated(&self, limit: Duration) {
+        self.wait_all("replicas linked", limit, |port| {
+            redis_cli(port, &["info", "replication"]).is_some_and(|i| {
+                i.contains("master_link_status:up")
+                    || (i.contains("role:master") && !i.contains("connected_slaves:0"))
+            })
+        });
+    }
+
+    /// Polls until `ok` holds for every running node's port.
+    fn wait_all(&self, what: &str, limit: Duration, ok: impl Fn(u16) -> bool) {
         let deadline = Instant::now() + limit;
-        loop {
-            let linked = self.nodes.iter().filter(|n| n.is_up()).all(|n| {
-                redis_cli(n.port(), &["info", "replication"]).is_some_and(|i| {
-                    i.contains("master_link_status:up")
-                        || (i.contains("role:master") && !i.contains("connected_slaves:0"))
-                })
-            });
-            if linked {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "replicas not linked within {limit:?}"
-            );
+        while !self
+            .nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .all(|n| ok(n.port()))
+        {
+            assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
             std::thread::sleep(Duration::from_millis(50));
         }
     }

@@ -457,18 +457,21 @@ async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
     assert_eq!(keys, vec![format!("{}:fence", locker.prefix())]);
 }
 
-/// Starts a waiter for `key` on `waiter` whose own timers cannot fire within a test (20 s
-/// backoff and queue refresh), and returns once it is queued and asleep.
+/// The backoff of a waiter whose own timer cannot fire within a test.
+const NEVER: Duration = Duration::from_secs(20);
+
+/// Starts a waiter for `key` on `waiter` that retries every `backoff` (queue refresh: a third
+/// of the locker's waiter TTL), and returns once it is queued and asleep.
 async fn queued_waiter(
     server: &RedisServer,
     waiter: &Locker,
     key: &'static str,
-    ttl: Duration,
-    auto_renew: bool,
+    (ttl, auto_renew): (Duration, bool),
+    backoff: Duration,
 ) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
     let before = evalsha_calls(server).await;
     let policy = RetryPolicy::new(Duration::from_secs(60))
-        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .backoff(backoff, backoff)
         .jitter(false);
     let w = waiter.clone();
     let wait = tokio::spawn(async move {
@@ -512,7 +515,7 @@ async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
         .unwrap();
     let key = "handoff:direct";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let wait = queued_waiter(&server, &waiter, key, LONG, true).await;
+    let wait = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
     let asleep = evalsha_calls(&server).await;
     let held_token = held.fencing_token();
     held.release().await.unwrap();
@@ -594,26 +597,13 @@ async fn a_missed_handoff_is_found_on_the_next_attempt() {
         .build(deaf);
     let key = "handoff:missed";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let before = evalsha_calls(&server).await;
     // The waiter's own timer: every 200 ms.
-    let policy = RetryPolicy::new(Duration::from_secs(10))
-        .backoff(Duration::from_millis(200), Duration::from_millis(200))
-        .jitter(false);
-    let w = waiter.clone();
-    let wait = tokio::spawn(async move {
-        w.lock(key)
-            .ttl(LONG)
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-    });
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(5),
-        async || {
-            let queued = evalsha_calls(&server).await > before;
-            queued.then_some(()).ok_or("never queued")
-        },
+    let wait = queued_waiter(
+        &server,
+        &waiter,
+        key,
+        (LONG, true),
+        Duration::from_millis(200),
     )
     .await;
     let held_token = held.fencing_token();
@@ -647,7 +637,7 @@ async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
     let key = "handoff:no-renewal";
     let ttl = Duration::from_secs(90);
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let wait = queued_waiter(&server, &waiter, key, ttl, false).await;
+    let wait = queued_waiter(&server, &waiter, key, (ttl, false), NEVER).await;
     held.release().await.unwrap();
     let guard = tokio::time::timeout(Duration::from_secs(5), wait)
         .await
