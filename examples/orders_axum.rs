@@ -14,6 +14,8 @@
 //! cargo run -p dlock-examples --bin orders-axum                 # in-memory locks
 //! DLOCK_REDIS_URL=redis://127.0.0.1:6379 \
 //!   cargo run -p dlock-examples --bin orders-axum               # Redis
+//! DLOCK_REDIS_URL=redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002 \
+//!   cargo run -p dlock-examples --bin orders-axum               # a Redis Cluster
 //! cargo run -p dlock-examples --bin orders-axum -- --serve      # keep serving on 127.0.0.1:3000
 //! ```
 //!
