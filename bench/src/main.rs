@@ -38,11 +38,12 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 6] = [
+const SCENARIOS: [&str; 7] = [
     "uncontended",
     "contended",
     "contended_think",
     "redlock",
+    "cluster",
     "held_at_scale",
     "layer_overhead",
 ];
@@ -161,7 +162,7 @@ and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
   --only    run only these scenarios: uncontended, contended, contended_think, redlock,
-            held_at_scale, layer_overhead (for profiling; the full report needs all)
+            cluster, held_at_scale, layer_overhead (for profiling; the full report needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
 fn main() -> ExitCode {
@@ -390,6 +391,46 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
         );
         admin.flush_all().await?;
         scenarios.insert("redlock".into(), Value::Object(s));
+    }
+
+    // 3b. cluster: dlock on one server and on a 3-master cluster, the uncontended load.
+    if plan.wants("cluster") && plan.drivers.contains(&Driver::Dlock) {
+        progress("cluster: starting a 3-master Redis Cluster");
+        let cluster =
+            tokio::task::spawn_blocking(|| dlock_tests::redis_cluster::RedisCluster::start(3, 0))
+                .await?;
+        let mut admin_c = Admin::connect(&cluster.urls()).await?;
+        let single = Client::connect(Driver::Dlock, &one).await?;
+        let clustered = Client::Dlock(dlock_runtime::Locker::from_url(&cluster.url()).await?);
+        let (mut on_one, mut on_cluster) = (None, None);
+        for _ in 0..plan.rounds {
+            admin.flush_all().await?;
+            let p = uncontended::run(&single, &mut admin, 1, plan.load(), "cs").await?;
+            on_one = Some(pool(on_one, p, uncontended::Pairs::merge));
+            admin_c.flush_all().await?;
+            let p = uncontended::run(&clustered, &mut admin_c, 3, plan.load(), "cc").await?;
+            on_cluster = Some(pool(on_cluster, p, uncontended::Pairs::merge));
+        }
+        if let (Some(a), Some(b)) = (on_one, on_cluster) {
+            progress(format!(
+                "cluster      dlock : {:9.0} pairs/s on 3 masters, {:9.0} on one server; Redis CPU per pair {:.2} vs {:.2} µs",
+                b.per_s(),
+                a.per_s(),
+                b.work.server.cpu_s * 1e6 / b.pairs.max(1) as f64,
+                a.work.server.cpu_s * 1e6 / a.pairs.max(1) as f64,
+            ));
+            scenarios.insert(
+                "cluster".into(),
+                json!({
+                    "masters": 3,
+                    "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+                    "one_server": a.to_json(Driver::Dlock),
+                    "cluster": b.to_json(Driver::Dlock),
+                }),
+            );
+        }
+        admin.flush_all().await?;
+        drop(cluster);
     }
 
     // 4. held at scale

@@ -65,6 +65,13 @@ fn ratios(s: &Value) -> Value {
         }),
     );
     r.insert(
+        "cluster".into(),
+        json!({
+            "pairs_per_s_cluster_over_one_server": div(s, "cluster.cluster.pairs_per_s", "cluster.one_server.pairs_per_s"),
+            "redis_cpu_cluster_over_one_server": div(s, "cluster.cluster.redis_cpu_us_per_pair", "cluster.one_server.redis_cpu_us_per_pair"),
+        }),
+    );
+    r.insert(
         "layer_overhead".into(),
         json!({
             "rps_dlock_over_plain": div(s, "layer_overhead.dlock.rps", "layer_overhead.plain.rps"),
