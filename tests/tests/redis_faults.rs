@@ -724,3 +724,54 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     );
     g.release().await.unwrap();
 }
+
+/// A release that hands the lock over issues the next token with the releasing client's
+/// floor: after the counter was rolled back (a failover to a lagging replica), the waiter's
+/// token still exceeds the holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_after_a_rolled_back_counter_still_raises_the_token() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let key = "handoff:rollback";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let wait = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
+    let held_token = held.fencing_token();
+    let _: () = server
+        .query(
+            redis::cmd("SET")
+                .arg(format!("{}:fence", holder.prefix()))
+                .arg(held_token - 1_000),
+        )
+        .await;
+    // A failover takes seconds; here, wait until the clock is past the token's millisecond.
+    poll_until(
+        Duration::from_secs(2),
+        Duration::from_millis(1),
+        async || {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+            (now.as_millis() as u64 * 1000 > held_token)
+                .then_some(())
+                .ok_or("same millisecond")
+        },
+    )
+    .await;
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    assert!(
+        guard.fencing_token() > held_token,
+        "{} after {held_token}",
+        guard.fencing_token()
+    );
+    guard.release().await.unwrap();
+}

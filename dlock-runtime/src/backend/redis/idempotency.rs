@@ -34,7 +34,8 @@ const RECORD_SUFFIX: &str = "idem";
 /// One `begin` step.
 ///
 /// KEYS: 1 lock, 2 record. ARGV: 1 owner token, 2 the lock's `PX` (`scripts::px` of the
-/// lease), 3 fingerprint, 4 retention ms, 5 the fencing counter's key.
+/// lease), 3 fingerprint, 4 retention ms, 5 the fencing counter's key, 6 the client's fencing
+/// floor.
 /// Returns `{code, data, extra}`:
 /// * `{1, "<fencing token>", ""}` — granted: the lock is set and the fingerprint noted;
 /// * `{2, <stored result>, ""}` — a completed record with the same fingerprint;
@@ -44,7 +45,7 @@ const RECORD_SUFFIX: &str = "idem";
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r#"
-local token, fence_key = ARGV[1], ARGV[5]
+local token, fence_key, fence_floor = ARGV[1], ARGV[5], tonumber(ARGV[6])
 {QUEUE_KEYS}
 local rec = redis.call('HMGET', KEYS[2], 'fp', 'res', 'tok')
 if rec[2] then
@@ -92,7 +93,6 @@ local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
 {PARSE_LOCK}
 if o ~= ARGV[1] or redis.call('PTTL', KEYS[1]) <= LINGER then return 0 end
-local fence_key = ARGV[2]
 {QUEUE_KEYS}
 "#
     )
@@ -102,7 +102,7 @@ local fence_key = ARGV[2]
 /// handing it to the next live waiter if any.
 ///
 /// KEYS: 1 lock, 2 record. ARGV: 1 owner token, 2 the fencing counter's key, 3 fingerprint,
-/// 4 result, 5 retention ms.
+/// 4 result, 5 retention ms, 6 the client's fencing floor (for a handoff's token).
 /// Returns 1 when stored, 0 when the token did not own the lock (nothing changed).
 static COMPLETE: LazyLock<[Script; 2]> = LazyLock::new(|| {
     [false, true].map(|cluster| {
@@ -110,6 +110,7 @@ static COMPLETE: LazyLock<[Script; 2]> = LazyLock::new(|| {
             &format!(
                 r#"
 {owner_check}
+local fence_key, fence_floor = ARGV[2], tonumber(ARGV[6])
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'res', ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
@@ -126,7 +127,8 @@ return 1
 /// One `abort` step: owner-checked release without a record; drops this owner's note of its
 /// fingerprint; hands the lock to the next live waiter if any.
 ///
-/// KEYS as `complete`. ARGV: 1 owner token, 2 the fencing counter's key.
+/// KEYS as `complete`. ARGV: 1 owner token, 2 the fencing counter's key, 3 the client's fencing
+/// floor.
 /// Returns 1 when released, 0 when the token did not own the lock.
 static ABORT: LazyLock<[Script; 2]> = LazyLock::new(|| {
     [false, true].map(|cluster| {
@@ -134,6 +136,7 @@ static ABORT: LazyLock<[Script; 2]> = LazyLock::new(|| {
             &format!(
                 r#"
 {owner_check}
+local fence_key, fence_floor = ARGV[2], tonumber(ARGV[3])
 if redis.call('HGET', KEYS[2], 'tok') == ARGV[1] then redis.call('DEL', KEYS[2]) end
 {PASS_ON}
 return 1
@@ -165,7 +168,8 @@ impl IdempotencyStore for RedisBackend {
                 .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())
                 .arg(millis(args.retention))
-                .arg(self.fence_key(args.resource));
+                .arg(self.fence_key(args.resource))
+                .arg(self.floor());
             let (code, data, extra): (i64, Vec<u8>, String) = self
                 .deadline("idempotency begin", inv.invoke_async(&mut conn))
                 .await?;
@@ -173,6 +177,7 @@ impl IdempotencyStore for RedisBackend {
             match code {
                 1 => {
                     let fencing_token = text()?.parse::<u64>().map_err(|_| malformed())?;
+                    self.saw_fence(fencing_token);
                     Ok(BeginReply::Acquired { fencing_token })
                 }
                 2 => Ok(BeginReply::Replay { record: data }),
@@ -204,7 +209,8 @@ impl IdempotencyStore for RedisBackend {
                 .arg(self.fence_key(args.resource))
                 .arg(args.fingerprint.to_hex())
                 .arg(args.record)
-                .arg(millis(args.retention));
+                .arg(millis(args.retention))
+                .arg(self.floor());
             let n: i64 = self
                 .deadline("idempotency complete", inv.invoke_async(&mut conn))
                 .await?;
@@ -221,7 +227,9 @@ impl IdempotencyStore for RedisBackend {
             let mut conn = self.inner.conn.clone();
             let mut inv = ABORT[usize::from(self.is_cluster())].prepare_invoke();
             lock_keys(&mut inv, resource);
-            inv.arg(token.as_str()).arg(self.fence_key(resource));
+            inv.arg(token.as_str())
+                .arg(self.fence_key(resource))
+                .arg(self.floor());
             let n: i64 = self
                 .deadline("idempotency abort", inv.invoke_async(&mut conn))
                 .await?;

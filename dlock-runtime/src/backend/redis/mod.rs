@@ -328,6 +328,17 @@ impl RedisBackend {
         resource.namespace_key("fence")
     }
 
+    /// This client's fencing floor (see [`Floor::clock`]), for scripts that may issue a token.
+    pub(crate) fn floor(&self) -> u64 {
+        let (Floor::AtLeast(f) | Floor::Exactly(f)) = Floor::clock(&self.inner.fence_seen);
+        f
+    }
+
+    /// Notes a fencing token this backend was granted.
+    pub(crate) fn saw_fence(&self, token: u64) {
+        self.inner.fence_seen.fetch_max(token, Ordering::AcqRel);
+    }
+
     /// Whether this backend talks to a cluster.
     pub(crate) fn is_cluster(&self) -> bool {
         self.inner.conn.is_cluster()
@@ -414,7 +425,8 @@ impl RedisBackend {
         let mut inv = script.prepare_invoke();
         inv.key(resource.as_str())
             .arg(token.as_str())
-            .arg(self.fence_key(resource));
+            .arg(self.fence_key(resource))
+            .arg(self.floor());
         self.deadline(what, inv.invoke_async(&mut conn)).await
     }
 
@@ -487,7 +499,12 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
             match payload.split_once(':') {
                 _ if payload.is_empty() => hub.notify(resource, None),
                 Some((token, fence)) => match fence.parse::<u64>() {
-                    Ok(fence) if handoff => hub.hand_over(resource, token, fence),
+                    Ok(fence) if handoff => {
+                        if let Some(inner) = me.get().and_then(Weak::upgrade) {
+                            inner.fence_seen.fetch_max(fence, Ordering::AcqRel);
+                        }
+                        hub.hand_over(resource, token, fence)
+                    }
                     _ => hub.notify(resource, Some(token)),
                 },
                 None => hub.notify(resource, Some(&payload)),
@@ -570,7 +587,7 @@ impl Backend for RedisBackend {
             let seen = &self.inner.fence_seen;
             let attempt = self.acquire_with_floor(args, Floor::clock(seen)).await?;
             if let Attempt::Acquired { fencing_token } = attempt {
-                seen.fetch_max(fencing_token, Ordering::AcqRel);
+                self.saw_fence(fencing_token);
             }
             Ok(attempt)
         })

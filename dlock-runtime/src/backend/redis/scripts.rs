@@ -66,8 +66,8 @@ if not fl then fl, o = '', v end
     };
 }
 
-/// Lua: the next fencing token, a number, into `fence` (declared by the caller). `fence_key` =
-/// the namespace counter.
+/// Lua: the next fencing token, a number, into `fence` (declared by the caller): the counter
+/// `fence_key` plus one, raised to the client's floor `fence_floor` (a number, or nil) if below.
 macro_rules! next_fence {
     () => {
         r#"
@@ -76,6 +76,10 @@ if fence == 1 then
   local t = redis.call('TIME')
   fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
   redis.call('SET', fence_key, string.format('%.0f', fence))
+end
+if fence_floor and fence < fence_floor then
+  redis.call('SET', fence_key, string.format('%.0f', fence_floor))
+  fence = fence_floor
 end
 "#
     };
@@ -216,12 +220,12 @@ pub(super) fn acquire() -> Script {
         "local token, fence_key = ARGV[1], ARGV[3]\n",
         r#"
 local fence
-local floor = tonumber(ARGV[7])
+local fence_floor = tonumber(ARGV[7])
 if ARGV[8] then
   -- Redlock: the counter takes the client's floor (one write), unless it is already past it.
   local old = tonumber(redis.call('SET', fence_key, ARGV[7], 'GET') or '0')
-  fence = floor
-  if old >= floor then
+  fence = fence_floor
+  if old >= fence_floor then
     fence = old + 1
     redis.call('SET', fence_key, string.format('%.0f', fence))
   end
@@ -229,10 +233,6 @@ else
 "#,
         next_fence!(),
         r#"
-  if floor and fence < floor then
-    redis.call('SET', fence_key, ARGV[7])
-    fence = floor
-  end
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
 local mode, wttl, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -291,8 +291,8 @@ return fence
 /// Owner-checked release: hands the lock to the first live waiter, or deletes it. Uncontended:
 /// `GET` and `DEL`.
 ///
-/// KEYS: 1 lock. ARGV: 1 owner token, 2 the fencing counter's key. Returns 1 when the token
-/// held the lock, 0 when it did not. (A lease of this token
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 the fencing counter's key, 3 the client's fencing floor
+/// (for a handoff's token). Returns 1 when the token held the lock, 0 when it did not. (A lease of this token
 /// that lapsed unnoticed, with nobody taking the lock since, counts as held: the locker reports
 /// such a release as lost by its own lease clock.)
 pub(super) fn release(cluster: bool) -> Script {
@@ -305,7 +305,7 @@ if v == ARGV[1] then
   return 1
 end
 if not v then return 0 end
-local fence_key = ARGV[2]
+local fence_key, fence_floor = ARGV[2], tonumber(ARGV[3])
 "#,
             parse_lock!(),
             queue_keys!(),
@@ -329,7 +329,7 @@ pub(super) fn abandon(cluster: bool) -> Script {
     publishing(
         concat!(
             r#"
-local token, fence_key = ARGV[1], ARGV[2]
+local token, fence_key, fence_floor = ARGV[1], ARGV[2], tonumber(ARGV[3])
 "#,
             queue_keys!(),
             r#"
