@@ -500,7 +500,19 @@ impl Phase {
                 .query_async(&mut conn)
                 .await
                 .unwrap_or_default();
-            locks += keys.iter().filter(|k| k.ends_with('}')).count() as u64;
+            // A lock key lingers after a lease that ended without a release (its holder was
+            // killed): its PTTL is then at most the linger, and it is free. Held is more.
+            let linger = dlock_runtime::backend::RedisBackend::LINGER.as_millis() as i64;
+            for key in keys.iter().filter(|k| k.ends_with('}')) {
+                let pttl: i64 = redis::cmd("PTTL")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or(-2);
+                if pttl > linger || pttl == -1 {
+                    locks += 1;
+                }
+            }
             queues += keys.iter().filter(|k| k.ends_with("}:q")).count() as u64;
         }
         (locks, queues)

@@ -192,6 +192,12 @@ fn redis_err(what: &str, e: RedisError) -> LockError {
 }
 
 impl RedisBackend {
+    /// How long a lock's key outlives a lease that ended without a release: a lock key's
+    /// `PTTL` is its lease plus this, so a key whose `PTTL` is at most this is a lapsed lock,
+    /// free to take (what tools reading the keys should know; see the key layout in the
+    /// module docs of `backend::redis::scripts`).
+    pub const LINGER: Duration = scripts::LINGER;
+
     /// Connects to `url` (`redis://[user:pass@]host:port[/db]`, or `rediss://` with feature
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
     /// connect timeout.
