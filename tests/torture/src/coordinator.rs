@@ -597,8 +597,11 @@ impl Phase {
         // Every worker has exited after releasing what it held and letting its locker's
         // background task send the undo of cancelled acquires. Every killed holder's lock has
         // expired already: each key was taken again after the last fault (the recovery wait
-        // above). So a lock key still present now was leaked. Give commands in flight a moment.
-        tokio::time::sleep(self.cfg.command_timeout).await;
+        // above). A waiter whose undo did not land before its process exited leaves a queue
+        // entry that lives up to the waiter TTL, and a release may hand it the lock: a lease of
+        // at most the waiter TTL (the runtime's bound for a dead waiter). So a lock still held
+        // one command timeout plus one waiter TTL after the stop was leaked.
+        tokio::time::sleep(self.cfg.command_timeout + self.cfg.waiter_ttl).await;
         let (locks, queues) = self.leftovers().await;
         // Diagnostic: do leaked locks at least expire within the liveness bound?
         let waited = Instant::now();
