@@ -419,6 +419,14 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
                 b.work.server.cpu_s * 1e6 / b.pairs.max(1) as f64,
                 a.work.server.cpu_s * 1e6 / a.pairs.max(1) as f64,
             ));
+            // 100,000 locks held with renewal, spread over the masters, in a child process.
+            admin_c.flush_all().await?;
+            progress(format!(
+                "cluster: {} locks held for {:?} over the 3 masters in a child process",
+                plan.held_locks, plan.held_for
+            ));
+            let held = held::run(&cluster.url(), plan.held_locks, plan.held_for).await?;
+            progress(format!("cluster held: {held}"));
             scenarios.insert(
                 "cluster".into(),
                 json!({
@@ -426,6 +434,7 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
                     "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
                     "one_server": a.to_json(Driver::Dlock),
                     "cluster": b.to_json(Driver::Dlock),
+                    "held_at_scale": held,
                 }),
             );
         }

