@@ -495,6 +495,43 @@ async fn queued_waiter(
     wait
 }
 
+/// Sets `locker`'s fencing counter below `last` (what a failover to a replica that missed the
+/// latest tokens leaves), then waits until the clock is past `last`'s millisecond (a failover
+/// takes seconds).
+async fn roll_back_counter(server: &RedisServer, locker: &Locker, last: u64) {
+    let _: () = server
+        .query(
+            redis::cmd("SET")
+                .arg(format!("{}:fence", locker.prefix()))
+                .arg(last - 1_000),
+        )
+        .await;
+    poll_until(
+        Duration::from_secs(2),
+        Duration::from_millis(1),
+        async || {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+            (now.as_millis() as u64 * 1000 > last)
+                .then_some(())
+                .ok_or("same millisecond")
+        },
+    )
+    .await;
+}
+
+/// A holder's locker and a waiter's (waiter TTL 60 s: its queue refresh never fires within a
+/// test) on `server`.
+async fn holder_and_waiter(server: &RedisServer) -> (Locker, Locker) {
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    (server.locker().await, waiter)
+}
+
 /// The fencing counter's value.
 async fn fence_counter(server: &RedisServer, locker: &Locker) -> u64 {
     server
@@ -507,12 +544,7 @@ async fn fence_counter(server: &RedisServer, locker: &Locker) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
     let server = RedisServer::start();
-    let holder = server.locker().await;
-    let waiter = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (holder, waiter) = holder_and_waiter(&server).await;
     let key = "handoff:direct";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let wait = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
@@ -628,12 +660,7 @@ async fn a_missed_handoff_is_found_on_the_next_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
     let server = RedisServer::start();
-    let holder = server.locker().await;
-    let waiter = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (holder, waiter) = holder_and_waiter(&server).await;
     let key = "handoff:no-renewal";
     let ttl = Duration::from_secs(90);
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
@@ -693,28 +720,7 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     g.release().await.unwrap();
     // A counter rolled back (a failover to a replica that missed the latest tokens), seen by
     // another client: the floor of its clock keeps the order.
-    let _: () = server
-        .query(
-            redis::cmd("SET")
-                .arg(format!("{}:fence", locker.prefix()))
-                .arg(last - 1_000),
-        )
-        .await;
-    // A failover takes seconds; here, wait until the clock is past the last token's millisecond.
-    let past = || {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        (now.as_millis() as u64 * 1000 > last)
-            .then_some(())
-            .ok_or("same millisecond")
-    };
-    poll_until(
-        Duration::from_secs(2),
-        Duration::from_millis(1),
-        async || past(),
-    )
-    .await;
+    roll_back_counter(&server, &locker, last).await;
     let other = server.locker().await;
     let g = other.lock("fence:a").acquire().await.unwrap();
     assert!(
@@ -731,37 +737,12 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_after_a_rolled_back_counter_still_raises_the_token() {
     let server = RedisServer::start();
-    let holder = server.locker().await;
-    let waiter = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let (holder, waiter) = holder_and_waiter(&server).await;
     let key = "handoff:rollback";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let wait = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
     let held_token = held.fencing_token();
-    let _: () = server
-        .query(
-            redis::cmd("SET")
-                .arg(format!("{}:fence", holder.prefix()))
-                .arg(held_token - 1_000),
-        )
-        .await;
-    // A failover takes seconds; here, wait until the clock is past the token's millisecond.
-    poll_until(
-        Duration::from_secs(2),
-        Duration::from_millis(1),
-        async || {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap();
-            (now.as_millis() as u64 * 1000 > held_token)
-                .then_some(())
-                .ok_or("same millisecond")
-        },
-    )
-    .await;
+    roll_back_counter(&server, &holder, held_token).await;
     held.release().await.unwrap();
     let guard = tokio::time::timeout(Duration::from_secs(5), wait)
         .await
