@@ -37,7 +37,8 @@
 //!   [`LockGuard::lost`] fires as soon as a lock is known gone (refused renewal, or the local
 //!   lease clock ran out, e.g. after a process freeze).
 //! * **Fair waiting** ([`OnFail::Retry`]): waiters queue in the backend in arrival order; a
-//!   release notifies exactly the next waiter; dead waiters' entries expire; a jittered backoff
+//!   release hands the lock to the next waiter (Redis: in the same script, no further round
+//!   trip) or wakes exactly that waiter; dead waiters' entries expire; a jittered backoff
 //!   bounded by the holder's lease is the fallback, so a lost message costs latency, never a
 //!   hang.
 //! * **Cancel safety**: dropping an `acquire` future or a guard never leaves a lock held
