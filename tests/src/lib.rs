@@ -1,5 +1,5 @@
-//! Test support for dlock: real `redis-server` processes ([`redis_server`]) and clusters of them
-//! ([`redis_cluster`]), a fault-injecting
+//! Test support for dlock: real `redis-server` processes ([`redis_server`]), clusters of them
+//! ([`redis_cluster`]) and Sentinel deployments ([`redis_sentinel`]), a fault-injecting
 //! TCP proxy ([`proxy`]), durable job types for the defer tests ([`jobs`]), bounded polling for
 //! state nothing signals ([`wait`]) and, with the feature `http`, HTTP helpers for the tower
 //! layer tests (`http`). The backend conformance suite is public in
@@ -10,6 +10,7 @@ pub mod http;
 pub mod jobs;
 pub mod proxy;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_server;
 pub mod wait;
 

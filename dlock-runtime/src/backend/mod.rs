@@ -231,6 +231,26 @@ pub trait Backend: Send + Sync + 'static {
     fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
         None
     }
+
+    /// Makes sure at least `replicas` replicas of the server hold the lock `token` owns: sets
+    /// its lease to `ttl` from now and waits (within the backend's command timeout) until the
+    /// replicas acknowledge everything written so far. Answers how many acknowledged, or
+    /// [`LockError::Lost`] when `token` no longer owns the lock.
+    ///
+    /// Optional: the default answers [`LockError::Unsupported`] — a backend without replicas
+    /// refuses rather than pretend. The Redis backend on one server or behind Sentinel uses
+    /// `WAIT` ([`LockRequest::replicas`](crate::LockRequest::replicas)).
+    fn replicate<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+        replicas: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        let _ = (resource, token, ttl, replicas);
+        let name = self.name();
+        Box::pin(async move { Err(LockError::unsupported(name, "replica acknowledgement")) })
+    }
 }
 
 /// What a [`Locker`](crate::Locker) can be built over: any [`Backend`] by value, or one already

@@ -61,6 +61,15 @@ impl LockerBuilder {
         self
     }
 
+    /// How many replicas must have a lock before it counts as taken, for requests that don't
+    /// say ([`LockRequest::replicas`](crate::LockRequest::replicas)). Default 0. Redis on one
+    /// server or behind Sentinel only; other backends answer
+    /// [`LockError::Unsupported`] when it is above 0.
+    pub fn replicas(mut self, n: u32) -> Self {
+        self.config.replicas = n;
+        self
+    }
+
     /// The bounds of the locker's in-process [`DeferQueue`](crate::defer::DeferQueue): how many
     /// jobs may wait, and how long and how many dead letters are kept.
     pub fn defer_limits(mut self, limits: crate::defer::QueueLimits) -> Self {
@@ -130,6 +139,14 @@ impl LockerBuilder {
                         .await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "sentinel")]
+            "redis+sentinel" | "rediss+sentinel" => {
+                let opts = crate::backend::RedisOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::RedisBackend::connect_sentinel(url, opts).await?;
+                self.try_build(backend)
+            }
             #[cfg(feature = "redis")]
             "redlock" => {
                 let opts = crate::backend::RedlockOptions::default()
@@ -138,7 +155,7 @@ impl LockerBuilder {
                 self.try_build(backend)
             }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redlock://; redis+cluster needs feature `cluster`)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`)"),
                 None,
             )),
         }

@@ -1,7 +1,9 @@
 //! The connection under a [`RedisBackend`](super::RedisBackend): one server (redis-rs's
-//! reconnecting `ConnectionManager`) or, under feature `cluster`, a Redis Cluster (redis-rs's
+//! reconnecting `ConnectionManager`); under feature `cluster`, a Redis Cluster (redis-rs's
 //! cluster client, which routes each command to its slot's master and follows `MOVED`/`ASK`
-//! and topology changes). Both carry commands and RESP3 pushes on the same connections.
+//! and topology changes); under feature `sentinel`, the master of a Sentinel-monitored group,
+//! followed through failovers (`super::sentinel`). All carry commands and RESP3 pushes on the
+//! same connections.
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
@@ -12,13 +14,19 @@ pub(crate) enum Conn {
     Single(ConnectionManager),
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster_async::ClusterConnection),
+    #[cfg(feature = "sentinel")]
+    Sentinel(super::sentinel::SentinelConn),
 }
 
 impl Conn {
     /// Whether this is a cluster (scripts publish on sharded channels, fencing counters are
     /// per slot, pipelines hold one slot).
     pub(crate) fn is_cluster(&self) -> bool {
-        !matches!(self, Conn::Single(_))
+        #[cfg(feature = "cluster")]
+        if let Conn::Cluster(_) = self {
+            return true;
+        }
+        false
     }
 
     /// Subscribes to a lock's release channel: `SUBSCRIBE` on one server, `SSUBSCRIBE` (routed
@@ -29,6 +37,8 @@ impl Conn {
             Conn::Single(c) => c.subscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.ssubscribe(channel).await,
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.subscribe(channel).await,
         }
     }
 
@@ -38,6 +48,8 @@ impl Conn {
             Conn::Single(c) => c.unsubscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.sunsubscribe(channel).await,
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.unsubscribe(channel).await,
         }
     }
 }
@@ -120,6 +132,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -133,6 +147,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -141,6 +157,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.get_db(),
             #[cfg(feature = "cluster")]
             Conn::Cluster(c) => c.get_db(),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }

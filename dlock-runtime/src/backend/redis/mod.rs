@@ -38,6 +38,8 @@ mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
 mod scripts;
+#[cfg(feature = "sentinel")]
+pub(crate) mod sentinel;
 
 const CHANNEL_SUFFIX: &str = "ch";
 const PIPELINE_CHUNK: usize = 512;
@@ -115,7 +117,16 @@ struct Inner {
     fence_seen: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
+    /// How to reach the server again (one server), for dedicated connections.
+    client: Option<redis::Client>,
+    /// Connections of their own for commands that block a connection (`WAIT`), made on first
+    /// use; taken in turn.
+    dedicated: std::sync::Mutex<Vec<Conn>>,
+    next_dedicated: std::sync::atomic::AtomicUsize,
 }
+
+/// How many dedicated connections [`Backend::replicate`] spreads its `WAIT`s over.
+const DEDICATED: usize = 4;
 
 /// A lower bound an acquire brings for its fencing token.
 #[derive(Clone, Copy, Debug)]
@@ -256,9 +267,15 @@ impl RedisBackend {
             .set_max_delay(opts.connect_timeout)
             .set_push_sender(push)
             .set_automatic_resubscription();
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(|e| redis_err("connect", e))?;
-        Ok(Self::with_conn(Conn::Single(conn), opts, hub, &me))
+        Ok(Self::with_conn(
+            Conn::Single(conn),
+            opts,
+            hub,
+            &me,
+            Some(client),
+        ))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each, or
@@ -291,9 +308,47 @@ impl RedisBackend {
                 ))
             }
         };
-        let backend = Self::with_conn(Conn::Cluster(conn), opts, hub, &me);
+        let backend = Self::with_conn(Conn::Cluster(conn), opts, hub, &me, None);
         backend.ping().await?;
         Ok(backend)
+    }
+
+    /// Connects to the master of a Sentinel-monitored group,
+    /// `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>]` (`rediss+sentinel://`
+    /// with feature `tls`): the sentinels name the master, and the backend follows a failover to
+    /// the next one (see [`Locker::from_url`](crate::Locker::from_url) for what a failover
+    /// keeps). The credentials and database are the servers'; the sentinels are reached
+    /// without credentials. Fails with [`LockError::Unavailable`] if no sentinel names a live
+    /// master within the connect timeout plus the command timeout.
+    #[cfg(feature = "sentinel")]
+    pub async fn connect_sentinel(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
+        let parsed = sentinel::SentinelUrl::parse(url)?;
+        let hub = ReleaseHub::new();
+        let (me, push) = push_handler(&hub, true);
+        let push: sentinel::PushFn = Arc::new(move |p| {
+            let _ = push(p);
+        });
+        let conn = sentinel::SentinelConn::connect(
+            &parsed,
+            opts.connect_timeout,
+            opts.command_timeout,
+            Some(push),
+            Some(Arc::downgrade(&hub)),
+        )
+        .await?;
+        let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, None);
+        backend.ping().await?;
+        Ok(backend)
+    }
+
+    /// The master's address (`host:port`) as the sentinels named it last, when this backend is
+    /// behind Sentinel.
+    #[cfg(feature = "sentinel")]
+    pub fn sentinel_master(&self) -> Option<String> {
+        match &self.inner.conn {
+            Conn::Sentinel(c) => Some(c.master_addr()),
+            _ => None,
+        }
     }
 
     fn with_conn(
@@ -301,6 +356,7 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
         me: &OnceLock<Weak<Inner>>,
+        client: Option<redis::Client>,
     ) -> Self {
         let cluster = conn.is_cluster();
         let backend = RedisBackend {
@@ -316,6 +372,9 @@ impl RedisBackend {
                 opts,
                 fence_seen: AtomicU64::new(0),
                 recovering: AtomicBool::new(false),
+                client,
+                dedicated: std::sync::Mutex::new(Vec::new()),
+                next_dedicated: std::sync::atomic::AtomicUsize::new(0),
             }),
         };
         let _ = me.set(Arc::downgrade(&backend.inner));
@@ -434,6 +493,48 @@ impl RedisBackend {
             .arg(self.fence_key(resource))
             .arg(self.floor());
         self.deadline(what, inv.invoke_async(&mut conn)).await
+    }
+
+    /// One of the connections of its own for commands that block their connection (`WAIT`),
+    /// in turn; made on first use. A cluster has none (`WAIT` has no key to route by).
+    fn dedicated(&self) -> Result<Conn, LockError> {
+        let mut pool = self
+            .inner
+            .dedicated
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.is_empty() {
+            for _ in 0..DEDICATED {
+                pool.push(self.new_dedicated()?);
+            }
+        }
+        let i = self.inner.next_dedicated.fetch_add(1, Ordering::Relaxed) % pool.len();
+        Ok(pool[i].clone())
+    }
+
+    fn new_dedicated(&self) -> Result<Conn, LockError> {
+        match (&self.inner.conn, &self.inner.client) {
+            #[cfg(feature = "sentinel")]
+            (Conn::Sentinel(c), _) => Ok(Conn::Sentinel(c.dedicated()?)),
+            (Conn::Single(_), Some(client)) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.inner.opts.connect_timeout))
+                    .set_response_timeout(Some(self.inner.opts.command_timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(self.inner.opts.connect_timeout);
+                ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    .map(Conn::Single)
+                    .map_err(|e| redis_err("connect", e))
+            }
+            _ => Err(LockError::unsupported(
+                if self.is_cluster() {
+                    "redis cluster"
+                } else {
+                    "redis"
+                },
+                "replica acknowledgement",
+            )),
+        }
     }
 
     async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
@@ -682,6 +783,39 @@ impl Backend for RedisBackend {
             let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
             self.ensure_subscribed(resource).await?;
             Ok(watch)
+        })
+    }
+
+    /// Renews the lease and sends `WAIT replicas <¾ of the command timeout>` after it, on a
+    /// connection of their own (`WAIT` blocks its connection): `WAIT` counts the replicas that
+    /// have every write made so far, the lock's grant included.
+    fn replicate<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+        replicas: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        Box::pin(async move {
+            let mut conn = self.dedicated()?;
+            let mut renew = self.inner.extend.prepare_invoke();
+            renew
+                .key(resource.as_str())
+                .arg(token.as_str())
+                .arg(scripts::px(ttl));
+            let owned: i64 = self
+                .deadline("replicate", renew.invoke_async(&mut conn))
+                .await?;
+            if owned != 1 {
+                return Err(LockError::lost(resource.key().as_str()));
+            }
+            let mut wait = redis::cmd("WAIT");
+            wait.arg(replicas)
+                .arg(millis(self.inner.opts.command_timeout * 3 / 4));
+            let acked: i64 = self
+                .deadline("wait for replicas", wait.query_async(&mut conn))
+                .await?;
+            Ok(u32::try_from(acked).unwrap_or(0))
         })
     }
 }
