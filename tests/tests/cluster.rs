@@ -307,64 +307,10 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     held_b.release().await.unwrap();
 }
 
-/// The durable queue runs on the cluster (`redis+cluster://`): a job whose lock is busy is
-/// stored, a worker runs it under its lock once the holder releases — with a larger fencing
-/// token —, acknowledges it, and the queue is empty after.
+/// The durable queue runs on the cluster (`redis+cluster://`): see
+/// [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_queue_runs_on_the_cluster() {
-    use dlock_runtime::durable::{DurableQueue, DurableWorker, JobStatus, Submitted};
-    use dlock_runtime::DeferPolicy;
-    use dlock_tests::jobs::{run_in_background, RecordJob};
-    use dlock_tests::RedisServer;
-
     let url = redis_cluster::shared().lock().unwrap().url();
-    let record = RedisServer::start();
-    let locker = Locker::from_url(&url).await.unwrap();
-    let queue = DurableQueue::connect(&url, "cluster-invoices")
-        .await
-        .unwrap();
-    let policy =
-        DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
-    let job = RecordJob {
-        id: 1,
-        lock: "cluster-o1".to_owned(),
-        record_url: record.url(),
-        ..RecordJob::default()
-    };
-    let held = locker.lock("record:cluster-o1").acquire().await.unwrap();
-    let Submitted::Deferred(id) = queue
-        .submit(&locker, job, &policy, Duration::from_secs(5))
-        .await
-        .unwrap()
-    else {
-        panic!("a busy lock defers the job")
-    };
-    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
-    let worker = DurableWorker::new(queue.clone(), locker.clone())
-        .register::<RecordJob>()
-        .poll_interval(Duration::from_millis(10));
-    let w = run_in_background(worker);
-    let holder_token = held.fencing_token();
-    held.release().await.unwrap();
-    let done = dlock_tests::wait::wait_for("the job to run", Duration::from_secs(10), async || {
-        let mut c = record.conn().await;
-        c.hget::<_, _, Option<String>>("done", 1).await.unwrap()
-    })
-    .await;
-    let token: u64 = done.split_once(':').unwrap().1.parse().unwrap();
-    assert!(
-        token > holder_token,
-        "the job ran with a newer fencing token"
-    );
-    dlock_tests::wait::wait_for(
-        "the job to be acknowledged",
-        Duration::from_secs(5),
-        async || {
-            let s = queue.status(&id).await.unwrap();
-            matches!(s, JobStatus::Completed { .. }).then_some(())
-        },
-    )
-    .await;
-    w.stop().await;
-    assert!(queue.is_empty().await.unwrap());
+    dlock_tests::jobs::durable_round_trip(&url, "cluster").await;
 }

@@ -195,3 +195,11 @@ async fn replicas_on_a_backend_without_them_is_unsupported() {
     // Nothing is left behind.
     assert!(locker.lock("r").try_acquire().await.unwrap().is_some());
 }
+
+/// The durable queue runs behind Sentinel (`redis+sentinel://`): see
+/// [`dlock_tests::jobs::durable_round_trip`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_queue_runs_behind_sentinel() {
+    let url = redis_sentinel::shared().lock().unwrap().url();
+    dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
+}
