@@ -314,3 +314,62 @@ async fn durable_queue_runs_on_the_cluster() {
     let url = redis_cluster::shared().lock().unwrap().url();
     dlock_tests::jobs::durable_round_trip(&url, "cluster").await;
 }
+
+/// `.replicas(1)` on a cluster: the lock counts as taken once its shard's replica has it (a
+/// `WAIT` sent to the lock's master on a connection of its own); while that replica cannot
+/// acknowledge, the request fails as unavailable and leaves no lock behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_locks_wait_for_their_shards_replica() {
+    let cluster = redis_cluster::shared();
+    let url = cluster.lock().unwrap().url();
+    let command_timeout = Duration::from_millis(300);
+    let locker = Locker::builder()
+        .prefix("acked")
+        .command_timeout(command_timeout)
+        .connect(&url)
+        .await
+        .unwrap();
+    let key = "acked-1";
+    let resource = format!("acked:{{{key}}}");
+    let slot = key_slot(master_ports()[0], &resource).await;
+    // A node's view of the other shards' replicas may lag behind the cluster's start.
+    let range = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || {
+            let r = RedisCluster::range_of(master_ports()[0], slot).await;
+            (!r.replicas.is_empty())
+                .then_some(r)
+                .ok_or("no replica listed yet")
+        },
+    )
+    .await;
+    let g = locker.lock(key).replicas(1).acquire().await.unwrap();
+    let mut r = node_conn(range.replicas[0]).await;
+    let (_, owner): ((), Option<String>) = redis::pipe()
+        .cmd("READONLY")
+        .cmd("GET")
+        .arg(&resource)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert!(
+        owner.is_some(),
+        "the shard's replica does not have an acknowledged lock"
+    );
+    g.release().await.unwrap();
+
+    // The replica stops acknowledging (frozen for less than the node timeout: no failover).
+    let replica = cluster.lock().unwrap().index_of(range.replicas[0]);
+    cluster.lock().unwrap().nodes[replica].pause();
+    let err = locker.lock(key).replicas(1).acquire().await;
+    let on_master: i64 = redis::cmd("EXISTS")
+        .arg(&resource)
+        .query_async(&mut node_conn(range.master).await)
+        .await
+        .unwrap();
+    cluster.lock().unwrap().nodes[replica].resume();
+    let err = err.expect_err("a lock no replica acknowledged counted as taken");
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(on_master, 0, "an unacknowledged lock was not given back");
+}

@@ -238,7 +238,7 @@ pub trait Backend: Send + Sync + 'static {
     /// [`LockError::Lost`] when `token` no longer owns the lock.
     ///
     /// Optional: the default answers [`LockError::Unsupported`] — a backend without replicas
-    /// refuses rather than pretend. The Redis backend on one server or behind Sentinel uses
+    /// refuses rather than pretend. The Redis backend (one server, Sentinel, a cluster) uses
     /// `WAIT` ([`LockRequest::replicas`](crate::LockRequest::replicas)).
     fn replicate<'a>(
         &'a self,

@@ -62,8 +62,8 @@ impl LockerBuilder {
     }
 
     /// How many replicas must have a lock before it counts as taken, for requests that don't
-    /// say ([`LockRequest::replicas`](crate::LockRequest::replicas)). Default 0. Redis on one
-    /// server or behind Sentinel only; other backends answer
+    /// say ([`LockRequest::replicas`](crate::LockRequest::replicas)). Default 0. Redis only (one
+    /// server, Sentinel, a cluster); other backends answer
     /// [`LockError::Unsupported`] when it is above 0.
     pub fn replicas(mut self, n: u32) -> Self {
         self.config.replicas = n;

@@ -61,16 +61,16 @@ impl<'a> LockRequest<'a> {
         self
     }
 
-    /// How many replicas must have the lock before it counts as taken (Redis on one server or
-    /// behind Sentinel, with `WAIT`). Default: the locker's
+    /// How many replicas must have the lock before it counts as taken (Redis — one server,
+    /// Sentinel or a cluster — with `WAIT`). Default: the locker's
     /// ([`LockerBuilder::replicas`](crate::LockerBuilder::replicas)), which defaults to 0 — a
     /// grant on the master is enough.
     ///
     /// With `n > 0`, a lock the master granted is renewed and then waited on until `n` replicas
     /// acknowledge it (within ¾ of the command timeout); when fewer do, it is released again
     /// and the request fails with [`LockError::Unavailable`]. An acknowledged lock survives a
-    /// failover to one of those replicas. A backend without replicas (memory, Redis Cluster,
-    /// Redlock) answers [`LockError::Unsupported`].
+    /// failover to one of those replicas. A backend without replicas (memory, Redlock) answers
+    /// [`LockError::Unsupported`].
     pub fn replicas(mut self, n: u32) -> Self {
         self.replicas = Some(n);
         self

@@ -117,12 +117,24 @@ struct Inner {
     fence_seen: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
-    /// How to reach the server again (one server), for dedicated connections.
-    client: Option<redis::Client>,
+    /// How to reach the store again, for dedicated connections.
+    reconnect: Reconnect,
     /// Connections of their own for commands that block a connection (`WAIT`), made on first
     /// use; taken in turn.
-    dedicated: std::sync::Mutex<Vec<Conn>>,
+    dedicated: tokio::sync::Mutex<Vec<Conn>>,
     next_dedicated: std::sync::atomic::AtomicUsize,
+}
+
+/// How to make another connection to the same store (without a push handler).
+enum Reconnect {
+    /// One server.
+    Single(Box<redis::Client>),
+    /// A cluster.
+    #[cfg(feature = "cluster")]
+    Cluster(Box<redis::cluster::ClusterClient>),
+    /// From the connection itself (Sentinel: `SentinelConn::dedicated`).
+    #[cfg(feature = "sentinel")]
+    FromConn,
 }
 
 /// How many dedicated connections [`Backend::replicate`] spreads its `WAIT`s over.
@@ -274,7 +286,7 @@ impl RedisBackend {
             opts,
             hub,
             &me,
-            Some(client),
+            Reconnect::Single(Box::new(client)),
         ))
     }
 
@@ -308,7 +320,23 @@ impl RedisBackend {
                 ))
             }
         };
-        let backend = Self::with_conn(Conn::Cluster(conn), opts, hub, &me, None);
+        // Dedicated connections (for `WAIT`) carry no pushes.
+        let plain = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+            .use_protocol(ProtocolVersion::RESP3)
+            .connection_timeout(opts.connect_timeout)
+            .response_timeout(opts.command_timeout)
+            .retries(3)
+            .build()
+            .map_err(|e| {
+                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+            })?;
+        let backend = Self::with_conn(
+            Conn::Cluster(conn),
+            opts,
+            hub,
+            &me,
+            Reconnect::Cluster(Box::new(plain)),
+        );
         backend.ping().await?;
         Ok(backend)
     }
@@ -336,7 +364,7 @@ impl RedisBackend {
             Some(Arc::downgrade(&hub)),
         )
         .await?;
-        let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, None);
+        let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, Reconnect::FromConn);
         backend.ping().await?;
         Ok(backend)
     }
@@ -356,7 +384,7 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
         me: &OnceLock<Weak<Inner>>,
-        client: Option<redis::Client>,
+        reconnect: Reconnect,
     ) -> Self {
         let cluster = conn.is_cluster();
         let backend = RedisBackend {
@@ -372,8 +400,8 @@ impl RedisBackend {
                 opts,
                 fence_seen: AtomicU64::new(0),
                 recovering: AtomicBool::new(false),
-                client,
-                dedicated: std::sync::Mutex::new(Vec::new()),
+                reconnect,
+                dedicated: tokio::sync::Mutex::new(Vec::new()),
                 next_dedicated: std::sync::atomic::AtomicUsize::new(0),
             }),
         };
@@ -496,44 +524,48 @@ impl RedisBackend {
     }
 
     /// One of the connections of its own for commands that block their connection (`WAIT`),
-    /// in turn; made on first use. A cluster has none (`WAIT` has no key to route by).
-    fn dedicated(&self) -> Result<Conn, LockError> {
-        let mut pool = self
-            .inner
-            .dedicated
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    /// in turn; made on first use.
+    async fn dedicated(&self) -> Result<Conn, LockError> {
+        let mut pool = self.inner.dedicated.lock().await;
         if pool.is_empty() {
             for _ in 0..DEDICATED {
-                pool.push(self.new_dedicated()?);
+                pool.push(self.new_dedicated().await?);
             }
         }
         let i = self.inner.next_dedicated.fetch_add(1, Ordering::Relaxed) % pool.len();
         Ok(pool[i].clone())
     }
 
-    fn new_dedicated(&self) -> Result<Conn, LockError> {
-        match (&self.inner.conn, &self.inner.client) {
-            #[cfg(feature = "sentinel")]
-            (Conn::Sentinel(c), _) => Ok(Conn::Sentinel(c.dedicated()?)),
-            (Conn::Single(_), Some(client)) => {
+    async fn new_dedicated(&self) -> Result<Conn, LockError> {
+        let opts = &self.inner.opts;
+        match (&self.inner.reconnect, &self.inner.conn) {
+            (Reconnect::Single(client), _) => {
                 let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.inner.opts.connect_timeout))
-                    .set_response_timeout(Some(self.inner.opts.command_timeout))
+                    .set_connection_timeout(Some(opts.connect_timeout))
+                    .set_response_timeout(Some(opts.command_timeout))
                     .set_number_of_retries(2)
-                    .set_max_delay(self.inner.opts.connect_timeout);
-                ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    .set_max_delay(opts.connect_timeout);
+                ConnectionManager::new_lazy_with_config((**client).clone(), config)
                     .map(Conn::Single)
                     .map_err(|e| redis_err("connect", e))
             }
-            _ => Err(LockError::unsupported(
-                if self.is_cluster() {
-                    "redis cluster"
-                } else {
-                    "redis"
-                },
-                "replica acknowledgement",
-            )),
+            #[cfg(feature = "cluster")]
+            (Reconnect::Cluster(client), _) => {
+                let limit = opts.connect_timeout + opts.command_timeout;
+                match tokio::time::timeout(limit, client.get_async_connection()).await {
+                    Ok(r) => r
+                        .map(Conn::Cluster)
+                        .map_err(|e| redis_err("cluster connect", e)),
+                    Err(_) => Err(LockError::unavailable(
+                        format!("redis cluster: no node answered within {limit:?}"),
+                        None,
+                    )),
+                }
+            }
+            #[cfg(feature = "sentinel")]
+            (Reconnect::FromConn, Conn::Sentinel(c)) => Ok(Conn::Sentinel(c.dedicated()?)),
+            #[allow(unreachable_patterns)]
+            _ => Err(LockError::unsupported("redis", "replica acknowledgement")),
         }
     }
 
@@ -787,8 +819,9 @@ impl Backend for RedisBackend {
     }
 
     /// Renews the lease and sends `WAIT replicas <¾ of the command timeout>` after it, on a
-    /// connection of their own (`WAIT` blocks its connection): `WAIT` counts the replicas that
-    /// have every write made so far, the lock's grant included.
+    /// connection of their own (`WAIT` blocks its connection; on a cluster, to the lock's
+    /// master): `WAIT` counts the replicas that have every write made so far, the lock's grant
+    /// included.
     fn replicate<'a>(
         &'a self,
         resource: &'a ResourceName,
@@ -797,7 +830,7 @@ impl Backend for RedisBackend {
         replicas: u32,
     ) -> BoxFuture<'a, Result<u32, LockError>> {
         Box::pin(async move {
-            let mut conn = self.dedicated()?;
+            let mut conn = self.dedicated().await?;
             let mut renew = self.inner.extend.prepare_invoke();
             renew
                 .key(resource.as_str())
@@ -812,9 +845,30 @@ impl Backend for RedisBackend {
             let mut wait = redis::cmd("WAIT");
             wait.arg(replicas)
                 .arg(millis(self.inner.opts.command_timeout * 3 / 4));
-            let acked: i64 = self
-                .deadline("wait for replicas", wait.query_async(&mut conn))
-                .await?;
+            let acked: i64 = match &mut conn {
+                // `WAIT` has no key: send it to the lock's master, on the connection that
+                // carried the renewal.
+                #[cfg(feature = "cluster")]
+                Conn::Cluster(c) => {
+                    use redis::cluster_routing::{
+                        Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+                    };
+                    let slot = conn::slot(resource.key().as_str());
+                    let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                        Route::new(slot, SlotAddr::Master),
+                    ));
+                    let v = self
+                        .deadline("wait for replicas", c.route_command(wait, to))
+                        .await?;
+                    redis::from_redis_value(v).map_err(|e| {
+                        LockError::unavailable(format!("redis wait for replicas: {e}"), None)
+                    })?
+                }
+                _ => {
+                    self.deadline("wait for replicas", wait.query_async(&mut conn))
+                        .await?
+                }
+            };
             Ok(u32::try_from(acked).unwrap_or(0))
         })
     }
