@@ -300,9 +300,21 @@ impl PostgresServer {
         self.child.as_ref().map(Child::id)
     }
 
-    /// Kills the postmaster with SIGKILL (its backends exit once they notice) and waits for it.
+    /// Kills the server with SIGKILL — the postmaster and every process it started, at once,
+    /// as a machine crash would — and waits for the postmaster.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
+            let pid = c.id().to_string();
+            // Frozen first, so it cannot start new children while they are being killed.
+            let _ = Command::new("kill").args(["-STOP", &pid]).status();
+            let children = Command::new("pgrep")
+                .args(["-P", &pid])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            for child in children.split_whitespace() {
+                let _ = Command::new("kill").args(["-KILL", child]).status();
+            }
             let _ = c.kill();
             let _ = c.wait();
         }

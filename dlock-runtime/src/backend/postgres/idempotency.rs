@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
-use super::{malformed, millis, PostgresBackend};
+use super::{malformed, millis, owned, PostgresBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
@@ -22,18 +22,25 @@ impl IdempotencyStore for PostgresBackend {
             const WHAT: &str = "idempotency begin";
             let (ttl, retention) = (millis(args.ttl), millis(args.retention));
             let fp = args.fingerprint.to_hex();
+            let (name, token) = (args.resource.as_str().to_owned(), args.token.clone());
+            // In order with the undo of a cancelled begin (see `PostgresBackend::gated`).
             let rows = self
-                .call(
-                    WHAT,
-                    &self.sql().idem_begin,
-                    &[
-                        (&args.resource.as_str(), Type::TEXT),
-                        (&args.token.as_str(), Type::TEXT),
-                        (&ttl, Type::INT8),
-                        (&fp, Type::TEXT),
-                        (&retention, Type::INT8),
-                    ],
-                )
+                .gated(args.token, true, move |me| {
+                    owned(async move {
+                        me.call(
+                            WHAT,
+                            &me.sql().idem_begin,
+                            &[
+                                (&name, Type::TEXT),
+                                (&token.as_str(), Type::TEXT),
+                                (&ttl, Type::INT8),
+                                (&fp, Type::TEXT),
+                                (&retention, Type::INT8),
+                            ],
+                        )
+                        .await
+                    })
+                })
                 .await?;
             let row = rows.first().ok_or_else(|| malformed(WHAT))?;
             let code: i32 = row.try_get(0).map_err(|_| malformed(WHAT))?;

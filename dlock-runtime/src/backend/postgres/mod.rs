@@ -76,7 +76,9 @@
 //! plus `dlock_schema`, `dlock_table_prefix` and `dlock_notify`. TLS (`sslmode=require`) is not
 //! supported yet: such a URL is refused with a clear error.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
@@ -270,6 +272,8 @@ struct Inner {
     opts: PostgresOptions,
     /// The listener's state; dropping it ends the listener task.
     listening: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Owner tokens with a grant in flight (see [`PostgresBackend::gated`]).
+    gates: Mutex<HashMap<OwnerToken, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// Maps a client error to [`LockError::Unavailable`], naming the SQLSTATE when the database
@@ -429,6 +433,7 @@ impl PostgresBackend {
                 hub,
                 opts,
                 listening,
+                gates: Mutex::new(HashMap::new()),
             }),
         };
         let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
@@ -550,6 +555,67 @@ impl PostgresBackend {
     pub(crate) fn sql(&self) -> &schema::Statements {
         &self.inner.sql
     }
+
+    /// Runs `call` — an operation that may grant `token` a lock, or undo one — in order with
+    /// every other such operation of `token`, and to its end even if the caller stops waiting.
+    ///
+    /// Cancel safety needs the order: calls go out on different pooled connections, so a
+    /// cancelled acquire's undo ([`Backend::abandon`]) could otherwise overtake the acquire it
+    /// undoes on the server, find nothing, and let the acquire grant a lock nobody holds. Here
+    /// a grant runs in its own task holding the token's gate until the database answered (or
+    /// the command timeout passed), and the undo takes the gate first.
+    pub(crate) async fn gated<T: Send + 'static>(
+        &self,
+        token: &OwnerToken,
+        spawn: bool,
+        call: impl FnOnce(PostgresBackend) -> BoxFuture<'static, Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let gate = {
+            let mut gates = self
+                .inner
+                .gates
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            gates.entry(token.clone()).or_default().clone()
+        };
+        let held = gate.clone().lock_owned().await;
+        let fut = call(self.clone());
+        let out = if spawn {
+            let task = tokio::spawn(async move {
+                let out = fut.await;
+                drop(held);
+                out
+            });
+            task.await.unwrap_or_else(|e| {
+                Err(LockError::unavailable(
+                    format!("postgres call task: {e}"),
+                    None,
+                ))
+            })
+        } else {
+            let out = fut.await;
+            drop(held);
+            out
+        };
+        let mut gates = self
+            .inner
+            .gates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Only the map and this call hold it: nobody else waits on this token.
+        if Arc::strong_count(&gate) == 2 {
+            gates.remove(token);
+        }
+        out
+    }
+}
+
+/// Moves borrowed call parameters into an owned future (for [`PostgresBackend::gated`]).
+fn owned<F>(f: F) -> BoxFuture<'static, <F as Future>::Output>
+where
+    F: Future + Send + 'static,
+{
+    Box::pin(f)
 }
 
 fn malformed(what: &str) -> LockError {
@@ -584,18 +650,24 @@ impl Backend for PostgresBackend {
                 WaitMode::Barge => 2,
             };
             let (ttl, wttl) = (millis(args.ttl), millis(args.waiter_ttl));
+            let (name, token) = (args.resource.as_str().to_owned(), args.token.clone());
             let reply = self
-                .call_int(
-                    "acquire",
-                    &self.inner.sql.acquire,
-                    &[
-                        (&args.resource.as_str(), Type::TEXT),
-                        (&args.token.as_str(), Type::TEXT),
-                        (&ttl, Type::INT8),
-                        (&mode, Type::INT4),
-                        (&wttl, Type::INT8),
-                    ],
-                )
+                .gated(args.token, true, move |me| {
+                    owned(async move {
+                        me.call_int(
+                            "acquire",
+                            &me.inner.sql.acquire,
+                            &[
+                                (&name, Type::TEXT),
+                                (&token.as_str(), Type::TEXT),
+                                (&ttl, Type::INT8),
+                                (&mode, Type::INT4),
+                                (&wttl, Type::INT8),
+                            ],
+                        )
+                        .await
+                    })
+                })
                 .await?;
             Ok(match reply {
                 1.. => Attempt::Acquired {
@@ -676,14 +748,17 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
-            self.call_int(
-                "abandon",
-                &self.inner.sql.abandon,
-                &[
-                    (&resource.as_str(), Type::TEXT),
-                    (&token.as_str(), Type::TEXT),
-                ],
-            )
+            let (name, owner) = (resource.as_str().to_owned(), token.clone());
+            self.gated(token, false, move |me| {
+                owned(async move {
+                    me.call_int(
+                        "abandon",
+                        &me.inner.sql.abandon,
+                        &[(&name, Type::TEXT), (&owner.as_str(), Type::TEXT)],
+                    )
+                    .await
+                })
+            })
             .await
             .map(|_| ())
         })
