@@ -8,10 +8,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::backend::postgres::tokio_postgres;
+use dlock_runtime::backend::postgres::{
+    lock_in_transaction, tokio_postgres, try_lock_in_transaction,
+};
 use dlock_runtime::backend::{PostgresBackend, PostgresOptions};
 use dlock_runtime::conformance::Store;
-use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
+use dlock_runtime::{LockError, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::postgres_server::{shared, shared_bouncer};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::free_port;
@@ -410,4 +412,165 @@ async fn statement_timeout_leaves_no_half_taken_lock() {
         .unwrap()
         .expect("the key is free");
     g.release().await.unwrap();
+}
+
+// ---- URLs ----------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_takes_both_schemes_and_the_backends_own_parameters() {
+    let base = direct_url("postgres");
+    let url = format!(
+        "{}?dlock_schema=from_url&dlock_table_prefix=t_&dlock_notify=off&application_name=x",
+        base.replacen("postgres://", "postgresql://", 1)
+    );
+    let locker = Locker::from_url(&url)
+        .await
+        .expect("postgresql:// connects");
+    let g = locker
+        .lock("url:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let token = g.fencing_token();
+    let row = blocking(|| {
+        shared()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .psql("SELECT fence FROM from_url.t_locks WHERE name = 'dlock:{url:k}'")
+    })
+    .await;
+    assert_eq!(
+        row,
+        token.to_string(),
+        "the lock lives in the schema and prefix the URL named"
+    );
+    g.release().await.unwrap();
+    let locker = Locker::from_url(&base).await.expect("postgres:// connects");
+    let g = locker.lock("url:k").try_acquire().await.unwrap();
+    g.expect("free").release().await.unwrap();
+
+    let bad = format!("{base}?dlock_schema=Robert%27;DROP");
+    let err = Locker::from_url(&bad).await.expect_err("invalid schema");
+    assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
+    let tls = format!("{base}?sslmode=require");
+    let err = Locker::from_url(&tls)
+        .await
+        .expect_err("TLS is not built yet");
+    assert!(
+        err.is_unavailable() && err.to_string().contains("sslmode"),
+        "{err}"
+    );
+}
+
+// ---- transaction-scoped locks --------------------------------------------------------------
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_lock_commits_and_rolls_back_with_the_writes() {
+    let url = direct_url("postgres");
+    let (mut a, mut b) = (client(&url).await, client(&url).await);
+    a.batch_execute("CREATE TABLE IF NOT EXISTS xact_orders (id int PRIMARY KEY, state text)")
+        .await
+        .unwrap();
+    let key = LockKey::new("xact:order:1").unwrap();
+
+    // Held by A's transaction: B cannot take it; A's rollback frees it and drops A's write.
+    let tx = a.transaction().await.unwrap();
+    lock_in_transaction(&tx, "dlock", &key).await.unwrap();
+    tx.execute("INSERT INTO xact_orders VALUES (1, 'paid')", &[])
+        .await
+        .unwrap();
+    {
+        let txb = b.transaction().await.unwrap();
+        assert!(!try_lock_in_transaction(&txb, "dlock", &key).await.unwrap());
+        // Another key is not affected.
+        let other = LockKey::new("xact:order:2").unwrap();
+        assert!(try_lock_in_transaction(&txb, "dlock", &other)
+            .await
+            .unwrap());
+        txb.rollback().await.unwrap();
+    }
+    tx.rollback().await.unwrap();
+    let n: i64 = a
+        .query_one("SELECT count(*) FROM xact_orders WHERE id = 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "the rolled-back write is gone with the lock");
+
+    // A waiting lock_in_transaction is granted when the holder commits, and sees its write.
+    let tx = a.transaction().await.unwrap();
+    lock_in_transaction(&tx, "dlock", &key).await.unwrap();
+    tx.execute("INSERT INTO xact_orders VALUES (1, 'paid')", &[])
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        let txb = b.transaction().await.unwrap();
+        lock_in_transaction(&txb, "dlock", &LockKey::new("xact:order:1").unwrap())
+            .await
+            .unwrap();
+        let state: String = txb
+            .query_one("SELECT state FROM xact_orders WHERE id = 1", &[])
+            .await
+            .unwrap()
+            .get(0);
+        txb.execute("DELETE FROM xact_orders WHERE id = 1", &[])
+            .await
+            .unwrap();
+        txb.commit().await.unwrap();
+        state
+    });
+    // The database says the waiter is blocked on the advisory lock.
+    let probe = client(&url).await;
+    wait_for(
+        "the second transaction to wait",
+        Duration::from_secs(5),
+        async || {
+            let n: i64 = probe
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    assert!(!waiter.is_finished());
+    tx.commit().await.unwrap();
+    assert_eq!(
+        waiter.await.unwrap(),
+        "paid",
+        "the waiter ran after the commit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_lock_works_through_pgbouncer() {
+    let (mut via, mut direct) = (
+        client(&shared_bouncer().url("postgres")).await,
+        client(&direct_url("postgres")).await,
+    );
+    let key = LockKey::new("xact:bounced").unwrap();
+    for _ in 0..3 {
+        let tx = via.transaction().await.unwrap();
+        assert!(try_lock_in_transaction(&tx, "dlock", &key).await.unwrap());
+        let txd = direct.transaction().await.unwrap();
+        assert!(!try_lock_in_transaction(&txd, "dlock", &key).await.unwrap());
+        txd.rollback().await.unwrap();
+        tx.commit().await.unwrap();
+        let txd = direct.transaction().await.unwrap();
+        assert!(try_lock_in_transaction(&txd, "dlock", &key).await.unwrap());
+        txd.commit().await.unwrap();
+    }
 }
