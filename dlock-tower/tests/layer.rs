@@ -1,6 +1,7 @@
 //! `DistributedLockLayer` against real `redis-server` processes (and one PostgreSQL): mutual
-//! exclusion per key, parallelism across keys, release on cancellation, fail-open/fail-closed, the body digest,
-//! `LockInfo` in extensions, and composition with axum and a plain hyper + tower stack.
+//! exclusion per key, parallelism across keys, release on cancellation, fail-open/fail-closed,
+//! the body digest, `LockInfo` in extensions, and composition with axum and a plain hyper +
+//! tower stack.
 //!
 //! Inner services block on signals the test controls (watch channels, barriers), never on
 //! sleeps; assertions are about behaviour, not speed.
