@@ -31,7 +31,7 @@
 //! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`] and [`RedlockBackend`].
+//! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -55,6 +55,10 @@ pub use self::idempotency::IdempotencyStore;
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions};
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]

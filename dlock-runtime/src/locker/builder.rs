@@ -154,8 +154,16 @@ impl LockerBuilder {
                 let backend = crate::backend::RedlockBackend::connect_url(url, opts).await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let opts = crate::backend::PostgresOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::PostgresBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`)"),
                 None,
             )),
         }
