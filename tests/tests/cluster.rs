@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::redis_cluster::{self, key_slot, RedisCluster, SlotRange};
+use dlock_tests::redis_cluster::{self, key_slot, node_conn, RedisCluster, SlotRange};
 use dlock_tests::wait::poll_until;
 use redis::AsyncCommands as _;
 
@@ -118,14 +118,6 @@ fn master_ports() -> Vec<u16> {
     let cluster = redis_cluster::shared();
     let c = cluster.lock().unwrap();
     c.nodes.iter().take(3).map(|n| n.port()).collect()
-}
-
-async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
 }
 
 /// Release notifications on a cluster are sharded (`SPUBLISH`, served by the lock's own
@@ -372,4 +364,187 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
     let err = err.expect_err("a lock no replica acknowledged counted as taken");
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(on_master, 0, "an unacknowledged lock was not given back");
+}
+
+/// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names
+/// them, and that slot.
+async fn keys_of_one_slot(locker: &Locker, seed: u16) -> (Vec<String>, u16) {
+    let name = |key: &str| {
+        locker
+            .resource(dlock_runtime::LockKey::new(key).unwrap())
+            .as_str()
+            .to_owned()
+    };
+    let slot = redis::cluster_routing::Slot::for_key(name("k0"));
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("k{i}"))
+        .filter(|k| redis::cluster_routing::Slot::for_key(name(k)) == slot)
+        .take(4)
+        .collect();
+    let n = key_slot(seed, &name(&keys[0])).await;
+    for k in &keys {
+        assert_eq!(key_slot(seed, &name(k)).await, n, "{k} is not in slot {n}");
+    }
+    (keys, n)
+}
+
+/// What the lockers of the resharding test record: per key, who is inside its critical section
+/// (0: nobody) and the last fencing token granted; what went wrong.
+#[derive(Default)]
+struct Exclusion {
+    inside: [std::sync::atomic::AtomicUsize; 4],
+    last_token: std::sync::Mutex<[u64; 4]>,
+    sections: std::sync::atomic::AtomicUsize,
+    violations: std::sync::Mutex<Vec<String>>,
+    errors: std::sync::Mutex<Vec<String>>,
+}
+
+impl Exclusion {
+    fn violation(&self, what: String) {
+        self.violations.lock().unwrap().push(what);
+    }
+
+    /// One critical section of task `me` on key `k` under `guard`.
+    async fn section(&self, me: usize, k: usize, guard: &dlock_runtime::LockGuard) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if let Err(other) = self.inside[k].compare_exchange(0, me, SeqCst, SeqCst) {
+            self.violation(format!(
+                "task {me} entered key {k} while task {other} was inside"
+            ));
+        }
+        {
+            let mut last = self.last_token.lock().unwrap();
+            let token = guard.fencing_token();
+            if token <= last[k] {
+                self.violation(format!("key {k}: token {token} after {}", last[k]));
+            }
+            last[k] = last[k].max(token);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await; // the work
+        if !guard.is_held() {
+            self.violation(format!("task {me} lost key {k} inside its section"));
+        }
+        if let Err(other) = self.inside[k].compare_exchange(me, 0, SeqCst, SeqCst) {
+            self.violation(format!(
+                "task {me} left key {k} to find task {other} inside"
+            ));
+        }
+        self.sections.fetch_add(1, SeqCst);
+    }
+}
+
+/// Resharding in the middle of a contended run: eight tasks on two lockers contend for four
+/// keys of one slot (one fencing counter, waiter queues coming and going) while the slot, with
+/// its live locks, its counter and its queues, is moved from one master to another and back
+/// (`CLUSTER SETSLOT … MIGRATING/IMPORTING`, `MIGRATE` one key at a time, `SETSLOT … NODE`),
+/// four times. No two tasks are ever inside one key's section, no holder loses its lock, tokens
+/// grow per key, every move really moves the slot and its keys, every task completes its quota
+/// within a bound, and no lock is left held. (Its own cluster: it changes the slot map.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_a_slot_with_live_locks_keeps_exclusion_and_finishes() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Arc;
+    const TASKS: usize = 8;
+    const QUOTA: usize = 60;
+    const MOVES: usize = 4;
+
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let connect = async || {
+        Locker::builder()
+            .prefix("reshard")
+            .connect(&cluster.url())
+            .await
+            .unwrap()
+    };
+    let lockers = [connect().await, connect().await];
+    let (keys, slot) = keys_of_one_slot(&lockers[0], seed).await;
+    let state = Arc::new(Exclusion::default());
+    let moving = Arc::new(AtomicBool::new(true));
+    let tasks: Vec<_> = (1..=TASKS)
+        .map(|me| {
+            let (locker, keys) = (lockers[me % 2].clone(), keys.clone());
+            let (state, moving) = (state.clone(), moving.clone());
+            tokio::spawn(async move {
+                let mut done = 0;
+                for i in 0.. {
+                    if done >= QUOTA && !moving.load(SeqCst) {
+                        break;
+                    }
+                    let k = (me + i) % keys.len();
+                    let lock = locker
+                        .lock(&keys[k])
+                        .ttl(Duration::from_secs(2))
+                        .on_fail(OnFail::retry(Duration::from_secs(10)));
+                    match lock.acquire().await {
+                        Ok(g) => {
+                            state.section(me, k, &g).await;
+                            if let Err(e) = g.release().await {
+                                state.errors.lock().unwrap().push(format!("release: {e:?}"));
+                            }
+                            done += 1;
+                        }
+                        Err(e) => state.errors.lock().unwrap().push(format!("acquire: {e:?}")),
+                    }
+                }
+            })
+        })
+        .collect();
+
+    let sections = || state.sections.load(SeqCst);
+    let progress = async |after: usize, why: &str| {
+        dlock_tests::wait::wait_for(why, Duration::from_secs(20), async || {
+            (sections() >= after + 100).then_some(())
+        })
+        .await;
+    };
+    progress(0, "the run to start").await;
+    let mut owner = RedisCluster::range_of(seed, slot).await.master;
+    let other = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+        .await
+        .master;
+    assert_ne!(owner, other);
+    let home = owner;
+    for m in 0..MOVES {
+        let to = if owner == home { other } else { home };
+        let before = sections();
+        cluster
+            .move_slot(slot, owner, to, 1)
+            .await
+            .unwrap_or_else(|e| panic!("move {m} of slot {slot} failed: {e}"));
+        assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
+        let count = |port: u16| async move {
+            redis::cmd("CLUSTER")
+                .arg("COUNTKEYSINSLOT")
+                .arg(slot)
+                .query_async::<usize>(&mut node_conn(port).await)
+                .await
+                .unwrap()
+        };
+        assert_eq!(count(owner).await, 0, "keys of slot {slot} left behind");
+        assert!(
+            count(to).await > 0,
+            "slot {slot} moved without its fencing counter"
+        );
+        owner = to;
+        progress(before, "sections after the move").await;
+    }
+    moving.store(false, SeqCst);
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("a task did not finish its quota within 30 s of the last move")
+            .unwrap();
+    }
+
+    let violations = state.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "exclusion broke: {violations:?}");
+    let errors = state.errors.lock().unwrap().clone();
+    assert!(errors.is_empty(), "{} errors: {errors:?}", errors.len());
+    let fresh = connect().await;
+    for k in &keys {
+        let g = fresh.lock(k).try_acquire().await.unwrap();
+        assert!(g.is_some(), "{k} was left locked");
+        g.unwrap().release().await.unwrap();
+    }
 }
