@@ -156,6 +156,29 @@ async fn handoff_uses_sharded_pub_sub() {
     assert_eq!(calls_per_master("publish").await, vec![0, 0, 0]);
 }
 
+/// The slot range (master and replicas, as the node on `seed` sees it) serving `key`'s lock.
+async fn range_of_key(locker: &Locker, seed: u16, key: &str) -> SlotRange {
+    let name = locker
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned();
+    let slot = key_slot(seed, &name).await;
+    // Gossip may list a shard's replica a moment after its link is up.
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || {
+            let r = RedisCluster::range_of(seed, slot).await;
+            if r.replicas.is_empty() {
+                Err(format!("slot {slot}: no replica listed yet"))
+            } else {
+                Ok(r)
+            }
+        },
+    )
+    .await
+}
+
 /// Two of this locker's keys whose slots have different masters, with the map as the node on
 /// `seed` sees it: `(key, its range)` for each.
 async fn keys_on_two_masters(
@@ -166,25 +189,7 @@ async fn keys_on_two_masters(
     let mut first: Option<(String, SlotRange)> = None;
     for i in 0.. {
         let key = format!("{prefix}:{i}");
-        let name = locker
-            .resource(dlock_runtime::LockKey::new(&key).unwrap())
-            .as_str()
-            .to_owned();
-        let slot = key_slot(seed, &name).await;
-        // Gossip may list a shard's replica a moment after its link is up.
-        let range = poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            async || {
-                let r = RedisCluster::range_of(seed, slot).await;
-                if r.replicas.is_empty() {
-                    Err(format!("slot {slot}: no replica listed yet"))
-                } else {
-                    Ok(r)
-                }
-            },
-        )
-        .await;
+        let range = range_of_key(locker, seed, &key).await;
         match &first {
             None => first = Some((key, range)),
             Some((_, r)) if r.master != range.master => {
@@ -199,9 +204,10 @@ async fn keys_on_two_masters(
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
 /// it. Locks on the other shards keep being renewed; acquiring on the dead shard is a prompt
 /// typed error, never a hang; the replica takes over and the shard works again; the holder
-/// whose lock did not survive is told through `lost()`; and the next fencing token for that key
-/// is larger than the lost holder's, although the promoted replica's counter is older. (Its own
-/// cluster: this test kills a node.)
+/// whose lock did not survive is told through `lost()`, while a lock acquired with
+/// `.replicas(1)` on the same shard survives; and the next fencing token for that key is larger
+/// than the lost holder's, although the promoted replica's counter is older. (Its own cluster:
+/// this test kills a node.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     let mut cluster = RedisCluster::start(3, 1);
@@ -241,6 +247,25 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         },
     )
     .await;
+    // An acknowledged lock on A's master: the replica has it before acquire returns.
+    let mut acked_key = None;
+    for i in 0.. {
+        let key = format!("failover-acked:{i}");
+        if range_of_key(&locker, seed, &key).await.master == ra.master {
+            acked_key = Some(key);
+            break;
+        }
+    }
+    let acked_key = acked_key.unwrap();
+    // Its lease outlasts the failover (node timeout + election), so only the failover could
+    // lose it.
+    let acked = locker
+        .lock(&acked_key)
+        .ttl(Duration::from_secs(10))
+        .replicas(1)
+        .acquire()
+        .await
+        .unwrap();
     // The dying master's replica stops taking the replication stream before A is taken again:
     // that lock, and the counter's advance, exist only on the master that dies.
     let replica = cluster.index_of(ra.replicas[0]);
@@ -292,6 +317,15 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         held_a.fencing_token()
     );
     g.release().await.unwrap();
+
+    // The acknowledged lock on the dead master's shard survived the failover: the promoted
+    // replica has it under its owner (an owner-checked extend and release succeed there).
+    assert!(
+        acked.is_held(),
+        "an acknowledged lock was lost in the failover"
+    );
+    acked.extend(Duration::from_secs(10)).await.unwrap();
+    acked.release().await.unwrap();
 
     // B, on another master, was renewed all along.
     assert_ne!(rb.master, ra.master);
