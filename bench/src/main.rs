@@ -17,6 +17,7 @@ mod held;
 #[cfg(feature = "layer")]
 mod layer;
 mod plot;
+mod postgres;
 mod redlock;
 mod report;
 mod stats;
@@ -38,7 +39,7 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 8] = [
+const SCENARIOS: [&str; 9] = [
     "uncontended",
     "contended",
     "contended_think",
@@ -47,6 +48,7 @@ const SCENARIOS: [&str; 8] = [
     "sentinel",
     "held_at_scale",
     "layer_overhead",
+    "postgres",
 ];
 
 /// How long and how much.
@@ -163,7 +165,8 @@ and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
   --only    run only these scenarios: uncontended, contended, contended_think, redlock, sentinel,
-            cluster, held_at_scale, layer_overhead (for profiling; the full report needs all)
+            cluster, held_at_scale, layer_overhead, postgres (for profiling; the full report
+            needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
 fn main() -> ExitCode {
@@ -528,6 +531,11 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
             layer_overhead(&one[0], &plan, &mut admin).await?,
         );
         admin.flush_all().await?;
+    }
+
+    // 6. postgres (its own server and drivers)
+    if plan.wants("postgres") {
+        scenarios.insert("postgres".into(), postgres::run(&plan).await?);
     }
 
     for name in SCENARIOS {

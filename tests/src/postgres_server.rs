@@ -350,25 +350,31 @@ impl Drop for PostgresServer {
     }
 }
 
+/// Makes a value on a new thread that then lives as long as the process (so servers it starts
+/// with `die_with_parent` die with the test binary, not with the thread of the first test).
+fn on_owner_thread<T: Send + 'static>(name: &str, make: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            tx.send(make()).unwrap();
+            loop {
+                std::thread::park();
+            }
+        })
+        .expect("spawn an owner thread");
+    rx.recv().expect("the owner thread died making its value")
+}
+
 /// One server for the whole test binary, started on first use (on a thread that lives as long
 /// as the process, so the kernel kills the server with the binary).
 pub fn shared() -> Arc<Mutex<PostgresServer>> {
     static SHARED: OnceLock<Arc<Mutex<PostgresServer>>> = OnceLock::new();
     SHARED
         .get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new()
-                .name("dlock-postgres-owner".into())
-                .spawn(move || {
-                    let server = PostgresServer::start_inner(true);
-                    tx.send(Arc::new(Mutex::new(server))).unwrap();
-                    loop {
-                        std::thread::park();
-                    }
-                })
-                .expect("spawn the postgres owner thread");
-            rx.recv()
-                .expect("the postgres owner thread died starting it")
+            on_owner_thread("dlock-postgres-owner", || {
+                Arc::new(Mutex::new(PostgresServer::start_inner(true)))
+            })
         })
         .clone()
 }
@@ -475,18 +481,9 @@ pub fn shared_bouncer() -> Arc<PgBouncer> {
     SHARED
         .get_or_init(|| {
             let port = shared().lock().unwrap_or_else(|e| e.into_inner()).port();
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new()
-                .name("dlock-pgbouncer-owner".into())
-                .spawn(move || {
-                    tx.send(Arc::new(PgBouncer::start(port, true))).unwrap();
-                    loop {
-                        std::thread::park();
-                    }
-                })
-                .expect("spawn the pgbouncer owner thread");
-            rx.recv()
-                .expect("the pgbouncer owner thread died starting it")
+            on_owner_thread("dlock-pgbouncer-owner", move || {
+                Arc::new(PgBouncer::start(port, true))
+            })
         })
         .clone()
 }

@@ -257,6 +257,39 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// Runs a batched renewal in chunks of `size`, the chunks concurrently; a chunk that fails
+/// fails each of its items with the chunk's error. `batch` answers one `bool` per item.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) async fn extend_in_chunks<'a, F, Fut>(
+    items: &'a [ExtendItem],
+    size: usize,
+    batch: F,
+) -> Vec<Result<bool, LockError>>
+where
+    F: Fn(&'a [ExtendItem]) -> Fut,
+    Fut: Future<Output = Result<Vec<bool>, LockError>>,
+{
+    let chunks = items.chunks(size).map(|chunk| {
+        let run = batch(chunk);
+        async move {
+            match run.await {
+                Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
+                Err(e) => {
+                    let msg = e.to_string();
+                    (0..chunk.len())
+                        .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                        .collect()
+                }
+            }
+        }
+    });
+    futures_util::future::join_all(chunks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
 /// What a [`Locker`](crate::Locker) can be built over: any [`Backend`] by value, or one already
 /// shared as `Arc<B>`, `Arc<dyn Backend>` or `Box<dyn Backend>`.
 ///

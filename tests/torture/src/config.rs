@@ -95,14 +95,17 @@ pub(crate) enum BackendKind {
     Redis,
     /// Redlock over five servers.
     Redlock,
+    /// One PostgreSQL server (the Postgres backend).
+    Postgres,
 }
 
 impl BackendKind {
-    /// `redis` / `redlock`.
+    /// `redis` / `redlock` / `postgres`.
     pub(crate) fn name(self) -> &'static str {
         match self {
             BackendKind::Redis => "redis",
             BackendKind::Redlock => "redlock",
+            BackendKind::Postgres => "postgres",
         }
     }
 
@@ -111,14 +114,15 @@ impl BackendKind {
         match s {
             "redis" => Ok(BackendKind::Redis),
             "redlock" => Ok(BackendKind::Redlock),
-            _ => Err(format!("unknown backend `{s}` (redis, redlock)")),
+            "postgres" => Ok(BackendKind::Postgres),
+            _ => Err(format!("unknown backend `{s}` (redis, redlock, postgres)")),
         }
     }
 
     /// How many lock servers it runs on.
     pub(crate) fn servers(self) -> usize {
         match self {
-            BackendKind::Redis => 1,
+            BackendKind::Redis | BackendKind::Postgres => 1,
             BackendKind::Redlock => 5,
         }
     }
@@ -224,7 +228,11 @@ impl Config {
         let base = Config {
             mode,
             seed: 0,
-            backends: vec![BackendKind::Redis, BackendKind::Redlock],
+            backends: vec![
+                BackendKind::Redis,
+                BackendKind::Redlock,
+                BackendKind::Postgres,
+            ],
             procs: 4,
             tasks: 16,
             keys: 4,
@@ -303,6 +311,11 @@ impl Config {
         if let Some(b) = args.string("backend") {
             c.backends = match b.as_str() {
                 "both" => vec![BackendKind::Redis, BackendKind::Redlock],
+                "all" => vec![
+                    BackendKind::Redis,
+                    BackendKind::Redlock,
+                    BackendKind::Postgres,
+                ],
                 other => vec![BackendKind::parse(other)?],
             };
         }
@@ -367,7 +380,7 @@ modes:
 
 options:
   --seed N                 repeat a run's fault schedule (printed at the start and the end)
-  --backend redis|redlock|both
+  --backend redis|redlock|postgres|both|all   (both: redis and redlock; default all)
   --procs N  --tasks N  --keys N
   --ttl-ms N  --waiter-ttl-ms N  --command-timeout-ms N  --node-timeout-ms N
   --rounds N               rounds of faults per backend (each round: every fault kind once)

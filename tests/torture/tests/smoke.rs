@@ -1,6 +1,7 @@
 //! The short test of the fault harness: runs `dlock-torture --smoke` (2 worker processes × 4
-//! tasks on 2 keys, TTL 500 ms, every fault kind once against one Redis server and once
-//! against Redlock over five, about 12 s) and checks its verdict and summary line.
+//! tasks on 2 keys, TTL 500 ms, every fault kind once against one Redis server, once against
+//! Redlock over five and once against one PostgreSQL, about 20 s) and checks its verdict and
+//! summary line.
 //!
 //! The full `--quick` run (about a minute) is CI's job, not `cargo test`'s:
 //! `cargo run --release -p dlock-torture -- --quick`.

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
-use super::{malformed, millis, owned, PostgresBackend};
+use super::{int8, malformed, millis, text, PostgresBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
@@ -20,27 +20,16 @@ impl IdempotencyStore for PostgresBackend {
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>> {
         Box::pin(async move {
             const WHAT: &str = "idempotency begin";
-            let (ttl, retention) = (millis(args.ttl), millis(args.retention));
-            let fp = args.fingerprint.to_hex();
-            let (name, token) = (args.resource.as_str().to_owned(), args.token.clone());
+            let params = vec![
+                text(args.resource.as_str()),
+                text(args.token.as_str()),
+                int8(millis(args.ttl)),
+                text(&args.fingerprint.to_hex()),
+                int8(millis(args.retention)),
+            ];
             // In order with the undo of a cancelled begin (see `PostgresBackend::gated`).
             let rows = self
-                .gated(args.token, true, move |me| {
-                    owned(async move {
-                        me.call(
-                            WHAT,
-                            &me.sql().idem_begin,
-                            &[
-                                (&name, Type::TEXT),
-                                (&token.as_str(), Type::TEXT),
-                                (&ttl, Type::INT8),
-                                (&fp, Type::TEXT),
-                                (&retention, Type::INT8),
-                            ],
-                        )
-                        .await
-                    })
-                })
+                .gated(args.token, true, WHAT, |s| &s.idem_begin, params)
                 .await?;
             let row = rows.first().ok_or_else(|| malformed(WHAT))?;
             let code: i32 = row.try_get(0).map_err(|_| malformed(WHAT))?;

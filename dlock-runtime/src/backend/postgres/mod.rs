@@ -77,7 +77,6 @@
 //! supported yet: such a URL is refused with a clear error.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -545,11 +544,7 @@ impl PostgresBackend {
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<i64, LockError> {
-        let rows = self.call(what, sql, params).await?;
-        let row = rows.first().ok_or_else(|| malformed(what))?;
-        row.try_get::<_, i64>(0)
-            .or_else(|_| row.try_get::<_, i32>(0).map(i64::from))
-            .map_err(|_| malformed(what))
+        int_of(what, &self.call(what, sql, params).await?)
     }
 
     pub(crate) fn sql(&self) -> &schema::Statements {
@@ -564,12 +559,14 @@ impl PostgresBackend {
     /// undoes on the server, find nothing, and let the acquire grant a lock nobody holds. Here
     /// a grant runs in its own task holding the token's gate until the database answered (or
     /// the command timeout passed), and the undo takes the gate first.
-    pub(crate) async fn gated<T: Send + 'static>(
+    pub(crate) async fn gated(
         &self,
         token: &OwnerToken,
         spawn: bool,
-        call: impl FnOnce(PostgresBackend) -> BoxFuture<'static, Result<T, LockError>>,
-    ) -> Result<T, LockError> {
+        what: &'static str,
+        sql: fn(&schema::Statements) -> &String,
+        params: Params,
+    ) -> Result<Vec<Row>, LockError> {
         let gate = {
             let mut gates = self
                 .inner
@@ -579,23 +576,25 @@ impl PostgresBackend {
             gates.entry(token.clone()).or_default().clone()
         };
         let held = gate.clone().lock_owned().await;
-        let fut = call(self.clone());
+        let me = self.clone();
+        let fut = async move {
+            let refs: Vec<(&(dyn ToSql + Sync), Type)> = params
+                .iter()
+                .map(|(v, t)| (&**v as &(dyn ToSql + Sync), t.clone()))
+                .collect();
+            let out = me.call(what, sql(&me.inner.sql), &refs).await;
+            drop(held);
+            out
+        };
         let out = if spawn {
-            let task = tokio::spawn(async move {
-                let out = fut.await;
-                drop(held);
-                out
-            });
-            task.await.unwrap_or_else(|e| {
+            tokio::spawn(fut).await.unwrap_or_else(|e| {
                 Err(LockError::unavailable(
                     format!("postgres call task: {e}"),
                     None,
                 ))
             })
         } else {
-            let out = fut.await;
-            drop(held);
-            out
+            fut.await
         };
         let mut gates = self
             .inner
@@ -610,12 +609,25 @@ impl PostgresBackend {
     }
 }
 
-/// Moves borrowed call parameters into an owned future (for [`PostgresBackend::gated`]).
-fn owned<F>(f: F) -> BoxFuture<'static, <F as Future>::Output>
-where
-    F: Future + Send + 'static,
-{
-    Box::pin(f)
+/// Owned parameters of a [`PostgresBackend::gated`] call (it may outlive its caller).
+pub(crate) type Params = Vec<(Box<dyn ToSql + Sync + Send>, Type)>;
+
+/// A text parameter.
+pub(crate) fn text(s: &str) -> (Box<dyn ToSql + Sync + Send>, Type) {
+    (Box::new(s.to_owned()), Type::TEXT)
+}
+
+/// A `bigint` parameter.
+pub(crate) fn int8(n: i64) -> (Box<dyn ToSql + Sync + Send>, Type) {
+    (Box::new(n), Type::INT8)
+}
+
+/// The single integer (`bigint` or `integer`) a call answered.
+pub(crate) fn int_of(what: &str, rows: &[Row]) -> Result<i64, LockError> {
+    let row = rows.first().ok_or_else(|| malformed(what))?;
+    row.try_get::<_, i64>(0)
+        .or_else(|_| row.try_get::<_, i32>(0).map(i64::from))
+        .map_err(|_| malformed(what))
 }
 
 fn malformed(what: &str) -> LockError {
@@ -649,26 +661,17 @@ impl Backend for PostgresBackend {
                 WaitMode::Queue => 1,
                 WaitMode::Barge => 2,
             };
-            let (ttl, wttl) = (millis(args.ttl), millis(args.waiter_ttl));
-            let (name, token) = (args.resource.as_str().to_owned(), args.token.clone());
-            let reply = self
-                .gated(args.token, true, move |me| {
-                    owned(async move {
-                        me.call_int(
-                            "acquire",
-                            &me.inner.sql.acquire,
-                            &[
-                                (&name, Type::TEXT),
-                                (&token.as_str(), Type::TEXT),
-                                (&ttl, Type::INT8),
-                                (&mode, Type::INT4),
-                                (&wttl, Type::INT8),
-                            ],
-                        )
-                        .await
-                    })
-                })
+            let params: Params = vec![
+                text(args.resource.as_str()),
+                text(args.token.as_str()),
+                int8(millis(args.ttl)),
+                (Box::new(mode), Type::INT4),
+                int8(millis(args.waiter_ttl)),
+            ];
+            let rows = self
+                .gated(args.token, true, "acquire", |s| &s.acquire, params)
                 .await?;
+            let reply = int_of("acquire", &rows)?;
             Ok(match reply {
                 1.. => Attempt::Acquired {
                     fencing_token: reply as u64,
@@ -723,22 +726,7 @@ impl Backend for PostgresBackend {
         items: &'a [ExtendItem],
     ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
         Box::pin(async move {
-            let chunks = items.chunks(EXTEND_CHUNK).map(|chunk| async move {
-                match self.extend_batch(chunk).await {
-                    Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
-                    Err(e) => {
-                        let msg = e.to_string();
-                        (0..chunk.len())
-                            .map(|_| Err(LockError::unavailable(msg.clone(), None)))
-                            .collect()
-                    }
-                }
-            });
-            futures_util::future::join_all(chunks)
-                .await
-                .into_iter()
-                .flatten()
-                .collect()
+            super::extend_in_chunks(items, EXTEND_CHUNK, |chunk| self.extend_batch(chunk)).await
         })
     }
 
@@ -748,19 +736,10 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
-            let (name, owner) = (resource.as_str().to_owned(), token.clone());
-            self.gated(token, false, move |me| {
-                owned(async move {
-                    me.call_int(
-                        "abandon",
-                        &me.inner.sql.abandon,
-                        &[(&name, Type::TEXT), (&owner.as_str(), Type::TEXT)],
-                    )
-                    .await
-                })
-            })
-            .await
-            .map(|_| ())
+            let params = vec![text(resource.as_str()), text(token.as_str())];
+            self.gated(token, false, "abandon", |s| &s.abandon, params)
+                .await
+                .map(|_| ())
         })
     }
 

@@ -890,22 +890,11 @@ impl Backend for RedisBackend {
             if self.is_cluster() {
                 return self.extend_per_slot(items).await;
             }
-            let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
-                match self.extend_chunk(chunk).await {
-                    Ok(v) => v.into_iter().map(|n| Ok(n == 1)).collect::<Vec<_>>(),
-                    Err(e) => {
-                        let msg = e.to_string();
-                        (0..chunk.len())
-                            .map(|_| Err(LockError::unavailable(msg.clone(), None)))
-                            .collect()
-                    }
-                }
-            });
-            futures_util::future::join_all(chunks)
-                .await
-                .into_iter()
-                .flatten()
-                .collect()
+            super::extend_in_chunks(items, PIPELINE_CHUNK, |chunk| async move {
+                let replies = self.extend_chunk(chunk).await?;
+                Ok(replies.into_iter().map(|n| n == 1).collect())
+            })
+            .await
         })
     }
 
