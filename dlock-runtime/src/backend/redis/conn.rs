@@ -126,20 +126,36 @@ pub(crate) fn cluster_urls(url: &str) -> Result<Vec<String>, crate::LockError> {
     } else {
         "redis"
     };
-    let (auth, hosts) = match rest.rsplit_once('@') {
-        Some((auth, hosts)) => (format!("{auth}@"), hosts),
-        None => (String::new(), rest),
-    };
-    let hosts = hosts.split('/').next().unwrap_or("");
-    let urls: Vec<String> = hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| format!("{scheme}://{auth}{h}"))
-        .collect();
+    let (auth, hosts, _) = split_hosts(rest);
+    let urls = node_urls(scheme, &auth, hosts);
     if urls.is_empty() {
         return Err(bad());
     }
     Ok(urls)
+}
+
+/// `[user:pass@]h1:p1,h2:p2[/path]` (a multi-host URL after its `://`) → (`"user:pass@"` or
+/// `""`, `"h1:p1,h2:p2"`, the path after the first `/`, if any).
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn split_hosts(rest: &str) -> (String, &str, Option<&str>) {
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    match hosts.split_once('/') {
+        Some((hosts, path)) => (auth, hosts, Some(path)),
+        None => (auth, hosts, None),
+    }
+}
+
+/// One `<scheme>://<auth><host>` URL per non-empty comma-separated host.
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn node_urls(scheme: &str, auth: &str, hosts: &str) -> Vec<String> {
+    hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect()
 }
 
 impl ConnectionLike for Conn {

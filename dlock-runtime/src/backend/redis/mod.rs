@@ -310,20 +310,21 @@ impl RedisBackend {
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
         let hub = ReleaseHub::new();
         let (me, push) = push_handler(&hub, true);
-        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .use_protocol(ProtocolVersion::RESP3)
-            .connection_timeout(opts.connect_timeout)
-            .response_timeout(opts.command_timeout)
-            .retries(CLUSTER_RETRIES)
-            .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
-            .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
-            .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
-            .push_sender(push)
-            .build()
-            // The URLs may carry a password: never put them in an error message.
-            .map_err(|e| {
-                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
-            })?;
+        // The URLs may carry a password: never put them in an error message.
+        let invalid = |e: RedisError| {
+            LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+        };
+        let builder = || {
+            redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+                .use_protocol(ProtocolVersion::RESP3)
+                .connection_timeout(opts.connect_timeout)
+                .response_timeout(opts.command_timeout)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
+                .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
+                .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
+        };
+        let client = builder().push_sender(push).build().map_err(invalid)?;
         let limit = opts.connect_timeout + opts.command_timeout;
         let connect =
             async || match tokio::time::timeout(limit, client.get_async_connection()).await {
@@ -338,18 +339,7 @@ impl RedisBackend {
             subs: connect().await?,
         };
         // Dedicated connections (for `WAIT`) carry no pushes.
-        let plain = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .use_protocol(ProtocolVersion::RESP3)
-            .connection_timeout(opts.connect_timeout)
-            .response_timeout(opts.command_timeout)
-            .retries(CLUSTER_RETRIES)
-            .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
-            .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
-            .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
-            .build()
-            .map_err(|e| {
-                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
-            })?;
+        let plain = builder().build().map_err(invalid)?;
         let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
         backend.ping().await?;
         Ok(backend)
