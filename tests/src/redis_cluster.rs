@@ -117,6 +117,40 @@ impl RedisCluster {
         }
     }
 
+    /// Waits until the master on `port`, which was killed or frozen, has been replaced: every
+    /// running node flags it as failed (`fail`, not only suspected) and serves every slot again
+    /// (its replica was promoted).
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    pub fn wait_failed_over(&self, port: u16, limit: Duration) {
+        let me = format!("127.0.0.1:{port}@");
+        self.wait_all("the failover", limit, |p| {
+            let flagged = redis_cli(p, &["cluster", "nodes"]).is_some_and(|nodes| {
+                nodes.lines().any(|l| {
+                    let mut f = l.split_whitespace().skip(1);
+                    f.next().is_some_and(|a| a.starts_with(&me))
+                        && f.next()
+                            .is_some_and(|flags| flags.split(',').any(|x| x == "fail"))
+                })
+            });
+            flagged
+                && cluster_info(p).is_some_and(|i| {
+                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+                })
+        });
+    }
+
+    /// The ports of the running nodes that are masters now (`ROLE`), in node order.
+    pub fn master_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .map(RedisServer::port)
+            .filter(|&p| redis_cli(p, &["role"]).is_some_and(|r| r.starts_with("master")))
+            .collect()
+    }
+
     /// The seed URLs of every node (`redis://127.0.0.1:<port>`).
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()

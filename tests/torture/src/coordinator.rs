@@ -4,11 +4,13 @@
 //!
 //! One **phase** per backend:
 //!
-//! 1. start the lock servers (1 for `redis`, 5 for `redlock`), one [`Proxy`] in front of each,
-//!    and the resource server (direct, never faulted);
+//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, each behind a [`Proxy`]; for
+//!    `cluster` a 3-master/3-replica Redis Cluster, reached directly) and the resource server
+//!    (direct, never faulted);
 //! 2. spawn `procs` worker processes (`current_exe() worker …`) and wait until every key has
 //!    completed a critical section;
-//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] once, in an order drawn
+//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] of the configuration that
+//!    applies to the backend ([`BackendKind::faults`]) once, in an order drawn
 //!    from the seed, with seeded parameters. Faults run one at a time: inject, lift, wait until
 //!    every key has progressed again (bounded), then a seeded gap;
 //! 4. lift everything, close the workers' stdin (they finish, release and exit), and count the
@@ -20,6 +22,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use dlock_tests::redis_cluster::{RedisCluster, NODE_TIMEOUT};
 use dlock_tests::RedisServer;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
@@ -200,12 +203,23 @@ impl Workers {
     }
 }
 
+/// What a backend's lock servers are, as started.
+enum LockServers {
+    /// Plain `redis-server`s.
+    Standalone(Vec<RedisServer>),
+    /// A Redis Cluster.
+    Cluster(RedisCluster),
+}
+
 /// One backend's servers, proxies, resource and workers.
 struct Phase {
     backend: BackendKind,
+    /// Standalone lock servers (`redis`, `redlock`), each behind one of `proxies`.
     servers: Vec<Shared<RedisServer>>,
     server_ports: Vec<u16>,
     proxies: Vec<Proxy>,
+    /// The cluster (`cluster`); no standalone servers, no proxies.
+    cluster: Option<Shared<RedisCluster>>,
     resource_server: RedisServer,
     resource: Resource,
     workers: Workers,
@@ -218,12 +232,24 @@ struct Phase {
 
 impl Phase {
     async fn start(cfg: &Config, backend: BackendKind, rng: Rng) -> Result<Phase, String> {
-        let (servers, resource_server) = tokio::task::spawn_blocking(move || {
-            let servers = dlock_tests::redis_server::start_many(backend.servers());
-            (servers, RedisServer::start())
+        let (lock_servers, resource_server) = tokio::task::spawn_blocking(move || {
+            let lock_servers = match backend {
+                BackendKind::Redis => {
+                    LockServers::Standalone(dlock_tests::redis_server::start_many(1))
+                }
+                BackendKind::Redlock => {
+                    LockServers::Standalone(dlock_tests::redis_server::start_many(5))
+                }
+                BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
+            };
+            (lock_servers, RedisServer::start())
         })
         .await
         .map_err(|e| format!("starting redis-server: {e}"))?;
+        let (servers, cluster) = match lock_servers {
+            LockServers::Standalone(s) => (s, None),
+            LockServers::Cluster(c) => (Vec::new(), Some(c)),
+        };
         let server_ports: Vec<u16> = servers.iter().map(RedisServer::port).collect();
         let mut proxies = Vec::new();
         for &port in &server_ports {
@@ -233,6 +259,10 @@ impl Phase {
                     .map_err(|e| format!("proxy: {e}"))?,
             );
         }
+        let lock_urls = match &cluster {
+            Some(c) => vec![c.url()],
+            None => proxies.iter().map(Proxy::url).collect(),
+        };
         let resource = Resource::connect(&resource_server.url())
             .await
             .map_err(|e| format!("resource: {e}"))?;
@@ -247,7 +277,7 @@ impl Phase {
         let template = WorkerConfig {
             id: 0,
             backend,
-            lock_urls: proxies.iter().map(Proxy::url).collect(),
+            lock_urls,
             resource_url: resource_server.url(),
             keys: cfg.keys,
             tasks: cfg.tasks,
@@ -278,6 +308,7 @@ impl Phase {
                 .collect(),
             server_ports,
             proxies,
+            cluster: cluster.map(|c| Arc::new(Mutex::new(c))),
             resource_server,
             resource,
             workers,
@@ -449,6 +480,7 @@ impl Phase {
                         let nt = self.cfg.node_timeout.as_millis() as u64;
                         (idx, self.rng.millis(nt, nt * 3))
                     }
+                    BackendKind::Cluster => return Err("latency needs proxies".into()),
                 };
                 let detail = format!(
                     "nodes={targets:?} one_way_ms={} for_ms={}",
@@ -481,6 +513,55 @@ impl Phase {
                 let end_us = self.record(format!("cut-end {detail}")).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
+            FaultKind::MasterKill | FaultKind::MasterPause => {
+                let cluster = self.cluster.clone().ok_or("master faults need a cluster")?;
+                let masters = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                        .await
+                        .map_err(|e| format!("master ports: {e}"))?
+                };
+                let port = masters[self.rng.below(masters.len() as u64) as usize];
+                let frozen = NODE_TIMEOUT.mul_f64(0.5 + self.rng.below(1501) as f64 / 1000.0);
+                let detail = match kind {
+                    FaultKind::MasterKill => format!("port={port}"),
+                    _ => format!("port={port} for_ms={}", frozen.as_millis()),
+                };
+                let start_us = self.record(format!("{} {detail}", kind.name())).await?;
+                let c = cluster.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&c);
+                    let node = c.index_of(port);
+                    if kind == FaultKind::MasterKill {
+                        c.nodes[node].stop();
+                        c.wait_failed_over(port, Duration::from_secs(30));
+                    } else {
+                        c.nodes[node].pause();
+                        std::thread::sleep(frozen);
+                        c.nodes[node].resume();
+                        c.wait_ready(Duration::from_secs(30));
+                    }
+                })
+                .await
+                .map_err(|e| format!("{}: {e}", kind.name()))?;
+                // Lifted: the shard serves again (its replica promoted, or its master back).
+                let end_us = self.record(format!("{}-end", kind.name())).await?;
+                // The killed master comes back and rejoins as a replica; the frozen one, if it
+                // was replaced meanwhile, has rejoined as a replica too. Every master has a
+                // replica again before the next fault.
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&cluster);
+                    if kind == FaultKind::MasterKill {
+                        let node = c.index_of(port);
+                        c.nodes[node].restart();
+                    }
+                    c.wait_ready(Duration::from_secs(30));
+                    c.wait_replicated(Duration::from_secs(30));
+                })
+                .await
+                .map_err(|e| format!("{} rejoin: {e}", kind.name()))?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
         }
     }
 
@@ -488,7 +569,17 @@ impl Phase {
     async fn leftovers(&self) -> (u64, u64) {
         let mut locks = 0;
         let mut queues = 0;
-        for &port in &self.server_ports {
+        let ports = match &self.cluster {
+            // Each key once: on its slot's master.
+            Some(c) => {
+                let c = c.clone();
+                tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                    .await
+                    .unwrap_or_default()
+            }
+            None => self.server_ports.clone(),
+        };
+        for port in ports {
             let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
                 continue;
             };
@@ -537,16 +628,26 @@ impl Phase {
         }
 
         let mut schedule = Vec::new();
+        let kinds: Vec<FaultKind> = (self.cfg.faults.iter().copied())
+            .filter(|k| self.backend.faults().contains(k))
+            .collect();
         for _ in 0..self.cfg.rounds {
-            let mut round = self.cfg.faults.clone();
+            let mut round = kinds.clone();
             self.rng.shuffle(&mut round);
             schedule.extend(round);
         }
-        println!(
-            "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
-            self.server_ports,
-            self.resource_server.port()
-        );
+        match &self.cluster {
+            Some(c) => println!(
+                "[{tag}] cluster nodes on ports {:?} (masters first; workers reach them directly); resource on port {}",
+                lock(c).nodes.iter().map(RedisServer::port).collect::<Vec<_>>(),
+                self.resource_server.port()
+            ),
+            None => println!(
+                "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
+                self.server_ports,
+                self.resource_server.port()
+            ),
+        }
         println!("[{tag}] schedule: {}", names_of(&schedule, FaultKind::name));
 
         let bound = self.cfg.stall_bound();
