@@ -120,6 +120,25 @@ fn master_ports() -> Vec<u16> {
     c.nodes.iter().take(3).map(|n| n.port()).collect()
 }
 
+/// Releases `held`; the queued `wait` must be handed the lock within `limit` (else fails with
+/// `why`), with a larger fencing token; then releases that too.
+async fn release_and_hand_over(
+    held: dlock_runtime::LockGuard,
+    wait: tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>>,
+    limit: Duration,
+    why: &str,
+) {
+    let held_token = held.fencing_token();
+    held.release().await.unwrap();
+    let g = tokio::time::timeout(limit, wait)
+        .await
+        .expect(why)
+        .unwrap()
+        .unwrap();
+    assert!(g.fencing_token() > held_token);
+    g.release().await.unwrap();
+}
+
 /// Release notifications on a cluster are sharded (`SPUBLISH`, served by the lock's own
 /// shard), never broadcast with `PUBLISH`; a queued waiter still gets the lock handed over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,17 +162,17 @@ async fn handoff_uses_sharded_pub_sub() {
         async || (waiter.waiting() == 1).then_some(()).ok_or("never queued"),
     )
     .await;
-    let held_token = held.fencing_token();
-    held.release().await.unwrap();
-    let g = tokio::time::timeout(Duration::from_secs(5), wait)
-        .await
-        .expect("no handoff")
-        .unwrap()
-        .unwrap();
-    assert!(g.fencing_token() > held_token);
-    g.release().await.unwrap();
+    release_and_hand_over(held, wait, Duration::from_secs(5), "no handoff").await;
     assert!(calls_per_master("spublish").await.iter().sum::<u64>() > spublish);
     assert_eq!(calls_per_master("publish").await, vec![0, 0, 0]);
+}
+
+/// The Redis key `locker` keeps `key`'s lock in.
+fn resource_name(locker: &Locker, key: &str) -> String {
+    locker
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned()
 }
 
 /// Two of this locker's keys whose slots have different masters, with the map as the node on
@@ -166,10 +185,7 @@ async fn keys_on_two_masters(
     let mut first: Option<(String, SlotRange)> = None;
     for i in 0.. {
         let key = format!("{prefix}:{i}");
-        let name = locker
-            .resource(dlock_runtime::LockKey::new(&key).unwrap())
-            .as_str()
-            .to_owned();
+        let name = resource_name(locker, &key);
         let slot = key_slot(seed, &name).await;
         // Gossip may list a shard's replica a moment after its link is up.
         let range = poll_until(
@@ -364,12 +380,7 @@ async fn durable_queue_runs_on_the_cluster() {
 /// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names
 /// them, and that slot.
 async fn keys_of_one_slot(locker: &Locker, seed: u16) -> (Vec<String>, u16) {
-    let name = |key: &str| {
-        locker
-            .resource(dlock_runtime::LockKey::new(key).unwrap())
-            .as_str()
-            .to_owned()
-    };
+    let name = |key: &str| resource_name(locker, key);
     let slot = redis::cluster_routing::Slot::for_key(name("k0"));
     let keys: Vec<String> = (0..)
         .map(|i| format!("k{i}"))
@@ -556,10 +567,7 @@ async fn keys_beside(
     let mut rest = Vec::new();
     for i in 0.. {
         let key = format!("{prefix}:{i}");
-        let name = locker
-            .resource(dlock_runtime::LockKey::new(&key).unwrap())
-            .as_str()
-            .to_owned();
+        let name = resource_name(locker, &key);
         let slot = key_slot(seed, &name).await;
         let master = RedisCluster::range_of(seed, slot).await.master;
         match &first {
@@ -677,12 +685,7 @@ async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
     );
 
     // The waiter's channel is subscribed again, on the new master.
-    let channel = format!(
-        "{}:ch",
-        locker
-            .resource(dlock_runtime::LockKey::new(&a).unwrap())
-            .as_str()
-    );
+    let channel = format!("{}:ch", resource_name(&locker, &a));
     poll_until(
         Duration::from_secs(5),
         Duration::from_millis(20),
@@ -699,13 +702,11 @@ async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
         },
     )
     .await;
-    let held_token = held.fencing_token();
-    held.release().await.unwrap();
-    let g = tokio::time::timeout(Duration::from_secs(3), wait)
-        .await
-        .expect("the handoff after the move did not reach the waiter")
-        .unwrap()
-        .unwrap();
-    assert!(g.fencing_token() > held_token);
-    g.release().await.unwrap();
+    release_and_hand_over(
+        held,
+        wait,
+        Duration::from_secs(3),
+        "the handoff after the move did not reach the waiter",
+    )
+    .await;
 }
