@@ -143,10 +143,8 @@ impl RedisCluster {
 
     /// The ports of the running nodes that are masters now (`ROLE`), in node order.
     pub fn master_ports(&self) -> Vec<u16> {
-        self.nodes
-            .iter()
-            .filter(|n| n.is_up())
-            .map(RedisServer::port)
+        self.running_ports()
+            .into_iter()
             .filter(|&p| redis_cli(p, &["role"]).is_some_and(|r| r.starts_with("master")))
             .collect()
     }
@@ -349,6 +347,28 @@ impl RedisCluster {
         to: u16,
         batch: usize,
     ) -> Result<(), String> {
+        Self::move_slot_among(&self.running_ports(), slot, from, to, batch).await
+    }
+
+    /// The ports of the nodes that answer now.
+    pub fn running_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .map(RedisServer::port)
+            .collect()
+    }
+
+    /// [`move_slot`](RedisCluster::move_slot) in a cluster whose running nodes listen on
+    /// `running` (for callers that share the cluster behind a lock they must not hold across
+    /// the move).
+    pub async fn move_slot_among(
+        running: &[u16],
+        slot: u16,
+        from: u16,
+        to: u16,
+        batch: usize,
+    ) -> Result<(), String> {
         let (from_id, to_id) = (node_id(from).await, node_id(to).await);
         let setslot = async |port: u16, args: &[&str]| {
             let _: () = redis::cmd("CLUSTER")
@@ -406,17 +426,11 @@ impl RedisCluster {
                 setslot(port, &["NODE", &to_id]).await;
             }
         }
-        let running: Vec<u16> = self
-            .nodes
-            .iter()
-            .filter(|n| n.is_up())
-            .map(RedisServer::port)
-            .collect();
         crate::wait::poll_until(
             Duration::from_secs(10),
             Duration::from_millis(20),
             async || {
-                for &port in &running {
+                for &port in running {
                     let owner = Self::range_of(port, slot).await.master;
                     if owner != to {
                         return Err(format!("node {port} still sees slot {slot} on {owner}"));

@@ -128,12 +128,12 @@ impl BackendKind {
 
     /// The fault kinds that apply to it. Standalone servers sit behind proxies (`latency`,
     /// `cut`) and are restarted empty (`restart`); a cluster's masters are killed and frozen
-    /// instead, and fail over to their replicas.
+    /// instead, and fail over to their replicas, and its slots are moved.
     pub(crate) fn faults(self) -> &'static [FaultKind] {
         use FaultKind::*;
         match self {
             BackendKind::Redis | BackendKind::Redlock => &[Pause, Kill, Restart, Latency, Cut],
-            BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause],
+            BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause, Reshard],
         }
     }
 }
@@ -158,11 +158,14 @@ pub(crate) enum FaultKind {
     /// SIGSTOP a master for 0.5–2 node timeouts, then SIGCONT it: past the node timeout its
     /// replica takes over and the woken master rejoins as a replica.
     MasterPause,
+    /// Move the slot of a lock key (seeded), with its live lock, fencing counter and queue, to
+    /// another master (seeded), the way `redis-cli --cluster reshard` does.
+    Reshard,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub(crate) const ALL: [FaultKind; 7] = [
+    pub(crate) const ALL: [FaultKind; 8] = [
         FaultKind::Pause,
         FaultKind::Kill,
         FaultKind::Restart,
@@ -170,6 +173,7 @@ impl FaultKind {
         FaultKind::Cut,
         FaultKind::MasterKill,
         FaultKind::MasterPause,
+        FaultKind::Reshard,
     ];
 
     /// Parses [`name`](FaultKind::name).
@@ -193,6 +197,7 @@ impl FaultKind {
             FaultKind::Cut => "cut",
             FaultKind::MasterKill => "master-kill",
             FaultKind::MasterPause => "master-pause",
+            FaultKind::Reshard => "reshard",
         }
     }
 }
@@ -405,7 +410,7 @@ options:
   --rounds N               rounds of faults per backend (each round: every fault kind once)
   --faults K,K,...         the fault kinds of a round; each backend takes those that apply:
                            redis, redlock: pause,kill,restart,latency,cut
-                           cluster: pause,kill,master-kill,master-pause
+                           cluster: pause,kill,master-kill,master-pause,reshard
   --margin-ms N            liveness bound = max(TTL, waiter TTL) + margin
   --gap-ms A..B  --work-ms A..B  --commit-ms A..B
   --no-fencing             the resource accepts every write: shows what the overlaps do

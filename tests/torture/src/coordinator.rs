@@ -22,7 +22,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use dlock_tests::redis_cluster::{RedisCluster, NODE_TIMEOUT};
+use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
 use dlock_tests::RedisServer;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
@@ -511,6 +511,32 @@ impl Phase {
                 }
                 let detail = format!("connections={cut} refuse_ms={}", refuse.as_millis());
                 let end_us = self.record(format!("cut-end {detail}")).await?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
+            FaultKind::Reshard => {
+                let cluster = self.cluster.clone().ok_or("reshard needs a cluster")?;
+                let (running, masters) = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let c = lock(&c);
+                        (c.running_ports(), c.master_ports())
+                    })
+                    .await
+                    .map_err(|e| format!("cluster ports: {e}"))?
+                };
+                let key = &self.keys[self.rng.below(self.keys.len() as u64) as usize];
+                let seed = masters[0];
+                let slot = key_slot(seed, &format!("torture:{{{key}}}")).await;
+                let from = RedisCluster::range_of(seed, slot).await.master;
+                let others: Vec<u16> = masters.into_iter().filter(|&m| m != from).collect();
+                let to = others[self.rng.below(others.len() as u64) as usize];
+                let detail = format!("key={key} slot={slot} from={from} to={to}");
+                let start_us = self.record(format!("reshard {detail}")).await?;
+                // Ten keys per MIGRATE: `redis-cli --cluster reshard`'s default pipeline.
+                RedisCluster::move_slot_among(&running, slot, from, to, 10)
+                    .await
+                    .map_err(|e| format!("reshard {detail}: {e}"))?;
+                let end_us = self.record("reshard-end".into()).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::MasterKill | FaultKind::MasterPause => {

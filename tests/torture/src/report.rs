@@ -317,7 +317,8 @@ impl FaultRecord {
     /// When the fault stops excusing a lack of progress (µs). A paused or killed holder's
     /// lock must move on within the TTL *while* the holder stays frozen or dead, so those
     /// count from the start; a restart, latency or cut counts from when it was lifted, a
-    /// master kill or pause from when its shard serves again.
+    /// master kill or pause from when its shard serves again, a reshard from when its slot is
+    /// served by the new master.
     pub(crate) fn lifted_us(&self) -> u64 {
         match self.kind {
             FaultKind::Pause | FaultKind::Kill => self.start_us,
@@ -325,7 +326,8 @@ impl FaultRecord {
             | FaultKind::Latency
             | FaultKind::Cut
             | FaultKind::MasterKill
-            | FaultKind::MasterPause => self.end_us,
+            | FaultKind::MasterPause
+            | FaultKind::Reshard => self.end_us,
         }
     }
 }
