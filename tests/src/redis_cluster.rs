@@ -117,6 +117,38 @@ impl RedisCluster {
         }
     }
 
+    /// Waits until the master on `port`, which was killed or frozen, has been replaced: every
+    /// running node flags it as failed (`fail`, not only suspected) and serves every slot again
+    /// (its replica was promoted).
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    pub fn wait_failed_over(&self, port: u16, limit: Duration) {
+        let me = format!("127.0.0.1:{port}@");
+        self.wait_all("the failover", limit, |p| {
+            let flagged = redis_cli(p, &["cluster", "nodes"]).is_some_and(|nodes| {
+                nodes.lines().any(|l| {
+                    let mut f = l.split_whitespace().skip(1);
+                    f.next().is_some_and(|a| a.starts_with(&me))
+                        && f.next()
+                            .is_some_and(|flags| flags.split(',').any(|x| x == "fail"))
+                })
+            });
+            flagged
+                && cluster_info(p).is_some_and(|i| {
+                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+                })
+        });
+    }
+
+    /// The ports of the running nodes that are masters now (`ROLE`), in node order.
+    pub fn master_ports(&self) -> Vec<u16> {
+        self.running_ports()
+            .into_iter()
+            .filter(|&p| redis_cli(p, &["role"]).is_some_and(|r| r.starts_with("master")))
+            .collect()
+    }
+
     /// The seed URLs of every node (`redis://127.0.0.1:<port>`).
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
@@ -305,6 +337,28 @@ impl RedisCluster {
         to: u16,
         batch: usize,
     ) -> Result<(), String> {
+        Self::move_slot_among(&self.running_ports(), slot, from, to, batch).await
+    }
+
+    /// The ports of the nodes that answer now.
+    pub fn running_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .map(RedisServer::port)
+            .collect()
+    }
+
+    /// [`move_slot`](RedisCluster::move_slot) in a cluster whose running nodes listen on
+    /// `running` (for callers that share the cluster behind a lock they must not hold across
+    /// the move).
+    pub async fn move_slot_among(
+        running: &[u16],
+        slot: u16,
+        from: u16,
+        to: u16,
+        batch: usize,
+    ) -> Result<(), String> {
         let (from_id, to_id) = (node_id(from).await, node_id(to).await);
         let setslot = async |port: u16, args: &[&str]| {
             let _: () = redis::cmd("CLUSTER")
@@ -362,17 +416,11 @@ impl RedisCluster {
                 setslot(port, &["NODE", &to_id]).await;
             }
         }
-        let running: Vec<u16> = self
-            .nodes
-            .iter()
-            .filter(|n| n.is_up())
-            .map(RedisServer::port)
-            .collect();
         crate::wait::poll_until(
             Duration::from_secs(10),
             Duration::from_millis(20),
             async || {
-                for &port in &running {
+                for &port in running {
                     let owner = Self::range_of(port, slot).await.master;
                     if owner != to {
                         return Err(format!("node {port} still sees slot {slot} on {owner}"));

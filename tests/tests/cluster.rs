@@ -120,6 +120,25 @@ fn master_ports() -> Vec<u16> {
     c.nodes.iter().take(3).map(|n| n.port()).collect()
 }
 
+/// Releases `held`; the queued `wait` must be handed the lock within `limit` (else fails with
+/// `why`), with a larger fencing token; then releases that too.
+async fn release_and_hand_over(
+    held: dlock_runtime::LockGuard,
+    wait: tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>>,
+    limit: Duration,
+    why: &str,
+) {
+    let held_token = held.fencing_token();
+    held.release().await.unwrap();
+    let g = tokio::time::timeout(limit, wait)
+        .await
+        .expect(why)
+        .unwrap()
+        .unwrap();
+    assert!(g.fencing_token() > held_token);
+    g.release().await.unwrap();
+}
+
 /// Release notifications on a cluster are sharded (`SPUBLISH`, served by the lock's own
 /// shard), never broadcast with `PUBLISH`; a queued waiter still gets the lock handed over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,25 +162,22 @@ async fn handoff_uses_sharded_pub_sub() {
         async || (waiter.waiting() == 1).then_some(()).ok_or("never queued"),
     )
     .await;
-    let held_token = held.fencing_token();
-    held.release().await.unwrap();
-    let g = tokio::time::timeout(Duration::from_secs(5), wait)
-        .await
-        .expect("no handoff")
-        .unwrap()
-        .unwrap();
-    assert!(g.fencing_token() > held_token);
-    g.release().await.unwrap();
+    release_and_hand_over(held, wait, Duration::from_secs(5), "no handoff").await;
     assert!(calls_per_master("spublish").await.iter().sum::<u64>() > spublish);
     assert_eq!(calls_per_master("publish").await, vec![0, 0, 0]);
 }
 
-/// The slot range (master and replicas, as the node on `seed` sees it) serving `key`'s lock.
-async fn range_of_key(locker: &Locker, seed: u16, key: &str) -> SlotRange {
-    let name = locker
+/// The Redis key `locker` keeps `key`'s lock in.
+fn resource_name(locker: &Locker, key: &str) -> String {
+    locker
         .resource(dlock_runtime::LockKey::new(key).unwrap())
         .as_str()
-        .to_owned();
+        .to_owned()
+}
+
+/// The slot range (master and replicas, as the node on `seed` sees it) serving `key`'s lock.
+async fn range_of_key(locker: &Locker, seed: u16, key: &str) -> SlotRange {
+    let name = resource_name(locker, key);
     let slot = key_slot(seed, &name).await;
     // Gossip may list a shard's replica a moment after its link is up.
     poll_until(
@@ -403,12 +419,7 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
 /// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names
 /// them, and that slot.
 async fn keys_of_one_slot(locker: &Locker, seed: u16) -> (Vec<String>, u16) {
-    let name = |key: &str| {
-        locker
-            .resource(dlock_runtime::LockKey::new(key).unwrap())
-            .as_str()
-            .to_owned()
-    };
+    let name = |key: &str| resource_name(locker, key);
     let slot = redis::cluster_routing::Slot::for_key(name("k0"));
     let keys: Vec<String> = (0..)
         .map(|i| format!("k{i}"))
@@ -581,4 +592,160 @@ async fn resharding_a_slot_with_live_locks_keeps_exclusion_and_finishes() {
         assert!(g.is_some(), "{k} was left locked");
         g.unwrap().release().await.unwrap();
     }
+}
+
+/// Keys of this locker (`<prefix>:<i>`), the first in a slot of its own and the rest on the
+/// same master in other slots: `(first, its slot, the others, that master)`.
+async fn keys_beside(
+    locker: &Locker,
+    seed: u16,
+    prefix: &str,
+    others: usize,
+) -> (String, u16, Vec<String>, u16) {
+    let mut first: Option<(String, u16, u16)> = None;
+    let mut rest = Vec::new();
+    for i in 0.. {
+        let key = format!("{prefix}:{i}");
+        let name = resource_name(locker, &key);
+        let slot = key_slot(seed, &name).await;
+        let master = RedisCluster::range_of(seed, slot).await.master;
+        match &first {
+            None => first = Some((key, slot, master)),
+            Some((_, s, m)) if *m == master && *s != slot => rest.push(key),
+            Some(_) => {}
+        }
+        if rest.len() == others {
+            break;
+        }
+    }
+    let (key, slot, master) = first.unwrap();
+    (key, slot, rest, master)
+}
+
+/// When a slot moves, its old master drops the subscriptions to the slot's shard channels with
+/// a `sunsubscribe` push nobody asked for. That must not disturb the commands in flight for the
+/// master's other slots (redis-rs takes such a push for the reply of the oldest request on its
+/// connection, and every later reply for the request behind it), and the moved lock's waiter
+/// must hear of the release after the move: its channel is subscribed again on the new master
+/// and the handoff reaches it long before its fallback timer (10 s here). (Its own cluster: it
+/// moves a slot.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
+    use dlock_runtime::RetryPolicy;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let ttl = Duration::from_secs(30);
+    let locker = Locker::builder()
+        .prefix("moved")
+        .waiter_ttl(ttl)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let holder = Locker::builder()
+        .prefix("moved")
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let (a, slot, busy_keys, from) = keys_beside(&locker, seed, "moved", 4).await;
+    let held = holder.lock(&a).ttl(ttl).acquire().await.unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false);
+    let w = locker.clone();
+    let key = a.clone();
+    let wait = tokio::spawn(async move {
+        w.lock(&key)
+            .ttl(ttl)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (locker.waiting() == 1).then_some(())
+    })
+    .await;
+
+    // The waiter's locker keeps commands in flight on the old master's other slots.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ops = Arc::new(AtomicUsize::new(0));
+    let busy: Vec<_> = busy_keys
+        .into_iter()
+        .map(|key| {
+            let (locker, stop, ops) = (locker.clone(), stop.clone(), ops.clone());
+            tokio::spawn(async move {
+                let mut errors = Vec::new();
+                while !stop.load(SeqCst) {
+                    match locker.lock(&key).try_acquire().await {
+                        Ok(Some(g)) => {
+                            if let Err(e) = g.release().await {
+                                errors.push(format!("{key} release: {e:?}"));
+                            }
+                        }
+                        Ok(None) => errors.push(format!("{key}: held by nobody, yet busy")),
+                        Err(e) => errors.push(format!("{key} acquire: {e:?}")),
+                    }
+                    ops.fetch_add(1, SeqCst);
+                }
+                errors
+            })
+        })
+        .collect();
+    let to = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+        .await
+        .master;
+    let to = if to == from {
+        RedisCluster::range_of(seed, (slot + 5461) % 16384)
+            .await
+            .master
+    } else {
+        to
+    };
+    assert_ne!(to, from);
+    let before = ops.load(SeqCst);
+    cluster.move_slot(slot, from, to, 10).await.unwrap();
+    assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
+    dlock_tests::wait::wait_for(
+        "busy traffic after the move",
+        Duration::from_secs(10),
+        async || (ops.load(SeqCst) >= before + 200).then_some(()),
+    )
+    .await;
+    stop.store(true, SeqCst);
+    let mut errors = Vec::new();
+    for b in busy {
+        errors.extend(b.await.unwrap());
+    }
+    assert!(
+        errors.is_empty(),
+        "commands disturbed by the move: {errors:?}"
+    );
+
+    // The waiter's channel is subscribed again, on the new master.
+    let channel = format!("{}:ch", resource_name(&locker, &a));
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let v: (String, u64) = redis::cmd("PUBSUB")
+                .arg("SHARDNUMSUB")
+                .arg(&channel)
+                .query_async(&mut node_conn(to).await)
+                .await
+                .unwrap();
+            (v.1 == 1)
+                .then_some(())
+                .ok_or("the waiter's channel is not subscribed on the new master")
+        },
+    )
+    .await;
+    release_and_hand_over(
+        held,
+        wait,
+        Duration::from_secs(3),
+        "the handoff after the move did not reach the waiter",
+    )
+    .await;
 }

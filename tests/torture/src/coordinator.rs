@@ -4,11 +4,13 @@
 //!
 //! One **phase** per backend:
 //!
-//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, 1 PostgreSQL for `postgres`), one [`Proxy`] in front of each,
-//!    and the resource server (direct, never faulted);
+//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, 1 PostgreSQL for `postgres`, each
+//!    behind a [`Proxy`]; for `cluster` a 3-master/3-replica Redis Cluster, reached directly) and
+//!    the resource server (direct, never faulted);
 //! 2. spawn `procs` worker processes (`current_exe() worker …`) and wait until every key has
 //!    completed a critical section;
-//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] once, in an order drawn
+//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] of the configuration that
+//!    applies to the backend ([`BackendKind::faults`]) once, in an order drawn
 //!    from the seed, with seeded parameters. Faults run one at a time: inject, lift, wait until
 //!    every key has progressed again (bounded), then a seeded gap;
 //! 4. lift everything, close the workers' stdin (they finish, release and exit), and count the
@@ -20,6 +22,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
 use dlock_tests::{PostgresServer, RedisServer};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
@@ -254,12 +257,23 @@ fn lock_url(backend: BackendKind, proxy: &Proxy) -> String {
     }
 }
 
+/// What a backend's lock servers are, as started.
+enum LockServers {
+    /// Standalone servers (`redis`, `redlock`, `postgres`), each behind a proxy.
+    Standalone(Vec<LockServer>),
+    /// A Redis Cluster.
+    Cluster(RedisCluster),
+}
+
 /// One backend's servers, proxies, resource and workers.
 struct Phase {
     backend: BackendKind,
+    /// Standalone lock servers (`redis`, `redlock`, `postgres`), each behind one of `proxies`.
     servers: Vec<Shared<LockServer>>,
     server_ports: Vec<u16>,
     proxies: Vec<Proxy>,
+    /// The cluster (`cluster`); no standalone servers, no proxies.
+    cluster: Option<Shared<RedisCluster>>,
     resource_server: RedisServer,
     resource: Resource,
     workers: Workers,
@@ -272,12 +286,19 @@ struct Phase {
 
 impl Phase {
     async fn start(cfg: &Config, backend: BackendKind, rng: Rng) -> Result<Phase, String> {
-        let (servers, resource_server) = tokio::task::spawn_blocking(move || {
-            let servers = LockServer::start_many(backend);
-            (servers, RedisServer::start())
+        let (lock_servers, resource_server) = tokio::task::spawn_blocking(move || {
+            let lock_servers = match backend {
+                BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
+                _ => LockServers::Standalone(LockServer::start_many(backend)),
+            };
+            (lock_servers, RedisServer::start())
         })
         .await
         .map_err(|e| format!("starting the servers: {e}"))?;
+        let (servers, cluster) = match lock_servers {
+            LockServers::Standalone(s) => (s, None),
+            LockServers::Cluster(c) => (Vec::new(), Some(c)),
+        };
         let server_ports: Vec<u16> = servers.iter().map(LockServer::port).collect();
         let mut proxies = Vec::new();
         for &port in &server_ports {
@@ -287,6 +308,10 @@ impl Phase {
                     .map_err(|e| format!("proxy: {e}"))?,
             );
         }
+        let lock_urls = match &cluster {
+            Some(c) => vec![c.url()],
+            None => proxies.iter().map(|p| lock_url(backend, p)).collect(),
+        };
         let resource = Resource::connect(&resource_server.url())
             .await
             .map_err(|e| format!("resource: {e}"))?;
@@ -301,7 +326,7 @@ impl Phase {
         let template = WorkerConfig {
             id: 0,
             backend,
-            lock_urls: proxies.iter().map(|p| lock_url(backend, p)).collect(),
+            lock_urls,
             resource_url: resource_server.url(),
             keys: cfg.keys,
             tasks: cfg.tasks,
@@ -332,6 +357,7 @@ impl Phase {
                 .collect(),
             server_ports,
             proxies,
+            cluster: cluster.map(|c| Arc::new(Mutex::new(c))),
             resource_server,
             resource,
             workers,
@@ -500,6 +526,7 @@ impl Phase {
                         let nt = self.cfg.node_timeout.as_millis() as u64;
                         (idx, self.rng.millis(nt, nt * 3))
                     }
+                    BackendKind::Cluster => return Err("latency needs proxies".into()),
                 };
                 let detail = format!(
                     "nodes={targets:?} one_way_ms={} for_ms={}",
@@ -532,6 +559,81 @@ impl Phase {
                 let end_us = self.record(format!("cut-end {detail}")).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
+            FaultKind::Reshard => {
+                let cluster = self.cluster.clone().ok_or("reshard needs a cluster")?;
+                let (running, masters) = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let c = lock(&c);
+                        (c.running_ports(), c.master_ports())
+                    })
+                    .await
+                    .map_err(|e| format!("cluster ports: {e}"))?
+                };
+                let key = &self.keys[self.rng.below(self.keys.len() as u64) as usize];
+                let seed = masters[0];
+                let slot = key_slot(seed, &format!("torture:{{{key}}}")).await;
+                let from = RedisCluster::range_of(seed, slot).await.master;
+                let others: Vec<u16> = masters.into_iter().filter(|&m| m != from).collect();
+                let to = others[self.rng.below(others.len() as u64) as usize];
+                let detail = format!("key={key} slot={slot} from={from} to={to}");
+                let start_us = self.record(format!("reshard {detail}")).await?;
+                // Ten keys per MIGRATE: `redis-cli --cluster reshard`'s default pipeline.
+                RedisCluster::move_slot_among(&running, slot, from, to, 10)
+                    .await
+                    .map_err(|e| format!("reshard {detail}: {e}"))?;
+                let end_us = self.record("reshard-end".into()).await?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
+            FaultKind::MasterKill | FaultKind::MasterPause => {
+                let cluster = self.cluster.clone().ok_or("master faults need a cluster")?;
+                let masters = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                        .await
+                        .map_err(|e| format!("master ports: {e}"))?
+                };
+                let port = masters[self.rng.below(masters.len() as u64) as usize];
+                let frozen = NODE_TIMEOUT.mul_f64(0.5 + self.rng.below(1501) as f64 / 1000.0);
+                let detail = match kind {
+                    FaultKind::MasterKill => format!("port={port}"),
+                    _ => format!("port={port} for_ms={}", frozen.as_millis()),
+                };
+                let start_us = self.record(format!("{} {detail}", kind.name())).await?;
+                let c = cluster.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&c);
+                    let node = c.index_of(port);
+                    if kind == FaultKind::MasterKill {
+                        c.nodes[node].stop();
+                        c.wait_failed_over(port, Duration::from_secs(30));
+                    } else {
+                        c.nodes[node].pause();
+                        std::thread::sleep(frozen);
+                        c.nodes[node].resume();
+                        c.wait_ready(Duration::from_secs(30));
+                    }
+                })
+                .await
+                .map_err(|e| format!("{}: {e}", kind.name()))?;
+                // Lifted: the shard serves again (its replica promoted, or its master back).
+                let end_us = self.record(format!("{}-end", kind.name())).await?;
+                // The killed master comes back and rejoins as a replica; the frozen one, if it
+                // was replaced meanwhile, has rejoined as a replica too. Every master has a
+                // replica again before the next fault.
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&cluster);
+                    if kind == FaultKind::MasterKill {
+                        let node = c.index_of(port);
+                        c.nodes[node].restart();
+                    }
+                    c.wait_ready(Duration::from_secs(30));
+                    c.wait_replicated(Duration::from_secs(30));
+                })
+                .await
+                .map_err(|e| format!("{} rejoin: {e}", kind.name()))?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
         }
     }
 
@@ -542,7 +644,17 @@ impl Phase {
         }
         let mut locks = 0;
         let mut queues = 0;
-        for &port in &self.server_ports {
+        let ports = match &self.cluster {
+            // Each key once: on its slot's master.
+            Some(c) => {
+                let c = c.clone();
+                tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                    .await
+                    .unwrap_or_default()
+            }
+            None => self.server_ports.clone(),
+        };
+        for port in ports {
             let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
                 continue;
             };
@@ -591,16 +703,26 @@ impl Phase {
         }
 
         let mut schedule = Vec::new();
+        let kinds: Vec<FaultKind> = (self.cfg.faults.iter().copied())
+            .filter(|k| self.backend.faults().contains(k))
+            .collect();
         for _ in 0..self.cfg.rounds {
-            let mut round = self.cfg.faults.clone();
+            let mut round = kinds.clone();
             self.rng.shuffle(&mut round);
             schedule.extend(round);
         }
-        println!(
-            "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
-            self.server_ports,
-            self.resource_server.port()
-        );
+        match &self.cluster {
+            Some(c) => println!(
+                "[{tag}] cluster nodes on ports {:?} (masters first; workers reach them directly); resource on port {}",
+                lock(c).nodes.iter().map(RedisServer::port).collect::<Vec<_>>(),
+                self.resource_server.port()
+            ),
+            None => println!(
+                "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
+                self.server_ports,
+                self.resource_server.port()
+            ),
+        }
         println!("[{tag}] schedule: {}", names_of(&schedule, FaultKind::name));
 
         let bound = self.cfg.stall_bound();
