@@ -280,6 +280,34 @@ impl RedisCluster {
     }
 }
 
+impl crate::redis_server::Failover for RedisCluster {
+    fn url(&self) -> String {
+        RedisCluster::url(self)
+    }
+
+    fn node_ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(RedisServer::port).collect()
+    }
+
+    fn master_ports(&self) -> Vec<u16> {
+        RedisCluster::master_ports(self)
+    }
+
+    fn node(&mut self, port: u16) -> &mut RedisServer {
+        let i = self.index_of(port);
+        &mut self.nodes[i]
+    }
+
+    fn wait_failed_over(&self, port: u16, limit: Duration) {
+        RedisCluster::wait_failed_over(self, port, limit);
+    }
+
+    fn wait_healthy(&self, limit: Duration) {
+        self.wait_ready(limit);
+        self.wait_replicated(limit);
+    }
+}
+
 /// The cluster slot of `key`, as the node on `port` computes it (`CLUSTER KEYSLOT`).
 pub async fn key_slot(port: u16, key: &str) -> u16 {
     let mut c = node_conn(port).await;

@@ -158,6 +158,58 @@ impl RedisSentinel {
     }
 }
 
+impl crate::redis_server::Failover for RedisSentinel {
+    fn url(&self) -> String {
+        RedisSentinel::url(self)
+    }
+
+    fn node_ports(&self) -> Vec<u16> {
+        self.servers.iter().map(RedisServer::port).collect()
+    }
+
+    fn master_ports(&self) -> Vec<u16> {
+        self.master_port().into_iter().collect()
+    }
+
+    fn node(&mut self, port: u16) -> &mut RedisServer {
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .unwrap_or_else(|| panic!("no data node on port {port}"))
+    }
+
+    fn wait_failed_over(&self, port: u16, limit: Duration) {
+        self.wait_failover_from(port, limit);
+    }
+
+    /// Also waits until the sentinels have named the same master for 3 × [`DOWN_AFTER`] in a
+    /// row: a master frozen past `DOWN_AFTER` and woken again may still be failed over a moment
+    /// later (the sentinels agree it is down, elect a leader, promote), and nothing announces
+    /// that it will not be.
+    fn wait_healthy(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let settle = DOWN_AFTER * 3;
+        let mut since = (Instant::now(), self.master_port());
+        while since.0.elapsed() < settle {
+            assert!(
+                Instant::now() < deadline,
+                "the sentinels did not settle on a master within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+            let now = self.master_port();
+            let in_failover = self.sentinels.iter().filter(|s| s.is_up()).any(|s| {
+                sentinel_fields(s.port())
+                    .get("flags")
+                    .is_some_and(|f| f != "master")
+            });
+            if now != since.1 || now.is_none() || in_failover {
+                since = (Instant::now(), now);
+            }
+        }
+        self.wait_ready(deadline.saturating_duration_since(Instant::now()));
+    }
+}
+
 /// `SENTINEL MASTER <name>` of the sentinel on `port`, as field → value (empty if it does not
 /// answer).
 fn sentinel_fields(port: u16) -> std::collections::HashMap<String, String> {

@@ -369,3 +369,30 @@ pub fn redlock_url(servers: &[RedisServer]) -> String {
         .collect();
     format!("redlock://{}", nodes.join(","))
 }
+
+/// A Redis deployment whose masters fail over to their replicas — a cluster
+/// ([`RedisCluster`](crate::redis_cluster::RedisCluster)) or Sentinel
+/// ([`RedisSentinel`](crate::redis_sentinel::RedisSentinel)) —, as the fault harness drives it.
+pub trait Failover: Send {
+    /// The locker URL (`redis+cluster://…`, `redis+sentinel://…`).
+    fn url(&self) -> String;
+    /// The ports of every data node, masters and replicas.
+    fn node_ports(&self) -> Vec<u16>;
+    /// The ports of the masters now.
+    fn master_ports(&self) -> Vec<u16>;
+    /// The data node on `port`.
+    ///
+    /// # Panics
+    /// If no node listens there.
+    fn node(&mut self, port: u16) -> &mut RedisServer;
+    /// Waits until the master that was on `port` has been replaced by a promoted replica.
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    fn wait_failed_over(&self, port: u16, limit: Duration);
+    /// Waits until every master serves and every running replica is linked to its master.
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    fn wait_healthy(&self, limit: Duration);
+}

@@ -101,24 +101,29 @@ pub(crate) enum BackendKind {
     /// directly: its client follows the addresses the nodes announce, so no proxy fits in
     /// between.
     Cluster,
+    /// A master, its replica and three sentinels (`dlock_tests::redis_sentinel`), reached
+    /// through the sentinels, directly.
+    Sentinel,
 }
 
 impl BackendKind {
     /// Every backend, in the order a run takes them.
-    pub(crate) const ALL: [BackendKind; 4] = [
+    pub(crate) const ALL: [BackendKind; 5] = [
         BackendKind::Redis,
         BackendKind::Redlock,
         BackendKind::Postgres,
         BackendKind::Cluster,
+        BackendKind::Sentinel,
     ];
 
-    /// `redis` / `redlock` / `postgres` / `cluster`.
+    /// `redis` / `redlock` / `postgres` / `cluster` / `sentinel`.
     pub(crate) fn name(self) -> &'static str {
         match self {
             BackendKind::Redis => "redis",
             BackendKind::Redlock => "redlock",
             BackendKind::Postgres => "postgres",
             BackendKind::Cluster => "cluster",
+            BackendKind::Sentinel => "sentinel",
         }
     }
 
@@ -140,7 +145,7 @@ impl BackendKind {
         match self {
             BackendKind::Redis | BackendKind::Postgres => 1,
             BackendKind::Redlock => 5,
-            BackendKind::Cluster => 0,
+            BackendKind::Cluster | BackendKind::Sentinel => 0,
         }
     }
 
@@ -154,6 +159,12 @@ impl BackendKind {
                 &[Pause, Kill, Restart, Latency, Cut]
             }
             BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause, Reshard],
+            // Not `master-pause`: a master frozen past the down-after time and woken while the
+            // sentinels promote its replica takes writes beside the new master for a moment, and
+            // the two can then issue the same fencing token (their counters both sit below the
+            // clients' clock floors, which are equal within a millisecond). An open defect,
+            // described in tests/README.md; `master-kill` leaves no second master.
+            BackendKind::Sentinel => &[Pause, Kill, MasterKill],
         }
     }
 }
@@ -424,7 +435,7 @@ modes:
 
 options:
   --seed N                 repeat a run's fault schedule (printed at the start and the end)
-  --backend B[,B...]       redis, redlock, postgres, cluster; `all` (the default) or `both`
+  --backend B[,B...]       redis, redlock, postgres, cluster, sentinel; `all` (the default) or `both`
                            (redis,redlock)
   --procs N  --tasks N  --keys N
   --ttl-ms N  --waiter-ttl-ms N  --command-timeout-ms N  --node-timeout-ms N

@@ -23,6 +23,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
+use dlock_tests::redis_sentinel::{RedisSentinel, DOWN_AFTER};
+use dlock_tests::redis_server::Failover;
 use dlock_tests::{PostgresServer, RedisServer};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
@@ -36,7 +38,7 @@ use dlock_tests::proxy::Proxy;
 
 type Shared<T> = Arc<Mutex<T>>;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -263,6 +265,8 @@ enum LockServers {
     Standalone(Vec<LockServer>),
     /// A Redis Cluster.
     Cluster(RedisCluster),
+    /// A master, a replica and three sentinels.
+    Sentinel(RedisSentinel),
 }
 
 /// One backend's servers, proxies, resource and workers.
@@ -272,8 +276,11 @@ struct Phase {
     servers: Vec<Shared<LockServer>>,
     server_ports: Vec<u16>,
     proxies: Vec<Proxy>,
-    /// The cluster (`cluster`); no standalone servers, no proxies.
+    /// The cluster (`cluster`), for resharding.
     cluster: Option<Shared<RedisCluster>>,
+    /// The deployment whose masters fail over (`cluster`, `sentinel`); no standalone servers,
+    /// no proxies: its clients follow the addresses the nodes or the sentinels announce.
+    failover: Option<Shared<dyn Failover>>,
     resource_server: RedisServer,
     resource: Resource,
     workers: Workers,
@@ -289,15 +296,21 @@ impl Phase {
         let (lock_servers, resource_server) = tokio::task::spawn_blocking(move || {
             let lock_servers = match backend {
                 BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
+                BackendKind::Sentinel => LockServers::Sentinel(RedisSentinel::start()),
                 _ => LockServers::Standalone(LockServer::start_many(backend)),
             };
             (lock_servers, RedisServer::start())
         })
         .await
         .map_err(|e| format!("starting the servers: {e}"))?;
-        let (servers, cluster) = match lock_servers {
-            LockServers::Standalone(s) => (s, None),
-            LockServers::Cluster(c) => (Vec::new(), Some(c)),
+        let (servers, cluster, failover): (_, _, Option<Shared<dyn Failover>>) = match lock_servers
+        {
+            LockServers::Standalone(s) => (s, None, None),
+            LockServers::Cluster(c) => {
+                let c = Arc::new(Mutex::new(c));
+                (Vec::new(), Some(c.clone()), Some(c))
+            }
+            LockServers::Sentinel(s) => (Vec::new(), None, Some(Arc::new(Mutex::new(s)))),
         };
         let server_ports: Vec<u16> = servers.iter().map(LockServer::port).collect();
         let mut proxies = Vec::new();
@@ -308,8 +321,8 @@ impl Phase {
                     .map_err(|e| format!("proxy: {e}"))?,
             );
         }
-        let lock_urls = match &cluster {
-            Some(c) => vec![c.url()],
+        let lock_urls = match &failover {
+            Some(f) => vec![lock(f).url()],
             None => proxies.iter().map(|p| lock_url(backend, p)).collect(),
         };
         let resource = Resource::connect(&resource_server.url())
@@ -357,7 +370,8 @@ impl Phase {
                 .collect(),
             server_ports,
             proxies,
-            cluster: cluster.map(|c| Arc::new(Mutex::new(c))),
+            cluster,
+            failover,
             resource_server,
             resource,
             workers,
@@ -526,7 +540,9 @@ impl Phase {
                         let nt = self.cfg.node_timeout.as_millis() as u64;
                         (idx, self.rng.millis(nt, nt * 3))
                     }
-                    BackendKind::Cluster => return Err("latency needs proxies".into()),
+                    BackendKind::Cluster | BackendKind::Sentinel => {
+                        return Err("latency needs proxies".into())
+                    }
                 };
                 let detail = format!(
                     "nodes={targets:?} one_way_ms={} for_ms={}",
@@ -586,32 +602,39 @@ impl Phase {
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::MasterKill | FaultKind::MasterPause => {
-                let cluster = self.cluster.clone().ok_or("master faults need a cluster")?;
+                let failover = self
+                    .failover
+                    .clone()
+                    .ok_or("master faults need a cluster or sentinel")?;
                 let masters = {
-                    let c = cluster.clone();
+                    let c = failover.clone();
                     tokio::task::spawn_blocking(move || lock(&c).master_ports())
                         .await
                         .map_err(|e| format!("master ports: {e}"))?
                 };
                 let port = masters[self.rng.below(masters.len() as u64) as usize];
-                let frozen = NODE_TIMEOUT.mul_f64(0.5 + self.rng.below(1501) as f64 / 1000.0);
+                // Frozen for 0.5–2 times what makes the master count as down.
+                let down_after = match self.backend {
+                    BackendKind::Sentinel => DOWN_AFTER,
+                    _ => NODE_TIMEOUT,
+                };
+                let frozen = down_after.mul_f64(0.5 + self.rng.below(1501) as f64 / 1000.0);
                 let detail = match kind {
                     FaultKind::MasterKill => format!("port={port}"),
                     _ => format!("port={port} for_ms={}", frozen.as_millis()),
                 };
                 let start_us = self.record(format!("{} {detail}", kind.name())).await?;
-                let c = cluster.clone();
+                let c = failover.clone();
                 tokio::task::spawn_blocking(move || {
                     let mut c = lock(&c);
-                    let node = c.index_of(port);
                     if kind == FaultKind::MasterKill {
-                        c.nodes[node].stop();
+                        c.node(port).stop();
                         c.wait_failed_over(port, Duration::from_secs(30));
                     } else {
-                        c.nodes[node].pause();
+                        c.node(port).pause();
                         std::thread::sleep(frozen);
-                        c.nodes[node].resume();
-                        c.wait_ready(Duration::from_secs(30));
+                        c.node(port).resume();
+                        c.wait_healthy(Duration::from_secs(30));
                     }
                 })
                 .await
@@ -622,13 +645,11 @@ impl Phase {
                 // was replaced meanwhile, has rejoined as a replica too. Every master has a
                 // replica again before the next fault.
                 tokio::task::spawn_blocking(move || {
-                    let mut c = lock(&cluster);
+                    let mut c = lock(&failover);
                     if kind == FaultKind::MasterKill {
-                        let node = c.index_of(port);
-                        c.nodes[node].restart();
+                        c.node(port).restart();
                     }
-                    c.wait_ready(Duration::from_secs(30));
-                    c.wait_replicated(Duration::from_secs(30));
+                    c.wait_healthy(Duration::from_secs(30));
                 })
                 .await
                 .map_err(|e| format!("{} rejoin: {e}", kind.name()))?;
@@ -644,8 +665,8 @@ impl Phase {
         }
         let mut locks = 0;
         let mut queues = 0;
-        let ports = match &self.cluster {
-            // Each key once: on its slot's master.
+        let ports = match &self.failover {
+            // Each key once: on its master.
             Some(c) => {
                 let c = c.clone();
                 tokio::task::spawn_blocking(move || lock(&c).master_ports())
@@ -711,10 +732,10 @@ impl Phase {
             self.rng.shuffle(&mut round);
             schedule.extend(round);
         }
-        match &self.cluster {
+        match &self.failover {
             Some(c) => println!(
-                "[{tag}] cluster nodes on ports {:?} (masters first; workers reach them directly); resource on port {}",
-                lock(c).nodes.iter().map(RedisServer::port).collect::<Vec<_>>(),
+                "[{tag}] data nodes on ports {:?} (masters first; workers reach them directly); resource on port {}",
+                lock(c).node_ports(),
                 self.resource_server.port()
             ),
             None => println!(

@@ -82,7 +82,8 @@ impl WorkerConfig {
         };
         kv("id", self.id.to_string());
         kv("backend", self.backend.name().to_owned());
-        kv("lock-urls", self.lock_urls.join(","));
+        // Space-separated: a cluster's or Sentinel's URL holds commas.
+        kv("lock-urls", self.lock_urls.join(" "));
         kv("resource-url", self.resource_url.clone());
         kv("keys", self.keys.to_string());
         kv("tasks", self.tasks.to_string());
@@ -108,7 +109,7 @@ impl WorkerConfig {
             lock_urls: args
                 .string("lock-urls")
                 .ok_or("--lock-urls is required")?
-                .split(',')
+                .split(' ')
                 .map(str::to_owned)
                 .collect(),
             resource_url: args
@@ -206,9 +207,10 @@ async fn connect_locker(cfg: &WorkerConfig) -> Result<Locker, LockError> {
         .command_timeout(Duration::from_millis(cfg.command_timeout_ms))
         .waiter_ttl(Duration::from_millis(cfg.waiter_ttl_ms));
     match cfg.backend {
-        BackendKind::Redis | BackendKind::Postgres | BackendKind::Cluster => {
-            builder.connect(&cfg.lock_urls[0]).await
-        }
+        BackendKind::Redis
+        | BackendKind::Postgres
+        | BackendKind::Cluster
+        | BackendKind::Sentinel => builder.connect(&cfg.lock_urls[0]).await,
         BackendKind::Redlock => {
             let urls: Vec<&str> = cfg.lock_urls.iter().map(String::as_str).collect();
             let opts = RedlockOptions::default()

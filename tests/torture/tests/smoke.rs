@@ -31,7 +31,7 @@ fn smoke_run_passes_with_no_stale_write_and_no_lock_left() {
     assert!(summary.starts_with("summary: "), "last line: {summary}");
     for (name, want) in [
         ("result", "pass"),
-        ("backends", "redis,redlock,postgres,cluster"),
+        ("backends", "redis,redlock,postgres,cluster,sentinel"),
         ("stale_writes_accepted", "0"),
         ("locks_left", "0"),
         ("token_reuse", "0"),

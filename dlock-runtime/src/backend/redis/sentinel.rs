@@ -378,9 +378,10 @@ async fn check(shared: Weak<Shared>) {
             s.checking.store(false, Ordering::Release);
             return;
         }
-        // Ask again soon: the caller's next attempt should find the new master within about
-        // one command timeout of the failover.
-        let most = (s.command_timeout / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        // Ask again soon: the caller's next attempt should find the new master well within one
+        // command timeout of the sentinels' switch (one look-up: a few round trips).
+        let most =
+            (s.command_timeout / 5).clamp(Duration::from_millis(10), Duration::from_millis(200));
         drop(s);
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(most);
