@@ -17,6 +17,7 @@ mod held;
 #[cfg(feature = "layer")]
 mod layer;
 mod plot;
+mod postgres;
 mod redlock;
 mod report;
 mod stats;
@@ -38,14 +39,16 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 7] = [
+const SCENARIOS: [&str; 9] = [
     "uncontended",
     "contended",
     "contended_think",
     "redlock",
     "cluster",
+    "sentinel",
     "held_at_scale",
     "layer_overhead",
+    "postgres",
 ];
 
 /// How long and how much.
@@ -161,8 +164,9 @@ rslock) through every scenario, prints a markdown table and writes target/bench/
 and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
-  --only    run only these scenarios: uncontended, contended, contended_think, redlock,
-            cluster, held_at_scale, layer_overhead (for profiling; the full report needs all)
+  --only    run only these scenarios: uncontended, contended, contended_think, redlock, sentinel,
+            cluster, held_at_scale, layer_overhead, postgres (for profiling; the full report
+            needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
 fn main() -> ExitCode {
@@ -442,6 +446,57 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
         drop(cluster);
     }
 
+    // 3c. sentinel: dlock on one server and behind Sentinel (a master with one replica), with
+    // and without waiting for the replica's acknowledgement, the uncontended load.
+    if plan.wants("sentinel") && plan.drivers.contains(&Driver::Dlock) {
+        progress("sentinel: starting a master, a replica and 3 sentinels");
+        let deployment =
+            tokio::task::spawn_blocking(dlock_tests::redis_sentinel::RedisSentinel::start).await?;
+        let master = deployment.servers[deployment.master_index()].url();
+        let mut admin_s = Admin::connect(std::slice::from_ref(&master)).await?;
+        let single = Client::connect(Driver::Dlock, &one).await?;
+        let behind = Client::Dlock(dlock_runtime::Locker::from_url(&deployment.url()).await?);
+        let acked = Client::Dlock(
+            dlock_runtime::Locker::builder()
+                .replicas(1)
+                .connect(&deployment.url())
+                .await?,
+        );
+        let (mut on_one, mut on_sentinel, mut on_acked) = (None, None, None);
+        for _ in 0..plan.rounds {
+            admin.flush_all().await?;
+            let p = uncontended::run(&single, &mut admin, 1, plan.load(), "ss").await?;
+            on_one = Some(pool(on_one, p, uncontended::Pairs::merge));
+            admin_s.flush_all().await?;
+            let p = uncontended::run(&behind, &mut admin_s, 1, plan.load(), "sm").await?;
+            on_sentinel = Some(pool(on_sentinel, p, uncontended::Pairs::merge));
+            admin_s.flush_all().await?;
+            let p = uncontended::run(&acked, &mut admin_s, 1, plan.load(), "sa").await?;
+            on_acked = Some(pool(on_acked, p, uncontended::Pairs::merge));
+        }
+        if let (Some(a), Some(b), Some(c)) = (on_one, on_sentinel, on_acked) {
+            progress(format!(
+                "sentinel     dlock : {:9.0} pairs/s behind Sentinel, {:9.0} with replicas(1), {:9.0} on one server",
+                b.per_s(),
+                c.per_s(),
+                a.per_s(),
+            ));
+            scenarios.insert(
+                "sentinel".into(),
+                json!({
+                    "replicas": 1,
+                    "sentinels": 3,
+                    "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+                    "one_server": a.to_json(Driver::Dlock),
+                    "sentinel": b.to_json(Driver::Dlock),
+                    "sentinel_replicas_1": c.to_json(Driver::Dlock),
+                }),
+            );
+        }
+        admin.flush_all().await?;
+        drop(deployment);
+    }
+
     // 4. held at scale
     if plan.wants("held_at_scale") {
         admin.flush_all().await?;
@@ -476,6 +531,11 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
             layer_overhead(&one[0], &plan, &mut admin).await?,
         );
         admin.flush_all().await?;
+    }
+
+    // 6. postgres (its own server and drivers)
+    if plan.wants("postgres") {
+        scenarios.insert("postgres".into(), postgres::run(&plan).await?);
     }
 
     for name in SCENARIOS {

@@ -72,6 +72,13 @@ fn ratios(s: &Value) -> Value {
         }),
     );
     r.insert(
+        "sentinel".into(),
+        json!({
+            "pairs_per_s_sentinel_over_one_server": div(s, "sentinel.sentinel.pairs_per_s", "sentinel.one_server.pairs_per_s"),
+            "pairs_per_s_replicas_1_over_one_server": div(s, "sentinel.sentinel_replicas_1.pairs_per_s", "sentinel.one_server.pairs_per_s"),
+        }),
+    );
+    r.insert(
         "layer_overhead".into(),
         json!({
             "rps_dlock_over_plain": div(s, "layer_overhead.dlock.rps", "layer_overhead.plain.rps"),

@@ -20,6 +20,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
 /// | [`Lost`](LockError::Lost) | the lock expired or was taken over while held | 503 |
 /// | [`NoLocker`](LockError::NoLocker) | the attribute ran with no default locker set | 500 |
+/// | [`Unsupported`](LockError::Unsupported) | the backend cannot do what the request asks (replica acknowledgement on a backend without replicas) | 500 |
 ///
 /// Match with a wildcard arm: the enum is `#[non_exhaustive]` and grows with the product
 /// (the defer strategy adds "deferred").
@@ -111,6 +112,17 @@ pub enum LockError {
     /// with [`set_default_locker`](crate::set_default_locker).
     #[error("no locker configured: call dlock_runtime::set_default_locker at startup or pass `locker = …`")]
     NoLocker,
+    /// The request asks for something its backend cannot do, such as
+    /// [`replicas`](crate::LockRequest::replicas) on a backend without replicas. A
+    /// configuration mistake: the backend refuses rather than offer a weaker version.
+    #[error("the {backend} backend does not support {what}")]
+    #[non_exhaustive]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// What was asked.
+        what: String,
+    },
 }
 
 impl LockError {
@@ -151,6 +163,13 @@ impl LockError {
             key: key.to_owned(),
             queue: queue.to_owned(),
             retry_after: Duration::from_secs(1),
+        }
+    }
+
+    pub(crate) fn unsupported(backend: &'static str, what: impl Into<String>) -> Self {
+        LockError::Unsupported {
+            backend,
+            what: what.into(),
         }
     }
 
@@ -234,6 +253,11 @@ impl LockError {
         matches!(self, LockError::NoLocker)
     }
 
+    /// The backend does not support what the request asked ([`Unsupported`](LockError::Unsupported)).
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, LockError::Unsupported { .. })
+    }
+
     /// How long a client should wait before trying again, when that is known: the holder's
     /// remaining lease for contention, one second for an unavailable backend.
     pub fn retry_after(&self) -> Option<Duration> {
@@ -256,7 +280,9 @@ impl LockError {
             | LockError::Lost { .. }
             | LockError::QueueFull { .. } => 503,
             LockError::InvalidKey { .. } => 400,
-            LockError::InvalidTtl { .. } | LockError::NoLocker => 500,
+            LockError::InvalidTtl { .. } | LockError::NoLocker | LockError::Unsupported { .. } => {
+                500
+            }
         }
     }
 
@@ -309,6 +335,7 @@ impl LockError {
             LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
             LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
+            LockError::Unsupported { .. } => ("lock-unsupported", "Internal Server Error"),
             LockError::Deferred { .. } => ("deferred", "Accepted"),
         };
         let detail = match self {
@@ -328,7 +355,7 @@ impl LockError {
                     .to_owned()
             }
             LockError::InvalidKey { reason } => format!("invalid lock key: {reason}"),
-            LockError::InvalidTtl { .. } | LockError::NoLocker => {
+            LockError::InvalidTtl { .. } | LockError::NoLocker | LockError::Unsupported { .. } => {
                 "the lock is misconfigured on the server".to_owned()
             }
             LockError::Deferred { .. } => String::new(),
@@ -449,6 +476,13 @@ mod tests {
         assert_eq!(LockError::unavailable("down", None).status(), 503);
         assert_eq!(LockError::invalid_key("empty").status(), 400);
         assert_eq!(LockError::NoLocker.status(), 500);
+        let unsupported = LockError::unsupported("memory", "replica acknowledgement");
+        assert_eq!(unsupported.status(), 500);
+        assert!(unsupported.is_unsupported());
+        assert_eq!(unsupported.retry_after_secs(), None);
+        assert!(unsupported
+            .problem_json()
+            .starts_with("{\"type\":\"urn:dlock:problem:lock-unsupported\""));
         let full = LockError::queue_full("k", "memory");
         assert_eq!(full.status(), 503);
         assert_eq!(full.retry_after_secs(), Some(1));

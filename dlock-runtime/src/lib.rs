@@ -27,7 +27,9 @@
 //! * **Backends**: [`MemoryBackend`](backend::MemoryBackend) (in-process, the embedded
 //!   default) and Redis (`redis://`, feature `redis`, on by default) — one multiplexed RESP3
 //!   connection per [`Locker`] for commands *and* release notifications; Redis Cluster
-//!   (`redis+cluster://`, feature `cluster`) and Redlock (`redlock://`).
+//!   (`redis+cluster://`, feature `cluster`), Redis behind Sentinel (`redis+sentinel://`,
+//!   feature `sentinel`; acknowledged locks with [`LockRequest::replicas`]) and Redlock
+//!   (`redlock://`).
 //! * **Owner-checked everything**: 128-bit owner tokens from the OS CSPRNG; release and extend
 //!   compare them atomically server side, so a stale holder never frees or extends the new
 //!   owner's lock.
@@ -59,6 +61,7 @@
 //! | `conformance` | no | [`conformance`]: the backend conformance suite, for a `Backend` of your own (`conformance_tests!`) |
 //! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
 //! | `tls` | no | `rediss://` |
+//! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
 

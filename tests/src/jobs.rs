@@ -151,3 +151,70 @@ impl Running {
         self.task.await.unwrap();
     }
 }
+
+/// The durable queue end to end on the Redis deployment at `url` (one server, a cluster,
+/// Sentinel), with names from `tag`: a job whose lock is busy is stored, a worker runs it under
+/// its lock once the holder releases — with a larger fencing token —, acknowledges it, and the
+/// queue is empty after.
+///
+/// # Panics
+/// If any of that does not happen (within 10 s for the run, 5 s for the acknowledgement).
+pub async fn durable_round_trip(url: &str, tag: &str) {
+    use dlock_runtime::durable::{JobStatus, Submitted};
+    use dlock_runtime::DeferPolicy;
+
+    let record = RedisServer::start();
+    let locker = Locker::from_url(url).await.unwrap();
+    let queue = DurableQueue::connect(url, &format!("{tag}-invoices"))
+        .await
+        .unwrap();
+    let policy =
+        DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
+    let lock = format!("{tag}-o1");
+    let job = RecordJob {
+        id: 1,
+        lock: lock.clone(),
+        record_url: record.url(),
+        ..RecordJob::default()
+    };
+    let held = locker
+        .lock(format!("record:{lock}"))
+        .acquire()
+        .await
+        .unwrap();
+    let Submitted::Deferred(id) = queue
+        .submit(&locker, job, &policy, Duration::from_secs(5))
+        .await
+        .unwrap()
+    else {
+        panic!("a busy lock defers the job")
+    };
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+    let worker = DurableWorker::new(queue.clone(), locker.clone())
+        .register::<RecordJob>()
+        .poll_interval(Duration::from_millis(10));
+    let w = run_in_background(worker);
+    let holder_token = held.fencing_token();
+    held.release().await.unwrap();
+    let done = crate::wait::wait_for("the job to run", Duration::from_secs(10), async || {
+        let mut c = record.conn().await;
+        c.hget::<_, _, Option<String>>("done", 1).await.unwrap()
+    })
+    .await;
+    let token: u64 = done.split_once(':').unwrap().1.parse().unwrap();
+    assert!(
+        token > holder_token,
+        "the job ran with a newer fencing token"
+    );
+    crate::wait::wait_for(
+        "the job to be acknowledged",
+        Duration::from_secs(5),
+        async || {
+            let s = queue.status(&id).await.unwrap();
+            matches!(s, JobStatus::Completed { .. }).then_some(())
+        },
+    )
+    .await;
+    w.stop().await;
+    assert!(queue.is_empty().await.unwrap());
+}

@@ -1,5 +1,6 @@
-//! Test support for dlock: real `redis-server` processes ([`redis_server`]) and clusters of them
-//! ([`redis_cluster`]), a fault-injecting
+//! Test support for dlock: real `redis-server` processes ([`redis_server`]), clusters of them
+//! ([`redis_cluster`]) and Sentinel deployments ([`redis_sentinel`]), real PostgreSQL servers and
+//! PgBouncers ([`postgres_server`]), a fault-injecting
 //! TCP proxy ([`proxy`]), durable job types for the defer tests ([`jobs`]), bounded polling for
 //! state nothing signals ([`wait`]) and, with the feature `http`, HTTP helpers for the tower
 //! layer tests (`http`). The backend conformance suite is public in
@@ -8,9 +9,12 @@
 #[cfg(feature = "http")]
 pub mod http;
 pub mod jobs;
+pub mod postgres_server;
 pub mod proxy;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_server;
 pub mod wait;
 
+pub use postgres_server::{PgBouncer, PostgresServer};
 pub use redis_server::RedisServer;

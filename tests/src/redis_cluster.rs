@@ -184,7 +184,7 @@ fn cluster_info(port: u16) -> Option<String> {
 }
 
 /// What `redis-cli -p <port> <args>` prints, if it succeeds.
-fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
+pub(crate) fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string()])
         .args(args)
@@ -202,20 +202,10 @@ pub fn shared() -> Arc<Mutex<RedisCluster>> {
     static SHARED: OnceLock<Arc<Mutex<RedisCluster>>> = OnceLock::new();
     SHARED
         .get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new()
-                .name("redis-cluster-owner".into())
-                .spawn(move || {
-                    let _ = tx.send(RedisCluster::start_inner(3, 1, true));
-                    loop {
-                        std::thread::park();
-                    }
-                })
-                .expect("spawn the cluster's owner thread");
-            Arc::new(Mutex::new(
-                rx.recv()
-                    .expect("the cluster's owner thread died starting it"),
-            ))
+            let cluster = crate::redis_server::on_owner_thread("redis-cluster-owner", || {
+                RedisCluster::start_inner(3, 1, true)
+            });
+            Arc::new(Mutex::new(cluster))
         })
         .clone()
 }

@@ -28,6 +28,8 @@ pub struct RedisServer {
     /// The process is killed when the thread that started it ends (servers shared by a
     /// whole test binary, which would otherwise outlive it).
     die_with_parent: bool,
+    /// A Redis Sentinel: started with `sentinel.conf` (in its folder) and `--sentinel`.
+    sentinel: bool,
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -68,13 +70,27 @@ impl RedisServer {
         Self::start_inner(extra, true)
     }
 
+    /// Starts a Redis Sentinel (`redis-server <conf> --sentinel`) whose configuration file
+    /// holds `config` (its `sentinel monitor …` lines), like
+    /// [`start_owned_by_thread`](RedisServer::start_owned_by_thread) when `owned_by_thread`.
+    pub fn start_sentinel(config: &str, owned_by_thread: bool) -> Self {
+        Self::start_inner_as(&[], owned_by_thread, Some(config))
+    }
+
     fn start_inner(extra: &[&str], die_with_parent: bool) -> Self {
+        Self::start_inner_as(extra, die_with_parent, None)
+    }
+
+    fn start_inner_as(extra: &[&str], die_with_parent: bool, sentinel: Option<&str>) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "dlock-redis-{}-{}",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).expect("create redis temp dir");
+        if let Some(config) = sentinel {
+            std::fs::write(dir.join("sentinel.conf"), config).expect("write sentinel.conf");
+        }
         // Another process may grab the port between our probe and redis binding it: retry.
         for _ in 0..10 {
             let port = free_port();
@@ -85,6 +101,7 @@ impl RedisServer {
                 paused: false,
                 extra: extra.iter().map(|a| (*a).to_owned()).collect(),
                 die_with_parent,
+                sentinel: sentinel.is_some(),
             };
             if server.spawn() {
                 return server;
@@ -103,6 +120,11 @@ impl RedisServer {
         } else {
             Command::new(binary())
         };
+        if self.sentinel {
+            command
+                .arg(self.dir.join("sentinel.conf"))
+                .arg("--sentinel");
+        }
         let child = command
             .args([
                 "--port",
@@ -302,6 +324,31 @@ fn server_pid(port: u16) -> Option<u32> {
         }
     }
     None
+}
+
+/// Runs `start` on a thread that lives as long as the process and returns what it made: for
+/// servers a whole test binary shares, started with
+/// [`start_owned_by_thread`](RedisServer::start_owned_by_thread) (the kernel kills them when that
+/// thread, hence the process, ends: a static is never dropped).
+///
+/// # Panics
+/// If `start` panics.
+pub fn on_owner_thread<T: Send + 'static>(
+    name: &str,
+    start: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            let _ = tx.send(start());
+            loop {
+                std::thread::park();
+            }
+        })
+        .expect("spawn a server owner thread");
+    rx.recv()
+        .unwrap_or_else(|_| panic!("{name}: the owner thread died starting its servers"))
 }
 
 /// Starts `n` independent servers.

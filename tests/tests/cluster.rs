@@ -175,6 +175,26 @@ fn resource_name(locker: &Locker, key: &str) -> String {
         .to_owned()
 }
 
+/// The slot range (master and replicas, as the node on `seed` sees it) serving `key`'s lock.
+async fn range_of_key(locker: &Locker, seed: u16, key: &str) -> SlotRange {
+    let name = resource_name(locker, key);
+    let slot = key_slot(seed, &name).await;
+    // Gossip may list a shard's replica a moment after its link is up.
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || {
+            let r = RedisCluster::range_of(seed, slot).await;
+            if r.replicas.is_empty() {
+                Err(format!("slot {slot}: no replica listed yet"))
+            } else {
+                Ok(r)
+            }
+        },
+    )
+    .await
+}
+
 /// Two of this locker's keys whose slots have different masters, with the map as the node on
 /// `seed` sees it: `(key, its range)` for each.
 async fn keys_on_two_masters(
@@ -185,22 +205,7 @@ async fn keys_on_two_masters(
     let mut first: Option<(String, SlotRange)> = None;
     for i in 0.. {
         let key = format!("{prefix}:{i}");
-        let name = resource_name(locker, &key);
-        let slot = key_slot(seed, &name).await;
-        // Gossip may list a shard's replica a moment after its link is up.
-        let range = poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            async || {
-                let r = RedisCluster::range_of(seed, slot).await;
-                if r.replicas.is_empty() {
-                    Err(format!("slot {slot}: no replica listed yet"))
-                } else {
-                    Ok(r)
-                }
-            },
-        )
-        .await;
+        let range = range_of_key(locker, seed, &key).await;
         match &first {
             None => first = Some((key, range)),
             Some((_, r)) if r.master != range.master => {
@@ -215,9 +220,10 @@ async fn keys_on_two_masters(
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
 /// it. Locks on the other shards keep being renewed; acquiring on the dead shard is a prompt
 /// typed error, never a hang; the replica takes over and the shard works again; the holder
-/// whose lock did not survive is told through `lost()`; and the next fencing token for that key
-/// is larger than the lost holder's, although the promoted replica's counter is older. (Its own
-/// cluster: this test kills a node.)
+/// whose lock did not survive is told through `lost()`, while a lock acquired with
+/// `.replicas(1)` on the same shard survives; and the next fencing token for that key is larger
+/// than the lost holder's, although the promoted replica's counter is older. (Its own cluster:
+/// this test kills a node.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     let mut cluster = RedisCluster::start(3, 1);
@@ -257,6 +263,25 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         },
     )
     .await;
+    // An acknowledged lock on A's master: the replica has it before acquire returns.
+    let mut acked_key = None;
+    for i in 0.. {
+        let key = format!("failover-acked:{i}");
+        if range_of_key(&locker, seed, &key).await.master == ra.master {
+            acked_key = Some(key);
+            break;
+        }
+    }
+    let acked_key = acked_key.unwrap();
+    // Its lease outlasts the failover (node timeout + election), so only the failover could
+    // lose it.
+    let acked = locker
+        .lock(&acked_key)
+        .ttl(Duration::from_secs(10))
+        .replicas(1)
+        .acquire()
+        .await
+        .unwrap();
     // The dying master's replica stops taking the replication stream before A is taken again:
     // that lock, and the counter's advance, exist only on the master that dies.
     let replica = cluster.index_of(ra.replicas[0]);
@@ -309,72 +334,86 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     );
     g.release().await.unwrap();
 
+    // The acknowledged lock on the dead master's shard survived the failover: the promoted
+    // replica has it under its owner (an owner-checked extend and release succeed there).
+    assert!(
+        acked.is_held(),
+        "an acknowledged lock was lost in the failover"
+    );
+    acked.extend(Duration::from_secs(10)).await.unwrap();
+    acked.release().await.unwrap();
+
     // B, on another master, was renewed all along.
     assert_ne!(rb.master, ra.master);
     assert!(held_b.is_held(), "a lock on a healthy shard was lost");
     held_b.release().await.unwrap();
 }
 
-/// The durable queue runs on the cluster (`redis+cluster://`): a job whose lock is busy is
-/// stored, a worker runs it under its lock once the holder releases — with a larger fencing
-/// token —, acknowledges it, and the queue is empty after.
+/// The durable queue runs on the cluster (`redis+cluster://`): see
+/// [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_queue_runs_on_the_cluster() {
-    use dlock_runtime::durable::{DurableQueue, DurableWorker, JobStatus, Submitted};
-    use dlock_runtime::DeferPolicy;
-    use dlock_tests::jobs::{run_in_background, RecordJob};
-    use dlock_tests::RedisServer;
-
     let url = redis_cluster::shared().lock().unwrap().url();
-    let record = RedisServer::start();
-    let locker = Locker::from_url(&url).await.unwrap();
-    let queue = DurableQueue::connect(&url, "cluster-invoices")
+    dlock_tests::jobs::durable_round_trip(&url, "cluster").await;
+}
+
+/// `.replicas(1)` on a cluster: the lock counts as taken once its shard's replica has it (a
+/// `WAIT` sent to the lock's master on a connection of its own); while that replica cannot
+/// acknowledge, the request fails as unavailable and leaves no lock behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_locks_wait_for_their_shards_replica() {
+    let cluster = redis_cluster::shared();
+    let url = cluster.lock().unwrap().url();
+    let command_timeout = Duration::from_millis(300);
+    let locker = Locker::builder()
+        .prefix("acked")
+        .command_timeout(command_timeout)
+        .connect(&url)
         .await
         .unwrap();
-    let policy =
-        DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
-    let job = RecordJob {
-        id: 1,
-        lock: "cluster-o1".to_owned(),
-        record_url: record.url(),
-        ..RecordJob::default()
-    };
-    let held = locker.lock("record:cluster-o1").acquire().await.unwrap();
-    let Submitted::Deferred(id) = queue
-        .submit(&locker, job, &policy, Duration::from_secs(5))
-        .await
-        .unwrap()
-    else {
-        panic!("a busy lock defers the job")
-    };
-    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
-    let worker = DurableWorker::new(queue.clone(), locker.clone())
-        .register::<RecordJob>()
-        .poll_interval(Duration::from_millis(10));
-    let w = run_in_background(worker);
-    let holder_token = held.fencing_token();
-    held.release().await.unwrap();
-    let done = dlock_tests::wait::wait_for("the job to run", Duration::from_secs(10), async || {
-        let mut c = record.conn().await;
-        c.hget::<_, _, Option<String>>("done", 1).await.unwrap()
-    })
-    .await;
-    let token: u64 = done.split_once(':').unwrap().1.parse().unwrap();
-    assert!(
-        token > holder_token,
-        "the job ran with a newer fencing token"
-    );
-    dlock_tests::wait::wait_for(
-        "the job to be acknowledged",
-        Duration::from_secs(5),
+    let key = "acked-1";
+    let resource = format!("acked:{{{key}}}");
+    let slot = key_slot(master_ports()[0], &resource).await;
+    // A node's view of the other shards' replicas may lag behind the cluster's start.
+    let range = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
         async || {
-            let s = queue.status(&id).await.unwrap();
-            matches!(s, JobStatus::Completed { .. }).then_some(())
+            let r = RedisCluster::range_of(master_ports()[0], slot).await;
+            (!r.replicas.is_empty())
+                .then_some(r)
+                .ok_or("no replica listed yet")
         },
     )
     .await;
-    w.stop().await;
-    assert!(queue.is_empty().await.unwrap());
+    let g = locker.lock(key).replicas(1).acquire().await.unwrap();
+    let mut r = node_conn(range.replicas[0]).await;
+    let (_, owner): ((), Option<String>) = redis::pipe()
+        .cmd("READONLY")
+        .cmd("GET")
+        .arg(&resource)
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert!(
+        owner.is_some(),
+        "the shard's replica does not have an acknowledged lock"
+    );
+    g.release().await.unwrap();
+
+    // The replica stops acknowledging (frozen for less than the node timeout: no failover).
+    let replica = cluster.lock().unwrap().index_of(range.replicas[0]);
+    cluster.lock().unwrap().nodes[replica].pause();
+    let err = locker.lock(key).replicas(1).acquire().await;
+    let on_master: i64 = redis::cmd("EXISTS")
+        .arg(&resource)
+        .query_async(&mut node_conn(range.master).await)
+        .await
+        .unwrap();
+    cluster.lock().unwrap().nodes[replica].resume();
+    let err = err.expect_err("a lock no replica acknowledged counted as taken");
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(on_master, 0, "an unacknowledged lock was not given back");
 }
 
 /// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names

@@ -31,7 +31,7 @@
 //! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`] and [`RedlockBackend`].
+//! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -55,6 +55,10 @@ pub use self::idempotency::IdempotencyStore;
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions};
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]
@@ -231,6 +235,59 @@ pub trait Backend: Send + Sync + 'static {
     fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
         None
     }
+
+    /// Makes sure at least `replicas` replicas of the server hold the lock `token` owns: sets
+    /// its lease to `ttl` from now and waits (within the backend's command timeout) until the
+    /// replicas acknowledge everything written so far. Answers how many acknowledged, or
+    /// [`LockError::Lost`] when `token` no longer owns the lock.
+    ///
+    /// Optional: the default answers [`LockError::Unsupported`] — a backend without replicas
+    /// refuses rather than pretend. The Redis backend (one server, Sentinel, a cluster) uses
+    /// `WAIT` ([`LockRequest::replicas`](crate::LockRequest::replicas)).
+    fn replicate<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+        replicas: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        let _ = (resource, token, ttl, replicas);
+        let name = self.name();
+        Box::pin(async move { Err(LockError::unsupported(name, "replica acknowledgement")) })
+    }
+}
+
+/// Runs a batched renewal in chunks of `size`, the chunks concurrently; a chunk that fails
+/// fails each of its items with the chunk's error. `batch` answers one `bool` per item.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) async fn extend_in_chunks<'a, F, Fut>(
+    items: &'a [ExtendItem],
+    size: usize,
+    batch: F,
+) -> Vec<Result<bool, LockError>>
+where
+    F: Fn(&'a [ExtendItem]) -> Fut,
+    Fut: Future<Output = Result<Vec<bool>, LockError>>,
+{
+    let chunks = items.chunks(size).map(|chunk| {
+        let run = batch(chunk);
+        async move {
+            match run.await {
+                Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
+                Err(e) => {
+                    let msg = e.to_string();
+                    (0..chunk.len())
+                        .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                        .collect()
+                }
+            }
+        }
+    });
+    futures_util::future::join_all(chunks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// What a [`Locker`](crate::Locker) can be built over: any [`Backend`] by value, or one already

@@ -67,8 +67,10 @@ pub(super) enum Retried {
 
 impl DurableQueue {
     /// Connects to the queue `name` in the Redis at `url` — one server (`redis://`,
-    /// `rediss://`) or, with feature `cluster`, a Redis Cluster (`redis+cluster://h1:p1,h2:p2`;
-    /// all of a queue's keys share one hash tag, so its scripts run on one shard). Defaults:
+    /// `rediss://`); with feature `cluster`, a Redis Cluster (`redis+cluster://h1:p1,h2:p2`;
+    /// all of a queue's keys share one hash tag, so its scripts run on one shard); with feature
+    /// `sentinel`, the master of a Sentinel-monitored group
+    /// (`redis+sentinel://s1:p1,s2:p2/<master-name>`, followed through a failover). Defaults:
     /// visibility timeout 30 s, outcome retention 24 h, command timeout 1 s,
     /// [`QueueLimits::default`].
     pub async fn connect(url: &str, name: &str) -> Result<Self, LockError> {
@@ -102,6 +104,8 @@ impl DurableQueue {
         let command_timeout = Duration::from_secs(1);
         let conn = if crate::backend::redis::conn::is_cluster_url(url) {
             Self::cluster_conn(url, command_timeout).await?
+        } else if url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://") {
+            Self::sentinel_conn(url, command_timeout).await?
         } else {
             Conn::Single(Self::single_conn(url, command_timeout).await?)
         };
@@ -151,6 +155,23 @@ impl DurableQueue {
     async fn cluster_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
         Err(LockError::unavailable(
             "redis+cluster:// needs dlock-runtime's feature `cluster`",
+            None,
+        ))
+    }
+
+    #[cfg(feature = "sentinel")]
+    async fn sentinel_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
+        use crate::backend::redis::sentinel::{SentinelConn, SentinelUrl};
+        let url = SentinelUrl::parse(url)?;
+        SentinelConn::connect(&url, command_timeout, command_timeout, None, None)
+            .await
+            .map(Conn::Sentinel)
+    }
+
+    #[cfg(not(feature = "sentinel"))]
+    async fn sentinel_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
+        Err(LockError::unavailable(
+            "redis+sentinel:// needs dlock-runtime's feature `sentinel`",
             None,
         ))
     }

@@ -59,6 +59,7 @@ struct Config {
     waiter_ttl: Duration,
     on_fail: OnFail,
     defer_limits: crate::defer::QueueLimits,
+    replicas: u32,
 }
 
 impl Default for Config {
@@ -70,6 +71,7 @@ impl Default for Config {
             waiter_ttl: Duration::from_secs(5),
             on_fail: OnFail::Reject,
             defer_limits: crate::defer::QueueLimits::default(),
+            replicas: 0,
         }
     }
 }
@@ -101,6 +103,15 @@ impl Locker {
     /// * `redis+cluster://[user:pass@]host:port,host:port,…`, `rediss+cluster://…` (feature
     ///   `cluster`) — a Redis Cluster (Redis ≥ 7: release notifications use sharded pub/sub),
     ///   reached through any of the listed nodes;
+    /// * `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>]`,
+    ///   `rediss+sentinel://…` (feature `sentinel`) — the master of a Sentinel-monitored group,
+    ///   found through the sentinels and followed through a failover: commands in flight when
+    ///   the master dies fail as [`LockError::Unavailable`], the next ones go to the promoted
+    ///   replica; a holder whose lock the promoted replica did not have is told through
+    ///   [`LockGuard::lost`](crate::LockGuard::lost); fencing tokens keep increasing. Replication
+    ///   is asynchronous: a lock granted just before the failover may be lost unless the request
+    ///   asked for [`replicas`](crate::LockRequest::replicas). The credentials are the
+    ///   servers'; the sentinels are reached without;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
     ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
     ///
@@ -124,6 +135,7 @@ impl Locker {
             ttl: None,
             on_fail: None,
             auto_renew: true,
+            replicas: None,
         }
     }
 

@@ -24,6 +24,7 @@ pub struct LockRequest<'a> {
     pub(super) ttl: Option<Duration>,
     pub(super) on_fail: Option<OnFail>,
     pub(super) auto_renew: bool,
+    pub(super) replicas: Option<u32>,
 }
 
 impl fmt::Debug for LockRequest<'_> {
@@ -33,6 +34,7 @@ impl fmt::Debug for LockRequest<'_> {
             .field("ttl", &self.ttl)
             .field("on_fail", &self.on_fail)
             .field("auto_renew", &self.auto_renew)
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -59,6 +61,21 @@ impl<'a> LockRequest<'a> {
         self
     }
 
+    /// How many replicas must have the lock before it counts as taken (Redis — one server,
+    /// Sentinel or a cluster — with `WAIT`). Default: the locker's
+    /// ([`LockerBuilder::replicas`](crate::LockerBuilder::replicas)), which defaults to 0 — a
+    /// grant on the master is enough.
+    ///
+    /// With `n > 0`, a lock the master granted is renewed and then waited on until `n` replicas
+    /// acknowledge it (within ¾ of the command timeout); when fewer do, it is released again
+    /// and the request fails with [`LockError::Unavailable`]. An acknowledged lock survives a
+    /// failover to one of those replicas. A backend without replicas (memory, Redlock) answers
+    /// [`LockError::Unsupported`].
+    pub fn replicas(mut self, n: u32) -> Self {
+        self.replicas = Some(n);
+        self
+    }
+
     /// Acquires the lock with the request's strategy.
     ///
     /// Cancel-safe: dropping this future at any point never leaves the lock held without a
@@ -73,10 +90,11 @@ impl<'a> LockRequest<'a> {
             .unwrap_or_else(|| locker.inner.config.on_fail.clone());
         let span = tracing::debug_span!("dlock.acquire", key = %key);
         let resource = locker.resource(key);
+        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
         match on_fail {
             // `acquire` has no work to defer: one attempt, like Reject.
             OnFail::Reject | OnFail::Defer(_) => {
-                match attempt_once(locker, resource.clone(), ttl, self.auto_renew)
+                match attempt_once(locker, resource.clone(), take)
                     .instrument(span)
                     .await?
                 {
@@ -85,7 +103,7 @@ impl<'a> LockRequest<'a> {
                 }
             }
             OnFail::Retry(policy) => {
-                wait_for(locker, resource, ttl, self.auto_renew, policy)
+                wait_for(locker, resource, take, policy)
                     .instrument(span)
                     .await
             }
@@ -99,7 +117,8 @@ impl<'a> LockRequest<'a> {
         let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
         let span = tracing::debug_span!("dlock.try_acquire", key = %key);
         let resource = locker.resource(key);
-        Ok(attempt_once(locker, resource, ttl, self.auto_renew)
+        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
+        Ok(attempt_once(locker, resource, take)
             .instrument(span)
             .await?
             .ok())
@@ -157,7 +176,8 @@ impl<'a> LockRequest<'a> {
         let key = self.key?;
         let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
         let resource = locker.resource(key.clone());
-        match attempt_once(locker, resource, ttl, self.auto_renew).await? {
+        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
+        match attempt_once(locker, resource, take).await? {
             Ok(guard) => {
                 let out = crate::context::scope(locker.id(), guard.info(), work).await;
                 if let Err(e) = guard.release().await {
@@ -235,22 +255,40 @@ impl<'a> IntoFuture for LockRequest<'a> {
     }
 }
 
+/// What a request takes: the lease it asks for, whether the watchdog renews it, and how many
+/// replicas must have it ([`LockRequest::replicas`]).
+#[derive(Clone, Copy, Debug)]
+struct Take {
+    ttl: Duration,
+    auto_renew: bool,
+    replicas: u32,
+}
+
+impl Take {
+    fn new(locker: &Locker, ttl: Duration, auto_renew: bool, replicas: Option<u32>) -> Self {
+        Take {
+            ttl,
+            auto_renew,
+            replicas: replicas.unwrap_or(locker.inner.config.replicas),
+        }
+    }
+}
+
 /// One acquire attempt: `Ok(grant)` when the lock is ours, `Err(remaining)` when someone else
 /// holds it (or is ahead in the queue).
 async fn attempt(
     locker: &Locker,
     flight: &Undo<'_>,
-    ttl: Duration,
+    take: Take,
     mode: WaitMode,
-    auto_renew: bool,
 ) -> Result<Result<Grant, Option<Duration>>, LockError> {
     let sent_ns = locker.watchdog().now_ns();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
-        ttl,
+        ttl: take.ttl,
         mode,
-        waiter_ttl: locker.waiter_ttl_for(ttl),
+        waiter_ttl: locker.waiter_ttl_for(take.ttl),
     };
     let out = locker
         .with_deadline("acquire", locker.backend().acquire(args))
@@ -258,27 +296,81 @@ async fn attempt(
     Ok(match out {
         Attempt::Acquired { fencing_token } => Ok(Grant {
             fencing_token,
-            ttl,
-            lease: ttl,
+            ttl: take.ttl,
+            lease: take.ttl,
             sent_ns,
-            auto_renew,
+            auto_renew: take.auto_renew,
         }),
         Attempt::Held { remaining } => Err(remaining),
     })
+}
+
+/// The guard of a granted lock, once as many replicas as the request asks for have it.
+///
+/// A lock handed over by a release may come with a lease shorter than `ttl` (see
+/// [`Backend::watch`](crate::backend::Backend::watch)): the watchdog renews it to `ttl` in time;
+/// without auto-renewal it is extended to `ttl` here, so the caller gets the lease it asked for.
+async fn hold(
+    locker: &Locker,
+    mut flight: Undo<'_>,
+    mut grant: Grant,
+    replicas: u32,
+) -> Result<LockGuard, LockError> {
+    if replicas > 0 {
+        replicated(locker, &mut flight, grant.ttl, replicas).await?;
+        // The renewal sent before `WAIT` set the whole lease; counting it from the grant's
+        // request is conservative.
+        grant.lease = grant.ttl;
+    }
+    let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
+    let guard = LockGuard::new(flight.into_lease(grant, locker.id()));
+    if short {
+        guard.extend(ttl).await?;
+    }
+    Ok(guard)
+}
+
+/// Waits until `replicas` replicas have the lock the flight's token holds. When fewer
+/// acknowledge it (or the backend cannot tell), the lock is given back — at once, so the
+/// caller's next move finds it free, or by the armed undo in the background — and the error
+/// is returned.
+async fn replicated(
+    locker: &Locker,
+    flight: &mut Undo<'_>,
+    ttl: Duration,
+    replicas: u32,
+) -> Result<(), LockError> {
+    let backend = locker.backend();
+    let asked = backend.replicate(flight.resource(), flight.token(), ttl, replicas);
+    let err = match locker.with_deadline("replicate", asked).await {
+        Ok(acked) if acked >= replicas => return Ok(()),
+        Ok(acked) => LockError::unavailable(
+            format!(
+                "lock `{}` reached {acked} of the {replicas} replicas asked for in time",
+                flight.resource().key()
+            ),
+            None,
+        ),
+        Err(e) => e,
+    };
+    let undo = backend.abandon(flight.resource(), flight.token());
+    if locker.with_deadline("abandon", undo).await.is_ok() {
+        flight.disarm();
+    }
+    Err(err)
 }
 
 /// One attempt without queueing. `Err(remaining)` when held by someone else.
 async fn attempt_once(
     locker: &Locker,
     resource: ResourceName,
-    ttl: Duration,
-    auto_renew: bool,
+    take: Take,
 ) -> Result<Result<LockGuard, Option<Duration>>, LockError> {
-    let mut flight = Undo::new(locker.watchdog(), resource, ttl);
+    let mut flight = Undo::new(locker.watchdog(), resource, take.ttl);
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
-    match attempt(locker, &flight, ttl, WaitMode::Try, auto_renew).await? {
-        Ok(grant) => Ok(Ok(LockGuard::new(flight.into_lease(grant, locker.id())))),
+    match attempt(locker, &flight, take, WaitMode::Try).await? {
+        Ok(grant) => Ok(Ok(hold(locker, flight, grant, take.replicas).await?)),
         Err(remaining) => {
             flight.disarm();
             Ok(Err(remaining))
@@ -289,8 +381,7 @@ async fn attempt_once(
 async fn wait_for(
     locker: &Locker,
     resource: ResourceName,
-    ttl: Duration,
-    auto_renew: bool,
+    take: Take,
     policy: RetryPolicy,
 ) -> Result<LockGuard, LockError> {
     let start = Instant::now();
@@ -302,11 +393,11 @@ async fn wait_for(
     };
     // Armed until the guard exists: a timeout, an error or a dropped future leaves the queue
     // and undoes whatever the last attempt may have taken.
-    let waiter_ttl = locker.waiter_ttl_for(ttl);
+    let waiter_ttl = locker.waiter_ttl_for(take.ttl);
     // A lock handed over by a release comes with a lease this long, so that a waiter that died
     // holds it no longer than its queue entry would have held up the queue.
-    let handoff_lease = ttl.min(waiter_ttl);
-    let mut flight = Undo::new(locker.watchdog(), resource, ttl.max(waiter_ttl));
+    let handoff_lease = take.ttl.min(waiter_ttl);
+    let mut flight = Undo::new(locker.watchdog(), resource, take.ttl.max(waiter_ttl));
     let refresh = waiter_ttl / 3;
     let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
     let mut step = 0u32;
@@ -317,13 +408,13 @@ async fn wait_for(
     let mut asked_ns;
     loop {
         asked_ns = locker.watchdog().now_ns();
-        let remaining = match attempt(locker, &flight, ttl, mode, auto_renew).await? {
-            Ok(grant) => return Ok(LockGuard::new(flight.into_lease(grant, locker.id()))),
+        let remaining = match attempt(locker, &flight, take, mode).await? {
+            Ok(grant) => return hold(locker, flight, grant, take.replicas).await,
             Err(remaining) => remaining,
         };
         let now = Instant::now();
-        if let Some(grant) = handed_over(&watch, ttl, handoff_lease, asked_ns, auto_renew) {
-            return taken_over(locker, flight, grant).await;
+        if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
+            return hold(locker, flight, grant, take.replicas).await;
         }
         if now >= deadline {
             // Leave the queue before reporting, so the caller's next move sees it gone.
@@ -362,44 +453,27 @@ async fn wait_for(
                 _ = w.notified() => { if fifo { step = 0; } }
                 _ = tokio::time::sleep(sleep) => {}
             }
-            if let Some(grant) = handed_over(&watch, ttl, handoff_lease, asked_ns, auto_renew) {
-                return taken_over(locker, flight, grant).await;
+            if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
+                return hold(locker, flight, grant, take.replicas).await;
             }
         }
     }
 }
 
-/// The guard of a lock handed over by a release. Its first lease may be shorter than `ttl`: the
-/// watchdog renews it to `ttl` in time; without auto-renewal it is extended to `ttl` here, so the
-/// caller gets the lease it asked for.
-async fn taken_over(
-    locker: &Locker,
-    flight: Undo<'_>,
-    grant: Grant,
-) -> Result<LockGuard, LockError> {
-    let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
-    let guard = LockGuard::new(flight.into_lease(grant, locker.id()));
-    if short {
-        guard.extend(ttl).await?;
-    }
-    Ok(guard)
-}
-
 /// The grant of a lock that a release handed to this waiter (direct handoff), if one did.
 fn handed_over(
     watch: &Option<(Watch, WaitingCount<'_>)>,
-    ttl: Duration,
+    take: Take,
     lease: Duration,
     asked_ns: u64,
-    auto_renew: bool,
 ) -> Option<Grant> {
     let fencing_token = watch.as_ref()?.0.take_handoff()?;
     Some(Grant {
         fencing_token,
-        ttl,
+        ttl: take.ttl,
         lease,
         sent_ns: asked_ns,
-        auto_renew,
+        auto_renew: take.auto_renew,
     })
 }
 

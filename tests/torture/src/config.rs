@@ -95,6 +95,8 @@ pub(crate) enum BackendKind {
     Redis,
     /// Redlock over five servers.
     Redlock,
+    /// One PostgreSQL server (the Postgres backend).
+    Postgres,
     /// A Redis Cluster of 3 masters and 3 replicas (`dlock_tests::redis_cluster`), reached
     /// directly: its client follows the addresses the nodes announce, so no proxy fits in
     /// between.
@@ -103,17 +105,19 @@ pub(crate) enum BackendKind {
 
 impl BackendKind {
     /// Every backend, in the order a run takes them.
-    pub(crate) const ALL: [BackendKind; 3] = [
+    pub(crate) const ALL: [BackendKind; 4] = [
         BackendKind::Redis,
         BackendKind::Redlock,
+        BackendKind::Postgres,
         BackendKind::Cluster,
     ];
 
-    /// `redis` / `redlock` / `cluster`.
+    /// `redis` / `redlock` / `postgres` / `cluster`.
     pub(crate) fn name(self) -> &'static str {
         match self {
             BackendKind::Redis => "redis",
             BackendKind::Redlock => "redlock",
+            BackendKind::Postgres => "postgres",
             BackendKind::Cluster => "cluster",
         }
     }
@@ -123,7 +127,21 @@ impl BackendKind {
         BackendKind::ALL
             .into_iter()
             .find(|b| b.name() == s)
-            .ok_or_else(|| format!("unknown backend `{s}` (redis, redlock, cluster)"))
+            .ok_or_else(|| {
+                format!(
+                    "unknown backend `{s}` ({})",
+                    names_of(&BackendKind::ALL, BackendKind::name)
+                )
+            })
+    }
+
+    /// How many standalone lock servers it runs on (none for a cluster, which starts its own).
+    pub(crate) fn servers(self) -> usize {
+        match self {
+            BackendKind::Redis | BackendKind::Postgres => 1,
+            BackendKind::Redlock => 5,
+            BackendKind::Cluster => 0,
+        }
     }
 
     /// The fault kinds that apply to it. Standalone servers sit behind proxies (`latency`,
@@ -132,7 +150,9 @@ impl BackendKind {
     pub(crate) fn faults(self) -> &'static [FaultKind] {
         use FaultKind::*;
         match self {
-            BackendKind::Redis | BackendKind::Redlock => &[Pause, Kill, Restart, Latency, Cut],
+            BackendKind::Redis | BackendKind::Redlock | BackendKind::Postgres => {
+                &[Pause, Kill, Restart, Latency, Cut]
+            }
             BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause, Reshard],
         }
     }
@@ -404,7 +424,8 @@ modes:
 
 options:
   --seed N                 repeat a run's fault schedule (printed at the start and the end)
-  --backend B[,B...]       redis, redlock, cluster; `all` (the default) or `both` (redis,redlock)
+  --backend B[,B...]       redis, redlock, postgres, cluster; `all` (the default) or `both`
+                           (redis,redlock)
   --procs N  --tasks N  --keys N
   --ttl-ms N  --waiter-ttl-ms N  --command-timeout-ms N  --node-timeout-ms N
   --rounds N               rounds of faults per backend (each round: every fault kind once)

@@ -4,9 +4,9 @@
 //!
 //! One **phase** per backend:
 //!
-//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, each behind a [`Proxy`]; for
-//!    `cluster` a 3-master/3-replica Redis Cluster, reached directly) and the resource server
-//!    (direct, never faulted);
+//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, 1 PostgreSQL for `postgres`, each
+//!    behind a [`Proxy`]; for `cluster` a 3-master/3-replica Redis Cluster, reached directly) and
+//!    the resource server (direct, never faulted);
 //! 2. spawn `procs` worker processes (`current_exe() worker …`) and wait until every key has
 //!    completed a critical section;
 //! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] of the configuration that
@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
-use dlock_tests::RedisServer;
+use dlock_tests::{PostgresServer, RedisServer};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 
@@ -203,10 +203,64 @@ impl Workers {
     }
 }
 
+/// A lock server of a phase: Redis, or PostgreSQL for the `postgres` backend.
+#[derive(Debug)]
+enum LockServer {
+    Redis(RedisServer),
+    Postgres(PostgresServer),
+}
+
+impl LockServer {
+    fn start_many(backend: BackendKind) -> Vec<LockServer> {
+        match backend {
+            BackendKind::Postgres => vec![LockServer::Postgres(PostgresServer::start())],
+            _ => dlock_tests::redis_server::start_many(backend.servers())
+                .into_iter()
+                .map(LockServer::Redis)
+                .collect(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            LockServer::Redis(s) => s.port(),
+            LockServer::Postgres(s) => s.port(),
+        }
+    }
+
+    /// Kills the server, waits `down`, starts it again on the same port (Redis: empty;
+    /// PostgreSQL: crash recovery of its data).
+    fn restart_after(&mut self, down: Duration) {
+        match self {
+            LockServer::Redis(s) => {
+                s.stop();
+                std::thread::sleep(down);
+                s.restart();
+            }
+            LockServer::Postgres(s) => {
+                s.kill();
+                std::thread::sleep(down);
+                s.restart();
+            }
+        }
+    }
+}
+
+/// The URL workers reach a lock server by, through its proxy.
+fn lock_url(backend: BackendKind, proxy: &Proxy) -> String {
+    match backend {
+        BackendKind::Postgres => format!(
+            "{}/postgres",
+            proxy.url().replacen("redis://", "postgres://postgres@", 1)
+        ),
+        _ => proxy.url(),
+    }
+}
+
 /// What a backend's lock servers are, as started.
 enum LockServers {
-    /// Plain `redis-server`s.
-    Standalone(Vec<RedisServer>),
+    /// Standalone servers (`redis`, `redlock`, `postgres`), each behind a proxy.
+    Standalone(Vec<LockServer>),
     /// A Redis Cluster.
     Cluster(RedisCluster),
 }
@@ -214,8 +268,8 @@ enum LockServers {
 /// One backend's servers, proxies, resource and workers.
 struct Phase {
     backend: BackendKind,
-    /// Standalone lock servers (`redis`, `redlock`), each behind one of `proxies`.
-    servers: Vec<Shared<RedisServer>>,
+    /// Standalone lock servers (`redis`, `redlock`, `postgres`), each behind one of `proxies`.
+    servers: Vec<Shared<LockServer>>,
     server_ports: Vec<u16>,
     proxies: Vec<Proxy>,
     /// The cluster (`cluster`); no standalone servers, no proxies.
@@ -234,23 +288,18 @@ impl Phase {
     async fn start(cfg: &Config, backend: BackendKind, rng: Rng) -> Result<Phase, String> {
         let (lock_servers, resource_server) = tokio::task::spawn_blocking(move || {
             let lock_servers = match backend {
-                BackendKind::Redis => {
-                    LockServers::Standalone(dlock_tests::redis_server::start_many(1))
-                }
-                BackendKind::Redlock => {
-                    LockServers::Standalone(dlock_tests::redis_server::start_many(5))
-                }
                 BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
+                _ => LockServers::Standalone(LockServer::start_many(backend)),
             };
             (lock_servers, RedisServer::start())
         })
         .await
-        .map_err(|e| format!("starting redis-server: {e}"))?;
+        .map_err(|e| format!("starting the servers: {e}"))?;
         let (servers, cluster) = match lock_servers {
             LockServers::Standalone(s) => (s, None),
             LockServers::Cluster(c) => (Vec::new(), Some(c)),
         };
-        let server_ports: Vec<u16> = servers.iter().map(RedisServer::port).collect();
+        let server_ports: Vec<u16> = servers.iter().map(LockServer::port).collect();
         let mut proxies = Vec::new();
         for &port in &server_ports {
             proxies.push(
@@ -261,7 +310,7 @@ impl Phase {
         }
         let lock_urls = match &cluster {
             Some(c) => vec![c.url()],
-            None => proxies.iter().map(Proxy::url).collect(),
+            None => proxies.iter().map(|p| lock_url(backend, p)).collect(),
         };
         let resource = Resource::connect(&resource_server.url())
             .await
@@ -452,14 +501,9 @@ impl Phase {
                 );
                 let start_us = self.record(format!("restart {detail}")).await?;
                 let server = self.servers[node].clone();
-                tokio::task::spawn_blocking(move || {
-                    let mut s = lock(&server);
-                    s.stop();
-                    std::thread::sleep(down);
-                    s.restart();
-                })
-                .await
-                .map_err(|e| format!("restart: {e}"))?;
+                tokio::task::spawn_blocking(move || lock(&server).restart_after(down))
+                    .await
+                    .map_err(|e| format!("restart: {e}"))?;
                 let end_us = self.record("restart-end".into()).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
@@ -467,10 +511,12 @@ impl Phase {
                 let dur = self.rng.millis(1000, 2500);
                 let (targets, latency) = match self.backend {
                     // Every connection slower, well within the command timeout.
-                    BackendKind::Redis => ((0..self.proxies.len()).collect::<Vec<_>>(), {
-                        let hi = (self.cfg.command_timeout.as_millis() as u64 / 6).max(5);
-                        self.rng.millis(hi / 3, hi)
-                    }),
+                    BackendKind::Redis | BackendKind::Postgres => {
+                        ((0..self.proxies.len()).collect::<Vec<_>>(), {
+                            let hi = (self.cfg.command_timeout.as_millis() as u64 / 6).max(5);
+                            self.rng.millis(hi / 3, hi)
+                        })
+                    }
                     // Two of five nodes slower than the node timeout: they vote "no".
                     BackendKind::Redlock => {
                         let mut idx: Vec<usize> = (0..self.proxies.len()).collect();
@@ -593,6 +639,9 @@ impl Phase {
 
     /// Counts lock keys (and waiter queues) on every lock server, directly (not proxied).
     async fn leftovers(&self) -> (u64, u64) {
+        if self.backend == BackendKind::Postgres {
+            return postgres_leftovers(self.server_ports[0]).await;
+        }
         let mut locks = 0;
         let mut queues = 0;
         let ports = match &self.cluster {
@@ -839,6 +888,34 @@ impl Phase {
 }
 
 /// Runs every phase; prints the report; returns the exit code.
+/// Held locks (live leases) and keys with live waiters in the Postgres backend's tables,
+/// read directly (not proxied). Unreachable: counted as none (the phase reports the fault).
+async fn postgres_leftovers(port: u16) -> (u64, u64) {
+    use dlock_runtime::backend::postgres::tokio_postgres;
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let Ok((client, conn)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
+        return (0, 0);
+    };
+    tokio::spawn(conn);
+    let count = async |sql: &str| -> u64 {
+        match client.query_one(sql, &[]).await {
+            Ok(row) => row.get::<_, i64>(0) as u64,
+            Err(_) => 0,
+        }
+    };
+    let locks = count(
+        "SELECT count(*) FROM dlock.dlock_locks \
+         WHERE name LIKE 'torture:%' AND expires_at > clock_timestamp()",
+    )
+    .await;
+    let queues = count(
+        "SELECT count(DISTINCT name) FROM dlock.dlock_waiters \
+         WHERE name LIKE 'torture:%' AND expires_at > clock_timestamp()",
+    )
+    .await;
+    (locks, queues)
+}
+
 pub(crate) async fn run(cfg: Config) -> i32 {
     let started = Instant::now();
     println!(

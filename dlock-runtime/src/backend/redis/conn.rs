@@ -1,9 +1,10 @@
 //! The connection under a [`RedisBackend`](super::RedisBackend): one server (redis-rs's
-//! reconnecting `ConnectionManager`) or, under feature `cluster`, a Redis Cluster (redis-rs's
+//! reconnecting `ConnectionManager`); under feature `cluster`, a Redis Cluster (redis-rs's
 //! cluster client, which routes each command to its slot's master and follows `MOVED`/`ASK`
-//! and topology changes). One server carries commands and RESP3 pushes on the same
-//! connection; a cluster keeps its shard-channel subscriptions on connections of their own
-//! (see [`Conn::Cluster`]).
+//! and topology changes); under feature `sentinel`, the master of a Sentinel-monitored group,
+//! followed through failovers (`super::sentinel`). One server and Sentinel carry commands and
+//! RESP3 pushes on the same connection; a cluster keeps its shard-channel subscriptions on
+//! connections of their own (see [`Conn::Cluster`]).
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
@@ -26,13 +27,19 @@ pub(crate) enum Conn {
         /// `SSUBSCRIBE`/`SUNSUBSCRIBE` only.
         subs: redis::cluster_async::ClusterConnection,
     },
+    #[cfg(feature = "sentinel")]
+    Sentinel(super::sentinel::SentinelConn),
 }
 
 impl Conn {
     /// Whether this is a cluster (scripts publish on sharded channels, fencing counters are
     /// per slot, pipelines hold one slot).
     pub(crate) fn is_cluster(&self) -> bool {
-        !matches!(self, Conn::Single(_))
+        #[cfg(feature = "cluster")]
+        if let Conn::Cluster { .. } = self {
+            return true;
+        }
+        false
     }
 
     /// Subscribes to a lock's release channel: `SUBSCRIBE` on one server, `SSUBSCRIBE` (routed
@@ -43,6 +50,8 @@ impl Conn {
             Conn::Single(c) => c.subscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.ssubscribe(channel).await,
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.subscribe(channel).await,
         }
     }
 
@@ -52,6 +61,8 @@ impl Conn {
             Conn::Single(c) => c.unsubscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.sunsubscribe(channel).await,
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.unsubscribe(channel).await,
         }
     }
 }
@@ -115,20 +126,36 @@ pub(crate) fn cluster_urls(url: &str) -> Result<Vec<String>, crate::LockError> {
     } else {
         "redis"
     };
-    let (auth, hosts) = match rest.rsplit_once('@') {
-        Some((auth, hosts)) => (format!("{auth}@"), hosts),
-        None => (String::new(), rest),
-    };
-    let hosts = hosts.split('/').next().unwrap_or("");
-    let urls: Vec<String> = hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| format!("{scheme}://{auth}{h}"))
-        .collect();
+    let (auth, hosts, _) = split_hosts(rest);
+    let urls = node_urls(scheme, &auth, hosts);
     if urls.is_empty() {
         return Err(bad());
     }
     Ok(urls)
+}
+
+/// `[user:pass@]h1:p1,h2:p2[/path]` (a multi-host URL after its `://`) → (`"user:pass@"` or
+/// `""`, `"h1:p1,h2:p2"`, the path after the first `/`, if any).
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn split_hosts(rest: &str) -> (String, &str, Option<&str>) {
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    match hosts.split_once('/') {
+        Some((hosts, path)) => (auth, hosts, Some(path)),
+        None => (auth, hosts, None),
+    }
+}
+
+/// One `<scheme>://<auth><host>` URL per non-empty comma-separated host.
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn node_urls(scheme: &str, auth: &str, hosts: &str) -> Vec<String> {
+    hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect()
 }
 
 impl ConnectionLike for Conn {
@@ -137,6 +164,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_command(cmd),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -150,6 +179,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -158,6 +189,8 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.get_db(),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.get_db(),
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }

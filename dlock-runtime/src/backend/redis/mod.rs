@@ -38,6 +38,8 @@ mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
 mod scripts;
+#[cfg(feature = "sentinel")]
+pub(crate) mod sentinel;
 
 const CHANNEL_SUFFIX: &str = "ch";
 const PIPELINE_CHUNK: usize = 512;
@@ -126,7 +128,28 @@ struct Inner {
     fence_seen: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
+    /// How to reach the store again, for dedicated connections.
+    reconnect: Reconnect,
+    /// Connections of their own for commands that block a connection (`WAIT`), made on first
+    /// use; taken in turn.
+    dedicated: tokio::sync::Mutex<Vec<Conn>>,
+    next_dedicated: std::sync::atomic::AtomicUsize,
 }
+
+/// How to make another connection to the same store (without a push handler).
+enum Reconnect {
+    /// One server.
+    Single(Box<redis::Client>),
+    /// A cluster.
+    #[cfg(feature = "cluster")]
+    Cluster(Box<redis::cluster::ClusterClient>),
+    /// From the connection itself (Sentinel: `SentinelConn::dedicated`).
+    #[cfg(feature = "sentinel")]
+    FromConn,
+}
+
+/// How many dedicated connections [`Backend::replicate`] spreads its `WAIT`s over.
+const DEDICATED: usize = 4;
 
 /// A lower bound an acquire brings for its fencing token.
 #[derive(Clone, Copy, Debug)]
@@ -267,9 +290,15 @@ impl RedisBackend {
             .set_max_delay(opts.connect_timeout)
             .set_push_sender(push)
             .set_automatic_resubscription();
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(|e| redis_err("connect", e))?;
-        Ok(Self::with_conn(Conn::Single(conn), opts, hub, &me))
+        Ok(Self::with_conn(
+            Conn::Single(conn),
+            opts,
+            hub,
+            &me,
+            Reconnect::Single(Box::new(client)),
+        ))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each, or
@@ -281,20 +310,21 @@ impl RedisBackend {
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
         let hub = ReleaseHub::new();
         let (me, push) = push_handler(&hub, true);
-        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .use_protocol(ProtocolVersion::RESP3)
-            .connection_timeout(opts.connect_timeout)
-            .response_timeout(opts.command_timeout)
-            .retries(CLUSTER_RETRIES)
-            .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
-            .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
-            .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
-            .push_sender(push)
-            .build()
-            // The URLs may carry a password: never put them in an error message.
-            .map_err(|e| {
-                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
-            })?;
+        // The URLs may carry a password: never put them in an error message.
+        let invalid = |e: RedisError| {
+            LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+        };
+        let builder = || {
+            redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+                .use_protocol(ProtocolVersion::RESP3)
+                .connection_timeout(opts.connect_timeout)
+                .response_timeout(opts.command_timeout)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
+                .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
+                .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
+        };
+        let client = builder().push_sender(push).build().map_err(invalid)?;
         let limit = opts.connect_timeout + opts.command_timeout;
         let connect =
             async || match tokio::time::timeout(limit, client.get_async_connection()).await {
@@ -308,9 +338,49 @@ impl RedisBackend {
             cmds: connect().await?,
             subs: connect().await?,
         };
-        let backend = Self::with_conn(conn, opts, hub, &me);
+        // Dedicated connections (for `WAIT`) carry no pushes.
+        let plain = builder().build().map_err(invalid)?;
+        let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
         backend.ping().await?;
         Ok(backend)
+    }
+
+    /// Connects to the master of a Sentinel-monitored group,
+    /// `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>]` (`rediss+sentinel://`
+    /// with feature `tls`): the sentinels name the master, and the backend follows a failover to
+    /// the next one (see [`Locker::from_url`](crate::Locker::from_url) for what a failover
+    /// keeps). The credentials and database are the servers'; the sentinels are reached
+    /// without credentials. Fails with [`LockError::Unavailable`] if no sentinel names a live
+    /// master within the connect timeout plus the command timeout.
+    #[cfg(feature = "sentinel")]
+    pub async fn connect_sentinel(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
+        let parsed = sentinel::SentinelUrl::parse(url)?;
+        let hub = ReleaseHub::new();
+        let (me, push) = push_handler(&hub, true);
+        let push: sentinel::PushFn = Arc::new(move |p| {
+            let _ = push(p);
+        });
+        let conn = sentinel::SentinelConn::connect(
+            &parsed,
+            opts.connect_timeout,
+            opts.command_timeout,
+            Some(push),
+            Some(Arc::downgrade(&hub)),
+        )
+        .await?;
+        let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, Reconnect::FromConn);
+        backend.ping().await?;
+        Ok(backend)
+    }
+
+    /// The master's address (`host:port`) as the sentinels named it last, when this backend is
+    /// behind Sentinel.
+    #[cfg(feature = "sentinel")]
+    pub fn sentinel_master(&self) -> Option<String> {
+        match &self.inner.conn {
+            Conn::Sentinel(c) => Some(c.master_addr()),
+            _ => None,
+        }
     }
 
     fn with_conn(
@@ -318,6 +388,7 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
         me: &OnceLock<Weak<Inner>>,
+        reconnect: Reconnect,
     ) -> Self {
         let cluster = conn.is_cluster();
         let backend = RedisBackend {
@@ -333,6 +404,9 @@ impl RedisBackend {
                 opts,
                 fence_seen: AtomicU64::new(0),
                 recovering: AtomicBool::new(false),
+                reconnect,
+                dedicated: tokio::sync::Mutex::new(Vec::new()),
+                next_dedicated: std::sync::atomic::AtomicUsize::new(0),
             }),
         };
         let _ = me.set(Arc::downgrade(&backend.inner));
@@ -504,6 +578,56 @@ impl RedisBackend {
             .arg(self.fence_key(resource))
             .arg(self.floor());
         self.run_script(what, &inv).await
+    }
+
+    /// One of the connections of its own for commands that block their connection (`WAIT`),
+    /// in turn; made on first use.
+    async fn dedicated(&self) -> Result<Conn, LockError> {
+        let mut pool = self.inner.dedicated.lock().await;
+        if pool.is_empty() {
+            for _ in 0..DEDICATED {
+                pool.push(self.new_dedicated().await?);
+            }
+        }
+        let i = self.inner.next_dedicated.fetch_add(1, Ordering::Relaxed) % pool.len();
+        Ok(pool[i].clone())
+    }
+
+    async fn new_dedicated(&self) -> Result<Conn, LockError> {
+        let opts = &self.inner.opts;
+        match (&self.inner.reconnect, &self.inner.conn) {
+            (Reconnect::Single(client), _) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(opts.connect_timeout))
+                    .set_response_timeout(Some(opts.command_timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(opts.connect_timeout);
+                ConnectionManager::new_lazy_with_config((**client).clone(), config)
+                    .map(Conn::Single)
+                    .map_err(|e| redis_err("connect", e))
+            }
+            #[cfg(feature = "cluster")]
+            (Reconnect::Cluster(client), _) => {
+                let limit = opts.connect_timeout + opts.command_timeout;
+                match tokio::time::timeout(limit, client.get_async_connection()).await {
+                    // A dedicated connection never subscribes: `subs` is never used.
+                    Ok(r) => r
+                        .map(|c| Conn::Cluster {
+                            subs: c.clone(),
+                            cmds: c,
+                        })
+                        .map_err(|e| redis_err("cluster connect", e)),
+                    Err(_) => Err(LockError::unavailable(
+                        format!("redis cluster: no node answered within {limit:?}"),
+                        None,
+                    )),
+                }
+            }
+            #[cfg(feature = "sentinel")]
+            (Reconnect::FromConn, Conn::Sentinel(c)) => Ok(Conn::Sentinel(c.dedicated()?)),
+            #[allow(unreachable_patterns)]
+            _ => Err(LockError::unsupported("redis", "replica acknowledgement")),
+        }
     }
 
     async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
@@ -756,22 +880,11 @@ impl Backend for RedisBackend {
             if self.is_cluster() {
                 return self.extend_per_slot(items).await;
             }
-            let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
-                match self.extend_chunk(chunk).await {
-                    Ok(v) => v.into_iter().map(|n| Ok(n == 1)).collect::<Vec<_>>(),
-                    Err(e) => {
-                        let msg = e.to_string();
-                        (0..chunk.len())
-                            .map(|_| Err(LockError::unavailable(msg.clone(), None)))
-                            .collect()
-                    }
-                }
-            });
-            futures_util::future::join_all(chunks)
-                .await
-                .into_iter()
-                .flatten()
-                .collect()
+            super::extend_in_chunks(items, PIPELINE_CHUNK, |chunk| async move {
+                let replies = self.extend_chunk(chunk).await?;
+                Ok(replies.into_iter().map(|n| n == 1).collect())
+            })
+            .await
         })
     }
 
@@ -800,6 +913,61 @@ impl Backend for RedisBackend {
             let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
             self.ensure_subscribed(resource).await?;
             Ok(watch)
+        })
+    }
+
+    /// Renews the lease and sends `WAIT replicas <¾ of the command timeout>` after it, on a
+    /// connection of their own (`WAIT` blocks its connection; on a cluster, to the lock's
+    /// master): `WAIT` counts the replicas that have every write made so far, the lock's grant
+    /// included.
+    fn replicate<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+        replicas: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        Box::pin(async move {
+            let mut conn = self.dedicated().await?;
+            let mut renew = self.inner.extend.prepare_invoke();
+            renew
+                .key(resource.as_str())
+                .arg(token.as_str())
+                .arg(scripts::px(ttl));
+            let owned: i64 = self
+                .deadline("replicate", renew.invoke_async(&mut conn))
+                .await?;
+            if owned != 1 {
+                return Err(LockError::lost(resource.key().as_str()));
+            }
+            let mut wait = redis::cmd("WAIT");
+            wait.arg(replicas)
+                .arg(millis(self.inner.opts.command_timeout * 3 / 4));
+            let acked: i64 = match &mut conn {
+                // `WAIT` has no key: send it to the lock's master, on the connection that
+                // carried the renewal.
+                #[cfg(feature = "cluster")]
+                Conn::Cluster { cmds: c, .. } => {
+                    use redis::cluster_routing::{
+                        Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+                    };
+                    let slot = conn::slot(resource.key().as_str());
+                    let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                        Route::new(slot, SlotAddr::Master),
+                    ));
+                    let v = self
+                        .deadline("wait for replicas", c.route_command(wait, to))
+                        .await?;
+                    redis::from_redis_value(v).map_err(|e| {
+                        LockError::unavailable(format!("redis wait for replicas: {e}"), None)
+                    })?
+                }
+                _ => {
+                    self.deadline("wait for replicas", wait.query_async(&mut conn))
+                        .await?
+                }
+            };
+            Ok(u32::try_from(acked).unwrap_or(0))
         })
     }
 }

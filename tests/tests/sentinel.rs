@@ -1,0 +1,206 @@
+//! Redis behind Sentinel (`redis+sentinel://`): the conformance suite on a real deployment (one
+//! master, one replica, three sentinels) started once for this binary
+//! (`dlock_tests::redis_sentinel::shared`), and a failover on a deployment of its own: the
+//! locker follows the new master, a holder whose lock did not survive is told, a lock the
+//! replicas acknowledged (`.replicas(1)`) survives, and fencing keeps increasing.
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::conformance::Store;
+use dlock_runtime::Locker;
+use dlock_tests::redis_sentinel::{self, RedisSentinel};
+use dlock_tests::wait::poll_until;
+
+/// A connection of its own to the data node on `port`.
+async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to a data node")
+}
+
+fn sentinel_store() -> ((), Store) {
+    let deployment = redis_sentinel::shared();
+    let url = deployment.lock().unwrap().url();
+    let store = Store::new(
+        "sentinel",
+        move |b| {
+            let url = url.clone();
+            Box::pin(async move { b.connect(&url).await.expect("connect") })
+        },
+        move |resource| {
+            let master = deployment.lock().unwrap().master_port().expect("a master");
+            Box::pin(async move {
+                let n: i64 = redis::cmd("DEL")
+                    .arg(&resource)
+                    .query_async(&mut node_conn(master).await)
+                    .await
+                    .unwrap();
+                assert_eq!(n, 1, "no lock key {resource}");
+            })
+        },
+    );
+    ((), store)
+}
+
+mod conformance {
+    dlock_runtime::conformance_tests!(super::sentinel_store);
+}
+
+/// Whether the data node on `port` has the lock key of `key` (prefix `dlock`) at all.
+async fn has_lock(port: u16, key: &str) -> bool {
+    let mut c = node_conn(port).await;
+    // A replica answers reads once asked to (it does by default for a plain connection).
+    let n: i64 = redis::cmd("EXISTS")
+        .arg(format!("dlock:{{{key}}}"))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    n == 1
+}
+
+/// With `.replicas(1)`: a lock counts as taken only once the replica has it, and a request the
+/// replica cannot acknowledge in time is undone and reported unavailable.
+///
+/// Then the master is killed and the sentinels promote the replica: the locker follows the new
+/// master within the failover plus a command timeout; the holder of a lock that only the dead
+/// master had is told through `lost()`; the acknowledged lock is still held on the new master
+/// (an owner-checked extend succeeds there); a new holder of the lost lock gets a larger fencing
+/// token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told() {
+    let mut deployment = RedisSentinel::start();
+    let command_timeout = Duration::from_millis(500);
+    let ttl = Duration::from_secs(3);
+    let locker = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&deployment.url())
+        .await
+        .unwrap();
+    let old = deployment.master_index();
+    let old_port = deployment.servers[old].port();
+    let replica = 1 - old;
+    let replica_port = deployment.servers[replica].port();
+
+    // Acknowledged: the replica has it once acquire returns.
+    let acked = locker
+        .lock("acked")
+        .ttl(ttl)
+        .replicas(1)
+        .acquire()
+        .await
+        .unwrap();
+    assert!(
+        has_lock(replica_port, "acked").await,
+        "acquire with .replicas(1) returned before the replica had the lock"
+    );
+
+    // The replica stops taking the replication stream: a lock can no longer be acknowledged.
+    deployment.servers[replica].pause();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query_async(&mut node_conn(old_port).await)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let err = locker
+        .lock("unacked")
+        .ttl(ttl)
+        .replicas(1)
+        .acquire()
+        .await
+        .expect_err("a lock no replica acknowledged counted as taken");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        started.elapsed() < command_timeout + Duration::from_millis(300),
+        "an unacknowledged acquire took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !has_lock(old_port, "unacked").await,
+        "an unacknowledged lock was not undone"
+    );
+
+    // Not acknowledged: only the master that is about to die has it.
+    let lost = locker.lock("lost").ttl(ttl).acquire().await.unwrap();
+    deployment.servers[old].stop();
+    deployment.servers[replica].resume();
+    let promoted = deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    assert_eq!(promoted, replica_port);
+    let failed_over = Instant::now();
+
+    // The locker follows: a new lock is taken on the new master.
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || match locker.lock("after").ttl(ttl).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(e.to_string())
+            }
+        },
+    )
+    .await;
+    let followed_in = failed_over.elapsed();
+    assert!(
+        followed_in < command_timeout * 2,
+        "the locker followed the new master {followed_in:?} after the failover"
+    );
+    assert!(has_lock(promoted, "after").await);
+    g.release().await.unwrap();
+
+    // The holder of the lock the failover dropped is told.
+    tokio::time::timeout(ttl + Duration::from_secs(2), lost.lost())
+        .await
+        .expect("the loss of a lock the failover dropped was not reported");
+
+    // The acknowledged lock survived: the new master has it under its owner (an owner-checked
+    // extend succeeds there).
+    assert!(
+        acked.is_held(),
+        "an acknowledged lock was lost in the failover"
+    );
+    assert!(has_lock(promoted, "acked").await);
+    acked.extend(ttl).await.unwrap();
+
+    // Fencing keeps increasing for the lost lock's key.
+    let again = locker.lock("lost").ttl(ttl).acquire().await.unwrap();
+    assert!(
+        again.fencing_token() > lost.fencing_token(),
+        "fencing went backwards across the failover: {} after {}",
+        again.fencing_token(),
+        lost.fencing_token()
+    );
+    again.release().await.unwrap();
+    acked.release().await.unwrap();
+}
+
+/// A backend without replicas refuses `.replicas(n)` with a typed error instead of granting a
+/// lock it cannot have acknowledged.
+#[tokio::test]
+async fn replicas_on_a_backend_without_them_is_unsupported() {
+    let locker = Locker::memory();
+    let err = locker
+        .lock("r")
+        .replicas(1)
+        .acquire()
+        .await
+        .expect_err("memory has no replicas");
+    assert!(err.is_unsupported(), "{err}");
+    assert_eq!(err.status(), 500);
+    // Nothing is left behind.
+    assert!(locker.lock("r").try_acquire().await.unwrap().is_some());
+}
+
+/// The durable queue runs behind Sentinel (`redis+sentinel://`): see
+/// [`dlock_tests::jobs::durable_round_trip`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_queue_runs_behind_sentinel() {
+    let url = redis_sentinel::shared().lock().unwrap().url();
+    dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
+}
