@@ -756,9 +756,10 @@ impl Backend for PostgresBackend {
             let (watch, _) = self.inner.hub.register(resource, token, None);
             let mut listening = listening.clone();
             // While the listener reconnects, the waiter runs on its timer; the listener wakes
-            // every waiter once it is back.
+            // every waiter once it is back. Half the command timeout: the locker's own deadline
+            // on this call is the whole of it.
             let _ = tokio::time::timeout(
-                self.inner.opts.command_timeout,
+                self.inner.opts.command_timeout / 2,
                 listening.wait_for(|up| *up),
             )
             .await;

@@ -167,13 +167,16 @@ BEGIN
     END IF;
     RETURN -@s@.@p@ms_until(l.expires_at) - 1;
   END IF;
-  SELECT * INTO h FROM @s@.@p@head(p_name);
-  IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
-    IF p_mode = 1 THEN PERFORM @s@.@p@enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
-    RETURN 0;
-  END IF;
-  IF h.token IS NOT NULL THEN
-    DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
+  -- Free. The line is looked at only when it has entries (the uncontended path skips it).
+  IF EXISTS (SELECT 1 FROM @s@.@p@waiters WHERE name = p_name) THEN
+    SELECT * INTO h FROM @s@.@p@head(p_name);
+    IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
+      IF p_mode = 1 THEN PERFORM @s@.@p@enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
+      RETURN 0;
+    END IF;
+    IF h.token IS NOT NULL THEN
+      DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
+    END IF;
   END IF;
   f := nextval('@s@.@p@fence');
   INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
@@ -194,6 +197,11 @@ BEGIN
   PERFORM @s@.@p@serialise(p_name);
   SELECT owner, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
   IF NOT FOUND OR l.owner <> p_token THEN RETURN 0; END IF;
+  IF NOT l.barged AND NOT EXISTS (SELECT 1 FROM @s@.@p@waiters WHERE name = p_name) THEN
+    -- Nobody waits (the uncontended path): delete, notify nobody.
+    DELETE FROM @s@.@p@locks WHERE name = p_name;
+    RETURN 1;
+  END IF;
   PERFORM @s@.@p@pass_on(p_name, l.barged);
   RETURN 1;
 END $$;
