@@ -123,3 +123,37 @@ pub(super) fn deliver(hub: &Arc<ReleaseHub>, payload: &str) {
         _ => hub.notify(name, Some(token)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::OwnerToken;
+    use crate::key::ResourceName;
+    use crate::LockKey;
+    use futures_util::FutureExt as _;
+
+    #[test]
+    fn payloads_hand_over_or_wake_the_named_waiter() {
+        let hub = ReleaseHub::new();
+        let res = ResourceName::new("p", LockKey::new("k").unwrap());
+        let (t1, t2) = (OwnerToken::generate(), OwnerToken::generate());
+        let (w1, _) = hub.register(&res, &t1, None);
+        let (w2, _) = hub.register(&res, &t2, None);
+        deliver(&hub, &format!("{}\t{}\t42", res.as_str(), t2.as_str()));
+        assert!(w2.notified().now_or_never().is_some());
+        assert_eq!(w2.take_handoff(), Some(42));
+        assert!(
+            w1.notified().now_or_never().is_none(),
+            "only the named waiter"
+        );
+        // A barging wake-up names nobody: the first local waiter.
+        deliver(&hub, &format!("{}\t", res.as_str()));
+        assert!(w1.notified().now_or_never().is_some());
+        assert_eq!(w1.take_handoff(), None);
+        // Another lock's release, or garbage, wakes nobody.
+        deliver(&hub, "p:{other}\tx\t1");
+        deliver(&hub, "garbage");
+        assert!(w1.notified().now_or_never().is_none());
+        assert!(w2.notified().now_or_never().is_none());
+    }
+}
