@@ -453,14 +453,89 @@ async fn from_url_takes_both_schemes_and_the_backends_own_parameters() {
     let bad = format!("{base}?dlock_schema=Robert%27;DROP");
     let err = Locker::from_url(&bad).await.expect_err("invalid schema");
     assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
-    let tls = format!("{base}?sslmode=require");
-    let err = Locker::from_url(&tls)
+}
+
+// ---- TLS -----------------------------------------------------------------------------------
+
+/// Whether every session of `app` on `server` runs over TLS, and how many there are.
+fn ssl_sessions(server: &PostgresServer, app: &str) -> (bool, i64) {
+    let out = server.psql(&format!(
+        "SELECT coalesce(bool_and(s.ssl), false) || ' ' || count(*) FROM pg_stat_ssl s \
+         JOIN pg_stat_activity a USING (pid) WHERE a.application_name = '{app}'"
+    ));
+    let (ssl, n) = out.split_once(' ').expect("two fields");
+    (ssl == "true", n.parse().expect("a count"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_follows_the_urls_sslmode_and_verifies_the_server() {
+    let (server, ca) = blocking(PostgresServer::start_tls).await;
+    let server = Arc::new(server);
+    let base = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+    let opts = PostgresOptions::default().tls_root_certificates(ca.clone());
+
+    // require: the pool and the LISTEN session both speak TLS, and locking works over it.
+    let url = format!("{base}?sslmode=require&application_name=dlock_tls");
+    let backend = PostgresBackend::connect(&url, opts.clone())
         .await
-        .expect_err("TLS is not built yet");
+        .expect("TLS connect");
+    let locker = Locker::new(backend.clone());
+    let g = locker
+        .lock("tls:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    wait_for("the LISTEN session", Duration::from_secs(5), async || {
+        backend.is_listening().then_some(())
+    })
+    .await;
+    let s = server.clone();
+    let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_tls")).await;
     assert!(
-        err.is_unavailable() && err.to_string().contains("sslmode"),
-        "{err}"
+        all_tls && n >= 2,
+        "sessions over TLS: {all_tls}, {n} of them"
     );
+    g.release().await.unwrap();
+
+    // disable: plaintext.
+    let url = format!("{base}?sslmode=disable&application_name=dlock_plain");
+    let plain = PostgresBackend::connect(&url, opts.clone().notifications(false))
+        .await
+        .expect("plain connect");
+    // The backend stays alive (its pooled session with it) until the check below.
+    let plain_locker = Locker::new(plain.clone());
+    let g = plain_locker.lock("tls:k").try_acquire().await.unwrap();
+    g.expect("free").release().await.unwrap();
+    let s = server.clone();
+    let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_plain")).await;
+    assert!(!all_tls && n >= 1, "a plaintext session expected ({n})");
+
+    // A server certificate nobody vouches for is refused, with `prefer` too.
+    let limit = Duration::from_millis(500);
+    let untrusted = PostgresOptions::default()
+        .command_timeout(limit)
+        .connect_timeout(limit);
+    for mode in ["require", "prefer"] {
+        let url = format!("{base}?sslmode={mode}");
+        let err = unavailable_within(
+            Duration::from_secs(3),
+            PostgresBackend::connect(&url, untrusted.clone()),
+        )
+        .await;
+        assert!(err.to_string().contains("TLS"), "{mode}: {err}");
+    }
+    // require against a server without TLS fails; prefer falls back to plaintext.
+    let no_tls = direct_url("postgres");
+    let err = unavailable_within(
+        Duration::from_secs(3),
+        PostgresBackend::connect(&format!("{no_tls}?sslmode=require"), untrusted.clone()),
+    )
+    .await;
+    assert!(err.to_string().contains("TLS"), "{err}");
+    PostgresBackend::connect(&format!("{no_tls}?sslmode=prefer"), untrusted)
+        .await
+        .expect("prefer falls back to plaintext");
 }
 
 // ---- transaction-scoped locks --------------------------------------------------------------

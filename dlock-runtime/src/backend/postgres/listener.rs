@@ -11,25 +11,29 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use tokio::sync::watch;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
+use super::Connector;
 use crate::backend::ReleaseHub;
 
 /// Starts the task; the receiver tells whether `LISTEN` is active, and dropping every receiver
 /// ends the task.
 pub(super) fn spawn(
     config: tokio_postgres::Config,
+    connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
     limit: Duration,
 ) -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
-    tokio::spawn(run(config, channel, hub, limit, tx));
+    tokio::spawn(run(config, connector, channel, hub, limit, tx));
     rx
 }
 
 async fn run(
     config: tokio_postgres::Config,
+    connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
     limit: Duration,
@@ -40,7 +44,13 @@ async fn run(
     loop {
         tokio::select! {
             _ = up.closed() => return,
-            _ = session(&config, &channel, &hub, limit, &up, missed) => {}
+            _ = async {
+                match &connector {
+                    Connector::Plain => session(&config, NoTls, &channel, &hub, limit, &up, missed).await,
+                    #[cfg(feature = "postgres-tls")]
+                    Connector::Tls(t) => session(&config, t.clone(), &channel, &hub, limit, &up, missed).await,
+                }
+            } => {}
         }
         up.send_replace(false);
         if hub.strong_count() == 0 {
@@ -57,16 +67,20 @@ async fn run(
 }
 
 /// One connection's life: connect, `LISTEN`, dispatch until it fails.
-async fn session(
+async fn session<T>(
     config: &tokio_postgres::Config,
+    tls: T,
     channel: &str,
     hub: &Weak<ReleaseHub>,
     limit: Duration,
     up: &watch::Sender<bool>,
     missed: bool,
-) {
-    let Ok(Ok((client, mut conn))) = tokio::time::timeout(limit, config.connect(NoTls)).await
-    else {
+) where
+    T: MakeTlsConnect<Socket>,
+    T::Stream: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    let Ok(Ok((client, mut conn))) = tokio::time::timeout(limit, config.connect(tls)).await else {
         return;
     };
     let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
