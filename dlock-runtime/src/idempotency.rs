@@ -117,7 +117,7 @@ pub(crate) fn validate_retention(retention: Duration) -> Result<Duration, LockEr
 fn unsupported(locker: &Locker) -> LockError {
     LockError::unavailable(
         format!(
-            "the {} backend does not store idempotency records (supported: memory, redis)",
+            "the {} backend does not store idempotency records (supported: memory, redis, postgres)",
             locker.backend_name()
         ),
         None,

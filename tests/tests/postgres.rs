@@ -649,3 +649,87 @@ async fn transaction_scoped_lock_works_through_pgbouncer() {
         txd.commit().await.unwrap();
     }
 }
+
+// ---- schema and pools ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_file_is_all_a_least_privileged_role_needs() {
+    let server = shared();
+    // A fresh database, the file applied as a migration would, and a role with only the
+    // privileges the file lists.
+    let db = blocking(move || {
+        let s = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = s.create_database("migrated");
+        let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../dlock-runtime/sql/postgres.sql");
+        s.psql_in(&db, &std::fs::read_to_string(file).unwrap());
+        s.psql_in(
+            &db,
+            "DO $$ BEGIN CREATE ROLE dlock_app LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+             GRANT USAGE ON SCHEMA dlock TO dlock_app; \
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dlock TO dlock_app; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA dlock TO dlock_app; \
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA dlock TO dlock_app; \
+             REVOKE CREATE ON SCHEMA public FROM PUBLIC;",
+        );
+        db
+    })
+    .await;
+    let url = format!("postgres://dlock_app@127.0.0.1:{}/{db}", port());
+    let opts = PostgresOptions::default().create_schema(false);
+    let backend = PostgresBackend::connect(&url, opts.clone())
+        .await
+        .expect("connects without creating anything");
+    let (a, b) = (Locker::new(backend.clone()), Locker::new(backend));
+    let g = a.lock("priv:k").try_acquire().await.unwrap().expect("free");
+    assert!(b.lock("priv:k").try_acquire().await.unwrap().is_none());
+    g.release().await.unwrap();
+    let fingerprint = dlock_runtime::idempotency::Fingerprint::builder()
+        .field("x")
+        .finish();
+    let begun = a.idempotency("priv:idem", fingerprint).begin().await;
+    assert!(
+        begun.is_ok(),
+        "idempotency records with the file's privileges"
+    );
+
+    // Without the schema, and not allowed to create it: a clear error naming the file.
+    let err = PostgresBackend::connect(&url, opts.schema("never_created"))
+        .await
+        .expect_err("no schema");
+    assert!(err.to_string().contains("sql/postgres.sql"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_pool_shares_the_services_pool() {
+    use dlock_runtime::backend::postgres::deadpool_postgres::{Manager, Pool};
+    let config: tokio_postgres::Config = direct_url("postgres").parse().unwrap();
+    let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+        .max_size(4)
+        .build()
+        .unwrap();
+    // The service's pool, no notify URL: locks work, waiters use their timers.
+    let backend = PostgresBackend::from_pool(pool.clone(), PostgresOptions::default())
+        .await
+        .expect("from pool");
+    assert!(!backend.is_listening());
+    let locker = Locker::new(backend.clone());
+    let g = locker
+        .lock("pool:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(pool.status().size, backend.pool().status().size, "one pool");
+    g.release().await.unwrap();
+    // With a direct notify URL it listens too.
+    let backend = PostgresBackend::from_pool(
+        pool,
+        PostgresOptions::default().notify_url(direct_url("postgres")),
+    )
+    .await
+    .expect("from pool");
+    wait_for("the LISTEN session", Duration::from_secs(5), async || {
+        backend.is_listening().then_some(())
+    })
+    .await;
+}
