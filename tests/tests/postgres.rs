@@ -231,14 +231,19 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     let app = "dlock_terminated";
     let url = format!("{}?application_name={app}", direct_url("postgres"));
     let (holder, holder_backend) = locker_at(&url, Duration::from_millis(500)).await;
-    let (waiter, _) = locker_at(&direct_url("postgres"), Duration::from_millis(500)).await;
+    // Another backend (its own pool and LISTEN session), terminated as well: the waiter below
+    // runs over it, so only its LISTEN session can tell it of the holder's release.
+    let (waiter, waiter_backend) = locker_at(&url, Duration::from_millis(500)).await;
     let guard = holder
         .lock("term:k")
         .ttl(Duration::from_secs(30))
         .acquire()
         .await
         .unwrap();
-    assert!(holder_backend.is_listening());
+    wait_for("both LISTEN sessions", Duration::from_secs(5), async || {
+        (holder_backend.is_listening() && waiter_backend.is_listening()).then_some(())
+    })
+    .await;
 
     let killed = blocking(move || terminate(app)).await;
     assert!(
@@ -249,7 +254,7 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     wait_for(
         "the LISTEN session to reconnect",
         Duration::from_secs(10),
-        async || holder_backend.is_listening().then_some(()),
+        async || (holder_backend.is_listening() && waiter_backend.is_listening()).then_some(()),
     )
     .await;
     // The lock was a row: it survived, and the holder still renews and owns it.
@@ -262,11 +267,11 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     assert!(guard.is_held());
     assert!(waiter.lock("term:k").try_acquire().await.unwrap().is_none());
 
-    // Notifications resume: a waiter over the terminated backend is woken by the release, not
-    // by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
+    // Notifications resume: a waiter over the other terminated backend is woken by the
+    // release, not by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
     let slow = Locker::builder()
         .waiter_ttl(Duration::from_secs(60))
-        .try_build(holder_backend.clone())
+        .try_build(waiter_backend.clone())
         .unwrap();
     let policy = RetryPolicy::new(Duration::from_secs(30))
         .backoff(Duration::from_secs(10), Duration::from_secs(10))

@@ -750,8 +750,8 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let n = self
-                .call_int(
+            let rows = self
+                .call(
                     "release",
                     &self.inner.sql.release,
                     &[
@@ -760,7 +760,20 @@ impl Backend for PostgresBackend {
                     ],
                 )
                 .await?;
-            Ok(n == 1)
+            let row = rows.first().ok_or_else(|| malformed("release"))?;
+            let answer: Option<String> = row.try_get(0).map_err(|_| malformed("release"))?;
+            let Some(answer) = answer else {
+                return Ok(false);
+            };
+            // Handed to a waiter: if it waits in this process, it hears it now rather than
+            // through the LISTEN session (which still tells the others; a second word of the
+            // same grant is ignored).
+            if let Some((next, fence)) = answer.split_once('\t') {
+                if let Ok(fence) = fence.parse::<u64>() {
+                    self.inner.hub.hand_over(resource.as_str(), next, fence);
+                }
+            }
+            Ok(true)
         })
     }
 
@@ -809,11 +822,13 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            let Some(listening) = &self.inner.listening else {
-                return Ok(Watch::never());
-            };
             // Register first: a notification that arrives once LISTEN is active is not lost.
+            // Without LISTEN the registration still hears of releases by this process's own
+            // lockers over this backend (see `release`); the others wake on their timers.
             let (watch, _) = self.inner.hub.register(resource, token, None);
+            let Some(listening) = &self.inner.listening else {
+                return Ok(watch);
+            };
             let mut listening = listening.clone();
             // While the listener reconnects, the waiter runs on its timer; the listener wakes
             // every waiter once it is back. Half the command timeout: the locker's own deadline
