@@ -102,7 +102,11 @@ impl Locker {
     ///   `cluster`) — a Redis Cluster (Redis ≥ 7: release notifications use sharded pub/sub),
     ///   reached through any of the listed nodes;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
-    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
+    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend);
+    /// * `postgres://[user:pass@]host:port/db[?…]`, `postgresql://…` (feature `postgres`; TLS
+    ///   per `sslmode` with feature `postgres-tls`) — a Postgres database; see
+    ///   `backend::postgres` for the URL's parameters (schema, table prefix, a direct notify URL
+    ///   for PgBouncer).
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.
