@@ -108,6 +108,14 @@ async fn locker_at(url: &str, limit: Duration) -> (Locker, PostgresBackend) {
     (locker, backend)
 }
 
+/// Waits until every one of `backends` has its LISTEN session up.
+async fn until_listening(backends: &[&PostgresBackend], limit: Duration) {
+    wait_for("the LISTEN sessions", limit, async || {
+        backends.iter().all(|b| b.is_listening()).then_some(())
+    })
+    .await;
+}
+
 /// Runs `fut`, which must fail with `Unavailable` within `limit`.
 async fn unavailable_within<T: std::fmt::Debug>(
     limit: Duration,
@@ -240,23 +248,15 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
         .acquire()
         .await
         .unwrap();
-    wait_for("both LISTEN sessions", Duration::from_secs(5), async || {
-        (holder_backend.is_listening() && waiter_backend.is_listening()).then_some(())
-    })
-    .await;
+    until_listening(&[&holder_backend, &waiter_backend], Duration::from_secs(5)).await;
 
     let killed = blocking(move || terminate(app)).await;
     assert!(
         killed >= 2,
         "pool and LISTEN sessions terminated ({killed})"
     );
-    // The LISTEN session comes back by itself.
-    wait_for(
-        "the LISTEN session to reconnect",
-        Duration::from_secs(10),
-        async || (holder_backend.is_listening() && waiter_backend.is_listening()).then_some(()),
-    )
-    .await;
+    // The LISTEN sessions come back by themselves.
+    until_listening(&[&holder_backend, &waiter_backend], Duration::from_secs(10)).await;
     // The lock was a row: it survived, and the holder still renews and owns it.
     poll_until(
         Duration::from_secs(5),
@@ -491,10 +491,7 @@ async fn tls_follows_the_urls_sslmode_and_verifies_the_server() {
         .await
         .unwrap()
         .expect("free");
-    wait_for("the LISTEN session", Duration::from_secs(5), async || {
-        backend.is_listening().then_some(())
-    })
-    .await;
+    until_listening(&[&backend], Duration::from_secs(5)).await;
     let s = server.clone();
     let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_tls")).await;
     assert!(
@@ -733,8 +730,5 @@ async fn from_pool_shares_the_services_pool() {
     )
     .await
     .expect("from pool");
-    wait_for("the LISTEN session", Duration::from_secs(5), async || {
-        backend.is_listening().then_some(())
-    })
-    .await;
+    until_listening(&[&backend], Duration::from_secs(5)).await;
 }
