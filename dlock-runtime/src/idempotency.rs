@@ -142,8 +142,8 @@ impl Locker {
         }
     }
 
-    /// Whether this locker's backend stores idempotency records (memory and Redis do, Redlock
-    /// does not).
+    /// Whether this locker's backend stores idempotency records (memory, Redis and Postgres do,
+    /// Redlock does not).
     pub fn supports_idempotency(&self) -> bool {
         self.backend().idempotency().is_some()
     }
