@@ -22,7 +22,11 @@
 //!   `<schema>.<prefix>release`; a release only notifies when someone waits), feeding the
 //!   locker's [`ReleaseHub`]. The connection reconnects on its own and wakes every local waiter
 //!   once it is back. A release answers the grant it made, so a waiter of the same backend is
-//!   told at once, without waiting for the `NOTIFY` to come round (with or without `LISTEN`). Without it (PgBouncer in transaction pooling, see below, or
+//!   told at once, without waiting for the `NOTIFY` to come round (with or without `LISTEN`).
+//!   One channel per schema and prefix means every listening backend (one per service
+//!   instance) receives every such notification and drops those for locks it has no waiter
+//!   of: cheap for tens of instances; per-lock channels (as on Redis) would need `LISTEN`
+//!   churn and are not built. Without it (PgBouncer in transaction pooling, see below, or
 //!   [`PostgresOptions::notifications`] off) waiters re-check on their fallback timers and
 //!   find a handed-over lock already theirs.
 //! * **Deadlines**: every call — taking a pooled connection included — is bounded by
