@@ -69,8 +69,9 @@ $$;
 
 -- The lock is given up (released, abandoned, completed): grant it to the first live waiter
 -- with a new fencing token and tell it (direct handoff), or delete it, waking a barging waiter
--- if one asked. Needs serialise().
-CREATE OR REPLACE FUNCTION dlock.dlock_pass_on(p_name text, p_barged boolean) RETURNS void
+-- if one asked. Returns '<waiter token>\t<fencing token>' after a handoff, else NULL (the
+-- caller may tell a waiter of its own process at once). Needs serialise().
+CREATE OR REPLACE FUNCTION dlock.dlock_pass_on(p_name text, p_barged boolean) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE h record; f bigint;
 BEGIN
@@ -78,7 +79,7 @@ BEGIN
   IF h.token IS NULL THEN
     DELETE FROM dlock.dlock_locks WHERE name = p_name;
     IF p_barged THEN PERFORM pg_notify('dlock.dlock_release', p_name || E'\t'); END IF;
-    RETURN;
+    RETURN NULL;
   END IF;
   DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = h.token;
   f := nextval('dlock.dlock_fence');
@@ -87,6 +88,7 @@ BEGIN
   ON CONFLICT (name) DO UPDATE
     SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = EXCLUDED.barged;
   PERFORM pg_notify('dlock.dlock_release', p_name || E'\t' || h.token || E'\t' || f);
+  RETURN h.token || E'\t' || f;
 END $$;
 
 -- Deletes a bounded batch of rows that lapsed more than a minute ago.
@@ -128,13 +130,16 @@ BEGIN
     END IF;
     RETURN -dlock.dlock_ms_until(l.expires_at) - 1;
   END IF;
-  SELECT * INTO h FROM dlock.dlock_head(p_name);
-  IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
-    IF p_mode = 1 THEN PERFORM dlock.dlock_enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
-    RETURN 0;
-  END IF;
-  IF h.token IS NOT NULL THEN
-    DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;
+  -- Free. The line is looked at only when it has entries (the uncontended path skips it).
+  IF EXISTS (SELECT 1 FROM dlock.dlock_waiters WHERE name = p_name) THEN
+    SELECT * INTO h FROM dlock.dlock_head(p_name);
+    IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
+      IF p_mode = 1 THEN PERFORM dlock.dlock_enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
+      RETURN 0;
+    END IF;
+    IF h.token IS NOT NULL THEN
+      DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;
+    END IF;
   END IF;
   f := nextval('dlock.dlock_fence');
   INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
@@ -146,17 +151,22 @@ BEGIN
 END $$;
 
 -- Owner-checked release: hands the lock to the next live waiter, or deletes it.
--- Returns 1 when the token held the lock (also a lease of it that lapsed with nobody taking the
--- lock since: the locker reports that as lost by its own lease clock), 0 otherwise.
-CREATE OR REPLACE FUNCTION dlock.dlock_release(p_name text, p_token text) RETURNS integer
+-- Returns NULL when the token did not hold the lock; '' when it did (also a lease of it that
+-- lapsed with nobody taking the lock since: the locker reports that as lost by its own lease
+-- clock); '<waiter token>\t<fencing token>' when it did and the lock went to that waiter.
+CREATE OR REPLACE FUNCTION dlock.dlock_release(p_name text, p_token text) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE l record;
 BEGIN
   PERFORM dlock.dlock_serialise(p_name);
   SELECT owner, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
-  IF NOT FOUND OR l.owner <> p_token THEN RETURN 0; END IF;
-  PERFORM dlock.dlock_pass_on(p_name, l.barged);
-  RETURN 1;
+  IF NOT FOUND OR l.owner <> p_token THEN RETURN NULL; END IF;
+  IF NOT l.barged AND NOT EXISTS (SELECT 1 FROM dlock.dlock_waiters WHERE name = p_name) THEN
+    -- Nobody waits (the uncontended path): delete, notify nobody.
+    DELETE FROM dlock.dlock_locks WHERE name = p_name;
+    RETURN '';
+  END IF;
+  RETURN coalesce(dlock.dlock_pass_on(p_name, l.barged), '');
 END $$;
 
 -- Undo of a cancelled or abandoned acquire: release if owner, leave the line, and pass a free

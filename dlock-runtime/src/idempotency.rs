@@ -117,7 +117,7 @@ pub(crate) fn validate_retention(retention: Duration) -> Result<Duration, LockEr
 fn unsupported(locker: &Locker) -> LockError {
     LockError::unavailable(
         format!(
-            "the {} backend does not store idempotency records (supported: memory, redis)",
+            "the {} backend does not store idempotency records (supported: memory, redis, postgres)",
             locker.backend_name()
         ),
         None,
@@ -142,8 +142,8 @@ impl Locker {
         }
     }
 
-    /// Whether this locker's backend stores idempotency records (memory and Redis do, Redlock
-    /// does not).
+    /// Whether this locker's backend stores idempotency records (memory, Redis and Postgres do,
+    /// Redlock does not).
     pub fn supports_idempotency(&self) -> bool {
         self.backend().idempotency().is_some()
     }

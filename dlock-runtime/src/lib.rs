@@ -62,6 +62,7 @@
 //! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
 //! | `tls` | no | `rediss://` |
 //! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
+//! | `postgres-tls` | no | TLS for it per the URL's `sslmode` (rustls) |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
 

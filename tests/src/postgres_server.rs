@@ -140,6 +140,8 @@ pub struct PostgresServer {
     port: u16,
     dir: PathBuf,
     die_with_parent: bool,
+    /// Serving TLS with a certificate for `127.0.0.1` and `localhost` ([`start_tls`](Self::start_tls)).
+    tls: bool,
 }
 
 impl PostgresServer {
@@ -148,10 +150,96 @@ impl PostgresServer {
     /// # Panics
     /// If the binaries are missing, `initdb` fails, or the server does not come up in 30 s.
     pub fn start() -> Self {
-        Self::start_inner(false)
+        Self::start_inner(false, false)
     }
 
-    fn start_inner(die_with_parent: bool) -> Self {
+    /// Like [`start`](Self::start), serving TLS too (`ssl = on`) with a server certificate for
+    /// `127.0.0.1` and `localhost` issued by a throwaway CA; returns that CA's certificate (PEM).
+    ///
+    /// # Panics
+    /// As [`start`](Self::start), or if `openssl` cannot make the certificates.
+    pub fn start_tls() -> (Self, Vec<u8>) {
+        let server = Self::start_inner(false, true);
+        let ca = std::fs::read(server.dir.join("ca.crt")).expect("read ca.crt");
+        (server, ca)
+    }
+
+    /// A CA and a server certificate signed by it, in `dir` (the key readable by the server).
+    fn make_certificates(dir: &Path) {
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run openssl ({e})"));
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        std::fs::write(
+            dir.join("san.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+        )
+        .expect("san.ext");
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=dlock test CA",
+        ]);
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ]);
+        if is_root() {
+            let _ = Command::new("chown")
+                .args(["postgres:postgres", "server.key", "server.crt"])
+                .current_dir(dir)
+                .status();
+        }
+        let _ = Command::new("chmod")
+            .args(["600", "server.key"])
+            .current_dir(dir)
+            .status();
+    }
+
+    fn start_inner(die_with_parent: bool, tls: bool) -> Self {
         let dir = temp_dir("pg");
         let data = dir.join("data");
         let out = command_as_db_user(&bin_dir().join("initdb"), false)
@@ -173,12 +261,16 @@ impl PostgresServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if tls {
+            Self::make_certificates(&dir);
+        }
         for _ in 0..10 {
             let mut server = PostgresServer {
                 child: None,
                 port: free_port(),
                 dir: dir.clone(),
                 die_with_parent,
+                tls,
             };
             if server.spawn(Duration::from_secs(30)) {
                 return server;
@@ -188,7 +280,20 @@ impl PostgresServer {
     }
 
     fn spawn(&mut self, limit: Duration) -> bool {
+        let mut tls_args = Vec::new();
+        if self.tls {
+            tls_args.push("-c".to_owned());
+            tls_args.push("ssl=on".to_owned());
+            for (k, f) in [
+                ("ssl_cert_file", "server.crt"),
+                ("ssl_key_file", "server.key"),
+            ] {
+                tls_args.push("-c".to_owned());
+                tls_args.push(format!("{k}={}", self.dir.join(f).display()));
+            }
+        }
         let child = command_as_db_user(&bin_dir().join("postgres"), self.die_with_parent)
+            .args(&tls_args)
             .arg("-D")
             .arg(self.dir.join("data"))
             .args(["-p", &self.port.to_string()])
@@ -373,7 +478,7 @@ pub fn shared() -> Arc<Mutex<PostgresServer>> {
     SHARED
         .get_or_init(|| {
             on_owner_thread("dlock-postgres-owner", || {
-                Arc::new(Mutex::new(PostgresServer::start_inner(true)))
+                Arc::new(Mutex::new(PostgresServer::start_inner(true, false)))
             })
         })
         .clone()

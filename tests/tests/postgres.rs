@@ -108,6 +108,14 @@ async fn locker_at(url: &str, limit: Duration) -> (Locker, PostgresBackend) {
     (locker, backend)
 }
 
+/// Waits until every one of `backends` has its LISTEN session up.
+async fn until_listening(backends: &[&PostgresBackend], limit: Duration) {
+    wait_for("the LISTEN sessions", limit, async || {
+        backends.iter().all(|b| b.is_listening()).then_some(())
+    })
+    .await;
+}
+
 /// Runs `fut`, which must fail with `Unavailable` within `limit`.
 async fn unavailable_within<T: std::fmt::Debug>(
     limit: Duration,
@@ -231,27 +239,24 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     let app = "dlock_terminated";
     let url = format!("{}?application_name={app}", direct_url("postgres"));
     let (holder, holder_backend) = locker_at(&url, Duration::from_millis(500)).await;
-    let (waiter, _) = locker_at(&direct_url("postgres"), Duration::from_millis(500)).await;
+    // Another backend (its own pool and LISTEN session), terminated as well: the waiter below
+    // runs over it, so only its LISTEN session can tell it of the holder's release.
+    let (waiter, waiter_backend) = locker_at(&url, Duration::from_millis(500)).await;
     let guard = holder
         .lock("term:k")
         .ttl(Duration::from_secs(30))
         .acquire()
         .await
         .unwrap();
-    assert!(holder_backend.is_listening());
+    until_listening(&[&holder_backend, &waiter_backend], Duration::from_secs(5)).await;
 
     let killed = blocking(move || terminate(app)).await;
     assert!(
         killed >= 2,
         "pool and LISTEN sessions terminated ({killed})"
     );
-    // The LISTEN session comes back by itself.
-    wait_for(
-        "the LISTEN session to reconnect",
-        Duration::from_secs(10),
-        async || holder_backend.is_listening().then_some(()),
-    )
-    .await;
+    // The LISTEN sessions come back by themselves.
+    until_listening(&[&holder_backend, &waiter_backend], Duration::from_secs(10)).await;
     // The lock was a row: it survived, and the holder still renews and owns it.
     poll_until(
         Duration::from_secs(5),
@@ -262,11 +267,11 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     assert!(guard.is_held());
     assert!(waiter.lock("term:k").try_acquire().await.unwrap().is_none());
 
-    // Notifications resume: a waiter over the terminated backend is woken by the release, not
-    // by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
+    // Notifications resume: a waiter over the other terminated backend is woken by the
+    // release, not by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
     let slow = Locker::builder()
         .waiter_ttl(Duration::from_secs(60))
-        .try_build(holder_backend.clone())
+        .try_build(waiter_backend.clone())
         .unwrap();
     let policy = RetryPolicy::new(Duration::from_secs(30))
         .backoff(Duration::from_secs(10), Duration::from_secs(10))
@@ -453,14 +458,86 @@ async fn from_url_takes_both_schemes_and_the_backends_own_parameters() {
     let bad = format!("{base}?dlock_schema=Robert%27;DROP");
     let err = Locker::from_url(&bad).await.expect_err("invalid schema");
     assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
-    let tls = format!("{base}?sslmode=require");
-    let err = Locker::from_url(&tls)
+}
+
+// ---- TLS -----------------------------------------------------------------------------------
+
+/// Whether every session of `app` on `server` runs over TLS, and how many there are.
+fn ssl_sessions(server: &PostgresServer, app: &str) -> (bool, i64) {
+    let out = server.psql(&format!(
+        "SELECT coalesce(bool_and(s.ssl), false) || ' ' || count(*) FROM pg_stat_ssl s \
+         JOIN pg_stat_activity a USING (pid) WHERE a.application_name = '{app}'"
+    ));
+    let (ssl, n) = out.split_once(' ').expect("two fields");
+    (ssl == "true", n.parse().expect("a count"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_follows_the_urls_sslmode_and_verifies_the_server() {
+    let (server, ca) = blocking(PostgresServer::start_tls).await;
+    let server = Arc::new(server);
+    let base = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+    let opts = PostgresOptions::default().tls_root_certificates(ca.clone());
+
+    // require: the pool and the LISTEN session both speak TLS, and locking works over it.
+    let url = format!("{base}?sslmode=require&application_name=dlock_tls");
+    let backend = PostgresBackend::connect(&url, opts.clone())
         .await
-        .expect_err("TLS is not built yet");
+        .expect("TLS connect");
+    let locker = Locker::new(backend.clone());
+    let g = locker
+        .lock("tls:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    until_listening(&[&backend], Duration::from_secs(5)).await;
+    let s = server.clone();
+    let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_tls")).await;
     assert!(
-        err.is_unavailable() && err.to_string().contains("sslmode"),
-        "{err}"
+        all_tls && n >= 2,
+        "sessions over TLS: {all_tls}, {n} of them"
     );
+    g.release().await.unwrap();
+
+    // disable: plaintext.
+    let url = format!("{base}?sslmode=disable&application_name=dlock_plain");
+    let plain = PostgresBackend::connect(&url, opts.clone().notifications(false))
+        .await
+        .expect("plain connect");
+    // The backend stays alive (its pooled session with it) until the check below.
+    let plain_locker = Locker::new(plain.clone());
+    let g = plain_locker.lock("tls:k").try_acquire().await.unwrap();
+    g.expect("free").release().await.unwrap();
+    let s = server.clone();
+    let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_plain")).await;
+    assert!(!all_tls && n >= 1, "a plaintext session expected ({n})");
+
+    // A server certificate nobody vouches for is refused, with `prefer` too.
+    let limit = Duration::from_millis(500);
+    let untrusted = PostgresOptions::default()
+        .command_timeout(limit)
+        .connect_timeout(limit);
+    for mode in ["require", "prefer"] {
+        let url = format!("{base}?sslmode={mode}");
+        let err = unavailable_within(
+            Duration::from_secs(3),
+            PostgresBackend::connect(&url, untrusted.clone()),
+        )
+        .await;
+        assert!(err.to_string().contains("TLS"), "{mode}: {err}");
+    }
+    // require against a server without TLS fails; prefer falls back to plaintext.
+    let no_tls = direct_url("postgres");
+    let err = unavailable_within(
+        Duration::from_secs(3),
+        PostgresBackend::connect(&format!("{no_tls}?sslmode=require"), untrusted.clone()),
+    )
+    .await;
+    assert!(err.to_string().contains("TLS"), "{err}");
+    PostgresBackend::connect(&format!("{no_tls}?sslmode=prefer"), untrusted)
+        .await
+        .expect("prefer falls back to plaintext");
 }
 
 // ---- transaction-scoped locks --------------------------------------------------------------
@@ -573,4 +650,85 @@ async fn transaction_scoped_lock_works_through_pgbouncer() {
         assert!(try_lock_in_transaction(&txd, "dlock", &key).await.unwrap());
         txd.commit().await.unwrap();
     }
+}
+
+// ---- schema and pools ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_file_is_all_a_least_privileged_role_needs() {
+    let server = shared();
+    // A fresh database, the file applied as a migration would, and a role with only the
+    // privileges the file lists.
+    let db = blocking(move || {
+        let s = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = s.create_database("migrated");
+        let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../dlock-runtime/sql/postgres.sql");
+        s.psql_in(&db, &std::fs::read_to_string(file).unwrap());
+        s.psql_in(
+            &db,
+            "DO $$ BEGIN CREATE ROLE dlock_app LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+             GRANT USAGE ON SCHEMA dlock TO dlock_app; \
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA dlock TO dlock_app; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA dlock TO dlock_app; \
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA dlock TO dlock_app; \
+             REVOKE CREATE ON SCHEMA public FROM PUBLIC;",
+        );
+        db
+    })
+    .await;
+    let url = format!("postgres://dlock_app@127.0.0.1:{}/{db}", port());
+    let opts = PostgresOptions::default().create_schema(false);
+    let backend = PostgresBackend::connect(&url, opts.clone())
+        .await
+        .expect("connects without creating anything");
+    let (a, b) = (Locker::new(backend.clone()), Locker::new(backend));
+    let g = a.lock("priv:k").try_acquire().await.unwrap().expect("free");
+    assert!(b.lock("priv:k").try_acquire().await.unwrap().is_none());
+    g.release().await.unwrap();
+    let fingerprint = dlock_runtime::idempotency::Fingerprint::builder()
+        .field("x")
+        .finish();
+    let begun = a.idempotency("priv:idem", fingerprint).begin().await;
+    assert!(
+        begun.is_ok(),
+        "idempotency records with the file's privileges"
+    );
+
+    // Without the schema, and not allowed to create it: a clear error naming the file.
+    let err = PostgresBackend::connect(&url, opts.schema("never_created"))
+        .await
+        .expect_err("no schema");
+    assert!(err.to_string().contains("sql/postgres.sql"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_pool_shares_the_services_pool() {
+    use dlock_runtime::backend::postgres::deadpool_postgres::{Manager, Pool};
+    let config: tokio_postgres::Config = direct_url("postgres").parse().unwrap();
+    let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+        .max_size(4)
+        .build()
+        .unwrap();
+    // The service's pool, no notify URL: locks work, waiters use their timers.
+    let backend = PostgresBackend::from_pool(pool.clone(), PostgresOptions::default())
+        .await
+        .expect("from pool");
+    assert!(!backend.is_listening());
+    let locker = Locker::new(backend.clone());
+    let g = locker
+        .lock("pool:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(pool.status().size, backend.pool().status().size, "one pool");
+    g.release().await.unwrap();
+    // With a direct notify URL it listens too.
+    let backend = PostgresBackend::from_pool(
+        pool,
+        PostgresOptions::default().notify_url(direct_url("postgres")),
+    )
+    .await
+    .expect("from pool");
+    until_listening(&[&backend], Duration::from_secs(5)).await;
 }

@@ -404,7 +404,7 @@ impl Drop for Watch {
 
 /// The local side of release notifications: resource name → this process's waiters. A
 /// backend feeds it release events ([`ReleaseHub::notify`]); it wakes exactly one local waiter
-/// per event. Shared by the memory and Redis backends.
+/// per event. Shared by the memory, Redis and Postgres backends.
 #[derive(Debug, Default)]
 pub struct ReleaseHub {
     keys: Mutex<WaiterMap>,

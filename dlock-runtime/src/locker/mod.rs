@@ -113,7 +113,11 @@ impl Locker {
     ///   asked for [`replicas`](crate::LockRequest::replicas). The credentials are the
     ///   servers'; the sentinels are reached without;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
-    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
+    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend);
+    /// * `postgres://[user:pass@]host:port/db[?…]`, `postgresql://…` (feature `postgres`; TLS
+    ///   per `sslmode` with feature `postgres-tls`) — a Postgres database; see
+    ///   `backend::postgres` for the URL's parameters (schema, table prefix, a direct notify URL
+    ///   for PgBouncer).
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.

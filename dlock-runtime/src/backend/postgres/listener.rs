@@ -11,25 +11,29 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use tokio::sync::watch;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
+use super::Connector;
 use crate::backend::ReleaseHub;
 
 /// Starts the task; the receiver tells whether `LISTEN` is active, and dropping every receiver
 /// ends the task.
 pub(super) fn spawn(
     config: tokio_postgres::Config,
+    connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
     limit: Duration,
 ) -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
-    tokio::spawn(run(config, channel, hub, limit, tx));
+    tokio::spawn(run(config, connector, channel, hub, limit, tx));
     rx
 }
 
 async fn run(
     config: tokio_postgres::Config,
+    connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
     limit: Duration,
@@ -40,7 +44,13 @@ async fn run(
     loop {
         tokio::select! {
             _ = up.closed() => return,
-            _ = session(&config, &channel, &hub, limit, &up, missed) => {}
+            _ = async {
+                match &connector {
+                    Connector::Plain => session(&config, NoTls, &channel, &hub, limit, &up, missed).await,
+                    #[cfg(feature = "postgres-tls")]
+                    Connector::Tls(t) => session(&config, t.clone(), &channel, &hub, limit, &up, missed).await,
+                }
+            } => {}
         }
         up.send_replace(false);
         if hub.strong_count() == 0 {
@@ -57,16 +67,20 @@ async fn run(
 }
 
 /// One connection's life: connect, `LISTEN`, dispatch until it fails.
-async fn session(
+async fn session<T>(
     config: &tokio_postgres::Config,
+    tls: T,
     channel: &str,
     hub: &Weak<ReleaseHub>,
     limit: Duration,
     up: &watch::Sender<bool>,
     missed: bool,
-) {
-    let Ok(Ok((client, mut conn))) = tokio::time::timeout(limit, config.connect(NoTls)).await
-    else {
+) where
+    T: MakeTlsConnect<Socket>,
+    T::Stream: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    let Ok(Ok((client, mut conn))) = tokio::time::timeout(limit, config.connect(tls)).await else {
         return;
     };
     let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
@@ -121,5 +135,39 @@ pub(super) fn deliver(hub: &Arc<ReleaseHub>, payload: &str) {
     match parts.next().and_then(|f| f.parse::<u64>().ok()) {
         Some(fence) if fence > 0 => hub.hand_over(name, token, fence),
         _ => hub.notify(name, Some(token)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::OwnerToken;
+    use crate::key::ResourceName;
+    use crate::LockKey;
+    use futures_util::FutureExt as _;
+
+    #[test]
+    fn payloads_hand_over_or_wake_the_named_waiter() {
+        let hub = ReleaseHub::new();
+        let res = ResourceName::new("p", LockKey::new("k").unwrap());
+        let (t1, t2) = (OwnerToken::generate(), OwnerToken::generate());
+        let (w1, _) = hub.register(&res, &t1, None);
+        let (w2, _) = hub.register(&res, &t2, None);
+        deliver(&hub, &format!("{}\t{}\t42", res.as_str(), t2.as_str()));
+        assert!(w2.notified().now_or_never().is_some());
+        assert_eq!(w2.take_handoff(), Some(42));
+        assert!(
+            w1.notified().now_or_never().is_none(),
+            "only the named waiter"
+        );
+        // A barging wake-up names nobody: the first local waiter.
+        deliver(&hub, &format!("{}\t", res.as_str()));
+        assert!(w1.notified().now_or_never().is_some());
+        assert_eq!(w1.take_handoff(), None);
+        // Another lock's release, or garbage, wakes nobody.
+        deliver(&hub, "p:{other}\tx\t1");
+        deliver(&hub, "garbage");
+        assert!(w1.notified().now_or_never().is_none());
+        assert!(w2.notified().now_or_never().is_none());
     }
 }

@@ -21,7 +21,12 @@
 //! * **Release notifications**: `LISTEN` on one dedicated connection per backend (one channel,
 //!   `<schema>.<prefix>release`; a release only notifies when someone waits), feeding the
 //!   locker's [`ReleaseHub`]. The connection reconnects on its own and wakes every local waiter
-//!   once it is back. Without it (PgBouncer in transaction pooling, see below, or
+//!   once it is back. A release answers the grant it made, so a waiter of the same backend is
+//!   told at once, without waiting for the `NOTIFY` to come round (with or without `LISTEN`).
+//!   One channel per schema and prefix means every listening backend (one per service
+//!   instance) receives every such notification and drops those for locks it has no waiter
+//!   of: cheap for tens of instances; per-lock channels (as on Redis) would need `LISTEN`
+//!   churn and are not built. Without it (PgBouncer in transaction pooling, see below, or
 //!   [`PostgresOptions::notifications`] off) waiters re-check on their fallback timers and
 //!   find a handed-over lock already theirs.
 //! * **Deadlines**: every call — taking a pooled connection included — is bounded by
@@ -72,9 +77,16 @@
 //! # URLs
 //!
 //! `postgres://user:pass@host:port/db?…` or `postgresql://…`, any parameter tokio-postgres
-//! understands (`application_name`, `connect_timeout`, `options`, `sslmode=disable|prefer`),
-//! plus `dlock_schema`, `dlock_table_prefix` and `dlock_notify`. TLS (`sslmode=require`) is not
-//! supported yet: such a URL is refused with a clear error.
+//! understands (`application_name`, `connect_timeout`, `options`, `sslmode`), plus
+//! `dlock_schema`, `dlock_table_prefix` and `dlock_notify`.
+//!
+//! **TLS** follows `sslmode` (feature `postgres-tls`, rustls with ring): `disable` is plaintext;
+//! `prefer` (tokio-postgres's default) and `require` use TLS, and the server's certificate is
+//! always verified — against the operating system's roots plus
+//! [`PostgresOptions::tls_root_certificates`] — with its name checked against the URL's host
+//! (libpq's `verify-full`); `prefer` falls back to plaintext only when the server offers no TLS
+//! at all. Without the feature, `prefer` is plaintext and `require` is refused with an error
+//! naming the feature. The `LISTEN` session uses the same rule.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -96,6 +108,8 @@ pub use tokio_postgres;
 mod idempotency;
 mod listener;
 mod schema;
+#[cfg(feature = "postgres-tls")]
+mod tls;
 pub mod xact;
 
 pub use self::xact::{lock_in_transaction, try_lock_in_transaction, xact_lock_id};
@@ -128,6 +142,10 @@ pub struct PostgresOptions {
     /// listen). `None`: the main URL ([`connect`](PostgresBackend::connect)) or no notifications
     /// (`from_pool`).
     pub notify_url: Option<String>,
+    /// Root certificates (PEM) trusted besides the operating system's, for TLS (feature
+    /// `postgres-tls`; a URL's `sslmode=prefer` or `require`).
+    #[cfg(feature = "postgres-tls")]
+    pub tls_root_certificates: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for PostgresOptions {
@@ -157,6 +175,8 @@ impl Default for PostgresOptions {
             pool_size: 16,
             notifications: true,
             notify_url: None,
+            #[cfg(feature = "postgres-tls")]
+            tls_root_certificates: None,
         }
     }
 }
@@ -208,6 +228,13 @@ impl PostgresOptions {
     pub fn notify_url(mut self, url: impl Into<String>) -> Self {
         self.notify_url = Some(url.into());
         self.notifications = true;
+        self
+    }
+
+    /// Sets [`tls_root_certificates`](PostgresOptions::tls_root_certificates) (PEM).
+    #[cfg(feature = "postgres-tls")]
+    pub fn tls_root_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_certificates = Some(pem.into());
         self
     }
 
@@ -281,7 +308,8 @@ fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
     let detail = match e.code() {
         Some(code) => format!("postgres {what}: error {}", code.code()),
         None if e.is_closed() => format!("postgres {what}: connection closed"),
-        None => format!("postgres {what}: connection error"),
+        // The client's own errors (I/O, TLS, protocol) never quote the connection string.
+        None => format!("postgres {what}: {e}"),
     };
     LockError::unavailable(detail, Some(Box::new(e)))
 }
@@ -321,13 +349,53 @@ fn pg_config(url: &str) -> Result<tokio_postgres::Config, LockError> {
     let config: tokio_postgres::Config = url
         .parse()
         .map_err(|_| LockError::unavailable("invalid postgres url", None))?;
-    if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
-        return Err(LockError::unavailable(
-            "postgres url: sslmode=require is not supported yet (TLS); use sslmode=disable or prefer",
-            None,
-        ));
-    }
     Ok(config)
+}
+
+/// How the backend's connections are made: plaintext, or TLS over rustls (feature
+/// `postgres-tls`), chosen by the connection string's `sslmode`.
+#[derive(Clone)]
+pub(crate) enum Connector {
+    Plain,
+    #[cfg(feature = "postgres-tls")]
+    Tls(tls::MakeRustls),
+}
+
+impl Connector {
+    fn for_config(
+        config: &tokio_postgres::Config,
+        opts: &PostgresOptions,
+    ) -> Result<Self, LockError> {
+        use tokio_postgres::config::SslMode;
+        match config.get_ssl_mode() {
+            SslMode::Disable => Ok(Connector::Plain),
+            #[cfg(feature = "postgres-tls")]
+            _ => Ok(Connector::Tls(tls::MakeRustls::new(
+                opts.tls_root_certificates.as_deref(),
+            )?)),
+            #[cfg(not(feature = "postgres-tls"))]
+            SslMode::Prefer => {
+                let _ = opts;
+                Ok(Connector::Plain)
+            }
+            #[cfg(not(feature = "postgres-tls"))]
+            _ => Err(LockError::unavailable(
+                "postgres url: this sslmode needs TLS, which needs the cargo feature `postgres-tls`",
+                None,
+            )),
+        }
+    }
+
+    fn manager(&self, config: tokio_postgres::Config) -> Manager {
+        let mc = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        match self {
+            Connector::Plain => Manager::from_config(config, NoTls, mc),
+            #[cfg(feature = "postgres-tls")]
+            Connector::Tls(t) => Manager::from_config(config, t.clone(), mc),
+        }
+    }
 }
 
 fn percent_decode(s: &str) -> Result<String, LockError> {
@@ -364,18 +432,13 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("dlock");
         }
+        let connector = Connector::for_config(&config, &opts)?;
         let notify = match (&opts.notify_url, opts.notifications) {
             (_, false) => None,
             (Some(u), true) => Some(Self::notify_config(u, &opts)?),
-            (None, true) => Some(config.clone()),
+            (None, true) => Some((config.clone(), connector.clone())),
         };
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager = connector.manager(config);
         let pool = Pool::builder(manager)
             .max_size(opts.pool_size)
             .build()
@@ -399,7 +462,7 @@ impl PostgresBackend {
     fn notify_config(
         url: &str,
         opts: &PostgresOptions,
-    ) -> Result<tokio_postgres::Config, LockError> {
+    ) -> Result<(tokio_postgres::Config, Connector), LockError> {
         let mut config = pg_config(url)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(opts.connect_timeout);
@@ -407,19 +470,21 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("dlock-listen");
         }
-        Ok(config)
+        let connector = Connector::for_config(&config, opts)?;
+        Ok((config, connector))
     }
 
     async fn start(
         pool: Pool,
-        notify: Option<tokio_postgres::Config>,
+        notify: Option<(tokio_postgres::Config, Connector)>,
         opts: PostgresOptions,
     ) -> Result<Self, LockError> {
         let sql = schema::Statements::new(&opts.schema, &opts.table_prefix);
         let hub = ReleaseHub::new();
-        let listening = notify.map(|config| {
+        let listening = notify.map(|(config, connector)| {
             listener::spawn(
                 config,
+                connector,
                 schema::channel(&opts.schema, &opts.table_prefix),
                 Arc::downgrade(&hub),
                 opts.connect_timeout + opts.command_timeout,
@@ -690,8 +755,8 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let n = self
-                .call_int(
+            let rows = self
+                .call(
                     "release",
                     &self.inner.sql.release,
                     &[
@@ -700,7 +765,20 @@ impl Backend for PostgresBackend {
                     ],
                 )
                 .await?;
-            Ok(n == 1)
+            let row = rows.first().ok_or_else(|| malformed("release"))?;
+            let answer: Option<String> = row.try_get(0).map_err(|_| malformed("release"))?;
+            let Some(answer) = answer else {
+                return Ok(false);
+            };
+            // Handed to a waiter: if it waits in this process, it hears it now rather than
+            // through the LISTEN session (which still tells the others; a second word of the
+            // same grant is ignored).
+            if let Some((next, fence)) = answer.split_once('\t') {
+                if let Ok(fence) = fence.parse::<u64>() {
+                    self.inner.hub.hand_over(resource.as_str(), next, fence);
+                }
+            }
+            Ok(true)
         })
     }
 
@@ -749,16 +827,19 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            let Some(listening) = &self.inner.listening else {
-                return Ok(Watch::never());
-            };
             // Register first: a notification that arrives once LISTEN is active is not lost.
+            // Without LISTEN the registration still hears of releases by this process's own
+            // lockers over this backend (see `release`); the others wake on their timers.
             let (watch, _) = self.inner.hub.register(resource, token, None);
+            let Some(listening) = &self.inner.listening else {
+                return Ok(watch);
+            };
             let mut listening = listening.clone();
             // While the listener reconnects, the waiter runs on its timer; the listener wakes
-            // every waiter once it is back.
+            // every waiter once it is back. Half the command timeout: the locker's own deadline
+            // on this call is the whole of it.
             let _ = tokio::time::timeout(
-                self.inner.opts.command_timeout,
+                self.inner.opts.command_timeout / 2,
                 listening.wait_for(|up| *up),
             )
             .await;
