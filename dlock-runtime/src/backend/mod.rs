@@ -31,7 +31,8 @@
 //! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`] and [`RedlockBackend`].
+//! [`RedisBackend`] and [`RedlockBackend`]; under feature `etcd`, `EtcdBackend` (module
+//! `etcd`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -55,6 +56,10 @@ pub use self::idempotency::IdempotencyStore;
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions};
+#[cfg(feature = "etcd")]
+pub mod etcd;
+#[cfg(feature = "etcd")]
+pub use self::etcd::{EtcdBackend, EtcdOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]

@@ -1,0 +1,707 @@
+//! The etcd backend (`etcd://`, feature `etcd`): the lock recipe of etcd's own
+//! `clientv3/concurrency` mutex, mapped onto the attempt-based [`Backend`] trait, over the
+//! [`etcd_client`] crate (gRPC, tonic).
+//!
+//! # Layout and recipe
+//!
+//! Every acquisition writes its *own* key `<prefix>/<resource>/<owner token>` (the resource
+//! string with `%` and `/` percent-encoded, so no lock's keys fall inside another lock's range),
+//! attached to a lease. The holder is the key with the lowest create revision under
+//! `<prefix>/<resource>/`; every other key is a waiter, queued in create-revision order (fair
+//! FIFO, [`Backend::fifo`] is `true`).
+//!
+//! * [`WaitMode::Queue`]: put the own key (a put on an existing key keeps its create
+//!   revision, so a waiter keeps its place) with a lease of the waiter TTL, and read the head
+//!   in the same transaction. The head is ours → move the key to a lease of the lock's TTL
+//!   (guarded by the key's create revision) → `Acquired { fencing_token: create revision }`.
+//!   Otherwise `Held`, with the holder's remaining lease (`LeaseTimeToLive`).
+//! * [`WaitMode::Try`] and [`WaitMode::Barge`]: one transaction that creates the own key only
+//!   if no key exists under the lock's prefix (a range compare on create revision `== 0`), so a
+//!   try that does not win leaves nothing behind. Barging is the same: with this recipe there
+//!   is no "free but queued" state to barge past — the head of the queue *is* the holder.
+//! * [`release`](Backend::release): delete the own key if it exists (the key's name holds the
+//!   secret owner token, so its existence is the owner check). [`abandon`](Backend::abandon):
+//!   delete it unconditionally.
+//! * [`watch`](Backend::watch): a task per local waiter reads its predecessor (the key with the
+//!   greatest create revision below its own) and watches only that key's deletion, from the
+//!   revision of the read on (no event can fall between the read and the watch; no thundering
+//!   herd, no polling). When the predecessor is gone it reads again; when there is none, it is
+//!   this waiter's turn and the [`ReleaseHub`] wakes it. Each waiting waiter costs one gRPC
+//!   watch stream while it waits (the streams share the client's one HTTP/2 connection per
+//!   endpoint); multiplexing all of a locker's watches over one stream is not done yet.
+//!
+//! # Fencing tokens
+//!
+//! The fencing token is the holder key's create revision: etcd's revision is one counter for
+//! the whole cluster, advanced by every write and agreed by Raft, so tokens are strictly
+//! increasing per key *and* across keys, with no clock involved. Like the Redis backend's
+//! tokens (a per-key `INCR` counter) they are `u64` and strictly increasing per key; unlike
+//! them they are not dense (other writes advance the revision too) and tokens of two different
+//! locks are comparable (one cluster-wide order). Tokens of the two backends are not comparable
+//! with each other.
+//!
+//! # Leases and TTLs
+//!
+//! etcd leases are whole seconds, and the server raises a TTL below its minimum
+//! (`1.5 × election timeout`, rounded up to a second) to that minimum; dlock TTLs go down to
+//! milliseconds. A TTL is rounded *up* to whole seconds (at least 1) for the lease, while the
+//! locker's local lease clock counts the dlock TTL from before the request was sent — so the
+//! server's lease always outlives the holder's local one and [`lost`](crate::LockGuard::lost)
+//! is never late. The price: a holder that dies keeps the lock until its etcd lease runs out
+//! (the TTL rounded up, plus up to the 500 ms of etcd's expiry sweep).
+//!
+//! One lease per acquisition, not one per locker: renewal ([`extend`](Backend::extend)) moves
+//! the key onto a fresh lease of the new TTL in a transaction guarded by the key's existence
+//! (`put` with `ignore_value`, which keeps the value and the create revision). That makes
+//! `extend(ttl)` exact — it can shorten a lease, which a keepalive cannot — keeps every call a
+//! bounded unary request, and means one lost lease loses one lock, not all of a locker's locks.
+//! The watchdog's batch ([`extend_many`](Backend::extend_many)) grants one lease per distinct
+//! TTL for the whole batch and sends the per-lock transactions concurrently. Replaced leases
+//! have no keys and simply expire.
+//!
+//! # Faults
+//!
+//! Every request is bounded by the command timeout ([`EtcdOptions::command_timeout`]) and
+//! answers [`LockError::Unavailable`] (503) when etcd does not answer in time. Requests carry
+//! etcd's *require leader* flag, so a member without a leader (no quorum) refuses at once
+//! instead of waiting. A leader change is absorbed by etcd (leases are renewed by the new
+//! leader) and by the client's retries within the timeout. A holder cut off from the cluster
+//! cannot renew; its local lease clock ends and [`lost`](crate::LockGuard::lost) fires, before
+//! the server's lease lets the next holder in. Errors never contain the URL's credentials.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+};
+use tokio::task::AbortHandle;
+
+use super::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+};
+use crate::key::ResourceName;
+use crate::LockError;
+
+mod url;
+
+/// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s, key prefix
+/// `dlock`, no user.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct EtcdOptions {
+    command_timeout: Duration,
+    connect_timeout: Duration,
+    prefix: String,
+    user: Option<(String, String)>,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> Self {
+        EtcdOptions {
+            command_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+            prefix: "dlock".to_owned(),
+            user: None,
+        }
+    }
+}
+
+impl fmt::Debug for EtcdOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdOptions")
+            .field("command_timeout", &self.command_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("prefix", &self.prefix)
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdOptions {
+    /// How long one request to etcd may take before it fails with
+    /// [`LockError::Unavailable`].
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The key prefix under which locks live (default `dlock`).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Authenticates as `user` (etcd's user/password authentication). The password is never
+    /// printed, logged or put in an error.
+    pub fn user(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.user = Some((user.into(), password.into()));
+        self
+    }
+}
+
+/// Background watch tasks, by (resource, owner token).
+type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), AbortHandle>>>;
+
+/// Locks in etcd. See the [module docs](self) for the recipe, fencing and lease design.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    client: Client,
+    opts: EtcdOptions,
+    endpoints: Arc<str>,
+    hub: Arc<ReleaseHub>,
+    watchers: Watchers,
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("endpoints", &self.endpoints)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where one acquisition's key lives.
+struct Keys {
+    /// `<prefix>/<resource>/`
+    dir: Vec<u8>,
+    /// The end of the directory's range (`/` → `0`).
+    end: Vec<u8>,
+    /// `<prefix>/<resource>/<token>`
+    own: Vec<u8>,
+}
+
+/// A dlock TTL as an etcd lease TTL: whole seconds, rounded up, at least 1.
+fn lease_secs(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
+    match resp {
+        TxnOpResponse::Get(g) => g.kvs().first(),
+        _ => None,
+    }
+}
+
+impl EtcdBackend {
+    /// Connects to the cluster named by an `etcd://[user:password@]host:port[,host:port…]`
+    /// URL (user and password percent-encoded; they override [`EtcdOptions::user`]).
+    pub async fn connect(url: &str, opts: EtcdOptions) -> Result<Self, LockError> {
+        let parsed = url::parse(url)?;
+        let mut opts = opts;
+        if let Some(user) = parsed.user {
+            opts.user = Some(user);
+        }
+        let endpoints: Vec<String> = parsed.hosts.iter().map(|h| format!("http://{h}")).collect();
+        let shown: Arc<str> = parsed.hosts.join(",").into();
+        let mut connect = ConnectOptions::new()
+            .with_timeout(opts.command_timeout)
+            .with_connect_timeout(opts.connect_timeout)
+            .with_keep_alive(Duration::from_secs(2), opts.command_timeout)
+            .with_require_leader(true);
+        if let Some((u, p)) = &opts.user {
+            connect = connect.with_user(u.clone(), p.clone());
+        }
+        let client = match tokio::time::timeout(
+            opts.connect_timeout,
+            Client::connect(endpoints, Some(connect)),
+        )
+        .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                return Err(LockError::unavailable(
+                    format!("etcd: cannot connect to {shown}"),
+                    Some(Box::new(e)),
+                ))
+            }
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    format!(
+                        "etcd: cannot connect to {shown} within {:?}",
+                        opts.connect_timeout
+                    ),
+                    None,
+                ))
+            }
+        };
+        Ok(EtcdBackend {
+            client,
+            opts,
+            endpoints: shown,
+            hub: ReleaseHub::new(),
+            watchers: Arc::default(),
+        })
+    }
+
+    /// Deletes every key of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
+    /// its waiters'. For operators and tests; returns how many keys it deleted.
+    pub async fn delete_lock(&self, resource: &str) -> Result<u64, LockError> {
+        let dir = self.dir(resource);
+        let end = range_end(&dir);
+        let mut kv = self.client.kv_client();
+        let resp = call(
+            self.opts.command_timeout,
+            "delete",
+            kv.delete(dir, Some(etcd_client::DeleteOptions::new().with_range(end))),
+        )
+        .await?;
+        Ok(u64::try_from(resp.deleted()).unwrap_or(0))
+    }
+
+    fn dir(&self, resource: &str) -> Vec<u8> {
+        let mut dir = format!("{}/", self.opts.prefix);
+        for c in resource.chars() {
+            match c {
+                '%' => dir.push_str("%25"),
+                '/' => dir.push_str("%2F"),
+                c => dir.push(c),
+            }
+        }
+        dir.push('/');
+        dir.into_bytes()
+    }
+
+    fn keys(&self, resource: &ResourceName, token: &OwnerToken) -> Keys {
+        let dir = self.dir(resource.as_str());
+        let end = range_end(&dir);
+        let mut own = dir.clone();
+        own.extend_from_slice(token.as_str().as_bytes());
+        Keys { dir, end, own }
+    }
+
+    async fn call<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, LockError> {
+        call(self.opts.command_timeout, what, fut).await
+    }
+
+    async fn grant(&self, ttl: Duration) -> Result<i64, LockError> {
+        let mut lease = self.client.lease_client();
+        let resp = self
+            .call("lease grant", lease.grant(lease_secs(ttl), None))
+            .await?;
+        Ok(resp.id())
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
+        let mut kv = self.client.kv_client();
+        self.call("txn", kv.txn(txn)).await
+    }
+
+    /// The remaining lease of the key `kv` (the holder), when it has one.
+    async fn remaining(&self, kv: Option<&KeyValue>) -> Result<Option<Duration>, LockError> {
+        let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
+            return Ok(None);
+        };
+        let mut lease = self.client.lease_client();
+        let resp = self
+            .call("lease time-to-live", lease.time_to_live(lease_id, None))
+            .await?;
+        Ok(u64::try_from(resp.ttl())
+            .ok()
+            .filter(|s| *s > 0)
+            .map(Duration::from_secs))
+    }
+
+    /// Moves the own key onto a fresh lease of `ttl` if it still exists with `create`
+    /// revision (0: whatever its create revision).
+    async fn relet(&self, own: &[u8], create: i64, ttl: Duration) -> Result<bool, LockError> {
+        let lease = self.grant(ttl).await?;
+        self.relet_on(own, create, lease).await
+    }
+
+    async fn relet_on(&self, own: &[u8], create: i64, lease: i64) -> Result<bool, LockError> {
+        let guard = if create == 0 {
+            Compare::create_revision(own, CompareOp::Greater, 0)
+        } else {
+            Compare::create_revision(own, CompareOp::Equal, create)
+        };
+        let txn = Txn::new().when([guard]).and_then([TxnOp::put(
+            own,
+            "",
+            Some(PutOptions::new().with_lease(lease).with_ignore_value()),
+        )]);
+        Ok(self.txn(txn).await?.succeeded())
+    }
+
+    fn head_options(end: &[u8]) -> GetOptions {
+        GetOptions::new()
+            .with_range(end.to_vec())
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1)
+    }
+
+    fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
+        let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = w.remove(&(Arc::from(resource.as_str()), token.clone())) {
+            h.abort();
+        }
+    }
+
+    async fn acquire_queued(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self.grant(args.waiter_ttl).await?;
+        let txn = Txn::new().and_then([
+            TxnOp::put(
+                k.own.clone(),
+                args.token.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))),
+            TxnOp::get(k.own.clone(), None),
+        ]);
+        let ops = self.txn(txn).await?.op_responses();
+        let head = ops.get(1).and_then(first_kv);
+        let own_rev = ops
+            .get(2)
+            .and_then(first_kv)
+            .map_or(0, KeyValue::create_revision);
+        if own_rev > 0 && head.is_some_and(|h| h.key() == k.own.as_slice()) {
+            if self.relet(&k.own, own_rev, args.ttl).await? {
+                self.stop_watch(args.resource, args.token);
+                return Ok(Attempt::Acquired {
+                    fencing_token: own_rev.unsigned_abs(),
+                });
+            }
+            return Ok(Attempt::Held { remaining: None });
+        }
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+
+    async fn acquire_if_free(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self.grant(args.ttl).await?;
+        let txn = Txn::new()
+            .when(
+                [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
+                    .with_range(k.end.clone())],
+            )
+            .and_then([
+                TxnOp::put(
+                    k.own.clone(),
+                    args.token.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::get(k.own.clone(), None),
+            ])
+            .or_else([TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end)))]);
+        let resp = self.txn(txn).await?;
+        let ops = resp.op_responses();
+        if resp.succeeded() {
+            let rev = ops
+                .get(1)
+                .and_then(first_kv)
+                .map_or(0, KeyValue::create_revision);
+            return Ok(Attempt::Acquired {
+                fencing_token: rev.unsigned_abs(),
+            });
+        }
+        let head = ops.first().and_then(first_kv);
+        if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
+            // This token already holds the lock (asking again): restart its lease.
+            let rev = h.create_revision();
+            if self.relet_on(&k.own, rev, lease).await? {
+                return Ok(Attempt::Acquired {
+                    fencing_token: rev.unsigned_abs(),
+                });
+            }
+            return Ok(Attempt::Held { remaining: None });
+        }
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+}
+
+/// The end of the range of keys starting with `dir` (which ends in `/`).
+fn range_end(dir: &[u8]) -> Vec<u8> {
+    let mut end = dir.to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+async fn call<T>(
+    timeout: Duration,
+    what: &'static str,
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, LockError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(LockError::unavailable(
+            format!("etcd {what} failed"),
+            Some(Box::new(e)),
+        )),
+        Err(_) => Err(LockError::unavailable(
+            format!("etcd {what}: no answer within {timeout:?}"),
+            None,
+        )),
+    }
+}
+
+/// One waiter's watch loop: wait until no key precedes `own`, then wake the waiter.
+async fn watch_turn(
+    client: Client,
+    hub: Arc<ReleaseHub>,
+    resource: Arc<str>,
+    token: OwnerToken,
+    k: Keys,
+    timeout: Duration,
+) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match wait_predecessor(&client, &k.own, &k.dir, &k.end, timeout).await {
+            Ok(true) => {
+                hub.notify(&resource, Some(token.as_str()));
+                return;
+            }
+            Ok(false) => backoff = Duration::from_millis(20),
+            Err(e) => {
+                tracing::debug!(error = %e, "etcd watch failed; the waiter re-checks");
+                // The waiter re-checks (its attempt may find the lock free) while we retry.
+                hub.notify(&resource, Some(token.as_str()));
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Reads `own`'s predecessor; `Ok(true)` when there is none (or `own` is gone: the waiter
+/// must ask again), `Ok(false)` once the predecessor was deleted.
+async fn wait_predecessor(
+    client: &Client,
+    own: &[u8],
+    dir: &[u8],
+    end: &[u8],
+    timeout: Duration,
+) -> Result<bool, LockError> {
+    let mut kv = client.kv_client();
+    let mine = call(timeout, "get", kv.get(own.to_vec(), None)).await?;
+    let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+        return Ok(true);
+    };
+    let pred = call(
+        timeout,
+        "get",
+        kv.get(
+            dir.to_vec(),
+            Some(
+                GetOptions::new()
+                    .with_range(end.to_vec())
+                    .with_max_create_revision(rev - 1)
+                    .with_sort(SortTarget::Create, SortOrder::Descend)
+                    .with_limit(1)
+                    .with_keys_only(),
+            ),
+        ),
+    )
+    .await?;
+    let Some(pred_key) = pred.kvs().first().map(|kv| kv.key().to_vec()) else {
+        return Ok(true);
+    };
+    let from = pred.header().map_or(0, |h| h.revision()) + 1;
+    let mut watch = client.watch_client();
+    let mut stream = call(
+        timeout,
+        "watch",
+        watch.watch(
+            pred_key,
+            Some(
+                WatchOptions::new()
+                    .with_start_revision(from)
+                    .with_filters([WatchFilterType::NoPut]),
+            ),
+        ),
+    )
+    .await?;
+    loop {
+        let msg = stream
+            .message()
+            .await
+            .map_err(|e| LockError::unavailable("etcd watch stream failed", Some(Box::new(e))))?;
+        let Some(msg) = msg else {
+            return Err(LockError::unavailable("etcd watch stream ended", None));
+        };
+        if msg.canceled() {
+            return Err(LockError::unavailable("etcd watch cancelled", None));
+        }
+        if msg
+            .events()
+            .iter()
+            .any(|e| e.event_type() == EventType::Delete)
+        {
+            return Ok(false);
+        }
+    }
+}
+
+impl Backend for EtcdBackend {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            match args.mode {
+                WaitMode::Queue => self.acquire_queued(&args).await,
+                _ => self.acquire_if_free(&args).await,
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let k = self.keys(resource, token);
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    k.own.clone(),
+                    CompareOp::Greater,
+                    0,
+                )])
+                .and_then([TxnOp::delete(k.own, None)]);
+            Ok(self.txn(txn).await?.succeeded())
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let k = self.keys(resource, token);
+            self.relet(&k.own, 0, ttl).await
+        })
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(async move {
+            // One lease per distinct TTL for the whole batch.
+            let mut secs: Vec<i64> = items.iter().map(|i| lease_secs(i.ttl)).collect();
+            secs.sort_unstable();
+            secs.dedup();
+            let grants = futures_util::future::join_all(
+                secs.iter()
+                    .map(|s| self.grant(Duration::from_secs(s.unsigned_abs()))),
+            )
+            .await;
+            // A failed grant fails every item of its TTL (by message: `LockError` is not `Clone`).
+            let leases: HashMap<i64, Result<i64, String>> = secs
+                .into_iter()
+                .zip(grants.into_iter().map(|g| g.map_err(|e| e.to_string())))
+                .collect();
+            futures_util::future::join_all(items.iter().map(|i| {
+                let lease = leases.get(&lease_secs(i.ttl)).cloned();
+                async move {
+                    match lease {
+                        Some(Ok(lease)) => {
+                            let k = self.keys(&i.resource, &i.token);
+                            self.relet_on(&k.own, 0, lease).await
+                        }
+                        Some(Err(e)) => Err(LockError::unavailable(e, None)),
+                        None => Err(LockError::unavailable("etcd lease grant missing", None)),
+                    }
+                }
+            }))
+            .await
+        })
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            self.stop_watch(resource, token);
+            let k = self.keys(resource, token);
+            let mut kv = self.client.kv_client();
+            self.call("delete", kv.delete(k.own, None)).await?;
+            Ok(())
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let watchers = self.watchers.clone();
+            let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
+                let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
+                w.retain(|(r, _), h| {
+                    let keep = &**r != res;
+                    if !keep {
+                        h.abort();
+                    }
+                    keep
+                });
+            });
+            let (watch, _first) = self.hub.register(resource, token, Some(on_last));
+            let k = self.keys(resource, token);
+            let name: Arc<str> = resource.as_str().into();
+            let task = tokio::spawn(watch_turn(
+                self.client.clone(),
+                self.hub.clone(),
+                name.clone(),
+                token.clone(),
+                k,
+                self.opts.command_timeout,
+            ));
+            let old = self
+                .watchers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert((name, token.clone()), task.abort_handle());
+            if let Some(old) = old {
+                old.abort();
+            }
+            Ok(watch)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_round_up_to_whole_seconds() {
+        assert_eq!(lease_secs(Duration::from_millis(10)), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(lease_secs(Duration::from_secs(20)), 20);
+    }
+
+    #[test]
+    fn range_end_bumps_the_slash() {
+        assert_eq!(range_end(b"dlock/a/"), b"dlock/a0".to_vec());
+    }
+}
