@@ -185,6 +185,11 @@ impl EtcdCluster {
         format!("etcd://{}", hosts.join(","))
     }
 
+    /// `etcd://127.0.0.1:<port>` of member `i` alone: a client that reaches only that member.
+    pub fn member_url(&self, i: usize) -> String {
+        format!("etcd://127.0.0.1:{}", self.members[i].client_port)
+    }
+
     /// The client port of member `i`.
     pub fn client_port(&self, i: usize) -> u16 {
         self.members[i].client_port

@@ -27,8 +27,8 @@
 //!   revision of the read on (no event can fall between the read and the watch; no thundering
 //!   herd, no polling). When the predecessor is gone it reads again; when there is none, it is
 //!   this waiter's turn and the [`ReleaseHub`] wakes it. Each waiting waiter costs one gRPC
-//!   watch stream while it waits (the streams share the client's one HTTP/2 connection per
-//!   endpoint); multiplexing all of a locker's watches over one stream is not done yet.
+//!   watch stream while it waits (the streams share the one HTTP/2 connection to the member);
+//!   multiplexing all of a locker's watches over one stream is not done yet.
 //!
 //! # Fencing tokens
 //!
@@ -87,7 +87,10 @@ use super::{
 use crate::key::ResourceName;
 use crate::LockError;
 
+mod pool;
 mod url;
+
+use self::pool::{call, Pool};
 
 /// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s, key prefix
 /// `dlock`, no user.
@@ -153,14 +156,23 @@ impl EtcdOptions {
 /// Background watch tasks, by (resource, owner token).
 type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), AbortHandle>>>;
 
+/// The leases an acquisition's attempts put its key on, by (resource, owner token): what
+/// [`Backend::abandon`] revokes so that an attempt still in flight cannot put the key back.
+type Leases = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), Vec<i64>>>>;
+
+/// How many of an acquisition's latest leases are remembered: the one its key is on and those
+/// of an attempt that may still be in flight (attempts of one acquisition are sequential).
+const LEASES_KEPT: usize = 3;
+
 /// Locks in etcd. See the [module docs](self) for the recipe, fencing and lease design.
 #[derive(Clone)]
 pub struct EtcdBackend {
-    client: Client,
+    pool: Arc<Pool>,
     opts: EtcdOptions,
     endpoints: Arc<str>,
     hub: Arc<ReleaseHub>,
     watchers: Watchers,
+    leases: Leases,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -208,40 +220,45 @@ impl EtcdBackend {
         let mut connect = ConnectOptions::new()
             .with_timeout(opts.command_timeout)
             .with_connect_timeout(opts.connect_timeout)
-            .with_keep_alive(Duration::from_secs(2), opts.command_timeout)
+            // A frozen member's connection is found dead (and left out) within 1.5 s.
+            .with_keep_alive(Duration::from_millis(500), Duration::from_secs(1))
             .with_require_leader(true);
         if let Some((u, p)) = &opts.user {
             connect = connect.with_user(u.clone(), p.clone());
         }
-        let client = match tokio::time::timeout(
-            opts.connect_timeout,
-            Client::connect(endpoints, Some(connect)),
-        )
-        .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                return Err(LockError::unavailable(
-                    format!("etcd: cannot connect to {shown}"),
-                    Some(Box::new(e)),
-                ))
+        // One client per member (see `pool`): connecting opens nothing yet, except that with
+        // a user it authenticates, which a member that is down cannot do — it is left out.
+        let connects = endpoints.iter().map(|e| {
+            tokio::time::timeout(
+                opts.connect_timeout,
+                Client::connect([e.as_str()], Some(connect.clone())),
+            )
+        });
+        let mut clients = Vec::new();
+        let mut failure = None;
+        for c in futures_util::future::join_all(connects).await {
+            match c {
+                Ok(Ok(c)) => clients.push(c),
+                Ok(Err(e)) => failure = Some(Box::new(e) as crate::BoxError),
+                Err(_) => {}
             }
-            Err(_) => {
-                return Err(LockError::unavailable(
-                    format!(
-                        "etcd: cannot connect to {shown} within {:?}",
-                        opts.connect_timeout
-                    ),
-                    None,
-                ))
-            }
-        };
+        }
+        if clients.is_empty() {
+            return Err(LockError::unavailable(
+                format!(
+                    "etcd: cannot connect to {shown} within {:?}",
+                    opts.connect_timeout
+                ),
+                failure,
+            ));
+        }
         Ok(EtcdBackend {
-            client,
+            pool: Arc::new(Pool::new(clients)),
             opts,
             endpoints: shown,
             hub: ReleaseHub::new(),
             watchers: Arc::default(),
+            leases: Arc::default(),
         })
     }
 
@@ -250,13 +267,16 @@ impl EtcdBackend {
     pub async fn delete_lock(&self, resource: &str) -> Result<u64, LockError> {
         let dir = self.dir(resource);
         let end = range_end(&dir);
-        let mut kv = self.client.kv_client();
-        let resp = call(
-            self.opts.command_timeout,
-            "delete",
-            kv.delete(dir, Some(etcd_client::DeleteOptions::new().with_range(end))),
-        )
-        .await?;
+        let resp = self
+            .call("delete", |c| {
+                let mut kv = c.kv_client();
+                let (dir, end) = (dir.clone(), end.clone());
+                async move {
+                    kv.delete(dir, Some(etcd_client::DeleteOptions::new().with_range(end)))
+                        .await
+                }
+            })
+            .await?;
         Ok(u64::try_from(resp.deleted()).unwrap_or(0))
     }
 
@@ -281,25 +301,31 @@ impl EtcdBackend {
         Keys { dir, end, own }
     }
 
-    async fn call<T>(
+    async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
         &self,
         what: &'static str,
-        fut: impl Future<Output = Result<T, etcd_client::Error>>,
+        request: impl FnMut(&Client) -> F,
     ) -> Result<T, LockError> {
-        call(self.opts.command_timeout, what, fut).await
+        call(&self.pool, self.opts.command_timeout, what, request).await
     }
 
     async fn grant(&self, ttl: Duration) -> Result<i64, LockError> {
-        let mut lease = self.client.lease_client();
         let resp = self
-            .call("lease grant", lease.grant(lease_secs(ttl), None))
+            .call("lease grant", |c| {
+                let mut lease = c.lease_client();
+                async move { lease.grant(lease_secs(ttl), None).await }
+            })
             .await?;
         Ok(resp.id())
     }
 
     async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
-        let mut kv = self.client.kv_client();
-        self.call("txn", kv.txn(txn)).await
+        self.call("txn", |c| {
+            let mut kv = c.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await
     }
 
     /// The remaining lease of the key `kv` (the holder), when it has one.
@@ -307,9 +333,11 @@ impl EtcdBackend {
         let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
             return Ok(None);
         };
-        let mut lease = self.client.lease_client();
         let resp = self
-            .call("lease time-to-live", lease.time_to_live(lease_id, None))
+            .call("lease time-to-live", |c| {
+                let mut lease = c.lease_client();
+                async move { lease.time_to_live(lease_id, None).await }
+            })
             .await?;
         Ok(u64::try_from(resp.ttl())
             .ok()
@@ -345,6 +373,79 @@ impl EtcdBackend {
             .with_limit(1)
     }
 
+    /// A lease for an attempt of `token`, remembered before any request uses it.
+    async fn grant_for(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<i64, LockError> {
+        let id = self.grant(ttl).await?;
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        let list = leases
+            .entry((Arc::from(resource.as_str()), token.clone()))
+            .or_default();
+        list.push(id);
+        if list.len() > LEASES_KEPT {
+            list.remove(0);
+        }
+        Ok(id)
+    }
+
+    /// Forgets `token`'s leases and revokes them (deleting whatever key is still on them).
+    /// A revoked lease makes a late put on it fail, so no attempt still in flight can bring
+    /// the key back.
+    async fn revoke_leases(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+    ) -> Result<(), LockError> {
+        let ids = self.take_leases(resource, token);
+        self.revoke(ids).await
+    }
+
+    fn take_leases(&self, resource: &ResourceName, token: &OwnerToken) -> Vec<i64> {
+        self.leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&(Arc::from(resource.as_str()), token.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Revokes leases nothing needs any more in the background (a lease no key is on
+    /// would expire anyway; this only frees it early).
+    fn revoke_later(&self, ids: Vec<i64>) {
+        if ids.is_empty() {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = this.revoke(ids).await {
+                tracing::debug!(error = %e, "etcd: revoking unused leases failed; they expire");
+            }
+        });
+    }
+
+    async fn revoke(&self, ids: Vec<i64>) -> Result<(), LockError> {
+        let revokes = ids.into_iter().map(|id| {
+            self.call("lease revoke", move |c| {
+                let mut lease = c.lease_client();
+                async move {
+                    match lease.revoke(id).await {
+                        // Expired or revoked already: nothing can use it.
+                        Err(etcd_client::Error::GRpcStatus(st))
+                            if st.code() == tonic::Code::NotFound =>
+                        {
+                            Ok(())
+                        }
+                        r => r.map(drop),
+                    }
+                }
+            })
+        });
+        futures_util::future::try_join_all(revokes).await.map(drop)
+    }
+
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = w.remove(&(Arc::from(resource.as_str()), token.clone())) {
@@ -354,7 +455,9 @@ impl EtcdBackend {
 
     async fn acquire_queued(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
         let k = self.keys(args.resource, args.token);
-        let lease = self.grant(args.waiter_ttl).await?;
+        let lease = self
+            .grant_for(args.resource, args.token, args.waiter_ttl)
+            .await?;
         let txn = Txn::new().and_then([
             TxnOp::put(
                 k.own.clone(),
@@ -371,7 +474,8 @@ impl EtcdBackend {
             .and_then(first_kv)
             .map_or(0, KeyValue::create_revision);
         if own_rev > 0 && head.is_some_and(|h| h.key() == k.own.as_slice()) {
-            if self.relet(&k.own, own_rev, args.ttl).await? {
+            let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
+            if self.relet_on(&k.own, own_rev, lease).await? {
                 self.stop_watch(args.resource, args.token);
                 return Ok(Attempt::Acquired {
                     fencing_token: own_rev.unsigned_abs(),
@@ -386,7 +490,7 @@ impl EtcdBackend {
 
     async fn acquire_if_free(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
         let k = self.keys(args.resource, args.token);
-        let lease = self.grant(args.ttl).await?;
+        let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
         let txn = Txn::new()
             .when(
                 [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
@@ -423,6 +527,8 @@ impl EtcdBackend {
             }
             return Ok(Attempt::Held { remaining: None });
         }
+        // Nothing of this token is on the lease: a try that did not win leaves nothing.
+        self.revoke_later(self.take_leases(args.resource, args.token));
         Ok(Attempt::Held {
             remaining: self.remaining(head).await?,
         })
@@ -438,27 +544,9 @@ fn range_end(dir: &[u8]) -> Vec<u8> {
     end
 }
 
-async fn call<T>(
-    timeout: Duration,
-    what: &'static str,
-    fut: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, LockError> {
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(LockError::unavailable(
-            format!("etcd {what} failed"),
-            Some(Box::new(e)),
-        )),
-        Err(_) => Err(LockError::unavailable(
-            format!("etcd {what}: no answer within {timeout:?}"),
-            None,
-        )),
-    }
-}
-
 /// One waiter's watch loop: wait until no key precedes `own`, then wake the waiter.
 async fn watch_turn(
-    client: Client,
+    pool: Arc<Pool>,
     hub: Arc<ReleaseHub>,
     resource: Arc<str>,
     token: OwnerToken,
@@ -467,7 +555,7 @@ async fn watch_turn(
 ) {
     let mut backoff = Duration::from_millis(20);
     loop {
-        match wait_predecessor(&client, &k.own, &k.dir, &k.end, timeout).await {
+        match wait_predecessor(&pool, &k.own, &k.dir, &k.end, timeout).await {
             Ok(true) => {
                 hub.notify(&resource, Some(token.as_str()));
                 return;
@@ -487,50 +575,43 @@ async fn watch_turn(
 /// Reads `own`'s predecessor; `Ok(true)` when there is none (or `own` is gone: the waiter
 /// must ask again), `Ok(false)` once the predecessor was deleted.
 async fn wait_predecessor(
-    client: &Client,
+    pool: &Pool,
     own: &[u8],
     dir: &[u8],
     end: &[u8],
     timeout: Duration,
 ) -> Result<bool, LockError> {
-    let mut kv = client.kv_client();
-    let mine = call(timeout, "get", kv.get(own.to_vec(), None)).await?;
+    let mine = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        async move { kv.get(own, None).await }
+    })
+    .await?;
     let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
         return Ok(true);
     };
-    let pred = call(
-        timeout,
-        "get",
-        kv.get(
-            dir.to_vec(),
-            Some(
-                GetOptions::new()
-                    .with_range(end.to_vec())
-                    .with_max_create_revision(rev - 1)
-                    .with_sort(SortTarget::Create, SortOrder::Descend)
-                    .with_limit(1)
-                    .with_keys_only(),
-            ),
-        ),
-    )
+    let pred = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        let options = GetOptions::new()
+            .with_range(end)
+            .with_max_create_revision(rev - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1)
+            .with_keys_only();
+        async move { kv.get(dir, Some(options)).await }
+    })
     .await?;
     let Some(pred_key) = pred.kvs().first().map(|kv| kv.key().to_vec()) else {
         return Ok(true);
     };
     let from = pred.header().map_or(0, |h| h.revision()) + 1;
-    let mut watch = client.watch_client();
-    let mut stream = call(
-        timeout,
-        "watch",
-        watch.watch(
-            pred_key,
-            Some(
-                WatchOptions::new()
-                    .with_start_revision(from)
-                    .with_filters([WatchFilterType::NoPut]),
-            ),
-        ),
-    )
+    let mut stream = call(pool, timeout, "watch", |c| {
+        let mut watch = c.watch_client();
+        let options = WatchOptions::new()
+            .with_start_revision(from)
+            .with_filters([WatchFilterType::NoPut]);
+        let key = pred_key.clone();
+        async move { watch.watch(key, Some(options)).await }
+    })
     .await?;
     loop {
         let msg = stream
@@ -581,7 +662,9 @@ impl Backend for EtcdBackend {
                     0,
                 )])
                 .and_then([TxnOp::delete(k.own, None)]);
-            Ok(self.txn(txn).await?.succeeded())
+            let released = self.txn(txn).await?.succeeded();
+            self.revoke_later(self.take_leases(resource, token));
+            Ok(released)
         })
     }
 
@@ -640,9 +723,16 @@ impl Backend for EtcdBackend {
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
             self.stop_watch(resource, token);
+            // First the leases, so that an attempt still in flight cannot put the key back;
+            // then the key, in case it is on a lease this locker never saw.
+            self.revoke_leases(resource, token).await?;
             let k = self.keys(resource, token);
-            let mut kv = self.client.kv_client();
-            self.call("delete", kv.delete(k.own, None)).await?;
+            self.call("delete", |c| {
+                let mut kv = c.kv_client();
+                let own = k.own.clone();
+                async move { kv.delete(own, None).await }
+            })
+            .await?;
             Ok(())
         })
     }
@@ -668,7 +758,7 @@ impl Backend for EtcdBackend {
             let k = self.keys(resource, token);
             let name: Arc<str> = resource.as_str().into();
             let task = tokio::spawn(watch_turn(
-                self.client.clone(),
+                self.pool.clone(),
                 self.hub.clone(),
                 name.clone(),
                 token.clone(),
