@@ -25,10 +25,6 @@ fn etcd_store() -> ((), Store) {
             })
         },
     );
-    let store = Store {
-        idempotency: false,
-        ..store
-    };
     ((), store)
 }
 

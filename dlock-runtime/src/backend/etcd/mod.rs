@@ -82,11 +82,13 @@ use etcd_client::{
 use tokio::task::AbortHandle;
 
 use super::{
-    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, IdempotencyStore, OwnerToken, ReleaseHub,
+    WaitMode, Watch,
 };
 use crate::key::ResourceName;
 use crate::LockError;
 
+mod idempotency;
 mod pool;
 mod url;
 
@@ -735,6 +737,10 @@ impl Backend for EtcdBackend {
             .await?;
             Ok(())
         })
+    }
+
+    fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
+        Some(self)
     }
 
     fn watch<'a>(
