@@ -118,7 +118,7 @@ async fn freezing_one_member_changes_nothing() {
     cluster.pause(follower);
     for i in 0..20 {
         let g = a
-            .lock(&format!("k{}", i % 3))
+            .lock(format!("k{}", i % 3))
             .ttl(Duration::from_secs(2))
             .try_acquire()
             .await

@@ -64,10 +64,27 @@
 //! Every request is bounded by the command timeout ([`EtcdOptions::command_timeout`]) and
 //! answers [`LockError::Unavailable`] (503) when etcd does not answer in time. Requests carry
 //! etcd's *require leader* flag, so a member without a leader (no quorum) refuses at once
-//! instead of waiting. A leader change is absorbed by etcd (leases are renewed by the new
-//! leader) and by the client's retries within the timeout. A holder cut off from the cluster
-//! cannot renew; its local lease clock ends and [`lost`](crate::LockGuard::lost) fires, before
-//! the server's lease lets the next holder in. Errors never contain the URL's credentials.
+//! instead of waiting. The locker keeps one client per member (`pool`): a try goes to a member
+//! not under suspicion, and a try unanswered after a fifth of the timeout is hedged on another
+//! member — etcd-client's own balancer picks endpoints at random and a frozen member looks
+//! ready, so a third of the requests to a three-member cluster would hang on it. A leader
+//! change is absorbed by etcd (the new leader renews every lease) and by those retries. A holder
+//! cut off from the cluster cannot renew; its local lease clock ends and
+//! [`lost`](crate::LockGuard::lost) fires, before the server's lease lets the next holder in.
+//! Errors never contain the URL's credentials.
+//!
+//! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
+//! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
+//! lease expires unused. One answer can be ambiguous: a release whose first try was applied but
+//! not answered, repeated, answers "not the owner" (reported as a lost lock, after the lock was
+//! in fact released).
+//!
+//! # Cancellation
+//!
+//! A cancelled acquire may leave a request in flight that lands *after* the locker's
+//! [`abandon`](Backend::abandon) deleted the key, which would bring the key back. So the backend
+//! remembers the leases an acquisition's attempts used, and `abandon` revokes them first: a put
+//! on a revoked lease fails, and revoking deletes whatever key is on it.
 
 use std::collections::HashMap;
 use std::fmt;
