@@ -46,35 +46,19 @@ impl IdempotencyStore for EtcdBackend {
             let mut note = NOTE.to_vec();
             note.extend_from_slice(fp.as_bytes());
             let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
-            let txn = Txn::new()
-                .when([
-                    Compare::create_revision(record.clone(), CompareOp::Equal, 0),
-                    Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
-                        .with_range(k.end.clone()),
-                ])
-                .and_then([
-                    TxnOp::put(
-                        k.own.clone(),
-                        note,
-                        Some(PutOptions::new().with_lease(lease)),
-                    ),
-                    TxnOp::get(k.own.clone(), None),
-                ])
-                .or_else([
-                    TxnOp::get(record, None),
-                    TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))),
-                ]);
-            let resp = self.txn(txn).await?;
-            let ops = resp.op_responses();
-            if resp.succeeded() {
-                let rev = ops
-                    .get(1)
-                    .and_then(first_kv)
-                    .map_or(0, etcd_client::KeyValue::create_revision);
-                return Ok(BeginReply::Acquired {
-                    fencing_token: rev.unsigned_abs(),
-                });
-            }
+            let ops = match self
+                .put_if_free(
+                    &k,
+                    note,
+                    lease,
+                    vec![record.clone()],
+                    vec![TxnOp::get(record, None)],
+                )
+                .await?
+            {
+                Ok(fencing_token) => return Ok(BeginReply::Acquired { fencing_token }),
+                Err(ops) => ops,
+            };
             self.revoke_later(self.take_leases(args.resource, args.token));
             if let Some(rec) = ops.first().and_then(first_kv) {
                 let value = rec.value();

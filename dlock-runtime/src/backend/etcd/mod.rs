@@ -218,6 +218,13 @@ fn lease_secs(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
 }
 
+/// The create revision of the key the `i`th response read (0: none).
+fn create_revision_at(ops: &[TxnOpResponse], i: usize) -> u64 {
+    ops.get(i)
+        .and_then(first_kv)
+        .map_or(0, |kv| kv.create_revision().unsigned_abs())
+}
+
 fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
     match resp {
         TxnOpResponse::Get(g) => g.kvs().first(),
@@ -385,6 +392,45 @@ impl EtcdBackend {
         Ok(self.txn(txn).await?.succeeded())
     }
 
+    /// One transaction: if no key exists under the lock's prefix (nor any key of `also_absent`),
+    /// put the own key with `value` on `lease` → `Ok(its create revision)`; else
+    /// `Err(responses)` of `otherwise` followed by a read of the head.
+    async fn put_if_free(
+        &self,
+        k: &Keys,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+        also_absent: Vec<Vec<u8>>,
+        mut otherwise: Vec<TxnOp>,
+    ) -> Result<Result<u64, Vec<TxnOpResponse>>, LockError> {
+        let mut when: Vec<Compare> = also_absent
+            .into_iter()
+            .map(|key| Compare::create_revision(key, CompareOp::Equal, 0))
+            .collect();
+        when.push(
+            Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0).with_range(k.end.clone()),
+        );
+        otherwise.push(TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))));
+        let txn = Txn::new()
+            .when(when)
+            .and_then([
+                TxnOp::put(
+                    k.own.clone(),
+                    value,
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::get(k.own.clone(), None),
+            ])
+            .or_else(otherwise);
+        let resp = self.txn(txn).await?;
+        let ops = resp.op_responses();
+        Ok(if resp.succeeded() {
+            Ok(create_revision_at(&ops, 1))
+        } else {
+            Err(ops)
+        })
+    }
+
     fn head_options(end: &[u8]) -> GetOptions {
         GetOptions::new()
             .with_range(end.to_vec())
@@ -488,10 +534,7 @@ impl EtcdBackend {
         ]);
         let ops = self.txn(txn).await?.op_responses();
         let head = ops.get(1).and_then(first_kv);
-        let own_rev = ops
-            .get(2)
-            .and_then(first_kv)
-            .map_or(0, KeyValue::create_revision);
+        let own_rev = i64::try_from(create_revision_at(&ops, 2)).unwrap_or(0);
         if own_rev > 0 && head.is_some_and(|h| h.key() == k.own.as_slice()) {
             let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
             if self.relet_on(&k.own, own_rev, lease).await? {
@@ -510,31 +553,13 @@ impl EtcdBackend {
     async fn acquire_if_free(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
         let k = self.keys(args.resource, args.token);
         let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
-        let txn = Txn::new()
-            .when(
-                [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
-                    .with_range(k.end.clone())],
-            )
-            .and_then([
-                TxnOp::put(
-                    k.own.clone(),
-                    args.token.as_str(),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                TxnOp::get(k.own.clone(), None),
-            ])
-            .or_else([TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end)))]);
-        let resp = self.txn(txn).await?;
-        let ops = resp.op_responses();
-        if resp.succeeded() {
-            let rev = ops
-                .get(1)
-                .and_then(first_kv)
-                .map_or(0, KeyValue::create_revision);
-            return Ok(Attempt::Acquired {
-                fencing_token: rev.unsigned_abs(),
-            });
-        }
+        let ops = match self
+            .put_if_free(&k, args.token.as_str(), lease, vec![], vec![])
+            .await?
+        {
+            Ok(fencing_token) => return Ok(Attempt::Acquired { fencing_token }),
+            Err(ops) => ops,
+        };
         let head = ops.first().and_then(first_kv);
         if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
             // This token already holds the lock (asking again): restart its lease.
