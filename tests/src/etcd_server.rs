@@ -1,6 +1,7 @@
 //! Starts real `etcd` processes for tests: one member ([`EtcdCluster::start`], and
 //! [`shared`], one per test binary) or a cluster of three ([`EtcdCluster::start_cluster`]) on
-//! free loopback ports (client and peer), with their data in a private temporary folder, and
+//! free loopback ports (client and peer), with their data in a private temporary folder (on
+//! `/dev/shm` when there is one), and
 //! the faults the tests inject (kill, restart, freeze with SIGSTOP).
 //!
 //! Members run with a 50 ms heartbeat and a 500 ms election timeout, so a new leader is elected
@@ -21,6 +22,18 @@ use std::time::{Duration, Instant};
 use crate::redis_server::{free_port, on_owner_thread};
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Where members keep their data: `/dev/shm` when the machine has it (a memory file system:
+/// etcd fsyncs every write, which on a loaded disk can take longer than a test's command
+/// timeout), else the temporary folder.
+fn data_root() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() {
+        shm
+    } else {
+        std::env::temp_dir()
+    }
+}
 
 fn binary() -> String {
     std::env::var("DLOCK_ETCD").unwrap_or_else(|_| "etcd".to_owned())
@@ -67,7 +80,7 @@ impl EtcdCluster {
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         );
-        let dir = std::env::temp_dir().join(&token);
+        let dir = data_root().join(&token);
         std::fs::create_dir_all(&dir).expect("create etcd temp dir");
         // Another process may take a probed port before etcd binds it: start again then.
         for _ in 0..5 {

@@ -40,6 +40,10 @@ use dlock_tests::wait::poll_until;
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(1000);
 
+/// The fault tests run one at a time: each starts a 3-member cluster of its own, and three of
+/// them at once (beside the conformance suite's member) would starve a 2-core machine.
+static ONE_CLUSTER_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn locker(url: &str) -> Locker {
     Locker::builder()
         .command_timeout(COMMAND_TIMEOUT)
@@ -68,6 +72,7 @@ async fn try_take(
 /// else can take it) and new acquires work again within an election plus a command timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_kill_keeps_locks_and_acquires_keep_working() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
     let mut cluster = EtcdCluster::start_cluster();
     let a = locker(&cluster.url()).await;
     let b = locker(&cluster.url()).await;
@@ -105,6 +110,7 @@ async fn leader_kill_keeps_locks_and_acquires_keep_working() {
 /// before, with no error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freezing_one_member_changes_nothing() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
     let mut cluster = EtcdCluster::start_cluster();
     let leader = cluster.wait_leader(Duration::from_secs(10));
     let follower = (leader + 1) % cluster.len();
@@ -138,6 +144,7 @@ async fn freezing_one_member_changes_nothing() {
 /// command timeout (never a hang); once the members thaw, locks are taken again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_quorum_errors_are_typed_and_timely_then_recovery() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
     let mut cluster = EtcdCluster::start_cluster();
     let a = locker(&cluster.url()).await;
     let leader = cluster.wait_leader(Duration::from_secs(10));
@@ -178,6 +185,7 @@ async fn without_quorum_errors_are_typed_and_timely_then_recovery() {
 /// gets the lock only after the lease expired on the server, with a greater fencing token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_whose_lease_expires_in_a_pause_is_told_and_fenced() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
     let mut cluster = EtcdCluster::start_cluster();
     let leader = cluster.wait_leader(Duration::from_secs(10));
     let cut = (leader + 1) % 3;
