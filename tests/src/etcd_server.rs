@@ -303,14 +303,46 @@ impl Drop for EtcdCluster {
     }
 }
 
+impl EtcdCluster {
+    /// Turns on etcd's authentication with a `root` user whose password is `password`
+    /// (through the member's JSON gateway). Clients must log in from then on.
+    ///
+    /// # Panics
+    /// If a step fails.
+    pub fn enable_auth(&self, password: &str) {
+        let port = self.members[0].client_port;
+        let steps = [
+            (
+                "/v3/auth/user/add",
+                format!(r#"{{"name":"root","password":"{password}"}}"#),
+            ),
+            (
+                "/v3/auth/user/grant",
+                r#"{"user":"root","role":"root"}"#.to_owned(),
+            ),
+            ("/v3/auth/enable", "{}".to_owned()),
+        ];
+        for (path, body) in steps {
+            assert!(post_body(port, path, &body).is_some(), "etcd {path} failed");
+        }
+    }
+}
+
 /// POSTs `{}` to a gRPC-gateway path of the member on `port`; the body, when it answers 200.
 fn post(port: u16, path: &str) -> Option<String> {
+    post_body(port, path, "{}")
+}
+
+/// POSTs a JSON `body` to a gRPC-gateway path of the member on `port`; the answer's body, when
+/// it is 200.
+fn post_body(port: u16, path: &str, body: &str) -> Option<String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
     s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
     let req = format!(
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-         Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
     );
     s.write_all(req.as_bytes()).ok()?;
     let mut buf = String::new();

@@ -220,3 +220,46 @@ async fn a_holder_whose_lease_expires_in_a_pause_is_told_and_fenced() {
     g.release().await.unwrap();
     cluster.resume(cut);
 }
+
+/// etcd with authentication on: a locker given the user and password in the URL (percent-
+/// encoded) locks; a wrong password is a typed 503 error at connect that never shows the
+/// password, nor does the good one appear in any error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_and_password_from_the_url_and_never_in_errors() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let cluster = EtcdCluster::start();
+    let password = "s3cr:et@pw";
+    cluster.enable_auth(password);
+    let hosts = cluster.url().trim_start_matches("etcd://").to_owned();
+    let good = format!("etcd://root:s3cr%3Aet%40pw@{hosts}");
+    let l = locker(&good).await;
+    let g = l.lock("auth").try_acquire().await.unwrap().expect("free");
+    g.release().await.unwrap();
+
+    let bad = format!("etcd://root:wrong-pw@{hosts}");
+    let Err(err) = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&bad)
+        .await
+    else {
+        panic!("a wrong password connected");
+    };
+    assert!(err.is_unavailable(), "{err}");
+    let mut shown = format!("{err} {err:?}");
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        shown.push_str(&format!(" {s} {s:?}"));
+        source = s.source();
+    }
+    assert!(!shown.contains("wrong-pw"), "the password leaked: {shown}");
+
+    // Without credentials etcd refuses: typed, not a hang.
+    let anonymous = locker(&cluster.url()).await;
+    let err = anonymous
+        .lock("auth")
+        .try_acquire()
+        .await
+        .expect_err("an anonymous client locked on an etcd with authentication");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(!format!("{err:?}").contains(password));
+}

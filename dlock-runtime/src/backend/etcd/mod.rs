@@ -250,7 +250,10 @@ impl EtcdBackend {
             .with_keep_alive(Duration::from_millis(500), Duration::from_secs(1))
             .with_require_leader(true);
         if let Some((u, p)) = &opts.user {
-            connect = connect.with_user(u.clone(), p.clone());
+            // etcd's tokens expire (5 min by default): fetch a new one when one does.
+            connect = connect
+                .with_user(u.clone(), p.clone())
+                .with_auto_token_refresh(true);
         }
         // One client per member (see `pool`): connecting opens nothing yet, except that with
         // a user it authenticates, which a member that is down cannot do — it is left out.
