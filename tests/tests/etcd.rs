@@ -263,3 +263,30 @@ async fn user_and_password_from_the_url_and_never_in_errors() {
     assert!(err.is_unavailable(), "{err}");
     assert!(!format!("{err:?}").contains(password));
 }
+
+/// Nothing listens at the URL: connecting or the first request fails with the typed 503 error
+/// within the command timeout, never a hang.
+#[tokio::test]
+async fn unreachable_etcd_is_unavailable_in_time() {
+    let port = dlock_tests::redis_server::free_port();
+    let started = Instant::now();
+    let err = match Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&format!("etcd://127.0.0.1:{port}"))
+        .await
+    {
+        Err(e) => e,
+        Ok(l) => l
+            .lock("nowhere")
+            .try_acquire()
+            .await
+            .expect_err("a lock granted by no server"),
+    };
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(
+        started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500),
+        "an unreachable etcd took {:?} to report",
+        started.elapsed()
+    );
+}
