@@ -113,7 +113,10 @@ impl Locker {
     ///   asked for [`replicas`](crate::LockRequest::replicas). The credentials are the
     ///   servers'; the sentinels are reached without;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
-    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend).
+    ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend);
+    /// * `etcd://[user:password@]host:port,host:port,…` (feature `etcd`) — an etcd cluster,
+    ///   through any of its members, with the lock recipe of etcd's concurrency package (module
+    ///   `backend::etcd`); fencing tokens are the holder key's create revision.
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.
