@@ -16,6 +16,8 @@
 //!   cargo run -p dlock-examples --bin orders-axum               # Redis
 //! DLOCK_REDIS_URL=redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002 \
 //!   cargo run -p dlock-examples --bin orders-axum               # a Redis Cluster
+//! DLOCK_URL=postgres://app@127.0.0.1:5432/app \
+//!   cargo run -p dlock-examples --bin orders-axum               # Postgres
 //! cargo run -p dlock-examples --bin orders-axum -- --serve      # keep serving on 127.0.0.1:3000
 //! ```
 //!
@@ -94,7 +96,9 @@ fn app(state: AppState) -> Router {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let locker = match std::env::var("DLOCK_REDIS_URL") {
+    // Any locker URL (`DLOCK_URL`: memory://, redis://, postgres://, …), or a Redis one.
+    let url = std::env::var("DLOCK_URL").or_else(|_| std::env::var("DLOCK_REDIS_URL"));
+    let locker = match url {
         Ok(url) => Locker::builder().prefix("dlock-demo").connect(&url).await?,
         Err(_) => Locker::memory(),
     };

@@ -18,6 +18,7 @@ mod held;
 #[cfg(feature = "layer")]
 mod layer;
 mod plot;
+mod postgres;
 mod redlock;
 mod report;
 mod stats;
@@ -39,7 +40,7 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 9] = [
+const SCENARIOS: [&str; 10] = [
     "uncontended",
     "contended",
     "contended_think",
@@ -49,6 +50,7 @@ const SCENARIOS: [&str; 9] = [
     "etcd",
     "held_at_scale",
     "layer_overhead",
+    "postgres",
 ];
 
 /// How long and how much.
@@ -165,7 +167,8 @@ and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
   --only    run only these scenarios: uncontended, contended, contended_think, redlock, sentinel,
-            cluster, etcd, held_at_scale, layer_overhead (for profiling; the full report needs all)
+            cluster, etcd, held_at_scale, layer_overhead, postgres (for profiling; the full
+            report needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
 fn main() -> ExitCode {
@@ -541,6 +544,11 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
             layer_overhead(&one[0], &plan, &mut admin).await?,
         );
         admin.flush_all().await?;
+    }
+
+    // 6. postgres (its own server and drivers)
+    if plan.wants("postgres") {
+        scenarios.insert("postgres".into(), postgres::run(&plan).await?);
     }
 
     for name in SCENARIOS {

@@ -62,6 +62,7 @@
 //! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
 //! | `etcd` | no | the etcd backend, `backend::EtcdBackend` (`etcd://`; building it needs `protoc`) |
 //! | `tls` | no | `rediss://` |
+//! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
 

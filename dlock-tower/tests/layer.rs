@@ -1,6 +1,7 @@
-//! `DistributedLockLayer` against real `redis-server` processes: mutual exclusion per key,
-//! parallelism across keys, release on cancellation, fail-open/fail-closed, the body digest,
-//! `LockInfo` in extensions, and composition with axum and a plain hyper + tower stack.
+//! `DistributedLockLayer` against real `redis-server` processes (and one PostgreSQL): mutual
+//! exclusion per key, parallelism across keys, release on cancellation, fail-open/fail-closed,
+//! the body digest, `LockInfo` in extensions, and composition with axum and a plain hyper +
+//! tower stack.
 //!
 //! Inner services block on signals the test controls (watch channels, barriers), never on
 //! sleeps; assertions are about behaviour, not speed.
@@ -125,7 +126,23 @@ async fn wait_open(mut rx: watch::Receiver<bool>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_over_http_admits_one_and_rejects_the_rest() {
     let redis = RedisServer::start();
-    let locker = redis.locker().await;
+    admits_one_and_rejects_the_rest(redis.locker().await).await;
+}
+
+/// The same over the Postgres backend (a throwaway PostgreSQL shared by this test binary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_over_http_admits_one_and_rejects_the_rest_on_postgres() {
+    let port = dlock_tests::postgres_server::shared()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .port();
+    let locker = Locker::from_url(&format!("postgres://postgres@127.0.0.1:{port}/postgres"))
+        .await
+        .expect("connect to postgres");
+    admits_one_and_rejects_the_rest(locker).await;
+}
+
+async fn admits_one_and_rejects_the_rest(locker: Locker) {
     let entered = Arc::new(AtomicUsize::new(0));
     let (open, gate_rx) = gate();
 

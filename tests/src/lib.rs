@@ -1,6 +1,7 @@
 //! Test support for dlock: real `redis-server` processes ([`redis_server`]), clusters of them
-//! ([`redis_cluster`]) and Sentinel deployments ([`redis_sentinel`]), etcd members and clusters ([`etcd_server`]), a fault-injecting
-//! TCP proxy ([`proxy`]), durable job types for the defer tests ([`jobs`]), bounded polling for
+//! ([`redis_cluster`]) and Sentinel deployments ([`redis_sentinel`]), real PostgreSQL servers and
+//! PgBouncers ([`postgres_server`]), etcd members and clusters ([`etcd_server`]), a
+//! fault-injecting TCP proxy ([`proxy`]), durable job types for the defer tests ([`jobs`]), bounded polling for
 //! state nothing signals ([`wait`]) and, with the feature `http`, HTTP helpers for the tower
 //! layer tests (`http`). The backend conformance suite is public in
 //! `dlock_runtime::conformance` (feature `conformance`).
@@ -9,10 +10,12 @@ pub mod etcd_server;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod jobs;
+pub mod postgres_server;
 pub mod proxy;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
 pub mod wait;
 
+pub use postgres_server::{PgBouncer, PostgresServer};
 pub use redis_server::RedisServer;

@@ -117,6 +117,38 @@ impl RedisCluster {
         }
     }
 
+    /// Waits until the master on `port`, which was killed or frozen, has been replaced: every
+    /// running node flags it as failed (`fail`, not only suspected) and serves every slot again
+    /// (its replica was promoted).
+    ///
+    /// # Panics
+    /// If that does not happen within `limit`.
+    pub fn wait_failed_over(&self, port: u16, limit: Duration) {
+        let me = format!("127.0.0.1:{port}@");
+        self.wait_all("the failover", limit, |p| {
+            let flagged = redis_cli(p, &["cluster", "nodes"]).is_some_and(|nodes| {
+                nodes.lines().any(|l| {
+                    let mut f = l.split_whitespace().skip(1);
+                    f.next().is_some_and(|a| a.starts_with(&me))
+                        && f.next()
+                            .is_some_and(|flags| flags.split(',').any(|x| x == "fail"))
+                })
+            });
+            flagged
+                && cluster_info(p).is_some_and(|i| {
+                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
+                })
+        });
+    }
+
+    /// The ports of the running nodes that are masters now (`ROLE`), in node order.
+    pub fn master_ports(&self) -> Vec<u16> {
+        self.running_ports()
+            .into_iter()
+            .filter(|&p| redis_cli(p, &["role"]).is_some_and(|r| r.starts_with("master")))
+            .collect()
+    }
+
     /// The seed URLs of every node (`redis://127.0.0.1:<port>`).
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
@@ -197,11 +229,7 @@ impl RedisCluster {
     /// # Panics
     /// If that node does not answer `CLUSTER SLOTS`.
     pub async fn slots_seen_by(port: u16) -> Vec<SlotRange> {
-        let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect to a cluster node");
+        let mut c = node_conn(port).await;
         let v: redis::Value = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query_async(&mut c)
@@ -254,15 +282,154 @@ impl RedisCluster {
 
 /// The cluster slot of `key`, as the node on `port` computes it (`CLUSTER KEYSLOT`).
 pub async fn key_slot(port: u16, key: &str) -> u16 {
-    let mut c = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect to a cluster node");
+    let mut c = node_conn(port).await;
     redis::cmd("CLUSTER")
         .arg("KEYSLOT")
         .arg(key)
         .query_async(&mut c)
         .await
         .expect("CLUSTER KEYSLOT")
+}
+
+/// A connection to one node (not the cluster), for node-level commands (`CLUSTER SETSLOT`,
+/// `MIGRATE`, reading one master's keys).
+///
+/// # Panics
+/// If the node does not accept it.
+pub async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to a cluster node")
+}
+
+/// The cluster node id of the node on `port` (`CLUSTER MYID`).
+///
+/// # Panics
+/// If that node does not answer.
+pub async fn node_id(port: u16) -> String {
+    redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query_async(&mut node_conn(port).await)
+        .await
+        .expect("CLUSTER MYID")
+}
+
+impl RedisCluster {
+    /// Moves `slot` from the master on `from` to the master on `to` the way
+    /// `redis-cli --cluster reshard` does, by hand: `CLUSTER SETSLOT … IMPORTING` on the target,
+    /// `… MIGRATING` on the source, then `MIGRATE … KEYS` of `batch` keys at a time (what
+    /// `--cluster-pipeline` sets) until the source has none left in the slot, then
+    /// `CLUSTER SETSLOT … NODE` on the target, the source and every other running master; waits
+    /// until every running node's slot map shows the new owner. Keys written into the slot on
+    /// either side while it moves are what a reshard has to cope with; a `MIGRATE` the target
+    /// refuses (`BUSYKEY`: the key was created there while its old copy was still on the
+    /// source) is returned as the error, the slot left half-moved, as `redis-cli` leaves it.
+    ///
+    /// # Panics
+    /// If a node does not answer a command other than `MIGRATE`, or the new owner is not
+    /// everywhere within 10 s.
+    pub async fn move_slot(
+        &self,
+        slot: u16,
+        from: u16,
+        to: u16,
+        batch: usize,
+    ) -> Result<(), String> {
+        Self::move_slot_among(&self.running_ports(), slot, from, to, batch).await
+    }
+
+    /// The ports of the nodes that answer now.
+    pub fn running_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_up())
+            .map(RedisServer::port)
+            .collect()
+    }
+
+    /// [`move_slot`](RedisCluster::move_slot) in a cluster whose running nodes listen on
+    /// `running` (for callers that share the cluster behind a lock they must not hold across
+    /// the move).
+    pub async fn move_slot_among(
+        running: &[u16],
+        slot: u16,
+        from: u16,
+        to: u16,
+        batch: usize,
+    ) -> Result<(), String> {
+        let (from_id, to_id) = (node_id(from).await, node_id(to).await);
+        let setslot = async |port: u16, args: &[&str]| {
+            let _: () = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(args)
+                .query_async(&mut node_conn(port).await)
+                .await
+                .unwrap_or_else(|e| panic!("CLUSTER SETSLOT {slot} {args:?} on {port}: {e}"));
+        };
+        setslot(to, &["IMPORTING", &from_id]).await;
+        setslot(from, &["MIGRATING", &to_id]).await;
+        let mut source = node_conn(from).await;
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(batch)
+                .query_async(&mut source)
+                .await
+                .expect("CLUSTER GETKEYSINSLOT");
+            if keys.is_empty() {
+                break;
+            }
+            let moved: redis::RedisResult<()> = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query_async(&mut source)
+                .await;
+            // NOKEY: every key of the batch expired or was deleted since it was listed.
+            if let Err(e) = moved.or_else(|e| {
+                if e.code() == Some("NOKEY") {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }) {
+                return Err(format!("MIGRATE {keys:?} from {from} to {to}: {e}"));
+            }
+        }
+        setslot(to, &["NODE", &to_id]).await;
+        setslot(from, &["NODE", &to_id]).await;
+        let masters: std::collections::BTreeSet<u16> = Self::slots_seen_by(to)
+            .await
+            .iter()
+            .map(|r| r.master)
+            .collect();
+        for port in masters {
+            if port != from && port != to {
+                setslot(port, &["NODE", &to_id]).await;
+            }
+        }
+        crate::wait::poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            async || {
+                for &port in running {
+                    let owner = Self::range_of(port, slot).await.master;
+                    if owner != to {
+                        return Err(format!("node {port} still sees slot {slot} on {owner}"));
+                    }
+                }
+                Ok(())
+            },
+        )
+        .await;
+        Ok(())
+    }
 }

@@ -1,5 +1,6 @@
 //! `#[distributed_lock]` end to end: axum and actix-web handlers over real HTTP servers
-//! against a real Redis, and plain async fns (re-entrancy, default locker, panics, `?`).
+//! against a real Redis (and the two axum scenarios on a real PostgreSQL), and plain async fns
+//! (re-entrancy, default locker, panics, `?`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -162,7 +163,27 @@ fn assert_conflict(r: &Reply, detail: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
     let server = RedisServer::start();
-    let (app, mut entered) = app(server.locker().await);
+    reject_runs_one_of_50_duplicates(server.locker().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest_on_postgres() {
+    reject_runs_one_of_50_duplicates(postgres_locker().await).await;
+}
+
+/// A locker on the binary's shared PostgreSQL (started on first use).
+async fn postgres_locker() -> Locker {
+    let port = dlock_tests::postgres_server::shared()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .port();
+    Locker::from_url(&format!("postgres://postgres@127.0.0.1:{port}/postgres"))
+        .await
+        .expect("connect to postgres")
+}
+
+async fn reject_runs_one_of_50_duplicates(locker: Locker) {
+    let (app, mut entered) = app(locker);
     let base = axum_app::serve(app.clone()).await;
     let url = format!("{base}/orders/7/submit");
     // 49 rejections in while the one holder still waits: then it may finish.
@@ -184,7 +205,16 @@ async fn axum_reject_runs_one_of_50_duplicates_and_409s_the_rest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn axum_retry_runs_all_50_one_at_a_time_with_increasing_tokens() {
     let server = RedisServer::start();
-    let (app, _entered) = app(server.locker().await);
+    retry_runs_all_50_one_at_a_time(server.locker().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_retry_runs_all_50_one_at_a_time_with_increasing_tokens_on_postgres() {
+    retry_runs_all_50_one_at_a_time(postgres_locker().await).await;
+}
+
+async fn retry_runs_all_50_one_at_a_time(locker: Locker) {
+    let (app, _entered) = app(locker);
     let base = axum_app::serve(app.clone()).await;
     let url = format!("{base}/orders/9/pay");
     let replies = burst(&url, 50, |_| {}).await;

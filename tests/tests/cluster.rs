@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail};
-use dlock_tests::redis_cluster::{self, key_slot, RedisCluster, SlotRange};
+use dlock_tests::redis_cluster::{self, key_slot, node_conn, RedisCluster, SlotRange};
 use dlock_tests::wait::poll_until;
 use redis::AsyncCommands as _;
 
@@ -120,12 +120,23 @@ fn master_ports() -> Vec<u16> {
     c.nodes.iter().take(3).map(|n| n.port()).collect()
 }
 
-async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .unwrap()
-        .get_multiplexed_async_connection()
+/// Releases `held`; the queued `wait` must be handed the lock within `limit` (else fails with
+/// `why`), with a larger fencing token; then releases that too.
+async fn release_and_hand_over(
+    held: dlock_runtime::LockGuard,
+    wait: tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>>,
+    limit: Duration,
+    why: &str,
+) {
+    let held_token = held.fencing_token();
+    held.release().await.unwrap();
+    let g = tokio::time::timeout(limit, wait)
         .await
+        .expect(why)
         .unwrap()
+        .unwrap();
+    assert!(g.fencing_token() > held_token);
+    g.release().await.unwrap();
 }
 
 /// Release notifications on a cluster are sharded (`SPUBLISH`, served by the lock's own
@@ -151,17 +162,37 @@ async fn handoff_uses_sharded_pub_sub() {
         async || (waiter.waiting() == 1).then_some(()).ok_or("never queued"),
     )
     .await;
-    let held_token = held.fencing_token();
-    held.release().await.unwrap();
-    let g = tokio::time::timeout(Duration::from_secs(5), wait)
-        .await
-        .expect("no handoff")
-        .unwrap()
-        .unwrap();
-    assert!(g.fencing_token() > held_token);
-    g.release().await.unwrap();
+    release_and_hand_over(held, wait, Duration::from_secs(5), "no handoff").await;
     assert!(calls_per_master("spublish").await.iter().sum::<u64>() > spublish);
     assert_eq!(calls_per_master("publish").await, vec![0, 0, 0]);
+}
+
+/// The Redis key `locker` keeps `key`'s lock in.
+fn resource_name(locker: &Locker, key: &str) -> String {
+    locker
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned()
+}
+
+/// The slot range (master and replicas, as the node on `seed` sees it) serving `key`'s lock.
+async fn range_of_key(locker: &Locker, seed: u16, key: &str) -> SlotRange {
+    let name = resource_name(locker, key);
+    let slot = key_slot(seed, &name).await;
+    // Gossip may list a shard's replica a moment after its link is up.
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || {
+            let r = RedisCluster::range_of(seed, slot).await;
+            if r.replicas.is_empty() {
+                Err(format!("slot {slot}: no replica listed yet"))
+            } else {
+                Ok(r)
+            }
+        },
+    )
+    .await
 }
 
 /// Two of this locker's keys whose slots have different masters, with the map as the node on
@@ -174,25 +205,7 @@ async fn keys_on_two_masters(
     let mut first: Option<(String, SlotRange)> = None;
     for i in 0.. {
         let key = format!("{prefix}:{i}");
-        let name = locker
-            .resource(dlock_runtime::LockKey::new(&key).unwrap())
-            .as_str()
-            .to_owned();
-        let slot = key_slot(seed, &name).await;
-        // Gossip may list a shard's replica a moment after its link is up.
-        let range = poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            async || {
-                let r = RedisCluster::range_of(seed, slot).await;
-                if r.replicas.is_empty() {
-                    Err(format!("slot {slot}: no replica listed yet"))
-                } else {
-                    Ok(r)
-                }
-            },
-        )
-        .await;
+        let range = range_of_key(locker, seed, &key).await;
         match &first {
             None => first = Some((key, range)),
             Some((_, r)) if r.master != range.master => {
@@ -207,9 +220,10 @@ async fn keys_on_two_masters(
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
 /// it. Locks on the other shards keep being renewed; acquiring on the dead shard is a prompt
 /// typed error, never a hang; the replica takes over and the shard works again; the holder
-/// whose lock did not survive is told through `lost()`; and the next fencing token for that key
-/// is larger than the lost holder's, although the promoted replica's counter is older. (Its own
-/// cluster: this test kills a node.)
+/// whose lock did not survive is told through `lost()`, while a lock acquired with
+/// `.replicas(1)` on the same shard survives; and the next fencing token for that key is larger
+/// than the lost holder's, although the promoted replica's counter is older. (Its own cluster:
+/// this test kills a node.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     let mut cluster = RedisCluster::start(3, 1);
@@ -249,6 +263,25 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         },
     )
     .await;
+    // An acknowledged lock on A's master: the replica has it before acquire returns.
+    let mut acked_key = None;
+    for i in 0.. {
+        let key = format!("failover-acked:{i}");
+        if range_of_key(&locker, seed, &key).await.master == ra.master {
+            acked_key = Some(key);
+            break;
+        }
+    }
+    let acked_key = acked_key.unwrap();
+    // Its lease outlasts the failover (node timeout + election), so only the failover could
+    // lose it.
+    let acked = locker
+        .lock(&acked_key)
+        .ttl(Duration::from_secs(10))
+        .replicas(1)
+        .acquire()
+        .await
+        .unwrap();
     // The dying master's replica stops taking the replication stream before A is taken again:
     // that lock, and the counter's advance, exist only on the master that dies.
     let replica = cluster.index_of(ra.replicas[0]);
@@ -300,6 +333,15 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         held_a.fencing_token()
     );
     g.release().await.unwrap();
+
+    // The acknowledged lock on the dead master's shard survived the failover: the promoted
+    // replica has it under its owner (an owner-checked extend and release succeed there).
+    assert!(
+        acked.is_held(),
+        "an acknowledged lock was lost in the failover"
+    );
+    acked.extend(Duration::from_secs(10)).await.unwrap();
+    acked.release().await.unwrap();
 
     // B, on another master, was renewed all along.
     assert_ne!(rb.master, ra.master);
@@ -372,4 +414,338 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
     let err = err.expect_err("a lock no replica acknowledged counted as taken");
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(on_master, 0, "an unacknowledged lock was not given back");
+}
+
+/// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names
+/// them, and that slot.
+async fn keys_of_one_slot(locker: &Locker, seed: u16) -> (Vec<String>, u16) {
+    let name = |key: &str| resource_name(locker, key);
+    let slot = redis::cluster_routing::Slot::for_key(name("k0"));
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("k{i}"))
+        .filter(|k| redis::cluster_routing::Slot::for_key(name(k)) == slot)
+        .take(4)
+        .collect();
+    let n = key_slot(seed, &name(&keys[0])).await;
+    for k in &keys {
+        assert_eq!(key_slot(seed, &name(k)).await, n, "{k} is not in slot {n}");
+    }
+    (keys, n)
+}
+
+/// What the lockers of the resharding test record: per key, who is inside its critical section
+/// (0: nobody) and the last fencing token granted; what went wrong.
+#[derive(Default)]
+struct Exclusion {
+    inside: [std::sync::atomic::AtomicUsize; 4],
+    last_token: std::sync::Mutex<[u64; 4]>,
+    sections: std::sync::atomic::AtomicUsize,
+    violations: std::sync::Mutex<Vec<String>>,
+    errors: std::sync::Mutex<Vec<String>>,
+}
+
+impl Exclusion {
+    fn violation(&self, what: String) {
+        self.violations.lock().unwrap().push(what);
+    }
+
+    /// One critical section of task `me` on key `k` under `guard`.
+    async fn section(&self, me: usize, k: usize, guard: &dlock_runtime::LockGuard) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if let Err(other) = self.inside[k].compare_exchange(0, me, SeqCst, SeqCst) {
+            self.violation(format!(
+                "task {me} entered key {k} while task {other} was inside"
+            ));
+        }
+        {
+            let mut last = self.last_token.lock().unwrap();
+            let token = guard.fencing_token();
+            if token <= last[k] {
+                self.violation(format!("key {k}: token {token} after {}", last[k]));
+            }
+            last[k] = last[k].max(token);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await; // the work
+        if !guard.is_held() {
+            self.violation(format!("task {me} lost key {k} inside its section"));
+        }
+        if let Err(other) = self.inside[k].compare_exchange(me, 0, SeqCst, SeqCst) {
+            self.violation(format!(
+                "task {me} left key {k} to find task {other} inside"
+            ));
+        }
+        self.sections.fetch_add(1, SeqCst);
+    }
+}
+
+/// Resharding in the middle of a contended run: eight tasks on two lockers contend for four
+/// keys of one slot (one fencing counter, waiter queues coming and going) while the slot, with
+/// its live locks, its counter and its queues, is moved from one master to another and back
+/// (`CLUSTER SETSLOT … MIGRATING/IMPORTING`, `MIGRATE` one key at a time, `SETSLOT … NODE`),
+/// four times. No two tasks are ever inside one key's section, no holder loses its lock, tokens
+/// grow per key, every move really moves the slot and its keys, every task completes its quota
+/// within a bound, and no lock is left held. (Its own cluster: it changes the slot map.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_a_slot_with_live_locks_keeps_exclusion_and_finishes() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::Arc;
+    const TASKS: usize = 8;
+    const QUOTA: usize = 60;
+    const MOVES: usize = 4;
+
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let connect = async || {
+        Locker::builder()
+            .prefix("reshard")
+            .connect(&cluster.url())
+            .await
+            .unwrap()
+    };
+    let lockers = [connect().await, connect().await];
+    let (keys, slot) = keys_of_one_slot(&lockers[0], seed).await;
+    let state = Arc::new(Exclusion::default());
+    let moving = Arc::new(AtomicBool::new(true));
+    let tasks: Vec<_> = (1..=TASKS)
+        .map(|me| {
+            let (locker, keys) = (lockers[me % 2].clone(), keys.clone());
+            let (state, moving) = (state.clone(), moving.clone());
+            tokio::spawn(async move {
+                let mut done = 0;
+                for i in 0.. {
+                    if done >= QUOTA && !moving.load(SeqCst) {
+                        break;
+                    }
+                    let k = (me + i) % keys.len();
+                    let lock = locker
+                        .lock(&keys[k])
+                        .ttl(Duration::from_secs(2))
+                        .on_fail(OnFail::retry(Duration::from_secs(10)));
+                    match lock.acquire().await {
+                        Ok(g) => {
+                            state.section(me, k, &g).await;
+                            if let Err(e) = g.release().await {
+                                state.errors.lock().unwrap().push(format!("release: {e:?}"));
+                            }
+                            done += 1;
+                        }
+                        Err(e) => state.errors.lock().unwrap().push(format!("acquire: {e:?}")),
+                    }
+                }
+            })
+        })
+        .collect();
+
+    let sections = || state.sections.load(SeqCst);
+    let progress = async |after: usize, why: &str| {
+        dlock_tests::wait::wait_for(why, Duration::from_secs(20), async || {
+            (sections() >= after + 100).then_some(())
+        })
+        .await;
+    };
+    progress(0, "the run to start").await;
+    let mut owner = RedisCluster::range_of(seed, slot).await.master;
+    let other = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+        .await
+        .master;
+    assert_ne!(owner, other);
+    let home = owner;
+    for m in 0..MOVES {
+        let to = if owner == home { other } else { home };
+        let before = sections();
+        cluster
+            .move_slot(slot, owner, to, 1)
+            .await
+            .unwrap_or_else(|e| panic!("move {m} of slot {slot} failed: {e}"));
+        assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
+        let count = |port: u16| async move {
+            redis::cmd("CLUSTER")
+                .arg("COUNTKEYSINSLOT")
+                .arg(slot)
+                .query_async::<usize>(&mut node_conn(port).await)
+                .await
+                .unwrap()
+        };
+        assert_eq!(count(owner).await, 0, "keys of slot {slot} left behind");
+        assert!(
+            count(to).await > 0,
+            "slot {slot} moved without its fencing counter"
+        );
+        owner = to;
+        progress(before, "sections after the move").await;
+    }
+    moving.store(false, SeqCst);
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("a task did not finish its quota within 30 s of the last move")
+            .unwrap();
+    }
+
+    let violations = state.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "exclusion broke: {violations:?}");
+    let errors = state.errors.lock().unwrap().clone();
+    assert!(errors.is_empty(), "{} errors: {errors:?}", errors.len());
+    let fresh = connect().await;
+    for k in &keys {
+        let g = fresh.lock(k).try_acquire().await.unwrap();
+        assert!(g.is_some(), "{k} was left locked");
+        g.unwrap().release().await.unwrap();
+    }
+}
+
+/// Keys of this locker (`<prefix>:<i>`), the first in a slot of its own and the rest on the
+/// same master in other slots: `(first, its slot, the others, that master)`.
+async fn keys_beside(
+    locker: &Locker,
+    seed: u16,
+    prefix: &str,
+    others: usize,
+) -> (String, u16, Vec<String>, u16) {
+    let mut first: Option<(String, u16, u16)> = None;
+    let mut rest = Vec::new();
+    for i in 0.. {
+        let key = format!("{prefix}:{i}");
+        let name = resource_name(locker, &key);
+        let slot = key_slot(seed, &name).await;
+        let master = RedisCluster::range_of(seed, slot).await.master;
+        match &first {
+            None => first = Some((key, slot, master)),
+            Some((_, s, m)) if *m == master && *s != slot => rest.push(key),
+            Some(_) => {}
+        }
+        if rest.len() == others {
+            break;
+        }
+    }
+    let (key, slot, master) = first.unwrap();
+    (key, slot, rest, master)
+}
+
+/// When a slot moves, its old master drops the subscriptions to the slot's shard channels with
+/// a `sunsubscribe` push nobody asked for. That must not disturb the commands in flight for the
+/// master's other slots (redis-rs takes such a push for the reply of the oldest request on its
+/// connection, and every later reply for the request behind it), and the moved lock's waiter
+/// must hear of the release after the move: its channel is subscribed again on the new master
+/// and the handoff reaches it long before its fallback timer (10 s here). (Its own cluster: it
+/// moves a slot.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
+    use dlock_runtime::RetryPolicy;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let ttl = Duration::from_secs(30);
+    let locker = Locker::builder()
+        .prefix("moved")
+        .waiter_ttl(ttl)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let holder = Locker::builder()
+        .prefix("moved")
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let (a, slot, busy_keys, from) = keys_beside(&locker, seed, "moved", 4).await;
+    let held = holder.lock(&a).ttl(ttl).acquire().await.unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false);
+    let w = locker.clone();
+    let key = a.clone();
+    let wait = tokio::spawn(async move {
+        w.lock(&key)
+            .ttl(ttl)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (locker.waiting() == 1).then_some(())
+    })
+    .await;
+
+    // The waiter's locker keeps commands in flight on the old master's other slots.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ops = Arc::new(AtomicUsize::new(0));
+    let busy: Vec<_> = busy_keys
+        .into_iter()
+        .map(|key| {
+            let (locker, stop, ops) = (locker.clone(), stop.clone(), ops.clone());
+            tokio::spawn(async move {
+                let mut errors = Vec::new();
+                while !stop.load(SeqCst) {
+                    match locker.lock(&key).try_acquire().await {
+                        Ok(Some(g)) => {
+                            if let Err(e) = g.release().await {
+                                errors.push(format!("{key} release: {e:?}"));
+                            }
+                        }
+                        Ok(None) => errors.push(format!("{key}: held by nobody, yet busy")),
+                        Err(e) => errors.push(format!("{key} acquire: {e:?}")),
+                    }
+                    ops.fetch_add(1, SeqCst);
+                }
+                errors
+            })
+        })
+        .collect();
+    let to = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+        .await
+        .master;
+    let to = if to == from {
+        RedisCluster::range_of(seed, (slot + 5461) % 16384)
+            .await
+            .master
+    } else {
+        to
+    };
+    assert_ne!(to, from);
+    let before = ops.load(SeqCst);
+    cluster.move_slot(slot, from, to, 10).await.unwrap();
+    assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
+    dlock_tests::wait::wait_for(
+        "busy traffic after the move",
+        Duration::from_secs(10),
+        async || (ops.load(SeqCst) >= before + 200).then_some(()),
+    )
+    .await;
+    stop.store(true, SeqCst);
+    let mut errors = Vec::new();
+    for b in busy {
+        errors.extend(b.await.unwrap());
+    }
+    assert!(
+        errors.is_empty(),
+        "commands disturbed by the move: {errors:?}"
+    );
+
+    // The waiter's channel is subscribed again, on the new master.
+    let channel = format!("{}:ch", resource_name(&locker, &a));
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let v: (String, u64) = redis::cmd("PUBSUB")
+                .arg("SHARDNUMSUB")
+                .arg(&channel)
+                .query_async(&mut node_conn(to).await)
+                .await
+                .unwrap();
+            (v.1 == 1)
+                .then_some(())
+                .ok_or("the waiter's channel is not subscribed on the new master")
+        },
+    )
+    .await;
+    release_and_hand_over(
+        held,
+        wait,
+        Duration::from_secs(3),
+        "the handoff after the move did not reach the waiter",
+    )
+    .await;
 }

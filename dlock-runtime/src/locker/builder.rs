@@ -113,6 +113,15 @@ impl LockerBuilder {
         self.try_build(MemoryBackend::new())
     }
 
+    /// The Redis connection settings this locker's URL forms use: the command timeout for
+    /// commands and for connecting.
+    #[cfg(feature = "redis")]
+    fn redis_options(&self) -> crate::backend::RedisOptions {
+        crate::backend::RedisOptions::default()
+            .command_timeout(self.config.command_timeout)
+            .connect_timeout(self.config.command_timeout)
+    }
+
     /// Connects to the backend named by `url` (see [`Locker::from_url`]).
     pub async fn connect(self, url: &str) -> Result<Locker, LockError> {
         let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
@@ -120,17 +129,13 @@ impl LockerBuilder {
             "memory" => self.memory(),
             #[cfg(feature = "redis")]
             "redis" | "rediss" | "redis+unix" | "unix" => {
-                let opts = crate::backend::RedisOptions::default()
-                    .command_timeout(self.config.command_timeout)
-                    .connect_timeout(self.config.command_timeout);
+                let opts = self.redis_options();
                 let backend = crate::backend::RedisBackend::connect(url, opts).await?;
                 self.try_build(backend)
             }
             #[cfg(feature = "cluster")]
             "redis+cluster" | "rediss+cluster" => {
-                let opts = crate::backend::RedisOptions::default()
-                    .command_timeout(self.config.command_timeout)
-                    .connect_timeout(self.config.command_timeout);
+                let opts = self.redis_options();
                 let backend =
                     crate::backend::RedisBackend::connect_cluster(
                         &crate::backend::redis::conn::cluster_urls(url)?,
@@ -141,9 +146,7 @@ impl LockerBuilder {
             }
             #[cfg(feature = "sentinel")]
             "redis+sentinel" | "rediss+sentinel" => {
-                let opts = crate::backend::RedisOptions::default()
-                    .command_timeout(self.config.command_timeout)
-                    .connect_timeout(self.config.command_timeout);
+                let opts = self.redis_options();
                 let backend = crate::backend::RedisBackend::connect_sentinel(url, opts).await?;
                 self.try_build(backend)
             }
@@ -162,8 +165,16 @@ impl LockerBuilder {
                 let backend = crate::backend::RedlockBackend::connect_url(url, opts).await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let opts = crate::backend::PostgresOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::PostgresBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, etcd://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, etcd feature `etcd`)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://, etcd://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`, etcd feature `etcd`)"),
                 None,
             )),
         }

@@ -95,31 +95,65 @@ pub(crate) enum BackendKind {
     Redis,
     /// Redlock over five servers.
     Redlock,
+    /// One PostgreSQL server (the Postgres backend).
+    Postgres,
+    /// A Redis Cluster of 3 masters and 3 replicas (`dlock_tests::redis_cluster`), reached
+    /// directly: its client follows the addresses the nodes announce, so no proxy fits in
+    /// between.
+    Cluster,
 }
 
 impl BackendKind {
-    /// `redis` / `redlock`.
+    /// Every backend, in the order a run takes them.
+    pub(crate) const ALL: [BackendKind; 4] = [
+        BackendKind::Redis,
+        BackendKind::Redlock,
+        BackendKind::Postgres,
+        BackendKind::Cluster,
+    ];
+
+    /// `redis` / `redlock` / `postgres` / `cluster`.
     pub(crate) fn name(self) -> &'static str {
         match self {
             BackendKind::Redis => "redis",
             BackendKind::Redlock => "redlock",
+            BackendKind::Postgres => "postgres",
+            BackendKind::Cluster => "cluster",
         }
     }
 
     /// Parses [`name`](BackendKind::name).
     pub(crate) fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "redis" => Ok(BackendKind::Redis),
-            "redlock" => Ok(BackendKind::Redlock),
-            _ => Err(format!("unknown backend `{s}` (redis, redlock)")),
+        BackendKind::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown backend `{s}` ({})",
+                    names_of(&BackendKind::ALL, BackendKind::name)
+                )
+            })
+    }
+
+    /// How many standalone lock servers it runs on (none for a cluster, which starts its own).
+    pub(crate) fn servers(self) -> usize {
+        match self {
+            BackendKind::Redis | BackendKind::Postgres => 1,
+            BackendKind::Redlock => 5,
+            BackendKind::Cluster => 0,
         }
     }
 
-    /// How many lock servers it runs on.
-    pub(crate) fn servers(self) -> usize {
+    /// The fault kinds that apply to it. Standalone servers sit behind proxies (`latency`,
+    /// `cut`) and are restarted empty (`restart`); a cluster's masters are killed and frozen
+    /// instead, and fail over to their replicas, and its slots are moved.
+    pub(crate) fn faults(self) -> &'static [FaultKind] {
+        use FaultKind::*;
         match self {
-            BackendKind::Redis => 1,
-            BackendKind::Redlock => 5,
+            BackendKind::Redis | BackendKind::Redlock | BackendKind::Postgres => {
+                &[Pause, Kill, Restart, Latency, Cut]
+            }
+            BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause, Reshard],
         }
     }
 }
@@ -138,16 +172,28 @@ pub(crate) enum FaultKind {
     Latency,
     /// Close every proxied connection and refuse new ones for a moment.
     Cut,
+    /// SIGKILL a master (seeded choice); its replica takes over after the node timeout; the
+    /// killed node is started again and rejoins as a replica.
+    MasterKill,
+    /// SIGSTOP a master for 0.5–2 node timeouts, then SIGCONT it: past the node timeout its
+    /// replica takes over and the woken master rejoins as a replica.
+    MasterPause,
+    /// Move the slot of a lock key (seeded), with its live lock, fencing counter and queue, to
+    /// another master (seeded), the way `redis-cli --cluster reshard` does.
+    Reshard,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub(crate) const ALL: [FaultKind; 5] = [
+    pub(crate) const ALL: [FaultKind; 8] = [
         FaultKind::Pause,
         FaultKind::Kill,
         FaultKind::Restart,
         FaultKind::Latency,
         FaultKind::Cut,
+        FaultKind::MasterKill,
+        FaultKind::MasterPause,
+        FaultKind::Reshard,
     ];
 
     /// Parses [`name`](FaultKind::name).
@@ -155,7 +201,10 @@ impl FaultKind {
         FaultKind::ALL
             .into_iter()
             .find(|k| k.name() == s)
-            .ok_or_else(|| format!("unknown fault `{s}` (pause, kill, restart, latency, cut)"))
+            .ok_or_else(|| {
+                let all = names_of(&FaultKind::ALL, FaultKind::name);
+                format!("unknown fault `{s}` ({all})")
+            })
     }
 
     /// Short name.
@@ -166,6 +215,9 @@ impl FaultKind {
             FaultKind::Restart => "restart",
             FaultKind::Latency => "latency",
             FaultKind::Cut => "cut",
+            FaultKind::MasterKill => "master-kill",
+            FaultKind::MasterPause => "master-pause",
+            FaultKind::Reshard => "reshard",
         }
     }
 }
@@ -193,7 +245,8 @@ pub(crate) struct Config {
     pub(crate) command_timeout: Duration,
     /// Redlock per-node timeout.
     pub(crate) node_timeout: Duration,
-    /// Rounds of faults per backend; a round is every kind in `faults` once, in a seeded order.
+    /// Rounds of faults per backend; a round is every kind in `faults` that applies to the
+    /// backend ([`BackendKind::faults`]) once, in a seeded order.
     pub(crate) rounds: u32,
     /// The fault kinds of a round.
     pub(crate) faults: Vec<FaultKind>,
@@ -224,7 +277,7 @@ impl Config {
         let base = Config {
             mode,
             seed: 0,
-            backends: vec![BackendKind::Redis, BackendKind::Redlock],
+            backends: BackendKind::ALL.to_vec(),
             procs: 4,
             tasks: 16,
             keys: 4,
@@ -302,8 +355,12 @@ impl Config {
         };
         if let Some(b) = args.string("backend") {
             c.backends = match b.as_str() {
+                "all" => BackendKind::ALL.to_vec(),
                 "both" => vec![BackendKind::Redis, BackendKind::Redlock],
-                other => vec![BackendKind::parse(other)?],
+                list => list
+                    .split(',')
+                    .map(BackendKind::parse)
+                    .collect::<Result<Vec<_>, _>>()?,
             };
         }
         let ms = Duration::from_millis;
@@ -362,16 +419,19 @@ usage:
 
 modes:
   --smoke    2 procs x 4 tasks, 2 keys, TTL 500 ms, one round per backend (the cargo test)
-  --quick    4 procs x 16 tasks, 4 keys, TTL 1 s, 3 rounds per backend (CI; about 1 min)
+  --quick    4 procs x 16 tasks, 4 keys, TTL 1 s, 3 rounds per backend (CI; about 1.5 min)
   (none)     the long mode: as --quick with 20 rounds per backend (release checks)
 
 options:
   --seed N                 repeat a run's fault schedule (printed at the start and the end)
-  --backend redis|redlock|both
+  --backend B[,B...]       redis, redlock, postgres, cluster; `all` (the default) or `both`
+                           (redis,redlock)
   --procs N  --tasks N  --keys N
   --ttl-ms N  --waiter-ttl-ms N  --command-timeout-ms N  --node-timeout-ms N
   --rounds N               rounds of faults per backend (each round: every fault kind once)
-  --faults K,K,...         the fault kinds of a round (pause,kill,restart,latency,cut)
+  --faults K,K,...         the fault kinds of a round; each backend takes those that apply:
+                           redis, redlock: pause,kill,restart,latency,cut
+                           cluster: pause,kill,master-kill,master-pause,reshard
   --margin-ms N            liveness bound = max(TTL, waiter TTL) + margin
   --gap-ms A..B  --work-ms A..B  --commit-ms A..B
   --no-fencing             the resource accepts every write: shows what the overlaps do

@@ -4,11 +4,13 @@
 //!
 //! One **phase** per backend:
 //!
-//! 1. start the lock servers (1 for `redis`, 5 for `redlock`), one [`Proxy`] in front of each,
-//!    and the resource server (direct, never faulted);
+//! 1. start the lock servers (1 for `redis`, 5 for `redlock`, 1 PostgreSQL for `postgres`, each
+//!    behind a [`Proxy`]; for `cluster` a 3-master/3-replica Redis Cluster, reached directly) and
+//!    the resource server (direct, never faulted);
 //! 2. spawn `procs` worker processes (`current_exe() worker …`) and wait until every key has
 //!    completed a critical section;
-//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] once, in an order drawn
+//! 3. run `rounds` rounds of faults; a round is every [`FaultKind`] of the configuration that
+//!    applies to the backend ([`BackendKind::faults`]) once, in an order drawn
 //!    from the seed, with seeded parameters. Faults run one at a time: inject, lift, wait until
 //!    every key has progressed again (bounded), then a seeded gap;
 //! 4. lift everything, close the workers' stdin (they finish, release and exit), and count the
@@ -20,7 +22,8 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use dlock_tests::RedisServer;
+use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
+use dlock_tests::{PostgresServer, RedisServer};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 
@@ -200,12 +203,77 @@ impl Workers {
     }
 }
 
+/// A lock server of a phase: Redis, or PostgreSQL for the `postgres` backend.
+#[derive(Debug)]
+enum LockServer {
+    Redis(RedisServer),
+    Postgres(PostgresServer),
+}
+
+impl LockServer {
+    fn start_many(backend: BackendKind) -> Vec<LockServer> {
+        match backend {
+            BackendKind::Postgres => vec![LockServer::Postgres(PostgresServer::start())],
+            _ => dlock_tests::redis_server::start_many(backend.servers())
+                .into_iter()
+                .map(LockServer::Redis)
+                .collect(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            LockServer::Redis(s) => s.port(),
+            LockServer::Postgres(s) => s.port(),
+        }
+    }
+
+    /// Kills the server, waits `down`, starts it again on the same port (Redis: empty;
+    /// PostgreSQL: crash recovery of its data).
+    fn restart_after(&mut self, down: Duration) {
+        match self {
+            LockServer::Redis(s) => {
+                s.stop();
+                std::thread::sleep(down);
+                s.restart();
+            }
+            LockServer::Postgres(s) => {
+                s.kill();
+                std::thread::sleep(down);
+                s.restart();
+            }
+        }
+    }
+}
+
+/// The URL workers reach a lock server by, through its proxy.
+fn lock_url(backend: BackendKind, proxy: &Proxy) -> String {
+    match backend {
+        BackendKind::Postgres => format!(
+            "{}/postgres",
+            proxy.url().replacen("redis://", "postgres://postgres@", 1)
+        ),
+        _ => proxy.url(),
+    }
+}
+
+/// What a backend's lock servers are, as started.
+enum LockServers {
+    /// Standalone servers (`redis`, `redlock`, `postgres`), each behind a proxy.
+    Standalone(Vec<LockServer>),
+    /// A Redis Cluster.
+    Cluster(RedisCluster),
+}
+
 /// One backend's servers, proxies, resource and workers.
 struct Phase {
     backend: BackendKind,
-    servers: Vec<Shared<RedisServer>>,
+    /// Standalone lock servers (`redis`, `redlock`, `postgres`), each behind one of `proxies`.
+    servers: Vec<Shared<LockServer>>,
     server_ports: Vec<u16>,
     proxies: Vec<Proxy>,
+    /// The cluster (`cluster`); no standalone servers, no proxies.
+    cluster: Option<Shared<RedisCluster>>,
     resource_server: RedisServer,
     resource: Resource,
     workers: Workers,
@@ -218,13 +286,20 @@ struct Phase {
 
 impl Phase {
     async fn start(cfg: &Config, backend: BackendKind, rng: Rng) -> Result<Phase, String> {
-        let (servers, resource_server) = tokio::task::spawn_blocking(move || {
-            let servers = dlock_tests::redis_server::start_many(backend.servers());
-            (servers, RedisServer::start())
+        let (lock_servers, resource_server) = tokio::task::spawn_blocking(move || {
+            let lock_servers = match backend {
+                BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
+                _ => LockServers::Standalone(LockServer::start_many(backend)),
+            };
+            (lock_servers, RedisServer::start())
         })
         .await
-        .map_err(|e| format!("starting redis-server: {e}"))?;
-        let server_ports: Vec<u16> = servers.iter().map(RedisServer::port).collect();
+        .map_err(|e| format!("starting the servers: {e}"))?;
+        let (servers, cluster) = match lock_servers {
+            LockServers::Standalone(s) => (s, None),
+            LockServers::Cluster(c) => (Vec::new(), Some(c)),
+        };
+        let server_ports: Vec<u16> = servers.iter().map(LockServer::port).collect();
         let mut proxies = Vec::new();
         for &port in &server_ports {
             proxies.push(
@@ -233,6 +308,10 @@ impl Phase {
                     .map_err(|e| format!("proxy: {e}"))?,
             );
         }
+        let lock_urls = match &cluster {
+            Some(c) => vec![c.url()],
+            None => proxies.iter().map(|p| lock_url(backend, p)).collect(),
+        };
         let resource = Resource::connect(&resource_server.url())
             .await
             .map_err(|e| format!("resource: {e}"))?;
@@ -247,7 +326,7 @@ impl Phase {
         let template = WorkerConfig {
             id: 0,
             backend,
-            lock_urls: proxies.iter().map(Proxy::url).collect(),
+            lock_urls,
             resource_url: resource_server.url(),
             keys: cfg.keys,
             tasks: cfg.tasks,
@@ -278,6 +357,7 @@ impl Phase {
                 .collect(),
             server_ports,
             proxies,
+            cluster: cluster.map(|c| Arc::new(Mutex::new(c))),
             resource_server,
             resource,
             workers,
@@ -421,14 +501,9 @@ impl Phase {
                 );
                 let start_us = self.record(format!("restart {detail}")).await?;
                 let server = self.servers[node].clone();
-                tokio::task::spawn_blocking(move || {
-                    let mut s = lock(&server);
-                    s.stop();
-                    std::thread::sleep(down);
-                    s.restart();
-                })
-                .await
-                .map_err(|e| format!("restart: {e}"))?;
+                tokio::task::spawn_blocking(move || lock(&server).restart_after(down))
+                    .await
+                    .map_err(|e| format!("restart: {e}"))?;
                 let end_us = self.record("restart-end".into()).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
@@ -436,10 +511,12 @@ impl Phase {
                 let dur = self.rng.millis(1000, 2500);
                 let (targets, latency) = match self.backend {
                     // Every connection slower, well within the command timeout.
-                    BackendKind::Redis => ((0..self.proxies.len()).collect::<Vec<_>>(), {
-                        let hi = (self.cfg.command_timeout.as_millis() as u64 / 6).max(5);
-                        self.rng.millis(hi / 3, hi)
-                    }),
+                    BackendKind::Redis | BackendKind::Postgres => {
+                        ((0..self.proxies.len()).collect::<Vec<_>>(), {
+                            let hi = (self.cfg.command_timeout.as_millis() as u64 / 6).max(5);
+                            self.rng.millis(hi / 3, hi)
+                        })
+                    }
                     // Two of five nodes slower than the node timeout: they vote "no".
                     BackendKind::Redlock => {
                         let mut idx: Vec<usize> = (0..self.proxies.len()).collect();
@@ -449,6 +526,7 @@ impl Phase {
                         let nt = self.cfg.node_timeout.as_millis() as u64;
                         (idx, self.rng.millis(nt, nt * 3))
                     }
+                    BackendKind::Cluster => return Err("latency needs proxies".into()),
                 };
                 let detail = format!(
                     "nodes={targets:?} one_way_ms={} for_ms={}",
@@ -481,14 +559,102 @@ impl Phase {
                 let end_us = self.record(format!("cut-end {detail}")).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
+            FaultKind::Reshard => {
+                let cluster = self.cluster.clone().ok_or("reshard needs a cluster")?;
+                let (running, masters) = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let c = lock(&c);
+                        (c.running_ports(), c.master_ports())
+                    })
+                    .await
+                    .map_err(|e| format!("cluster ports: {e}"))?
+                };
+                let key = &self.keys[self.rng.below(self.keys.len() as u64) as usize];
+                let seed = masters[0];
+                let slot = key_slot(seed, &format!("torture:{{{key}}}")).await;
+                let from = RedisCluster::range_of(seed, slot).await.master;
+                let others: Vec<u16> = masters.into_iter().filter(|&m| m != from).collect();
+                let to = others[self.rng.below(others.len() as u64) as usize];
+                let detail = format!("key={key} slot={slot} from={from} to={to}");
+                let start_us = self.record(format!("reshard {detail}")).await?;
+                // Ten keys per MIGRATE: `redis-cli --cluster reshard`'s default pipeline.
+                RedisCluster::move_slot_among(&running, slot, from, to, 10)
+                    .await
+                    .map_err(|e| format!("reshard {detail}: {e}"))?;
+                let end_us = self.record("reshard-end".into()).await?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
+            FaultKind::MasterKill | FaultKind::MasterPause => {
+                let cluster = self.cluster.clone().ok_or("master faults need a cluster")?;
+                let masters = {
+                    let c = cluster.clone();
+                    tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                        .await
+                        .map_err(|e| format!("master ports: {e}"))?
+                };
+                let port = masters[self.rng.below(masters.len() as u64) as usize];
+                let frozen = NODE_TIMEOUT.mul_f64(0.5 + self.rng.below(1501) as f64 / 1000.0);
+                let detail = match kind {
+                    FaultKind::MasterKill => format!("port={port}"),
+                    _ => format!("port={port} for_ms={}", frozen.as_millis()),
+                };
+                let start_us = self.record(format!("{} {detail}", kind.name())).await?;
+                let c = cluster.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&c);
+                    let node = c.index_of(port);
+                    if kind == FaultKind::MasterKill {
+                        c.nodes[node].stop();
+                        c.wait_failed_over(port, Duration::from_secs(30));
+                    } else {
+                        c.nodes[node].pause();
+                        std::thread::sleep(frozen);
+                        c.nodes[node].resume();
+                        c.wait_ready(Duration::from_secs(30));
+                    }
+                })
+                .await
+                .map_err(|e| format!("{}: {e}", kind.name()))?;
+                // Lifted: the shard serves again (its replica promoted, or its master back).
+                let end_us = self.record(format!("{}-end", kind.name())).await?;
+                // The killed master comes back and rejoins as a replica; the frozen one, if it
+                // was replaced meanwhile, has rejoined as a replica too. Every master has a
+                // replica again before the next fault.
+                tokio::task::spawn_blocking(move || {
+                    let mut c = lock(&cluster);
+                    if kind == FaultKind::MasterKill {
+                        let node = c.index_of(port);
+                        c.nodes[node].restart();
+                    }
+                    c.wait_ready(Duration::from_secs(30));
+                    c.wait_replicated(Duration::from_secs(30));
+                })
+                .await
+                .map_err(|e| format!("{} rejoin: {e}", kind.name()))?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
         }
     }
 
     /// Counts lock keys (and waiter queues) on every lock server, directly (not proxied).
     async fn leftovers(&self) -> (u64, u64) {
+        if self.backend == BackendKind::Postgres {
+            return postgres_leftovers(self.server_ports[0]).await;
+        }
         let mut locks = 0;
         let mut queues = 0;
-        for &port in &self.server_ports {
+        let ports = match &self.cluster {
+            // Each key once: on its slot's master.
+            Some(c) => {
+                let c = c.clone();
+                tokio::task::spawn_blocking(move || lock(&c).master_ports())
+                    .await
+                    .unwrap_or_default()
+            }
+            None => self.server_ports.clone(),
+        };
+        for port in ports {
             let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
                 continue;
             };
@@ -537,16 +703,26 @@ impl Phase {
         }
 
         let mut schedule = Vec::new();
+        let kinds: Vec<FaultKind> = (self.cfg.faults.iter().copied())
+            .filter(|k| self.backend.faults().contains(k))
+            .collect();
         for _ in 0..self.cfg.rounds {
-            let mut round = self.cfg.faults.clone();
+            let mut round = kinds.clone();
             self.rng.shuffle(&mut round);
             schedule.extend(round);
         }
-        println!(
-            "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
-            self.server_ports,
-            self.resource_server.port()
-        );
+        match &self.cluster {
+            Some(c) => println!(
+                "[{tag}] cluster nodes on ports {:?} (masters first; workers reach them directly); resource on port {}",
+                lock(c).nodes.iter().map(RedisServer::port).collect::<Vec<_>>(),
+                self.resource_server.port()
+            ),
+            None => println!(
+                "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
+                self.server_ports,
+                self.resource_server.port()
+            ),
+        }
         println!("[{tag}] schedule: {}", names_of(&schedule, FaultKind::name));
 
         let bound = self.cfg.stall_bound();
@@ -712,6 +888,34 @@ impl Phase {
 }
 
 /// Runs every phase; prints the report; returns the exit code.
+/// Held locks (live leases) and keys with live waiters in the Postgres backend's tables,
+/// read directly (not proxied). Unreachable: counted as none (the phase reports the fault).
+async fn postgres_leftovers(port: u16) -> (u64, u64) {
+    use dlock_runtime::backend::postgres::tokio_postgres;
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let Ok((client, conn)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
+        return (0, 0);
+    };
+    tokio::spawn(conn);
+    let count = async |sql: &str| -> u64 {
+        match client.query_one(sql, &[]).await {
+            Ok(row) => row.get::<_, i64>(0) as u64,
+            Err(_) => 0,
+        }
+    };
+    let locks = count(
+        "SELECT count(*) FROM dlock.dlock_locks \
+         WHERE name LIKE 'torture:%' AND expires_at > clock_timestamp()",
+    )
+    .await;
+    let queues = count(
+        "SELECT count(DISTINCT name) FROM dlock.dlock_waiters \
+         WHERE name LIKE 'torture:%' AND expires_at > clock_timestamp()",
+    )
+    .await;
+    (locks, queues)
+}
+
 pub(crate) async fn run(cfg: Config) -> i32 {
     let started = Instant::now();
     println!(

@@ -6,10 +6,11 @@
 //! holder past its TTL (the GC pause), SIGKILL a holder, restart a lock server, add latency and
 //! cut connections in a TCP proxy between the workers and Redis — and afterwards reports
 //! completed sections, overlaps, stale writes rejected and accepted, the longest stall after a
-//! fault, and locks left held. It runs against one Redis server and against Redlock over five.
+//! fault, and locks left held. It runs against one Redis server, against Redlock over five, and
+//! against a Redis Cluster whose masters it kills and freezes.
 //!
 //! ```text
-//! cargo run --release -p dlock-torture -- --quick     # CI: < 2 minutes, exits non-zero on failure
+//! cargo run --release -p dlock-torture -- --quick     # CI: about 2 minutes, exits non-zero on failure
 //! cargo run --release -p dlock-torture                # the long mode, for release checks
 //! cargo run --release -p dlock-torture -- --seed 42   # repeat a run's fault schedule
 //! ```

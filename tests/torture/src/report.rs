@@ -316,11 +316,18 @@ impl FaultRecord {
 
     /// When the fault stops excusing a lack of progress (µs). A paused or killed holder's
     /// lock must move on within the TTL *while* the holder stays frozen or dead, so those
-    /// count from the start; a restart, latency or cut counts from when it was lifted.
+    /// count from the start; a restart, latency or cut counts from when it was lifted, a
+    /// master kill or pause from when its shard serves again, a reshard from when its slot is
+    /// served by the new master.
     pub(crate) fn lifted_us(&self) -> u64 {
         match self.kind {
             FaultKind::Pause | FaultKind::Kill => self.start_us,
-            FaultKind::Restart | FaultKind::Latency | FaultKind::Cut => self.end_us,
+            FaultKind::Restart
+            | FaultKind::Latency
+            | FaultKind::Cut
+            | FaultKind::MasterKill
+            | FaultKind::MasterPause
+            | FaultKind::Reshard => self.end_us,
         }
     }
 }

@@ -206,7 +206,9 @@ async fn connect_locker(cfg: &WorkerConfig) -> Result<Locker, LockError> {
         .command_timeout(Duration::from_millis(cfg.command_timeout_ms))
         .waiter_ttl(Duration::from_millis(cfg.waiter_ttl_ms));
     match cfg.backend {
-        BackendKind::Redis => builder.connect(&cfg.lock_urls[0]).await,
+        BackendKind::Redis | BackendKind::Postgres | BackendKind::Cluster => {
+            builder.connect(&cfg.lock_urls[0]).await
+        }
         BackendKind::Redlock => {
             let urls: Vec<&str> = cfg.lock_urls.iter().map(String::as_str).collect();
             let opts = RedlockOptions::default()

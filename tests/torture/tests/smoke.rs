@@ -1,8 +1,9 @@
 //! The short test of the fault harness: runs `dlock-torture --smoke` (2 worker processes × 4
-//! tasks on 2 keys, TTL 500 ms, every fault kind once against one Redis server and once
-//! against Redlock over five, about 12 s) and checks its verdict and summary line.
+//! tasks on 2 keys, TTL 500 ms, every fault kind that applies once against one Redis server,
+//! Redlock over five, one PostgreSQL and a Redis Cluster of 3 masters and 3 replicas, about
+//! 55 s) and checks its verdict and summary line.
 //!
-//! The full `--quick` run (about a minute) is CI's job, not `cargo test`'s:
+//! The full `--quick` run (about two minutes) is CI's job, not `cargo test`'s:
 //! `cargo run --release -p dlock-torture -- --quick`.
 
 use std::process::Command;
@@ -30,6 +31,7 @@ fn smoke_run_passes_with_no_stale_write_and_no_lock_left() {
     assert!(summary.starts_with("summary: "), "last line: {summary}");
     for (name, want) in [
         ("result", "pass"),
+        ("backends", "redis,redlock,postgres,cluster"),
         ("stale_writes_accepted", "0"),
         ("locks_left", "0"),
         ("token_reuse", "0"),

@@ -2,8 +2,9 @@
 //! reconnecting `ConnectionManager`); under feature `cluster`, a Redis Cluster (redis-rs's
 //! cluster client, which routes each command to its slot's master and follows `MOVED`/`ASK`
 //! and topology changes); under feature `sentinel`, the master of a Sentinel-monitored group,
-//! followed through failovers (`super::sentinel`). All carry commands and RESP3 pushes on the
-//! same connections.
+//! followed through failovers (`super::sentinel`). One server and Sentinel carry commands and
+//! RESP3 pushes on the same connection; a cluster keeps its shard-channel subscriptions on
+//! connections of their own (see [`Conn::Cluster`]).
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
@@ -12,8 +13,20 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 #[derive(Clone)]
 pub(crate) enum Conn {
     Single(ConnectionManager),
+    /// Commands, and subscriptions (`SSUBSCRIBE`/`SUNSUBSCRIBE`) on connections of their own.
+    /// When a slot moves to another master, Redis tells the clients subscribed to its shard
+    /// channels with an unsolicited `sunsubscribe` push, which redis-rs (1.8) takes for the
+    /// reply of the oldest request in flight on that connection: that request fails and every
+    /// reply after it goes to the request behind it (an acquire could get another key's
+    /// grant) until the connection is idle. No command ever waits on the subscriptions'
+    /// connections, so a moved slot cannot shift a command's reply.
     #[cfg(feature = "cluster")]
-    Cluster(redis::cluster_async::ClusterConnection),
+    Cluster {
+        /// Every command.
+        cmds: redis::cluster_async::ClusterConnection,
+        /// `SSUBSCRIBE`/`SUNSUBSCRIBE` only.
+        subs: redis::cluster_async::ClusterConnection,
+    },
     #[cfg(feature = "sentinel")]
     Sentinel(super::sentinel::SentinelConn),
 }
@@ -23,7 +36,7 @@ impl Conn {
     /// per slot, pipelines hold one slot).
     pub(crate) fn is_cluster(&self) -> bool {
         #[cfg(feature = "cluster")]
-        if let Conn::Cluster(_) = self {
+        if let Conn::Cluster { .. } = self {
             return true;
         }
         false
@@ -36,7 +49,7 @@ impl Conn {
         match self {
             Conn::Single(c) => c.subscribe(channel).await,
             #[cfg(feature = "cluster")]
-            Conn::Cluster(c) => c.ssubscribe(channel).await,
+            Conn::Cluster { subs, .. } => subs.ssubscribe(channel).await,
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.subscribe(channel).await,
         }
@@ -47,7 +60,7 @@ impl Conn {
         match self {
             Conn::Single(c) => c.unsubscribe(channel).await,
             #[cfg(feature = "cluster")]
-            Conn::Cluster(c) => c.sunsubscribe(channel).await,
+            Conn::Cluster { subs, .. } => subs.sunsubscribe(channel).await,
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.unsubscribe(channel).await,
         }
@@ -76,7 +89,10 @@ pub(crate) async fn connect_cluster(
         })?;
     let limit = connect_timeout + command_timeout;
     match tokio::time::timeout(limit, client.get_async_connection()).await {
-        Ok(Ok(c)) => Ok(Conn::Cluster(c)),
+        Ok(Ok(c)) => Ok(Conn::Cluster {
+            cmds: c.clone(),
+            subs: c,
+        }),
         Ok(Err(e)) => Err(crate::LockError::unavailable(
             format!("redis cluster connect: {:?}", e.kind()),
             Some(Box::new(e)),
@@ -110,20 +126,36 @@ pub(crate) fn cluster_urls(url: &str) -> Result<Vec<String>, crate::LockError> {
     } else {
         "redis"
     };
-    let (auth, hosts) = match rest.rsplit_once('@') {
-        Some((auth, hosts)) => (format!("{auth}@"), hosts),
-        None => (String::new(), rest),
-    };
-    let hosts = hosts.split('/').next().unwrap_or("");
-    let urls: Vec<String> = hosts
-        .split(',')
-        .filter(|h| !h.is_empty())
-        .map(|h| format!("{scheme}://{auth}{h}"))
-        .collect();
+    let (auth, hosts, _) = split_hosts(rest);
+    let urls = node_urls(scheme, &auth, hosts);
     if urls.is_empty() {
         return Err(bad());
     }
     Ok(urls)
+}
+
+/// `[user:pass@]h1:p1,h2:p2[/path]` (a multi-host URL after its `://`) → (`"user:pass@"` or
+/// `""`, `"h1:p1,h2:p2"`, the path after the first `/`, if any).
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn split_hosts(rest: &str) -> (String, &str, Option<&str>) {
+    let (auth, hosts) = match rest.rsplit_once('@') {
+        Some((auth, hosts)) => (format!("{auth}@"), hosts),
+        None => (String::new(), rest),
+    };
+    match hosts.split_once('/') {
+        Some((hosts, path)) => (auth, hosts, Some(path)),
+        None => (auth, hosts, None),
+    }
+}
+
+/// One `<scheme>://<auth><host>` URL per non-empty comma-separated host.
+#[cfg(any(feature = "cluster", feature = "sentinel"))]
+pub(super) fn node_urls(scheme: &str, auth: &str, hosts: &str) -> Vec<String> {
+    hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect()
 }
 
 impl ConnectionLike for Conn {
@@ -131,7 +163,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
-            Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Cluster { cmds, .. } => cmds.req_packed_command(cmd),
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
@@ -146,7 +178,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster { cmds, .. } => cmds.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
@@ -156,7 +188,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Single(c) => c.get_db(),
             #[cfg(feature = "cluster")]
-            Conn::Cluster(c) => c.get_db(),
+            Conn::Cluster { cmds, .. } => cmds.get_db(),
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.get_db(),
         }

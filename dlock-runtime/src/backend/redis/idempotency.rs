@@ -148,10 +148,16 @@ return 1
     })
 });
 
-/// KEYS of every idempotency script: the lock, the record.
-fn lock_keys(inv: &mut redis::ScriptInvocation<'_>, resource: &ResourceName) {
+/// KEYS of every idempotency script: the lock, the record (and on a cluster the keys the
+/// scripts derive, see [`RedisBackend::declare_derived_keys`]).
+fn lock_keys(
+    backend: &RedisBackend,
+    inv: &mut redis::ScriptInvocation<'_>,
+    resource: &ResourceName,
+) {
     inv.key(resource.as_str())
         .key(resource.with_suffix(RECORD_SUFFIX));
+    backend.declare_derived_keys(inv, resource);
 }
 
 fn malformed() -> LockError {
@@ -161,18 +167,16 @@ fn malformed() -> LockError {
 impl IdempotencyStore for RedisBackend {
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>> {
         Box::pin(async move {
-            let mut conn = self.inner.conn.clone();
             let mut inv = BEGIN.prepare_invoke();
-            lock_keys(&mut inv, args.resource);
+            lock_keys(self, &mut inv, args.resource);
             inv.arg(args.token.as_str())
                 .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())
                 .arg(millis(args.retention))
                 .arg(self.fence_key(args.resource))
                 .arg(self.floor());
-            let (code, data, extra): (i64, Vec<u8>, String) = self
-                .deadline("idempotency begin", inv.invoke_async(&mut conn))
-                .await?;
+            let (code, data, extra): (i64, Vec<u8>, String) =
+                self.run_script("idempotency begin", &inv).await?;
             let text = || std::str::from_utf8(&data).map_err(|_| malformed());
             match code {
                 1 => {
@@ -202,18 +206,15 @@ impl IdempotencyStore for RedisBackend {
 
     fn complete<'a>(&'a self, args: CompleteArgs<'a>) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut conn = self.inner.conn.clone();
             let mut inv = COMPLETE[usize::from(self.is_cluster())].prepare_invoke();
-            lock_keys(&mut inv, args.resource);
+            lock_keys(self, &mut inv, args.resource);
             inv.arg(args.token.as_str())
                 .arg(self.fence_key(args.resource))
                 .arg(args.fingerprint.to_hex())
                 .arg(args.record)
                 .arg(millis(args.retention))
                 .arg(self.floor());
-            let n: i64 = self
-                .deadline("idempotency complete", inv.invoke_async(&mut conn))
-                .await?;
+            let n: i64 = self.run_script("idempotency complete", &inv).await?;
             Ok(n == 1)
         })
     }
@@ -224,15 +225,12 @@ impl IdempotencyStore for RedisBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut conn = self.inner.conn.clone();
             let mut inv = ABORT[usize::from(self.is_cluster())].prepare_invoke();
-            lock_keys(&mut inv, resource);
+            lock_keys(self, &mut inv, resource);
             inv.arg(token.as_str())
                 .arg(self.fence_key(resource))
                 .arg(self.floor());
-            let n: i64 = self
-                .deadline("idempotency abort", inv.invoke_async(&mut conn))
-                .await?;
+            let n: i64 = self.run_script("idempotency abort", &inv).await?;
             Ok(n == 1)
         })
     }

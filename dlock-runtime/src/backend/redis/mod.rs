@@ -44,6 +44,17 @@ pub(crate) mod sentinel;
 const CHANNEL_SUFFIX: &str = "ch";
 const PIPELINE_CHUNK: usize = 512;
 
+/// How often the cluster client retries a command the cluster answered with `TRYAGAIN`,
+/// `CLUSTERDOWN`, `MOVED`/`ASK` or a broken connection, and the bounds of its wait before each
+/// retry (ms; it doubles from the first). A script on a slot being resharded is told
+/// `TRYAGAIN` until the slot's keys are together on one node again, which takes milliseconds
+/// per slot; redis-rs's default waits at least 1.28 s per retry, longer than a command's
+/// deadline. The waits add up to at most about 0.9 s; the locker's deadline ends them sooner.
+#[cfg(feature = "cluster")]
+const CLUSTER_RETRIES: u32 = 8;
+#[cfg(feature = "cluster")]
+const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 160);
+
 /// Connection settings of the Redis backend. Defaults: command timeout 1 s, connect timeout
 /// 1 s.
 #[derive(Clone, Debug)]
@@ -299,44 +310,37 @@ impl RedisBackend {
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
         let hub = ReleaseHub::new();
         let (me, push) = push_handler(&hub, true);
-        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .use_protocol(ProtocolVersion::RESP3)
-            .connection_timeout(opts.connect_timeout)
-            .response_timeout(opts.command_timeout)
-            .retries(3)
-            .push_sender(push)
-            .build()
-            // The URLs may carry a password: never put them in an error message.
-            .map_err(|e| {
-                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
-            })?;
+        // The URLs may carry a password: never put them in an error message.
+        let invalid = |e: RedisError| {
+            LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+        };
+        let builder = || {
+            redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+                .use_protocol(ProtocolVersion::RESP3)
+                .connection_timeout(opts.connect_timeout)
+                .response_timeout(opts.command_timeout)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
+                .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
+                .retry_wait_formula(CLUSTER_RETRY_WAIT_MS.0, 2)
+        };
+        let client = builder().push_sender(push).build().map_err(invalid)?;
         let limit = opts.connect_timeout + opts.command_timeout;
-        let conn = match tokio::time::timeout(limit, client.get_async_connection()).await {
-            Ok(r) => r.map_err(|e| redis_err("cluster connect", e))?,
-            Err(_) => {
-                return Err(LockError::unavailable(
+        let connect =
+            async || match tokio::time::timeout(limit, client.get_async_connection()).await {
+                Ok(r) => r.map_err(|e| redis_err("cluster connect", e)),
+                Err(_) => Err(LockError::unavailable(
                     format!("redis cluster: no node answered within {limit:?}"),
                     None,
-                ))
-            }
+                )),
+            };
+        let conn = Conn::Cluster {
+            cmds: connect().await?,
+            subs: connect().await?,
         };
         // Dedicated connections (for `WAIT`) carry no pushes.
-        let plain = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .use_protocol(ProtocolVersion::RESP3)
-            .connection_timeout(opts.connect_timeout)
-            .response_timeout(opts.command_timeout)
-            .retries(3)
-            .build()
-            .map_err(|e| {
-                LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
-            })?;
-        let backend = Self::with_conn(
-            Conn::Cluster(conn),
-            opts,
-            hub,
-            &me,
-            Reconnect::Cluster(Box::new(plain)),
-        );
+        let plain = builder().build().map_err(invalid)?;
+        let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
         backend.ping().await?;
         Ok(backend)
     }
@@ -419,6 +423,30 @@ impl RedisBackend {
             return resource.namespace_key(&format!("{{{tag}}}:fence"));
         }
         resource.namespace_key("fence")
+    }
+
+    /// Declares, on a cluster, the keys a lock's scripts derive from its key — the slot's
+    /// fencing counter, the lock's queue list and entries — after the script's own `KEYS`
+    /// (the scripts still derive them; these `KEYS` are for the cluster's routing). While a
+    /// slot is being resharded, Redis routes a script by its declared keys only: declaring
+    /// just the lock's key let a script that found it missing on the `MIGRATING` source be
+    /// sent (`ASK`) to the `IMPORTING` target and create the slot's fencing counter there
+    /// while the source still had it — the `MIGRATE` of the counter then failed (`BUSYKEY`)
+    /// and the reshard stopped half-way —, and a script running on the source failed
+    /// ("non local key") on a derived key already moved or not yet created. With every key
+    /// declared, a script runs only on a node that holds all of them, and is told `TRYAGAIN`
+    /// (retried by the cluster client) while they are split or missing during the move.
+    pub(crate) fn declare_derived_keys(
+        &self,
+        inv: &mut redis::ScriptInvocation<'_>,
+        resource: &ResourceName,
+    ) {
+        if self.is_cluster() {
+            inv.key(self.fence_key(resource));
+            for suffix in scripts::QUEUE_SUFFIXES {
+                inv.key(resource.with_suffix(suffix));
+            }
+        }
     }
 
     /// This client's fencing floor (see [`Floor::clock`]), for scripts that may issue a token.
@@ -507,6 +535,35 @@ impl RedisBackend {
         fut.await.map_err(|e| redis_err(what, e))
     }
 
+    /// Runs a lock script (one that [declares](RedisBackend::declare_derived_keys) its derived
+    /// keys on a cluster). While its slot is `MIGRATING`, Redis (7.0) checks every command a
+    /// script runs against the slot's state: a script that empties a queue key (`LPOP` of its
+    /// last waiter) and then reads it again fails there with "non local key", its earlier
+    /// writes kept. Those are always queue bookkeeping — every script grants, hands over or
+    /// deletes the lock in its last write — so it is run again, at most twice: the key now
+    /// missing, the cluster answers `TRYAGAIN` or `ASK` until the slot has moved, which the
+    /// cluster client follows.
+    async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        what: &str,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut again = 2;
+        loop {
+            match inv.invoke_async(&mut conn).await {
+                Err(e)
+                    if again > 0
+                        && self.is_cluster()
+                        && e.to_string().contains("non local key") =>
+                {
+                    again -= 1;
+                }
+                r => return r.map_err(|e| redis_err(what, e)),
+            }
+        }
+    }
+
     async fn owner_script(
         &self,
         script: &Script,
@@ -514,13 +571,13 @@ impl RedisBackend {
         resource: &ResourceName,
         token: &OwnerToken,
     ) -> Result<i64, LockError> {
-        let mut conn = self.inner.conn.clone();
         let mut inv = script.prepare_invoke();
-        inv.key(resource.as_str())
-            .arg(token.as_str())
+        inv.key(resource.as_str());
+        self.declare_derived_keys(&mut inv, resource);
+        inv.arg(token.as_str())
             .arg(self.fence_key(resource))
             .arg(self.floor());
-        self.deadline(what, inv.invoke_async(&mut conn)).await
+        self.run_script(what, &inv).await
     }
 
     /// One of the connections of its own for commands that block their connection (`WAIT`),
@@ -553,8 +610,12 @@ impl RedisBackend {
             (Reconnect::Cluster(client), _) => {
                 let limit = opts.connect_timeout + opts.command_timeout;
                 match tokio::time::timeout(limit, client.get_async_connection()).await {
+                    // A dedicated connection never subscribes: `subs` is never used.
                     Ok(r) => r
-                        .map(Conn::Cluster)
+                        .map(|c| Conn::Cluster {
+                            subs: c.clone(),
+                            cmds: c,
+                        })
                         .map_err(|e| redis_err("cluster connect", e)),
                     Err(_) => Err(LockError::unavailable(
                         format!("redis cluster: no node answered within {limit:?}"),
@@ -614,6 +675,30 @@ async fn wake_after_reconnect(inner: Weak<Inner>) {
     }
 }
 
+/// Subscribes again to `resource`'s channel if it still has local waiters (its subscription
+/// was dropped by the server: the slot moved), then wakes the waiters to re-check: releases
+/// published meanwhile were missed.
+async fn resubscribe(inner: Weak<Inner>, resource: String) {
+    let Some(inner) = inner.upgrade() else { return };
+    let channel = format!("{resource}:{CHANNEL_SUFFIX}");
+    let mut subscribed = inner.subscribed.lock().await;
+    if !inner.hub.has_waiters(&resource) {
+        return;
+    }
+    let mut conn = inner.conn.clone();
+    match tokio::time::timeout(inner.opts.command_timeout, conn.subscribe(&channel)).await {
+        Ok(Ok(())) => {
+            subscribed.insert(channel);
+        }
+        // The next waiter of this lock subscribes again; until then the waiters' timers wake them.
+        _ => {
+            subscribed.remove(&channel);
+        }
+    }
+    drop(subscribed);
+    inner.hub.notify_all();
+}
+
 fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
@@ -647,6 +732,32 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
                     _ => hub.notify(resource, Some(token)),
                 },
                 None => hub.notify(resource, Some(&payload)),
+            }
+        }
+        // Also what a cluster node says, unasked, when a slot moves away: it drops the
+        // subscriptions to the slot's shard channels. A lock with local waiters still needs its
+        // channel, now on the slot's new master.
+        PushKind::SUnsubscribe => {
+            let resource = push
+                .data
+                .into_iter()
+                .next()
+                .and_then(|c| redis::from_redis_value::<String>(c).ok())
+                .and_then(|c| {
+                    Some(
+                        c.strip_suffix(CHANNEL_SUFFIX)?
+                            .strip_suffix(':')?
+                            .to_owned(),
+                    )
+                });
+            let Some(resource) = resource.filter(|r| hub.has_waiters(r)) else {
+                return;
+            };
+            if let (Some(inner), Ok(rt)) = (
+                me.get().and_then(Weak::upgrade),
+                tokio::runtime::Handle::try_current(),
+            ) {
+                rt.spawn(resubscribe(Arc::downgrade(&inner), resource));
             }
         }
         PushKind::Disconnection => {
@@ -683,10 +794,10 @@ impl RedisBackend {
             WaitMode::Queue => "1",
             WaitMode::Barge => "2",
         };
-        let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.acquire.prepare_invoke();
-        inv.key(args.resource.as_str())
-            .arg(args.token.as_str())
+        inv.key(args.resource.as_str());
+        self.declare_derived_keys(&mut inv, args.resource);
+        inv.arg(args.token.as_str())
             .arg(scripts::px(args.ttl))
             .arg(self.fence_key(args.resource))
             .arg(mode)
@@ -697,9 +808,7 @@ impl RedisBackend {
             Floor::AtLeast(f) => inv.arg(f),
             Floor::Exactly(f) => inv.arg(f).arg("exact"),
         };
-        let reply: i64 = self
-            .deadline("acquire", inv.invoke_async(&mut conn))
-            .await?;
+        let reply: i64 = self.run_script("acquire", &inv).await?;
         Ok(match reply {
             1.. => Attempt::Acquired {
                 fencing_token: reply as u64,
@@ -771,22 +880,11 @@ impl Backend for RedisBackend {
             if self.is_cluster() {
                 return self.extend_per_slot(items).await;
             }
-            let chunks = items.chunks(PIPELINE_CHUNK).map(|chunk| async move {
-                match self.extend_chunk(chunk).await {
-                    Ok(v) => v.into_iter().map(|n| Ok(n == 1)).collect::<Vec<_>>(),
-                    Err(e) => {
-                        let msg = e.to_string();
-                        (0..chunk.len())
-                            .map(|_| Err(LockError::unavailable(msg.clone(), None)))
-                            .collect()
-                    }
-                }
-            });
-            futures_util::future::join_all(chunks)
-                .await
-                .into_iter()
-                .flatten()
-                .collect()
+            super::extend_in_chunks(items, PIPELINE_CHUNK, |chunk| async move {
+                let replies = self.extend_chunk(chunk).await?;
+                Ok(replies.into_iter().map(|n| n == 1).collect())
+            })
+            .await
         })
     }
 
@@ -849,7 +947,7 @@ impl Backend for RedisBackend {
                 // `WAIT` has no key: send it to the lock's master, on the connection that
                 // carried the renewal.
                 #[cfg(feature = "cluster")]
-                Conn::Cluster(c) => {
+                Conn::Cluster { cmds: c, .. } => {
                     use redis::cluster_routing::{
                         Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
                     };

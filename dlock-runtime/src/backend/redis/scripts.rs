@@ -41,6 +41,11 @@
 //! `counter + 1`; an `INCR` that answers 1 found no counter and starts it at the server clock
 //! in µs. A Redlock node takes the floor exactly (see `backend::redlock`).
 
+//! **On a cluster** the scripts declare, after their own `KEYS`, the keys they derive (the
+//! slot's fencing counter, the lock's queue list and entries): they still derive the names
+//! themselves, the declared keys are for the cluster's routing while the slot is resharded
+//! (see `RedisBackend::declare_derived_keys`). One server saves the extra arguments.
+
 //! Replies are integers where the hot path is concerned (a Lua table or a formatted number
 //! costs the server more than the rest of an uncontended acquire).
 
@@ -84,6 +89,10 @@ end
 "#
     };
 }
+
+/// The suffixes of a lock's queue keys, `<lock key>:<suffix>`: the list, the entries (what
+/// [`queue_keys`] derives in the scripts).
+pub(super) const QUEUE_SUFFIXES: [&str; 2] = ["q", "qw"];
 
 /// Lua: the names of the lock's queue keys, derived from the lock's key (same hash tag, so the
 /// same cluster slot): `lq` (the list), `lqw` (the entries).

@@ -62,11 +62,8 @@ impl SentinelUrl {
             "rediss+sentinel" => "rediss",
             _ => return Err(bad()),
         };
-        let (auth, rest) = match rest.rsplit_once('@') {
-            Some((auth, rest)) => (format!("{auth}@"), rest),
-            None => (String::new(), rest),
-        };
-        let (hosts, path) = rest.split_once('/').ok_or_else(bad)?;
+        let (auth, hosts, path) = super::conn::split_hosts(rest);
+        let path = path.ok_or_else(bad)?;
         let mut path = path.split('/').filter(|p| !p.is_empty());
         let master = path.next().ok_or_else(bad)?.to_owned();
         let db = match path.next() {
@@ -76,11 +73,8 @@ impl SentinelUrl {
         if path.next().is_some() {
             return Err(bad());
         }
-        let sentinels: Vec<String> = hosts
-            .split(',')
-            .filter(|h| !h.is_empty())
-            .map(|h| format!("{scheme}://{h}"))
-            .collect();
+        // The credentials are the servers': the sentinels are reached without.
+        let sentinels = super::conn::node_urls(scheme, "", hosts);
         if sentinels.is_empty() {
             return Err(bad());
         }

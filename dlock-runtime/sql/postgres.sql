@@ -1,0 +1,256 @@
+-- dlock: the Postgres backend's schema, version 1 (schema "dlock", table prefix "dlock_").
+--
+-- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
+-- Teams that run their own migrations apply this file instead and turn create_schema off; the
+-- backend then needs only USAGE on the schema, EXECUTE on the functions and SELECT, INSERT,
+-- UPDATE, DELETE on the tables and USAGE on the sequence. Another schema or prefix:
+-- PostgresOptions::ddl() prints the file rendered for them.
+BEGIN;
+SELECT pg_advisory_xact_lock(1684824939, 0);
+CREATE SCHEMA IF NOT EXISTS dlock;
+
+-- Fencing tokens and waiters' places in line: never reused, also across restarts.
+CREATE SEQUENCE IF NOT EXISTS dlock.dlock_fence;
+
+CREATE TABLE IF NOT EXISTS dlock.dlock_locks (
+    name       text PRIMARY KEY,
+    owner      text NOT NULL,
+    fence      bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    barged     boolean NOT NULL DEFAULT false
+);
+
+CREATE TABLE IF NOT EXISTS dlock.dlock_waiters (
+    name       text NOT NULL,
+    token      text NOT NULL,
+    seq        bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    lease_ms   bigint NOT NULL,
+    PRIMARY KEY (name, token)
+);
+CREATE INDEX IF NOT EXISTS dlock_waiters_line ON dlock.dlock_waiters (name, seq);
+
+CREATE TABLE IF NOT EXISTS dlock.dlock_idempotency (
+    name        text PRIMARY KEY,
+    fingerprint text NOT NULL,
+    owner       text,
+    result      bytea,
+    expires_at  timestamptz NOT NULL
+);
+
+CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
+LANGUAGE sql IMMUTABLE AS 'SELECT 1';
+
+-- Serialises every grant of one lock name (see the module docs).
+CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
+LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(1684824939, hashtext(p_name))';
+
+-- Milliseconds from now until t (at least 0).
+CREATE OR REPLACE FUNCTION dlock.dlock_ms_until(t timestamptz) RETURNS bigint
+LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
+
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease.
+CREATE OR REPLACE FUNCTION dlock.dlock_head(p_name text, OUT token text, OUT lease_ms bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+  DELETE FROM dlock.dlock_waiters w WHERE w.name = p_name AND w.expires_at <= clock_timestamp();
+  SELECT w.token, w.lease_ms INTO token, lease_ms FROM dlock.dlock_waiters w
+   WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
+END $$;
+
+-- Puts (or keeps) a waiter in line with a fresh entry expiry.
+CREATE OR REPLACE FUNCTION dlock.dlock_enqueue(p_name text, p_token text, p_lease_ms bigint, p_wttl_ms bigint)
+RETURNS void LANGUAGE sql AS $$
+  INSERT INTO dlock.dlock_waiters AS w (name, token, seq, expires_at, lease_ms)
+  VALUES (p_name, p_token, nextval('dlock.dlock_fence'),
+          clock_timestamp() + p_wttl_ms * interval '1 millisecond', least(p_lease_ms, p_wttl_ms))
+  ON CONFLICT (name, token) DO UPDATE SET expires_at = EXCLUDED.expires_at, lease_ms = EXCLUDED.lease_ms
+$$;
+
+-- The lock is given up (released, abandoned, completed): grant it to the first live waiter
+-- with a new fencing token and tell it (direct handoff), or delete it, waking a barging waiter
+-- if one asked. Needs serialise().
+CREATE OR REPLACE FUNCTION dlock.dlock_pass_on(p_name text, p_barged boolean) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE h record; f bigint;
+BEGIN
+  SELECT * INTO h FROM dlock.dlock_head(p_name);
+  IF h.token IS NULL THEN
+    DELETE FROM dlock.dlock_locks WHERE name = p_name;
+    IF p_barged THEN PERFORM pg_notify('dlock.dlock_release', p_name || E'\t'); END IF;
+    RETURN;
+  END IF;
+  DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = h.token;
+  f := nextval('dlock.dlock_fence');
+  INSERT INTO dlock.dlock_locks AS l (name, owner, fence, expires_at, barged)
+  VALUES (p_name, h.token, f, clock_timestamp() + h.lease_ms * interval '1 millisecond', p_barged)
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = EXCLUDED.barged;
+  PERFORM pg_notify('dlock.dlock_release', p_name || E'\t' || h.token || E'\t' || f);
+END $$;
+
+-- Deletes a bounded batch of rows that lapsed more than a minute ago.
+CREATE OR REPLACE FUNCTION dlock.dlock_sweep() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  DELETE FROM dlock.dlock_locks WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM dlock.dlock_locks WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM dlock.dlock_waiters WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM dlock.dlock_waiters WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM dlock.dlock_idempotency WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM dlock.dlock_idempotency WHERE expires_at < clock_timestamp()
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+END $$;
+
+-- One acquire attempt. p_mode: 0 try, 1 queue, 2 barge.
+-- Returns the fencing token (> 0) when granted (also when the lock is already this token's:
+-- handed over by a release whose notification was lost; same token, lease restarted),
+-- -(lease left ms) - 1 when someone else holds it, 0 when it is free but another waiter is
+-- first in line.
+CREATE OR REPLACE FUNCTION dlock.dlock_acquire(p_name text, p_token text, p_ttl_ms bigint, p_mode integer, p_wttl_ms bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE l record; h record; f bigint;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT owner, fence, expires_at INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() THEN
+    IF l.owner = p_token THEN
+      UPDATE dlock.dlock_locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
+       WHERE name = p_name;
+      RETURN l.fence;
+    END IF;
+    IF p_mode = 1 THEN
+      PERFORM dlock.dlock_enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms);
+    ELSIF p_mode = 2 THEN
+      UPDATE dlock.dlock_locks SET barged = true WHERE name = p_name AND NOT barged;
+    END IF;
+    RETURN -dlock.dlock_ms_until(l.expires_at) - 1;
+  END IF;
+  SELECT * INTO h FROM dlock.dlock_head(p_name);
+  IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
+    IF p_mode = 1 THEN PERFORM dlock.dlock_enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
+    RETURN 0;
+  END IF;
+  IF h.token IS NOT NULL THEN
+    DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;
+  END IF;
+  f := nextval('dlock.dlock_fence');
+  INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
+  VALUES (p_name, p_token, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = false;
+  IF random() < 0.01 THEN PERFORM dlock.dlock_sweep(); END IF;
+  RETURN f;
+END $$;
+
+-- Owner-checked release: hands the lock to the next live waiter, or deletes it.
+-- Returns 1 when the token held the lock (also a lease of it that lapsed with nobody taking the
+-- lock since: the locker reports that as lost by its own lease clock), 0 otherwise.
+CREATE OR REPLACE FUNCTION dlock.dlock_release(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT owner, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token THEN RETURN 0; END IF;
+  PERFORM dlock.dlock_pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+
+-- Undo of a cancelled or abandoned acquire: release if owner, leave the line, and pass a free
+-- lock on if that made someone else first.
+CREATE OR REPLACE FUNCTION dlock.dlock_abandon(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record; held boolean; free boolean; left_line boolean;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  held := FOUND AND l.owner = p_token;
+  free := NOT FOUND OR l.expires_at <= clock_timestamp();
+  DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;
+  left_line := FOUND;
+  IF held OR (left_line AND free) THEN
+    PERFORM dlock.dlock_pass_on(p_name, coalesce(l.barged, false));
+  END IF;
+  RETURN held::integer;
+END $$;
+
+-- Owner-checked lease extension, for a batch: returns the names whose lease was extended.
+CREATE OR REPLACE FUNCTION dlock.dlock_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
+RETURNS SETOF text LANGUAGE sql AS $$
+  UPDATE dlock.dlock_locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
+    FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
+   WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
+  RETURNING k.name
+$$;
+
+-- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
+-- 3 mismatch, 0 held (o_n = lease left ms, or -2 when free but a waiter is first; o_same = 1
+-- same fingerprint, 0 different, NULL unknown).
+CREATE OR REPLACE FUNCTION dlock.dlock_idem_begin(p_name text, p_token text, p_ttl_ms bigint, p_fp text, p_retention_ms bigint,
+  OUT o_code integer, OUT o_n bigint, OUT o_same integer, OUT o_result bytea)
+LANGUAGE plpgsql AS $$
+DECLARE r record; l record; h record;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT fingerprint, owner, result AS res INTO r FROM dlock.dlock_idempotency
+   WHERE name = p_name AND expires_at > clock_timestamp();
+  IF FOUND AND r.res IS NOT NULL THEN
+    IF r.fingerprint = p_fp THEN o_code := 2; o_result := r.res; ELSE o_code := 3; END IF;
+    RETURN;
+  END IF;
+  SELECT owner, expires_at INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() THEN
+    o_code := 0;
+    o_n := dlock.dlock_ms_until(l.expires_at);
+    IF r.owner IS NOT NULL AND r.owner = l.owner THEN o_same := (r.fingerprint = p_fp)::integer; END IF;
+    RETURN;
+  END IF;
+  SELECT * INTO h FROM dlock.dlock_head(p_name);
+  IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
+  o_n := nextval('dlock.dlock_fence');
+  INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
+  VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = false;
+  INSERT INTO dlock.dlock_idempotency AS i (name, fingerprint, owner, result, expires_at)
+  VALUES (p_name, p_fp, p_token, NULL, clock_timestamp() + p_retention_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, result = NULL, expires_at = EXCLUDED.expires_at;
+  o_code := 1;
+END $$;
+
+-- Idempotency, last step: owner-checked; stores the result and releases the lock together,
+-- handing it to the next live waiter if any. Returns 1 when stored, 0 when the token did not
+-- hold a live lease (nothing changed).
+CREATE OR REPLACE FUNCTION dlock.dlock_idem_complete(p_name text, p_token text, p_fp text, p_result bytea, p_retention_ms bigint)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  INSERT INTO dlock.dlock_idempotency AS i (name, fingerprint, owner, result, expires_at)
+  VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, owner = NULL, result = EXCLUDED.result, expires_at = EXCLUDED.expires_at;
+  PERFORM dlock.dlock_pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+
+-- Idempotency, abort: owner-checked release without a record (drops the running attempt's
+-- note). Returns 1 when released, 0 when the token did not hold a live lease.
+CREATE OR REPLACE FUNCTION dlock.dlock_idem_abort(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  DELETE FROM dlock.dlock_idempotency WHERE name = p_name AND owner = p_token AND result IS NULL;
+  PERFORM dlock.dlock_pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+COMMIT;

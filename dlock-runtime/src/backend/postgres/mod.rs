@@ -1,0 +1,794 @@
+//! The Postgres backend (feature `postgres`): locks as rows of one table, judged by the
+//! database's clock, over a pool of ordinary connections — and PgBouncer-safe.
+//!
+//! * **Every operation is one function call** (`SELECT <schema>.<prefix>acquire($1, …)`), so
+//!   one statement, one implicit transaction and one round trip: the PL/pgSQL functions of
+//!   [`schema`](self#schema) serialise the grants of one lock name with a transaction-level
+//!   advisory lock, compare owner tokens, keep the fair waiter queue and draw fencing tokens —
+//!   what the Lua scripts do on Redis. A statement timeout or a dropped connection rolls the
+//!   whole call back: there is no half-taken lock.
+//! * **Expiry by the database's clock**: a lease is `expires_at = clock_timestamp() + ttl`,
+//!   compared with `clock_timestamp()`; the client's clock is never sent.
+//! * **Fencing tokens** come from one sequence per schema and prefix (`<prefix>fence`): never
+//!   reused (sequences are WAL-logged and jump ahead after a crash), across every key, expiry
+//!   and restart. A token is drawn only under the lock name's advisory lock, after the previous
+//!   grant of that name committed, so tokens of one key are strictly increasing.
+//! * **Fair waiting**: a `waiters` table keeps each lock's line (place from the same sequence,
+//!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is
+//!   free and the caller is first among the live entries. A release grants the lock to the first
+//!   live waiter in the same transaction (direct handoff: a new fencing token, a lease of
+//!   `min(ttl, waiter ttl)`) and tells it with `pg_notify`.
+//! * **Release notifications**: `LISTEN` on one dedicated connection per backend (one channel,
+//!   `<schema>.<prefix>release`; a release only notifies when someone waits), feeding the
+//!   locker's [`ReleaseHub`]. The connection reconnects on its own and wakes every local waiter
+//!   once it is back. Without it (PgBouncer in transaction pooling, see below, or
+//!   [`PostgresOptions::notifications`] off) waiters re-check on their fallback timers and
+//!   find a handed-over lock already theirs.
+//! * **Deadlines**: every call — taking a pooled connection included — is bounded by
+//!   [`PostgresOptions::command_timeout`]; an unreachable or hung database is
+//!   [`LockError::Unavailable`] (503), never a hang. Connection strings may carry passwords:
+//!   errors never quote them.
+//!
+//! # Client: tokio-postgres with deadpool-postgres
+//!
+//! [tokio-postgres](https://docs.rs/tokio-postgres) with a [deadpool-postgres] pool, because of
+//! PgBouncer: in transaction pooling mode PgBouncer 1.18 (Debian 12's) hands each transaction to
+//! any server connection, so a named prepared statement made on one is missing on the next, and
+//! so is an *unnamed* statement when a client splits Parse/Describe and Bind/Execute across two
+//! `Sync`s — which is what sqlx does for every query, persistent or not. tokio-postgres's
+//! `query_typed` sends Parse (unnamed), Bind, Execute and Sync as one batch with the parameter
+//! types given by the caller, so each call is self-contained on whatever server connection
+//! PgBouncer picks, and costs one round trip (no prepare step); the schema is created with the
+//! simple query protocol. deadpool-postgres is the maintained pool for tokio-postgres, and the
+//! type [`PostgresBackend::from_pool`] takes, so a service can share its own pool.
+//! Only the `runtime` feature of tokio-postgres is used.
+//!
+//! # PgBouncer
+//!
+//! Everything works through PgBouncer in transaction pooling mode, except `LISTEN`, which needs
+//! a session: give the backend a direct URL for notifications
+//! ([`PostgresOptions::notify_url`], or `dlock_notify=<percent-encoded URL>` in the URL given to
+//! [`Locker::from_url`](crate::Locker::from_url)), or turn notifications off
+//! (`dlock_notify=off`): waiters then wake on their timers (a handoff waits at most one backoff
+//! step, bounded by a third of the waiter TTL). With notifications on and no notify URL, the
+//! main URL is used for `LISTEN`: do not do that through PgBouncer in transaction pooling.
+//!
+//! # Schema
+//!
+//! Created on first use, idempotently, in [`PostgresOptions::schema`] (default `dlock`) with
+//! table prefix [`PostgresOptions::table_prefix`] (default `dlock_`) — or, with
+//! [`PostgresOptions::create_schema`] off, applied by your migrations from
+//! `dlock-runtime/sql/postgres.sql` ([`PostgresOptions::ddl`] renders it for other names). The
+//! file lists the privileges the backend needs. Tables are logged: locks survive a database
+//! restart (their leases keep running by the database's clock). Rows of holders that died are
+//! swept in small batches by later acquires. The functions expect the default isolation level,
+//! `READ COMMITTED` (each statement sees what committed before it).
+//!
+//! # Transaction-scoped locks
+//!
+//! [`lock_in_transaction`] takes `pg_advisory_xact_lock` inside the caller's own transaction, so
+//! the lock and the writes it protects commit or roll back together (see [`xact`]).
+//!
+//! # URLs
+//!
+//! `postgres://user:pass@host:port/db?…` or `postgresql://…`, any parameter tokio-postgres
+//! understands (`application_name`, `connect_timeout`, `options`, `sslmode=disable|prefer`),
+//! plus `dlock_schema`, `dlock_table_prefix` and `dlock_notify`. TLS (`sslmode=require`) is not
+//! supported yet: such a URL is refused with a clear error.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{NoTls, Row};
+
+use super::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+};
+use crate::key::ResourceName;
+use crate::LockError;
+
+pub use deadpool_postgres;
+pub use tokio_postgres;
+
+mod idempotency;
+mod listener;
+mod schema;
+pub mod xact;
+
+pub use self::xact::{lock_in_transaction, try_lock_in_transaction, xact_lock_id};
+
+/// Settings of the Postgres backend. Defaults: schema `dlock`, table prefix `dlock_`, create
+/// the schema on first use, command timeout 1 s, connect timeout 1 s, pool of 16 connections,
+/// notifications on over the main URL.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct PostgresOptions {
+    /// The schema of the backend's tables and functions: `[a-z_][a-z0-9_]*`, at most 40 bytes.
+    pub schema: String,
+    /// Prefix of every table, sequence and function name: `[a-z_][a-z0-9_]*` or empty, at most
+    /// 16 bytes.
+    pub table_prefix: String,
+    /// Whether the backend runs its (idempotent) DDL when it starts and finds the schema
+    /// missing or older. Off: it checks the version and fails if the schema is not there.
+    pub create_schema: bool,
+    /// Deadline of every call, including waiting for a pooled connection.
+    pub command_timeout: Duration,
+    /// Deadline of establishing a connection (and of the schema check at start).
+    pub connect_timeout: Duration,
+    /// Connections in the pool the backend makes (not used with
+    /// [`from_pool`](PostgresBackend::from_pool)).
+    pub pool_size: usize,
+    /// Whether to `LISTEN` for release notifications.
+    pub notifications: bool,
+    /// A direct connection string for `LISTEN` (when the main one goes through PgBouncer in
+    /// transaction pooling, or for [`from_pool`](PostgresBackend::from_pool), whose pool cannot
+    /// listen). `None`: the main URL ([`connect`](PostgresBackend::connect)) or no notifications
+    /// (`from_pool`).
+    pub notify_url: Option<String>,
+}
+
+impl std::fmt::Debug for PostgresOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The notify URL may carry a password.
+        f.debug_struct("PostgresOptions")
+            .field("schema", &self.schema)
+            .field("table_prefix", &self.table_prefix)
+            .field("create_schema", &self.create_schema)
+            .field("command_timeout", &self.command_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("pool_size", &self.pool_size)
+            .field("notifications", &self.notifications)
+            .field("notify_url", &self.notify_url.as_ref().map(|_| ".."))
+            .finish()
+    }
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        PostgresOptions {
+            schema: schema::DEFAULT_SCHEMA.to_owned(),
+            table_prefix: schema::DEFAULT_PREFIX.to_owned(),
+            create_schema: true,
+            command_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+            pool_size: 16,
+            notifications: true,
+            notify_url: None,
+        }
+    }
+}
+
+impl PostgresOptions {
+    /// Sets [`schema`](PostgresOptions::schema).
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Sets [`table_prefix`](PostgresOptions::table_prefix).
+    pub fn table_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.table_prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`create_schema`](PostgresOptions::create_schema).
+    pub fn create_schema(mut self, yes: bool) -> Self {
+        self.create_schema = yes;
+        self
+    }
+
+    /// Sets [`command_timeout`](PostgresOptions::command_timeout).
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.command_timeout = d;
+        self
+    }
+
+    /// Sets [`connect_timeout`](PostgresOptions::connect_timeout).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// Sets [`pool_size`](PostgresOptions::pool_size) (at least 1).
+    pub fn pool_size(mut self, n: usize) -> Self {
+        self.pool_size = n.max(1);
+        self
+    }
+
+    /// Sets [`notifications`](PostgresOptions::notifications).
+    pub fn notifications(mut self, on: bool) -> Self {
+        self.notifications = on;
+        self
+    }
+
+    /// Sets [`notify_url`](PostgresOptions::notify_url) (and turns notifications on).
+    pub fn notify_url(mut self, url: impl Into<String>) -> Self {
+        self.notify_url = Some(url.into());
+        self.notifications = true;
+        self
+    }
+
+    /// The DDL the backend runs for these names (what `dlock-runtime/sql/postgres.sql` is for
+    /// the defaults), for teams that run their own migrations.
+    ///
+    /// # Errors
+    /// [`LockError::InvalidKey`] if the schema or prefix is not a plain identifier.
+    pub fn ddl(&self) -> Result<String, LockError> {
+        self.check_names()?;
+        Ok(schema::render(&self.schema, &self.table_prefix))
+    }
+
+    fn check_names(&self) -> Result<(), LockError> {
+        if !schema::valid_identifier(&self.schema, 40, false) {
+            return Err(LockError::invalid_key(
+                "postgres schema must match [a-z_][a-z0-9_]* (at most 40 bytes)",
+            ));
+        }
+        if !schema::valid_identifier(&self.table_prefix, 16, true) {
+            return Err(LockError::invalid_key(
+                "postgres table prefix must match [a-z_][a-z0-9_]* or be empty (at most 16 bytes)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A lock store in a Postgres database. Cheap to clone.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use dlock_runtime::backend::{PostgresBackend, PostgresOptions};
+/// use dlock_runtime::Locker;
+///
+/// let backend = PostgresBackend::connect(
+///     "postgres://app@127.0.0.1:5432/app",
+///     PostgresOptions::default(),
+/// )
+/// .await?;
+/// let locker = Locker::new(backend);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresBackend {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresBackend")
+            .field("options", &self.inner.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    sql: schema::Statements,
+    hub: Arc<ReleaseHub>,
+    opts: PostgresOptions,
+    /// The listener's state; dropping it ends the listener task.
+    listening: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Owner tokens with a grant in flight (see [`PostgresBackend::gated`]).
+    gates: Mutex<HashMap<OwnerToken, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Maps a client error to [`LockError::Unavailable`], naming the SQLSTATE when the database
+/// answered (never the connection string).
+fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
+    let detail = match e.code() {
+        Some(code) => format!("postgres {what}: error {}", code.code()),
+        None if e.is_closed() => format!("postgres {what}: connection closed"),
+        None => format!("postgres {what}: connection error"),
+    };
+    LockError::unavailable(detail, Some(Box::new(e)))
+}
+
+/// Splits `url` into the tokio-postgres configuration and this crate's own parameters
+/// (`dlock_schema`, `dlock_table_prefix`, `dlock_notify`), applied to `opts`.
+pub(crate) fn parse_url(
+    url: &str,
+    mut opts: PostgresOptions,
+) -> Result<(tokio_postgres::Config, PostgresOptions), LockError> {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, q),
+        None => (url, ""),
+    };
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "dlock_schema" => opts.schema = percent_decode(v)?,
+            "dlock_table_prefix" => opts.table_prefix = percent_decode(v)?,
+            "dlock_notify" if v == "off" => opts.notifications = false,
+            "dlock_notify" => opts = opts.notify_url(percent_decode(v)?),
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    let config = pg_config(&url)?;
+    Ok((config, opts))
+}
+
+/// Parses a connection string; the error never quotes it (it may carry a password).
+fn pg_config(url: &str) -> Result<tokio_postgres::Config, LockError> {
+    let config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|_| LockError::unavailable("invalid postgres url", None))?;
+    if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+        return Err(LockError::unavailable(
+            "postgres url: sslmode=require is not supported yet (TLS); use sslmode=disable or prefer",
+            None,
+        ));
+    }
+    Ok(config)
+}
+
+fn percent_decode(s: &str) -> Result<String, LockError> {
+    let bad =
+        || LockError::unavailable("invalid percent-encoding in a postgres url parameter", None);
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3).ok_or_else(bad)?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad())
+}
+
+impl PostgresBackend {
+    /// Connects to `url` (`postgres://…` or `postgresql://…`, see the [module docs](self#urls)),
+    /// with a pool of [`pool_size`](PostgresOptions::pool_size) connections, creates the schema
+    /// if needed and starts listening for release notifications. Fails with
+    /// [`LockError::Unavailable`] if the database does not answer within the connect and
+    /// command timeouts.
+    pub async fn connect(url: &str, opts: PostgresOptions) -> Result<Self, LockError> {
+        let (mut config, opts) = parse_url(url, opts)?;
+        opts.check_names()?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(opts.connect_timeout);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("dlock");
+        }
+        let notify = match (&opts.notify_url, opts.notifications) {
+            (_, false) => None,
+            (Some(u), true) => Some(Self::notify_config(u, &opts)?),
+            (None, true) => Some(config.clone()),
+        };
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .build()
+            .map_err(|e| LockError::unavailable(format!("postgres pool: {e}"), None))?;
+        Self::start(pool, notify, opts).await
+    }
+
+    /// A backend over a pool the service already has (its connections are shared, not
+    /// reserved). A pool's connections cannot `LISTEN`, so release notifications need
+    /// [`notify_url`](PostgresOptions::notify_url); without it waiters use their timers.
+    /// Creates the schema if needed ([`create_schema`](PostgresOptions::create_schema)).
+    pub async fn from_pool(pool: Pool, opts: PostgresOptions) -> Result<Self, LockError> {
+        opts.check_names()?;
+        let notify = match (&opts.notify_url, opts.notifications) {
+            (Some(u), true) => Some(Self::notify_config(u, &opts)?),
+            _ => None,
+        };
+        Self::start(pool, notify, opts).await
+    }
+
+    fn notify_config(
+        url: &str,
+        opts: &PostgresOptions,
+    ) -> Result<tokio_postgres::Config, LockError> {
+        let mut config = pg_config(url)?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(opts.connect_timeout);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("dlock-listen");
+        }
+        Ok(config)
+    }
+
+    async fn start(
+        pool: Pool,
+        notify: Option<tokio_postgres::Config>,
+        opts: PostgresOptions,
+    ) -> Result<Self, LockError> {
+        let sql = schema::Statements::new(&opts.schema, &opts.table_prefix);
+        let hub = ReleaseHub::new();
+        let listening = notify.map(|config| {
+            listener::spawn(
+                config,
+                schema::channel(&opts.schema, &opts.table_prefix),
+                Arc::downgrade(&hub),
+                opts.connect_timeout + opts.command_timeout,
+            )
+        });
+        let backend = PostgresBackend {
+            inner: Arc::new(Inner {
+                pool,
+                sql,
+                hub,
+                opts,
+                listening,
+                gates: Mutex::new(HashMap::new()),
+            }),
+        };
+        let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
+        match tokio::time::timeout(limit, backend.ensure_schema()).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    format!("postgres did not answer within {limit:?}"),
+                    None,
+                ))
+            }
+        }
+        Ok(backend)
+    }
+
+    /// Checks the schema's version; runs the DDL if it is missing or older (and allowed to).
+    async fn ensure_schema(&self) -> Result<(), LockError> {
+        let client = self
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| pool_err("connect", e))?;
+        let found = match client.query_typed(&self.inner.sql.version, &[]).await {
+            Ok(rows) => rows.first().and_then(|r| r.try_get::<_, i32>(0).ok()),
+            Err(e) if e.code().is_some() => None,
+            Err(e) => return Err(pg_err("schema check", e)),
+        };
+        if found.is_some_and(|v| v >= schema::VERSION) {
+            return Ok(());
+        }
+        if !self.inner.opts.create_schema {
+            return Err(LockError::unavailable(
+                format!(
+                    "postgres schema `{}` (prefix `{}`) is missing or older than version {}, and \
+                     create_schema is off: apply dlock-runtime/sql/postgres.sql",
+                    self.inner.opts.schema,
+                    self.inner.opts.table_prefix,
+                    schema::VERSION
+                ),
+                None,
+            ));
+        }
+        let ddl = schema::render(&self.inner.opts.schema, &self.inner.opts.table_prefix);
+        client
+            .batch_execute(&ddl)
+            .await
+            .map_err(|e| pg_err("create schema", e))
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &PostgresOptions {
+        &self.inner.opts
+    }
+
+    /// The pool the backend uses.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// Whether the `LISTEN` connection is up now (always `false` without notifications).
+    pub fn is_listening(&self) -> bool {
+        self.inner.listening.as_ref().is_some_and(|l| *l.borrow())
+    }
+
+    /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`)
+    /// whoever holds it: an operator's tool for a stuck lock, and how tests take a lock away
+    /// behind its holder's back. The holder learns at its next renewal. Returns whether a row
+    /// was deleted.
+    pub async fn force_release(&self, resource: &str) -> Result<bool, LockError> {
+        let rows = self
+            .call(
+                "force release",
+                &self.inner.sql.delete,
+                &[(&resource, Type::TEXT)],
+            )
+            .await?;
+        Ok(!rows.is_empty())
+    }
+
+    /// Runs one statement on a pooled connection, both bounded by the command timeout.
+    pub(crate) async fn call(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, LockError> {
+        let limit = self.inner.opts.command_timeout;
+        let run = async {
+            let client = self.inner.pool.get().await.map_err(|e| pool_err(what, e))?;
+            client
+                .query_typed(sql, params)
+                .await
+                .map_err(|e| pg_err(what, e))
+        };
+        match tokio::time::timeout(limit, run).await {
+            Ok(r) => r,
+            Err(_) => Err(LockError::unavailable(
+                format!("postgres {what} timed out after {limit:?}"),
+                None,
+            )),
+        }
+    }
+
+    /// One call whose answer is a single integer (`bigint` or `integer`).
+    async fn call_int(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<i64, LockError> {
+        int_of(what, &self.call(what, sql, params).await?)
+    }
+
+    pub(crate) fn sql(&self) -> &schema::Statements {
+        &self.inner.sql
+    }
+
+    /// Runs `call` — an operation that may grant `token` a lock, or undo one — in order with
+    /// every other such operation of `token`, and to its end even if the caller stops waiting.
+    ///
+    /// Cancel safety needs the order: calls go out on different pooled connections, so a
+    /// cancelled acquire's undo ([`Backend::abandon`]) could otherwise overtake the acquire it
+    /// undoes on the server, find nothing, and let the acquire grant a lock nobody holds. Here
+    /// a grant runs in its own task holding the token's gate until the database answered (or
+    /// the command timeout passed), and the undo takes the gate first.
+    pub(crate) async fn gated(
+        &self,
+        token: &OwnerToken,
+        spawn: bool,
+        what: &'static str,
+        sql: fn(&schema::Statements) -> &String,
+        params: Params,
+    ) -> Result<Vec<Row>, LockError> {
+        let gate = {
+            let mut gates = self
+                .inner
+                .gates
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            gates.entry(token.clone()).or_default().clone()
+        };
+        let held = gate.clone().lock_owned().await;
+        let me = self.clone();
+        let fut = async move {
+            let refs: Vec<(&(dyn ToSql + Sync), Type)> = params
+                .iter()
+                .map(|(v, t)| (&**v as &(dyn ToSql + Sync), t.clone()))
+                .collect();
+            let out = me.call(what, sql(&me.inner.sql), &refs).await;
+            drop(held);
+            out
+        };
+        let out = if spawn {
+            tokio::spawn(fut).await.unwrap_or_else(|e| {
+                Err(LockError::unavailable(
+                    format!("postgres call task: {e}"),
+                    None,
+                ))
+            })
+        } else {
+            fut.await
+        };
+        let mut gates = self
+            .inner
+            .gates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Only the map and this call hold it: nobody else waits on this token.
+        if Arc::strong_count(&gate) == 2 {
+            gates.remove(token);
+        }
+        out
+    }
+}
+
+/// Owned parameters of a [`PostgresBackend::gated`] call (it may outlive its caller).
+pub(crate) type Params = Vec<(Box<dyn ToSql + Sync + Send>, Type)>;
+
+/// A text parameter.
+pub(crate) fn text(s: &str) -> (Box<dyn ToSql + Sync + Send>, Type) {
+    (Box::new(s.to_owned()), Type::TEXT)
+}
+
+/// A `bigint` parameter.
+pub(crate) fn int8(n: i64) -> (Box<dyn ToSql + Sync + Send>, Type) {
+    (Box::new(n), Type::INT8)
+}
+
+/// The single integer (`bigint` or `integer`) a call answered.
+pub(crate) fn int_of(what: &str, rows: &[Row]) -> Result<i64, LockError> {
+    let row = rows.first().ok_or_else(|| malformed(what))?;
+    row.try_get::<_, i64>(0)
+        .or_else(|_| row.try_get::<_, i32>(0).map(i64::from))
+        .map_err(|_| malformed(what))
+}
+
+fn malformed(what: &str) -> LockError {
+    LockError::unavailable(format!("postgres {what}: malformed reply"), None)
+}
+
+fn pool_err(what: &str, e: deadpool_postgres::PoolError) -> LockError {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => pg_err(what, e),
+        other => LockError::unavailable(format!("postgres {what}: pool: {other}"), None),
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+impl Backend for PostgresBackend {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn idempotency(&self) -> Option<&dyn super::IdempotencyStore> {
+        Some(self)
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            let mode: i32 = match args.mode {
+                WaitMode::Try => 0,
+                WaitMode::Queue => 1,
+                WaitMode::Barge => 2,
+            };
+            let params: Params = vec![
+                text(args.resource.as_str()),
+                text(args.token.as_str()),
+                int8(millis(args.ttl)),
+                (Box::new(mode), Type::INT4),
+                int8(millis(args.waiter_ttl)),
+            ];
+            let rows = self
+                .gated(args.token, true, "acquire", |s| &s.acquire, params)
+                .await?;
+            let reply = int_of("acquire", &rows)?;
+            Ok(match reply {
+                1.. => Attempt::Acquired {
+                    fencing_token: reply as u64,
+                },
+                0 => Attempt::Held { remaining: None },
+                _ => Attempt::Held {
+                    remaining: Some(Duration::from_millis((-(reply + 1)) as u64)),
+                },
+            })
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let n = self
+                .call_int(
+                    "release",
+                    &self.inner.sql.release,
+                    &[
+                        (&resource.as_str(), Type::TEXT),
+                        (&token.as_str(), Type::TEXT),
+                    ],
+                )
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let item = ExtendItem {
+                resource: resource.clone(),
+                token: token.clone(),
+                ttl,
+            };
+            let mut out = self.extend_batch(std::slice::from_ref(&item)).await?;
+            Ok(out.pop().unwrap_or(false))
+        })
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(async move {
+            super::extend_in_chunks(items, EXTEND_CHUNK, |chunk| self.extend_batch(chunk)).await
+        })
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            let params = vec![text(resource.as_str()), text(token.as_str())];
+            self.gated(token, false, "abandon", |s| &s.abandon, params)
+                .await
+                .map(|_| ())
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let Some(listening) = &self.inner.listening else {
+                return Ok(Watch::never());
+            };
+            // Register first: a notification that arrives once LISTEN is active is not lost.
+            let (watch, _) = self.inner.hub.register(resource, token, None);
+            let mut listening = listening.clone();
+            // While the listener reconnects, the waiter runs on its timer; the listener wakes
+            // every waiter once it is back.
+            let _ = tokio::time::timeout(
+                self.inner.opts.command_timeout,
+                listening.wait_for(|up| *up),
+            )
+            .await;
+            Ok(watch)
+        })
+    }
+}
+
+/// Renewals per statement in a watchdog batch.
+const EXTEND_CHUNK: usize = 1000;
+
+impl PostgresBackend {
+    /// One owner-checked extension statement for a batch; `true` for each item extended.
+    async fn extend_batch(&self, items: &[ExtendItem]) -> Result<Vec<bool>, LockError> {
+        let names: Vec<&str> = items.iter().map(|i| i.resource.as_str()).collect();
+        let tokens: Vec<&str> = items.iter().map(|i| i.token.as_str()).collect();
+        let ttls: Vec<i64> = items.iter().map(|i| millis(i.ttl)).collect();
+        let rows = self
+            .call(
+                "extend",
+                &self.inner.sql.extend,
+                &[
+                    (&names, Type::TEXT_ARRAY),
+                    (&tokens, Type::TEXT_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                ],
+            )
+            .await?;
+        let extended: std::collections::HashSet<String> =
+            rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+        Ok(names.iter().map(|n| extended.contains(*n)).collect())
+    }
+}

@@ -1,0 +1,390 @@
+//! The Postgres backend's schema: tables, one sequence and the PL/pgSQL functions every lock
+//! operation calls (each one statement, so one transaction and one round trip), rendered for a
+//! schema name and a table prefix.
+//!
+//! The same DDL, rendered for the defaults (schema `dlock`, prefix `dlock_`), is the file
+//! `dlock-runtime/sql/postgres.sql` for teams that run their own migrations; a test keeps the
+//! two equal. The DDL is idempotent (`IF NOT EXISTS`, `CREATE OR REPLACE`) and runs in one
+//! transaction under a transaction-level advisory lock, so lockers starting together do not
+//! trip over each other.
+//!
+//! | object | holds |
+//! |---|---|
+//! | `<s>.<p>fence` | sequence: every fencing token and every waiter's place in line |
+//! | `<s>.<p>locks` | one row per held (or lapsed, not yet swept) lock: owner token, fencing token, expiry (`timestamptz`, the database's clock), whether a barging waiter asked to be woken |
+//! | `<s>.<p>waiters` | one row per queued waiter: its place (`seq`), entry expiry, the lease a handoff grants it |
+//! | `<s>.<p>idempotency` | one row per idempotency key: fingerprint, the running attempt's owner token or the stored result, expiry |
+//! | `<s>.<p>acquire`, `release`, `extend`, `abandon`, `idem_begin`, `idem_complete`, `idem_abort` | the operations, each atomic |
+//!
+//! **Serialisation.** Every function that may grant or pass on a lock first takes
+//! `pg_advisory_xact_lock(1684825963, hashtext(<lock name>))` — the two-`int4` form, whose key
+//! space never meets the one-`bigint` form of the transaction-scoped mode or of the
+//! application's own advisory locks — and reads the lock's row `FOR UPDATE`. A fencing token is
+//! drawn (`nextval`) only under that lock, after the previous grant of the key committed, so
+//! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
+//! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
+
+/// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
+pub(crate) const VERSION: i32 = 1;
+
+/// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
+pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
+
+/// The default schema.
+pub(crate) const DEFAULT_SCHEMA: &str = "dlock";
+/// The default table prefix.
+pub(crate) const DEFAULT_PREFIX: &str = "dlock_";
+
+/// The DDL with `@s@` (schema), `@p@` (table prefix), `@ch@` (notification channel),
+/// `@v@` (version) and `@k@` (advisory class) to fill in.
+const TEMPLATE: &str = r#"-- dlock: the Postgres backend's schema, version @v@ (schema "@s@", table prefix "@p@").
+--
+-- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
+-- Teams that run their own migrations apply this file instead and turn create_schema off; the
+-- backend then needs only USAGE on the schema, EXECUTE on the functions and SELECT, INSERT,
+-- UPDATE, DELETE on the tables and USAGE on the sequence. Another schema or prefix:
+-- PostgresOptions::ddl() prints the file rendered for them.
+BEGIN;
+SELECT pg_advisory_xact_lock(@k@, 0);
+CREATE SCHEMA IF NOT EXISTS @s@;
+
+-- Fencing tokens and waiters' places in line: never reused, also across restarts.
+CREATE SEQUENCE IF NOT EXISTS @s@.@p@fence;
+
+CREATE TABLE IF NOT EXISTS @s@.@p@locks (
+    name       text PRIMARY KEY,
+    owner      text NOT NULL,
+    fence      bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    barged     boolean NOT NULL DEFAULT false
+);
+
+CREATE TABLE IF NOT EXISTS @s@.@p@waiters (
+    name       text NOT NULL,
+    token      text NOT NULL,
+    seq        bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    lease_ms   bigint NOT NULL,
+    PRIMARY KEY (name, token)
+);
+CREATE INDEX IF NOT EXISTS @p@waiters_line ON @s@.@p@waiters (name, seq);
+
+CREATE TABLE IF NOT EXISTS @s@.@p@idempotency (
+    name        text PRIMARY KEY,
+    fingerprint text NOT NULL,
+    owner       text,
+    result      bytea,
+    expires_at  timestamptz NOT NULL
+);
+
+CREATE OR REPLACE FUNCTION @s@.@p@schema_version() RETURNS integer
+LANGUAGE sql IMMUTABLE AS 'SELECT @v@';
+
+-- Serialises every grant of one lock name (see the module docs).
+CREATE OR REPLACE FUNCTION @s@.@p@serialise(p_name text) RETURNS void
+LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(@k@, hashtext(p_name))';
+
+-- Milliseconds from now until t (at least 0).
+CREATE OR REPLACE FUNCTION @s@.@p@ms_until(t timestamptz) RETURNS bigint
+LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
+
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease.
+CREATE OR REPLACE FUNCTION @s@.@p@head(p_name text, OUT token text, OUT lease_ms bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+  DELETE FROM @s@.@p@waiters w WHERE w.name = p_name AND w.expires_at <= clock_timestamp();
+  SELECT w.token, w.lease_ms INTO token, lease_ms FROM @s@.@p@waiters w
+   WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
+END $$;
+
+-- Puts (or keeps) a waiter in line with a fresh entry expiry.
+CREATE OR REPLACE FUNCTION @s@.@p@enqueue(p_name text, p_token text, p_lease_ms bigint, p_wttl_ms bigint)
+RETURNS void LANGUAGE sql AS $$
+  INSERT INTO @s@.@p@waiters AS w (name, token, seq, expires_at, lease_ms)
+  VALUES (p_name, p_token, nextval('@s@.@p@fence'),
+          clock_timestamp() + p_wttl_ms * interval '1 millisecond', least(p_lease_ms, p_wttl_ms))
+  ON CONFLICT (name, token) DO UPDATE SET expires_at = EXCLUDED.expires_at, lease_ms = EXCLUDED.lease_ms
+$$;
+
+-- The lock is given up (released, abandoned, completed): grant it to the first live waiter
+-- with a new fencing token and tell it (direct handoff), or delete it, waking a barging waiter
+-- if one asked. Needs serialise().
+CREATE OR REPLACE FUNCTION @s@.@p@pass_on(p_name text, p_barged boolean) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE h record; f bigint;
+BEGIN
+  SELECT * INTO h FROM @s@.@p@head(p_name);
+  IF h.token IS NULL THEN
+    DELETE FROM @s@.@p@locks WHERE name = p_name;
+    IF p_barged THEN PERFORM pg_notify('@ch@', p_name || E'\t'); END IF;
+    RETURN;
+  END IF;
+  DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = h.token;
+  f := nextval('@s@.@p@fence');
+  INSERT INTO @s@.@p@locks AS l (name, owner, fence, expires_at, barged)
+  VALUES (p_name, h.token, f, clock_timestamp() + h.lease_ms * interval '1 millisecond', p_barged)
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = EXCLUDED.barged;
+  PERFORM pg_notify('@ch@', p_name || E'\t' || h.token || E'\t' || f);
+END $$;
+
+-- Deletes a bounded batch of rows that lapsed more than a minute ago.
+CREATE OR REPLACE FUNCTION @s@.@p@sweep() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  DELETE FROM @s@.@p@locks WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM @s@.@p@locks WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM @s@.@p@waiters WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM @s@.@p@waiters WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM @s@.@p@idempotency WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM @s@.@p@idempotency WHERE expires_at < clock_timestamp()
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+END $$;
+
+-- One acquire attempt. p_mode: 0 try, 1 queue, 2 barge.
+-- Returns the fencing token (> 0) when granted (also when the lock is already this token's:
+-- handed over by a release whose notification was lost; same token, lease restarted),
+-- -(lease left ms) - 1 when someone else holds it, 0 when it is free but another waiter is
+-- first in line.
+CREATE OR REPLACE FUNCTION @s@.@p@acquire(p_name text, p_token text, p_ttl_ms bigint, p_mode integer, p_wttl_ms bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE l record; h record; f bigint;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT owner, fence, expires_at INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() THEN
+    IF l.owner = p_token THEN
+      UPDATE @s@.@p@locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
+       WHERE name = p_name;
+      RETURN l.fence;
+    END IF;
+    IF p_mode = 1 THEN
+      PERFORM @s@.@p@enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms);
+    ELSIF p_mode = 2 THEN
+      UPDATE @s@.@p@locks SET barged = true WHERE name = p_name AND NOT barged;
+    END IF;
+    RETURN -@s@.@p@ms_until(l.expires_at) - 1;
+  END IF;
+  SELECT * INTO h FROM @s@.@p@head(p_name);
+  IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
+    IF p_mode = 1 THEN PERFORM @s@.@p@enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
+    RETURN 0;
+  END IF;
+  IF h.token IS NOT NULL THEN
+    DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
+  END IF;
+  f := nextval('@s@.@p@fence');
+  INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
+  VALUES (p_name, p_token, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = false;
+  IF random() < 0.01 THEN PERFORM @s@.@p@sweep(); END IF;
+  RETURN f;
+END $$;
+
+-- Owner-checked release: hands the lock to the next live waiter, or deletes it.
+-- Returns 1 when the token held the lock (also a lease of it that lapsed with nobody taking the
+-- lock since: the locker reports that as lost by its own lease clock), 0 otherwise.
+CREATE OR REPLACE FUNCTION @s@.@p@release(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT owner, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token THEN RETURN 0; END IF;
+  PERFORM @s@.@p@pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+
+-- Undo of a cancelled or abandoned acquire: release if owner, leave the line, and pass a free
+-- lock on if that made someone else first.
+CREATE OR REPLACE FUNCTION @s@.@p@abandon(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record; held boolean; free boolean; left_line boolean;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  held := FOUND AND l.owner = p_token;
+  free := NOT FOUND OR l.expires_at <= clock_timestamp();
+  DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
+  left_line := FOUND;
+  IF held OR (left_line AND free) THEN
+    PERFORM @s@.@p@pass_on(p_name, coalesce(l.barged, false));
+  END IF;
+  RETURN held::integer;
+END $$;
+
+-- Owner-checked lease extension, for a batch: returns the names whose lease was extended.
+CREATE OR REPLACE FUNCTION @s@.@p@extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
+RETURNS SETOF text LANGUAGE sql AS $$
+  UPDATE @s@.@p@locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
+    FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
+   WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
+  RETURNING k.name
+$$;
+
+-- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
+-- 3 mismatch, 0 held (o_n = lease left ms, or -2 when free but a waiter is first; o_same = 1
+-- same fingerprint, 0 different, NULL unknown).
+CREATE OR REPLACE FUNCTION @s@.@p@idem_begin(p_name text, p_token text, p_ttl_ms bigint, p_fp text, p_retention_ms bigint,
+  OUT o_code integer, OUT o_n bigint, OUT o_same integer, OUT o_result bytea)
+LANGUAGE plpgsql AS $$
+DECLARE r record; l record; h record;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT fingerprint, owner, result AS res INTO r FROM @s@.@p@idempotency
+   WHERE name = p_name AND expires_at > clock_timestamp();
+  IF FOUND AND r.res IS NOT NULL THEN
+    IF r.fingerprint = p_fp THEN o_code := 2; o_result := r.res; ELSE o_code := 3; END IF;
+    RETURN;
+  END IF;
+  SELECT owner, expires_at INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() THEN
+    o_code := 0;
+    o_n := @s@.@p@ms_until(l.expires_at);
+    IF r.owner IS NOT NULL AND r.owner = l.owner THEN o_same := (r.fingerprint = p_fp)::integer; END IF;
+    RETURN;
+  END IF;
+  SELECT * INTO h FROM @s@.@p@head(p_name);
+  IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
+  o_n := nextval('@s@.@p@fence');
+  INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
+  VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET owner = EXCLUDED.owner, fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at, barged = false;
+  INSERT INTO @s@.@p@idempotency AS i (name, fingerprint, owner, result, expires_at)
+  VALUES (p_name, p_fp, p_token, NULL, clock_timestamp() + p_retention_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, result = NULL, expires_at = EXCLUDED.expires_at;
+  o_code := 1;
+END $$;
+
+-- Idempotency, last step: owner-checked; stores the result and releases the lock together,
+-- handing it to the next live waiter if any. Returns 1 when stored, 0 when the token did not
+-- hold a live lease (nothing changed).
+CREATE OR REPLACE FUNCTION @s@.@p@idem_complete(p_name text, p_token text, p_fp text, p_result bytea, p_retention_ms bigint)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  INSERT INTO @s@.@p@idempotency AS i (name, fingerprint, owner, result, expires_at)
+  VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
+  ON CONFLICT (name) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, owner = NULL, result = EXCLUDED.result, expires_at = EXCLUDED.expires_at;
+  PERFORM @s@.@p@pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+
+-- Idempotency, abort: owner-checked release without a record (drops the running attempt's
+-- note). Returns 1 when released, 0 when the token did not hold a live lease.
+CREATE OR REPLACE FUNCTION @s@.@p@idem_abort(p_name text, p_token text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE l record;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  SELECT owner, expires_at, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  DELETE FROM @s@.@p@idempotency WHERE name = p_name AND owner = p_token AND result IS NULL;
+  PERFORM @s@.@p@pass_on(p_name, l.barged);
+  RETURN 1;
+END $$;
+COMMIT;
+"#;
+
+/// Whether `name` may be a schema or table prefix: `[a-z_][a-z0-9_]*`, at most `max` bytes
+/// (every object name stays within Postgres's 63 bytes, unquoted and case-stable).
+pub(crate) fn valid_identifier(name: &str, max: usize, may_be_empty: bool) -> bool {
+    if name.is_empty() {
+        return may_be_empty;
+    }
+    name.len() <= max
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// The notification channel of a schema and prefix.
+pub(crate) fn channel(schema: &str, prefix: &str) -> String {
+    format!("{schema}.{prefix}release")
+}
+
+/// The DDL for `schema` and `prefix` (both checked with [`valid_identifier`]).
+pub(crate) fn render(schema: &str, prefix: &str) -> String {
+    TEMPLATE
+        .replace("@ch@", &channel(schema, prefix))
+        .replace("@s@", schema)
+        .replace("@p@", prefix)
+        .replace("@v@", &VERSION.to_string())
+        .replace("@k@", &ADVISORY_CLASS.to_string())
+}
+
+/// The statements the backend sends, for one schema and prefix. Each is one function call with
+/// typed parameters (sent as one Parse/Bind/Execute/Sync with the unnamed statement).
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) version: String,
+    pub(crate) acquire: String,
+    pub(crate) release: String,
+    pub(crate) abandon: String,
+    pub(crate) extend: String,
+    pub(crate) idem_begin: String,
+    pub(crate) idem_complete: String,
+    pub(crate) idem_abort: String,
+    pub(crate) delete: String,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &str, prefix: &str) -> Self {
+        let f = |name: &str, args: &str| format!("SELECT {schema}.{prefix}{name}({args})");
+        Statements {
+            version: f("schema_version", ""),
+            acquire: f("acquire", "$1, $2, $3, $4, $5"),
+            release: f("release", "$1, $2"),
+            abandon: f("abandon", "$1, $2"),
+            extend: format!("SELECT * FROM {schema}.{prefix}extend($1, $2, $3)"),
+            idem_begin: format!(
+                "SELECT o_code, o_n, o_same, o_result FROM {schema}.{prefix}idem_begin($1, $2, $3, $4, $5)"
+            ),
+            idem_complete: f("idem_complete", "$1, $2, $3, $4, $5"),
+            idem_abort: f("idem_abort", "$1, $2"),
+            delete: format!("DELETE FROM {schema}.{prefix}locks WHERE name = $1 RETURNING name"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `dlock-runtime/sql/postgres.sql` is exactly what the backend runs with the defaults.
+    /// `DLOCK_BLESS=1` rewrites the file.
+    #[test]
+    fn sql_file_matches_the_ddl() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/sql/postgres.sql");
+        let ddl = render(DEFAULT_SCHEMA, DEFAULT_PREFIX);
+        if std::env::var_os("DLOCK_BLESS").is_some() {
+            std::fs::write(path, &ddl).unwrap();
+        }
+        let file = std::fs::read_to_string(path).unwrap();
+        assert!(
+            file == ddl,
+            "sql/postgres.sql differs from the DDL the backend runs; DLOCK_BLESS=1 rewrites it"
+        );
+    }
+
+    #[test]
+    fn identifiers() {
+        assert!(valid_identifier("dlock", 40, false));
+        assert!(valid_identifier("", 20, true));
+        assert!(!valid_identifier("", 40, false));
+        for bad in ["Dlock", "1a", "a-b", "a b", "a\"b", "a;drop"] {
+            assert!(!valid_identifier(bad, 40, false), "{bad}");
+        }
+        assert!(!valid_identifier(&"a".repeat(41), 40, false));
+    }
+}

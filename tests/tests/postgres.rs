@@ -1,0 +1,576 @@
+//! The Postgres backend against a real PostgreSQL (one throwaway cluster per test binary, on a
+//! free loopback port) and a real PgBouncer in transaction pooling in front of it: the shared
+//! conformance suite (locks and idempotency) directly, through PgBouncer with timers, and
+//! through PgBouncer with a direct notify URL; then the faults (server killed mid-hold and
+//! restarted, sessions terminated, database unreachable, statement timeouts) and the
+//! transaction-scoped mode.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::backend::postgres::{
+    lock_in_transaction, tokio_postgres, try_lock_in_transaction,
+};
+use dlock_runtime::backend::{PostgresBackend, PostgresOptions};
+use dlock_runtime::conformance::Store;
+use dlock_runtime::{LockError, LockKey, Locker, OnFail, RetryPolicy};
+use dlock_tests::postgres_server::{shared, shared_bouncer};
+use dlock_tests::proxy::Proxy;
+use dlock_tests::redis_server::free_port;
+use dlock_tests::wait::{poll_until, wait_for};
+use dlock_tests::PostgresServer;
+
+/// The shared server's port.
+fn port() -> u16 {
+    shared().lock().unwrap_or_else(|e| e.into_inner()).port()
+}
+
+/// The direct URL of database `db` on the shared server.
+fn direct_url(db: &str) -> String {
+    format!("postgres://postgres@127.0.0.1:{}/{db}", port())
+}
+
+/// A store whose lockers connect to `url` with `opts`; locks are broken over a direct
+/// connection.
+fn store_at(name: &'static str, url: String, opts: PostgresOptions, notifications: bool) -> Store {
+    let breaker_url = direct_url("postgres");
+    let breaker_opts = opts.clone().notifications(false).pool_size(1);
+    let mut store = Store::new(
+        name,
+        move |b| {
+            let (url, opts) = (url.clone(), opts.clone());
+            Box::pin(async move {
+                let backend = PostgresBackend::connect(&url, opts).await.expect("connect");
+                b.try_build(backend).expect("locker")
+            })
+        },
+        move |resource| {
+            let (url, opts) = (breaker_url.clone(), breaker_opts.clone());
+            Box::pin(async move {
+                let backend = PostgresBackend::connect(&url, opts).await.expect("connect");
+                let freed = backend.force_release(&resource).await.expect("delete");
+                assert!(freed, "no lock row {resource}");
+            })
+        },
+    );
+    store.notifications = notifications;
+    store
+}
+
+fn direct_store() -> ((), Store) {
+    let opts = PostgresOptions::default();
+    ((), store_at("postgres", direct_url("postgres"), opts, true))
+}
+
+fn bouncer_timers_store() -> ((), Store) {
+    let url = shared_bouncer().url("postgres");
+    let opts = PostgresOptions::default()
+        .schema("bounced")
+        .notifications(false);
+    ((), store_at("postgres via pgbouncer", url, opts, false))
+}
+
+fn bouncer_notify_store() -> ((), Store) {
+    let url = shared_bouncer().url("postgres");
+    let opts = PostgresOptions::default()
+        .schema("bounced_notify")
+        .notify_url(direct_url("postgres"));
+    (
+        (),
+        store_at("postgres via pgbouncer, direct LISTEN", url, opts, true),
+    )
+}
+
+mod direct {
+    dlock_runtime::conformance_tests!(super::direct_store);
+}
+
+mod pgbouncer_timers {
+    dlock_runtime::conformance_tests!(super::bouncer_timers_store);
+}
+
+mod pgbouncer_notify {
+    dlock_runtime::conformance_tests!(super::bouncer_notify_store);
+}
+
+// ---- faults ------------------------------------------------------------------------------
+
+/// A locker over `url` with a short command timeout (`limit`), so faults surface quickly.
+async fn locker_at(url: &str, limit: Duration) -> (Locker, PostgresBackend) {
+    let opts = PostgresOptions::default()
+        .command_timeout(limit)
+        .connect_timeout(limit);
+    let backend = PostgresBackend::connect(url, opts).await.expect("connect");
+    let locker = Locker::builder()
+        .command_timeout(limit)
+        .try_build(backend.clone())
+        .expect("locker");
+    (locker, backend)
+}
+
+/// Runs `fut`, which must fail with `Unavailable` within `limit`.
+async fn unavailable_within<T: std::fmt::Debug>(
+    limit: Duration,
+    fut: impl std::future::Future<Output = Result<T, LockError>>,
+) -> LockError {
+    let start = Instant::now();
+    let err = fut
+        .await
+        .expect_err("must fail while the database is out of reach");
+    let took = start.elapsed();
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(took < limit, "took {took:?}, limit {limit:?}");
+    err
+}
+
+/// Blocking harness calls (kill, restart) off the runtime's threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("harness call")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
+    let server = Arc::new(Mutex::new(blocking(PostgresServer::start).await));
+    let url = server.lock().unwrap().url("postgres");
+    let (locker, _) = locker_at(&url, Duration::from_millis(300)).await;
+    let (short, long) = (Duration::from_millis(800), Duration::from_secs(30));
+    let lapsing = locker
+        .lock("kill:short")
+        .ttl(short)
+        .acquire()
+        .await
+        .unwrap();
+    let surviving = locker.lock("kill:long").ttl(long).acquire().await.unwrap();
+    let old_token = lapsing.fencing_token();
+
+    let s = server.clone();
+    blocking(move || s.lock().unwrap().kill()).await;
+    // Down: every call is a typed 503 within the command timeout (plus scheduling slack).
+    unavailable_within(
+        Duration::from_millis(900),
+        locker.lock("kill:other").try_acquire(),
+    )
+    .await;
+    // The short lease runs out while its renewals fail: its holder is told.
+    tokio::time::timeout(short + Duration::from_secs(2), lapsing.lost())
+        .await
+        .expect("loss reported once renewals failed for a whole lease");
+    assert!(!lapsing.is_held());
+    drop(lapsing);
+
+    let s = server.clone();
+    blocking(move || s.lock().unwrap().restart()).await;
+    // The same locker recovers on its own: a new lock without restarting anything.
+    let g = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        async || match locker.lock("kill:after").try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds kill:after"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("no recovery: {e}"))
+            }
+        },
+    )
+    .await;
+    g.release().await.unwrap();
+    // The lock table is durable: the long lease survived the crash and is still held by its
+    // guard (renewed again), not reported lost.
+    assert!(
+        surviving.is_held(),
+        "a lock that survived the restart was reported lost"
+    );
+    let (other, _) = locker_at(&url, Duration::from_millis(300)).await;
+    assert!(
+        other
+            .lock("kill:long")
+            .try_acquire()
+            .await
+            .unwrap()
+            .is_none(),
+        "the surviving lock must still exclude others"
+    );
+    surviving
+        .extend(long)
+        .await
+        .expect("the survivor renews after the restart");
+    surviving
+        .release()
+        .await
+        .expect("the survivor releases its own lock");
+    // The lapsed lock frees by the database's clock, with a larger fencing token.
+    let g = other
+        .lock("kill:short")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("lapsed lock free");
+    assert!(
+        g.fencing_token() > old_token,
+        "fencing tokens keep increasing across the crash"
+    );
+    g.release().await.unwrap();
+}
+
+/// The sessions of one application name, terminated by the server.
+fn terminate(app: &str) -> usize {
+    let out = shared()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .psql(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = '{app}'"
+        ));
+    out.parse().expect("a count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_sessions_are_replaced_and_notifications_resume() {
+    let app = "dlock_terminated";
+    let url = format!("{}?application_name={app}", direct_url("postgres"));
+    let (holder, holder_backend) = locker_at(&url, Duration::from_millis(500)).await;
+    let (waiter, _) = locker_at(&direct_url("postgres"), Duration::from_millis(500)).await;
+    let guard = holder
+        .lock("term:k")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    assert!(holder_backend.is_listening());
+
+    let killed = blocking(move || terminate(app)).await;
+    assert!(
+        killed >= 2,
+        "pool and LISTEN sessions terminated ({killed})"
+    );
+    // The LISTEN session comes back by itself.
+    wait_for(
+        "the LISTEN session to reconnect",
+        Duration::from_secs(10),
+        async || holder_backend.is_listening().then_some(()),
+    )
+    .await;
+    // The lock was a row: it survived, and the holder still renews and owns it.
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || guard.extend(Duration::from_secs(30)).await,
+    )
+    .await;
+    assert!(guard.is_held());
+    assert!(waiter.lock("term:k").try_acquire().await.unwrap().is_none());
+
+    // Notifications resume: a waiter over the terminated backend is woken by the release, not
+    // by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
+    let slow = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .try_build(holder_backend.clone())
+        .unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let h = slow.clone();
+    let wait = tokio::spawn(async move {
+        let _ = tx.send(());
+        let g = h
+            .lock("term:k")
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    });
+    rx.await.unwrap();
+    wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (slow.waiting() > 0).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    wait.await.unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "woken after {took:?}: not by the notification"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_database_is_a_typed_503_within_the_timeout() {
+    let limit = Duration::from_millis(300);
+    // Nothing listens.
+    let url = format!(
+        "postgres://postgres:secret-pw@127.0.0.1:{}/postgres",
+        free_port()
+    );
+    let opts = PostgresOptions::default()
+        .command_timeout(limit)
+        .connect_timeout(limit);
+    let err = unavailable_within(
+        Duration::from_millis(1500),
+        PostgresBackend::connect(&url, opts.clone()),
+    )
+    .await;
+    assert!(!format!("{err} {err:?}").contains("secret-pw"), "{err:?}");
+    let err = unavailable_within(
+        Duration::from_millis(1500),
+        Locker::builder().command_timeout(limit).connect(&url),
+    )
+    .await;
+    assert!(!format!("{err} {err:?}").contains("secret-pw"), "{err:?}");
+
+    // Reachable, then hung: every byte delayed far beyond the command timeout.
+    let proxy = Proxy::start(port()).await.unwrap();
+    let via = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        proxy_port(&proxy)
+    );
+    let (locker, _) = locker_at(&via, limit).await;
+    proxy.set_latency(Duration::from_secs(5));
+    for on_fail in [OnFail::Reject, OnFail::retry(Duration::from_secs(30))] {
+        unavailable_within(
+            Duration::from_millis(900),
+            locker.lock("hung:k").on_fail(on_fail).acquire(),
+        )
+        .await;
+    }
+}
+
+fn proxy_port(proxy: &Proxy) -> u16 {
+    proxy
+        .url()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("proxy port")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_timeout_leaves_no_half_taken_lock() {
+    let key = "stmt:k";
+    let resource = format!("dlock:{{{key}}}");
+    // A session that inserts the lock's row and keeps its transaction open: the acquire's own
+    // insert waits on it, past the statement timeout, after it already drew a fencing token and
+    // pruned the waiter line.
+    let server = shared();
+    let admin = format!("{}?application_name=dlock_blocker", direct_url("postgres"));
+    let (blocker, conn) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let (locker, backend) = locker_at(
+        &format!(
+            "{}?options=-c%20statement_timeout%3D200",
+            direct_url("postgres")
+        ),
+        Duration::from_secs(5),
+    )
+    .await;
+    let _ = backend;
+    blocker.batch_execute("BEGIN").await.unwrap();
+    blocker
+        .execute(
+            "INSERT INTO dlock.dlock_locks (name, owner, fence, expires_at) \
+             VALUES ($1, 'blocker', 1, clock_timestamp() + interval '1 hour')",
+            &[&resource],
+        )
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let err = locker
+        .lock(key)
+        .try_acquire()
+        .await
+        .expect_err("statement timeout");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        format!("{err}").contains("57014"),
+        "canceled by statement timeout: {err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    // Nothing of the attempt is left: no row, and the key is free at once for anyone.
+    let rows = server
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .psql(&format!(
+            "SELECT count(*) FROM dlock.dlock_locks WHERE name = '{resource}'"
+        ));
+    assert_eq!(rows, "0", "a half-taken lock row was left behind");
+    let (other, _) = locker_at(&direct_url("postgres"), Duration::from_secs(1)).await;
+    let g = other
+        .lock(key)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("the key is free");
+    g.release().await.unwrap();
+}
+
+// ---- URLs ----------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_url_takes_both_schemes_and_the_backends_own_parameters() {
+    let base = direct_url("postgres");
+    let url = format!(
+        "{}?dlock_schema=from_url&dlock_table_prefix=t_&dlock_notify=off&application_name=x",
+        base.replacen("postgres://", "postgresql://", 1)
+    );
+    let locker = Locker::from_url(&url)
+        .await
+        .expect("postgresql:// connects");
+    let g = locker
+        .lock("url:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let token = g.fencing_token();
+    let row = blocking(|| {
+        shared()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .psql("SELECT fence FROM from_url.t_locks WHERE name = 'dlock:{url:k}'")
+    })
+    .await;
+    assert_eq!(
+        row,
+        token.to_string(),
+        "the lock lives in the schema and prefix the URL named"
+    );
+    g.release().await.unwrap();
+    let locker = Locker::from_url(&base).await.expect("postgres:// connects");
+    let g = locker.lock("url:k").try_acquire().await.unwrap();
+    g.expect("free").release().await.unwrap();
+
+    let bad = format!("{base}?dlock_schema=Robert%27;DROP");
+    let err = Locker::from_url(&bad).await.expect_err("invalid schema");
+    assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
+    let tls = format!("{base}?sslmode=require");
+    let err = Locker::from_url(&tls)
+        .await
+        .expect_err("TLS is not built yet");
+    assert!(
+        err.is_unavailable() && err.to_string().contains("sslmode"),
+        "{err}"
+    );
+}
+
+// ---- transaction-scoped locks --------------------------------------------------------------
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_lock_commits_and_rolls_back_with_the_writes() {
+    let url = direct_url("postgres");
+    let (mut a, mut b) = (client(&url).await, client(&url).await);
+    a.batch_execute("CREATE TABLE IF NOT EXISTS xact_orders (id int PRIMARY KEY, state text)")
+        .await
+        .unwrap();
+    let key = LockKey::new("xact:order:1").unwrap();
+
+    // Held by A's transaction: B cannot take it; A's rollback frees it and drops A's write.
+    let tx = a.transaction().await.unwrap();
+    lock_in_transaction(&tx, "dlock", &key).await.unwrap();
+    tx.execute("INSERT INTO xact_orders VALUES (1, 'paid')", &[])
+        .await
+        .unwrap();
+    {
+        let txb = b.transaction().await.unwrap();
+        assert!(!try_lock_in_transaction(&txb, "dlock", &key).await.unwrap());
+        // Another key is not affected.
+        let other = LockKey::new("xact:order:2").unwrap();
+        assert!(try_lock_in_transaction(&txb, "dlock", &other)
+            .await
+            .unwrap());
+        txb.rollback().await.unwrap();
+    }
+    tx.rollback().await.unwrap();
+    let n: i64 = a
+        .query_one("SELECT count(*) FROM xact_orders WHERE id = 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "the rolled-back write is gone with the lock");
+
+    // A waiting lock_in_transaction is granted when the holder commits, and sees its write.
+    let tx = a.transaction().await.unwrap();
+    lock_in_transaction(&tx, "dlock", &key).await.unwrap();
+    tx.execute("INSERT INTO xact_orders VALUES (1, 'paid')", &[])
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        let txb = b.transaction().await.unwrap();
+        lock_in_transaction(&txb, "dlock", &LockKey::new("xact:order:1").unwrap())
+            .await
+            .unwrap();
+        let state: String = txb
+            .query_one("SELECT state FROM xact_orders WHERE id = 1", &[])
+            .await
+            .unwrap()
+            .get(0);
+        txb.execute("DELETE FROM xact_orders WHERE id = 1", &[])
+            .await
+            .unwrap();
+        txb.commit().await.unwrap();
+        state
+    });
+    // The database says the waiter is blocked on the advisory lock.
+    let probe = client(&url).await;
+    wait_for(
+        "the second transaction to wait",
+        Duration::from_secs(5),
+        async || {
+            let n: i64 = probe
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    assert!(!waiter.is_finished());
+    tx.commit().await.unwrap();
+    assert_eq!(
+        waiter.await.unwrap(),
+        "paid",
+        "the waiter ran after the commit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_lock_works_through_pgbouncer() {
+    let (mut via, mut direct) = (
+        client(&shared_bouncer().url("postgres")).await,
+        client(&direct_url("postgres")).await,
+    );
+    let key = LockKey::new("xact:bounced").unwrap();
+    for _ in 0..3 {
+        let tx = via.transaction().await.unwrap();
+        assert!(try_lock_in_transaction(&tx, "dlock", &key).await.unwrap());
+        let txd = direct.transaction().await.unwrap();
+        assert!(!try_lock_in_transaction(&txd, "dlock", &key).await.unwrap());
+        txd.rollback().await.unwrap();
+        tx.commit().await.unwrap();
+        let txd = direct.transaction().await.unwrap();
+        assert!(try_lock_in_transaction(&txd, "dlock", &key).await.unwrap());
+        txd.commit().await.unwrap();
+    }
+}
