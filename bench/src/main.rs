@@ -13,6 +13,7 @@
 mod admin;
 mod clients;
 mod contended;
+mod etcd;
 mod held;
 #[cfg(feature = "layer")]
 mod layer;
@@ -39,13 +40,14 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 9] = [
+const SCENARIOS: [&str; 10] = [
     "uncontended",
     "contended",
     "contended_think",
     "redlock",
     "cluster",
     "sentinel",
+    "etcd",
     "held_at_scale",
     "layer_overhead",
     "postgres",
@@ -165,8 +167,8 @@ and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
   --only    run only these scenarios: uncontended, contended, contended_think, redlock, sentinel,
-            cluster, held_at_scale, layer_overhead, postgres (for profiling; the full report
-            needs all)
+            cluster, etcd, held_at_scale, layer_overhead, postgres (for profiling; the full
+            report needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
 fn main() -> ExitCode {
@@ -495,6 +497,17 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
         }
         admin.flush_all().await?;
         drop(deployment);
+    }
+
+    // 3d. etcd: dlock's etcd backend against a bare transaction and etcd's lock RPC.
+    if plan.wants("etcd") && plan.drivers.contains(&Driver::Dlock) {
+        progress("etcd: starting one etcd member");
+        let v = etcd::run(&plan).await?;
+        progress(format!(
+            "etcd         dlock : {} pairs/s; bare txn {} pairs/s; etcd lock RPC {} pairs/s",
+            v["dlock"]["pairs_per_s"], v["bare_txn"]["pairs_per_s"], v["lock_rpc"]["pairs_per_s"]
+        ));
+        scenarios.insert("etcd".into(), v);
     }
 
     // 4. held at scale

@@ -79,6 +79,13 @@ fn ratios(s: &Value) -> Value {
         }),
     );
     r.insert(
+        "etcd".into(),
+        json!({
+            "pairs_per_s_dlock_over_bare_txn": div(s, "etcd.dlock.pairs_per_s", "etcd.bare_txn.pairs_per_s"),
+            "pairs_per_s_dlock_over_lock_rpc": div(s, "etcd.dlock.pairs_per_s", "etcd.lock_rpc.pairs_per_s"),
+        }),
+    );
+    r.insert(
         "layer_overhead".into(),
         json!({
             "rps_dlock_over_plain": div(s, "layer_overhead.dlock.rps", "layer_overhead.plain.rps"),

@@ -60,6 +60,7 @@
 //! | `redis` | yes | the Redis and Redlock backends |
 //! | `conformance` | no | [`conformance`]: the backend conformance suite, for a `Backend` of your own (`conformance_tests!`) |
 //! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
+//! | `etcd` | no | the etcd backend, `backend::EtcdBackend` (`etcd://`; building it needs `protoc`) |
 //! | `tls` | no | `rediss://` |
 //! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
 //! | `postgres-tls` | no | TLS for it per the URL's `sslmode` (rustls) |

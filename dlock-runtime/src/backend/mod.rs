@@ -31,7 +31,8 @@
 //! ([`IntoBackend`]) — there is no forwarding wrapper that could miss a method.
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
-//! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`].
+//! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`];
+//! under feature `etcd`, `EtcdBackend` (module `etcd`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -59,6 +60,10 @@ pub use self::redis::{RedisBackend, RedisOptions};
 pub mod postgres;
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresBackend, PostgresOptions};
+#[cfg(feature = "etcd")]
+pub mod etcd;
+#[cfg(feature = "etcd")]
+pub use self::etcd::{EtcdBackend, EtcdOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]

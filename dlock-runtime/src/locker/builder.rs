@@ -150,6 +150,14 @@ impl LockerBuilder {
                 let backend = crate::backend::RedisBackend::connect_sentinel(url, opts).await?;
                 self.try_build(backend)
             }
+            #[cfg(feature = "etcd")]
+            "etcd" => {
+                let opts = crate::backend::EtcdOptions::default()
+                    .command_timeout(self.config.command_timeout)
+                    .connect_timeout(self.config.command_timeout);
+                let backend = crate::backend::EtcdBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
             #[cfg(feature = "redis")]
             "redlock" => {
                 let opts = crate::backend::RedlockOptions::default()
@@ -166,7 +174,7 @@ impl LockerBuilder {
                 self.try_build(backend)
             }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://, etcd://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`, etcd feature `etcd`)"),
                 None,
             )),
         }

@@ -118,6 +118,9 @@ impl Locker {
     ///   per `sslmode` with feature `postgres-tls`) — a Postgres database; see
     ///   `backend::postgres` for the URL's parameters (schema, table prefix, a direct notify URL
     ///   for PgBouncer).
+    /// * `etcd://[user:password@]host:port,host:port,…` (feature `etcd`) — an etcd cluster,
+    ///   through any of its members, with the lock recipe of etcd's concurrency package (module
+    ///   `backend::etcd`); fencing tokens are the holder key's create revision.
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.

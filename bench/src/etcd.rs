@@ -1,0 +1,130 @@
+//! The `etcd` scenario: uncontended lock/unlock pairs per second on one etcd member
+//! (`dlock_tests::etcd_server`), dlock's etcd backend against two hand-written floors over the
+//! same client crate — a bare transaction (create the key on a lease if absent, then delete it)
+//! and etcd's own lock RPC (`v3lock` `Lock`/`Unlock` on a lease). Both floors grant their lease
+//! once per task and reuse it; dlock grants one per acquisition (see
+//! `dlock_runtime::backend::etcd`), which is part of what is measured.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
+use serde_json::{json, Value};
+
+use crate::{BenchError, Plan};
+
+/// Concurrent tasks per driver (each on its own keys: no contention).
+const TASKS: usize = 8;
+
+/// Runs `pair` (one lock + unlock of key `i`) from [`TASKS`] tasks for the warm-up, then counts
+/// pairs for the window.
+async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<f64, BenchError>
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = Result<(), BenchError>> + Send,
+{
+    let counting = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let (pair, counting, stop, done) =
+            (pair.clone(), counting.clone(), stop.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                pair(t, n).await?;
+                n += 1;
+                if counting.load(Ordering::Relaxed) {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok::<(), BenchError>(())
+        }));
+    }
+    tokio::time::sleep(plan.warm).await;
+    counting.store(true, Ordering::Relaxed);
+    let start = Instant::now();
+    tokio::time::sleep(plan.measure).await;
+    let pairs = done.load(Ordering::Relaxed);
+    let took = start.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    Ok(pairs as f64 / took.as_secs_f64())
+}
+
+/// The scenario's JSON: pairs per second of each driver.
+pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
+    let member = tokio::task::spawn_blocking(dlock_tests::etcd_server::EtcdCluster::start).await?;
+    let url = member.url();
+    let endpoint = url.replacen("etcd://", "http://", 1);
+    let client = Client::connect([endpoint.as_str()], None).await?;
+    let lease_ttl = 30;
+
+    let locker = dlock_runtime::Locker::from_url(&url).await?;
+    let dlock = measure(plan, move |t, n| {
+        let locker = locker.clone();
+        async move {
+            let key = format!("bench:{t}:{}", n % 64);
+            let g = locker
+                .lock(&key)
+                .ttl(Duration::from_secs(10))
+                .try_acquire()
+                .await?
+                .ok_or("held")?;
+            g.release().await?;
+            Ok(())
+        }
+    })
+    .await?;
+
+    let mut leases = Vec::new();
+    for _ in 0..TASKS {
+        leases.push(client.lease_client().grant(lease_ttl, None).await?.id());
+    }
+    let leases = Arc::new(leases);
+    let (c, l) = (client.clone(), leases.clone());
+    let bare_txn = measure(plan, move |t, n| {
+        let (mut kv, lease) = (c.kv_client(), l[t]);
+        async move {
+            let key = format!("floor/{t}/{}", n % 64);
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key.clone(),
+                    "x",
+                    Some(PutOptions::new().with_lease(lease)),
+                )]);
+            if !kv.txn(txn).await?.succeeded() {
+                return Err("held".into());
+            }
+            kv.delete(key, None).await?;
+            Ok(())
+        }
+    })
+    .await?;
+
+    let (c, l) = (client.clone(), leases.clone());
+    let lock_rpc = measure(plan, move |t, n| {
+        let (mut lock, lease) = (c.lock_client(), l[t]);
+        async move {
+            let name = format!("rpc/{t}/{}", n % 64);
+            let held = lock
+                .lock(name, Some(LockOptions::new().with_lease(lease)))
+                .await?;
+            lock.unlock(held.key().to_vec()).await?;
+            Ok(())
+        }
+    })
+    .await?;
+    drop(member);
+    Ok(json!({
+        "tasks": TASKS,
+        "dlock": { "pairs_per_s": dlock.round() },
+        "bare_txn": { "pairs_per_s": bare_txn.round() },
+        "lock_rpc": { "pairs_per_s": lock_rpc.round() },
+    }))
+}

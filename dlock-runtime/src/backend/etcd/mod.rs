@@ -1,0 +1,848 @@
+//! The etcd backend (`etcd://`, feature `etcd`): the lock recipe of etcd's own
+//! `clientv3/concurrency` mutex, mapped onto the attempt-based [`Backend`] trait, over the
+//! [`etcd_client`] crate (gRPC, tonic).
+//!
+//! # Layout and recipe
+//!
+//! Every acquisition writes its *own* key `<prefix>/<resource>/<owner token>` (the resource
+//! string with `%` and `/` percent-encoded, so no lock's keys fall inside another lock's range),
+//! attached to a lease. The holder is the key with the lowest create revision under
+//! `<prefix>/<resource>/`; every other key is a waiter, queued in create-revision order (fair
+//! FIFO, [`Backend::fifo`] is `true`).
+//!
+//! * [`WaitMode::Queue`]: put the own key (a put on an existing key keeps its create
+//!   revision, so a waiter keeps its place) with a lease of the waiter TTL, and read the head
+//!   in the same transaction. The head is ours → move the key to a lease of the lock's TTL
+//!   (guarded by the key's create revision) → `Acquired { fencing_token: create revision }`.
+//!   Otherwise `Held`, with the holder's remaining lease (`LeaseTimeToLive`).
+//! * [`WaitMode::Try`] and [`WaitMode::Barge`]: one transaction that creates the own key only
+//!   if no key exists under the lock's prefix (a range compare on create revision `== 0`), so a
+//!   try that does not win leaves nothing behind. Barging is the same: with this recipe there
+//!   is no "free but queued" state to barge past — the head of the queue *is* the holder.
+//! * [`release`](Backend::release): delete the own key if it exists (the key's name holds the
+//!   secret owner token, so its existence is the owner check). [`abandon`](Backend::abandon):
+//!   delete it unconditionally.
+//! * [`watch`](Backend::watch): a task per local waiter reads its predecessor (the key with the
+//!   greatest create revision below its own) and watches only that key's deletion, from the
+//!   revision of the read on (no event can fall between the read and the watch; no thundering
+//!   herd, no polling). When the predecessor is gone it reads again; when there is none, it is
+//!   this waiter's turn and the [`ReleaseHub`] wakes it. Each waiting waiter costs one gRPC
+//!   watch stream while it waits (the streams share the one HTTP/2 connection to the member);
+//!   multiplexing all of a locker's watches over one stream is not done yet.
+//!
+//! # Fencing tokens
+//!
+//! The fencing token is the holder key's create revision: etcd's revision is one counter for
+//! the whole cluster, advanced by every write and agreed by Raft, so tokens are strictly
+//! increasing per key *and* across keys, with no clock involved. Like the Redis backend's
+//! tokens (a per-key `INCR` counter) they are `u64` and strictly increasing per key; unlike
+//! them they are not dense (other writes advance the revision too) and tokens of two different
+//! locks are comparable (one cluster-wide order). Tokens of the two backends are not comparable
+//! with each other.
+//!
+//! # Leases and TTLs
+//!
+//! etcd leases are whole seconds, and the server raises a TTL below its minimum
+//! (`1.5 × election timeout`, rounded up to a second) to that minimum; dlock TTLs go down to
+//! milliseconds. A TTL is rounded *up* to whole seconds (at least 1) for the lease, while the
+//! locker's local lease clock counts the dlock TTL from before the request was sent — so the
+//! server's lease always outlives the holder's local one and [`lost`](crate::LockGuard::lost)
+//! is never late. The price: a holder that dies keeps the lock until its etcd lease runs out
+//! (the TTL rounded up, plus up to the 500 ms of etcd's expiry sweep).
+//!
+//! One lease per acquisition, not one per locker: renewal ([`extend`](Backend::extend)) moves
+//! the key onto a fresh lease of the new TTL in a transaction guarded by the key's existence
+//! (`put` with `ignore_value`, which keeps the value and the create revision). That makes
+//! `extend(ttl)` exact — it can shorten a lease, which a keepalive cannot — keeps every call a
+//! bounded unary request, and means one lost lease loses one lock, not all of a locker's locks.
+//! The watchdog's batch ([`extend_many`](Backend::extend_many)) grants one lease per distinct
+//! TTL for the whole batch and sends the per-lock transactions concurrently. Replaced leases
+//! have no keys and simply expire.
+//!
+//! # Faults
+//!
+//! Every request is bounded by the command timeout ([`EtcdOptions::command_timeout`]) and
+//! answers [`LockError::Unavailable`] (503) when etcd does not answer in time. Requests carry
+//! etcd's *require leader* flag, so a member without a leader (no quorum) refuses at once
+//! instead of waiting. The locker keeps one client per member (`pool`): a try goes to a member
+//! not under suspicion, and a try unanswered after a fifth of the timeout is hedged on another
+//! member — etcd-client's own balancer picks endpoints at random and a frozen member looks
+//! ready, so a third of the requests to a three-member cluster would hang on it. A leader
+//! change is absorbed by etcd (the new leader renews every lease) and by those retries. A holder
+//! cut off from the cluster cannot renew; its local lease clock ends and
+//! [`lost`](crate::LockGuard::lost) fires, before the server's lease lets the next holder in.
+//! Errors never contain the URL's credentials.
+//!
+//! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
+//! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
+//! lease expires unused. One answer can be ambiguous: a release whose first try was applied but
+//! not answered, repeated, answers "not the owner" (reported as a lost lock, after the lock was
+//! in fact released).
+//!
+//! # Cancellation
+//!
+//! A cancelled acquire may leave a request in flight that lands *after* the locker's
+//! [`abandon`](Backend::abandon) deleted the key, which would bring the key back. So the backend
+//! remembers the leases an acquisition's attempts used, and `abandon` revokes them first: a put
+//! on a revoked lease fails, and revoking deletes whatever key is on it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+};
+use tokio::task::AbortHandle;
+
+use super::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, IdempotencyStore, OwnerToken, ReleaseHub,
+    WaitMode, Watch,
+};
+use crate::key::ResourceName;
+use crate::LockError;
+
+mod idempotency;
+mod pool;
+mod url;
+
+use self::pool::{call, Pool};
+
+/// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s, key prefix
+/// `dlock`, no user.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct EtcdOptions {
+    command_timeout: Duration,
+    connect_timeout: Duration,
+    prefix: String,
+    user: Option<(String, String)>,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> Self {
+        EtcdOptions {
+            command_timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+            prefix: "dlock".to_owned(),
+            user: None,
+        }
+    }
+}
+
+impl fmt::Debug for EtcdOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdOptions")
+            .field("command_timeout", &self.command_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("prefix", &self.prefix)
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdOptions {
+    /// How long one request to etcd may take before it fails with
+    /// [`LockError::Unavailable`].
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The key prefix under which locks live (default `dlock`).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Authenticates as `user` (etcd's user/password authentication). The password is never
+    /// printed, logged or put in an error.
+    pub fn user(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.user = Some((user.into(), password.into()));
+        self
+    }
+}
+
+/// Background watch tasks, by (resource, owner token).
+type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), AbortHandle>>>;
+
+/// The leases an acquisition's attempts put its key on, by (resource, owner token): what
+/// [`Backend::abandon`] revokes so that an attempt still in flight cannot put the key back.
+type Leases = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), Vec<i64>>>>;
+
+/// How many of an acquisition's latest leases are remembered: the one its key is on and those
+/// of an attempt that may still be in flight (attempts of one acquisition are sequential).
+const LEASES_KEPT: usize = 3;
+
+/// Locks in etcd. See the [module docs](self) for the recipe, fencing and lease design.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    pool: Arc<Pool>,
+    opts: EtcdOptions,
+    endpoints: Arc<str>,
+    hub: Arc<ReleaseHub>,
+    watchers: Watchers,
+    leases: Leases,
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("endpoints", &self.endpoints)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where one acquisition's key lives.
+struct Keys {
+    /// `<prefix>/<resource>/`
+    dir: Vec<u8>,
+    /// The end of the directory's range (`/` → `0`).
+    end: Vec<u8>,
+    /// `<prefix>/<resource>/<token>`
+    own: Vec<u8>,
+}
+
+/// A dlock TTL as an etcd lease TTL: whole seconds, rounded up, at least 1.
+fn lease_secs(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+/// The create revision of the key the `i`th response read (0: none).
+fn create_revision_at(ops: &[TxnOpResponse], i: usize) -> u64 {
+    ops.get(i)
+        .and_then(first_kv)
+        .map_or(0, |kv| kv.create_revision().unsigned_abs())
+}
+
+fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
+    match resp {
+        TxnOpResponse::Get(g) => g.kvs().first(),
+        _ => None,
+    }
+}
+
+impl EtcdBackend {
+    /// Connects to the cluster named by an `etcd://[user:password@]host:port[,host:port…]`
+    /// URL (user and password percent-encoded; they override [`EtcdOptions::user`]).
+    pub async fn connect(url: &str, opts: EtcdOptions) -> Result<Self, LockError> {
+        let parsed = url::parse(url)?;
+        let mut opts = opts;
+        if let Some(user) = parsed.user {
+            opts.user = Some(user);
+        }
+        let endpoints: Vec<String> = parsed.hosts.iter().map(|h| format!("http://{h}")).collect();
+        let shown: Arc<str> = parsed.hosts.join(",").into();
+        let mut connect = ConnectOptions::new()
+            .with_timeout(opts.command_timeout)
+            .with_connect_timeout(opts.connect_timeout)
+            // A frozen member's connection is found dead (and left out) within 1.5 s.
+            .with_keep_alive(Duration::from_millis(500), Duration::from_secs(1))
+            .with_require_leader(true);
+        if let Some((u, p)) = &opts.user {
+            // etcd's tokens expire (5 min by default): fetch a new one when one does.
+            connect = connect
+                .with_user(u.clone(), p.clone())
+                .with_auto_token_refresh(true);
+        }
+        // One client per member (see `pool`): connecting opens nothing yet, except that with
+        // a user it authenticates, which a member that is down cannot do — it is left out.
+        let connects = endpoints.iter().map(|e| {
+            tokio::time::timeout(
+                opts.connect_timeout,
+                Client::connect([e.as_str()], Some(connect.clone())),
+            )
+        });
+        let mut clients = Vec::new();
+        let mut failure = None;
+        for c in futures_util::future::join_all(connects).await {
+            match c {
+                Ok(Ok(c)) => clients.push(c),
+                Ok(Err(e)) => failure = Some(Box::new(e) as crate::BoxError),
+                Err(_) => {}
+            }
+        }
+        if clients.is_empty() {
+            return Err(LockError::unavailable(
+                format!(
+                    "etcd: cannot connect to {shown} within {:?}",
+                    opts.connect_timeout
+                ),
+                failure,
+            ));
+        }
+        Ok(EtcdBackend {
+            pool: Arc::new(Pool::new(clients)),
+            opts,
+            endpoints: shown,
+            hub: ReleaseHub::new(),
+            watchers: Arc::default(),
+            leases: Arc::default(),
+        })
+    }
+
+    /// Deletes every key of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
+    /// its waiters'. For operators and tests; returns how many keys it deleted.
+    pub async fn delete_lock(&self, resource: &str) -> Result<u64, LockError> {
+        let dir = self.dir(resource);
+        let end = range_end(&dir);
+        let resp = self
+            .call("delete", |c| {
+                let mut kv = c.kv_client();
+                let (dir, end) = (dir.clone(), end.clone());
+                async move {
+                    kv.delete(dir, Some(etcd_client::DeleteOptions::new().with_range(end)))
+                        .await
+                }
+            })
+            .await?;
+        Ok(u64::try_from(resp.deleted()).unwrap_or(0))
+    }
+
+    fn dir(&self, resource: &str) -> Vec<u8> {
+        let mut dir = format!("{}/", self.opts.prefix);
+        for c in resource.chars() {
+            match c {
+                '%' => dir.push_str("%25"),
+                '/' => dir.push_str("%2F"),
+                c => dir.push(c),
+            }
+        }
+        dir.push('/');
+        dir.into_bytes()
+    }
+
+    fn keys(&self, resource: &ResourceName, token: &OwnerToken) -> Keys {
+        let dir = self.dir(resource.as_str());
+        let end = range_end(&dir);
+        let mut own = dir.clone();
+        own.extend_from_slice(token.as_str().as_bytes());
+        Keys { dir, end, own }
+    }
+
+    async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+        &self,
+        what: &'static str,
+        request: impl FnMut(&Client) -> F,
+    ) -> Result<T, LockError> {
+        call(&self.pool, self.opts.command_timeout, what, request).await
+    }
+
+    async fn grant(&self, ttl: Duration) -> Result<i64, LockError> {
+        let resp = self
+            .call("lease grant", |c| {
+                let mut lease = c.lease_client();
+                async move { lease.grant(lease_secs(ttl), None).await }
+            })
+            .await?;
+        Ok(resp.id())
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
+        self.call("txn", |c| {
+            let mut kv = c.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await
+    }
+
+    /// The remaining lease of the key `kv` (the holder), when it has one.
+    async fn remaining(&self, kv: Option<&KeyValue>) -> Result<Option<Duration>, LockError> {
+        let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
+            return Ok(None);
+        };
+        let resp = self
+            .call("lease time-to-live", |c| {
+                let mut lease = c.lease_client();
+                async move { lease.time_to_live(lease_id, None).await }
+            })
+            .await?;
+        Ok(u64::try_from(resp.ttl())
+            .ok()
+            .filter(|s| *s > 0)
+            .map(Duration::from_secs))
+    }
+
+    /// Moves the own key onto a fresh lease of `ttl` if it still exists with `create`
+    /// revision (0: whatever its create revision).
+    async fn relet(&self, own: &[u8], create: i64, ttl: Duration) -> Result<bool, LockError> {
+        let lease = self.grant(ttl).await?;
+        self.relet_on(own, create, lease).await
+    }
+
+    async fn relet_on(&self, own: &[u8], create: i64, lease: i64) -> Result<bool, LockError> {
+        let guard = if create == 0 {
+            Compare::create_revision(own, CompareOp::Greater, 0)
+        } else {
+            Compare::create_revision(own, CompareOp::Equal, create)
+        };
+        let txn = Txn::new().when([guard]).and_then([TxnOp::put(
+            own,
+            "",
+            Some(PutOptions::new().with_lease(lease).with_ignore_value()),
+        )]);
+        Ok(self.txn(txn).await?.succeeded())
+    }
+
+    /// One transaction: if no key exists under the lock's prefix (nor any key of `also_absent`),
+    /// put the own key with `value` on `lease` → `Ok(its create revision)`; else
+    /// `Err(responses)` of `otherwise` followed by a read of the head.
+    async fn put_if_free(
+        &self,
+        k: &Keys,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+        also_absent: Vec<Vec<u8>>,
+        mut otherwise: Vec<TxnOp>,
+    ) -> Result<Result<u64, Vec<TxnOpResponse>>, LockError> {
+        let mut when: Vec<Compare> = also_absent
+            .into_iter()
+            .map(|key| Compare::create_revision(key, CompareOp::Equal, 0))
+            .collect();
+        when.push(
+            Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0).with_range(k.end.clone()),
+        );
+        otherwise.push(TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))));
+        let txn = Txn::new()
+            .when(when)
+            .and_then([
+                TxnOp::put(
+                    k.own.clone(),
+                    value,
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::get(k.own.clone(), None),
+            ])
+            .or_else(otherwise);
+        let resp = self.txn(txn).await?;
+        let ops = resp.op_responses();
+        Ok(if resp.succeeded() {
+            Ok(create_revision_at(&ops, 1))
+        } else {
+            Err(ops)
+        })
+    }
+
+    fn head_options(end: &[u8]) -> GetOptions {
+        GetOptions::new()
+            .with_range(end.to_vec())
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1)
+    }
+
+    /// A lease for an attempt of `token`, remembered before any request uses it.
+    async fn grant_for(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<i64, LockError> {
+        let id = self.grant(ttl).await?;
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        let list = leases
+            .entry((Arc::from(resource.as_str()), token.clone()))
+            .or_default();
+        list.push(id);
+        if list.len() > LEASES_KEPT {
+            list.remove(0);
+        }
+        Ok(id)
+    }
+
+    /// Forgets `token`'s leases and revokes them (deleting whatever key is still on them).
+    /// A revoked lease makes a late put on it fail, so no attempt still in flight can bring
+    /// the key back.
+    async fn revoke_leases(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+    ) -> Result<(), LockError> {
+        let ids = self.take_leases(resource, token);
+        self.revoke(ids).await
+    }
+
+    fn take_leases(&self, resource: &ResourceName, token: &OwnerToken) -> Vec<i64> {
+        self.leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&(Arc::from(resource.as_str()), token.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Revokes leases nothing needs any more in the background (a lease no key is on
+    /// would expire anyway; this only frees it early).
+    fn revoke_later(&self, ids: Vec<i64>) {
+        if ids.is_empty() {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = this.revoke(ids).await {
+                tracing::debug!(error = %e, "etcd: revoking unused leases failed; they expire");
+            }
+        });
+    }
+
+    async fn revoke(&self, ids: Vec<i64>) -> Result<(), LockError> {
+        let revokes = ids.into_iter().map(|id| {
+            self.call("lease revoke", move |c| {
+                let mut lease = c.lease_client();
+                async move {
+                    match lease.revoke(id).await {
+                        // Expired or revoked already: nothing can use it.
+                        Err(etcd_client::Error::GRpcStatus(st))
+                            if st.code() == tonic::Code::NotFound =>
+                        {
+                            Ok(())
+                        }
+                        r => r.map(drop),
+                    }
+                }
+            })
+        });
+        futures_util::future::try_join_all(revokes).await.map(drop)
+    }
+
+    fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
+        let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = w.remove(&(Arc::from(resource.as_str()), token.clone())) {
+            h.abort();
+        }
+    }
+
+    async fn acquire_queued(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self
+            .grant_for(args.resource, args.token, args.waiter_ttl)
+            .await?;
+        let txn = Txn::new().and_then([
+            TxnOp::put(
+                k.own.clone(),
+                args.token.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))),
+            TxnOp::get(k.own.clone(), None),
+        ]);
+        let ops = self.txn(txn).await?.op_responses();
+        let head = ops.get(1).and_then(first_kv);
+        let own_rev = i64::try_from(create_revision_at(&ops, 2)).unwrap_or(0);
+        if own_rev > 0 && head.is_some_and(|h| h.key() == k.own.as_slice()) {
+            let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
+            if self.relet_on(&k.own, own_rev, lease).await? {
+                self.stop_watch(args.resource, args.token);
+                return Ok(Attempt::Acquired {
+                    fencing_token: own_rev.unsigned_abs(),
+                });
+            }
+            return Ok(Attempt::Held { remaining: None });
+        }
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+
+    async fn acquire_if_free(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
+        let ops = match self
+            .put_if_free(&k, args.token.as_str(), lease, vec![], vec![])
+            .await?
+        {
+            Ok(fencing_token) => return Ok(Attempt::Acquired { fencing_token }),
+            Err(ops) => ops,
+        };
+        let head = ops.first().and_then(first_kv);
+        if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
+            // This token already holds the lock (asking again): restart its lease.
+            let rev = h.create_revision();
+            if self.relet_on(&k.own, rev, lease).await? {
+                return Ok(Attempt::Acquired {
+                    fencing_token: rev.unsigned_abs(),
+                });
+            }
+            return Ok(Attempt::Held { remaining: None });
+        }
+        // Nothing of this token is on the lease: a try that did not win leaves nothing.
+        self.revoke_later(self.take_leases(args.resource, args.token));
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+}
+
+/// The end of the range of keys starting with `dir` (which ends in `/`).
+fn range_end(dir: &[u8]) -> Vec<u8> {
+    let mut end = dir.to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+/// One waiter's watch loop: wait until no key precedes `own`, then wake the waiter.
+async fn watch_turn(
+    pool: Arc<Pool>,
+    hub: Arc<ReleaseHub>,
+    resource: Arc<str>,
+    token: OwnerToken,
+    k: Keys,
+    timeout: Duration,
+) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match wait_predecessor(&pool, &k.own, &k.dir, &k.end, timeout).await {
+            Ok(true) => {
+                hub.notify(&resource, Some(token.as_str()));
+                return;
+            }
+            Ok(false) => backoff = Duration::from_millis(20),
+            Err(e) => {
+                tracing::debug!(error = %e, "etcd watch failed; the waiter re-checks");
+                // The waiter re-checks (its attempt may find the lock free) while we retry.
+                hub.notify(&resource, Some(token.as_str()));
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Reads `own`'s predecessor; `Ok(true)` when there is none (or `own` is gone: the waiter
+/// must ask again), `Ok(false)` once the predecessor was deleted.
+async fn wait_predecessor(
+    pool: &Pool,
+    own: &[u8],
+    dir: &[u8],
+    end: &[u8],
+    timeout: Duration,
+) -> Result<bool, LockError> {
+    let mine = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        async move { kv.get(own, None).await }
+    })
+    .await?;
+    let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+        return Ok(true);
+    };
+    let pred = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        let options = GetOptions::new()
+            .with_range(end)
+            .with_max_create_revision(rev - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1)
+            .with_keys_only();
+        async move { kv.get(dir, Some(options)).await }
+    })
+    .await?;
+    let Some(pred_key) = pred.kvs().first().map(|kv| kv.key().to_vec()) else {
+        return Ok(true);
+    };
+    let from = pred.header().map_or(0, |h| h.revision()) + 1;
+    let mut stream = call(pool, timeout, "watch", |c| {
+        let mut watch = c.watch_client();
+        let options = WatchOptions::new()
+            .with_start_revision(from)
+            .with_filters([WatchFilterType::NoPut]);
+        let key = pred_key.clone();
+        async move { watch.watch(key, Some(options)).await }
+    })
+    .await?;
+    loop {
+        let msg = stream
+            .message()
+            .await
+            .map_err(|e| LockError::unavailable("etcd watch stream failed", Some(Box::new(e))))?;
+        let Some(msg) = msg else {
+            return Err(LockError::unavailable("etcd watch stream ended", None));
+        };
+        if msg.canceled() {
+            return Err(LockError::unavailable("etcd watch cancelled", None));
+        }
+        if msg
+            .events()
+            .iter()
+            .any(|e| e.event_type() == EventType::Delete)
+        {
+            return Ok(false);
+        }
+    }
+}
+
+impl Backend for EtcdBackend {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            match args.mode {
+                WaitMode::Queue => self.acquire_queued(&args).await,
+                _ => self.acquire_if_free(&args).await,
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let k = self.keys(resource, token);
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    k.own.clone(),
+                    CompareOp::Greater,
+                    0,
+                )])
+                .and_then([TxnOp::delete(k.own, None)]);
+            let released = self.txn(txn).await?.succeeded();
+            self.revoke_later(self.take_leases(resource, token));
+            Ok(released)
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let k = self.keys(resource, token);
+            self.relet(&k.own, 0, ttl).await
+        })
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        Box::pin(async move {
+            // One lease per distinct TTL for the whole batch.
+            let mut secs: Vec<i64> = items.iter().map(|i| lease_secs(i.ttl)).collect();
+            secs.sort_unstable();
+            secs.dedup();
+            let grants = futures_util::future::join_all(
+                secs.iter()
+                    .map(|s| self.grant(Duration::from_secs(s.unsigned_abs()))),
+            )
+            .await;
+            // A failed grant fails every item of its TTL (by message: `LockError` is not `Clone`).
+            let leases: HashMap<i64, Result<i64, String>> = secs
+                .into_iter()
+                .zip(grants.into_iter().map(|g| g.map_err(|e| e.to_string())))
+                .collect();
+            futures_util::future::join_all(items.iter().map(|i| {
+                let lease = leases.get(&lease_secs(i.ttl)).cloned();
+                async move {
+                    match lease {
+                        Some(Ok(lease)) => {
+                            let k = self.keys(&i.resource, &i.token);
+                            self.relet_on(&k.own, 0, lease).await
+                        }
+                        Some(Err(e)) => Err(LockError::unavailable(e, None)),
+                        None => Err(LockError::unavailable("etcd lease grant missing", None)),
+                    }
+                }
+            }))
+            .await
+        })
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            self.stop_watch(resource, token);
+            // First the leases, so that an attempt still in flight cannot put the key back;
+            // then the key, in case it is on a lease this locker never saw.
+            self.revoke_leases(resource, token).await?;
+            let k = self.keys(resource, token);
+            self.call("delete", |c| {
+                let mut kv = c.kv_client();
+                let own = k.own.clone();
+                async move { kv.delete(own, None).await }
+            })
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
+        Some(self)
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let watchers = self.watchers.clone();
+            let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
+                let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
+                w.retain(|(r, _), h| {
+                    let keep = &**r != res;
+                    if !keep {
+                        h.abort();
+                    }
+                    keep
+                });
+            });
+            let (watch, _first) = self.hub.register(resource, token, Some(on_last));
+            let k = self.keys(resource, token);
+            let name: Arc<str> = resource.as_str().into();
+            let task = tokio::spawn(watch_turn(
+                self.pool.clone(),
+                self.hub.clone(),
+                name.clone(),
+                token.clone(),
+                k,
+                self.opts.command_timeout,
+            ));
+            let old = self
+                .watchers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert((name, token.clone()), task.abort_handle());
+            if let Some(old) = old {
+                old.abort();
+            }
+            Ok(watch)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_round_up_to_whole_seconds() {
+        assert_eq!(lease_secs(Duration::from_millis(10)), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(lease_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(lease_secs(Duration::from_secs(20)), 20);
+    }
+
+    #[test]
+    fn range_end_bumps_the_slash() {
+        assert_eq!(range_end(b"dlock/a/"), b"dlock/a0".to_vec());
+    }
+}

@@ -1,0 +1,91 @@
+//! `etcd://[user:password@]host:port[,host:port…][/]` URLs.
+
+use crate::LockError;
+
+/// A parsed `etcd://` URL.
+pub(super) struct EtcdUrl {
+    /// `host:port` of every member given.
+    pub(super) hosts: Vec<String>,
+    /// User and password, percent-decoded.
+    pub(super) user: Option<(String, String)>,
+}
+
+fn invalid(what: &str) -> LockError {
+    // Never echo the URL: it may carry a password.
+    LockError::unavailable(format!("invalid etcd URL: {what}"), None)
+}
+
+fn percent_decode(s: &str) -> Result<String, LockError> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| invalid("bad percent-encoding in the user or password"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| invalid("user or password is not UTF-8"))
+}
+
+/// Parses an `etcd://` URL.
+pub(super) fn parse(url: &str) -> Result<EtcdUrl, LockError> {
+    let rest = url.strip_prefix("etcd://").ok_or_else(|| {
+        invalid("the scheme must be etcd:// (TLS, etcds://, is not supported yet)")
+    })?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (user, hosts) = match rest.rsplit_once('@') {
+        Some((cred, hosts)) => {
+            let (u, p) = cred
+                .split_once(':')
+                .ok_or_else(|| invalid("credentials must be user:password"))?;
+            (Some((percent_decode(u)?, percent_decode(p)?)), hosts)
+        }
+        None => (None, rest),
+    };
+    let hosts: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(|h| {
+            if h.contains('/') || h.contains('?') {
+                Err(invalid("paths and query strings are not supported"))
+            } else if h
+                .rsplit_once(':')
+                .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+            {
+                Ok(h.to_owned())
+            } else {
+                Ok(format!("{h}:2379"))
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    if hosts.is_empty() {
+        return Err(invalid("no host"));
+    }
+    Ok(EtcdUrl { hosts, user })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_users_and_default_port() {
+        let u = parse("etcd://al%40x:p%3Ass@h1:1,h2/").unwrap();
+        assert_eq!(u.hosts, ["h1:1", "h2:2379"]);
+        assert_eq!(u.user, Some(("al@x".to_owned(), "p:ss".to_owned())));
+        assert!(parse("etcd://").is_err());
+        let Err(e) = parse("etcd://u:secret@h1/path") else {
+            panic!("a path must be refused")
+        };
+        assert!(!e.to_string().contains("secret"));
+    }
+}

@@ -1,0 +1,413 @@
+//! Starts real `etcd` processes for tests: one member ([`EtcdCluster::start`], and
+//! [`shared`], one per test binary) or a cluster of three ([`EtcdCluster::start_cluster`]) on
+//! free loopback ports (client and peer), with their data in a private temporary folder (on
+//! `/dev/shm` when there is one), and
+//! the faults the tests inject (kill, restart, freeze with SIGSTOP).
+//!
+//! Members run with a 50 ms heartbeat and a 500 ms election timeout, so a new leader is elected
+//! within about a second and the smallest lease etcd grants is one second. Every member runs
+//! under `setpriv --pdeathsig KILL`: it dies with the thread that started it, and dropping the
+//! [`EtcdCluster`] kills it and removes the folder. If `etcd` is not installed, starting one
+//! panics saying how to get it (`./scripts/test` installs Debian's `etcd-server`): an etcd
+//! test never silently skips.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::redis_server::{free_port, on_owner_thread};
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Where members keep their data: `/dev/shm` when the machine has it (a memory file system:
+/// etcd fsyncs every write, which on a loaded disk can take longer than a test's command
+/// timeout), else the temporary folder.
+fn data_root() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() {
+        shm
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// The data folders' name: `dlock-etcd-<pid>-<n>`.
+const DIR_PREFIX: &str = "dlock-etcd-";
+
+/// Removes the data folders of test processes that are gone: the member a test binary shares
+/// is never dropped (it dies with the process), so its folder — on `/dev/shm`, memory, about
+/// 120 MB with etcd's preallocated WAL — is left behind. Only folders named by this harness
+/// whose process no longer exists are touched.
+fn sweep_dead_dirs() {
+    // Without /proc nothing says which processes live: leave everything.
+    if !PathBuf::from("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(data_root()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !PathBuf::from(format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+fn binary() -> String {
+    std::env::var("DLOCK_ETCD").unwrap_or_else(|_| "etcd".to_owned())
+}
+
+/// One member of an [`EtcdCluster`].
+#[derive(Debug)]
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+    paused: bool,
+}
+
+/// A running etcd cluster of one or more members, all on `127.0.0.1`.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    dir: PathBuf,
+    token: String,
+}
+
+impl EtcdCluster {
+    /// One member, ready (it has elected itself leader).
+    ///
+    /// # Panics
+    /// If `etcd` is missing or does not come up within 20 seconds.
+    pub fn start() -> Self {
+        Self::start_n(1)
+    }
+
+    /// Three members forming one cluster, ready (a leader is elected).
+    ///
+    /// # Panics
+    /// If `etcd` is missing or the cluster does not come up within 20 seconds.
+    pub fn start_cluster() -> Self {
+        Self::start_n(3)
+    }
+
+    fn start_n(n: usize) -> Self {
+        let token = format!(
+            "{DIR_PREFIX}{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        sweep_dead_dirs();
+        let dir = data_root().join(&token);
+        std::fs::create_dir_all(&dir).expect("create etcd temp dir");
+        // Another process may take a probed port before etcd binds it: start again then.
+        for _ in 0..5 {
+            let members = (0..n)
+                .map(|i| Member {
+                    name: format!("{token}-{i}"),
+                    client_port: free_port(),
+                    peer_port: free_port(),
+                    child: None,
+                    paused: false,
+                })
+                .collect();
+            let mut cluster = EtcdCluster {
+                members,
+                dir: dir.clone(),
+                token: token.clone(),
+            };
+            for i in 0..n {
+                cluster.spawn(i);
+            }
+            if cluster.wait_ready(Duration::from_secs(20)) {
+                return cluster;
+            }
+            drop(cluster); // kills the members, removes the folder
+            std::fs::create_dir_all(&dir).expect("create etcd temp dir");
+        }
+        panic!("could not start an etcd cluster of {n} on free ports after 5 tries");
+    }
+
+    fn initial_cluster(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let initial = self.initial_cluster();
+        let data = self.dir.join(&self.members[i].name);
+        let m = &mut self.members[i];
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let child = Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "--"])
+            .arg(binary())
+            .args(["--name", &m.name])
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &initial])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", &self.token])
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .args(["--log-level", "error"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        match child {
+            Ok(c) => m.child = Some(c),
+            Err(e) => panic!(
+                "cannot run `setpriv … {}` ({e}). Install etcd (`apt-get install etcd-server`) or \
+                 run the project's test command, `./scripts/test`, which installs it.",
+                binary()
+            ),
+        }
+    }
+
+    /// Whether every running member answers, belongs to this cluster, and sees a leader.
+    fn wait_ready(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let mut ready = true;
+            for m in &mut self.members {
+                let Some(c) = m.child.as_mut() else { continue };
+                if let Ok(Some(_)) = c.try_wait() {
+                    return false; // exited: a port was taken, most likely
+                }
+                // Only our own member counts: its name carries this cluster's unique token.
+                let ours = post(m.client_port, "/v3/cluster/member/list")
+                    .is_some_and(|body| body.contains(&m.name));
+                let leader = status(m.client_port).is_some_and(|(_, leader)| leader != 0);
+                ready &= ours && leader;
+            }
+            if ready {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// How many members it has.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Always `false`: a cluster has at least one member.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// `etcd://127.0.0.1:<p1>,127.0.0.1:<p2>,…` over every member.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect();
+        format!("etcd://{}", hosts.join(","))
+    }
+
+    /// `etcd://127.0.0.1:<port>` of member `i` alone: a client that reaches only that member.
+    pub fn member_url(&self, i: usize) -> String {
+        format!("etcd://127.0.0.1:{}", self.members[i].client_port)
+    }
+
+    /// The client port of member `i`.
+    pub fn client_port(&self, i: usize) -> u16 {
+        self.members[i].client_port
+    }
+
+    /// The index of the member that is leader now, as a running, unfrozen member reports it.
+    pub fn leader(&self) -> Option<usize> {
+        for m in self
+            .members
+            .iter()
+            .filter(|m| m.child.is_some() && !m.paused)
+        {
+            if let Some((_, leader)) = status(m.client_port).filter(|(_, l)| *l != 0) {
+                return self.members.iter().position(|o| {
+                    status(o.client_port).is_some_and(|(id, _)| id == leader) && o.child.is_some()
+                });
+            }
+        }
+        None
+    }
+
+    /// Waits (bounded) until a running member reports a leader, and returns its index.
+    ///
+    /// # Panics
+    /// If none does within `limit`.
+    pub fn wait_leader(&self, limit: Duration) -> usize {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(l) = self.leader() {
+                return l;
+            }
+            assert!(Instant::now() < deadline, "no etcd leader within {limit:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, i: usize, sig: &str) {
+        if let Some(c) = &self.members[i].child {
+            let ok = Command::new("kill")
+                .args([sig, &c.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} on etcd member {i} failed");
+        }
+    }
+
+    /// Freezes member `i` (SIGSTOP): its connections stay open, nothing is answered.
+    pub fn pause(&mut self, i: usize) {
+        self.signal(i, "-STOP");
+        self.members[i].paused = true;
+    }
+
+    /// Thaws member `i` (SIGCONT).
+    pub fn resume(&mut self, i: usize) {
+        self.signal(i, "-CONT");
+        self.members[i].paused = false;
+    }
+
+    /// Kills member `i` (SIGKILL); its data folder stays for [`restart`](Self::restart).
+    pub fn kill(&mut self, i: usize) {
+        kill_child(&mut self.members[i]);
+    }
+
+    /// Starts a killed member `i` again on the same ports and data, and waits until it is
+    /// back in the cluster.
+    ///
+    /// # Panics
+    /// If it is not back within 20 seconds.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i);
+        assert!(
+            self.wait_ready(Duration::from_secs(20)),
+            "etcd member {i} did not come back"
+        );
+    }
+}
+
+fn kill_child(m: &mut Member) {
+    if let Some(mut c) = m.child.take() {
+        if m.paused {
+            let _ = Command::new("kill")
+                .args(["-CONT", &c.id().to_string()])
+                .status();
+            m.paused = false;
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            kill_child(m);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl EtcdCluster {
+    /// Turns on etcd's authentication with a `root` user whose password is `password`
+    /// (through the member's JSON gateway). Clients must log in from then on.
+    ///
+    /// # Panics
+    /// If a step fails.
+    pub fn enable_auth(&self, password: &str) {
+        let port = self.members[0].client_port;
+        let steps = [
+            (
+                "/v3/auth/user/add",
+                format!(r#"{{"name":"root","password":"{password}"}}"#),
+            ),
+            (
+                "/v3/auth/user/grant",
+                r#"{"user":"root","role":"root"}"#.to_owned(),
+            ),
+            ("/v3/auth/enable", "{}".to_owned()),
+        ];
+        for (path, body) in steps {
+            assert!(post_body(port, path, &body).is_some(), "etcd {path} failed");
+        }
+    }
+}
+
+/// POSTs `{}` to a gRPC-gateway path of the member on `port`; the body, when it answers 200.
+fn post(port: u16, path: &str) -> Option<String> {
+    post_body(port, path, "{}")
+}
+
+/// POSTs a JSON `body` to a gRPC-gateway path of the member on `port`; the answer's body, when
+/// it is 200.
+fn post_body(port: u16, path: &str, body: &str) -> Option<String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+}
+
+/// The first `"<field>":"<number>"` in a gateway JSON body (uint64s are JSON strings).
+fn number_field(body: &str, field: &str) -> Option<u64> {
+    let rest = body.split(&format!("\"{field}\":\"")).nth(1)?;
+    rest.split('"').next()?.parse().ok()
+}
+
+/// (member id, leader id) as the member on `port` reports them.
+fn status(port: u16) -> Option<(u64, u64)> {
+    let body = post(port, "/v3/maintenance/status")?;
+    Some((
+        number_field(&body, "member_id")?,
+        number_field(&body, "leader").unwrap_or(0),
+    ))
+}
+
+/// The single-member etcd of this test binary, started on first use and kept for the binary's
+/// life (the kernel kills it when the process ends).
+pub fn shared() -> Arc<Mutex<EtcdCluster>> {
+    static SHARED: OnceLock<Arc<Mutex<EtcdCluster>>> = OnceLock::new();
+    SHARED
+        .get_or_init(|| {
+            Arc::new(Mutex::new(on_owner_thread(
+                "etcd-owner",
+                EtcdCluster::start,
+            )))
+        })
+        .clone()
+}

@@ -1,0 +1,292 @@
+//! etcd (`etcd://`): the conformance suite on one real member started once for this binary
+//! (`dlock_tests::etcd_server::shared`), then fault tests on 3-member clusters of their own.
+
+use dlock_runtime::backend::{EtcdBackend, EtcdOptions};
+use dlock_runtime::conformance::Store;
+use dlock_tests::etcd_server;
+
+fn etcd_store() -> ((), Store) {
+    let url = etcd_server::shared().lock().unwrap().url();
+    let for_break = url.clone();
+    let store = Store::new(
+        "etcd",
+        move |b| {
+            let url = url.clone();
+            Box::pin(async move { b.connect(&url).await.expect("connect") })
+        },
+        move |resource| {
+            let url = for_break.clone();
+            Box::pin(async move {
+                let backend = EtcdBackend::connect(&url, EtcdOptions::default())
+                    .await
+                    .expect("connect");
+                let n = backend.delete_lock(&resource).await.expect("delete");
+                assert!(n >= 1, "no lock keys for {resource}");
+            })
+        },
+    );
+    ((), store)
+}
+
+mod conformance {
+    dlock_runtime::conformance_tests!(super::etcd_store);
+}
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::Locker;
+use dlock_tests::etcd_server::EtcdCluster;
+use dlock_tests::wait::poll_until;
+
+const COMMAND_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// The fault tests run one at a time: each starts a 3-member cluster of its own, and three of
+/// them at once (beside the conformance suite's member) would starve a 2-core machine.
+static ONE_CLUSTER_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn locker(url: &str) -> Locker {
+    Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(url)
+        .await
+        .expect("connect to etcd")
+}
+
+/// Takes `key` at once (`try_acquire`) or says why not.
+async fn try_take(
+    l: &Locker,
+    key: &str,
+    ttl: Duration,
+) -> Result<dlock_runtime::LockGuard, String> {
+    match l.lock(key).ttl(ttl).try_acquire().await {
+        Ok(Some(g)) => Ok(g),
+        Ok(None) => Err(format!("`{key}` is held")),
+        Err(e) => {
+            assert!(e.is_unavailable(), "{e}");
+            Err(e.to_string())
+        }
+    }
+}
+
+/// The leader is killed while a lock is held: the lock survives (still held, renewed, nobody
+/// else can take it) and new acquires work again within an election plus a command timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_kill_keeps_locks_and_acquires_keep_working() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = EtcdCluster::start_cluster();
+    let a = locker(&cluster.url()).await;
+    let b = locker(&cluster.url()).await;
+    let ttl = Duration::from_secs(2);
+    let held = a.lock("held").ttl(ttl).acquire().await.unwrap();
+    let leader = cluster.wait_leader(Duration::from_secs(10));
+    cluster.kill(leader);
+    let killed = Instant::now();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || try_take(&b, "after", ttl).await,
+    )
+    .await;
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "acquires came back {:?} after the leader died",
+        killed.elapsed()
+    );
+    assert!(g.fencing_token() > held.fencing_token());
+    g.release().await.unwrap();
+    // More than a whole lease later the lock is still held (the watchdog renewed it through
+    // the new leader) and nobody else can take it.
+    tokio::time::sleep(ttl + ttl / 2).await;
+    assert!(held.is_held(), "a lock was lost when the leader died");
+    assert!(
+        try_take(&b, "held", ttl).await.is_err(),
+        "another locker took a lock that is still held"
+    );
+    held.release().await.unwrap();
+    assert!(try_take(&b, "held", ttl).await.is_ok());
+}
+
+/// One member of three frozen (SIGSTOP, a minority): locks are taken, renewed and released as
+/// before, with no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freezing_one_member_changes_nothing() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = EtcdCluster::start_cluster();
+    let leader = cluster.wait_leader(Duration::from_secs(10));
+    let follower = (leader + 1) % cluster.len();
+    let a = locker(&cluster.url()).await;
+    let held = a
+        .lock("long")
+        .ttl(Duration::from_secs(2))
+        .acquire()
+        .await
+        .unwrap();
+    cluster.pause(follower);
+    for i in 0..20 {
+        let g = a
+            .lock(format!("k{}", i % 3))
+            .ttl(Duration::from_secs(2))
+            .try_acquire()
+            .await
+            .unwrap_or_else(|e| panic!("acquire {i} with one member frozen: {e}"))
+            .expect("free");
+        g.release()
+            .await
+            .unwrap_or_else(|e| panic!("release {i} with one member frozen: {e}"));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(held.is_held(), "a renewal failed with one member frozen");
+    held.release().await.unwrap();
+    cluster.resume(follower);
+}
+
+/// Two members of three frozen: no quorum. Requests fail with the typed 503 error within the
+/// command timeout (never a hang); once the members thaw, locks are taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_quorum_errors_are_typed_and_timely_then_recovery() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = EtcdCluster::start_cluster();
+    let a = locker(&cluster.url()).await;
+    let leader = cluster.wait_leader(Duration::from_secs(10));
+    let frozen = [(leader + 1) % 3, (leader + 2) % 3];
+    for &i in &frozen {
+        cluster.pause(i);
+    }
+    for key in ["q1", "q2", "q3"] {
+        let started = Instant::now();
+        let err = a
+            .lock(key)
+            .ttl(Duration::from_secs(2))
+            .try_acquire()
+            .await
+            .expect_err("a lock was granted without quorum");
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(err.status(), 503);
+        assert!(
+            started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500),
+            "without quorum an acquire took {:?}",
+            started.elapsed()
+        );
+    }
+    for &i in &frozen {
+        cluster.resume(i);
+    }
+    let g = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        async || try_take(&a, "q1", Duration::from_secs(2)).await,
+    )
+    .await;
+    g.release().await.unwrap();
+}
+
+/// A holder reaches only one member, which is then frozen: it cannot renew, is told through
+/// `lost()` by its local lease clock, and the next holder (reaching the rest of the cluster)
+/// gets the lock only after the lease expired on the server, with a greater fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_lease_expires_in_a_pause_is_told_and_fenced() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = EtcdCluster::start_cluster();
+    let leader = cluster.wait_leader(Duration::from_secs(10));
+    let cut = (leader + 1) % 3;
+    let other = (leader + 2) % 3;
+    let holder = locker(&cluster.member_url(cut)).await;
+    let next = locker(&cluster.member_url(other)).await;
+    let ttl = Duration::from_secs(2);
+    let old = holder.lock("fenced").ttl(ttl).acquire().await.unwrap();
+    cluster.pause(cut);
+    let paused = Instant::now();
+    tokio::time::timeout(ttl + Duration::from_secs(1), old.lost())
+        .await
+        .expect("a holder that could not renew was not told");
+    let told = paused.elapsed();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || try_take(&next, "fenced", ttl).await,
+    )
+    .await;
+    let taken = paused.elapsed();
+    assert!(
+        taken >= told,
+        "the next holder got the lock ({taken:?}) before the old one was told ({told:?})"
+    );
+    assert!(
+        g.fencing_token() > old.fencing_token(),
+        "fencing: {} after {}",
+        g.fencing_token(),
+        old.fencing_token()
+    );
+    g.release().await.unwrap();
+    cluster.resume(cut);
+}
+
+/// etcd with authentication on: a locker given the user and password in the URL (percent-
+/// encoded) locks; a wrong password is a typed 503 error at connect that never shows the
+/// password, nor does the good one appear in any error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_and_password_from_the_url_and_never_in_errors() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let cluster = EtcdCluster::start();
+    let password = "s3cr:et@pw";
+    cluster.enable_auth(password);
+    let hosts = cluster.url().trim_start_matches("etcd://").to_owned();
+    let good = format!("etcd://root:s3cr%3Aet%40pw@{hosts}");
+    let l = locker(&good).await;
+    let g = l.lock("auth").try_acquire().await.unwrap().expect("free");
+    g.release().await.unwrap();
+
+    let bad = format!("etcd://root:wrong-pw@{hosts}");
+    let Err(err) = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&bad)
+        .await
+    else {
+        panic!("a wrong password connected");
+    };
+    assert!(err.is_unavailable(), "{err}");
+    let mut shown = format!("{err} {err:?}");
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        shown.push_str(&format!(" {s} {s:?}"));
+        source = s.source();
+    }
+    assert!(!shown.contains("wrong-pw"), "the password leaked: {shown}");
+
+    // Without credentials etcd refuses: typed, not a hang.
+    let anonymous = locker(&cluster.url()).await;
+    let err = anonymous
+        .lock("auth")
+        .try_acquire()
+        .await
+        .expect_err("an anonymous client locked on an etcd with authentication");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(!format!("{err:?}").contains(password));
+}
+
+/// Nothing listens at the URL: connecting or the first request fails with the typed 503 error
+/// within the command timeout, never a hang.
+#[tokio::test]
+async fn unreachable_etcd_is_unavailable_in_time() {
+    let port = dlock_tests::redis_server::free_port();
+    let started = Instant::now();
+    let err = match Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&format!("etcd://127.0.0.1:{port}"))
+        .await
+    {
+        Err(e) => e,
+        Ok(l) => l
+            .lock("nowhere")
+            .try_acquire()
+            .await
+            .expect_err("a lock granted by no server"),
+    };
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(
+        started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500),
+        "an unreachable etcd took {:?} to report",
+        started.elapsed()
+    );
+}
