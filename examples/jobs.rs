@@ -110,8 +110,10 @@ async fn in_process() -> Result<(), Box<dyn std::error::Error>> {
     );
     let total = PROCESSED.load(Ordering::SeqCst);
     println!("total applied: {total} of {EVENTS}");
-    if total != u64::from(EVENTS) {
-        return Err("some events were not applied".into());
+    if total != u64::from(EVENTS) || deferred == 0 || !report.dropped.is_empty() {
+        return Err(
+            "expected busy accounts' events deferred, then all applied, none dropped".into(),
+        );
     }
     Ok(())
 }

@@ -103,24 +103,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }))
     .await;
-    let mut created = 0;
+    let (mut created, mut conflicts) = (0, 0);
     for r in replies {
         let (status, retry_after, body) = r?;
-        match retry_after {
+        match &retry_after {
             Some(ra) => println!("  {status} (Retry-After: {ra}s): {body}"),
             None => println!("  {status}: {body}"),
         }
-        if status.as_u16() == 201 {
-            created += 1;
+        match status.as_u16() {
+            201 => created += 1,
+            409 if retry_after.is_some() => conflicts += 1,
+            _ => return Err(format!("unexpected answer {status}: {body}").into()),
         }
     }
-    println!(
-        "handler ran {} time(s)",
-        orders.created.load(Ordering::SeqCst)
-    );
+    let ran = orders.created.load(Ordering::SeqCst);
+    println!("handler ran {ran} time(s)");
     handle.stop(true).await;
-    if created != 1 {
-        return Err("expected exactly one submission to run".into());
+    if (created, conflicts, ran) != (1, 9, 1) {
+        return Err("expected exactly one submission to run and nine 409s".into());
     }
     Ok(())
 }

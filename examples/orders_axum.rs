@@ -142,6 +142,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
+    // The fencing token of every lock taken, in order: it must only grow.
+    let mut last_token = 0;
+    let token_of = |body: &str| -> Result<u64, String> {
+        body.split("\"fencing_token\":")
+            .nth(1)
+            .and_then(|t| t.trim_end_matches('}').parse().ok())
+            .ok_or_else(|| format!("no fencing token in {body}"))
+    };
     for round in 1..=2 {
         println!("\nround {round}: 20 concurrent POST /orders/42/submit");
         let replies =
@@ -174,23 +182,45 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if created.len() != 1 || conflicts != 19 {
             return Err("expected exactly one submission to run".into());
         }
+        let token = token_of(&created[0])?;
+        if token <= last_token {
+            return Err(
+                format!("the fencing token did not grow: {token} after {last_token}").into(),
+            );
+        }
+        last_token = token;
     }
 
     println!("\n5 concurrent POST /orders/42/ship (on_fail = \"retry\": they wait in line)");
     let replies =
         futures_util::future::join_all((0..5).map(|_| post("/orders/42/ship".to_owned()))).await;
+    let mut shipped = Vec::new();
     for r in replies {
         let (status, _, body) = r.map_err(|e| e.to_string())?;
-        println!("  {status}: {body}");
         if status != StatusCode::OK {
-            return Err("every shipment should have run".into());
+            return Err(format!("every shipment should have run: {status} {body}").into());
         }
+        shipped.push((token_of(&body)?, body));
     }
-    println!(
-        "\nhandlers ran: {} submissions, {} shipments",
+    // In the order they held the lock: one after another, each with a greater token.
+    shipped.sort();
+    for (token, body) in &shipped {
+        println!("  200 OK: {body}");
+        if *token <= last_token {
+            return Err(
+                format!("the fencing token did not grow: {token} after {last_token}").into(),
+            );
+        }
+        last_token = *token;
+    }
+    let (submitted, shipped) = (
         state.submitted.load(Ordering::SeqCst),
-        state.shipped.load(Ordering::SeqCst)
+        state.shipped.load(Ordering::SeqCst),
     );
+    println!("\nhandlers ran: {submitted} submissions, {shipped} shipments");
     server.abort();
+    if (submitted, shipped) != (2, 5) {
+        return Err("expected 2 submissions and 5 shipments".into());
+    }
     Ok(())
 }

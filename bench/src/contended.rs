@@ -143,6 +143,56 @@ pub(crate) async fn run(
     let m0 = Mark::take(admin, 1).await?;
     tokio::time::sleep_until(end.into()).await;
     let m1 = Mark::take(admin, 1).await?;
+    let all = collect(tasks).await?;
+    Ok(analyse(all, measure_from, end, m0.work_until(&m1)))
+}
+
+/// Like [`run`], for a lock outside the Redis clients (etcd): [`TASKS`] tasks compete through
+/// `take` (resolves once the lock is the task's, with what `give` needs to release it), hold
+/// it [`HOLD`], and `give` it back, for `plan.warm + plan.measure`. No server figures (the
+/// result's `work` is empty).
+pub(crate) async fn run_with<H, T, TF, G, GF>(
+    plan: &Plan,
+    take: T,
+    give: G,
+) -> Result<Contended, BenchError>
+where
+    H: Send + 'static,
+    T: Fn(usize) -> TF + Send + Sync + Clone + 'static,
+    TF: std::future::Future<Output = Result<H, BenchError>> + Send,
+    G: Fn(usize, H) -> GF + Send + Sync + Clone + 'static,
+    GF: std::future::Future<Output = Result<(), BenchError>> + Send,
+{
+    let start = Instant::now();
+    let measure_from = start + plan.warm;
+    let end = measure_from + plan.measure;
+    let mut tasks = Vec::with_capacity(TASKS);
+    for task in 0..TASKS {
+        let (take, give) = (take.clone(), give.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while Instant::now() < end {
+                let t0 = Instant::now();
+                let held = tokio::time::timeout(GIVE_UP, take(task))
+                    .await
+                    .map_err(|_| "contended: a wait took too long")??;
+                let t1 = Instant::now();
+                precise_sleep(HOLD).await?;
+                let t2 = Instant::now();
+                give(task, held).await?;
+                out.push(Cs { task, t0, t1, t2 });
+            }
+            Ok::<_, BenchError>(out)
+        }));
+    }
+    let all = collect(tasks).await?;
+    Ok(analyse(all, measure_from, end, Work::default()))
+}
+
+/// Every task's critical sections (a task that does not finish in time is an error).
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<Result<Vec<Cs>, BenchError>>>,
+) -> Result<Vec<Cs>, BenchError> {
     let mut all = Vec::new();
     for t in tasks {
         all.extend(
@@ -151,7 +201,7 @@ pub(crate) async fn run(
                 .map_err(|_| "contended: a task did not finish in time")???,
         );
     }
-    Ok(analyse(all, measure_from, end, m0.work_until(&m1)))
+    Ok(all)
 }
 
 /// The last stretch of a [`precise_sleep`] spent yielding instead of sleeping.
@@ -163,7 +213,7 @@ const SPIN: Duration = Duration::from_micros(200);
 /// thread hand-offs add ~0.1 ms. So: the OS timer until [`SPIN`] before the deadline, then
 /// `yield_now` until it (other tasks run meanwhile; the worker burns at most `SPIN` of CPU).
 /// The measured hold is reported as `hold_p50_us`.
-async fn precise_sleep(d: Duration) -> Result<(), BenchError> {
+pub(crate) async fn precise_sleep(d: Duration) -> Result<(), BenchError> {
     let deadline = Instant::now() + d;
     if let Some(coarse) = d.checked_sub(SPIN) {
         tokio::task::spawn_blocking(move || std::thread::sleep(coarse)).await?;

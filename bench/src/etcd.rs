@@ -1,9 +1,14 @@
-//! The `etcd` scenario: uncontended lock/unlock pairs per second on one etcd member
-//! (`dlock_tests::etcd_server`), dlock's etcd backend against two hand-written floors over the
-//! same client crate — a bare transaction (create the key on a lease if absent, then delete it)
-//! and etcd's own lock RPC (`v3lock` `Lock`/`Unlock` on a lease). Both floors grant their lease
-//! once per task and reuse it; dlock grants one per acquisition (see
-//! `dlock_runtime::backend::etcd`), which is part of what is measured.
+//! The `etcd` scenario, on one etcd member (`dlock_tests::etcd_server`):
+//!
+//! * uncontended lock/unlock pairs per second, dlock's etcd backend against two hand-written
+//!   floors over the same client crate — a bare transaction (create the key on a lease if
+//!   absent, then delete it) and etcd's own lock RPC (`v3lock` `Lock`/`Unlock` on a lease);
+//! * contended: [`contended::TASKS`] tasks on one key holding it [`contended::HOLD`] — dlock
+//!   with `OnFail::retry` (fair queue, predecessor watch) against the lock RPC (the server's
+//!   own queue on the same recipe): critical sections per second, handoff p50/p99, fairness.
+//!
+//! The floors grant their lease once per task and reuse it; dlock keeps its locks on a session
+//! lease per locker (see `dlock_runtime::backend::etcd`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,14 +17,16 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use serde_json::{json, Value};
 
+use crate::contended::{self, Contended};
+use crate::stats::{round1, us};
 use crate::{BenchError, Plan};
 
 /// Concurrent tasks per driver (each on its own keys: no contention).
-const TASKS: usize = 8;
+pub(crate) const TASKS: usize = 8;
 
 /// Runs `pair` (one lock + unlock of key `i`) from [`TASKS`] tasks for the warm-up, then counts
 /// pairs for the window.
-async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<f64, BenchError>
+pub(crate) async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<f64, BenchError>
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = Result<(), BenchError>> + Send,
@@ -56,16 +63,11 @@ where
     Ok(pairs as f64 / took.as_secs_f64())
 }
 
-/// The scenario's JSON: pairs per second of each driver.
-pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
-    let member = tokio::task::spawn_blocking(dlock_tests::etcd_server::EtcdCluster::start).await?;
-    let url = member.url();
-    let endpoint = url.replacen("etcd://", "http://", 1);
-    let client = Client::connect([endpoint.as_str()], None).await?;
-    let lease_ttl = 30;
-
-    let locker = dlock_runtime::Locker::from_url(&url).await?;
-    let dlock = measure(plan, move |t, n| {
+/// Uncontended pairs per second of a locker on `url`: `try_acquire` + `release` of key `i`
+/// (64 keys per task, TTL 10 s), [`TASKS`] tasks.
+pub(crate) async fn measure_dlock(plan: &Plan, url: &str) -> Result<f64, BenchError> {
+    let locker = dlock_runtime::Locker::from_url(url).await?;
+    measure(plan, move |t, n| {
         let locker = locker.clone();
         async move {
             let key = format!("bench:{t}:{}", n % 64);
@@ -79,7 +81,39 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
             Ok(())
         }
     })
-    .await?;
+    .await
+}
+
+/// [`contended::run_with`] for a locker on `url`: `OnFail::retry` (the fair queue), TTL 10 s.
+pub(crate) async fn contended_dlock(plan: &Plan, url: &str) -> Result<Contended, BenchError> {
+    let locker = dlock_runtime::Locker::from_url(url).await?;
+    contended::run_with(
+        plan,
+        move |_| {
+            let locker = locker.clone();
+            async move {
+                Ok(locker
+                    .lock("contended")
+                    .ttl(Duration::from_secs(10))
+                    .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(30)))
+                    .acquire()
+                    .await?)
+            }
+        },
+        |_, g: dlock_runtime::LockGuard| async move { Ok(g.release().await?) },
+    )
+    .await
+}
+
+/// The scenario's JSON: pairs per second of each driver.
+pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
+    let member = tokio::task::spawn_blocking(dlock_tests::etcd_server::EtcdCluster::start).await?;
+    let url = member.url();
+    let endpoint = url.replacen("etcd://", "http://", 1);
+    let client = Client::connect([endpoint.as_str()], None).await?;
+    let lease_ttl = 30;
+
+    let dlock = measure_dlock(plan, &url).await?;
 
     let mut leases = Vec::new();
     for _ in 0..TASKS {
@@ -120,11 +154,54 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
         }
     })
     .await?;
+    let contended_dlock = contended_dlock(plan, &url).await?;
+    let mut leases = Vec::new();
+    for _ in 0..contended::TASKS {
+        leases.push(client.lease_client().grant(lease_ttl, None).await?.id());
+    }
+    let leases = Arc::new(leases);
+    let (c, l) = (client.clone(), leases.clone());
+    let contended_rpc = contended::run_with(
+        plan,
+        move |t| {
+            let (mut lock, lease) = (c.lock_client(), l[t]);
+            async move {
+                let options = LockOptions::new().with_lease(lease);
+                Ok(lock.lock("contended", Some(options)).await?.key().to_vec())
+            }
+        },
+        {
+            let c = client.clone();
+            move |_, key: Vec<u8>| {
+                let mut lock = c.lock_client();
+                async move {
+                    lock.unlock(key).await?;
+                    Ok(())
+                }
+            }
+        },
+    )
+    .await?;
     drop(member);
     Ok(json!({
         "tasks": TASKS,
         "dlock": { "pairs_per_s": dlock.round() },
         "bare_txn": { "pairs_per_s": bare_txn.round() },
         "lock_rpc": { "pairs_per_s": lock_rpc.round() },
+        "contended": {
+            "tasks": contended::TASKS,
+            "dlock": contended_json(&contended_dlock),
+            "lock_rpc": contended_json(&contended_rpc),
+        },
     }))
+}
+
+pub(crate) fn contended_json(c: &Contended) -> Value {
+    json!({
+        "cs_per_s": round1(c.cs_per_s()),
+        "handoff_p50_us": us(c.handoff.median()),
+        "handoff_p99_us": us(c.handoff.pct(99.0)),
+        "fairness": c.fairness(),
+        "overlaps": c.overlaps,
+    })
 }

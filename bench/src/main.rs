@@ -15,6 +15,7 @@ mod clients;
 mod contended;
 mod etcd;
 mod held;
+mod kinds;
 #[cfg(feature = "layer")]
 mod layer;
 mod plot;
@@ -24,6 +25,7 @@ mod report;
 mod stats;
 mod sys;
 mod uncontended;
+mod zookeeper;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -40,7 +42,7 @@ pub(crate) type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) const WORKERS: usize = 2;
 
 /// Every scenario, in run order.
-const SCENARIOS: [&str; 10] = [
+const SCENARIOS: [&str; 13] = [
     "uncontended",
     "contended",
     "contended_think",
@@ -48,9 +50,12 @@ const SCENARIOS: [&str; 10] = [
     "cluster",
     "sentinel",
     "etcd",
+    "zookeeper",
     "held_at_scale",
     "layer_overhead",
     "postgres",
+    "semaphore",
+    "rwlock",
 ];
 
 /// How long and how much.
@@ -167,7 +172,8 @@ and target/bench/handoff.svg.
 
   --quick   short windows: the whole run stays under 2 minutes on 2 cores
   --only    run only these scenarios: uncontended, contended, contended_think, redlock, sentinel,
-            cluster, etcd, held_at_scale, layer_overhead, postgres (for profiling; the full
+            cluster, etcd, zookeeper, held_at_scale, layer_overhead, postgres, semaphore, rwlock (for
+            profiling; the full
             report needs all)
   --drivers run only these drivers: raw, dlock, rslock (for profiling)";
 
@@ -190,6 +196,16 @@ fn main() -> ExitCode {
             };
         }
     };
+    #[cfg(feature = "metrics")]
+    {
+        // What a service exporting dlock's metrics pays: a real recorder behind the facade.
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        if metrics::set_global_recorder(recorder).is_err() {
+            eprintln!("dlock-bench: a metrics recorder was already installed");
+        }
+        dlock_runtime::metrics::describe();
+        println!("metrics: on (Prometheus recorder)");
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .enable_all()
@@ -507,7 +523,55 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
             "etcd         dlock : {} pairs/s; bare txn {} pairs/s; etcd lock RPC {} pairs/s",
             v["dlock"]["pairs_per_s"], v["bare_txn"]["pairs_per_s"], v["lock_rpc"]["pairs_per_s"]
         ));
+        let (d, r) = (&v["contended"]["dlock"], &v["contended"]["lock_rpc"]);
+        progress(format!(
+            "etcd contended dlock: {} cs/s, handoff p50/p99 {}/{} µs, fairness {}; \
+             lock RPC: {} cs/s, handoff p50/p99 {}/{} µs, fairness {}",
+            d["cs_per_s"],
+            d["handoff_p50_us"],
+            d["handoff_p99_us"],
+            d["fairness"],
+            r["cs_per_s"],
+            r["handoff_p50_us"],
+            r["handoff_p99_us"],
+            r["fairness"]
+        ));
         scenarios.insert("etcd".into(), v);
+    }
+
+    // 3d'. ZooKeeper: dlock's ZooKeeper backend against a bare create + delete and the classic
+    // recipe written by hand.
+    if plan.wants("zookeeper") && plan.drivers.contains(&Driver::Dlock) {
+        progress("zookeeper: starting one ZooKeeper server");
+        let v = zookeeper::run(&plan).await?;
+        progress(format!(
+            "zookeeper    dlock : {} pairs/s; bare create+delete {} pairs/s; recipe {} pairs/s",
+            v["dlock"]["pairs_per_s"],
+            v["bare_create_delete"]["pairs_per_s"],
+            v["recipe"]["pairs_per_s"]
+        ));
+        let (d, r) = (&v["contended"]["dlock"], &v["contended"]["recipe"]);
+        progress(format!(
+            "zookeeper contended dlock: {} cs/s, handoff p50/p99 {}/{} µs, fairness {}; \
+             hand-written recipe: {} cs/s, handoff p50/p99 {}/{} µs, fairness {}",
+            d["cs_per_s"],
+            d["handoff_p50_us"],
+            d["handoff_p99_us"],
+            d["fairness"],
+            r["cs_per_s"],
+            r["handoff_p50_us"],
+            r["handoff_p99_us"],
+            r["fairness"]
+        ));
+        scenarios.insert("zookeeper".into(), v);
+    }
+
+    // 3e. semaphore (4 permits) and read-write lock (90 % reads), against a hand-written floor.
+    for (name, rw) in [("semaphore", false), ("rwlock", true)] {
+        if plan.wants(name) && plan.drivers.contains(&Driver::Dlock) {
+            admin.flush_all().await?;
+            scenarios.insert(name.into(), kinds::run(&one[0], rw, &plan).await?);
+        }
     }
 
     // 4. held at scale

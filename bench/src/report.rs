@@ -83,8 +83,35 @@ fn ratios(s: &Value) -> Value {
         json!({
             "pairs_per_s_dlock_over_bare_txn": div(s, "etcd.dlock.pairs_per_s", "etcd.bare_txn.pairs_per_s"),
             "pairs_per_s_dlock_over_lock_rpc": div(s, "etcd.dlock.pairs_per_s", "etcd.lock_rpc.pairs_per_s"),
+            "contended_cs_per_s_dlock_over_lock_rpc": div(s, "etcd.contended.dlock.cs_per_s", "etcd.contended.lock_rpc.cs_per_s"),
+            "contended_handoff_p50_lock_rpc_over_dlock": div(s, "etcd.contended.lock_rpc.handoff_p50_us", "etcd.contended.dlock.handoff_p50_us"),
+            "contended_handoff_p99_lock_rpc_over_dlock": div(s, "etcd.contended.lock_rpc.handoff_p99_us", "etcd.contended.dlock.handoff_p99_us"),
+            "contended_fairness_dlock": num(s, "etcd.contended.dlock.fairness"),
         }),
     );
+    r.insert(
+        "zookeeper".into(),
+        json!({
+            "pairs_per_s_dlock_over_bare_create_delete": div(s, "zookeeper.dlock.pairs_per_s", "zookeeper.bare_create_delete.pairs_per_s"),
+            "pairs_per_s_dlock_over_recipe": div(s, "zookeeper.dlock.pairs_per_s", "zookeeper.recipe.pairs_per_s"),
+            "contended_cs_per_s_dlock_over_recipe": div(s, "zookeeper.contended.dlock.cs_per_s", "zookeeper.contended.recipe.cs_per_s"),
+            "contended_handoff_p50_recipe_over_dlock": div(s, "zookeeper.contended.recipe.handoff_p50_us", "zookeeper.contended.dlock.handoff_p50_us"),
+            "contended_handoff_p99_recipe_over_dlock": div(s, "zookeeper.contended.recipe.handoff_p99_us", "zookeeper.contended.dlock.handoff_p99_us"),
+            "contended_fairness_dlock": num(s, "zookeeper.contended.dlock.fairness"),
+            "contended_fairness_recipe": num(s, "zookeeper.contended.recipe.fairness"),
+        }),
+    );
+    for k in ["semaphore", "rwlock"] {
+        let p = |d: &str, f: &str| format!("{k}.{d}.{f}");
+        r.insert(
+            k.into(),
+            json!({
+                "ops_per_s_dlock_over_raw": div(s, &p("dlock", "ops_per_s"), &p("raw", "ops_per_s")),
+                "wait_max_raw_over_dlock": div(s, &p("raw", "wait_max_ms"), &p("dlock", "wait_max_ms")),
+                "write_wait_max_raw_over_dlock": div(s, &p("raw", "write_wait_max_ms"), &p("dlock", "write_wait_max_ms")),
+            }),
+        );
+    }
     r.insert(
         "layer_overhead".into(),
         json!({
@@ -336,6 +363,31 @@ const ROWS: &[(&str, &[(&str, &str)])] = &[
             ("measured hold p50 (µs)", "hold_p50_us"),
             ("fraction of time the lock was held", "lock_held_fraction"),
             ("other processes' CPU (cores)", "others_cpu_cores"),
+        ],
+    ),
+    (
+        "semaphore",
+        &[
+            ("holds/s (4 permits, 16 tasks)", "ops_per_s"),
+            ("wait p50 (ms)", "wait_p50_ms"),
+            ("wait p99 (ms)", "wait_p99_ms"),
+            ("wait max (ms)", "wait_max_ms"),
+            ("fairness (min/max per task)", "fairness"),
+            ("most holders at once", "max_holders_at_once"),
+            ("starved waits", "starved_waits"),
+        ],
+    ),
+    (
+        "rwlock",
+        &[
+            ("holds/s (90 % reads, 16 tasks)", "ops_per_s"),
+            ("read wait p99 (ms)", "wait_p99_ms"),
+            ("read wait max (ms)", "wait_max_ms"),
+            ("write wait p50 (ms)", "write_wait_p50_ms"),
+            ("write wait p99 (ms)", "write_wait_p99_ms"),
+            ("write wait max (ms)", "write_wait_max_ms"),
+            ("fairness (min/max per task)", "fairness"),
+            ("starved waits", "starved_waits"),
         ],
     ),
     (

@@ -17,6 +17,10 @@ use syn::{Expr, Ident, Lit, LitStr, Token};
 use crate::errors::Errors;
 use crate::key_template::Template;
 
+mod kind;
+mod surface;
+pub(crate) use kind::Kind;
+
 mod kw {
     syn::custom_keyword!(key);
     syn::custom_keyword!(ttl);
@@ -27,6 +31,10 @@ mod kw {
     syn::custom_keyword!(on_lost);
     syn::custom_keyword!(locker);
     syn::custom_keyword!(message);
+    syn::custom_keyword!(hold_at_least);
+    syn::custom_keyword!(fallback);
+    syn::custom_keyword!(permits);
+    syn::custom_keyword!(mode);
 }
 
 // The defaults and limits are the runtime's, from the crate both depend on.
@@ -34,8 +42,8 @@ use dlock_limits::{DEFAULT_TTL, DEFAULT_WAIT, MAX_TTL, MIN_TTL};
 
 /// Everything the attribute asked for, validated.
 pub(crate) struct Args {
-    /// `key = "…"`.
-    pub(crate) key: Key,
+    /// `key = "…"` (one key) or `key = ["…", …]` (a multi-key lock).
+    pub(crate) keys: Keys,
     /// `ttl = "…"`, or [`DEFAULT_TTL`] (the runtime's default lease).
     pub(crate) ttl: Duration,
     /// `on_fail = "…"` and the arguments that belong to it.
@@ -48,6 +56,18 @@ pub(crate) struct Args {
     pub(crate) message: Option<LitStr>,
     /// `crate = "…"`; `None` means `::dlock_runtime`.
     pub(crate) krate: Option<syn::Path>,
+    /// `hold_at_least = "…"`.
+    pub(crate) hold_at_least: Option<Duration>,
+    /// `fallback = path`.
+    pub(crate) fallback: Option<syn::Path>,
+    /// `permits = N` or `mode = "…"` (`attr::kind`); [`Kind::Lock`] without either.
+    pub(crate) kind: Kind,
+}
+
+/// The key templates: one, or a list (`multi`) locked all-or-nothing.
+pub(crate) struct Keys {
+    pub(crate) list: Vec<Key>,
+    pub(crate) multi: bool,
 }
 
 /// `key = "…"`: the literal (for spans) and its parsed template.
@@ -64,6 +84,9 @@ pub(crate) enum OnFail {
     Retry { wait: Duration },
     /// Hand the call to the runtime's in-process delay queue (see `expand::defer`).
     Defer(Defer),
+    /// One attempt; when the lock is held, return at once with the return type's "nothing
+    /// done" value (`()`, `None`, `Ok(())`, `Ok(None)`).
+    Skip,
 }
 
 /// `on_fail = "defer"` and its arguments.
@@ -88,7 +111,7 @@ pub(crate) enum OnLost {
 
 /// The argument names, in the order the error for an unknown one lists them.
 const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `delay`, `max_attempts`, `on_lost`, \
-                     `locker`, `message`, `crate`";
+                     `locker`, `message`, `crate`, `hold_at_least`, `fallback`, `permits`, `mode`";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Name {
@@ -102,6 +125,10 @@ enum Name {
     Locker,
     Message,
     Crate,
+    HoldAtLeast,
+    Fallback,
+    Permits,
+    Mode,
 }
 
 impl Name {
@@ -117,6 +144,10 @@ impl Name {
             Name::Locker => "locker",
             Name::Message => "message",
             Name::Crate => "crate",
+            Name::HoldAtLeast => "hold_at_least",
+            Name::Fallback => "fallback",
+            Name::Permits => "permits",
+            Name::Mode => "mode",
         }
     }
 
@@ -133,6 +164,10 @@ impl Name {
             Name::Locker => "locker = state.locker",
             Name::Message => "message = \"this order is being processed\"",
             Name::Crate => "crate = \"::dlock_runtime\"",
+            Name::HoldAtLeast => "hold_at_least = \"30s\"",
+            Name::Fallback => "fallback = busy_answer",
+            Name::Permits => "permits = 3",
+            Name::Mode => "mode = \"read\"",
         }
     }
 }
@@ -173,8 +208,18 @@ impl Parse for RawArgs {
                 input.parse::<kw::locker>().map(|_| Ok(Name::Locker))
             } else if lookahead.peek(kw::message) {
                 input.parse::<kw::message>().map(|_| Ok(Name::Message))
+            } else if lookahead.peek(kw::hold_at_least) {
+                input
+                    .parse::<kw::hold_at_least>()
+                    .map(|_| Ok(Name::HoldAtLeast))
+            } else if lookahead.peek(kw::fallback) {
+                input.parse::<kw::fallback>().map(|_| Ok(Name::Fallback))
             } else if lookahead.peek(Token![crate]) {
                 input.parse::<Token![crate]>().map(|_| Ok(Name::Crate))
+            } else if lookahead.peek(kw::permits) {
+                input.parse::<kw::permits>().map(|_| Ok(Name::Permits))
+            } else if lookahead.peek(kw::mode) {
+                input.parse::<kw::mode>().map(|_| Ok(Name::Mode))
             } else if input.peek(Ident::peek_any) {
                 // Unknown, but well-formed: keep going so that every problem is reported.
                 Ident::parse_any(input).map(Err)
@@ -268,6 +313,10 @@ impl Args {
         let mut locker = Slot::new(Name::Locker);
         let mut message = Slot::new(Name::Message);
         let mut krate = Slot::new(Name::Crate);
+        let mut hold_at_least = Slot::new(Name::HoldAtLeast);
+        let mut fallback = Slot::new(Name::Fallback);
+        let mut permits = Slot::new(Name::Permits);
+        let mut mode = Slot::new(Name::Mode);
 
         for RawArg {
             name,
@@ -286,7 +335,7 @@ impl Args {
                 }
             };
             match name {
-                Name::Key => key.set(errors, name_span, parse_key(&value)),
+                Name::Key => key.set(errors, name_span, surface::parse_keys(&value)),
                 Name::Ttl => ttl.set(errors, name_span, parse_ttl(&value)),
                 Name::OnFail => on_fail.set(errors, name_span, parse_on_fail(&value)),
                 Name::Wait => wait.set(errors, name_span, parse_wait(name, &value)),
@@ -298,6 +347,14 @@ impl Args {
                 Name::Locker => locker.set(errors, name_span, Ok(value)),
                 Name::Message => message.set(errors, name_span, parse_message(&value)),
                 Name::Crate => krate.set(errors, name_span, parse_crate(&value)),
+                Name::HoldAtLeast => {
+                    hold_at_least.set(errors, name_span, surface::parse_hold_at_least(&value));
+                }
+                Name::Fallback => {
+                    fallback.set(errors, name_span, surface::parse_fallback(&value));
+                }
+                Name::Permits => permits.set(errors, name_span, kind::parse_permits(&value)),
+                Name::Mode => mode.set(errors, name_span, kind::parse_mode(&value)),
             }
         }
 
@@ -350,18 +407,65 @@ impl Args {
                 delay: delay.value(),
                 max_attempts: max_attempts.value(),
             }),
+            Some(Strategy::Skip) => OnFail::Skip,
         };
-        let Some(key) = key.value() else {
+        let ttl = ttl.value().unwrap_or(DEFAULT_TTL);
+        let hold_at_least = hold_at_least.value().and_then(|(lit, hold)| {
+            errors.ok(surface::check_hold(&lit, hold, ttl))?;
+            Some(hold)
+        });
+        let fallback_span = fallback.span();
+        let fallback = fallback.value();
+        let permits_given = permits.span().is_some();
+        let mode_span = mode.span();
+        let kind = kind::resolve(
+            errors,
+            permits.value(),
+            mode.value(),
+            mode_span,
+            permits_given,
+        );
+        let Some((list, multi)) = key.value() else {
             return Ok(None);
         };
+        if multi && !matches!(kind, Kind::Lock) {
+            errors.error(
+                surface::multi_key_span(&list),
+                "`permits` and `mode` take one key: a multi-key list locks exclusive locks only",
+            );
+        }
+        if multi && matches!(on_fail, OnFail::Defer(_)) {
+            errors.error(
+                surface::multi_key_span(&list),
+                "a multi-key lock cannot use `on_fail = \"defer\"`: the delay queue defers \
+                 work under one key; use \"reject\", \"retry\" or \"skip\"",
+            );
+        }
+        if let (Some(span), OnFail::Skip | OnFail::Defer(_)) = (fallback_span, &on_fail) {
+            errors.error(
+                span,
+                format_args!(
+                    "`fallback` does not apply to `on_fail = \"{}\"`, which never fails for a \
+                     held lock; use \"reject\" or \"retry\"",
+                    if matches!(on_fail, OnFail::Skip) {
+                        "skip"
+                    } else {
+                        "defer"
+                    }
+                ),
+            );
+        }
         Ok(Some(Args {
-            key,
-            ttl: ttl.value().unwrap_or(DEFAULT_TTL),
+            keys: Keys { list, multi },
+            ttl,
             on_fail,
             on_lost: on_lost.value().unwrap_or(OnLost::Ignore),
             locker: locker.value(),
             message: message.value(),
             krate: krate.value(),
+            hold_at_least,
+            fallback,
+            kind,
         }))
     }
 }
@@ -371,6 +475,7 @@ enum Strategy {
     Reject,
     Retry,
     Defer(LitStr),
+    Skip,
 }
 
 fn on_fail_name(given: Option<&(Span, Option<Strategy>)>) -> &'static str {
@@ -378,6 +483,7 @@ fn on_fail_name(given: Option<&(Span, Option<Strategy>)>) -> &'static str {
         None | Some((_, Some(Strategy::Reject))) | Some((_, None)) => "reject",
         Some((_, Some(Strategy::Retry))) => "retry",
         Some((_, Some(Strategy::Defer(_)))) => "defer",
+        Some((_, Some(Strategy::Skip))) => "skip",
     }
 }
 
@@ -403,7 +509,8 @@ fn string_literal(name: Name, value: &Expr) -> syn::Result<LitStr> {
     }
 }
 
-fn parse_key(value: &Expr) -> syn::Result<Key> {
+/// One key template, a string literal.
+fn parse_key_literal(value: &Expr) -> syn::Result<Key> {
     let lit = string_literal(Name::Key, value)?;
     match Template::parse(&lit.value()) {
         Ok(template) => Ok(Key { lit, template }),
@@ -499,11 +606,13 @@ fn parse_on_fail(value: &Expr) -> syn::Result<Strategy> {
         "reject" => Ok(Strategy::Reject),
         "retry" => Ok(Strategy::Retry),
         "defer" => Ok(Strategy::Defer(lit)),
+        "skip" => Ok(Strategy::Skip),
         other => Err(syn::Error::new(
             lit.span(),
             format_args!(
                 "unknown `on_fail` strategy {other:?}; expected \"reject\" (fail at once), \
-                 \"retry\" (wait for the lock up to `wait`) or \"defer\" (run later)"
+                 \"retry\" (wait for the lock up to `wait`), \"defer\" (run later) or \
+                 \"skip\" (return at once without running: another instance is doing it)"
             ),
         )),
     }
@@ -597,7 +706,8 @@ mod tests {
     #[test]
     fn defaults() {
         let args = parse(quote::quote!(key = "order:<id>")).expect("valid");
-        assert_eq!(args.key.lit.value(), "order:<id>");
+        assert_eq!(args.keys.list[0].lit.value(), "order:<id>");
+        assert!(!args.keys.multi);
         assert_eq!(args.ttl, Duration::from_secs(30));
         assert!(matches!(args.on_fail, OnFail::Reject));
         assert_eq!(args.on_lost, OnLost::Ignore);

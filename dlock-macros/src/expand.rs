@@ -9,7 +9,7 @@
 //!     #![inner attributes of the original body]
 //!     let __dlock_key = { let mut __dlock_kb = KeyBuilder::new(); …lit/value calls…; __dlock_kb.finish() };
 //!     let __dlock_locker = default_locker();  // or Ok({ use IntoLocker as _; (&(expr)).into_locker() })
-//!     let __dlock_spec = Spec::new(ttl).retry(wait)…;
+//!     let __dlock_spec = Spec::new(ttl).name("<key template>").retry(wait)…;
 //!     let __dlock_body = async move {
 //!         if false { let __dlock_fake_return: Ret = loop {}; return __dlock_fake_return; }
 //!         { original body }
@@ -32,7 +32,7 @@ use syn::ext::IdentExt as _;
 use syn::spanned::Spanned as _;
 use syn::{Ident, Signature};
 
-use crate::attr::{Args, OnFail, OnLost};
+use crate::attr::{Args, Key, Kind, OnFail, OnLost};
 use crate::errors::Errors;
 use crate::function::{check_signature, Bindings, Body, LockedFn};
 use crate::key_template::{Field, Placeholder, Segment};
@@ -61,14 +61,36 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> syn::Result<TokenS
     Ok(expand_locked(&function, body, &args, &key, &bindings))
 }
 
-/// The statements that feed the key builder `__dlock_kb`, one per template segment.
+/// The key expression: one key builder's statements, or for a multi-key lock an array of
+/// them (`[{ … }, { … }]`).
 fn key_statements(
     args: &Args,
     sig: &Signature,
     bindings: &Bindings,
     errors: &mut Errors,
 ) -> TokenStream {
-    let lit_span = args.key.lit.span();
+    let mut blocks = args
+        .keys
+        .list
+        .iter()
+        .map(|key| one_key(key, args, sig, bindings, errors))
+        .collect::<Vec<_>>();
+    if args.keys.multi {
+        quote!([#({ #blocks }),*])
+    } else {
+        blocks.pop().unwrap_or_default()
+    }
+}
+
+/// The statements that feed the key builder `__dlock_kb`, one per template segment.
+fn one_key(
+    key: &Key,
+    args: &Args,
+    sig: &Signature,
+    bindings: &Bindings,
+    errors: &mut Errors,
+) -> TokenStream {
+    let lit_span = key.lit.span();
     // User names resolve as if written in the function; our own tokens carry the macro's
     // hygiene (so lints aimed at hand-written code stay quiet) but point at the key literal.
     let user = lit_span.resolved_at(Span::call_site());
@@ -77,7 +99,7 @@ fn key_statements(
     let builder = local("__dlock_kb");
 
     let mut stmts = TokenStream::new();
-    for segment in &args.key.template.segments {
+    for segment in &key.template.segments {
         match segment {
             Segment::Lit(text) => {
                 let text = syn::LitStr::new(text, ours);
@@ -254,7 +276,20 @@ fn expand_locked(
 
     let mut spec = quote!(#private::Spec::new);
     let ttl = duration(&private, args.ttl);
-    spec.extend(quote!((#ttl)));
+    // The key template is the lock's bounded name in metrics and traces.
+    // A key list is named by its templates joined with ` + ` (`account:<from> + account:<to>`).
+    let name = match args.keys.list.as_slice() {
+        [one] => one.lit.clone(),
+        list => syn::LitStr::new(
+            &list
+                .iter()
+                .map(|k| k.lit.value())
+                .collect::<Vec<_>>()
+                .join(" + "),
+            list.first().map_or_else(Span::call_site, |k| k.lit.span()),
+        ),
+    };
+    spec.extend(quote!((#ttl).name(#name)));
     if let OnFail::Retry { wait } = args.on_fail {
         let wait = duration(&private, wait);
         spec.extend(quote!(.retry(#wait)));
@@ -273,13 +308,24 @@ fn expand_locked(
             spec.extend(quote!(.defer(#delay, #max_attempts)));
             (quote!(#private::run_deferrable), defer::checks(bindings))
         }
+        _ if args.keys.multi => (quote!(#private::run_all), TokenStream::new()),
         _ => (quote!(#private::run), TokenStream::new()),
     };
+    if let Some(hold) = args.hold_at_least {
+        let hold = duration(&private, hold);
+        spec.extend(quote!(.hold_at_least(#hold)));
+    }
     if args.on_lost == OnLost::Cancel {
         spec.extend(quote!(.cancel_on_lost()));
     }
     if let Some(message) = &args.message {
         spec.extend(quote!(.message(#message)));
+    }
+    match args.kind {
+        Kind::Lock => {}
+        Kind::Semaphore(permits) => spec.extend(quote!(.permits(#permits))),
+        Kind::Read => spec.extend(quote!(.read())),
+        Kind::Write => spec.extend(quote!(.write())),
     }
 
     let block = body.block();
@@ -291,9 +337,25 @@ fn expand_locked(
         }
     };
 
-    let run = quote! {
-        #run_fn(#locker_var, #key_var, #spec_var, #body_var).await
+    let held_var = local("__dlock_held");
+    let mut run = if args.fallback.is_some() {
+        // The lock is taken before the body (which takes the arguments) exists, so that the
+        // fallback can have them when it is not.
+        quote!(#private::run_held(#held_var, #body_var).await)
+    } else {
+        quote!(#run_fn(#locker_var, #key_var, #spec_var, #body_var).await)
     };
+    if matches!(args.on_fail, OnFail::Skip) {
+        // A held lock becomes the return type's "nothing done" value; the bound that requires
+        // one is reported on the return type.
+        let span = match &sig.output {
+            syn::ReturnType::Type(_, ty) => ty.span(),
+            syn::ReturnType::Default => sig.ident.span(),
+        }
+        .resolved_at(Span::mixed_site());
+        let skip = respan(quote!(#private::skip_held), span);
+        run = quote!(#skip(#run));
+    }
     let (sig, tail) = match output(sig) {
         Output::Result(ty) => {
             let span = ty.span().resolved_at(Span::mixed_site());
@@ -310,6 +372,29 @@ fn expand_locked(
         }
         Output::Wrapped => (wrap_output(sig, &private), run),
     };
+    let tail = match &args.fallback {
+        None => quote! {
+            let #body_var = #body_future;
+            #tail
+        },
+        Some(path) => {
+            let keys = if args.keys.multi {
+                quote!(#key_var)
+            } else {
+                quote!([#key_var])
+            };
+            let call = fallback::call(path, bindings, &err_var, output(&function.sig));
+            quote! {
+                match #private::take(#locker_var, #keys, #spec_var).await {
+                    ::core::result::Result::Ok(#held_var) => {
+                        let #body_var = #body_future;
+                        #tail
+                    }
+                    ::core::result::Result::Err(#err_var) => #call,
+                }
+            }
+        }
+    };
 
     let inner_attrs = &body.inner_attrs;
     quote! {
@@ -320,8 +405,48 @@ fn expand_locked(
             let #key_var = { #key };
             let #locker_var = #locker;
             let #spec_var = #spec;
-            let #body_var = #body_future;
             #tail
+        }
+    }
+}
+
+/// `tokens` with every token spanned on `span` (so a diagnostic about them points there).
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut tree| {
+            if let proc_macro2::TokenTree::Group(group) = &tree {
+                let mut inner =
+                    proc_macro2::Group::new(group.delimiter(), respan(group.stream(), span));
+                inner.set_span(span);
+                tree = proc_macro2::TokenTree::Group(inner);
+            } else {
+                tree.set_span(span);
+            }
+            tree
+        })
+        .collect()
+}
+
+/// `fallback = path`: when the lock is not acquired, `path(<bindings>, err).await` answers
+/// instead — with every name the parameters bind (`self` first), by value, then the
+/// `LockError`. It returns the function's return type as written (for a non-`Result` `T`,
+/// that `T`, wrapped in `Ok`). Spanned on the path, so an arity or type mismatch points there.
+mod fallback {
+    use super::*;
+
+    pub(super) fn call(
+        path: &syn::Path,
+        bindings: &Bindings,
+        err_var: &Ident,
+        output: Output<'_>,
+    ) -> TokenStream {
+        let span = path.span();
+        let args = bindings.all();
+        let call = quote_spanned!(span=> #path(#(#args,)* #err_var).await);
+        match output {
+            Output::Result(_) => call,
+            Output::Wrapped => quote!(::core::result::Result::Ok(#call)),
         }
     }
 }

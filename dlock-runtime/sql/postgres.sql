@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 1 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 2 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -38,8 +38,28 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_idempotency (
     expires_at  timestamptz NOT NULL
 );
 
+-- Semaphores and read-write locks (version 2): their holders and their waiters' line.
+CREATE TABLE IF NOT EXISTS dlock.dlock_holders (
+    name       text NOT NULL,
+    owner      text NOT NULL,
+    exclusive  boolean NOT NULL,
+    fence      bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (name, owner)
+);
+
+CREATE TABLE IF NOT EXISTS dlock.dlock_queue (
+    name       text NOT NULL,
+    token      text NOT NULL,
+    exclusive  boolean NOT NULL,
+    seq        bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (name, token)
+);
+CREATE INDEX IF NOT EXISTS dlock_queue_line ON dlock.dlock_queue (name, seq);
+
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 1';
+LANGUAGE sql IMMUTABLE AS 'SELECT 2';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
@@ -103,6 +123,12 @@ BEGIN
     LIMIT 100 FOR UPDATE SKIP LOCKED));
   DELETE FROM dlock.dlock_idempotency WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM dlock.dlock_idempotency WHERE expires_at < clock_timestamp()
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM dlock.dlock_holders WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM dlock.dlock_holders WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM dlock.dlock_queue WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM dlock.dlock_queue WHERE expires_at < clock_timestamp() - interval '1 minute'
     LIMIT 100 FOR UPDATE SKIP LOCKED));
 END $$;
 
@@ -263,4 +289,109 @@ BEGIN
   PERFORM dlock.dlock_pass_on(p_name, l.barged);
   RETURN 1;
 END $$;
+-- Semaphores and read-write locks. Drops the lapsed holders and queue entries of one name.
+CREATE OR REPLACE FUNCTION dlock.dlock_kind_prune(p_name text) RETURNS void
+LANGUAGE sql AS $$
+  DELETE FROM dlock.dlock_holders WHERE name = p_name AND expires_at <= clock_timestamp();
+  DELETE FROM dlock.dlock_queue WHERE name = p_name AND expires_at <= clock_timestamp();
+$$;
+
+-- The ready prefix of a name (after kind_prune): the queued tokens, in line order, each of
+-- which fits beside the live holders and the waiters before it (exclusive: no holder at all;
+-- shared: no exclusive holder and fewer than p_cap). When the whole line fits and
+-- p_tail_excl is not NULL, one more row '' says that a newcomer (exclusive if p_tail_excl)
+-- would fit after it. Needs serialise().
+CREATE OR REPLACE FUNCTION dlock.dlock_kind_ready(p_name text, p_cap bigint, p_tail_excl boolean)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE n bigint; w boolean; q record;
+BEGIN
+  SELECT count(*), coalesce(bool_or(exclusive), false) INTO n, w
+    FROM dlock.dlock_holders WHERE name = p_name;
+  FOR q IN SELECT token, exclusive FROM dlock.dlock_queue WHERE name = p_name ORDER BY seq LOOP
+    IF (q.exclusive AND n > 0) OR (NOT q.exclusive AND (w OR n >= p_cap)) THEN RETURN; END IF;
+    n := n + 1;
+    w := w OR q.exclusive;
+    RETURN NEXT q.token;
+  END LOOP;
+  IF p_tail_excl IS NOT NULL AND ((p_tail_excl AND n = 0) OR (NOT p_tail_excl AND NOT w AND n < p_cap)) THEN
+    RETURN NEXT '';
+  END IF;
+END $$;
+
+-- One acquire attempt of a semaphore permit or a read or write hold (p_excl: a writer;
+-- p_cap: the permits, or the largest bigint for a read-write lock). p_mode: 0 try (granted
+-- when it would be admitted after the whole line), 1 queue (join or refresh the line; granted
+-- when in the ready prefix), 2 barge (granted when it fits beside the holders). Returns the
+-- fencing token (> 0) when granted (also when the token already holds: a fresh grant),
+-- -(the first holder's lease left ms) - 1 when held, 0 when there is room but waiters are
+-- ahead.
+CREATE OR REPLACE FUNCTION dlock.dlock_kind_acquire(p_name text, p_token text, p_excl boolean, p_cap bigint,
+  p_mode integer, p_ttl_ms bigint, p_wttl_ms bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE ok boolean; n bigint; w boolean; f bigint; first_end timestamptz;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  PERFORM dlock.dlock_kind_prune(p_name);
+  IF EXISTS (SELECT 1 FROM dlock.dlock_holders WHERE name = p_name AND owner = p_token) THEN
+    ok := true;
+  ELSIF p_mode = 2 THEN
+    SELECT count(*), coalesce(bool_or(exclusive), false) INTO n, w
+      FROM dlock.dlock_holders WHERE name = p_name;
+    ok := (p_excl AND n = 0) OR (NOT p_excl AND NOT w AND n < p_cap);
+  ELSIF p_mode = 0 THEN
+    ok := '' IN (SELECT dlock.dlock_kind_ready(p_name, p_cap, p_excl));
+  ELSE
+    INSERT INTO dlock.dlock_queue AS q (name, token, exclusive, seq, expires_at)
+    VALUES (p_name, p_token, p_excl, nextval('dlock.dlock_fence'),
+            clock_timestamp() + p_wttl_ms * interval '1 millisecond')
+    ON CONFLICT (name, token) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    ok := p_token IN (SELECT dlock.dlock_kind_ready(p_name, p_cap, NULL));
+  END IF;
+  IF NOT ok THEN
+    SELECT min(expires_at) INTO first_end FROM dlock.dlock_holders WHERE name = p_name;
+    IF first_end IS NULL THEN RETURN 0; END IF;
+    RETURN -dlock.dlock_ms_until(first_end) - 1;
+  END IF;
+  DELETE FROM dlock.dlock_queue WHERE name = p_name AND token = p_token;
+  f := nextval('dlock.dlock_fence');
+  INSERT INTO dlock.dlock_holders AS h (name, owner, exclusive, fence, expires_at)
+  VALUES (p_name, p_token, p_excl, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name, owner) DO UPDATE SET fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at;
+  IF random() < 0.01 THEN PERFORM dlock.dlock_sweep(); END IF;
+  RETURN f;
+END $$;
+
+-- Owner-checked release of a permit or a read or write hold; with p_abandon (the undo of an
+-- acquire) also leaves the line. When that made room, notifies each waiter of the new ready
+-- prefix ('<name>\t<token>') and answers their tokens in o_woken. o_held: whether the token
+-- held a live lease.
+CREATE OR REPLACE FUNCTION dlock.dlock_kind_release(p_name text, p_token text, p_cap bigint, p_abandon boolean,
+  OUT o_held boolean, OUT o_woken text[])
+LANGUAGE plpgsql AS $$
+DECLARE left_line boolean := false;
+BEGIN
+  PERFORM dlock.dlock_serialise(p_name);
+  PERFORM dlock.dlock_kind_prune(p_name);
+  DELETE FROM dlock.dlock_holders WHERE name = p_name AND owner = p_token;
+  o_held := FOUND;
+  IF p_abandon THEN
+    DELETE FROM dlock.dlock_queue WHERE name = p_name AND token = p_token;
+    left_line := FOUND;
+  END IF;
+  o_woken := '{}';
+  IF (o_held OR left_line) AND EXISTS (SELECT 1 FROM dlock.dlock_queue WHERE name = p_name) THEN
+    o_woken := ARRAY(SELECT dlock.dlock_kind_ready(p_name, p_cap, NULL));
+    PERFORM pg_notify('dlock.dlock_release', p_name || E'\t' || t) FROM unnest(o_woken) AS t;
+  END IF;
+END $$;
+
+-- Owner-checked lease extension of permits and read or write holds, for a batch: returns the
+-- owner tokens whose lease was extended.
+CREATE OR REPLACE FUNCTION dlock.dlock_kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
+RETURNS SETOF text LANGUAGE sql AS $$
+  UPDATE dlock.dlock_holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
+    FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
+   WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()
+  RETURNING h.owner
+$$;
 COMMIT;

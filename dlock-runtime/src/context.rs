@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::LockKey;
+use crate::{LockKey, LockKind};
 
 /// What a holder knows about its lock: the key and the fencing token to pass to the resource
 /// it writes (the resource rejects tokens lower than one it has seen).
@@ -11,11 +11,26 @@ use crate::LockKey;
 pub struct LockInfo {
     key: LockKey,
     fencing_token: u64,
+    kind: LockKind,
 }
 
 impl LockInfo {
     pub(crate) fn new(key: LockKey, fencing_token: u64) -> Self {
-        LockInfo { key, fencing_token }
+        LockInfo {
+            key,
+            fencing_token,
+            kind: LockKind::Exclusive,
+        }
+    }
+
+    pub(crate) fn with_kind(mut self, kind: LockKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// What is held: a lock, a semaphore permit, a read or a write hold.
+    pub fn kind(&self) -> LockKind {
+        self.kind
     }
 
     /// The (encoded) logical key.
@@ -63,11 +78,21 @@ pub fn held_locks() -> Vec<LockInfo> {
         .unwrap_or_default()
 }
 
-/// The current task's lock on `key` taken through `locker_id`, if it holds one.
-pub(crate) fn held_by_task(locker_id: u64, key: &LockKey) -> Option<LockInfo> {
+/// The current task's hold on `key` taken through `locker_id` that covers `kind`, if it has
+/// one: the same kind (a lock, a permit of the semaphore, a read or write hold), or a write
+/// hold when `kind` is a read.
+pub(crate) fn held_by_task(locker_id: u64, key: &LockKey, kind: LockKind) -> Option<LockInfo> {
+    let covers = |held: LockKind| {
+        held == kind
+            || (held == LockKind::Write && kind == LockKind::Read)
+            || matches!(
+                (held, kind),
+                (LockKind::Semaphore { .. }, LockKind::Semaphore { .. })
+            )
+    };
     HELD.try_with(|h| {
         h.iter()
-            .find(|(l, i)| *l == locker_id && i.lock_key() == key)
+            .find(|(l, i)| *l == locker_id && i.lock_key() == key && covers(i.kind))
             .map(|(_, i)| i.clone())
     })
     .ok()
@@ -80,8 +105,17 @@ pub(crate) fn scope<F: Future>(
     info: LockInfo,
     fut: F,
 ) -> impl Future<Output = F::Output> {
+    scope_all(locker_id, vec![info], fut)
+}
+
+/// Runs `fut` with every lock of `infos` added to the task's held locks, in order.
+pub(crate) fn scope_all<F: Future>(
+    locker_id: u64,
+    infos: Vec<LockInfo>,
+    fut: F,
+) -> impl Future<Output = F::Output> {
     let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
-    held.push((locker_id, info));
+    held.extend(infos.into_iter().map(|info| (locker_id, info)));
     HELD.scope(Arc::new(held), fut)
 }
 

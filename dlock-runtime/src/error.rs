@@ -18,9 +18,11 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | [`QueueFull`](LockError::QueueFull) | the lock was busy and the defer queue is at its bound | 503 + `Retry-After` |
 /// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
+/// | [`InvalidPermits`](LockError::InvalidPermits) | a semaphore of zero permits | 500 |
 /// | [`Lost`](LockError::Lost) | the lock expired or was taken over while held | 503 |
 /// | [`NoLocker`](LockError::NoLocker) | the attribute ran with no default locker set | 500 |
 /// | [`Unsupported`](LockError::Unsupported) | the backend cannot do what the request asks (replica acknowledgement on a backend without replicas) | 500 |
+/// | [`Reentrant`](LockError::Reentrant) | the task asked by hand for a lock it already holds through the attribute or [`with_lock`](crate::with_lock) | 500 |
 ///
 /// Match with a wildcard arm: the enum is `#[non_exhaustive]` and grows with the product
 /// (the defer strategy adds "deferred").
@@ -100,6 +102,13 @@ pub enum LockError {
         /// Why it was refused.
         reason: String,
     },
+    /// A semaphore was asked for with zero permits ([`Locker::semaphore`](crate::Locker::semaphore)).
+    #[error("invalid semaphore: {permits} permits (at least 1)")]
+    #[non_exhaustive]
+    InvalidPermits {
+        /// The count that was refused.
+        permits: u32,
+    },
     /// The lock was lost while held: its lease ran out (renewal failed, the process froze) or
     /// another owner holds it now.
     #[error("lock `{key}` was lost")]
@@ -122,6 +131,16 @@ pub enum LockError {
         backend: &'static str,
         /// What was asked.
         what: String,
+    },
+    /// The current task asked for a lock it already holds (through `#[distributed_lock]` or
+    /// [`with_lock`](crate::with_lock), on the same [`Locker`](crate::Locker)): waiting would
+    /// wait for itself. A programming mistake, reported instead of a deadlock; nested
+    /// `#[distributed_lock]` calls re-enter instead.
+    #[error("lock `{key}` is already held by this task; a second acquire would wait for itself")]
+    #[non_exhaustive]
+    Reentrant {
+        /// The logical key.
+        key: String,
     },
 }
 
@@ -173,7 +192,15 @@ impl LockError {
         }
     }
 
-    pub(crate) fn lost(key: &str) -> Self {
+    pub(crate) fn reentrant(key: &str) -> Self {
+        LockError::Reentrant {
+            key: key.to_owned(),
+        }
+    }
+
+    /// A [`LockError::Lost`] for `key`, for middleware outside this crate that stops work when
+    /// a held lock is lost.
+    pub fn lost(key: &str) -> Self {
         LockError::Lost {
             key: key.to_owned(),
         }
@@ -196,6 +223,18 @@ impl LockError {
             _ => {}
         }
         self
+    }
+
+    /// The logical (encoded) key the error is about, for the variants that name one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            LockError::Contended { key, .. }
+            | LockError::Timeout { key, .. }
+            | LockError::Deferred { key, .. }
+            | LockError::QueueFull { key, .. }
+            | LockError::Lost { key } => Some(key),
+            _ => None,
+        }
     }
 
     /// Someone else holds the lock ([`Contended`](LockError::Contended) or
@@ -239,7 +278,9 @@ impl LockError {
     pub fn is_invalid(&self) -> bool {
         matches!(
             self,
-            LockError::InvalidKey { .. } | LockError::InvalidTtl { .. }
+            LockError::InvalidKey { .. }
+                | LockError::InvalidTtl { .. }
+                | LockError::InvalidPermits { .. }
         )
     }
 
@@ -256,6 +297,11 @@ impl LockError {
     /// The backend does not support what the request asked ([`Unsupported`](LockError::Unsupported)).
     pub fn is_unsupported(&self) -> bool {
         matches!(self, LockError::Unsupported { .. })
+    }
+
+    /// The task asked by hand for a lock it already holds ([`Reentrant`](LockError::Reentrant)).
+    pub fn is_reentrant(&self) -> bool {
+        matches!(self, LockError::Reentrant { .. })
     }
 
     /// How long a client should wait before trying again, when that is known: the holder's
@@ -280,9 +326,11 @@ impl LockError {
             | LockError::Lost { .. }
             | LockError::QueueFull { .. } => 503,
             LockError::InvalidKey { .. } => 400,
-            LockError::InvalidTtl { .. } | LockError::NoLocker | LockError::Unsupported { .. } => {
-                500
-            }
+            LockError::InvalidTtl { .. }
+            | LockError::InvalidPermits { .. }
+            | LockError::NoLocker
+            | LockError::Unsupported { .. }
+            | LockError::Reentrant { .. } => 500,
         }
     }
 
@@ -334,8 +382,10 @@ impl LockError {
             LockError::QueueFull { .. } => ("defer-queue-full", "Service Unavailable"),
             LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
+            LockError::InvalidPermits { .. } => ("lock-invalid-permits", "Internal Server Error"),
             LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
             LockError::Unsupported { .. } => ("lock-unsupported", "Internal Server Error"),
+            LockError::Reentrant { .. } => ("lock-reentrant", "Internal Server Error"),
             LockError::Deferred { .. } => ("deferred", "Accepted"),
         };
         let detail = match self {
@@ -355,9 +405,11 @@ impl LockError {
                     .to_owned()
             }
             LockError::InvalidKey { reason } => format!("invalid lock key: {reason}"),
-            LockError::InvalidTtl { .. } | LockError::NoLocker | LockError::Unsupported { .. } => {
-                "the lock is misconfigured on the server".to_owned()
-            }
+            LockError::InvalidTtl { .. }
+            | LockError::InvalidPermits { .. }
+            | LockError::NoLocker
+            | LockError::Unsupported { .. }
+            | LockError::Reentrant { .. } => "the lock is misconfigured on the server".to_owned(),
             LockError::Deferred { .. } => String::new(),
         };
         let mut out = String::with_capacity(160);

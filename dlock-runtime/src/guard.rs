@@ -42,9 +42,19 @@ impl LockGuard {
         LockGuard { lease }
     }
 
+    /// See [`Lease::hold_at_least`].
+    pub(crate) fn hold_at_least(&mut self, hold: Duration) {
+        self.lease.hold_at_least(hold);
+    }
+
     #[cfg(test)]
     pub(crate) fn lease(&self) -> &Lease {
         &self.lease
+    }
+
+    /// A view of this lock's lease for another task (leader election's `is_leader`).
+    pub(crate) fn probe(&self) -> crate::lease::LeaseProbe {
+        self.lease.probe()
     }
 
     pub(crate) fn locker_id(&self) -> u64 {
@@ -70,7 +80,7 @@ impl LockGuard {
     pub async fn extend(&self, ttl: Duration) -> Result<(), LockError> {
         self.lease
             .extend(ttl)
-            .instrument(tracing::debug_span!("dlock.extend", key = %self.key()))
+            .instrument(self.lease.span("dlock.extend"))
             .await
     }
 
@@ -83,13 +93,32 @@ impl LockGuard {
     ///
     /// Cancel-safe: if this future is dropped before the backend answered, the release is
     /// handed to the background task as on drop.
+    ///
+    /// With a minimum hold ([`LockRequest::hold_at_least`](crate::LockRequest::hold_at_least))
+    /// that has not passed yet, the lock is not deleted: renewal stops and its lease is set
+    /// (owner-checked) to what is left of the hold, so it frees by itself when the hold ends.
+    /// Dropping the guard does the same in the background.
     pub async fn release(self) -> Result<(), LockError> {
         let lease = &self.lease;
         let backend = lease.watchdog().backend();
-        lease
-            .settle("release", backend.release(lease.resource(), lease.token()))
-            .instrument(tracing::debug_span!("dlock.release", key = %self.key()))
-            .await
+        let span = lease.span("dlock.release");
+        match lease.hold_left() {
+            Some(left) => {
+                lease
+                    .settle(
+                        "release",
+                        backend.extend(lease.resource(), lease.token(), left),
+                    )
+                    .instrument(span)
+                    .await
+            }
+            None => {
+                lease
+                    .settle("release", backend.release(lease.resource(), lease.token()))
+                    .instrument(span)
+                    .await
+            }
+        }
     }
 }
 

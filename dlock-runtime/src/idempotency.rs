@@ -139,6 +139,7 @@ impl Locker {
             ttl: None,
             retention: DEFAULT_RETENTION,
             auto_renew: true,
+            name: crate::metrics::UNNAMED,
         }
     }
 
@@ -170,6 +171,7 @@ pub struct IdempotencyRequest<'a> {
     ttl: Option<Duration>,
     retention: Duration,
     auto_renew: bool,
+    name: &'static str,
 }
 
 impl fmt::Debug for IdempotencyRequest<'_> {
@@ -180,6 +182,7 @@ impl fmt::Debug for IdempotencyRequest<'_> {
             .field("ttl", &self.ttl)
             .field("retention", &self.retention)
             .field("auto_renew", &self.auto_renew)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -207,11 +210,33 @@ impl IdempotencyRequest<'_> {
         self
     }
 
+    /// The operation's name in metrics and traces (a bounded name, never the key; see
+    /// [`LockRequest::name`](crate::LockRequest::name)). Default:
+    /// [`UNNAMED`](crate::metrics::UNNAMED).
+    pub fn name(mut self, name: &'static str) -> Self {
+        self.name = name;
+        self
+    }
+
     /// One atomic step: replay, mismatch, in progress, or the lock for this attempt (see
     /// [`Begin`]).
     ///
     /// Cancel-safe: dropping this future never leaves the key's lock held without an owner.
     pub async fn begin(self) -> Result<Begin, LockError> {
+        let labels = self.locker.labels(self.name);
+        let begun = self.begin_inner(labels).await;
+        if let Ok(begun) = &begun {
+            labels.idempotency(match begun {
+                Begin::Run(_) => "run",
+                Begin::Replay(_) => "replayed",
+                Begin::Mismatch => "conflict",
+                Begin::InProgress { .. } => "in_progress",
+            });
+        }
+        begun
+    }
+
+    async fn begin_inner(self, labels: crate::metrics::Labels) -> Result<Begin, LockError> {
         let locker = self.locker;
         let key = self.key?;
         let ttl = validate_ttl(self.ttl.unwrap_or_else(|| locker.default_ttl()))?;
@@ -219,7 +244,12 @@ impl IdempotencyRequest<'_> {
         let Some(store) = locker.backend().idempotency() else {
             return Err(unsupported(locker));
         };
-        let span = tracing::debug_span!("dlock.idempotency.begin", key = %key);
+        let span = tracing::debug_span!(
+            "dlock.idempotency.begin",
+            key = %locker.key_log().show(key.as_str()),
+            name = labels.name,
+            backend = labels.backend,
+        );
         let resource = locker.resource(key);
         // The begin may take the key's lock on the server: if this future is dropped before
         // the reply, undo it for as long as that lock could live (the request's TTL).
@@ -247,6 +277,7 @@ impl IdempotencyRequest<'_> {
                     lease: ttl,
                     sent_ns: sent,
                     auto_renew: self.auto_renew,
+                    labels,
                 };
                 Begin::Run(IdempotentOperation {
                     lease: flight.into_lease(grant, locker.id()),
@@ -354,7 +385,7 @@ impl IdempotentOperation {
         // harmless if the record was stored (the lock is gone then).
         self.lease
             .settle("idempotency complete", store.complete(args))
-            .instrument(tracing::debug_span!("dlock.idempotency.complete", key = %self.key()))
+            .instrument(self.lease.span("dlock.idempotency.complete"))
             .await
     }
 
@@ -371,7 +402,7 @@ impl IdempotentOperation {
                 "idempotency abort",
                 store.abort(self.lease.resource(), self.lease.token()),
             )
-            .instrument(tracing::debug_span!("dlock.idempotency.abort", key = %self.key()))
+            .instrument(self.lease.span("dlock.idempotency.abort"))
             .await
     }
 }

@@ -229,13 +229,141 @@ pub(crate) fn validate_prefix(prefix: &str) -> Result<(), LockError> {
     Ok(())
 }
 
+/// What one acquisition holds: the lock kinds a [`Locker`](crate::Locker) offers.
+///
+/// A plain lock is [`Exclusive`](LockKind::Exclusive). A semaphore lets up to `permits`
+/// holders in at once; a read-write lock lets in many [`Read`](LockKind::Read) holders or one
+/// [`Write`](LockKind::Write) holder. Semaphores and read-write locks live under names of their
+/// own ([`ResourceName::as_str`]), so a lock, a semaphore and a read-write lock on the same key
+/// are three independent things.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LockKind {
+    /// One holder at a time (the plain lock).
+    #[default]
+    Exclusive,
+    /// One of at most `permits` holders at a time.
+    Semaphore {
+        /// How many holders the semaphore admits at once (≥ 1). Every caller of one semaphore
+        /// should name the same count: a grant counts the holders against the caller's.
+        permits: u32,
+    },
+    /// A reader of a read-write lock: any number of readers, no writer.
+    Read,
+    /// The writer of a read-write lock: no other holder.
+    Write,
+}
+
+impl LockKind {
+    /// The suffix of the kind's name: `""` (a lock), `"sem"` (a semaphore), `"rw"` (both
+    /// modes of a read-write lock, which share one name).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            LockKind::Exclusive => "",
+            LockKind::Semaphore { .. } => "sem",
+            LockKind::Read | LockKind::Write => "rw",
+        }
+    }
+
+    /// Whether a holder of this kind excludes every other holder of the name (a lock, a writer).
+    pub fn is_exclusive(self) -> bool {
+        matches!(self, LockKind::Exclusive | LockKind::Write)
+    }
+
+    /// How many holders the name admits at once: 1 for a lock, `permits` for a semaphore,
+    /// unbounded (`u32::MAX`) for a read-write lock (whose writer is alone by
+    /// [`is_exclusive`](LockKind::is_exclusive)).
+    pub fn capacity(self) -> u32 {
+        match self {
+            LockKind::Exclusive => 1,
+            LockKind::Semaphore { permits } => permits,
+            LockKind::Read | LockKind::Write => u32::MAX,
+        }
+    }
+}
+
+/// How keys appear in dlock's `tracing` spans and events: redacted by default (a short keyed
+/// hash), plain when the locker was built with
+/// [`LockerBuilder::trace_plain_keys`](crate::LockerBuilder::trace_plain_keys).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KeyLog {
+    pub(crate) plain: bool,
+}
+
+impl KeyLog {
+    /// `key` as this setting shows it; formatted (and hashed) only when a subscriber records it.
+    pub(crate) fn show(self, key: &str) -> ShownKey<'_> {
+        ShownKey {
+            key,
+            plain: self.plain,
+        }
+    }
+
+    /// `err`'s message with its key ([`LockError::key`]) shown as this setting shows it.
+    pub(crate) fn error(self, err: &LockError) -> ShownError<'_> {
+        ShownError {
+            err,
+            key: self.show(err.key().unwrap_or("")),
+        }
+    }
+}
+
+/// A key as [`KeyLog`] shows it.
+pub(crate) struct ShownKey<'a> {
+    key: &'a str,
+    plain: bool,
+}
+
+impl fmt::Display for ShownKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.plain {
+            return f.write_str(self.key);
+        }
+        f.write_str(&redact(self.key))
+    }
+}
+
+/// An error message with its key as [`KeyLog`] shows it.
+pub(crate) struct ShownError<'a> {
+    err: &'a LockError,
+    key: ShownKey<'a>,
+}
+
+impl fmt::Display for ShownError<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let message = self.err.to_string();
+        if self.key.plain || self.key.key.is_empty() {
+            return f.write_str(&message);
+        }
+        f.write_str(&message.replace(self.key.key, &self.key.to_string()))
+    }
+}
+
+/// `#` and 12 hex digits of SHA-256 over a per-process random secret and `key`: the same key
+/// gives the same hash within one process (events of one lock can be followed), and a hash
+/// cannot be matched against guessed keys without the secret.
+pub(crate) fn redact(key: &str) -> String {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let secret = SECRET.get_or_init(crate::util::secure_token::<16>);
+    let mut h = Sha256::new();
+    h.update(secret.as_bytes());
+    h.update(key.as_bytes());
+    let digest = h.finalize();
+    let mut out = String::with_capacity(13);
+    out.push('#');
+    crate::util::hex_into(&mut out, &digest[..6]);
+    out
+}
+
 /// The backend-facing name of one lock: `<prefix>:{<encoded key>}`. Every key of the lock
 /// (fencing counter, waiter queue, channel) is this name plus a suffix, so all share the hash
-/// tag.
+/// tag. A semaphore's name is `<prefix>:{<key>}:sem`, a read-write lock's `<prefix>:{<key>}:rw`
+/// ([`LockKind`]), with the same hash tag as the key's lock.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ResourceName {
     full: Arc<str>,
     key: LockKey,
+    kind: LockKind,
 }
 
 impl ResourceName {
@@ -251,12 +379,38 @@ impl ResourceName {
         ResourceName {
             full: full.into(),
             key,
+            kind: LockKind::Exclusive,
         }
     }
 
-    /// `<prefix>:{<key>}` — the name of the lock itself.
+    /// The name of `kind` on the same key and prefix (see [`LockKind`]).
+    pub(crate) fn with_kind(self, kind: LockKind) -> Self {
+        let suffix = kind.suffix();
+        let base = match self.kind.suffix() {
+            "" => &self.full[..],
+            old => &self.full[..self.full.len() - old.len() - 1],
+        };
+        let full = if suffix.is_empty() {
+            base.into()
+        } else {
+            format!("{base}:{suffix}").into()
+        };
+        ResourceName {
+            full,
+            key: self.key,
+            kind,
+        }
+    }
+
+    /// `<prefix>:{<key>}` — the name of the lock itself (`<prefix>:{<key>}:sem` for a
+    /// semaphore, `<prefix>:{<key>}:rw` for a read-write lock).
     pub fn as_str(&self) -> &str {
         &self.full
+    }
+
+    /// What an acquisition of this name holds: [`LockKind::Exclusive`] for a plain lock.
+    pub fn kind(&self) -> LockKind {
+        self.kind
     }
 
     /// The logical key.
@@ -289,6 +443,22 @@ impl ResourceName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_redacted_to_a_stable_keyed_hash_unless_plain() {
+        let shown = KeyLog::default().show("user:42").to_string();
+        assert!(shown.starts_with('#') && shown.len() == 13, "{shown}");
+        assert!(!shown.contains("42"), "{shown}");
+        assert_eq!(shown, KeyLog::default().show("user:42").to_string());
+        assert_ne!(shown, KeyLog::default().show("user:43").to_string());
+        assert_eq!(
+            KeyLog { plain: true }.show("user:42").to_string(),
+            "user:42"
+        );
+        let err = LockError::lost("user:42");
+        let redacted = KeyLog::default().error(&err).to_string();
+        assert_eq!(redacted, format!("lock `{shown}` was lost"));
+    }
 
     #[test]
     fn namespace_keys_have_no_hash_tag_and_follow_the_prefix() {
@@ -389,6 +559,21 @@ mod tests {
         assert_eq!(r.with_suffix("fence"), "app:{order:1}:fence");
         let r = ResourceName::new("", LockKey::new("x").unwrap());
         assert_eq!(r.as_str(), "{x}");
+    }
+
+    #[test]
+    fn kinds_have_names_of_their_own_with_the_same_hash_tag() {
+        let r = ResourceName::new("app", LockKey::new("pool").unwrap());
+        let sem = r.clone().with_kind(LockKind::Semaphore { permits: 3 });
+        assert_eq!(sem.as_str(), "app:{pool}:sem");
+        assert_eq!(sem.kind(), LockKind::Semaphore { permits: 3 });
+        let read = sem.with_kind(LockKind::Read);
+        assert_eq!(read.as_str(), "app:{pool}:rw");
+        assert_eq!(
+            read.clone().with_kind(LockKind::Write).as_str(),
+            "app:{pool}:rw"
+        );
+        assert_eq!(read.with_kind(LockKind::Exclusive), r);
     }
 
     #[test]

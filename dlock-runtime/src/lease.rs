@@ -30,6 +30,11 @@ macro_rules! lease_handle_methods {
                 self.lease.key()
             }
 
+            /// What is held: a lock, a semaphore permit, a read or a write hold.
+            pub fn kind(&self) -> $crate::LockKind {
+                self.lease.resource().kind()
+            }
+
             /// The fencing token of this acquisition: strictly greater than every token issued
             /// for the key before. Pass it to the resource you write so it can reject a stale
             /// holder.
@@ -78,17 +83,50 @@ pub(crate) struct Lease {
     state: Arc<GuardState>,
     watchdog: Arc<Watchdog>,
     locker_id: u64,
+    /// When the lock was granted, for `dlock_hold_seconds`.
+    since: std::time::Instant,
     /// The final step was answered (or handed to the background): drop has nothing to do.
     settled: AtomicBool,
+    /// A minimum hold (`hold_at_least`): until this watchdog time (ns), the final step keeps
+    /// the lock — shortening its lease to what is left of the hold — instead of deleting it.
+    /// 0: none.
+    hold_until_ns: u64,
 }
 
 impl Lease {
     pub(crate) fn new(state: Arc<GuardState>, watchdog: Arc<Watchdog>, locker_id: u64) -> Self {
+        state.labels.held(true, None);
         Lease {
             state,
             watchdog,
             locker_id,
+            since: std::time::Instant::now(),
             settled: AtomicBool::new(false),
+            hold_until_ns: 0,
+        }
+    }
+
+    /// Keeps the lock at least `hold` from now: a release before then leaves it to expire
+    /// when the hold ends (see [`LockRequest::hold_at_least`](crate::LockRequest::hold_at_least)).
+    pub(crate) fn hold_at_least(&mut self, hold: Duration) {
+        self.hold_until_ns = self
+            .watchdog
+            .now_ns()
+            .saturating_add(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    /// What is left of the minimum hold, when it is long enough to be a lease
+    /// ([`MIN_TTL`](crate::MIN_TTL) or more); a shorter rest is released at once.
+    pub(crate) fn hold_left(&self) -> Option<Duration> {
+        let left = self.hold_until_ns.saturating_sub(self.watchdog.now_ns());
+        Some(Duration::from_nanos(left)).filter(|d| *d >= crate::util::MIN_TTL)
+    }
+
+    /// A view of this lease's state for another task (see [`LeaseProbe`]).
+    pub(crate) fn probe(&self) -> LeaseProbe {
+        LeaseProbe {
+            state: self.state.clone(),
+            watchdog: self.watchdog.clone(),
         }
     }
 
@@ -124,6 +162,28 @@ impl Lease {
 
     pub(crate) fn info(&self) -> LockInfo {
         LockInfo::new(self.state.resource.key().clone(), self.state.fencing_token)
+            .with_kind(self.state.resource.kind())
+    }
+
+    /// The span of a step on this lease (`dlock.extend`, `dlock.release`, …): the key as the
+    /// locker's tracing shows it, the lock's name and backend.
+    pub(crate) fn span(&self, name: &'static str) -> tracing::Span {
+        let key = self.watchdog.key_log().show(self.key());
+        let labels = self.state.labels;
+        match name {
+            "dlock.extend" => {
+                tracing::debug_span!("dlock.extend", key = %key, name = labels.name, backend = labels.backend)
+            }
+            "dlock.release" => {
+                tracing::debug_span!("dlock.release", key = %key, name = labels.name, backend = labels.backend)
+            }
+            "dlock.idempotency.complete" => {
+                tracing::debug_span!("dlock.idempotency.complete", key = %key, name = labels.name, backend = labels.backend)
+            }
+            _ => {
+                tracing::debug_span!("dlock.idempotency.abort", key = %key, name = labels.name, backend = labels.backend)
+            }
+        }
     }
 
     /// Not reported lost, and the local lease has not run out.
@@ -191,20 +251,42 @@ impl Lease {
     }
 
     fn release_later(&self) {
-        self.watchdog.later(Cmd::Release(
-            self.state.resource.clone(),
-            self.state.token.clone(),
-            self.state.ttl(),
-        ));
+        let (resource, token) = (self.state.resource.clone(), self.state.token.clone());
+        self.watchdog.later(match self.hold_left() {
+            Some(left) => Cmd::Expire(resource, token, left, left),
+            None => Cmd::Release(resource, token, self.state.ttl()),
+        });
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.state.labels.held(false, Some(self.since.elapsed()));
         if !self.settled.load(Ordering::Acquire) {
             self.stop();
             self.release_later();
         }
+    }
+}
+
+/// A read-only view of a [`Lease`] for another task: whether it is still held, and its loss.
+/// It does not keep the lock: once the lease is settled or dropped, the probe's owner must stop
+/// asking it (a released lease is not reported lost).
+#[derive(Clone)]
+pub(crate) struct LeaseProbe {
+    state: Arc<GuardState>,
+    watchdog: Arc<Watchdog>,
+}
+
+impl LeaseProbe {
+    /// See [`Lease::is_held`].
+    pub(crate) fn is_held(&self) -> bool {
+        self.watchdog.is_held(&self.state)
+    }
+
+    /// See [`Lease::lost`].
+    pub(crate) async fn lost(&self) {
+        self.watchdog.wait_lost(&self.state).await
     }
 }
 
@@ -261,6 +343,7 @@ impl<'a> Undo<'a> {
             grant.lease,
             grant.sent_ns,
             grant.auto_renew,
+            grant.labels,
         );
         Lease::new(state, self.watchdog.clone(), locker_id)
     }
@@ -277,6 +360,8 @@ pub(crate) struct Grant {
     /// When the granting request was sent: the lease clock starts there.
     pub(crate) sent_ns: u64,
     pub(crate) auto_renew: bool,
+    /// The request's metric labels.
+    pub(crate) labels: crate::metrics::Labels,
 }
 
 impl Drop for Undo<'_> {

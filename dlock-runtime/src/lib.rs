@@ -49,6 +49,8 @@
 //!   hash tag per lock and bounded length.
 //! * **Deadlines** on every backend call; a down backend is [`LockError::Unavailable`]
 //!   (HTTP 503), never a hang or a panic.
+//! * **Leader election** ([`Locker::elect`] → [`Election`]): a campaign on the fair lock that
+//!   re-campaigns after loss, with the lock's fencing token as the leader's term.
 //! * **HTTP mapping** of [`LockError`] (409 + `Retry-After` + problem+json, 503, …), with
 //!   `IntoResponse` (feature `axum`) and `ResponseError` (feature `actix`).
 //!
@@ -61,14 +63,17 @@
 //! | `conformance` | no | [`conformance`]: the backend conformance suite, for a `Backend` of your own (`conformance_tests!`) |
 //! | `durable` | no | the durable Redis job queue, [`durable::DurableQueue`] (implies `redis`, adds serde) |
 //! | `etcd` | no | the etcd backend, `backend::EtcdBackend` (`etcd://`; building it needs `protoc`) |
+//! | `zookeeper` | no | the ZooKeeper backend, `backend::ZkBackend` (`zk://`) |
 //! | `tls` | no | `rediss://` |
 //! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
 //! | `postgres-tls` | no | TLS for it per the URL's `sslmode` (rustls) |
 //! | `axum` | no | `impl IntoResponse for LockError` |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
+//! | `metrics` | no | [`metrics`]: counters, gauges and histograms through the `metrics` crate facade |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod admin;
 pub mod backend;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
@@ -78,12 +83,15 @@ pub mod defer;
 #[cfg(feature = "durable")]
 #[cfg_attr(docsrs, doc(cfg(feature = "durable")))]
 pub mod durable;
+mod election;
 mod error;
 mod guard;
 pub mod idempotency;
 pub mod key;
 mod lease;
 mod locker;
+pub mod metrics;
+mod multi;
 mod strategy;
 mod util;
 mod watchdog;
@@ -93,12 +101,15 @@ mod watchdog;
 pub mod __private;
 
 pub use context::{current_lock, held_locks, LockInfo};
+pub use election::{Election, ElectionRequest, Leadership};
 pub use error::{BoxError, LockError, PROBLEM_JSON};
 pub use guard::{with_lock, LockGuard};
-pub use key::LockKey;
+pub use key::{LockKey, LockKind};
 pub use locker::{
     default_locker, set_default_locker, IntoLockKey, LockRequest, Locker, LockerBuilder,
+    RwLockRequest,
 };
+pub use multi::{with_locks, MultiGuard, MultiLockRequest};
 pub use strategy::{DeferPolicy, OnFail, RetryPolicy};
 pub use util::{MAX_TTL, MIN_TTL};
 

@@ -6,6 +6,7 @@
 use std::future::Future;
 
 pub use crate::key::KeyBuilder;
+use crate::LockKind;
 pub use crate::{LockError, LockKey, Locker, OnFail, RetryPolicy};
 pub use ::core::time::Duration;
 
@@ -16,6 +17,9 @@ pub struct Spec {
     on_fail: OnFail,
     cancel_on_lost: bool,
     message: Option<&'static str>,
+    hold_at_least: Option<Duration>,
+    kind: LockKind,
+    name: &'static str,
 }
 
 impl Spec {
@@ -26,7 +30,53 @@ impl Spec {
             on_fail: OnFail::Reject,
             cancel_on_lost: false,
             message: None,
+            hold_at_least: None,
+            kind: LockKind::Exclusive,
+            name: crate::metrics::UNNAMED,
         }
+    }
+
+    /// The key template, as the lock's name in metrics and traces (bounded: never the key).
+    pub fn name(mut self, template: &'static str) -> Self {
+        self.name = template;
+        self
+    }
+
+    /// The one-key request this spec asks for.
+    fn request(self, locker: &Locker, key: LockKey) -> crate::LockRequest<'_> {
+        let request = locker
+            .request(key, self.kind)
+            .ttl(self.ttl)
+            .on_fail(self.on_fail)
+            .name(self.name);
+        match self.hold_at_least {
+            Some(hold) => request.hold_at_least(hold),
+            None => request,
+        }
+    }
+
+    /// `permits = n`: a permit of the semaphore on the key instead of the lock.
+    pub fn permits(mut self, permits: u32) -> Self {
+        self.kind = LockKind::Semaphore { permits };
+        self
+    }
+
+    /// `mode = "read"`: a read hold of the read-write lock on the key.
+    pub fn read(mut self) -> Self {
+        self.kind = LockKind::Read;
+        self
+    }
+
+    /// `mode = "write"`: the write hold of the read-write lock on the key.
+    pub fn write(mut self) -> Self {
+        self.kind = LockKind::Write;
+        self
+    }
+
+    /// `hold_at_least = "…"` (checked against the ttl at compile time).
+    pub fn hold_at_least(mut self, hold: Duration) -> Self {
+        self.hold_at_least = Some(hold);
+        self
     }
 
     /// `on_fail = "retry"` with deadline `wait`.
@@ -84,46 +134,123 @@ pub fn default_locker() -> Result<Locker, LockError> {
 }
 
 /// Takes the lock, runs `body` with the lock visible to [`current_lock`](crate::current_lock),
-/// releases. Re-enters when the current task already holds `key` on the same locker.
+/// releases. Re-enters when the current task already holds `key` on the same locker, in the
+/// same kind (or a write hold for a read).
 pub async fn run<F: Future>(
     locker: Result<Locker, LockError>,
     key: Result<LockKey, LockError>,
     spec: Spec,
     body: F,
 ) -> Result<F::Output, LockError> {
+    run_all(locker, [key], spec, body).await
+}
+
+/// `run` for `key = ["…", …]`: takes every key all-or-nothing in canonical order
+/// ([`Locker::lock_all`]), runs `body` with all of them visible to
+/// [`held_locks`](crate::held_locks), releases them together. Keys the current task already
+/// holds on the same locker are re-entered, the others taken.
+pub async fn run_all<K, F>(
+    locker: Result<Locker, LockError>,
+    keys: K,
+    spec: Spec,
+    body: F,
+) -> Result<F::Output, LockError>
+where
+    K: IntoIterator<Item = Result<LockKey, LockError>>,
+    F: Future,
+{
+    let held = take(locker, keys, spec).await?;
+    run_held(held, body).await
+}
+
+/// The locks of one call, taken (or re-entered) before its body exists — what `fallback = …`
+/// needs, since the arguments are still the function's when the lock is not acquired.
+pub struct Held {
+    locker: Locker,
+    /// `None`: every key re-entered.
+    guard: Option<crate::MultiGuard>,
+    cancel_on_lost: bool,
+}
+
+/// The first half of [`run_all`]: takes every key the current task does not hold yet (in the
+/// spec's kind: a semaphore permit or a read or write hold has one key, the attribute checks).
+pub async fn take<K>(
+    locker: Result<Locker, LockError>,
+    keys: K,
+    spec: Spec,
+) -> Result<Held, LockError>
+where
+    K: IntoIterator<Item = Result<LockKey, LockError>>,
+{
     let locker = locker?;
-    let key = key?;
-    if crate::context::held_by_task(locker.id(), &key).is_some() {
-        // Re-entrant: this task already holds the lock (an outer locked call), so waiting for
-        // it would wait for ourselves.
-        return Ok(body.await);
+    let keys = keys.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let keys = crate::multi::canonical(keys)?;
+    // Re-entrant: keys this task already holds (an outer locked call) are not waited for —
+    // that would wait for ourselves.
+    let fresh: Vec<LockKey> = keys
+        .into_iter()
+        .filter(|key| crate::context::held_by_task(locker.id(), key, spec.kind).is_none())
+        .collect();
+    let mut held = Held {
+        locker: locker.clone(),
+        guard: None,
+        cancel_on_lost: spec.cancel_on_lost,
+    };
+    if fresh.is_empty() {
+        return Ok(held);
     }
-    let guard = locker
-        .lock(key)
-        .ttl(spec.ttl)
-        .on_fail(spec.on_fail)
-        .acquire()
-        .await
-        .map_err(|e| match spec.message {
-            Some(m) => e.with_detail(m),
-            None => e,
-        })?;
-    let scoped = crate::context::scope(locker.id(), guard.info(), body);
-    let out = if spec.cancel_on_lost {
+    let message = spec.message;
+    let with_message = |e: LockError| match message {
+        Some(m) => e.with_detail(m),
+        None => e,
+    };
+    let guard = if spec.kind == LockKind::Exclusive {
+        let mut request = locker
+            .lock_all(fresh)
+            .ttl(spec.ttl)
+            .on_fail(spec.on_fail)
+            .name(spec.name);
+        if let Some(hold) = spec.hold_at_least {
+            request = request.hold_at_least(hold);
+        }
+        request.acquire().await.map_err(with_message)?
+    } else {
+        let Ok([key]) = <[LockKey; 1]>::try_from(fresh) else {
+            return Err(LockError::InvalidKey {
+                reason: "a semaphore or read-write lock takes one key".into(),
+            });
+        };
+        let request = spec.request(&locker, key);
+        crate::MultiGuard::single(request.acquire().await.map_err(with_message)?)
+    };
+    held.guard = Some(guard);
+    Ok(held)
+}
+
+/// The second half of [`run_all`]: runs `body` under the locks of `held`, releases them.
+pub async fn run_held<F: Future>(held: Held, body: F) -> Result<F::Output, LockError> {
+    let Some(guard) = held.guard else {
+        return Ok(body.await);
+    };
+    let scoped = crate::context::scope_all(held.locker.id(), guard.infos(), body);
+    let out = if held.cancel_on_lost {
         tokio::pin!(scoped);
         tokio::select! {
             biased;
             out = &mut scoped => out,
             _ = guard.lost() => {
                 // Dropping `scoped` here cancels the body at its current await point.
-                return Err(LockError::lost(guard.key()));
+                return Err(LockError::lost(guard.lost_key()));
             }
         }
     } else {
         scoped.await
     };
     if let Err(e) = guard.release().await {
-        tracing::warn!(error = %e, "dlock: lock was not cleanly released after the body finished");
+        tracing::warn!(
+            error = %held.locker.trace_error(&e),
+            "dlock: lock was not cleanly released after the body finished"
+        );
     }
     Ok(out)
 }
@@ -143,15 +270,46 @@ where
 {
     let locker = locker?;
     let key = key?;
-    if crate::context::held_by_task(locker.id(), &key).is_some() {
+    if crate::context::held_by_task(locker.id(), &key, spec.kind).is_some() {
         return Ok(body.await);
     }
-    locker
-        .lock(key)
-        .ttl(spec.ttl)
-        .on_fail(spec.on_fail)
-        .run(body)
-        .await
+    spec.request(&locker, key).run(body).await
+}
+
+/// What a call skipped by `on_fail = "skip"` returns: `()`, `None`, or `Ok` of either.
+#[diagnostic::on_unimplemented(
+    message = "`on_fail = \"skip\"` needs a return type that can say \"skipped\", not `{Self}`",
+    label = "a skipped call would have to return a `{Self}` here",
+    note = "a skipped call returns `()`, `None`, `Ok(())` or `Ok(None)`: return `()`, `Option<T>`, `Result<(), E>` or `Result<Option<T>, E>`"
+)]
+pub trait Skipped {
+    /// The "nothing done" value.
+    fn skipped() -> Self;
+}
+
+impl Skipped for () {
+    fn skipped() -> Self {}
+}
+
+impl<T> Skipped for Option<T> {
+    fn skipped() -> Self {
+        None
+    }
+}
+
+impl<T: Skipped, E> Skipped for Result<T, E> {
+    fn skipped() -> Self {
+        Ok(T::skipped())
+    }
+}
+
+/// `on_fail = "skip"`: a held lock ([`LockError::Contended`]) becomes `Ok(T::skipped())`;
+/// every other outcome is returned as it is.
+pub fn skip_held<T: Skipped>(outcome: Result<T, LockError>) -> Result<T, LockError> {
+    match outcome {
+        Err(LockError::Contended { .. }) => Ok(T::skipped()),
+        other => other,
+    }
 }
 
 /// Turns a [`LockError`] into the function's own `Result` type.

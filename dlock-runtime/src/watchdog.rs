@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, Mutex as AsyncMutex, Notify, OwnedMutexGuard};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, ExtendItem, OwnerToken};
-use crate::key::ResourceName;
+use crate::key::{KeyLog, ResourceName};
 
 /// Guards due within this window of the earliest one are renewed in the same batch.
 const BATCH_WINDOW: Duration = Duration::from_millis(5);
@@ -62,6 +62,10 @@ pub(crate) struct GuardState {
     turn: Arc<AsyncMutex<()>>,
     /// Signalled whenever `lease_end` changes, so [`Watchdog::wait_lost`] re-arms its timer.
     lease_changed: Notify,
+    /// The lock's metric labels.
+    pub(crate) labels: crate::metrics::Labels,
+    /// How the key appears in events.
+    key_log: KeyLog,
 }
 
 impl GuardState {
@@ -107,6 +111,9 @@ impl GuardState {
         if still_ours {
             Ok(())
         } else {
+            if !self.lost.is_cancelled() {
+                self.labels.lost();
+            }
             self.lost.cancel();
             Err(crate::LockError::lost(self.resource.key().as_str()))
         }
@@ -114,7 +121,14 @@ impl GuardState {
 
     pub(crate) fn mark_lost(&self, why: &'static str) {
         if !self.lost.is_cancelled() && !self.done.load(Ordering::Acquire) {
-            tracing::warn!(key = %self.resource.key(), reason = why, "dlock.lost");
+            self.labels.lost();
+            tracing::warn!(
+                key = %self.key_log.show(self.resource.key().as_str()),
+                name = self.labels.name,
+                backend = self.labels.backend,
+                reason = why,
+                "dlock.lost"
+            );
         }
         self.lost.cancel();
     }
@@ -131,6 +145,9 @@ pub(crate) enum Cmd {
     Release(ResourceName, OwnerToken, Duration),
     /// Undo whatever an acquire with `token` may have done, giving up after the duration.
     Abandon(ResourceName, OwnerToken, Duration),
+    /// Set `token`'s lease to the first duration from now instead of releasing (a minimum
+    /// hold), giving up after the second.
+    Expire(ResourceName, OwnerToken, Duration, Duration),
 }
 
 /// Shared between the [`Locker`](crate::Locker) and its background task.
@@ -144,10 +161,16 @@ pub(crate) struct Watchdog {
     next_id: AtomicU64,
     /// Successful watchdog renewals, for metrics.
     renewed: AtomicU64,
+    /// How keys appear in events.
+    key_log: KeyLog,
 }
 
 impl Watchdog {
-    pub(crate) fn new(backend: Arc<dyn Backend>, command_timeout: Duration) -> Arc<Self> {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        command_timeout: Duration,
+        key_log: KeyLog,
+    ) -> Arc<Self> {
         Arc::new(Watchdog {
             epoch: Instant::now(),
             schedule: Mutex::new(BTreeMap::new()),
@@ -157,7 +180,13 @@ impl Watchdog {
             command_timeout,
             next_id: AtomicU64::new(1),
             renewed: AtomicU64::new(0),
+            key_log,
         })
+    }
+
+    /// How keys appear in this locker's events.
+    pub(crate) fn key_log(&self) -> KeyLog {
+        self.key_log
     }
 
     /// The backend every lock of this watchdog lives in.
@@ -184,6 +213,7 @@ impl Watchdog {
         lease: Duration,
         sent_ns: u64,
         auto_renew: bool,
+        labels: crate::metrics::Labels,
     ) -> Arc<GuardState> {
         let state = Arc::new(GuardState {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -198,6 +228,8 @@ impl Watchdog {
             auto_renew,
             turn: Arc::new(AsyncMutex::new(())),
             lease_changed: Notify::new(),
+            labels,
+            key_log: self.key_log,
         });
         if auto_renew {
             self.schedule_at(&state, sent_ns.saturating_add(lease.as_nanos() as u64 / 3));
@@ -443,12 +475,14 @@ impl Watchdog {
             let ttl_ns = item.ttl.as_nanos() as u64;
             match results.get(i) {
                 Some(Ok(true)) => {
+                    g.labels.renewal(true);
                     g.renewed(sent, item.ttl, self.backend.lease_margin(item.ttl));
                     self.schedule_at(g, sent + ttl_ns / 3);
                 }
                 Some(Ok(false)) => g.mark_lost("the backend no longer has this owner's lock"),
                 // Error or timeout: retry soon, until the local lease runs out.
                 _ => {
+                    g.labels.renewal(false);
                     let now = self.now_ns();
                     if now >= g.lease_end_ns() {
                         g.mark_lost("renewal failed until the lease ran out");
@@ -543,6 +577,14 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
             Cmd::Abandon(r, t, give_up) => (
                 "abandon",
                 tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
+                *give_up,
+            ),
+            Cmd::Expire(r, t, ttl, give_up) => (
+                "expire",
+                tokio::time::timeout(command_timeout, async {
+                    backend.extend(r, t, *ttl).await.map(|_| ())
+                })
+                .await,
                 *give_up,
             ),
         };

@@ -78,8 +78,20 @@ fn every_private_name_the_macro_emits_exists() {
     let macro_src = root.join("../dlock-macros/src");
     let mut missing = Vec::new();
     let mut emitted = 0;
-    for entry in std::fs::read_dir(&macro_src).expect("read dlock-macros/src") {
-        let path = entry.expect("dir entry").path();
+    // Every source file, sub-modules' folders (`attr/`) included.
+    let mut files = Vec::new();
+    let mut dirs = vec![macro_src.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read dlock-macros/src") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    for path in files {
         let text = std::fs::read_to_string(&path).expect("read source");
         for (at, _) in text.match_indices("#private::") {
             let name: String = text[at + "#private::".len()..]
@@ -88,7 +100,7 @@ fn every_private_name_the_macro_emits_exists() {
                 .collect();
             emitted += 1;
             if !provided.contains(&name) {
-                let file = path.file_name().unwrap_or_default().to_string_lossy();
+                let file = path.strip_prefix(&macro_src).unwrap_or(&path).display();
                 missing.push(format!("dlock-macros/src/{file}: `__private::{name}`"));
             }
         }

@@ -8,11 +8,17 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. Keep in step with `ARCHITECTURE.md`.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("basics", &["error", "util", "key", "context"]),
+    ("basics", &["error", "util", "key", "context", "metrics"]),
     ("backend", &["backend"]),
     ("lease", &["watchdog", "lease"]),
-    ("core", &["strategy", "defer", "guard", "locker", "private"]),
-    ("features", &["idempotency", "durable", "conformance"]),
+    (
+        "core",
+        &["strategy", "defer", "guard", "locker", "multi", "private"],
+    ),
+    (
+        "features",
+        &["idempotency", "durable", "conformance", "admin", "election"],
+    ),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -130,6 +130,15 @@ macro_rules! layer_common_setters {
             self
         }
 
+        /// The name of this layer's locks in metrics (the `name` label) and traces: a bounded
+        /// name such as `"payments"`, never derived from request data, so the number of metric
+        /// series stays bounded. Default:
+        /// [`UNNAMED`](dlock_runtime::metrics::UNNAMED).
+        pub fn name(mut self, name: &'static str) -> Self {
+            std::sync::Arc::make_mut(&mut self.shared).name = name;
+            self
+        }
+
         /// The locker.
         pub fn locker(&self) -> &dlock_runtime::Locker {
             &self.shared.locker
@@ -138,6 +147,9 @@ macro_rules! layer_common_setters {
 }
 pub(crate) use layer_common_setters;
 
+#[cfg(feature = "admin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
+pub mod admin;
 #[cfg(feature = "defer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "defer")))]
 pub mod defer;

@@ -973,3 +973,126 @@ async fn defer_layer_missing_key_and_backend_down_like_the_other_layers() {
         "fail-open ran without a lock"
     );
 }
+
+/// `cancel_on_lost(true)` over real HTTP: the request's lock is taken away behind the holder's
+/// back (its key deleted in Redis), the watchdog's next renewal is refused, the handler's
+/// future is dropped mid-await (its drop guard reports it) and the client gets 503
+/// `lock-lost`; the handler never reaches its side effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_lost_stops_the_handler_and_answers_503() {
+    use dlock_runtime::LockKey;
+
+    struct Dropped(Option<mpsc::UnboundedSender<()>>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
+    let (dropped_tx, mut dropped_rx) = mpsc::unbounded_channel::<()>();
+    let side_effects = Arc::new(AtomicUsize::new(0));
+    let (never_tx, never_rx) = watch::channel(false);
+    let effects = side_effects.clone();
+    let app = Router::new()
+        .route(
+            "/work",
+            post(move || {
+                let (entered, dropped, effects) =
+                    (entered_tx.clone(), dropped_tx.clone(), effects.clone());
+                let gate = never_rx.clone();
+                async move {
+                    let _guard = Dropped(Some(dropped));
+                    entered.send(()).unwrap();
+                    wait_open(gate).await; // only a cancellation ends this
+                    effects.fetch_add(1, Ordering::SeqCst);
+                    "done"
+                }
+            }),
+        )
+        .layer(
+            DistributedLockLayer::new(locker.clone(), key::header("idempotency-key"))
+                .ttl(Duration::from_millis(300))
+                .cancel_on_lost(true),
+        );
+    let (addr, _serving) = serve(app).await;
+    let client = client();
+    let request = client.request(
+        Request::post(format!("http://{addr}/work"))
+            .header("idempotency-key", "job-1")
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    );
+    let response = tokio::spawn(request);
+    entered_rx.recv().await.expect("handler entered");
+    let resource = locker.resource(LockKey::new("hdr:idempotency-key:job-1").unwrap());
+    let deleted: i64 = server
+        .query(::redis::cmd("DEL").arg(resource.as_str()))
+        .await;
+    assert_eq!(deleted, 1, "the request's lock key");
+
+    let res = tokio::time::timeout(HANG, response)
+        .await
+        .expect("answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(text(res).await.contains("lock-lost"));
+    tokio::time::timeout(HANG, dropped_rx.recv())
+        .await
+        .expect("the handler's future was dropped");
+    drop(never_tx);
+    assert_eq!(side_effects.load(Ordering::SeqCst), 0);
+}
+
+/// `message` and `rejection` over real HTTP: a busy key answers through the closure, with the
+/// message as the error's detail; without `rejection` the default problem+json carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_rejection_and_message() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let handler = post(|| async { "served" });
+    let custom = Router::new().route("/custom", handler.clone()).layer(
+        DistributedLockLayer::new(locker.clone(), key::header("idempotency-key"))
+            .message("this order is being submitted")
+            .rejection(|err: &dlock_runtime::LockError| {
+                Response::builder()
+                    .status(429)
+                    .header("x-lock-status", err.status())
+                    .body(format!("custom: {}", err.problem_json()))
+                    .unwrap()
+            }),
+    );
+    let plain = Router::new().route("/plain", handler).layer(
+        DistributedLockLayer::new(locker.clone(), key::header("idempotency-key"))
+            .message("this order is being submitted"),
+    );
+    let (addr, _serving) = serve(custom.merge(plain)).await;
+    let client = client();
+    let send = |path: &str| {
+        client.request(
+            Request::post(format!("http://{addr}{path}"))
+                .header("idempotency-key", "k9")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+    };
+    let held = hold(&locker, "k9").await;
+    let res = send("/custom").await.unwrap();
+    assert_eq!(res.status().as_u16(), 429);
+    assert_eq!(res.headers()["x-lock-status"], "409");
+    let body = text(res).await;
+    assert!(body.starts_with("custom: "), "{body}");
+    assert!(body.contains("this order is being submitted"), "{body}");
+    let res = send("/plain").await.unwrap();
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    assert_eq!(res.headers()[CONTENT_TYPE], PROBLEM_JSON);
+    assert!(text(res).await.contains("this order is being submitted"));
+    held.release().await.unwrap();
+    let res = send("/custom").await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}

@@ -26,7 +26,7 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 /// Where members keep their data: `/dev/shm` when the machine has it (a memory file system:
 /// etcd fsyncs every write, which on a loaded disk can take longer than a test's command
 /// timeout), else the temporary folder.
-fn data_root() -> PathBuf {
+pub(crate) fn data_root() -> PathBuf {
     let shm = PathBuf::from("/dev/shm");
     if shm.is_dir() {
         shm
@@ -38,11 +38,11 @@ fn data_root() -> PathBuf {
 /// The data folders' name: `dlock-etcd-<pid>-<n>`.
 const DIR_PREFIX: &str = "dlock-etcd-";
 
-/// Removes the data folders of test processes that are gone: the member a test binary shares
-/// is never dropped (it dies with the process), so its folder — on `/dev/shm`, memory, about
-/// 120 MB with etcd's preallocated WAL — is left behind. Only folders named by this harness
-/// whose process no longer exists are touched.
-fn sweep_dead_dirs() {
+/// Removes the data folders (named `<prefix><pid>-…`) of test processes that are gone: the
+/// server a test binary shares is never dropped (it dies with the process), so its folder — on
+/// `/dev/shm`, memory, about 120 MB with etcd's preallocated WAL — is left behind. Only folders
+/// named by a harness whose process no longer exists are touched.
+pub(crate) fn sweep_dead_dirs(prefix: &str) {
     // Without /proc nothing says which processes live: leave everything.
     if !PathBuf::from("/proc/self").exists() {
         return;
@@ -54,7 +54,7 @@ fn sweep_dead_dirs() {
         let name = entry.file_name();
         let Some(pid) = name
             .to_str()
-            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .and_then(|n| n.strip_prefix(prefix))
             .and_then(|rest| rest.split('-').next())
             .and_then(|pid| pid.parse::<u32>().ok())
         else {
@@ -78,6 +78,8 @@ struct Member {
     peer_port: u16,
     child: Option<Child>,
     paused: bool,
+    /// A second client port serving TLS ([`EtcdCluster::start_tls`]).
+    tls_port: Option<u16>,
 }
 
 /// A running etcd cluster of one or more members, all on `127.0.0.1`.
@@ -86,6 +88,8 @@ pub struct EtcdCluster {
     members: Vec<Member>,
     dir: PathBuf,
     token: String,
+    /// `ca.crt`, `server.crt`, `server.key` when members serve TLS too.
+    tls_dir: Option<PathBuf>,
 }
 
 impl EtcdCluster {
@@ -105,15 +109,60 @@ impl EtcdCluster {
         Self::start_n(3)
     }
 
+    /// One member that also serves TLS on a second client port ([`tls_url`](Self::tls_url)),
+    /// with a server certificate for `127.0.0.1` and `localhost` from a throwaway CA
+    /// ([`ca_file`](Self::ca_file)); its plain port stays for the harness's own probes.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start), or if `openssl` cannot make the certificates.
+    pub fn start_tls() -> Self {
+        Self::start_inner(1, true)
+    }
+
+    /// `etcds://127.0.0.1:<tls port>` of every member ([`start_tls`](Self::start_tls)).
+    ///
+    /// # Panics
+    /// If the members do not serve TLS.
+    pub fn tls_url(&self) -> String {
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.tls_port.expect("not a TLS cluster")))
+            .collect();
+        format!("etcds://{}", hosts.join(","))
+    }
+
+    /// The CA certificate (PEM file) the members' TLS certificates chain to.
+    ///
+    /// # Panics
+    /// If the members do not serve TLS.
+    pub fn ca_file(&self) -> PathBuf {
+        self.tls_dir
+            .as_ref()
+            .expect("not a TLS cluster")
+            .join("ca.crt")
+    }
+
     fn start_n(n: usize) -> Self {
+        Self::start_inner(n, false)
+    }
+
+    fn start_inner(n: usize, tls: bool) -> Self {
         let token = format!(
             "{DIR_PREFIX}{}-{}",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         );
-        sweep_dead_dirs();
+        sweep_dead_dirs(DIR_PREFIX);
         let dir = data_root().join(&token);
         std::fs::create_dir_all(&dir).expect("create etcd temp dir");
+        // Outside `dir`, which a failed start removes.
+        let tls_dir = tls.then(|| {
+            let d = std::env::temp_dir().join(format!("{token}-tls"));
+            std::fs::create_dir_all(&d).expect("create etcd TLS dir");
+            crate::postgres_server::make_certificates(&d);
+            d
+        });
         // Another process may take a probed port before etcd binds it: start again then.
         for _ in 0..5 {
             let members = (0..n)
@@ -123,12 +172,14 @@ impl EtcdCluster {
                     peer_port: free_port(),
                     child: None,
                     paused: false,
+                    tls_port: tls.then(free_port),
                 })
                 .collect();
             let mut cluster = EtcdCluster {
                 members,
                 dir: dir.clone(),
                 token: token.clone(),
+                tls_dir: tls_dir.clone(),
             };
             for i in 0..n {
                 cluster.spawn(i);
@@ -153,8 +204,17 @@ impl EtcdCluster {
     fn spawn(&mut self, i: usize) {
         let initial = self.initial_cluster();
         let data = self.dir.join(&self.members[i].name);
+        let tls_dir = self.tls_dir.clone();
         let m = &mut self.members[i];
-        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let mut client = format!("http://127.0.0.1:{}", m.client_port);
+        let mut tls_args: Vec<String> = Vec::new();
+        if let (Some(port), Some(d)) = (m.tls_port, &tls_dir) {
+            client.push_str(&format!(",https://127.0.0.1:{port}"));
+            tls_args.push("--cert-file".into());
+            tls_args.push(d.join("server.crt").display().to_string());
+            tls_args.push("--key-file".into());
+            tls_args.push(d.join("server.key").display().to_string());
+        }
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
         let child = Command::new("setpriv")
             .args(["--pdeathsig", "KILL", "--"])
@@ -169,6 +229,7 @@ impl EtcdCluster {
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-state", "new"])
             .args(["--initial-cluster-token", &self.token])
+            .args(&tls_args)
             .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
             .args(["--logger", "zap", "--log-outputs", "stderr"])
             .args(["--log-level", "error"])
@@ -332,6 +393,9 @@ impl Drop for EtcdCluster {
             kill_child(m);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(d) = &self.tls_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 }
 
@@ -410,4 +474,73 @@ pub fn shared() -> Arc<Mutex<EtcdCluster>> {
             )))
         })
         .clone()
+}
+
+/// A consensus deployment of a few members — an etcd cluster ([`EtcdCluster`]) or a ZooKeeper
+/// ensemble ([`ZkEnsemble`](crate::zookeeper_server::ZkEnsemble)) —, as the fault harness
+/// drives it: kill the leader, freeze a minority, bring everything back.
+///
+/// Members started by these harnesses die with the thread that started them (`setpriv
+/// --pdeathsig`): call [`heal`](Quorum::heal), which starts killed members again, from a
+/// thread that outlives the deployment.
+pub trait Quorum: Send {
+    /// The locker URL over every member (`etcd://…`, `zk://…`).
+    fn url(&self) -> String;
+    /// How many members it has.
+    fn members(&self) -> usize;
+    /// The leader's index now, as a running, unfrozen member reports it.
+    fn leader(&self) -> Option<usize>;
+    /// Kills member `i` (SIGKILL); its data stays for [`heal`](Quorum::heal) to start it again.
+    fn kill(&mut self, i: usize);
+    /// Freezes member `i` (SIGSTOP).
+    fn pause(&mut self, i: usize);
+    /// Thaws member `i` (SIGCONT).
+    fn resume(&mut self, i: usize);
+    /// Thaws every frozen member, starts every killed one on its ports and data, and waits
+    /// (bounded) until every member serves in the one cluster again.
+    ///
+    /// # Panics
+    /// If they do not within 60 seconds.
+    fn heal(&mut self);
+}
+
+impl Quorum for EtcdCluster {
+    fn url(&self) -> String {
+        EtcdCluster::url(self)
+    }
+
+    fn members(&self) -> usize {
+        self.len()
+    }
+
+    fn leader(&self) -> Option<usize> {
+        EtcdCluster::leader(self)
+    }
+
+    fn kill(&mut self, i: usize) {
+        EtcdCluster::kill(self, i);
+    }
+
+    fn pause(&mut self, i: usize) {
+        EtcdCluster::pause(self, i);
+    }
+
+    fn resume(&mut self, i: usize) {
+        EtcdCluster::resume(self, i);
+    }
+
+    fn heal(&mut self) {
+        for i in 0..self.members.len() {
+            if self.members[i].paused {
+                self.resume(i);
+            }
+            if self.members[i].child.is_none() {
+                self.spawn(i);
+            }
+        }
+        assert!(
+            self.wait_ready(Duration::from_secs(60)),
+            "etcd members not back in one cluster within 60 s"
+        );
+    }
 }

@@ -76,6 +76,11 @@ impl Proxy {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The proxy's port (for URLs of other schemes than `redis://`).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Sets the one-way latency added to every chunk from now on.
     pub fn set_latency(&self, d: Duration) {
         self.shared

@@ -140,3 +140,23 @@ pub async fn wait_until_free(
     })
     .await;
 }
+
+/// Takes `key` at once (`try_acquire` with `ttl`), or says why not: held, or the backend's
+/// error — which must be the typed 503 one (what fault tests poll with [`poll_until`]).
+///
+/// # Panics
+/// When the backend answers an error other than [`LockError::Unavailable`](dlock_runtime::LockError::Unavailable).
+pub async fn try_take(
+    locker: &Locker,
+    key: &str,
+    ttl: Duration,
+) -> Result<dlock_runtime::LockGuard, String> {
+    match locker.lock(key).ttl(ttl).try_acquire().await {
+        Ok(Some(g)) => Ok(g),
+        Ok(None) => Err(format!("`{key}` is held")),
+        Err(e) => {
+            assert!(e.is_unavailable(), "{e}");
+            Err(e.to_string())
+        }
+    }
+}

@@ -430,3 +430,267 @@ async fn the_default_locker_is_used_when_none_is_given() {
     dlock_runtime::set_default_locker(Locker::memory());
     assert_eq!(report_with_default_locker(3).await.unwrap(), 3);
 }
+
+// ---- multi-key, scheduled jobs, fallbacks, re-entrancy by hand -------------------------
+
+/// Balances of two accounts, moved by `transfer` with a non-atomic read-modify-write that is
+/// only correct under both accounts' locks.
+struct Bank {
+    balances: [std::sync::atomic::AtomicI64; 2],
+    inside: AtomicUsize,
+    overlaps: AtomicUsize,
+}
+
+#[distributed_lock(
+    key = ["account:<from>", "account:<to>"],
+    on_fail = "retry",
+    wait = "30s",
+    locker = locker
+)]
+async fn transfer(locker: &Locker, bank: &Bank, from: usize, to: usize, amount: i64) -> usize {
+    if bank.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+        bank.overlaps.fetch_add(1, Ordering::SeqCst);
+    }
+    let (a, b) = (
+        bank.balances[from].load(Ordering::SeqCst),
+        bank.balances[to].load(Ordering::SeqCst),
+    );
+    tokio::task::yield_now().await;
+    bank.balances[from].store(a - amount, Ordering::SeqCst);
+    bank.balances[to].store(b + amount, Ordering::SeqCst);
+    bank.inside.fetch_sub(1, Ordering::SeqCst);
+    dlock_runtime::held_locks().len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_key_transfers_in_both_directions_neither_deadlock_nor_overlap() {
+    let locker = Locker::memory();
+    let bank = Arc::new(Bank {
+        balances: [1000.into(), 1000.into()],
+        inside: AtomicUsize::new(0),
+        overlaps: AtomicUsize::new(0),
+    });
+    let mut tasks = Vec::new();
+    for i in 0..40usize {
+        let (locker, bank) = (locker.clone(), bank.clone());
+        let (from, to) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
+        tasks.push(tokio::spawn(async move {
+            transfer(&locker, &bank, from, to, 10).await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), 2, "both keys held inside");
+    }
+    assert_eq!(bank.overlaps.load(Ordering::SeqCst), 0);
+    let total: i64 = bank.balances.iter().map(|b| b.load(Ordering::SeqCst)).sum();
+    assert_eq!(total, 2000);
+    // Released together.
+    let both = locker
+        .lock_all(["account:0", "account:1"])
+        .try_acquire()
+        .await;
+    assert!(both.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn multi_key_with_the_same_account_twice_is_a_typed_error() {
+    let locker = Locker::memory();
+    let bank = Bank {
+        balances: [0.into(), 0.into()],
+        inside: AtomicUsize::new(0),
+        overlaps: AtomicUsize::new(0),
+    };
+    let err = transfer(&locker, &bank, 1, 1, 5).await.unwrap_err();
+    assert!(err.is_invalid(), "{err}");
+    assert_eq!(err.status(), 400);
+}
+
+#[distributed_lock(key = "tick:<name>", on_fail = "skip", locker = locker)]
+async fn tick(locker: &Locker, name: &str, ran: &AtomicUsize) {
+    ran.fetch_add(1, Ordering::SeqCst);
+}
+
+#[distributed_lock(key = "tick:<name>", on_fail = "skip", locker = locker)]
+async fn tick_value(locker: &Locker, name: &str) -> Option<u32> {
+    Some(7)
+}
+
+#[distributed_lock(key = "tick:<name>", on_fail = "skip", locker = locker)]
+async fn tick_result(locker: &Locker, name: &str) -> Result<Option<u32>, AppError> {
+    Ok(Some(8))
+}
+
+#[tokio::test]
+async fn skip_returns_at_once_with_nothing_done_when_the_lock_is_held() {
+    let locker = Locker::memory();
+    let ran = AtomicUsize::new(0);
+    tick(&locker, "a", &ran).await.unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(tick_value(&locker, "a").await.unwrap(), Some(7));
+    assert_eq!(tick_result(&locker, "a").await.unwrap(), Some(8));
+
+    let held = locker.lock("tick:a").acquire().await.unwrap();
+    tick(&locker, "a", &ran).await.unwrap();
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "ran while another instance held the lock"
+    );
+    assert_eq!(tick_value(&locker, "a").await.unwrap(), None);
+    assert_eq!(tick_result(&locker, "a").await.unwrap(), None);
+    held.release().await.unwrap();
+}
+
+#[distributed_lock(key = "nightly", ttl = "10s", hold_at_least = "400ms", on_fail = "skip", locker = locker)]
+async fn nightly(locker: &Locker, ran: &AtomicUsize) {
+    ran.fetch_add(1, Ordering::SeqCst);
+}
+
+#[tokio::test]
+async fn hold_at_least_keeps_the_lock_after_the_body_returns() {
+    let locker = Locker::memory();
+    let ran = AtomicUsize::new(0);
+    let start = Instant::now();
+    nightly(&locker, &ran).await.unwrap();
+    // A second instance's tick right after: skipped, the first one's lock is still held.
+    nightly(&locker, &ran).await.unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    let _ = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let g = locker.lock("nightly").try_acquire().await.unwrap();
+            g.map(drop).ok_or("still held")
+        },
+    )
+    .await;
+    assert!(
+        start.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+async fn busy_order(locker: &Locker, id: u64, err: LockError) -> String {
+    let _ = locker;
+    format!("order {id} is busy ({})", err.status())
+}
+
+#[distributed_lock(key = "order:<id>", fallback = busy_order, locker = locker)]
+async fn submit_order(locker: &Locker, id: u64) -> String {
+    format!("order {id} submitted")
+}
+
+async fn busy_result(id: u64, err: LockError) -> Result<String, AppError> {
+    Err(AppError::Lock(
+        err.with_detail(format!("order {id} is busy")),
+    ))
+}
+
+#[distributed_lock(key = "order:<id>", fallback = busy_result, locker = LOCKER.get().unwrap())]
+async fn submit_result(id: u64) -> Result<String, AppError> {
+    Ok(format!("order {id} submitted"))
+}
+
+static LOCKER: std::sync::OnceLock<Locker> = std::sync::OnceLock::new();
+
+#[tokio::test]
+async fn fallback_answers_with_the_arguments_when_the_lock_is_not_acquired() {
+    let locker = Locker::memory();
+    assert_eq!(submit_order(&locker, 3).await.unwrap(), "order 3 submitted");
+    let held = locker.lock("order:3").acquire().await.unwrap();
+    assert_eq!(
+        submit_order(&locker, 3).await.unwrap(),
+        "order 3 is busy (409)"
+    );
+    held.release().await.unwrap();
+
+    let locker = LOCKER.get_or_init(Locker::memory);
+    let held = locker.lock("order:4").acquire().await.unwrap();
+    match submit_result(4).await {
+        Err(AppError::Lock(e)) => assert!(e.problem_json().contains("order 4 is busy"), "{e}"),
+        other => panic!("expected the fallback's error, got {other:?}"),
+    }
+    held.release().await.unwrap();
+    assert_eq!(submit_result(4).await.unwrap(), "order 4 submitted");
+}
+
+#[distributed_lock(key = "acct:<id>", locker = locker)]
+async fn by_hand_inside(locker: &Locker, id: u64) -> Result<(), LockError> {
+    locker.lock(format!("acct:{id}")).acquire().await.map(drop)
+}
+
+#[tokio::test]
+async fn a_by_hand_acquire_inside_the_attribute_is_a_typed_error_not_a_deadlock() {
+    let locker = Locker::memory();
+    let err = tokio::time::timeout(Duration::from_secs(5), by_hand_inside(&locker, 9))
+        .await
+        .expect("no deadlock")
+        .unwrap_err();
+    assert!(err.is_reentrant(), "{err}");
+}
+
+// ---- semaphores and read-write locks ---------------------------------------------------
+
+#[distributed_lock(key = "export:<shop>", permits = 2, on_fail = "retry", wait = "20s", locker = locker)]
+async fn export(locker: &Locker, shop: u32, pair: &tokio::sync::Barrier, inside: &AtomicUsize) {
+    assert!(
+        inside.fetch_add(1, Ordering::SeqCst) < 2,
+        "a third holder of 2 permits"
+    );
+    // Two holders at once, or this waits forever (the test's timeout fails it).
+    pair.wait().await;
+    inside.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// `permits = 2` on Redis: 8 calls go through two at a time — never three, and always two
+/// together (each pair meets at a barrier that a one-at-a-time lock would never open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_let_two_calls_in_at_a_time() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let pair = tokio::sync::Barrier::new(2);
+    let inside = AtomicUsize::new(0);
+    let calls = (0..8).map(|_| export(&locker, 7, &pair, &inside));
+    let all = futures_util::future::join_all(calls);
+    let results = tokio::time::timeout(Duration::from_secs(20), all)
+        .await
+        .expect("the calls did not pair up: the semaphore admitted one at a time");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+}
+
+#[distributed_lock(key = "catalog:<shop>", mode = "read", locker = locker)]
+async fn read_catalog(locker: &Locker, shop: u32, readers: &tokio::sync::Barrier) -> u64 {
+    readers.wait().await;
+    current_lock().unwrap().fencing_token()
+}
+
+#[distributed_lock(key = "catalog:<shop>", mode = "write", on_fail = "retry", wait = "20s", locker = locker)]
+async fn write_catalog(locker: &Locker, shop: u32) -> Result<u64, LockError> {
+    let mine = current_lock().unwrap().fencing_token();
+    // A read of the same catalog inside the write re-enters rather than waiting for itself.
+    let no_readers = tokio::sync::Barrier::new(1);
+    let read = read_catalog(locker, shop, &no_readers).await?;
+    assert_eq!(read, mine, "the nested read is the write hold itself");
+    Ok(mine)
+}
+
+/// `mode = "read"` / `"write"` on Redis: three readers hold the catalog at once (they meet at
+/// a barrier), the writer after them gets a greater fencing token, and a read nested in the
+/// write re-enters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_share_and_the_writer_after_them_fences_above() {
+    let server = RedisServer::start();
+    let locker = Locker::from_url(&server.url()).await.unwrap();
+    let readers = tokio::sync::Barrier::new(3);
+    let reads = futures_util::future::join_all((0..3).map(|_| read_catalog(&locker, 1, &readers)));
+    let tokens = tokio::time::timeout(Duration::from_secs(20), reads)
+        .await
+        .expect("three readers could not hold the catalog together");
+    let top = tokens.into_iter().map(Result::unwrap).max().unwrap();
+    let written = write_catalog(&locker, 1).await.unwrap();
+    assert!(
+        written > top,
+        "writer token {written} not above the readers' {top}"
+    );
+}

@@ -114,6 +114,9 @@ fn minimal_store() -> ((), Store) {
     let mut store = memory_backed("minimal", shared, backend);
     store.idempotency = false;
     store.notifications = false;
+    // Without `acquire_kind`: semaphores and read-write locks are refused, typed.
+    store.kinds = false;
+    store.admin = false;
     ((), store)
 }
 

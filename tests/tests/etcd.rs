@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::Locker;
 use dlock_tests::etcd_server::EtcdCluster;
-use dlock_tests::wait::poll_until;
+use dlock_tests::wait::{poll_until, try_take};
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(1000);
 
@@ -50,22 +50,6 @@ async fn locker(url: &str) -> Locker {
         .connect(url)
         .await
         .expect("connect to etcd")
-}
-
-/// Takes `key` at once (`try_acquire`) or says why not.
-async fn try_take(
-    l: &Locker,
-    key: &str,
-    ttl: Duration,
-) -> Result<dlock_runtime::LockGuard, String> {
-    match l.lock(key).ttl(ttl).try_acquire().await {
-        Ok(Some(g)) => Ok(g),
-        Ok(None) => Err(format!("`{key}` is held")),
-        Err(e) => {
-            assert!(e.is_unavailable(), "{e}");
-            Err(e.to_string())
-        }
-    }
 }
 
 /// The leader is killed while a lock is held: the lock survives (still held, renewed, nobody
@@ -289,4 +273,167 @@ async fn unreachable_etcd_is_unavailable_in_time() {
         "an unreachable etcd took {:?} to report",
         started.elapsed()
     );
+}
+
+/// Cancel safety on the session lease: an acquire answered through a hedged try while its
+/// first try is still on its way (a slow path to the member) is released; the first try then
+/// lands and puts the key back, on the locker's session lease — which the renewals of another
+/// lock of the locker keep alive. That key must not live on: it is deleted before the
+/// session's next keepalive (within a couple of seconds), and the other lock stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_landing_after_its_release_is_not_kept_alive_by_the_session() {
+    use dlock_tests::proxy::Proxy;
+    use etcd_client::{Client, EventType, WatchOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let port = etcd_server::shared().lock().unwrap().client_port(0);
+    let slow = Proxy::start(port).await.unwrap();
+    let fast = Proxy::start(port).await.unwrap();
+    // Two paths to the one member: the pool sends some tries the slow way and hedges them
+    // on the fast one after a fifth of the command timeout (400 ms).
+    let a = Locker::builder()
+        .command_timeout(Duration::from_secs(2))
+        .connect(&format!(
+            "etcd://127.0.0.1:{},127.0.0.1:{}",
+            slow.port(),
+            fast.port()
+        ))
+        .await
+        .unwrap();
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(1);
+    let run = dlock_runtime::conformance::unique_key("late");
+    let keep = a
+        .lock(format!("{run}-keep"))
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
+    slow.set_latency(Duration::from_millis(700));
+    /// The kinds of the next watch message's events; `None` when none came within `limit`.
+    async fn next(
+        events: &mut etcd_client::WatchStream,
+        limit: Duration,
+    ) -> Option<Vec<EventType>> {
+        let msg = tokio::time::timeout(limit, events.message()).await.ok()?;
+        msg.unwrap()
+            .map(|m| m.events().iter().map(|e| e.event_type()).collect())
+    }
+    let mut landed = 0;
+    for i in 0..12 {
+        let key = format!("{run}-{i}");
+        let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+        // The lock's keys, as the backend lays them out (`%` and `/` of the name encoded).
+        let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
+        let dir = format!("dlock/{name}/");
+        let mut events = raw
+            .watch_client()
+            .watch(dir.as_str(), Some(WatchOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        let g = a
+            .lock(&key)
+            .ttl(ttl)
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("free");
+        g.release().await.unwrap();
+        // The watch saw the put and the delete; a put of a try still on its way comes later.
+        let mut kinds = Vec::new();
+        while kinds.iter().filter(|k| **k == EventType::Delete).count() < 1 {
+            kinds.extend(
+                next(&mut events, Duration::from_secs(5))
+                    .await
+                    .expect("release"),
+            );
+        }
+        let Some(late) = next(&mut events, Duration::from_millis(1500)).await else {
+            continue; // this acquire was not hedged: nothing is on its way
+        };
+        if !late.contains(&EventType::Put) {
+            continue;
+        }
+        landed += 1;
+        let mut gone = late.contains(&EventType::Delete);
+        let landed_at = Instant::now();
+        while !gone {
+            let more = next(&mut events, Duration::from_secs(4))
+                .await
+                .unwrap_or_else(|| {
+                    panic!(
+                        "a put that landed after its release was kept alive for {:?}",
+                        landed_at.elapsed()
+                    )
+                });
+            gone = more.contains(&EventType::Delete);
+        }
+        assert!(keep.is_held(), "the session's other lock was lost");
+        if landed >= 2 {
+            break;
+        }
+    }
+    assert!(
+        landed >= 1,
+        "no acquire was answered through a hedge while its first try was on its way"
+    );
+    keep.release().await.expect("the other lock stayed held");
+}
+
+/// etcd over TLS (`etcds://`, feature `etcd-tls`), on a member serving a certificate from a
+/// throwaway CA: with that CA a locker locks, renews (the session's keepalive stream runs over
+/// TLS too) and releases; with another CA every request fails its handshake — a typed 503
+/// error within the command timeout, not a hang; without a CA, connecting says what is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_the_right_ca_locks_and_a_wrong_ca_is_a_typed_error() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let cluster = EtcdCluster::start_tls();
+    let url = cluster.tls_url();
+    let over_tls = |ca: std::path::PathBuf| {
+        let url = url.clone();
+        async move {
+            let opts = EtcdOptions::default()
+                .command_timeout(COMMAND_TIMEOUT)
+                .connect_timeout(COMMAND_TIMEOUT)
+                .tls_ca_file(ca);
+            let backend = EtcdBackend::connect(&url, opts).await?;
+            Locker::builder()
+                .command_timeout(COMMAND_TIMEOUT)
+                .try_build(backend)
+        }
+    };
+    let good = over_tls(cluster.ca_file()).await.expect("connect over TLS");
+    let ttl = Duration::from_millis(1500);
+    let g = good.lock("tls").ttl(ttl).acquire().await.unwrap();
+    tokio::time::sleep(ttl * 2).await;
+    assert!(g.is_held(), "the lock was not renewed over TLS");
+    g.release().await.expect("still ours after two TTLs");
+
+    let other = std::env::temp_dir().join(format!("dlock-etcd-other-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&other).unwrap();
+    dlock_tests::postgres_server::make_certificates(&other);
+    let started = Instant::now();
+    let err = match over_tls(other.join("ca.crt")).await {
+        Err(e) => e,
+        Ok(l) => l
+            .lock("tls")
+            .try_acquire()
+            .await
+            .expect_err("a lock granted by a server whose certificate is not trusted"),
+    };
+    let _ = std::fs::remove_dir_all(&other);
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(
+        started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500),
+        "an untrusted server took {:?} to report",
+        started.elapsed()
+    );
+
+    let err = Locker::from_url(&url)
+        .await
+        .expect_err("etcds:// without a CA connected");
+    assert!(err.to_string().contains("tls_ca_file"), "{err}");
 }

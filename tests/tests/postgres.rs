@@ -1,6 +1,6 @@
 //! The Postgres backend against a real PostgreSQL (one throwaway cluster per test binary, on a
 //! free loopback port) and a real PgBouncer in transaction pooling in front of it: the shared
-//! conformance suite (locks and idempotency) directly, through PgBouncer with timers, and
+//! conformance suite (locks, semaphores and read-write locks, idempotency) directly, through PgBouncer with timers, and
 //! through PgBouncer with a direct notify URL; then the faults (server killed mid-hold and
 //! restarted, sessions terminated, database unreachable, statement timeouts) and the
 //! transaction-scoped mode.
@@ -685,6 +685,17 @@ async fn the_sql_file_is_all_a_least_privileged_role_needs() {
     let g = a.lock("priv:k").try_acquire().await.unwrap().expect("free");
     assert!(b.lock("priv:k").try_acquire().await.unwrap().is_none());
     g.release().await.unwrap();
+    let p = a.semaphore("priv:s", 1).try_acquire().await.unwrap();
+    assert!(p.is_some(), "a permit with the file's privileges");
+    assert!(b
+        .semaphore("priv:s", 1)
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_none());
+    let r = b.rw("priv:rw").read().try_acquire().await.unwrap();
+    assert!(r.is_some(), "a read hold with the file's privileges");
+    drop((p, r));
     let fingerprint = dlock_runtime::idempotency::Fingerprint::builder()
         .field("x")
         .finish();

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dlock_runtime::backend::RedisBackend;
 use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_server::free_port;
 use dlock_tests::wait::{poll_until, wait_until_free, Deadline};
@@ -453,8 +454,11 @@ async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
         "one script per step"
     );
     assert_eq!(calls(&server, "publish").await, 0, "nobody waited");
-    let keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).await;
-    assert_eq!(keys, vec![format!("{}:fence", locker.prefix())]);
+    let mut keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).await;
+    let mut expected = vec![format!("{}:fence", locker.prefix()), "dlock:issuers".into()];
+    keys.sort();
+    expected.sort();
+    assert_eq!(keys, expected, "the counter and the issuer numbers only");
 }
 
 /// The backoff of a waiter whose own timer cannot fire within a test.
@@ -495,10 +499,16 @@ async fn queued_waiter(
     wait
 }
 
-/// Sets `locker`'s fencing counter below `last` (what a failover to a replica that missed the
-/// latest tokens leaves), then waits until the clock is past `last`'s millisecond (a failover
-/// takes seconds).
+/// The fencing counter value a token was issued from (see `RedisBackend::ISSUER_BITS`).
+fn counter_of(token: u64) -> u64 {
+    token >> RedisBackend::ISSUER_BITS
+}
+
+/// Sets `locker`'s fencing counter below the token `last` was issued from (what a failover to a
+/// replica that missed the latest tokens leaves), then waits until the clock is past that
+/// counter's millisecond (a failover takes seconds).
 async fn roll_back_counter(server: &RedisServer, locker: &Locker, last: u64) {
+    let last = counter_of(last);
     let _: () = server
         .query(
             redis::cmd("SET")
@@ -532,7 +542,7 @@ async fn holder_and_waiter(server: &RedisServer) -> (Locker, Locker) {
     (server.locker().await, waiter)
 }
 
-/// The fencing counter's value.
+/// The fencing counter's value (the counter part of the last token issued).
 async fn fence_counter(server: &RedisServer, locker: &Locker) -> u64 {
     server
         .query(redis::cmd("GET").arg(format!("{}:fence", locker.prefix())))
@@ -561,7 +571,10 @@ async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
         asleep + 1,
         "only the release ran a script: the waiter did not ask again"
     );
-    assert_eq!(guard.fencing_token(), fence_counter(&server, &waiter).await);
+    assert_eq!(
+        counter_of(guard.fencing_token()),
+        fence_counter(&server, &waiter).await
+    );
     assert!(guard.fencing_token() > held_token);
     guard.release().await.unwrap();
     assert_eq!(
@@ -731,6 +744,56 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     g.release().await.unwrap();
 }
 
+/// Two masters that both take writes for a moment (a Sentinel master frozen past the
+/// down-after time, failed over, and woken before it is demoted) issue from the same counter
+/// value: the clients that hold them still get different fencing tokens, because a token names
+/// the backend it was granted to (`RedisBackend::ISSUER_BITS`), and their order is still the
+/// counter's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_masters_issuing_from_one_counter_value_never_grant_the_same_token() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    // The state both masters share at the split: the issuer numbers taken so far and the
+    // counter (far above the clients' clock floors, so both masters issue `counter + 1`).
+    let on_old = old.locker().await;
+    let issued: u64 = old.query(redis::cmd("GET").arg("dlock:issuers")).await;
+    let _: () = new
+        .query(redis::cmd("SET").arg("dlock:issuers").arg(issued))
+        .await;
+    let on_new = new.locker().await;
+    let counter = now_millis() * 1000 + 1_000_000_000;
+    for (server, locker) in [(&old, &on_old), (&new, &on_new)] {
+        let _: () = server
+            .query(
+                redis::cmd("SET")
+                    .arg(format!("{}:fence", locker.prefix()))
+                    .arg(counter),
+            )
+            .await;
+    }
+    let a = on_old.lock("split").ttl(LONG).acquire().await.unwrap();
+    let b = on_new.lock("split").ttl(LONG).acquire().await.unwrap();
+    assert_eq!(
+        (counter_of(a.fencing_token()), counter_of(b.fencing_token())),
+        (counter + 1, counter + 1),
+        "both masters issued from the same counter value"
+    );
+    assert_ne!(a.fencing_token(), b.fencing_token());
+    // The order is still the counter's: the next token on either master is above both.
+    let both = a.fencing_token().max(b.fencing_token());
+    a.release().await.unwrap();
+    let next = on_old.lock("split").ttl(LONG).acquire().await.unwrap();
+    assert!(next.fencing_token() > both);
+    next.release().await.unwrap();
+    b.release().await.unwrap();
+}
+
+fn now_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 /// A release that hands the lock over issues the next token with the releasing client's
 /// floor: after the counter was rolled back (a failover to a lagging replica), the waiter's
 /// token still exceeds the holder's.
@@ -755,4 +818,72 @@ async fn a_handoff_after_a_rolled_back_counter_still_raises_the_token() {
         guard.fencing_token()
     );
     guard.release().await.unwrap();
+}
+
+/// Leader election under a partition: the leader's connection is cut (and reconnects refused)
+/// past its TTL. It is told it lost — `lost()` resolves and `is_leader()` is already `false` —
+/// before the other candidate, on a healthy connection, leads with a greater term; once the
+/// partition heals the old leader campaigns again and leads after the new one resigns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_leader_is_told_before_the_next_one_leads_and_campaigns_again() {
+    use dlock_tests::proxy::Proxy;
+
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let cut_off = fast_fail().connect(&proxy.url()).await.unwrap();
+    let healthy = fast_fail().connect(&server.url()).await.unwrap();
+    let ttl = Duration::from_secs(1);
+    let limit = Duration::from_secs(10);
+    let name = "fault:elect";
+
+    let a = cut_off.elect(name).ttl(ttl).start().unwrap();
+    let t1 = tokio::time::timeout(limit, a.wait_for_leadership())
+        .await
+        .expect("A leads")
+        .expect("campaigning");
+    let b = healthy.elect(name).ttl(ttl).start().unwrap();
+    poll_until(limit, Duration::from_millis(5), async || {
+        (healthy.waiting() == 1)
+            .then_some(())
+            .ok_or("B not queued yet")
+    })
+    .await;
+
+    proxy.cut(true);
+    let cut_at = Instant::now();
+    let a_told = async {
+        tokio::time::timeout(limit, a.lost()).await.expect("A told");
+        Instant::now()
+    };
+    let b_leads = async {
+        let t2 = tokio::time::timeout(limit, b.wait_for_leadership())
+            .await
+            .expect("B leads")
+            .expect("campaigning");
+        // The old leader already knows, by its own lease clock.
+        assert!(!a.is_leader(), "two leaders at once");
+        (t2, Instant::now())
+    };
+    let (a_told_at, (t2, b_led_at)) = tokio::join!(a_told, b_leads);
+    assert!(t2 > t1, "terms increase: {t2} > {t1}");
+    assert!(a_told_at <= b_led_at, "A told after B led");
+    // B had to wait for A's lease to run out on the server: no release came through the cut.
+    assert!(b_led_at - cut_at >= ttl / 2, "{:?}", b_led_at - cut_at);
+
+    proxy.allow();
+    // A campaigns again once it can reach the server: it queues behind B…
+    poll_until(limit, Duration::from_millis(5), async || {
+        (cut_off.waiting() == 1)
+            .then_some(())
+            .ok_or("A not queued again")
+    })
+    .await;
+    // …and leads when B steps down.
+    b.resign().await.unwrap();
+    let t3 = tokio::time::timeout(limit, a.wait_for_leadership())
+        .await
+        .expect("A leads again")
+        .expect("campaigning");
+    assert!(t3 > t2, "{t3} > {t2}");
+    a.resign().await.unwrap();
 }

@@ -58,6 +58,9 @@ fn redlock_store() -> (Arc<Vec<RedisServer>>, Store) {
     );
     store.fifo = false;
     store.idempotency = false;
+    // Redlock refuses semaphores and read-write locks (`backend::redlock`).
+    store.kinds = false;
+    store.admin = false;
     (servers, store)
 }
 

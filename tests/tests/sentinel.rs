@@ -60,6 +60,28 @@ async fn has_lock(port: u16, key: &str) -> bool {
     n == 1
 }
 
+/// `key`, taken as soon as the locker has followed the new master (within 10 s); until then an
+/// attempt may only fail as unavailable.
+async fn taken_once_followed(
+    locker: &Locker,
+    key: &'static str,
+    ttl: Duration,
+) -> dlock_runtime::LockGuard {
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || match locker.lock(key).ttl(ttl).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(e.to_string())
+            }
+        },
+    )
+    .await
+}
+
 /// With `.replicas(1)`: a lock counts as taken only once the replica has it, and a request the
 /// replica cannot acknowledge in time is undone and reported unavailable.
 ///
@@ -133,19 +155,7 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     let failed_over = Instant::now();
 
     // The locker follows: a new lock is taken on the new master.
-    let g = poll_until(
-        Duration::from_secs(10),
-        Duration::from_millis(10),
-        async || match locker.lock("after").ttl(ttl).try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => Err("held".to_owned()),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(e.to_string())
-            }
-        },
-    )
-    .await;
+    let g = taken_once_followed(&locker, "after", ttl).await;
     let followed_in = failed_over.elapsed();
     assert!(
         followed_in < command_timeout * 2,
@@ -178,6 +188,62 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     );
     again.release().await.unwrap();
     acked.release().await.unwrap();
+}
+
+/// A failover that demotes the master while it stays up (`SENTINEL FAILOVER`, or a master
+/// frozen past the down-after time and woken): the locker's connection to the old master stays
+/// open and every write on it is answered `READONLY` — a reply, not a broken connection. The
+/// locker takes that as a failover too and follows the new master within the failover plus a
+/// command timeout (it used to keep writing to the demoted master for many seconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_demoted_with_its_connections_up_is_followed() {
+    let deployment = RedisSentinel::start();
+    let command_timeout = Duration::from_millis(500);
+    let locker = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&deployment.url())
+        .await
+        .unwrap();
+    let old_port = deployment.servers[deployment.master_index()].port();
+    let before = locker.lock("demoted").acquire().await.unwrap();
+    let token = before.fencing_token();
+    before.release().await.unwrap();
+
+    let sentinel = deployment.sentinels[0].port();
+    let _: () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(redis_sentinel::MASTER_NAME)
+        .query_async(&mut node_conn(sentinel).await)
+        .await
+        .expect("SENTINEL FAILOVER");
+    let promoted = deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    // The old master is a replica once the sentinels reconfigure it (they give a master that
+    // still says it is one a few seconds first), still answering on the locker's connection.
+    poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        async || {
+            let role: Vec<redis::Value> = redis::cmd("ROLE")
+                .query_async(&mut node_conn(old_port).await)
+                .await
+                .map_err(|e| e.to_string())?;
+            match role.first() {
+                Some(redis::Value::BulkString(r)) if r == b"slave" => Ok(()),
+                other => Err(format!("old master's role: {other:?}")),
+            }
+        },
+    )
+    .await;
+    let demoted = Instant::now();
+    let g = taken_once_followed(&locker, "demoted", locker.default_ttl()).await;
+    let followed_in = demoted.elapsed();
+    assert!(
+        followed_in < command_timeout * 2,
+        "the locker kept talking to the demoted master for {followed_in:?}"
+    );
+    assert!(has_lock(promoted, "demoted").await);
+    assert!(g.fencing_token() > token);
+    g.release().await.unwrap();
 }
 
 /// A backend without replicas refuses `.replicas(n)` with a typed error instead of granting a

@@ -20,10 +20,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, WaitMode, Watch};
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
+mod admin;
 mod idempotency;
+mod kinds;
 
 const SHARDS: usize = 64;
 
@@ -61,8 +63,12 @@ struct Shard {
 #[derive(Debug, Default)]
 struct Entry {
     holder: Option<(OwnerToken, Instant)>,
+    /// The holder's fencing token.
+    fence: u64,
     /// Waiters in arrival order, with the instant their entry expires.
     queue: VecDeque<(OwnerToken, Instant)>,
+    /// A semaphore's or read-write lock's holders and waiters (`kinds`).
+    shared: kinds::Shared,
 }
 
 impl Entry {
@@ -80,7 +86,9 @@ impl Entry {
     }
 
     fn is_dead(&self, now: Instant) -> bool {
-        self.live_holder(now).is_none() && self.queue.iter().all(|(_, exp)| *exp <= now)
+        self.live_holder(now).is_none()
+            && self.queue.iter().all(|(_, exp)| *exp <= now)
+            && self.shared.is_dead(now)
     }
 }
 
@@ -118,15 +126,16 @@ impl MemoryBackend {
             .sum()
     }
 
-    /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`)
-    /// whoever holds it, like `DEL` on the Redis backend: an operator's tool for a stuck lock,
+    /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`, or
+    /// a semaphore's or read-write lock's, `dlock:{pool}:sem`, whose holders all go) whoever
+    /// holds it, like `DEL` on the Redis backend: an operator's tool for a stuck lock,
     /// and how tests take a lock away behind its holder's back. The holder learns at its next
     /// renewal. Returns whether a live lock was freed.
     pub fn force_release(&self, resource: &str) -> bool {
         self.with_entry(resource, |e, now| {
             let held = e.live_holder(now).is_some();
             e.holder = None;
-            held
+            e.shared.force_release(now) || held
         })
     }
 
@@ -214,8 +223,9 @@ impl MemoryBackend {
             }
             e.queue.retain(|(t, _)| t != args.token);
             e.holder = Some((args.token.clone(), now + args.ttl));
+            e.fence = self.next_fence();
             Attempt::Acquired {
-                fencing_token: self.next_fence(),
+                fencing_token: e.fence,
             }
         })
     }
@@ -237,8 +247,20 @@ impl Backend for MemoryBackend {
         Some(self)
     }
 
+    fn admin(&self) -> Option<&dyn super::AdminStore> {
+        Some(self)
+    }
+
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         let out = self.attempt(&args);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn acquire_kind<'a>(
+        &'a self,
+        args: AcquireArgs<'a>,
+    ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        let out = self.attempt_kind(&args);
         Box::pin(std::future::ready(Ok(out)))
     }
 
@@ -247,6 +269,10 @@ impl Backend for MemoryBackend {
         resource: &'a ResourceName,
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
+        if resource.kind() != LockKind::Exclusive {
+            let released = self.release_kind(resource, token, false);
+            return Box::pin(std::future::ready(Ok(released)));
+        }
         let (released, next) =
             self.with_entry(resource.as_str(), |e, now| match e.live_holder(now) {
                 Some((t, _)) if t == token => {
@@ -269,6 +295,10 @@ impl Backend for MemoryBackend {
         token: &'a OwnerToken,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
+        if resource.kind() != LockKind::Exclusive {
+            let ok = self.extend_kind(resource, token, ttl);
+            return Box::pin(std::future::ready(Ok(ok)));
+        }
         let ok = self.with_entry(resource.as_str(), |e, now| {
             match e.holder.as_mut().filter(|(_, exp)| *exp > now) {
                 Some((t, exp)) if t == token => {
@@ -286,6 +316,10 @@ impl Backend for MemoryBackend {
         resource: &'a ResourceName,
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
+        if resource.kind() != LockKind::Exclusive {
+            self.release_kind(resource, token, true);
+            return Box::pin(std::future::ready(Ok(())));
+        }
         let wake = self.with_entry(resource.as_str(), |e, now| {
             let mut freed = false;
             if matches!(e.live_holder(now), Some((t, _)) if t == token) {

@@ -24,6 +24,39 @@
 //!   same fencing token and restarts the lease.
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
+//! * [`acquire_kind`](Backend::acquire_kind) (optional): semaphores and read-write locks
+//!   ([`LockKind`]). See below.
+//! * [`admin`](Backend::admin) (optional): an [`AdminStore`] for operators — inspect a lock,
+//!   list a namespace's locks, force-release a stuck one.
+//!
+//! ## Semaphores and read-write locks
+//!
+//! A semaphore permit and a read or write hold are leases like a lock's: one owner token, a
+//! fencing token, a TTL renewed by the watchdog, owner-checked release. Their
+//! [`ResourceName`] says which kind it is ([`ResourceName::kind`]) and has a name of its own
+//! (`<prefix>:{<key>}:sem`, `…:rw`). The locker sends their first attempt to
+//! [`acquire_kind`](Backend::acquire_kind) — default [`LockError::Unsupported`], so a backend
+//! that does not implement it refuses rather than hand out a mutex — and everything after it
+//! (`release`, `extend`, `extend_many`, `abandon`, `watch`) to the same methods as a lock's:
+//! a backend that implements `acquire_kind` dispatches on `resource.kind()` there.
+//!
+//! The rule every backend keeps, in one model: a name has *holders* (owner token, shared or
+//! exclusive, lease) and a FIFO *queue* of waiters (token, shared or exclusive, entry that
+//! expires after the waiter TTL). Capacity is [`LockKind::capacity`] (the semaphore's permits,
+//! unbounded for a read-write lock); a [`Write`](LockKind::Write) hold is exclusive, every
+//! other one shared. Walk the queue from its head, admitting each waiter that fits beside the
+//! live holders and the waiters admitted before it (shared: no exclusive holder and fewer than
+//! capacity holders; exclusive: no holder at all), and stop at the first that does not fit:
+//! those admitted form the *ready prefix*. An attempt in [`WaitMode::Queue`] is granted when
+//! the caller is in the ready prefix (a newcomer joins at the tail first); in
+//! [`WaitMode::Try`] when it would be admitted after the *whole* queue (it never overtakes a
+//! waiter); in [`WaitMode::Barge`] when it fits beside the holders. So a waiting writer blocks
+//! readers that arrive after it (writers are not starved), and a semaphore's waiters take
+//! permits in arrival order. A release or abandon that frees room wakes exactly the waiters
+//! of the new ready prefix (one for a permit, every leading reader after a writer) through
+//! [`ReleaseHub::notify`]; there is no direct handoff. Every grant draws a new fencing token
+//! from the same counter as locks: a writer's token is greater than every token issued on the
+//! name before it, readers' and permits' tokens are distinct and increasing too.
 //!
 //! `name`, `acquire`, `release`, `extend` and `abandon` are all a backend must write; the
 //! conformance suite (feature `conformance`) checks every promise above against it. A locker
@@ -32,7 +65,8 @@
 //!
 //! Backends in this crate: [`MemoryBackend`] (in-process) and, under feature `redis`,
 //! [`RedisBackend`] and [`RedlockBackend`]; under feature `postgres`, [`PostgresBackend`];
-//! under feature `etcd`, `EtcdBackend` (module `etcd`).
+//! under feature `etcd`, `EtcdBackend` (module `etcd`); under feature `zookeeper`, `ZkBackend`
+//! (module `zookeeper`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -44,12 +78,14 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
 mod memory;
 pub use memory::MemoryBackend;
 
+pub mod admin;
+pub use self::admin::AdminStore;
 pub mod idempotency;
 pub use self::idempotency::IdempotencyStore;
 #[cfg(feature = "redis")]
@@ -64,6 +100,10 @@ pub use self::postgres::{PostgresBackend, PostgresOptions};
 pub mod etcd;
 #[cfg(feature = "etcd")]
 pub use self::etcd::{EtcdBackend, EtcdOptions};
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
+#[cfg(feature = "zookeeper")]
+pub use self::zookeeper::{ZkBackend, ZkOptions};
 #[cfg(feature = "redis")]
 pub mod redlock;
 #[cfg(feature = "redis")]
@@ -127,6 +167,11 @@ pub struct AcquireArgs<'a> {
     pub mode: WaitMode,
     /// How long a queue entry lives without being refreshed by another attempt.
     pub waiter_ttl: Duration,
+    /// Whether the locker's watchdog will renew the lock while it is held
+    /// ([`LockRequest::auto_renew`](crate::LockRequest::auto_renew)). A backend may keep the
+    /// locks it renews differently (etcd puts them on a shared session lease); one that is
+    /// not renewed must expire after its TTL on its own.
+    pub renew: bool,
 }
 
 /// The outcome of one acquire attempt.
@@ -144,6 +189,24 @@ pub enum Attempt {
         /// The holder's remaining lease, when known.
         remaining: Option<Duration>,
     },
+}
+
+impl Attempt {
+    /// The outcome a lock script or function answered in the shared encoding: the fencing
+    /// token (> 0) when granted, `-(the holder's lease left ms) - 1` when held, `0` when free
+    /// but another waiter is first (the Redis scripts and the Postgres functions).
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    pub(crate) fn from_reply(reply: i64) -> Self {
+        match reply {
+            1.. => Attempt::Acquired {
+                fencing_token: reply.unsigned_abs(),
+            },
+            0 => Attempt::Held { remaining: None },
+            _ => Attempt::Held {
+                remaining: Some(Duration::from_millis((-(reply + 1)).unsigned_abs())),
+            },
+        }
+    }
 }
 
 /// One entry of a batched renewal ([`Backend::extend_many`]).
@@ -238,6 +301,32 @@ pub trait Backend: Send + Sync + 'static {
     /// Where this backend keeps idempotency records, atomically with its locks (an optional
     /// capability, [`IdempotencyStore`]). Default: none — the backend does not support them.
     fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
+        None
+    }
+
+    /// One acquire attempt of a semaphore permit or a read or write hold
+    /// (`args.resource.kind()` is not [`LockKind::Exclusive`]), by the rule in the
+    /// [module docs](self#semaphores-and-read-write-locks). A backend that implements it
+    /// must also honour the kind in [`release`](Backend::release), [`extend`](Backend::extend),
+    /// [`extend_many`](Backend::extend_many) and [`abandon`](Backend::abandon).
+    ///
+    /// Optional: the default answers [`LockError::Unsupported`] (Redlock keeps it: per-node
+    /// holder sets could disagree on who holds a permit).
+    fn acquire_kind<'a>(
+        &'a self,
+        args: AcquireArgs<'a>,
+    ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        let what = match args.resource.kind() {
+            LockKind::Semaphore { .. } => "semaphores",
+            _ => "read-write locks",
+        };
+        let name = self.name();
+        Box::pin(async move { Err(LockError::unsupported(name, what)) })
+    }
+
+    /// Inspection and forced release for operators (an optional capability, [`AdminStore`]).
+    /// Default: none.
+    fn admin(&self) -> Option<&dyn AdminStore> {
         None
     }
 

@@ -33,6 +33,11 @@
 //! * **Waiting** is not FIFO: per-node queues could disagree on who is first and deadlock the
 //!   majority, so waiters compete ("barge") on each release notification and on a jittered
 //!   backoff, as the Redlock description prescribes.
+//! * **Semaphores and read-write locks** are refused with
+//!   [`LockError::Unsupported`] (the default of
+//!   [`Backend::acquire_kind`]): each node would keep its own holder set, and a majority of
+//!   nodes each admitting N holders does not bound the holders to N — several minorities can
+//!   each count different holders. Redlock offers no weak version of them.
 //!
 //! # Fencing tokens
 //!
@@ -435,8 +440,13 @@ impl Backend for RedlockBackend {
                 WaitMode::Try => WaitMode::Try,
                 _ => WaitMode::Barge,
             };
-            let (resource, token, ttl, waiter_ttl) =
-                (args.resource, args.token, args.ttl, args.waiter_ttl);
+            let (resource, token, ttl, waiter_ttl, renew) = (
+                args.resource,
+                args.token,
+                args.ttl,
+                args.waiter_ttl,
+                args.renew,
+            );
             let floor = super::redis::Floor::exact(&self.inner.fence_seen);
             let votes = self
                 .poll(
@@ -448,6 +458,7 @@ impl Backend for RedlockBackend {
                                 ttl,
                                 mode,
                                 waiter_ttl,
+                                renew,
                             };
                             Ok(match node.acquire_with_floor(a, floor).await? {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),

@@ -32,9 +32,16 @@
 //! ```
 //!
 //! The checks cover locks ([`locks`]: mutual exclusion, owner checks, fencing, watchdog, loss,
-//! fair waiting, expiry, cancellation, extend) and, when the store says the backend stores
+//! fair waiting, expiry, cancellation, extend), multi-key locks and the minimum hold
+//! ([`multi`]: opposite key orders without deadlock, all-or-nothing, cancel safety,
+//! `hold_at_least`), leader election ([`election`]: handover on resign, drop and loss, terms,
+//! one leader at a time) and, when the store says the backend stores
 //! idempotency records ([`Store::idempotency`]), the idempotency storage ([`idempotency`]: run,
-//! replay, mismatch, in progress, abort, expiry, owner checks, fencing).
+//! replay, mismatch, in progress, abort, expiry, owner checks, fencing), and semaphores and
+//! read-write locks ([`kinds`]: at most N permits, no reader beside a writer, FIFO waiting, a
+//! waiting writer blocking new readers, dead holders expiring, fencing, watchdog and loss,
+//! cancellation) — or, for a store that says it does not offer them ([`Store::kinds`]), their
+//! typed refusal.
 //!
 //! Timing: the checks wait for *events* (a guard reported lost, a waiter counted as queued, a
 //! task finishing) and use wall-clock bounds only where time passing is the behaviour under
@@ -47,11 +54,19 @@ use std::time::{Duration, Instant};
 
 use crate::{Locker, LockerBuilder};
 
+pub mod admin;
+pub mod election;
 pub mod idempotency;
+pub mod kinds;
 pub mod locks;
+pub mod multi;
 
+pub use self::admin::*;
+pub use self::election::*;
 pub use self::idempotency::*;
+pub use self::kinds::*;
 pub use self::locks::*;
+pub use self::multi::*;
 
 /// A boxed future.
 pub type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -76,6 +91,14 @@ pub struct Store {
     /// Without them waiters wake on their fallback timer, and the wake-up check asks only that
     /// the waiter gets the lock on that timer.
     pub notifications: bool,
+    /// Whether the backend offers semaphores and read-write locks
+    /// ([`Backend::acquire_kind`](crate::backend::Backend::acquire_kind)); for one that does
+    /// not, the [`kinds`] checks assert that it refuses them with
+    /// [`LockError::Unsupported`](crate::LockError::Unsupported).
+    pub kinds: bool,
+    /// Whether the backend has the inspection capability ([`AdminStore`](crate::backend::AdminStore));
+    /// one without must say so ([`admin`] checks that it answers `Unsupported`).
+    pub admin: bool,
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
@@ -90,7 +113,7 @@ pub fn unique_key(what: &str) -> String {
 }
 
 impl Store {
-    /// A store with FIFO waiting and idempotency storage (change the fields for a backend
+    /// A store with FIFO waiting, idempotency storage and inspection (change the fields for a backend
     /// without them).
     pub fn new(
         name: &'static str,
@@ -104,6 +127,8 @@ impl Store {
             fifo: true,
             idempotency: true,
             notifications: true,
+            kinds: true,
+            admin: true,
         }
     }
 
@@ -127,9 +152,19 @@ pub(crate) async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut
 /// attempt the backend did not answer in time (a loaded machine, a slow node) is simply made
 /// again: only the deadline fails the check, and any other error.
 pub(crate) async fn free_within(locker: &Locker, key: &str, limit: Duration) -> Duration {
+    kind_free_within(locker, key, crate::LockKind::Exclusive, limit).await
+}
+
+/// [`free_within`] for what `kind` takes on `key` (a permit, a read or write hold).
+pub(crate) async fn kind_free_within(
+    locker: &Locker,
+    key: &str,
+    kind: crate::LockKind,
+    limit: Duration,
+) -> Duration {
     let start = Instant::now();
     loop {
-        match locker.lock(key).try_acquire().await {
+        match locker.request(key, kind).try_acquire().await {
             Ok(Some(g)) => {
                 if let Err(e) = g.release().await {
                     assert!(e.is_unavailable(), "release: {e}");
@@ -141,10 +176,26 @@ pub(crate) async fn free_within(locker: &Locker, key: &str, limit: Duration) -> 
         }
         assert!(
             start.elapsed() < limit,
-            "`{key}` still held after {limit:?}"
+            "`{key}` ({kind:?}) still held after {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+/// A holder that vanished `waited` ago with lease `ttl` freed in time: not before its TTL
+/// (less `early`, how long before `waited` began the lease may have started), and within 2 s
+/// of it.
+pub(crate) fn assert_freed_at_ttl(store: &Store, waited: Duration, ttl: Duration, early: Duration) {
+    assert!(
+        waited >= ttl - early,
+        "{}: got it before the TTL ended ({waited:?})",
+        store.name
+    );
+    assert!(
+        waited < ttl + Duration::from_secs(2),
+        "{}: waited {waited:?}",
+        store.name
+    );
 }
 
 /// Runs every check.
@@ -167,6 +218,22 @@ pub async fn run_all(store: &Store) {
     extend_can_shorten_the_lease(store).await;
     extend_reschedules_the_watchdog(store).await;
     release_after_the_lease_ran_out_is_lost(store).await;
+    multi_key_opposite_orders(store).await;
+    multi_key_all_or_nothing(store).await;
+    multi_key_cancel_safety(store).await;
+    hold_at_least_keeps_the_lock(store).await;
+    semaphore_admits_at_most_permits(store).await;
+    semaphore_waiters_are_served_in_order(store).await;
+    semaphore_dead_holders_expire(store).await;
+    rw_readers_share_writers_exclude(store).await;
+    rw_waiting_writer_blocks_new_readers(store).await;
+    rw_writer_release_admits_leading_readers(store).await;
+    kinds_fencing_tokens_increase(store).await;
+    kinds_watchdog_loss_and_owner_checks(store).await;
+    kinds_cancelled_acquires_leave_nothing(store).await;
+    admin_inspect_list_force_release(store).await;
+    election_leadership_moves_on_resign_and_drop(store).await;
+    election_recampaigns_after_loss(store).await;
 }
 
 /// Runs `check` on a fresh multi-threaded tokio runtime (2 workers): what each generated test
@@ -210,9 +277,25 @@ macro_rules! conformance_tests {
             extend_can_shorten_the_lease,
             extend_reschedules_the_watchdog,
             release_after_the_lease_ran_out_is_lost,
+            multi_key_opposite_orders,
+            multi_key_all_or_nothing,
+            multi_key_cancel_safety,
+            hold_at_least_keeps_the_lock,
+            election_leadership_moves_on_resign_and_drop,
+            election_recampaigns_after_loss,
             idempotency_runs_once_then_replays,
             idempotency_in_progress_abort_and_expiry,
             idempotency_complete_is_owner_checked,
+            semaphore_admits_at_most_permits,
+            semaphore_waiters_are_served_in_order,
+            semaphore_dead_holders_expire,
+            rw_readers_share_writers_exclude,
+            rw_waiting_writer_blocks_new_readers,
+            rw_writer_release_admits_leading_readers,
+            kinds_fencing_tokens_increase,
+            kinds_watchdog_loss_and_owner_checks,
+            kinds_cancelled_acquires_leave_nothing,
+            admin_inspect_list_force_release,
         );
     };
     (@each $make:path; $($check:ident),* $(,)?) => {

@@ -12,6 +12,7 @@ use tokio_util::time::DelayQueue;
 
 use super::{DeferPolicy, JobInfo, QueueLimits};
 use crate::backend::BoxFuture;
+use crate::key::KeyLog;
 use crate::util::panic_message;
 use crate::LockError;
 
@@ -60,6 +61,8 @@ struct Shared {
     dead: VecDeque<(PendingJob, Instant)>,
     closed: bool,
     limits: QueueLimits,
+    /// How keys appear in events (the locker's setting).
+    key_log: KeyLog,
 }
 
 impl Shared {
@@ -72,7 +75,7 @@ impl Shared {
             if !expired && self.dead.len() <= self.limits.max_dead_letters {
                 break;
             }
-            event("dropped", &job.info);
+            event(self.key_log, "dropped", &job.info);
             self.dead.pop_front();
         }
         self.dead.front().map(|(_, at)| *at + retention)
@@ -80,7 +83,7 @@ impl Shared {
 
     fn push_dead(&mut self, mut job: PendingJob, reason: String) {
         job.info.reason = Some(reason);
-        event("dead_lettered", &job.info);
+        event(self.key_log, "dead_lettered", &job.info);
         self.pending.remove(&job.info.id);
         self.dead.push_back((job, Instant::now()));
         self.prune_dead(Instant::now());
@@ -122,8 +125,8 @@ impl Default for DeferQueue {
     }
 }
 
-fn event(event: &'static str, info: &JobInfo) {
-    info.event("memory", event);
+fn event(key_log: KeyLog, event: &'static str, info: &JobInfo) {
+    info.event("memory", event, key_log);
 }
 
 impl DeferQueue {
@@ -145,6 +148,12 @@ impl DeferQueue {
         }
     }
 
+    /// Shows keys in events as `key_log` does (the owning locker's setting).
+    pub(crate) fn key_log(self, key_log: KeyLog) -> Self {
+        self.shared().key_log = key_log;
+        self
+    }
+
     /// The queue's bounds.
     pub fn limits(&self) -> QueueLimits {
         self.shared().limits.clone()
@@ -162,6 +171,7 @@ impl DeferQueue {
     pub(crate) fn push(
         &self,
         key: &str,
+        name: &'static str,
         policy: DeferPolicy,
         work: Box<dyn DeferredWork>,
     ) -> Result<String, LockError> {
@@ -184,7 +194,7 @@ impl DeferQueue {
                 return Err(LockError::queue_full(key, "memory"));
             }
         }
-        let info = JobInfo::new(crate::util::secure_token::<16>(), key, 0);
+        let info = JobInfo::new(crate::util::secure_token::<16>(), key, 0).named(name);
         let first = policy.backoff(1);
         let job = PendingJob {
             info: info.clone(),
@@ -197,7 +207,7 @@ impl DeferQueue {
             self.shared().pending.remove(&info.id);
             return Err(LockError::unavailable("the defer queue task is gone", None));
         }
-        event("deferred", &info);
+        event(self.shared().key_log, "deferred", &info);
         Ok(info.id)
     }
 
@@ -247,7 +257,7 @@ impl DeferQueue {
             job
         };
         let first = job.policy.backoff(1);
-        event("requeued", &job.info);
+        event(self.shared().key_log, "requeued", &job.info);
         match self.sender() {
             Ok(tx) => tx.send(Cmd::Push(job, first)).is_ok(),
             Err(_) => false,
@@ -277,8 +287,9 @@ impl DeferQueue {
             None => ShutdownReport::default(),
         };
         let mut shared = self.shared();
+        let key_log = shared.key_log;
         for (job, _) in shared.dead.drain(..) {
-            event("dropped", &job.info);
+            event(key_log, "dropped", &job.info);
             report.dropped.push(job.info);
         }
         shared.pending.clear();
@@ -296,6 +307,7 @@ async fn attempt(job: PendingJob) -> Outcome {
 
 async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
     let lock = || shared.lock().unwrap_or_else(PoisonError::into_inner);
+    let key_log = lock().key_log;
     let mut queue: DelayQueue<PendingJob> = DelayQueue::new();
     let mut running: JoinSet<Outcome> = JoinSet::new();
     // Which job each running attempt belongs to: to account for a panicking one, and for one
@@ -315,7 +327,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                         Ok((task, Outcome::Done(info))) => {
                             running_ids.remove(&task);
                             completed += 1;
-                            event("completed", &info);
+                            event(key_log, "completed", &info);
                         }
                         Ok((task, Outcome::Busy(job))) => {
                             running_ids.remove(&task);
@@ -336,7 +348,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                 }
                 lock().pending.clear();
                 for info in &dropped {
-                    event("dropped", info);
+                    event(key_log, "dropped", info);
                 }
                 let _ = reply.send(ShutdownReport { completed, dropped });
                 running.abort_all();
@@ -374,7 +386,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                     running_ids.remove(&task);
                     lock().pending.remove(&info.id);
                     completed += 1;
-                    event("completed", &info);
+                    event(key_log, "completed", &info);
                 }
                 Ok((task, Outcome::Busy(mut job))) => {
                     running_ids.remove(&task);
@@ -389,7 +401,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                             job.policy.backoff(job.info.attempts + 1)
                         };
                         lock().pending.insert(job.info.id.clone(), job.info.clone());
-                        event("retried", &job.info);
+                        event(key_log, "retried", &job.info);
                         queue.insert(job, wait);
                     }
                 }

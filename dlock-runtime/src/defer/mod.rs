@@ -33,10 +33,13 @@
 //! Every step emits a `tracing` event on target `dlock::defer` with the fields `event`
 //! (`deferred`, `retried`, `dead_lettered`, `completed`, `failed`, `requeued`, `dropped`, and
 //! for the durable queue `abandoned`: a worker stalled past its claim and stopped the job),
-//! `queue` (`memory` or `redis`), `job_id`, `key` and `attempt`, ready to be counted by a
-//! metrics layer.
+//! `queue` (`memory` or `redis`), `job_id`, `key` (redacted unless the locker was built with
+//! `trace_plain_keys(true)`; always redacted for the durable queue), `name` and `attempt`;
+//! with feature `metrics` each is also counted in `dlock_jobs_total`.
 
 use std::time::Duration;
+
+use crate::key::KeyLog;
 
 mod memory;
 pub(crate) use memory::DeferredWork;
@@ -57,17 +60,23 @@ pub struct JobInfo {
     /// For a dead letter: why it was dead-lettered (lock still busy, the job's last error or
     /// panic, a claim that kept expiring, undecodable data).
     pub reason: Option<String>,
+    /// The job's bounded name in metrics and events: the request's
+    /// [`name`](crate::LockRequest::name), or a durable job's type.
+    pub(crate) name: std::borrow::Cow<'static, str>,
 }
 
 impl JobInfo {
-    /// Emits the `tracing` event `event` for this job (see the [module docs](self)).
-    pub(crate) fn event(&self, queue: &'static str, event: &'static str) {
+    /// Emits the `tracing` event `event` for this job (see the [module docs](self)), with the
+    /// key as `key_log` shows it, and counts it in `dlock_jobs_total`.
+    pub(crate) fn event(&self, queue: &'static str, event: &'static str, key_log: KeyLog) {
+        crate::metrics::job(queue, &self.name, event);
         tracing::info!(
             target: "dlock::defer",
             event,
             queue,
             job_id = %self.id,
-            key = %self.key,
+            key = %key_log.show(&self.key),
+            name = %self.name,
             attempt = self.attempts,
         );
     }
@@ -78,7 +87,14 @@ impl JobInfo {
             key: key.into(),
             attempts,
             reason: None,
+            name: crate::metrics::UNNAMED.into(),
         }
+    }
+
+    /// The job's bounded name (see [`crate::metrics`]).
+    pub(crate) fn named(mut self, name: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        self.name = name.into();
+        self
     }
 }
 

@@ -251,5 +251,5 @@ pub(crate) fn millis(d: Duration) -> u64 {
 }
 
 pub(crate) fn event(event: &'static str, info: &JobInfo) {
-    info.event("redis", event);
+    info.event("redis", event, crate::key::KeyLog::default());
 }

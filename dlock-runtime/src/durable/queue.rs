@@ -246,13 +246,14 @@ impl DurableQueue {
             ttl_ms: millis(crate::util::validate_ttl(ttl)?),
         };
         let payload = serde_json::to_string(&env).expect("an envelope of JSON values serializes");
-        self.enqueue_raw(&payload, &key, delay).await
+        self.enqueue_raw(&payload, &key, J::NAME, delay).await
     }
 
     async fn enqueue_raw(
         &self,
         payload: &str,
         key: &LockKey,
+        name: &'static str,
         delay: Duration,
     ) -> Result<String, LockError> {
         let id = crate::util::secure_token::<16>();
@@ -274,12 +275,16 @@ impl DurableQueue {
                 event = "full",
                 queue = "redis",
                 name = %self.inner.name,
-                key = %key.as_str(),
+                key = %crate::key::KeyLog::default().show(key.as_str()),
+                job_type = name,
                 max_queued = self.inner.limits.max_queued,
             );
             return Err(LockError::queue_full(key.as_str(), &self.inner.name));
         }
-        event("deferred", &JobInfo::new(id.clone(), key.as_str(), 0));
+        event(
+            "deferred",
+            &JobInfo::new(id.clone(), key.as_str(), 0).named(name),
+        );
         Ok(id)
     }
 
@@ -293,7 +298,13 @@ impl DurableQueue {
         ttl: Duration,
     ) -> Result<Submitted, LockError> {
         let key = job.lock_key()?;
-        match locker.lock(key.clone()).ttl(ttl).try_acquire().await? {
+        match locker
+            .lock(key.clone())
+            .ttl(ttl)
+            .name(J::NAME)
+            .try_acquire()
+            .await?
+        {
             Some(guard) => {
                 let ctx = JobContext {
                     job_id: String::new(),
@@ -370,22 +381,75 @@ impl DurableQueue {
 
     /// The dead-letter set, oldest first, each with the reason it was dead-lettered.
     pub async fn dead_letters(&self) -> Result<Vec<JobInfo>, LockError> {
+        let ids = self.ids("dead").await?;
+        self.describe(ids).await
+    }
+
+    /// The jobs queued (waiting for their due time) or running (claimed by a worker), due
+    /// order first, then claim order: what an operator lists (`dlock jobs list`).
+    pub async fn pending(&self) -> Result<Vec<(JobInfo, JobStatus)>, LockError> {
+        let mut out = Vec::new();
+        for (set, status) in [("due", JobStatus::Queued), ("inflight", JobStatus::Running)] {
+            let ids = self.ids(set).await?;
+            for info in self.describe(ids).await? {
+                out.push((info, status.clone()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes dead letters for good: the one with `id`, or all of them (`None`). Answers how
+    /// many were deleted.
+    pub async fn purge_dead(&self, id: Option<&str>) -> Result<usize, LockError> {
+        let ids = match id {
+            Some(id) => vec![id.to_owned()],
+            None => self.ids("dead").await?,
+        };
+        let mut purged = 0;
         let mut conn = self.inner.conn.clone();
-        let ids: Vec<String> = self
-            .deadline(
-                "dead letters",
-                redis::cmd("ZRANGE")
-                    .arg(self.key("dead"))
-                    .arg(0)
-                    .arg(-1)
-                    .query_async(&mut conn),
-            )
-            .await?;
+        for id in ids {
+            let (n, ..): (i64, i64, i64, i64) = self
+                .deadline(
+                    "purge",
+                    redis::pipe()
+                        .atomic()
+                        .zrem(self.key("dead"), &id)
+                        .hdel(self.key("jobs"), &id)
+                        .hdel(self.key("attempts"), &id)
+                        .hdel(self.key("reasons"), &id)
+                        .query_async(&mut conn),
+                )
+                .await?;
+            if n == 1 {
+                event("purged", &JobInfo::new(id, "", 0));
+                purged += 1;
+            }
+        }
+        Ok(purged)
+    }
+
+    /// The ids in the sorted set `set`, lowest score first.
+    async fn ids(&self, set: &str) -> Result<Vec<String>, LockError> {
+        let mut conn = self.inner.conn.clone();
+        self.deadline(
+            "list",
+            redis::cmd("ZRANGE")
+                .arg(self.key(set))
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut conn),
+        )
+        .await
+    }
+
+    /// Each job's key, attempts and dead-letter reason (if any).
+    async fn describe(&self, ids: Vec<String>) -> Result<Vec<JobInfo>, LockError> {
+        let mut conn = self.inner.conn.clone();
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             let (payload, attempts, reason): (Option<String>, Option<u32>, Option<String>) = self
                 .deadline(
-                    "dead letter",
+                    "describe job",
                     redis::pipe()
                         .hget(self.key("jobs"), &id)
                         .hget(self.key("attempts"), &id)

@@ -195,14 +195,16 @@ impl DurableWorker {
             }
         };
         let policy = env.policy();
-        let Some(runner) = self.runners.get(env.kind.as_str()).cloned() else {
+        let Some((&name, runner)) = self.runners.get_key_value(env.kind.as_str()) else {
             // Another instance may know this type: put it back for them.
             tracing::warn!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
             let reason = format!("no worker knows the job type `{}`", env.kind);
-            self.put_back(&claim, &info(&env.key), &policy, &reason)
-                .await;
+            let info = info(&env.key).named(env.kind.clone());
+            self.put_back(&claim, &info, &policy, &reason).await;
             return;
         };
+        let runner = runner.clone();
+        let info = |key: &str| info(key).named(name);
         // The stored key is already encoded: take it as is.
         let key = match LockKey::from_encoded(&env.key) {
             Ok(k) => k,
@@ -213,7 +215,14 @@ impl DurableWorker {
             }
         };
         let ttl = Duration::from_millis(env.ttl_ms);
-        let guard = match self.locker.lock(key).ttl(ttl).try_acquire().await {
+        let guard = match self
+            .locker
+            .lock(key)
+            .ttl(ttl)
+            .name(name)
+            .try_acquire()
+            .await
+        {
             Ok(Some(g)) => g,
             Ok(None) => {
                 let reason = format!("its lock was still busy after {} attempts", claim.attempt);

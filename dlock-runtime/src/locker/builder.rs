@@ -77,6 +77,16 @@ impl LockerBuilder {
         self
     }
 
+    /// Whether this locker's `tracing` spans and events record keys as they are (`true`) or
+    /// redacted (`false`, the default): a short keyed hash (`#` and 12 hex digits of SHA-256
+    /// over a per-process random secret and the key), the same for one key within a process,
+    /// so one lock's events can be followed without the key — which may hold user data —
+    /// reaching the logs. Metrics never carry keys (see [`crate::metrics`]).
+    pub fn trace_plain_keys(mut self, plain: bool) -> Self {
+        self.config.key_log = crate::key::KeyLog { plain };
+        self
+    }
+
     /// Builds a locker over `backend`.
     ///
     /// # Panics
@@ -94,8 +104,13 @@ impl LockerBuilder {
             return Err(LockError::invalid_key(reason));
         }
         let backend = backend.into_backend();
-        let watchdog = Watchdog::new(backend.clone(), self.config.command_timeout);
-        let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone());
+        let watchdog = Watchdog::new(
+            backend.clone(),
+            self.config.command_timeout,
+            self.config.key_log,
+        );
+        let defer = crate::defer::DeferQueue::with_limits(self.config.defer_limits.clone())
+            .key_log(self.config.key_log);
         Ok(Locker {
             inner: Arc::new(Inner {
                 id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
@@ -104,6 +119,7 @@ impl LockerBuilder {
                 config: self.config,
                 waiting: AtomicUsize::new(0),
                 defer,
+                contention: Default::default(),
             }),
         })
     }
@@ -151,11 +167,18 @@ impl LockerBuilder {
                 self.try_build(backend)
             }
             #[cfg(feature = "etcd")]
-            "etcd" => {
+            "etcd" | "etcds" => {
                 let opts = crate::backend::EtcdOptions::default()
                     .command_timeout(self.config.command_timeout)
                     .connect_timeout(self.config.command_timeout);
                 let backend = crate::backend::EtcdBackend::connect(url, opts).await?;
+                self.try_build(backend)
+            }
+            #[cfg(feature = "zookeeper")]
+            "zk" => {
+                let opts = crate::backend::ZkOptions::default()
+                    .command_timeout(self.config.command_timeout);
+                let backend = crate::backend::ZkBackend::connect(url, opts).await?;
                 self.try_build(backend)
             }
             #[cfg(feature = "redis")]
@@ -174,7 +197,7 @@ impl LockerBuilder {
                 self.try_build(backend)
             }
             _ => Err(LockError::unavailable(
-                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://, etcd://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`, etcd feature `etcd`)"),
+                format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://, etcd://, etcds://, zk://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`, etcd feature `etcd`, zk feature `zookeeper`)"),
                 None,
             )),
         }

@@ -8,14 +8,18 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::backend::{Backend, IntoBackend, MemoryBackend};
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::watchdog::Watchdog;
 use crate::{LockError, LockKey, OnFail};
 
 mod builder;
+pub(crate) mod contention;
+mod kinds;
 mod request;
 
 pub use builder::LockerBuilder;
+pub use contention::ContentionEvent;
+pub use kinds::RwLockRequest;
 pub use request::LockRequest;
 
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
@@ -49,6 +53,8 @@ struct Inner {
     waiting: AtomicUsize,
     /// The in-process delay queue for `OnFail::Defer`.
     defer: crate::defer::DeferQueue,
+    /// Recent contended attempts.
+    contention: contention::ContentionLog,
 }
 
 #[derive(Clone, Debug)]
@@ -60,6 +66,7 @@ struct Config {
     on_fail: OnFail,
     defer_limits: crate::defer::QueueLimits,
     replicas: u32,
+    key_log: crate::key::KeyLog,
 }
 
 impl Default for Config {
@@ -72,6 +79,7 @@ impl Default for Config {
             on_fail: OnFail::Reject,
             defer_limits: crate::defer::QueueLimits::default(),
             replicas: 0,
+            key_log: crate::key::KeyLog::default(),
         }
     }
 }
@@ -121,6 +129,9 @@ impl Locker {
     /// * `etcd://[user:password@]host:port,host:port,…` (feature `etcd`) — an etcd cluster,
     ///   through any of its members, with the lock recipe of etcd's concurrency package (module
     ///   `backend::etcd`); fencing tokens are the holder key's create revision.
+    /// * `zk://host:port,host:port,…[/chroot][?session_timeout_ms=N]` (feature `zookeeper`) — a
+    ///   ZooKeeper ensemble, with the ephemeral-sequential-node recipe (module
+    ///   `backend::zookeeper`); fencing tokens are the holder node's creation zxid.
     ///
     /// Fails with [`LockError::Unavailable`] if the server does not answer in time, and with
     /// [`LockError::InvalidKey`]-free typed errors for unknown schemes.
@@ -136,6 +147,11 @@ impl Locker {
     /// Starts a request for the lock on `key`: a literal key (`&str`, `String`) or a
     /// [`LockKey`]. Invalid keys are reported by `acquire`/`try_acquire`.
     pub fn lock(&self, key: impl IntoLockKey) -> LockRequest<'_> {
+        self.request(key, LockKind::Exclusive)
+    }
+
+    /// A request for what `kind` takes on `key` (see [`Locker::semaphore`], [`Locker::rw`]).
+    pub(crate) fn request(&self, key: impl IntoLockKey, kind: LockKind) -> LockRequest<'_> {
         LockRequest {
             locker: self,
             key: key.into_lock_key(),
@@ -143,6 +159,9 @@ impl Locker {
             on_fail: None,
             auto_renew: true,
             replicas: None,
+            hold_at_least: None,
+            kind,
+            name: crate::metrics::UNNAMED,
         }
     }
 
@@ -184,6 +203,33 @@ impl Locker {
         self.inner.config.default_ttl
     }
 
+    /// What requests do when the lock is held, unless they say ([`LockerBuilder::default_on_fail`]).
+    pub(crate) fn default_on_fail(&self) -> &OnFail {
+        &self.inner.config.on_fail
+    }
+
+    /// `key` as this locker's `tracing` spans and events show it: a short keyed hash
+    /// (`#` and 12 hex digits, stable within the process) unless the locker was built with
+    /// [`LockerBuilder::trace_plain_keys`]. For a middleware's own log lines about a lock.
+    pub fn trace_key<'a>(&self, key: &'a str) -> impl fmt::Display + 'a {
+        self.inner.config.key_log.show(key)
+    }
+
+    /// `err`'s message with its key shown as [`trace_key`](Locker::trace_key) shows it: what
+    /// to log instead of `err` itself.
+    pub fn trace_error<'a>(&self, err: &'a LockError) -> impl fmt::Display + 'a {
+        self.inner.config.key_log.error(err)
+    }
+
+    pub(crate) fn key_log(&self) -> crate::key::KeyLog {
+        self.inner.config.key_log
+    }
+
+    /// The metric labels of requests named `name` on this locker.
+    pub(crate) fn labels(&self, name: &'static str) -> crate::metrics::Labels {
+        crate::metrics::Labels::new(self.inner.backend.name(), name)
+    }
+
     pub(crate) fn id(&self) -> u64 {
         self.inner.id
     }
@@ -204,6 +250,16 @@ impl Locker {
 
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
         &self.inner.backend
+    }
+
+    pub(crate) fn note_contention(&self, key: &LockKey, remaining: Option<Duration>) {
+        self.inner.contention.note(key, remaining);
+    }
+
+    /// This locker's contended acquire attempts of the last `window` (at most the newest
+    /// 4096), oldest first: in-process, for an ops page or a log line.
+    pub fn recent_contention(&self, window: Duration) -> Vec<ContentionEvent> {
+        self.inner.contention.since(window)
     }
 
     /// The backend-facing name of `key` under this locker's prefix.

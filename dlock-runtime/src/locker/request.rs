@@ -8,14 +8,16 @@ use std::time::{Duration, Instant};
 use tracing::Instrument as _;
 
 use crate::backend::{AcquireArgs, Attempt, BoxFuture, WaitMode, Watch};
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::lease::{Grant, Undo};
 use crate::util::validate_ttl;
 use crate::{LockError, LockGuard, LockKey, OnFail, RetryPolicy};
 
 use super::Locker;
 
-/// A request for one lock, from [`Locker::lock`]. Set options, then `acquire` (or `.await` it
+/// A request for one lock, from [`Locker::lock`] — or for a semaphore permit
+/// ([`Locker::semaphore`]) or a read or write hold of a read-write lock ([`Locker::rw`]), with
+/// the same options and the same [`LockGuard`]. Set options, then `acquire` (or `.await` it
 /// directly) or `try_acquire`.
 #[must_use = "a lock request does nothing until acquired"]
 pub struct LockRequest<'a> {
@@ -25,6 +27,9 @@ pub struct LockRequest<'a> {
     pub(super) on_fail: Option<OnFail>,
     pub(super) auto_renew: bool,
     pub(super) replicas: Option<u32>,
+    pub(super) hold_at_least: Option<Duration>,
+    pub(super) kind: LockKind,
+    pub(super) name: &'static str,
 }
 
 impl fmt::Debug for LockRequest<'_> {
@@ -35,6 +40,9 @@ impl fmt::Debug for LockRequest<'_> {
             .field("on_fail", &self.on_fail)
             .field("auto_renew", &self.auto_renew)
             .field("replicas", &self.replicas)
+            .field("hold_at_least", &self.hold_at_least)
+            .field("kind", &self.kind)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -76,21 +84,120 @@ impl<'a> LockRequest<'a> {
         self
     }
 
+    /// Keeps the lock at least `hold` after it was acquired, even when it is released sooner —
+    /// ShedLock's `lockAtLeastFor`, for scheduled jobs: when several instances run the same
+    /// tick with skewed clocks, the one that comes late still finds the lock taken and skips.
+    ///
+    /// A release (or drop) before `hold` has passed does not delete the lock: it stops renewal
+    /// and sets the lease (owner-checked) to what is left of `hold`, so the lock frees by itself
+    /// when the hold ends. After that, release is as usual. `hold` must not exceed the TTL
+    /// ([`LockError::InvalidTtl`] otherwise). On etcd the rest is rounded up to whole seconds.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+    /// use std::time::Duration;
+    /// let locker = dlock_runtime::Locker::memory();
+    /// let guard = locker
+    ///     .lock("job:nightly-report")
+    ///     .ttl(Duration::from_secs(60))
+    ///     .hold_at_least(Duration::from_secs(30))
+    ///     .acquire()
+    ///     .await?;
+    /// guard.release().await?; // done early: the lock stays until 30 s after the acquire
+    /// assert!(locker.lock("job:nightly-report").try_acquire().await?.is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn hold_at_least(mut self, hold: Duration) -> Self {
+        self.hold_at_least = Some(hold);
+        self
+    }
+
+    /// The lock's name in metrics and traces: a bounded name for a family of keys (the
+    /// attribute passes its key template, e.g. `order:<id>`), never the key itself, so the
+    /// number of metric series stays bounded. Default: [`UNNAMED`](crate::metrics::UNNAMED).
+    pub fn name(mut self, name: &'static str) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// What this request takes: [`LockKind::Exclusive`] from [`Locker::lock`].
+    pub fn kind(&self) -> LockKind {
+        self.kind
+    }
+
+    /// The checked key, TTL and name of what this request takes; [`LockError::Reentrant`] when
+    /// the current task already holds the key through this locker.
+    fn target(&mut self) -> Result<(LockKey, Duration, ResourceName), LockError> {
+        let locker = self.locker;
+        let key = std::mem::replace(&mut self.key, Err(LockError::NoLocker))?;
+        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
+        match self.kind {
+            LockKind::Semaphore { permits: 0 } => {
+                return Err(LockError::InvalidPermits { permits: 0 })
+            }
+            LockKind::Exclusive => {}
+            // Replica acknowledgement renews and waits on a lock's key only.
+            _ if self.replicas.unwrap_or(locker.inner.config.replicas) > 0 => {
+                return Err(LockError::unsupported(
+                    locker.backend().name(),
+                    "replica acknowledgement of semaphores and read-write locks",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(hold) = self.hold_at_least {
+            if hold > ttl {
+                return Err(LockError::InvalidTtl {
+                    ttl,
+                    reason: format!("hold_at_least ({hold:?}) must not exceed the ttl"),
+                });
+            }
+        }
+        // Any hold of the same lock by this task would make this request wait for itself: a
+        // read or write hold for either mode of a read-write lock (probing with `Read` finds
+        // both), any permit of the semaphore, the lock itself.
+        let probe = match self.kind {
+            LockKind::Read | LockKind::Write => LockKind::Read,
+            kind => kind,
+        };
+        if crate::context::held_by_task(locker.id(), &key, probe).is_some() {
+            return Err(LockError::reentrant(key.as_str()));
+        }
+        let resource = locker.resource(key.clone()).with_kind(self.kind);
+        Ok((key, ttl, resource))
+    }
+
     /// Acquires the lock with the request's strategy.
+    ///
+    /// Fails with [`LockError::Reentrant`] when the current task already holds `key` through
+    /// `#[distributed_lock]` or [`with_lock`](crate::with_lock) on this locker: waiting would
+    /// wait for itself. (Nested attribute calls re-enter instead; a guard merely kept in a
+    /// variable is not known to the task — wrap the work in [`with_lock`](crate::with_lock).)
     ///
     /// Cancel-safe: dropping this future at any point never leaves the lock held without a
     /// guard — whatever reached the backend is undone in the background (and a queued waiter
     /// leaves the queue).
     pub async fn acquire(self) -> Result<LockGuard, LockError> {
+        let (labels, start) = (self.locker.labels(self.name), Instant::now());
+        let out = self.acquire_inner().await;
+        labels.finished(out.as_ref().map(|_| true), start);
+        out
+    }
+
+    async fn acquire_inner(mut self) -> Result<LockGuard, LockError> {
         let locker = self.locker;
-        let key = self.key?;
-        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
+        let (key, ttl, resource) = self.target()?;
         let on_fail = self
             .on_fail
+            .clone()
             .unwrap_or_else(|| locker.inner.config.on_fail.clone());
-        let span = tracing::debug_span!("dlock.acquire", key = %key);
-        let resource = locker.resource(key);
-        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
+        let span = tracing::debug_span!(
+            "dlock.acquire",
+            key = %locker.key_log().show(key.as_str()),
+            name = self.name,
+            backend = locker.backend_name(),
+        );
+        let take = Take::new(locker, ttl, &self);
         match on_fail {
             // `acquire` has no work to defer: one attempt, like Reject.
             OnFail::Reject | OnFail::Defer(_) => {
@@ -112,16 +219,55 @@ impl<'a> LockRequest<'a> {
 
     /// One attempt, whatever the strategy: `Ok(None)` when someone else holds the lock.
     pub async fn try_acquire(self) -> Result<Option<LockGuard>, LockError> {
+        let (labels, start) = (self.locker.labels(self.name), Instant::now());
+        let out = self.try_acquire_inner().await;
+        labels.finished(out.as_ref().map(Option::is_some), start);
+        out
+    }
+
+    async fn try_acquire_inner(mut self) -> Result<Option<LockGuard>, LockError> {
         let locker = self.locker;
-        let key = self.key?;
-        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
-        let span = tracing::debug_span!("dlock.try_acquire", key = %key);
-        let resource = locker.resource(key);
-        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
+        let (key, ttl, resource) = self.target()?;
+        let span = tracing::debug_span!(
+            "dlock.try_acquire",
+            key = %locker.key_log().show(key.as_str()),
+            name = self.name,
+            backend = locker.backend_name(),
+        );
+        let take = Take::new(locker, ttl, &self);
         Ok(attempt_once(locker, resource, take)
             .instrument(span)
             .await?
             .ok())
+    }
+
+    /// Skip-if-running, for scheduled jobs (ShedLock's use case): one attempt; when the lock is
+    /// free, runs `work` under it (visible to [`current_lock`](crate::current_lock)), releases
+    /// it and returns `Ok(Some(output))`; when another owner holds it, returns `Ok(None)` at
+    /// once without running `work` — another instance is doing the job. Errors (backend down,
+    /// invalid key) are returned as usual. Combine with [`hold_at_least`](Self::hold_at_least)
+    /// so that an instance whose clock is a little behind does not run the same tick again.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+    /// use std::time::Duration;
+    /// let locker = dlock_runtime::Locker::memory();
+    /// let ran = locker
+    ///     .lock("job:cleanup")
+    ///     .hold_at_least(Duration::from_secs(5))
+    ///     .run_or_skip(async { "cleaned" })
+    ///     .await?;
+    /// assert_eq!(ran, Some("cleaned"));
+    /// // Within the 5 s hold, another instance skips the tick.
+    /// assert_eq!(locker.lock("job:cleanup").run_or_skip(async { "again" }).await?, None);
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_or_skip<F: Future>(self, work: F) -> Result<Option<F::Output>, LockError> {
+        let locker = self.locker;
+        let Some(guard) = self.try_acquire().await? else {
+            return Ok(None);
+        };
+        Ok(Some(run_under(locker, guard, work).await))
     }
 
     /// Takes the lock with the request's strategy, runs `work` while holding it (with the lock
@@ -151,7 +297,7 @@ impl<'a> LockRequest<'a> {
     /// drop(held); // the queue runs the work once the lock frees
     /// # }
     /// ```
-    pub async fn run<F>(self, work: F) -> Result<F::Output, LockError>
+    pub async fn run<F>(mut self, work: F) -> Result<F::Output, LockError>
     where
         F: Future + Send + 'static,
         F::Output: Send + 'static,
@@ -167,44 +313,64 @@ impl<'a> LockRequest<'a> {
         };
         let Some(policy) = policy else {
             let guard = self.acquire().await?;
-            let out = crate::context::scope(locker.id(), guard.info(), work).await;
-            if let Err(e) = guard.release().await {
-                tracing::warn!(error = %e, "dlock: lock was not cleanly released after the work finished");
-            }
-            return Ok(out);
+            return Ok(run_under(locker, guard, work).await);
         };
-        let key = self.key?;
-        let ttl = validate_ttl(self.ttl.unwrap_or(locker.inner.config.default_ttl))?;
-        let resource = locker.resource(key.clone());
-        let take = Take::new(locker, ttl, self.auto_renew, self.replicas);
-        match attempt_once(locker, resource, take).await? {
-            Ok(guard) => {
-                let out = crate::context::scope(locker.id(), guard.info(), work).await;
-                if let Err(e) = guard.release().await {
-                    tracing::warn!(error = %e, "dlock: lock was not cleanly released after the work finished");
-                }
-                Ok(out)
-            }
-            Err(_) => {
-                let job_id = locker.inner.defer.push(
-                    key.as_str(),
-                    policy,
-                    Box::new(LockedWork {
-                        locker: locker.clone(),
-                        key: key.clone(),
-                        ttl,
-                        work: Box::pin(async move {
-                            let _ = work.await;
-                        }),
-                    }),
-                )?;
-                Err(LockError::Deferred {
-                    key: key.as_str().to_owned(),
-                    job_id,
-                })
-            }
+        let (labels, start, name) = (locker.labels(self.name), Instant::now(), self.name);
+        let taken = async {
+            let (key, ttl, resource) = self.target()?;
+            let take = Take::new(locker, ttl, &self);
+            Ok((attempt_once(locker, resource, take).await?, key, ttl))
         }
+        .await;
+        let (attempted, key, ttl) = match taken {
+            Ok(taken) => taken,
+            Err(e) => {
+                labels.finished(Err(&e), start);
+                return Err(e);
+            }
+        };
+        if let Ok(guard) = attempted {
+            labels.finished(Ok(true), start);
+            return Ok(run_under(locker, guard, work).await);
+        }
+        let pushed = locker.inner.defer.push(
+            key.as_str(),
+            name,
+            policy,
+            Box::new(LockedWork {
+                locker: locker.clone(),
+                key: key.clone(),
+                kind: self.kind,
+                ttl,
+                name,
+                work: Box::pin(async move {
+                    let _ = work.await;
+                }),
+            }),
+        );
+        let err = match pushed {
+            Ok(job_id) => LockError::Deferred {
+                key: key.as_str().to_owned(),
+                job_id,
+            },
+            Err(e) => e,
+        };
+        labels.finished(Err(&err), start);
+        Err(err)
     }
+}
+
+/// Runs `work` holding `guard` (visible to [`current_lock`](crate::current_lock)), then
+/// releases it.
+async fn run_under<F: Future>(locker: &Locker, guard: LockGuard, work: F) -> F::Output {
+    let out = crate::context::scope(locker.id(), guard.info(), work).await;
+    if let Err(e) = guard.release().await {
+        tracing::warn!(
+            error = %locker.trace_error(&e),
+            "dlock: lock was not cleanly released after the work finished"
+        );
+    }
+    out
 }
 
 /// Deferred work under its lock: what the in-process [`DeferQueue`](crate::defer::DeferQueue)
@@ -212,7 +378,9 @@ impl<'a> LockRequest<'a> {
 struct LockedWork {
     locker: Locker,
     key: LockKey,
+    kind: LockKind,
     ttl: Duration,
+    name: &'static str,
     work: BoxFuture<'static, ()>,
 }
 
@@ -223,22 +391,23 @@ impl crate::defer::DeferredWork for LockedWork {
         Box::pin(async move {
             let attempt = self
                 .locker
-                .lock(self.key.clone())
+                .request(self.key.clone(), self.kind)
                 .ttl(self.ttl)
+                .name(self.name)
                 .try_acquire()
                 .await;
             match attempt {
                 Ok(Some(guard)) => {
                     let LockedWork { locker, work, .. } = *self;
-                    crate::context::scope(locker.id(), guard.info(), work).await;
-                    if let Err(e) = guard.release().await {
-                        tracing::warn!(error = %e, "dlock: deferred job's lock was not cleanly released");
-                    }
+                    run_under(&locker, guard, work).await;
                     Ok(())
                 }
                 Ok(None) => Err(self as Box<dyn crate::defer::DeferredWork>),
                 Err(e) => {
-                    tracing::debug!(error = %e, "dlock: deferred attempt could not reach the backend");
+                    tracing::debug!(
+                        error = %self.locker.trace_error(&e),
+                        "dlock: deferred attempt could not reach the backend"
+                    );
                     Err(self as Box<dyn crate::defer::DeferredWork>)
                 }
             }
@@ -262,14 +431,19 @@ struct Take {
     ttl: Duration,
     auto_renew: bool,
     replicas: u32,
+    hold_at_least: Option<Duration>,
+    /// The request's metric labels.
+    labels: crate::metrics::Labels,
 }
 
 impl Take {
-    fn new(locker: &Locker, ttl: Duration, auto_renew: bool, replicas: Option<u32>) -> Self {
+    fn new(locker: &Locker, ttl: Duration, request: &LockRequest<'_>) -> Self {
         Take {
             ttl,
-            auto_renew,
-            replicas: replicas.unwrap_or(locker.inner.config.replicas),
+            auto_renew: request.auto_renew,
+            replicas: request.replicas.unwrap_or(locker.inner.config.replicas),
+            hold_at_least: request.hold_at_least,
+            labels: locker.labels(request.name),
         }
     }
 }
@@ -283,16 +457,21 @@ async fn attempt(
     mode: WaitMode,
 ) -> Result<Result<Grant, Option<Duration>>, LockError> {
     let sent_ns = locker.watchdog().now_ns();
+    take.labels.attempt();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
         ttl: take.ttl,
         mode,
         waiter_ttl: locker.waiter_ttl_for(take.ttl),
+        renew: take.auto_renew,
     };
-    let out = locker
-        .with_deadline("acquire", locker.backend().acquire(args))
-        .await?;
+    let backend = locker.backend();
+    let asked = match args.resource.kind() {
+        LockKind::Exclusive => backend.acquire(args),
+        _ => backend.acquire_kind(args),
+    };
+    let out = locker.with_deadline("acquire", asked).await?;
     Ok(match out {
         Attempt::Acquired { fencing_token } => Ok(Grant {
             fencing_token,
@@ -300,8 +479,12 @@ async fn attempt(
             lease: take.ttl,
             sent_ns,
             auto_renew: take.auto_renew,
+            labels: take.labels,
         }),
-        Attempt::Held { remaining } => Err(remaining),
+        Attempt::Held { remaining } => {
+            locker.note_contention(flight.resource().key(), remaining);
+            Err(remaining)
+        }
     })
 }
 
@@ -314,8 +497,9 @@ async fn hold(
     locker: &Locker,
     mut flight: Undo<'_>,
     mut grant: Grant,
-    replicas: u32,
+    take: Take,
 ) -> Result<LockGuard, LockError> {
+    let replicas = take.replicas;
     if replicas > 0 {
         replicated(locker, &mut flight, grant.ttl, replicas).await?;
         // The renewal sent before `WAIT` set the whole lease; counting it from the grant's
@@ -323,7 +507,10 @@ async fn hold(
         grant.lease = grant.ttl;
     }
     let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
-    let guard = LockGuard::new(flight.into_lease(grant, locker.id()));
+    let mut guard = LockGuard::new(flight.into_lease(grant, locker.id()));
+    if let Some(hold) = take.hold_at_least {
+        guard.hold_at_least(hold);
+    }
     if short {
         guard.extend(ttl).await?;
     }
@@ -369,8 +556,9 @@ async fn attempt_once(
     let mut flight = Undo::new(locker.watchdog(), resource, take.ttl);
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
-    match attempt(locker, &flight, take, WaitMode::Try).await? {
-        Ok(grant) => Ok(Ok(hold(locker, flight, grant, take.replicas).await?)),
+    let out = attempt(locker, &flight, take, WaitMode::Try).await;
+    match refused(&mut flight, out)? {
+        Ok(grant) => Ok(Ok(hold(locker, flight, grant, take).await?)),
         Err(remaining) => {
             flight.disarm();
             Ok(Err(remaining))
@@ -406,15 +594,27 @@ async fn wait_for(
     // to this waiter does so after that attempt reached the backend, so the handed-over lease
     // is counted from then: never later than it really started.
     let mut asked_ns;
+    // When a release last woke this waiter: the handoff time runs from there.
+    let mut woken: Option<Instant> = None;
+    let handoff = |woken: Option<Instant>| {
+        if let Some(at) = woken {
+            take.labels.handoff(at.elapsed());
+        }
+    };
     loop {
         asked_ns = locker.watchdog().now_ns();
-        let remaining = match attempt(locker, &flight, take, mode).await? {
-            Ok(grant) => return hold(locker, flight, grant, take.replicas).await,
+        let out = attempt(locker, &flight, take, mode).await;
+        let remaining = match refused(&mut flight, out)? {
+            Ok(grant) => {
+                handoff(woken);
+                return hold(locker, flight, grant, take).await;
+            }
             Err(remaining) => remaining,
         };
         let now = Instant::now();
         if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
-            return hold(locker, flight, grant, take.replicas).await;
+            handoff(woken);
+            return hold(locker, flight, grant, take).await;
         }
         if now >= deadline {
             // Leave the queue before reporting, so the caller's next move sees it gone.
@@ -437,7 +637,7 @@ async fn wait_for(
                     locker.backend().watch(flight.resource(), flight.token()),
                 )
                 .await?;
-            watch = Some((w, WaitingCount::enter(locker)));
+            watch = Some((w, WaitingCount::enter(locker, take.labels)));
             continue;
         }
         let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
@@ -450,14 +650,27 @@ async fn wait_for(
             tokio::select! {
                 // A fair waiter is woken alone, when it is first: start over. Barging waiters
                 // (Redlock) are woken together; keeping their backoff avoids a lockstep retry.
-                _ = w.notified() => { if fifo { step = 0; } }
-                _ = tokio::time::sleep(sleep) => {}
+                _ = w.notified() => {
+                    woken = Some(Instant::now());
+                    if fifo { step = 0; }
+                }
+                _ = tokio::time::sleep(sleep) => { woken = None; }
             }
             if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
-                return hold(locker, flight, grant, take.replicas).await;
+                handoff(woken);
+                return hold(locker, flight, grant, take).await;
             }
         }
     }
+}
+
+/// An attempt's outcome; a backend that refused the kind ([`LockError::Unsupported`]) took
+/// nothing, so there is nothing to undo.
+fn refused<T>(flight: &mut Undo<'_>, out: Result<T, LockError>) -> Result<T, LockError> {
+    if matches!(&out, Err(e) if e.is_unsupported()) {
+        flight.disarm();
+    }
+    out
 }
 
 /// The grant of a lock that a release handed to this waiter (direct handoff), if one did.
@@ -474,21 +687,111 @@ fn handed_over(
         lease,
         sent_ns: asked_ns,
         auto_renew: take.auto_renew,
+        labels: take.labels,
     })
 }
 
-/// Counts a task in [`Locker::waiting`] while it lives.
-struct WaitingCount<'a>(&'a Locker);
+/// Counts a task in [`Locker::waiting`] (and the `dlock_waiters` gauge) while it lives.
+struct WaitingCount<'a>(&'a Locker, crate::metrics::Labels);
 
 impl<'a> WaitingCount<'a> {
-    fn enter(locker: &'a Locker) -> Self {
+    fn enter(locker: &'a Locker, labels: crate::metrics::Labels) -> Self {
         locker.inner.waiting.fetch_add(1, Ordering::AcqRel);
-        WaitingCount(locker)
+        labels.waiting(true);
+        WaitingCount(locker, labels)
     }
 }
 
 impl Drop for WaitingCount<'_> {
     fn drop(&mut self) {
         self.0.inner.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.1.waiting(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_by_hand_acquire_of_a_lock_the_task_holds_is_a_typed_error() {
+        let locker = Locker::memory();
+        let guard = locker.lock("k").acquire().await.unwrap();
+        crate::with_lock(&guard, async {
+            for err in [
+                locker.lock("k").acquire().await.unwrap_err(),
+                locker.lock("k").try_acquire().await.unwrap_err(),
+                locker.lock("k").run(async {}).await.unwrap_err(),
+            ] {
+                assert!(err.is_reentrant(), "{err}");
+            }
+            // Another key, and the same key on another locker, are not re-entrant.
+            assert!(locker.lock("other").try_acquire().await.unwrap().is_some());
+            assert!(Locker::memory()
+                .lock("k")
+                .try_acquire()
+                .await
+                .unwrap()
+                .is_some());
+        })
+        .await;
+        guard.release().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn hold_at_least_longer_than_the_ttl_is_refused() {
+        let locker = Locker::memory();
+        let err = locker
+            .lock("k")
+            .ttl(Duration::from_secs(1))
+            .hold_at_least(Duration::from_secs(2))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::InvalidTtl { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_guard_keeps_its_minimum_hold_too() {
+        let locker = Locker::memory();
+        let hold = Duration::from_millis(300);
+        let taken = Instant::now();
+        let guard = locker
+            .lock("k")
+            .ttl(Duration::from_secs(10))
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        drop(guard);
+        loop {
+            match locker.lock("k").try_acquire().await.unwrap() {
+                Some(_) => break,
+                None => assert!(taken.elapsed() < Duration::from_secs(3), "never freed"),
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(taken.elapsed() >= hold, "freed after {:?}", taken.elapsed());
+    }
+
+    #[tokio::test]
+    async fn run_or_skip_skips_a_held_lock_without_running() {
+        let locker = Locker::memory();
+        let held = locker.lock("job").acquire().await.unwrap();
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let out = locker
+            .lock("job")
+            .run_or_skip(async { ran.store(true, Ordering::SeqCst) })
+            .await
+            .unwrap();
+        assert!(out.is_none());
+        assert!(!ran.load(Ordering::SeqCst));
+        held.release().await.unwrap();
+        let out = locker
+            .lock("job")
+            .run_or_skip(async { crate::current_lock().map(|l| l.key().to_owned()) })
+            .await
+            .unwrap();
+        assert_eq!(out, Some(Some("job".to_owned())));
     }
 }

@@ -78,6 +78,7 @@ where
         .locker
         .lock(key.clone())
         .ttl(shared.ttl())
+        .name(shared.name)
         .try_acquire()
         .await
     {
@@ -85,14 +86,17 @@ where
             request.extensions_mut().insert(guard.info());
             let out = dlock_runtime::with_lock(&guard, inner.call(request)).await;
             if let Err(e) = guard.release().await {
-                tracing::warn!(error = %e, "dlock-tower: lock not cleanly released after the request");
+                tracing::warn!(
+                    error = %shared.locker.trace_error(&e),
+                    "dlock-tower: lock not cleanly released after the request"
+                );
             }
             out
         }
         Ok(None) => Ok(defer(&shared, key, request).await),
         Err(e) if e.is_unavailable() && shared.fail_mode == FailMode::Open => {
             tracing::warn!(
-                error = %e,
+                error = %shared.locker.trace_error(&e),
                 "dlock-tower: lock backend unavailable, failing open: calling the service without a lock"
             );
             inner.call(request).await

@@ -89,6 +89,8 @@ pub(crate) struct Shared {
     pub(crate) policy: DeferPolicy,
     pub(crate) ttl: Option<Duration>,
     pub(crate) fail_mode: FailMode,
+    /// The lock's bounded name in metrics and traces.
+    pub(crate) name: &'static str,
     pub(crate) missing_key: MissingKey,
     pub(crate) status_path: String,
     pub(crate) body_limit: usize,
@@ -104,6 +106,7 @@ impl Shared {
             policy: DeferPolicy::default(),
             ttl: None,
             fail_mode: FailMode::default(),
+            name: dlock_runtime::metrics::UNNAMED,
             missing_key: MissingKey::default(),
             status_path: "/jobs".to_owned(),
             body_limit: 1 << 20,

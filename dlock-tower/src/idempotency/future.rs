@@ -187,9 +187,12 @@ async fn read_response_body<B: Body<Data = Bytes>>(body: B, limit: usize) -> Col
 }
 
 /// Releases the key without a record, logging a failure (the TTL then frees it).
-async fn abort(op: IdempotentOperation) {
+async fn abort(op: IdempotentOperation, shared: &Shared) {
     if let Err(err) = op.abort().await {
-        tracing::warn!(error = %err, "dlock-tower: releasing an idempotency key without a record failed");
+        tracing::warn!(
+            error = %shared.locker.trace_error(&err),
+            "dlock-tower: releasing an idempotency key without a record failed"
+        );
     }
 }
 
@@ -245,7 +248,8 @@ where
     let mut begin = shared
         .locker
         .idempotency(lock_key, fingerprint)
-        .retention(shared.retention);
+        .retention(shared.retention)
+        .name(shared.name);
     if let Some(ttl) = shared.ttl {
         begin = begin.ttl(ttl);
     }
@@ -277,7 +281,7 @@ where
         }
         Err(err) if err.is_unavailable() && shared.fail_mode == FailMode::Open => {
             tracing::warn!(
-                error = %err,
+                error = %shared.locker.trace_error(&err),
                 "dlock-tower: idempotency store unavailable, failing open: \
                  calling the service without idempotency"
             );
@@ -295,14 +299,14 @@ where
     let response = match response {
         Ok(response) => response,
         Err(err) => {
-            abort(op).await;
+            abort(op, &shared).await;
             return Err(err);
         }
     };
 
     let (head, body) = response.into_parts();
     if !is_storable(head.status) || body.size_hint().lower() > shared.max_response_body as u64 {
-        abort(op).await;
+        abort(op, &shared).await;
         return Ok(Response::from_parts(head, ResponseBody::inner(body)));
     }
     // The handler has produced its response: from here on, storing it must finish even if
@@ -352,10 +356,13 @@ where
             let stored = StoredResponse::capture(&head, &shared.replay_headers, bytes.clone());
             if let Err(err) = op.complete(&stored.encode()).await {
                 // The client still gets its response; without a record, a retry runs again.
-                tracing::warn!(error = %err, "dlock-tower: storing the idempotent response failed");
+                tracing::warn!(
+                    error = %shared.locker.trace_error(&err),
+                    "dlock-tower: storing the idempotent response failed"
+                );
             }
         }
-        Collected::Partial { .. } => abort(op).await,
+        Collected::Partial { .. } => abort(op, &shared).await,
     }
     (head, collected)
 }

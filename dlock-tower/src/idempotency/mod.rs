@@ -285,6 +285,8 @@ pub(crate) struct Shared {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) replay_headers: Vec<HeaderName>,
+    /// The lock's bounded name in metrics and traces.
+    pub(crate) name: &'static str,
     pub(crate) missing_key: MissingKey,
     pub(crate) fail_mode: FailMode,
 }
@@ -306,6 +308,7 @@ impl Shared {
                 .iter()
                 .map(|h| HeaderName::from_static(h))
                 .collect(),
+            name: dlock_runtime::metrics::UNNAMED,
             missing_key: MissingKey::default(),
             fail_mode: FailMode::default(),
         }

@@ -17,6 +17,7 @@ use crate::Rejection;
 
 type AcquireFuture = Pin<Box<dyn Future<Output = Result<LockGuard, LockError>> + Send>>;
 type ReleaseFuture = Pin<Box<dyn Future<Output = Result<(), LockError>> + Send>>;
+type LostFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 pin_project! {
     /// The response future of [`DistributedLock`](super::DistributedLock): extracts the key,
@@ -33,7 +34,9 @@ pin_project! {
         // Declared before `guard`: on drop, the handler stops before the lock is released.
         #[pin]
         state: State<K::Future, S::Future, ReqBody, S::Response>,
-        guard: Option<LockGuard>,
+        guard: Option<Arc<LockGuard>>,
+        // With `cancel_on_lost`: resolves when the guard's lock is lost (holds a clone of it).
+        lost: Option<LostFuture>,
         inner: Option<S>,
         shared: Arc<Shared>,
     }
@@ -59,6 +62,7 @@ where
         ResponseFuture {
             state: State::Extract { fut: extract },
             guard: None,
+            lost: None,
             inner: Some(inner),
             shared,
         }
@@ -68,7 +72,7 @@ where
 fn acquire(shared: &Arc<Shared>, key: LockKey) -> AcquireFuture {
     let shared = shared.clone();
     Box::pin(async move {
-        let mut request = shared.locker.lock(key);
+        let mut request = shared.locker.lock(key).name(shared.name);
         if let Some(ttl) = shared.ttl {
             request = request.ttl(ttl);
         }
@@ -112,7 +116,7 @@ where
                         }
                         Some(Err(err)) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(Rejection::from(err).into_response()));
+                            return Poll::Ready(Ok(this.shared.reject(err)));
                         }
                         None => match this.shared.missing_key {
                             MissingKey::PassThrough => request,
@@ -129,6 +133,11 @@ where
                     match acquired {
                         Ok(guard) => {
                             request.extensions_mut().insert(guard.info());
+                            let guard = Arc::new(guard);
+                            if this.shared.cancel_on_lost {
+                                let watched = guard.clone();
+                                *this.lost = Some(Box::pin(async move { watched.lost().await }));
+                            }
                             *this.guard = Some(guard);
                             request
                         }
@@ -136,7 +145,7 @@ where
                             if err.is_unavailable() && this.shared.fail_mode == FailMode::Open =>
                         {
                             tracing::warn!(
-                                error = %err,
+                                error = %this.shared.locker.trace_error(&err),
                                 "dlock-tower: lock backend unavailable, failing open: \
                                  calling the service without a lock"
                             );
@@ -144,11 +153,22 @@ where
                         }
                         Err(err) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(Rejection::from(err).into_response()));
+                            return Poll::Ready(Ok(this.shared.reject(err)));
                         }
                     }
                 }
                 StateProj::Call { fut } => {
+                    if let Some(lost) = this.lost.as_mut() {
+                        if lost.as_mut().poll(cx).is_ready() {
+                            // Dropping the handler's future here cancels it at its current
+                            // await point; the lost lock needs no release.
+                            this.lost.take();
+                            this.state.set(State::Done);
+                            let key = this.guard.take().map(|g| g.key().to_owned());
+                            let err = LockError::lost(key.as_deref().unwrap_or_default());
+                            return Poll::Ready(Ok(this.shared.reject(err)));
+                        }
+                    }
                     // With the lock visible to `current_lock()` inside the handler (and nested
                     // `#[distributed_lock]` calls on the same key re-entering).
                     let polled = match this.guard.as_ref() {
@@ -164,7 +184,9 @@ where
                             return Poll::Ready(Err(err));
                         }
                     };
-                    match this.guard.take() {
+                    // The loss watcher holds the other reference to the guard.
+                    this.lost.take();
+                    match this.guard.take().and_then(|g| Arc::try_unwrap(g).ok()) {
                         Some(guard) => {
                             this.state.set(State::Release {
                                 fut: Box::pin(guard.release()),
@@ -182,7 +204,10 @@ where
                     if let Err(err) = ready!(fut.as_mut().poll(cx)) {
                         // The work is done and answered; a lock that expired (or a backend
                         // that went away) meanwhile is worth a log line, not a failed request.
-                        tracing::warn!(error = %err, "dlock-tower: releasing the request's lock failed");
+                        tracing::warn!(
+                            error = %this.shared.locker.trace_error(&err),
+                            "dlock-tower: releasing the request's lock failed"
+                        );
                     }
                     let response = response.take().expect("polled after completion");
                     this.state.set(State::Done);

@@ -65,6 +65,48 @@ impl<K> DistributedLockLayer<K> {
         self
     }
 
+    /// The human-readable detail of a contention answer (409), like the attribute's `message`.
+    pub fn message(mut self, detail: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        Arc::make_mut(&mut self.shared).message = Some(detail.into());
+        self
+    }
+
+    /// Builds the answer to a lock error (held by another, timed out, backend down, invalid
+    /// key, lost) instead of the default problem+json. The error carries the
+    /// [`message`](Self::message) as its detail; [`LockError::status`](dlock_runtime::LockError::status)
+    /// and [`retry_after_secs`](dlock_runtime::LockError::retry_after_secs) help keep the
+    /// HTTP meaning. A request without a key still gets the
+    /// [`missing_key`](Self::missing_key) answer.
+    ///
+    /// ```
+    /// # let locker = dlock_runtime::Locker::memory();
+    /// use dlock_tower::{key, DistributedLockLayer};
+    ///
+    /// let layer = DistributedLockLayer::new(locker, key::header("idempotency-key"))
+    ///     .rejection(|err: &dlock_runtime::LockError| {
+    ///         http::Response::builder()
+    ///             .status(err.status())
+    ///             .body(format!("busy, try again ({err})"))
+    ///             .unwrap()
+    ///     });
+    /// ```
+    pub fn rejection<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&dlock_runtime::LockError) -> http::Response<String> + Send + Sync + 'static,
+    {
+        Arc::make_mut(&mut self.shared).rejection = Some(super::RejectFn(Arc::new(f)));
+        self
+    }
+
+    /// The attribute's `on_lost = "cancel"`: when the request's lock is lost while the handler
+    /// runs (renewal refused, lease ran out), the handler's future is dropped at its current
+    /// await point and the request is answered `503` ([`LockError::Lost`](dlock_runtime::LockError::Lost),
+    /// through [`rejection`](Self::rejection) when set). Default: `false` (the handler runs on).
+    pub fn cancel_on_lost(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.shared).cancel_on_lost = on;
+        self
+    }
+
     crate::layer_common_setters!(
         missing_key: "What a request without a key gets. Default: [`MissingKey::Reject`](crate::MissingKey::Reject) (400); \
             [`MissingKey::PassThrough`](crate::MissingKey::PassThrough) calls the inner service without a lock.",
@@ -105,6 +147,8 @@ impl<K> fmt::Debug for DistributedLockLayer<K> {
             .field("on_fail", &self.shared.on_fail)
             .field("fail_mode", &self.shared.fail_mode)
             .field("missing_key", &self.shared.missing_key)
+            .field("message", &self.shared.message)
+            .field("cancel_on_lost", &self.shared.cancel_on_lost)
             .finish()
     }
 }

@@ -57,6 +57,7 @@ mod future;
 mod layer;
 mod service;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_runtime::{Locker, OnFail};
@@ -104,7 +105,28 @@ pub(crate) struct Shared {
     pub(crate) ttl: Option<Duration>,
     pub(crate) on_fail: Option<OnFail>,
     pub(crate) fail_mode: FailMode,
+    /// The lock's bounded name in metrics and traces.
+    pub(crate) name: &'static str,
     pub(crate) missing_key: MissingKey,
+    /// `message(..)`: the detail of a contention answer.
+    pub(crate) message: Option<std::borrow::Cow<'static, str>>,
+    /// `rejection(..)`: builds the answer to a lock error instead of the default.
+    pub(crate) rejection: Option<RejectFn>,
+    /// `cancel_on_lost(true)`: stop the handler and answer 503 when the lock is lost.
+    pub(crate) cancel_on_lost: bool,
+}
+
+/// The closure of [`DistributedLockLayer::rejection`].
+type RejectClosure = dyn Fn(&dlock_runtime::LockError) -> http::Response<String> + Send + Sync;
+
+/// A custom rejection: the response for a [`LockError`](dlock_runtime::LockError).
+#[derive(Clone)]
+pub(crate) struct RejectFn(pub(crate) Arc<RejectClosure>);
+
+impl std::fmt::Debug for RejectFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RejectFn(..)")
+    }
 }
 
 impl Shared {
@@ -114,7 +136,27 @@ impl Shared {
             ttl: None,
             on_fail: None,
             fail_mode: FailMode::default(),
+            name: dlock_runtime::metrics::UNNAMED,
             missing_key: MissingKey::default(),
+            message: None,
+            rejection: None,
+            cancel_on_lost: false,
+        }
+    }
+
+    /// The answer to `err`: with `message` as its detail, through `rejection` when set, else
+    /// the default problem+json ([`Rejection`](crate::Rejection)).
+    pub(crate) fn reject<B: From<String>>(
+        &self,
+        err: dlock_runtime::LockError,
+    ) -> http::Response<B> {
+        let err = match &self.message {
+            Some(m) => err.with_detail(m.clone()),
+            None => err,
+        };
+        match &self.rejection {
+            Some(f) => (f.0)(&err).map(B::from),
+            None => crate::Rejection::from(err).into_response(),
         }
     }
 }

@@ -22,10 +22,12 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use dlock_tests::etcd_server::EtcdCluster;
 use dlock_tests::redis_cluster::{key_slot, RedisCluster, NODE_TIMEOUT};
 use dlock_tests::redis_sentinel::{RedisSentinel, DOWN_AFTER};
 use dlock_tests::redis_server::Failover;
-use dlock_tests::{PostgresServer, RedisServer};
+use dlock_tests::zookeeper_server::ZkEnsemble;
+use dlock_tests::{PostgresServer, Quorum, RedisServer};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, ChildStdin, Command};
 
@@ -79,6 +81,68 @@ impl Signaller {
         let _ = self.stdin.flush().await;
         matches!(self.acks.next_line().await, Ok(Some(l)) if l == "ok")
     }
+}
+
+/// One step run on a [`QuorumOwner`]'s thread.
+type QuorumStep = Box<dyn FnOnce(&mut dyn Quorum) + Send>;
+
+/// A consensus deployment (`etcd`, `zookeeper`) on a thread of its own that lives as long as
+/// the phase: its members die with the thread that started them (`setpriv --pdeathsig`), so
+/// every step that starts one — the start, a restart after `leader-kill` — runs there, never
+/// on a blocking-pool thread that tokio retires when idle. Dropping it ends the thread, which
+/// drops the deployment (members killed, folders removed).
+struct QuorumOwner {
+    steps: std::sync::mpsc::Sender<QuorumStep>,
+}
+
+impl QuorumOwner {
+    async fn start(make: fn() -> Box<dyn Quorum>) -> Result<QuorumOwner, String> {
+        let (steps, rx) = std::sync::mpsc::channel::<QuorumStep>();
+        let (ready, started) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("quorum-owner".into())
+            .spawn(move || {
+                let mut q = make();
+                let _ = ready.send(());
+                for step in rx {
+                    step(&mut *q);
+                }
+            })
+            .map_err(|e| format!("cannot start the quorum's owner thread: {e}"))?;
+        started
+            .await
+            .map_err(|_| "the cluster did not start (see the panic above)".to_owned())?;
+        Ok(QuorumOwner { steps })
+    }
+
+    /// Runs `f` on the deployment, on the owner thread.
+    async fn run<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Quorum) -> R + Send + 'static,
+    ) -> Result<R, String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let step: QuorumStep = Box::new(move |q| {
+            let _ = tx.send(f(q));
+        });
+        self.steps
+            .send(step)
+            .map_err(|_| "the quorum's owner thread is gone".to_owned())?;
+        rx.await
+            .map_err(|_| "a step on the cluster failed (see the panic above)".to_owned())
+    }
+}
+
+/// Polls (on the owner thread) until a member other than `not` leads; whether one did within
+/// `limit`.
+fn wait_new_leader(q: &dyn Quorum, not: usize, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if q.leader().is_some_and(|l| l != not) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
 }
 
 struct WorkerProc {
@@ -267,6 +331,8 @@ enum LockServers {
     Cluster(RedisCluster),
     /// A master, a replica and three sentinels.
     Sentinel(RedisSentinel),
+    /// A consensus store (`etcd`, `zookeeper`), started apart ([`QuorumOwner`]).
+    Quorum,
 }
 
 /// One backend's servers, proxies, resource and workers.
@@ -281,6 +347,8 @@ struct Phase {
     /// The deployment whose masters fail over (`cluster`, `sentinel`); no standalone servers,
     /// no proxies: its clients follow the addresses the nodes or the sentinels announce.
     failover: Option<Shared<dyn Failover>>,
+    /// The etcd cluster or ZooKeeper ensemble (`etcd`, `zookeeper`), reached directly.
+    quorum: Option<QuorumOwner>,
     resource_server: RedisServer,
     resource: Resource,
     workers: Workers,
@@ -297,12 +365,25 @@ impl Phase {
             let lock_servers = match backend {
                 BackendKind::Cluster => LockServers::Cluster(RedisCluster::start(3, 1)),
                 BackendKind::Sentinel => LockServers::Sentinel(RedisSentinel::start()),
+                BackendKind::Etcd | BackendKind::Zookeeper => LockServers::Quorum,
                 _ => LockServers::Standalone(LockServer::start_many(backend)),
             };
             (lock_servers, RedisServer::start())
         })
         .await
         .map_err(|e| format!("starting the servers: {e}"))?;
+        let quorum = match backend {
+            BackendKind::Etcd => Some(
+                QuorumOwner::start(|| Box::new(EtcdCluster::start_cluster()) as Box<dyn Quorum>)
+                    .await?,
+            ),
+            // The JVMs take seconds to start: once per run (one phase per backend).
+            BackendKind::Zookeeper => Some(
+                QuorumOwner::start(|| Box::new(ZkEnsemble::start_ensemble()) as Box<dyn Quorum>)
+                    .await?,
+            ),
+            _ => None,
+        };
         let (servers, cluster, failover): (_, _, Option<Shared<dyn Failover>>) = match lock_servers
         {
             LockServers::Standalone(s) => (s, None, None),
@@ -311,6 +392,7 @@ impl Phase {
                 (Vec::new(), Some(c.clone()), Some(c))
             }
             LockServers::Sentinel(s) => (Vec::new(), None, Some(Arc::new(Mutex::new(s)))),
+            LockServers::Quorum => (Vec::new(), None, None),
         };
         let server_ports: Vec<u16> = servers.iter().map(LockServer::port).collect();
         let mut proxies = Vec::new();
@@ -321,9 +403,10 @@ impl Phase {
                     .map_err(|e| format!("proxy: {e}"))?,
             );
         }
-        let lock_urls = match &failover {
-            Some(f) => vec![lock(f).url()],
-            None => proxies.iter().map(|p| lock_url(backend, p)).collect(),
+        let lock_urls = match (&failover, &quorum) {
+            (Some(f), _) => vec![lock(f).url()],
+            (None, Some(q)) => vec![q.run(|q| q.url()).await?],
+            (None, None) => proxies.iter().map(|p| lock_url(backend, p)).collect(),
         };
         let resource = Resource::connect(&resource_server.url())
             .await
@@ -372,6 +455,7 @@ impl Phase {
             proxies,
             cluster,
             failover,
+            quorum,
             resource_server,
             resource,
             workers,
@@ -540,9 +624,10 @@ impl Phase {
                         let nt = self.cfg.node_timeout.as_millis() as u64;
                         (idx, self.rng.millis(nt, nt * 3))
                     }
-                    BackendKind::Cluster | BackendKind::Sentinel => {
-                        return Err("latency needs proxies".into())
-                    }
+                    BackendKind::Cluster
+                    | BackendKind::Sentinel
+                    | BackendKind::Etcd
+                    | BackendKind::Zookeeper => return Err("latency needs proxies".into()),
                 };
                 let detail = format!(
                     "nodes={targets:?} one_way_ms={} for_ms={}",
@@ -599,6 +684,66 @@ impl Phase {
                     .await
                     .map_err(|e| format!("reshard {detail}: {e}"))?;
                 let end_us = self.record("reshard-end".into()).await?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
+            FaultKind::LeaderKill => {
+                let q = self
+                    .quorum
+                    .as_ref()
+                    .ok_or("leader-kill needs etcd or zookeeper")?;
+                let leader = q
+                    .run(|q| {
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        loop {
+                            match q.leader() {
+                                Some(l) => return Some(l),
+                                None if Instant::now() >= deadline => return None,
+                                None => std::thread::sleep(Duration::from_millis(10)),
+                            }
+                        }
+                    })
+                    .await?
+                    .ok_or("no leader to kill within 10 s")?;
+                let detail = format!("member={leader}");
+                let start_us = self.record(format!("leader-kill {detail}")).await?;
+                let elected = q
+                    .run(move |q| {
+                        q.kill(leader);
+                        wait_new_leader(q, leader, Duration::from_secs(30))
+                    })
+                    .await?;
+                if !elected {
+                    return Err(format!("leader-kill {detail}: no new leader within 30 s"));
+                }
+                // Lifted: another member leads.
+                let end_us = self.record("leader-kill-end".into()).await?;
+                // The killed member comes back on its data and rejoins before the next fault.
+                q.run(|q| q.heal()).await?;
+                Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
+            }
+            FaultKind::MemberFreeze => {
+                let q = self
+                    .quorum
+                    .as_ref()
+                    .ok_or("member-freeze needs etcd or zookeeper")?;
+                let members = q.run(|q| q.members()).await?;
+                let member = self.rng.below(members as u64) as usize;
+                let frozen = self.rng.millis(1000, 2500);
+                let leader = q.run(|q| q.leader()).await?;
+                let detail = format!(
+                    "member={member} leader={} for_ms={}",
+                    leader == Some(member),
+                    frozen.as_millis()
+                );
+                let start_us = self.record(format!("member-freeze {detail}")).await?;
+                q.run(move |q| {
+                    q.pause(member);
+                    std::thread::sleep(frozen);
+                    q.resume(member);
+                })
+                .await?;
+                let end_us = self.record("member-freeze-end".into()).await?;
+                q.run(|q| q.heal()).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::MasterKill | FaultKind::MasterPause => {
@@ -662,6 +807,15 @@ impl Phase {
     async fn leftovers(&self) -> (u64, u64) {
         if self.backend == BackendKind::Postgres {
             return postgres_leftovers(self.server_ports[0]).await;
+        }
+        if let Some(q) = &self.quorum {
+            let Ok(url) = q.run(|q| q.url()).await else {
+                return (0, 0);
+            };
+            return match self.backend {
+                BackendKind::Etcd => etcd_leftovers(&url).await,
+                _ => zookeeper_leftovers(&url).await,
+            };
         }
         let mut locks = 0;
         let mut queues = 0;
@@ -738,15 +892,22 @@ impl Phase {
                 lock(c).node_ports(),
                 self.resource_server.port()
             ),
-            None => println!(
-                "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
-                self.server_ports,
-                self.resource_server.port()
-            ),
+            None => match &self.quorum {
+                Some(q) => println!(
+                    "[{tag}] members at {} (workers reach them directly); resource on port {}",
+                    q.run(|q| q.url()).await?,
+                    self.resource_server.port()
+                ),
+                None => println!(
+                    "[{tag}] lock servers on ports {:?} (workers reach them through proxies); resource on port {}",
+                    self.server_ports,
+                    self.resource_server.port()
+                ),
+            },
         }
         println!("[{tag}] schedule: {}", names_of(&schedule, FaultKind::name));
 
-        let bound = self.cfg.stall_bound();
+        let bound = self.cfg.stall_bound(self.backend);
         for (n, kind) in schedule.into_iter().enumerate() {
             let Some(f) = self.inject(kind).await? else {
                 println!(
@@ -798,7 +959,10 @@ impl Phase {
         // entry that lives up to the waiter TTL, and a release may hand it the lock: a lease of
         // at most the waiter TTL (the runtime's bound for a dead waiter). So a lock still held
         // one command timeout plus one waiter TTL after the stop was leaked.
-        tokio::time::sleep(self.cfg.command_timeout + self.cfg.waiter_ttl).await;
+        // (On etcd a dead waiter's key lives as long as its session lease,
+        // `BackendKind::lease_bound`.)
+        let waiter_bound = self.backend.lease_bound(self.cfg.waiter_ttl);
+        tokio::time::sleep(self.cfg.command_timeout + waiter_bound).await;
         let (locks, queues) = self.leftovers().await;
         // Diagnostic: do leaked locks at least expire within the liveness bound?
         let waited = Instant::now();
@@ -809,7 +973,15 @@ impl Phase {
         }
 
         // Replay the logs.
-        let mut r = PhaseReport::default();
+        let mut r = PhaseReport {
+            stall_bound_ms: bound.as_millis() as u64,
+            consensus: self.backend.consensus(),
+            ..PhaseReport::default()
+        };
+        let stopped = report::stopped_workers(&self.faults);
+        // A task frozen while its lock was being granted enters once it wakes and reads the
+        // acquire's answer: within one command timeout of the thaw.
+        let grace_us = self.cfg.command_timeout.as_micros() as u64;
         let mut completions = Vec::new();
         let mut logs = std::collections::HashMap::new();
         for key in &self.keys {
@@ -822,7 +994,7 @@ impl Phase {
                 let path = PathBuf::from(dir).join(format!("{tag}-{key}.log"));
                 let _ = std::fs::write(&path, log.join("\n"));
             }
-            completions.push(report::replay(&log, &mut r)?);
+            completions.push(report::replay(&log, &stopped, grace_us, &mut r)?);
             logs.insert(key.clone(), log);
             let (val, ver) = self
                 .resource
@@ -888,6 +1060,15 @@ impl Phase {
                 stall.gap_ms,
             );
         }
+        // Overlaps of two live holders, charged to the latest fault that started before the
+        // second one entered.
+        for &at in &r.unpaused_at {
+            let fault = match self.faults.iter().rposition(|f| f.start_us < at) {
+                Some(i) => format!("fault {} {}", i + 1, self.faults[i].kind.name()),
+                None => "before the first fault".to_owned(),
+            };
+            println!("[{tag}] overlap of two holders not frozen nor killed, during or after {fault} (resource time {at} µs)");
+        }
         for c in &self.workers.crashes {
             println!("[{tag}] CRASH: {c}");
         }
@@ -937,6 +1118,76 @@ async fn postgres_leftovers(port: u16) -> (u64, u64) {
     (locks, queues)
 }
 
+/// Locks (lock directories with a key) and queues (with more than one) under the etcd
+/// backend's prefix `dlock/`: every key there is a holder's or a waiter's, on a lease that a
+/// dead owner's death ends within [`BackendKind::lease_bound`].
+async fn etcd_leftovers(url: &str) -> (u64, u64) {
+    let endpoints: Vec<String> = (url.trim_start_matches("etcd://").split(','))
+        .map(|h| format!("http://{h}"))
+        .collect();
+    let Ok(mut client) = etcd_client::Client::connect(&endpoints, None).await else {
+        return (0, 0);
+    };
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_keys_only();
+    let Ok(resp) = client.get("dlock/", Some(options)).await else {
+        return (0, 0);
+    };
+    let mut dirs: std::collections::HashMap<Vec<u8>, u64> = std::collections::HashMap::new();
+    for kv in resp.kvs() {
+        let key = kv.key();
+        let dir = key
+            .iter()
+            .rposition(|&b| b == b'/')
+            .map_or(key, |i| &key[..i]);
+        *dirs.entry(dir.to_vec()).or_default() += 1;
+    }
+    let queues = dirs.values().filter(|&&n| n > 1).count() as u64;
+    (dirs.len() as u64, queues)
+}
+
+/// Held locks (lock nodes whose lowest child's lease, counted from its `mtime`, has not run
+/// out) and queues (lock nodes with more than one child) under the ZooKeeper backend's
+/// `/dlock`. A killed worker's nodes stay until its session expires, lapsed: free.
+async fn zookeeper_leftovers(url: &str) -> (u64, u64) {
+    let hosts = url.trim_start_matches("zk://");
+    let connect = zookeeper_client::Client::connector()
+        .with_session_timeout(Duration::from_secs(5))
+        .connect(hosts);
+    let Ok(Ok(client)) = tokio::time::timeout(Duration::from_secs(5), connect).await else {
+        return (0, 0);
+    };
+    let Ok(dirs) = client.list_children("/dlock").await else {
+        return (0, 0);
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let (mut locks, mut queues) = (0, 0);
+    for dir in dirs {
+        let dir = format!("/dlock/{dir}");
+        let Ok(mut kids) = client.list_children(&dir).await else {
+            continue;
+        };
+        if kids.len() > 1 {
+            queues += 1;
+        }
+        // `<token>-<sequence>`: the lowest sequence holds.
+        kids.sort_by_key(|k| k.rsplit('-').next().and_then(|s| s.parse::<u64>().ok()));
+        let Some(head) = kids.first() else { continue };
+        if let Ok((data, stat)) = client.get_data(&format!("{dir}/{head}")).await {
+            let lease: i64 = (std::str::from_utf8(&data).ok())
+                .and_then(|d| d.parse().ok())
+                .unwrap_or(i64::MAX);
+            if stat.mtime.saturating_add(lease) > now_ms {
+                locks += 1;
+            }
+        }
+    }
+    (locks, queues)
+}
+
 pub(crate) async fn run(cfg: Config) -> i32 {
     let started = Instant::now();
     println!(
@@ -955,7 +1206,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
         cfg.rounds,
         names_of(&cfg.faults, FaultKind::name),
         if cfg.fencing { "on" } else { "off" },
-        cfg.stall_bound().as_millis(),
+        cfg.max_stall_bound().as_millis(),
     );
     let root = Rng::new(cfg.seed);
     let mut reports = Vec::new();
@@ -967,7 +1218,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
         };
         match result {
             Ok(r) => {
-                println!("[{}] {}", backend.name(), phase_line(&r, &cfg));
+                println!("[{}] {}", backend.name(), phase_line(&r));
                 reports.push(r);
             }
             Err(e) => {
@@ -988,7 +1239,8 @@ pub(crate) async fn run(cfg: Config) -> i32 {
         .map(|r| r.max_stall.gap_ms)
         .max()
         .unwrap_or(0);
-    let bound = cfg.stall_bound().as_millis() as u64;
+    let bound = cfg.max_stall_bound().as_millis() as u64;
+    let unpaused = sum(|r| if r.consensus { r.overlaps_unpaused } else { 0 });
     let stale = sum(|r| r.stale_writes_accepted);
     let reuse = sum(|r| r.token_reuse);
     let mismatch = sum(|r| r.value_mismatch);
@@ -1019,8 +1271,18 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     if locks_left > 0 {
         why.push(format!("{locks_left} lock(s) left held"));
     }
-    if max_stall > bound {
-        why.push(format!("a key stalled {max_stall} ms > bound {bound} ms"));
+    for r in &reports {
+        if r.max_stall.after_ms > r.stall_bound_ms {
+            why.push(format!(
+                "a key stalled {} ms > bound {} ms",
+                r.max_stall.after_ms, r.stall_bound_ms
+            ));
+        }
+    }
+    if unpaused > 0 {
+        why.push(format!(
+            "{unpaused} overlap(s) of two live holders on a consensus store"
+        ));
     }
     if crashes > 0 {
         why.push(format!("{crashes} worker crash(es)"));
@@ -1034,8 +1296,8 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     let result = if why.is_empty() { "pass" } else { "fail" };
     println!(
         "summary: result={result} mode={} seed={} backends={} cs={cs} overlaps={} \
-         overlaps_fenced={} stale_writes_rejected={} stale_reads_rejected={} \
-         would_be_lost_updates={} stale_writes_accepted={stale} token_reuse={reuse} \
+         overlaps_fenced={} overlaps_unpaused_consensus={unpaused} stale_writes_rejected={} \
+         stale_reads_rejected={} would_be_lost_updates={} stale_writes_accepted={stale} token_reuse={reuse} \
          value_mismatch={mismatch} locks_left={locks_left} \
          max_stall_ms={max_stall} stall_bound_ms={bound} max_gap_ms={max_gap} faults={} \
          worker_crashes={crashes} extends={extends} failed_releases={failed_releases} \
@@ -1054,10 +1316,11 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     i32::from(!why.is_empty())
 }
 
-fn phase_line(r: &PhaseReport, cfg: &Config) -> String {
+fn phase_line(r: &PhaseReport) -> String {
     format!(
         "cs={} overlaps={} overlap_entries={} overlaps_wrote={} overlaps_fenced={} \
-         overlaps_aborted={} overlaps_other={} inverted_overlaps={} stale_writes_rejected={} \
+         overlaps_aborted={} overlaps_other={} overlaps_unpaused={} inverted_overlaps={} \
+         stale_writes_rejected={} \
          stale_reads_rejected={} would_be_lost_updates={} stale_writes_accepted={} \
          token_reuse={} value_mismatch={} lost_aborts={} unfinished={} max_stall_ms={} \
          stall_bound_ms={} max_gap_ms={} pauses={} pauses_fenced={} locks_left={} locks_unexpired={} queues_left={} worker_crashes={}",
@@ -1068,6 +1331,7 @@ fn phase_line(r: &PhaseReport, cfg: &Config) -> String {
         r.overlaps_fenced,
         r.overlaps_aborted,
         r.overlaps_other,
+        r.overlaps_unpaused,
         r.inverted_overlaps,
         r.stale_writes_rejected,
         r.stale_reads_rejected,
@@ -1078,7 +1342,7 @@ fn phase_line(r: &PhaseReport, cfg: &Config) -> String {
         r.lost_aborts,
         r.unfinished,
         r.max_stall.after_ms,
-        cfg.stall_bound().as_millis(),
+        r.stall_bound_ms,
         r.max_stall.gap_ms,
         r.pauses,
         r.pauses_fenced,

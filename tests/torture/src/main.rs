@@ -6,11 +6,14 @@
 //! holder past its TTL (the GC pause), SIGKILL a holder, restart a lock server, add latency and
 //! cut connections in a TCP proxy between the workers and Redis — and afterwards reports
 //! completed sections, overlaps, stale writes rejected and accepted, the longest stall after a
-//! fault, and locks left held. It runs against one Redis server, against Redlock over five, and
-//! against a Redis Cluster whose masters it kills and freezes.
+//! fault, and locks left held. It runs against one Redis server, against Redlock over five,
+//! against one PostgreSQL, against a Redis Cluster and Sentinel whose masters it kills and
+//! freezes, and against an etcd cluster and a ZooKeeper ensemble whose leaders it kills and
+//! whose members it freezes (there, an overlap of two holders that were not frozen fails the
+//! run).
 //!
 //! ```text
-//! cargo run --release -p dlock-torture -- --quick     # CI: about 2 minutes, exits non-zero on failure
+//! cargo run --release -p dlock-torture -- --quick     # CI: about 5 minutes, exits non-zero on failure
 //! cargo run --release -p dlock-torture                # the long mode, for release checks
 //! cargo run --release -p dlock-torture -- --seed 42   # repeat a run's fault schedule
 //! ```

@@ -11,7 +11,15 @@
 //!   someone inside. Overlapped sections are classified by how they ended: `wrote` (its write
 //!   was accepted: it wrote before any newer token was seen, so the newer holder read its
 //!   result), `fenced` (its write was refused), `aborted` (the guard reported the loss and it
-//!   did not write), or other.
+//!   did not write), or other. An overlapped section is **paused** when its process was frozen
+//!   (a `pause` fault) or killed while it held the lock, before the first other writer entered
+//!   beside it: a freeze that began before that entry and ended no more than one command
+//!   timeout before the section's own entry (a process frozen while its lock was being granted
+//!   enters only when it wakes, once the acquire's answer is read). The holder outlived its lease, which no lease can prevent and fencing
+//!   makes harmless. Every other overlap (`overlaps_unpaused`) means the lock service itself let two
+//!   holders in — allowed of Redis under a failover (asynchronous replication), never of a
+//!   consensus store, where it fails the run; each is charged to the latest fault that
+//!   started before the second writer entered.
 //! * **stale write rejected** (`stale_writes_rejected`): a write refused by the token check
 //!   (`w`). `stale_reads_rejected` likewise for reads (`b`). `would_be_lost_updates`: refused
 //!   writes whose read was no longer current — each one a lost update that fencing prevented.
@@ -68,6 +76,11 @@ pub(crate) struct PhaseReport {
     pub(crate) overlaps_other: u64,
     /// Overlaps where the entrant's token was lower than the occupant's.
     pub(crate) inverted_overlaps: u64,
+    /// Overlapped sections whose process had not been frozen or killed while inside before
+    /// the other writer entered: the lock service gave the key to two live holders.
+    pub(crate) overlaps_unpaused: u64,
+    /// When (µs) each of those overlaps began (the second writer's entry).
+    pub(crate) unpaused_at: Vec<u64>,
     /// Refused writes.
     pub(crate) stale_writes_rejected: u64,
     /// Refused reads.
@@ -86,6 +99,10 @@ pub(crate) struct PhaseReport {
     pub(crate) unfinished: u64,
     /// Longest stall over all faults.
     pub(crate) max_stall: Stall,
+    /// The backend's liveness bound (ms): `max_stall.after_ms` must not exceed it.
+    pub(crate) stall_bound_ms: u64,
+    /// A consensus store's phase: `overlaps_unpaused` must be 0.
+    pub(crate) consensus: bool,
     /// Per fault: the stalls charged to it.
     pub(crate) fault_stalls: Vec<Stall>,
     /// Pause faults injected.
@@ -172,10 +189,38 @@ fn parse(line: &str) -> Option<(u64, Rec<'_>)> {
 struct Occupant {
     token: u64,
     overlapped: bool,
+    /// When it entered (µs).
+    since: u64,
 }
 
-/// Replays one key's log into `r`; returns the times (µs) of its accepted writes.
-pub(crate) fn replay(log: &[String], r: &mut PhaseReport) -> Result<Vec<u64>, String> {
+/// A process frozen or killed by a worker fault: (worker name `wN`, from, to; µs).
+pub(crate) type Stopped<'a> = (&'a str, u64, u64);
+
+/// The worker processes the `pause` and `kill` faults of `faults` stopped, and when.
+pub(crate) fn stopped_workers(faults: &[FaultRecord]) -> Vec<Stopped<'_>> {
+    (faults.iter())
+        .filter(|f| matches!(f.kind, FaultKind::Pause | FaultKind::Kill))
+        .filter_map(|f| {
+            let (_, writer) = f.victim.as_ref()?;
+            Some((
+                writer.split('.').next().unwrap_or(writer),
+                f.start_us,
+                f.end_us,
+            ))
+        })
+        .collect()
+}
+
+/// Replays one key's log into `r`, given the worker processes frozen or killed meanwhile
+/// ([`stopped_workers`]) and how long after a thaw a section may still enter on a grant from
+/// before the freeze (`grace_us`: one command timeout); returns the times (µs) of its
+/// accepted writes.
+pub(crate) fn replay(
+    log: &[String],
+    stopped: &[Stopped<'_>],
+    grace_us: u64,
+    r: &mut PhaseReport,
+) -> Result<Vec<u64>, String> {
     let mut inside: HashMap<&str, Occupant> = HashMap::new();
     let mut max_accepted = 0u64;
     let mut completions = Vec::new();
@@ -193,6 +238,14 @@ pub(crate) fn replay(log: &[String], r: &mut PhaseReport) -> Result<Vec<u64>, St
                         if !occ.overlapped {
                             occ.overlapped = true;
                             r.overlaps += 1;
+                            let worker = w.split('.').next().unwrap_or(w);
+                            let paused = stopped.iter().any(|&(p, from, to)| {
+                                p == worker && from <= t && to + grace_us >= occ.since
+                            });
+                            if !paused {
+                                r.overlaps_unpaused += 1;
+                                r.unpaused_at.push(t);
+                            }
                         }
                         if token < occ.token {
                             r.inverted_overlaps += 1;
@@ -207,6 +260,7 @@ pub(crate) fn replay(log: &[String], r: &mut PhaseReport) -> Result<Vec<u64>, St
                     Occupant {
                         token,
                         overlapped: false,
+                        since: t,
                     },
                 );
             }
@@ -327,7 +381,9 @@ impl FaultRecord {
             | FaultKind::Cut
             | FaultKind::MasterKill
             | FaultKind::MasterPause
-            | FaultKind::Reshard => self.end_us,
+            | FaultKind::Reshard
+            | FaultKind::LeaderKill
+            | FaultKind::MemberFreeze => self.end_us,
         }
     }
 }
@@ -392,12 +448,30 @@ mod tests {
             "6 E 10 w1.0 fenced",
         ]);
         let mut r = PhaseReport::default();
-        let c = replay(&l, &mut r).unwrap();
+        let c = replay(&l, &[], 0, &mut r).unwrap();
         assert_eq!(c, vec![3]);
         assert_eq!((r.cs, r.overlaps, r.overlaps_fenced), (1, 1, 1));
         assert_eq!((r.stale_writes_rejected, r.would_be_lost_updates), (1, 1));
         assert_eq!(r.stale_writes_accepted, 0);
         assert_eq!(r.unfinished, 0);
+        // Without the pause on record the overlap is the lock service's doing; with w1
+        // frozen at 1.5 (after it entered, before w2 did) it is the pause's.
+        assert_eq!((r.overlaps_unpaused, r.unpaused_at.clone()), (1, vec![2]));
+        let mut r = PhaseReport::default();
+        replay(&l, &[("w1", 1, 2), ("w3", 1, 2)], 0, &mut r).unwrap();
+        assert_eq!((r.overlaps, r.overlaps_unpaused), (1, 0));
+        // A freeze of the occupant after the other writer entered explains nothing.
+        let mut r = PhaseReport::default();
+        replay(&l, &[("w1", 3, 4)], 0, &mut r).unwrap();
+        assert_eq!(r.overlaps_unpaused, 1);
+        // Frozen while granted, thawed at 0, entering at 1: within the grace of the thaw.
+        let mut r = PhaseReport::default();
+        replay(&l, &[("w1", 0, 0)], 1, &mut r).unwrap();
+        assert_eq!(r.overlaps_unpaused, 0);
+        // Thawed longer than the grace before it entered: its grant was a new one.
+        let mut r = PhaseReport::default();
+        replay(&l, &[("w1", 0, 0)], 0, &mut r).unwrap();
+        assert_eq!(r.overlaps_unpaused, 1);
         assert_eq!(outcome_after(&l, "w1.0", 2).as_deref(), Some("fenced"));
         assert_eq!(outcome_after(&l, "w3.0", 2), None);
     }
@@ -415,7 +489,7 @@ mod tests {
             "6 E 10 w2.0 ok",
         ]);
         let mut r = PhaseReport::default();
-        replay(&l, &mut r).unwrap();
+        replay(&l, &[], 0, &mut r).unwrap();
         assert_eq!(r.stale_writes_accepted, 1);
         assert_eq!(r.token_reuse, 1);
         assert_eq!(r.overlaps, 1);
@@ -425,7 +499,7 @@ mod tests {
     fn killed_workers_leave_the_section() {
         let l = log(&["1 B 10 w1.3 0 0", "2 K - w1", "3 B 20 w2.0 0 0"]);
         let mut r = PhaseReport::default();
-        replay(&l, &mut r).unwrap();
+        replay(&l, &[], 0, &mut r).unwrap();
         assert_eq!(r.overlaps, 0);
         assert_eq!(r.unfinished, 1);
     }

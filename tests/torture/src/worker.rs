@@ -210,7 +210,9 @@ async fn connect_locker(cfg: &WorkerConfig) -> Result<Locker, LockError> {
         BackendKind::Redis
         | BackendKind::Postgres
         | BackendKind::Cluster
-        | BackendKind::Sentinel => builder.connect(&cfg.lock_urls[0]).await,
+        | BackendKind::Sentinel
+        | BackendKind::Etcd
+        | BackendKind::Zookeeper => builder.connect(&cfg.lock_urls[0]).await,
         BackendKind::Redlock => {
             let urls: Vec<&str> = cfg.lock_urls.iter().map(String::as_str).collect();
             let opts = RedlockOptions::default()

@@ -10,18 +10,34 @@
 //! `<prefix>/<resource>/`; every other key is a waiter, queued in create-revision order (fair
 //! FIFO, [`Backend::fifo`] is `true`).
 //!
-//! * [`WaitMode::Queue`]: put the own key (a put on an existing key keeps its create
-//!   revision, so a waiter keeps its place) with a lease of the waiter TTL, and read the head
-//!   in the same transaction. The head is ours → move the key to a lease of the lock's TTL
-//!   (guarded by the key's create revision) → `Acquired { fencing_token: create revision }`.
-//!   Otherwise `Held`, with the holder's remaining lease (`LeaseTimeToLive`).
-//! * [`WaitMode::Try`] and [`WaitMode::Barge`]: one transaction that creates the own key only
-//!   if no key exists under the lock's prefix (a range compare on create revision `== 0`), so a
-//!   try that does not win leaves nothing behind. Barging is the same: with this recipe there
-//!   is no "free but queued" state to barge past — the head of the queue *is* the holder.
-//! * [`release`](Backend::release): delete the own key if it exists (the key's name holds the
-//!   secret owner token, so its existence is the owner check). [`abandon`](Backend::abandon):
-//!   delete it unconditionally.
+//! A lock the watchdog renews ([`AcquireArgs::renew`], the default) goes on a **session
+//! lease** shared by the locker's locks of its TTL class, kept alive over a keepalive stream
+//! (module `session`, where the safety argument is written down):
+//!
+//! * [`WaitMode::Try`] and [`WaitMode::Barge`]: one transaction that creates the own key on the
+//!   session only if no key exists under the lock's prefix (a range compare on create revision
+//!   `== 0`), so a try that does not win leaves nothing behind. Barging is the same: with this
+//!   recipe there is no "free but queued" state to barge past — the head of the queue *is* the
+//!   holder.
+//! * [`WaitMode::Queue`]: the same transaction, whose other branch puts the own key on the
+//!   waiters' session (unless it is queued already — the key keeps its create revision, so a
+//!   waiter keeps its place) and reads the head. A waiter's later attempts are reads. When the
+//!   head is the own key, the lock is ours; the key moves to the lock's session only when the
+//!   waiter TTL's class differs from the TTL's.
+//! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key (the
+//!   key's name holds the secret owner token, so its existence is the owner check).
+//!
+//! So an uncontended acquire is one transaction and a release one delete — two Raft writes,
+//! like a bare etcd lock — and renewal writes nothing (a keepalive when needed, and one read of
+//! the batch's keys as the owner check).
+//!
+//! A lock taken with `auto_renew(false)`, and an idempotency record's lock, must expire after
+//! their own TTL, so they get a lease of their own: [`WaitMode::Queue`] puts the key with a
+//! lease of the waiter TTL and reads the head in the same transaction, then moves the key to a
+//! lease of the lock's TTL (guarded by the key's create revision); `Try` creates it on a lease
+//! of the TTL if the lock is free; [`extend`](Backend::extend) moves the key to a fresh lease
+//! (which can also shorten it).
+//!
 //! * [`watch`](Backend::watch): a task per local waiter reads its predecessor (the key with the
 //!   greatest create revision below its own) and watches only that key's deletion, from the
 //!   revision of the read on (no event can fall between the read and the watch; no thundering
@@ -29,6 +45,10 @@
 //!   this waiter's turn and the [`ReleaseHub`] wakes it. Each waiting waiter costs one gRPC
 //!   watch stream while it waits (the streams share the one HTTP/2 connection to the member);
 //!   multiplexing all of a locker's watches over one stream is not done yet.
+//!
+//! Semaphores and read-write locks use the same keys, leases and paths (module `kinds`): a
+//! writer's key is marked, and the holders are the ready prefix of the keys in create-revision
+//! order instead of the first key alone.
 //!
 //! # Fencing tokens
 //!
@@ -44,20 +64,22 @@
 //!
 //! etcd leases are whole seconds, and the server raises a TTL below its minimum
 //! (`1.5 × election timeout`, rounded up to a second) to that minimum; dlock TTLs go down to
-//! milliseconds. A TTL is rounded *up* to whole seconds (at least 1) for the lease, while the
-//! locker's local lease clock counts the dlock TTL from before the request was sent — so the
-//! server's lease always outlives the holder's local one and [`lost`](crate::LockGuard::lost)
-//! is never late. The price: a holder that dies keeps the lock until its etcd lease runs out
-//! (the TTL rounded up, plus up to the 500 ms of etcd's expiry sweep).
+//! milliseconds. A session's lease class is the TTL rounded *up* to whole seconds (at least 1)
+//! plus one second of headroom, so that one keepalive answers for the acquisitions of the next
+//! second; the locker's local lease clock counts the dlock TTL from before the request was
+//! sent, and a session is kept alive (a keepalive sent after that instant) whenever etcd's last
+//! answer does not cover the TTL from now — so the server's lease always outlives the holder's
+//! local one and [`lost`](crate::LockGuard::lost) is never late. The price: a holder that dies
+//! keeps the lock until its session lease runs out (the TTL rounded up, plus the second of
+//! headroom, plus up to the 500 ms of etcd's expiry sweep); the same for a waiter that dies
+//! (its waiter TTL's class). A lock with a lease of its own (not renewed) is held for its TTL
+//! rounded up.
 //!
-//! One lease per acquisition, not one per locker: renewal ([`extend`](Backend::extend)) moves
-//! the key onto a fresh lease of the new TTL in a transaction guarded by the key's existence
-//! (`put` with `ignore_value`, which keeps the value and the create revision). That makes
-//! `extend(ttl)` exact — it can shorten a lease, which a keepalive cannot — keeps every call a
-//! bounded unary request, and means one lost lease loses one lock, not all of a locker's locks.
-//! The watchdog's batch ([`extend_many`](Backend::extend_many)) grants one lease per distinct
-//! TTL for the whole batch and sends the per-lock transactions concurrently. Replaced leases
-//! have no keys and simply expire.
+//! The sessions are one per lease class, so usually one per locker, each with its own
+//! keepalive stream (etcd-client's keepalive stream carries one lease). One expired session
+//! loses every lock on it — all of them at once, as they would be lost one by one, since they
+//! share the locker's connection and clock. `remaining` (the `Retry-After` others are told) is
+//! the session lease's, capped by the holder's TTL, which its key's value notes.
 //!
 //! # Faults
 //!
@@ -75,16 +97,24 @@
 //!
 //! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
 //! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
-//! lease expires unused. One answer can be ambiguous: a release whose first try was applied but
+//! lease expires unused, and a put that lands after its lock was released is a suspect (see
+//! *Cancellation*). A keepalive stream that fails or does not answer within a fifth of the
+//! timeout is reopened on another member. One answer can be ambiguous: a release whose first try was applied but
 //! not answered, repeated, answers "not the owner" (reported as a lost lock, after the lock was
 //! in fact released).
 //!
 //! # Cancellation
 //!
 //! A cancelled acquire may leave a request in flight that lands *after* the locker's
-//! [`abandon`](Backend::abandon) deleted the key, which would bring the key back. So the backend
-//! remembers the leases an acquisition's attempts used, and `abandon` revokes them first: a put
-//! on a revoked lease fails, and revoking deletes whatever key is on it.
+//! [`abandon`](Backend::abandon) deleted the key, which would bring the key back — and on a
+//! session lease kept alive for the locker's other locks, it would stay. The session registry
+//! (module `session`) knows which puts are unsettled (cancelled, timed out, or answered through
+//! a hedge while the first try was still out); such a token stays a suspect after its release,
+//! the sessions it used are retired (new acquisitions get a new session), the suspect's key is
+//! deleted again before every keepalive of those sessions, and a retired session is revoked
+//! once nothing held or waiting is on it. For keys on leases of their own, `abandon` revokes
+//! the leases the acquisition's attempts used: a put on a revoked lease fails, and revoking
+//! deletes whatever key is still on it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -102,17 +132,21 @@ use super::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, IdempotencyStore, OwnerToken, ReleaseHub,
     WaitMode, Watch,
 };
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
+mod admin;
 mod idempotency;
+mod kinds;
 mod pool;
+mod session;
 mod url;
 
 use self::pool::{call, Pool};
+use self::session::{Sessions, TokenKey};
 
 /// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s, key prefix
-/// `dlock`, no user.
+/// `dlock`, no user, no TLS files.
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct EtcdOptions {
@@ -120,6 +154,8 @@ pub struct EtcdOptions {
     connect_timeout: Duration,
     prefix: String,
     user: Option<(String, String)>,
+    tls_ca: Option<std::path::PathBuf>,
+    tls_identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 impl Default for EtcdOptions {
@@ -129,6 +165,8 @@ impl Default for EtcdOptions {
             connect_timeout: Duration::from_secs(2),
             prefix: "dlock".to_owned(),
             user: None,
+            tls_ca: None,
+            tls_identity: None,
         }
     }
 }
@@ -140,6 +178,8 @@ impl fmt::Debug for EtcdOptions {
             .field("connect_timeout", &self.connect_timeout)
             .field("prefix", &self.prefix)
             .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_identity", &self.tls_identity.as_ref().map(|(c, _)| c))
             .finish_non_exhaustive()
     }
 }
@@ -170,6 +210,81 @@ impl EtcdOptions {
         self.user = Some((user.into(), password.into()));
         self
     }
+
+    /// The CA certificate (PEM file) that `etcds://` members' certificates must chain to
+    /// (required for `etcds://`; feature `etcd-tls`). Each member's certificate is checked for
+    /// the host name (or IP address) the URL gives for it.
+    pub fn tls_ca_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.tls_ca = Some(path.into());
+        self
+    }
+
+    /// A client certificate and its private key (PEM files), for members that ask for one
+    /// (`--client-cert-auth`). Optional; feature `etcd-tls`.
+    pub fn tls_client_identity_files(
+        mut self,
+        cert: impl Into<std::path::PathBuf>,
+        key: impl Into<std::path::PathBuf>,
+    ) -> Self {
+        self.tls_identity = Some((cert.into(), key.into()));
+        self
+    }
+}
+
+/// What `etcds://` needs, read from the files [`EtcdOptions`] names.
+struct TlsFiles {
+    #[cfg_attr(not(feature = "etcd-tls"), allow(dead_code))]
+    ca: Vec<u8>,
+    #[cfg_attr(not(feature = "etcd-tls"), allow(dead_code))]
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl TlsFiles {
+    fn read(opts: &EtcdOptions) -> Result<Self, LockError> {
+        if !cfg!(feature = "etcd-tls") {
+            return Err(LockError::unavailable(
+                "etcds:// (TLS) needs dlock-runtime's cargo feature `etcd-tls`",
+                None,
+            ));
+        }
+        let read = |what: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| {
+                LockError::unavailable(
+                    format!("etcd TLS: cannot read the {what} {}", path.display()),
+                    Some(Box::new(e)),
+                )
+            })
+        };
+        let ca = opts.tls_ca.as_deref().ok_or_else(|| {
+            LockError::unavailable(
+                "etcds:// needs the CA certificate that signed the members' certificates \
+                 (EtcdOptions::tls_ca_file)",
+                None,
+            )
+        })?;
+        let ca = read("CA certificate", ca)?;
+        let identity = match &opts.tls_identity {
+            Some((cert, key)) => {
+                Some((read("client certificate", cert)?, read("client key", key)?))
+            }
+            None => None,
+        };
+        Ok(TlsFiles { ca, identity })
+    }
+
+    /// TLS settings for the member at `host` (`name:port`): its certificate must name `name`.
+    #[cfg(feature = "etcd-tls")]
+    fn options(&self, host: &str) -> etcd_client::TlsOptions {
+        let name = host.rsplit_once(':').map_or(host, |(n, _)| n);
+        let name = name.trim_start_matches('[').trim_end_matches(']');
+        let mut tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca))
+            .domain_name(name);
+        if let Some((cert, key)) = &self.identity {
+            tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        tls
+    }
 }
 
 /// Background watch tasks, by (resource, owner token).
@@ -192,6 +307,7 @@ pub struct EtcdBackend {
     hub: Arc<ReleaseHub>,
     watchers: Watchers,
     leases: Leases,
+    sessions: Arc<Sessions>,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -234,14 +350,25 @@ fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
 
 impl EtcdBackend {
     /// Connects to the cluster named by an `etcd://[user:password@]host:port[,host:port…]`
-    /// URL (user and password percent-encoded; they override [`EtcdOptions::user`]).
+    /// URL (user and password percent-encoded; they override [`EtcdOptions::user`]), or
+    /// `etcds://…` for TLS (feature `etcd-tls`, with [`EtcdOptions::tls_ca_file`]).
     pub async fn connect(url: &str, opts: EtcdOptions) -> Result<Self, LockError> {
         let parsed = url::parse(url)?;
         let mut opts = opts;
         if let Some(user) = parsed.user {
             opts.user = Some(user);
         }
-        let endpoints: Vec<String> = parsed.hosts.iter().map(|h| format!("http://{h}")).collect();
+        let tls = if parsed.tls {
+            Some(TlsFiles::read(&opts)?)
+        } else {
+            None
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let endpoints: Vec<String> = parsed
+            .hosts
+            .iter()
+            .map(|h| format!("{scheme}://{h}"))
+            .collect();
         let shown: Arc<str> = parsed.hosts.join(",").into();
         let mut connect = ConnectOptions::new()
             .with_timeout(opts.command_timeout)
@@ -257,10 +384,11 @@ impl EtcdBackend {
         }
         // One client per member (see `pool`): connecting opens nothing yet, except that with
         // a user it authenticates, which a member that is down cannot do — it is left out.
-        let connects = endpoints.iter().map(|e| {
+        let connects = endpoints.iter().zip(&parsed.hosts).map(|(e, host)| {
+            let options = member_options(&connect, tls.as_ref(), host);
             tokio::time::timeout(
                 opts.connect_timeout,
-                Client::connect([e.as_str()], Some(connect.clone())),
+                Client::connect([e.as_str()], Some(options)),
             )
         });
         let mut clients = Vec::new();
@@ -288,6 +416,7 @@ impl EtcdBackend {
             hub: ReleaseHub::new(),
             watchers: Arc::default(),
             leases: Arc::default(),
+            sessions: Arc::default(),
         })
     }
 
@@ -325,8 +454,7 @@ impl EtcdBackend {
     fn keys(&self, resource: &ResourceName, token: &OwnerToken) -> Keys {
         let dir = self.dir(resource.as_str());
         let end = range_end(&dir);
-        let mut own = dir.clone();
-        own.extend_from_slice(token.as_str().as_bytes());
+        let own = kinds::own_key(&dir, resource, token);
         Keys { dir, end, own }
     }
 
@@ -357,11 +485,16 @@ impl EtcdBackend {
         .await
     }
 
-    /// The remaining lease of the key `kv` (the holder), when it has one.
+    /// The remaining lease of the key `kv` (the holder), when it has one: its lease's, and at
+    /// most the holder's TTL when the key notes it (a session lease outlives it).
     async fn remaining(&self, kv: Option<&KeyValue>) -> Result<Option<Duration>, LockError> {
         let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
             return Ok(None);
         };
+        let noted = kv
+            .and_then(|kv| std::str::from_utf8(kv.value()).ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(Duration::from_millis);
         let resp = self
             .call("lease time-to-live", |c| {
                 let mut lease = c.lease_client();
@@ -371,7 +504,8 @@ impl EtcdBackend {
         Ok(u64::try_from(resp.ttl())
             .ok()
             .filter(|s| *s > 0)
-            .map(Duration::from_secs))
+            .map(Duration::from_secs)
+            .map(|r| noted.map_or(r, |n| r.min(n))))
     }
 
     /// Moves the own key onto a fresh lease of `ttl` if it still exists with `create`
@@ -514,6 +648,40 @@ impl EtcdBackend {
         futures_util::future::try_join_all(revokes).await.map(drop)
     }
 
+    /// Renews locks that are not on a session (idempotency records, locks taken before
+    /// renewal was asked for): one lease per distinct TTL for the whole batch, and the keys
+    /// moved onto it.
+    async fn relet_many(&self, items: &[ExtendItem]) -> Vec<Result<bool, LockError>> {
+        // One lease per distinct TTL for the whole batch.
+        let mut secs: Vec<i64> = items.iter().map(|i| lease_secs(i.ttl)).collect();
+        secs.sort_unstable();
+        secs.dedup();
+        let grants = futures_util::future::join_all(
+            secs.iter()
+                .map(|s| self.grant(Duration::from_secs(s.unsigned_abs()))),
+        )
+        .await;
+        // A failed grant fails every item of its TTL (by message: `LockError` is not `Clone`).
+        let leases: HashMap<i64, Result<i64, String>> = secs
+            .into_iter()
+            .zip(grants.into_iter().map(|g| g.map_err(|e| e.to_string())))
+            .collect();
+        futures_util::future::join_all(items.iter().map(|i| {
+            let lease = leases.get(&lease_secs(i.ttl)).cloned();
+            async move {
+                match lease {
+                    Some(Ok(lease)) => {
+                        let k = self.keys(&i.resource, &i.token);
+                        self.relet_on(&k.own, 0, lease).await
+                    }
+                    Some(Err(e)) => Err(LockError::unavailable(e, None)),
+                    None => Err(LockError::unavailable("etcd lease grant missing", None)),
+                }
+            }
+        }))
+        .await
+    }
+
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = w.remove(&(Arc::from(resource.as_str()), token.clone())) {
@@ -521,24 +689,38 @@ impl EtcdBackend {
         }
     }
 
-    async fn acquire_queued(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
-        let k = self.keys(args.resource, args.token);
-        let lease = self
-            .grant_for(args.resource, args.token, args.waiter_ttl)
-            .await?;
+    /// One transaction: put the own key (value: the token) on `lease`, then read the line
+    /// ([`kinds::line_options`]) and the own key.
+    async fn put_and_read_line(
+        &self,
+        k: &Keys,
+        args: &AcquireArgs<'_>,
+        lease: i64,
+    ) -> Result<Vec<TxnOpResponse>, LockError> {
+        let line = kinds::line_options(args.resource.kind(), &k.end);
         let txn = Txn::new().and_then([
             TxnOp::put(
                 k.own.clone(),
                 args.token.as_str(),
                 Some(PutOptions::new().with_lease(lease)),
             ),
-            TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))),
+            TxnOp::get(k.dir.clone(), Some(line)),
             TxnOp::get(k.own.clone(), None),
         ]);
-        let ops = self.txn(txn).await?.op_responses();
-        let head = ops.get(1).and_then(first_kv);
+        Ok(self.txn(txn).await?.op_responses())
+    }
+
+    async fn acquire_queued(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self
+            .grant_for(args.resource, args.token, args.waiter_ttl)
+            .await?;
+        let kind = args.resource.kind();
+        let ops = self.put_and_read_line(&k, args, lease).await?;
+        let line = kinds::kvs_at(&ops, 1);
+        let head = line.first();
         let own_rev = i64::try_from(create_revision_at(&ops, 2)).unwrap_or(0);
-        if own_rev > 0 && head.is_some_and(|h| h.key() == k.own.as_slice()) {
+        if own_rev > 0 && kinds::admitted(kind, k.dir.len(), line, &k.own) {
             let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
             if self.relet_on(&k.own, own_rev, lease).await? {
                 self.stop_watch(args.resource, args.token);
@@ -582,6 +764,21 @@ impl EtcdBackend {
     }
 }
 
+/// The connect options for the member at `host`: `base`, with TLS for that host's name.
+fn member_options(base: &ConnectOptions, tls: Option<&TlsFiles>, host: &str) -> ConnectOptions {
+    #[cfg(feature = "etcd-tls")]
+    if let Some(tls) = tls {
+        return base.clone().with_tls(tls.options(host));
+    }
+    let _ = (tls, host);
+    base.clone()
+}
+
+/// A token's key in the session registry.
+fn token_key(resource: &ResourceName, token: &OwnerToken) -> TokenKey {
+    (Arc::from(resource.as_str()), token.clone())
+}
+
 /// The end of the range of keys starting with `dir` (which ends in `/`).
 fn range_end(dir: &[u8]) -> Vec<u8> {
     let mut end = dir.to_vec();
@@ -591,7 +788,9 @@ fn range_end(dir: &[u8]) -> Vec<u8> {
     end
 }
 
-/// One waiter's watch loop: wait until no key precedes `own`, then wake the waiter.
+/// One waiter's watch loop: wait until no key precedes `own` (a lock), or until `own` fits
+/// beside the keys ahead of it (a permit or hold, `kinds::wait_admitted`), then wake the
+/// waiter.
 async fn watch_turn(
     pool: Arc<Pool>,
     hub: Arc<ReleaseHub>,
@@ -599,10 +798,17 @@ async fn watch_turn(
     token: OwnerToken,
     k: Keys,
     timeout: Duration,
+    kind: LockKind,
 ) {
     let mut backoff = Duration::from_millis(20);
     loop {
-        match wait_predecessor(&pool, &k.own, &k.dir, &k.end, timeout).await {
+        let turn = match kind {
+            LockKind::Exclusive => wait_predecessor(&pool, &k.own, &k.dir, &k.end, timeout).await,
+            kind => kinds::wait_admitted(&pool, kind, &k, timeout)
+                .await
+                .map(|()| true),
+        };
+        match turn {
             Ok(true) => {
                 hub.notify(&resource, Some(token.as_str()));
                 return;
@@ -617,6 +823,23 @@ async fn watch_turn(
             }
         }
     }
+}
+
+/// The next message of a watch stream; an error when the stream fails, ends or is cancelled.
+async fn next_message(
+    stream: &mut etcd_client::WatchStream,
+) -> Result<etcd_client::WatchResponse, LockError> {
+    let msg = stream
+        .message()
+        .await
+        .map_err(|e| LockError::unavailable("etcd watch stream failed", Some(Box::new(e))))?;
+    let Some(msg) = msg else {
+        return Err(LockError::unavailable("etcd watch stream ended", None));
+    };
+    if msg.canceled() {
+        return Err(LockError::unavailable("etcd watch cancelled", None));
+    }
+    Ok(msg)
 }
 
 /// Reads `own`'s predecessor; `Ok(true)` when there is none (or `own` is gone: the waiter
@@ -661,16 +884,7 @@ async fn wait_predecessor(
     })
     .await?;
     loop {
-        let msg = stream
-            .message()
-            .await
-            .map_err(|e| LockError::unavailable("etcd watch stream failed", Some(Box::new(e))))?;
-        let Some(msg) = msg else {
-            return Err(LockError::unavailable("etcd watch stream ended", None));
-        };
-        if msg.canceled() {
-            return Err(LockError::unavailable("etcd watch cancelled", None));
-        }
+        let msg = next_message(&mut stream).await?;
         if msg
             .events()
             .iter()
@@ -689,10 +903,23 @@ impl Backend for EtcdBackend {
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
             match args.mode {
+                _ if args.renew => self.acquire_renewed(&args).await,
                 WaitMode::Queue => self.acquire_queued(&args).await,
+                _ if args.resource.kind() != LockKind::Exclusive => {
+                    self.acquire_kind_if_free(&args).await
+                }
                 _ => self.acquire_if_free(&args).await,
             }
         })
+    }
+
+    /// Permits and read or write holds take the lock's paths, which read the line by the
+    /// kind's rule (module `kinds`).
+    fn acquire_kind<'a>(
+        &'a self,
+        args: AcquireArgs<'a>,
+    ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        self.acquire(args)
     }
 
     fn release<'a>(
@@ -701,6 +928,9 @@ impl Backend for EtcdBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            if let Some(released) = self.release_registered(&token_key(resource, token)).await {
+                return released;
+            }
             let k = self.keys(resource, token);
             let txn = Txn::new()
                 .when([Compare::create_revision(
@@ -722,6 +952,14 @@ impl Backend for EtcdBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            let key = token_key(resource, token);
+            if let Some(extended) = self.extend_registered(&key, ttl).await {
+                return extended;
+            }
+            if self.registered(&key) {
+                // On a session but not held (a release is on its way): not the owner.
+                return Ok(false);
+            }
             let k = self.keys(resource, token);
             self.relet(&k.own, 0, ttl).await
         })
@@ -732,34 +970,35 @@ impl Backend for EtcdBackend {
         items: &'a [ExtendItem],
     ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
         Box::pin(async move {
-            // One lease per distinct TTL for the whole batch.
-            let mut secs: Vec<i64> = items.iter().map(|i| lease_secs(i.ttl)).collect();
-            secs.sort_unstable();
-            secs.dedup();
-            let grants = futures_util::future::join_all(
-                secs.iter()
-                    .map(|s| self.grant(Duration::from_secs(s.unsigned_abs()))),
-            )
-            .await;
-            // A failed grant fails every item of its TTL (by message: `LockError` is not `Clone`).
-            let leases: HashMap<i64, Result<i64, String>> = secs
-                .into_iter()
-                .zip(grants.into_iter().map(|g| g.map_err(|e| e.to_string())))
+            let keyed: Vec<(TokenKey, Duration)> = items
+                .iter()
+                .map(|i| (token_key(&i.resource, &i.token), i.ttl))
                 .collect();
-            futures_util::future::join_all(items.iter().map(|i| {
-                let lease = leases.get(&lease_secs(i.ttl)).cloned();
-                async move {
-                    match lease {
-                        Some(Ok(lease)) => {
-                            let k = self.keys(&i.resource, &i.token);
-                            self.relet_on(&k.own, 0, lease).await
-                        }
-                        Some(Err(e)) => Err(LockError::unavailable(e, None)),
-                        None => Err(LockError::unavailable("etcd lease grant missing", None)),
+            let on_sessions = self.extend_many_registered(&keyed).await;
+            let (mut done, mut rest) = (Vec::new(), Vec::new());
+            for ((item, key), answer) in items.iter().zip(&keyed).zip(on_sessions) {
+                match answer {
+                    Some(a) => done.push(Some(a)),
+                    None if self.registered(&key.0) => {
+                        // On a session of another class (or not held): one by one.
+                        done.push(Some(
+                            self.extend(&item.resource, &item.token, item.ttl).await,
+                        ));
+                    }
+                    None => {
+                        done.push(None);
+                        rest.push(item.clone());
                     }
                 }
-            }))
-            .await
+            }
+            let mut relet = self.relet_many(&rest).await.into_iter();
+            done.into_iter()
+                .map(|d| {
+                    d.or_else(|| relet.next()).unwrap_or_else(|| {
+                        Err(LockError::unavailable("etcd renewal missing", None))
+                    })
+                })
+                .collect()
         })
     }
 
@@ -770,6 +1009,9 @@ impl Backend for EtcdBackend {
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
             self.stop_watch(resource, token);
+            if let Some(released) = self.release_registered(&token_key(resource, token)).await {
+                return released.map(drop);
+            }
             // First the leases, so that an attempt still in flight cannot put the key back;
             // then the key, in case it is on a lease this locker never saw.
             self.revoke_leases(resource, token).await?;
@@ -783,8 +1025,11 @@ impl Backend for EtcdBackend {
             Ok(())
         })
     }
-
     fn idempotency(&self) -> Option<&dyn IdempotencyStore> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn super::AdminStore> {
         Some(self)
     }
 
@@ -815,6 +1060,7 @@ impl Backend for EtcdBackend {
                 token.clone(),
                 k,
                 self.opts.command_timeout,
+                resource.kind(),
             ));
             let old = self
                 .watchers

@@ -88,8 +88,20 @@ pub(super) async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
     pool: &Pool,
     timeout: Duration,
     what: &'static str,
-    mut request: impl FnMut(&Client) -> F,
+    request: impl FnMut(&Client) -> F,
 ) -> Result<T, LockError> {
+    call_tracked(pool, timeout, what, request).await.0
+}
+
+/// [`call`], also telling whether the request is *settled*: every try it sent was answered,
+/// so none can still land on the server later. A request answered by one try while a hedged
+/// sibling was still out, or one that timed out, is not settled (a put in it may yet land).
+pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+    pool: &Pool,
+    timeout: Duration,
+    what: &'static str,
+    mut request: impl FnMut(&Client) -> F,
+) -> (Result<T, LockError>, bool) {
     let deadline = Instant::now() + timeout;
     let hedge_after = per_try(timeout);
     let mut tries = FuturesUnordered::new();
@@ -105,6 +117,8 @@ pub(super) async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
     tries.push(start(&mut pending));
     let mut next_try = Instant::now() + hedge_after;
     let mut last: Option<etcd_client::Error> = None;
+    // A try that failed may have been applied all the same (a lost answer).
+    let mut doubtful = false;
     loop {
         tokio::select! {
             Some((i, answer)) = tries.next() => {
@@ -112,16 +126,18 @@ pub(super) async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
                 match answer {
                     Ok(v) => {
                         pool.trust(i);
-                        return Ok(v);
+                        return (Ok(v), tries.is_empty() && !doubtful);
                     }
                     Err(e) if !retryable(&e) => {
-                        return Err(LockError::unavailable(
+                        let err = LockError::unavailable(
                             format!("etcd {what} failed"),
                             Some(Box::new(e)),
-                        ))
+                        );
+                        return (Err(err), tries.is_empty() && !doubtful);
                     }
                     Err(e) => {
                         pool.suspect(i);
+                        doubtful = true;
                         last = Some(e);
                         if tries.is_empty() {
                             next_try = Instant::now() + Duration::from_millis(10);
@@ -143,10 +159,11 @@ pub(super) async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
             }
             () = tokio::time::sleep_until(deadline) => {
                 let source = last.map(|e| Box::new(e) as crate::BoxError);
-                return Err(LockError::unavailable(
+                let err = LockError::unavailable(
                     format!("etcd {what}: no answer within {timeout:?}"),
                     source,
-                ));
+                );
+                return (Err(err), false);
             }
         }
     }

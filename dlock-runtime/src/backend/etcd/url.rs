@@ -1,4 +1,4 @@
-//! `etcd://[user:password@]host:port[,host:port…][/]` URLs.
+//! `etcd://[user:password@]host:port[,host:port…][/]` URLs, and `etcds://` for TLS.
 
 use crate::LockError;
 
@@ -8,6 +8,8 @@ pub(super) struct EtcdUrl {
     pub(super) hosts: Vec<String>,
     /// User and password, percent-decoded.
     pub(super) user: Option<(String, String)>,
+    /// `etcds://`: TLS to every member.
+    pub(super) tls: bool,
 }
 
 fn invalid(what: &str) -> LockError {
@@ -37,9 +39,14 @@ fn percent_decode(s: &str) -> Result<String, LockError> {
 
 /// Parses an `etcd://` URL.
 pub(super) fn parse(url: &str) -> Result<EtcdUrl, LockError> {
-    let rest = url.strip_prefix("etcd://").ok_or_else(|| {
-        invalid("the scheme must be etcd:// (TLS, etcds://, is not supported yet)")
-    })?;
+    let (rest, tls) = match url.strip_prefix("etcds://") {
+        Some(rest) => (rest, true),
+        None => (
+            url.strip_prefix("etcd://")
+                .ok_or_else(|| invalid("the scheme must be etcd:// or etcds:// (TLS)"))?,
+            false,
+        ),
+    };
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     let (user, hosts) = match rest.rsplit_once('@') {
         Some((cred, hosts)) => {
@@ -70,7 +77,7 @@ pub(super) fn parse(url: &str) -> Result<EtcdUrl, LockError> {
     if hosts.is_empty() {
         return Err(invalid("no host"));
     }
-    Ok(EtcdUrl { hosts, user })
+    Ok(EtcdUrl { hosts, user, tls })
 }
 
 #[cfg(test)]
@@ -87,5 +94,10 @@ mod tests {
             panic!("a path must be refused")
         };
         assert!(!e.to_string().contains("secret"));
+        assert!(!u.tls);
+        let t = parse("etcds://h1:2380").unwrap();
+        assert!(t.tls);
+        assert_eq!(t.hosts, ["h1:2380"]);
+        assert!(parse("http://h1").is_err());
     }
 }

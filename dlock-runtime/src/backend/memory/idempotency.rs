@@ -143,8 +143,9 @@ impl IdempotencyStore for MemoryBackend {
                 },
                 now,
             );
+            e.fence = self.next_fence();
             BeginReply::Acquired {
-                fencing_token: self.next_fence(),
+                fencing_token: e.fence,
             }
         });
         Box::pin(std::future::ready(Ok(reply)))

@@ -18,6 +18,11 @@
 //!   free and the caller is first among the live entries. A release grants the lock to the first
 //!   live waiter in the same transaction (direct handoff: a new fencing token, a lease of
 //!   `min(ttl, waiter ttl)`) and tells it with `pg_notify`.
+//! * **Semaphores and read-write locks** ([`LockKind`]): a `holders` and a `queue` table under
+//!   the same advisory lock per name, the ready-prefix rule of the
+//!   [`backend`](super#semaphores-and-read-write-locks) module docs in `kind_acquire` and
+//!   `kind_release`, fencing tokens from the same sequence; a release notifies exactly the
+//!   waiters it lets in (no handoff). See `kinds` and [`schema`](self#schema).
 //! * **Release notifications**: `LISTEN` on one dedicated connection per backend (one channel,
 //!   `<schema>.<prefix>release`; a release only notifies when someone waits), feeding the
 //!   locker's [`ReleaseHub`]. The connection reconnects on its own and wakes every local waiter
@@ -99,13 +104,15 @@ use tokio_postgres::{NoTls, Row};
 use super::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
 };
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
 pub use deadpool_postgres;
 pub use tokio_postgres;
 
+mod admin;
 mod idempotency;
+mod kinds;
 mod listener;
 mod schema;
 #[cfg(feature = "postgres-tls")]
@@ -564,9 +571,10 @@ impl PostgresBackend {
     }
 
     /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`)
-    /// whoever holds it: an operator's tool for a stuck lock, and how tests take a lock away
-    /// behind its holder's back. The holder learns at its next renewal. Returns whether a row
-    /// was deleted.
+    /// whoever holds it — or, for a semaphore or read-write lock (`dlock:{k}:sem`,
+    /// `dlock:{k}:rw`), drops every holder: an operator's tool for a stuck lock, and how tests
+    /// take a lock away behind its holder's back. The holders learn at their next renewal;
+    /// waiters re-check on their timers. Returns whether a row was deleted.
     pub async fn force_release(&self, resource: &str) -> Result<bool, LockError> {
         let rows = self
             .call(
@@ -643,11 +651,7 @@ impl PostgresBackend {
         let held = gate.clone().lock_owned().await;
         let me = self.clone();
         let fut = async move {
-            let refs: Vec<(&(dyn ToSql + Sync), Type)> = params
-                .iter()
-                .map(|(v, t)| (&**v as &(dyn ToSql + Sync), t.clone()))
-                .collect();
-            let out = me.call(what, sql(&me.inner.sql), &refs).await;
+            let out = me.call(what, sql(&me.inner.sql), &refs(&params)).await;
             drop(held);
             out
         };
@@ -677,6 +681,14 @@ impl PostgresBackend {
 /// Owned parameters of a [`PostgresBackend::gated`] call (it may outlive its caller).
 pub(crate) type Params = Vec<(Box<dyn ToSql + Sync + Send>, Type)>;
 
+/// Borrowed [`Params`], as [`PostgresBackend::call`] takes them.
+pub(crate) fn refs(params: &Params) -> Vec<(&(dyn ToSql + Sync), Type)> {
+    params
+        .iter()
+        .map(|(v, t)| (&**v as &(dyn ToSql + Sync), t.clone()))
+        .collect()
+}
+
 /// A text parameter.
 pub(crate) fn text(s: &str) -> (Box<dyn ToSql + Sync + Send>, Type) {
     (Box::new(s.to_owned()), Type::TEXT)
@@ -685,6 +697,16 @@ pub(crate) fn text(s: &str) -> (Box<dyn ToSql + Sync + Send>, Type) {
 /// A `bigint` parameter.
 pub(crate) fn int8(n: i64) -> (Box<dyn ToSql + Sync + Send>, Type) {
     (Box::new(n), Type::INT8)
+}
+
+/// The wait mode as the acquire functions take it (`p_mode`: 0 try, 1 queue, 2 barge).
+pub(crate) fn mode(mode: WaitMode) -> (Box<dyn ToSql + Sync + Send>, Type) {
+    let code: i32 = match mode {
+        WaitMode::Try => 0,
+        WaitMode::Queue => 1,
+        WaitMode::Barge => 2,
+    };
+    (Box::new(code), Type::INT4)
 }
 
 /// The single integer (`bigint` or `integer`) a call answered.
@@ -719,34 +741,31 @@ impl Backend for PostgresBackend {
         Some(self)
     }
 
+    fn admin(&self) -> Option<&dyn super::AdminStore> {
+        Some(self)
+    }
+
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
-            let mode: i32 = match args.mode {
-                WaitMode::Try => 0,
-                WaitMode::Queue => 1,
-                WaitMode::Barge => 2,
-            };
             let params: Params = vec![
                 text(args.resource.as_str()),
                 text(args.token.as_str()),
                 int8(millis(args.ttl)),
-                (Box::new(mode), Type::INT4),
+                mode(args.mode),
                 int8(millis(args.waiter_ttl)),
             ];
             let rows = self
                 .gated(args.token, true, "acquire", |s| &s.acquire, params)
                 .await?;
-            let reply = int_of("acquire", &rows)?;
-            Ok(match reply {
-                1.. => Attempt::Acquired {
-                    fencing_token: reply as u64,
-                },
-                0 => Attempt::Held { remaining: None },
-                _ => Attempt::Held {
-                    remaining: Some(Duration::from_millis((-(reply + 1)) as u64)),
-                },
-            })
+            Ok(Attempt::from_reply(int_of("acquire", &rows)?))
         })
+    }
+
+    fn acquire_kind<'a>(
+        &'a self,
+        args: AcquireArgs<'a>,
+    ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(self.acquire_kind_once(args))
     }
 
     fn release<'a>(
@@ -755,6 +774,9 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            if resource.kind() != LockKind::Exclusive {
+                return self.release_kind(resource, token, false).await;
+            }
             let rows = self
                 .call(
                     "release",
@@ -814,6 +836,9 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
+            if resource.kind() != LockKind::Exclusive {
+                return self.release_kind(resource, token, true).await.map(|_| ());
+            }
             let params = vec![text(resource.as_str()), text(token.as_str())];
             self.gated(token, false, "abandon", |s| &s.abandon, params)
                 .await
@@ -852,15 +877,51 @@ impl Backend for PostgresBackend {
 const EXTEND_CHUNK: usize = 1000;
 
 impl PostgresBackend {
-    /// One owner-checked extension statement for a batch; `true` for each item extended.
+    /// Owner-checked extension of a batch: one statement for its locks and one for its
+    /// permits and read or write holds (run together); `true` for each item extended.
     async fn extend_batch(&self, items: &[ExtendItem]) -> Result<Vec<bool>, LockError> {
+        let (locks, kinds): (Vec<&ExtendItem>, Vec<_>) = items
+            .iter()
+            .partition(|i| i.resource.kind() == LockKind::Exclusive);
+        let (locks_out, kinds_out) = tokio::join!(
+            self.extend_part(&locks, false),
+            self.extend_part(&kinds, true)
+        );
+        let (mut locks_out, mut kinds_out) = (locks_out?.into_iter(), kinds_out?.into_iter());
+        Ok(items
+            .iter()
+            .map(|i| {
+                let out = if i.resource.kind() == LockKind::Exclusive {
+                    locks_out.next()
+                } else {
+                    kinds_out.next()
+                };
+                out.unwrap_or(false)
+            })
+            .collect())
+    }
+
+    /// One owner-checked extension statement for a batch of locks (`kinds` false) or of
+    /// permits and read or write holds (`kinds`); nothing for an empty batch.
+    async fn extend_part(
+        &self,
+        items: &[&ExtendItem],
+        kinds: bool,
+    ) -> Result<Vec<bool>, LockError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
         let names: Vec<&str> = items.iter().map(|i| i.resource.as_str()).collect();
         let tokens: Vec<&str> = items.iter().map(|i| i.token.as_str()).collect();
         let ttls: Vec<i64> = items.iter().map(|i| millis(i.ttl)).collect();
         let rows = self
             .call(
                 "extend",
-                &self.inner.sql.extend,
+                if kinds {
+                    &self.inner.sql.kind_extend
+                } else {
+                    &self.inner.sql.extend
+                },
                 &[
                     (&names, Type::TEXT_ARRAY),
                     (&tokens, Type::TEXT_ARRAY),
@@ -870,6 +931,9 @@ impl PostgresBackend {
             .await?;
         let extended: std::collections::HashSet<String> =
             rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
-        Ok(names.iter().map(|n| extended.contains(*n)).collect())
+        // `extend` answers the names extended, `kind_extend` the owner tokens (a semaphore's
+        // name has several holders).
+        let keys = if kinds { &tokens } else { &names };
+        Ok(keys.iter().map(|k| extended.contains(*k)).collect())
     }
 }

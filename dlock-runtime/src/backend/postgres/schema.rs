@@ -14,7 +14,9 @@
 //! | `<s>.<p>locks` | one row per held (or lapsed, not yet swept) lock: owner token, fencing token, expiry (`timestamptz`, the database's clock), whether a barging waiter asked to be woken |
 //! | `<s>.<p>waiters` | one row per queued waiter: its place (`seq`), entry expiry, the lease a handoff grants it |
 //! | `<s>.<p>idempotency` | one row per idempotency key: fingerprint, the running attempt's owner token or the stored result, expiry |
-//! | `<s>.<p>acquire`, `release`, `extend`, `abandon`, `idem_begin`, `idem_complete`, `idem_abort` | the operations, each atomic |
+//! | `<s>.<p>holders` | one row per holder of a semaphore permit or a read or write hold: name (`…:sem`, `…:rw`), owner token, exclusive (a writer), fencing token, lease expiry |
+//! | `<s>.<p>queue` | one row per queued waiter of a semaphore or read-write lock: its place (`seq`), exclusive, entry expiry |
+//! | `<s>.<p>acquire`, `release`, `extend`, `abandon`, `idem_begin`, `idem_complete`, `idem_abort`, `kind_acquire`, `kind_release`, `kind_extend` | the operations, each atomic |
 //!
 //! **Serialisation.** Every function that may grant or pass on a lock first takes
 //! `pg_advisory_xact_lock(1684825963, hashtext(<lock name>))` — the two-`int4` form, whose key
@@ -23,9 +25,21 @@
 //! drawn (`nextval`) only under that lock, after the previous grant of the key committed, so
 //! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
 //! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
+//!
+//! **Semaphores and read-write locks** keep the rule of the
+//! [`backend`](crate::backend#semaphores-and-read-write-locks) module docs in `holders` and
+//! `queue`: `kind_acquire` and `kind_release` take the same advisory lock on the name, prune
+//! the lapsed holders and entries of that name, and walk the queue in `seq` order
+//! (`kind_ready`: the ready prefix). A grant draws its fencing token from the same sequence as
+//! locks; a release or abandon that made room `NOTIFY`s each waiter of the new ready prefix
+//! (`<name>\t<token>`, no handoff) and answers their tokens. `kind_extend` is one
+//! owner-checked `UPDATE` for a batch, like `extend`.
+//!
+//! **Upgrades.** Version 2 added the last two tables and the `kind_*` functions; the DDL only
+//! creates what is missing, so running it over version 1 upgrades in place.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 1;
+pub(crate) const VERSION: i32 = 2;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -76,6 +90,26 @@ CREATE TABLE IF NOT EXISTS @s@.@p@idempotency (
     result      bytea,
     expires_at  timestamptz NOT NULL
 );
+
+-- Semaphores and read-write locks (version 2): their holders and their waiters' line.
+CREATE TABLE IF NOT EXISTS @s@.@p@holders (
+    name       text NOT NULL,
+    owner      text NOT NULL,
+    exclusive  boolean NOT NULL,
+    fence      bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (name, owner)
+);
+
+CREATE TABLE IF NOT EXISTS @s@.@p@queue (
+    name       text NOT NULL,
+    token      text NOT NULL,
+    exclusive  boolean NOT NULL,
+    seq        bigint NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (name, token)
+);
+CREATE INDEX IF NOT EXISTS @p@queue_line ON @s@.@p@queue (name, seq);
 
 CREATE OR REPLACE FUNCTION @s@.@p@schema_version() RETURNS integer
 LANGUAGE sql IMMUTABLE AS 'SELECT @v@';
@@ -142,6 +176,12 @@ BEGIN
     LIMIT 100 FOR UPDATE SKIP LOCKED));
   DELETE FROM @s@.@p@idempotency WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM @s@.@p@idempotency WHERE expires_at < clock_timestamp()
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM @s@.@p@holders WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM @s@.@p@holders WHERE expires_at < clock_timestamp() - interval '1 minute'
+    LIMIT 100 FOR UPDATE SKIP LOCKED));
+  DELETE FROM @s@.@p@queue WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM @s@.@p@queue WHERE expires_at < clock_timestamp() - interval '1 minute'
     LIMIT 100 FOR UPDATE SKIP LOCKED));
 END $$;
 
@@ -302,6 +342,111 @@ BEGIN
   PERFORM @s@.@p@pass_on(p_name, l.barged);
   RETURN 1;
 END $$;
+-- Semaphores and read-write locks. Drops the lapsed holders and queue entries of one name.
+CREATE OR REPLACE FUNCTION @s@.@p@kind_prune(p_name text) RETURNS void
+LANGUAGE sql AS $$
+  DELETE FROM @s@.@p@holders WHERE name = p_name AND expires_at <= clock_timestamp();
+  DELETE FROM @s@.@p@queue WHERE name = p_name AND expires_at <= clock_timestamp();
+$$;
+
+-- The ready prefix of a name (after kind_prune): the queued tokens, in line order, each of
+-- which fits beside the live holders and the waiters before it (exclusive: no holder at all;
+-- shared: no exclusive holder and fewer than p_cap). When the whole line fits and
+-- p_tail_excl is not NULL, one more row '' says that a newcomer (exclusive if p_tail_excl)
+-- would fit after it. Needs serialise().
+CREATE OR REPLACE FUNCTION @s@.@p@kind_ready(p_name text, p_cap bigint, p_tail_excl boolean)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE n bigint; w boolean; q record;
+BEGIN
+  SELECT count(*), coalesce(bool_or(exclusive), false) INTO n, w
+    FROM @s@.@p@holders WHERE name = p_name;
+  FOR q IN SELECT token, exclusive FROM @s@.@p@queue WHERE name = p_name ORDER BY seq LOOP
+    IF (q.exclusive AND n > 0) OR (NOT q.exclusive AND (w OR n >= p_cap)) THEN RETURN; END IF;
+    n := n + 1;
+    w := w OR q.exclusive;
+    RETURN NEXT q.token;
+  END LOOP;
+  IF p_tail_excl IS NOT NULL AND ((p_tail_excl AND n = 0) OR (NOT p_tail_excl AND NOT w AND n < p_cap)) THEN
+    RETURN NEXT '';
+  END IF;
+END $$;
+
+-- One acquire attempt of a semaphore permit or a read or write hold (p_excl: a writer;
+-- p_cap: the permits, or the largest bigint for a read-write lock). p_mode: 0 try (granted
+-- when it would be admitted after the whole line), 1 queue (join or refresh the line; granted
+-- when in the ready prefix), 2 barge (granted when it fits beside the holders). Returns the
+-- fencing token (> 0) when granted (also when the token already holds: a fresh grant),
+-- -(the first holder's lease left ms) - 1 when held, 0 when there is room but waiters are
+-- ahead.
+CREATE OR REPLACE FUNCTION @s@.@p@kind_acquire(p_name text, p_token text, p_excl boolean, p_cap bigint,
+  p_mode integer, p_ttl_ms bigint, p_wttl_ms bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE ok boolean; n bigint; w boolean; f bigint; first_end timestamptz;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  PERFORM @s@.@p@kind_prune(p_name);
+  IF EXISTS (SELECT 1 FROM @s@.@p@holders WHERE name = p_name AND owner = p_token) THEN
+    ok := true;
+  ELSIF p_mode = 2 THEN
+    SELECT count(*), coalesce(bool_or(exclusive), false) INTO n, w
+      FROM @s@.@p@holders WHERE name = p_name;
+    ok := (p_excl AND n = 0) OR (NOT p_excl AND NOT w AND n < p_cap);
+  ELSIF p_mode = 0 THEN
+    ok := '' IN (SELECT @s@.@p@kind_ready(p_name, p_cap, p_excl));
+  ELSE
+    INSERT INTO @s@.@p@queue AS q (name, token, exclusive, seq, expires_at)
+    VALUES (p_name, p_token, p_excl, nextval('@s@.@p@fence'),
+            clock_timestamp() + p_wttl_ms * interval '1 millisecond')
+    ON CONFLICT (name, token) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    ok := p_token IN (SELECT @s@.@p@kind_ready(p_name, p_cap, NULL));
+  END IF;
+  IF NOT ok THEN
+    SELECT min(expires_at) INTO first_end FROM @s@.@p@holders WHERE name = p_name;
+    IF first_end IS NULL THEN RETURN 0; END IF;
+    RETURN -@s@.@p@ms_until(first_end) - 1;
+  END IF;
+  DELETE FROM @s@.@p@queue WHERE name = p_name AND token = p_token;
+  f := nextval('@s@.@p@fence');
+  INSERT INTO @s@.@p@holders AS h (name, owner, exclusive, fence, expires_at)
+  VALUES (p_name, p_token, p_excl, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+  ON CONFLICT (name, owner) DO UPDATE SET fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at;
+  IF random() < 0.01 THEN PERFORM @s@.@p@sweep(); END IF;
+  RETURN f;
+END $$;
+
+-- Owner-checked release of a permit or a read or write hold; with p_abandon (the undo of an
+-- acquire) also leaves the line. When that made room, notifies each waiter of the new ready
+-- prefix ('<name>\t<token>') and answers their tokens in o_woken. o_held: whether the token
+-- held a live lease.
+CREATE OR REPLACE FUNCTION @s@.@p@kind_release(p_name text, p_token text, p_cap bigint, p_abandon boolean,
+  OUT o_held boolean, OUT o_woken text[])
+LANGUAGE plpgsql AS $$
+DECLARE left_line boolean := false;
+BEGIN
+  PERFORM @s@.@p@serialise(p_name);
+  PERFORM @s@.@p@kind_prune(p_name);
+  DELETE FROM @s@.@p@holders WHERE name = p_name AND owner = p_token;
+  o_held := FOUND;
+  IF p_abandon THEN
+    DELETE FROM @s@.@p@queue WHERE name = p_name AND token = p_token;
+    left_line := FOUND;
+  END IF;
+  o_woken := '{}';
+  IF (o_held OR left_line) AND EXISTS (SELECT 1 FROM @s@.@p@queue WHERE name = p_name) THEN
+    o_woken := ARRAY(SELECT @s@.@p@kind_ready(p_name, p_cap, NULL));
+    PERFORM pg_notify('@ch@', p_name || E'\t' || t) FROM unnest(o_woken) AS t;
+  END IF;
+END $$;
+
+-- Owner-checked lease extension of permits and read or write holds, for a batch: returns the
+-- owner tokens whose lease was extended.
+CREATE OR REPLACE FUNCTION @s@.@p@kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
+RETURNS SETOF text LANGUAGE sql AS $$
+  UPDATE @s@.@p@holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
+    FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
+   WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()
+  RETURNING h.owner
+$$;
 COMMIT;
 "#;
 
@@ -345,6 +490,9 @@ pub(crate) struct Statements {
     pub(crate) idem_begin: String,
     pub(crate) idem_complete: String,
     pub(crate) idem_abort: String,
+    pub(crate) kind_acquire: String,
+    pub(crate) kind_release: String,
+    pub(crate) kind_extend: String,
     pub(crate) delete: String,
 }
 
@@ -362,7 +510,17 @@ impl Statements {
             ),
             idem_complete: f("idem_complete", "$1, $2, $3, $4, $5"),
             idem_abort: f("idem_abort", "$1, $2"),
-            delete: format!("DELETE FROM {schema}.{prefix}locks WHERE name = $1 RETURNING name"),
+            kind_acquire: f("kind_acquire", "$1, $2, $3, $4, $5, $6, $7"),
+            kind_release: format!(
+                "SELECT o_held, o_woken FROM {schema}.{prefix}kind_release($1, $2, $3, $4)"
+            ),
+            kind_extend: format!("SELECT * FROM {schema}.{prefix}kind_extend($1, $2, $3)"),
+            // A lock's row, or every holder of a semaphore or read-write lock.
+            delete: format!(
+                "WITH l AS (DELETE FROM {schema}.{prefix}locks WHERE name = $1 RETURNING name), \
+                 h AS (DELETE FROM {schema}.{prefix}holders WHERE name = $1 RETURNING name) \
+                 SELECT name FROM l UNION ALL SELECT name FROM h"
+            ),
         }
     }
 }

@@ -167,6 +167,7 @@ fn malformed() -> LockError {
 impl IdempotencyStore for RedisBackend {
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>> {
         Box::pin(async move {
+            self.issuer().await?;
             let mut inv = BEGIN.prepare_invoke();
             lock_keys(self, &mut inv, args.resource);
             inv.arg(args.token.as_str())
@@ -180,9 +181,10 @@ impl IdempotencyStore for RedisBackend {
             let text = || std::str::from_utf8(&data).map_err(|_| malformed());
             match code {
                 1 => {
-                    let fencing_token = text()?.parse::<u64>().map_err(|_| malformed())?;
-                    self.saw_fence(fencing_token);
-                    Ok(BeginReply::Acquired { fencing_token })
+                    let counter = text()?.parse::<u64>().map_err(|_| malformed())?;
+                    Ok(BeginReply::Acquired {
+                        fencing_token: self.granted(counter),
+                    })
                 }
                 2 => Ok(BeginReply::Replay { record: data }),
                 3 => Ok(BeginReply::Mismatch),

@@ -30,13 +30,15 @@ use redis::{IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError,
 use super::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
 };
-use crate::key::ResourceName;
+use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
+mod admin;
 pub(crate) mod conn;
 mod idempotency;
 #[cfg(feature = "durable")]
 pub(crate) mod job_scripts;
+mod kinds;
 mod scripts;
 #[cfg(feature = "sentinel")]
 pub(crate) mod sentinel;
@@ -124,8 +126,11 @@ struct Inner {
     extend: Script,
     raise_fence: Script,
     opts: RedisOptions,
-    /// The largest fencing token this backend has been granted (see [`Floor::clock`]).
+    /// The largest fencing counter value this backend has been granted (see [`Floor::clock`]).
     fence_seen: AtomicU64,
+    /// This backend's issuer number (see [`RedisBackend::ISSUER_BITS`]), [`NO_ISSUER`] until
+    /// the first operation that may be granted a token has taken one.
+    issuer: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
     /// How to reach the store again, for dedicated connections.
@@ -134,6 +139,21 @@ struct Inner {
     /// use; taken in turn.
     dedicated: tokio::sync::Mutex<Vec<Conn>>,
     next_dedicated: std::sync::atomic::AtomicUsize,
+}
+
+impl Inner {
+    /// See [`RedisBackend::granted`].
+    fn granted(&self, counter: u64) -> u64 {
+        self.fence_seen.fetch_max(counter, Ordering::AcqRel);
+        let issuer = self.issuer.load(Ordering::Acquire);
+        debug_assert_ne!(
+            issuer, NO_ISSUER,
+            "a token granted before the issuer was taken"
+        );
+        counter
+            .saturating_mul(1 << RedisBackend::ISSUER_BITS)
+            .saturating_add(issuer & ((1 << RedisBackend::ISSUER_BITS) - 1))
+    }
 }
 
 /// How to make another connection to the same store (without a push handler).
@@ -147,6 +167,13 @@ enum Reconnect {
     #[cfg(feature = "sentinel")]
     FromConn,
 }
+
+/// [`Inner::issuer`] before it is taken.
+const NO_ISSUER: u64 = u64::MAX;
+
+/// The key whose `INCR` numbers the backends of one Redis deployment (see
+/// [`RedisBackend::ISSUER_BITS`]).
+const ISSUERS_KEY: &str = "dlock:issuers";
 
 /// How many dedicated connections [`Backend::replicate`] spreads its `WAIT`s over.
 const DEDICATED: usize = 4;
@@ -232,13 +259,29 @@ impl RedisBackend {
     /// module docs of `backend::redis::scripts`).
     pub const LINGER: Duration = scripts::LINGER;
 
+    /// The low bits of a fencing token this backend hands out that name the backend it was
+    /// granted to: a token is `counter × 2^ISSUER_BITS + issuer`, where `counter` is what the
+    /// scripts issue (see the key layout in `backend::redis::scripts`) and `issuer` is this
+    /// backend's number, `INCR dlock:issuers` modulo `2^ISSUER_BITS` when it first needs one
+    /// (a random number when the server refuses that command, e.g. under an ACL).
+    ///
+    /// Tokens are ordered by their counter first, so the order they are granted in is their
+    /// numeric order as before; the issuer only separates tokens that two masters issued from
+    /// the same counter value while both took writes — a Sentinel or cluster master that was
+    /// frozen, failed over, and woken, and granted locks before it was demoted. Two backends
+    /// then never receive the same token, unless `2^ISSUER_BITS` other backends took a number
+    /// between them. The counter stays below 2^53 (the scripts' numbers are Lua doubles), so
+    /// a token fits a `u64`.
+    pub const ISSUER_BITS: u32 = 11;
+
     /// Connects to `url` (`redis://[user:pass@]host:port[/db]`, or `rediss://` with feature
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
     /// connect timeout.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
         let backend = Self::build(url, opts, ReleaseHub::new(), true)?;
-        // Establish the connection now, so a wrong URL or a down server fails at startup.
-        backend.ping().await?;
+        // Establish the connection now, so a wrong URL or a down server fails at startup; the
+        // round trip also takes this backend's issuer number.
+        backend.issuer().await?;
         Ok(backend)
     }
 
@@ -341,7 +384,7 @@ impl RedisBackend {
         // Dedicated connections (for `WAIT`) carry no pushes.
         let plain = builder().build().map_err(invalid)?;
         let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
-        backend.ping().await?;
+        backend.issuer().await?;
         Ok(backend)
     }
 
@@ -369,7 +412,7 @@ impl RedisBackend {
         )
         .await?;
         let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, Reconnect::FromConn);
-        backend.ping().await?;
+        backend.issuer().await?;
         Ok(backend)
     }
 
@@ -403,6 +446,7 @@ impl RedisBackend {
                 raise_fence: scripts::raise_fence(),
                 opts,
                 fence_seen: AtomicU64::new(0),
+                issuer: AtomicU64::new(NO_ISSUER),
                 recovering: AtomicBool::new(false),
                 reconnect,
                 dedicated: tokio::sync::Mutex::new(Vec::new()),
@@ -455,9 +499,53 @@ impl RedisBackend {
         f
     }
 
-    /// Notes a fencing token this backend was granted.
-    pub(crate) fn saw_fence(&self, token: u64) {
-        self.inner.fence_seen.fetch_max(token, Ordering::AcqRel);
+    /// Notes a fencing counter value this backend was granted, and makes it the token it
+    /// reports (see [`RedisBackend::ISSUER_BITS`]). The issuer was taken before the operation
+    /// that issued `counter` ([`RedisBackend::issuer`]).
+    pub(crate) fn granted(&self, counter: u64) -> u64 {
+        self.inner.granted(counter)
+    }
+
+    /// This backend's issuer number, taken from the server on first use (one `INCR`).
+    pub(crate) async fn issuer(&self) -> Result<u64, LockError> {
+        let issuer = self.inner.issuer.load(Ordering::Acquire);
+        if issuer != NO_ISSUER {
+            return Ok(issuer);
+        }
+        let mut conn = self.inner.conn.clone();
+        let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
+        let mut incr = redis::cmd("INCR");
+        incr.arg(ISSUERS_KEY);
+        let incr = incr.query_async::<u64>(&mut conn);
+        let taken = match tokio::time::timeout(limit, incr).await {
+            Ok(Ok(n)) => n,
+            // The server answered but refused (an ACL without that key, a read-only replica
+            // named by mistake — which the first lock will report): a random number, unique
+            // among 2^ISSUER_BITS only by chance.
+            Ok(Err(e)) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
+                tracing::debug!(error = %e, "redis: no issuer number from the server; a random one");
+                crate::util::next_random()
+            }
+            Ok(Err(e)) => return Err(redis_err("issuer", e)),
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    format!("redis: no answer within {limit:?}"),
+                    None,
+                ))
+            }
+        };
+        let issuer = taken & ((1 << Self::ISSUER_BITS) - 1);
+        Ok(
+            match self.inner.issuer.compare_exchange(
+                NO_ISSUER,
+                issuer,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => issuer,
+                Err(first) => first,
+            },
+        )
     }
 
     /// Whether this backend talks to a cluster.
@@ -723,12 +811,10 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
             match payload.split_once(':') {
                 _ if payload.is_empty() => hub.notify(resource, None),
                 Some((token, fence)) => match fence.parse::<u64>() {
-                    Ok(fence) if handoff => {
-                        if let Some(inner) = me.get().and_then(Weak::upgrade) {
-                            inner.fence_seen.fetch_max(fence, Ordering::AcqRel);
-                        }
-                        hub.hand_over(resource, token, fence)
-                    }
+                    Ok(fence) if handoff => match me.get().and_then(Weak::upgrade) {
+                        Some(inner) => hub.hand_over(resource, token, inner.granted(fence)),
+                        None => hub.notify(resource, Some(token)),
+                    },
                     _ => hub.notify(resource, Some(token)),
                 },
                 None => hub.notify(resource, Some(&payload)),
@@ -809,15 +895,7 @@ impl RedisBackend {
             Floor::Exactly(f) => inv.arg(f).arg("exact"),
         };
         let reply: i64 = self.run_script("acquire", &inv).await?;
-        Ok(match reply {
-            1.. => Attempt::Acquired {
-                fencing_token: reply as u64,
-            },
-            0 => Attempt::Held { remaining: None },
-            _ => Attempt::Held {
-                remaining: Some(Duration::from_millis((-(reply + 1)) as u64)),
-            },
-        })
+        Ok(Attempt::from_reply(reply))
     }
 }
 
@@ -830,14 +908,29 @@ impl Backend for RedisBackend {
         Some(self)
     }
 
+    fn acquire_kind<'a>(
+        &'a self,
+        args: AcquireArgs<'a>,
+    ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(self.acquire_kind_once(args))
+    }
+
+    fn admin(&self) -> Option<&dyn super::AdminStore> {
+        Some(self)
+    }
+
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
+            self.issuer().await?;
             let seen = &self.inner.fence_seen;
-            let attempt = self.acquire_with_floor(args, Floor::clock(seen)).await?;
-            if let Attempt::Acquired { fencing_token } = attempt {
-                self.saw_fence(fencing_token);
-            }
-            Ok(attempt)
+            Ok(
+                match self.acquire_with_floor(args, Floor::clock(seen)).await? {
+                    Attempt::Acquired { fencing_token } => Attempt::Acquired {
+                        fencing_token: self.granted(fencing_token),
+                    },
+                    held => held,
+                },
+            )
         })
     }
 
@@ -847,6 +940,9 @@ impl Backend for RedisBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            if resource.kind() != LockKind::Exclusive {
+                return self.release_kind(resource, token, false).await;
+            }
             let n = self
                 .owner_script(&self.inner.release, "release", resource, token)
                 .await?;
@@ -861,6 +957,9 @@ impl Backend for RedisBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            if resource.kind() != LockKind::Exclusive {
+                return self.extend_kind(resource, token, ttl).await;
+            }
             let mut conn = self.inner.conn.clone();
             let mut inv = self.inner.extend.prepare_invoke();
             inv.key(resource.as_str())
@@ -894,6 +993,9 @@ impl Backend for RedisBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
+            if resource.kind() != LockKind::Exclusive {
+                return self.release_kind(resource, token, true).await.map(|_| ());
+            }
             self.owner_script(&self.inner.abandon, "abandon", resource, token)
                 .await
                 .map(|_| ())
@@ -1025,12 +1127,17 @@ impl RedisBackend {
         let build = || {
             let mut pipe = redis::pipe();
             for item in chunk {
+                // A semaphore's or read-write lock's lease is its holder's score, not a `PX`.
+                let (script, lease) = match item.resource.kind() {
+                    LockKind::Exclusive => (&self.inner.extend, scripts::px(item.ttl)),
+                    _ => (kinds::extend_script(), millis(item.ttl)),
+                };
                 pipe.cmd("EVALSHA")
-                    .arg(self.inner.extend.get_hash())
+                    .arg(script.get_hash())
                     .arg(1)
                     .arg(item.resource.as_str())
                     .arg(item.token.as_str())
-                    .arg(scripts::px(item.ttl));
+                    .arg(lease);
             }
             pipe
         };
@@ -1046,11 +1153,10 @@ impl RedisBackend {
                 if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
             {
                 // The server lost its script cache (restart, SCRIPT FLUSH): load and retry once.
-                self.deadline(
-                    "script load",
-                    self.inner.extend.prepare_invoke().load_async(&mut conn),
-                )
-                .await?;
+                for script in [&self.inner.extend, kinds::extend_script()] {
+                    self.deadline("script load", script.prepare_invoke().load_async(&mut conn))
+                        .await?;
+                }
                 self.deadline("extend", build().query_async::<Vec<i64>>(&mut conn))
                     .await
             }

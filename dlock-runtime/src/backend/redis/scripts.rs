@@ -9,6 +9,7 @@
 //! | `<p>:{<k>}:q` | list | waiter tokens in arrival order |
 //! | `<p>:{<k>}:qw` | hash | waiter token → `<entry deadline ms>\|<lease ms>` |
 //! | `<p>:fence` | string | the namespace's fencing counter (no expiry) |
+//! | `dlock:issuers` | string | the issuer numbers taken by clients (`INCR` at connect; no expiry) |
 //! | `<p>:{<k>}:ch` | channel | `<token>:<fence>` when the lock was handed to that waiter, `""` to wake a barging waiter |
 //!
 //! **One key per lock.** Its value is the owner token, prefixed by flags once someone waits:
@@ -39,7 +40,10 @@
 //! from the clocks after the failure, so the order holds unless the clients' clocks disagree by
 //! more than the failover took. A release's handoff (which has no client floor) takes
 //! `counter + 1`; an `INCR` that answers 1 found no counter and starts it at the server clock
-//! in µs. A Redlock node takes the floor exactly (see `backend::redlock`).
+//! in µs. A Redlock node takes the floor exactly (see `backend::redlock`). The scripts issue
+//! counter values (below 2^53: Lua numbers are doubles); the client reports
+//! `counter × 2^ISSUER_BITS + its issuer number` as the token (`RedisBackend::ISSUER_BITS`), so
+//! two masters that issue the same counter value during a split never grant the same token.
 
 //! **On a cluster** the scripts declare, after their own `KEYS`, the keys they derive (the
 //! slot's fencing counter, the lock's queue list and entries): they still derive the names

@@ -280,6 +280,44 @@ fn failover_like(e: &RedisError) -> bool {
         || e.to_string().contains("READONLY")
 }
 
+/// Whether a reply is a demoted (or cut-off) master's refusal.
+fn demoted_reply(v: &Value) -> bool {
+    use redis::ServerErrorKind;
+    match v {
+        Value::ServerError(e) => {
+            matches!(
+                e.kind(),
+                Some(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+            ) || e.code() == "READONLY"
+                || e.details().is_some_and(|d| d.contains("READONLY"))
+        }
+        _ => false,
+    }
+}
+
+/// The replies of a command or a pipeline, for [`Shared::after`].
+trait Replies {
+    fn any(&self, f: fn(&Value) -> bool) -> bool;
+}
+
+impl Replies for () {
+    fn any(&self, _: fn(&Value) -> bool) -> bool {
+        false
+    }
+}
+
+impl Replies for Value {
+    fn any(&self, f: fn(&Value) -> bool) -> bool {
+        f(self)
+    }
+}
+
+impl Replies for Vec<Value> {
+    fn any(&self, f: fn(&Value) -> bool) -> bool {
+        self.iter().any(f)
+    }
+}
+
 impl Shared {
     fn current(&self) -> Current {
         self.current
@@ -288,10 +326,17 @@ impl Shared {
             .clone()
     }
 
-    /// Starts a failover check after a command failed the way a failover makes it fail.
-    fn after<T>(self: &Arc<Self>, r: &RedisResult<T>) {
-        let Err(e) = r else { return };
-        if !failover_like(e) || self.checking.swap(true, Ordering::AcqRel) {
+    /// Starts a failover check after a command failed the way a failover makes it fail: an
+    /// error of the connection, or a reply that is one of the errors a demoted master gives
+    /// (redis-rs hands server errors back as replies, `Value::ServerError`, and a master that
+    /// was frozen, failed over and woken as a replica keeps the connection up and answers every
+    /// write with `READONLY`).
+    fn after<T: Replies>(self: &Arc<Self>, r: &RedisResult<T>) {
+        let failed = match r {
+            Err(e) => failover_like(e),
+            Ok(replies) => replies.any(demoted_reply),
+        };
+        if !failed || self.checking.swap(true, Ordering::AcqRel) {
             return;
         }
         match tokio::runtime::Handle::try_current() {

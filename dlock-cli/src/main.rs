@@ -1,0 +1,355 @@
+//! `dlock`: the operator's command for dlock locks and durable jobs.
+//!
+//! ```text
+//! dlock --url redis://127.0.0.1:6379 inspect order:42
+//! dlock list --prefix order:            # SCAN, never KEYS
+//! dlock release order:42 --force        # asks on a terminal; --yes in scripts
+//! dlock jobs --queue emails dead        # list, dead, requeue <id>, purge <id>|--all
+//! dlock watch --count 10                # contended locks, refreshed
+//! ```
+//!
+//! The backend comes from `--url` or `DLOCK_URL` (the URLs of `Locker::from_url`). Exit codes:
+//! 0 success, 1 the operation did not happen (nothing to requeue, confirmation declined), 2 bad
+//! usage, a bad URL, or a backend that does not answer within `--timeout`. `--json` prints
+//! machine-readable output (one JSON document, or one per refresh for `watch`).
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use dlock_runtime::admin::Admin;
+use dlock_runtime::durable::DurableQueue;
+use dlock_runtime::{LockError, Locker};
+
+mod output;
+
+/// Inspect and operate dlock locks and durable jobs.
+#[derive(Debug, Parser)]
+#[command(name = "dlock", version)]
+struct Cli {
+    /// The backend, as for `Locker::from_url` (redis://, redis+cluster://, redis+sentinel://,
+    /// postgres://, etcd://, zk://, memory://).
+    #[arg(long, env = "DLOCK_URL", global = true, hide_env_values = true)]
+    url: Option<String>,
+    /// The lockers' namespace prefix (`LockerBuilder::prefix`).
+    #[arg(long, default_value = "dlock", global = true)]
+    namespace: String,
+    /// How long to wait for the backend (connecting, and each call).
+    #[arg(long, default_value = "3s", value_parser = parse_duration, global = true)]
+    timeout: Duration,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show a lock: holder (owner-token prefix, fencing token, lease left), waiters in order.
+    Inspect {
+        /// The lock's key, as the application names it (e.g. `order:42`).
+        key: String,
+    },
+    /// List the locks held or waited for (Redis: SCAN, never KEYS).
+    List {
+        /// Only keys that start with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// At most this many.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+    },
+    /// Free a lock whoever holds it (no owner check) and raise its fencing counter.
+    Release {
+        /// The lock's key.
+        key: String,
+        /// Required: this skips the owner check.
+        #[arg(long)]
+        force: bool,
+        /// Do not ask for confirmation (needed without a terminal).
+        #[arg(long)]
+        yes: bool,
+    },
+    /// The durable job queue (Redis URLs only).
+    Jobs {
+        /// The queue's name (`DurableQueue::connect(url, name)`).
+        #[arg(long, default_value = "default")]
+        queue: String,
+        #[command(subcommand)]
+        command: JobsCommand,
+    },
+    /// Show the contended locks (someone waiting), refreshed until Ctrl-C or `--count`.
+    Watch {
+        /// Only keys that start with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Time between refreshes.
+        #[arg(long, default_value = "1s", value_parser = parse_duration)]
+        interval: Duration,
+        /// Stop after this many refreshes.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Show every held lock, not only contended ones.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum JobsCommand {
+    /// Jobs queued or running.
+    List,
+    /// Dead-lettered jobs, with the reason.
+    Dead,
+    /// Put a dead-lettered job back, due now, with a fresh attempt budget.
+    Requeue {
+        /// The job id.
+        id: String,
+    },
+    /// Delete dead letters for good: one, or all of them with `--all`.
+    Purge {
+        /// The job id.
+        id: Option<String>,
+        /// Every dead letter of the queue.
+        #[arg(long, conflicts_with = "id")]
+        all: bool,
+        /// Do not ask for confirmation (needed without a terminal).
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// Why the command failed, and its exit code.
+#[derive(Debug)]
+enum Failure {
+    /// Exit 2: bad usage, a bad URL, an unreachable or unsuitable backend.
+    Usage(String),
+    /// Exit 1: the operation did not happen.
+    NotDone(String),
+}
+
+impl From<LockError> for Failure {
+    fn from(e: LockError) -> Self {
+        if e.is_unavailable() || e.is_invalid() || e.is_unsupported() {
+            Failure::Usage(e.to_string())
+        } else {
+            Failure::NotDone(e.to_string())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dlock: cannot start a runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(msg)) => {
+            eprintln!("dlock: {msg}");
+            ExitCode::from(2)
+        }
+        Err(Failure::NotDone(msg)) => {
+            eprintln!("dlock: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The URL, or an error saying where to put it.
+fn url(cli: &Cli) -> Result<&str, Failure> {
+    cli.url
+        .as_deref()
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| Failure::Usage("no backend: pass --url or set DLOCK_URL".into()))
+}
+
+/// Runs `fut` within the timeout; past it, the backend is unreachable (exit 2).
+async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, LockError>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r.map_err(Failure::from),
+        Err(_) => Err(Failure::Usage(format!(
+            "the backend did not answer {what} within {}",
+            humantime::format_duration(timeout)
+        ))),
+    }
+}
+
+async fn admin(cli: &Cli) -> Result<Admin, Failure> {
+    let url = url(cli)?;
+    let connect = Locker::builder()
+        .prefix(cli.namespace.clone())
+        .command_timeout(cli.timeout)
+        .connect(url);
+    let locker = within(cli.timeout, "the connection", connect).await?;
+    Ok(locker.admin()?)
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    match &cli.command {
+        Command::Inspect { key } => {
+            let admin = admin(&cli).await?;
+            let state = within(cli.timeout * 2, "inspect", admin.inspect(key.as_str())).await?;
+            output::print_state(&state, cli.json);
+        }
+        Command::List { prefix, limit } => {
+            let admin = admin(&cli).await?;
+            let locks = within(cli.timeout * 4, "list", admin.list_all(prefix, *limit)).await?;
+            output::print_list(&locks, cli.json, true);
+        }
+        Command::Release { key, force, yes } => {
+            if !force {
+                return Err(Failure::Usage(
+                    "`release` frees a lock whoever holds it (no owner check): pass --force".into(),
+                ));
+            }
+            confirm(
+                &format!("Force-release `{key}`? Its holder loses the lock at its next renewal."),
+                *yes,
+            )?;
+            let admin = admin(&cli).await?;
+            let out = within(
+                cli.timeout * 2,
+                "the release",
+                admin.force_release(key.as_str()),
+            )
+            .await?;
+            output::print_released(key, &out, cli.json);
+        }
+        Command::Jobs { queue, command } => jobs(&cli, queue, command).await?,
+        Command::Watch {
+            prefix,
+            interval,
+            count,
+            all,
+        } => {
+            let admin = admin(&cli).await?;
+            let mut refreshes = 0u64;
+            let clear = !cli.json && std::io::stdout().is_terminal();
+            loop {
+                let locks = within(cli.timeout * 4, "list", admin.list_all(prefix, 10_000)).await?;
+                let shown: Vec<_> = locks
+                    .into_iter()
+                    .filter(|s| *all || !s.waiters.is_empty())
+                    .collect();
+                output::print_watch(&shown, cli.json, clear);
+                refreshes += 1;
+                if count.is_some_and(|c| refreshes >= c) {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(*interval) => {}
+                    _ = tokio::signal::ctrl_c() => break,
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn jobs(cli: &Cli, queue: &str, command: &JobsCommand) -> Result<(), Failure> {
+    let url = url(cli)?;
+    let scheme = url.split_once("://").map_or("", |(s, _)| s);
+    if !matches!(
+        scheme,
+        "redis"
+            | "rediss"
+            | "redis+cluster"
+            | "rediss+cluster"
+            | "redis+sentinel"
+            | "rediss+sentinel"
+    ) {
+        return Err(Failure::Usage(format!(
+            "durable job queues live in Redis: `{scheme}://` has none"
+        )));
+    }
+    if let JobsCommand::Purge { id, all, yes } = command {
+        if id.is_none() && !all {
+            return Err(Failure::Usage(
+                "`purge` needs a job id, or --all for every dead letter".into(),
+            ));
+        }
+        let what = id.as_deref().map_or_else(
+            || format!("every dead letter of queue `{queue}`"),
+            |id| format!("dead letter `{id}`"),
+        );
+        confirm(&format!("Delete {what} for good?"), *yes)?;
+    }
+    let q = within(
+        cli.timeout,
+        "the connection",
+        DurableQueue::connect(url, queue),
+    )
+    .await?;
+    let t = cli.timeout * 4;
+    match command {
+        JobsCommand::List => {
+            let jobs = within(t, "list", q.pending()).await?;
+            output::print_jobs(&jobs, cli.json);
+        }
+        JobsCommand::Dead => {
+            let dead = within(t, "dead", q.dead_letters()).await?;
+            output::print_dead(&dead, cli.json);
+        }
+        JobsCommand::Requeue { id } => {
+            if !within(t, "requeue", q.requeue(id)).await? {
+                return Err(Failure::NotDone(format!(
+                    "no dead letter `{id}` in queue `{queue}`"
+                )));
+            }
+            output::print_done("requeued", id, cli.json);
+        }
+        JobsCommand::Purge { id, .. } => {
+            let n = within(t, "purge", q.purge_dead(id.as_deref())).await?;
+            if id.is_some() && n == 0 {
+                return Err(Failure::NotDone(format!(
+                    "no dead letter `{}` in queue `{queue}`",
+                    id.as_deref().unwrap_or_default()
+                )));
+            }
+            output::print_count("purged", n, cli.json);
+        }
+    }
+    Ok(())
+}
+
+/// Asks on the terminal unless `yes`; without a terminal and without `yes`, refuses.
+fn confirm(question: &str, yes: bool) -> Result<(), Failure> {
+    if yes {
+        return Ok(());
+    }
+    if !std::io::stdin().is_terminal() {
+        return Err(Failure::Usage(
+            "refusing without a terminal to confirm on: pass --yes".into(),
+        ));
+    }
+    eprint!("{question} [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut answer)
+        .map_err(|e| Failure::Usage(format!("reading the answer: {e}")))?;
+    if matches!(answer.trim(), "y" | "Y" | "yes") {
+        Ok(())
+    } else {
+        Err(Failure::NotDone("not confirmed: nothing done".into()))
+    }
+}

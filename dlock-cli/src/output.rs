@@ -1,0 +1,181 @@
+//! What `dlock` prints: text for people, JSON (`--json`) for scripts — the `serde` form of
+//! `dlock_runtime::admin`'s types (durations in milliseconds). Owner tokens only ever appear
+//! as their 8-digit prefix.
+
+use std::time::{Duration, SystemTime};
+
+use dlock_runtime::admin::{ForceReleased, LockState};
+use dlock_runtime::defer::JobInfo;
+use dlock_runtime::durable::JobStatus;
+use serde_json::{json, Value};
+
+fn human(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+pub(crate) fn state_json(s: &LockState) -> Value {
+    serde_json::to_value(s).unwrap_or(Value::Null)
+}
+
+fn print_json(v: &Value) {
+    println!("{v}");
+}
+
+pub(crate) fn print_state(s: &LockState, json: bool) {
+    if json {
+        return print_json(&state_json(s));
+    }
+    println!("key            {}", s.key);
+    match &s.holder {
+        Some(h) => {
+            let fence = h
+                .fencing_token
+                .map_or_else(|| "not stored".to_owned(), |t| t.to_string());
+            println!(
+                "holder         {}…  fencing token {fence}  lease left {}",
+                h.token_prefix,
+                human(h.ttl_left)
+            );
+        }
+        None => println!("holder         (free)"),
+    }
+    println!("waiters        {}", s.waiters.len());
+    for (i, w) in s.waiters.iter().enumerate() {
+        let exp = w
+            .expires_in
+            .map_or_else(String::new, |d| format!("  entry expires in {}", human(d)));
+        println!("  {:>3}. {}…{exp}", i + 1, w.token_prefix);
+    }
+    if let Some(f) = s.fence_counter {
+        println!("fence counter  {f}");
+    }
+}
+
+pub(crate) fn print_list(locks: &[LockState], json: bool, footer: bool) {
+    if json {
+        return print_json(&Value::Array(locks.iter().map(state_json).collect()));
+    }
+    if locks.is_empty() {
+        if footer {
+            println!("no locks held or waited for");
+        }
+        return;
+    }
+    println!(
+        "{:<40} {:<10} {:>10} {:>8}",
+        "KEY", "HOLDER", "LEASE", "WAITERS"
+    );
+    for s in locks {
+        let (holder, lease) = match &s.holder {
+            Some(h) => (format!("{}…", h.token_prefix), human(h.ttl_left)),
+            None => ("(free)".to_owned(), "-".to_owned()),
+        };
+        println!(
+            "{:<40} {:<10} {:>10} {:>8}",
+            s.key,
+            holder,
+            lease,
+            s.waiters.len()
+        );
+    }
+    if footer {
+        println!("{} lock(s)", locks.len());
+    }
+}
+
+pub(crate) fn print_watch(locks: &[LockState], json: bool, clear: bool) {
+    let now = humantime::format_rfc3339_seconds(SystemTime::now());
+    if json {
+        return print_json(&json!({
+            "at": now.to_string(),
+            "locks": locks.iter().map(state_json).collect::<Vec<_>>(),
+        }));
+    }
+    if clear {
+        print!("\x1b[2J\x1b[H");
+    }
+    println!("{now}  {} contended lock(s)", locks.len());
+    print_list(locks, false, false);
+    println!();
+}
+
+pub(crate) fn print_released(key: &str, out: &ForceReleased, json: bool) {
+    if json {
+        let mut v = serde_json::to_value(out).unwrap_or(Value::Null);
+        v["key"] = json!(key);
+        return print_json(&v);
+    }
+    if out.was_held {
+        println!("released `{key}` (its holder loses it at its next renewal)");
+    } else {
+        println!("`{key}` was not held");
+    }
+    if let Some(f) = out.fence {
+        println!("fencing counter raised to {f}: tokens issued before are below it");
+    }
+}
+
+fn job_json(j: &JobInfo) -> Value {
+    json!({
+        "id": j.id,
+        "key": j.key,
+        "attempts": j.attempts,
+        "reason": j.reason,
+    })
+}
+
+pub(crate) fn print_jobs(jobs: &[(JobInfo, JobStatus)], json: bool) {
+    let state = |s: &JobStatus| match s {
+        JobStatus::Running => "running",
+        _ => "queued",
+    };
+    if json {
+        return print_json(&Value::Array(
+            jobs.iter()
+                .map(|(j, s)| {
+                    let mut v = job_json(j);
+                    v["state"] = json!(state(s));
+                    v
+                })
+                .collect(),
+        ));
+    }
+    println!("{:<34} {:<8} {:>8}  KEY", "ID", "STATE", "ATTEMPTS");
+    for (j, s) in jobs {
+        println!("{:<34} {:<8} {:>8}  {}", j.id, state(s), j.attempts, j.key);
+    }
+    println!("{} job(s)", jobs.len());
+}
+
+pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
+    if json {
+        return print_json(&Value::Array(jobs.iter().map(job_json).collect()));
+    }
+    println!("{:<34} {:>8}  {:<30} REASON", "ID", "ATTEMPTS", "KEY");
+    for j in jobs {
+        println!(
+            "{:<34} {:>8}  {:<30} {}",
+            j.id,
+            j.attempts,
+            j.key,
+            j.reason.as_deref().unwrap_or("")
+        );
+    }
+    println!("{} dead letter(s)", jobs.len());
+}
+
+pub(crate) fn print_done(what: &str, id: &str, json: bool) {
+    if json {
+        print_json(&json!({ what: id }));
+    } else {
+        println!("{what} {id}");
+    }
+}
+
+pub(crate) fn print_count(what: &str, n: usize, json: bool) {
+    if json {
+        print_json(&json!({ what: n }));
+    } else {
+        println!("{what} {n}");
+    }
+}

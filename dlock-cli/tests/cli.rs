@@ -1,0 +1,332 @@
+//! The `dlock` binary end to end, as a process, against real servers started by the
+//! `dlock-tests` harness on free loopback ports: Redis (locks, `watch`, durable jobs), Postgres
+//! etcd and ZooKeeper (locks); and its errors for bad URLs and unreachable servers.
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::durable::{DurableQueue, DurableWorker};
+use dlock_runtime::{DeferPolicy, Locker, OnFail, RetryPolicy};
+use dlock_tests::jobs::RecordJob;
+use dlock_tests::redis_server::free_port;
+use dlock_tests::RedisServer;
+use serde_json::Value;
+
+/// Runs `dlock <args>` with stdin closed (no terminal) and `DLOCK_URL` unset unless given.
+async fn dlock(url: Option<&str>, args: &[&str]) -> Output {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"));
+    cmd.args(args)
+        .env_remove("DLOCK_URL")
+        .stdin(std::process::Stdio::null());
+    if let Some(url) = url {
+        cmd.env("DLOCK_URL", url);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("dlock finishes")
+        .expect("run dlock");
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "dlock failed: {:?}\n{}",
+        out.status,
+        stderr(out)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+/// A held lock on `key` and one waiter queued behind it (on another locker).
+async fn held_with_waiter(
+    url: &str,
+    key: &str,
+) -> (
+    dlock_runtime::LockGuard,
+    Locker,
+    tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>>,
+) {
+    let a = Locker::from_url(url).await.expect("connect");
+    let b = Locker::from_url(url).await.expect("connect");
+    let guard = a
+        .lock(key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let waiter = {
+        let (b, key) = (b.clone(), key.to_owned());
+        tokio::spawn(async move {
+            b.lock(key.as_str())
+                .ttl(Duration::from_secs(30))
+                .on_fail(OnFail::Retry(RetryPolicy::new(Duration::from_secs(30))))
+                .acquire()
+                .await
+        })
+    };
+    dlock_tests::wait::wait_for("the waiter queues", Duration::from_secs(10), async || {
+        (b.waiting() == 1).then_some(())
+    })
+    .await;
+    // Its queue entry is written by its first attempt: wait until the store shows it.
+    let admin = a.admin().unwrap();
+    dlock_tests::wait::wait_for(
+        "the waiter is in the queue",
+        Duration::from_secs(10),
+        async || (admin.inspect(key).await.unwrap().waiters.len() == 1).then_some(()),
+    )
+    .await;
+    (guard, b, waiter)
+}
+
+/// inspect, list, watch and release --force on one backend, through the binary.
+async fn locks_through_the_cli(url: &str, key: &str) {
+    let (guard, _b, waiter) = held_with_waiter(url, key).await;
+
+    let state = json(&dlock(Some(url), &["--json", "inspect", key]).await);
+    assert_eq!(state["key"], key);
+    assert!(state["holder"].is_object(), "{state}");
+    let prefix = state["holder"]["token_prefix"].as_str().unwrap();
+    assert_eq!(prefix.len(), 8, "only a token prefix is shown");
+    if let Some(t) = state["holder"]["fencing_token"].as_u64() {
+        assert_eq!(t, guard.fencing_token());
+    }
+    let left = state["holder"]["ttl_left_ms"].as_u64().unwrap();
+    assert!(left > 0 && left <= 30_000, "{left}");
+    assert_eq!(state["waiters"].as_array().unwrap().len(), 1);
+
+    let text = stdout(&dlock(Some(url), &["inspect", key]).await);
+    assert!(
+        text.contains(&format!("holder         {prefix}…")),
+        "{text}"
+    );
+    assert!(text.contains("waiters        1"), "{text}");
+
+    let family = &key[..key.rfind(':').unwrap() + 1];
+    let listed = json(&dlock(Some(url), &["--json", "list", "--prefix", family]).await);
+    let listed = listed.as_array().unwrap();
+    assert!(listed.iter().any(|s| s["key"] == key), "{listed:?}");
+    let none = json(&dlock(Some(url), &["--json", "list", "--prefix", "nothing-here:"]).await);
+    assert_eq!(none, Value::Array(vec![]));
+
+    let out = dlock(
+        Some(url),
+        &[
+            "--json",
+            "watch",
+            "--count",
+            "2",
+            "--interval",
+            "50ms",
+            "--prefix",
+            family,
+        ],
+    )
+    .await;
+    let refreshes: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(refreshes.len(), 2, "{}", stdout(&out));
+    for r in &refreshes {
+        assert!(
+            r["locks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["key"] == key),
+            "contended key missing: {r}"
+        );
+    }
+
+    // No --force; then no terminal and no --yes: refused, nothing released.
+    let out = dlock(Some(url), &["release", key]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--force"));
+    let out = dlock(Some(url), &["release", key, "--force"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--yes"), "{}", stderr(&out));
+    assert!(guard.is_held());
+    let state = json(&dlock(Some(url), &["--json", "inspect", key]).await);
+    assert_eq!(
+        state["holder"]["token_prefix"], prefix,
+        "still the same holder"
+    );
+
+    let released = json(&dlock(Some(url), &["--json", "release", key, "--force", "--yes"]).await);
+    assert_eq!(released["was_held"], true);
+    let next = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the waiter gets the lock")
+        .unwrap()
+        .unwrap();
+    assert!(next.fencing_token() > guard.fencing_token());
+    if let Some(fence) = released["fence"].as_u64() {
+        assert!(
+            fence > guard.fencing_token(),
+            "fence raised past the old holder"
+        );
+        assert!(next.fencing_token() > fence);
+    }
+    assert!(
+        guard.extend(Duration::from_secs(30)).await.is_err(),
+        "old holder is out"
+    );
+    next.release().await.unwrap();
+    let state = json(&dlock(Some(url), &["--json", "inspect", key]).await);
+    assert!(state["holder"].is_null(), "{state}");
+    assert_eq!(state["waiters"].as_array().unwrap().len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_locks() {
+    let server = RedisServer::start();
+    locks_through_the_cli(&server.url(), "order:42").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_jobs_list_dead_requeue_purge() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let queue = DurableQueue::connect(&url, "mail").await.unwrap();
+    let locker = server.locker().await;
+    let job = |id, fail| RecordJob {
+        id,
+        lock: format!("j{id}"),
+        record_url: url.clone(),
+        always_fail: fail,
+        ..Default::default()
+    };
+    let policy = DeferPolicy::new(Duration::ZERO, 1);
+    let ttl = Duration::from_secs(5);
+    let failing = queue
+        .enqueue(&job(1, true), &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    dlock_tests::wait::wait_for("a dead letter", Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        (!queue.dead_letters().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+    let later = queue
+        .enqueue(&job(2, false), &policy, ttl, Duration::from_secs(3600))
+        .await
+        .unwrap();
+
+    let jobs = ["--json", "jobs", "--queue", "mail"];
+    let with = |extra: &[&'static str]| [&jobs[..], extra].concat();
+    let listed = json(&dlock(Some(&url), &with(&["list"])).await);
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["id"], later.as_str());
+    assert_eq!(listed[0]["state"], "queued");
+    assert_eq!(listed[0]["key"], "record:j2");
+
+    let dead = json(&dlock(Some(&url), &with(&["dead"])).await);
+    assert_eq!(dead[0]["id"], failing.as_str());
+    assert!(
+        dead[0]["reason"].as_str().unwrap().contains("always fails"),
+        "{dead}"
+    );
+
+    let out = dlock(Some(&url), &with(&["requeue", "no-such-job"])).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let requeued = json(
+        &dlock(
+            Some(&url),
+            &[&jobs[..], &["requeue", failing.as_str()]].concat(),
+        )
+        .await,
+    );
+    assert_eq!(requeued["requeued"], failing.as_str());
+    assert!(queue.dead_letters().await.unwrap().is_empty());
+    assert_eq!(queue.len().await.unwrap(), 2);
+
+    // Dead again, then purged (refused without --yes and without a terminal).
+    dlock_tests::wait::wait_for("a dead letter again", Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        (!queue.dead_letters().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+    let out = dlock(Some(&url), &with(&["purge", "--all"])).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(queue.dead_letters().await.unwrap().len(), 1);
+    let purged = json(&dlock(Some(&url), &with(&["purge", "--all", "--yes"])).await);
+    assert_eq!(purged["purged"], 1);
+    assert!(queue.dead_letters().await.unwrap().is_empty());
+
+    let out = dlock(Some("postgres://127.0.0.1:1/db"), &with(&["dead"])).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("live in Redis"), "{}", stderr(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_urls_and_unreachable_servers_exit_2_within_the_timeout() {
+    let out = dlock(None, &["inspect", "k"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("DLOCK_URL"), "{}", stderr(&out));
+
+    let out = dlock(Some("nosuch://x"), &["list"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("unsupported locker url scheme"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = dlock(Some("redis://user:secret@127.0.0.1:notaport"), &["list"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!stderr(&out).contains("secret"), "{}", stderr(&out));
+
+    // Nothing listens there: a typed error within the timeout, never a hang.
+    for scheme in ["redis", "postgres", "etcd", "zk"] {
+        let url = match scheme {
+            "postgres" => format!("postgres://u:secret@127.0.0.1:{}/db", free_port()),
+            _ => format!("{scheme}://127.0.0.1:{}", free_port()),
+        };
+        let start = Instant::now();
+        let out = dlock(Some(&url), &["--timeout", "1s", "inspect", "k"]).await;
+        assert_eq!(out.status.code(), Some(2), "{scheme}: {}", stderr(&out));
+        assert!(!stderr(&out).is_empty());
+        assert!(!stderr(&out).contains("secret"), "{}", stderr(&out));
+        assert!(
+            start.elapsed() < Duration::from_secs(8),
+            "{scheme}: took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_locks() {
+    let url = dlock_tests::postgres_server::shared()
+        .lock()
+        .unwrap()
+        .url("postgres");
+    locks_through_the_cli(&url, "invoice:7").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_locks() {
+    let url = dlock_tests::etcd_server::shared().lock().unwrap().url();
+    locks_through_the_cli(&url, "payout:3").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_locks() {
+    let url = dlock_tests::zookeeper_server::shared()
+        .lock()
+        .unwrap()
+        .url();
+    locks_through_the_cli(&url, "refund:5").await;
+}

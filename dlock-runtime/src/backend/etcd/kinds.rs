@@ -1,0 +1,231 @@
+//! Semaphores and read-write locks on etcd: the lock recipe generalised, by the rule of
+//! [`backend`](crate::backend#semaphores-and-read-write-locks).
+//!
+//! Every acquisition of a permit or a read or write hold puts its own key under the name's
+//! directory, as a lock's does (`<prefix>/<resource>/<token>`, the resource being
+//! `…:sem` or `…:rw`), with a kind marker for a writer (`…/w.<token>`: tokens are hex, so the
+//! marker cannot be mistaken for one). The keys in create-revision order are the line, and
+//! the holders are its *ready prefix*: walking from the first key, each one is admitted while
+//! it fits beside those admitted before it (a semaphore's first `permits` keys; a reader while
+//! no writer key precedes it; a writer when it is first). Keys are only ever appended (a new
+//! key has the highest create revision) or deleted, so an admitted key stays admitted until
+//! its own key goes: there is no separate holder set to keep in step.
+//!
+//! * [`WaitMode::Queue`](crate::backend::WaitMode::Queue): the key joins the line (kept with
+//!   its create revision by later attempts) and the attempt reads the line in the same
+//!   transaction; granted when the own key is in the ready prefix.
+//! * `Try` and `Barge` (the same here: a newcomer cannot pass a waiter's key): an uncontended
+//!   attempt puts the key only if the directory is empty, like a lock; otherwise it puts the
+//!   key anyway, reads the line in the same transaction, and deletes the key again when it
+//!   was not admitted. Such a key is briefly in the line behind the holders: a waiter that
+//!   queued behind it in that moment waits for its deletion (which its watch sees).
+//! * Fencing: the own key's create revision, as for locks. Grants follow create order (the
+//!   ready prefix only grows at its end), so a writer's token is above every token granted on
+//!   the name before it, and permits' and readers' tokens increase with their arrival.
+//! * Waiting: a waiter's task reads the keys ahead of it once (create revision below its own,
+//!   keys only) and watches the name's directory for deletions from that read's revision on,
+//!   counting the keys ahead down locally until it fits (a semaphore waiter needs fewer than
+//!   `permits` keys ahead, a reader no writer key ahead, a writer none at all). A permit
+//!   frees when *any* key ahead goes, so one key cannot be watched, as a lock's waiter
+//!   watches its predecessor; the delete events cost the waiter no read. Waiters not yet
+//!   admitted are woken only when they are: a release wakes exactly the new ready prefix.
+//!
+//! Leases, sessions, release, extension and cancellation are a lock's (module docs of
+//! [`etcd`](super)): the key names differ, nothing else.
+
+use std::time::Duration;
+
+use etcd_client::{
+    EventType, GetOptions, KeyValue, SortOrder, SortTarget, TxnOpResponse, WatchFilterType,
+    WatchOptions,
+};
+
+use super::next_message;
+use super::pool::{call, Pool};
+use super::{EtcdBackend, Keys};
+use crate::backend::{AcquireArgs, Attempt, OwnerToken};
+use crate::key::{LockKind, ResourceName};
+use crate::LockError;
+
+/// The marker that starts a writer's key name after the directory.
+pub(super) const WRITER: &[u8] = b"w.";
+
+/// Whether `key` (under `dir`) is a writer's.
+fn is_writer(dir_len: usize, key: &[u8]) -> bool {
+    key.get(dir_len..)
+        .is_some_and(|name| name.starts_with(WRITER))
+}
+
+/// Room for one more holder (`exclusive` or shared) beside `held` holders, `writer` of them
+/// exclusive, under `capacity`.
+fn fits(held: u64, writer: bool, exclusive: bool, capacity: u32) -> bool {
+    if exclusive {
+        held == 0
+    } else {
+        !writer && held < u64::from(capacity)
+    }
+}
+
+/// Whether the own key is in the ready prefix of `line` (the name's keys in create-revision
+/// order). For a lock (capacity 1, no writer marker) it is "the own key is first".
+pub(super) fn admitted(kind: LockKind, dir_len: usize, line: &[KeyValue], own: &[u8]) -> bool {
+    let (mut held, mut writer) = (0u64, false);
+    for kv in line {
+        // A lock's keys carry no marker: capacity 1 admits the first alone.
+        let exclusive = kind != LockKind::Exclusive && is_writer(dir_len, kv.key());
+        if !fits(held, writer, exclusive, kind.capacity()) {
+            return false;
+        }
+        if kv.key() == own {
+            return true;
+        }
+        held += 1;
+        writer |= exclusive;
+    }
+    false
+}
+
+/// How an attempt reads the line: a lock needs its head only, a kind every key in order.
+pub(super) fn line_options(kind: LockKind, end: &[u8]) -> GetOptions {
+    let options = GetOptions::new()
+        .with_range(end.to_vec())
+        .with_sort(SortTarget::Create, SortOrder::Ascend);
+    if kind == LockKind::Exclusive {
+        options.with_limit(1)
+    } else {
+        options
+    }
+}
+
+/// The keys the `i`th response read.
+pub(super) fn kvs_at(ops: &[TxnOpResponse], i: usize) -> &[KeyValue] {
+    match ops.get(i) {
+        Some(TxnOpResponse::Get(g)) => g.kvs(),
+        _ => &[],
+    }
+}
+
+impl EtcdBackend {
+    /// A try (or barge) of a permit or hold that the watchdog does not renew: the key on a
+    /// lease of the TTL, the line read in the same transaction; a key not admitted is taken
+    /// back by revoking the attempt's lease.
+    pub(super) async fn acquire_kind_if_free(
+        &self,
+        args: &AcquireArgs<'_>,
+    ) -> Result<Attempt, LockError> {
+        let k = self.keys(args.resource, args.token);
+        let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
+        let kind = args.resource.kind();
+        let ops = self.put_and_read_line(&k, args, lease).await?;
+        let line = kvs_at(&ops, 1);
+        if admitted(kind, k.dir.len(), line, &k.own) {
+            let create = kvs_at(&ops, 2).first().map_or(0, KeyValue::create_revision);
+            return Ok(Attempt::Acquired {
+                fencing_token: create.unsigned_abs(),
+            });
+        }
+        self.revoke_leases(args.resource, args.token).await?;
+        Ok(Attempt::Held {
+            remaining: self.remaining(line.first()).await?,
+        })
+    }
+}
+
+/// Returns once the own key fits beside the keys ahead of it (or is gone: the waiter must ask
+/// again); the watch loop of a permit's or hold's waiter (see the module docs).
+pub(super) async fn wait_admitted(
+    pool: &Pool,
+    kind: LockKind,
+    k: &Keys,
+    timeout: Duration,
+) -> Result<(), LockError> {
+    let mine = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        let own = k.own.clone();
+        async move { kv.get(own, None).await }
+    })
+    .await?;
+    let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+        return Ok(());
+    };
+    let ahead = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        let options = GetOptions::new()
+            .with_range(k.end.clone())
+            .with_max_create_revision(rev - 1)
+            .with_keys_only();
+        let dir = k.dir.clone();
+        async move { kv.get(dir, Some(options)).await }
+    })
+    .await?;
+    let dir_len = k.dir.len();
+    let mut keys: Vec<Vec<u8>> = ahead.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+    let fits_now = |keys: &[Vec<u8>]| {
+        let writers = keys.iter().any(|key| is_writer(dir_len, key));
+        let exclusive = kind.is_exclusive();
+        fits(keys.len() as u64, writers, exclusive, kind.capacity())
+    };
+    if fits_now(&keys) {
+        return Ok(());
+    }
+    let from = ahead.header().map_or(0, |h| h.revision()) + 1;
+    let mut stream = call(pool, timeout, "watch", |c| {
+        let mut watch = c.watch_client();
+        let options = WatchOptions::new()
+            .with_range(k.end.clone())
+            .with_start_revision(from)
+            .with_filters([WatchFilterType::NoPut]);
+        let dir = k.dir.clone();
+        async move { watch.watch(dir, Some(options)).await }
+    })
+    .await?;
+    loop {
+        let msg = next_message(&mut stream).await?;
+        for e in msg.events() {
+            let Some(key) = e.kv().map(KeyValue::key) else {
+                continue;
+            };
+            if e.event_type() != EventType::Delete {
+                continue;
+            }
+            if key == k.own.as_slice() {
+                return Ok(());
+            }
+            keys.retain(|a| a.as_slice() != key);
+        }
+        if fits_now(&keys) {
+            return Ok(());
+        }
+    }
+}
+
+/// The own key of `token` under `dir`: a writer's carries the marker.
+pub(super) fn own_key(dir: &[u8], resource: &ResourceName, token: &OwnerToken) -> Vec<u8> {
+    let mut own = dir.to_vec();
+    if resource.kind() == LockKind::Write {
+        own.extend_from_slice(WRITER);
+    }
+    own.extend_from_slice(token.as_str().as_bytes());
+    own
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writer_keys_are_marked() {
+        assert!(is_writer(4, b"dir/w.abc"));
+        assert!(!is_writer(4, b"dir/abc"));
+        assert!(!is_writer(4, b"dir/"));
+    }
+
+    #[test]
+    fn fits_follows_the_rule() {
+        assert!(fits(0, false, true, u32::MAX));
+        assert!(!fits(1, false, true, u32::MAX));
+        assert!(fits(5, false, false, u32::MAX));
+        assert!(!fits(0, true, false, u32::MAX));
+        assert!(!fits(3, false, false, 3));
+    }
+}

@@ -1,0 +1,732 @@
+//! Session leases: the keys of every renewed lock (and every waiter) of a locker sit on a
+//! lease shared by all of them — one per *lease class* (the TTL in whole seconds, rounded up,
+//! plus one second of headroom) — kept alive over a keepalive stream, the way etcd's own
+//! `concurrency.Session` does. An uncontended acquire is then one transaction and a release
+//! one delete; renewal costs no Raft write at all.
+//!
+//! # What keeps the promises
+//!
+//! * **The server's lease outlives the local one.** A session remembers when the last
+//!   keepalive (or grant) that etcd answered was *sent*; its lease lasts at least the class
+//!   from then. An acquisition or renewal that needs `ttl` from now sends a keepalive first
+//!   unless that bound already covers it; the second of headroom lets one keepalive serve
+//!   every acquisition of the following second.
+//! * **A key nobody wants is never kept alive.** Every key this locker put on a session is in
+//!   the registry, with its role: held, waiting (until its waiter TTL runs out without a new
+//!   attempt), being acquired, or unwanted (released, abandoned, or a try that lost). Before
+//!   every keepalive of a session, the unwanted keys on it and its waiters past their time are
+//!   deleted; if that fails, there is no keepalive, and the lease runs out.
+//! * **A put that may still land is no orphan.** A put whose fate is unknown — its future was
+//!   dropped, its answer timed out, or a hedged sibling was still out when the answer came —
+//!   leaves its token *in flight*. When such a token is released or abandoned, it stays in the
+//!   registry as a suspect, and the sessions its puts used are *retired*: new acquisitions get
+//!   a fresh session, the suspect's key is deleted again before every keepalive of a retired
+//!   session, and a retired session is revoked once no held or waiting key is left on it
+//!   (revoking deletes whatever landed on it, and a put on a revoked lease fails).
+//! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
+//!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
+//!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{
+    Compare, CompareOp, GetOptions, KeyValue, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn,
+    TxnOp,
+};
+use tokio::time::Instant;
+
+use super::kinds::{admitted, kvs_at, line_options};
+use super::pool::{call, call_tracked, per_try};
+use super::{create_revision_at, first_kv, lease_secs, EtcdBackend, Keys};
+use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
+use crate::key::LockKind;
+use crate::LockError;
+
+/// A token's entry in the registry: (resource, owner token).
+pub(super) type TokenKey = (Arc<str>, OwnerToken);
+
+/// At most this many operations per transaction (etcd's default limit is 128).
+const OPS_PER_TXN: usize = 64;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The lease seconds of the session for a lock (or a waiter) of `ttl`.
+pub(super) fn session_secs(ttl: Duration) -> i64 {
+    lease_secs(ttl).saturating_add(1)
+}
+
+/// One session lease.
+pub(super) struct Session {
+    pub(super) id: i64,
+    secs: i64,
+    /// When the latest keepalive (or the grant) that etcd answered with the lease alive was
+    /// sent: the lease lasts at least `secs` from then.
+    fresh_from: Mutex<Instant>,
+    /// The keepalive stream (opened by the first keepalive; reopened on another member when
+    /// it fails).
+    stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// No new key goes on it (a suspect may land on it).
+    retired: AtomicBool,
+    /// etcd no longer has the lease.
+    dead: AtomicBool,
+}
+
+impl Session {
+    fn covers(&self, need: Duration) -> bool {
+        let from = *lock(&self.fresh_from);
+        from + Duration::from_secs(self.secs.unsigned_abs()) >= Instant::now() + need
+    }
+
+    fn usable(&self) -> bool {
+        !self.retired.load(Ordering::Acquire) && !self.dead.load(Ordering::Acquire)
+    }
+}
+
+/// What a registered key is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// An attempt is on its way.
+    Acquiring,
+    /// Waiting in the queue until the instant (unless another attempt comes).
+    Waiting(Instant),
+    /// Held.
+    Held,
+    /// Released, abandoned or lost a try: deleted before the next keepalive.
+    Unwanted,
+}
+
+struct Entry {
+    own: Vec<u8>,
+    /// The session the key is on (as far as the latest answer says).
+    session: Arc<Session>,
+    /// Every session a put of this token may have used.
+    touched: Vec<Arc<Session>>,
+    role: Role,
+    /// The key's create revision, once held.
+    create: i64,
+    /// Puts sent whose fate is unknown.
+    in_flight: u32,
+}
+
+impl Entry {
+    fn wanted_on(&self, id: i64) -> bool {
+        self.session.id == id && !matches!(self.role, Role::Unwanted)
+    }
+}
+
+/// The sessions of one backend and the registry of the keys on them.
+#[derive(Default)]
+pub(super) struct Sessions {
+    current: Mutex<HashMap<i64, Arc<Session>>>,
+    granting: tokio::sync::Mutex<()>,
+    entries: Mutex<HashMap<TokenKey, Entry>>,
+    /// Attempts hold it shared; the deletion of waiters past their time holds it alone. A
+    /// waiter's key does not change when it becomes the holder, so a deletion decided while the
+    /// waiter was late and sent after its next attempt found it first would delete a held lock:
+    /// that deletion waits for no attempt to be in flight, and is skipped (until the next
+    /// keepalive) when one is.
+    gate: tokio::sync::RwLock<()>,
+}
+
+impl Sessions {
+    fn begin_put(&self, key: &TokenKey, own: &[u8], on: &[&Arc<Session>]) {
+        let mut entries = lock(&self.entries);
+        let e = entries.entry(key.clone()).or_insert_with(|| Entry {
+            own: own.to_vec(),
+            session: on[0].clone(),
+            touched: Vec::new(),
+            role: Role::Acquiring,
+            create: 0,
+            in_flight: 0,
+        });
+        if e.role == Role::Unwanted {
+            e.role = Role::Acquiring;
+        }
+        e.in_flight += 1;
+        for s in on {
+            if !e.touched.iter().any(|t| t.id == s.id) {
+                e.touched.push((*s).clone());
+            }
+        }
+    }
+
+    fn end_put(&self, key: &TokenKey, settled: bool) {
+        if settled {
+            if let Some(e) = lock(&self.entries).get_mut(key) {
+                e.in_flight = e.in_flight.saturating_sub(1);
+            }
+        }
+    }
+
+    fn set(&self, key: &TokenKey, session: &Arc<Session>, role: Role) {
+        if let Some(e) = lock(&self.entries).get_mut(key) {
+            e.session = session.clone();
+            if !e.touched.iter().any(|t| t.id == session.id) {
+                e.touched.push(session.clone());
+            }
+            e.role = role;
+        }
+    }
+
+    fn set_held(&self, key: &TokenKey, session: &Arc<Session>, create: i64) {
+        self.set(key, session, Role::Held);
+        if let Some(e) = lock(&self.entries).get_mut(key) {
+            e.create = create;
+        }
+    }
+
+    /// The session of a waiting token.
+    fn waiting_on(&self, key: &TokenKey) -> Option<Arc<Session>> {
+        lock(&self.entries)
+            .get(key)
+            .filter(|e| matches!(e.role, Role::Waiting(_)))
+            .map(|e| e.session.clone())
+    }
+
+    /// A session this token's puts used, by lease id.
+    fn touched(&self, key: &TokenKey, lease: i64) -> Option<Arc<Session>> {
+        lock(&self.entries)
+            .get(key)
+            .and_then(|e| e.touched.iter().find(|s| s.id == lease).cloned())
+    }
+
+    /// The session, key and create revision of a held token.
+    fn held(&self, key: &TokenKey) -> Option<(Arc<Session>, Vec<u8>, i64)> {
+        lock(&self.entries)
+            .get(key)
+            .filter(|e| e.role == Role::Held)
+            .map(|e| (e.session.clone(), e.own.clone(), e.create))
+    }
+
+    fn is_registered(&self, key: &TokenKey) -> bool {
+        lock(&self.entries).contains_key(key)
+    }
+
+    /// Marks the token's key unwanted and returns it. A token with a put in flight becomes a
+    /// suspect: the sessions it used are retired.
+    fn leave(&self, key: &TokenKey) -> Option<Vec<u8>> {
+        let mut entries = lock(&self.entries);
+        let e = entries.get_mut(key)?;
+        e.role = Role::Unwanted;
+        if e.in_flight > 0 {
+            let mut current = lock(&self.current);
+            for s in &e.touched {
+                s.retired.store(true, Ordering::Release);
+                if current.get(&s.secs).is_some_and(|c| c.id == s.id) {
+                    current.remove(&s.secs);
+                }
+            }
+        }
+        Some(e.own.clone())
+    }
+
+    /// The token's key is deleted: forgets it unless a put of it may still land. Returns the
+    /// sessions to look at for revocation.
+    fn forget(&self, key: &TokenKey) -> Vec<Arc<Session>> {
+        let mut entries = lock(&self.entries);
+        let Some(e) = entries.get(key) else {
+            return Vec::new();
+        };
+        let touched = e.touched.clone();
+        if e.role == Role::Unwanted && e.in_flight == 0 {
+            entries.remove(key);
+        }
+        touched
+    }
+
+    /// Retired sessions of `candidates` that no wanted key is on any more.
+    fn idle_retired(&self, candidates: &[Arc<Session>]) -> Vec<Arc<Session>> {
+        let entries = lock(&self.entries);
+        candidates
+            .iter()
+            .filter(|s| s.retired.load(Ordering::Acquire) && !s.dead.load(Ordering::Acquire))
+            .filter(|s| !entries.values().any(|e| e.wanted_on(s.id)))
+            .cloned()
+            .collect()
+    }
+
+    /// The session's lease is gone (expired or revoked): suspects of it alone are forgotten.
+    fn gone(&self, s: &Session) {
+        s.dead.store(true, Ordering::Release);
+        {
+            let mut current = lock(&self.current);
+            if current.get(&s.secs).is_some_and(|c| c.id == s.id) {
+                current.remove(&s.secs);
+            }
+        }
+        lock(&self.entries).retain(|_, e| {
+            if e.role != Role::Unwanted {
+                return true;
+            }
+            e.touched.retain(|t| t.id != s.id);
+            !e.touched.is_empty()
+        });
+    }
+
+    /// The keys to delete before a keepalive of `s`: unwanted keys a put may have put on it,
+    /// and its waiters past their time.
+    fn doomed(&self, s: &Session, now: Instant, waiters: bool) -> Vec<(TokenKey, Vec<u8>)> {
+        lock(&self.entries)
+            .iter()
+            .filter(|(_, e)| match e.role {
+                Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
+                Role::Waiting(until) => waiters && until <= now && e.session.id == s.id,
+                Role::Acquiring | Role::Held => false,
+            })
+            .map(|(k, e)| (k.clone(), e.own.clone()))
+            .collect()
+    }
+
+    /// `doomed` keys were deleted: waiters past their time become unwanted, and unwanted keys
+    /// with nothing in flight are forgotten.
+    fn pruned(&self, doomed: Vec<(TokenKey, Vec<u8>)>, now: Instant) {
+        let mut entries = lock(&self.entries);
+        for (k, _) in doomed {
+            let Some(e) = entries.get_mut(&k) else {
+                continue;
+            };
+            if matches!(e.role, Role::Waiting(until) if until <= now) {
+                e.role = Role::Unwanted;
+            }
+            if e.role == Role::Unwanted && e.in_flight == 0 {
+                entries.remove(&k);
+            }
+        }
+    }
+}
+
+impl EtcdBackend {
+    /// The usable session of `secs`, alive for at least `need` from now.
+    async fn session(&self, secs: i64, need: Duration) -> Result<Arc<Session>, LockError> {
+        let cur = lock(&self.sessions.current).get(&secs).cloned();
+        if let Some(s) = cur.filter(|s| s.usable()) {
+            if self.keep_fresh(&s, need).await? && s.usable() {
+                return Ok(s);
+            }
+        }
+        let _granting = self.sessions.granting.lock().await;
+        let cur = lock(&self.sessions.current).get(&secs).cloned();
+        if let Some(s) = cur.filter(|s| s.usable() && s.covers(need)) {
+            return Ok(s);
+        }
+        let sent = Instant::now();
+        let id = self.grant(Duration::from_secs(secs.unsigned_abs())).await?;
+        let s = Arc::new(Session {
+            id,
+            secs,
+            fresh_from: Mutex::new(sent),
+            stream: tokio::sync::Mutex::new(None),
+            retired: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+        });
+        lock(&self.sessions.current).insert(secs, s.clone());
+        Ok(s)
+    }
+
+    /// Makes sure etcd keeps `s` for at least `need` from now: nothing when the last keepalive
+    /// says so already, else a keepalive. `Ok(false)`: the lease is gone.
+    async fn keep_fresh(&self, s: &Arc<Session>, need: Duration) -> Result<bool, LockError> {
+        if s.dead.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        if s.covers(need) {
+            return Ok(true);
+        }
+        let mut stream = s.stream.lock().await;
+        // Another caller's keepalive may have landed while this one waited for the stream.
+        if s.covers(need) {
+            return Ok(true);
+        }
+        self.prune(s).await?;
+        let timeout = self.opts.command_timeout;
+        let sent = Instant::now();
+        let mut ttl = None;
+        if let Some((keeper, st)) = stream.as_mut() {
+            let once = async {
+                keeper.keep_alive().await?;
+                st.message().await
+            };
+            if let Ok(Ok(Some(resp))) = tokio::time::timeout(per_try(timeout), once).await {
+                ttl = Some(resp.ttl());
+            }
+        }
+        let ttl = match ttl {
+            Some(t) => t,
+            None => {
+                // No stream yet, or it failed: open one (hedged over the members); opening
+                // sends the first keepalive and waits for its answer.
+                *stream = None;
+                let id = s.id;
+                let left = timeout
+                    .saturating_sub(sent.elapsed())
+                    .max(Duration::from_millis(50));
+                let opened = call(&self.pool, left, "lease keep-alive", |c| {
+                    let mut lease = c.lease_client();
+                    async move {
+                        match lease.keep_alive(id).await {
+                            Ok(pair) => Ok(Some(pair)),
+                            // etcd answered TTL 0: no such lease.
+                            Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(None),
+                            Err(e) => Err(e),
+                        }
+                    }
+                })
+                .await?;
+                match opened {
+                    Some(pair) => {
+                        *stream = Some(pair);
+                        1
+                    }
+                    None => 0,
+                }
+            }
+        };
+        if ttl <= 0 {
+            *stream = None;
+            drop(stream);
+            self.sessions.gone(s);
+            return Ok(false);
+        }
+        let mut from = lock(&s.fresh_from);
+        *from = (*from).max(sent);
+        Ok(true)
+    }
+
+    /// Deletes the keys that must not be kept alive with `s` (see the module docs).
+    async fn prune(&self, s: &Session) -> Result<(), LockError> {
+        // Waiters past their time only while no attempt is in flight (see `Sessions::gate`);
+        // the guard lives until they are deleted and marked.
+        let gate = self.sessions.gate.try_write();
+        let now = Instant::now();
+        let doomed = self.sessions.doomed(s, now, gate.is_ok());
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        for chunk in doomed.chunks(OPS_PER_TXN) {
+            let deletes: Vec<TxnOp> = chunk
+                .iter()
+                .map(|(_, own)| TxnOp::delete(own.clone(), None))
+                .collect();
+            self.txn(Txn::new().and_then(deletes)).await?;
+        }
+        self.sessions.pruned(doomed, now);
+        drop(gate);
+        Ok(())
+    }
+
+    /// Revokes retired sessions of `candidates` that nothing wanted is on any more, in the
+    /// background (a lease no one keeps alive runs out anyway; this is sooner).
+    fn revoke_idle(&self, candidates: &[Arc<Session>]) {
+        let idle = self.sessions.idle_retired(candidates);
+        for s in &idle {
+            self.sessions.gone(s);
+        }
+        self.revoke_later(idle.iter().map(|s| s.id).collect());
+    }
+
+    /// An acquire attempt of a lock the watchdog renews (`args.renew`), on session leases.
+    pub(super) async fn acquire_renewed(
+        &self,
+        args: &AcquireArgs<'_>,
+    ) -> Result<Attempt, LockError> {
+        // Shared with other attempts, exclusive of the deletion of late waiters.
+        let _attempt = self.sessions.gate.read().await;
+        let key: TokenKey = (Arc::from(args.resource.as_str()), args.token.clone());
+        let k = self.keys(args.resource, args.token);
+        let queue = args.mode == WaitMode::Queue;
+        let kind = args.resource.kind();
+        // A try of a permit or hold that finds the name in use puts its key anyway and reads
+        // the line after it (module `kinds`).
+        let try_kind = !queue && kind != LockKind::Exclusive;
+        if queue {
+            if let Some(w) = self.sessions.waiting_on(&key) {
+                // Already queued: keep the place alive and look at the head (no write).
+                let until = Instant::now() + args.waiter_ttl;
+                self.sessions.set(&key, &w, Role::Waiting(until));
+                if self.keep_fresh(&w, args.waiter_ttl).await? {
+                    let txn = Txn::new().and_then([
+                        TxnOp::get(k.dir.clone(), Some(line_options(kind, &k.end))),
+                        TxnOp::get(k.own.clone(), None),
+                    ]);
+                    let ops = self.txn(txn).await?.op_responses();
+                    if create_revision_at(&ops, 1) > 0 {
+                        return self.queued(args, &key, &k, &ops, &w).await;
+                    }
+                }
+                // The key is gone (deleted, or its lease ran out): queue again, at the back.
+            }
+        }
+        let hold = self.session(session_secs(args.ttl), args.ttl).await?;
+        let wait = match session_secs(args.waiter_ttl) {
+            secs if queue && secs != hold.secs => self.session(secs, args.waiter_ttl).await?,
+            _ => hold.clone(),
+        };
+        // The holder's TTL is the value: it bounds the remaining lease others are told.
+        let value = args.ttl.as_millis().to_string();
+        let put_on = |lease: i64| {
+            TxnOp::put(
+                k.own.clone(),
+                value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+        };
+        let head = TxnOp::get(k.dir.clone(), Some(line_options(kind, &k.end)));
+        let otherwise = if try_kind {
+            vec![put_on(hold.id), head, TxnOp::get(k.own.clone(), None)]
+        } else if queue {
+            // Join the queue on the waiters' session, unless already in it (a put would then
+            // move the key to another lease; the create revision, the place, stays).
+            let join = Txn::new()
+                .when([Compare::create_revision(k.own.clone(), CompareOp::Equal, 0)])
+                .and_then([put_on(wait.id)]);
+            vec![TxnOp::txn(join), head, TxnOp::get(k.own.clone(), None)]
+        } else {
+            vec![head]
+        };
+        let txn = Txn::new()
+            .when(
+                [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
+                    .with_range(k.end.clone())],
+            )
+            .and_then([put_on(hold.id), TxnOp::get(k.own.clone(), None)])
+            .or_else(otherwise);
+        self.sessions.begin_put(&key, &k.own, &[&hold, &wait]);
+        let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
+            let mut kv = c.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await;
+        self.sessions.end_put(&key, settled);
+        let resp = resp?;
+        let ops = resp.op_responses();
+        if resp.succeeded() {
+            let rev = i64::try_from(create_revision_at(&ops, 1)).unwrap_or(0);
+            self.sessions.set_held(&key, &hold, rev);
+            return Ok(Attempt::Acquired {
+                fencing_token: rev.unsigned_abs(),
+            });
+        }
+        if queue {
+            return self.queued(args, &key, &k, &ops[1..], &wait).await;
+        }
+        if try_kind {
+            let line = kvs_at(&ops, 1);
+            if let Some(own) = kvs_at(&ops, 2).first() {
+                if admitted(kind, k.dir.len(), line, &k.own) {
+                    return self
+                        .take_head(args, &key, &k, own.create_revision(), own.lease())
+                        .await;
+                }
+            }
+            // Not admitted: the key goes again (a suspect if a put of it may still land).
+            if let Some(released) = self.release_registered(&key).await {
+                released?;
+            }
+            return Ok(Attempt::Held {
+                remaining: self.remaining(line.first()).await?,
+            });
+        }
+        let head = ops.first().and_then(first_kv);
+        if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
+            // This token holds the lock already (asking again): restart its lease.
+            return self
+                .take_head(args, &key, &k, h.create_revision(), h.lease())
+                .await;
+        }
+        // A try that lost leaves nothing behind (and if a put of it may still land, it is a
+        // suspect from now on).
+        if self.sessions.leave(&key).is_some() {
+            let touched = self.sessions.forget(&key);
+            self.revoke_idle(&touched);
+        }
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+
+    /// The rest of a queued attempt, from `ops` = [head, own key] reads.
+    async fn queued(
+        &self,
+        args: &AcquireArgs<'_>,
+        key: &TokenKey,
+        k: &Keys,
+        ops: &[etcd_client::TxnOpResponse],
+        wait: &Arc<Session>,
+    ) -> Result<Attempt, LockError> {
+        let line = kvs_at(ops, 0);
+        let head = line.first();
+        let own = ops.get(1).and_then(first_kv);
+        let Some(own) = own else {
+            return Ok(Attempt::Held { remaining: None });
+        };
+        if admitted(args.resource.kind(), k.dir.len(), line, &k.own) {
+            return self
+                .take_head(args, key, k, own.create_revision(), own.lease())
+                .await;
+        }
+        let on = self
+            .sessions
+            .touched(key, own.lease())
+            .unwrap_or_else(|| wait.clone());
+        let until = Instant::now() + args.waiter_ttl;
+        self.sessions.set(key, &on, Role::Waiting(until));
+        Ok(Attempt::Held {
+            remaining: self.remaining(head).await?,
+        })
+    }
+
+    /// The token's key is first: the lock is its own. Its key moves to the lock's session
+    /// unless it is there already (a waiter of the same class: no write at all).
+    async fn take_head(
+        &self,
+        args: &AcquireArgs<'_>,
+        key: &TokenKey,
+        k: &Keys,
+        create: i64,
+        lease: i64,
+    ) -> Result<Attempt, LockError> {
+        let hold = self.session(session_secs(args.ttl), args.ttl).await?;
+        if lease != hold.id && !self.relet_on(&k.own, create, hold.id).await? {
+            return Ok(Attempt::Held { remaining: None });
+        }
+        self.sessions.set_held(key, &hold, create);
+        Ok(Attempt::Acquired {
+            fencing_token: create.unsigned_abs(),
+        })
+    }
+
+    /// Release or abandon of a registered token: `None` when the token is not registered
+    /// (not on a session).
+    pub(super) async fn release_registered(
+        &self,
+        key: &TokenKey,
+    ) -> Option<Result<bool, LockError>> {
+        let own = self.sessions.leave(key)?;
+        let deleted = self
+            .call("delete", |c| {
+                let mut kv = c.kv_client();
+                let own = own.clone();
+                async move { kv.delete(own, None).await }
+            })
+            .await;
+        // Deleted or not, the key is unwanted now: if the delete failed, it goes before the
+        // next keepalive of its session.
+        let touched = match &deleted {
+            Ok(_) => self.sessions.forget(key),
+            Err(_) => Vec::new(),
+        };
+        self.revoke_idle(&touched);
+        Some(deleted.map(|d| d.deleted() > 0))
+    }
+
+    /// `extend` of a held registered token: `None` when the token is not held on a session.
+    pub(super) async fn extend_registered(
+        &self,
+        key: &TokenKey,
+        ttl: Duration,
+    ) -> Option<Result<bool, LockError>> {
+        let (cur, own, create) = self.sessions.held(key)?;
+        Some(
+            async {
+                let secs = session_secs(ttl);
+                if cur.secs == secs && !cur.dead.load(Ordering::Acquire) {
+                    if !self.keep_fresh(&cur, ttl).await? {
+                        return Ok(false);
+                    }
+                    return Ok(self.still_on(&[own], cur.id).await?[0]);
+                }
+                // Another class: move the key to that class's session.
+                let s = self.session(secs, ttl).await?;
+                if !self.relet_on(&own, create, s.id).await? {
+                    return Ok(false);
+                }
+                self.sessions.set_held(key, &s, create);
+                self.revoke_idle(&[cur]);
+                Ok(true)
+            }
+            .await,
+        )
+    }
+
+    /// The watchdog's batch: per session, one keepalive when needed and one read of the keys.
+    /// Answers per item `None` for items not held on a session of their TTL's class (renewed
+    /// the other way).
+    pub(super) async fn extend_many_registered(
+        &self,
+        items: &[(TokenKey, Duration)],
+    ) -> Vec<Option<Result<bool, LockError>>> {
+        let mut out: Vec<Option<Result<bool, LockError>>> = items.iter().map(|_| None).collect();
+        // Per session: the session, the longest TTL asked for, and (item index, key).
+        type Group = (Arc<Session>, Duration, Vec<(usize, Vec<u8>)>);
+        let mut groups: HashMap<i64, Group> = HashMap::new();
+        for (i, (key, ttl)) in items.iter().enumerate() {
+            if let Some((s, own, _)) = self.sessions.held(key) {
+                if s.secs == session_secs(*ttl) {
+                    let g = groups
+                        .entry(s.id)
+                        .or_insert_with(|| (s.clone(), Duration::ZERO, Vec::new()));
+                    g.1 = g.1.max(*ttl);
+                    g.2.push((i, own));
+                }
+            }
+        }
+        let runs = groups.into_values().map(|(s, need, members)| async move {
+            let owns: Vec<Vec<u8>> = members.iter().map(|(_, o)| o.clone()).collect();
+            let (alive, present) =
+                futures_util::future::join(self.keep_fresh(&s, need), self.still_on(&owns, s.id))
+                    .await;
+            let answers: Vec<Result<bool, LockError>> = match (alive, present) {
+                (Ok(false), _) => members.iter().map(|_| Ok(false)).collect(),
+                (Ok(true), Ok(p)) => p.into_iter().map(Ok).collect(),
+                (Err(e), _) | (_, Err(e)) => {
+                    let msg = e.to_string();
+                    members
+                        .iter()
+                        .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                        .collect()
+                }
+            };
+            members
+                .into_iter()
+                .map(|(i, _)| i)
+                .zip(answers)
+                .collect::<Vec<_>>()
+        });
+        for (i, answer) in futures_util::future::join_all(runs)
+            .await
+            .into_iter()
+            .flatten()
+        {
+            out[i] = Some(answer);
+        }
+        out
+    }
+
+    /// Whether each key exists and is on `lease` (one read per chunk, no write).
+    async fn still_on(&self, owns: &[Vec<u8>], lease: i64) -> Result<Vec<bool>, LockError> {
+        let mut out = Vec::with_capacity(owns.len());
+        for chunk in owns.chunks(OPS_PER_TXN) {
+            let reads: Vec<TxnOp> = chunk
+                .iter()
+                .map(|own| TxnOp::get(own.clone(), Some(GetOptions::new().with_keys_only())))
+                .collect();
+            let ops = self.txn(Txn::new().and_then(reads)).await?.op_responses();
+            out.extend(
+                (0..chunk.len())
+                    .map(|i| ops.get(i).and_then(first_kv).map(KeyValue::lease) == Some(lease)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Whether the token has a key on a session (renewed the session way).
+    pub(super) fn registered(&self, key: &TokenKey) -> bool {
+        self.sessions.is_registered(key)
+    }
+}

@@ -1,0 +1,99 @@
+//! [`AdminStore`] for the in-process store: reads the entries under their shard's mutex.
+
+use std::time::Instant;
+
+use super::{Entry, MemoryBackend};
+use crate::backend::admin::{
+    name_prefix, token_prefix, AdminStore, ForceReleased, Holder, LockPage, LockState, Waiter,
+};
+use crate::backend::{BoxFuture, OwnerToken};
+use crate::key::ResourceName;
+use crate::LockError;
+
+impl MemoryBackend {
+    fn state_of(&self, name: &str, e: &Entry, now: Instant) -> LockState {
+        LockState {
+            key: crate::backend::admin::key_of(name).to_owned(),
+            holder: e.live_holder(now).map(|(t, exp)| Holder {
+                token_prefix: token_prefix(t.as_str()),
+                fencing_token: Some(e.fence),
+                ttl_left: *exp - now,
+            }),
+            waiters: e
+                .queue
+                .iter()
+                .filter(|(_, exp)| *exp > now)
+                .map(|(t, exp)| Waiter {
+                    token_prefix: token_prefix(t.as_str()),
+                    expires_in: Some(*exp - now),
+                })
+                .collect(),
+            fence_counter: Some(self.inner.fence.load(std::sync::atomic::Ordering::Acquire)),
+        }
+    }
+}
+
+impl AdminStore for MemoryBackend {
+    fn inspect<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+    ) -> BoxFuture<'a, Result<LockState, LockError>> {
+        let name = resource.as_str();
+        let state = self.with_entry(name, |e, now| self.state_of(name, e, now));
+        Box::pin(std::future::ready(Ok(state)))
+    }
+
+    fn list<'a>(
+        &'a self,
+        namespace: &'a str,
+        key_prefix: &'a str,
+        cursor: Option<&'a str>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<LockPage, LockError>> {
+        let want = name_prefix(namespace, key_prefix);
+        let now = Instant::now();
+        let mut found: Vec<(String, LockState)> = Vec::new();
+        for shard in self.inner.shards.iter() {
+            let shard = shard
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (name, e) in &shard.map {
+                let after = cursor.is_none_or(|c| &**name > c);
+                if after && name.starts_with(&want) && !e.is_dead(now) {
+                    found.push((name.to_string(), self.state_of(name, e, now)));
+                }
+            }
+        }
+        // Pages in name order, so the cursor (the last name of a page) is stable.
+        found.sort_by(|a, b| a.0.cmp(&b.0));
+        let limit = limit.max(1);
+        let cursor = (found.len() > limit).then(|| found[limit - 1].0.clone());
+        found.truncate(limit);
+        Box::pin(std::future::ready(Ok(LockPage {
+            locks: found.into_iter().map(|(_, s)| s).collect(),
+            cursor,
+        })))
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+    ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
+        let name = resource.as_str();
+        let (was_held, next) = self.with_entry(name, |e, now| {
+            let held = e.live_holder(now).is_some();
+            e.holder = None;
+            (held, Self::next_waiter(e, now))
+        });
+        let fence = self.next_fence();
+        if was_held {
+            self.inner
+                .hub
+                .notify(name, next.as_ref().map(OwnerToken::as_str));
+        }
+        Box::pin(std::future::ready(Ok(ForceReleased {
+            was_held,
+            fence: Some(fence),
+        })))
+    }
+}

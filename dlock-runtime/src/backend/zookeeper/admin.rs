@@ -1,0 +1,212 @@
+//! [`AdminStore`](crate::backend::AdminStore) for ZooKeeper: a lock's nodes read in sequence
+//! order and judged as an attempt judges them — the lowest node is the holder unless its lease
+//! (node data, counted from its `mtime`) has run out by the ensemble's clock; later nodes whose
+//! lease still runs are the waiters in line. The ensemble's "now" is the `mtime` of one write:
+//! an empty `setData` on the lock root (ZooKeeper has no other clock a client can read, and a
+//! client's own clock is never trusted). Locks are listed from the children of the lock root;
+//! a force release deletes only the holder's node, guarded by its `czxid`, so the next waiter's
+//! predecessor watch fires and it takes the lock as after a release. The next holder's fencing
+//! token — its node's `czxid` — is above the old holder's by construction, so there is no
+//! counter to raise (`ForceReleased::fence` is `None`).
+
+use zookeeper_client::Client;
+
+use super::{again, node_name, sorted, unavailable, Seen, ZkBackend, ZkError};
+use crate::backend::admin::{
+    key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState, Waiter,
+};
+use crate::LockError;
+
+/// The resource string of a lock directory's node name (the inverse of [`node_name`]).
+fn resource_of(node: &str) -> Option<String> {
+    let bytes = node.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = node.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The owner token part of a node name `<token>-<sequence>`.
+fn token_of(seen: &Seen) -> String {
+    let name = &seen.child.name;
+    token_prefix(name.rsplit_once('-').map_or(name.as_str(), |(t, _)| t))
+}
+
+/// A lock's nodes as an attempt judges them at `now`: the holder's (the lowest, while its lease
+/// runs) and the live waiters', in sequence order.
+struct Judged {
+    holder: Option<Seen>,
+    waiters: Vec<Seen>,
+}
+
+impl ZkBackend {
+    /// The ensemble's clock: the `mtime` of an empty write to the lock root.
+    async fn server_now(&self, c: &Client) -> Result<i64, LockError> {
+        match again(|| c.set_data(&self.base, &[], None)).await {
+            Ok(stat) => Ok(stat.mtime),
+            Err(e) => Err(unavailable("setData (clock)", e)),
+        }
+    }
+
+    async fn judge(&self, c: &Client, resource: &str, now: i64) -> Result<Judged, LockError> {
+        let dir = self.dir(resource);
+        let kids = match again(|| c.list_children(&dir)).await {
+            Ok(k) => sorted(k),
+            Err(ZkError::NoNode) => Vec::new(),
+            Err(e) => return Err(unavailable("getChildren", e)),
+        };
+        let seen = Self::read(c, &dir, &kids.iter().collect::<Vec<_>>()).await?;
+        let mut live = seen
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s?)))
+            .filter(|(_, s)| !s.expired(now));
+        let mut holder = None;
+        let mut waiters = Vec::new();
+        if let Some((i, s)) = live.next() {
+            // Only the lowest node holds; an expired one ahead makes the lock free until the
+            // next attempt deletes it.
+            if i == 0 {
+                holder = Some(s);
+            } else {
+                waiters.push(s);
+            }
+        }
+        waiters.extend(live.map(|(_, s)| s));
+        Ok(Judged { holder, waiters })
+    }
+
+    async fn state_at(&self, c: &Client, resource: &str, now: i64) -> Result<LockState, LockError> {
+        let judged = self.judge(c, resource, now).await?;
+        Ok(LockState {
+            key: key_of(resource).to_owned(),
+            holder: judged.holder.map(|s| Holder {
+                token_prefix: token_of(&s),
+                fencing_token: Some(s.stat.czxid.unsigned_abs()),
+                // A node without a lease lives as long as its session.
+                ttl_left: s.remaining(now).unwrap_or_else(|| self.session.timeout()),
+            }),
+            waiters: judged
+                .waiters
+                .iter()
+                .map(|s| Waiter {
+                    token_prefix: token_of(s),
+                    expires_in: s.remaining(now),
+                })
+                .collect(),
+            fence_counter: None,
+        })
+    }
+
+    async fn read_lock(&self, resource: &str) -> Result<LockState, LockError> {
+        self.bounded("inspect", async {
+            let c = self.session.client().await?;
+            let now = self.server_now(&c).await?;
+            self.state_at(&c, resource, now).await
+        })
+        .await
+    }
+
+    async fn list_locks(
+        &self,
+        namespace: &str,
+        key_prefix: &str,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<LockPage, LockError> {
+        let c = self.session.client().await?;
+        let prefix = node_name(&name_prefix(namespace, key_prefix));
+        let after = cursor.map(node_name);
+        let mut names: Vec<String> = self
+            .bounded("list", async {
+                match again(|| c.list_children(&self.base)).await {
+                    Ok(k) => Ok(k),
+                    Err(ZkError::NoNode) => Ok(Vec::new()),
+                    Err(e) => Err(unavailable("getChildren", e)),
+                }
+            })
+            .await?
+            .into_iter()
+            .filter(|n| n.starts_with(&prefix) && after.as_ref().is_none_or(|a| n > a))
+            .collect();
+        names.sort_unstable();
+        let more = names.len() > limit;
+        names.truncate(limit);
+        let resources: Vec<String> = names.iter().filter_map(|n| resource_of(n)).collect();
+        let cursor = more.then(|| resources.last().cloned()).flatten();
+        let mut locks = Vec::with_capacity(resources.len());
+        let now = self
+            .bounded("list", async { self.server_now(&c).await })
+            .await?;
+        for resource in &resources {
+            let state = self
+                .bounded("inspect", self.state_at(&c, resource, now))
+                .await?;
+            if state.is_active() {
+                locks.push(state);
+            }
+        }
+        Ok(LockPage { locks, cursor })
+    }
+
+    async fn force(&self, resource: &str) -> Result<ForceReleased, LockError> {
+        let was_held = self
+            .bounded("force release", self.delete_holder(resource))
+            .await?;
+        Ok(ForceReleased {
+            was_held,
+            fence: None,
+        })
+    }
+
+    /// Deletes the holder's node, if the lock has a live holder; whether it did.
+    async fn delete_holder(&self, resource: &str) -> Result<bool, LockError> {
+        let c = self.session.client().await?;
+        let now = self.server_now(&c).await?;
+        let Some(holder) = self.judge(&c, resource, now).await?.holder else {
+            return Ok(false);
+        };
+        let path = format!("{}/{}", self.dir(resource), holder.child.name);
+        let mut version = holder.stat.version;
+        // Guarded by version; a renewal in between changes only the version, so the node is
+        // read again and deleted while it is still the node seen (same czxid).
+        loop {
+            match again(|| c.delete(&path, Some(version))).await {
+                Ok(()) => return Ok(true),
+                Err(ZkError::NoNode) => return Ok(false),
+                Err(ZkError::BadVersion) => {}
+                Err(e) => return Err(unavailable("delete", e)),
+            }
+            match again(|| c.get_data(&path)).await {
+                Ok((_, stat)) if stat.czxid == holder.stat.czxid => version = stat.version,
+                Ok(_) | Err(ZkError::NoNode) => return Ok(false),
+                Err(e) => return Err(unavailable("getData", e)),
+            }
+        }
+    }
+}
+
+crate::backend::admin::admin_store_via!(ZkBackend);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names_decode_to_their_resource() {
+        for name in ["dlock:{a/b c%}", "p:{é}", "{x-1}", ""] {
+            assert_eq!(resource_of(&node_name(name)).as_deref(), Some(name));
+        }
+        assert_eq!(resource_of("bad%2"), None);
+        assert_eq!(resource_of("bad%zz"), None);
+    }
+}

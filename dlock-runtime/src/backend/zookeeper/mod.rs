@@ -1,0 +1,909 @@
+//! The ZooKeeper backend (`zk://`, feature `zookeeper`): the classic ZooKeeper lock recipe
+//! (ephemeral sequential nodes, predecessor watch) mapped onto the attempt-based [`Backend`]
+//! trait, over the [`zookeeper_client`] crate.
+//!
+//! # Layout and recipe
+//!
+//! Every lock is a directory node `<chroot>/dlock/<resource>` (the resource string
+//! percent-encoded to a valid node name), created on first use as a *container* node, which the
+//! server deletes by itself once its last child is gone (ZooKeeper ≥ 3.5.3) — a lock leaves no
+//! node behind. Every acquisition creates its own **ephemeral sequential** child
+//! `<owner token>-<sequence>` (the token in the name is Curator's "protected mode": the node can
+//! always be found by its owner, also when the answer to its `create` was lost). The child with
+//! the lowest sequence holds the lock; every other child is a waiter, in arrival order (fair
+//! FIFO, [`Backend::fifo`] is `true`), and each waiter watches only its predecessor (no herd,
+//! no polling).
+//!
+//! * [`WaitMode::Try`] / [`WaitMode::Barge`]: create the own child, list the directory; the
+//!   lowest → `Acquired`; otherwise the own child is deleted again (a try leaves nothing).
+//!   With this recipe there is no "free but queued" state to barge past — the lowest child *is*
+//!   the holder — so barging is a try.
+//! * [`WaitMode::Queue`]: create the own child once (later attempts find it), list; the
+//!   lowest → `Acquired`; otherwise stay queued and watch the predecessor's node.
+//! * [`release`](Backend::release): delete the own child (its name holds the secret owner
+//!   token, so its existence is the owner check). [`abandon`](Backend::abandon): the same, for
+//!   a child found by its token if the `create`'s answer never arrived.
+//! * [`watch`](Backend::watch): registers the waiter in the [`ReleaseHub`]; the attempt that
+//!   finds it queued sets a ZooKeeper watch on its predecessor's node, and its deletion (or a
+//!   session event) wakes exactly that waiter. A data change of the predecessor (its own
+//!   refresh) re-arms the watch without waking anyone.
+//!
+//! # Fencing tokens
+//!
+//! The fencing token is the holder node's creation zxid (`czxid`): ZooKeeper's transaction id,
+//! one counter for the whole ensemble agreed by its atomic broadcast, so tokens are strictly
+//! increasing per lock *and* across locks, never rolled back by a leader change, with no clock
+//! involved. Not dense (every write advances the zxid), and only comparable with tokens of the
+//! same ensemble.
+//!
+//! # Leases: the session, and a per-lock lease in the node
+//!
+//! An ephemeral node lives as long as the client's **session**: when the locker's process dies
+//! or is cut off, the server expires the session after the negotiated session timeout and
+//! deletes every node of it. One session serves one locker (all its locks and waiters), so the
+//! session alone cannot give locks their own TTLs — a lock of 300 ms and one of 30 s live and
+//! die with the same session, and a guard that stops renewing (leaked, not renewed with
+//! `auto_renew(false)`) inside a living process would hold its lock forever. So every node also
+//! carries a **lease in its data** (its length in milliseconds), counted from the node's
+//! `mtime` — the time the ensemble's leader stamped on the last write to it, so the lease is
+//! judged by ZooKeeper's clock, never a client's:
+//!
+//! * a holder's node carries the lock's TTL; renewal ([`extend`](Backend::extend)) rewrites it
+//!   (`setData`, which also restamps `mtime`), and can shorten it;
+//! * a queued waiter's node carries the waiter TTL and is rewritten by each of its attempts;
+//! * a node whose `mtime + lease` has passed (by the `mtime` of the observer's own write in the
+//!   same attempt) is deleted by the next node's owner, with a version check so that a renewal
+//!   that got there first wins. A holder that died thus stops blocking others after its TTL, as
+//!   on every backend, and its session takes its node away after the session timeout in any
+//!   case.
+//!
+//! **TTL and the session timeout.** A holder cut off from the ensemble cannot renew, and the
+//! server may expire its session — deleting its node — as early as one session timeout after
+//! the last request it answered. So the local lease clock of a lock never counts on more than
+//! the negotiated session timeout ([`Backend::lease_margin`] is `ttl − session timeout` for
+//! longer TTLs): [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session
+//! timeout by the local clock, before the server can let the next holder in. A TTL above twice
+//! the session timeout is refused with [`LockError::InvalidTtl`] (the watchdog renews every
+//! TTL/3, which must come before the session's bound); raise the server's `maxSessionTimeout`
+//! and [`ZkOptions::session_timeout`] (or `?session_timeout_ms=`) for longer TTLs. The session
+//! timeout is what the server grants: between its `minSessionTimeout` (default 2 ticks) and
+//! `maxSessionTimeout` (default 20 ticks, 40 s at the default 2 s tick); dlock asks for 30 s by
+//! default.
+//!
+//! # Faults
+//!
+//! Every call is bounded by the command timeout ([`ZkOptions::command_timeout`]): no quorum,
+//! a frozen or dead server answer [`LockError::Unavailable`] (503) in time, never a hang. The
+//! client moves to another server of the ensemble by itself while the session lives (a dead
+//! connection is found within [`ZkOptions::connection_timeout`]); locks, waiters and watches
+//! survive that. When the session expires, its nodes are gone: renewals answer "not the owner"
+//! (the guards are lost, if their local lease had not already ended), and the backend opens a
+//! new session for the next calls. ZooKeeper applies one session's requests in the order they
+//! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made.
+//!
+//! Idempotency records are not stored by this backend ([`Backend::idempotency`] is `None`).
+//! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
+//! as an attempt judges them, by the ensemble's clock.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::task::AbortHandle;
+use zookeeper_client::{Acls, Client, CreateMode, EventType, Stat};
+
+use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, WaitMode, Watch};
+use crate::key::ResourceName;
+use crate::LockError;
+
+mod admin;
+mod url;
+
+type ZkError = zookeeper_client::Error;
+
+/// Settings of a [`ZkBackend`]. Defaults: command timeout 2 s, session timeout 30 s (what the
+/// server grants may differ), connection timeout a third of the command timeout (at most 1 s),
+/// node prefix `dlock`.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ZkOptions {
+    command_timeout: Duration,
+    session_timeout: Duration,
+    connection_timeout: Option<Duration>,
+    prefix: String,
+}
+
+impl Default for ZkOptions {
+    fn default() -> Self {
+        ZkOptions {
+            command_timeout: Duration::from_secs(2),
+            session_timeout: Duration::from_secs(30),
+            connection_timeout: None,
+            prefix: "dlock".to_owned(),
+        }
+    }
+}
+
+impl ZkOptions {
+    /// How long one backend call (and connecting) may take before it fails with
+    /// [`LockError::Unavailable`].
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// The session timeout to ask the server for (it grants a value within its
+    /// `minSessionTimeout..=maxSessionTimeout`). Bounds the TTLs this backend takes: at most
+    /// twice the granted timeout (see the [module docs](self)).
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// How long a connection may stay silent before the client gives it up and moves to
+    /// another server (keep it well below the command timeout, so a frozen server costs no
+    /// more than one call).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = Some(timeout);
+        self
+    }
+
+    /// The node under the chroot where locks live (default `dlock`).
+    pub fn node_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+}
+
+/// The session in use and how to replace it once it expired.
+struct Session {
+    client: Mutex<Client>,
+    /// Serialises re-connects after an expiry.
+    reconnect: tokio::sync::Mutex<()>,
+    /// The granted session timeout, in ms.
+    timeout_ms: AtomicU64,
+    hosts: String,
+    opts: ZkOptions,
+}
+
+impl Session {
+    async fn open(hosts: &str, opts: &ZkOptions) -> Result<Client, LockError> {
+        let connect = Client::connector()
+            .with_session_timeout(opts.session_timeout)
+            .with_connection_timeout(
+                opts.connection_timeout
+                    .unwrap_or_else(|| (opts.command_timeout / 3).min(Duration::from_secs(1))),
+            )
+            .connect(hosts);
+        match tokio::time::timeout(opts.command_timeout, connect).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(LockError::unavailable(
+                format!("zookeeper: cannot connect to {hosts}"),
+                Some(Box::new(e)),
+            )),
+            Err(_) => Err(LockError::unavailable(
+                format!(
+                    "zookeeper: no session with {hosts} within {:?}",
+                    opts.command_timeout
+                ),
+                None,
+            )),
+        }
+    }
+
+    /// The current client; a new session when the current one expired or closed.
+    async fn client(&self) -> Result<Client, LockError> {
+        let c = self.current();
+        if !c.state().is_terminated() {
+            return Ok(c);
+        }
+        let _one = self.reconnect.lock().await;
+        let c = self.current();
+        if !c.state().is_terminated() {
+            return Ok(c);
+        }
+        tracing::warn!("zookeeper: session {:?}; opening a new one", c.state());
+        let fresh = Self::open(&self.hosts, &self.opts).await?;
+        self.timeout_ms
+            .store(millis(fresh.session_timeout()), Ordering::Relaxed);
+        *self.client.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+        Ok(fresh)
+    }
+
+    fn current(&self) -> Client {
+        self.client
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Own nodes by (resource, owner token): the node name of each acquisition this backend made.
+type Owned = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), String>>>;
+
+/// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
+type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
+
+/// Locks in ZooKeeper. See the [module docs](self) for the recipe, fencing and leases.
+#[derive(Clone)]
+pub struct ZkBackend {
+    session: Arc<Session>,
+    /// `<chroot>/<prefix>`.
+    base: Arc<str>,
+    hub: Arc<ReleaseHub>,
+    owned: Owned,
+    watchers: Watchers,
+}
+
+impl fmt::Debug for ZkBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkBackend")
+            .field("hosts", &self.session.hosts)
+            .field("base", &self.base)
+            .field("session_timeout", &self.session.timeout())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One child of a lock's directory.
+#[derive(Clone, Debug)]
+struct Child {
+    name: String,
+    seq: i64,
+}
+
+/// The children of a lock directory in sequence order (names without a sequence are ignored).
+fn sorted(children: Vec<String>) -> Vec<Child> {
+    let mut out: Vec<Child> = children
+        .into_iter()
+        .filter_map(|name| {
+            let seq = name.rsplit_once('-')?.1.parse().ok()?;
+            Some(Child { name, seq })
+        })
+        .collect();
+    out.sort_by_key(|c| c.seq);
+    out
+}
+
+/// Whether `name` is a node of `token` (`<token>-<sequence>`).
+fn owned_by(name: &str, token: &OwnerToken) -> bool {
+    name.strip_prefix(token.as_str())
+        .is_some_and(|rest| rest.starts_with('-'))
+}
+
+/// A node's lease in ms from its data (a node without one never expires by lease).
+fn lease_of(data: &[u8]) -> Option<i64> {
+    std::str::from_utf8(data).ok()?.parse().ok()
+}
+
+fn lease_data(d: Duration) -> Vec<u8> {
+    millis(d).to_string().into_bytes()
+}
+
+/// A resource string as one node name: every byte outside a conservative set percent-encoded.
+fn node_name(resource: &str) -> String {
+    let mut out = String::with_capacity(resource.len());
+    for b in resource.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.:{}~=+,;@!*()".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Whether `e` is the loss of a connection (the client moves to another server; the session
+/// lives on), after which a request can be sent again.
+fn lost_connection(e: &ZkError) -> bool {
+    matches!(
+        e,
+        ZkError::ConnectionLoss | ZkError::Timeout | ZkError::Custom(_)
+    )
+}
+
+/// Runs `op` until it answers something other than a lost connection (the caller bounds the
+/// time). Only for requests that may be repeated: reads, `setData`, `delete` (a repeated delete
+/// of a node the first one deleted answers `NoNode`).
+async fn again<T, Fut: Future<Output = Result<T, ZkError>>>(
+    mut op: impl FnMut() -> Fut,
+) -> Result<T, ZkError> {
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match op().await {
+            Err(e) if lost_connection(&e) => {
+                tracing::debug!(error = %e, "zookeeper: connection lost; sending again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Maps a ZooKeeper failure to `Unavailable`.
+fn unavailable(what: &str, e: ZkError) -> LockError {
+    LockError::unavailable(format!("zookeeper {what} failed: {e}"), Some(Box::new(e)))
+}
+
+/// A node read for an expiry check: where it is, its lease and its stat.
+struct Seen {
+    child: Child,
+    lease: Option<i64>,
+    stat: Stat,
+}
+
+impl Seen {
+    fn expired(&self, now: i64) -> bool {
+        self.lease
+            .is_some_and(|l| self.stat.mtime.saturating_add(l) <= now)
+    }
+
+    fn remaining(&self, now: i64) -> Option<Duration> {
+        let l = self.lease?;
+        let left = self.stat.mtime.saturating_add(l).saturating_sub(now).max(0);
+        Some(Duration::from_millis(left.unsigned_abs()))
+    }
+}
+
+impl ZkBackend {
+    /// Connects to the ensemble named by a `zk://host:port[,host:port…][/chroot]` URL
+    /// (`?session_timeout_ms=N` overrides [`ZkOptions::session_timeout`]), opens a session and
+    /// creates the lock root `<chroot>/<prefix>` if missing.
+    pub async fn connect(url: &str, opts: ZkOptions) -> Result<Self, LockError> {
+        let parsed = url::parse(url)?;
+        let mut opts = opts;
+        if let Some(t) = parsed.session_timeout {
+            opts.session_timeout = t;
+        }
+        if opts.prefix.is_empty() || opts.prefix.contains('/') {
+            return Err(LockError::unavailable(
+                "zookeeper: the node prefix must be one non-empty node name",
+                None,
+            ));
+        }
+        let hosts = parsed.hosts.join(",");
+        let client = Session::open(&hosts, &opts).await?;
+        let base: Arc<str> = format!("{}/{}", parsed.chroot, opts.prefix).into();
+        let dir_opts = CreateMode::Persistent.with_acls(Acls::anyone_all());
+        let mkdir = client.mkdir(&base, &dir_opts);
+        match tokio::time::timeout(opts.command_timeout, mkdir).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(unavailable("creating the lock root", e)),
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    "zookeeper: creating the lock root timed out",
+                    None,
+                ))
+            }
+        }
+        let session = Session {
+            timeout_ms: AtomicU64::new(millis(client.session_timeout())),
+            client: Mutex::new(client),
+            reconnect: tokio::sync::Mutex::new(()),
+            hosts,
+            opts,
+        };
+        Ok(ZkBackend {
+            session: Arc::new(session),
+            base,
+            hub: ReleaseHub::new(),
+            owned: Arc::default(),
+            watchers: Arc::default(),
+        })
+    }
+
+    /// The session timeout the server granted.
+    pub fn session_timeout(&self) -> Duration {
+        self.session.timeout()
+    }
+
+    /// Deletes every node of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
+    /// its waiters'. For operators and tests; returns how many nodes it deleted.
+    pub async fn delete_lock(&self, resource: &str) -> Result<u64, LockError> {
+        let dir = self.dir(resource);
+        self.bounded("delete", async {
+            let c = self.session.client().await?;
+            let children = match again(|| c.list_children(&dir)).await {
+                Ok(v) => v,
+                Err(ZkError::NoNode) => return Ok(0),
+                Err(e) => return Err(unavailable("list", e)),
+            };
+            let mut n = 0;
+            for name in children {
+                match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
+                    Ok(()) => n += 1,
+                    Err(ZkError::NoNode) => {}
+                    Err(e) => return Err(unavailable("delete", e)),
+                }
+            }
+            Ok(n)
+        })
+        .await
+    }
+
+    fn dir(&self, resource: &str) -> String {
+        format!("{}/{}", self.base, node_name(resource))
+    }
+
+    /// Runs `f` within the command timeout.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        f: impl Future<Output = Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let limit = self.session.opts.command_timeout;
+        tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+            Err(LockError::unavailable(
+                format!("zookeeper {what}: no answer within {limit:?}"),
+                None,
+            ))
+        })
+    }
+
+    fn key(resource: &ResourceName, token: &OwnerToken) -> (Arc<str>, OwnerToken) {
+        (Arc::from(resource.as_str()), token.clone())
+    }
+
+    fn remember(&self, resource: &ResourceName, token: &OwnerToken, name: &str) {
+        self.owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(Self::key(resource, token), name.to_owned());
+    }
+
+    fn known(&self, resource: &ResourceName, token: &OwnerToken) -> Option<String> {
+        self.owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&Self::key(resource, token))
+            .cloned()
+    }
+
+    fn forget(&self, resource: &ResourceName, token: &OwnerToken) -> Option<String> {
+        self.owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&Self::key(resource, token))
+    }
+
+    fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
+        let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, h)) = w.remove(&Self::key(resource, token)) {
+            h.abort();
+        }
+    }
+
+    /// Creates the own child of `token` in `dir` (and `dir`, as a container node, if missing).
+    async fn create_own(
+        &self,
+        c: &Client,
+        dir: &str,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<(String, Stat), LockError> {
+        let path = format!("{dir}/{}-", token.as_str());
+        let data = lease_data(lease);
+        loop {
+            let opts = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+            match c.create(&path, &data, &opts).await {
+                Ok((stat, seq)) => return Ok((format!("{}-{seq}", token.as_str()), stat)),
+                Err(e) if lost_connection(&e) => {
+                    // The create may have been applied: look for the node by its token
+                    // (protected mode) before creating another.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let kids = match again(|| c.list_children(dir)).await {
+                        Ok(k) => k,
+                        Err(ZkError::NoNode) => Vec::new(),
+                        Err(e) => return Err(unavailable("getChildren", e)),
+                    };
+                    if let Some(name) = kids.into_iter().find(|k| owned_by(k, token)) {
+                        let own = format!("{dir}/{name}");
+                        match again(|| c.get_data(&own)).await {
+                            Ok((_, stat)) => return Ok((name, stat)),
+                            Err(ZkError::NoNode) => {}
+                            Err(e) => return Err(unavailable("getData", e)),
+                        }
+                    }
+                }
+                Err(ZkError::NoNode) => {
+                    // The lock's directory does not exist (first use, or the server removed the
+                    // empty container): create it and try again.
+                    let opts = CreateMode::Container.with_acls(Acls::anyone_all());
+                    match again(|| c.create(dir, &[], &opts)).await {
+                        Ok(_) | Err(ZkError::NodeExists) => {}
+                        Err(ZkError::NoNode) => {
+                            let opts = CreateMode::Persistent.with_acls(Acls::anyone_all());
+                            c.mkdir(&self.base, &opts)
+                                .await
+                                .map_err(|e| unavailable("creating the lock root", e))?;
+                        }
+                        Err(e) => return Err(unavailable("create", e)),
+                    }
+                }
+                Err(e) => return Err(unavailable("create", e)),
+            }
+        }
+    }
+
+    /// Sets `path`'s lease; `None` when the node is gone.
+    async fn set_lease(c: &Client, path: &str, lease: Duration) -> Result<Option<Stat>, LockError> {
+        match again(|| c.set_data(path, &lease_data(lease), None)).await {
+            Ok(stat) => Ok(Some(stat)),
+            Err(ZkError::NoNode) => Ok(None),
+            Err(e) => Err(unavailable("setData", e)),
+        }
+    }
+
+    /// Reads the children at `idx`; `None` for one that is gone.
+    async fn read(c: &Client, dir: &str, kids: &[&Child]) -> Result<Vec<Option<Seen>>, LockError> {
+        let reads = kids.iter().map(|k| {
+            let path = format!("{dir}/{}", k.name);
+            async move {
+                match again(|| c.get_data(&path)).await {
+                    Ok((data, stat)) => Ok(Some(Seen {
+                        child: (*k).clone(),
+                        lease: lease_of(&data),
+                        stat,
+                    })),
+                    Err(ZkError::NoNode) => Ok(None),
+                    Err(e) => Err(unavailable("getData", e)),
+                }
+            }
+        });
+        futures_util::future::try_join_all(reads).await
+    }
+
+    /// Deletes an expired node, unless it was renewed since it was read.
+    async fn delete_expired(c: &Client, dir: &str, seen: &Seen) -> Result<(), LockError> {
+        let path = format!("{dir}/{}", seen.child.name);
+        match again(|| c.delete(&path, Some(seen.stat.version))).await {
+            Ok(()) | Err(ZkError::NoNode) | Err(ZkError::BadVersion) => Ok(()),
+            Err(e) => Err(unavailable("delete", e)),
+        }
+    }
+
+    async fn attempt(&self, args: &AcquireArgs<'_>) -> Result<Attempt, LockError> {
+        let c = self.session.client().await?;
+        let dir = self.dir(args.resource.as_str());
+        let queue = args.mode == WaitMode::Queue;
+        // The own node; the stat of this attempt's last write to it (its mtime is the
+        // ensemble's "now" for expiry checks); whether its lease is the lock's TTL.
+        let (own, mut stat, mut has_ttl) =
+            match self.known(args.resource, args.token).filter(|_| queue) {
+                Some(name) => (name, None, false),
+                None => {
+                    let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
+                    self.remember(args.resource, args.token, &name);
+                    (name, Some(stat), true)
+                }
+            };
+        let own_path = format!("{dir}/{own}");
+        // Expired nodes ahead are deleted and the directory listed again; each round removes
+        // at least one node, so a few rounds suffice in practice.
+        for _ in 0..8 {
+            let kids = match again(|| c.list_children(&dir)).await {
+                Ok(k) => sorted(k),
+                Err(ZkError::NoNode) => Vec::new(),
+                Err(e) => return Err(unavailable("getChildren", e)),
+            };
+            let Some(pos) = kids.iter().position(|k| k.name == own) else {
+                // The own node is gone (it expired and was deleted, or the session ended).
+                self.forget(args.resource, args.token);
+                return Ok(Attempt::Held { remaining: None });
+            };
+            if pos == 0 {
+                // Lowest: the lock is ours. A node created by this attempt already carries
+                // the TTL; one that waited (or a holder asking again) gets it now.
+                let granted = match stat.filter(|_| has_ttl) {
+                    Some(stat) => Some(stat),
+                    None => Self::set_lease(&c, &own_path, args.ttl).await?,
+                };
+                let Some(granted) = granted else {
+                    self.forget(args.resource, args.token);
+                    return Ok(Attempt::Held { remaining: None });
+                };
+                self.stop_watch(args.resource, args.token);
+                return Ok(Attempt::Acquired {
+                    fencing_token: granted.czxid.unsigned_abs(),
+                });
+            }
+            // Queued behind someone: a waiter's node carries the waiter TTL, refreshed by
+            // every attempt, and the write tells the ensemble's "now".
+            if queue && (has_ttl || stat.is_none()) {
+                match Self::set_lease(&c, &own_path, args.waiter_ttl).await? {
+                    Some(s) => {
+                        stat = Some(s);
+                        has_ttl = false;
+                    }
+                    None => {
+                        self.forget(args.resource, args.token);
+                        return Ok(Attempt::Held { remaining: None });
+                    }
+                }
+            }
+            let now = stat.map_or(0, |s| s.mtime);
+            // A try must find every node ahead dead; a queued waiter needs only its
+            // predecessor gone (the head is read for the holder's remaining lease).
+            let ahead: Vec<&Child> = if queue {
+                let mut v = vec![&kids[0]];
+                if pos > 1 {
+                    v.push(&kids[pos - 1]);
+                }
+                v
+            } else {
+                kids[..pos].iter().collect()
+            };
+            let seen = Self::read(&c, &dir, &ahead).await?;
+            let mut cleared = 0;
+            for s in seen.iter().flatten().filter(|s| s.expired(now)) {
+                Self::delete_expired(&c, &dir, s).await?;
+                cleared += 1;
+            }
+            let gone = seen.iter().filter(|s| s.is_none()).count();
+            let pred_alive = seen
+                .last()
+                .and_then(Option::as_ref)
+                .is_some_and(|s| !s.expired(now));
+            let blocked = if queue {
+                pred_alive
+            } else {
+                seen.iter().flatten().any(|s| !s.expired(now))
+            };
+            if !blocked && (cleared > 0 || gone > 0) {
+                continue; // look again: we may be first now
+            }
+            let remaining = seen
+                .first()
+                .and_then(Option::as_ref)
+                .filter(|s| !s.expired(now))
+                .and_then(|s| s.remaining(now));
+            if !queue {
+                // A try leaves nothing behind.
+                self.forget(args.resource, args.token);
+                match again(|| c.delete(&own_path, None)).await {
+                    Ok(()) | Err(ZkError::NoNode) => {}
+                    Err(e) => return Err(unavailable("delete", e)),
+                }
+                return Ok(Attempt::Held { remaining });
+            }
+            if let Some(pred) = seen.last().and_then(Option::as_ref) {
+                self.watch_predecessor(&c, args, &dir, &pred.child.name);
+            }
+            return Ok(Attempt::Held { remaining });
+        }
+        Ok(Attempt::Held { remaining: None })
+    }
+
+    /// Makes sure a task watches `pred` (the predecessor of `args.token`'s node) and wakes the
+    /// waiter when it is deleted.
+    fn watch_predecessor(&self, c: &Client, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
+        let key = Self::key(args.resource, args.token);
+        let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((p, h)) = w.get(&key) {
+            if p == pred && !h.is_finished() {
+                return;
+            }
+            h.abort();
+        }
+        let (c, hub, path) = (c.clone(), self.hub.clone(), format!("{dir}/{pred}"));
+        let (resource, token) = key.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match c.check_and_watch_stat(&path).await {
+                    Ok((Some(_), watcher)) => {
+                        let event = watcher.changed().await;
+                        if event.event_type == EventType::NodeDataChanged {
+                            continue; // the predecessor's own refresh: keep waiting
+                        }
+                    }
+                    Ok((None, _)) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "zookeeper watch failed; the waiter re-checks")
+                    }
+                }
+                hub.notify(&resource, Some(token.as_str()));
+                return;
+            }
+        });
+        w.insert(key, (pred.to_owned(), task.abort_handle()));
+    }
+
+    /// The own node's name: remembered, or found by the token (the `create`'s answer may never
+    /// have arrived).
+    async fn find_own(
+        &self,
+        c: &Client,
+        dir: &str,
+        resource: &ResourceName,
+        token: &OwnerToken,
+    ) -> Result<Option<String>, LockError> {
+        if let Some(name) = self.known(resource, token) {
+            return Ok(Some(name));
+        }
+        match again(|| c.list_children(dir)).await {
+            Ok(kids) => Ok(kids.into_iter().find(|k| owned_by(k, token))),
+            Err(ZkError::NoNode) => Ok(None),
+            Err(e) => Err(unavailable("getChildren", e)),
+        }
+    }
+}
+
+impl Backend for ZkBackend {
+    fn name(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        ttl.saturating_sub(self.session.timeout())
+    }
+
+    fn admin(&self) -> Option<&dyn super::AdminStore> {
+        Some(self)
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            let session = self.session.timeout();
+            if args.ttl > session * 2 {
+                return Err(LockError::InvalidTtl {
+                    ttl: args.ttl,
+                    reason: format!(
+                        "the ZooKeeper backend takes TTLs up to twice its session timeout ({session:?}); raise the server's maxSessionTimeout and the session timeout"
+                    ),
+                });
+            }
+            self.bounded("acquire", self.attempt(&args)).await
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(self.bounded("release", async move {
+            self.stop_watch(resource, token);
+            let c = self.session.client().await?;
+            let dir = self.dir(resource.as_str());
+            let Some(name) = self.find_own(&c, &dir, resource, token).await? else {
+                return Ok(false);
+            };
+            let released = match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
+                Ok(()) => true,
+                Err(ZkError::NoNode) => false,
+                Err(e) => return Err(unavailable("delete", e)),
+            };
+            self.forget(resource, token);
+            Ok(released)
+        }))
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(self.bounded("extend", async move {
+            let c = self.session.client().await?;
+            let dir = self.dir(resource.as_str());
+            let Some(name) = self.find_own(&c, &dir, resource, token).await? else {
+                return Ok(false);
+            };
+            Ok(Self::set_lease(&c, &format!("{dir}/{name}"), ttl)
+                .await?
+                .is_some())
+        }))
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(self.bounded("abandon", async move {
+            self.stop_watch(resource, token);
+            let c = self.session.client().await?;
+            let dir = self.dir(resource.as_str());
+            // Requests of one session are applied in the order they were sent: a `create` of
+            // a cancelled attempt is applied before this look-up, so its node is found.
+            if let Some(name) = self.find_own(&c, &dir, resource, token).await? {
+                match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
+                    Ok(()) | Err(ZkError::NoNode) => {}
+                    Err(e) => return Err(unavailable("delete", e)),
+                }
+            }
+            self.forget(resource, token);
+            Ok(())
+        }))
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        Box::pin(async move {
+            let watchers = self.watchers.clone();
+            let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
+                let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
+                w.retain(|(r, _), (_, h)| {
+                    let keep = &**r != res;
+                    if !keep {
+                        h.abort();
+                    }
+                    keep
+                });
+            });
+            let (watch, _first) = self.hub.register(resource, token, Some(on_last));
+            Ok(watch)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_sort_by_sequence_and_owner_names_match_exactly() {
+        let kids = sorted(vec![
+            "b-0000000010".into(),
+            "a-0000000002".into(),
+            "junk".into(),
+            "c-0000000009".into(),
+        ]);
+        let names: Vec<_> = kids.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["a-0000000002", "c-0000000009", "b-0000000010"]);
+        let t = OwnerToken::generate();
+        assert!(owned_by(&format!("{}-0000000001", t.as_str()), &t));
+        assert!(!owned_by(&format!("{}x-0000000001", t.as_str()), &t));
+    }
+
+    #[test]
+    fn resources_become_single_node_names() {
+        assert_eq!(node_name("dlock:{a/b c%}"), "dlock:{a%2Fb%20c%25}");
+        assert_eq!(node_name("p:{é}"), "p:{%C3%A9}");
+    }
+
+    #[test]
+    fn leases_expire_by_the_servers_mtime() {
+        let stat = Stat {
+            czxid: 1,
+            mzxid: 1,
+            pzxid: 1,
+            ctime: 0,
+            mtime: 1_000,
+            version: 0,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 3,
+            num_children: 0,
+        };
+        let seen = Seen {
+            child: Child {
+                name: "x-1".into(),
+                seq: 1,
+            },
+            lease: lease_of(b"300"),
+            stat,
+        };
+        assert!(!seen.expired(1_299));
+        assert!(seen.expired(1_300));
+        assert_eq!(seen.remaining(1_100), Some(Duration::from_millis(200)));
+        assert_eq!(lease_of(b"x"), None);
+    }
+}

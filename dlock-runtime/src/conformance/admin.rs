@@ -1,0 +1,144 @@
+//! The inspection checks ([`AdminStore`](crate::backend::AdminStore)), for a backend whose
+//! store says it has the capability ([`Store::admin`]); one that does not must answer
+//! [`LockError::Unsupported`](crate::LockError::Unsupported) from `Locker::admin`.
+
+use std::time::Duration;
+
+use super::{unique_key, wait_until, Store};
+use crate::admin::TOKEN_PREFIX_LEN;
+use crate::{LockKey, OnFail, RetryPolicy};
+
+/// `inspect` shows the holder (a token prefix, its fencing token where the store keeps it, the
+/// lease left) and the waiters in order; `list` finds the lock by key prefix; `force_release`
+/// frees it whoever holds it, raises the fencing counter past the holder's token, passes the
+/// lock to the waiter (with a greater token) and leaves the old holder unable to extend.
+pub async fn admin_inspect_list_force_release(store: &Store) {
+    let (a, b) = store.pair().await;
+    let Ok(admin) = b.admin() else {
+        let e = b.admin().unwrap_err();
+        assert!(
+            !store.admin && e.is_unsupported(),
+            "{}: admin unavailable: {e}",
+            store.name
+        );
+        return;
+    };
+    assert!(
+        store.admin,
+        "{}: has admin but the store says not",
+        store.name
+    );
+    let key = unique_key("admin");
+    let holder = a
+        .lock(&key)
+        .ttl(Duration::from_secs(20))
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiter = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move {
+            b.lock(&key)
+                .ttl(Duration::from_secs(20))
+                .on_fail(OnFail::Retry(RetryPolicy::new(Duration::from_secs(20))))
+                .acquire()
+                .await
+        })
+    };
+    wait_until("the waiter is queued", Duration::from_secs(10), || {
+        b.waiting() == 1
+    })
+    .await;
+
+    let encoded = LockKey::new(&key).unwrap().as_str().to_owned();
+    // The waiter's queue entry is written by its first attempt, which may land just after it
+    // counts as waiting: read until it shows.
+    let mut state = admin.inspect(key.as_str()).await.expect("inspect");
+    for _ in 0..200 {
+        if !state.waiters.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        state = admin.inspect(key.as_str()).await.expect("inspect");
+    }
+    assert_eq!(state.key, encoded, "{}", store.name);
+    let h = state.holder.clone().expect("a holder");
+    assert_eq!(h.token_prefix.len(), TOKEN_PREFIX_LEN, "{}", store.name);
+    if let Some(t) = h.fencing_token {
+        assert_eq!(t, holder.fencing_token(), "{}: holder's token", store.name);
+    }
+    assert!(
+        h.ttl_left > Duration::ZERO && h.ttl_left <= Duration::from_secs(20),
+        "{}: ttl left {:?}",
+        store.name,
+        h.ttl_left
+    );
+    assert_eq!(
+        state.waiters.len(),
+        1,
+        "{}: waiters {:?}",
+        store.name,
+        state
+    );
+    assert_ne!(state.waiters[0].token_prefix, h.token_prefix);
+
+    let listed = admin
+        .list_all(&key[..key.len() - 2], 1000)
+        .await
+        .expect("list");
+    assert!(
+        listed
+            .iter()
+            .any(|s| s.key == encoded && s.holder.is_some()),
+        "{}: `{key}` not listed: {listed:?}",
+        store.name
+    );
+    let none = admin
+        .list_all("conf:no-such-prefix:", 10)
+        .await
+        .expect("list");
+    assert!(none.is_empty(), "{}: {none:?}", store.name);
+
+    let freed = admin
+        .force_release(key.as_str())
+        .await
+        .expect("force release");
+    assert!(freed.was_held, "{}", store.name);
+    if let Some(f) = freed.fence {
+        assert!(
+            f > holder.fencing_token(),
+            "{}: fence not raised",
+            store.name
+        );
+    }
+    let next = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("the waiter gets the lock")
+        .expect("task")
+        .expect("acquire");
+    assert!(
+        next.fencing_token() > holder.fencing_token(),
+        "{}",
+        store.name
+    );
+    if let Some(f) = freed.fence {
+        assert!(
+            next.fencing_token() > f,
+            "{}: next token below the raised fence",
+            store.name
+        );
+    }
+    assert!(
+        holder.extend(Duration::from_secs(20)).await.is_err(),
+        "{}: the old holder still extends",
+        store.name
+    );
+    next.release().await.expect("release");
+    let after = admin.inspect(key.as_str()).await.expect("inspect");
+    assert!(!after.is_active(), "{}: {after:?}", store.name);
+    let again = admin
+        .force_release(key.as_str())
+        .await
+        .expect("force release");
+    assert!(!again.was_held, "{}", store.name);
+}

@@ -1,0 +1,480 @@
+//! Leader election: [`Locker::elect`] campaigns for leadership of a name and keeps doing so.
+//!
+//! The guarantees are on [`Election`] (the module is private; its docs are the type's).
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+
+use crate::lease::LeaseProbe;
+use crate::util::{backoff, Jitter};
+use crate::{IntoLockKey, LockError, LockKey, Locker, OnFail, RetryPolicy};
+
+/// How long one queued campaign attempt waits before it re-queues (it simply tries again).
+const CAMPAIGN_WAIT: Duration = Duration::from_secs(60);
+/// The backoff between campaign attempts the backend did not answer.
+const ERROR_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
+
+/// This candidate's role, as published on [`Election::watch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Leadership {
+    /// This candidate leads; `term` is the election lock's fencing token for this leadership.
+    Leader {
+        /// Strictly greater than every earlier term of the election's name.
+        term: u64,
+    },
+    /// Another candidate leads, or nobody does yet: this one is campaigning.
+    Follower,
+}
+
+impl Leadership {
+    /// Whether this is [`Leadership::Leader`].
+    pub fn is_leader(&self) -> bool {
+        matches!(self, Leadership::Leader { .. })
+    }
+
+    /// The term when leading.
+    pub fn term(&self) -> Option<u64> {
+        match self {
+            Leadership::Leader { term } => Some(*term),
+            Leadership::Follower => None,
+        }
+    }
+}
+
+impl Locker {
+    /// Starts a request to campaign for leadership of `name` (see [`ElectionRequest`] and the
+    /// [`Election`] it starts). Every candidate of one election uses the same name; the name
+    /// is a lock key, so it shares the key space (and its rules) with [`Locker::lock`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+    /// use std::time::Duration;
+    /// let locker = dlock_runtime::Locker::memory();
+    /// let election = locker.elect("scheduler").ttl(Duration::from_secs(10)).start()?;
+    /// let term = election.wait_for_leadership().await.expect("campaigning");
+    /// assert_eq!(election.term(), Some(term)); // pass `term` with every write, as a fencing token
+    /// election.resign().await?;
+    /// assert!(!election.is_leader());
+    /// # Ok(()) }
+    /// ```
+    pub fn elect(&self, name: impl IntoLockKey) -> ElectionRequest<'_> {
+        ElectionRequest {
+            locker: self,
+            name: name.into_lock_key(),
+            ttl: None,
+        }
+    }
+}
+
+/// A request to campaign, from [`Locker::elect`]: set the lease, then
+/// [`start`](ElectionRequest::start).
+#[must_use = "an election request does nothing until started"]
+pub struct ElectionRequest<'a> {
+    locker: &'a Locker,
+    name: Result<LockKey, LockError>,
+    ttl: Option<Duration>,
+}
+
+impl fmt::Debug for ElectionRequest<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ElectionRequest")
+            .field("name", &self.name)
+            .field("ttl", &self.ttl)
+            .finish()
+    }
+}
+
+impl ElectionRequest<'_> {
+    /// The leader's lease: how long after a leader dies (or is cut off) another candidate can
+    /// lead. Renewed every TTL/3 while leading. Default: the locker's default TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// Starts campaigning in a background task on the current tokio runtime and returns its
+    /// handle.
+    ///
+    /// Errors: [`LockError::InvalidKey`] / [`LockError::InvalidTtl`] for a bad name or TTL,
+    /// [`LockError::Unsupported`] when called outside a tokio runtime.
+    pub fn start(self) -> Result<Election, LockError> {
+        let name = self.name?;
+        let ttl = crate::util::validate_ttl(self.ttl.unwrap_or(self.locker.default_ttl()))?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::unsupported(
+                self.locker.backend_name(),
+                "leader election outside a tokio runtime",
+            )
+        })?;
+        let (tx, rx) = watch::channel(Leadership::Follower);
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let held = Arc::new(Mutex::new(None));
+        let campaign = Campaign {
+            locker: self.locker.clone(),
+            name: name.clone(),
+            ttl,
+            held: held.clone(),
+            tx,
+        };
+        let task = runtime.spawn(campaign.run(stop_rx));
+        Ok(Election {
+            name,
+            held,
+            rx,
+            stop: Mutex::new(Some(stop_tx)),
+            task: tokio::sync::Mutex::new(Some(task)),
+        })
+    }
+}
+
+/// The term and lease of the current leadership, for [`Election::is_leader`].
+type Held = Arc<Mutex<Option<(u64, LeaseProbe)>>>;
+
+/// A campaign for leadership of one name, from [`Locker::elect`].
+///
+/// It is a background campaign for one lock, the election's name, built on the
+/// ordinary lock — so it works on every backend that has locks, with their guarantees:
+///
+/// * **Campaign.** Candidates wait for the lock in the backend's fair queue
+///   ([`OnFail::Retry`]); the one holding it is the leader. At most one candidate holds it at a
+///   time (mutual exclusion), and a candidate whose process dies stops leading within the TTL.
+/// * **Term.** The leader's term is the lock's fencing token
+///   ([`LockGuard::fencing_token`](crate::LockGuard::fencing_token)): strictly greater than
+///   every earlier term of the same name. Pass it with every write the leader makes and let the
+///   resource refuse a term lower than the highest it has seen — that, not timing, is what
+///   stops a deposed leader that has not noticed yet (a paused process) from doing harm.
+/// * **Lease.** Leadership is a watchdog-renewed lease. It ends when the lock is lost —
+///   renewal refused, or the local lease clock ran out (the backend unreachable, the process
+///   frozen) — and the local clock runs out before the backend lets anyone else take the lock
+///   (each backend's lease margin), so the old leader is told (through
+///   [`lost`](Election::lost), [`is_leader`](Election::is_leader) and the
+///   [`watch`](Election::watch) channel) before, or when, a new one can lead.
+/// * **Re-campaign.** After a loss the candidate queues for the lock again; backend errors are
+///   retried with a jittered backoff. The campaign ends only with
+///   [`resign`](Election::resign) or when the [`Election`] is dropped; both step down (the
+///   lock is released, so the next candidate leads at once rather than after the TTL).
+///
+/// The shape follows etcd's `concurrency.Election` (campaign, resign, observe) and client-go's
+/// `leaderelection` (a lease, leadership lost when it cannot be renewed in time).
+///
+/// Observe it with [`is_leader`](Election::is_leader) / [`term`](Election::term) (exact at the
+/// moment of the call, by the local lease clock),
+/// [`wait_for_leadership`](Election::wait_for_leadership) and [`lost`](Election::lost), or
+/// [`watch`](Election::watch) for every change. Run work only
+/// while leading:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
+/// # let locker = dlock_runtime::Locker::memory();
+/// let election = locker.elect("reports").start()?;
+/// # let mut rounds = 0;
+/// while let Some(term) = election.wait_for_leadership().await {
+///     tokio::select! {
+///         _ = election.lost() => println!("term {term} is over; campaigning again"),
+///         _ = async { /* leader-only work, fencing its writes with `term` */ } => {}
+///     }
+/// #   rounds += 1; if rounds == 2 { election.resign().await?; }
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// Dropping it resigns in the background: the campaign stops and the lock is released.
+pub struct Election {
+    name: LockKey,
+    held: Held,
+    rx: watch::Receiver<Leadership>,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
+    task: tokio::sync::Mutex<Option<tokio::task::JoinHandle<Result<(), LockError>>>>,
+}
+
+impl fmt::Debug for Election {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Election")
+            .field("name", &self.name.as_str())
+            .field("term", &self.term())
+            .finish()
+    }
+}
+
+impl Election {
+    /// The election's name (the encoded lock key).
+    pub fn name(&self) -> &str {
+        self.name.as_str()
+    }
+
+    /// Whether this candidate leads right now: it holds the election's lock and its local
+    /// lease has not run out. Turns `false` the moment the lease is lost, even before the
+    /// campaign task has seen it.
+    pub fn is_leader(&self) -> bool {
+        self.term().is_some()
+    }
+
+    /// The current term while leading ([`is_leader`](Election::is_leader)), else `None`.
+    pub fn term(&self) -> Option<u64> {
+        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        held.as_ref()
+            .filter(|(_, probe)| probe.is_held())
+            .map(|(term, _)| *term)
+    }
+
+    /// Waits until this candidate leads and returns the term; at once if it leads now.
+    /// `None` once the campaign has ended ([`resign`](Election::resign)).
+    pub async fn wait_for_leadership(&self) -> Option<u64> {
+        let mut rx = self.rx.clone();
+        loop {
+            let role = *rx.wait_for(Leadership::is_leader).await.ok()?;
+            // The lease may have run out since it was published; the campaign will say so.
+            match self.term() {
+                Some(term) => return Some(term),
+                None => {
+                    rx.wait_for(|now| *now != role).await.ok()?;
+                }
+            }
+        }
+    }
+
+    /// Resolves when this candidate does not lead: at once when it does not lead now, else
+    /// when the current term ends — its lock lost (renewal refused, the local lease clock ran
+    /// out) or the election resigned. Cancel-safe.
+    pub async fn lost(&self) {
+        let current = {
+            let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+            held.as_ref()
+                .filter(|(_, probe)| probe.is_held())
+                .map(|(term, probe)| (*term, probe.clone()))
+        };
+        let Some((term, probe)) = current else {
+            return;
+        };
+        let mut rx = self.rx.clone();
+        tokio::select! {
+            _ = probe.lost() => {}
+            // A closed channel (campaign over) is an ended term too.
+            _ = rx.wait_for(|now| now.term() != Some(term)) => {}
+        }
+    }
+
+    /// Every change of this candidate's role, as a [`watch::Receiver`] (starting with the
+    /// current one; `tokio_stream::wrappers::WatchStream` makes it a `Stream`). The channel
+    /// closes when the campaign ends. Published by the campaign task, so a change reaches it a
+    /// task switch after [`is_leader`](Election::is_leader) sees it.
+    pub fn watch(&self) -> watch::Receiver<Leadership> {
+        self.rx.clone()
+    }
+
+    /// Steps down and ends the campaign: stops campaigning, releases the lock when leading
+    /// (after [`is_leader`](Election::is_leader) has turned `false`, so the next leader starts
+    /// only after this one stopped), and returns once that is done. `Ok(())` also when not
+    /// leading; [`LockError::Lost`] when the lease had been lost already; the release's error
+    /// when the backend did not answer (it is then retried in the background, and the TTL ends
+    /// the lock at the latest). Later calls return `Ok(())`.
+    pub async fn resign(&self) -> Result<(), LockError> {
+        let stop = self
+            .stop
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(stop) = stop {
+            let _ = stop.send(());
+        }
+        let mut task = self.task.lock().await;
+        match task.take() {
+            Some(handle) => handle.await.unwrap_or_else(|e| {
+                Err(LockError::unavailable(
+                    format!("election `{}`: campaign task ended: {e}", self.name),
+                    None,
+                ))
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The background task of one [`Election`].
+struct Campaign {
+    locker: Locker,
+    name: LockKey,
+    ttl: Duration,
+    held: Held,
+    tx: watch::Sender<Leadership>,
+}
+
+impl Campaign {
+    /// Campaigns until `stop` fires (resign) or its sender is dropped (the election dropped).
+    async fn run(self, mut stop: oneshot::Receiver<()>) -> Result<(), LockError> {
+        let mut failures = 0u32;
+        loop {
+            let acquire = self
+                .locker
+                .lock(self.name.clone())
+                .ttl(self.ttl)
+                .on_fail(OnFail::Retry(RetryPolicy::new(CAMPAIGN_WAIT)))
+                .acquire();
+            let attempt = tokio::select! {
+                biased;
+                _ = &mut stop => return Ok(()),
+                attempt = acquire => attempt,
+            };
+            let guard = match attempt {
+                Ok(guard) => guard,
+                Err(e) if e.is_timeout() => continue,
+                Err(e) => {
+                    tracing::debug!(election = %self.name, error = %e, "dlock.election: campaign attempt failed");
+                    let pause = backoff(ERROR_BACKOFF.0, failures, ERROR_BACKOFF.1, Jitter::Equal);
+                    failures = failures.saturating_add(1);
+                    tokio::select! {
+                        biased;
+                        _ = &mut stop => return Ok(()),
+                        _ = tokio::time::sleep(pause) => continue,
+                    }
+                }
+            };
+            failures = 0;
+            let term = guard.fencing_token();
+            self.set(Some((term, guard.probe())));
+            tracing::info!(election = %self.name, term, "dlock.election: leading");
+            tokio::select! {
+                biased;
+                _ = &mut stop => {
+                    // Not leading any more before anyone else can be.
+                    self.set(None);
+                    return guard.release().await;
+                }
+                _ = guard.lost() => {
+                    self.set(None);
+                    tracing::warn!(election = %self.name, term, "dlock.election: leadership lost; campaigning again");
+                }
+            }
+        }
+    }
+
+    fn set(&self, held: Option<(u64, LeaseProbe)>) {
+        let role = match &held {
+            Some((term, _)) => Leadership::Leader { term: *term },
+            None => Leadership::Follower,
+        };
+        *self.held.lock().unwrap_or_else(PoisonError::into_inner) = held;
+        self.tx.send_replace(role);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemoryBackend;
+
+    /// Two candidates' lockers over one store, as two instances would have.
+    fn pair() -> (Locker, Locker) {
+        let store = MemoryBackend::new();
+        (Locker::new(store.clone()), Locker::new(store))
+    }
+
+    /// Far longer than any test here: a handover within [`LIMIT`] was a release, not an expiry.
+    const TTL: Duration = Duration::from_secs(30);
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    async fn leads(e: &Election) -> u64 {
+        tokio::time::timeout(LIMIT, e.wait_for_leadership())
+            .await
+            .expect("leads in time")
+            .expect("campaigning")
+    }
+
+    async fn queued(locker: &Locker) {
+        tokio::time::timeout(LIMIT, async {
+            while locker.waiting() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the candidate queues for the lock");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resign_hands_leadership_over_with_a_greater_term() {
+        let (x, y) = pair();
+        let a = x.elect("el:resign").ttl(TTL).start().unwrap();
+        let t1 = leads(&a).await;
+        assert_eq!((a.is_leader(), a.term()), (true, Some(t1)));
+        assert_eq!(*a.watch().borrow(), Leadership::Leader { term: t1 });
+        let b = y.elect("el:resign").ttl(TTL).start().unwrap();
+        queued(&y).await;
+        assert_eq!(*b.watch().borrow(), Leadership::Follower);
+        assert!(!b.is_leader());
+        b.lost().await; // not leading: resolves at once
+
+        let mut a_role = a.watch();
+        let b_leads = async {
+            let t2 = leads(&b).await;
+            // The old leader stopped leading before the new one started.
+            assert!(!a.is_leader());
+            t2
+        };
+        let (resigned, t2) = tokio::join!(a.resign(), b_leads);
+        resigned.unwrap();
+        assert!(t2 > t1, "terms increase: {t2} > {t1}");
+        // Not leading: resolves at once.
+        a.lost().await;
+        // The last role published is Follower; the channel closes with the campaign.
+        assert_eq!(*a_role.borrow_and_update(), Leadership::Follower);
+        assert!(a_role.changed().await.is_err());
+        assert_eq!(a.wait_for_leadership().await, None, "campaign over");
+        assert_eq!(b.term(), Some(t2));
+        b.resign().await.unwrap();
+        b.resign().await.unwrap(); // again: nothing to do
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_the_leaders_election_hands_leadership_over() {
+        let (x, y) = pair();
+        let a = x.elect("el:drop").ttl(TTL).start().unwrap();
+        let t1 = leads(&a).await;
+        let b = y.elect("el:drop").ttl(TTL).start().unwrap();
+        queued(&y).await;
+        drop(a);
+        drop(x);
+        let t2 = leads(&b).await;
+        assert!(t2 > t1, "{t2} > {t1}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_leader_campaigns_again() {
+        let store = MemoryBackend::new();
+        let (x, y) = (Locker::new(store.clone()), Locker::new(store.clone()));
+        // Renewed every 100 ms: the stolen lock is noticed at the next renewal.
+        let ttl = Duration::from_millis(300);
+        let a = x.elect("el:lost").ttl(ttl).start().unwrap();
+        let t1 = leads(&a).await;
+        let b = y.elect("el:lost").ttl(ttl).start().unwrap();
+        queued(&y).await;
+        // Taken away behind A's back: B gets it, A's renewal finds another owner.
+        assert!(store.force_release(x.resource(LockKey::new("el:lost").unwrap()).as_str()));
+        tokio::time::timeout(LIMIT, a.lost()).await.expect("A told");
+        let t2 = leads(&b).await;
+        assert!(t2 > t1, "{t2} > {t1}");
+        // A queued again: it leads once B steps down.
+        queued(&x).await;
+        b.resign().await.unwrap();
+        let t3 = leads(&a).await;
+        assert!(t3 > t2, "{t3} > {t2}");
+        a.resign().await.unwrap();
+    }
+
+    #[test]
+    fn bad_input_and_no_runtime_are_typed_errors() {
+        let locker = Locker::memory();
+        assert!(locker.elect("").start().unwrap_err().is_invalid());
+        let err = locker
+            .elect("el:ttl")
+            .ttl(Duration::ZERO)
+            .start()
+            .unwrap_err();
+        assert!(err.is_invalid(), "{err}");
+        let err = locker.elect("el:no-runtime").start().unwrap_err();
+        assert!(err.is_unsupported(), "{err}");
+        assert!(err.to_string().contains("tokio runtime"), "{err}");
+    }
+}

@@ -1,0 +1,344 @@
+//! The ops page (feature `admin`): an axum [`Router`] with JSON endpoints and one small HTML
+//! page showing the locks held, who waits, what was contended over the last minutes, and the
+//! deferred and dead-lettered jobs, with a requeue button.
+//!
+//! # ⚠ Mount it behind your own authentication
+//!
+//! The router has **no authentication of its own**. It shows lock keys (which may carry
+//! identifiers from requests) and lets whoever reaches it requeue jobs. Mount it under a path
+//! that only operators reach — behind the same auth layer as your other admin routes, or on an
+//! internal listener — never on the public router as is.
+//!
+//! ```
+//! # async fn f() {
+//! use axum::Router;
+//! use dlock_runtime::Locker;
+//!
+//! let locker = Locker::memory();
+//! let app: Router = Router::new()
+//!     // .route(...) your service
+//!     .nest("/ops/dlock", dlock_tower::admin::router(locker.clone()));
+//!     // .layer(your_admin_auth_layer)   <- required in production
+//! # let _ = app; }
+//! ```
+//!
+//! | route | answers |
+//! |---|---|
+//! | `GET /` | (the path the router is nested at, e.g. `/ops/dlock`) the HTML page: server-rendered, no JavaScript, no external resources; refreshes itself every 5 s |
+//! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON) |
+//! | `GET /api/locks/<key>` | one lock |
+//! | `GET /api/contention?minutes=<n>` | this process's contended acquire attempts of the last `n` minutes (default 10), per key and per minute |
+//! | `GET /api/jobs` | the locker's in-process deferred jobs and dead letters, and those of the durable queues given to [`OpsPage::durable_queue`] |
+//! | `POST /api/jobs/<id>/requeue` | puts a dead letter back (`404` when there is none with that id) |
+//! | `POST /requeue/<id>` | the same for the page's button, answered with a redirect to the page |
+//!
+//! Lock data comes from the backend's inspection capability
+//! ([`Locker::admin`](dlock_runtime::Locker::admin)); a backend without it (Redlock) answers
+//! `501` on the lock endpoints. Contention is this process's own (the locker's ring of recent
+//! contended attempts, [`Locker::recent_contention`](dlock_runtime::Locker::recent_contention)):
+//! every instance shows its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{OriginalUri, Path, State};
+use axum::http::{header, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use dlock_runtime::admin::LockState;
+use dlock_runtime::defer::JobInfo;
+use dlock_runtime::Locker;
+use serde_json::{json, Value};
+
+mod page;
+
+/// How many locks the page and `/api/locks` show at most.
+const MAX_LOCKS: usize = 500;
+
+/// The ops router over `locker` (see the [module docs](self)); mount it behind your own auth.
+pub fn router(locker: Locker) -> Router {
+    OpsPage::new(locker).router()
+}
+
+/// The ops page's settings: the locker, and the durable queues whose jobs it shows.
+#[derive(Clone, Debug)]
+pub struct OpsPage {
+    locker: Locker,
+    #[cfg(feature = "defer")]
+    queues: Vec<dlock_runtime::durable::DurableQueue>,
+    window: Duration,
+}
+
+impl OpsPage {
+    /// The page over `locker`, showing contention over the last 10 minutes.
+    pub fn new(locker: Locker) -> Self {
+        OpsPage {
+            locker,
+            #[cfg(feature = "defer")]
+            queues: Vec::new(),
+            window: Duration::from_secs(600),
+        }
+    }
+
+    /// Also shows (and requeues) the jobs of a durable queue (feature `defer`).
+    #[cfg(feature = "defer")]
+    pub fn durable_queue(mut self, queue: dlock_runtime::durable::DurableQueue) -> Self {
+        self.queues.push(queue);
+        self
+    }
+
+    /// How far back the page's contention view looks (default 10 minutes; at most the ring's
+    /// 4096 newest events).
+    pub fn contention_window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// The router.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/", get(html))
+            .route("/api/locks", get(locks))
+            .route("/api/locks/{*key}", get(lock))
+            .route("/api/contention", get(contention))
+            .route("/api/jobs", get(jobs))
+            .route("/api/jobs/{id}/requeue", post(requeue_json))
+            .route("/requeue/{id}", post(requeue_form))
+            .with_state(Arc::new(self))
+    }
+}
+
+type Ops = State<Arc<OpsPage>>;
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+fn error_response(e: &dlock_runtime::LockError) -> Response {
+    let status = if e.is_unsupported() {
+        StatusCode::NOT_IMPLEMENTED
+    } else if e.is_invalid() {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(status, &json!({ "error": e.to_string() }))
+}
+
+/// The value of `name` in the query string (no percent-decoding beyond `%XX` and `+`).
+fn query_param(uri: &Uri, name: &str) -> Option<String> {
+    uri.query()?.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (k == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = |b: u8| (b as char).to_digit(16);
+                match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        out.push((h * 16 + l) as u8);
+                        i += 2;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl OpsPage {
+    async fn held(&self, prefix: &str) -> Result<Vec<LockState>, dlock_runtime::LockError> {
+        self.locker.admin()?.list_all(prefix, MAX_LOCKS).await
+    }
+
+    /// Contention of the window: per key (count, last seen), most contended first, and per
+    /// minute (oldest first).
+    fn contention(&self, window: Duration) -> Value {
+        let events = self.locker.recent_contention(window);
+        let mut per_key: Vec<(String, u64, u64)> = Vec::new();
+        let minutes = window.as_secs().div_ceil(60).max(1) as usize;
+        let mut per_minute = vec![0u64; minutes];
+        let now = std::time::SystemTime::now();
+        for e in &events {
+            let at_ms =
+                e.at.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+            match per_key.iter_mut().find(|(k, ..)| k == e.key.as_str()) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 = entry.2.max(at_ms);
+                }
+                None => per_key.push((e.key.as_str().to_owned(), 1, at_ms)),
+            }
+            let ago = now.duration_since(e.at).unwrap_or_default().as_secs() / 60;
+            if let Some(slot) = minutes.checked_sub(1 + ago as usize) {
+                per_minute[slot] += 1;
+            }
+        }
+        per_key.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        json!({
+            "window_secs": window.as_secs(),
+            "total": events.len(),
+            "keys": per_key.iter().map(|(k, n, last)| json!({
+                "key": k, "count": n, "last_at_ms": last,
+            })).collect::<Vec<_>>(),
+            "per_minute": per_minute,
+        })
+    }
+
+    async fn jobs(&self) -> Value {
+        let queue = self.locker.defer_queue();
+        let mut queues = vec![json!({
+            "queue": "in-process",
+            "deferred": queue.pending().iter().map(job_json).collect::<Vec<_>>(),
+            "dead": queue.dead_letters().iter().map(job_json).collect::<Vec<_>>(),
+        })];
+        #[cfg(feature = "defer")]
+        for q in &self.queues {
+            let (pending, dead) = (q.pending().await, q.dead_letters().await);
+            queues.push(match (pending, dead) {
+                (Ok(p), Ok(d)) => json!({
+                    "queue": q.name(),
+                    "deferred": p.iter().map(|(j, _)| job_json(j)).collect::<Vec<_>>(),
+                    "dead": d.iter().map(job_json).collect::<Vec<_>>(),
+                }),
+                (Err(e), _) | (_, Err(e)) => json!({ "queue": q.name(), "error": e.to_string() }),
+            });
+        }
+        Value::Array(queues)
+    }
+
+    /// Requeues dead letter `id` from whichever queue has it.
+    async fn requeue(&self, id: &str) -> Result<bool, dlock_runtime::LockError> {
+        if self.locker.defer_queue().requeue(id) {
+            return Ok(true);
+        }
+        #[cfg(feature = "defer")]
+        for q in &self.queues {
+            if q.requeue(id).await? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}
+
+fn job_json(j: &JobInfo) -> Value {
+    json!({ "id": j.id, "key": j.key, "attempts": j.attempts, "reason": j.reason })
+}
+
+async fn locks(State(ops): Ops, uri: Uri) -> Response {
+    let prefix = query_param(&uri, "prefix").unwrap_or_default();
+    match ops.held(&prefix).await {
+        Ok(locks) => json_response(StatusCode::OK, &json!(locks)),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn lock(State(ops): Ops, Path(key): Path<String>) -> Response {
+    let inspected = match ops.locker.admin() {
+        Ok(admin) => admin.inspect(key.as_str()).await,
+        Err(e) => Err(e),
+    };
+    match inspected {
+        Ok(state) => json_response(StatusCode::OK, &json!(state)),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn contention(State(ops): Ops, uri: Uri) -> Response {
+    let minutes = query_param(&uri, "minutes")
+        .and_then(|m| m.parse::<u64>().ok())
+        .unwrap_or(10)
+        .clamp(1, 24 * 60);
+    json_response(
+        StatusCode::OK,
+        &ops.contention(Duration::from_secs(minutes * 60)),
+    )
+}
+
+async fn jobs(State(ops): Ops) -> Response {
+    json_response(StatusCode::OK, &ops.jobs().await)
+}
+
+async fn requeue_json(State(ops): Ops, Path(id): Path<String>) -> Response {
+    match ops.requeue(&id).await {
+        Ok(true) => json_response(StatusCode::OK, &json!({ "requeued": id })),
+        Ok(false) => json_response(
+            StatusCode::NOT_FOUND,
+            &json!({ "error": format!("no dead letter `{id}`") }),
+        ),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn requeue_form(
+    State(ops): Ops,
+    Path(id): Path<String>,
+    OriginalUri(uri): OriginalUri,
+) -> Response {
+    match ops.requeue(&id).await {
+        // Back to the page (`<page>/requeue/<id>` → `<page>`), which shows the job again.
+        Ok(_) => {
+            let path = uri.path();
+            let page = path
+                .rfind("/requeue/")
+                .map_or("/", |at| &path[..at])
+                .to_owned();
+            let page = if page.is_empty() {
+                "/".to_owned()
+            } else {
+                page
+            };
+            (StatusCode::SEE_OTHER, [(header::LOCATION, page)]).into_response()
+        }
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn html(State(ops): Ops, OriginalUri(uri): OriginalUri) -> Response {
+    let held = ops.held("").await;
+    let contention = ops.contention(ops.window);
+    let jobs = ops.jobs().await;
+    // The page's own path, wherever the router is nested, for its forms.
+    let base = format!("{}/", uri.path().trim_end_matches('/'));
+    let body = page::render(&ops.locker, &base, &held, &contention, &jobs);
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_params_are_decoded() {
+        let uri: Uri = "/api/locks?x=1&prefix=order%3A4+2".parse().unwrap();
+        assert_eq!(query_param(&uri, "prefix").as_deref(), Some("order:4 2"));
+        assert_eq!(query_param(&uri, "nope"), None);
+        assert_eq!(percent_decode("100%"), "100%");
+    }
+}

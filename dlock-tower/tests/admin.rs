@@ -1,0 +1,313 @@
+//! The ops page (`dlock_tower::admin`, features `admin` + `defer`) over a real HTTP server and a
+//! live Redis from the `dlock-tests` harness, with held locks, a queued waiter, contended
+//! attempts, a deferred job and a dead letter: the JSON endpoints through an HTTP client, and
+//! the HTML page in a real headless Chromium (Debian's `chromium`, installed by
+//! `./scripts/test`), which also saves a screenshot to `<target dir>/ops-page.png`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::Router;
+use dlock_runtime::durable::{DurableQueue, DurableWorker};
+use dlock_runtime::{DeferPolicy, LockError, LockGuard, OnFail, RetryPolicy};
+use dlock_tests::http::{client, serve, text};
+use dlock_tests::jobs::RecordJob;
+use dlock_tests::wait::wait_for;
+use dlock_tests::RedisServer;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+
+/// What the page is looked at with. Fields are kept alive for the test.
+#[allow(dead_code)]
+struct Fixture {
+    server: RedisServer,
+    addr: SocketAddr,
+    held: Vec<LockGuard>,
+    waiter: JoinHandle<Result<LockGuard, LockError>>,
+    dead_id: String,
+    deferred_id: String,
+    queue: DurableQueue,
+}
+
+async fn fixture() -> Fixture {
+    let server = RedisServer::start();
+    let url = server.url();
+    let locker = server.locker().await;
+    let other = server.locker().await;
+    let ttl = Duration::from_secs(60);
+    let held = vec![
+        locker.lock("order:1").ttl(ttl).acquire().await.unwrap(),
+        locker
+            .lock("report:2026-11")
+            .ttl(ttl)
+            .acquire()
+            .await
+            .unwrap(),
+    ];
+    let waiter = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            other
+                .lock("order:1")
+                .ttl(ttl)
+                .on_fail(OnFail::Retry(RetryPolicy::new(Duration::from_secs(60))))
+                .acquire()
+                .await
+        })
+    };
+    let admin = locker.admin().unwrap();
+    wait_for(
+        "the waiter is queued",
+        Duration::from_secs(10),
+        async || (admin.inspect("order:1").await.unwrap().waiters.len() == 1).then_some(()),
+    )
+    .await;
+    // Contended attempts of this locker: what the page's contention view counts.
+    for _ in 0..3 {
+        assert!(locker
+            .lock("order:1")
+            .try_acquire()
+            .await
+            .unwrap()
+            .is_none());
+    }
+
+    let queue = DurableQueue::connect(&url, "mail").await.unwrap();
+    let job = |id, fail| RecordJob {
+        id,
+        lock: format!("j{id}"),
+        record_url: url.clone(),
+        always_fail: fail,
+        ..Default::default()
+    };
+    let policy = DeferPolicy::new(Duration::ZERO, 1);
+    let dead_id = queue
+        .enqueue(&job(1, true), &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), other).register::<RecordJob>();
+    wait_for("a dead letter", Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        (!queue.dead_letters().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+    let deferred_id = queue
+        .enqueue(&job(2, false), &policy, ttl, Duration::from_secs(3600))
+        .await
+        .unwrap();
+
+    let ops = dlock_tower::admin::OpsPage::new(locker)
+        .durable_queue(queue.clone())
+        .router();
+    let (addr, _) = serve(Router::new().nest("/ops", ops)).await;
+    Fixture {
+        server,
+        addr,
+        held,
+        waiter,
+        dead_id,
+        deferred_id,
+        queue,
+    }
+}
+
+async fn request(method: Method, url: String) -> (StatusCode, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(url)
+        .body(Full::default())
+        .unwrap();
+    let res = client().request(req).await.unwrap();
+    let status = res.status();
+    (status, text(res).await)
+}
+
+async fn get_json(url: String) -> Value {
+    let (status, body) = request(Method::GET, url).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_endpoints_over_http() {
+    let f = fixture().await;
+    let base = format!("http://{}/ops", f.addr);
+
+    let locks = get_json(format!("{base}/api/locks")).await;
+    let locks = locks.as_array().unwrap();
+    assert_eq!(locks.len(), 2, "{locks:?}");
+    let order = locks.iter().find(|l| l["key"] == "order:1").unwrap();
+    assert_eq!(order["holder"]["token_prefix"].as_str().unwrap().len(), 8);
+    assert_eq!(order["waiters"].as_array().unwrap().len(), 1);
+    let only = get_json(format!("{base}/api/locks?prefix=report%3A")).await;
+    assert_eq!(only.as_array().unwrap().len(), 1);
+    assert_eq!(only[0]["key"], "report:2026-11");
+
+    let one = get_json(format!("{base}/api/locks/order:1")).await;
+    assert!(one["holder"]["ttl_left_ms"].as_u64().unwrap() > 0);
+    let free = get_json(format!("{base}/api/locks/nobody:here")).await;
+    assert!(free["holder"].is_null() && free["waiters"] == Value::Array(vec![]));
+
+    let c = get_json(format!("{base}/api/contention?minutes=5")).await;
+    assert_eq!(c["window_secs"], 300);
+    assert_eq!(c["keys"][0]["key"], "order:1");
+    assert_eq!(c["keys"][0]["count"], 3);
+    assert_eq!(c["per_minute"].as_array().unwrap().len(), 5);
+    assert_eq!(c["per_minute"][4], 3, "this minute's attempts: {c}");
+
+    let jobs = get_json(format!("{base}/api/jobs")).await;
+    let mail = jobs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["queue"] == "mail")
+        .unwrap();
+    assert_eq!(mail["dead"][0]["id"], f.dead_id.as_str());
+    assert!(mail["dead"][0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("always fails"));
+    assert_eq!(mail["deferred"][0]["id"], f.deferred_id.as_str());
+
+    let (status, body) = request(
+        Method::POST,
+        format!("{base}/api/jobs/{}/requeue", f.dead_id),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(f.queue.dead_letters().await.unwrap().is_empty());
+    assert_eq!(f.queue.len().await.unwrap(), 2, "requeued job is due again");
+    let (status, _) = request(
+        Method::POST,
+        format!("{base}/api/jobs/{}/requeue", f.dead_id),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // The page's button: a form POST answered with a redirect back to the page.
+    let req = Request::post(format!("{base}/requeue/nope"))
+        .body(Full::default())
+        .unwrap();
+    let res = client().request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SEE_OTHER);
+    assert_eq!(res.headers()["location"], "/ops");
+}
+
+/// Debian's `chromium`: `./scripts/test` installs it; missing, the test fails loudly.
+fn chromium() -> PathBuf {
+    ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("chromium is not installed: run ./scripts/test (it installs Debian's `chromium`)")
+}
+
+async fn headless(args: &[String]) -> String {
+    let profile = std::env::temp_dir().join(format!("dlock-chromium-{}", std::process::id()));
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new(chromium())
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--no-proxy-server",
+                "--hide-scrollbars",
+                &format!("--user-data-dir={}", profile.display()),
+            ])
+            .args(args)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("chromium finishes")
+    .expect("run chromium");
+    let _ = std::fs::remove_dir_all(&profile);
+    assert!(
+        out.status.success(),
+        "chromium failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        !args.iter().any(|a| a == "--dump-dom") || !stdout.is_empty(),
+        "chromium printed no DOM: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The build's target directory (where CI collects artifacts).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chromium_renders_the_page() {
+    let f = fixture().await;
+    let page = format!("http://{}/ops", f.addr);
+
+    let dom = headless(&["--dump-dom".to_owned(), page.clone()]).await;
+    assert!(dom.contains("<h1>dlock ops</h1>"), "{dom}");
+    assert!(dom.contains(r#"<b id="backend">redis</b>"#), "{dom}");
+    assert!(dom.contains(r#"<span id="lock-count">2</span>"#), "{dom}");
+    assert!(
+        dom.contains(r#"<tr class="lock" data-key="order:1" data-waiters="1">"#),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(r#"<tr class="lock" data-key="report:2026-11" data-waiters="0">"#),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(r#"<span id="contention-total">3</span>"#),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(r#"<tr class="contended" data-key="order:1">"#),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(&format!(r#"<tr class="dead" data-id="{}">"#, f.dead_id)),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(&format!(r#"action="/ops/requeue/{}""#, f.dead_id)),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(&format!(
+            r#"<tr class="deferred" data-id="{}">"#,
+            f.deferred_id
+        )),
+        "{dom}"
+    );
+    assert!(!dom.contains("<script"), "no JavaScript on the page");
+    assert!(
+        !dom.contains("src=\"http") && !dom.contains("href=\"http"),
+        "nothing loaded from elsewhere"
+    );
+
+    let shot = target_dir().join("ops-page.png");
+    let _ = std::fs::remove_file(&shot);
+    headless(&[
+        format!("--screenshot={}", shot.display()),
+        "--window-size=1100,1000".to_owned(),
+        page,
+    ])
+    .await;
+    let png = std::fs::read(&shot).expect("the screenshot");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "a PNG");
+    assert!(
+        png.len() > 10_000,
+        "a page, not a blank: {} bytes",
+        png.len()
+    );
+}

@@ -1,0 +1,726 @@
+//! What dlock tells an operator: the metrics (feature `metrics`) after scripted runs, with
+//! exact values, through a recorder that snapshots them and through the Prometheus exporter
+//! scraped over HTTP; and the `tracing` spans and events (names, fields, levels), with keys
+//! redacted by default and no secrets.
+//!
+//! Each test installs its recorder and subscriber for its own thread only
+//! (`metrics::with_local_recorder`, `tracing::subscriber::with_default`) and runs a
+//! current-thread runtime inside, so the locker's background tasks report to them too and the
+//! tests of this binary never see each other's values.
+
+use std::future::{Future, IntoFuture as _};
+use std::time::Duration;
+
+use dlock_runtime::idempotency::{Begin, Fingerprint};
+use dlock_runtime::metrics as m;
+use dlock_runtime::{LockGuard, Locker, OnFail};
+use dlock_tests::wait::wait_for;
+use dlock_tests::RedisServer;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+#[path = "observability/capture.rs"]
+mod capture;
+
+/// Runs `fut` on a current-thread runtime with a debugging recorder installed for this thread;
+/// returns its output and a snapshotter of what was recorded.
+fn with_recorder<T>(fut: impl Future<Output = T>) -> (T, Snapshotter) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let out = metrics::with_local_recorder(&recorder, || runtime().block_on(fut));
+    (out, snapshotter)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Sorted `(label, value)` pairs.
+type Labels = Vec<(String, String)>;
+
+/// The recorded metrics, as `(name, sorted labels, value)`.
+struct Recorded(Vec<(String, Labels, DebugValue)>);
+
+impl Recorded {
+    fn of(snapshotter: &Snapshotter) -> Self {
+        Recorded(
+            snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .map(|(key, _, _, value)| {
+                    let (_, key) = key.into_parts();
+                    let mut labels: Labels = key
+                        .labels()
+                        .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                        .collect();
+                    labels.sort();
+                    (key.name().to_owned(), labels, value)
+                })
+                .collect(),
+        )
+    }
+
+    fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<&DebugValue> {
+        let mut want: Labels = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        want.sort();
+        self.0
+            .iter()
+            .find(|(n, l, _)| n == name && *l == want)
+            .map(|(_, _, v)| v)
+    }
+
+    /// A counter's value (0 when never recorded).
+    fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        match self.get(name, labels) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            Some(other) => panic!("{name} {labels:?} is not a counter: {other:?}"),
+        }
+    }
+
+    fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        match self.get(name, labels) {
+            Some(DebugValue::Gauge(v)) => v.into_inner(),
+            other => panic!("{name} {labels:?} is not a recorded gauge: {other:?}"),
+        }
+    }
+
+    /// How many values a histogram recorded.
+    fn samples(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+        match self.get(name, labels) {
+            Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect(),
+            None => Vec::new(),
+            Some(other) => panic!("{name} {labels:?} is not a histogram: {other:?}"),
+        }
+    }
+
+    /// Every label set of `name` that carries `key = value`.
+    fn names_of(&self, name: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .0
+            .iter()
+            .filter(|(n, _, _)| n == name)
+            .flat_map(|(_, l, _)| {
+                l.iter()
+                    .filter(|(k, _)| k == "name")
+                    .map(|(_, v)| v.clone())
+            })
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+}
+
+const MEMORY: (&str, &str) = ("backend", "memory");
+
+/// A lock on `key` named `name` with a 60 ms lease, once the watchdog renewed it `n` times.
+async fn renewed_lock(locker: &Locker, key: &str, name: &'static str, n: u64) -> LockGuard {
+    let guard = locker
+        .lock(key)
+        .name(name)
+        .ttl(Duration::from_millis(60))
+        .acquire()
+        .await
+        .unwrap();
+    wait_for("renewals", Duration::from_secs(5), async || {
+        (locker.renewals() >= n).then_some(())
+    })
+    .await;
+    guard
+}
+
+/// A lock on `key` named `name` whose `ttl` lease is not renewed, once it is reported lost.
+async fn lost_lock(locker: &Locker, key: &str, name: &'static str, ttl: u64) -> LockGuard {
+    let guard = locker
+        .lock(key)
+        .name(name)
+        .ttl(Duration::from_millis(ttl))
+        .auto_renew(false)
+        .acquire()
+        .await
+        .unwrap();
+    guard.lost().await;
+    guard
+}
+
+/// A scripted run on the in-memory backend — acquire, contend, time out, hand over to a
+/// waiter, lose a lease, renew, defer until dead-lettered, replay and conflict an idempotency
+/// key — and the exact values it must leave.
+#[test]
+fn a_scripted_run_records_exact_metrics() {
+    let (renewals, snap) = with_recorder(async {
+        let locker = Locker::memory();
+        let orders = |key: &str| locker.lock(key.to_owned()).name("orders");
+
+        // Acquire, then two requests that find it held.
+        let held = orders("order:1").acquire().await.unwrap();
+        assert!(orders("order:1").try_acquire().await.unwrap().is_none());
+        assert!(orders("order:1")
+            .acquire()
+            .await
+            .unwrap_err()
+            .is_contended());
+
+        // A waiter that gives up.
+        let err = locker
+            .lock("order:1")
+            .name("orders-wait")
+            .on_fail(OnFail::retry(Duration::from_millis(40)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+
+        // A waiter that the release hands the lock to.
+        let next = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .lock("order:1")
+                    .name("orders-next")
+                    .on_fail(OnFail::retry(Duration::from_secs(10)))
+                    .acquire()
+                    .await
+            }
+        });
+        wait_for("the waiter in line", Duration::from_secs(5), async || {
+            (locker.waiting() == 1).then_some(())
+        })
+        .await;
+        held.release().await.unwrap();
+        next.await.unwrap().unwrap().release().await.unwrap();
+
+        // A lease that runs out without renewal is lost.
+        drop(lost_lock(&locker, "lease:1", "lease", 50).await);
+
+        // A renewed lock.
+        let renewed = renewed_lock(&locker, "renewed:1", "renewed", 2).await;
+        let renewals = locker.renewals();
+        renewed.release().await.unwrap();
+
+        // Work deferred while its lock is busy, until it is dead-lettered.
+        let busy = locker
+            .lock("job:1")
+            .name("jobs-holder")
+            .acquire()
+            .await
+            .unwrap();
+        let err = locker
+            .lock("job:1")
+            .name("jobs")
+            .on_fail(OnFail::defer(Duration::from_millis(10), 2))
+            .run(async {})
+            .await
+            .unwrap_err();
+        assert!(err.is_deferred(), "{err}");
+        wait_for("the dead letter", Duration::from_secs(5), async || {
+            (!locker.defer_queue().dead_letters().is_empty()).then_some(())
+        })
+        .await;
+        busy.release().await.unwrap();
+
+        // Idempotency: first run, replay, conflict, in progress.
+        let fp = |s: &str| Fingerprint::builder().field(s).finish();
+        let Begin::Run(op) = locker
+            .idempotency("pay:1", fp("a"))
+            .name("pay")
+            .begin()
+            .await
+            .unwrap()
+        else {
+            panic!("first begin must run")
+        };
+        op.complete(b"done").await.unwrap();
+        let replay = locker
+            .idempotency("pay:1", fp("a"))
+            .name("pay")
+            .begin()
+            .await
+            .unwrap();
+        assert!(matches!(replay, Begin::Replay(_)), "{replay:?}");
+        let conflict = locker
+            .idempotency("pay:1", fp("b"))
+            .name("pay")
+            .begin()
+            .await
+            .unwrap();
+        assert!(matches!(conflict, Begin::Mismatch), "{conflict:?}");
+        let Begin::Run(running) = locker
+            .idempotency("pay:2", fp("a"))
+            .name("pay")
+            .begin()
+            .await
+            .unwrap()
+        else {
+            panic!("first begin must run")
+        };
+        let busy = locker
+            .idempotency("pay:2", fp("a"))
+            .name("pay")
+            .begin()
+            .await
+            .unwrap();
+        assert!(matches!(busy, Begin::InProgress { .. }), "{busy:?}");
+        running.abort().await.unwrap();
+        renewals
+    });
+    let r = Recorded::of(&snap);
+    let l = |name| [MEMORY, ("name", name)];
+    let outcome = |name, outcome| [MEMORY, ("name", name), ("outcome", outcome)];
+
+    // Attempts and outcomes.
+    assert_eq!(r.counter(m::ACQUIRE_ATTEMPTS, &l("orders")), 3);
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("orders", "acquired")), 1);
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("orders", "contended")), 2);
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("orders-wait", "timeout")), 1);
+    assert_eq!(
+        r.counter(m::ACQUIRE, &outcome("orders-next", "acquired")),
+        1
+    );
+    assert_eq!(r.samples(m::ACQUIRE_WAIT, &l("orders")).len(), 1);
+    assert_eq!(r.samples(m::ACQUIRE_WAIT, &l("orders-next")).len(), 1);
+    assert!(r.samples(m::ACQUIRE_WAIT, &l("orders-wait")).is_empty());
+    // The waiters were counted while in line and are gone.
+    assert_eq!(r.gauge(m::WAITERS, &l("orders-wait")), 0.0);
+    assert_eq!(r.gauge(m::WAITERS, &l("orders-next")), 0.0);
+    // The release woke the waiter: one handoff.
+    assert_eq!(r.samples(m::HANDOFF, &l("orders-next")).len(), 1);
+    assert!(r.samples(m::HANDOFF, &l("orders-wait")).is_empty());
+
+    // Held, then released: the gauge is back at 0, one hold time each.
+    for name in ["orders", "orders-next", "lease", "renewed", "jobs-holder"] {
+        assert_eq!(r.gauge(m::LOCKS_HELD, &l(name)), 0.0, "{name}");
+        assert_eq!(r.samples(m::HOLD, &l(name)).len(), 1, "{name}");
+    }
+    let hold = r.samples(m::HOLD, &l("lease"))[0];
+    assert!(hold >= 0.05, "the lost lease was held {hold} s");
+
+    // Loss and renewals.
+    assert_eq!(r.counter(m::LOST, &l("lease")), 1);
+    assert_eq!(r.counter(m::LOST, &l("renewed")), 0);
+    assert_eq!(r.counter(m::RENEWALS, &l("renewed")), renewals);
+    assert_eq!(r.counter(m::RENEWAL_FAILURES, &l("renewed")), 0);
+
+    // The deferred job: deferred once, retried once, then dead-lettered (max 2 attempts);
+    // each of its two attempts found the lock held.
+    let job = |event| [MEMORY, ("name", "jobs"), ("event", event)];
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("jobs", "deferred")), 1);
+    assert_eq!(r.counter(m::JOBS, &job("deferred")), 1);
+    assert_eq!(r.counter(m::JOBS, &job("retried")), 1);
+    assert_eq!(r.counter(m::JOBS, &job("dead_lettered")), 1);
+    assert_eq!(r.counter(m::JOBS, &job("completed")), 0);
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("jobs", "contended")), 2);
+
+    // Idempotency.
+    let idem = |o| [MEMORY, ("name", "pay"), ("outcome", o)];
+    assert_eq!(r.counter(m::IDEMPOTENCY, &idem("run")), 2);
+    assert_eq!(r.counter(m::IDEMPOTENCY, &idem("replayed")), 1);
+    assert_eq!(r.counter(m::IDEMPOTENCY, &idem("conflict")), 1);
+    assert_eq!(r.counter(m::IDEMPOTENCY, &idem("in_progress")), 1);
+    assert_eq!(r.gauge(m::LOCKS_HELD, &l("pay")), 0.0);
+
+    // No key ever became a label.
+    let names = r.names_of(m::ACQUIRE);
+    assert!(names.iter().all(|n| !n.contains(':')), "{names:?}");
+}
+
+/// A Redis server that goes away: requests are `unavailable`, renewals fail, the lock is lost.
+#[test]
+fn a_backend_that_goes_away_counts_unavailable_failed_renewals_and_loss() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    let ((), snap) = with_recorder(async move {
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_millis(200))
+            .connect(&url)
+            .await
+            .unwrap();
+        let guard = locker
+            .lock("r:1")
+            .name("redis-lock")
+            .ttl(Duration::from_millis(600))
+            .acquire()
+            .await
+            .unwrap();
+        server.stop();
+        let err = locker
+            .lock("r:2")
+            .name("redis-lock")
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        guard.lost().await;
+        drop(guard);
+        drop(server);
+    });
+    let r = Recorded::of(&snap);
+    let l = [("backend", "redis"), ("name", "redis-lock")];
+    let outcome = |o| [("backend", "redis"), ("name", "redis-lock"), ("outcome", o)];
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("acquired")), 1);
+    assert_eq!(r.counter(m::ACQUIRE, &outcome("unavailable")), 1);
+    assert_eq!(r.counter(m::LOST, &l), 1);
+    assert!(
+        r.counter(m::RENEWAL_FAILURES, &l) >= 1,
+        "no failed renewal recorded"
+    );
+    assert_eq!(r.gauge(m::LOCKS_HELD, &l), 0.0);
+}
+
+/// `#[distributed_lock]` names its locks by the key template, never by the key.
+#[test]
+fn the_attribute_labels_its_locks_with_the_key_template() {
+    #[dlock_runtime::distributed_lock(key = "invoice:<id>", ttl = "5s", locker = locker)]
+    async fn send(locker: &Locker, id: u64) -> u64 {
+        id
+    }
+    let ((), snap) = with_recorder(async {
+        let locker = Locker::memory();
+        assert_eq!(send(&locker, 7).await.unwrap(), 7);
+        assert_eq!(send(&locker, 8).await.unwrap(), 8);
+    });
+    let r = Recorded::of(&snap);
+    let outcome = [MEMORY, ("name", "invoice:<id>"), ("outcome", "acquired")];
+    assert_eq!(r.counter(m::ACQUIRE, &outcome), 2);
+    assert_eq!(r.names_of(m::ACQUIRE), vec!["invoice:<id>".to_owned()]);
+}
+
+// ---- tracing ----
+
+use capture::{capturing, Kind, Seen};
+use tracing::Level;
+
+const SECRET_KEY: &str = "user:secret-42";
+
+/// Everything dlock does with one lock, under a capturing subscriber.
+fn traced_run(locker: Locker) -> capture::Captured {
+    let ((), captured) = capturing(|| {
+        runtime().block_on(async {
+            let guard = renewed_lock(&locker, SECRET_KEY, "users", 1).await;
+            guard.extend(Duration::from_secs(1)).await.unwrap();
+            guard.release().await.unwrap();
+            let again = locker
+                .lock(SECRET_KEY)
+                .name("users")
+                .try_acquire()
+                .await
+                .unwrap();
+            again.expect("free again").release().await.unwrap();
+
+            // A lease that runs out: the loss event, then a release that reports it.
+            let short = lost_lock(&locker, SECRET_KEY, "users", 30).await;
+            assert!(short.release().await.unwrap_err().is_lost());
+
+            // Work whose lock runs out under it: the warning names the error, not the key.
+            let out = locker
+                .lock(SECRET_KEY)
+                .name("users")
+                .ttl(Duration::from_millis(30))
+                .auto_renew(false)
+                .run(tokio::time::sleep(Duration::from_millis(60)))
+                .await;
+            assert!(out.is_ok());
+
+            // Deferred work.
+            let busy = locker.lock(SECRET_KEY).acquire().await.unwrap();
+            let err = locker
+                .lock(SECRET_KEY)
+                .name("jobs")
+                .on_fail(OnFail::defer(Duration::from_secs(60), 2))
+                .run(async {})
+                .await
+                .unwrap_err();
+            assert!(err.is_deferred());
+            busy.release().await.unwrap();
+
+            // Idempotency.
+            let fp = Fingerprint::builder().field("x").finish();
+            let Begin::Run(op) = locker
+                .idempotency(SECRET_KEY, fp)
+                .name("pay")
+                .begin()
+                .await
+                .unwrap()
+            else {
+                panic!("first begin must run")
+            };
+            op.complete(b"ok").await.unwrap();
+            let Begin::Run(op) = locker
+                .idempotency("user:secret-43", fp)
+                .name("pay")
+                .begin()
+                .await
+                .unwrap()
+            else {
+                panic!("first begin must run")
+            };
+            op.abort().await.unwrap();
+        })
+    });
+    captured
+}
+
+fn one<'a>(seen: &'a [Seen], what: &str) -> &'a Seen {
+    seen.first()
+        .unwrap_or_else(|| panic!("no {what} was recorded"))
+}
+
+fn assert_redacted(key: Option<&str>) -> String {
+    let key = key.expect("a key field");
+    assert!(
+        key.len() == 13 && key.starts_with('#') && key[1..].bytes().all(|b| b.is_ascii_hexdigit()),
+        "not a redacted key: {key:?}"
+    );
+    key.to_owned()
+}
+
+/// The spans and events that exist, with their names, levels and fields; keys are a keyed
+/// hash (the same for one key), never the key.
+#[test]
+fn spans_and_events_have_their_names_levels_and_fields_with_keys_redacted() {
+    let captured = traced_run(Locker::memory());
+
+    let span_fields = |name: &str, lock_name: &str| {
+        let spans = captured.spans(name);
+        let span = one(&spans, name);
+        assert_eq!(span.level, Level::DEBUG, "{name}");
+        assert!(span.target.starts_with("dlock_runtime"), "{span:?}");
+        assert_eq!(span.field("name"), Some(lock_name), "{span:?}");
+        assert_eq!(span.field("backend"), Some("memory"), "{span:?}");
+        assert_redacted(span.field("key"))
+    };
+    let hash = span_fields("dlock.acquire", "users");
+    for (span, lock_name) in [
+        ("dlock.try_acquire", "users"),
+        ("dlock.extend", "users"),
+        ("dlock.release", "users"),
+        ("dlock.idempotency.begin", "pay"),
+        ("dlock.idempotency.complete", "pay"),
+    ] {
+        assert_eq!(
+            span_fields(span, lock_name),
+            hash,
+            "{span}: one key, one hash"
+        );
+    }
+    let other = span_fields("dlock.idempotency.abort", "pay");
+    assert_ne!(other, hash, "another key, another hash");
+
+    // The watchdog's renewal batch.
+    let renew = captured.events("dlock.renew");
+    let renew = one(&renew, "dlock.renew");
+    assert_eq!(renew.level, Level::TRACE);
+    assert_eq!(renew.field("batch"), Some("1"));
+    assert_eq!(renew.field("renewed"), Some("1"));
+    assert_eq!(
+        renew.span, None,
+        "the watchdog's events belong to no request's span"
+    );
+
+    // The loss.
+    let lost = captured.events("dlock.lost");
+    let lost = one(&lost, "dlock.lost");
+    assert_eq!(lost.level, Level::WARN);
+    assert_eq!(assert_redacted(lost.field("key")), hash);
+    assert_eq!(lost.field("name"), Some("users"));
+    assert_eq!(lost.field("backend"), Some("memory"));
+    assert_eq!(lost.field("reason"), Some("the local lease ran out"));
+
+    // A release that failed after the work: the error, with the key redacted.
+    let unclean = captured.events("dlock: lock was not cleanly released after the work finished");
+    let unclean = one(&unclean, "the unclean release warning");
+    assert_eq!(unclean.level, Level::WARN);
+    assert_eq!(
+        unclean.field("error"),
+        Some(format!("lock `{hash}` was lost").as_str())
+    );
+
+    // The defer queue's event.
+    let deferred = captured.events("deferred");
+    let deferred = one(&deferred, "the deferred event");
+    assert_eq!(deferred.level, Level::INFO);
+    assert_eq!(deferred.target, "dlock::defer");
+    assert_eq!(deferred.field("queue"), Some("memory"));
+    assert_eq!(deferred.field("name"), Some("jobs"));
+    assert_eq!(deferred.field("attempt"), Some("0"));
+    assert_eq!(deferred.field("job_id").map(str::len), Some(32));
+    assert_eq!(assert_redacted(deferred.field("key")), hash);
+
+    // The key itself appears nowhere.
+    for seen in captured.all() {
+        for text in seen.texts() {
+            assert!(!text.contains("secret-4"), "the key leaked: {seen:?}");
+        }
+    }
+}
+
+/// `trace_plain_keys(true)` records the keys as they are.
+#[test]
+fn plain_keys_are_an_opt_in() {
+    let locker = Locker::builder().trace_plain_keys(true).memory().unwrap();
+    let captured = traced_run(locker);
+    for span in ["dlock.acquire", "dlock.release", "dlock.idempotency.begin"] {
+        let spans = captured.spans(span);
+        assert_eq!(one(&spans, span).field("key"), Some(SECRET_KEY), "{span}");
+    }
+    let lost = captured.events("dlock.lost");
+    assert_eq!(one(&lost, "dlock.lost").field("key"), Some(SECRET_KEY));
+    let deferred = captured.events("deferred");
+    assert_eq!(one(&deferred, "deferred").field("key"), Some(SECRET_KEY));
+}
+
+/// A password in a locker URL appears in no event and no error message: wrong password,
+/// unreachable servers, every URL form.
+#[test]
+fn a_password_in_a_url_never_reaches_an_event_or_an_error() {
+    const PASSWORD: &str = "pw-s3cret-9f1c";
+    let server = RedisServer::start();
+    let port = server.port();
+    let free = dlock_tests::redis_server::free_port();
+    let ((), captured) = capturing(|| {
+        runtime().block_on(async {
+            let () = server
+                .query(
+                    redis::cmd("CONFIG")
+                        .arg("SET")
+                        .arg("requirepass")
+                        .arg(PASSWORD),
+                )
+                .await;
+            let builder = || Locker::builder().command_timeout(Duration::from_millis(300));
+            // The right password: a lock taken and released, events and all.
+            let url = format!("redis://:{PASSWORD}@127.0.0.1:{port}");
+            let locker = builder().connect(&url).await.unwrap();
+            let guard = locker.lock("k").acquire().await.unwrap();
+            guard.release().await.unwrap();
+            let mut errors = Vec::new();
+            let wrong = format!("redis://:{PASSWORD}-wrong@127.0.0.1:{port}");
+            let failing = [
+                wrong,
+                format!("redis://user:{PASSWORD}@127.0.0.1:{free}"),
+                format!("rediss://user:{PASSWORD}@127.0.0.1:{free}"),
+                format!("redis+sentinel://user:{PASSWORD}@127.0.0.1:{free}/mymaster"),
+                format!("redis+cluster://user:{PASSWORD}@127.0.0.1:{free}"),
+                format!("redlock://:{PASSWORD}@127.0.0.1:{free},127.0.0.1:{free},127.0.0.1:{free}"),
+                format!("postgres://user:{PASSWORD}@127.0.0.1:{free}/db"),
+                format!("etcd://user:{PASSWORD}@127.0.0.1:{free}"),
+                format!("memcache://user:{PASSWORD}@127.0.0.1:{free}"),
+            ];
+            for url in failing {
+                let err = builder().connect(&url).await.unwrap_err();
+                // The error and its whole source chain.
+                let mut text = err.to_string();
+                let mut source = std::error::Error::source(&err);
+                while let Some(s) = source {
+                    text.push_str(&format!(" / {s}"));
+                    source = s.source();
+                }
+                errors.push((url, text));
+            }
+            for (url, text) in errors {
+                assert!(
+                    !text.contains(PASSWORD),
+                    "{url}: the password is in the error: {text}"
+                );
+                assert!(!text.is_empty(), "{url}");
+            }
+        })
+    });
+    let all = captured.all();
+    assert!(
+        all.iter().any(|s| s.kind == Kind::Span),
+        "nothing was traced"
+    );
+    for seen in all {
+        for text in seen.texts() {
+            assert!(!text.contains(PASSWORD), "the password leaked: {seen:?}");
+        }
+    }
+}
+
+// ---- Prometheus over HTTP ----
+
+/// The Prometheus exporter's text, served by a real HTTP server and scraped with a real client,
+/// after locks taken on a real Redis: dlock's names, labels, help texts and values.
+#[test]
+fn prometheus_scrapes_dlock_metrics_over_http() {
+    use http_body_util::{BodyExt as _, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let server = RedisServer::start();
+    let url = server.url();
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let text = metrics::with_local_recorder(&recorder, || {
+        runtime().block_on(async move {
+            dlock_runtime::metrics::describe();
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || std::future::ready(handle.render())),
+            );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(axum::serve(listener, app).into_future());
+
+            let locker = Locker::from_url(&url).await.unwrap();
+            for n in 0..3 {
+                let guard = locker
+                    .lock(format!("report:{n}"))
+                    .name("report")
+                    .acquire()
+                    .await;
+                guard.unwrap().release().await.unwrap();
+            }
+            let held = locker
+                .lock("report:0")
+                .name("report")
+                .acquire()
+                .await
+                .unwrap();
+            assert!(locker
+                .lock("report:0")
+                .name("report")
+                .try_acquire()
+                .await
+                .unwrap()
+                .is_none());
+
+            let client =
+                Client::builder(TokioExecutor::new()).build_http::<Empty<hyper::body::Bytes>>();
+            let req = hyper::Request::get(format!("http://{addr}/metrics"))
+                .body(Empty::new())
+                .unwrap();
+            let res = client.request(req).await.unwrap();
+            assert_eq!(res.status(), 200);
+            held.release().await.unwrap();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            String::from_utf8(body.to_vec()).unwrap()
+        })
+    });
+    let lines: Vec<&str> = text.lines().collect();
+    let has = |line: &str| lines.contains(&line);
+    for line in [
+        "# TYPE dlock_acquire_total counter",
+        "# HELP dlock_acquire_total Lock requests by outcome.",
+        r#"dlock_acquire_total{backend="redis",name="report",outcome="acquired"} 4"#,
+        r#"dlock_acquire_total{backend="redis",name="report",outcome="contended"} 1"#,
+        r#"dlock_acquire_attempts_total{backend="redis",name="report"} 5"#,
+        "# TYPE dlock_locks_held gauge",
+        // Scraped while one lock was held.
+        r#"dlock_locks_held{backend="redis",name="report"} 1"#,
+        "# TYPE dlock_hold_seconds summary",
+        r#"dlock_hold_seconds_count{backend="redis",name="report"} 3"#,
+        r#"dlock_acquire_wait_seconds_count{backend="redis",name="report"} 4"#,
+    ] {
+        assert!(has(line), "missing `{line}` in:\n{text}");
+    }
+    assert!(!text.contains("report:"), "a key became a label:\n{text}");
+}

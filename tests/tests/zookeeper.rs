@@ -1,0 +1,349 @@
+//! ZooKeeper (`zk://`): the conformance suite on one real standalone server started once for
+//! this binary (`dlock_tests::zookeeper_server::shared`), URL and chroot checks, session expiry
+//! through a cut proxy, then fault tests on one 3-server ensemble shared by them.
+
+use dlock_runtime::backend::{ZkBackend, ZkOptions};
+use dlock_runtime::conformance::Store;
+use dlock_tests::zookeeper_server;
+
+/// The conformance checks share the machine's two cores with no ensemble: they hold this for
+/// reading, a fault test (which starts, kills and freezes JVMs) for writing. A check of 500 ms
+/// leases must not run while three JVMs start.
+static CPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn zk_store() -> (std::sync::RwLockReadGuard<'static, ()>, Store) {
+    let shared_cpu = CPU
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let for_break = url.clone();
+    let mut store = Store::new(
+        "zookeeper",
+        move |b| {
+            let url = url.clone();
+            Box::pin(async move { b.connect(&url).await.expect("connect") })
+        },
+        move |resource| {
+            let url = for_break.clone();
+            Box::pin(async move {
+                let backend = ZkBackend::connect(&url, ZkOptions::default())
+                    .await
+                    .expect("connect");
+                let n = backend.delete_lock(&resource).await.expect("delete");
+                assert!(n >= 1, "no lock nodes for {resource}");
+            })
+        },
+    );
+    store.idempotency = false;
+    // ZooKeeper has no semaphores and read-write locks yet: the conformance checks assert the
+    // typed refusal.
+    store.kinds = false;
+    store.admin = true;
+    (shared_cpu, store)
+}
+
+// The `CPU` read guard lives across each check's awaits on purpose: every check runs on its
+// own runtime's `block_on` (one thread), and it only orders checks against the fault tests.
+#[allow(clippy::await_holding_lock)]
+mod conformance {
+    dlock_runtime::conformance_tests!(super::zk_store);
+}
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::Locker;
+use dlock_tests::proxy::Proxy;
+use dlock_tests::redis_server::on_owner_thread;
+use dlock_tests::wait::{poll_until, try_take};
+use dlock_tests::zookeeper_server::ZkEnsemble;
+
+const COMMAND_TIMEOUT: Duration = Duration::from_millis(2000);
+
+/// The 3-server ensemble the fault tests share (started once: a JVM takes seconds), one test at
+/// a time; each test leaves every server running and serving.
+fn ensemble() -> &'static tokio::sync::Mutex<ZkEnsemble> {
+    static ENSEMBLE: OnceLock<tokio::sync::Mutex<ZkEnsemble>> = OnceLock::new();
+    ENSEMBLE.get_or_init(|| {
+        tokio::sync::Mutex::new(on_owner_thread(
+            "zk-ensemble-owner",
+            ZkEnsemble::start_ensemble,
+        ))
+    })
+}
+
+/// The ensemble, locked for one test and healed when the test ends (passed or failed), so that
+/// a failing test leaves no server frozen or dead for the next; the conformance checks wait
+/// meanwhile ([`CPU`]).
+struct Faults {
+    zk: tokio::sync::MutexGuard<'static, ZkEnsemble>,
+    _cpu: std::sync::RwLockWriteGuard<'static, ()>,
+}
+
+impl Faults {
+    async fn take() -> Self {
+        let zk = ensemble().lock().await;
+        let cpu = tokio::task::block_in_place(|| {
+            CPU.write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        });
+        Faults { zk, _cpu: cpu }
+    }
+}
+
+impl std::ops::Deref for Faults {
+    type Target = ZkEnsemble;
+    fn deref(&self) -> &ZkEnsemble {
+        &self.zk
+    }
+}
+
+impl std::ops::DerefMut for Faults {
+    fn deref_mut(&mut self) -> &mut ZkEnsemble {
+        &mut self.zk
+    }
+}
+
+impl Drop for Faults {
+    fn drop(&mut self) {
+        self.zk.heal();
+    }
+}
+
+async fn locker(url: &str) -> Locker {
+    Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(url)
+        .await
+        .expect("connect to ZooKeeper")
+}
+
+/// Bad URLs are refused with a typed error naming the problem, before any connection.
+#[tokio::test]
+async fn bad_urls_are_typed_errors() {
+    for url in ["zk://", "zk://127.0.0.1:1/a//b", "zk://127.0.0.1:x"] {
+        let err = Locker::from_url(url).await.expect_err(url);
+        assert!(err.is_unavailable(), "{url}: {err}");
+        assert!(err.to_string().contains("invalid ZooKeeper URL"), "{err}");
+    }
+}
+
+/// A chroot in the URL keeps lockers apart: the same key under two chroots is two locks, and
+/// under one chroot one lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chroot_is_a_separate_lock_space() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let a = locker(&format!("{url}/tenant-a")).await;
+    let a2 = locker(&format!("{url}/tenant-a/")).await;
+    let b = locker(&format!("{url}/tenant-b")).await;
+    let g = a.lock("same").try_acquire().await.unwrap().expect("free");
+    assert!(a2.lock("same").try_acquire().await.unwrap().is_none());
+    let other = b.lock("same").try_acquire().await.unwrap();
+    assert!(other.is_some(), "another chroot shares the lock");
+    g.release().await.unwrap();
+}
+
+/// A holder whose connection is cut (behind a proxy that then refuses) cannot renew: its
+/// guard reports `lost()` by the local lease clock — capped at the session timeout — before
+/// the server expires the session and lets the next holder in, whose fencing token is greater.
+/// When the network is back the locker opens a new session by itself and locks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_holder_is_told_before_its_session_expires_and_is_fenced() {
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let session = Duration::from_millis(1500);
+    let holder = locker(&format!(
+        "zk://127.0.0.1:{}?session_timeout_ms={}",
+        proxy.port(),
+        session.as_millis()
+    ))
+    .await;
+    let next = locker(&url).await;
+    // A TTL longer than the session: the local lease counts only the session timeout.
+    let ttl = Duration::from_millis(2500);
+    let old = holder.lock("expiry").ttl(ttl).acquire().await.unwrap();
+    proxy.cut(true);
+    let cut = Instant::now();
+    tokio::time::timeout(session + Duration::from_millis(500), old.lost())
+        .await
+        .expect("a holder that could not reach ZooKeeper was not told within the session timeout");
+    let told = cut.elapsed();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || try_take(&next, "expiry", ttl).await,
+    )
+    .await;
+    let taken = cut.elapsed();
+    assert!(
+        taken >= told,
+        "the next holder got the lock ({taken:?}) before the old one was told ({told:?})"
+    );
+    assert!(
+        g.fencing_token() > old.fencing_token(),
+        "fencing: {} after {}",
+        g.fencing_token(),
+        old.fencing_token()
+    );
+    let err = old.release().await.unwrap_err();
+    assert!(err.is_lost() || err.is_unavailable(), "{err}");
+    g.release().await.unwrap();
+    // The session expired meanwhile; once the network is back the locker starts a new one.
+    proxy.allow();
+    let again = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || try_take(&holder, "after-expiry", ttl).await,
+    )
+    .await;
+    again.release().await.unwrap();
+}
+
+/// A TTL the session cannot carry (over twice the granted session timeout) is refused with a
+/// typed error naming the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_beyond_the_session_is_refused() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let l = locker(&format!("{url}?session_timeout_ms=2000")).await;
+    let err = l
+        .lock("long")
+        .ttl(Duration::from_secs(10))
+        .try_acquire()
+        .await
+        .expect_err("a TTL of 5 sessions was taken");
+    assert!(
+        matches!(err, dlock_runtime::LockError::InvalidTtl { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("session timeout"), "{err}");
+}
+
+/// The leader is killed while a lock is held: the lock survives (still held, renewed, nobody
+/// else can take it) and new acquires work again within an election.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_kill_keeps_locks_and_acquires_keep_working() {
+    let mut zk = Faults::take().await;
+    let a = locker(&zk.url()).await;
+    let b = locker(&zk.url()).await;
+    let ttl = Duration::from_secs(6);
+    let held = a.lock("held").ttl(ttl).acquire().await.unwrap();
+    let leader = zk.wait_leader(Duration::from_secs(10));
+    zk.kill(leader);
+    let killed = Instant::now();
+    let g = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(20),
+        async || try_take(&b, "after", ttl).await,
+    )
+    .await;
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "acquires came back {:?} after the leader died",
+        killed.elapsed()
+    );
+    assert!(g.fencing_token() > held.fencing_token());
+    g.release().await.unwrap();
+    // More than a whole lease later the lock is still held (renewed through the new leader,
+    // the session moved to a live server) and nobody else can take it.
+    tokio::time::sleep(ttl + ttl / 2).await;
+    assert!(held.is_held(), "a lock was lost when the leader died");
+    assert!(
+        try_take(&b, "held", ttl).await.is_err(),
+        "another locker took a lock that is still held"
+    );
+    held.release().await.unwrap();
+    assert!(try_take(&b, "held", ttl).await.is_ok());
+}
+
+/// One server of three frozen (SIGSTOP, a minority, not the leader): locks are taken, renewed
+/// and released as before, with no error — a client connected to it moves to another server
+/// within the connection timeout, inside one command timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freezing_one_server_changes_nothing() {
+    let mut zk = Faults::take().await;
+    let leader = zk.wait_leader(Duration::from_secs(10));
+    let follower = (leader + 1) % zk.len();
+    let a = locker(&zk.url()).await;
+    let held = a
+        .lock("long")
+        .ttl(Duration::from_secs(2))
+        .acquire()
+        .await
+        .unwrap();
+    zk.pause(follower);
+    for i in 0..20 {
+        let g = a
+            .lock(format!("k{}", i % 3))
+            .ttl(Duration::from_secs(2))
+            .try_acquire()
+            .await
+            .unwrap_or_else(|e| panic!("acquire {i} with one server frozen: {e}"))
+            .expect("free");
+        g.release()
+            .await
+            .unwrap_or_else(|e| panic!("release {i} with one server frozen: {e}"));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(held.is_held(), "a renewal failed with one server frozen");
+    held.release().await.unwrap();
+}
+
+/// Two servers of three frozen: no quorum. Requests fail with the typed 503 error within the
+/// command timeout (never a hang); once the servers thaw, locks are taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_quorum_errors_are_typed_and_timely_then_recovery() {
+    let mut zk = Faults::take().await;
+    let a = locker(&zk.url()).await;
+    let leader = zk.wait_leader(Duration::from_secs(10));
+    let frozen = [(leader + 1) % 3, (leader + 2) % 3];
+    for &i in &frozen {
+        zk.pause(i);
+    }
+    for key in ["q1", "q2", "q3"] {
+        let started = Instant::now();
+        let err = a
+            .lock(key)
+            .ttl(Duration::from_secs(2))
+            .try_acquire()
+            .await
+            .expect_err("a lock was granted without quorum");
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(err.status(), 503);
+        assert!(
+            started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500),
+            "without quorum an acquire took {:?}",
+            started.elapsed()
+        );
+    }
+    for &i in &frozen {
+        zk.resume(i);
+    }
+    let g = poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        async || try_take(&a, "q1", Duration::from_secs(2)).await,
+    )
+    .await;
+    g.release().await.unwrap();
+}
+
+/// Nothing listens at the URL: connecting fails with the typed 503 error within the command
+/// timeout, never a hang.
+#[tokio::test]
+async fn unreachable_zookeeper_is_unavailable_in_time() {
+    let port = dlock_tests::redis_server::free_port();
+    let started = Instant::now();
+    let err = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&format!("zk://127.0.0.1:{port}"))
+        .await
+        .expect_err("connected to no server");
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(
+        started.elapsed() < COMMAND_TIMEOUT + Duration::from_millis(500),
+        "an unreachable ZooKeeper took {:?} to report",
+        started.elapsed()
+    );
+}
