@@ -48,6 +48,19 @@ local t = redis.call('TIME')
 local now = t[1] .. string.format('%06d', tonumber(t[2]))
 "#;
 
+/// Tokens compared exactly, as the `u64`s they are. Lua numbers are doubles, exact only below
+/// 2^53, and a Redis token is `counter × 2^ISSUER_BITS + issuer` (about 2^61): as numbers, two
+/// tokens that differ only in their issuer bits would compare equal. A token is a decimal
+/// string without leading zeros, so the shorter one is smaller and equal lengths compare as
+/// strings. `cmp(a, b)` is -1, 0 or 1.
+const CMP: &str = r#"
+local function cmp(a, b)
+  if #a ~= #b then return #a < #b and -1 or 1 end
+  if a == b then return 0 end
+  return a < b and -1 or 1
+end
+"#;
+
 /// Whether the resource checks tokens (`res:fencing` = `0` turns it off, for the
 /// `--no-fencing` demonstration; the log still tells stale writes apart).
 const FENCING: &str = r#"
@@ -57,15 +70,14 @@ local fencing = redis.call('GET', 'res:fencing') ~= '0'
 /// KEYS: max, val, ver, log, inside. ARGV: key, token, writer, pid.
 /// Returns `{1, val, ver}` when accepted, `{0, 0, 0}` when refused.
 const BEGIN: &str = r#"
-local tok = tonumber(ARGV[2])
-local max = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tok < max and fencing then
+local c = cmp(ARGV[2], redis.call('GET', KEYS[1]) or '0')
+if c < 0 and fencing then
   redis.call('RPUSH', KEYS[4], now .. ' b ' .. ARGV[2] .. ' ' .. ARGV[3])
   return {0, 0, 0}
 end
 local dup = 0
-if tok == max then dup = 1 end
-if tok > max then redis.call('SET', KEYS[1], ARGV[2]) end
+if c == 0 then dup = 1 end
+if c > 0 then redis.call('SET', KEYS[1], ARGV[2]) end
 local val = redis.call('GET', KEYS[2]) or '0'
 local ver = redis.call('GET', KEYS[3]) or '0'
 redis.call('RPUSH', KEYS[4], now .. ' B ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ver .. ' ' .. dup)
@@ -76,14 +88,13 @@ return {1, tonumber(val), tonumber(ver)}
 /// KEYS: max, val, ver, log, last. ARGV: key, token, writer, read_ver, new_val.
 /// Returns 1 when accepted, 0 when refused.
 const WRITE: &str = r#"
-local tok = tonumber(ARGV[2])
-local max = tonumber(redis.call('GET', KEYS[1]) or '0')
+local c = cmp(ARGV[2], redis.call('GET', KEYS[1]) or '0')
 local ver = tonumber(redis.call('GET', KEYS[3]) or '0')
-if tok < max and fencing then
+if c < 0 and fencing then
   redis.call('RPUSH', KEYS[4], now .. ' w ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ver)
   return 0
 end
-if tok > max then redis.call('SET', KEYS[1], ARGV[2]) end
+if c > 0 then redis.call('SET', KEYS[1], ARGV[2]) end
 redis.call('SET', KEYS[2], ARGV[5])
 redis.call('SET', KEYS[3], ver + 1)
 redis.call('RPUSH', KEYS[4], now .. ' W ' .. ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ver)
@@ -172,7 +183,7 @@ pub(crate) struct Resource {
 }
 
 fn script(body: &str) -> Script {
-    Script::new(&format!("{NOW}{FENCING}{body}"))
+    Script::new(&format!("{NOW}{FENCING}{CMP}{body}"))
 }
 
 impl Resource {
@@ -403,5 +414,51 @@ impl Resource {
             .query_async(&mut conn)
             .await?;
         Ok((val.unwrap_or(0), ver.unwrap_or(0)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redis tokens are about 2^61, where doubles step by 256: tokens that differ only in their
+    /// low (issuer) bits must still be told apart — the higher one is new, not a reuse, and the
+    /// lower one is refused once the higher was seen.
+    #[tokio::test]
+    async fn tokens_are_compared_exactly_above_two_to_the_53() {
+        let server = dlock_tests::redis_server::RedisServer::start();
+        let resource = Resource::connect(&server.url()).await.unwrap();
+        let low: u64 = (1 << 61) + 5;
+        let high = low + 1;
+        assert_eq!(
+            low as f64, high as f64,
+            "the case doubles cannot tell apart"
+        );
+        assert!(resource.begin("k", low, "w1", 1).await.unwrap().is_some());
+        assert!(resource.begin("k", high, "w2", 1).await.unwrap().is_some());
+        assert!(
+            resource.begin("k", low, "w1", 1).await.unwrap().is_none(),
+            "a lower token accepted after a higher one"
+        );
+        let mut conn = resource.conn.clone();
+        let log: Vec<String> = redis::cmd("LRANGE")
+            .arg(k("k", "log"))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(log.len(), 3, "{log:?}");
+        assert!(log[1].ends_with(&format!(" B {high} w2 0 0")), "{log:?}");
+        assert!(log[2].ends_with(&format!(" b {low} w1")), "{log:?}");
+        // The same token twice is a reuse.
+        assert!(resource.begin("k", high, "w3", 1).await.unwrap().is_some());
+        let last: String = redis::cmd("LINDEX")
+            .arg(k("k", "log"))
+            .arg(-1)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(last.ends_with(" 1"), "{last}");
     }
 }
