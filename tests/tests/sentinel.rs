@@ -194,7 +194,10 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
 /// frozen past the down-after time and woken): the locker's connection to the old master stays
 /// open and every write on it is answered `READONLY` — a reply, not a broken connection. The
 /// locker takes that as a failover too and follows the new master within the failover plus a
-/// command timeout (it used to keep writing to the demoted master for many seconds).
+/// command timeout (it used to keep writing to the demoted master for many seconds). The new
+/// master's tokens carry an issuer number of their own (the low `ISSUER_BITS`): a demoted
+/// master that granted from the same counter value before it learnt of its demotion could
+/// otherwise give this locker's tasks the same token twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_demoted_with_its_connections_up_is_followed() {
     let deployment = RedisSentinel::start();
@@ -243,6 +246,12 @@ async fn a_master_demoted_with_its_connections_up_is_followed() {
     );
     assert!(has_lock(promoted, "demoted").await);
     assert!(g.fencing_token() > token);
+    let issuer = |t: u64| t & ((1 << dlock_runtime::backend::RedisBackend::ISSUER_BITS) - 1);
+    assert_ne!(
+        issuer(g.fencing_token()),
+        issuer(token),
+        "the new master's grants carry the old master's issuer number"
+    );
     g.release().await.unwrap();
 }
 

@@ -460,7 +460,7 @@ impl Backend for RedlockBackend {
                                 waiter_ttl,
                                 renew,
                             };
-                            Ok(match node.acquire_with_floor(a, floor).await? {
+                            Ok(match node.acquire_with_floor(a, floor).await?.0 {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),
                                 Attempt::Held { remaining } => Answer::No(remaining),
                             })

@@ -201,12 +201,7 @@ impl BackendKind {
                 &[Pause, Kill, Restart, Latency, Cut]
             }
             BackendKind::Cluster => &[Pause, Kill, MasterKill, MasterPause, Reshard],
-            // Not `master-pause` (an open defect, tests/README.md): a master frozen past the
-            // down-after time and woken takes writes beside the promoted replica for seconds;
-            // tokens of two clients then differ by their issuer numbers, but two tasks of ONE
-            // process can still be granted the same counter value by the two masters (seed
-            // 703688718: token_reuse=2).
-            BackendKind::Sentinel => &[Pause, Kill, MasterKill],
+            BackendKind::Sentinel => &[Pause, Kill, MasterKill, MasterPause],
             BackendKind::Etcd | BackendKind::Zookeeper => &[Pause, Kill, LeaderKill, MemberFreeze],
         }
     }

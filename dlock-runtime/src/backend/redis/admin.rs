@@ -287,12 +287,13 @@ impl AdminStore for RedisBackend {
             inv.key(resource.as_str());
             self.declare_derived_keys(&mut inv, resource);
             inv.arg(self.fence_key(resource)).arg(self.floor());
-            let (held, counter): (i64, u64) = self.run_script("force release", &inv).await?;
+            let ((held, counter), issuer): ((i64, u64), _) =
+                self.run_granting("force release", &inv).await?;
             // As a token (`RedisBackend::ISSUER_BITS`): above every token issued before, below
             // every one issued after.
             Ok(ForceReleased {
                 was_held: held == 1,
-                fence: Some(self.granted(counter)),
+                fence: Some(self.granted(counter, issuer)),
             })
         })
     }

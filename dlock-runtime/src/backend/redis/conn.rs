@@ -42,6 +42,16 @@ impl Conn {
         false
     }
 
+    /// The issuer number of the connection the last reply on this handle came over, where it
+    /// is not the backend's own (see [`Issuer`](super::Issuer)).
+    pub(super) fn replied_issuer(&self) -> super::Issuer {
+        match self {
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.replied_issuer(),
+            _ => None,
+        }
+    }
+
     /// Subscribes to a lock's release channel: `SUBSCRIBE` on one server, `SSUBSCRIBE` (routed
     /// to the channel's slot, re-established by the client after a topology change) on a
     /// cluster.

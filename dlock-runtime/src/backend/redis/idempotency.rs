@@ -176,14 +176,14 @@ impl IdempotencyStore for RedisBackend {
                 .arg(millis(args.retention))
                 .arg(self.fence_key(args.resource))
                 .arg(self.floor());
-            let (code, data, extra): (i64, Vec<u8>, String) =
-                self.run_script("idempotency begin", &inv).await?;
+            let ((code, data, extra), issuer): ((i64, Vec<u8>, String), _) =
+                self.run_granting("idempotency begin", &inv).await?;
             let text = || std::str::from_utf8(&data).map_err(|_| malformed());
             match code {
                 1 => {
                     let counter = text()?.parse::<u64>().map_err(|_| malformed())?;
                     Ok(BeginReply::Acquired {
-                        fencing_token: self.granted(counter),
+                        fencing_token: self.granted(counter, issuer),
                     })
                 }
                 2 => Ok(BeginReply::Replay { record: data }),

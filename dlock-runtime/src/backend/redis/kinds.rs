@@ -222,10 +222,10 @@ impl RedisBackend {
             .arg(millis(args.waiter_ttl))
             .arg(self.fence_key(args.resource))
             .arg(self.floor());
-        let reply: i64 = self.run_script("acquire", &inv).await?;
+        let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
         Ok(match reply {
             1.. => Attempt::Acquired {
-                fencing_token: self.granted(reply as u64),
+                fencing_token: self.granted(reply as u64, issuer),
             },
             0 => Attempt::Held { remaining: None },
             _ => Attempt::Held {

@@ -143,9 +143,9 @@ struct Inner {
 
 impl Inner {
     /// See [`RedisBackend::granted`].
-    fn granted(&self, counter: u64) -> u64 {
+    fn granted(&self, counter: u64, over: Issuer) -> u64 {
         self.fence_seen.fetch_max(counter, Ordering::AcqRel);
-        let issuer = self.issuer.load(Ordering::Acquire);
+        let issuer = over.unwrap_or_else(|| self.issuer.load(Ordering::Acquire));
         debug_assert_ne!(
             issuer, NO_ISSUER,
             "a token granted before the issuer was taken"
@@ -167,6 +167,11 @@ enum Reconnect {
     #[cfg(feature = "sentinel")]
     FromConn,
 }
+
+/// The issuer number of the connection a reply came over, where it differs from the backend's
+/// own ([`Inner::issuer`]): behind Sentinel, each master the backend follows is given a number
+/// of its own (see `sentinel::Current::issuer`). `None`: the backend's own.
+pub(crate) type Issuer = Option<u64>;
 
 /// [`Inner::issuer`] before it is taken.
 const NO_ISSUER: u64 = u64::MAX;
@@ -238,14 +243,70 @@ fn push_handler(
     Arc<OnceLock<Weak<Inner>>>,
     impl Fn(PushInfo) -> Result<(), redis::aio::SendError> + Send + Sync + 'static,
 ) {
+    let (me, handler) = issued_push_handler(hub, handoff);
+    (me, move |push: PushInfo| {
+        handler(push, None);
+        Ok::<(), redis::aio::SendError>(())
+    })
+}
+
+/// [`push_handler`] for connections that tell which issuer number each push is under
+/// (Sentinel: see [`Issuer`]).
+#[allow(clippy::type_complexity)]
+fn issued_push_handler(
+    hub: &Arc<ReleaseHub>,
+    handoff: bool,
+) -> (
+    Arc<OnceLock<Weak<Inner>>>,
+    impl Fn(PushInfo, Issuer) + Send + Sync + 'static,
+) {
     let push_hub = Arc::downgrade(hub);
     let me: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
     let push_me = me.clone();
-    let handler = move |push: PushInfo| {
-        on_push(&push_hub, &push_me, handoff, push);
-        Ok::<(), redis::aio::SendError>(())
+    let handler = move |push: PushInfo, issuer: Issuer| {
+        on_push(&push_hub, &push_me, handoff, push, issuer);
     };
     (me, handler)
+}
+
+/// Takes an issuer number (see [`RedisBackend::ISSUER_BITS`]) from the server `conn` reaches:
+/// `INCR dlock:issuers` modulo `2^ISSUER_BITS`, again while the number is one of `avoid` (a
+/// few times, then a random number outside `avoid`); a random number when the server answers
+/// but refuses the command (an ACL without that key, a read-only replica named by mistake —
+/// which the first lock will report), unique among `2^ISSUER_BITS` only by chance.
+pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    limit: Duration,
+    avoid: &[u64],
+) -> Result<u64, LockError> {
+    let mask = (1 << RedisBackend::ISSUER_BITS) - 1;
+    for _ in 0..4 {
+        let mut incr = redis::cmd("INCR");
+        incr.arg(ISSUERS_KEY);
+        let taken = match tokio::time::timeout(limit, incr.query_async::<u64>(conn)).await {
+            Ok(Ok(n)) => n & mask,
+            Ok(Err(e)) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
+                tracing::debug!(error = %e, "redis: no issuer number from the server; a random one");
+                break;
+            }
+            Ok(Err(e)) => return Err(redis_err("issuer", e)),
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    format!("redis: no answer within {limit:?}"),
+                    None,
+                ))
+            }
+        };
+        if !avoid.contains(&taken) {
+            return Ok(taken);
+        }
+    }
+    loop {
+        let issuer = crate::util::next_random() & mask;
+        if !avoid.contains(&issuer) {
+            return Ok(issuer);
+        }
+    }
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
@@ -270,7 +331,9 @@ impl RedisBackend {
     /// the same counter value while both took writes — a Sentinel or cluster master that was
     /// frozen, failed over, and woken, and granted locks before it was demoted. Two backends
     /// then never receive the same token, unless `2^ISSUER_BITS` other backends took a number
-    /// between them. The counter stays below 2^53 (the scripts' numbers are Lua doubles), so
+    /// between them. Behind Sentinel a backend takes a number on each master it follows,
+    /// distinct from the numbers of the masters before, and a token carries the number of the
+    /// master that granted it, so one backend's tasks never receive the same token either. The counter stays below 2^53 (the scripts' numbers are Lua doubles), so
     /// a token fits a `u64`.
     pub const ISSUER_BITS: u32 = 11;
 
@@ -399,10 +462,8 @@ impl RedisBackend {
     pub async fn connect_sentinel(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
         let parsed = sentinel::SentinelUrl::parse(url)?;
         let hub = ReleaseHub::new();
-        let (me, push) = push_handler(&hub, true);
-        let push: sentinel::PushFn = Arc::new(move |p| {
-            let _ = push(p);
-        });
+        let (me, push) = issued_push_handler(&hub, true);
+        let push: sentinel::PushFn = Arc::new(push);
         let conn = sentinel::SentinelConn::connect(
             &parsed,
             opts.connect_timeout,
@@ -411,8 +472,10 @@ impl RedisBackend {
             Some(Arc::downgrade(&hub)),
         )
         .await?;
+        // The first master's issuer number, taken by the connection (see [`Issuer`]).
+        let first = conn.issuer();
         let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, Reconnect::FromConn);
-        backend.issuer().await?;
+        backend.inner.issuer.store(first, Ordering::Release);
         Ok(backend)
     }
 
@@ -500,10 +563,12 @@ impl RedisBackend {
     }
 
     /// Notes a fencing counter value this backend was granted, and makes it the token it
-    /// reports (see [`RedisBackend::ISSUER_BITS`]). The issuer was taken before the operation
-    /// that issued `counter` ([`RedisBackend::issuer`]).
-    pub(crate) fn granted(&self, counter: u64) -> u64 {
-        self.inner.granted(counter)
+    /// reports (see [`RedisBackend::ISSUER_BITS`]) with the issuer number of the connection
+    /// whose reply granted it (`over`, from [`run_granting`](Self::run_granting)). The
+    /// backend's own number was taken before the operation that issued `counter`
+    /// ([`RedisBackend::issuer`]).
+    pub(crate) fn granted(&self, counter: u64, over: Issuer) -> u64 {
+        self.inner.granted(counter, over)
     }
 
     /// This backend's issuer number, taken from the server on first use (one `INCR`).
@@ -514,27 +579,7 @@ impl RedisBackend {
         }
         let mut conn = self.inner.conn.clone();
         let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
-        let mut incr = redis::cmd("INCR");
-        incr.arg(ISSUERS_KEY);
-        let incr = incr.query_async::<u64>(&mut conn);
-        let taken = match tokio::time::timeout(limit, incr).await {
-            Ok(Ok(n)) => n,
-            // The server answered but refused (an ACL without that key, a read-only replica
-            // named by mistake — which the first lock will report): a random number, unique
-            // among 2^ISSUER_BITS only by chance.
-            Ok(Err(e)) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
-                tracing::debug!(error = %e, "redis: no issuer number from the server; a random one");
-                crate::util::next_random()
-            }
-            Ok(Err(e)) => return Err(redis_err("issuer", e)),
-            Err(_) => {
-                return Err(LockError::unavailable(
-                    format!("redis: no answer within {limit:?}"),
-                    None,
-                ))
-            }
-        };
-        let issuer = taken & ((1 << Self::ISSUER_BITS) - 1);
+        let issuer = take_issuer(&mut conn, limit, &[]).await?;
         Ok(
             match self.inner.issuer.compare_exchange(
                 NO_ISSUER,
@@ -636,6 +681,17 @@ impl RedisBackend {
         what: &str,
         inv: &redis::ScriptInvocation<'_>,
     ) -> Result<T, LockError> {
+        Ok(self.run_granting(what, inv).await?.0)
+    }
+
+    /// [`run_script`](Self::run_script) for a script that may grant a fencing counter value:
+    /// also the issuer number of the connection its reply came over, for
+    /// [`granted`](Self::granted).
+    pub(crate) async fn run_granting<T: redis::FromRedisValue>(
+        &self,
+        what: &str,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<(T, Issuer), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut again = 2;
         loop {
@@ -647,7 +703,7 @@ impl RedisBackend {
                 {
                     again -= 1;
                 }
-                r => return r.map_err(|e| redis_err(what, e)),
+                r => return Ok((r.map_err(|e| redis_err(what, e))?, conn.replied_issuer())),
             }
         }
     }
@@ -787,7 +843,14 @@ async fn resubscribe(inner: Weak<Inner>, resource: String) {
     inner.hub.notify_all();
 }
 
-fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, push: PushInfo) {
+/// A push that arrived over a connection whose issuer number is `issuer` (see [`Issuer`]).
+fn on_push(
+    hub: &Weak<ReleaseHub>,
+    me: &OnceLock<Weak<Inner>>,
+    handoff: bool,
+    push: PushInfo,
+    issuer: Issuer,
+) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
         PushKind::Message | PushKind::SMessage => {
@@ -812,7 +875,7 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
                 _ if payload.is_empty() => hub.notify(resource, None),
                 Some((token, fence)) => match fence.parse::<u64>() {
                     Ok(fence) if handoff => match me.get().and_then(Weak::upgrade) {
-                        Some(inner) => hub.hand_over(resource, token, inner.granted(fence)),
+                        Some(inner) => hub.hand_over(resource, token, inner.granted(fence, issuer)),
                         None => hub.notify(resource, Some(token)),
                     },
                     _ => hub.notify(resource, Some(token)),
@@ -869,12 +932,13 @@ fn on_push(hub: &Weak<ReleaseHub>, me: &OnceLock<Weak<Inner>>, handoff: bool, pu
 }
 
 impl RedisBackend {
-    /// One acquire attempt, its fencing token at least `floor`.
+    /// One acquire attempt, its fencing counter at least `floor`, and the issuer number of the
+    /// connection its reply came over (see [`granted`](Self::granted)).
     pub(crate) async fn acquire_with_floor(
         &self,
         args: AcquireArgs<'_>,
         floor: Floor,
-    ) -> Result<Attempt, LockError> {
+    ) -> Result<(Attempt, Issuer), LockError> {
         let mode = match args.mode {
             WaitMode::Try => "0",
             WaitMode::Queue => "1",
@@ -894,8 +958,8 @@ impl RedisBackend {
             Floor::AtLeast(f) => inv.arg(f),
             Floor::Exactly(f) => inv.arg(f).arg("exact"),
         };
-        let reply: i64 = self.run_script("acquire", &inv).await?;
-        Ok(Attempt::from_reply(reply))
+        let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
+        Ok((Attempt::from_reply(reply), issuer))
     }
 }
 
@@ -925,10 +989,10 @@ impl Backend for RedisBackend {
             let seen = &self.inner.fence_seen;
             Ok(
                 match self.acquire_with_floor(args, Floor::clock(seen)).await? {
-                    Attempt::Acquired { fencing_token } => Attempt::Acquired {
-                        fencing_token: self.granted(fencing_token),
+                    (Attempt::Acquired { fencing_token }, issuer) => Attempt::Acquired {
+                        fencing_token: self.granted(fencing_token, issuer),
                     },
-                    held => held,
+                    (held, _) => held,
                 },
             )
         })

@@ -11,9 +11,16 @@
 //! the failover never reached them). The failing command itself is reported as unavailable
 //! (503): the caller's next attempt goes to the new master. While the sentinels still name the
 //! same node, the check retries with backoff until that node answers again or a limit passes.
+//!
+//! Each master the connection follows is given an issuer number of its own (`INCR
+//! dlock:issuers` on it, distinct from the numbers of the masters before), and every reply and
+//! push is tagged with the number of the master it came from (see `super::Issuer`). A master
+//! frozen through a failover and woken before it learns it was demoted can still grant locks
+//! from a fencing counter the new master also reaches; tokens from the two carry different
+//! issuer numbers, so no two grants to this backend share a token.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -31,8 +38,12 @@ use crate::LockError;
 /// answer (the next failing command starts another).
 const CHECK_FOR: Duration = Duration::from_secs(60);
 
-/// A push handler shared by every connection this backend makes to a master.
-pub(super) type PushFn = Arc<dyn Fn(PushInfo) + Send + Sync>;
+/// A push handler shared by every connection this backend makes to a master; it is told the
+/// issuer number of the master the push came from.
+pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer) + Send + Sync>;
+
+/// How many of the issuer numbers of earlier masters a connection keeps clear of.
+const ISSUERS_KEPT: usize = 64;
 
 /// The parts of a `redis+sentinel://[user:pass@]s1:p1,s2:p2/<master>[/<db>]` URL
 /// (`rediss+sentinel://` for TLS to the sentinels and the servers).
@@ -90,6 +101,8 @@ impl SentinelUrl {
 #[derive(Clone)]
 pub(crate) struct SentinelConn {
     shared: Arc<Shared>,
+    /// The issuer number of the master the last reply on this handle came from.
+    replied: Option<u64>,
 }
 
 struct Shared {
@@ -97,7 +110,13 @@ struct Shared {
     node: SentinelNodeConnectionInfo,
     sentinel: Arc<tokio::sync::Mutex<Sentinel>>,
     current: RwLock<Current>,
+    /// The settings of a connection to a master, without the push handler.
     config: ConnectionManagerConfig,
+    /// Where pushes go, told the master's issuer number (none for dedicated connections,
+    /// which carry no grants and take no issuer numbers).
+    push: Option<PushFn>,
+    /// The issuer numbers of the masters followed so far, the latest last.
+    issuers: Mutex<Vec<u64>>,
     /// The release channels subscribed through this connection (re-subscribed on a switch).
     channels: Mutex<HashSet<String>>,
     /// A failover check is under way.
@@ -115,6 +134,8 @@ struct Current {
     client: Client,
     /// The master's address, as the sentinels named it (`host:port`).
     addr: String,
+    /// The issuer number taken on this master (see the module docs).
+    issuer: u64,
 }
 
 impl SentinelConn {
@@ -145,31 +166,29 @@ impl SentinelConn {
             node = node.set_tls_mode(redis::TlsMode::Secure);
         }
         let sentinel = Sentinel::build(url.sentinels.clone()).map_err(invalid)?;
-        let mut config = manager_config(connect_timeout, command_timeout);
-        if let Some(push) = push {
-            config = config
-                .set_push_sender(move |p: PushInfo| {
-                    push(p);
-                    Ok::<(), redis::aio::SendError>(())
-                })
-                .set_automatic_resubscription();
-        }
+        let config = manager_config(connect_timeout, command_timeout);
         let mut sentinel = sentinel;
         let limit = connect_timeout + command_timeout;
         let client = lookup(&mut sentinel, &url.master, &node, limit).await?;
+        let (mut conn, cell) = connect_to(&client, &config, push.as_ref())?;
+        let issuer = super::take_issuer(&mut conn, limit, &[]).await?;
+        cell.store(issuer, Ordering::Release);
         let current = Current {
             addr: client.get_connection_info().addr().to_string(),
-            conn: ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
-                .map_err(|e| super::redis_err("connect", e))?,
+            conn,
             client,
+            issuer,
         };
         Ok(SentinelConn {
+            replied: None,
             shared: Arc::new(Shared {
                 master_name: url.master.clone(),
                 node,
                 sentinel: Arc::new(tokio::sync::Mutex::new(sentinel)),
                 current: RwLock::new(current),
                 config,
+                push,
+                issuers: Mutex::new(vec![issuer]),
                 channels: Mutex::new(HashSet::new()),
                 checking: AtomicBool::new(false),
                 hub,
@@ -187,6 +206,7 @@ impl SentinelConn {
         let current = s.current();
         let config = manager_config(s.connect_timeout, s.command_timeout);
         Ok(SentinelConn {
+            replied: None,
             shared: Arc::new(Shared {
                 master_name: s.master_name.clone(),
                 node: s.node.clone(),
@@ -200,6 +220,8 @@ impl SentinelConn {
                     ..current
                 }),
                 config,
+                push: None,
+                issuers: Mutex::new(Vec::new()),
                 channels: Mutex::new(HashSet::new()),
                 checking: AtomicBool::new(false),
                 hub: None,
@@ -237,6 +259,42 @@ impl SentinelConn {
     pub(crate) fn master_addr(&self) -> String {
         self.shared.current().addr
     }
+
+    /// The issuer number of the master now (see the module docs).
+    pub(crate) fn issuer(&self) -> u64 {
+        self.shared.current().issuer
+    }
+
+    /// The issuer number of the master the last reply on this handle came from.
+    pub(super) fn replied_issuer(&self) -> super::Issuer {
+        self.replied
+    }
+}
+
+/// A connection to the master `client` names, whose pushes go to `push` tagged with the
+/// number in the returned cell (stored once taken: before that the connection has subscribed
+/// to nothing, so no push can grant a lock).
+fn connect_to(
+    client: &Client,
+    config: &ConnectionManagerConfig,
+    push: Option<&PushFn>,
+) -> Result<(ConnectionManager, Arc<AtomicU64>), LockError> {
+    let cell = Arc::new(AtomicU64::new(u64::MAX));
+    let mut config = config.clone();
+    if let Some(push) = push {
+        let push = push.clone();
+        let issuer = cell.clone();
+        config = config
+            .set_push_sender(move |p: PushInfo| {
+                let issuer = issuer.load(Ordering::Acquire);
+                push(p, (issuer != u64::MAX).then_some(issuer));
+                Ok::<(), redis::aio::SendError>(())
+            })
+            .set_automatic_resubscription();
+    }
+    let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+        .map_err(|e| super::redis_err("connect", e))?;
+    Ok((conn, cell))
 }
 
 /// The settings of a connection to a master: the backend's timeouts, two retries.
@@ -351,8 +409,19 @@ impl Shared {
     /// local waiters.
     async fn switch_to(&self, client: Client) -> Result<(), LockError> {
         let addr = client.get_connection_info().addr().to_string();
-        let mut conn = ConnectionManager::new_lazy_with_config(client.clone(), self.config.clone())
-            .map_err(|e| super::redis_err("connect", e))?;
+        let (mut conn, cell) = connect_to(&client, &self.config, self.push.as_ref())?;
+        let issuer = if self.push.is_some() {
+            let avoid = self
+                .issuers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            let issuer = super::take_issuer(&mut conn, self.command_timeout, &avoid).await?;
+            cell.store(issuer, Ordering::Release);
+            issuer
+        } else {
+            self.current().issuer
+        };
         let channels: Vec<String> = self
             .channels
             .lock()
@@ -372,8 +441,16 @@ impl Shared {
                 conn,
                 client,
                 addr: addr.clone(),
+                issuer,
             },
         );
+        if self.push.is_some() {
+            let mut issuers = self.issuers.lock().unwrap_or_else(PoisonError::into_inner);
+            issuers.push(issuer);
+            if issuers.len() > ISSUERS_KEPT {
+                issuers.remove(0);
+            }
+        }
         tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
         if let Some(hub) = self.hub.as_ref().and_then(Weak::upgrade) {
             hub.notify_all();
@@ -435,9 +512,12 @@ async fn check(shared: Weak<Shared>) {
 
 impl ConnectionLike for SentinelConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        let mut conn = self.shared.current().conn;
+        let Current {
+            mut conn, issuer, ..
+        } = self.shared.current();
         Box::pin(async move {
             let r = conn.req_packed_command(cmd).await;
+            self.replied = Some(issuer);
             self.shared.after(&r);
             r
         })
@@ -449,9 +529,12 @@ impl ConnectionLike for SentinelConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        let mut conn = self.shared.current().conn;
+        let Current {
+            mut conn, issuer, ..
+        } = self.shared.current();
         Box::pin(async move {
             let r = conn.req_packed_commands(pipeline, offset, count).await;
+            self.replied = Some(issuer);
             self.shared.after(&r);
             r
         })
