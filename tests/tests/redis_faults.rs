@@ -703,6 +703,64 @@ async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
     guard.release().await.unwrap();
 }
 
+/// A lock handed to a waiter that died ends no later than the dead waiter's queue entry would
+/// have: a crashed process holds up a lock at most the longer of the TTL and the waiter TTL,
+/// not a waiter TTL more after a release that came just before its entry lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter_ttl = Duration::from_secs(2);
+    // The waiter reaches the server through a proxy; cutting it is the waiter's process dying
+    // (nothing it sends gets through, its undo included).
+    let proxy = dlock_tests::proxy::Proxy::start(server.port())
+        .await
+        .unwrap();
+    let waiter = fast_fail()
+        .waiter_ttl(waiter_ttl)
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let key = "handoff:dead-waiter";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let wait = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::retry(LONG);
+            waiter.lock(key).ttl(LONG).on_fail(retry).acquire().await
+        })
+    };
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            (waiter.waiting() != 0)
+                .then_some(())
+                .ok_or("the waiter never queued")
+        },
+    )
+    .await;
+    proxy.cut(true);
+    let died = Instant::now();
+    // Its entry lapses within the waiter TTL of its last refresh; release most of the way there.
+    tokio::time::sleep(waiter_ttl / 2).await;
+    held.release().await.unwrap();
+    let lock_key = holder
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned();
+    // At most what the entry had left when the PTTL was read (a few ms of slack: the server
+    // counts whole milliseconds).
+    let entry_left = waiter_ttl.saturating_sub(died.elapsed()).as_millis() as i64 + 5;
+    let pttl: i64 = server.query(redis::cmd("PTTL").arg(&lock_key)).await;
+    let left_ms = pttl - RedisBackend::LINGER.as_millis() as i64;
+    assert!(
+        (0..=entry_left).contains(&left_ms),
+        "the dead waiter was handed a lease of {left_ms} ms; its entry had at most {entry_left} ms left"
+    );
+    wait.abort();
+}
+
 /// Fencing tokens come from one counter per namespace: they grow across keys, and when the
 /// counter is lost (a restart without persistence, here a `FLUSHALL`) or rolled back (a failover
 /// to a lagging replica, here a `SET` to a lower value) the next token still exceeds every

@@ -25,7 +25,8 @@
 //!
 //! **Direct handoff.** A release (or a holder's abandon) with the `q` flag grants the lock to the
 //! first live waiter in the same script — a new fencing token, a lease of the waiter's TTL but
-//! at most its waiter TTL (the waiter's watchdog renews it to its TTL) — and publishes
+//! at most its waiter TTL, and ending no later than the waiter's queue entry would (the
+//! waiter's watchdog renews it to its TTL) — and publishes
 //! `<token>:<fence>`, so the waiter starts without another round trip. A waiter whose
 //! notification was lost finds the lock already its own on its next attempt, and is granted it
 //! again with a new fencing token (it never learnt the first).
@@ -106,8 +107,13 @@ macro_rules! queue_keys {
     };
 }
 
-/// Lua: the first live waiter in `head` (or `false`) and its lease in `hlease`, dropping expired
-/// entries. Needs [`queue_keys`].
+/// Lua: the first live waiter in `head` (or `false`) and the lease a release hands it in
+/// `hlease`, dropping expired entries. The lease is the one its entry notes, but it ends no
+/// later than the entry would have: a waiter that died holds a handed-over lock no longer than
+/// its entry would have held up the queue, so a crashed process blocks a lock at most the
+/// longer of the TTL and the waiter TTL. A live waiter loses nothing by it: it counts the
+/// handed-over lease from its last attempt, which set the entry's deadline (see
+/// `locker::request::wait_for`). Needs [`queue_keys`].
 macro_rules! queue_head {
     () => {
         r#"
@@ -120,7 +126,10 @@ do
     local e = redis.call('HGET', lqw, head)
     local dl, hl
     if e then dl, hl = string.match(e, '^(%d+)|(%d+)$') end
-    if dl and tonumber(dl) > now_ms then hlease = tonumber(hl) break end
+    if dl and tonumber(dl) > now_ms then
+      hlease = math.min(tonumber(hl), tonumber(dl) - now_ms)
+      break
+    end
     redis.call('LPOP', lq)
     redis.call('HDEL', lqw, head)
     head = redis.call('LINDEX', lq, 0)
