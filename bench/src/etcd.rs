@@ -107,7 +107,15 @@ pub(crate) async fn contended_dlock(plan: &Plan, url: &str) -> Result<Contended,
 
 /// The scenario's JSON: pairs per second of each driver.
 pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
-    let member = tokio::task::spawn_blocking(dlock_tests::etcd_server::EtcdCluster::start).await?;
+    // On a thread that outlives the scenario: the member dies with the thread that started it
+    // (`setpriv --pdeathsig`), and tokio retires idle blocking threads after 10 s.
+    let member = tokio::task::spawn_blocking(|| {
+        dlock_tests::redis_server::on_owner_thread(
+            "etcd-bench",
+            dlock_tests::etcd_server::EtcdCluster::start,
+        )
+    })
+    .await?;
     let url = member.url();
     let endpoint = url.replacen("etcd://", "http://", 1);
     let client = Client::connect([endpoint.as_str()], None).await?;

@@ -267,7 +267,13 @@ fn fairness(per_task: &[usize]) -> f64 {
 
 /// The whole scenario.
 pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
-    let server = Arc::new(tokio::task::spawn_blocking(PostgresServer::start).await?);
+    // On a thread that outlives the scenario (see `etcd::run`).
+    let server = Arc::new(
+        tokio::task::spawn_blocking(|| {
+            dlock_tests::redis_server::on_owner_thread("pg-bench", PostgresServer::start)
+        })
+        .await?,
+    );
     let url = server.url("postgres");
     let config: dlock_runtime::backend::postgres::tokio_postgres::Config = url.parse()?;
     let manager = Manager::from_config(

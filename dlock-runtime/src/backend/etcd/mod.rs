@@ -801,9 +801,12 @@ async fn watch_turn(
     kind: LockKind,
 ) {
     let mut backoff = Duration::from_millis(20);
+    // The own key's create revision, read once: it never changes while the key lives (and a
+    // key that is gone has no predecessor left to wait for: its waiter's attempt finds out).
+    let mut own_rev = None;
     loop {
         let turn = match kind {
-            LockKind::Exclusive => wait_predecessor(&pool, &k.own, &k.dir, &k.end, timeout).await,
+            LockKind::Exclusive => wait_predecessor(&pool, &k, &mut own_rev, timeout).await,
             kind => kinds::wait_admitted(&pool, kind, &k, timeout)
                 .await
                 .map(|()| true),
@@ -842,38 +845,66 @@ async fn next_message(
     Ok(msg)
 }
 
-/// Reads `own`'s predecessor; `Ok(true)` when there is none (or `own` is gone: the waiter
-/// must ask again), `Ok(false)` once the predecessor was deleted.
+/// Reads the predecessor of the own key of `k`; `Ok(true)` when there is none (or the own key
+/// is gone: the waiter must ask again), `Ok(false)` once the predecessor was deleted. The own
+/// key's create revision is read the first time into `own_rev`; after that one transaction
+/// reads the own key and its predecessor together (a handoff costs the woken waiter's watch
+/// one round trip), and a changed revision (the key was deleted and put again) is read anew.
 async fn wait_predecessor(
     pool: &Pool,
-    own: &[u8],
-    dir: &[u8],
-    end: &[u8],
+    k: &Keys,
+    own_rev: &mut Option<i64>,
     timeout: Duration,
 ) -> Result<bool, LockError> {
-    let mine = call(pool, timeout, "get", |c| {
-        let mut kv = c.kv_client();
-        async move { kv.get(own, None).await }
-    })
-    .await?;
-    let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
-        return Ok(true);
-    };
-    let pred = call(pool, timeout, "get", |c| {
-        let mut kv = c.kv_client();
-        let options = GetOptions::new()
-            .with_range(end)
+    let predecessor = |rev: i64| {
+        GetOptions::new()
+            .with_range(k.end.clone())
             .with_max_create_revision(rev - 1)
             .with_sort(SortTarget::Create, SortOrder::Descend)
             .with_limit(1)
-            .with_keys_only();
-        async move { kv.get(dir, Some(options)).await }
-    })
-    .await?;
-    let Some(pred_key) = pred.kvs().first().map(|kv| kv.key().to_vec()) else {
-        return Ok(true);
+            .with_keys_only()
     };
-    let from = pred.header().map_or(0, |h| h.revision()) + 1;
+    let (pred_key, header_rev) = loop {
+        let Some(rev) = *own_rev else {
+            let mine = call(pool, timeout, "get", |c| {
+                let mut kv = c.kv_client();
+                let own = k.own.clone();
+                async move { kv.get(own, None).await }
+            })
+            .await?;
+            let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+                return Ok(true);
+            };
+            *own_rev = Some(rev);
+            continue;
+        };
+        let txn = Txn::new().and_then([
+            TxnOp::get(k.own.clone(), Some(GetOptions::new().with_keys_only())),
+            TxnOp::get(k.dir.clone(), Some(predecessor(rev))),
+        ]);
+        let resp = call(pool, timeout, "txn", |c| {
+            let mut kv = c.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await?;
+        let header_rev = resp.header().map_or(0, |h| h.revision());
+        let ops = resp.op_responses();
+        match kinds::kvs_at(&ops, 0)
+            .first()
+            .map(KeyValue::create_revision)
+        {
+            None => return Ok(true),
+            Some(now) if now != rev => *own_rev = Some(now),
+            Some(_) => {
+                let Some(pred) = kinds::kvs_at(&ops, 1).first() else {
+                    return Ok(true);
+                };
+                break (pred.key().to_vec(), header_rev);
+            }
+        }
+    };
+    let from = header_rev + 1;
     let mut stream = call(pool, timeout, "watch", |c| {
         let mut watch = c.watch_client();
         let options = WatchOptions::new()

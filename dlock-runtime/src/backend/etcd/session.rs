@@ -134,8 +134,17 @@ pub(super) struct Sessions {
 }
 
 impl Sessions {
-    fn begin_put(&self, key: &TokenKey, own: &[u8], on: &[&Arc<Session>]) {
+    /// Registers a put of the token's key on the sessions `on`, unless one of them was retired
+    /// or is gone (`false`: nothing registered, pick sessions again). Checked under the same
+    /// lock as [`idle_retired`](Self::idle_retired), which retired sessions are revoked by: a
+    /// session picked before it was retired is either seen here as retired, or its put is
+    /// registered before the revocation looks, which then keeps it.
+    #[must_use]
+    fn begin_put(&self, key: &TokenKey, own: &[u8], on: &[&Arc<Session>]) -> bool {
         let mut entries = lock(&self.entries);
+        if on.iter().any(|s| !s.usable()) {
+            return false;
+        }
         let e = entries.entry(key.clone()).or_insert_with(|| Entry {
             own: own.to_vec(),
             session: on[0].clone(),
@@ -153,6 +162,7 @@ impl Sessions {
                 e.touched.push((*s).clone());
             }
         }
+        true
     }
 
     fn end_put(&self, key: &TokenKey, settled: bool) {
@@ -461,10 +471,26 @@ impl EtcdBackend {
                 // The key is gone (deleted, or its lease ran out): queue again, at the back.
             }
         }
-        let hold = self.session(session_secs(args.ttl), args.ttl).await?;
-        let wait = match session_secs(args.waiter_ttl) {
-            secs if queue && secs != hold.secs => self.session(secs, args.waiter_ttl).await?,
-            _ => hold.clone(),
+        // A session another task's release retires (and may revoke once nothing it knows of
+        // is on it) between being picked and this put being registered is not used: the
+        // revocation would delete the key just put (see `Sessions::begin_put`).
+        let mut picks = 0;
+        let (hold, wait) = loop {
+            let hold = self.session(session_secs(args.ttl), args.ttl).await?;
+            let wait = match session_secs(args.waiter_ttl) {
+                secs if queue && secs != hold.secs => self.session(secs, args.waiter_ttl).await?,
+                _ => hold.clone(),
+            };
+            if self.sessions.begin_put(&key, &k.own, &[&hold, &wait]) {
+                break (hold, wait);
+            }
+            picks += 1;
+            if picks == 16 {
+                return Err(LockError::unavailable(
+                    "etcd: every session picked was retired before it could be used",
+                    None,
+                ));
+            }
         };
         // The holder's TTL is the value: it bounds the remaining lease others are told.
         let value = args.ttl.as_millis().to_string();
@@ -495,7 +521,6 @@ impl EtcdBackend {
             )
             .and_then([put_on(hold.id), TxnOp::get(k.own.clone(), None)])
             .or_else(otherwise);
-        self.sessions.begin_put(&key, &k.own, &[&hold, &wait]);
         let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
             let mut kv = c.kv_client();
             let txn = txn.clone();
