@@ -139,13 +139,7 @@ pub(super) async fn wait_admitted(
     k: &Keys,
     timeout: Duration,
 ) -> Result<(), LockError> {
-    let mine = call(pool, timeout, "get", |c| {
-        let mut kv = c.kv_client();
-        let own = k.own.clone();
-        async move { kv.get(own, None).await }
-    })
-    .await?;
-    let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+    let Some(rev) = super::own_revision(pool, k, timeout).await? else {
         return Ok(());
     };
     let ahead = call(pool, timeout, "get", |c| {

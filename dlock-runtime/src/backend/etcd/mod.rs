@@ -845,6 +845,17 @@ async fn next_message(
     Ok(msg)
 }
 
+/// The create revision of the own key of `k`; `None` when it is gone.
+async fn own_revision(pool: &Pool, k: &Keys, timeout: Duration) -> Result<Option<i64>, LockError> {
+    let mine = call(pool, timeout, "get", |c| {
+        let mut kv = c.kv_client();
+        let own = k.own.clone();
+        async move { kv.get(own, None).await }
+    })
+    .await?;
+    Ok(mine.kvs().first().map(KeyValue::create_revision))
+}
+
 /// Reads the predecessor of the own key of `k`; `Ok(true)` when there is none (or the own key
 /// is gone: the waiter must ask again), `Ok(false)` once the predecessor was deleted. The own
 /// key's create revision is read the first time into `own_rev`; after that one transaction
@@ -866,13 +877,7 @@ async fn wait_predecessor(
     };
     let (pred_key, header_rev) = loop {
         let Some(rev) = *own_rev else {
-            let mine = call(pool, timeout, "get", |c| {
-                let mut kv = c.kv_client();
-                let own = k.own.clone();
-                async move { kv.get(own, None).await }
-            })
-            .await?;
-            let Some(rev) = mine.kvs().first().map(KeyValue::create_revision) else {
+            let Some(rev) = own_revision(pool, k, timeout).await? else {
                 return Ok(true);
             };
             *own_rev = Some(rev);
