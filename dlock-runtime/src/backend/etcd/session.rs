@@ -114,8 +114,16 @@ struct Entry {
 }
 
 impl Entry {
+    /// Whether a wanted key may be on session `id`: the one it is on, and while an attempt's
+    /// put is out (`Acquiring`), every session that put may have used — a queued attempt
+    /// joins the queue on the waiters' session while `session` names the holders' one, and a
+    /// revocation of the waiters' session then would delete the key it just put.
     fn wanted_on(&self, id: i64) -> bool {
-        self.session.id == id && !matches!(self.role, Role::Unwanted)
+        match self.role {
+            Role::Unwanted => false,
+            Role::Acquiring => self.session.id == id || self.touched.iter().any(|t| t.id == id),
+            _ => self.session.id == id,
+        }
     }
 }
 
