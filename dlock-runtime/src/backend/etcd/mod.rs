@@ -341,6 +341,12 @@ fn create_revision_at(ops: &[TxnOpResponse], i: usize) -> u64 {
         .map_or(0, |kv| kv.create_revision().unsigned_abs())
 }
 
+/// The revision the writes of a transaction that wrote got: the create revision of a key it
+/// created (etcd gives all of one transaction's writes one revision, and answers with it).
+fn written_revision(resp: &etcd_client::TxnResponse) -> u64 {
+    resp.header().map_or(0, |h| h.revision().unsigned_abs())
+}
+
 fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
     match resp {
         TxnOpResponse::Get(g) => g.kvs().first(),
@@ -516,17 +522,7 @@ impl EtcdBackend {
     }
 
     async fn relet_on(&self, own: &[u8], create: i64, lease: i64) -> Result<bool, LockError> {
-        let guard = if create == 0 {
-            Compare::create_revision(own, CompareOp::Greater, 0)
-        } else {
-            Compare::create_revision(own, CompareOp::Equal, create)
-        };
-        let txn = Txn::new().when([guard]).and_then([TxnOp::put(
-            own,
-            "",
-            Some(PutOptions::new().with_lease(lease).with_ignore_value()),
-        )]);
-        Ok(self.txn(txn).await?.succeeded())
+        Ok(self.txn(relet_txn(own, create, lease)).await?.succeeded())
     }
 
     /// One transaction: if no key exists under the lock's prefix (nor any key of `also_absent`),
@@ -550,21 +546,17 @@ impl EtcdBackend {
         otherwise.push(TxnOp::get(k.dir.clone(), Some(Self::head_options(&k.end))));
         let txn = Txn::new()
             .when(when)
-            .and_then([
-                TxnOp::put(
-                    k.own.clone(),
-                    value,
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                TxnOp::get(k.own.clone(), None),
-            ])
+            .and_then([TxnOp::put(
+                k.own.clone(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
             .or_else(otherwise);
         let resp = self.txn(txn).await?;
-        let ops = resp.op_responses();
         Ok(if resp.succeeded() {
-            Ok(create_revision_at(&ops, 1))
+            Ok(written_revision(&resp))
         } else {
-            Err(ops)
+            Err(resp.op_responses())
         })
     }
 
@@ -762,6 +754,21 @@ impl EtcdBackend {
             remaining: self.remaining(head).await?,
         })
     }
+}
+
+/// A transaction that moves the key `own` onto `lease` (value kept) if it exists with `create`
+/// revision (0: whatever its create revision).
+fn relet_txn(own: &[u8], create: i64, lease: i64) -> Txn {
+    let guard = if create == 0 {
+        Compare::create_revision(own, CompareOp::Greater, 0)
+    } else {
+        Compare::create_revision(own, CompareOp::Equal, create)
+    };
+    Txn::new().when([guard]).and_then([TxnOp::put(
+        own,
+        "",
+        Some(PutOptions::new().with_lease(lease).with_ignore_value()),
+    )])
 }
 
 /// The connect options for the member at `host`: `base`, with TLS for that host's name.

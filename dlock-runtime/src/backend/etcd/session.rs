@@ -13,9 +13,14 @@
 //!   every acquisition of the following second.
 //! * **A key nobody wants is never kept alive.** Every key this locker put on a session is in
 //!   the registry, with its role: held, waiting (until its waiter TTL runs out without a new
-//!   attempt), being acquired, or unwanted (released, abandoned, or a try that lost). Before
-//!   every keepalive of a session, the unwanted keys on it and its waiters past their time are
-//!   deleted; if that fails, there is no keepalive, and the lease runs out.
+//!   attempt), being acquired, being released, or unwanted (released with a put of it still
+//!   out, a release that failed, or a try that lost). Before every keepalive of a session, the
+//!   unwanted keys on it and its waiters past their time are deleted; if that fails, there is
+//!   no keepalive, and the lease runs out. A key being released is left to its release's own
+//!   delete (deleted by a keepalive first, the release would answer "not the owner").
+//! * **A session is revoked only under no wanted key.** A key's registry entry names every
+//!   session a put or move of it may have used *before* the request is sent, and a session is
+//!   revoked only when no entry that is not unwanted names it.
 //! * **A put that may still land is no orphan.** A put whose fate is unknown — its future was
 //!   dropped, its answer timed out, or a hedged sibling was still out when the answer came —
 //!   leaves its token *in flight*. When such a token is released or abandoned, it stays in the
@@ -96,6 +101,10 @@ enum Role {
     Waiting(Instant),
     /// Held.
     Held,
+    /// Released or abandoned, its delete on its way. Not deleted by a keepalive's pruning (the
+    /// release would find its key gone and answer "not the owner"), and its session is not
+    /// revoked under it, for the same reason.
+    Releasing,
     /// Released, abandoned or lost a try: deleted before the next keepalive.
     Unwanted,
 }
@@ -114,15 +123,20 @@ struct Entry {
 }
 
 impl Entry {
-    /// Whether a wanted key may be on session `id`: the one it is on, and while an attempt's
-    /// put is out (`Acquiring`), every session that put may have used — a queued attempt
-    /// joins the queue on the waiters' session while `session` names the holders' one, and a
-    /// revocation of the waiters' session then would delete the key it just put.
+    /// Whether a wanted key may be on session `id`: the one it is on, and while a put or move
+    /// of it is out (`Acquiring`) or may still land (`in_flight`), every session such a put
+    /// named — a queued attempt joins the queue on the waiters' session while `session` names
+    /// the holders' one, and a waiter that becomes the holder moves its key to the holders'
+    /// session before the registry says so; a revocation of that session in between would
+    /// delete the key just put there. A key being released is wanted until its delete lands.
     fn wanted_on(&self, id: i64) -> bool {
         match self.role {
             Role::Unwanted => false,
-            Role::Acquiring => self.session.id == id || self.touched.iter().any(|t| t.id == id),
-            _ => self.session.id == id,
+            _ if self.session.id == id => true,
+            role => {
+                (role == Role::Acquiring || self.in_flight > 0)
+                    && self.touched.iter().any(|t| t.id == id)
+            }
         }
     }
 }
@@ -146,7 +160,8 @@ impl Sessions {
     /// or is gone (`false`: nothing registered, pick sessions again). Checked under the same
     /// lock as [`idle_retired`](Self::idle_retired), which retired sessions are revoked by: a
     /// session picked before it was retired is either seen here as retired, or its put is
-    /// registered before the revocation looks, which then keeps it.
+    /// registered before the revocation looks, which then keeps it ([`Entry::wanted_on`]: a key
+    /// not held is `Acquiring` from here on, until its attempt says where it is).
     #[must_use]
     fn begin_put(&self, key: &TokenKey, own: &[u8], on: &[&Arc<Session>]) -> bool {
         let mut entries = lock(&self.entries);
@@ -161,7 +176,7 @@ impl Sessions {
             create: 0,
             in_flight: 0,
         });
-        if e.role == Role::Unwanted {
+        if e.role != Role::Held {
             e.role = Role::Acquiring;
         }
         e.in_flight += 1;
@@ -225,12 +240,13 @@ impl Sessions {
         lock(&self.entries).contains_key(key)
     }
 
-    /// Marks the token's key unwanted and returns it. A token with a put in flight becomes a
-    /// suspect: the sessions it used are retired.
+    /// Marks the token's key as being released and returns it; [`forget`](Self::forget) or
+    /// [`unwanted`](Self::unwanted) ends that. A token with a put in flight becomes a suspect:
+    /// the sessions it used are retired.
     fn leave(&self, key: &TokenKey) -> Option<Vec<u8>> {
         let mut entries = lock(&self.entries);
         let e = entries.get_mut(key)?;
-        e.role = Role::Unwanted;
+        e.role = Role::Releasing;
         if e.in_flight > 0 {
             let mut current = lock(&self.current);
             for s in &e.touched {
@@ -243,18 +259,33 @@ impl Sessions {
         Some(e.own.clone())
     }
 
-    /// The token's key is deleted: forgets it unless a put of it may still land. Returns the
-    /// sessions to look at for revocation.
+    /// The token's key is deleted: forgets it unless a put of it may still land (then it is
+    /// unwanted: deleted again before keepalives). Returns the sessions to look at for
+    /// revocation.
     fn forget(&self, key: &TokenKey) -> Vec<Arc<Session>> {
         let mut entries = lock(&self.entries);
-        let Some(e) = entries.get(key) else {
+        let Some(e) = entries.get_mut(key) else {
             return Vec::new();
         };
         let touched = e.touched.clone();
-        if e.role == Role::Unwanted && e.in_flight == 0 {
-            entries.remove(key);
+        if matches!(e.role, Role::Releasing | Role::Unwanted) {
+            if e.in_flight == 0 {
+                entries.remove(key);
+            } else {
+                e.role = Role::Unwanted;
+            }
         }
         touched
+    }
+
+    /// The release of the token's key failed: it goes before the next keepalive of its
+    /// session.
+    fn unwanted(&self, key: &TokenKey) {
+        if let Some(e) = lock(&self.entries).get_mut(key) {
+            if e.role == Role::Releasing {
+                e.role = Role::Unwanted;
+            }
+        }
     }
 
     /// Retired sessions of `candidates` that no wanted key is on any more.
@@ -294,7 +325,7 @@ impl Sessions {
             .filter(|(_, e)| match e.role {
                 Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
                 Role::Waiting(until) => waiters && until <= now && e.session.id == s.id,
-                Role::Acquiring | Role::Held => false,
+                Role::Acquiring | Role::Held | Role::Releasing => false,
             })
             .map(|(k, e)| (k.clone(), e.own.clone()))
             .collect()
@@ -479,27 +510,13 @@ impl EtcdBackend {
                 // The key is gone (deleted, or its lease ran out): queue again, at the back.
             }
         }
-        // A session another task's release retires (and may revoke once nothing it knows of
-        // is on it) between being picked and this put being registered is not used: the
-        // revocation would delete the key just put (see `Sessions::begin_put`).
-        let mut picks = 0;
-        let (hold, wait) = loop {
-            let hold = self.session(session_secs(args.ttl), args.ttl).await?;
-            let wait = match session_secs(args.waiter_ttl) {
-                secs if queue && secs != hold.secs => self.session(secs, args.waiter_ttl).await?,
-                _ => hold.clone(),
-            };
-            if self.sessions.begin_put(&key, &k.own, &[&hold, &wait]) {
-                break (hold, wait);
-            }
-            picks += 1;
-            if picks == 16 {
-                return Err(LockError::unavailable(
-                    "etcd: every session picked was retired before it could be used",
-                    None,
-                ));
-            }
-        };
+        let mut classes = vec![(session_secs(args.ttl), args.ttl)];
+        if queue && session_secs(args.waiter_ttl) != classes[0].0 {
+            classes.push((session_secs(args.waiter_ttl), args.waiter_ttl));
+        }
+        let picked = self.begin_put_on(&key, &k.own, &classes).await?;
+        let hold = picked[0].clone();
+        let wait = picked.last().unwrap_or(&hold).clone();
         // The holder's TTL is the value: it bounds the remaining lease others are told.
         let value = args.ttl.as_millis().to_string();
         let put_on = |lease: i64| {
@@ -527,7 +544,7 @@ impl EtcdBackend {
                 [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
                     .with_range(k.end.clone())],
             )
-            .and_then([put_on(hold.id), TxnOp::get(k.own.clone(), None)])
+            .and_then([put_on(hold.id)])
             .or_else(otherwise);
         let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
             let mut kv = c.kv_client();
@@ -539,7 +556,7 @@ impl EtcdBackend {
         let resp = resp?;
         let ops = resp.op_responses();
         if resp.succeeded() {
-            let rev = i64::try_from(create_revision_at(&ops, 1)).unwrap_or(0);
+            let rev = i64::try_from(super::written_revision(&resp)).unwrap_or(0);
             self.sessions.set_held(&key, &hold, rev);
             return Ok(Attempt::Acquired {
                 fencing_token: rev.unsigned_abs(),
@@ -625,13 +642,70 @@ impl EtcdBackend {
         lease: i64,
     ) -> Result<Attempt, LockError> {
         let hold = self.session(session_secs(args.ttl), args.ttl).await?;
-        if lease != hold.id && !self.relet_on(&k.own, create, hold.id).await? {
+        if lease == hold.id {
+            self.sessions.set_held(key, &hold, create);
+        } else if !self.move_held(key, &k.own, create, args.ttl).await? {
             return Ok(Attempt::Held { remaining: None });
         }
-        self.sessions.set_held(key, &hold, create);
         Ok(Attempt::Acquired {
             fencing_token: create.unsigned_abs(),
         })
+    }
+
+    /// Picks the usable session of each class of `classes` (`(secs, need)`) and registers a put
+    /// of the token's key on them. A session another task's release retires (and may revoke
+    /// once nothing it knows of is on it) between being picked and the put being registered
+    /// is not used: the revocation would delete the key just put (see `Sessions::begin_put`).
+    async fn begin_put_on(
+        &self,
+        key: &TokenKey,
+        own: &[u8],
+        classes: &[(i64, Duration)],
+    ) -> Result<Vec<Arc<Session>>, LockError> {
+        for _ in 0..16 {
+            let mut picked = Vec::with_capacity(classes.len());
+            for &(secs, need) in classes {
+                picked.push(self.session(secs, need).await?);
+            }
+            let on: Vec<&Arc<Session>> = picked.iter().collect();
+            if self.sessions.begin_put(key, own, &on) {
+                return Ok(picked);
+            }
+        }
+        Err(LockError::unavailable(
+            "etcd: every session picked was retired before it could be used",
+            None,
+        ))
+    }
+
+    /// Moves the registered token's key (of `create` revision) onto the session of `ttl`'s
+    /// class, registered there as a put before it is sent, and marks it held there.
+    /// `Ok(false)`: the key is gone.
+    async fn move_held(
+        &self,
+        key: &TokenKey,
+        own: &[u8],
+        create: i64,
+        ttl: Duration,
+    ) -> Result<bool, LockError> {
+        let to = self
+            .begin_put_on(key, own, &[(session_secs(ttl), ttl)])
+            .await?
+            .remove(0);
+        let txn = super::relet_txn(own, create, to.id);
+        let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
+            let mut kv = c.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await;
+        let moved = resp.map(|r| r.succeeded());
+        if let Ok(true) = moved {
+            // Held on `to` before the put is settled: no instant in which `to` looks idle.
+            self.sessions.set_held(key, &to, create);
+        }
+        self.sessions.end_put(key, settled);
+        moved
     }
 
     /// Release or abandon of a registered token: `None` when the token is not registered
@@ -652,7 +726,10 @@ impl EtcdBackend {
         // next keepalive of its session.
         let touched = match &deleted {
             Ok(_) => self.sessions.forget(key),
-            Err(_) => Vec::new(),
+            Err(_) => {
+                self.sessions.unwanted(key);
+                Vec::new()
+            }
         };
         self.revoke_idle(&touched);
         Some(deleted.map(|d| d.deleted() > 0))
@@ -675,11 +752,9 @@ impl EtcdBackend {
                     return Ok(self.still_on(&[own], cur.id).await?[0]);
                 }
                 // Another class: move the key to that class's session.
-                let s = self.session(secs, ttl).await?;
-                if !self.relet_on(&own, create, s.id).await? {
+                if !self.move_held(key, &own, create, ttl).await? {
                     return Ok(false);
                 }
-                self.sessions.set_held(key, &s, create);
                 self.revoke_idle(&[cur]);
                 Ok(true)
             }
@@ -761,5 +836,108 @@ impl EtcdBackend {
     /// Whether the token has a key on a session (renewed the session way).
     pub(super) fn registered(&self, key: &TokenKey) -> bool {
         self.sessions.is_registered(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(id: i64) -> Arc<Session> {
+        Arc::new(Session {
+            id,
+            secs: 6,
+            fresh_from: Mutex::new(Instant::now()),
+            stream: tokio::sync::Mutex::new(None),
+            retired: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+        })
+    }
+
+    fn idle(reg: &Sessions, s: &Arc<Session>) -> bool {
+        s.retired.store(true, Ordering::Release);
+        !reg.idle_retired(std::slice::from_ref(s)).is_empty()
+    }
+
+    /// A waiter admitted to the lock moves its key from the waiters' session to the holders'
+    /// one. Another task's suspect may retire the holders' session meanwhile, and its release
+    /// revokes a retired session nothing wanted is on: the move, registered before it is sent,
+    /// keeps the session (else the revocation deletes the lock just taken: a `Lost` release).
+    #[test]
+    fn a_session_a_waiter_moves_its_key_to_is_wanted_from_before_the_move() {
+        let reg = Sessions::default();
+        let (wait, hold) = (session(1), session(2));
+        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
+        assert!(reg.begin_put(&key, b"own", &[&wait]));
+        reg.end_put(&key, true);
+        reg.set(
+            &key,
+            &wait,
+            Role::Waiting(Instant::now() + Duration::from_secs(5)),
+        );
+        assert!(reg.begin_put(&key, b"own", &[&hold]), "hold is usable");
+        assert!(!idle(&reg, &hold), "the move may have landed on it");
+        reg.set_held(&key, &hold, 7);
+        reg.end_put(&key, true);
+        assert!(!idle(&reg, &hold), "held on it");
+        assert!(
+            idle(&reg, &wait),
+            "nothing is on the waiters' session any more"
+        );
+        reg.leave(&key);
+        reg.forget(&key);
+        assert!(idle(&reg, &hold), "released: nothing is on it");
+    }
+
+    /// A release marks its key and then deletes it. A keepalive's pruning in between must not
+    /// delete it first (the release would then be answered "not the owner": a `Lost` error
+    /// for a lock that was held), nor a revocation of its session; a release that failed
+    /// leaves the key to the next keepalive.
+    #[test]
+    fn a_key_being_released_is_deleted_by_its_release_alone() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
+        assert!(reg.begin_put(&key, b"own", &[&s]));
+        reg.set_held(&key, &s, 7);
+        reg.end_put(&key, true);
+        assert_eq!(reg.leave(&key).as_deref(), Some(&b"own"[..]));
+        assert!(
+            reg.doomed(&s, Instant::now(), true).is_empty(),
+            "not pruned while its delete is on its way"
+        );
+        assert!(
+            !idle(&reg, &s),
+            "not revoked while its delete is on its way"
+        );
+        reg.unwanted(&key);
+        let doomed = reg.doomed(&s, Instant::now(), true);
+        assert_eq!(
+            doomed.len(),
+            1,
+            "a failed release leaves it to the next keepalive"
+        );
+        reg.pruned(doomed, Instant::now());
+        assert!(!reg.is_registered(&key));
+        assert!(idle(&reg, &s));
+    }
+
+    /// The same for a held key moved to another class's session (an `extend` to another TTL):
+    /// while the move is out, both sessions may hold the key.
+    #[test]
+    fn a_held_key_being_moved_keeps_both_sessions() {
+        let reg = Sessions::default();
+        let (from, to) = (session(1), session(2));
+        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
+        assert!(reg.begin_put(&key, b"own", &[&from]));
+        reg.set_held(&key, &from, 7);
+        reg.end_put(&key, true);
+        assert!(reg.begin_put(&key, b"own", &[&to]));
+        assert!(!idle(&reg, &to), "the move may have landed on it");
+        from.retired.store(true, Ordering::Release);
+        assert!(
+            reg.idle_retired(std::slice::from_ref(&from)).is_empty(),
+            "still on it until the move lands"
+        );
     }
 }
