@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::conformance::Store;
 use dlock_runtime::Locker;
 use dlock_tests::redis_sentinel::{self, RedisSentinel};
-use dlock_tests::wait::poll_until;
+use dlock_tests::wait::{poll_until, Deadline};
 
 /// A connection of its own to the data node on `port`.
 async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
@@ -105,14 +105,17 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     let replica = 1 - old;
     let replica_port = deployment.servers[replica].port();
 
-    // Acknowledged: the replica has it once acquire returns.
-    let acked = locker
-        .lock("acked")
-        .ttl(ttl)
-        .replicas(1)
-        .acquire()
-        .await
-        .unwrap();
+    // Acknowledged: the replica has it once acquire returns. A replica that did not answer
+    // `WAIT` in time (a loaded machine) is an unavailable error and the lock given back: asked
+    // again.
+    let deadline = Deadline::after(Duration::from_secs(10));
+    let acked = loop {
+        match locker.lock("acked").ttl(ttl).replicas(1).acquire().await {
+            Ok(g) => break g,
+            Err(e) if e.is_unavailable() => deadline.check(format!("never acknowledged: {e}")),
+            Err(e) => panic!("acquire acked: {e}"),
+        }
+    };
     assert!(
         has_lock(replica_port, "acked").await,
         "acquire with .replicas(1) returned before the replica had the lock"
