@@ -48,9 +48,38 @@ fn redlock_store() -> (Arc<Vec<RedisServer>>, Store) {
         move |resource| {
             let servers = for_breaking.clone();
             Box::pin(async move {
+                // The holder's keys only (the value is its owner token, after a `|` when it
+                // carries flags): a holder that got in while the nodes were being visited —
+                // the broken one's watchdog gave up its other nodes — keeps its lock. The
+                // holder is the token on a majority (a competitor's failed attempt may sit on
+                // a node the holder's acquire never reached, until its undo lands).
+                let mut seen: Vec<(String, usize)> = Vec::new();
+                for s in servers.iter() {
+                    let value: Option<String> = s.query(redis::cmd("GET").arg(&resource)).await;
+                    let Some(token) = value.and_then(|v| v.rsplit('|').next().map(str::to_owned))
+                    else {
+                        continue;
+                    };
+                    match seen.iter_mut().find(|(t, _)| *t == token) {
+                        Some((_, n)) => *n += 1,
+                        None => seen.push((token, 1)),
+                    }
+                }
+                let holder = seen
+                    .into_iter()
+                    .find(|(_, n)| *n >= 3)
+                    .map(|(t, _)| t)
+                    .expect("no token holds the lock on a majority");
+                let script = redis::Script::new(
+                    "local v = redis.call('GET', KEYS[1]) \
+                     if v == ARGV[1] or (v and string.sub(v, -#ARGV[1] - 1) == '|' .. ARGV[1]) \
+                     then return redis.call('DEL', KEYS[1]) end return 0",
+                );
                 let mut deleted = 0;
                 for s in servers.iter() {
-                    deleted += s.query::<i64>(redis::cmd("DEL").arg(&resource)).await;
+                    let mut call = script.key(&resource);
+                    call.arg(&holder);
+                    deleted += call.invoke_async::<i64>(&mut s.conn().await).await.unwrap();
                 }
                 assert!(deleted >= 3, "lock was on {deleted} nodes only");
             })
