@@ -24,9 +24,26 @@ use crate::{BenchError, Plan};
 /// Concurrent tasks per driver (each on its own keys: no contention).
 pub(crate) const TASKS: usize = 8;
 
+/// One uncontended driver's figures: pairs per second, and this process's CPU per pair (the
+/// client's: only one driver runs at a time).
+#[derive(Clone, Copy)]
+pub(crate) struct Rate {
+    pub(crate) pairs_per_s: f64,
+    pub(crate) client_cpu_us_per_pair: f64,
+}
+
+impl Rate {
+    pub(crate) fn json(&self) -> Value {
+        json!({
+            "pairs_per_s": self.pairs_per_s.round(),
+            "client_cpu_us_per_pair": round1(self.client_cpu_us_per_pair),
+        })
+    }
+}
+
 /// Runs `pair` (one lock + unlock of key `i`) from [`TASKS`] tasks for the warm-up, then counts
-/// pairs for the window.
-pub(crate) async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<f64, BenchError>
+/// pairs and this process's CPU for the window.
+pub(crate) async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<Rate, BenchError>
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = Result<(), BenchError>> + Send,
@@ -52,20 +69,23 @@ where
     }
     tokio::time::sleep(plan.warm).await;
     counting.store(true, Ordering::Relaxed);
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), crate::sys::cpu_secs());
     tokio::time::sleep(plan.measure).await;
     let pairs = done.load(Ordering::Relaxed);
-    let took = start.elapsed();
+    let (took, cpu) = (start.elapsed(), crate::sys::cpu_secs() - cpu);
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await??;
     }
-    Ok(pairs as f64 / took.as_secs_f64())
+    Ok(Rate {
+        pairs_per_s: pairs as f64 / took.as_secs_f64(),
+        client_cpu_us_per_pair: cpu * 1e6 / pairs.max(1) as f64,
+    })
 }
 
 /// Uncontended pairs per second of a locker on `url`: `try_acquire` + `release` of key `i`
 /// (64 keys per task, TTL 10 s), [`TASKS`] tasks.
-pub(crate) async fn measure_dlock(plan: &Plan, url: &str) -> Result<f64, BenchError> {
+pub(crate) async fn measure_dlock(plan: &Plan, url: &str) -> Result<Rate, BenchError> {
     let locker = dlock_runtime::Locker::from_url(url).await?;
     measure(plan, move |t, n| {
         let locker = locker.clone();
@@ -193,9 +213,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
     drop(member);
     Ok(json!({
         "tasks": TASKS,
-        "dlock": { "pairs_per_s": dlock.round() },
-        "bare_txn": { "pairs_per_s": bare_txn.round() },
-        "lock_rpc": { "pairs_per_s": lock_rpc.round() },
+        "dlock": dlock.json(),
+        "bare_txn": bare_txn.json(),
+        "lock_rpc": lock_rpc.json(),
         "contended": {
             "tasks": contended::TASKS,
             "dlock": contended_json(&contended_dlock),

@@ -520,8 +520,14 @@ async fn run(plan: Plan) -> Result<(), BenchError> {
         progress("etcd: starting one etcd member");
         let v = etcd::run(&plan).await?;
         progress(format!(
-            "etcd         dlock : {} pairs/s; bare txn {} pairs/s; etcd lock RPC {} pairs/s",
-            v["dlock"]["pairs_per_s"], v["bare_txn"]["pairs_per_s"], v["lock_rpc"]["pairs_per_s"]
+            "etcd         dlock : {} pairs/s ({} µs client CPU per pair); bare txn {} pairs/s \
+             ({} µs); etcd lock RPC {} pairs/s ({} µs)",
+            v["dlock"]["pairs_per_s"],
+            v["dlock"]["client_cpu_us_per_pair"],
+            v["bare_txn"]["pairs_per_s"],
+            v["bare_txn"]["client_cpu_us_per_pair"],
+            v["lock_rpc"]["pairs_per_s"],
+            v["lock_rpc"]["client_cpu_us_per_pair"]
         ));
         let (d, r) = (&v["contended"]["dlock"], &v["contended"]["lock_rpc"]);
         progress(format!(

@@ -83,6 +83,7 @@ fn ratios(s: &Value) -> Value {
         json!({
             "pairs_per_s_dlock_over_bare_txn": div(s, "etcd.dlock.pairs_per_s", "etcd.bare_txn.pairs_per_s"),
             "pairs_per_s_dlock_over_lock_rpc": div(s, "etcd.dlock.pairs_per_s", "etcd.lock_rpc.pairs_per_s"),
+            "client_cpu_dlock_over_bare_txn": div(s, "etcd.dlock.client_cpu_us_per_pair", "etcd.bare_txn.client_cpu_us_per_pair"),
             "contended_cs_per_s_dlock_over_lock_rpc": div(s, "etcd.contended.dlock.cs_per_s", "etcd.contended.lock_rpc.cs_per_s"),
             "contended_handoff_p50_lock_rpc_over_dlock": div(s, "etcd.contended.lock_rpc.handoff_p50_us", "etcd.contended.dlock.handoff_p50_us"),
             "contended_handoff_p99_lock_rpc_over_dlock": div(s, "etcd.contended.lock_rpc.handoff_p99_us", "etcd.contended.dlock.handoff_p99_us"),

@@ -130,9 +130,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
     drop(server);
     Ok(json!({
         "tasks": crate::etcd::TASKS,
-        "dlock": { "pairs_per_s": dlock.round() },
-        "bare_create_delete": { "pairs_per_s": bare.round() },
-        "recipe": { "pairs_per_s": recipe.round() },
+        "dlock": dlock.json(),
+        "bare_create_delete": bare.json(),
+        "recipe": recipe.json(),
         "contended": {
             "tasks": contended::TASKS,
             "dlock": contended_json(&contended_dlock),
