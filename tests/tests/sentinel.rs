@@ -229,8 +229,14 @@ async fn a_master_demoted_with_its_connections_up_is_followed() {
         Duration::from_secs(30),
         Duration::from_millis(10),
         async || {
+            // Connecting may fail too while the sentinels reconfigure it (a broken pipe).
+            let mut conn = redis::Client::open(format!("redis://127.0.0.1:{old_port}"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .map_err(|e| e.to_string())?;
             let role: Vec<redis::Value> = redis::cmd("ROLE")
-                .query_async(&mut node_conn(old_port).await)
+                .query_async(&mut conn)
                 .await
                 .map_err(|e| e.to_string())?;
             match role.first() {
