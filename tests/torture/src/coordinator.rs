@@ -742,6 +742,13 @@ impl Phase {
                     q.resume(member);
                 })
                 .await?;
+                if leader == Some(member) {
+                    // To the others a frozen leader is a dead one, and a thawed one is stale:
+                    // the ensemble serves again once a leader has a quorum (after an election,
+                    // or the old leader re-established). Lifted then, as a leader-kill is lifted
+                    // when another member leads (the fault's "lasted" shows how long it took).
+                    q.run(|q| q.heal()).await?;
+                }
                 let end_us = self.record("member-freeze-end".into()).await?;
                 q.run(|q| q.heal()).await?;
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
