@@ -483,7 +483,13 @@ impl EtcdBackend {
     }
 
     async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
-        self.call("txn", |c| {
+        self.txn_tracked(txn).await.0
+    }
+
+    /// [`txn`](Self::txn), also telling whether it is settled ([`pool::call_tracked`]): a put
+    /// in it that may still land must stay registered.
+    async fn txn_tracked(&self, txn: Txn) -> (Result<etcd_client::TxnResponse, LockError>, bool) {
+        pool::call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
             let mut kv = c.kv_client();
             let txn = txn.clone();
             async move { kv.txn(txn).await }

@@ -44,7 +44,7 @@ use etcd_client::{
 use tokio::time::Instant;
 
 use super::kinds::{admitted, kvs_at, line_options};
-use super::pool::{call, call_tracked, per_try};
+use super::pool::{call, per_try};
 use super::{create_revision_at, first_kv, lease_secs, EtcdBackend, Keys};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
 use crate::key::LockKind;
@@ -546,12 +546,7 @@ impl EtcdBackend {
             )
             .and_then([put_on(hold.id)])
             .or_else(otherwise);
-        let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
-            let mut kv = c.kv_client();
-            let txn = txn.clone();
-            async move { kv.txn(txn).await }
-        })
-        .await;
+        let (resp, settled) = self.txn_tracked(txn).await;
         self.sessions.end_put(&key, settled);
         let resp = resp?;
         let ops = resp.op_responses();
@@ -693,12 +688,7 @@ impl EtcdBackend {
             .await?
             .remove(0);
         let txn = super::relet_txn(own, create, to.id);
-        let (resp, settled) = call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
-            let mut kv = c.kv_client();
-            let txn = txn.clone();
-            async move { kv.txn(txn).await }
-        })
-        .await;
+        let (resp, settled) = self.txn_tracked(txn).await;
         let moved = resp.map(|r| r.succeeded());
         if let Ok(true) = moved {
             // Held on `to` before the put is settled: no instant in which `to` looks idle.
