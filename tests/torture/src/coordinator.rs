@@ -1066,6 +1066,24 @@ impl Phase {
                 stall.after_ms,
                 stall.gap_ms,
             );
+            // A stall over the bound explains itself: what the key's log shows in it.
+            if !over.is_empty() {
+                if let Some((k, from, to)) =
+                    report::stall_window(&completions, &self.faults, stop_us, n)
+                {
+                    let key = &self.keys[k];
+                    println!(
+                        "[{tag}]   key {key}: no accepted write from {from} to {to} µs (fault {} from {} to {} µs)",
+                        n + 1,
+                        f.start_us,
+                        f.end_us
+                    );
+                    let log = logs.get(key).map_or(&[][..], Vec::as_slice);
+                    for line in report::excerpt(log, from, to, 12) {
+                        println!("[{tag}]     {line}");
+                    }
+                }
+            }
         }
         // Overlaps of two live holders, charged to the latest fault that started before the
         // second one entered.

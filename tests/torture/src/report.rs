@@ -38,7 +38,7 @@
 //!   holder is frozen or dead), for a restart, latency or cut only what follows the fault's
 //!   end.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::config::FaultKind;
 
@@ -427,6 +427,69 @@ pub(crate) fn stalls(
     (per_fault, max)
 }
 
+/// Where the longest stall charged to fault `fault` after it was lifted lies: the key's index
+/// in `completions` and the interval without an accepted write (µs, from, to). For printing
+/// the log around a stall over the bound (see [`stalls`] for how intervals are charged).
+pub(crate) fn stall_window(
+    completions: &[Vec<u64>],
+    faults: &[FaultRecord],
+    stop_us: u64,
+    fault: usize,
+) -> Option<(usize, u64, u64)> {
+    let first = faults.first()?;
+    let mut best: Option<(u64, (usize, u64, u64))> = None;
+    for (key, times) in completions.iter().enumerate() {
+        let mut prev = first.start_us;
+        let points = times
+            .iter()
+            .copied()
+            .filter(|&t| t > first.start_us && t < stop_us)
+            .chain(std::iter::once(stop_us));
+        for t in points {
+            if faults.iter().rposition(|f| f.start_us < t) == Some(fault) {
+                let after = t.saturating_sub(prev.max(faults[fault].lifted_us()));
+                if best.is_none_or(|(b, _)| after > b) {
+                    best = Some((after, (key, prev, t)));
+                }
+            }
+            prev = t;
+        }
+    }
+    best.map(|(_, w)| w)
+}
+
+/// A short account of a key's log (`<µs> <record> …` lines) between `from_us` and `to_us`:
+/// how many records of each kind, then the first and last `ends` records of the interval.
+pub(crate) fn excerpt(log: &[String], from_us: u64, to_us: u64, ends: usize) -> Vec<String> {
+    let inside: Vec<&String> = log
+        .iter()
+        .filter(|l| {
+            l.split(' ')
+                .next()
+                .and_then(|t| t.parse::<u64>().ok())
+                .is_some_and(|t| t >= from_us && t <= to_us)
+        })
+        .collect();
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for l in &inside {
+        *kinds.entry(l.split(' ').nth(1).unwrap_or("?")).or_default() += 1;
+    }
+    let counts: Vec<String> = kinds.iter().map(|(k, n)| format!("{k}={n}")).collect();
+    let mut out = vec![format!(
+        "{} records in the interval: {}",
+        inside.len(),
+        counts.join(" ")
+    )];
+    if inside.len() <= 2 * ends {
+        out.extend(inside.iter().map(|l| (*l).clone()));
+    } else {
+        out.extend(inside[..ends].iter().map(|l| (*l).clone()));
+        out.push(format!("… {} more …", inside.len() - 2 * ends));
+        out.extend(inside[inside.len() - ends..].iter().map(|l| (*l).clone()));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -527,5 +590,39 @@ mod tests {
         let st = |gap_ms, after_ms| Stall { gap_ms, after_ms };
         assert_eq!(per, vec![st(1_000, 1_000), st(1_500, 500)]);
         assert_eq!(max, st(1_500, 1_000));
+        // The latency's longest stall after it was lifted (500 ms on both keys; the first
+        // found): key 0, from its write at 2.1 s to the stop.
+        assert_eq!(
+            stall_window(&completions, &faults, 3_500_000, 1),
+            Some((0, 2_100_000, 3_500_000))
+        );
+        // The pause's: key 0, from its start to the next write.
+        assert_eq!(
+            stall_window(&completions, &faults, 3_500_000, 0),
+            Some((0, 1_000_000, 2_000_000))
+        );
+    }
+
+    #[test]
+    fn an_excerpt_counts_the_records_of_the_interval_and_shows_its_ends() {
+        let l = log(&[
+            "10 B 1 w1 0 0",
+            "20 b 1 w2",
+            "30 b 1 w3",
+            "40 b 1 w4",
+            "50 W 2 w5",
+            "60 E 2 w5 ok",
+        ]);
+        let e = excerpt(&l, 20, 50, 1);
+        assert_eq!(
+            e,
+            vec![
+                "4 records in the interval: W=1 b=3".to_owned(),
+                "20 b 1 w2".to_owned(),
+                "… 2 more …".to_owned(),
+                "50 W 2 w5".to_owned(),
+            ]
+        );
+        assert_eq!(excerpt(&l, 55, 65, 1).len(), 2);
     }
 }
