@@ -104,9 +104,8 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
 ) -> (Result<T, LockError>, bool) {
     let deadline = Instant::now() + timeout;
     let hedge_after = per_try(timeout);
-    let mut tries = FuturesUnordered::new();
     // (member, started) of the tries in flight.
-    let mut pending: Vec<(usize, Instant)> = Vec::new();
+    let mut pending: Vec<(usize, Instant)> = Vec::with_capacity(1);
     let mut start = |pending: &mut Vec<(usize, Instant)>| {
         let busy: Vec<usize> = pending.iter().map(|p| p.0).collect();
         let i = pool.pick(&busy);
@@ -114,56 +113,82 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
         let fut = request(&pool.members[i]);
         async move { (i, fut.await) }
     };
-    tries.push(start(&mut pending));
-    let mut next_try = Instant::now() + hedge_after;
+    // The first try is polled in place; the hedged ones (rare: a member that does not answer)
+    // go into a set made when the first of them starts. One timer serves the hedge and the
+    // deadline. (What a request costs the client is most of what a lock costs it.)
+    let first = start(&mut pending);
+    tokio::pin!(first);
+    let mut first_live = true;
+    let mut hedged = None::<FuturesUnordered<_>>;
+    let mut next_try = (Instant::now() + hedge_after).min(deadline);
+    let timer = tokio::time::sleep_until(next_try);
+    tokio::pin!(timer);
     let mut last: Option<etcd_client::Error> = None;
     // A try that failed may have been applied all the same (a lost answer).
     let mut doubtful = false;
     loop {
-        tokio::select! {
-            Some((i, answer)) = tries.next() => {
+        let answered = tokio::select! {
+            biased;
+            a = &mut first, if first_live => {
+                first_live = false;
+                Some(a)
+            }
+            Some(a) = async { hedged.as_mut()?.next().await }, if hedged.as_ref().is_some_and(|h| !h.is_empty()) => {
+                Some(a)
+            }
+            () = &mut timer => None,
+        };
+        let in_flight = |first_live: bool, hedged: &Option<FuturesUnordered<_>>| {
+            first_live || hedged.as_ref().is_some_and(|h| !h.is_empty())
+        };
+        match answered {
+            Some((i, answer)) => {
                 pending.retain(|p| p.0 != i);
+                let settled = !in_flight(first_live, &hedged) && !doubtful;
                 match answer {
                     Ok(v) => {
                         pool.trust(i);
-                        return (Ok(v), tries.is_empty() && !doubtful);
+                        return (Ok(v), settled);
                     }
                     Err(e) if !retryable(&e) => {
                         let err = LockError::unavailable(
                             format!("etcd {what} failed"),
                             Some(Box::new(e)),
                         );
-                        return (Err(err), tries.is_empty() && !doubtful);
+                        return (Err(err), settled);
                     }
                     Err(e) => {
                         pool.suspect(i);
                         doubtful = true;
                         last = Some(e);
-                        if tries.is_empty() {
-                            next_try = Instant::now() + Duration::from_millis(10);
+                        if !in_flight(first_live, &hedged) {
+                            next_try = (Instant::now() + Duration::from_millis(10)).min(deadline);
+                            timer.as_mut().reset(next_try);
                         }
                     }
                 }
             }
-            () = tokio::time::sleep_until(next_try) => {
+            None => {
                 let now = Instant::now();
+                if now >= deadline {
+                    let source = last.map(|e| Box::new(e) as crate::BoxError);
+                    let err = LockError::unavailable(
+                        format!("etcd {what}: no answer within {timeout:?}"),
+                        source,
+                    );
+                    return (Err(err), false);
+                }
                 for &(i, at) in &pending {
                     if now - at >= hedge_after {
                         pool.suspect(i);
                     }
                 }
-                if tries.len() < MAX_TRIES {
-                    tries.push(start(&mut pending));
+                if pending.len() < MAX_TRIES {
+                    let fut = start(&mut pending);
+                    hedged.get_or_insert_with(FuturesUnordered::new).push(fut);
                 }
-                next_try = now + hedge_after;
-            }
-            () = tokio::time::sleep_until(deadline) => {
-                let source = last.map(|e| Box::new(e) as crate::BoxError);
-                let err = LockError::unavailable(
-                    format!("etcd {what}: no answer within {timeout:?}"),
-                    source,
-                );
-                return (Err(err), false);
+                next_try = (now + hedge_after).min(deadline);
+                timer.as_mut().reset(next_try);
             }
         }
     }
