@@ -41,13 +41,60 @@ impl Rate {
     }
 }
 
+/// One measured window of one driver: pairs done, how long it took, this process's CPU.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Window {
+    pairs: u64,
+    secs: f64,
+    cpu_secs: f64,
+}
+
+impl Window {
+    /// The rate over windows pooled (pairs and seconds summed).
+    fn pooled(windows: &[Window]) -> Rate {
+        let (pairs, secs, cpu) = windows.iter().fold((0, 0.0, 0.0), |(p, s, c), w| {
+            (p + w.pairs, s + w.secs, c + w.cpu_secs)
+        });
+        Rate {
+            pairs_per_s: pairs as f64 / secs.max(f64::MIN_POSITIVE),
+            client_cpu_us_per_pair: cpu * 1e6 / pairs.max(1) as f64,
+        }
+    }
+}
+
+/// A driver's pair: one lock + unlock by task `t` (its `n`th), boxed so that drivers of
+/// different types take turns in [`interleaved`].
+pub(crate) type PairFn = Arc<
+    dyn Fn(usize, u64) -> futures_util::future::BoxFuture<'static, Result<(), BenchError>>
+        + Send
+        + Sync,
+>;
+
+/// Boxes a pair closure into a [`PairFn`].
+pub(crate) fn pair_fn<F, Fut>(f: F) -> PairFn
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), BenchError>> + Send + 'static,
+{
+    Arc::new(move |t, n| Box::pin(f(t, n)))
+}
+
+/// Runs each driver's window once per round, drivers taking turns (as the Redis scenarios
+/// do: background drift and the store's own growth hit every driver alike), and pools each
+/// driver's rounds.
+pub(crate) async fn interleaved(plan: &Plan, drivers: &[PairFn]) -> Result<Vec<Rate>, BenchError> {
+    let mut windows = vec![Vec::new(); drivers.len()];
+    for _ in 0..plan.rounds {
+        for (d, pair) in drivers.iter().enumerate() {
+            windows[d].push(measure(plan, pair.clone()).await?);
+        }
+    }
+    Ok(windows.iter().map(|w| Window::pooled(w)).collect())
+}
+
 /// Runs `pair` (one lock + unlock of key `i`) from [`TASKS`] tasks for the warm-up, then counts
 /// pairs and this process's CPU for the window.
-pub(crate) async fn measure<F, Fut>(plan: &Plan, pair: F) -> Result<Rate, BenchError>
-where
-    F: Fn(usize, u64) -> Fut + Send + Sync + Clone + 'static,
-    Fut: std::future::Future<Output = Result<(), BenchError>> + Send,
-{
+async fn measure(plan: &Plan, pair: PairFn) -> Result<Window, BenchError> {
     let counting = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
@@ -77,17 +124,17 @@ where
     for t in tasks {
         t.await??;
     }
-    Ok(Rate {
-        pairs_per_s: pairs as f64 / took.as_secs_f64(),
-        client_cpu_us_per_pair: cpu * 1e6 / pairs.max(1) as f64,
+    Ok(Window {
+        pairs,
+        secs: took.as_secs_f64(),
+        cpu_secs: cpu,
     })
 }
 
-/// Uncontended pairs per second of a locker on `url`: `try_acquire` + `release` of key `i`
-/// (64 keys per task, TTL 10 s), [`TASKS`] tasks.
-pub(crate) async fn measure_dlock(plan: &Plan, url: &str) -> Result<Rate, BenchError> {
-    let locker = dlock_runtime::Locker::from_url(url).await?;
-    measure(plan, move |t, n| {
+/// The dlock driver's pair on `locker`: `try_acquire` + `release` of key `n % 64` of task `t`
+/// (TTL 10 s).
+pub(crate) fn dlock_pair(locker: dlock_runtime::Locker) -> PairFn {
+    pair_fn(move |t, n| {
         let locker = locker.clone();
         async move {
             let key = format!("bench:{t}:{}", n % 64);
@@ -101,7 +148,6 @@ pub(crate) async fn measure_dlock(plan: &Plan, url: &str) -> Result<Rate, BenchE
             Ok(())
         }
     })
-    .await
 }
 
 /// [`contended::run_with`] for a locker on `url`: `OnFail::retry` (the fair queue), TTL 10 s.
@@ -139,9 +185,8 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
     let url = member.url();
     let endpoint = url.replacen("etcd://", "http://", 1);
     let client = Client::connect([endpoint.as_str()], None).await?;
-    let lease_ttl = 30;
-
-    let dlock = measure_dlock(plan, &url).await?;
+    // Never renewed: long enough for every round of every driver.
+    let lease_ttl = 3600;
 
     let mut leases = Vec::new();
     for _ in 0..TASKS {
@@ -149,7 +194,7 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
     }
     let leases = Arc::new(leases);
     let (c, l) = (client.clone(), leases.clone());
-    let bare_txn = measure(plan, move |t, n| {
+    let bare_txn = pair_fn(move |t, n| {
         let (mut kv, lease) = (c.kv_client(), l[t]);
         async move {
             let key = format!("floor/{t}/{}", n % 64);
@@ -166,11 +211,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
             kv.delete(key, None).await?;
             Ok(())
         }
-    })
-    .await?;
-
+    });
     let (c, l) = (client.clone(), leases.clone());
-    let lock_rpc = measure(plan, move |t, n| {
+    let lock_rpc = pair_fn(move |t, n| {
         let (mut lock, lease) = (c.lock_client(), l[t]);
         async move {
             let name = format!("rpc/{t}/{}", n % 64);
@@ -180,8 +223,10 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
             lock.unlock(held.key().to_vec()).await?;
             Ok(())
         }
-    })
-    .await?;
+    });
+    let dlock = dlock_pair(dlock_runtime::Locker::from_url(&url).await?);
+    let rates = interleaved(plan, &[dlock, bare_txn, lock_rpc]).await?;
+    let (dlock, bare_txn, lock_rpc) = (rates[0], rates[1], rates[2]);
     let contended_dlock = contended_dlock(plan, &url).await?;
     let mut leases = Vec::new();
     for _ in 0..contended::TASKS {

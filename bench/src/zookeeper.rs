@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use zookeeper_client::{Acls, Client, CreateMode};
 
 use crate::contended;
-use crate::etcd::{contended_dlock, contended_json, measure, measure_dlock};
+use crate::etcd::{contended_dlock, contended_json, dlock_pair, interleaved, pair_fn};
 use crate::{BenchError, Plan};
 
 /// A node name's sequence (`…-0000000042` → 42).
@@ -81,10 +81,8 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
             .await?;
     }
 
-    let dlock = measure_dlock(plan, &url).await?;
-
     let c = Arc::new(client.clone());
-    let bare = measure(plan, move |t, _| {
+    let bare = pair_fn(move |t, _| {
         let c = c.clone();
         async move {
             let opts = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
@@ -92,19 +90,19 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
             c.delete(&format!("/floor/{t}/n-{seq}"), None).await?;
             Ok(())
         }
-    })
-    .await?;
-
+    });
     let c = Arc::new(client.clone());
-    let recipe = measure(plan, move |t, _| {
+    let recipe = pair_fn(move |t, _| {
         let c = c.clone();
         async move {
             let own = recipe_lock(&c, &format!("/floor/{t}")).await?;
             c.delete(&own, None).await?;
             Ok(())
         }
-    })
-    .await?;
+    });
+    let dlock = dlock_pair(dlock_runtime::Locker::from_url(&url).await?);
+    let rates = interleaved(plan, &[dlock, bare, recipe]).await?;
+    let (dlock, bare, recipe) = (rates[0], rates[1], rates[2]);
 
     let contended_dlock = contended_dlock(plan, &url).await?;
     let c = Arc::new(client.clone());
