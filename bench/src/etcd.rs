@@ -25,11 +25,14 @@ use crate::{BenchError, Plan};
 pub(crate) const TASKS: usize = 8;
 
 /// One uncontended driver's figures: pairs per second, and this process's CPU per pair (the
-/// client's: only one driver runs at a time).
-#[derive(Clone, Copy)]
+/// client's: only one driver runs at a time), pooled over the rounds; and each round's pairs
+/// per second (a rate that falls round after round shows a cost that grows with the store's
+/// history).
+#[derive(Clone)]
 pub(crate) struct Rate {
     pub(crate) pairs_per_s: f64,
     pub(crate) client_cpu_us_per_pair: f64,
+    pub(crate) rounds_pairs_per_s: Vec<f64>,
 }
 
 impl Rate {
@@ -37,6 +40,7 @@ impl Rate {
         json!({
             "pairs_per_s": self.pairs_per_s.round(),
             "client_cpu_us_per_pair": round1(self.client_cpu_us_per_pair),
+            "rounds_pairs_per_s": self.rounds_pairs_per_s.iter().map(|r| r.round()).collect::<Vec<_>>(),
         })
     }
 }
@@ -58,6 +62,10 @@ impl Window {
         Rate {
             pairs_per_s: pairs as f64 / secs.max(f64::MIN_POSITIVE),
             client_cpu_us_per_pair: cpu * 1e6 / pairs.max(1) as f64,
+            rounds_pairs_per_s: windows
+                .iter()
+                .map(|w| w.pairs as f64 / w.secs.max(f64::MIN_POSITIVE))
+                .collect(),
         }
     }
 }
@@ -226,7 +234,7 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
     });
     let dlock = dlock_pair(dlock_runtime::Locker::from_url(&url).await?);
     let rates = interleaved(plan, &[dlock, bare_txn, lock_rpc]).await?;
-    let (dlock, bare_txn, lock_rpc) = (rates[0], rates[1], rates[2]);
+    let [dlock, bare_txn, lock_rpc] = <[Rate; 3]>::try_from(rates).map_err(|_| "three rates")?;
     let contended_dlock = contended_dlock(plan, &url).await?;
     let mut leases = Vec::new();
     for _ in 0..contended::TASKS {
