@@ -288,3 +288,132 @@ async fn durable_queue_runs_behind_sentinel() {
     let url = redis_sentinel::shared().lock().unwrap().url();
     dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
 }
+
+/// How long a waiter (of `waiting`) queued on `key` takes to get the lock after its holder (of
+/// `holding`, another locker: the notification must come through the master) releases it. The
+/// waiting locker's waiter TTL is long, so a waiter that misses the release's notification
+/// would only find out on its fallback re-check, seconds later.
+async fn handoff_after_release(holding: &Locker, waiting: &Locker, key: &'static str) -> Duration {
+    let holder = holding.lock(key).acquire().await.unwrap();
+    let waiter = {
+        let locker = waiting.clone();
+        tokio::spawn(async move {
+            let g = locker
+                .lock(key)
+                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
+                .acquire()
+                .await
+                .unwrap();
+            let at = Instant::now();
+            g.release().await.unwrap();
+            at
+        })
+    };
+    // Time for the waiter to queue (the notification, not this pause, is what is measured).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    waiter.await.unwrap().saturating_duration_since(released)
+}
+
+/// After a failover the locker subscribes to the release channels on the new master: a waiter
+/// is handed the lock by the release's notification, not by its fallback re-check (which, with
+/// this locker's 30 s waiter TTL, comes 10 s later) — also for a lock whose last local waiter
+/// gave up while the master was down. The fault harness found lockers running on the fallback
+/// after a master kill (handoff gaps of 100–490 ms instead of 0–4 ms, and a key stalled past
+/// the liveness bound): the unsubscribe that could not reach the dead master was forgotten by
+/// the connection but not by the backend, so the channel was never subscribed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_notifications_reach_waiters_after_a_failover() {
+    let mut deployment = RedisSentinel::start();
+    let connect = async || {
+        Locker::builder()
+            .command_timeout(Duration::from_millis(500))
+            .waiter_ttl(Duration::from_secs(30))
+            .connect(&deployment.url())
+            .await
+            .unwrap()
+    };
+    let (holding, waiting) = (connect().await, connect().await);
+    let quick = Duration::from_secs(2);
+    let before = handoff_after_release(&holding, &waiting, "notified").await;
+    assert!(
+        before < quick,
+        "handoff before the failover took {before:?}"
+    );
+
+    // A waiter is subscribed to the lock's channel when the master dies, and gives up while it
+    // is down: its locker drops the subscription it no longer needs, which the dead master
+    // cannot confirm.
+    let holder = holding.lock("notified").acquire().await.unwrap();
+    let gave_up = {
+        let locker = waiting.clone();
+        tokio::spawn(async move {
+            locker
+                .lock("notified")
+                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
+                .acquire()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let old = deployment.master_index();
+    let old_port = deployment.servers[old].port();
+    deployment.servers[old].stop();
+    gave_up.abort();
+    deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    // The holder's lock (on the dead master alone) is gone with it.
+    drop(holder);
+    for locker in [&holding, &waiting] {
+        taken_once_followed(locker, "notified", Duration::from_secs(5))
+            .await
+            .release()
+            .await
+            .unwrap();
+    }
+    // The old master comes back (empty, calling itself master until the sentinels demote it).
+    deployment.servers[old].restart();
+    // A waiter of the lock: its locker is subscribed to the lock's channel on the new master.
+    let promoted = deployment.master_port().expect("a master");
+    let holder = holding.lock("notified").acquire().await.unwrap();
+    let waiter = {
+        let locker = waiting.clone();
+        tokio::spawn(async move {
+            locker
+                .lock("notified")
+                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
+                .acquire()
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        })
+    };
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            let n: Vec<(String, i64)> = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg("dlock:{notified}:ch")
+                .query_async(&mut node_conn(promoted).await)
+                .await
+                .map_err(|e| e.to_string())?;
+            match n.first() {
+                Some((_, subscribers)) if *subscribers >= 1 => Ok(()),
+                other => Err(format!("subscribers on the new master: {other:?}")),
+            }
+        },
+    )
+    .await;
+    holder.release().await.unwrap();
+    waiter.await.unwrap();
+    for round in 0..3 {
+        let after = handoff_after_release(&holding, &waiting, "notified").await;
+        assert!(
+            after < quick,
+            "handoff {round} after the failover took {after:?}: the waiter missed the notification"
+        );
+    }
+}

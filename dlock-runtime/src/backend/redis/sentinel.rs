@@ -243,14 +243,20 @@ impl SentinelConn {
         r
     }
 
-    /// The reverse of [`subscribe`](SentinelConn::subscribe).
+    /// The reverse of [`subscribe`](SentinelConn::subscribe). The channel is forgotten only
+    /// once the master confirmed: the backend counts a channel whose unsubscribe failed (a
+    /// master down) as still subscribed and never subscribes it again, so the next master must
+    /// get it too. (A channel forgotten here but not there left the lock's waiters without
+    /// notifications after every failover: they ran on their fallback timers.)
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
-        self.shared
-            .channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(channel);
         let r = self.shared.current().conn.unsubscribe(channel).await;
+        if r.is_ok() {
+            self.shared
+                .channels
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(channel);
+        }
         self.shared.after(&r);
         r
     }
