@@ -289,11 +289,59 @@ async fn durable_queue_runs_behind_sentinel() {
     dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
 }
 
+/// Waits (5 s at most) until a waiter is in `key`'s queue on the master at `master`.
+async fn queued(master: u16, key: &'static str) {
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let n: i64 = redis::cmd("LLEN")
+                .arg(format!("dlock:{{{key}}}:q"))
+                .query_async(&mut node_conn(master).await)
+                .await
+                .map_err(|e| e.to_string())?;
+            if n >= 1 {
+                Ok(())
+            } else {
+                Err("no waiter queued".to_owned())
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits (5 s at most) until some connection is subscribed to `key`'s release channel on the
+/// master at `master`.
+async fn subscribed(master: u16, key: &'static str) {
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            let n: Vec<(String, i64)> = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(format!("dlock:{{{key}}}:ch"))
+                .query_async(&mut node_conn(master).await)
+                .await
+                .map_err(|e| e.to_string())?;
+            match n.first() {
+                Some((_, subscribers)) if *subscribers >= 1 => Ok(()),
+                other => Err(format!("subscribers on the master: {other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
 /// How long a waiter (of `waiting`) queued on `key` takes to get the lock after its holder (of
 /// `holding`, another locker: the notification must come through the master) releases it. The
 /// waiting locker's waiter TTL is long, so a waiter that misses the release's notification
 /// would only find out on its fallback re-check, seconds later.
-async fn handoff_after_release(holding: &Locker, waiting: &Locker, key: &'static str) -> Duration {
+async fn handoff_after_release(
+    holding: &Locker,
+    waiting: &Locker,
+    master: u16,
+    key: &'static str,
+) -> Duration {
     let holder = holding.lock(key).acquire().await.unwrap();
     let waiter = {
         let locker = waiting.clone();
@@ -309,8 +357,7 @@ async fn handoff_after_release(holding: &Locker, waiting: &Locker, key: &'static
             at
         })
     };
-    // Time for the waiter to queue (the notification, not this pause, is what is measured).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    queued(master, key).await;
     let released = Instant::now();
     holder.release().await.unwrap();
     waiter.await.unwrap().saturating_duration_since(released)
@@ -336,7 +383,9 @@ async fn release_notifications_reach_waiters_after_a_failover() {
     };
     let (holding, waiting) = (connect().await, connect().await);
     let quick = Duration::from_secs(2);
-    let before = handoff_after_release(&holding, &waiting, "notified").await;
+    let old = deployment.master_index();
+    let old_port = deployment.servers[old].port();
+    let before = handoff_after_release(&holding, &waiting, old_port, "notified").await;
     assert!(
         before < quick,
         "handoff before the failover took {before:?}"
@@ -356,9 +405,8 @@ async fn release_notifications_reach_waiters_after_a_failover() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let old = deployment.master_index();
-    let old_port = deployment.servers[old].port();
+    queued(old_port, "notified").await;
+    subscribed(old_port, "notified").await;
     deployment.servers[old].stop();
     gave_up.abort();
     deployment.wait_failover_from(old_port, Duration::from_secs(30));
@@ -390,27 +438,11 @@ async fn release_notifications_reach_waiters_after_a_failover() {
                 .unwrap();
         })
     };
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(10),
-        async || {
-            let n: Vec<(String, i64)> = redis::cmd("PUBSUB")
-                .arg("NUMSUB")
-                .arg("dlock:{notified}:ch")
-                .query_async(&mut node_conn(promoted).await)
-                .await
-                .map_err(|e| e.to_string())?;
-            match n.first() {
-                Some((_, subscribers)) if *subscribers >= 1 => Ok(()),
-                other => Err(format!("subscribers on the new master: {other:?}")),
-            }
-        },
-    )
-    .await;
+    subscribed(promoted, "notified").await;
     holder.release().await.unwrap();
     waiter.await.unwrap();
     for round in 0..3 {
-        let after = handoff_after_release(&holding, &waiting, "notified").await;
+        let after = handoff_after_release(&holding, &waiting, promoted, "notified").await;
         assert!(
             after < quick,
             "handoff {round} after the failover took {after:?}: the waiter missed the notification"
