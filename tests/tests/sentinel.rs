@@ -289,6 +289,21 @@ async fn durable_queue_runs_behind_sentinel() {
     dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
 }
 
+/// A task of `locker` waiting (fair queue, up to a minute) for `key`.
+fn wait_for(
+    locker: &Locker,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>> {
+    let locker = locker.clone();
+    tokio::spawn(async move {
+        locker
+            .lock(key)
+            .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
+            .acquire()
+            .await
+    })
+}
+
 /// Waits (5 s at most) until a waiter is in `key`'s queue on the master at `master`.
 async fn queued(master: u16, key: &'static str) {
     poll_until(
@@ -343,24 +358,14 @@ async fn handoff_after_release(
     key: &'static str,
 ) -> Duration {
     let holder = holding.lock(key).acquire().await.unwrap();
-    let waiter = {
-        let locker = waiting.clone();
-        tokio::spawn(async move {
-            let g = locker
-                .lock(key)
-                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
-                .acquire()
-                .await
-                .unwrap();
-            let at = Instant::now();
-            g.release().await.unwrap();
-            at
-        })
-    };
+    let waiter = wait_for(waiting, key);
     queued(master, key).await;
     let released = Instant::now();
     holder.release().await.unwrap();
-    waiter.await.unwrap().saturating_duration_since(released)
+    let g = waiter.await.unwrap().unwrap();
+    let took = released.elapsed();
+    g.release().await.unwrap();
+    took
 }
 
 /// After a failover the locker subscribes to the release channels on the new master: a waiter
@@ -395,16 +400,7 @@ async fn release_notifications_reach_waiters_after_a_failover() {
     // is down: its locker drops the subscription it no longer needs, which the dead master
     // cannot confirm.
     let holder = holding.lock("notified").acquire().await.unwrap();
-    let gave_up = {
-        let locker = waiting.clone();
-        tokio::spawn(async move {
-            locker
-                .lock("notified")
-                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
-                .acquire()
-                .await
-        })
-    };
+    let gave_up = wait_for(&waiting, "notified");
     queued(old_port, "notified").await;
     subscribed(old_port, "notified").await;
     deployment.servers[old].stop();
@@ -424,23 +420,10 @@ async fn release_notifications_reach_waiters_after_a_failover() {
     // A waiter of the lock: its locker is subscribed to the lock's channel on the new master.
     let promoted = deployment.master_port().expect("a master");
     let holder = holding.lock("notified").acquire().await.unwrap();
-    let waiter = {
-        let locker = waiting.clone();
-        tokio::spawn(async move {
-            locker
-                .lock("notified")
-                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
-                .acquire()
-                .await
-                .unwrap()
-                .release()
-                .await
-                .unwrap();
-        })
-    };
+    let waiter = wait_for(&waiting, "notified");
     subscribed(promoted, "notified").await;
     holder.release().await.unwrap();
-    waiter.await.unwrap();
+    waiter.await.unwrap().unwrap().release().await.unwrap();
     for round in 0..3 {
         let after = handoff_after_release(&holding, &waiting, promoted, "notified").await;
         assert!(
