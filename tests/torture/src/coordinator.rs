@@ -742,15 +742,19 @@ impl Phase {
                     q.resume(member);
                 })
                 .await?;
-                if leader == Some(member) {
-                    // To the others a frozen leader is a dead one, and a thawed one is stale:
-                    // the ensemble serves again once a leader has a quorum (after an election,
-                    // or the old leader re-established). Lifted then, as a leader-kill is lifted
-                    // when another member leads (the fault's "lasted" shows how long it took).
+                // To the others a frozen leader is a dead one, and a thawed one is stale: the
+                // ensemble serves again once a leader has a quorum (after an election, or the
+                // old leader re-established). Lifted then, as a leader-kill is lifted when
+                // another member leads (the fault's "lasted" shows how long it took). A
+                // follower's freeze is lifted at its thaw; the ensemble is healed after.
+                let frozen_leader = leader == Some(member);
+                if frozen_leader {
                     q.run(|q| q.heal()).await?;
                 }
                 let end_us = self.record("member-freeze-end".into()).await?;
-                q.run(|q| q.heal()).await?;
+                if !frozen_leader {
+                    q.run(|q| q.heal()).await?;
+                }
                 Ok(Some(FaultRecord::new(kind, start_us, end_us, detail, None)))
             }
             FaultKind::MasterKill | FaultKind::MasterPause => {
@@ -1068,9 +1072,7 @@ impl Phase {
             );
             // A stall over the bound explains itself: what the key's log shows in it.
             if !over.is_empty() {
-                if let Some((k, from, to)) =
-                    report::stall_window(&completions, &self.faults, stop_us, n)
-                {
+                if let Some((k, from, to)) = stall.window {
                     let key = &self.keys[k];
                     println!(
                         "[{tag}]   key {key}: no accepted write from {from} to {to} µs (fault {} from {} to {} µs)",

@@ -348,6 +348,9 @@ pub(crate) struct Stall {
     /// Of such intervals, the longest part after the fault was lifted (ms): what the liveness
     /// bound applies to.
     pub(crate) after_ms: u64,
+    /// Where that interval lies: the key's index in the completions and the interval without
+    /// an accepted write (µs, from, to) — for printing the log around a stall over the bound.
+    pub(crate) window: Option<(usize, u64, u64)>,
 }
 
 impl FaultRecord {
@@ -403,7 +406,7 @@ pub(crate) fn stalls(
     let Some(first) = faults.first() else {
         return (per_fault, max);
     };
-    for times in completions {
+    for (key, times) in completions.iter().enumerate() {
         let mut prev = first.start_us;
         let mut points: Vec<u64> = times
             .iter()
@@ -415,47 +418,18 @@ pub(crate) fn stalls(
             if let Some(i) = faults.iter().rposition(|f| f.start_us < t) {
                 let gap_ms = t.saturating_sub(prev) / 1000;
                 let after_ms = t.saturating_sub(prev.max(faults[i].lifted_us())) / 1000;
-                let s = &mut per_fault[i];
-                s.gap_ms = s.gap_ms.max(gap_ms);
-                s.after_ms = s.after_ms.max(after_ms);
-                max.gap_ms = max.gap_ms.max(gap_ms);
-                max.after_ms = max.after_ms.max(after_ms);
-            }
-            prev = t;
-        }
-    }
-    (per_fault, max)
-}
-
-/// Where the longest stall charged to fault `fault` after it was lifted lies: the key's index
-/// in `completions` and the interval without an accepted write (µs, from, to). For printing
-/// the log around a stall over the bound (see [`stalls`] for how intervals are charged).
-pub(crate) fn stall_window(
-    completions: &[Vec<u64>],
-    faults: &[FaultRecord],
-    stop_us: u64,
-    fault: usize,
-) -> Option<(usize, u64, u64)> {
-    let first = faults.first()?;
-    let mut best: Option<(u64, (usize, u64, u64))> = None;
-    for (key, times) in completions.iter().enumerate() {
-        let mut prev = first.start_us;
-        let points = times
-            .iter()
-            .copied()
-            .filter(|&t| t > first.start_us && t < stop_us)
-            .chain(std::iter::once(stop_us));
-        for t in points {
-            if faults.iter().rposition(|f| f.start_us < t) == Some(fault) {
-                let after = t.saturating_sub(prev.max(faults[fault].lifted_us()));
-                if best.is_none_or(|(b, _)| after > b) {
-                    best = Some((after, (key, prev, t)));
+                for s in [&mut per_fault[i], &mut max] {
+                    s.gap_ms = s.gap_ms.max(gap_ms);
+                    if s.window.is_none() || after_ms > s.after_ms {
+                        s.after_ms = after_ms;
+                        s.window = Some((key, prev, t));
+                    }
                 }
             }
             prev = t;
         }
     }
-    best.map(|(_, w)| w)
+    (per_fault, max)
 }
 
 /// A short account of a key's log (`<µs> <record> …` lines) between `from_us` and `to_us`:
@@ -587,20 +561,22 @@ mod tests {
         let (per, max) = stalls(&completions, &faults, 3_500_000);
         // Key 0: gaps 1000 (pause), 100, 1400 (latency; 500 of it after the latency ended);
         // key 1: 500 (pause), 1500 (latency, none after), 500 (latency, all after).
-        let st = |gap_ms, after_ms| Stall { gap_ms, after_ms };
-        assert_eq!(per, vec![st(1_000, 1_000), st(1_500, 500)]);
-        assert_eq!(max, st(1_500, 1_000));
-        // The latency's longest stall after it was lifted (500 ms on both keys; the first
-        // found): key 0, from its write at 2.1 s to the stop.
+        let st = |gap_ms, after_ms, window| Stall {
+            gap_ms,
+            after_ms,
+            window: Some(window),
+        };
+        // Where each longest stall after the lift lies: the pause's on key 0 from its start to
+        // the next write; the latency's (500 ms on both keys; the first found) on key 0 from
+        // its write at 2.1 s to the stop.
         assert_eq!(
-            stall_window(&completions, &faults, 3_500_000, 1),
-            Some((0, 2_100_000, 3_500_000))
+            per,
+            vec![
+                st(1_000, 1_000, (0, 1_000_000, 2_000_000)),
+                st(1_500, 500, (0, 2_100_000, 3_500_000)),
+            ]
         );
-        // The pause's: key 0, from its start to the next write.
-        assert_eq!(
-            stall_window(&completions, &faults, 3_500_000, 0),
-            Some((0, 1_000_000, 2_000_000))
-        );
+        assert_eq!(max, st(1_500, 1_000, (0, 1_000_000, 2_000_000)));
     }
 
     #[test]
