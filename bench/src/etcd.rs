@@ -46,7 +46,7 @@ impl Rate {
 }
 
 /// One measured window of one driver: pairs done, how long it took, this process's CPU.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub(crate) struct Window {
     pairs: u64,
     secs: f64,
@@ -90,14 +90,17 @@ where
 /// Runs each driver's window once per round, drivers taking turns (as the Redis scenarios
 /// do: background drift and the store's own growth hit every driver alike), and pools each
 /// driver's rounds.
-pub(crate) async fn interleaved(plan: &Plan, drivers: &[PairFn]) -> Result<Vec<Rate>, BenchError> {
-    let mut windows = vec![Vec::new(); drivers.len()];
+pub(crate) async fn interleaved<const N: usize>(
+    plan: &Plan,
+    drivers: [PairFn; N],
+) -> Result<[Rate; N], BenchError> {
+    let mut windows: [Vec<Window>; N] = std::array::from_fn(|_| Vec::new());
     for _ in 0..plan.rounds {
         for (d, pair) in drivers.iter().enumerate() {
             windows[d].push(measure(plan, pair.clone()).await?);
         }
     }
-    Ok(windows.iter().map(|w| Window::pooled(w)).collect())
+    Ok(windows.map(|w| Window::pooled(&w)))
 }
 
 /// Runs `pair` (one lock + unlock of key `i`) from [`TASKS`] tasks for the warm-up, then counts
@@ -233,8 +236,7 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
         }
     });
     let dlock = dlock_pair(dlock_runtime::Locker::from_url(&url).await?);
-    let rates = interleaved(plan, &[dlock, bare_txn, lock_rpc]).await?;
-    let [dlock, bare_txn, lock_rpc] = <[Rate; 3]>::try_from(rates).map_err(|_| "three rates")?;
+    let [dlock, bare_txn, lock_rpc] = interleaved(plan, [dlock, bare_txn, lock_rpc]).await?;
     let contended_dlock = contended_dlock(plan, &url).await?;
     let mut leases = Vec::new();
     for _ in 0..contended::TASKS {

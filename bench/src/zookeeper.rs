@@ -101,9 +101,7 @@ pub(crate) async fn run(plan: &Plan) -> Result<Value, BenchError> {
         }
     });
     let dlock = dlock_pair(dlock_runtime::Locker::from_url(&url).await?);
-    let rates = interleaved(plan, &[dlock, bare, recipe]).await?;
-    let [dlock, bare, recipe] =
-        <[crate::etcd::Rate; 3]>::try_from(rates).map_err(|_| "three rates")?;
+    let [dlock, bare, recipe] = interleaved(plan, [dlock, bare, recipe]).await?;
 
     let contended_dlock = contended_dlock(plan, &url).await?;
     let c = Arc::new(client.clone());
