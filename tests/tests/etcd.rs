@@ -324,10 +324,7 @@ async fn a_put_landing_after_its_release_is_not_kept_alive_by_the_session() {
     let mut landed = 0;
     for i in 0..12 {
         let key = format!("{run}-{i}");
-        let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
-        // The lock's keys, as the backend lays them out (`%` and `/` of the name encoded).
-        let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
-        let dir = format!("dlock/{name}/");
+        let dir = lock_dir(&a, &key);
         let mut events = raw
             .watch_client()
             .watch(dir.as_str(), Some(WatchOptions::new().with_prefix()))
@@ -380,6 +377,118 @@ async fn a_put_landing_after_its_release_is_not_kept_alive_by_the_session() {
         "no acquire was answered through a hedge while its first try was on its way"
     );
     keep.release().await.expect("the other lock stayed held");
+}
+
+/// The directory of the lock `key`'s keys, as the backend lays them out (`%` and `/` of the
+/// resource name encoded).
+fn lock_dir(locker: &Locker, key: &str) -> String {
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
+    format!("dlock/{name}/")
+}
+
+/// A lock taken again and again reuses its keys' names: a backend's keys of one lock are as
+/// many as it had at once (a holder and a waiter, of two lockers on one backend: two), not one
+/// per acquisition — etcd keeps every name a directory had in its index until a compaction,
+/// and each read of the lock's line walks them all. Another backend's key has a name of its
+/// own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_taken_again_and_again_reuses_its_key_names() {
+    use etcd_client::{Client, EventType, WatchOptions};
+
+    let url = etcd_server::shared().lock().unwrap().url();
+    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
+        .await
+        .unwrap();
+    // Two lockers on one backend: a locker queues its own tasks for a key locally.
+    let on_backend = || Locker::builder().try_build(backend.clone()).unwrap();
+    let (a, a2, b) = (on_backend(), on_backend(), locker(&url).await);
+    let key = dlock_runtime::conformance::unique_key("reuse");
+    let dir = lock_dir(&a, &key);
+    let raw = Client::connect([url.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let mut events = raw
+        .watch_client()
+        .watch(dir.as_str(), Some(WatchOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        a.lock(&key)
+            .acquire()
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let marker = |name: &str| format!("{dir}{name}");
+    raw.kv_client()
+        .put(marker("~one-at-a-time"), "", None)
+        .await
+        .unwrap();
+    raw.kv_client()
+        .delete(marker("~one-at-a-time"), None)
+        .await
+        .unwrap();
+    // A holder and a waiter of the same locker, then another locker.
+    let held = a.lock(&key).acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let (a2, key) = (a2.clone(), key.clone());
+        async move {
+            a2.lock(&key)
+                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(10)))
+                .acquire()
+                .await
+        }
+    });
+    // The waiter counts once its first attempt put its key and found the lock held.
+    dlock_tests::wait::wait_for("the waiter", Duration::from_secs(5), async || {
+        (a2.waiting() == 1).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    waiter.await.unwrap().unwrap().release().await.unwrap();
+    let other = b.lock(&key).acquire().await.unwrap();
+    other.release().await.unwrap();
+    raw.kv_client().put(marker("~end"), "", None).await.unwrap();
+
+    // The names the directory's events show, in order, up to each marker.
+    let mut phases: Vec<Vec<String>> = vec![Vec::new()];
+    'events: loop {
+        let msg = tokio::time::timeout(Duration::from_secs(5), events.message())
+            .await
+            .expect("the events up to the end marker")
+            .unwrap()
+            .unwrap();
+        for e in msg.events() {
+            let name = e.kv().unwrap().key_str().unwrap()[dir.len()..].to_owned();
+            match name.as_str() {
+                "~end" => break 'events,
+                "~one-at-a-time" if e.event_type() == EventType::Put => phases.push(Vec::new()),
+                "~one-at-a-time" => {}
+                _ => {
+                    let names = phases.last_mut().unwrap();
+                    if !names.contains(&name) {
+                        names.push(name);
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(
+        phases[0].len(),
+        1,
+        "ten acquisitions, one at a time: {phases:?}"
+    );
+    let [held_name, waiter_name, other_name] = &phases[1][..] else {
+        panic!("a holder, a waiter and another locker: {phases:?}");
+    };
+    assert_eq!(held_name, &phases[0][0], "the first name is reused");
+    let locker_of = |n: &str| n.split_once('.').map(|(l, _)| l.to_owned());
+    assert_eq!(locker_of(held_name), locker_of(waiter_name));
+    assert_ne!(locker_of(held_name), locker_of(other_name));
+    raw.kv_client().delete(marker("~end"), None).await.unwrap();
 }
 
 /// etcd over TLS (`etcds://`, feature `etcd-tls`), on a member serving a certificate from a

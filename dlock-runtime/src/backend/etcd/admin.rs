@@ -40,7 +40,6 @@ impl EtcdBackend {
                         Some(
                             GetOptions::new()
                                 .with_range(end)
-                                .with_keys_only()
                                 .with_sort(SortTarget::Create, SortOrder::Ascend),
                         ),
                     )
@@ -54,7 +53,12 @@ impl EtcdBackend {
     async fn read_lock(&self, resource: &str) -> Result<LockState, LockError> {
         let dir_len = self.dir(resource).len();
         let keys = self.lock_keys(resource).await?;
-        let token = |kv: &KeyValue| token_prefix(&String::from_utf8_lossy(&kv.key()[dir_len..]));
+        // A key on a session notes its token in its value (its name is the locker's and is
+        // reused); a key on a lease of its own is named by its token.
+        let token = |kv: &KeyValue| match super::noted(kv).1 {
+            Some(token) => token_prefix(token),
+            None => token_prefix(&String::from_utf8_lossy(&kv.key()[dir_len..])),
+        };
         let holder = match keys.first() {
             Some(kv) => Some(Holder {
                 token_prefix: token(kv),

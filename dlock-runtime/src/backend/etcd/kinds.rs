@@ -2,9 +2,10 @@
 //! [`backend`](crate::backend#semaphores-and-read-write-locks).
 //!
 //! Every acquisition of a permit or a read or write hold puts its own key under the name's
-//! directory, as a lock's does (`<prefix>/<resource>/<token>`, the resource being
-//! `…:sem` or `…:rw`), with a kind marker for a writer (`…/w.<token>`: tokens are hex, so the
-//! marker cannot be mistaken for one). The keys in create-revision order are the line, and
+//! directory, named as a lock's is (`<prefix>/<resource>/<locker>.<slot>` on a session,
+//! `…/<token>` on a lease of its own; the resource being `…:sem` or `…:rw`), with a kind
+//! marker for a writer (`…/w.<locker>.<slot>`: locker ids and tokens are hex, so the marker
+//! cannot be mistaken for one). The keys in create-revision order are the line, and
 //! the holders are its *ready prefix*: walking from the first key, each one is admitted while
 //! it fits beside those admitted before it (a semaphore's first `permits` keys; a reader while
 //! no writer key precedes it; a writer when it is first). Keys are only ever appended (a new
@@ -193,13 +194,28 @@ pub(super) async fn wait_admitted(
     }
 }
 
-/// The own key of `token` under `dir`: a writer's carries the marker.
+/// The own key of `token` under `dir` (a key on a lease of its own): a writer's carries the
+/// marker.
 pub(super) fn own_key(dir: &[u8], resource: &ResourceName, token: &OwnerToken) -> Vec<u8> {
-    let mut own = dir.to_vec();
-    if resource.kind() == LockKind::Write {
+    named(dir, resource.kind(), &[token.as_str().as_bytes()])
+}
+
+/// The key of slot `slot` of the locker `instance` under `dir` (a key on a session, module
+/// `session`): `<instance>.<slot>`, which no token (hex) can be; a writer's carries the marker.
+pub(super) fn slot_key(dir: &[u8], kind: LockKind, instance: &str, slot: u32) -> Vec<u8> {
+    let slot = slot.to_string();
+    named(dir, kind, &[instance.as_bytes(), b".", slot.as_bytes()])
+}
+
+fn named(dir: &[u8], kind: LockKind, parts: &[&[u8]]) -> Vec<u8> {
+    let mut own = Vec::with_capacity(dir.len() + 48);
+    own.extend_from_slice(dir);
+    if kind == LockKind::Write {
         own.extend_from_slice(WRITER);
     }
-    own.extend_from_slice(token.as_str().as_bytes());
+    for p in parts {
+        own.extend_from_slice(p);
+    }
     own
 }
 

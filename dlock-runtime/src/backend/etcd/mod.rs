@@ -4,11 +4,23 @@
 //!
 //! # Layout and recipe
 //!
-//! Every acquisition writes its *own* key `<prefix>/<resource>/<owner token>` (the resource
-//! string with `%` and `/` percent-encoded, so no lock's keys fall inside another lock's range),
-//! attached to a lease. The holder is the key with the lowest create revision under
-//! `<prefix>/<resource>/`; every other key is a waiter, queued in create-revision order (fair
-//! FIFO, [`Backend::fifo`] is `true`).
+//! Every acquisition writes its *own* key under `<prefix>/<resource>/` (the resource string with
+//! `%` and `/` percent-encoded, so no lock's keys fall inside another lock's range), attached to
+//! a lease. The holder is the key with the lowest create revision under the directory; every
+//! other key is a waiter, queued in create-revision order (fair FIFO, [`Backend::fifo`] is
+//! `true`).
+//!
+//! A key on a session (below) is named `<locker>.<slot>`: a random id of the locker (from the
+//! OS CSPRNG) and the lowest slot none of the locker's other keys of that lock uses, so the
+//! names are reused, as etcd's own recipe reuses its session's lease id. etcd keeps a deleted
+//! key's name in its index until the next compaction, and every read of a lock's line walks the
+//! names under its directory: one name per acquisition made a lock's reads slower with every
+//! acquisition until then. The registry (module `session`) keeps a name for its token until
+//! no put or delete sent for that token can still land, so while a token is registered its
+//! key's existence is the owner check, as a token-named key's is; the value notes the holder's
+//! TTL and the token (`<ttl ms>:<token>`), and the rare deletes of a key whose token may
+//! already be gone (a keepalive's pruning) compare it. A key on a lease of its own is named
+//! by its token (`<prefix>/<resource>/<token>`).
 //!
 //! A lock the watchdog renews ([`AcquireArgs::renew`], the default) goes on a **session
 //! lease** shared by the locker's locks of its TTL class, kept alive over a keepalive stream
@@ -24,8 +36,8 @@
 //!   waiter keeps its place) and reads the head. A waiter's later attempts are reads. When the
 //!   head is the own key, the lock is ours; the key moves to the lock's session only when the
 //!   waiter TTL's class differs from the TTL's.
-//! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key (the
-//!   key's name holds the secret owner token, so its existence is the owner check).
+//! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key
+//!   (its name is the token's until that delete is answered).
 //!
 //! So an uncontended acquire is one transaction and a release one delete — two Raft writes,
 //! like a bare etcd lock — and renewal writes nothing (a keepalive when needed, and one read of
@@ -325,13 +337,35 @@ struct Keys {
     dir: Vec<u8>,
     /// The end of the directory's range (`/` → `0`).
     end: Vec<u8>,
-    /// `<prefix>/<resource>/<token>`
+    /// `<prefix>/<resource>/<token>`, or on a session `<prefix>/<resource>/<locker>.<slot>`
+    /// (a writer's with a marker: module `kinds`).
     own: Vec<u8>,
 }
 
 /// A dlock TTL as an etcd lease TTL: whole seconds, rounded up, at least 1.
 fn lease_secs(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+/// The value of a key on a session: the holder's TTL in milliseconds (it bounds the remaining
+/// lease others are told, as the session lease outlives it) and the owner token (which names
+/// the acquisition: the key's name is reused).
+fn noted_value(ttl: Duration, token: &OwnerToken) -> String {
+    format!("{}:{}", ttl.as_millis(), token.as_str())
+}
+
+/// What a key's value notes ([`noted_value`]): the holder's TTL and the owner token. Keys
+/// on leases of their own note the token alone (or an idempotency fingerprint).
+fn noted(kv: &KeyValue) -> (Option<Duration>, Option<&str>) {
+    let Ok(value) = std::str::from_utf8(kv.value()) else {
+        return (None, None);
+    };
+    match value.split_once(':') {
+        Some((ms, token)) if ms.bytes().all(|b| b.is_ascii_digit()) => {
+            (ms.parse().ok().map(Duration::from_millis), Some(token))
+        }
+        _ => (None, None),
+    }
 }
 
 /// The create revision of the key the `i`th response read (0: none).
@@ -457,11 +491,23 @@ impl EtcdBackend {
         dir.into_bytes()
     }
 
+    /// The keys of `token`'s acquisition of a lease of its own: its key is named by the token.
     fn keys(&self, resource: &ResourceName, token: &OwnerToken) -> Keys {
+        let mut k = self.lock_dir(resource);
+        k.own = kinds::own_key(&k.dir, resource, token);
+        k
+    }
+
+    /// The lock's directory and range, the own key not named yet (a key on a session is named
+    /// by the session registry).
+    fn lock_dir(&self, resource: &ResourceName) -> Keys {
         let dir = self.dir(resource.as_str());
         let end = range_end(&dir);
-        let own = kinds::own_key(&dir, resource, token);
-        Keys { dir, end, own }
+        Keys {
+            dir,
+            end,
+            own: Vec::new(),
+        }
     }
 
     async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
@@ -503,10 +549,7 @@ impl EtcdBackend {
         let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
             return Ok(None);
         };
-        let noted = kv
-            .and_then(|kv| std::str::from_utf8(kv.value()).ok())
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(Duration::from_millis);
+        let noted = kv.and_then(|kv| noted(kv).0);
         let resp = self
             .call("lease time-to-live", |c| {
                 let mut lease = c.lease_client();
@@ -1100,7 +1143,13 @@ impl Backend for EtcdBackend {
                 });
             });
             let (watch, _first) = self.hub.register(resource, token, Some(on_last));
-            let k = self.keys(resource, token);
+            let k = match self.sessions.name_of(&token_key(resource, token)) {
+                Some(own) => Keys {
+                    own,
+                    ..self.lock_dir(resource)
+                },
+                None => self.keys(resource, token),
+            };
             let name: Arc<str> = resource.as_str().into();
             let task = tokio::spawn(watch_turn(
                 self.pool.clone(),

@@ -44,7 +44,7 @@ use etcd_client::{
 use tokio::time::Instant;
 
 use super::kinds::{admitted, kvs_at, line_options};
-use super::pool::{call, per_try};
+use super::pool::{self, call, per_try};
 use super::{create_revision_at, first_kv, lease_secs, EtcdBackend, Keys};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
 use crate::key::LockKind;
@@ -109,8 +109,21 @@ enum Role {
     Unwanted,
 }
 
+/// Where a token's key goes when it is first registered.
+pub(super) struct NewKey<'a> {
+    /// `<prefix>/<resource>/`
+    pub(super) dir: &'a [u8],
+    pub(super) kind: LockKind,
+    /// The value its puts write: it names the token ([`super::noted_value`]).
+    pub(super) value: String,
+}
+
 struct Entry {
     own: Vec<u8>,
+    /// The value its puts write, which a pruning's delete compares.
+    value: Vec<u8>,
+    /// The name's slot among this locker's keys of the resource.
+    slot: u32,
     /// The session the key is on (as far as the latest answer says).
     session: Arc<Session>,
     /// Every session a put of this token may have used.
@@ -120,9 +133,22 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
+    /// Releases' deletes sent whose fate is unknown: the name is not reused while one may
+    /// land. (A pruning's delete compares the value instead: it is rare, and cannot be
+    /// counted, as a pruning may be dropped with the attempt that keeps its session fresh.)
+    deleting: u32,
 }
 
 impl Entry {
+    /// Whether the entry can go: unwanted, no delete of its name can still land, and no put
+    /// either (none in flight, or every session one may have used is gone: a put on a lease
+    /// that is gone fails).
+    fn done(&self) -> bool {
+        self.role == Role::Unwanted
+            && self.deleting == 0
+            && (self.in_flight == 0 || self.touched.is_empty())
+    }
+
     /// Whether a wanted key may be on session `id`: the one it is on, and while a put or move
     /// of it is out (`Acquiring`) or may still land (`in_flight`), every session such a put
     /// named — a queued attempt joins the queue on the waiters' session while `session` names
@@ -141,12 +167,54 @@ impl Entry {
     }
 }
 
-/// The sessions of one backend and the registry of the keys on them.
+/// What [`Sessions::begin_put`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Begun {
+    /// Registered a put of the key of this name.
+    Put(Vec<u8>),
+    /// A session picked was retired or is gone: nothing registered, pick again.
+    Stale,
+    /// The token is not registered, and no new key was asked for.
+    Unknown,
+}
+
+/// The registered keys, and per resource the name slots they use.
 #[derive(Default)]
+struct Registry {
+    map: HashMap<TokenKey, Entry>,
+    slots: HashMap<Arc<str>, Vec<u32>>,
+}
+
+impl Registry {
+    /// The lowest slot no registered key of `resource` uses, taken.
+    fn take_slot(&mut self, resource: &Arc<str>) -> u32 {
+        let used = self.slots.entry(resource.clone()).or_default();
+        let slot = (0..).find(|s| !used.contains(s)).unwrap_or(u32::MAX);
+        used.push(slot);
+        slot
+    }
+
+    fn remove(&mut self, key: &TokenKey) {
+        let Some(e) = self.map.remove(key) else {
+            return;
+        };
+        if let Some(used) = self.slots.get_mut(&key.0) {
+            used.retain(|s| *s != e.slot);
+            if used.is_empty() {
+                self.slots.remove(&key.0);
+            }
+        }
+    }
+}
+
+/// The sessions of one backend and the registry of the keys on them.
 pub(super) struct Sessions {
     current: Mutex<HashMap<i64, Arc<Session>>>,
     granting: tokio::sync::Mutex<()>,
-    entries: Mutex<HashMap<TokenKey, Entry>>,
+    entries: Mutex<Registry>,
+    /// This locker's part of its keys' names (random, from the OS CSPRNG): no other locker's
+    /// key can have the name of one of its keys.
+    instance: String,
     /// Attempts hold it shared; the deletion of waiters past their time holds it alone. A
     /// waiter's key does not change when it becomes the holder, so a deletion decided while the
     /// waiter was late and sent after its next attempt found it first would delete a held lock:
@@ -155,27 +223,64 @@ pub(super) struct Sessions {
     gate: tokio::sync::RwLock<()>,
 }
 
+impl Default for Sessions {
+    fn default() -> Self {
+        Sessions {
+            current: Mutex::default(),
+            granting: tokio::sync::Mutex::default(),
+            entries: Mutex::default(),
+            instance: crate::util::secure_token::<16>(),
+            gate: tokio::sync::RwLock::default(),
+        }
+    }
+}
+
 impl Sessions {
     /// Registers a put of the token's key on the sessions `on`, unless one of them was retired
-    /// or is gone (`false`: nothing registered, pick sessions again). Checked under the same
-    /// lock as [`idle_retired`](Self::idle_retired), which retired sessions are revoked by: a
-    /// session picked before it was retired is either seen here as retired, or its put is
-    /// registered before the revocation looks, which then keeps it ([`Entry::wanted_on`]: a key
-    /// not held is `Acquiring` from here on, until its attempt says where it is).
+    /// or is gone (`None`: nothing registered, pick sessions again); returns the key. Checked
+    /// under the same lock as [`idle_retired`](Self::idle_retired), which retired sessions are
+    /// revoked by: a session picked before it was retired is either seen here as retired, or
+    /// its put is registered before the revocation looks, which then keeps it
+    /// ([`Entry::wanted_on`]: a key not held is `Acquiring` from here on, until its attempt
+    /// says where it is). A token not registered yet is registered when `new` says where its
+    /// key goes (`Begun::Unknown` otherwise).
+    ///
+    /// A token registered for the first time gets a name `<instance>.<slot>` under `new.dir`,
+    /// with the lowest slot no registered key of the resource uses. A name is free again only
+    /// once its entry is gone ([`Entry::done`]), which is never while a put of it may still
+    /// land (a suspect stays until its sessions are gone, and a put on a lease that is gone
+    /// fails) nor while a release's delete of it may (counted until it is answered with no
+    /// other try of it out; one that never is keeps its name for good), and a pruning's delete
+    /// compares the value, which names the token: so no request for a name's previous token
+    /// changes the key of the next. The names of a resource
+    /// are as many as this locker ever had keys of it at once: etcd keeps a deleted name in
+    /// its index until the next compaction, and a name per acquisition would make every read
+    /// of the lock's line slower with each acquisition until then.
     #[must_use]
-    fn begin_put(&self, key: &TokenKey, own: &[u8], on: &[&Arc<Session>]) -> bool {
-        let mut entries = lock(&self.entries);
+    fn begin_put(&self, key: &TokenKey, new: Option<&NewKey<'_>>, on: &[&Arc<Session>]) -> Begun {
+        let mut reg = lock(&self.entries);
         if on.iter().any(|s| !s.usable()) {
-            return false;
+            return Begun::Stale;
         }
-        let e = entries.entry(key.clone()).or_insert_with(|| Entry {
-            own: own.to_vec(),
-            session: on[0].clone(),
-            touched: Vec::new(),
-            role: Role::Acquiring,
-            create: 0,
-            in_flight: 0,
-        });
+        let e = match (reg.map.get_mut(key), new) {
+            (Some(e), _) => e,
+            (None, None) => return Begun::Unknown,
+            (None, Some(new)) => {
+                let slot = reg.take_slot(&key.0);
+                let own = super::kinds::slot_key(new.dir, new.kind, &self.instance, slot);
+                reg.map.entry(key.clone()).or_insert(Entry {
+                    own,
+                    value: new.value.clone().into_bytes(),
+                    slot,
+                    session: on[0].clone(),
+                    touched: Vec::new(),
+                    role: Role::Acquiring,
+                    create: 0,
+                    in_flight: 0,
+                    deleting: 0,
+                })
+            }
+        };
         if e.role != Role::Held {
             e.role = Role::Acquiring;
         }
@@ -185,19 +290,19 @@ impl Sessions {
                 e.touched.push((*s).clone());
             }
         }
-        true
+        Begun::Put(e.own.clone())
     }
 
     fn end_put(&self, key: &TokenKey, settled: bool) {
         if settled {
-            if let Some(e) = lock(&self.entries).get_mut(key) {
+            if let Some(e) = lock(&self.entries).map.get_mut(key) {
                 e.in_flight = e.in_flight.saturating_sub(1);
             }
         }
     }
 
     fn set(&self, key: &TokenKey, session: &Arc<Session>, role: Role) {
-        if let Some(e) = lock(&self.entries).get_mut(key) {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
             e.session = session.clone();
             if !e.touched.iter().any(|t| t.id == session.id) {
                 e.touched.push(session.clone());
@@ -208,45 +313,54 @@ impl Sessions {
 
     fn set_held(&self, key: &TokenKey, session: &Arc<Session>, create: i64) {
         self.set(key, session, Role::Held);
-        if let Some(e) = lock(&self.entries).get_mut(key) {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
             e.create = create;
         }
     }
 
-    /// The session of a waiting token.
-    fn waiting_on(&self, key: &TokenKey) -> Option<Arc<Session>> {
+    /// The session and key of a waiting token.
+    fn waiting_on(&self, key: &TokenKey) -> Option<(Arc<Session>, Vec<u8>)> {
         lock(&self.entries)
+            .map
             .get(key)
             .filter(|e| matches!(e.role, Role::Waiting(_)))
-            .map(|e| e.session.clone())
+            .map(|e| (e.session.clone(), e.own.clone()))
     }
 
     /// A session this token's puts used, by lease id.
     fn touched(&self, key: &TokenKey, lease: i64) -> Option<Arc<Session>> {
         lock(&self.entries)
+            .map
             .get(key)
             .and_then(|e| e.touched.iter().find(|s| s.id == lease).cloned())
     }
 
-    /// The session, key and create revision of a held token.
+    /// The session, key name and create revision of a held token.
     fn held(&self, key: &TokenKey) -> Option<(Arc<Session>, Vec<u8>, i64)> {
         lock(&self.entries)
+            .map
             .get(key)
             .filter(|e| e.role == Role::Held)
             .map(|e| (e.session.clone(), e.own.clone(), e.create))
     }
 
-    fn is_registered(&self, key: &TokenKey) -> bool {
-        lock(&self.entries).contains_key(key)
+    /// The name of a registered token's key.
+    pub(super) fn name_of(&self, key: &TokenKey) -> Option<Vec<u8>> {
+        lock(&self.entries).map.get(key).map(|e| e.own.clone())
     }
 
-    /// Marks the token's key as being released and returns it; [`forget`](Self::forget) or
-    /// [`unwanted`](Self::unwanted) ends that. A token with a put in flight becomes a suspect:
-    /// the sessions it used are retired.
+    fn is_registered(&self, key: &TokenKey) -> bool {
+        lock(&self.entries).map.contains_key(key)
+    }
+
+    /// Marks the token's key as being released, its delete as sent, and returns it;
+    /// [`forget`](Self::forget) or [`unwanted`](Self::unwanted) ends that. A token with a put
+    /// in flight becomes a suspect: the sessions it used are retired.
     fn leave(&self, key: &TokenKey) -> Option<Vec<u8>> {
-        let mut entries = lock(&self.entries);
-        let e = entries.get_mut(key)?;
+        let mut reg = lock(&self.entries);
+        let e = reg.map.get_mut(key)?;
         e.role = Role::Releasing;
+        e.deleting += 1;
         if e.in_flight > 0 {
             let mut current = lock(&self.current);
             for s in &e.touched {
@@ -259,29 +373,34 @@ impl Sessions {
         Some(e.own.clone())
     }
 
-    /// The token's key is deleted: forgets it unless a put of it may still land (then it is
-    /// unwanted: deleted again before keepalives). Returns the sessions to look at for
-    /// revocation.
-    fn forget(&self, key: &TokenKey) -> Vec<Arc<Session>> {
-        let mut entries = lock(&self.entries);
-        let Some(e) = entries.get_mut(key) else {
+    /// The token's key is deleted (the delete `settled`: no other try of it is out): forgets
+    /// it unless a put or delete of it may still land (then it is unwanted: deleted again
+    /// before keepalives, and its name kept). Returns the sessions to look at for revocation.
+    fn forget(&self, key: &TokenKey, settled: bool) -> Vec<Arc<Session>> {
+        let mut reg = lock(&self.entries);
+        let Some(e) = reg.map.get_mut(key) else {
             return Vec::new();
         };
+        if settled {
+            e.deleting = e.deleting.saturating_sub(1);
+        }
         let touched = e.touched.clone();
         if matches!(e.role, Role::Releasing | Role::Unwanted) {
-            if e.in_flight == 0 {
-                entries.remove(key);
-            } else {
-                e.role = Role::Unwanted;
+            e.role = Role::Unwanted;
+            if e.done() {
+                reg.remove(key);
             }
         }
         touched
     }
 
-    /// The release of the token's key failed: it goes before the next keepalive of its
-    /// session.
-    fn unwanted(&self, key: &TokenKey) {
-        if let Some(e) = lock(&self.entries).get_mut(key) {
+    /// The release of the token's key failed (`settled`: it cannot land any more): it goes
+    /// before the next keepalive of its session.
+    fn unwanted(&self, key: &TokenKey, settled: bool) {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            if settled {
+                e.deleting = e.deleting.saturating_sub(1);
+            }
             if e.role == Role::Releasing {
                 e.role = Role::Unwanted;
             }
@@ -290,11 +409,11 @@ impl Sessions {
 
     /// Retired sessions of `candidates` that no wanted key is on any more.
     fn idle_retired(&self, candidates: &[Arc<Session>]) -> Vec<Arc<Session>> {
-        let entries = lock(&self.entries);
+        let reg = lock(&self.entries);
         candidates
             .iter()
             .filter(|s| s.retired.load(Ordering::Acquire) && !s.dead.load(Ordering::Acquire))
-            .filter(|s| !entries.values().any(|e| e.wanted_on(s.id)))
+            .filter(|s| !reg.map.values().any(|e| e.wanted_on(s.id)))
             .cloned()
             .collect()
     }
@@ -308,45 +427,60 @@ impl Sessions {
                 current.remove(&s.secs);
             }
         }
-        lock(&self.entries).retain(|_, e| {
-            if e.role != Role::Unwanted {
-                return true;
+        let mut reg = lock(&self.entries);
+        let mut gone = Vec::new();
+        for (k, e) in &mut reg.map {
+            if e.role == Role::Unwanted {
+                e.touched.retain(|t| t.id != s.id);
+                if e.done() {
+                    gone.push(k.clone());
+                }
             }
-            e.touched.retain(|t| t.id != s.id);
-            !e.touched.is_empty()
-        });
+        }
+        for k in &gone {
+            reg.remove(k);
+        }
     }
 
-    /// The keys to delete before a keepalive of `s`: unwanted keys a put may have put on it,
-    /// and its waiters past their time.
-    fn doomed(&self, s: &Session, now: Instant, waiters: bool) -> Vec<(TokenKey, Vec<u8>)> {
+    /// The keys to delete before a keepalive of `s` (name, value): unwanted keys a put may
+    /// have put on it, and its waiters past their time.
+    fn doomed(&self, s: &Session, now: Instant, waiters: bool) -> Vec<(TokenKey, Txn)> {
         lock(&self.entries)
+            .map
             .iter()
             .filter(|(_, e)| match e.role {
                 Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
                 Role::Waiting(until) => waiters && until <= now && e.session.id == s.id,
                 Role::Acquiring | Role::Held | Role::Releasing => false,
             })
-            .map(|(k, e)| (k.clone(), e.own.clone()))
+            .map(|(k, e)| (k.clone(), delete_if_valued(&e.own, &e.value)))
             .collect()
     }
 
     /// `doomed` keys were deleted: waiters past their time become unwanted, and unwanted keys
-    /// with nothing in flight are forgotten.
-    fn pruned(&self, doomed: Vec<(TokenKey, Vec<u8>)>, now: Instant) {
-        let mut entries = lock(&self.entries);
+    /// whose names nothing can reach any more are forgotten.
+    fn pruned(&self, doomed: Vec<(TokenKey, Txn)>, now: Instant) {
+        let mut reg = lock(&self.entries);
         for (k, _) in doomed {
-            let Some(e) = entries.get_mut(&k) else {
+            let Some(e) = reg.map.get_mut(&k) else {
                 continue;
             };
             if matches!(e.role, Role::Waiting(until) if until <= now) {
                 e.role = Role::Unwanted;
             }
-            if e.role == Role::Unwanted && e.in_flight == 0 {
-                entries.remove(&k);
+            if e.done() {
+                reg.remove(&k);
             }
         }
     }
+}
+
+/// A transaction that deletes the key `own` if its value is still `value` (the token's: the
+/// name may be a later token's by the time it lands).
+fn delete_if_valued(own: &[u8], value: &[u8]) -> Txn {
+    Txn::new()
+        .when([Compare::value(own, CompareOp::Equal, value)])
+        .and_then([TxnOp::delete(own, None)])
 }
 
 impl EtcdBackend {
@@ -459,7 +593,7 @@ impl EtcdBackend {
         for chunk in doomed.chunks(OPS_PER_TXN) {
             let deletes: Vec<TxnOp> = chunk
                 .iter()
-                .map(|(_, own)| TxnOp::delete(own.clone(), None))
+                .map(|(_, delete)| TxnOp::txn(delete.clone()))
                 .collect();
             self.txn(Txn::new().and_then(deletes)).await?;
         }
@@ -486,15 +620,16 @@ impl EtcdBackend {
         // Shared with other attempts, exclusive of the deletion of late waiters.
         let _attempt = self.sessions.gate.read().await;
         let key: TokenKey = (Arc::from(args.resource.as_str()), args.token.clone());
-        let k = self.keys(args.resource, args.token);
+        let mut k = self.lock_dir(args.resource);
         let queue = args.mode == WaitMode::Queue;
         let kind = args.resource.kind();
         // A try of a permit or hold that finds the name in use puts its key anyway and reads
         // the line after it (module `kinds`).
         let try_kind = !queue && kind != LockKind::Exclusive;
         if queue {
-            if let Some(w) = self.sessions.waiting_on(&key) {
+            if let Some((w, own)) = self.sessions.waiting_on(&key) {
                 // Already queued: keep the place alive and look at the head (no write).
+                k.own = own;
                 let until = Instant::now() + args.waiter_ttl;
                 self.sessions.set(&key, &w, Role::Waiting(until));
                 if self.keep_fresh(&w, args.waiter_ttl).await? {
@@ -514,11 +649,19 @@ impl EtcdBackend {
         if queue && session_secs(args.waiter_ttl) != classes[0].0 {
             classes.push((session_secs(args.waiter_ttl), args.waiter_ttl));
         }
-        let picked = self.begin_put_on(&key, &k.own, &classes).await?;
+        let new = NewKey {
+            dir: &k.dir,
+            kind,
+            value: super::noted_value(args.ttl, args.token),
+        };
+        let (picked, own) = self
+            .begin_put_on(&key, Some(&new), &classes)
+            .await?
+            .ok_or_else(|| LockError::unavailable("etcd: a new key was not registered", None))?;
         let hold = picked[0].clone();
         let wait = picked.last().unwrap_or(&hold).clone();
-        // The holder's TTL is the value: it bounds the remaining lease others are told.
-        let value = args.ttl.as_millis().to_string();
+        k.own = own;
+        let value = new.value;
         let put_on = |lease: i64| {
             TxnOp::put(
                 k.own.clone(),
@@ -565,7 +708,7 @@ impl EtcdBackend {
             if let Some(own) = kvs_at(&ops, 2).first() {
                 if admitted(kind, k.dir.len(), line, &k.own) {
                     return self
-                        .take_head(args, &key, &k, own.create_revision(), own.lease())
+                        .take_head(args, &key, own.create_revision(), own.lease())
                         .await;
                 }
             }
@@ -581,13 +724,14 @@ impl EtcdBackend {
         if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
             // This token holds the lock already (asking again): restart its lease.
             return self
-                .take_head(args, &key, &k, h.create_revision(), h.lease())
+                .take_head(args, &key, h.create_revision(), h.lease())
                 .await;
         }
         // A try that lost leaves nothing behind (and if a put of it may still land, it is a
         // suspect from now on).
         if self.sessions.leave(&key).is_some() {
-            let touched = self.sessions.forget(&key);
+            // No delete is sent: there is nothing to delete.
+            let touched = self.sessions.forget(&key, true);
             self.revoke_idle(&touched);
         }
         Ok(Attempt::Held {
@@ -612,7 +756,7 @@ impl EtcdBackend {
         };
         if admitted(args.resource.kind(), k.dir.len(), line, &k.own) {
             return self
-                .take_head(args, key, k, own.create_revision(), own.lease())
+                .take_head(args, key, own.create_revision(), own.lease())
                 .await;
         }
         let on = self
@@ -632,14 +776,13 @@ impl EtcdBackend {
         &self,
         args: &AcquireArgs<'_>,
         key: &TokenKey,
-        k: &Keys,
         create: i64,
         lease: i64,
     ) -> Result<Attempt, LockError> {
         let hold = self.session(session_secs(args.ttl), args.ttl).await?;
         if lease == hold.id {
             self.sessions.set_held(key, &hold, create);
-        } else if !self.move_held(key, &k.own, create, args.ttl).await? {
+        } else if !self.move_held(key, create, args.ttl).await? {
             return Ok(Attempt::Held { remaining: None });
         }
         Ok(Attempt::Acquired {
@@ -651,20 +794,23 @@ impl EtcdBackend {
     /// of the token's key on them. A session another task's release retires (and may revoke
     /// once nothing it knows of is on it) between being picked and the put being registered
     /// is not used: the revocation would delete the key just put (see `Sessions::begin_put`).
+    /// `Ok(None)`: the token is not registered and `new` is `None`.
     async fn begin_put_on(
         &self,
         key: &TokenKey,
-        own: &[u8],
+        new: Option<&NewKey<'_>>,
         classes: &[(i64, Duration)],
-    ) -> Result<Vec<Arc<Session>>, LockError> {
+    ) -> Result<Option<(Vec<Arc<Session>>, Vec<u8>)>, LockError> {
         for _ in 0..16 {
             let mut picked = Vec::with_capacity(classes.len());
             for &(secs, need) in classes {
                 picked.push(self.session(secs, need).await?);
             }
             let on: Vec<&Arc<Session>> = picked.iter().collect();
-            if self.sessions.begin_put(key, own, &on) {
-                return Ok(picked);
+            match self.sessions.begin_put(key, new, &on) {
+                Begun::Put(own) => return Ok(Some((picked, own))),
+                Begun::Unknown => return Ok(None),
+                Begun::Stale => {}
             }
         }
         Err(LockError::unavailable(
@@ -675,19 +821,21 @@ impl EtcdBackend {
 
     /// Moves the registered token's key (of `create` revision) onto the session of `ttl`'s
     /// class, registered there as a put before it is sent, and marks it held there.
-    /// `Ok(false)`: the key is gone.
+    /// `Ok(false)`: the key is gone (or the token no longer registered).
     async fn move_held(
         &self,
         key: &TokenKey,
-        own: &[u8],
         create: i64,
         ttl: Duration,
     ) -> Result<bool, LockError> {
-        let to = self
-            .begin_put_on(key, own, &[(session_secs(ttl), ttl)])
+        let Some((mut to, own)) = self
+            .begin_put_on(key, None, &[(session_secs(ttl), ttl)])
             .await?
-            .remove(0);
-        let txn = super::relet_txn(own, create, to.id);
+        else {
+            return Ok(false);
+        };
+        let to = to.remove(0);
+        let txn = super::relet_txn(&own, create, to.id);
         let (resp, settled) = self.txn_tracked(txn).await;
         let moved = resp.map(|r| r.succeeded());
         if let Ok(true) = moved {
@@ -705,8 +853,10 @@ impl EtcdBackend {
         key: &TokenKey,
     ) -> Option<Result<bool, LockError>> {
         let own = self.sessions.leave(key)?;
-        let deleted = self
-            .call("delete", |c| {
+        // A plain delete (no compare): the name stays this token's until the delete is
+        // settled (`Sessions::begin_put`).
+        let (deleted, settled) =
+            pool::call_tracked(&self.pool, self.opts.command_timeout, "delete", |c| {
                 let mut kv = c.kv_client();
                 let own = own.clone();
                 async move { kv.delete(own, None).await }
@@ -715,9 +865,9 @@ impl EtcdBackend {
         // Deleted or not, the key is unwanted now: if the delete failed, it goes before the
         // next keepalive of its session.
         let touched = match &deleted {
-            Ok(_) => self.sessions.forget(key),
+            Ok(_) => self.sessions.forget(key, settled),
             Err(_) => {
-                self.sessions.unwanted(key);
+                self.sessions.unwanted(key, settled);
                 Vec::new()
             }
         };
@@ -742,7 +892,7 @@ impl EtcdBackend {
                     return Ok(self.still_on(&[own], cur.id).await?[0]);
                 }
                 // Another class: move the key to that class's session.
-                if !self.move_held(key, &own, create, ttl).await? {
+                if !self.move_held(key, create, ttl).await? {
                     return Ok(false);
                 }
                 self.revoke_idle(&[cur]);
@@ -844,6 +994,23 @@ mod tests {
         })
     }
 
+    /// Registers a put of `key`'s key (of lock `r`) on `on`, which must be usable.
+    fn put(reg: &Sessions, key: &TokenKey, on: &[&Arc<Session>]) -> Vec<u8> {
+        let new = NewKey {
+            dir: b"dlock/r/",
+            kind: LockKind::Exclusive,
+            value: super::super::noted_value(Duration::from_secs(1), &key.1),
+        };
+        match reg.begin_put(key, Some(&new), on) {
+            Begun::Put(own) => own,
+            other => panic!("not registered: {other:?}"),
+        }
+    }
+
+    fn token() -> TokenKey {
+        (Arc::from("r"), OwnerToken::generate())
+    }
+
     fn idle(reg: &Sessions, s: &Arc<Session>) -> bool {
         s.retired.store(true, Ordering::Release);
         !reg.idle_retired(std::slice::from_ref(s)).is_empty()
@@ -857,15 +1024,15 @@ mod tests {
     fn a_session_a_waiter_moves_its_key_to_is_wanted_from_before_the_move() {
         let reg = Sessions::default();
         let (wait, hold) = (session(1), session(2));
-        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
-        assert!(reg.begin_put(&key, b"own", &[&wait]));
+        let key = token();
+        put(&reg, &key, &[&wait]);
         reg.end_put(&key, true);
         reg.set(
             &key,
             &wait,
             Role::Waiting(Instant::now() + Duration::from_secs(5)),
         );
-        assert!(reg.begin_put(&key, b"own", &[&hold]), "hold is usable");
+        put(&reg, &key, &[&hold]);
         assert!(!idle(&reg, &hold), "the move may have landed on it");
         reg.set_held(&key, &hold, 7);
         reg.end_put(&key, true);
@@ -875,7 +1042,7 @@ mod tests {
             "nothing is on the waiters' session any more"
         );
         reg.leave(&key);
-        reg.forget(&key);
+        reg.forget(&key, true);
         assert!(idle(&reg, &hold), "released: nothing is on it");
     }
 
@@ -887,11 +1054,11 @@ mod tests {
     fn a_key_being_released_is_deleted_by_its_release_alone() {
         let reg = Sessions::default();
         let s = session(1);
-        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
-        assert!(reg.begin_put(&key, b"own", &[&s]));
+        let key = token();
+        let own = put(&reg, &key, &[&s]);
         reg.set_held(&key, &s, 7);
         reg.end_put(&key, true);
-        assert_eq!(reg.leave(&key).as_deref(), Some(&b"own"[..]));
+        assert_eq!(reg.leave(&key), Some(own));
         assert!(
             reg.doomed(&s, Instant::now(), true).is_empty(),
             "not pruned while its delete is on its way"
@@ -900,7 +1067,7 @@ mod tests {
             !idle(&reg, &s),
             "not revoked while its delete is on its way"
         );
-        reg.unwanted(&key);
+        reg.unwanted(&key, true);
         let doomed = reg.doomed(&s, Instant::now(), true);
         assert_eq!(
             doomed.len(),
@@ -918,16 +1085,97 @@ mod tests {
     fn a_held_key_being_moved_keeps_both_sessions() {
         let reg = Sessions::default();
         let (from, to) = (session(1), session(2));
-        let key: TokenKey = (Arc::from("r"), OwnerToken::generate());
-        assert!(reg.begin_put(&key, b"own", &[&from]));
+        let key = token();
+        put(&reg, &key, &[&from]);
         reg.set_held(&key, &from, 7);
         reg.end_put(&key, true);
-        assert!(reg.begin_put(&key, b"own", &[&to]));
+        put(&reg, &key, &[&to]);
         assert!(!idle(&reg, &to), "the move may have landed on it");
         from.retired.store(true, Ordering::Release);
         assert!(
             reg.idle_retired(std::slice::from_ref(&from)).is_empty(),
             "still on it until the move lands"
         );
+    }
+
+    /// A token's key is named by the locker and a slot, the lowest its keys of the lock do not
+    /// use: a name is reused once its token's entry is gone, never while its token may still
+    /// put it (a suspect keeps its slot until its sessions are gone), and each token's value
+    /// is its own, so a late delete of the previous token's leaves the new key alone.
+    #[test]
+    fn names_are_reused_once_free_and_never_while_a_put_may_land() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let release = |key: &TokenKey| {
+            reg.leave(key);
+            reg.forget(key, true);
+        };
+        let (a, b, c, d, e) = (token(), token(), token(), token(), token());
+        let first = put(&reg, &a, &[&s]);
+        assert!(first.ends_with(b".0"), "{first:?}");
+        assert!(first.starts_with(b"dlock/r/"));
+        reg.end_put(&a, true);
+        release(&a);
+        assert!(!reg.is_registered(&a));
+
+        let again = put(&reg, &b, &[&s]);
+        assert_eq!(again, first, "a free name is reused");
+        let beside = put(&reg, &c, &[&s]);
+        reg.end_put(&c, true);
+        assert!(beside.ends_with(b".1"), "a name in use is not shared");
+
+        // `b`'s put may still land: released, it stays a suspect and keeps its name (and its
+        // session is retired: new keys go on another).
+        release(&b);
+        assert!(reg.is_registered(&b));
+        let s2 = session(2);
+        let next = put(&reg, &d, &[&s2]);
+        assert!(next.ends_with(b".2"), "{next:?}");
+        // Its session is gone (a put on it fails now): the name is free.
+        reg.gone(&s);
+        assert!(!reg.is_registered(&b));
+        assert_eq!(put(&reg, &e, &[&s2]), first);
+
+        // A release whose delete may still land (timed out, or answered through a hedge while
+        // another try was out) keeps its name, whatever becomes of its session.
+        let (f, g) = (token(), token());
+        reg.end_put(&e, true);
+        release(&e);
+        let kept = put(&reg, &f, &[&s2]);
+        assert_eq!(kept, first);
+        reg.end_put(&f, true);
+        reg.leave(&f);
+        reg.forget(&f, false);
+        reg.gone(&s2);
+        assert!(reg.is_registered(&f), "forgotten with its delete out");
+        assert_ne!(put(&reg, &g, &[&session(3)]), first);
+    }
+
+    /// Slots are per lock, a writer's key carries the marker, and an unregistered token is
+    /// not registered by a put that does not say where its key goes.
+    #[test]
+    fn slots_are_per_lock_and_names_follow_the_kind() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let mine = put(&reg, &token(), &[&s]);
+        let other: TokenKey = (Arc::from("other"), OwnerToken::generate());
+        let new = NewKey {
+            dir: b"dlock/other/",
+            kind: LockKind::Write,
+            value: "1000:x".to_owned(),
+        };
+        let Begun::Put(writer) = reg.begin_put(&other, Some(&new), &[&s]) else {
+            panic!("not registered");
+        };
+        let name = String::from_utf8(writer).unwrap();
+        assert_eq!(
+            name,
+            format!("dlock/other/w.{}.0", reg.instance),
+            "its own slot 0, marked"
+        );
+        assert!(mine.ends_with(b".0"));
+        assert_eq!(reg.begin_put(&token(), None, &[&s]), Begun::Unknown);
+        s.retired.store(true, Ordering::Release);
+        assert_eq!(reg.begin_put(&token(), Some(&new), &[&s]), Begun::Stale);
     }
 }
