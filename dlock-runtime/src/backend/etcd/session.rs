@@ -28,6 +28,12 @@
 //!   a fresh session, the suspect's key is deleted again before every keepalive of a retired
 //!   session, and a retired session is revoked once no held or waiting key is left on it
 //!   (revoking deletes whatever landed on it, and a put on a revoked lease fails).
+//! * **A name is reused only when nothing for its last token can reach it.** A token's key is
+//!   named `<locker id>.<slot>` (see [`Sessions::begin_put`]); the slot goes back to the lock's
+//!   free slots only when the token's entry goes, which waits for every put of it to be
+//!   settled (or its sessions to be gone) and for its release's delete to be settled. A
+//!   keepalive's pruning, which may be dropped half-way, deletes only a key whose value is
+//!   still its token's.
 //! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
 //!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
@@ -237,8 +243,8 @@ impl Default for Sessions {
 
 impl Sessions {
     /// Registers a put of the token's key on the sessions `on`, unless one of them was retired
-    /// or is gone (`None`: nothing registered, pick sessions again); returns the key. Checked
-    /// under the same lock as [`idle_retired`](Self::idle_retired), which retired sessions are
+    /// or is gone ([`Begun::Stale`]: nothing registered, pick sessions again); returns the key's
+    /// name. Checked under the same lock as [`idle_retired`](Self::idle_retired), which retired sessions are
     /// revoked by: a session picked before it was retired is either seen here as retired, or
     /// its put is registered before the revocation looks, which then keeps it
     /// ([`Entry::wanted_on`]: a key not held is `Acquiring` from here on, until its attempt
@@ -252,10 +258,10 @@ impl Sessions {
     /// fails) nor while a release's delete of it may (counted until it is answered with no
     /// other try of it out; one that never is keeps its name for good), and a pruning's delete
     /// compares the value, which names the token: so no request for a name's previous token
-    /// changes the key of the next. The names of a resource
-    /// are as many as this locker ever had keys of it at once: etcd keeps a deleted name in
-    /// its index until the next compaction, and a name per acquisition would make every read
-    /// of the lock's line slower with each acquisition until then.
+    /// changes the key of the next. The names of a resource are as many as this locker ever
+    /// had keys of it at once: etcd keeps a deleted name in its index until the next
+    /// compaction, and a name per acquisition would make every read of the lock's line slower
+    /// with each acquisition until then.
     #[must_use]
     fn begin_put(&self, key: &TokenKey, new: Option<&NewKey<'_>>, on: &[&Arc<Session>]) -> Begun {
         let mut reg = lock(&self.entries);
@@ -442,8 +448,9 @@ impl Sessions {
         }
     }
 
-    /// The keys to delete before a keepalive of `s` (name, value): unwanted keys a put may
-    /// have put on it, and its waiters past their time.
+    /// The keys to delete before a keepalive of `s`, each with the transaction that deletes it
+    /// if its value is still its token's: unwanted keys a put may have put on it, and its
+    /// waiters past their time.
     fn doomed(&self, s: &Session, now: Instant, waiters: bool) -> Vec<(TokenKey, Txn)> {
         lock(&self.entries)
             .map
