@@ -55,7 +55,7 @@ impl EtcdBackend {
         let keys = self.lock_keys(resource).await?;
         // A key on a session notes its token in its value (its name is the locker's and is
         // reused); a key on a lease of its own is named by its token.
-        let token = |kv: &KeyValue| match super::noted(kv).1 {
+        let token = |kv: &KeyValue| match super::noted(kv.value()).1 {
             Some(token) => token_prefix(token),
             None => token_prefix(&String::from_utf8_lossy(&kv.key()[dir_len..])),
         };

@@ -356,15 +356,18 @@ fn noted_value(ttl: Duration, token: &OwnerToken) -> String {
 
 /// What a key's value notes ([`noted_value`]): the holder's TTL and the owner token. Keys
 /// on leases of their own note the token alone (or an idempotency fingerprint).
-fn noted(kv: &KeyValue) -> (Option<Duration>, Option<&str>) {
-    let Ok(value) = std::str::from_utf8(kv.value()) else {
+fn noted(value: &[u8]) -> (Option<Duration>, Option<&str>) {
+    let Ok(value) = std::str::from_utf8(value) else {
         return (None, None);
     };
-    match value.split_once(':') {
-        Some((ms, token)) if ms.bytes().all(|b| b.is_ascii_digit()) => {
-            (ms.parse().ok().map(Duration::from_millis), Some(token))
-        }
-        _ => (None, None),
+    // (A key written before the token was noted has the TTL alone.)
+    let (ms, token) = match value.split_once(':') {
+        Some((ms, token)) => (ms, Some(token)),
+        None => (value, None),
+    };
+    match ms.parse() {
+        Ok(ms) => (Some(Duration::from_millis(ms)), token),
+        Err(_) => (None, None),
     }
 }
 
@@ -549,7 +552,7 @@ impl EtcdBackend {
         let Some(lease_id) = kv.map(KeyValue::lease).filter(|l| *l != 0) else {
             return Ok(None);
         };
-        let noted = kv.and_then(|kv| noted(kv).0);
+        let noted = kv.and_then(|kv| noted(kv.value()).0);
         let resp = self
             .call("lease time-to-live", |c| {
                 let mut lease = c.lease_client();
@@ -1183,6 +1186,19 @@ mod tests {
         assert_eq!(lease_secs(Duration::from_millis(1000)), 1);
         assert_eq!(lease_secs(Duration::from_millis(1001)), 2);
         assert_eq!(lease_secs(Duration::from_secs(20)), 20);
+    }
+
+    #[test]
+    fn a_value_notes_the_ttl_and_the_token() {
+        let token = OwnerToken::generate();
+        let value = noted_value(Duration::from_millis(1500), &token);
+        assert_eq!(
+            noted(value.as_bytes()),
+            (Some(Duration::from_millis(1500)), Some(token.as_str()))
+        );
+        assert_eq!(noted(b"30000"), (Some(Duration::from_secs(30)), None));
+        assert_eq!(noted(b"fp:abc"), (None, None));
+        assert_eq!(noted(token.as_str().as_bytes()), (None, None));
     }
 
     #[test]
