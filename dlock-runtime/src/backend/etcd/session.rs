@@ -146,6 +146,15 @@ struct Entry {
 }
 
 impl Entry {
+    /// The key is on `session` in `role`.
+    fn set(&mut self, session: &Arc<Session>, role: Role) {
+        self.session = session.clone();
+        if !self.touched.iter().any(|t| t.id == session.id) {
+            self.touched.push(session.clone());
+        }
+        self.role = role;
+    }
+
     /// Whether the entry can go: unwanted, no delete of its name can still land, and no put
     /// either (none in flight, or every session one may have used is gone: a put on a lease
     /// that is gone fails).
@@ -309,17 +318,13 @@ impl Sessions {
 
     fn set(&self, key: &TokenKey, session: &Arc<Session>, role: Role) {
         if let Some(e) = lock(&self.entries).map.get_mut(key) {
-            e.session = session.clone();
-            if !e.touched.iter().any(|t| t.id == session.id) {
-                e.touched.push(session.clone());
-            }
-            e.role = role;
+            e.set(session, role);
         }
     }
 
     fn set_held(&self, key: &TokenKey, session: &Arc<Session>, create: i64) {
-        self.set(key, session, Role::Held);
         if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            e.set(session, Role::Held);
             e.create = create;
         }
     }
