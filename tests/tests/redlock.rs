@@ -518,11 +518,20 @@ impl ScriptCalls {
         ScriptCalls(rx, vec![[0; 10]; servers.len()])
     }
 
-    /// Reads calls until every node ran at least one for every lock (the release reaches every
-    /// node) or 2 s pass; then the calls per node and lock.
+    /// Reads calls until, for every lock, every node ran at least one (the release reaches
+    /// every node) and a majority ran one more (the acquire), or 2 s pass; then the calls per
+    /// node and lock. (Waiting only for one call per node stopped early when a node's release
+    /// of the last lock was still on its way after its acquire.)
     async fn settle(mut self) -> Vec<[u32; 10]> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-        while self.1.iter().any(|node| node.contains(&0)) {
+        let nodes = self.1.len();
+        // Every node's release, and a majority's acquire.
+        let expected_sum = nodes + nodes / 2 + 1;
+        let expected = |calls: &[[u32; 10]], lock: usize| {
+            let per_node = calls.iter().map(|node| node[lock] as usize);
+            calls.iter().all(|node| node[lock] >= 1) && per_node.sum::<usize>() >= expected_sum
+        };
+        while !(0..10).all(|lock| expected(&self.1, lock)) {
             match tokio::time::timeout_at(deadline, self.0.recv()).await {
                 Ok(Some(at)) => self.1[at / 10][at % 10] += 1,
                 _ => break,
