@@ -387,22 +387,16 @@ fn lock_dir(locker: &Locker, key: &str) -> String {
     format!("dlock/{name}/")
 }
 
-/// A lock taken again and again reuses its keys' names: a backend's keys of one lock are as
-/// many as it had at once (a holder and a waiter, of two lockers on one backend: two), not one
-/// per acquisition — etcd keeps every name a directory had in its index until a compaction,
-/// and each read of the lock's line walks them all. Another backend's key has a name of its
-/// own.
+/// A lock taken again and again reuses its keys' names: a locker's keys of one lock are as
+/// many as it had at once (a holder and a waiter: two), not one per acquisition — etcd keeps
+/// every name a directory had in its index until a compaction, and each read of the lock's
+/// line walks them all. Another locker's key has a name of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_taken_again_and_again_reuses_its_key_names() {
     use etcd_client::{Client, EventType, WatchOptions};
 
     let url = etcd_server::shared().lock().unwrap().url();
-    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
-        .await
-        .unwrap();
-    // Two lockers on one backend: a locker queues its own tasks for a key locally.
-    let on_backend = || Locker::builder().try_build(backend.clone()).unwrap();
-    let (a, a2, b) = (on_backend(), on_backend(), locker(&url).await);
+    let (a, b) = (locker(&url).await, locker(&url).await);
     let key = dlock_runtime::conformance::unique_key("reuse");
     let dir = lock_dir(&a, &key);
     let raw = Client::connect([url.replacen("etcd://", "http://", 1)], None)
@@ -431,12 +425,12 @@ async fn a_lock_taken_again_and_again_reuses_its_key_names() {
         .delete(marker("~one-at-a-time"), None)
         .await
         .unwrap();
-    // A holder and a waiter of the same locker, then another locker.
+    // A holder and a waiter (another task) of the same locker, then another locker.
     let held = a.lock(&key).acquire().await.unwrap();
     let waiter = tokio::spawn({
-        let (a2, key) = (a2.clone(), key.clone());
+        let (a, key) = (a.clone(), key.clone());
         async move {
-            a2.lock(&key)
+            a.lock(&key)
                 .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(10)))
                 .acquire()
                 .await
@@ -444,7 +438,7 @@ async fn a_lock_taken_again_and_again_reuses_its_key_names() {
     });
     // The waiter counts once its first attempt put its key and found the lock held.
     dlock_tests::wait::wait_for("the waiter", Duration::from_secs(5), async || {
-        (a2.waiting() == 1).then_some(())
+        (a.waiting() == 1).then_some(())
     })
     .await;
     held.release().await.unwrap();

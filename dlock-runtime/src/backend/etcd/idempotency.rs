@@ -1,6 +1,7 @@
 //! Idempotency records of the etcd backend, each step one transaction.
 //!
-//! Key layout of one idempotency key, beside the lock's keys (`<prefix>/<resource>/<token>`):
+//! Key layout of one idempotency key, beside the lock's keys (under `<prefix>/<resource>/`; the
+//! record's lock is on a lease of its own, so its key is named by its token):
 //!
 //! | key | value | lease |
 //! |---|---|---|
