@@ -385,6 +385,9 @@ impl ResourceName {
 
     /// The name of `kind` on the same key and prefix (see [`LockKind`]).
     pub(crate) fn with_kind(self, kind: LockKind) -> Self {
+        if kind == self.kind {
+            return self;
+        }
         let suffix = kind.suffix();
         let base = match self.kind.suffix() {
             "" => &self.full[..],
@@ -406,6 +409,13 @@ impl ResourceName {
     /// semaphore, `<prefix>:{<key>}:rw` for a read-write lock).
     pub fn as_str(&self) -> &str {
         &self.full
+    }
+
+    /// [`as_str`](Self::as_str), shared (no copy): for backends that key their own maps
+    /// by it.
+    #[cfg_attr(not(any(feature = "etcd", feature = "zookeeper")), allow(dead_code))]
+    pub(crate) fn shared(&self) -> Arc<str> {
+        self.full.clone()
     }
 
     /// What an acquisition of this name holds: [`LockKind::Exclusive`] for a plain lock.

@@ -33,6 +33,24 @@ pub(crate) fn hex_into(out: &mut String, bytes: &[u8]) {
     }
 }
 
+/// `n` in decimal, written into `buf` (no allocation, no formatting machinery: for names
+/// and values built on every lock).
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+pub(crate) fn decimal(n: u128, buf: &mut [u8; 39]) -> &str {
+    let mut i = buf.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // ASCII digits only.
+    std::str::from_utf8(&buf[i..]).unwrap_or("0")
+}
+
 /// `bytes` as lowercase hex.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut s = String::new();
@@ -198,6 +216,14 @@ mod tests {
         assert_eq!(hex(&[0x00, 0x0f, 0xa0, 0xff]), "000fa0ff");
         assert_eq!(secure_token::<16>().len(), 32);
         assert_ne!(secure_token::<16>(), secure_token::<16>());
+    }
+
+    #[test]
+    fn decimal_writes_every_digit() {
+        let mut buf = [0; 39];
+        for n in [0, 7, 10, 1500, u128::from(u32::MAX), u128::MAX] {
+            assert_eq!(decimal(n, &mut buf), n.to_string());
+        }
     }
 
     #[test]

@@ -485,6 +485,55 @@ async fn a_lock_taken_again_and_again_reuses_its_key_names() {
     raw.kv_client().delete(marker("~end"), None).await.unwrap();
 }
 
+/// A waiter's watch task leaves the backend's books once its waiter is woken, even while the
+/// lock still has other local waiters (when the last one leaves, all of the lock's go at once):
+/// a lock that always has waiters kept one entry per waiter it served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
+    let url = etcd_server::shared().lock().unwrap().url();
+    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
+        .await
+        .unwrap();
+    let a = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .build(backend.clone());
+    let key = dlock_runtime::conformance::unique_key("watch-tasks");
+    let ttl = Duration::from_secs(30);
+    let held = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let wait = |a: &Locker| {
+        let (a, key) = (a.clone(), key.clone());
+        tokio::spawn(async move {
+            a.lock(&key)
+                .ttl(ttl)
+                .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(10)))
+                .acquire()
+                .await
+                .unwrap()
+        })
+    };
+    let first = wait(&a);
+    dlock_tests::wait::wait_for("the first waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1).then_some(())
+    })
+    .await;
+    let second = wait(&a);
+    dlock_tests::wait::wait_for("two waiters", Duration::from_secs(5), async || {
+        (a.waiting() == 2 && backend.watch_tasks() == 2).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    let g = first.await.unwrap();
+    // The second still waits: only its watch task is kept.
+    assert_eq!(a.waiting(), 1);
+    dlock_tests::wait::wait_for("one watch task", Duration::from_secs(5), async || {
+        (backend.watch_tasks() == 1).then_some(())
+    })
+    .await;
+    g.release().await.unwrap();
+    second.await.unwrap().release().await.unwrap();
+    assert_eq!(backend.watch_tasks(), 0);
+}
+
 /// etcd over TLS (`etcds://`, feature `etcd-tls`), on a member serving a certificate from a
 /// throwaway CA: with that CA a locker locks, renews (the session's keepalive stream runs over
 /// TLS too) and releases; with another CA every request fails its handshake — a typed 503

@@ -203,7 +203,8 @@ pub(super) fn own_key(dir: &[u8], resource: &ResourceName, token: &OwnerToken) -
 /// The key of slot `slot` of the locker `instance` under `dir` (a key on a session, module
 /// `session`): `<instance>.<slot>`, which no token (hex) can be; a writer's carries the marker.
 pub(super) fn slot_key(dir: &[u8], kind: LockKind, instance: &str, slot: u32) -> Vec<u8> {
-    let slot = slot.to_string();
+    let mut digits = [0; 39];
+    let slot = crate::util::decimal(u128::from(slot), &mut digits);
     named(dir, kind, &[instance.as_bytes(), b".", slot.as_bytes()])
 }
 

@@ -351,7 +351,13 @@ fn lease_secs(ttl: Duration) -> i64 {
 /// lease others are told, as the session lease outlives it) and the owner token (which names
 /// the acquisition: the key's name is reused).
 fn noted_value(ttl: Duration, token: &OwnerToken) -> String {
-    format!("{}:{}", ttl.as_millis(), token.as_str())
+    let mut digits = [0; 39];
+    let ms = crate::util::decimal(ttl.as_millis(), &mut digits);
+    let mut value = String::with_capacity(ms.len() + 1 + token.as_str().len());
+    value.push_str(ms);
+    value.push(':');
+    value.push_str(token.as_str());
+    value
 }
 
 /// What a key's value notes ([`noted_value`]): the holder's TTL and the owner token. Keys
@@ -413,8 +419,11 @@ impl EtcdBackend {
             .map(|h| format!("{scheme}://{h}"))
             .collect();
         let shown: Arc<str> = parsed.hosts.join(",").into();
+        // No channel-wide request timeout (`with_timeout`): every request goes through
+        // `pool::call`, which enforces the command timeout itself (dropping a try that runs
+        // out resets its stream, which cancels it on the member as a deadline would), and a
+        // second timer and a `grpc-timeout` header per request cost the client 2 % of a lock.
         let mut connect = ConnectOptions::new()
-            .with_timeout(opts.command_timeout)
             .with_connect_timeout(opts.connect_timeout)
             // A frozen member's connection is found dead (and left out) within 1.5 s.
             .with_keep_alive(Duration::from_millis(500), Duration::from_secs(1))
@@ -482,16 +491,20 @@ impl EtcdBackend {
     }
 
     fn dir(&self, resource: &str) -> Vec<u8> {
-        let mut dir = format!("{}/", self.opts.prefix);
-        for c in resource.chars() {
-            match c {
-                '%' => dir.push_str("%25"),
-                '/' => dir.push_str("%2F"),
-                c => dir.push(c),
+        let prefix = self.opts.prefix.as_bytes();
+        let mut dir = Vec::with_capacity(prefix.len() + resource.len() + 8);
+        dir.extend_from_slice(prefix);
+        dir.push(b'/');
+        // `%` and `/` are ASCII: they never occur inside a multi-byte character.
+        for &b in resource.as_bytes() {
+            match b {
+                b'%' => dir.extend_from_slice(b"%25"),
+                b'/' => dir.extend_from_slice(b"%2F"),
+                b => dir.push(b),
             }
         }
-        dir.push('/');
-        dir.into_bytes()
+        dir.push(b'/');
+        dir
     }
 
     /// The keys of `token`'s acquisition of a lease of its own: its key is named by the token.
@@ -513,6 +526,16 @@ impl EtcdBackend {
         }
     }
 
+    /// How many waiters' watch tasks this backend keeps (live ones, and any whose waiter has
+    /// not left yet). For tests.
+    #[doc(hidden)]
+    pub fn watch_tasks(&self) -> usize {
+        self.watchers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
         &self,
         what: &'static str,
@@ -532,15 +555,20 @@ impl EtcdBackend {
     }
 
     async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
-        self.txn_tracked(txn).await.0
+        self.txn_tracked(|| txn.clone()).await.0
     }
 
-    /// [`txn`](Self::txn), also telling whether it is settled ([`pool::call_tracked`]): a put
-    /// in it that may still land must stay registered.
-    async fn txn_tracked(&self, txn: Txn) -> (Result<etcd_client::TxnResponse, LockError>, bool) {
+    /// The transaction `build` makes (once per try: a try owns its request, and the hot paths
+    /// build theirs from borrowed keys rather than build one and copy it), also telling whether
+    /// it is settled ([`pool::call_tracked`]): a put in it that may still land must stay
+    /// registered.
+    async fn txn_tracked(
+        &self,
+        build: impl Fn() -> Txn,
+    ) -> (Result<etcd_client::TxnResponse, LockError>, bool) {
         pool::call_tracked(&self.pool, self.opts.command_timeout, "txn", |c| {
             let mut kv = c.kv_client();
-            let txn = txn.clone();
+            let txn = build();
             async move { kv.txn(txn).await }
         })
         .await
@@ -629,7 +657,7 @@ impl EtcdBackend {
         let id = self.grant(ttl).await?;
         let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
         let list = leases
-            .entry((Arc::from(resource.as_str()), token.clone()))
+            .entry((resource.shared(), token.clone()))
             .or_default();
         list.push(id);
         if list.len() > LEASES_KEPT {
@@ -654,7 +682,7 @@ impl EtcdBackend {
         self.leases
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&(Arc::from(resource.as_str()), token.clone()))
+            .remove(&(resource.shared(), token.clone()))
             .unwrap_or_default()
     }
 
@@ -728,7 +756,7 @@ impl EtcdBackend {
 
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(h) = w.remove(&(Arc::from(resource.as_str()), token.clone())) {
+        if let Some(h) = w.remove(&(resource.shared(), token.clone())) {
             h.abort();
         }
     }
@@ -835,7 +863,7 @@ fn member_options(base: &ConnectOptions, tls: Option<&TlsFiles>, host: &str) -> 
 
 /// A token's key in the session registry.
 fn token_key(resource: &ResourceName, token: &OwnerToken) -> TokenKey {
-    (Arc::from(resource.as_str()), token.clone())
+    (resource.shared(), token.clone())
 }
 
 /// The end of the range of keys starting with `dir` (which ends in `/`).
@@ -1153,8 +1181,8 @@ impl Backend for EtcdBackend {
                 },
                 None => self.keys(resource, token),
             };
-            let name: Arc<str> = resource.as_str().into();
-            let task = tokio::spawn(watch_turn(
+            let name = resource.shared();
+            let turn = watch_turn(
                 self.pool.clone(),
                 self.hub.clone(),
                 name.clone(),
@@ -1162,13 +1190,25 @@ impl Backend for EtcdBackend {
                 k,
                 self.opts.command_timeout,
                 resource.kind(),
-            ));
-            let old = self
-                .watchers
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert((name, token.clone()), task.abort_handle());
-            if let Some(old) = old {
+            );
+            let entry = (name, token.clone());
+            let watchers = self.watchers.clone();
+            let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+            // A task that is done (its waiter woken) takes its entry out itself: a lock that
+            // always has local waiters never sees its last one leave, which clears them all
+            // (`on_last`), and its entries would pile up, one per waiter served. Inserted under
+            // the same lock, so the entry is there before the task can look for it.
+            let task = tokio::spawn({
+                let entry = entry.clone();
+                async move {
+                    turn.await;
+                    let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
+                    if w.get(&entry).is_some_and(|h| h.id() == tokio::task::id()) {
+                        w.remove(&entry);
+                    }
+                }
+            });
+            if let Some(old) = w.insert(entry, task.abort_handle()) {
                 old.abort();
             }
             Ok(watch)

@@ -110,7 +110,9 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
         let busy: Vec<usize> = pending.iter().map(|p| p.0).collect();
         let i = pool.pick(&busy);
         pending.push((i, Instant::now()));
-        let fut = request(&pool.members[i]);
+        // Boxed: a client's request future is large, and every future around this one (up
+        // to the backend's boxed future) would otherwise carry it and copy it when moved.
+        let fut = Box::pin(request(&pool.members[i]));
         async move { (i, fut.await) }
     };
     // The first try is polled in place; the hedged ones (rare: a member that does not answer)

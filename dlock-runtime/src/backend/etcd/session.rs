@@ -39,6 +39,7 @@
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -196,17 +197,73 @@ enum Begun {
 /// The registered keys, and per resource the name slots they use.
 #[derive(Default)]
 struct Registry {
-    map: HashMap<TokenKey, Entry>,
-    slots: HashMap<Arc<str>, Vec<u32>>,
+    map: HashMap<TokenKey, Entry, BuildHasherDefault<TokenHasher>>,
+    slots: HashMap<Arc<str>, Slots>,
+}
+
+/// The slots of one resource in use: the first 64 as bits (no allocation for the common
+/// case of a few keys of a lock at once), the rest listed.
+#[derive(Default)]
+struct Slots {
+    low: u64,
+    more: Vec<u32>,
+}
+
+impl Slots {
+    fn take(&mut self) -> u32 {
+        if self.low != u64::MAX {
+            let slot = self.low.trailing_ones();
+            self.low |= 1 << slot;
+            return slot;
+        }
+        let slot = (64..).find(|s| !self.more.contains(s)).unwrap_or(u32::MAX);
+        self.more.push(slot);
+        slot
+    }
+
+    fn free(&mut self, slot: u32) {
+        if slot < 64 {
+            self.low &= !(1 << slot);
+        } else {
+            self.more.retain(|s| *s != slot);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.low == 0 && self.more.is_empty()
+    }
+}
+
+/// The registry's hasher: FxHash's multiply-rotate over the key's bytes. Every key holds an
+/// owner token (128 bits from the OS CSPRNG that no caller knows in advance), so no choice
+/// of lock names can make keys collide, and SipHash's protection is not needed on this map;
+/// it cost about 1.5 % of the client's work per lock.
+#[derive(Default)]
+pub(super) struct TokenHasher(u64);
+
+impl Hasher for TokenHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0; 8];
+            w.copy_from_slice(c);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(w)).wrapping_mul(K);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 impl Registry {
     /// The lowest slot no registered key of `resource` uses, taken.
     fn take_slot(&mut self, resource: &Arc<str>) -> u32 {
-        let used = self.slots.entry(resource.clone()).or_default();
-        let slot = (0..).find(|s| !used.contains(s)).unwrap_or(u32::MAX);
-        used.push(slot);
-        slot
+        self.slots.entry(resource.clone()).or_default().take()
     }
 
     fn remove(&mut self, key: &TokenKey) {
@@ -214,7 +271,7 @@ impl Registry {
             return;
         };
         if let Some(used) = self.slots.get_mut(&key.0) {
-            used.retain(|s| *s != e.slot);
+            used.free(e.slot);
             if used.is_empty() {
                 self.slots.remove(&key.0);
             }
@@ -308,10 +365,20 @@ impl Sessions {
         Begun::Put(e.own.clone())
     }
 
-    fn end_put(&self, key: &TokenKey, settled: bool) {
-        if settled {
-            if let Some(e) = lock(&self.entries).map.get_mut(key) {
+    /// The put of [`begin_put`](Self::begin_put) was answered (`settled`: no try of it can
+    /// still land) and, when `held` says so, made the key the lock's holder on that session
+    /// with that create revision: both in one step, so that the session never looks idle.
+    fn end_put(&self, key: &TokenKey, settled: bool, held: Option<(&Arc<Session>, i64)>) {
+        if !settled && held.is_none() {
+            return;
+        }
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            if settled {
                 e.in_flight = e.in_flight.saturating_sub(1);
+            }
+            if let Some((session, create)) = held {
+                e.set(session, Role::Held);
+                e.create = create;
             }
         }
     }
@@ -386,7 +453,8 @@ impl Sessions {
 
     /// The token's key is deleted (the delete `settled`: no other try of it is out): forgets
     /// it unless a put or delete of it may still land (then it is unwanted: deleted again
-    /// before keepalives, and its name kept). Returns the sessions to look at for revocation.
+    /// before keepalives, and its name kept). Returns the sessions to look at for revocation:
+    /// those it used that are retired (usually none; one retired later expires on its own).
     fn forget(&self, key: &TokenKey, settled: bool) -> Vec<Arc<Session>> {
         let mut reg = lock(&self.entries);
         let Some(e) = reg.map.get_mut(key) else {
@@ -395,7 +463,12 @@ impl Sessions {
         if settled {
             e.deleting = e.deleting.saturating_sub(1);
         }
-        let touched = e.touched.clone();
+        let touched: Vec<Arc<Session>> = e
+            .touched
+            .iter()
+            .filter(|s| s.retired.load(Ordering::Acquire))
+            .cloned()
+            .collect();
         if matches!(e.role, Role::Releasing | Role::Unwanted) {
             e.role = Role::Unwanted;
             if e.done() {
@@ -631,7 +704,7 @@ impl EtcdBackend {
     ) -> Result<Attempt, LockError> {
         // Shared with other attempts, exclusive of the deletion of late waiters.
         let _attempt = self.sessions.gate.read().await;
-        let key: TokenKey = (Arc::from(args.resource.as_str()), args.token.clone());
+        let key: TokenKey = (args.resource.shared(), args.token.clone());
         let mut k = self.lock_dir(args.resource);
         let queue = args.mode == WaitMode::Queue;
         let kind = args.resource.kind();
@@ -677,37 +750,42 @@ impl EtcdBackend {
         let put_on = |lease: i64| {
             TxnOp::put(
                 k.own.clone(),
-                value.clone(),
+                value.as_bytes(),
                 Some(PutOptions::new().with_lease(lease)),
             )
         };
-        let head = TxnOp::get(k.dir.clone(), Some(line_options(kind, &k.end)));
-        let otherwise = if try_kind {
-            vec![put_on(hold.id), head, TxnOp::get(k.own.clone(), None)]
-        } else if queue {
-            // Join the queue on the waiters' session, unless already in it (a put would then
-            // move the key to another lease; the create revision, the place, stays).
-            let join = Txn::new()
-                .when([Compare::create_revision(k.own.clone(), CompareOp::Equal, 0)])
-                .and_then([put_on(wait.id)]);
-            vec![TxnOp::txn(join), head, TxnOp::get(k.own.clone(), None)]
-        } else {
-            vec![head]
+        let build = || {
+            let head = TxnOp::get(k.dir.clone(), Some(line_options(kind, &k.end)));
+            let otherwise = if try_kind {
+                vec![put_on(hold.id), head, TxnOp::get(k.own.clone(), None)]
+            } else if queue {
+                // Join the queue on the waiters' session, unless already in it (a put would
+                // then move the key to another lease; the create revision, the place, stays).
+                let join = Txn::new()
+                    .when([Compare::create_revision(k.own.clone(), CompareOp::Equal, 0)])
+                    .and_then([put_on(wait.id)]);
+                vec![TxnOp::txn(join), head, TxnOp::get(k.own.clone(), None)]
+            } else {
+                vec![head]
+            };
+            Txn::new()
+                .when(
+                    [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
+                        .with_range(k.end.clone())],
+                )
+                .and_then([put_on(hold.id)])
+                .or_else(otherwise)
         };
-        let txn = Txn::new()
-            .when(
-                [Compare::create_revision(k.dir.clone(), CompareOp::Equal, 0)
-                    .with_range(k.end.clone())],
-            )
-            .and_then([put_on(hold.id)])
-            .or_else(otherwise);
-        let (resp, settled) = self.txn_tracked(txn).await;
-        self.sessions.end_put(&key, settled);
+        let (resp, settled) = self.txn_tracked(build).await;
+        let won = match &resp {
+            Ok(r) if r.succeeded() => Some(i64::try_from(super::written_revision(r)).unwrap_or(0)),
+            _ => None,
+        };
+        self.sessions
+            .end_put(&key, settled, won.map(|rev| (&hold, rev)));
         let resp = resp?;
         let ops = resp.op_responses();
-        if resp.succeeded() {
-            let rev = i64::try_from(super::written_revision(&resp)).unwrap_or(0);
-            self.sessions.set_held(&key, &hold, rev);
+        if let Some(rev) = won {
             return Ok(Attempt::Acquired {
                 fencing_token: rev.unsigned_abs(),
             });
@@ -847,14 +925,13 @@ impl EtcdBackend {
             return Ok(false);
         };
         let to = to.remove(0);
-        let txn = super::relet_txn(&own, create, to.id);
-        let (resp, settled) = self.txn_tracked(txn).await;
+        let (resp, settled) = self
+            .txn_tracked(|| super::relet_txn(&own, create, to.id))
+            .await;
         let moved = resp.map(|r| r.succeeded());
-        if let Ok(true) = moved {
-            // Held on `to` before the put is settled: no instant in which `to` looks idle.
-            self.sessions.set_held(key, &to, create);
-        }
-        self.sessions.end_put(key, settled);
+        // Held on `to` as the put is settled: no instant in which `to` looks idle.
+        let held = matches!(moved, Ok(true)).then_some((&to, create));
+        self.sessions.end_put(key, settled, held);
         moved
     }
 
@@ -1038,7 +1115,7 @@ mod tests {
         let (wait, hold) = (session(1), session(2));
         let key = token();
         put(&reg, &key, &[&wait]);
-        reg.end_put(&key, true);
+        reg.end_put(&key, true, None);
         reg.set(
             &key,
             &wait,
@@ -1047,7 +1124,7 @@ mod tests {
         put(&reg, &key, &[&hold]);
         assert!(!idle(&reg, &hold), "the move may have landed on it");
         reg.set_held(&key, &hold, 7);
-        reg.end_put(&key, true);
+        reg.end_put(&key, true, None);
         assert!(!idle(&reg, &hold), "held on it");
         assert!(
             idle(&reg, &wait),
@@ -1069,7 +1146,7 @@ mod tests {
         let key = token();
         let own = put(&reg, &key, &[&s]);
         reg.set_held(&key, &s, 7);
-        reg.end_put(&key, true);
+        reg.end_put(&key, true, None);
         assert_eq!(reg.leave(&key), Some(own));
         assert!(
             reg.doomed(&s, Instant::now(), true).is_empty(),
@@ -1100,7 +1177,7 @@ mod tests {
         let key = token();
         put(&reg, &key, &[&from]);
         reg.set_held(&key, &from, 7);
-        reg.end_put(&key, true);
+        reg.end_put(&key, true, None);
         put(&reg, &key, &[&to]);
         assert!(!idle(&reg, &to), "the move may have landed on it");
         from.retired.store(true, Ordering::Release);
@@ -1126,14 +1203,14 @@ mod tests {
         let first = put(&reg, &a, &[&s]);
         assert!(first.ends_with(b".0"), "{first:?}");
         assert!(first.starts_with(b"dlock/r/"));
-        reg.end_put(&a, true);
+        reg.end_put(&a, true, None);
         release(&a);
         assert!(!reg.is_registered(&a));
 
         let again = put(&reg, &b, &[&s]);
         assert_eq!(again, first, "a free name is reused");
         let beside = put(&reg, &c, &[&s]);
-        reg.end_put(&c, true);
+        reg.end_put(&c, true, None);
         assert!(beside.ends_with(b".1"), "a name in use is not shared");
 
         // `b`'s put may still land: released, it stays a suspect and keeps its name (and its
@@ -1151,16 +1228,33 @@ mod tests {
         // A release whose delete may still land (timed out, or answered through a hedge while
         // another try was out) keeps its name, whatever becomes of its session.
         let (f, g) = (token(), token());
-        reg.end_put(&e, true);
+        reg.end_put(&e, true, None);
         release(&e);
         let kept = put(&reg, &f, &[&s2]);
         assert_eq!(kept, first);
-        reg.end_put(&f, true);
+        reg.end_put(&f, true, None);
         reg.leave(&f);
         reg.forget(&f, false);
         reg.gone(&s2);
         assert!(reg.is_registered(&f), "forgotten with its delete out");
         assert_ne!(put(&reg, &g, &[&session(3)]), first);
+    }
+
+    /// A lock's slots: the lowest free one is taken, past the first 64 too, and a freed one
+    /// is taken again first.
+    #[test]
+    fn slots_take_the_lowest_free_one() {
+        let mut slots = Slots::default();
+        let taken: Vec<u32> = (0..70).map(|_| slots.take()).collect();
+        assert_eq!(taken, (0..70).collect::<Vec<_>>());
+        slots.free(65);
+        slots.free(3);
+        assert_eq!((slots.take(), slots.take()), (3, 65));
+        for s in 0..70 {
+            slots.free(s);
+        }
+        assert!(slots.is_empty());
+        assert_eq!(slots.take(), 0);
     }
 
     /// Slots are per lock, a writer's key carries the marker, and an unregistered token is
