@@ -9,8 +9,10 @@
 //! raised so the default 30 s session is granted), `forceSync=no`, and a small JIT-light heap so
 //! that a JVM starts in about a second. Readiness is a real request: the four-letter command
 //! `srvr` answering with a `Mode` (standalone, leader or follower) — which a server without a
-//! quorum does not. Every server runs under `setpriv --pdeathsig KILL`: it dies with the thread
-//! that started it, and dropping the [`ZkEnsemble`] kills it and removes the folder. If ZooKeeper
+//! quorum does not. Every server runs under `setpriv --pdeathsig KILL`, spawned from one thread
+//! that lives as long as the process (a server dies with the thread that spawned it, and a
+//! test's threads end with the test): it dies with the test binary, and dropping the
+//! [`ZkEnsemble`] kills it and removes the folder. If ZooKeeper
 //! or Java is missing, starting one panics saying how to get them (`./scripts/test` installs
 //! Debian's `zookeeper`): a ZooKeeper test never silently skips.
 
@@ -153,8 +155,8 @@ impl ZkEnsemble {
     fn spawn(&mut self, i: usize) {
         let dir = self.server_dir(i);
         let log = std::fs::File::create(dir.join("server.log")).expect("server log");
-        let child = Command::new("setpriv")
-            .args(["--pdeathsig", "KILL", "--", "java"])
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--pdeathsig", "KILL", "--", "java"])
             .args(["-Xmx128m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"])
             .arg("-Dzookeeper.root.logger=WARN,CONSOLE")
             .arg(format!("-Dzookeeper.log.dir={}", dir.display()))
@@ -165,9 +167,8 @@ impl ZkEnsemble {
             .arg(dir.join("zoo.cfg"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn();
-        match child {
+            .stderr(log);
+        match spawn_kept(cmd) {
             Ok(c) => self.servers[i].child = Some(c),
             Err(e) => panic!(
                 "cannot run `setpriv … java` ({e}). Install a Java runtime and ZooKeeper \
@@ -345,6 +346,38 @@ impl ZkEnsemble {
             "ZooKeeper server {i} did not come back"
         );
     }
+}
+
+/// Spawns `cmd` from a thread that lives as long as the process. A server under `setpriv
+/// --pdeathsig` dies with the thread that spawned it, and a test's threads end with the test:
+/// a server a test restarted (a fault test healing the shared ensemble) would die with them and
+/// leave the next test a dead server.
+fn spawn_kept(cmd: Command) -> std::io::Result<Child> {
+    type Job = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: OnceLock<std::sync::mpsc::Sender<Job>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("zk-spawner".to_owned())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("spawn the ZooKeeper spawner thread");
+        tx
+    });
+    let (reply, answer) = std::sync::mpsc::channel();
+    if spawner.send((cmd, reply)).is_err() {
+        return Err(std::io::Error::other(
+            "the ZooKeeper spawner thread is gone",
+        ));
+    }
+    answer.recv().unwrap_or_else(|_| {
+        Err(std::io::Error::other(
+            "the ZooKeeper spawner thread is gone",
+        ))
+    })
 }
 
 fn kill_child(s: &mut Server) {

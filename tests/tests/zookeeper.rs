@@ -328,6 +328,107 @@ async fn without_quorum_errors_are_typed_and_timely_then_recovery() {
     g.release().await.unwrap();
 }
 
+/// Every server killed for 10 s — long enough that the client's own reconnect rounds have
+/// spaced out (it waits 0.3, 0.6, 1.2, 2.4, 4.8, 9.6 s … between rounds over three servers, the
+/// next one due some 20 s in) — with requests going on and nothing held: once the ensemble
+/// serves again, locks are taken at once, not at the client's next round seconds later. The
+/// backend gave the stuck session, which carried nothing, up for a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_long_outage_locks_come_back_as_soon_as_the_ensemble_serves() {
+    let mut zk = Faults::take().await;
+    let (backend, a) = zk_locker(&zk.url()).await;
+    let ttl = Duration::from_secs(2);
+    let g = a.lock("outage").ttl(ttl).acquire().await.unwrap();
+    g.release().await.unwrap();
+    let before = backend.session_id();
+    let killed = outage(&mut zk, &a, Duration::from_secs(10)).await;
+    let serving = Instant::now();
+    let g = poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(20),
+        async || try_take(&a, "outage", ttl).await,
+    )
+    .await;
+    let back = serving.elapsed();
+    eprintln!(
+        "locks back {back:?} after the ensemble served again ({:?} after the kill)",
+        killed.elapsed()
+    );
+    assert!(
+        back < Duration::from_secs(2),
+        "locks came back {back:?} after the ensemble served again ({:?} after the servers \
+         were killed)",
+        killed.elapsed()
+    );
+    assert_ne!(backend.session_id(), before, "the stuck session was kept");
+    g.release().await.unwrap();
+}
+
+/// The same outage (shorter) with a lock held whose lease outlasts it: its session is kept —
+/// given up, it would take the lock's node with it when it closes — so the lock stays held,
+/// renewed once the client is back, and nobody else takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_whose_lease_outlasts_an_outage_keeps_its_session() {
+    let mut zk = Faults::take().await;
+    let (backend, a) = zk_locker(&zk.url()).await;
+    let b = locker(&zk.url()).await;
+    let ttl = Duration::from_secs(20);
+    let held = a.lock("kept").ttl(ttl).acquire().await.unwrap();
+    let before = backend.session_id();
+    outage(&mut zk, &a, Duration::from_secs(3)).await;
+    // The client comes back by itself (at its next round) on the same session.
+    let g = poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        async || try_take(&a, "other", Duration::from_secs(2)).await,
+    )
+    .await;
+    g.release().await.unwrap();
+    assert_eq!(
+        backend.session_id(),
+        before,
+        "a session was given up while a lease on it was live"
+    );
+    assert!(held.is_held(), "the lock was lost");
+    assert!(
+        try_take(&b, "kept", ttl).await.is_err(),
+        "another locker took a lock that is still held"
+    );
+    held.release().await.unwrap();
+}
+
+/// A locker on a backend the test can look into.
+async fn zk_locker(url: &str) -> (ZkBackend, Locker) {
+    let backend = ZkBackend::connect(url, ZkOptions::default().command_timeout(COMMAND_TIMEOUT))
+        .await
+        .expect("connect to ZooKeeper");
+    let locker = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .build(backend.clone());
+    (backend, locker)
+}
+
+/// Kills every server for `down`, with `a` trying a lock every 100 ms meanwhile (each try
+/// fails with the typed 503 in time), then brings them all back and returns once they serve.
+/// Returns when the servers were killed.
+async fn outage(zk: &mut Faults, a: &Locker, down: Duration) -> Instant {
+    for i in 0..zk.len() {
+        zk.kill(i);
+    }
+    let killed = Instant::now();
+    while killed.elapsed() < down {
+        let started = Instant::now();
+        assert!(
+            try_take(a, "during", Duration::from_secs(2)).await.is_err(),
+            "a lock was granted with every server dead"
+        );
+        assert!(started.elapsed() < COMMAND_TIMEOUT * 2 + Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::task::block_in_place(|| zk.heal());
+    killed
+}
+
 /// Nothing listens at the URL: connecting fails with the typed 503 error within the command
 /// timeout, never a hang.
 #[tokio::test]

@@ -81,6 +81,21 @@
 //! new session for the next calls. ZooKeeper applies one session's requests in the order they
 //! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made.
 //!
+//! **After an outage.** The client reconnects by itself, but waits twice as long after every
+//! round over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …),
+//! so after the whole ensemble was away for `d` it would come back up to about `d / 2` after
+//! the ensemble did. So a session found without a server for over a second, on which every
+//! lease this backend granted has run out by the local clock (no guard counts on any of its
+//! nodes any more), is given up and a new one opened, which connects as soon as a server
+//! answers. Nothing of the old session is taken for one's own after that (its nodes, leases
+//! run out, are deleted by the next attempts or with the session), and a call still on the
+//! old session when it was given up answers `Unavailable` instead of a lock or a renewal. A
+//! session with a live lease is kept, and comes back at the client's own pace: its locks
+//! survive an outage only if the client reconnects within their lease (with three servers an
+//! outage of 21 s can be followed by 19 s more before the client's next round; moving the
+//! session to a new client, which `zookeeper_client` allows, would remove that wait, at the
+//! price of an old client that must neither close the session nor keep it).
+//!
 //! Idempotency records are not stored by this backend ([`Backend::idempotency`] is `None`).
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
 //! as an attempt judges them, by the ensemble's clock.
@@ -90,10 +105,10 @@ use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::task::AbortHandle;
-use zookeeper_client::{Acls, Client, CreateMode, EventType, Stat};
+use zookeeper_client::{Acls, Client, CreateMode, EventType, SessionState, Stat};
 
 use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, WaitMode, Watch};
 use crate::key::ResourceName;
@@ -158,15 +173,40 @@ impl ZkOptions {
     }
 }
 
-/// The session in use and how to replace it once it expired.
+/// How long a session must have been without a server before [`Session::client`] may open
+/// another one in its place (when nothing depends on it any more): about the longest pause the
+/// reference client (ZooKeeper's Java client) makes between reconnect rounds.
+const STUCK_AFTER: Duration = Duration::from_secs(1);
+
+/// The session in use and how to replace it once it expired — or once it has been without a
+/// server for a while and carries no lease any more.
+///
+/// Why the second: the client reconnects by itself, but it waits twice as long after each
+/// round over the servers (0.3, 0.6, 1.2, 2.4 s … with three of them, bounded only by the
+/// session's expiry), so after an ensemble outage of `d` it may come back about `d / 2` after
+/// the ensemble does. A session whose every granted lease has run out (so no guard counts on
+/// any of its nodes) is given up for a new one, which connects at once. What keeps that safe:
+/// a node of the old session is never taken for one's own afterwards ([`ZkBackend::known`]
+/// and [`ZkBackend::find_by_token`] look at the current session's only), and a call that was
+/// still on the old client when it was given up answers `Unavailable` rather than report a
+/// lock or a renewal on it ([`Session::is_current`], checked after the lease was noted).
 struct Session {
-    client: Mutex<Client>,
-    /// Serialises re-connects after an expiry.
+    client: Mutex<Arc<Client>>,
+    /// Serialises re-connects.
     reconnect: tokio::sync::Mutex<()>,
     /// The granted session timeout, in ms.
     timeout_ms: AtomicU64,
     hosts: String,
     opts: ZkOptions,
+    /// What `horizon_ms` and `down_ms` count from.
+    born: Instant,
+    /// The latest end of a lease this backend's writes granted (ms since `born`, rounded up),
+    /// counted from when their answers arrived: no guard's local lease, counted from before
+    /// its request was sent, lasts longer.
+    horizon_ms: AtomicU64,
+    /// Since when (ms since `born`, plus one) a call found the session without a server; 0
+    /// while it has one.
+    down_ms: AtomicU64,
 }
 
 impl Session {
@@ -194,26 +234,81 @@ impl Session {
         }
     }
 
-    /// The current client; a new session when the current one expired or closed.
-    async fn client(&self) -> Result<Client, LockError> {
-        let c = self.current();
-        if !c.state().is_terminated() {
-            return Ok(c);
+    fn new(client: Client, hosts: String, opts: ZkOptions) -> Self {
+        Session {
+            timeout_ms: AtomicU64::new(millis(client.session_timeout())),
+            client: Mutex::new(Arc::new(client)),
+            reconnect: tokio::sync::Mutex::new(()),
+            hosts,
+            opts,
+            born: Instant::now(),
+            horizon_ms: AtomicU64::new(0),
+            down_ms: AtomicU64::new(0),
         }
+    }
+
+    /// The current client; a new session when the current one expired or closed, or is stuck
+    /// without a server and carries no lease (see [`Session`]).
+    async fn client(&self) -> Result<Arc<Client>, LockError> {
+        let c = self.current();
+        match c.state() {
+            SessionState::SyncConnected => {
+                if self.down_ms.load(Ordering::Relaxed) != 0 {
+                    self.down_ms.store(0, Ordering::Relaxed);
+                }
+                return Ok(c);
+            }
+            SessionState::Disconnected if !self.stuck() => return Ok(c),
+            s if !s.is_terminated() && s != SessionState::Disconnected => return Ok(c),
+            _ => {}
+        }
+        drop(c);
         let _one = self.reconnect.lock().await;
         let c = self.current();
-        if !c.state().is_terminated() {
-            return Ok(c);
+        let state = c.state();
+        let expired = state.is_terminated();
+        let stuck = state == SessionState::Disconnected && self.stuck();
+        if !expired && !stuck {
+            return Ok(c); // replaced or reconnected meanwhile
         }
-        tracing::warn!("zookeeper: session {:?}; opening a new one", c.state());
-        let fresh = Self::open(&self.hosts, &self.opts).await?;
+        drop(c);
+        if expired {
+            tracing::warn!("zookeeper: session {state:?}; opening a new one");
+        }
+        let fresh = Arc::new(Self::open(&self.hosts, &self.opts).await?);
+        let mut slot = self.client.lock().unwrap_or_else(PoisonError::into_inner);
+        // Checked again where no lease can be noted unseen (`is_current` takes this lock after
+        // noting one): an old session that came back, or was granted a lease meanwhile, is
+        // kept (the new one, which has no nodes, closes when dropped).
+        if !expired && (slot.state() == SessionState::SyncConnected || !self.lapsed()) {
+            return Ok(slot.clone());
+        }
         self.timeout_ms
             .store(millis(fresh.session_timeout()), Ordering::Relaxed);
-        *self.client.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+        self.down_ms.store(0, Ordering::Relaxed);
+        // The old client, dropped by its last user, closes its session when it reaches a
+        // server again (or the session expires): its nodes go, unneeded.
+        *slot = fresh.clone();
+        if !expired {
+            tracing::warn!(
+                "zookeeper: the session had no server for over {STUCK_AFTER:?} and no lease on \
+                 it left; replaced by a new one"
+            );
+        }
         Ok(fresh)
     }
 
-    fn current(&self) -> Client {
+    /// Whether `c` is still the session in use. A call that reports a lock or a renewal made
+    /// on `c` checks this after noting the lease ([`granted`](Self::granted)): either the
+    /// check sees a replacement, or the replacement sees the lease and does not happen.
+    fn is_current(&self, c: &Arc<Client>) -> bool {
+        Arc::ptr_eq(
+            &self.client.lock().unwrap_or_else(PoisonError::into_inner),
+            c,
+        )
+    }
+
+    fn current(&self) -> Arc<Client> {
         self.client
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -223,14 +318,47 @@ impl Session {
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
     }
+
+    /// Milliseconds since `born`, rounded up, at least 1.
+    fn now_ms(&self) -> u64 {
+        millis(self.born.elapsed()).saturating_add(1)
+    }
+
+    /// Notes a lease of `lease` granted by a write whose answer just arrived.
+    fn granted(&self, lease: Duration) {
+        let until = self.now_ms().saturating_add(millis(lease));
+        self.horizon_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// Whether every lease this session granted has run out (by the local clock, counted
+    /// from the answers: no guard counts on any of them).
+    fn lapsed(&self) -> bool {
+        self.now_ms() > self.horizon_ms.load(Ordering::Relaxed)
+    }
+
+    /// Whether the session (found without a server now) has been so for [`STUCK_AFTER`] and
+    /// carries no lease any more. The first call to find it so starts the count.
+    fn stuck(&self) -> bool {
+        let now = self.now_ms();
+        let since =
+            match self
+                .down_ms
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return false,
+                Err(since) => since,
+            };
+        now.saturating_sub(since) >= millis(STUCK_AFTER) && self.lapsed()
+    }
 }
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Own nodes by (resource, owner token): the node name of each acquisition this backend made.
-type Owned = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), String>>>;
+/// Own nodes by (resource, owner token): the node name of each acquisition this backend made,
+/// and the session it was made on.
+type Owned = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (i64, String)>>>;
 
 /// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
 type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
@@ -332,6 +460,15 @@ async fn again<T, Fut: Future<Output = Result<T, ZkError>>>(
     }
 }
 
+/// What a lock or a renewal on a session given up meanwhile ([`Session`]) answers: its node
+/// goes with that session.
+fn superseded() -> LockError {
+    LockError::unavailable(
+        "zookeeper: the session was replaced while the request was on it",
+        None,
+    )
+}
+
 /// Maps a ZooKeeper failure to `Unavailable`.
 fn unavailable(what: &str, e: ZkError) -> LockError {
     LockError::unavailable(format!("zookeeper {what} failed: {e}"), Some(Box::new(e)))
@@ -388,13 +525,7 @@ impl ZkBackend {
                 ))
             }
         }
-        let session = Session {
-            timeout_ms: AtomicU64::new(millis(client.session_timeout())),
-            client: Mutex::new(client),
-            reconnect: tokio::sync::Mutex::new(()),
-            hosts,
-            opts,
-        };
+        let session = Session::new(client, hosts, opts);
         Ok(ZkBackend {
             session: Arc::new(session),
             base,
@@ -407,6 +538,12 @@ impl ZkBackend {
     /// The session timeout the server granted.
     pub fn session_timeout(&self) -> Duration {
         self.session.timeout()
+    }
+
+    /// The id of the session in use. For tests.
+    #[doc(hidden)]
+    pub fn session_id(&self) -> i64 {
+        self.session.current().session_id().0
     }
 
     /// Deletes every node of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
@@ -453,29 +590,36 @@ impl ZkBackend {
     }
 
     fn key(resource: &ResourceName, token: &OwnerToken) -> (Arc<str>, OwnerToken) {
-        (Arc::from(resource.as_str()), token.clone())
+        (resource.shared(), token.clone())
     }
 
-    fn remember(&self, resource: &ResourceName, token: &OwnerToken, name: &str) {
+    /// Notes `name` as `token`'s node, made on `c`'s session.
+    fn remember(&self, c: &Client, resource: &ResourceName, token: &OwnerToken, name: &str) {
         self.owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(Self::key(resource, token), name.to_owned());
+            .insert(
+                Self::key(resource, token),
+                (c.session_id().0, name.to_owned()),
+            );
     }
 
-    fn known(&self, resource: &ResourceName, token: &OwnerToken) -> Option<String> {
+    /// `token`'s node, if it was made on `c`'s session (a node of a session given up is not
+    /// one's own any more: [`Session`]).
+    fn known(&self, c: &Client, resource: &ResourceName, token: &OwnerToken) -> Option<String> {
         self.owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&Self::key(resource, token))
-            .cloned()
+            .filter(|(session, _)| *session == c.session_id().0)
+            .map(|(_, name)| name.clone())
     }
 
-    fn forget(&self, resource: &ResourceName, token: &OwnerToken) -> Option<String> {
+    fn forget(&self, resource: &ResourceName, token: &OwnerToken) {
         self.owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&Self::key(resource, token))
+            .remove(&Self::key(resource, token));
     }
 
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
@@ -498,23 +642,17 @@ impl ZkBackend {
         loop {
             let opts = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
             match c.create(&path, &data, &opts).await {
-                Ok((stat, seq)) => return Ok((format!("{}-{seq}", token.as_str()), stat)),
+                Ok((stat, seq)) => {
+                    self.session.granted(lease);
+                    return Ok((format!("{}-{seq}", token.as_str()), stat));
+                }
                 Err(e) if lost_connection(&e) => {
                     // The create may have been applied: look for the node by its token
                     // (protected mode) before creating another.
                     tokio::time::sleep(Duration::from_millis(10)).await;
-                    let kids = match again(|| c.list_children(dir)).await {
-                        Ok(k) => k,
-                        Err(ZkError::NoNode) => Vec::new(),
-                        Err(e) => return Err(unavailable("getChildren", e)),
-                    };
-                    if let Some(name) = kids.into_iter().find(|k| owned_by(k, token)) {
-                        let own = format!("{dir}/{name}");
-                        match again(|| c.get_data(&own)).await {
-                            Ok((_, stat)) => return Ok((name, stat)),
-                            Err(ZkError::NoNode) => {}
-                            Err(e) => return Err(unavailable("getData", e)),
-                        }
+                    if let Some((name, stat)) = Self::find_by_token(c, dir, token).await? {
+                        self.session.granted(lease);
+                        return Ok((name, stat));
                     }
                 }
                 Err(ZkError::NoNode) => {
@@ -537,10 +675,45 @@ impl ZkBackend {
         }
     }
 
+    /// The node of `token` in `dir` made on `c`'s session, looked up by its name (protected
+    /// mode), and its stat. A node of the token on another session (one this backend gave up
+    /// when it had no server: [`Session`]) is not it: nothing relies on that one, and its
+    /// session takes it away.
+    async fn find_by_token(
+        c: &Client,
+        dir: &str,
+        token: &OwnerToken,
+    ) -> Result<Option<(String, Stat)>, LockError> {
+        let kids = match again(|| c.list_children(dir)).await {
+            Ok(k) => k,
+            Err(ZkError::NoNode) => return Ok(None),
+            Err(e) => return Err(unavailable("getChildren", e)),
+        };
+        for name in kids.into_iter().filter(|k| owned_by(k, token)) {
+            let own = format!("{dir}/{name}");
+            match again(|| c.check_stat(&own)).await {
+                Ok(Some(stat)) if stat.ephemeral_owner == c.session_id().0 => {
+                    return Ok(Some((name, stat)))
+                }
+                Ok(_) => {}
+                Err(e) => return Err(unavailable("exists", e)),
+            }
+        }
+        Ok(None)
+    }
+
     /// Sets `path`'s lease; `None` when the node is gone.
-    async fn set_lease(c: &Client, path: &str, lease: Duration) -> Result<Option<Stat>, LockError> {
+    async fn set_lease(
+        &self,
+        c: &Client,
+        path: &str,
+        lease: Duration,
+    ) -> Result<Option<Stat>, LockError> {
         match again(|| c.set_data(path, &lease_data(lease), None)).await {
-            Ok(stat) => Ok(Some(stat)),
+            Ok(stat) => {
+                self.session.granted(lease);
+                Ok(Some(stat))
+            }
             Err(ZkError::NoNode) => Ok(None),
             Err(e) => Err(unavailable("setData", e)),
         }
@@ -581,11 +754,11 @@ impl ZkBackend {
         // The own node; the stat of this attempt's last write to it (its mtime is the
         // ensemble's "now" for expiry checks); whether its lease is the lock's TTL.
         let (own, mut stat, mut has_ttl) =
-            match self.known(args.resource, args.token).filter(|_| queue) {
+            match self.known(&c, args.resource, args.token).filter(|_| queue) {
                 Some(name) => (name, None, false),
                 None => {
                     let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
-                    self.remember(args.resource, args.token, &name);
+                    self.remember(&c, args.resource, args.token, &name);
                     (name, Some(stat), true)
                 }
             };
@@ -608,13 +781,16 @@ impl ZkBackend {
                 // the TTL; one that waited (or a holder asking again) gets it now.
                 let granted = match stat.filter(|_| has_ttl) {
                     Some(stat) => Some(stat),
-                    None => Self::set_lease(&c, &own_path, args.ttl).await?,
+                    None => self.set_lease(&c, &own_path, args.ttl).await?,
                 };
                 let Some(granted) = granted else {
                     self.forget(args.resource, args.token);
                     return Ok(Attempt::Held { remaining: None });
                 };
                 self.stop_watch(args.resource, args.token);
+                if !self.session.is_current(&c) {
+                    return Err(superseded());
+                }
                 return Ok(Attempt::Acquired {
                     fencing_token: granted.czxid.unsigned_abs(),
                 });
@@ -622,7 +798,7 @@ impl ZkBackend {
             // Queued behind someone: a waiter's node carries the waiter TTL, refreshed by
             // every attempt, and the write tells the ensemble's "now".
             if queue && (has_ttl || stat.is_none()) {
-                match Self::set_lease(&c, &own_path, args.waiter_ttl).await? {
+                match self.set_lease(&c, &own_path, args.waiter_ttl).await? {
                     Some(s) => {
                         stat = Some(s);
                         has_ttl = false;
@@ -688,7 +864,7 @@ impl ZkBackend {
 
     /// Makes sure a task watches `pred` (the predecessor of `args.token`'s node) and wakes the
     /// waiter when it is deleted.
-    fn watch_predecessor(&self, c: &Client, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
+    fn watch_predecessor(&self, c: &Arc<Client>, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
         let key = Self::key(args.resource, args.token);
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((p, h)) = w.get(&key) {
@@ -729,14 +905,12 @@ impl ZkBackend {
         resource: &ResourceName,
         token: &OwnerToken,
     ) -> Result<Option<String>, LockError> {
-        if let Some(name) = self.known(resource, token) {
+        if let Some(name) = self.known(c, resource, token) {
             return Ok(Some(name));
         }
-        match again(|| c.list_children(dir)).await {
-            Ok(kids) => Ok(kids.into_iter().find(|k| owned_by(k, token))),
-            Err(ZkError::NoNode) => Ok(None),
-            Err(e) => Err(unavailable("getChildren", e)),
-        }
+        Ok(Self::find_by_token(c, dir, token)
+            .await?
+            .map(|(name, _)| name))
     }
 }
 
@@ -802,9 +976,14 @@ impl Backend for ZkBackend {
             let Some(name) = self.find_own(&c, &dir, resource, token).await? else {
                 return Ok(false);
             };
-            Ok(Self::set_lease(&c, &format!("{dir}/{name}"), ttl)
+            let renewed = self
+                .set_lease(&c, &format!("{dir}/{name}"), ttl)
                 .await?
-                .is_some())
+                .is_some();
+            if renewed && !self.session.is_current(&c) {
+                return Err(superseded());
+            }
+            Ok(renewed)
         }))
     }
 
