@@ -181,8 +181,10 @@ impl Locker {
         &self.inner.defer
     }
 
-    /// How many tasks of this locker are currently waiting for a lock (queued and subscribed
-    /// to its release). A metric, and what tests use to know a waiter is in line.
+    /// How many tasks of this locker are currently waiting for a lock: queued, subscribed to
+    /// its release, and past their first check after subscribing (a task counts from its first
+    /// sleep), so a release from the moment it is counted wakes it. A metric, and what tests
+    /// use to know a waiter is in line.
     pub fn waiting(&self) -> usize {
         self.inner.waiting.load(Ordering::Acquire)
     }

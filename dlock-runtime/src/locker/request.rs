@@ -589,7 +589,10 @@ async fn wait_for(
     let handoff_lease = take.ttl.min(waiter_ttl);
     let mut flight = Undo::new(locker.watchdog(), resource, take.ttl.max(waiter_ttl));
     let refresh = waiter_ttl / 3;
-    let mut watch: Option<(Watch, WaitingCount<'_>)> = None;
+    let mut watch: Option<Watch> = None;
+    // Counted in `Locker::waiting` from its first sleep: by then the waiter is queued,
+    // subscribed, and has asked again since subscribing, so a release from then on wakes it.
+    let mut counted: Option<WaitingCount<'_>> = None;
     let mut step = 0u32;
     let fifo = policy.fair && locker.backend().fifo();
     // When the last attempt that found the lock held was sent. A release that hands the lock
@@ -639,7 +642,7 @@ async fn wait_for(
                     locker.backend().watch(flight.resource(), flight.token()),
                 )
                 .await?;
-            watch = Some((w, WaitingCount::enter(locker, take.labels)));
+            watch = Some(w);
             continue;
         }
         let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
@@ -648,7 +651,10 @@ async fn wait_for(
             sleep = sleep.min(r + Duration::from_millis(1));
         }
         step = step.saturating_add(1);
-        if let Some((w, _)) = &watch {
+        if let Some(w) = &watch {
+            if counted.is_none() {
+                counted = Some(WaitingCount::enter(locker, take.labels));
+            }
             tokio::select! {
                 // A fair waiter is woken alone, when it is first: start over. Barging waiters
                 // (Redlock) are woken together; keeping their backoff avoids a lockstep retry.
@@ -676,13 +682,8 @@ fn refused<T>(flight: &mut Undo<'_>, out: Result<T, LockError>) -> Result<T, Loc
 }
 
 /// The grant of a lock that a release handed to this waiter (direct handoff), if one did.
-fn handed_over(
-    watch: &Option<(Watch, WaitingCount<'_>)>,
-    take: Take,
-    lease: Duration,
-    asked_ns: u64,
-) -> Option<Grant> {
-    let fencing_token = watch.as_ref()?.0.take_handoff()?;
+fn handed_over(watch: &Option<Watch>, take: Take, lease: Duration, asked_ns: u64) -> Option<Grant> {
+    let fencing_token = watch.as_ref()?.take_handoff()?;
     Some(Grant {
         fencing_token,
         ttl: take.ttl,
@@ -713,6 +714,8 @@ impl Drop for WaitingCount<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use super::*;
 
     #[tokio::test]
@@ -795,5 +798,91 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(out, Some(Some("job".to_owned())));
+    }
+
+    /// The in-memory backend, its attempts counted, each taking a turn of the scheduler first
+    /// as a round trip to a server would.
+    struct SlowAsk(crate::backend::MemoryBackend, std::sync::Arc<AtomicUsize>);
+
+    impl crate::backend::Backend for SlowAsk {
+        fn name(&self) -> &'static str {
+            "slow-ask"
+        }
+
+        fn acquire<'a>(
+            &'a self,
+            args: AcquireArgs<'a>,
+        ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+            Box::pin(async move {
+                tokio::task::yield_now().await;
+                self.1.fetch_add(1, Ordering::SeqCst);
+                self.0.acquire(args).await
+            })
+        }
+
+        fn release<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.0.release(resource, token)
+        }
+
+        fn extend<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.0.extend(resource, token, ttl)
+        }
+
+        fn abandon<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.0.abandon(resource, token)
+        }
+
+        fn watch<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<Watch, LockError>> {
+            self.0.watch(resource, token)
+        }
+    }
+
+    /// `Locker::waiting` counts a waiter only once a release would wake it: after it
+    /// subscribed and asked again. Counted at the subscription, a release made as soon as the
+    /// waiter showed up could come before that second attempt, which then simply took the lock
+    /// — no wake, no handoff recorded (the metrics example failed in CI on it).
+    #[tokio::test]
+    async fn a_waiter_is_counted_once_a_release_would_wake_it() {
+        let attempts = std::sync::Arc::new(AtomicUsize::new(0));
+        let backend = SlowAsk(crate::backend::MemoryBackend::new(), attempts.clone());
+        let locker = Locker::builder().build(backend);
+        let held = locker.lock("k").acquire().await.unwrap();
+        let before = attempts.load(Ordering::SeqCst);
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .lock("k")
+                    .on_fail(OnFail::retry(Duration::from_secs(10)))
+                    .acquire()
+                    .await
+            }
+        });
+        while locker.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        // Its first attempt, and the one after subscribing.
+        assert_eq!(attempts.load(Ordering::SeqCst) - before, 2);
+        held.release().await.unwrap();
+        let guard = waiter.await.unwrap().unwrap();
+        assert_eq!(locker.waiting(), 0);
+        guard.release().await.unwrap();
     }
 }
