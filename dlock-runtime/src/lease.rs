@@ -116,10 +116,13 @@ impl Lease {
     }
 
     /// What is left of the minimum hold, when it is long enough to be a lease
-    /// ([`MIN_TTL`](crate::MIN_TTL) or more); a shorter rest is released at once.
+    /// ([`MIN_TTL`](crate::MIN_TTL) or more); a shorter rest is released at once. Rounded up
+    /// to the next whole millisecond, and one more: servers take a lease in whole milliseconds
+    /// (dropping the rest) and count it from a clock read in whole milliseconds, so the exact
+    /// rest could free the lock up to 2 ms before the hold ends (seen in CI: 1.4998 s into a
+    /// 1.5 s hold on Redis).
     pub(crate) fn hold_left(&self) -> Option<Duration> {
-        let left = self.hold_until_ns.saturating_sub(self.watchdog.now_ns());
-        Some(Duration::from_nanos(left)).filter(|d| *d >= crate::util::MIN_TTL)
+        hold_rest(self.hold_until_ns.saturating_sub(self.watchdog.now_ns()))
     }
 
     /// A view of this lease's state for another task (see [`LeaseProbe`]).
@@ -259,6 +262,14 @@ impl Lease {
     }
 }
 
+/// The lease that keeps a lock until a minimum hold with `left_ns` to go ends
+/// ([`Lease::hold_left`]).
+fn hold_rest(left_ns: u64) -> Option<Duration> {
+    let ms = left_ns.div_ceil(1_000_000).saturating_add(1);
+    Some(Duration::from_millis(ms))
+        .filter(|_| Duration::from_nanos(left_ns) >= crate::util::MIN_TTL)
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.state.labels.held(false, Some(self.since.elapsed()));
@@ -373,5 +384,25 @@ impl Drop for Undo<'_> {
                 self.horizon,
             ));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hold_rest_is_rounded_up_to_whole_milliseconds_and_one_more() {
+        let min = u64::try_from(crate::util::MIN_TTL.as_nanos()).unwrap();
+        assert_eq!(hold_rest(0), None);
+        assert_eq!(hold_rest(min - 1), None);
+        assert_eq!(
+            hold_rest(min),
+            Some(crate::util::MIN_TTL + Duration::from_millis(1))
+        );
+        // 1.4998 s left: a server taking whole ms would keep 1499 ms from a clock read up to
+        // 1 ms late, and free the lock before the hold ends.
+        assert_eq!(hold_rest(1_499_758_185), Some(Duration::from_millis(1501)));
+        assert_eq!(hold_rest(1_500_000_000), Some(Duration::from_millis(1501)));
     }
 }

@@ -91,7 +91,9 @@ impl<'a> LockRequest<'a> {
     /// A release (or drop) before `hold` has passed does not delete the lock: it stops renewal
     /// and sets the lease (owner-checked) to what is left of `hold`, so the lock frees by itself
     /// when the hold ends. After that, release is as usual. `hold` must not exceed the TTL
-    /// ([`LockError::InvalidTtl`] otherwise). On etcd the rest is rounded up to whole seconds.
+    /// ([`LockError::InvalidTtl`] otherwise). The rest is rounded up to the next whole
+    /// millisecond plus one (servers count leases in whole milliseconds), on etcd to whole
+    /// seconds.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
