@@ -1,16 +1,36 @@
-//! Redis behind Sentinel (feature `sentinel`): the master is found through the sentinels
-//! (redis-rs's `Sentinel`, which asks them and checks that the node it names calls itself a
-//! master), and a failover is followed.
+//! Redis behind Sentinel (feature `sentinel`): the master is found through the sentinels, and a
+//! failover is followed.
 //!
-//! The connection to the master is a redis-rs `ConnectionManager`, as on one server. A command
-//! that fails the way a failover makes commands fail — the connection is refused, dropped or
-//! times out, or the node answers `READONLY` (a demoted master) or `MASTERDOWN` — starts one
-//! background check (never more than one at a time): ask the sentinels for the master again;
-//! if they name another node, connect to it, subscribe there to every release channel this
-//! connection had, switch, and wake the local waiters to re-check (releases published during
-//! the failover never reached them). The failing command itself is reported as unavailable
-//! (503): the caller's next attempt goes to the new master. While the sentinels still name the
-//! same node, the check retries with backoff until that node answers again or a limit passes.
+//! **Finding the master.** Every sentinel is asked (`SENTINEL MASTER <name>`, all at once), and
+//! the master named under the latest configuration epoch wins: a sentinel that has not heard of
+//! a failover yet still names the old master, under an older epoch, and believing the first
+//! sentinel that answers (as redis-rs's `Sentinel` does) followed it back to the old master. A
+//! node is used only once it says it is a master (`ROLE`).
+//!
+//! **Following a failover.** The connection to the master is a redis-rs `ConnectionManager`, as
+//! on one server. Two things start a failover check (never more than one at a time per
+//! connection; one asked for while one runs makes it look again before it ends): a sentinel
+//! announcing a failover of this master (`+promoted-slave`, `+switch-master`, to which this
+//! backend subscribes on a connection of its own to every sentinel), and a command failing the
+//! way a failover makes commands fail — the connection is refused, dropped or times out, or the node answers
+//! `READONLY` (a demoted master) or `MASTERDOWN`. The check asks the sentinels for the master
+//! again; if they name another node, it connects to it, subscribes there to every release
+//! channel this connection had, switches, and wakes the local waiters to re-check (releases
+//! published during the failover never reached them). The failing command itself is reported
+//! as unavailable (503): the caller's next attempt goes to the new master. While the sentinels
+//! still name the same node, the check retries with backoff until that node answers again or a
+//! limit passes; an announcement cuts that wait short (a killed master restarted at once comes
+//! back empty at the same address, and the connection, which reconnects by itself, would
+//! otherwise have stayed there until the wait ended).
+//!
+//! The announcement matters because a failover does not always break the old master's
+//! connections: after `SENTINEL FAILOVER`, or when a master frozen past the down-after time
+//! wakes, or when a killed master is restarted before the sentinels reconfigure it, the old
+//! master says it is a master and takes writes for many seconds (Sentinel demotes a returning
+//! master only after several of its INFO periods). A connection that waited for an error kept
+//! granting locks there beside the new master's holders. A sentinel connection that drops or
+//! comes back also starts a check (an announcement may have been missed), and each is probed
+//! every [`KEEPALIVE`] so one that comes back is subscribed again.
 //!
 //! Each master the connection follows is given an issuer number of its own (`INCR
 //! dlock:issuers` on it, distinct from the numbers of the masters before), and every reply and
@@ -19,16 +39,16 @@
 //! from a fencing counter the new master also reaches; tokens from the two carry different
 //! issuer numbers, so no two grants to this backend share a token.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{
-    Client, Cmd, IntoConnectionInfo, Pipeline, ProtocolVersion, PushInfo, RedisError, RedisFuture,
-    RedisResult, Value,
+    Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, ProtocolVersion,
+    PushInfo, PushKind, RedisError, RedisFuture, RedisResult, Value,
 };
 
 use crate::backend::ReleaseHub;
@@ -37,6 +57,13 @@ use crate::LockError;
 /// How long a failover check keeps asking the sentinels while they name a master that does not
 /// answer (the next failing command starts another).
 const CHECK_FOR: Duration = Duration::from_secs(60);
+
+/// How often each sentinel connection is probed (and, if it is down, subscribed again).
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// The events a sentinel announces a failover's outcome with: a replica it promoted now says it
+/// is a master (from then on the sentinel names it), and the switch of its configuration to it.
+const ANNOUNCEMENTS: [&str; 2] = ["+promoted-slave", "+switch-master"];
 
 /// A push handler shared by every connection this backend makes to a master; it is told the
 /// issuer number of the master the push came from.
@@ -105,10 +132,29 @@ pub(crate) struct SentinelConn {
     replied: Option<u64>,
 }
 
-struct Shared {
+/// The sentinels of one group: asked for its master and listened to for its switches. Shared by
+/// a connection and the dedicated connections made from it.
+struct Sentinels {
     master_name: String,
-    node: SentinelNodeConnectionInfo,
-    sentinel: Arc<tokio::sync::Mutex<Sentinel>>,
+    /// One connection per sentinel, RESP3: its commands and its subscription to the
+    /// [`ANNOUNCEMENTS`] share it.
+    conns: Vec<SentinelLink>,
+    /// How to reach a data node: the URL's credentials, database and TLS settings, with a
+    /// placeholder address.
+    node: ConnectionInfo,
+    /// The connections that follow this group's master, told of every announced switch.
+    followers: Mutex<Vec<Weak<Shared>>>,
+    command_timeout: Duration,
+}
+
+struct SentinelLink {
+    conn: ConnectionManager,
+    /// Subscribed to the [`ANNOUNCEMENTS`], as far as this side knows.
+    subscribed: AtomicBool,
+}
+
+struct Shared {
+    sentinels: Arc<Sentinels>,
     current: RwLock<Current>,
     /// The settings of a connection to a master, without the push handler.
     config: ConnectionManagerConfig,
@@ -121,6 +167,11 @@ struct Shared {
     channels: Mutex<HashSet<String>>,
     /// A failover check is under way.
     checking: AtomicBool,
+    /// A check was asked for since the running one last asked the sentinels.
+    recheck: AtomicBool,
+    /// A sentinel announced a failover: the running check stops waiting (on a master that does
+    /// not answer, or before its next look-up) and asks the sentinels now.
+    announced: Arc<tokio::sync::Notify>,
     /// Where the local waiters are woken after a switch (none for dedicated connections).
     hub: Option<Weak<ReleaseHub>>,
     connect_timeout: Duration,
@@ -148,89 +199,58 @@ impl SentinelConn {
         push: Option<PushFn>,
         hub: Option<Weak<ReleaseHub>>,
     ) -> Result<Self, LockError> {
-        // The URL may carry a password: never put it in an error message.
-        let invalid = |e: RedisError| {
-            LockError::unavailable(format!("invalid redis sentinel url: {:?}", e.kind()), None)
-        };
-        let server = url
-            .server
-            .as_str()
-            .into_connection_info()
-            .map_err(invalid)?;
-        let settings = server
-            .redis_settings()
-            .clone()
-            .set_protocol(ProtocolVersion::RESP3);
-        let mut node = SentinelNodeConnectionInfo::default().set_redis_connection_info(settings);
-        if url.server.starts_with("rediss://") {
-            node = node.set_tls_mode(redis::TlsMode::Secure);
-        }
-        let sentinel = Sentinel::build(url.sentinels.clone()).map_err(invalid)?;
-        let config = manager_config(connect_timeout, command_timeout);
-        let mut sentinel = sentinel;
+        let sentinels = Sentinels::connect(url, connect_timeout, command_timeout).await?;
         let limit = connect_timeout + command_timeout;
-        let client = lookup(&mut sentinel, &url.master, &node, limit).await?;
+        let master = sentinels.lookup(limit).await?;
+        let config = manager_config(connect_timeout, command_timeout);
+        let client = sentinels.client(&master)?;
         let (mut conn, cell) = connect_to(&client, &config, push.as_ref())?;
+        ensure_master(&mut conn, limit).await?;
         let issuer = super::take_issuer(&mut conn, limit, &[]).await?;
         cell.store(issuer, Ordering::Release);
         let current = Current {
-            addr: client.get_connection_info().addr().to_string(),
+            addr: master.addr(),
             conn,
             client,
             issuer,
         };
         Ok(SentinelConn {
             replied: None,
-            shared: Arc::new(Shared {
-                master_name: url.master.clone(),
-                node,
-                sentinel: Arc::new(tokio::sync::Mutex::new(sentinel)),
-                current: RwLock::new(current),
+            shared: Shared::new(
+                sentinels,
+                current,
                 config,
                 push,
-                issuers: Mutex::new(vec![issuer]),
-                channels: Mutex::new(HashSet::new()),
-                checking: AtomicBool::new(false),
+                vec![issuer],
                 hub,
                 connect_timeout,
                 command_timeout,
-            }),
+            ),
         })
     }
 
     /// Another connection to the same master, with no push handler: for commands that block
-    /// their connection (`WAIT`). It shares the look-up through the sentinels and follows a
-    /// failover on its own.
+    /// their connection (`WAIT`). It shares the sentinels and follows a failover on its own.
     pub(crate) fn dedicated(&self) -> Result<Self, LockError> {
         let s = &self.shared;
         let current = s.current();
         let config = manager_config(s.connect_timeout, s.command_timeout);
+        let conn = ConnectionManager::new_lazy_with_config(current.client.clone(), config.clone())
+            .map_err(|e| super::redis_err("connect", e))?;
         Ok(SentinelConn {
             replied: None,
-            shared: Arc::new(Shared {
-                master_name: s.master_name.clone(),
-                node: s.node.clone(),
-                sentinel: s.sentinel.clone(),
-                current: RwLock::new(Current {
-                    conn: ConnectionManager::new_lazy_with_config(
-                        current.client.clone(),
-                        config.clone(),
-                    )
-                    .map_err(|e| super::redis_err("connect", e))?,
-                    ..current
-                }),
+            shared: Shared::new(
+                s.sentinels.clone(),
+                Current { conn, ..current },
                 config,
-                push: None,
-                issuers: Mutex::new(Vec::new()),
-                channels: Mutex::new(HashSet::new()),
-                checking: AtomicBool::new(false),
-                hub: None,
-                connect_timeout: s.connect_timeout,
-                command_timeout: s.command_timeout,
-            }),
+                None,
+                Vec::new(),
+                None,
+                s.connect_timeout,
+                s.command_timeout,
+            ),
         })
     }
-
     /// Subscribes to a release channel on the current master (and remembers it for the next).
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
         self.shared
@@ -312,18 +332,292 @@ fn manager_config(connect_timeout: Duration, command_timeout: Duration) -> Conne
         .set_max_delay(connect_timeout)
 }
 
-/// Asks the sentinels for the master of `name`, within `limit`.
-async fn lookup(
-    sentinel: &mut Sentinel,
-    name: &str,
-    node: &SentinelNodeConnectionInfo,
-    limit: Duration,
-) -> Result<Client, LockError> {
-    match tokio::time::timeout(limit, sentinel.async_master_for(name, Some(node))).await {
-        Ok(Ok(client)) => Ok(client),
-        Ok(Err(e)) => Err(super::redis_err("sentinel: find the master", e)),
+/// A master as one sentinel sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct View {
+    ip: String,
+    port: u16,
+    /// The configuration epoch of the sentinel's view (raised by every failover).
+    epoch: u64,
+    /// The sentinel finds the master down (`s_down` or `o_down`).
+    down: bool,
+}
+
+impl View {
+    /// From the replies to `SENTINEL MASTER <name>` (a map in RESP3, field/value pairs in
+    /// RESP2: the epoch and the flags) and `SENTINEL GET-MASTER-ADDR-BY-NAME <name>` (the
+    /// address: while a failover completes it is already the promoted replica's, once that one
+    /// says it is a master and the epoch is raised, where `SENTINEL MASTER` still has the old).
+    fn parse(master: &Value, addr: &Value) -> Option<View> {
+        let fields: HashMap<String, String> = redis::from_redis_value_ref(master).ok()?;
+        let (ip, port): (String, u16) = redis::from_redis_value_ref(addr).ok()?;
+        let flags = fields.get("flags")?;
+        Some(View {
+            ip,
+            port,
+            epoch: fields.get("config-epoch")?.parse().ok()?,
+            down: flags.split(',').any(|f| f == "s_down" || f == "o_down"),
+        })
+    }
+
+    fn addr(&self) -> String {
+        format!("{}:{}", self.ip, self.port)
+    }
+}
+
+/// The master to follow among the sentinels' views: the one named under the latest
+/// configuration epoch (a sentinel that missed a failover names the old master under an older
+/// one), one that no sentinel at that epoch finds down if there is one (the node is asked
+/// whether it is a master before it is used, whatever the sentinels find).
+fn pick(views: &[View]) -> Option<&View> {
+    let latest = views.iter().map(|v| v.epoch).max()?;
+    let mut at_latest = views.iter().filter(|v| v.epoch == latest);
+    at_latest
+        .clone()
+        .find(|v| !v.down)
+        .or_else(|| at_latest.next())
+}
+
+impl Sentinels {
+    /// A connection to every sentinel of `url`, each subscribed to the [`ANNOUNCEMENTS`] (those that
+    /// answer now; the others once they do), and the task that keeps them so.
+    async fn connect(
+        url: &SentinelUrl,
+        connect_timeout: Duration,
+        command_timeout: Duration,
+    ) -> Result<Arc<Sentinels>, LockError> {
+        // The URL may carry a password: never put it in an error message.
+        let invalid = |e: RedisError| {
+            LockError::unavailable(format!("invalid redis sentinel url: {:?}", e.kind()), None)
+        };
+        let resp3 = |info: ConnectionInfo| {
+            let settings = info
+                .redis_settings()
+                .clone()
+                .set_protocol(ProtocolVersion::RESP3);
+            info.set_redis_settings(settings)
+        };
+        let node = resp3(
+            url.server
+                .as_str()
+                .into_connection_info()
+                .map_err(invalid)?,
+        );
+        let this: Arc<OnceLock<Weak<Sentinels>>> = Arc::new(OnceLock::new());
+        let mut conns = Vec::with_capacity(url.sentinels.len());
+        for (i, sentinel) in url.sentinels.iter().enumerate() {
+            let info = resp3(sentinel.as_str().into_connection_info().map_err(invalid)?);
+            let client = Client::open(info).map_err(invalid)?;
+            let this = this.clone();
+            let config = manager_config(connect_timeout, command_timeout)
+                .set_push_sender(move |p: PushInfo| {
+                    if let Some(s) = this.get().and_then(Weak::upgrade) {
+                        s.pushed(i, &p);
+                    }
+                    Ok::<(), redis::aio::SendError>(())
+                })
+                .set_automatic_resubscription();
+            let conn = ConnectionManager::new_lazy_with_config(client, config)
+                .map_err(|e| super::redis_err("sentinel connect", e))?;
+            conns.push(SentinelLink {
+                conn,
+                subscribed: AtomicBool::new(false),
+            });
+        }
+        let sentinels = Arc::new(Sentinels {
+            master_name: url.master.clone(),
+            conns,
+            node,
+            followers: Mutex::new(Vec::new()),
+            command_timeout,
+        });
+        let _ = this.set(Arc::downgrade(&sentinels));
+        let limit = connect_timeout + command_timeout;
+        futures_util::future::join_all(sentinels.conns.iter().map(|l| l.subscribe(limit))).await;
+        tokio::spawn(keep_alive(Arc::downgrade(&sentinels)));
+        Ok(sentinels)
+    }
+
+    /// A push from sentinel `i`: an announced failover of this master, or the connection dropped
+    /// (an announcement may be missed until it is subscribed again): either starts a check.
+    fn pushed(&self, i: usize, p: &PushInfo) {
+        let switched = match p.kind {
+            PushKind::Disconnection => {
+                self.conns[i].subscribed.store(false, Ordering::Release);
+                true
+            }
+            PushKind::Message => match p.data.as_slice() {
+                [channel, payload] => {
+                    let text = |v| redis::from_redis_value_ref::<String>(v).ok();
+                    text(channel)
+                        .zip(text(payload))
+                        .is_some_and(|(c, p)| announces(&c, &p, &self.master_name))
+                }
+                _ => false,
+            },
+            _ => false,
+        };
+        if switched {
+            tracing::debug!(
+                sentinel = i,
+                "redis sentinel: a switch announced or an announcement missed"
+            );
+            self.alert();
+        }
+    }
+
+    /// Starts a failover check on every connection that follows this group's master.
+    fn alert(&self) {
+        let followers: Vec<Arc<Shared>> = {
+            let mut followers = self
+                .followers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            followers.retain(|f| f.strong_count() > 0);
+            followers.iter().filter_map(Weak::upgrade).collect()
+        };
+        for f in followers {
+            f.announced.notify_one();
+            f.start_check();
+        }
+    }
+
+    /// Asks every sentinel for the master, within `limit`, and picks the one to follow (see
+    /// [`pick`]). Once a majority of them answered, the others get a short while more.
+    async fn lookup(&self, limit: Duration) -> Result<View, LockError> {
+        let mut asks: FuturesUnordered<_> = self
+            .conns
+            .iter()
+            .map(|l| {
+                let mut conn = l.conn.clone();
+                let mut ask = redis::pipe();
+                ask.cmd("SENTINEL").arg("MASTER").arg(&self.master_name);
+                ask.cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(&self.master_name);
+                async move {
+                    let replies = ask.query_async::<(Value, Value)>(&mut conn);
+                    match tokio::time::timeout(limit, replies).await {
+                        Ok(Ok((master, addr))) => View::parse(&master, &addr),
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "redis sentinel: a sentinel did not answer");
+                            None
+                        }
+                        Err(_) => None,
+                    }
+                }
+            })
+            .collect();
+        let majority = self.conns.len() / 2 + 1;
+        let grace =
+            (self.command_timeout / 5).clamp(Duration::from_millis(10), Duration::from_millis(100));
+        let mut answered = 0;
+        let mut views = Vec::with_capacity(self.conns.len());
+        let mut deadline = tokio::time::Instant::now() + limit;
+        while let Ok(Some(view)) = tokio::time::timeout_at(deadline, asks.next()).await {
+            answered += 1;
+            views.extend(view);
+            if answered == majority {
+                deadline = deadline.min(tokio::time::Instant::now() + grace);
+            }
+        }
+        pick(&views).cloned().ok_or_else(|| {
+            LockError::unavailable(
+                format!("redis sentinel: no sentinel named the master within {limit:?}"),
+                None,
+            )
+        })
+    }
+
+    /// A client for the data node `master` names, with the URL's credentials, database and TLS.
+    fn client(&self, master: &View) -> Result<Client, LockError> {
+        let addr = match self.node.addr() {
+            ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => ConnectionAddr::TcpTls {
+                host: master.ip.clone(),
+                port: master.port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => ConnectionAddr::Tcp(master.ip.clone(), master.port),
+        };
+        Client::open(self.node.clone().set_addr(addr)).map_err(|e| super::redis_err("connect", e))
+    }
+}
+
+impl SentinelLink {
+    /// Subscribes to the [`ANNOUNCEMENTS`] (again: a sentinel answers a repeated subscription
+    /// alike), within `limit`; whether it did.
+    async fn subscribe(&self, limit: Duration) -> bool {
+        let mut conn = self.conn.clone();
+        let ok = matches!(
+            tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await,
+            Ok(Ok(()))
+        );
+        self.subscribed.store(ok, Ordering::Release);
+        ok
+    }
+}
+
+/// Whether a message on `channel` announces a failover of the master called `name`:
+/// `+switch-master <name> <old-ip> <old-port> <new-ip> <new-port>`, or
+/// `+promoted-slave slave <ip>:<port> <ip> <port> @ <name> <master-ip> <master-port>`.
+fn announces(channel: &str, payload: &str, name: &str) -> bool {
+    let mut words = payload.split(' ');
+    match channel {
+        "+switch-master" => words.next() == Some(name),
+        "+promoted-slave" => words.skip_while(|w| *w != "@").nth(1) == Some(name),
+        _ => false,
+    }
+}
+
+/// Probes every sentinel connection each [`KEEPALIVE`]: one that does not answer is marked
+/// unsubscribed; one that is unsubscribed is subscribed again, and once it is, the followers
+/// check the master (a switch may have been announced while it was away).
+async fn keep_alive(sentinels: Weak<Sentinels>) {
+    loop {
+        tokio::time::sleep(KEEPALIVE).await;
+        let Some(s) = sentinels.upgrade() else { return };
+        let limit = s.command_timeout;
+        let back = futures_util::future::join_all(s.conns.iter().map(|l| async move {
+            if l.subscribed.load(Ordering::Acquire) {
+                let mut conn = l.conn.clone();
+                let ping = redis::cmd("PING");
+                let ok = matches!(
+                    tokio::time::timeout(limit, ping.query_async::<()>(&mut conn)).await,
+                    Ok(Ok(()))
+                );
+                if !ok {
+                    l.subscribed.store(false, Ordering::Release);
+                }
+                false
+            } else {
+                l.subscribe(limit).await
+            }
+        }))
+        .await;
+        if back.contains(&true) {
+            s.alert();
+        }
+    }
+}
+
+/// Fails unless the node on `conn` says it is a master (`ROLE`): a sentinel may name a node
+/// that has not taken the role yet, or has lost it.
+async fn ensure_master(conn: &mut ConnectionManager, limit: Duration) -> Result<(), LockError> {
+    let role = redis::cmd("ROLE");
+    match tokio::time::timeout(limit, role.query_async::<Vec<Value>>(conn)).await {
+        Ok(Ok(r)) if matches!(r.first(), Some(Value::BulkString(b)) if b == b"master") => Ok(()),
+        Ok(Ok(_)) => Err(LockError::unavailable(
+            "redis sentinel: the node the sentinels name is not a master (yet)",
+            None,
+        )),
+        Ok(Err(e)) => Err(super::redis_err("role", e)),
         Err(_) => Err(LockError::unavailable(
-            format!("redis sentinel: no sentinel named a live master within {limit:?}"),
+            format!("redis: no answer within {limit:?}"),
             None,
         )),
     }
@@ -383,6 +677,40 @@ impl Replies for Vec<Value> {
 }
 
 impl Shared {
+    /// A connection that follows the master of `sentinels` (and is told of their switches).
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        sentinels: Arc<Sentinels>,
+        current: Current,
+        config: ConnectionManagerConfig,
+        push: Option<PushFn>,
+        issuers: Vec<u64>,
+        hub: Option<Weak<ReleaseHub>>,
+        connect_timeout: Duration,
+        command_timeout: Duration,
+    ) -> Arc<Shared> {
+        let shared = Arc::new(Shared {
+            sentinels: sentinels.clone(),
+            current: RwLock::new(current),
+            config,
+            push,
+            issuers: Mutex::new(issuers),
+            channels: Mutex::new(HashSet::new()),
+            checking: AtomicBool::new(false),
+            recheck: AtomicBool::new(false),
+            announced: Arc::new(tokio::sync::Notify::new()),
+            hub,
+            connect_timeout,
+            command_timeout,
+        });
+        sentinels
+            .followers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Arc::downgrade(&shared));
+        shared
+    }
+
     fn current(&self) -> Current {
         self.current
             .read()
@@ -400,7 +728,16 @@ impl Shared {
             Err(e) => failover_like(e),
             Ok(replies) => replies.any(demoted_reply),
         };
-        if !failed || self.checking.swap(true, Ordering::AcqRel) {
+        if failed {
+            self.start_check();
+        }
+    }
+
+    /// Starts a failover check, or has the running one ask the sentinels once more before it
+    /// ends (what it learnt may be older than the reason for this call).
+    fn start_check(self: &Arc<Self>) {
+        self.recheck.store(true, Ordering::Release);
+        if self.checking.swap(true, Ordering::AcqRel) {
             return;
         }
         match tokio::runtime::Handle::try_current() {
@@ -411,11 +748,11 @@ impl Shared {
         }
     }
 
-    /// Connects to the master `client` names, re-subscribes there, switches to it and wakes the
-    /// local waiters.
-    async fn switch_to(&self, client: Client) -> Result<(), LockError> {
-        let addr = client.get_connection_info().addr().to_string();
+    /// Connects to the master `client` names, checks it is one, re-subscribes there, switches
+    /// to it and wakes the local waiters.
+    async fn switch_to(&self, client: Client, addr: String) -> Result<(), LockError> {
         let (mut conn, cell) = connect_to(&client, &self.config, self.push.as_ref())?;
+        ensure_master(&mut conn, self.command_timeout).await?;
         let issuer = if self.push.is_some() {
             let avoid = self
                 .issuers
@@ -468,18 +805,24 @@ impl Shared {
 /// The failover check (see the module docs).
 async fn check(shared: Weak<Shared>) {
     let mut pause = Duration::from_millis(50);
-    let started = tokio::time::Instant::now();
+    let mut started = tokio::time::Instant::now();
     loop {
         let Some(s) = shared.upgrade() else { return };
-        let found = {
-            let mut sentinel = s.sentinel.lock().await;
-            let limit = s.connect_timeout + s.command_timeout;
-            lookup(&mut sentinel, &s.master_name, &s.node, limit).await
-        };
+        s.recheck.store(false, Ordering::Release);
+        // Look again at once (an announcement cut the wait short).
+        let mut now = false;
+        let found = s
+            .sentinels
+            .lookup(s.connect_timeout + s.command_timeout)
+            .await;
         let current = s.current();
         let done = match found {
-            Ok(client) if client.get_connection_info().addr().to_string() != current.addr => {
-                match s.switch_to(client).await {
+            Ok(master) if master.addr() != current.addr => {
+                let switched = match s.sentinels.client(&master) {
+                    Ok(client) => s.switch_to(client, master.addr()).await,
+                    Err(e) => Err(e),
+                };
+                match switched {
                     Ok(()) => true,
                     Err(e) => {
                         tracing::debug!(error = %e, "redis sentinel: the new master did not answer yet");
@@ -487,31 +830,54 @@ async fn check(shared: Weak<Shared>) {
                     }
                 }
             }
-            // The same master: done once it answers.
+            // The same master: done once it answers, unless a failover is announced first
+            // (the old master may come back, empty, at the same address: a killed one
+            // restarted; waiting for it to answer then kept the connection there).
             Ok(_) => {
                 let mut conn = current.conn.clone();
                 let ping = redis::cmd("PING");
-                matches!(
-                    tokio::time::timeout(s.command_timeout, ping.query_async::<()>(&mut conn))
-                        .await,
-                    Ok(Ok(()))
-                )
+                tokio::select! {
+                    r = tokio::time::timeout(s.command_timeout, ping.query_async::<()>(&mut conn)) => {
+                        matches!(r, Ok(Ok(())))
+                    }
+                    () = s.announced.notified() => {
+                        now = true;
+                        false
+                    }
+                }
             }
             Err(e) => {
                 tracing::debug!(error = %e, "redis sentinel: look-up failed");
                 false
             }
         };
+        // Asked for again meanwhile (a switch announced after the look-up): look again now.
+        if done && s.recheck.load(Ordering::Acquire) {
+            continue;
+        }
         if done || started.elapsed() >= CHECK_FOR {
             s.checking.store(false, Ordering::Release);
-            return;
+            // A call that found the check still running left it to this one: it goes on as a
+            // new check.
+            if !s.recheck.load(Ordering::Acquire) || s.checking.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            started = tokio::time::Instant::now();
+            pause = Duration::from_millis(50);
         }
         // Ask again soon: the caller's next attempt should find the new master well within one
         // command timeout of the sentinels' switch (one look-up: a few round trips).
+        if now {
+            continue;
+        }
         let most =
             (s.command_timeout / 5).clamp(Duration::from_millis(10), Duration::from_millis(200));
+        let announced = s.announced.clone();
         drop(s);
-        tokio::time::sleep(pause).await;
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = announced.notified() => {}
+        }
         pause = (pause * 2).min(most);
     }
 }
@@ -582,5 +948,67 @@ mod tests {
         // A password never reaches the error.
         let e = SentinelUrl::parse("redis+sentinel://u:secret@a:1").unwrap_err();
         assert!(!e.to_string().contains("secret"));
+    }
+
+    fn view(port: u16, epoch: u64, down: bool) -> View {
+        View {
+            ip: "127.0.0.1".into(),
+            port,
+            epoch,
+            down,
+        }
+    }
+
+    /// A sentinel that missed a failover names the old master under an older epoch, whatever
+    /// the order of the answers; at the latest epoch, a sentinel that finds the master down is
+    /// believed only when all do.
+    #[test]
+    fn the_master_named_under_the_latest_epoch_is_followed() {
+        let (old, new) = (view(1, 3, false), view(2, 4, false));
+        assert_eq!(pick(&[old.clone(), new.clone(), old.clone()]), Some(&new));
+        assert_eq!(pick(&[new.clone(), old.clone()]), Some(&new));
+        let down = view(2, 4, true);
+        assert_eq!(pick(&[down.clone(), old.clone(), new.clone()]), Some(&new));
+        assert_eq!(pick(&[down.clone(), old.clone()]), Some(&down));
+        assert_eq!(pick(&[]), None);
+    }
+
+    /// The replies of a sentinel, as RESP3 gives them, and the failover announcements of this
+    /// master (not another's).
+    #[test]
+    fn sentinel_replies_and_announcements_are_read() {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let master = Value::Map(vec![
+            (s("name"), s("m")),
+            (s("ip"), s("10.0.0.1")),
+            (s("port"), s("6379")),
+            (s("flags"), s("master,s_down")),
+            (s("config-epoch"), s("7")),
+        ]);
+        let addr = Value::Array(vec![s("10.0.0.2"), s("6380")]);
+        assert_eq!(
+            View::parse(&master, &addr),
+            Some(View {
+                ip: "10.0.0.2".into(),
+                port: 6380,
+                epoch: 7,
+                down: true,
+            })
+        );
+        assert_eq!(View::parse(&Value::Nil, &addr), None);
+        assert!(announces(
+            "+switch-master",
+            "m 10.0.0.1 6379 10.0.0.2 6380",
+            "m"
+        ));
+        assert!(!announces(
+            "+switch-master",
+            "mm 10.0.0.1 6379 10.0.0.2 6380",
+            "m"
+        ));
+        let promoted = "slave 10.0.0.2:6380 10.0.0.2 6380 @ m 10.0.0.1 6379";
+        assert!(announces("+promoted-slave", promoted, "m"));
+        assert!(!announces("+promoted-slave", promoted, "other"));
+        assert!(!announces("+sdown", promoted, "m"));
     }
 }
