@@ -103,7 +103,8 @@ impl RedisCluster {
         });
     }
 
-    /// Polls until `ok` holds for every running node's port.
+    /// Polls until `ok` holds for every running node's port. When `limit` passes first, the
+    /// panic names the nodes it did not hold for and what each says of the cluster.
     fn wait_all(&self, what: &str, limit: Duration, ok: impl Fn(u16) -> bool) {
         let deadline = Instant::now() + limit;
         while !self
@@ -112,7 +113,18 @@ impl RedisCluster {
             .filter(|n| n.is_up())
             .all(|n| ok(n.port()))
         {
-            assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+            if Instant::now() >= deadline {
+                let not_ok: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|n| n.is_up() && !ok(n.port()))
+                    .map(|n| describe(n.port()))
+                    .collect();
+                panic!(
+                    "{what}: not within {limit:?}; not so on:\n{}",
+                    not_ok.join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -176,6 +188,41 @@ impl RedisCluster {
             .collect();
         format!("redis+cluster://{}", hosts.join(","))
     }
+}
+
+/// What the node on `port` says of the cluster: its `CLUSTER INFO` state and slot counts, its
+/// replication role and link, and `CLUSTER NODES`.
+fn describe(port: u16) -> String {
+    let keep = |text: Option<String>, fields: &[&str]| {
+        text.map(|t| {
+            t.lines()
+                .map(str::trim)
+                .filter(|l| fields.iter().any(|f| l.starts_with(f)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|| "no answer".to_owned())
+    };
+    let info = keep(
+        cluster_info(port),
+        &[
+            "cluster_state",
+            "cluster_slots",
+            "cluster_known_nodes",
+            "cluster_current_epoch",
+        ],
+    );
+    let replication = keep(
+        redis_cli(port, &["info", "replication"]),
+        &[
+            "role",
+            "master_port",
+            "master_link_status",
+            "connected_slaves",
+        ],
+    );
+    let nodes = redis_cli(port, &["cluster", "nodes"]).unwrap_or_default();
+    format!("  node {port}: {info}; {replication}\n{}", nodes.trim_end())
 }
 
 /// `CLUSTER INFO` of the node on `port`, if it answers.
