@@ -35,7 +35,8 @@ pub enum LockError {
     Contended {
         /// The logical key.
         key: String,
-        /// How long until the holder's lease ends, when the backend knows.
+        /// How long until the holder's lease ends — or, when the lock is free but another
+        /// waiter is first in line, until that waiter's turn lapses — when the backend knows.
         retry_after: Option<Duration>,
         /// A human-readable detail for the response (the attribute's `message`).
         detail: Option<String>,
@@ -48,7 +49,8 @@ pub enum LockError {
         key: String,
         /// How long the caller waited.
         waited: Duration,
-        /// How long until the holder's lease ends, when the backend knows.
+        /// How long until the holder's lease ends — or, when the lock is free but another
+        /// waiter is first in line, until that waiter's turn lapses — when the backend knows.
         retry_after: Option<Duration>,
         /// A human-readable detail for the response (the attribute's `message`).
         detail: Option<String>,

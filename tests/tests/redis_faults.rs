@@ -761,6 +761,89 @@ async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
     wait.abort();
 }
 
+/// A lock whose holder's lease lapsed while another waiter is first in line is that waiter's
+/// to take until its queue entry lapses. An attempt behind it is told how long that is — it was
+/// told nothing — so a waiter behind the entry of a process that froze or died wakes when the
+/// entry lapses instead of on its own next refresh (up to a third of its waiter TTL later), and
+/// a refused request's `Retry-After` says when to come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_behind_a_dead_waiter_is_told_when_its_entry_lapses() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter_ttl = Duration::from_secs(3);
+    // The first waiter reaches the server through a proxy; cutting it is its process dying.
+    let proxy = dlock_tests::proxy::Proxy::start(server.port())
+        .await
+        .unwrap();
+    let first = fast_fail()
+        .waiter_ttl(waiter_ttl)
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let key = "queue:dead-first";
+    let lease = Duration::from_millis(300);
+    // Held, never renewed and never released: its lease lapses.
+    let held = holder
+        .lock(key)
+        .ttl(lease)
+        .auto_renew(false)
+        .acquire()
+        .await
+        .unwrap();
+    let queued = Instant::now();
+    let wait = {
+        let first = first.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::retry(LONG);
+            first.lock(key).ttl(LONG).on_fail(retry).acquire().await
+        })
+    };
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            (first.waiting() != 0)
+                .then_some(())
+                .ok_or("the first waiter never queued")
+        },
+    )
+    .await;
+    proxy.cut(true);
+    let lock_key = holder
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned();
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            let pttl: i64 = server.query(redis::cmd("PTTL").arg(&lock_key)).await;
+            (pttl <= RedisBackend::LINGER.as_millis() as i64)
+                .then_some(())
+                .ok_or(format!("the lease has not lapsed: PTTL {pttl} ms"))
+        },
+    )
+    .await;
+    let refused = holder
+        .lock(key)
+        .acquire()
+        .await
+        .expect_err("the lock went past the waiter first in line");
+    assert!(refused.is_contended(), "{refused}");
+    // The entry lives `waiter_ttl` from the first waiter's last attempt, which came after
+    // `queued`: at least what is left of that, give or take the server's whole milliseconds.
+    let entry_left = waiter_ttl.saturating_sub(queued.elapsed());
+    let told = refused
+        .retry_after()
+        .unwrap_or_else(|| panic!("no hint in {refused:?}"));
+    assert!(
+        told > lease && told + Duration::from_millis(20) >= entry_left && told <= waiter_ttl,
+        "told {told:?}; the first waiter's entry had at least {entry_left:?} left"
+    );
+    drop(held);
+    wait.abort();
+}
+
 /// Fencing tokens come from one counter per namespace: they grow across keys, and when the
 /// counter is lost (a restart without persistence, here a `FLUSHALL`) or rolled back (a failover
 /// to a lagging replica, here a `SET` to a lower value) the next token still exceeds every

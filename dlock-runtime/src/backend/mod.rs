@@ -183,10 +183,11 @@ pub enum Attempt {
         /// Strictly greater than every token issued for this key before.
         fencing_token: u64,
     },
-    /// Someone else holds it, or the lock is free but another waiter is ahead in the queue
-    /// (`remaining` is then `None`).
+    /// Someone else holds it, or the lock is free but another waiter is ahead in the queue.
     Held {
-        /// The holder's remaining lease, when known.
+        /// The holder's remaining lease, when known. When the lock is free but another waiter
+        /// is ahead: how long that waiter's turn may last, when known (Redis: what its queue
+        /// entry has left), else `None`. The locker wakes a waiting task no later than this.
         remaining: Option<Duration>,
     },
 }

@@ -33,8 +33,9 @@ pub struct ContentionEvent {
         )
     )]
     pub at: SystemTime,
-    /// The holder's remaining lease as the store reported it (`None`: free, but another
-    /// waiter was ahead, or unknown).
+    /// The holder's remaining lease as the store reported it; when the lock was free but
+    /// another waiter was ahead, how long that waiter's turn may last (Redis) or `None`; `None`
+    /// when unknown.
     #[cfg_attr(
         feature = "serde",
         serde(

@@ -107,17 +107,17 @@ macro_rules! queue_keys {
     };
 }
 
-/// Lua: the first live waiter in `head` (or `false`) and the lease a release hands it in
-/// `hlease`, dropping expired entries. The lease is the one its entry notes, but it ends no
-/// later than the entry would have: a waiter that died holds a handed-over lock no longer than
-/// its entry would have held up the queue, so a crashed process blocks a lock at most the
-/// longer of the TTL and the waiter TTL. A live waiter loses nothing by it: it counts the
+/// Lua: the first live waiter in `head` (or `false`), the lease a release hands it in `hlease`
+/// and what its entry has left in `hleft` (ms), dropping expired entries. The lease is the one
+/// its entry notes, but it ends no later than the entry would have: a waiter that died holds a
+/// handed-over lock no longer than its entry would have held up the queue, so a crashed process
+/// blocks a lock at most the longer of the TTL and the waiter TTL. A live waiter loses nothing by it: it counts the
 /// handed-over lease from its last attempt, which set the entry's deadline (see
 /// `locker::request::wait_for`). Needs [`queue_keys`].
 macro_rules! queue_head {
     () => {
         r#"
-local head, hlease = false, 0
+local head, hlease, hleft = false, 0, 0
 do
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -127,7 +127,8 @@ do
     local dl, hl
     if e then dl, hl = string.match(e, '^(%d+)|(%d+)$') end
     if dl and tonumber(dl) > now_ms then
-      hlease = math.min(tonumber(hl), tonumber(dl) - now_ms)
+      hleft = tonumber(dl) - now_ms
+      hlease = math.min(tonumber(hl), hleft)
       break
     end
     redis.call('LPOP', lq)
@@ -235,8 +236,11 @@ pub(super) fn px(lease: Duration) -> u64 {
 /// 8 = `exact` (Redlock) the counter takes the floor itself unless already past it.
 /// Returns the fencing token (> 0) when granted — also when the lock is already this token's
 /// (handed over by a release whose notification was lost: a fresh grant, new token, lease
-/// restarted) —, `-(lease left ms) - 1` when someone else holds it, `0` when it is free but
-/// another waiter is first in line.
+/// restarted) —, `-(lease left ms) - 1` when someone else holds it, and `-(ms left of its
+/// queue entry) - 1` when it is free but another waiter is first in line: the lock is that
+/// waiter's to take until then, and a waiter behind an entry left by a process that froze or
+/// died wakes when the entry lapses rather than on its next refresh (up to a third of its
+/// waiter TTL later).
 pub(super) fn acquire() -> Script {
     script(concat!(
         "local token, fence_key = ARGV[1], ARGV[3]\n",
@@ -294,7 +298,7 @@ if string.find(fl, 'q', 1, true) then
         enqueue!(),
         r#"
     end
-    return 0
+    return -hleft - 1
   end
   if head == token then
     redis.call('LPOP', lq)
