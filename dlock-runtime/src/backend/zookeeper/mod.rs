@@ -84,8 +84,9 @@
 //! **After an outage.** The client reconnects by itself, but waits twice as long after every
 //! round over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …),
 //! so after the whole ensemble was away for `d` it would come back up to about `d / 2` after
-//! the ensemble did. So a session found without a server for over a second, on which every
-//! lease this backend granted has run out by the local clock (no guard counts on any of its
+//! the ensemble did. So a session found without a server for over a second (by the client's
+//! state, or by calls that got no answer within the command timeout: the state can lag), on
+//! which every lease this backend granted has run out by the local clock (no guard counts on any of its
 //! nodes any more), is given up and a new one opened, which connects as soon as a server
 //! answers. Nothing of the old session is taken for one's own after that (its nodes, leases
 //! run out, are deleted by the next attempts or with the session), and a call still on the
@@ -190,6 +191,13 @@ const STUCK_AFTER: Duration = Duration::from_secs(1);
 /// and [`ZkBackend::find_by_token`] look at the current session's only), and a call that was
 /// still on the old client when it was given up answers `Unavailable` rather than report a
 /// lock or a renewal on it ([`Session::is_current`], checked after the lease was noted).
+///
+/// "Without a server" is what the client's state says (`Disconnected`) or what its calls
+/// show: calls that got no answer within the command timeout while the client still said
+/// `SyncConnected`. Calls are needed because the state can be stale: in about one run in
+/// seven of the outage test, the client kept reporting `SyncConnected` through a 10 s outage
+/// of every server and for 10 s after (its own reconnect rounds, backed off, brought it back
+/// 22 s after the kill), so a check on the state alone never gave it up.
 struct Session {
     client: Mutex<Arc<Client>>,
     /// Serialises re-connects.
@@ -198,7 +206,7 @@ struct Session {
     timeout_ms: AtomicU64,
     hosts: String,
     opts: ZkOptions,
-    /// What `horizon_ms` and `down_ms` count from.
+    /// What `horizon_ms`, `down_ms` and `unanswered_ms` count from.
     born: Instant,
     /// The latest end of a lease this backend's writes granted (ms since `born`, rounded up),
     /// counted from when their answers arrived: no guard's local lease, counted from before
@@ -207,6 +215,12 @@ struct Session {
     /// Since when (ms since `born`, plus one) a call found the session without a server; 0
     /// while it has one.
     down_ms: AtomicU64,
+    /// Since when (ms since `born`, plus one) calls on the current client get no answer
+    /// within the command timeout; 0 once one is answered.
+    unanswered_ms: AtomicU64,
+    /// Counts replacements: a call that started on a client since replaced does not mark its
+    /// successor unanswered.
+    generation: AtomicU64,
 }
 
 impl Session {
@@ -244,6 +258,8 @@ impl Session {
             born: Instant::now(),
             horizon_ms: AtomicU64::new(0),
             down_ms: AtomicU64::new(0),
+            unanswered_ms: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -256,7 +272,9 @@ impl Session {
                 if self.down_ms.load(Ordering::Relaxed) != 0 {
                     self.down_ms.store(0, Ordering::Relaxed);
                 }
-                return Ok(c);
+                if !self.unanswered() {
+                    return Ok(c);
+                }
             }
             SessionState::Disconnected if !self.stuck() => return Ok(c),
             s if !s.is_terminated() && s != SessionState::Disconnected => return Ok(c),
@@ -267,7 +285,11 @@ impl Session {
         let c = self.current();
         let state = c.state();
         let expired = state.is_terminated();
-        let stuck = state == SessionState::Disconnected && self.stuck();
+        let stuck = match state {
+            SessionState::Disconnected => self.stuck(),
+            SessionState::SyncConnected => self.unanswered(),
+            _ => false,
+        };
         if !expired && !stuck {
             return Ok(c); // replaced or reconnected meanwhile
         }
@@ -278,21 +300,28 @@ impl Session {
         let fresh = Arc::new(Self::open(&self.hosts, &self.opts).await?);
         let mut slot = self.client.lock().unwrap_or_else(PoisonError::into_inner);
         // Checked again where no lease can be noted unseen (`is_current` takes this lock after
-        // noting one): an old session that came back, or was granted a lease meanwhile, is
-        // kept (the new one, which has no nodes, closes when dropped).
-        if !expired && (slot.state() == SessionState::SyncConnected || !self.lapsed()) {
+        // noting one): an old session that came back (connected again, or answering again), or
+        // was granted a lease meanwhile, is kept (the new one, which has no nodes, closes when
+        // dropped).
+        let back = match slot.state() {
+            SessionState::SyncConnected => self.unanswered_ms.load(Ordering::Relaxed) == 0,
+            _ => false,
+        };
+        if !expired && (back || !self.lapsed()) {
             return Ok(slot.clone());
         }
         self.timeout_ms
             .store(millis(fresh.session_timeout()), Ordering::Relaxed);
         self.down_ms.store(0, Ordering::Relaxed);
+        self.unanswered_ms.store(0, Ordering::Relaxed);
+        self.generation.fetch_add(1, Ordering::Relaxed);
         // The old client, dropped by its last user, closes its session when it reaches a
         // server again (or the session expires): its nodes go, unneeded.
         *slot = fresh.clone();
         if !expired {
             tracing::warn!(
-                "zookeeper: the session had no server for over {STUCK_AFTER:?} and no lease on \
-                 it left; replaced by a new one"
+                "zookeeper: the session had no server (or no answer) for over {STUCK_AFTER:?} \
+                 and no lease on it left; replaced by a new one"
             );
         }
         Ok(fresh)
@@ -334,6 +363,38 @@ impl Session {
     /// from the answers: no guard counts on any of them).
     fn lapsed(&self) -> bool {
         self.now_ms() > self.horizon_ms.load(Ordering::Relaxed)
+    }
+
+    /// The replacement count, read before a call (see [`no_answer`](Self::no_answer)).
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    /// A call started at `generation` got no answer for `waited`: unless the client was
+    /// replaced since, this starts the unanswered count, from when the call was made.
+    fn no_answer(&self, generation: u64, waited: Duration) {
+        if self.generation() == generation {
+            let _ = self.unanswered_ms.compare_exchange(
+                0,
+                self.now_ms().saturating_sub(millis(waited)).max(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// A call was answered: the session has a server.
+    fn answered(&self) {
+        if self.unanswered_ms.load(Ordering::Relaxed) != 0 {
+            self.unanswered_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether calls have gone unanswered for [`STUCK_AFTER`] (the client's state may still say
+    /// `SyncConnected`: see [`Session`]) and the session carries no lease any more.
+    fn unanswered(&self) -> bool {
+        let since = self.unanswered_ms.load(Ordering::Relaxed);
+        since != 0 && self.now_ms().saturating_sub(since) >= millis(STUCK_AFTER) && self.lapsed()
     }
 
     /// Whether the session (found without a server now) has been so for [`STUCK_AFTER`] and
@@ -581,12 +642,22 @@ impl ZkBackend {
         f: impl Future<Output = Result<T, LockError>>,
     ) -> Result<T, LockError> {
         let limit = self.session.opts.command_timeout;
-        tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
-            Err(LockError::unavailable(
-                format!("zookeeper {what}: no answer within {limit:?}"),
-                None,
-            ))
-        })
+        let generation = self.session.generation();
+        match tokio::time::timeout(limit, f).await {
+            Ok(out) => {
+                if out.is_ok() {
+                    self.session.answered();
+                }
+                out
+            }
+            Err(_) => {
+                self.session.no_answer(generation, limit);
+                Err(LockError::unavailable(
+                    format!("zookeeper {what}: no answer within {limit:?}"),
+                    None,
+                ))
+            }
+        }
     }
 
     fn key(resource: &ResourceName, token: &OwnerToken) -> (Arc<str>, OwnerToken) {
