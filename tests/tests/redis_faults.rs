@@ -703,16 +703,17 @@ async fn handed_over_lock_without_renewal_gets_the_lease_it_asked_for() {
     guard.release().await.unwrap();
 }
 
-/// A lock handed to a waiter that died ends no later than the dead waiter's queue entry would
-/// have: a crashed process holds up a lock at most the longer of the TTL and the waiter TTL,
-/// not a waiter TTL more after a release that came just before its entry lapsed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
-    let server = RedisServer::start();
-    let holder = server.locker().await;
-    let waiter_ttl = Duration::from_secs(2);
-    // The waiter reaches the server through a proxy; cutting it is the waiter's process dying
-    // (nothing it sends gets through, its undo included).
+/// A waiter for `key` (held by someone else) that reaches `server` through a proxy, queued: its
+/// acquire runs in the returned task and has entered the queue. Cutting the proxy is the
+/// waiter's process dying (nothing it sends gets through, its undo included).
+async fn queued_through_proxy(
+    server: &RedisServer,
+    key: &'static str,
+    waiter_ttl: Duration,
+) -> (
+    dlock_tests::proxy::Proxy,
+    tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
+) {
     let proxy = dlock_tests::proxy::Proxy::start(server.port())
         .await
         .unwrap();
@@ -721,8 +722,6 @@ async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
         .connect(&proxy.url())
         .await
         .unwrap();
-    let key = "handoff:dead-waiter";
-    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let wait = {
         let waiter = waiter.clone();
         tokio::spawn(async move {
@@ -740,6 +739,20 @@ async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
         },
     )
     .await;
+    (proxy, wait)
+}
+
+/// A lock handed to a waiter that died ends no later than the dead waiter's queue entry would
+/// have: a crashed process holds up a lock at most the longer of the TTL and the waiter TTL,
+/// not a waiter TTL more after a release that came just before its entry lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter_ttl = Duration::from_secs(2);
+    let key = "handoff:dead-waiter";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let (proxy, wait) = queued_through_proxy(&server, key, waiter_ttl).await;
     proxy.cut(true);
     let died = Instant::now();
     // Its entry lapses within the waiter TTL of its last refresh; release most of the way there.
@@ -771,15 +784,6 @@ async fn an_attempt_behind_a_dead_waiter_is_told_when_its_entry_lapses() {
     let server = RedisServer::start();
     let holder = server.locker().await;
     let waiter_ttl = Duration::from_secs(3);
-    // The first waiter reaches the server through a proxy; cutting it is its process dying.
-    let proxy = dlock_tests::proxy::Proxy::start(server.port())
-        .await
-        .unwrap();
-    let first = fast_fail()
-        .waiter_ttl(waiter_ttl)
-        .connect(&proxy.url())
-        .await
-        .unwrap();
     let key = "queue:dead-first";
     let lease = Duration::from_millis(300);
     // Held, never renewed and never released: its lease lapses.
@@ -791,23 +795,8 @@ async fn an_attempt_behind_a_dead_waiter_is_told_when_its_entry_lapses() {
         .await
         .unwrap();
     let queued = Instant::now();
-    let wait = {
-        let first = first.clone();
-        tokio::spawn(async move {
-            let retry = OnFail::retry(LONG);
-            first.lock(key).ttl(LONG).on_fail(retry).acquire().await
-        })
-    };
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(5),
-        async || {
-            (first.waiting() != 0)
-                .then_some(())
-                .ok_or("the first waiter never queued")
-        },
-    )
-    .await;
+    // The first waiter; cutting its proxy is its process dying.
+    let (proxy, wait) = queued_through_proxy(&server, key, waiter_ttl).await;
     proxy.cut(true);
     let lock_key = holder
         .resource(dlock_runtime::LockKey::new(key).unwrap())
