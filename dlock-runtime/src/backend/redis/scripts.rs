@@ -107,12 +107,12 @@ macro_rules! queue_keys {
     };
 }
 
-/// Lua: the first live waiter in `head` (or `false`), the lease a release hands it in `hlease`
-/// and what its entry has left in `hleft` (ms), dropping expired entries. The lease is the one
-/// its entry notes, but it ends no later than the entry would have: a waiter that died holds a
+/// Lua: the first live waiter in `head` (or `false`), the lease a release hands it in `hlease` and
+/// what its entry has left in `hleft` (ms), dropping expired entries. The lease is the one its
+/// entry notes, but it ends no later than the entry would have: a waiter that died holds a
 /// handed-over lock no longer than its entry would have held up the queue, so a crashed process
-/// blocks a lock at most the longer of the TTL and the waiter TTL. A live waiter loses nothing by it: it counts the
-/// handed-over lease from its last attempt, which set the entry's deadline (see
+/// blocks a lock at most the longer of the TTL and the waiter TTL. A live waiter loses nothing by
+/// it: it counts the handed-over lease from its last attempt, which set the entry's deadline (see
 /// `locker::request::wait_for`). Needs [`queue_keys`].
 macro_rules! queue_head {
     () => {

@@ -7,21 +7,20 @@
 //! sentinel that answers (as redis-rs's `Sentinel` does) followed it back to the old master. A
 //! node is used only once it says it is a master (`ROLE`).
 //!
-//! **Following a failover.** The connection to the master is a redis-rs `ConnectionManager`, as
-//! on one server. Two things start a failover check (never more than one at a time per
-//! connection; one asked for while one runs makes it look again before it ends): a sentinel
-//! announcing a failover of this master (`+promoted-slave`, `+switch-master`, to which this
-//! backend subscribes on a connection of its own to every sentinel), and a command failing the
-//! way a failover makes commands fail — the connection is refused, dropped or times out, or the node answers
-//! `READONLY` (a demoted master) or `MASTERDOWN`. The check asks the sentinels for the master
-//! again; if they name another node, it connects to it, subscribes there to every release
-//! channel this connection had, switches, and wakes the local waiters to re-check (releases
-//! published during the failover never reached them). The failing command itself is reported
-//! as unavailable (503): the caller's next attempt goes to the new master. While the sentinels
-//! still name the same node, the check retries with backoff until that node answers again or a
-//! limit passes; an announcement cuts that wait short (a killed master restarted at once comes
-//! back empty at the same address, and the connection, which reconnects by itself, would
-//! otherwise have stayed there until the wait ended).
+//! **Following a failover.** The connection to the master is a redis-rs `ConnectionManager`, as on
+//! one server. Two things start a failover check (never more than one at a time per connection; one
+//! asked for while one runs makes it look again before it ends): a sentinel announcing a failover
+//! of this master (`+promoted-slave`, `+switch-master`, to which this backend subscribes on a
+//! connection of its own to every sentinel), and a command failing the way a failover makes
+//! commands fail — the connection is refused, dropped or times out, or the node answers `READONLY`
+//! (a demoted master) or `MASTERDOWN`. The check asks the sentinels for the master again; if they
+//! name another node, it connects to it, subscribes there to every release channel this connection
+//! had, switches, and wakes the local waiters to re-check (releases published during the failover
+//! never reached them). The failing command itself is reported as unavailable (503): the caller's
+//! next attempt goes to the new master. While the sentinels still name the same node, the check
+//! retries with backoff until that node answers again or a limit passes; an announcement cuts that
+//! wait short (a killed master restarted at once comes back empty at the same address, and the
+//! connection, which reconnects by itself, would otherwise have stayed there until the wait ended).
 //!
 //! The announcement matters because a failover does not always break the old master's
 //! connections: after `SENTINEL FAILOVER`, or when a master frozen past the down-after time
@@ -379,8 +378,8 @@ fn pick(views: &[View]) -> Option<&View> {
 }
 
 impl Sentinels {
-    /// A connection to every sentinel of `url`, each subscribed to the [`ANNOUNCEMENTS`] (those that
-    /// answer now; the others once they do), and the task that keeps them so.
+    /// A connection to every sentinel of `url`, each subscribed to the [`ANNOUNCEMENTS`] (those
+    /// that answer now; the others once they do), and the task that keeps them so.
     async fn connect(
         url: &SentinelUrl,
         connect_timeout: Duration,

@@ -81,21 +81,21 @@
 //! new session for the next calls. ZooKeeper applies one session's requests in the order they
 //! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made.
 //!
-//! **After an outage.** The client reconnects by itself, but waits twice as long after every
-//! round over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …),
-//! so after the whole ensemble was away for `d` it would come back up to about `d / 2` after
-//! the ensemble did. So a session found without a server for over a second (by the client's
-//! state, or by calls that got no answer within the command timeout: the state can lag), on
-//! which every lease this backend granted has run out by the local clock (no guard counts on any of its
-//! nodes any more), is given up and a new one opened, which connects as soon as a server
-//! answers. Nothing of the old session is taken for one's own after that (its nodes, leases
-//! run out, are deleted by the next attempts or with the session), and a call still on the
-//! old session when it was given up answers `Unavailable` instead of a lock or a renewal. A
-//! session with a live lease is kept, and comes back at the client's own pace: its locks
-//! survive an outage only if the client reconnects within their lease (with three servers an
-//! outage of 21 s can be followed by 19 s more before the client's next round; moving the
-//! session to a new client, which `zookeeper_client` allows, would remove that wait, at the
-//! price of an old client that must neither close the session nor keep it).
+//! **After an outage.** The client reconnects by itself, but waits twice as long after every round
+//! over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …), so after
+//! the whole ensemble was away for `d` it would come back up to about `d / 2` after the ensemble
+//! did. So a session found without a server for over a second (by the client's state, or by calls
+//! that got no answer within the command timeout: the state can lag), on which every lease this
+//! backend granted has run out by the local clock (no guard counts on any of its nodes any more),
+//! is given up and a new one opened, which connects as soon as a server answers. Nothing of the old
+//! session is taken for one's own after that (its nodes, leases run out, are deleted by the next
+//! attempts or with the session), and a call still on the old session when it was given up answers
+//! `Unavailable` instead of a lock or a renewal. A session with a live lease is kept, and comes
+//! back at the client's own pace: its locks survive an outage only if the client reconnects within
+//! their lease (with three servers an outage of 21 s can be followed by 19 s more before the
+//! client's next round; moving the session to a new client, which `zookeeper_client` allows, would
+//! remove that wait, at the price of an old client that must neither close the session nor keep
+//! it).
 //!
 //! Idempotency records are not stored by this backend ([`Backend::idempotency`] is `None`).
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
