@@ -52,7 +52,7 @@ mod conformance {
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::Locker;
+use dlock_runtime::{LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::on_owner_thread;
 use dlock_tests::wait::{poll_until, try_take};
@@ -141,6 +141,94 @@ async fn a_chroot_is_a_separate_lock_space() {
     let other = b.lock("same").try_acquire().await.unwrap();
     assert!(other.is_some(), "another chroot shares the lock");
     g.release().await.unwrap();
+}
+
+/// Breaking a lock ([`ZkBackend::delete_lock`]) deletes its waiters' nodes before its holder's.
+/// A waiter's watch fires when the node before it goes, so deleting the holder's first let the
+/// next waiter take the lock and then lose its node to the same break: a holder whose node
+/// vanished (an election's new leader whose `resign` answered `Lost`, once in about 70 runs of
+/// the conformance suite). A recursive watch on the lock's directory sees the deletions in the
+/// order the server applied them; afterwards every waiter gets the lock in turn, with a greater
+/// fencing token, and releases it as its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breaking_a_lock_deletes_its_waiters_before_its_holder() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let key = format!("break-order-{}", std::process::id());
+    let holder = locker(&url).await;
+    let held = holder
+        .lock(key.as_str())
+        .ttl(Duration::from_secs(3))
+        .acquire()
+        .await
+        .unwrap();
+    let resource = holder.resource(LockKey::new(&key).unwrap());
+    // The key has no character the backend encodes: the node name is the resource string.
+    let dir = format!("/dlock/{}", resource.as_str());
+    let mut waiters = Vec::new();
+    for _ in 0..3 {
+        let w = locker(&url).await;
+        let key = key.clone();
+        waiters.push(tokio::spawn(async move {
+            let policy = RetryPolicy::new(Duration::from_secs(30));
+            let g = w
+                .lock(key.as_str())
+                .ttl(Duration::from_secs(3))
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+                .expect("a waiter gets the lock after the break");
+            let token = g.fencing_token();
+            g.release().await.expect("the lock is its own to release");
+            token
+        }));
+    }
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let listed = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || {
+            let mut kids = raw.list_children(&dir).await.map_err(|e| e.to_string())?;
+            if kids.len() < 4 {
+                return Err(format!("{} of 4 nodes queued", kids.len()));
+            }
+            kids.sort_by_key(|k| k.rsplit_once('-').map(|(_, seq)| seq.to_owned()));
+            Ok(kids)
+        },
+    )
+    .await;
+    let mut events = raw
+        .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
+        .await
+        .expect("a recursive watch");
+    let breaker = ZkBackend::connect(&url, ZkOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(breaker.delete_lock(resource.as_str()).await.unwrap(), 4);
+    let holder_node = format!("{dir}/{}", listed[0]);
+    let mut deleted = Vec::new();
+    while deleted.last() != Some(&holder_node) {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.changed())
+            .await
+            .expect("the holder's node is deleted");
+        if event.event_type == zookeeper_client::EventType::NodeDeleted {
+            deleted.push(event.path);
+        }
+    }
+    for waiter in &listed[1..] {
+        assert!(
+            deleted.contains(&format!("{dir}/{waiter}")),
+            "the holder's node went before the waiter's {waiter}: {deleted:?}"
+        );
+    }
+    tokio::time::timeout(Duration::from_secs(10), held.lost())
+        .await
+        .expect("the broken holder is told");
+    for w in waiters {
+        let token = w.await.unwrap();
+        assert!(token > held.fencing_token());
+    }
 }
 
 /// A holder whose connection is cut (behind a proxy that then refuses) cannot renew: its

@@ -609,6 +609,12 @@ impl ZkBackend {
 
     /// Deletes every node of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
     /// its waiters'. For operators and tests; returns how many nodes it deleted.
+    ///
+    /// The nodes go from the last in line to the first, the holder's last: deleting the holder
+    /// first would let the waiter behind it take the lock (its watch fires) before that
+    /// waiter's own node was deleted in turn — a holder whose node then vanishes under it. A
+    /// waiter that arrives meanwhile is not in the listing and takes the lock after the holder's
+    /// node is gone, as after any release.
     pub async fn delete_lock(&self, resource: &str) -> Result<u64, LockError> {
         let dir = self.dir(resource);
         self.bounded("delete", async {
@@ -619,7 +625,7 @@ impl ZkBackend {
                 Err(e) => return Err(unavailable("list", e)),
             };
             let mut n = 0;
-            for name in children {
+            for Child { name, .. } in sorted(children).into_iter().rev() {
                 match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
                     Ok(()) => n += 1,
                     Err(ZkError::NoNode) => {}
