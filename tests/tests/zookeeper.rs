@@ -231,6 +231,91 @@ async fn breaking_a_lock_deletes_its_waiters_before_its_holder() {
     }
 }
 
+/// A lock released within its minimum hold is left to its lease (the release cuts the lease to
+/// the hold's rest), and an ephemeral node has no expiry of its own: on a lock nobody tries
+/// again, the node stayed on the server, and in the backend's record of its own nodes, for the
+/// life of the session (a leak per run of a scheduled job keyed by its date). The backend now
+/// deletes it a session timeout after its lease ended, at the next write it makes; not before:
+/// until the hold has passed, another locker is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_left_to_its_lease_is_deleted_by_its_owner_after_the_lease() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let session = Duration::from_millis(1500);
+    let backend = ZkBackend::connect(
+        &format!("{url}?session_timeout_ms={}", session.as_millis()),
+        ZkOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        backend.session_timeout(),
+        session,
+        "the server's minimum is lower"
+    );
+    let a = Locker::builder().build(backend.clone());
+    let key = format!("swept-{}", std::process::id());
+    let hold = Duration::from_millis(300);
+    let g = a
+        .lock(key.as_str())
+        .ttl(Duration::from_secs(2))
+        .hold_at_least(hold)
+        .acquire()
+        .await
+        .unwrap();
+    let released = Instant::now();
+    g.release().await.unwrap();
+    let dir = format!(
+        "/dlock/{}",
+        a.resource(LockKey::new(&key).unwrap()).as_str()
+    );
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    assert_eq!(
+        raw.list_children(&dir).await.unwrap().len(),
+        1,
+        "left to its lease"
+    );
+    assert_eq!(backend.own_nodes(), 1);
+    let b = locker(&url).await;
+    if released.elapsed() < hold - Duration::from_millis(100) {
+        assert!(
+            b.lock(key.as_str()).try_acquire().await.unwrap().is_none(),
+            "taken within the minimum hold"
+        );
+    }
+    // Locks on other keys are the backend's next writes; one of them sweeps.
+    let mut n = 0;
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || {
+            n += 1;
+            let other = a
+                .lock(format!("{key}-other-{n}"))
+                .ttl(Duration::from_secs(2))
+                .acquire()
+                .await
+                .unwrap();
+            other.release().await.unwrap();
+            match raw.list_children(&dir).await {
+                Err(zookeeper_client::Error::NoNode) => Ok(()),
+                Ok(kids) if kids.is_empty() => Ok(()),
+                Ok(kids) => Err(format!("still there: {kids:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await;
+    let gone = released.elapsed();
+    // The hold's rest counts from the acquire, just before the release.
+    assert!(
+        gone >= session + hold / 2,
+        "deleted {gone:?} after the release"
+    );
+    assert_eq!(backend.own_nodes(), 0, "records of own nodes are left");
+}
+
 /// A holder whose connection is cut (behind a proxy that then refuses) cannot renew: its
 /// guard reports `lost()` by the local lease clock — capped at the session timeout — before
 /// the server expires the session and lets the next holder in, whose fencing token is greater.

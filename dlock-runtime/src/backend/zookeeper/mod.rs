@@ -55,7 +55,13 @@
 //!   same attempt) is deleted by the next node's owner, with a version check so that a renewal
 //!   that got there first wins. A holder that died thus stops blocking others after its TTL, as
 //!   on every backend, and its session takes its node away after the session timeout in any
-//!   case.
+//!   case;
+//! * a node of a living session whose lease ended (a lock released with a minimum hold is left
+//!   to its lease, a release that never landed, a guard leaked with renewal off) is deleted by
+//!   its own backend a session timeout after its lease ended, at the first write it makes after
+//!   that (a sweep runs at most once per session timeout): an ephemeral node has no expiry of
+//!   its own, and otherwise one on a lock nobody tries again would stay for the life of the
+//!   session.
 //!
 //! **TTL and the session timeout.** A holder cut off from the ensemble cannot renew, and the
 //! server may expire its session — deleting its node — as early as one session timeout after
@@ -221,6 +227,8 @@ struct Session {
     /// Counts replacements: a call that started on a client since replaced does not mark its
     /// successor unanswered.
     generation: AtomicU64,
+    /// When (ms since `born`) the next sweep of own nodes is due ([`ZkBackend::sweep`]).
+    next_sweep_ms: AtomicU64,
 }
 
 impl Session {
@@ -260,6 +268,7 @@ impl Session {
             down_ms: AtomicU64::new(0),
             unanswered_ms: AtomicU64::new(0),
             generation: AtomicU64::new(0),
+            next_sweep_ms: AtomicU64::new(0),
         }
     }
 
@@ -365,6 +374,23 @@ impl Session {
         self.now_ms() > self.horizon_ms.load(Ordering::Relaxed)
     }
 
+    /// Whether a sweep of own nodes is due (one per session timeout at most); the caller that
+    /// is told so does it.
+    fn sweep_due(&self) -> bool {
+        let now = self.now_ms();
+        let due = self.next_sweep_ms.load(Ordering::Relaxed);
+        now >= due
+            && self
+                .next_sweep_ms
+                .compare_exchange(
+                    due,
+                    now.saturating_add(millis(self.timeout())),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
     /// The replacement count, read before a call (see [`no_answer`](Self::no_answer)).
     fn generation(&self) -> u64 {
         self.generation.load(Ordering::Relaxed)
@@ -417,9 +443,19 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Own nodes by (resource, owner token): the node name of each acquisition this backend made,
-/// and the session it was made on.
-type Owned = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (i64, String)>>>;
+/// Own nodes by (resource, owner token): each acquisition's node this backend made.
+type Owned = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), Own>>>;
+
+/// One own node: the session it was made on, its name, and what the last write to it left.
+struct Own {
+    session: i64,
+    name: String,
+    /// When the lease that write granted ends (ms since the session's `born`, counted from
+    /// when its answer arrived): no guard or waiter counts on the node after that.
+    until_ms: u64,
+    /// The node's version after that write.
+    version: i32,
+}
 
 /// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
 type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
@@ -670,15 +706,89 @@ impl ZkBackend {
         (resource.shared(), token.clone())
     }
 
-    /// Notes `name` as `token`'s node, made on `c`'s session.
-    fn remember(&self, c: &Client, resource: &ResourceName, token: &OwnerToken, name: &str) {
+    /// Notes `name` as `token`'s node on `c`'s session, and what a write to it just left:
+    /// `lease` from now, the node at `stat`. Sweeps when a sweep is due ([`sweep`](Self::sweep)).
+    fn note(
+        &self,
+        c: &Arc<Client>,
+        (resource, token): (&ResourceName, &OwnerToken),
+        name: &str,
+        lease: Duration,
+        stat: &Stat,
+    ) {
+        let (session, version) = (c.session_id().0, stat.version);
+        let until_ms = self.session.now_ms().saturating_add(millis(lease));
+        let mut owned = self.owned.lock().unwrap_or_else(PoisonError::into_inner);
+        match owned.get_mut(&Self::key(resource, token)) {
+            Some(own) if own.session == session && own.name == name => {
+                own.until_ms = until_ms;
+                own.version = version;
+            }
+            _ => {
+                let own = Own {
+                    session,
+                    name: name.to_owned(),
+                    until_ms,
+                    version,
+                };
+                owned.insert(Self::key(resource, token), own);
+            }
+        }
+        drop(owned);
+        if self.session.sweep_due() {
+            self.sweep(c);
+        }
+    }
+
+    /// Drops the records of own nodes nothing counts on any more, and deletes those nodes: a
+    /// node whose lease ended a session timeout ago or more (a lock released with a minimum
+    /// hold is left to its lease; a release that never landed; a guard leaked with renewal
+    /// off), which would otherwise stay on the server — and in this map — for as long as the
+    /// session lives, unless another attempt on the same lock deleted it. The session timeout
+    /// is the margin for the local clock against the ensemble's: every guard's and waiter's
+    /// local lease ended before. A delete checks the version of the last write, so a node
+    /// written since is left. Records of a session given up ([`Session`]) are dropped without
+    /// a delete: their nodes go with it.
+    fn sweep(&self, c: &Arc<Client>) {
+        let now = self.session.now_ms();
+        let margin = millis(self.session.timeout());
+        let session = c.session_id().0;
+        let mut stale = Vec::new();
         self.owned
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                Self::key(resource, token),
-                (c.session_id().0, name.to_owned()),
-            );
+            .retain(|(resource, _), own| {
+                let keep = own.session == session && own.until_ms.saturating_add(margin) > now;
+                if !keep && own.session == session {
+                    let path = format!("{}/{}", self.dir(resource), own.name);
+                    stale.push((path, own.version));
+                }
+                keep
+            });
+        if stale.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            nodes = stale.len(),
+            "zookeeper: deleting own nodes whose lease ended"
+        );
+        let (c, limit) = (c.clone(), self.session.opts.command_timeout);
+        tokio::spawn(async move {
+            for (path, version) in stale {
+                // Gone already, written since, or no answer: left to the next attempt on
+                // the lock or to the session's end.
+                let _ = tokio::time::timeout(limit, c.delete(&path, Some(version))).await;
+            }
+        });
+    }
+
+    /// How many own nodes this backend keeps a record of. For tests.
+    #[doc(hidden)]
+    pub fn own_nodes(&self) -> usize {
+        self.owned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// `token`'s node, if it was made on `c`'s session (a node of a session given up is not
@@ -688,8 +798,8 @@ impl ZkBackend {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&Self::key(resource, token))
-            .filter(|(session, _)| *session == c.session_id().0)
-            .map(|(_, name)| name.clone())
+            .filter(|own| own.session == c.session_id().0)
+            .map(|own| own.name.clone())
     }
 
     fn forget(&self, resource: &ResourceName, token: &OwnerToken) {
@@ -779,16 +889,20 @@ impl ZkBackend {
         Ok(None)
     }
 
-    /// Sets `path`'s lease; `None` when the node is gone.
+    /// Sets the lease of `own`'s node `name` in `dir`; `None` when the node is gone.
     async fn set_lease(
         &self,
-        c: &Client,
-        path: &str,
+        c: &Arc<Client>,
+        own: (&ResourceName, &OwnerToken),
+        dir: &str,
+        name: &str,
         lease: Duration,
     ) -> Result<Option<Stat>, LockError> {
-        match again(|| c.set_data(path, &lease_data(lease), None)).await {
+        let path = format!("{dir}/{name}");
+        match again(|| c.set_data(&path, &lease_data(lease), None)).await {
             Ok(stat) => {
                 self.session.granted(lease);
+                self.note(c, own, name, lease, &stat);
                 Ok(Some(stat))
             }
             Err(ZkError::NoNode) => Ok(None),
@@ -828,6 +942,7 @@ impl ZkBackend {
         let c = self.session.client().await?;
         let dir = self.dir(args.resource.as_str());
         let queue = args.mode == WaitMode::Queue;
+        let mine = (args.resource, args.token);
         // The own node; the stat of this attempt's last write to it (its mtime is the
         // ensemble's "now" for expiry checks); whether its lease is the lock's TTL.
         let (own, mut stat, mut has_ttl) =
@@ -835,7 +950,7 @@ impl ZkBackend {
                 Some(name) => (name, None, false),
                 None => {
                     let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
-                    self.remember(&c, args.resource, args.token, &name);
+                    self.note(&c, (args.resource, args.token), &name, args.ttl, &stat);
                     (name, Some(stat), true)
                 }
             };
@@ -858,7 +973,7 @@ impl ZkBackend {
                 // the TTL; one that waited (or a holder asking again) gets it now.
                 let granted = match stat.filter(|_| has_ttl) {
                     Some(stat) => Some(stat),
-                    None => self.set_lease(&c, &own_path, args.ttl).await?,
+                    None => self.set_lease(&c, mine, &dir, &own, args.ttl).await?,
                 };
                 let Some(granted) = granted else {
                     self.forget(args.resource, args.token);
@@ -875,7 +990,10 @@ impl ZkBackend {
             // Queued behind someone: a waiter's node carries the waiter TTL, refreshed by
             // every attempt, and the write tells the ensemble's "now".
             if queue && (has_ttl || stat.is_none()) {
-                match self.set_lease(&c, &own_path, args.waiter_ttl).await? {
+                match self
+                    .set_lease(&c, mine, &dir, &own, args.waiter_ttl)
+                    .await?
+                {
                     Some(s) => {
                         stat = Some(s);
                         has_ttl = false;
@@ -1054,7 +1172,7 @@ impl Backend for ZkBackend {
                 return Ok(false);
             };
             let renewed = self
-                .set_lease(&c, &format!("{dir}/{name}"), ttl)
+                .set_lease(&c, (resource, token), &dir, &name, ttl)
                 .await?
                 .is_some();
             if renewed && !self.session.is_current(&c) {
