@@ -950,7 +950,7 @@ impl ZkBackend {
                 Some(name) => (name, None, false),
                 None => {
                     let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
-                    self.note(&c, (args.resource, args.token), &name, args.ttl, &stat);
+                    self.note(&c, mine, &name, args.ttl, &stat);
                     (name, Some(stat), true)
                 }
             };
