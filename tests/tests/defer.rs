@@ -360,6 +360,41 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purging_a_job_that_is_not_a_dead_letter_leaves_it_to_run() {
+    let (server, locker, queue) = start_queue("purge").await;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+    let job = record_job(&server, 8, "pg");
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+
+    // Named by id while queued, or in a purge of all dead letters: it is none of them.
+    assert_eq!(queue.purge_dead(Some(&id)).await.unwrap(), 0);
+    assert_eq!(queue.purge_dead(None).await.unwrap(), 0);
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    worker.run_once().await.unwrap();
+    assert_completes(
+        "the queued job to run",
+        Duration::from_secs(5),
+        &queue,
+        &id,
+        "done 8",
+    )
+    .await;
+    assert!(queue.dead_letters().await.unwrap().is_empty());
+
+    // A dead letter is purged, payload and all.
+    let mut job = record_job(&server, 9, "pg");
+    job.always_fail = true;
+    let dead_id = enqueue(&queue, &job, &policy).await.unwrap();
+    run_until_dead_letter("dead letter", &worker, &queue).await;
+    assert_eq!(queue.purge_dead(Some(&dead_id)).await.unwrap(), 1);
+    assert_eq!(queue.status(&dead_id).await.unwrap(), JobStatus::Unknown);
+    assert!(queue.is_empty().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_job_loses_nothing() {
     let visibility = Duration::from_millis(800);
     let (server, queue) = server_and_queue("crash", visibility, Duration::from_secs(600)).await;

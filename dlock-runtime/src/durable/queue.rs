@@ -11,7 +11,7 @@ use crate::backend::redis::conn::Conn;
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
-use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, REQUEUE, RETRY};
+use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY};
 use crate::defer::{JobInfo, QueueLimits};
 use crate::{DeferPolicy, LockError, LockKey, Locker};
 
@@ -36,6 +36,7 @@ pub(super) struct QueueInner {
     ack: Script,
     heartbeat: Script,
     requeue: Script,
+    purge: Script,
 }
 
 impl fmt::Debug for DurableQueue {
@@ -124,6 +125,7 @@ impl DurableQueue {
                 ack: Script::new(ACK),
                 heartbeat: Script::new(HEARTBEAT),
                 requeue: Script::new(REQUEUE),
+                purge: Script::new(PURGE),
             }),
         })
     }
@@ -399,7 +401,8 @@ impl DurableQueue {
     }
 
     /// Deletes dead letters for good: the one with `id`, or all of them (`None`). Answers how
-    /// many were deleted.
+    /// many were deleted. A job that is not a dead letter (queued, running, or requeued since it
+    /// was listed) is left as it is.
     pub async fn purge_dead(&self, id: Option<&str>) -> Result<usize, LockError> {
         let ids = match id {
             Some(id) => vec![id.to_owned()],
@@ -408,18 +411,13 @@ impl DurableQueue {
         let mut purged = 0;
         let mut conn = self.inner.conn.clone();
         for id in ids {
-            let (n, ..): (i64, i64, i64, i64) = self
-                .deadline(
-                    "purge",
-                    redis::pipe()
-                        .atomic()
-                        .zrem(self.key("dead"), &id)
-                        .hdel(self.key("jobs"), &id)
-                        .hdel(self.key("attempts"), &id)
-                        .hdel(self.key("reasons"), &id)
-                        .query_async(&mut conn),
-                )
-                .await?;
+            let mut inv = self.inner.purge.prepare_invoke();
+            inv.key(self.key("dead"))
+                .key(self.key("jobs"))
+                .key(self.key("attempts"))
+                .key(self.key("reasons"))
+                .arg(&id);
+            let n: i64 = self.deadline("purge", inv.invoke_async(&mut conn)).await?;
             if n == 1 {
                 event("purged", &JobInfo::new(id, "", 0));
                 purged += 1;

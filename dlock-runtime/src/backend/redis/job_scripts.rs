@@ -137,6 +137,17 @@ return 1
 "#
 );
 
+/// Purge a dead letter for good: only if it is one (a job requeued or still queued keeps its
+/// payload and bookkeeping).
+/// KEYS: 1 dead, 2 jobs, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
+pub(crate) const PURGE: &str = r#"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+return 1
+"#;
+
 /// Requeue a dead letter with a fresh attempt budget, due now.
 /// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
 pub(crate) const REQUEUE: &str = concat!(
