@@ -229,6 +229,13 @@ impl Key {
     /// fails with [`LockError::InvalidKey`] if it is
     /// empty or its input is longer than [`MAX_KEY_INPUT_LEN`] bytes.
     pub fn to_lock_key(&self) -> Result<LockKey, LockError> {
+        if self.raw_len > MAX_KEY_INPUT_LEN {
+            // A value past the limit was not copied (see `value`): the segments alone would
+            // not show it, and two keys that differ only there would encode alike.
+            return Err(LockError::invalid_key(format!(
+                "key input longer than {MAX_KEY_INPUT_LEN} bytes"
+            )));
+        }
         let mut b = LockKey::builder();
         for (i, seg) in self.segments.iter().enumerate() {
             if i > 0 {
@@ -339,6 +346,22 @@ mod tests {
         assert!(Key::new("v").value(ok.as_str()).to_lock_key().is_ok());
         let over = "x".repeat(MAX_KEY_INPUT_LEN - prefix_len + 1);
         assert!(Key::new("v").value(over.as_str()).to_lock_key().is_err());
+    }
+
+    #[test]
+    fn a_value_past_a_key_at_the_limit_makes_it_invalid_not_alike() {
+        let full = "x".repeat(MAX_KEY_INPUT_LEN - "v".len() - 1);
+        let at_limit = Key::new("v").value(full.as_str());
+        assert!(at_limit.to_lock_key().is_ok());
+        for more in ["a", "b", ""] {
+            let err = at_limit.clone().value(more).to_lock_key().unwrap_err();
+            assert!(err.is_invalid(), "{err}");
+            assert_eq!(err.status(), 400);
+        }
+        let joined = at_limit.clone().and(Key::new("w"));
+        assert!(joined.to_lock_key().unwrap_err().is_invalid());
+        let lit = at_limit.lit("z");
+        assert!(lit.to_lock_key().unwrap_err().is_invalid());
     }
 
     #[test]
