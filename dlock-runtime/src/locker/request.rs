@@ -575,7 +575,11 @@ async fn wait_for(
     policy: RetryPolicy,
 ) -> Result<LockGuard, LockError> {
     let start = Instant::now();
-    let deadline = start + policy.wait;
+    // A wait past what the clock can count (`Duration::MAX` for "as long as it takes") waits
+    // a century instead of overflowing.
+    let deadline = start
+        .checked_add(policy.wait)
+        .unwrap_or_else(|| start + Duration::from_secs(100 * 365 * 86_400));
     let mode = if policy.fair {
         WaitMode::Queue
     } else {
@@ -885,6 +889,35 @@ mod tests {
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().unwrap();
         assert_eq!(locker.waiting(), 0);
+        guard.release().await.unwrap();
+    }
+
+    /// `Duration::MAX` is how a caller says "wait as long as it takes": it waits, it does not
+    /// overflow the deadline's `Instant` (it panicked).
+    #[tokio::test]
+    async fn a_wait_of_duration_max_waits_for_the_lock() {
+        let locker = Locker::memory();
+        let free = locker
+            .lock("k")
+            .on_fail(OnFail::retry(Duration::MAX))
+            .acquire()
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .lock("k")
+                    .on_fail(OnFail::retry(Duration::MAX))
+                    .acquire()
+                    .await
+            }
+        });
+        while locker.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        free.release().await.unwrap();
+        let guard = waiter.await.unwrap().unwrap();
         guard.release().await.unwrap();
     }
 }
