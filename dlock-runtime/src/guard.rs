@@ -101,24 +101,22 @@ impl LockGuard {
     pub async fn release(self) -> Result<(), LockError> {
         let lease = &self.lease;
         let backend = lease.watchdog().backend();
-        let span = lease.span("dlock.release");
-        match lease.hold_left() {
-            Some(left) => {
-                lease
-                    .settle(
-                        "release",
-                        backend.extend(lease.resource(), lease.token(), left),
-                    )
-                    .instrument(span)
-                    .await
-            }
-            None => {
-                lease
-                    .settle("release", backend.release(lease.resource(), lease.token()))
-                    .instrument(span)
-                    .await
-            }
-        }
+        // What is left of the hold is read when the step is sent, after a renewal on its way.
+        lease
+            .settle("release", || match lease.hold_left() {
+                Some(left) => backend.extend(lease.resource(), lease.token(), left),
+                None => backend.release(lease.resource(), lease.token()),
+            })
+            .instrument(lease.span("dlock.release"))
+            .await
+    }
+
+    /// Releases the lock at once, whatever minimum hold it carries: a lock given back because
+    /// the whole it was taken for failed (one key of [`Locker::lock_all`](crate::Locker::lock_all)
+    /// was busy) was never held for the work the hold protects.
+    pub(crate) async fn give_back(mut self) -> Result<(), LockError> {
+        self.lease.clear_hold();
+        self.release().await
     }
 }
 

@@ -384,7 +384,7 @@ impl IdempotentOperation {
         // An unknown outcome (`Err`) hands an owner-checked release to the background,
         // harmless if the record was stored (the lock is gone then).
         self.lease
-            .settle("idempotency complete", store.complete(args))
+            .settle("idempotency complete", || store.complete(args))
             .instrument(self.lease.span("dlock.idempotency.complete"))
             .await
     }
@@ -398,10 +398,9 @@ impl IdempotentOperation {
             return Err(unsupported(&self.locker));
         };
         self.lease
-            .settle(
-                "idempotency abort",
-                store.abort(self.lease.resource(), self.lease.token()),
-            )
+            .settle("idempotency abort", || {
+                store.abort(self.lease.resource(), self.lease.token())
+            })
             .instrument(self.lease.span("dlock.idempotency.abort"))
             .await
     }

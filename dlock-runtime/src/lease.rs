@@ -115,6 +115,11 @@ impl Lease {
             .saturating_add(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX));
     }
 
+    /// Drops the minimum hold: the final step deletes the lock.
+    pub(crate) fn clear_hold(&mut self) {
+        self.hold_until_ns = 0;
+    }
+
     /// What is left of the minimum hold, when it is long enough to be a lease
     /// ([`MIN_TTL`](crate::MIN_TTL) or more); a shorter rest is released at once. Rounded up
     /// to the next whole millisecond, and one more: servers take a lease in whole milliseconds
@@ -122,7 +127,7 @@ impl Lease {
     /// rest could free the lock up to 2 ms before the hold ends (seen in CI: 1.4998 s into a
     /// 1.5 s hold on Redis).
     pub(crate) fn hold_left(&self) -> Option<Duration> {
-        hold_rest(self.hold_until_ns.saturating_sub(self.watchdog.now_ns()))
+        crate::util::hold_rest(self.hold_until_ns.saturating_sub(self.watchdog.now_ns()))
     }
 
     /// A view of this lease's state for another task (see [`LeaseProbe`]).
@@ -227,22 +232,32 @@ impl Lease {
         self.watchdog.unschedule(&self.state);
     }
 
-    /// The final step: stops renewal, then runs `step` — owner-checked, answering whether the
-    /// lock was still ours — under the command deadline. Answered: the lease is settled
-    /// ([`LockError::Lost`] if it was not ours, or if the local lease had run out before). Not answered: the error, and an owner-checked
-    /// release goes to the background task at once, retried until it lands or the lease has
-    /// run out. Dropped before either: drop hands the release to the background.
-    pub(crate) async fn settle(
+    /// The final step: stops renewal, waits for a renewal of this lock already on its way (so
+    /// none can land after the step, and undo a release's shortened lease), then runs the
+    /// future `step` makes — owner-checked, answering whether the lock was still ours — under
+    /// the command deadline. `step` is called only then: a backend that does its work when
+    /// called (the memory backend) still works after renewal stopped. Answered: the lease is
+    /// settled ([`LockError::Lost`] if it was not ours, or if the local lease had run out
+    /// before). Not answered: the error, and an owner-checked release goes to the background
+    /// task at once, retried until it lands or the lease has run out. Dropped before either:
+    /// drop hands the release to the background.
+    pub(crate) async fn settle<F>(
         &self,
         what: &'static str,
-        step: impl Future<Output = Result<bool, LockError>>,
-    ) -> Result<(), LockError> {
+        step: impl FnOnce() -> F,
+    ) -> Result<(), LockError>
+    where
+        F: Future<Output = Result<bool, LockError>>,
+    {
         self.stop();
+        // A renewal batch holds the turn from before its `done` check until its answer is in,
+        // within the command timeout; the batches after `stop` leave this lock alone.
+        let _turn = self.state.turn.lock().await;
         // A lease that had run out before the step was sent is lost, whatever the backend
         // answers: a backend may find the lock still this owner's (nobody took it since), but the
         // holder was told it was lost, and ran without the lock's protection.
         let held_until_now = self.is_held();
-        let res = self.watchdog.with_deadline(what, step).await;
+        let res = self.watchdog.with_deadline(what, step()).await;
         self.settled.store(true, Ordering::Release);
         match res {
             Ok(still_ours) => self.state.settle_release(still_ours && held_until_now),
@@ -256,18 +271,18 @@ impl Lease {
     fn release_later(&self) {
         let (resource, token) = (self.state.resource.clone(), self.state.token.clone());
         self.watchdog.later(match self.hold_left() {
-            Some(left) => Cmd::Expire(resource, token, left, left),
+            Some(left) => Cmd::Expire(
+                resource,
+                token,
+                tokio::time::Instant::now() + left,
+                // Not `left`: a backend still down when the hold ends would leave the lock to
+                // its TTL; the retries go on, and release it then.
+                self.state.ttl(),
+                self.state.turn.clone(),
+            ),
             None => Cmd::Release(resource, token, self.state.ttl()),
         });
     }
-}
-
-/// The lease that keeps a lock until a minimum hold with `left_ns` to go ends
-/// ([`Lease::hold_left`]).
-fn hold_rest(left_ns: u64) -> Option<Duration> {
-    let ms = left_ns.div_ceil(1_000_000).saturating_add(1);
-    Some(Duration::from_millis(ms))
-        .filter(|_| Duration::from_nanos(left_ns) >= crate::util::MIN_TTL)
 }
 
 impl Drop for Lease {
@@ -390,6 +405,7 @@ impl Drop for Undo<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::hold_rest;
 
     #[test]
     fn a_hold_rest_is_rounded_up_to_whole_milliseconds_and_one_more() {

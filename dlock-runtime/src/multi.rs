@@ -195,7 +195,12 @@ impl MultiLockRequest<'_> {
                 Err(err) => {
                     // Given back before reporting, so the caller's next move finds them free;
                     // a release that fails goes on in the background.
-                    let _ = release_all(guards).await;
+                    // At once, whatever minimum hold they carry: the work they were taken for
+                    // does not run.
+                    let _ = futures_util::future::join_all(
+                        guards.into_iter().map(LockGuard::give_back),
+                    )
+                    .await;
                     return Err(match err {
                         LockError::Timeout {
                             key, retry_after, ..
@@ -373,5 +378,26 @@ mod tests {
         })
         .await;
         both.release().await.unwrap();
+    }
+
+    /// A failed whole gives back the keys it took at once, minimum hold or not: the work the
+    /// hold protects never ran (with the hold, each key stayed locked by nobody until it ended).
+    #[tokio::test]
+    async fn a_failed_whole_gives_back_its_keys_at_once_whatever_the_hold() {
+        let locker = Locker::memory();
+        let held = locker.lock("z").acquire().await.unwrap();
+        let out = locker
+            .lock_all(["a", "z"])
+            .ttl(Duration::from_secs(10))
+            .hold_at_least(Duration::from_secs(5))
+            .try_acquire()
+            .await
+            .unwrap();
+        assert!(out.is_none());
+        assert!(
+            locker.lock("a").try_acquire().await.unwrap().is_some(),
+            "`a` was kept for the hold"
+        );
+        held.release().await.unwrap();
     }
 }

@@ -169,6 +169,13 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
 }
 
+/// The lease that keeps a lock until a minimum hold with `left_ns` to go ends
+/// (`Lease::hold_left`).
+pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {
+    let ms = left_ns.div_ceil(1_000_000).saturating_add(1);
+    Some(Duration::from_millis(ms)).filter(|_| Duration::from_nanos(left_ns) >= MIN_TTL)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

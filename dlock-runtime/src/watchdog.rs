@@ -15,10 +15,13 @@
 //!   the TTL ends the lock.
 //!
 //! Release and drop remove the guard from the schedule before the release script runs, and a
-//! renewal that races a release is owner-checked, so a released lock is never renewed.
+//! release waits for a renewal already on its way (the guard's turn, below), so no renewal lands
+//! after it: a released lock is never renewed, and a release within a minimum hold, which only
+//! shortens the lease to the hold's rest, is not undone by a renewal to the full TTL. A
+//! release that goes to the background counts the hold's rest anew at each try.
 //!
-//! * **User extends.** A guard's renewals and its user's [`extend`](crate::LockGuard::extend)
-//!   calls take turns (one small async mutex per guard, tried — never awaited — by the
+//! * **User extends.** A guard's renewals, its user's [`extend`](crate::LockGuard::extend)
+//!   calls and its release take turns (one small async mutex per guard, tried — never awaited — by the
 //!   watchdog), so a watchdog batch sent with the old TTL can never land after an `extend` and
 //!   overwrite it. After `extend(t)` the server's expiry, the local lease end (set exactly, so
 //!   it can move *earlier*) and the next renewal (due `t/3` later, renewing `t`) all follow `t`.
@@ -57,9 +60,9 @@ pub(crate) struct GuardState {
     pub(crate) done: AtomicBool,
     /// Whether the watchdog renews this guard.
     auto_renew: bool,
-    /// Held while a renewal or an extend of this guard is on its way to the backend, so the
-    /// two never overlap (see the module docs).
-    turn: Arc<AsyncMutex<()>>,
+    /// Held while a renewal, an extend or the final step (release) of this guard is on its way
+    /// to the backend, so none of them overlap (see the module docs).
+    pub(crate) turn: Arc<AsyncMutex<()>>,
     /// Signalled whenever `lease_end` changes, so [`Watchdog::wait_lost`] re-arms its timer.
     lease_changed: Notify,
     /// The lock's metric labels.
@@ -145,9 +148,18 @@ pub(crate) enum Cmd {
     Release(ResourceName, OwnerToken, Duration),
     /// Undo whatever an acquire with `token` may have done, giving up after the duration.
     Abandon(ResourceName, OwnerToken, Duration),
-    /// Set `token`'s lease to the first duration from now instead of releasing (a minimum
-    /// hold), giving up after the second.
-    Expire(ResourceName, OwnerToken, Duration, Duration),
+    /// Set `token`'s lease to end when the minimum hold ends, at the instant, instead of
+    /// releasing (what is left is counted at each try: a retry that lands late does not keep
+    /// the lock past the hold); release it once what is left is too short for a lease. Gives
+    /// up after the duration. The guard's turn is taken first, so a renewal on its way when
+    /// the guard was dropped lands before, not after.
+    Expire(
+        ResourceName,
+        OwnerToken,
+        tokio::time::Instant,
+        Duration,
+        Arc<AsyncMutex<()>>,
+    ),
 }
 
 /// Shared between the [`Locker`](crate::Locker) and its background task.
@@ -474,6 +486,9 @@ impl Watchdog {
             }
             let ttl_ns = item.ttl.as_nanos() as u64;
             match results.get(i) {
+                // Reported lost meanwhile (its local lease ran out while the renewal was on its
+                // way): the holder was told, so the lock is not kept on its behalf any longer.
+                Some(Ok(true)) if g.lost.is_cancelled() => g.labels.renewal(true),
                 Some(Ok(true)) => {
                     g.labels.renewal(true);
                     g.renewed(sent, item.ttl, self.backend.lease_margin(item.ttl));
@@ -563,6 +578,10 @@ async fn run(
 
 async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration, cmd: Cmd) {
     let start = tokio::time::Instant::now();
+    let _turn = match &cmd {
+        Cmd::Expire(.., turn) => Some(turn.clone().lock_owned().await),
+        _ => None,
+    };
     let mut pause = Duration::from_millis(20);
     loop {
         let (op, res, give_up) = match &cmd {
@@ -579,14 +598,21 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
                 tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
                 *give_up,
             ),
-            Cmd::Expire(r, t, ttl, give_up) => (
-                "expire",
-                tokio::time::timeout(command_timeout, async {
-                    backend.extend(r, t, *ttl).await.map(|_| ())
-                })
-                .await,
-                *give_up,
-            ),
+            Cmd::Expire(r, t, until, give_up, _) => {
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                let left = crate::util::hold_rest(u64::try_from(left.as_nanos()).unwrap_or(0));
+                (
+                    "expire",
+                    tokio::time::timeout(command_timeout, async {
+                        match left {
+                            Some(left) => backend.extend(r, t, left).await.map(|_| ()),
+                            None => backend.release(r, t).await.map(|_| ()),
+                        }
+                    })
+                    .await,
+                    *give_up,
+                )
+            }
         };
         let error = match res {
             Ok(Ok(())) => {
@@ -721,5 +747,223 @@ mod tests {
             long,
             "the watchdog renews the new TTL"
         );
+    }
+
+    /// A release within a minimum hold only shortens the lease to the hold's rest; a watchdog
+    /// batch on its way with the full TTL must land before it, not after (it put the full TTL
+    /// back: the lock stayed a whole TTL past the hold).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_renewal_in_flight_cannot_undo_a_release_within_a_minimum_hold() {
+        let (arrived, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let applied_batch = Arc::new(Notify::new());
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(GatedRenewals {
+                inner: MemoryBackend::new(),
+                arrived: arrived.clone(),
+                gate: gate.clone(),
+                applied_batch: applied_batch.clone(),
+                applied: applied.clone(),
+            });
+        let ttl = Duration::from_millis(900);
+        let guard = locker
+            .lock("held")
+            .ttl(ttl)
+            .hold_at_least(Duration::from_millis(600))
+            .acquire()
+            .await
+            .unwrap();
+        // The watchdog's first batch (due at TTL/3) is now on its way with the full TTL.
+        arrived.notified().await;
+        let release = tokio::spawn(guard.release());
+        // Let the release run as far as it can (an in-memory extend needs no I/O).
+        for _ in 0..32 {
+            tokio::task::yield_now().await;
+        }
+        gate.notify_one();
+        applied_batch.notified().await;
+        release.await.unwrap().unwrap();
+        let log = applied.lock().unwrap().clone();
+        let last = *log.last().unwrap();
+        assert!(
+            last < ttl && last >= crate::MIN_TTL,
+            "the last lease applied is not the hold's rest: {log:?}"
+        );
+    }
+
+    /// A memory backend whose extends fail while `down` is set.
+    struct Flaky {
+        inner: MemoryBackend,
+        down: Arc<AtomicBool>,
+    }
+
+    impl Backend for Flaky {
+        fn name(&self) -> &'static str {
+            "flaky"
+        }
+        fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+            self.inner.acquire(a)
+        }
+        fn release<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(r, t)
+        }
+        fn extend<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            if self.down.load(Ordering::SeqCst) {
+                return Box::pin(async { Err(LockError::unavailable("down", None)) });
+            }
+            self.inner.extend(r, t, ttl)
+        }
+        fn abandon<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(r, t)
+        }
+    }
+
+    /// A dropped guard's hold goes to the background; a retry that lands late sets the lease
+    /// to what is left of the hold then, not to what was left at the drop (which kept the lock
+    /// that long past the retry, beyond the hold's end).
+    #[tokio::test]
+    async fn a_late_background_retry_keeps_the_lock_no_longer_than_the_hold() {
+        let down = Arc::new(AtomicBool::new(false));
+        let backend = Arc::new(Flaky {
+            inner: MemoryBackend::new(),
+            down: down.clone(),
+        });
+        let locker = Locker::builder().build(backend.clone());
+        let hold = Duration::from_secs(1);
+        let taken = Instant::now();
+        let guard = locker
+            .lock("h")
+            .ttl(Duration::from_secs(10))
+            .auto_renew(false)
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        down.store(true, Ordering::SeqCst);
+        drop(guard);
+        // Down past most of the hold: the retries back off (20, 40, 80 … ms), and the first
+        // to land comes after the hold ended.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        down.store(false, Ordering::SeqCst);
+        let other = Locker::builder().build(backend);
+        let freed = loop {
+            if let Some(g) = other.lock("h").try_acquire().await.unwrap() {
+                break (taken.elapsed(), g);
+            }
+            assert!(
+                taken.elapsed() < Duration::from_secs(8),
+                "not free by 8 s: the background release gave up, or kept the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(
+            freed.0 >= hold,
+            "freed before the hold ended: {:?}",
+            freed.0
+        );
+        assert!(
+            freed.0 < hold + Duration::from_millis(900),
+            "freed {:?} after the grant, well past the {hold:?} hold",
+            freed.0
+        );
+    }
+
+    /// A memory backend whose renewal batches are applied at once but answered `delay` later.
+    struct LateAnswers {
+        inner: MemoryBackend,
+        delay: Duration,
+    }
+
+    impl Backend for LateAnswers {
+        fn name(&self) -> &'static str {
+            "late"
+        }
+        fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+            self.inner.acquire(a)
+        }
+        fn release<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(r, t)
+        }
+        fn extend<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.extend(r, t, ttl)
+        }
+        fn extend_many<'a>(
+            &'a self,
+            items: &'a [ExtendItem],
+        ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+            Box::pin(async move {
+                let mut out = Vec::new();
+                for i in items {
+                    out.push(self.inner.extend(&i.resource, &i.token, i.ttl).await);
+                }
+                tokio::time::sleep(self.delay).await;
+                out
+            })
+        }
+        fn abandon<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(r, t)
+        }
+    }
+
+    /// A renewal answered after the local lease ran out (the guard was reported lost) does
+    /// not put the guard back on the schedule: the holder was told it lost the lock, so the
+    /// key is left to expire (it was renewed on, for as long as the guard lived).
+    #[tokio::test]
+    async fn a_guard_reported_lost_is_not_renewed_by_a_late_answer() {
+        let backend = Arc::new(LateAnswers {
+            inner: MemoryBackend::new(),
+            delay: Duration::from_millis(250),
+        });
+        let locker = Locker::builder().build(backend.clone());
+        let guard = locker
+            .lock("late")
+            .ttl(Duration::from_millis(300))
+            .acquire()
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), guard.lost())
+            .await
+            .expect("the local lease ran out while the first renewal was unanswered");
+        let other = Locker::builder().build(backend);
+        let start = Instant::now();
+        let freed = loop {
+            if let Some(g) = other.lock("late").try_acquire().await.unwrap() {
+                break g;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(3),
+                "the lost guard's lock is still renewed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(!guard.is_held());
+        drop(freed);
     }
 }

@@ -510,11 +510,13 @@ async fn hold(
     }
     let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
     let mut guard = LockGuard::new(flight.into_lease(grant, locker.id()));
+    if short {
+        // Before the hold is set: a guard dropped here (an error, or this future dropped) is
+        // released at once, not kept for a hold whose work never ran.
+        guard.extend(ttl).await?;
+    }
     if let Some(hold) = take.hold_at_least {
         guard.hold_at_least(hold);
-    }
-    if short {
-        guard.extend(ttl).await?;
     }
     Ok(guard)
 }
