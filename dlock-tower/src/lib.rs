@@ -158,6 +158,7 @@ pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
+mod uri;
 
 #[cfg(feature = "defer")]
 pub use defer::DeferLayer;

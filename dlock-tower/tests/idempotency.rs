@@ -522,6 +522,39 @@ async fn same_key_with_a_different_request_gets_422() {
     server.abort();
 }
 
+/// Inside axum's `nest`, the fingerprint covers the path the client sent: one key sent to
+/// `/orders/pay` and then to `/refunds/pay` (each nested router sees only `/pay`) is `422`,
+/// not the orders response replayed to the refund.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_on_two_nested_routes_is_a_reuse_not_a_replay() {
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(Locker::memory()).ttl(TTL);
+    let nested = Router::new()
+        .route("/pay", post(pay))
+        .route_layer(layer)
+        .with_state(h.ctl.clone());
+    let app = Router::new()
+        .nest("/orders", nested.clone())
+        .nest("/refunds", nested);
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+
+    let first = http
+        .send(post_with("k-nest", "{\"amount\":5}").path("/orders/pay"))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let refund = http
+        .send(post_with("k-nest", "{\"amount\":5}").path("/refunds/pay"))
+        .await;
+    refund.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency-key-reused");
+    let retry = http
+        .send(post_with("k-nest", "{\"amount\":5}").path("/orders/pay"))
+        .await;
+    assert_replay_of(&retry, &first);
+    assert_eq!(h.calls(), 1);
+    server.abort();
+}
+
 /// Responses that must not be replayed are not stored and the key is freed: after a 500 (and
 /// 503, 429, 409, 408, 425, 401) the retry runs the handler, and the retry's 201 is what is
 /// replayed afterwards. A final 4xx (404, 422 from the handler) is stored and replayed.

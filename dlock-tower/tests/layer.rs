@@ -513,6 +513,56 @@ async fn axum_path_params_key_across_routes() {
     assert_eq!(text(res).await, "params:a:x%20y:b:z");
 }
 
+/// `method_path` keys by the path the client sent: inside axum's `nest` the whole path (the
+/// nested router sees only its rest, so every tenant's `/orders` shared one lock), with escaped
+/// unreserved characters decoded (`/tenants/%61` reaches tenant `a`'s handler, so it must
+/// take tenant `a`'s lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_escapes() {
+    use axum::extract::Extension;
+
+    let (open, gate_rx) = gate();
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
+    let orders = move |Extension(lock): Extension<LockInfo>, headers: http::HeaderMap| {
+        let gate_rx = gate_rx.clone();
+        let entered_tx = entered_tx.clone();
+        async move {
+            if headers.contains_key("x-wait") {
+                entered_tx.send(()).unwrap();
+                wait_open(gate_rx).await;
+            }
+            lock.key().to_owned()
+        }
+    };
+    let tenant = Router::new()
+        .route("/orders", post(orders))
+        .route_layer(DistributedLockLayer::new(Locker::memory(), key::method_path()).ttl(TTL));
+    let app = Router::new().nest("/tenants/{t}", tenant);
+
+    let req = |path: &str| bare(Method::POST, path, &[]);
+    let waiting = bare(Method::POST, "/tenants/a/orders", &[("x-wait", "1")]);
+    let first = tokio::spawn(app.clone().oneshot(waiting));
+    tokio::time::timeout(HANG, entered_rx.recv())
+        .await
+        .expect("the first request entered the handler")
+        .unwrap();
+
+    // Another tenant: its own lock.
+    let res = app.clone().oneshot(req("/tenants/b/orders")).await.unwrap();
+    assert_eq!(text(res).await, "path:POST:/tenants/b/orders");
+    // Tenant `a` spelled with an escape: the same resource, so the same (held) lock.
+    let res = app
+        .clone()
+        .oneshot(req("/tenants/%61/orders"))
+        .await
+        .unwrap();
+    assert_problem(&res, StatusCode::CONFLICT);
+
+    open.send(true).unwrap();
+    let res = first.await.unwrap().unwrap();
+    assert_eq!(text(res).await, "path:POST:/tenants/a/orders");
+}
+
 /// Missing, repeated, oversized and forged keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_invalid_keys() {
@@ -765,6 +815,72 @@ async fn defer_layer_answers_202_and_replays_the_request_when_the_lock_frees() {
     // A free lock runs the request at once.
     let res = send(order("k2"), b"order #2").await.unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
+    w.stop().await;
+}
+
+/// A `DeferLayer` inside axum's `nest` stores the path the client sent, so the replay through
+/// the whole application reaches the handler (it stored the nested router's rest, `/orders`,
+/// which the application answers 404: recorded as the job's result, the work lost).
+#[cfg(feature = "defer")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defer_layer_inside_a_nest_replays_to_the_path_the_client_sent() {
+    use axum::extract::Extension;
+    use dlock_tests::jobs::{run_in_background, start_queue};
+    use dlock_tests::wait::poll_until;
+    use dlock_tower::defer::replay_worker;
+
+    let (_redis, locker, queue) = start_queue("nested-defer").await;
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<String>();
+    let shop = |deferring: bool| {
+        let seen = seen_tx.clone();
+        let routes = Router::new().route(
+            "/orders",
+            post(move |Extension(_): Extension<LockInfo>, body: String| {
+                let seen = seen.clone();
+                async move {
+                    seen.send(body).unwrap();
+                    (StatusCode::CREATED, "created")
+                }
+            }),
+        );
+        let routes = match deferring {
+            true => routes.route_layer(defer_layer(&locker, queue.clone())),
+            false => routes,
+        };
+        Router::new().nest("/shop", routes)
+    };
+    let (addr, _server) = serve(shop(true)).await;
+
+    let held = hold(&locker, "n1").await;
+    let req = Request::post(format!("http://{addr}/shop/orders"))
+        .header("idempotency-key", "n1")
+        .body(Full::new(Bytes::from_static(b"nested order")))
+        .unwrap();
+    let res = client().request(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::ACCEPTED);
+    let location = res.headers()["location"].to_str().unwrap().to_owned();
+    let job_id = location.rsplit('/').next().unwrap().to_owned();
+
+    // The worker replays through the whole application, without the defer layer.
+    let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), shop(false))
+        .poll_interval(Duration::from_millis(10));
+    let w = run_in_background(worker);
+    held.release().await.unwrap();
+    let body = tokio::time::timeout(Duration::from_secs(10), seen_rx.recv())
+        .await
+        .expect("the replay reached the handler")
+        .unwrap();
+    assert_eq!(body, "nested order");
+    let status = poll_until(Duration::from_secs(5), Duration::ZERO, async || match queue
+        .status(&job_id)
+        .await
+        .unwrap()
+    {
+        dlock_runtime::durable::JobStatus::Completed { result } => Ok(result),
+        other => Err(format!("{other:?}")),
+    })
+    .await;
+    assert_eq!(status.as_deref(), Some("201"));
     w.stop().await;
 }
 

@@ -140,7 +140,7 @@ where
     let job = ReplayRequest::new(
         key.as_str().to_owned(),
         parts.method.as_str().to_owned(),
-        parts.uri.to_string(),
+        crate::uri::original(&parts.uri, &parts.extensions).to_string(),
         headers,
         hex(&bytes),
     );

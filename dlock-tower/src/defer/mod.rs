@@ -23,7 +23,9 @@
 //! A [`replay_worker`] — one per instance, like any [`DurableWorker`](dlock_runtime::durable::DurableWorker) — claims the job when it is
 //! due, takes the same lock, and replays the request through the service you give it, which must
 //! be the application **without** the `DeferLayer` (the worker already holds the lock; going
-//! through the layer again would find it busy). The response status is recorded as the job's
+//! through the layer again would find it busy). The stored URI is the one the client sent —
+//! inside axum's `Router::nest`, with the `axum` feature, the whole path, not the nested
+//! router's rest — so that service is the whole application. The response status is recorded as the job's
 //! result; [`status_response`] serves it (for the queue's retention period) at the status path.
 //! A busy lock on replay defers the job again with the policy's backoff, up to its attempts,
 //! then dead-letters it. A replay whose response is a 5xx still counts as run: the handler ran,

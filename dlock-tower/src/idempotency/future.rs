@@ -242,7 +242,8 @@ where
         Ok(bytes) => bytes,
         Err(rejection) => return Ok(reject(rejection)),
     };
-    let fingerprint = fingerprint(&parts.method, &parts.uri, &body);
+    let uri = crate::uri::original(&parts.uri, &parts.extensions);
+    let fingerprint = fingerprint(&parts.method, uri, &body);
     let mut request = Request::from_parts(parts, ReqBody::from(body));
 
     let mut begin = shared

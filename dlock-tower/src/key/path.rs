@@ -1,4 +1,4 @@
-//! [`method_path`]: the method and the raw URI path.
+//! [`method_path`]: the method and the URI path.
 
 use std::future::{ready, Ready};
 
@@ -6,8 +6,11 @@ use http::Request;
 
 use super::{combinators, ExtractKey, Extracted, Key};
 
-/// Keys requests by method and raw URI path (as sent, percent-encoding included; no query):
-/// `path:<METHOD>:<path>`. Every request has one.
+/// Keys requests by method and URI path (no query): `path:<METHOD>:<path>`. Every request has
+/// one. The path is the one the client sent — inside axum's `Router::nest`, with the `axum`
+/// feature, the whole path, not the nested router's rest — with its percent-encoding
+/// normalised (escaped unreserved characters decoded, `%2f` as `%2F`), so `/orders/%34%32` and
+/// `/orders/42`, one resource to a router, share a lock.
 ///
 /// Behind an axum router, [`matched_path`](crate::key::matched_path) (feature `axum`) keys by
 /// the route template instead (`/users/{id}` rather than `/users/42`).
@@ -32,9 +35,10 @@ impl<B> ExtractKey<B> for MethodPath {
     type Future = Ready<Extracted<B>>;
 
     fn extract(&mut self, request: Request<B>) -> Self::Future {
+        let uri = crate::uri::original(request.uri(), request.extensions());
         let key = Key::new("path")
             .value(request.method().as_str())
-            .value(request.uri().path());
+            .value(&*crate::uri::normalised_path(uri.path()));
         ready(Ok((request, Some(key))))
     }
 }
