@@ -11,8 +11,12 @@ use std::time::{Duration, Instant};
 use dlock_runtime::backend::postgres::{
     lock_in_transaction, tokio_postgres, try_lock_in_transaction,
 };
-use dlock_runtime::backend::{PostgresBackend, PostgresOptions};
+use dlock_runtime::backend::{
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, PostgresBackend,
+    PostgresOptions,
+};
 use dlock_runtime::conformance::Store;
+use dlock_runtime::key::ResourceName;
 use dlock_runtime::{LockError, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::postgres_server::{shared, shared_bouncer};
 use dlock_tests::proxy::Proxy;
@@ -417,6 +421,272 @@ async fn statement_timeout_leaves_no_half_taken_lock() {
         .unwrap()
         .expect("the key is free");
     g.release().await.unwrap();
+}
+
+// ---- timed-out calls ---------------------------------------------------------------------
+
+/// A backend over `url` with two pooled connections (both made, and back in the pool in the
+/// order first made, first out), `limit` as command timeout, and no LISTEN session.
+async fn two_connections(url: &str, limit: Duration) -> PostgresBackend {
+    let opts = PostgresOptions::default()
+        .pool_size(2)
+        .command_timeout(limit)
+        .connect_timeout(Duration::from_secs(2))
+        .notifications(false);
+    let backend = PostgresBackend::connect(url, opts).await.expect("connect");
+    let pool = backend.pool();
+    let (a, b) = (pool.get().await.unwrap(), pool.get().await.unwrap());
+    drop((a, b));
+    backend
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_call_never_hands_its_busy_connection_to_a_later_call() {
+    let limit = Duration::from_millis(200);
+    let backend = two_connections(&direct_url("postgres"), limit).await;
+    let locker = Locker::builder()
+        .command_timeout(limit)
+        .try_build(backend.clone())
+        .unwrap();
+    // A session holds the advisory lock every grant of `x` takes.
+    let x = locker.resource(LockKey::new("flight:busy:x").unwrap());
+    let blocker = client(&direct_url("postgres")).await;
+    blocker
+        .batch_execute(&format!(
+            "BEGIN; SELECT dlock.dlock_serialise('{}')",
+            x.as_str()
+        ))
+        .await
+        .unwrap();
+    // A release of `x` waits on it past the command timeout: its statement is still running.
+    let err = backend
+        .release(&x, &OwnerToken::generate())
+        .await
+        .expect_err("the release waits behind the blocker");
+    assert!(err.is_unavailable(), "{err}");
+    // One quick call takes the other connection (and puts it back behind the first).
+    assert!(!backend
+        .force_release("dlock:{flight:busy:none}")
+        .await
+        .unwrap());
+    // The next call is not queued behind the stuck release on its connection.
+    let g = locker
+        .lock("flight:busy:k")
+        .try_acquire()
+        .await
+        .expect("a later call must not run behind the timed-out one")
+        .expect("the key is free");
+    blocker.batch_execute("COMMIT").await.unwrap();
+    g.release().await.unwrap();
+}
+
+/// The backend under test, whose undos (`abandon`) wait until the test says `go` and are
+/// counted once they have run.
+struct HeldUndos {
+    inner: PostgresBackend,
+    go: tokio::sync::watch::Receiver<bool>,
+    undone: tokio::sync::watch::Sender<u32>,
+}
+
+impl Backend for HeldUndos {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        self.inner.acquire(args)
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.release(resource, token)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.extend(resource, token, ttl)
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        self.inner.extend_many(items)
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            let mut go = self.go.clone();
+            let _ = go.wait_for(|go| *go).await;
+            let out = self.inner.abandon(resource, token).await;
+            if out.is_ok() {
+                self.undone.send_modify(|n| *n += 1);
+            }
+            out
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undo_lands_after_the_timed_out_acquire_it_undoes() {
+    let limit = Duration::from_millis(200);
+    let proxy = Proxy::start(port()).await.unwrap();
+    let via = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+    let backend = two_connections(&via, limit).await;
+    let (go_tx, go) = tokio::sync::watch::channel(false);
+    let (undone, mut undos) = tokio::sync::watch::channel(0u32);
+    let locker = Locker::builder()
+        .command_timeout(limit)
+        .try_build(HeldUndos {
+            inner: backend.clone(),
+            go,
+            undone,
+        })
+        .unwrap();
+    // The acquire reaches the database a second after it was sent: long after it timed out.
+    proxy.set_latency(Duration::from_secs(1));
+    let err = locker
+        .lock("flight:late:k")
+        .try_acquire()
+        .await
+        .expect_err("the acquire times out");
+    assert!(err.is_unavailable(), "{err}");
+    // Its undo travels without delay, so on its own it would overtake the acquire.
+    proxy.set_latency(Duration::ZERO);
+    go_tx.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(10), undos.wait_for(|n| *n > 0))
+        .await
+        .expect("the undo ran")
+        .unwrap();
+    // Every statement sent on the pool's connections has ended (answers come in order).
+    let pool = backend.pool();
+    let (a, b) = (pool.get().await.unwrap(), pool.get().await.unwrap());
+    for c in [&a, &b] {
+        tokio::time::timeout(Duration::from_secs(5), c.batch_execute("SELECT 1"))
+            .await
+            .expect("the pool answers")
+            .unwrap();
+    }
+    drop((a, b));
+    let (other, _) = locker_at(&direct_url("postgres"), Duration::from_secs(1)).await;
+    let g = other
+        .lock("flight:late:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("the undo must not leave a late grant holding the key");
+    g.release().await.unwrap();
+}
+
+// ---- batched renewals and names -------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_extend_tells_two_tokens_of_one_name_apart() {
+    let opts = PostgresOptions::default().notifications(false);
+    let backend = PostgresBackend::connect(&direct_url("postgres"), opts)
+        .await
+        .expect("connect");
+    let k = Locker::new(backend.clone()).resource(LockKey::new("extend:twice").unwrap());
+    let (t1, t2) = (OwnerToken::generate(), OwnerToken::generate());
+    // T2 holds the lock (taken by the schema's own acquire function); T1 does not.
+    let raw = client(&direct_url("postgres")).await;
+    let fence: i64 = raw
+        .query_one(
+            "SELECT dlock.dlock_acquire($1, $2, 30000, 0, 30000)",
+            &[&k.as_str(), &t2.as_str()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(fence > 0, "taken by T2");
+    let item = |token: &OwnerToken| ExtendItem {
+        resource: k.clone(),
+        token: token.clone(),
+        ttl: Duration::from_secs(30),
+    };
+    let out: Vec<bool> = backend
+        .extend_many(&[item(&t1), item(&t2)])
+        .await
+        .into_iter()
+        .map(|r| r.expect("extend"))
+        .collect();
+    assert_eq!(out, [false, true], "only the owner's renewal extends");
+    assert!(backend.release(&k, &t2).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_schema_and_prefix_still_notify_a_waiter() {
+    let (schema, prefix) = (
+        format!("s{}", "x".repeat(39)),
+        format!("p{}", "y".repeat(15)),
+    );
+    let opts = PostgresOptions::default()
+        .schema(schema.clone())
+        .table_prefix(prefix.clone())
+        .command_timeout(Duration::from_secs(2));
+    let url = direct_url("postgres");
+    let holder = PostgresBackend::connect(&url, opts.clone())
+        .await
+        .expect("the longest names are accepted");
+    // The waiter runs over another backend: only its LISTEN session can tell it.
+    let waiter_backend = PostgresBackend::connect(&url, opts).await.expect("connect");
+    until_listening(&[&waiter_backend], Duration::from_secs(5)).await;
+    let waiter = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .try_build(waiter_backend)
+        .unwrap();
+    let k = waiter.resource(LockKey::new("long:k").unwrap());
+    let token = OwnerToken::generate();
+    let raw = client(&url).await;
+    let fence: i64 = raw
+        .query_one(
+            &format!("SELECT {schema}.{prefix}acquire($1, $2, 30000, 0, 30000)"),
+            &[&k.as_str(), &token.as_str()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(fence > 0, "held");
+    // Fallback timers far beyond the test: the notification must wake it.
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let w = waiter.clone();
+    let wait = tokio::spawn(async move {
+        let g = w
+            .lock("long:k")
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    });
+    wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (waiter.waiting() > 0).then_some(())
+    })
+    .await;
+    assert!(
+        holder
+            .release(&k, &token)
+            .await
+            .expect("the release notifies"),
+        "the holder's release"
+    );
+    tokio::time::timeout(Duration::from_secs(2), wait)
+        .await
+        .expect("woken by the notification, not the fallback timer")
+        .unwrap();
 }
 
 // ---- URLs ----------------------------------------------------------------------------------

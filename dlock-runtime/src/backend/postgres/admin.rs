@@ -113,57 +113,18 @@ impl PostgresBackend {
     async fn force(&self, name: &str) -> Result<ForceReleased, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
-            let mut client = self
+            let client = self
                 .inner
                 .pool
                 .get()
                 .await
                 .map_err(|e| pool_err("force release", e))?;
-            let tx = client
-                .transaction()
-                .await
-                .map_err(|e| pg_err("force release", e))?;
-            let err = |e| pg_err("force release", e);
-            tx.query_typed(
-                &format!("SELECT {}($1)", self.object("serialise")),
-                &[(&name, Type::TEXT)],
-            )
-            .await
-            .map_err(err)?;
-            let lock = tx
-                .query_typed(
-                    &format!(
-                        "SELECT expires_at > clock_timestamp(), barged FROM {} \
-                         WHERE name = $1 FOR UPDATE",
-                        self.object("locks")
-                    ),
-                    &[(&name, Type::TEXT)],
-                )
-                .await
-                .map_err(err)?;
-            let fence: i64 = tx
-                .query_typed(&format!("SELECT nextval('{}')", self.object("fence")), &[])
-                .await
-                .map_err(err)?[0]
-                .get(0);
-            let was_held = match lock.first() {
-                Some(row) => {
-                    let (live, barged): (bool, bool) = (row.get(0), row.get(1));
-                    tx.query_typed(
-                        &format!("SELECT {}($1, $2)", self.object("pass_on")),
-                        &[(&name, Type::TEXT), (&barged, Type::BOOL)],
-                    )
-                    .await
-                    .map_err(err)?;
-                    live
-                }
-                None => false,
-            };
-            tx.commit().await.map_err(err)?;
-            Ok(ForceReleased {
-                was_held,
-                fence: u64::try_from(fence).ok(),
-            })
+            // Stopped early (the timeout below), the connection leaves the pool (see
+            // `flight`).
+            let mut flight = self.in_flight(client, None);
+            let out = self.force_on(flight.client(), name).await;
+            flight.done();
+            out
         };
         match tokio::time::timeout(limit, run).await {
             Ok(r) => r,
@@ -172,6 +133,59 @@ impl PostgresBackend {
                 None,
             )),
         }
+    }
+
+    /// The force-release transaction on `client`.
+    async fn force_on(
+        &self,
+        client: &mut deadpool_postgres::ClientWrapper,
+        name: &str,
+    ) -> Result<ForceReleased, LockError> {
+        let tx = client
+            .transaction()
+            .await
+            .map_err(|e| pg_err("force release", e))?;
+        let err = |e| pg_err("force release", e);
+        tx.query_typed(
+            &format!("SELECT {}($1)", self.object("serialise")),
+            &[(&name, Type::TEXT)],
+        )
+        .await
+        .map_err(err)?;
+        let lock = tx
+            .query_typed(
+                &format!(
+                    "SELECT expires_at > clock_timestamp(), barged FROM {} \
+                     WHERE name = $1 FOR UPDATE",
+                    self.object("locks")
+                ),
+                &[(&name, Type::TEXT)],
+            )
+            .await
+            .map_err(err)?;
+        let fence: i64 = tx
+            .query_typed(&format!("SELECT nextval('{}')", self.object("fence")), &[])
+            .await
+            .map_err(err)?[0]
+            .get(0);
+        let was_held = match lock.first() {
+            Some(row) => {
+                let (live, barged): (bool, bool) = (row.get(0), row.get(1));
+                tx.query_typed(
+                    &format!("SELECT {}($1, $2)", self.object("pass_on")),
+                    &[(&name, Type::TEXT), (&barged, Type::BOOL)],
+                )
+                .await
+                .map_err(err)?;
+                live
+            }
+            None => false,
+        };
+        tx.commit().await.map_err(err)?;
+        Ok(ForceReleased {
+            was_held,
+            fence: u64::try_from(fence).ok(),
+        })
     }
 }
 

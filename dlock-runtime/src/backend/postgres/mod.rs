@@ -24,10 +24,12 @@
 //!   `kind_release`, fencing tokens from the same sequence; a release notifies exactly the
 //!   waiters it lets in (no handoff). See `kinds` and [`schema`](self#schema).
 //! * **Release notifications**: `LISTEN` on one dedicated connection per backend (one channel,
-//!   `<schema>.<prefix>release`; a release only notifies when someone waits), feeding the
-//!   locker's [`ReleaseHub`]. The connection reconnects on its own and wakes every local waiter
-//!   once it is back. A release answers the grant it made, so a waiter of the same backend is
-//!   told at once, without waiting for the `NOTIFY` to come round (with or without `LISTEN`).
+//!   `<schema>.<prefix>release` — or, when that is longer than the 63 bytes Postgres allows,
+//!   its first 46 bytes, `~` and a digest of it; a release only notifies when someone
+//!   waits), feeding the locker's [`ReleaseHub`]. The connection reconnects on its own and
+//!   wakes every local waiter once it is back. A release answers the grant it made, so a
+//!   waiter of the same backend is told at once, without waiting for the `NOTIFY` to come
+//!   round (with or without `LISTEN`).
 //!   One channel per schema and prefix means every listening backend (one per service
 //!   instance) receives every such notification and drops those for locks it has no waiter
 //!   of: cheap for tens of instances; per-lock channels (as on Redis) would need `LISTEN`
@@ -38,6 +40,11 @@
 //!   [`PostgresOptions::command_timeout`]; an unreachable or hung database is
 //!   [`LockError::Unavailable`] (503), never a hang. Connection strings may carry passwords:
 //!   errors never quote them.
+//! * **A call given up is not forgotten**: a statement whose answer the caller stopped waiting
+//!   for (the command timeout, or a dropped future) still runs on the server, so its
+//!   connection never goes back to the pool; it gets a cancel request and is closed once the
+//!   statement has ended, and an acquire's owner token stays gated until then, so the
+//!   acquire's undo lands after any late grant (see `flight`).
 //!
 //! # Client: tokio-postgres with deadpool-postgres
 //!
@@ -94,7 +101,7 @@
 //! naming the feature. The `LISTEN` session uses the same rule.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
@@ -111,6 +118,7 @@ pub use deadpool_postgres;
 pub use tokio_postgres;
 
 mod admin;
+mod flight;
 mod idempotency;
 mod kinds;
 mod listener;
@@ -307,6 +315,9 @@ struct Inner {
     listening: Option<tokio::sync::watch::Receiver<bool>>,
     /// Owner tokens with a grant in flight (see [`PostgresBackend::gated`]).
     gates: Mutex<HashMap<OwnerToken, Arc<tokio::sync::Mutex<()>>>>,
+    /// How the pool's connections are made, for cancel requests (`None`: a pool given to
+    /// [`PostgresBackend::from_pool`]; cancel requests then go without TLS, best-effort).
+    cancel: Option<Connector>,
 }
 
 /// Maps a client error to [`LockError::Unavailable`], naming the SQLSTATE when the database
@@ -450,7 +461,7 @@ impl PostgresBackend {
             .max_size(opts.pool_size)
             .build()
             .map_err(|e| LockError::unavailable(format!("postgres pool: {e}"), None))?;
-        Self::start(pool, notify, opts).await
+        Self::start(pool, notify, Some(connector), opts).await
     }
 
     /// A backend over a pool the service already has (its connections are shared, not
@@ -463,7 +474,7 @@ impl PostgresBackend {
             (Some(u), true) => Some(Self::notify_config(u, &opts)?),
             _ => None,
         };
-        Self::start(pool, notify, opts).await
+        Self::start(pool, notify, None, opts).await
     }
 
     fn notify_config(
@@ -484,6 +495,7 @@ impl PostgresBackend {
     async fn start(
         pool: Pool,
         notify: Option<(tokio_postgres::Config, Connector)>,
+        cancel: Option<Connector>,
         opts: PostgresOptions,
     ) -> Result<Self, LockError> {
         let sql = schema::Statements::new(&opts.schema, &opts.table_prefix);
@@ -505,6 +517,7 @@ impl PostgresBackend {
                 opts,
                 listening,
                 gates: Mutex::new(HashMap::new()),
+                cancel,
             }),
         };
         let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
@@ -528,12 +541,27 @@ impl PostgresBackend {
             .get()
             .await
             .map_err(|e| pool_err("connect", e))?;
+        // The caller's deadline may drop this: never hand the pool a busy connection.
+        let mut flight = self.in_flight(client, None);
+        let out = self.check_or_create_schema(flight.client()).await;
+        flight.done();
+        out
+    }
+
+    async fn check_or_create_schema(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<(), LockError> {
         let found = match client.query_typed(&self.inner.sql.version, &[]).await {
             Ok(rows) => rows.first().and_then(|r| r.try_get::<_, i32>(0).ok()),
             Err(e) if e.code().is_some() => None,
             Err(e) => return Err(pg_err("schema check", e)),
         };
-        if found.is_some_and(|v| v >= schema::VERSION) {
+        let (s, p) = (&self.inner.opts.schema, &self.inner.opts.table_prefix);
+        // With names too long for a plain channel, functions made by a release before the
+        // digest notify on a name `pg_notify` refuses: replaced whenever allowed.
+        let stale = schema::channel_is_digest(s, p) && self.inner.opts.create_schema;
+        if found.is_some_and(|v| v >= schema::VERSION) && !stale {
             return Ok(());
         }
         if !self.inner.opts.create_schema {
@@ -593,13 +621,32 @@ impl PostgresBackend {
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, LockError> {
+        self.call_gated(what, sql, params, None).await
+    }
+
+    /// [`call`](Self::call) with `gate` closed until the statement has ended — also when the
+    /// caller stops waiting first: then the connection leaves the pool and a drain task keeps
+    /// the gate closed until the statement is over (see [`flight`]).
+    async fn call_gated(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+        gate: Option<flight::Gate>,
+    ) -> Result<Vec<Row>, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
             let client = self.inner.pool.get().await.map_err(|e| pool_err(what, e))?;
-            client
+            // From here, stopping early (the timeout below, or the caller dropping this)
+            // drops `flight` with the statement unanswered.
+            let mut flight = self.in_flight(client, gate);
+            let out = flight
+                .client()
                 .query_typed(sql, params)
                 .await
-                .map_err(|e| pg_err(what, e))
+                .map_err(|e| pg_err(what, e));
+            flight.done();
+            out
         };
         match tokio::time::timeout(limit, run).await {
             Ok(r) => r,
@@ -624,14 +671,31 @@ impl PostgresBackend {
         &self.inner.sql
     }
 
+    /// `client` with a statement about to be sent (see [`flight::InFlight`]).
+    fn in_flight(
+        &self,
+        client: deadpool_postgres::Object,
+        gate: Option<flight::Gate>,
+    ) -> flight::InFlight {
+        let opts = &self.inner.opts;
+        flight::InFlight::new(
+            client,
+            gate,
+            self.inner.cancel.clone(),
+            flight::drain_limit(opts.command_timeout),
+        )
+    }
+
     /// Runs `call` — an operation that may grant `token` a lock, or undo one — in order with
     /// every other such operation of `token`, and to its end even if the caller stops waiting.
     ///
     /// Cancel safety needs the order: calls go out on different pooled connections, so a
     /// cancelled acquire's undo ([`Backend::abandon`]) could otherwise overtake the acquire it
     /// undoes on the server, find nothing, and let the acquire grant a lock nobody holds. Here
-    /// a grant runs in its own task holding the token's gate until the database answered (or
-    /// the command timeout passed), and the undo takes the gate first.
+    /// a grant runs in its own task holding the token's gate until its statement has ended on
+    /// the server — when the database answered, or, after the command timeout, once the
+    /// connection it went out on has been drained (see [`flight`]) — and the undo takes the
+    /// gate first.
     pub(crate) async fn gated(
         &self,
         token: &OwnerToken,
@@ -640,22 +704,13 @@ impl PostgresBackend {
         sql: fn(&schema::Statements) -> &String,
         params: Params,
     ) -> Result<Vec<Row>, LockError> {
-        let gate = {
-            let mut gates = self
-                .inner
-                .gates
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            gates.entry(token.clone()).or_default().clone()
-        };
-        let held = gate.clone().lock_owned().await;
+        let gate = flight::Gate::close(&self.inner, token).await;
         let me = self.clone();
         let fut = async move {
-            let out = me.call(what, sql(&me.inner.sql), &refs(&params)).await;
-            drop(held);
-            out
+            me.call_gated(what, sql(&me.inner.sql), &refs(&params), Some(gate))
+                .await
         };
-        let out = if spawn {
+        if spawn {
             tokio::spawn(fut).await.unwrap_or_else(|e| {
                 Err(LockError::unavailable(
                     format!("postgres call task: {e}"),
@@ -664,17 +719,7 @@ impl PostgresBackend {
             })
         } else {
             fut.await
-        };
-        let mut gates = self
-            .inner
-            .gates
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // Only the map and this call hold it: nobody else waits on this token.
-        if Arc::strong_count(&gate) == 2 {
-            gates.remove(token);
         }
-        out
     }
 }
 
@@ -901,16 +946,48 @@ impl PostgresBackend {
             .collect())
     }
 
-    /// One owner-checked extension statement for a batch of locks (`kinds` false) or of
-    /// permits and read or write holds (`kinds`); nothing for an empty batch.
+    /// Owner-checked extension of a batch of locks (`kinds` false) or of permits and read or
+    /// write holds (`kinds`); nothing for an empty batch. One statement, unless a key repeats.
+    ///
+    /// `extend` answers the names it extended and `kind_extend` the owner tokens (a semaphore's
+    /// name has several holders), so two items with the same name (or token) in one statement
+    /// could not be told apart: the batch goes out in rounds, each holding every key once —
+    /// one round unless the caller repeats a key.
     async fn extend_part(
         &self,
         items: &[&ExtendItem],
         kinds: bool,
     ) -> Result<Vec<bool>, LockError> {
-        if items.is_empty() {
-            return Ok(Vec::new());
+        fn key(i: &ExtendItem, kinds: bool) -> &str {
+            if kinds {
+                i.token.as_str()
+            } else {
+                i.resource.as_str()
+            }
         }
+        let mut out = vec![false; items.len()];
+        let mut left: Vec<usize> = (0..items.len()).collect();
+        while !left.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (round, later): (Vec<usize>, Vec<usize>) = left
+                .iter()
+                .partition(|&&i| seen.insert(key(items[i], kinds)));
+            let batch: Vec<&ExtendItem> = round.iter().map(|&i| items[i]).collect();
+            let extended = self.extend_round(&batch, kinds).await?;
+            for i in round {
+                out[i] = extended.contains(key(items[i], kinds));
+            }
+            left = later;
+        }
+        Ok(out)
+    }
+
+    /// One extension statement for items whose keys are distinct: the keys it extended.
+    async fn extend_round(
+        &self,
+        items: &[&ExtendItem],
+        kinds: bool,
+    ) -> Result<std::collections::HashSet<String>, LockError> {
         let names: Vec<&str> = items.iter().map(|i| i.resource.as_str()).collect();
         let tokens: Vec<&str> = items.iter().map(|i| i.token.as_str()).collect();
         let ttls: Vec<i64> = items.iter().map(|i| millis(i.ttl)).collect();
@@ -929,11 +1006,6 @@ impl PostgresBackend {
                 ],
             )
             .await?;
-        let extended: std::collections::HashSet<String> =
-            rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
-        // `extend` answers the names extended, `kind_extend` the owner tokens (a semaphore's
-        // name has several holders).
-        let keys = if kinds { &tokens } else { &names };
-        Ok(keys.iter().map(|k| extended.contains(*k)).collect())
+        Ok(rows.iter().filter_map(|r| r.try_get(0).ok()).collect())
     }
 }

@@ -463,9 +463,30 @@ pub(crate) fn valid_identifier(name: &str, max: usize, may_be_empty: bool) -> bo
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
-/// The notification channel of a schema and prefix.
+/// The longest channel name `pg_notify` takes (`NAMEDATALEN - 1`; `LISTEN` would truncate a
+/// longer one, `pg_notify` refuses it).
+const MAX_CHANNEL: usize = 63;
+
+/// The notification channel of a schema and prefix: `<schema>.<prefix>release` when that fits
+/// in [`MAX_CHANNEL`] bytes (every schema and prefix up to 55 bytes together), else its first
+/// 46 bytes, `~` and a 64-bit FNV-1a digest of the whole name in hex — 63 bytes, the same on
+/// every machine and release.
 pub(crate) fn channel(schema: &str, prefix: &str) -> String {
-    format!("{schema}.{prefix}release")
+    let full = format!("{schema}.{prefix}release");
+    if full.len() <= MAX_CHANNEL {
+        return full;
+    }
+    // Identifiers are ASCII (see `valid_identifier`): any byte offset is a char boundary.
+    let digest = full.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{}~{digest:016x}", &full[..MAX_CHANNEL - 17])
+}
+
+/// Whether [`channel`] is a digest for these names: functions rendered before the digest
+/// existed (the whole name, which `pg_notify` refuses) must be replaced.
+pub(crate) fn channel_is_digest(schema: &str, prefix: &str) -> bool {
+    channel(schema, prefix) != format!("{schema}.{prefix}release")
 }
 
 /// The DDL for `schema` and `prefix` (both checked with [`valid_identifier`]).
@@ -543,6 +564,21 @@ mod tests {
             file == ddl,
             "sql/postgres.sql differs from the DDL the backend runs; DLOCK_BLESS=1 rewrites it"
         );
+    }
+
+    #[test]
+    fn channels_fit_in_a_postgres_name() {
+        assert_eq!(channel("dlock", "dlock_"), "dlock.dlock_release");
+        let (s40, p15) = ("s".repeat(40), "p".repeat(15));
+        assert_eq!(channel(&s40, &p15), format!("{s40}.{p15}release"));
+        assert!(!channel_is_digest(&s40, &p15));
+        let (s40, p16) = ("s".repeat(40), "p".repeat(16));
+        let long = channel(&s40, &p16);
+        assert_eq!(long.len(), MAX_CHANNEL);
+        assert!(long.starts_with(&format!("{s40}.p")), "{long}");
+        assert!(channel_is_digest(&s40, &p16));
+        // Names that share the first 46 bytes still get their own channel.
+        assert_ne!(long, channel(&s40, &"q".repeat(16)));
     }
 
     #[test]
