@@ -589,3 +589,203 @@ async fn tls_with_the_right_ca_locks_and_a_wrong_ca_is_a_typed_error() {
         .expect_err("etcds:// without a CA connected");
     assert!(err.to_string().contains("tls_ca_file"), "{err}");
 }
+
+/// A locker over two paths (`first`, then `second`) to the one shared member, whose tries
+/// are hedged after a fifth of `timeout`. A fresh locker's pool sends its first try to its
+/// first member, and the next request's to the next.
+async fn over_two_paths(
+    first: &dlock_tests::proxy::Proxy,
+    second: &dlock_tests::proxy::Proxy,
+    timeout: Duration,
+) -> Locker {
+    let url = format!(
+        "etcd://127.0.0.1:{},127.0.0.1:{}",
+        first.port(),
+        second.port()
+    );
+    let backend = EtcdBackend::connect(&url, EtcdOptions::default().command_timeout(timeout))
+        .await
+        .expect("connect through the proxies");
+    Locker::builder().command_timeout(timeout).build(backend)
+}
+
+/// A keepalive cancelled while it waits for its answer (a caller's deadline, a `select!`)
+/// must not leave that answer on the session's keepalive stream: the next keepalive would
+/// read it as its own, and every one after it the answer to the one before. Once the member
+/// path carrying the stream freezes, keepalives that never reach etcd would then look
+/// answered: the holder renews its local lease (its reads go another way) while etcd's lease
+/// runs out, and another locker takes the lock while the holder's guard says it is held.
+///
+/// Two paths to the one member: the session's stream is opened over `ka` (a renewal's, while
+/// `rw` is slow, so the opening is hedged away from `rw`); three acquires are cancelled while
+/// their keepalives' answers are on their way (both paths slowed to a 300 ms round trip); then
+/// `ka` freezes (its traffic held for a minute) and a lock is taken. Its session must be kept
+/// alive over `rw` (on a new stream): the lock stays held, and nobody else gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keepalive_cancelled_before_its_answer_leaves_no_answer_for_the_next() {
+    use dlock_runtime::OnFail;
+    use dlock_tests::proxy::Proxy;
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let port = etcd_server::shared().lock().unwrap().client_port(0);
+    let (ka, rw) = (
+        Proxy::start(port).await.unwrap(),
+        Proxy::start(port).await.unwrap(),
+    );
+    // Tries hedged after 400 ms.
+    let a = over_two_paths(&ka, &rw, Duration::from_secs(2)).await;
+    let b = locker(&member).await;
+    let run = dlock_runtime::conformance::unique_key("cancelled-keepalive");
+    // Session leases of 2 s: a keepalive is sent when the last answered one is more than a
+    // second old.
+    let ttl = Duration::from_secs(1);
+
+    let warm = a
+        .lock(format!("{run}-warm"))
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
+    // The watchdog's renewals open the stream a second after the session's grant; with `rw`
+    // slow, on `ka`. (Nothing signals it: 2 s cover the renewal after that second, hedged.)
+    rw.set_latency(Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    rw.set_latency(Duration::ZERO);
+    // What `rw` still holds goes through before the release's delete.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    warm.release().await.unwrap();
+    // A second after the last answered keepalive, every acquire sends one first.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Both paths slow: a keepalive on a new stream (once one was cancelled, with the fix) is
+    // not answered within the 50 ms either.
+    ka.set_latency(Duration::from_millis(150));
+    rw.set_latency(Duration::from_millis(150));
+    for i in 0..3 {
+        let attempt = a
+            .lock(format!("{run}-cancelled-{i}"))
+            .ttl(ttl)
+            .try_acquire();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), attempt)
+                .await
+                .is_err(),
+            "an acquire finished before its keepalive could be answered"
+        );
+    }
+    // Their answers come back within 300 ms of the last; then `ka` freezes.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    ka.set_latency(Duration::from_secs(60));
+    rw.set_latency(Duration::ZERO);
+
+    let key = format!("{run}-held");
+    let held = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let window = Duration::from_secs(4);
+    let taken = b
+        .lock(&key)
+        .ttl(ttl)
+        .on_fail(OnFail::retry(window))
+        .acquire()
+        .await;
+    if let Ok(other) = taken {
+        let two = held.is_held();
+        other.release().await.unwrap();
+        panic!(
+            "another locker took the lock while its holder's session was kept alive over a \
+             path that answers (the holder's guard said held: {two})"
+        );
+    }
+    assert!(
+        held.is_held(),
+        "the lock was lost although its session could be kept alive over another path"
+    );
+    held.release().await.unwrap();
+}
+
+/// The paths of the idempotency tests: a slow one (275 ms each way: a try on it is applied
+/// after 275 ms and answered after 550 ms, so it is hedged after 400 ms on the fast one, whose
+/// repeat is applied after the first try) and a fast one, to the one shared member.
+async fn slow_and_fast() -> (dlock_tests::proxy::Proxy, dlock_tests::proxy::Proxy) {
+    let port = etcd_server::shared().lock().unwrap().client_port(0);
+    (
+        dlock_tests::proxy::Proxy::start(port).await.unwrap(),
+        dlock_tests::proxy::Proxy::start(port).await.unwrap(),
+    )
+}
+
+const SLOW: Duration = Duration::from_millis(275);
+
+/// An idempotency `begin` is hedged: a try unanswered after a fifth of the command timeout is
+/// repeated on another member, and the first answer wins. When the first try went a slow way
+/// and took the lock, the repeat finds the lock taken — by this very attempt's key. That
+/// must not undo the first try: the begin takes the lock (not "in progress, same
+/// fingerprint" with the attempt's lease then revoked, so that nobody runs the operation).
+///
+/// Each order of the two paths on a fresh locker (whose first try goes to its first member,
+/// the next request's to the next): in one of them the begin's lease grant goes the fast way
+/// and its transaction the slow way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_idempotency_begin_does_not_undo_its_first_try() {
+    use dlock_runtime::idempotency::{Begin, Fingerprint};
+
+    let (slow, fast) = slow_and_fast().await;
+    let fp = Fingerprint::builder().field("POST /pay").finish();
+    for (first, second) in [(&slow, &fast), (&fast, &slow)] {
+        let key = dlock_runtime::conformance::unique_key("hedged-begin");
+        let l = over_two_paths(first, second, Duration::from_secs(2)).await;
+        slow.set_latency(SLOW);
+        let begun = l
+            .idempotency(key.as_str(), fp)
+            .ttl(Duration::from_secs(30))
+            .begin()
+            .await
+            .unwrap();
+        slow.set_latency(Duration::ZERO);
+        let Begin::Run(op) = begun else {
+            panic!("a begin on a free key, hedged, did not take the lock: {begun:?}");
+        };
+        assert!(op.is_held());
+        op.complete(b"paid")
+            .await
+            .expect("the begin's lock is held");
+    }
+}
+
+/// An idempotency `complete` is hedged like a `begin`. When the first try went a slow way and
+/// stored the record (deleting the attempt's key), the repeat's owner check fails. That must
+/// not undo the first try: the complete reports the record stored (not `Lost` with the
+/// record's lease revoked, so that a duplicate request runs the operation again), and the
+/// next attempt gets the replay.
+///
+/// As for `begin`, each order of the paths on a fresh locker: the begin (paths fast) makes
+/// two requests, and in one order the complete's lease grant goes the fast way and its
+/// transaction the slow way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_idempotency_complete_does_not_undo_its_first_try() {
+    use dlock_runtime::idempotency::{Begin, Fingerprint};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let (slow, fast) = slow_and_fast().await;
+    let direct = locker(&member).await;
+    let fp = Fingerprint::builder().field("POST /pay").finish();
+    for (first, second) in [(&slow, &fast), (&fast, &slow)] {
+        let key = dlock_runtime::conformance::unique_key("hedged-complete");
+        let l = over_two_paths(first, second, Duration::from_secs(2)).await;
+        let begun = l
+            .idempotency(key.as_str(), fp)
+            .ttl(Duration::from_secs(30))
+            .begin()
+            .await
+            .unwrap();
+        let Begin::Run(op) = begun else {
+            panic!("a begin on a free key did not take the lock: {begun:?}");
+        };
+        slow.set_latency(SLOW);
+        let completed = op.complete(b"paid").await;
+        slow.set_latency(Duration::ZERO);
+        completed.unwrap_or_else(|e| panic!("a hedged complete that stored its record: {e}"));
+        match direct.idempotency(key.as_str(), fp).begin().await.unwrap() {
+            Begin::Replay(record) => assert_eq!(record, b"paid"),
+            other => panic!("the record of a completed operation is gone: {other:?}"),
+        }
+    }
+}

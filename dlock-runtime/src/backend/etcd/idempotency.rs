@@ -13,6 +13,12 @@
 //! (one transaction, like a `try_acquire`); `complete` stores the record and deletes the own key
 //! in one transaction guarded by the own key's existence (the owner check), so the record is
 //! written if and only if the lock is released by its owner.
+//!
+//! Requests are hedged and retried (module `pool`), so an answer may come from a repeat whose
+//! first try was applied and not yet answered. A repeat never undoes that first try: a `begin`
+//! whose compare fails but that finds its own key at the head took the lock (its fencing token
+//! is the key's create revision), and a `complete` whose compare fails but that finds the
+//! record on the lease it granted for this call stored it (the lease is not revoked).
 
 use super::{first_kv, EtcdBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -20,7 +26,7 @@ use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
 use crate::LockError;
 
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 
 /// The value prefix of an own key that notes a fingerprint.
 const NOTE: &[u8] = b"fp:";
@@ -60,6 +66,16 @@ impl IdempotencyStore for EtcdBackend {
                 Ok(fencing_token) => return Ok(BeginReply::Acquired { fencing_token }),
                 Err(ops) => ops,
             };
+            let head = ops.get(1).and_then(first_kv);
+            if let Some(own) = head.filter(|h| h.key() == k.own.as_slice()) {
+                // The own key (named by this attempt's token, written by nothing else) is
+                // there: a try of this very transaction took the lock before this one was
+                // applied — a hedged sibling, or a first try whose answer was lost. The lock
+                // is this attempt's; its lease must not be revoked.
+                return Ok(BeginReply::Acquired {
+                    fencing_token: own.create_revision().unsigned_abs(),
+                });
+            }
             self.revoke_later(self.take_leases(args.resource, args.token));
             if let Some(rec) = ops.first().and_then(first_kv) {
                 let value = rec.value();
@@ -70,7 +86,6 @@ impl IdempotencyStore for EtcdBackend {
                     _ => BeginReply::Mismatch,
                 });
             }
-            let head = ops.get(1).and_then(first_kv);
             let same_fingerprint = head
                 .and_then(|h| h.value().strip_prefix(NOTE))
                 .map(|noted| noted == fp.as_bytes());
@@ -87,6 +102,7 @@ impl IdempotencyStore for EtcdBackend {
             let mut value = args.fingerprint.to_hex().into_bytes();
             value.extend_from_slice(args.record);
             let lease = self.grant(args.retention).await?;
+            let record = self.record_key(args.resource);
             let txn = Txn::new()
                 .when([Compare::create_revision(
                     k.own.clone(),
@@ -95,13 +111,23 @@ impl IdempotencyStore for EtcdBackend {
                 )])
                 .and_then([
                     TxnOp::put(
-                        self.record_key(args.resource),
+                        record.clone(),
                         value,
                         Some(PutOptions::new().with_lease(lease)),
                     ),
                     TxnOp::delete(k.own, None),
-                ]);
-            let done = self.txn(txn).await?.succeeded();
+                ])
+                .or_else([TxnOp::get(record, Some(GetOptions::new().with_keys_only()))]);
+            let resp = self.txn(txn).await?;
+            // A failed compare may be a repeat (a hedged sibling, or a retry after a lost
+            // answer) of a try that was applied: the record is then on `lease`, granted for
+            // this call alone — stored, and its lease must not be revoked.
+            let done = resp.succeeded()
+                || resp
+                    .op_responses()
+                    .first()
+                    .and_then(first_kv)
+                    .is_some_and(|rec| rec.lease() == lease);
             let mut unused = self.take_leases(args.resource, args.token);
             if !done {
                 unused.push(lease);

@@ -110,10 +110,14 @@
 //! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
 //! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
 //! lease expires unused, and a put that lands after its lock was released is a suspect (see
-//! *Cancellation*). A keepalive stream that fails or does not answer within a fifth of the
-//! timeout is reopened on another member. One answer can be ambiguous: a release whose first try was applied but
-//! not answered, repeated, answers "not the owner" (reported as a lost lock, after the lock was
-//! in fact released).
+//! *Cancellation*); a repeated idempotency `begin` whose first try took the lock finds its own
+//! key at the head and takes that as its answer, and a repeated `complete` whose first try
+//! stored the record finds the record on the lease it granted for it and answers "stored" (a
+//! hedge's failed compare never undoes what the first try did). A keepalive stream that
+//! fails, does not answer within a fifth of the timeout, or had a keepalive cancelled before
+//! its answer was read, is reopened on another member. One answer can be ambiguous: a release
+//! whose first try was applied but not answered, repeated, answers "not the owner" (reported
+//! as a lost lock, after the lock was in fact released).
 //!
 //! # Cancellation
 //!

@@ -10,7 +10,11 @@
 //!   keepalive (or grant) that etcd answered was *sent*; its lease lasts at least the class
 //!   from then. An acquisition or renewal that needs `ttl` from now sends a keepalive first
 //!   unless that bound already covers it; the second of headroom lets one keepalive serve
-//!   every acquisition of the following second.
+//!   every acquisition of the following second. A keepalive counts only its own answer: the
+//!   stream carries no request ids, so a keepalive cancelled before its answer was read
+//!   (a deadline, a `select!`) drops the stream, and the next one opens another — left
+//!   behind, that answer would be read by the next keepalive as its own, and a keepalive
+//!   that never reached etcd would look answered.
 //! * **A key nobody wants is never kept alive.** Every key this locker put on a session is in
 //!   the registry, with its role: held, waiting (until its waiter TTL runs out without a new
 //!   attempt), being acquired, being released, or unwanted (released with a put of it still
@@ -80,7 +84,8 @@ pub(super) struct Session {
     /// sent: the lease lasts at least `secs` from then.
     fresh_from: Mutex<Instant>,
     /// The keepalive stream (opened by the first keepalive; reopened on another member when
-    /// it fails).
+    /// it fails, or when a keepalive was dropped before its answer was read: every answer
+    /// read from it is the answer to the keepalive that reads it).
     stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
     /// No new key goes on it (a suspect may land on it).
     retired: AtomicBool,
@@ -614,21 +619,29 @@ impl EtcdBackend {
         let timeout = self.opts.command_timeout;
         let sent = Instant::now();
         let mut ttl = None;
-        if let Some((keeper, st)) = stream.as_mut() {
+        // The stream is out of the session while this keepalive's answer is awaited, and goes
+        // back only once that answer is read: if this future is dropped before (a deadline, a
+        // `select!`), the stream is dropped with it. Left in place, it would hold an answer
+        // nobody read, which the next keepalive would take for its own — an answer to an
+        // earlier keepalive, counted from the later one's send time, and so on for every
+        // keepalive after it: one that never reached etcd (its member frozen) would look
+        // answered, and the session fresher than etcd's lease.
+        if let Some((mut keeper, mut st)) = stream.take() {
             let once = async {
                 keeper.keep_alive().await?;
                 st.message().await
             };
             if let Ok(Ok(Some(resp))) = tokio::time::timeout(per_try(timeout), once).await {
                 ttl = Some(resp.ttl());
+                *stream = Some((keeper, st));
             }
         }
         let ttl = match ttl {
             Some(t) => t,
             None => {
-                // No stream yet, or it failed: open one (hedged over the members); opening
-                // sends the first keepalive and waits for its answer.
-                *stream = None;
+                // No stream (none yet, it failed, or a keepalive dropped half-way took it):
+                // open one (hedged over the members); opening sends the first keepalive and
+                // waits for its answer.
                 let id = s.id;
                 let left = timeout
                     .saturating_sub(sent.elapsed())
