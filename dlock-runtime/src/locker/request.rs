@@ -344,6 +344,9 @@ impl<'a> LockRequest<'a> {
                 key: key.clone(),
                 kind: self.kind,
                 ttl,
+                auto_renew: self.auto_renew,
+                replicas: self.replicas,
+                hold_at_least: self.hold_at_least,
                 name,
                 work: Box::pin(async move {
                     let _ = work.await;
@@ -376,12 +379,16 @@ async fn run_under<F: Future>(locker: &Locker, guard: LockGuard, work: F) -> F::
 }
 
 /// Deferred work under its lock: what the in-process [`DeferQueue`](crate::defer::DeferQueue)
-/// attempts when the work's turn comes.
+/// attempts when the work's turn comes, with the options of the request it came from (a
+/// deferred run is protected as an immediate one would have been).
 struct LockedWork {
     locker: Locker,
     key: LockKey,
     kind: LockKind,
     ttl: Duration,
+    auto_renew: bool,
+    replicas: Option<u32>,
+    hold_at_least: Option<Duration>,
     name: &'static str,
     work: BoxFuture<'static, ()>,
 }
@@ -391,13 +398,15 @@ impl crate::defer::DeferredWork for LockedWork {
         self: Box<Self>,
     ) -> BoxFuture<'static, Result<(), Box<dyn crate::defer::DeferredWork>>> {
         Box::pin(async move {
-            let attempt = self
+            let mut request = self
                 .locker
                 .request(self.key.clone(), self.kind)
                 .ttl(self.ttl)
-                .name(self.name)
-                .try_acquire()
-                .await;
+                .auto_renew(self.auto_renew)
+                .name(self.name);
+            request.replicas = self.replicas;
+            request.hold_at_least = self.hold_at_least;
+            let attempt = request.try_acquire().await;
             match attempt {
                 Ok(Some(guard)) => {
                     let LockedWork { locker, work, .. } = *self;
@@ -921,5 +930,40 @@ mod tests {
         free.release().await.unwrap();
         let guard = waiter.await.unwrap().unwrap();
         guard.release().await.unwrap();
+    }
+
+    /// Deferred work runs under the options of the request it came from: here its minimum
+    /// hold, which keeps the lock after the work finished (the deferred attempt dropped it, so
+    /// the lock freed as soon as the deferred work was done).
+    #[tokio::test]
+    async fn deferred_work_keeps_the_requests_minimum_hold() {
+        let locker = Locker::memory();
+        let held = locker.lock("job").acquire().await.unwrap();
+        let (ran_tx, ran_rx) = tokio::sync::oneshot::channel();
+        let out = locker
+            .lock("job")
+            .ttl(Duration::from_secs(10))
+            .hold_at_least(Duration::from_secs(5))
+            .on_fail(OnFail::defer(Duration::from_millis(5), 100))
+            .run(async move {
+                let _ = ran_tx.send(());
+            })
+            .await;
+        assert!(out.unwrap_err().is_deferred());
+        held.release().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), ran_rx)
+            .await
+            .expect("the deferred work ran")
+            .unwrap();
+        // The work is done and its guard released at once after it; within the hold, the lock
+        // stays taken.
+        let until = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < until {
+            assert!(
+                locker.lock("job").try_acquire().await.unwrap().is_none(),
+                "the deferred run's lock freed before its minimum hold ended"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
