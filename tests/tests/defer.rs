@@ -394,6 +394,54 @@ async fn purging_a_job_that_is_not_a_dead_letter_leaves_it_to_run() {
     assert!(queue.is_empty().await.unwrap());
 }
 
+/// A lock backend that is down does not use up a job's attempts: each claim that could not
+/// take the job's lock for want of an answer (503) is put back uncounted, so after more such
+/// claims than the job has attempts it is still queued, not dead-lettered, and it runs once
+/// the backend is back — as attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_backend_outage_does_not_use_up_a_jobs_attempts() {
+    let (server, queue) =
+        server_and_queue("outage", Duration::from_secs(30), Duration::from_secs(60)).await;
+    let mut lock_server = RedisServer::start();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&lock_server.url())
+        .await
+        .unwrap();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 2).max_delay(Duration::from_millis(10));
+    let job = record_job(&server, 10, "out");
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+
+    lock_server.stop();
+    // Four claims that reach the job, twice its attempts.
+    let mut claimed = 0;
+    wait_for(
+        "four claims of the job",
+        Duration::from_secs(20),
+        async || {
+            claimed += worker.run_once().await.unwrap();
+            let dead = queue.dead_letters().await.unwrap();
+            assert!(dead.is_empty(), "dead-lettered during the outage: {dead:?}");
+            (claimed >= 4).then_some(())
+        },
+    )
+    .await;
+    assert!(queue.dead_letters().await.unwrap().is_empty());
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+    assert_eq!(runs(&server, 10).await, 0);
+
+    lock_server.restart();
+    wait_for("the job to run", Duration::from_secs(20), async || {
+        worker.run_once().await.unwrap();
+        done(&server).await.remove(&10)
+    })
+    .await;
+    assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 10").await;
+    let record = done(&server).await.remove(&10).unwrap();
+    assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_job_loses_nothing() {
     let visibility = Duration::from_millis(800);

@@ -43,6 +43,10 @@
 //! dead-lettered at once. Dead letters are deleted after the queue's
 //! [`QueueLimits::dead_letter_retention`] (7 days by default); the queue holds at most
 //! [`QueueLimits::max_queued`] jobs (see [`DurableQueue::with_limits`]).
+//!
+//! A claim whose lock backend did not answer (a 503-class error: down, failing over) does not
+//! count as an attempt: the job was not tried, so it is put back at the pace of its current
+//! attempt until the backend answers, and an outage never uses up a job's attempts.
 
 use std::any::Any;
 use std::fmt;

@@ -537,6 +537,7 @@ impl DurableQueue {
         delay: Duration,
         max_attempts: u32,
         reason: &str,
+        uncounted: bool,
     ) -> Result<Retried, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.retry.prepare_invoke();
@@ -550,7 +551,8 @@ impl DurableQueue {
             .arg(&claim.token)
             .arg(millis(delay))
             .arg(max_attempts)
-            .arg(reason);
+            .arg(reason)
+            .arg(u8::from(uncounted));
         let n: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
         Ok(match n {
             1 => Retried::DeadLettered,

@@ -145,6 +145,29 @@ impl DurableWorker {
             policy.backoff(claim.attempt),
             policy.max_attempts,
             reason,
+            false,
+        )
+        .await;
+    }
+
+    /// Puts a claimed job back with the backoff of its current attempt, without counting the
+    /// claim as an attempt: the job could not be tried (its lock backend did not answer), so an
+    /// outage does not use up its attempts and dead-letter it. Its retries keep that pace until
+    /// the backend answers.
+    async fn put_back_untried(
+        &self,
+        claim: &Claimed,
+        info: &JobInfo,
+        policy: &DeferPolicy,
+        reason: &str,
+    ) {
+        self.finish_failed(
+            claim,
+            info,
+            policy.backoff(claim.attempt),
+            policy.max_attempts,
+            reason,
+            true,
         )
         .await;
     }
@@ -159,7 +182,7 @@ impl DurableWorker {
             reason,
             "dlock job worker: the job cannot run; dead-lettering it"
         );
-        self.finish_failed(claim, info, Duration::ZERO, 0, reason)
+        self.finish_failed(claim, info, Duration::ZERO, 0, reason, false)
             .await;
     }
 
@@ -170,8 +193,13 @@ impl DurableWorker {
         delay: Duration,
         max_attempts: u32,
         reason: &str,
+        uncounted: bool,
     ) {
-        match self.queue.retry(claim, delay, max_attempts, reason).await {
+        match self
+            .queue
+            .retry(claim, delay, max_attempts, reason, uncounted)
+            .await
+        {
             Ok(Retried::DeadLettered) => event("dead_lettered", info),
             Ok(Retried::Requeued) => event("retried", info),
             Ok(Retried::Stale) => tracing::warn!(
@@ -227,6 +255,13 @@ impl DurableWorker {
             Ok(None) => {
                 let reason = format!("its lock was still busy after {} attempts", claim.attempt);
                 self.put_back(&claim, &info(&env.key), &policy, &reason)
+                    .await;
+                return;
+            }
+            // The lock backend is down (503): the job was not tried.
+            Err(e) if e.status() == 503 => {
+                let reason = format!("its lock backend did not answer: {e}");
+                self.put_back_untried(&claim, &info(&env.key), &policy, &reason)
                     .await;
                 return;
             }

@@ -86,9 +86,11 @@ return out
 );
 
 /// Retry, if claim ARGV[2] is still the job's: take it out of `inflight`; dead-letter it with
-/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms.
+/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms. With
+/// ARGV[6] = `1` the claim does not count as an attempt (the job could not be tried: its lock
+/// backend was down): the count goes back down and the job is re-queued.
 /// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons.
-/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason.
+/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason, 6 uncounted (0 or 1).
 /// Returns 1 when dead-lettered, 0 when re-queued, -1 when the claim is not this one.
 pub(crate) const RETRY: &str = concat!(
     r#"
@@ -99,6 +101,11 @@ redis.call('ZREM', KEYS[1], ARGV[1])
     now_ms!(),
     r#"
 local n = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+if ARGV[6] == '1' then
+  if n > 0 then redis.call('HINCRBY', KEYS[4], ARGV[1], -1) end
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+  return 0
+end
 if n >= tonumber(ARGV[4]) then
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
