@@ -95,6 +95,44 @@ async fn in_process_job_past_max_attempts_is_dead_lettered_and_requeued() {
     assert!(locker.defer_queue().dead_letters().is_empty());
 }
 
+/// The in-process queue runs on the runtime of the first deferral. When that runtime shuts
+/// down while the locker lives on, the jobs it held are gone with it: the next deferral reports
+/// them dropped and stops counting them (they stayed pending for good, and with a bound of one
+/// job the queue refused every deferral after).
+#[test]
+fn jobs_lost_with_the_queues_runtime_stop_counting_against_its_bound() {
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let limits = QueueLimits::default().max_queued(1);
+    let first_rt = rt();
+    let locker =
+        first_rt.block_on(async { Locker::builder().defer_limits(limits).memory().unwrap() });
+    let policy = || OnFail::Defer(DeferPolicy::new(Duration::from_secs(60), 3));
+    let (held, first) = first_rt.block_on(async {
+        let held = locker.lock("k").acquire().await.unwrap();
+        let first = locker.lock("k").on_fail(policy()).run(async {}).await;
+        (held, first.unwrap_err())
+    });
+    assert!(first.is_deferred(), "{first}");
+    assert_eq!(locker.defer_queue().pending().len(), 1);
+    drop(first_rt);
+
+    let second_rt = rt();
+    let second =
+        second_rt.block_on(async { locker.lock("k").on_fail(policy()).run(async {}).await });
+    let second = second.unwrap_err();
+    assert!(second.is_deferred(), "{second}");
+    let pending = locker.defer_queue().pending();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].id, second.job_id().unwrap());
+    drop(held);
+}
+
 #[tokio::test]
 async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     let locker = Locker::memory();

@@ -175,8 +175,13 @@ impl DeferQueue {
         policy: DeferPolicy,
         work: Box<dyn DeferredWork>,
     ) -> Result<String, LockError> {
+        // The task first: without a runtime nothing is queued (and nothing counted).
+        let tx = self.sender()?;
+        let info = JobInfo::new(crate::util::secure_token::<16>(), key, 0).named(name);
         {
-            let shared = self.shared();
+            // The bound is checked and the job counted under one lock, so concurrent pushes
+            // cannot pass it together.
+            let mut shared = self.shared();
             if shared.closed {
                 return Err(LockError::unavailable(
                     "the in-process defer queue is shut down",
@@ -193,16 +198,14 @@ impl DeferQueue {
                 );
                 return Err(LockError::queue_full(key, "memory"));
             }
+            shared.pending.insert(info.id.clone(), info.clone());
         }
-        let info = JobInfo::new(crate::util::secure_token::<16>(), key, 0).named(name);
         let first = policy.backoff(1);
         let job = PendingJob {
             info: info.clone(),
             policy,
             work,
         };
-        self.shared().pending.insert(info.id.clone(), info.clone());
-        let tx = self.sender()?;
         if tx.send(Cmd::Push(job, first)).is_err() {
             self.shared().pending.remove(&info.id);
             return Err(LockError::unavailable("the defer queue task is gone", None));
@@ -218,6 +221,15 @@ impl DeferQueue {
         }
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| LockError::unavailable("deferring work needs a tokio runtime", None))?;
+        if tx.is_some() {
+            // The task is gone with the runtime it ran on (shut down while this locker lived
+            // on), and the jobs it held with it: reported dropped, and no longer counted.
+            let mut shared = self.shared();
+            let key_log = shared.key_log;
+            for (_, info) in shared.pending.drain() {
+                event(key_log, "dropped", &info);
+            }
+        }
         let (t, rx) = mpsc::unbounded_channel();
         rt.spawn(run(rx, self.inner.shared.clone()));
         *tx = Some(t.clone());
