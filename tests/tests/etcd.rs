@@ -789,3 +789,80 @@ async fn a_hedged_idempotency_complete_does_not_undo_its_first_try() {
         }
     }
 }
+
+/// A release answered through a hedge — its first try went a slow way, and a sibling on
+/// another member answered while that try was still on its way (every release, in a cluster
+/// slower than a fifth of the command timeout) — frees its key's name: the same locker's next
+/// acquisition of the lock takes that name again. (The name was kept for good, and the key
+/// deleted again before every keepalive of its session, one more delete per such release.)
+/// The release's first try lands after that acquisition put the name back, and must leave the
+/// new key alone: the delete compares the token's value, so the lock stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_key() {
+    use etcd_client::{Client, GetOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let (slow, fast) = slow_and_fast().await;
+    // Tries hedged after 400 ms.
+    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let key = dlock_runtime::conformance::unique_key("hedged-release");
+    let dir = lock_dir(&a, &key);
+    let ttl = Duration::from_secs(1);
+    let names = async || -> Vec<String> {
+        let resp = raw
+            .kv_client()
+            .get(
+                dir.as_str(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+            .unwrap();
+        resp.kvs()
+            .iter()
+            .map(|kv| kv.key_str().unwrap()[dir.len()..].to_owned())
+            .collect()
+    };
+    let mut g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let first = names().await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    let mut hedged = 0;
+    for i in 0..10 {
+        // A try the slow way is applied after 700 ms, answered after 1.4 s; one hedged the
+        // fast way after 400 ms answers at once.
+        slow.set_latency(Duration::from_millis(700));
+        let started = Instant::now();
+        assert!(g.release().await.is_ok(), "release {i}");
+        let took = started.elapsed();
+        slow.set_latency(Duration::ZERO);
+        // The slow way is under suspicion now: this goes the fast way, before the release's
+        // first try lands (if it went the slow way).
+        g = a
+            .lock(&key)
+            .ttl(ttl)
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("released");
+        if took < Duration::from_millis(400) {
+            continue; // the release went the fast way: not hedged
+        }
+        hedged += 1;
+        // The release's first try lands meanwhile.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(
+            names().await,
+            first,
+            "after release {i} (answered through a hedge), the lock's key"
+        );
+        assert!(g.is_held(), "the next holder lost the lock");
+        if hedged >= 2 {
+            break;
+        }
+    }
+    assert!(hedged >= 1, "no release was answered through a hedge");
+    g.release().await.unwrap();
+    assert!(names().await.is_empty());
+}

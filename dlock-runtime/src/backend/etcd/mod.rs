@@ -16,11 +16,11 @@
 //! key's name in its index until the next compaction, and every read of a lock's line walks the
 //! names under its directory: one name per acquisition made a lock's reads slower with every
 //! acquisition until then. The registry (module `session`) keeps a name for its token until
-//! no put or delete sent for that token can still land, so while a token is registered its
-//! key's existence is the owner check, as a token-named key's is; the value notes the holder's
-//! TTL and the token (`<ttl ms>:<token>`), and the rare deletes of a key whose token may
-//! already be gone (a keepalive's pruning) compare it. A key on a lease of its own is named
-//! by its token (`<prefix>/<resource>/<token>`).
+//! no put sent for that token can still land, so while a token is registered its key's
+//! existence is the owner check, as a token-named key's is; the value notes the holder's TTL
+//! and the token (`<ttl ms>:<token>`), and every delete of a key on a session (a release's, a
+//! keepalive's pruning) compares it, so one that lands late never deletes the name's next
+//! key. A key on a lease of its own is named by its token (`<prefix>/<resource>/<token>`).
 //!
 //! A lock the watchdog renews ([`AcquireArgs::renew`], the default) goes on a **session
 //! lease** shared by the locker's locks of its TTL class, kept alive over a keepalive stream
@@ -36,8 +36,8 @@
 //!   waiter keeps its place) and reads the head. A waiter's later attempts are reads. When the
 //!   head is the own key, the lock is ours; the key moves to the lock's session only when the
 //!   waiter TTL's class differs from the TTL's.
-//! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key
-//!   (its name is the token's until that delete is answered).
+//! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key if
+//!   its value is still the token's (one transaction).
 //!
 //! So an uncontended acquire is one transaction and a release one delete — two Raft writes,
 //! like a bare etcd lock — and renewal writes nothing (a keepalive when needed, and one read of

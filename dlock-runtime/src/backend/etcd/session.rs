@@ -31,13 +31,18 @@
 //!   registry as a suspect, and the sessions its puts used are *retired*: new acquisitions get
 //!   a fresh session, the suspect's key is deleted again before every keepalive of a retired
 //!   session, and a retired session is revoked once no held or waiting key is left on it
-//!   (revoking deletes whatever landed on it, and a put on a revoked lease fails).
+//!   (revoking deletes whatever landed on it, and a put on a revoked lease fails). A suspect
+//!   stays until etcd *answered* the revocation (or a keepalive found the lease gone), not
+//!   merely until it was asked: a revocation that fails leaves the lease alive.
 //! * **A name is reused only when nothing for its last token can reach it.** A token's key is
 //!   named `<locker id>.<slot>` (see [`Sessions::begin_put`]); the slot goes back to the lock's
 //!   free slots only when the token's entry goes, which waits for every put of it to be
-//!   settled (or its sessions to be gone) and for its release's delete to be settled. A
-//!   keepalive's pruning, which may be dropped half-way, deletes only a key whose value is
-//!   still its token's.
+//!   settled (or its sessions to be gone: expired, or revoked as etcd answered). Every delete
+//!   of a registered key — a release's, and a keepalive's pruning, which may be dropped
+//!   half-way — deletes it only if its value is still its token's (every put of a token
+//!   writes the same value, which names the token), so a delete that may still land (answered
+//!   through a hedge while its sibling is out, or timed out) keeps no name: it cannot touch
+//!   the key of the name's next token.
 //! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
 //!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
@@ -55,7 +60,7 @@ use etcd_client::{
 use tokio::time::Instant;
 
 use super::kinds::{admitted, kvs_at, line_options};
-use super::pool::{self, call, per_try};
+use super::pool::{call, per_try};
 use super::{create_revision_at, first_kv, lease_secs, EtcdBackend, Keys};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
 use crate::key::LockKind;
@@ -66,6 +71,9 @@ pub(super) type TokenKey = (Arc<str>, OwnerToken);
 
 /// At most this many operations per transaction (etcd's default limit is 128).
 const OPS_PER_TXN: usize = 64;
+
+/// A revocation of an idle session is tried this many times ([`EtcdBackend::revoke_idle`]).
+const REVOKE_TRIES: u32 = 3;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -145,10 +153,6 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
-    /// Releases' deletes sent whose fate is unknown: the name is not reused while one may
-    /// land. (A pruning's delete compares the value instead: it is rare, and cannot be
-    /// counted, as a pruning may be dropped with the attempt that keeps its session fresh.)
-    deleting: u32,
 }
 
 impl Entry {
@@ -161,13 +165,12 @@ impl Entry {
         self.role = role;
     }
 
-    /// Whether the entry can go: unwanted, no delete of its name can still land, and no put
-    /// either (none in flight, or every session one may have used is gone: a put on a lease
-    /// that is gone fails).
+    /// Whether the entry can go: unwanted, and no put of it can still land (none in flight,
+    /// or every session one may have used is gone: a put on a lease that is gone fails). A
+    /// delete of its name that may still land does not keep it: every delete of a registered
+    /// key (a release's, a pruning's) compares the value, which names the token.
     fn done(&self) -> bool {
-        self.role == Role::Unwanted
-            && self.deleting == 0
-            && (self.in_flight == 0 || self.touched.is_empty())
+        self.role == Role::Unwanted && (self.in_flight == 0 || self.touched.is_empty())
     }
 
     /// Whether a wanted key may be on session `id`: the one it is on, and while a put or move
@@ -315,8 +318,8 @@ impl Default for Sessions {
 impl Sessions {
     /// Registers a put of the token's key on the sessions `on`, unless one of them was retired
     /// or is gone ([`Begun::Stale`]: nothing registered, pick sessions again); returns the key's
-    /// name. Checked under the same lock as [`idle_retired`](Self::idle_retired), which retired sessions are
-    /// revoked by: a session picked before it was retired is either seen here as retired, or
+    /// name. Checked under the same lock as [`idle_retired`](Self::idle_retired), which
+    /// retired sessions are revoked by: a session picked before it was retired is either seen here as retired, or
     /// its put is registered before the revocation looks, which then keeps it
     /// ([`Entry::wanted_on`]: a key not held is `Acquiring` from here on, until its attempt
     /// says where it is). A token not registered yet is registered when `new` says where its
@@ -325,14 +328,14 @@ impl Sessions {
     /// A token registered for the first time gets a name `<instance>.<slot>` under `new.dir`,
     /// with the lowest slot no registered key of the resource uses. A name is free again only
     /// once its entry is gone ([`Entry::done`]), which is never while a put of it may still
-    /// land (a suspect stays until its sessions are gone, and a put on a lease that is gone
-    /// fails) nor while a release's delete of it may (counted until it is answered with no
-    /// other try of it out; one that never is keeps its name for good), and a pruning's delete
-    /// compares the value, which names the token: so no request for a name's previous token
-    /// changes the key of the next. The names of a resource are as many as this locker ever
-    /// had keys of it at once: etcd keeps a deleted name in its index until the next
-    /// compaction, and a name per acquisition would make every read of the lock's line slower
-    /// with each acquisition until then.
+    /// land (a suspect stays until its sessions are gone — expired, or revoked as etcd
+    /// answered — and a put on a lease that is gone fails), and every delete of it (a
+    /// release's, a pruning's) compares the value, which names the token: so no request for a
+    /// name's previous token changes the key of the next. (A suspect whose session's
+    /// revocation is never answered keeps its name for good.) The names of a resource are as
+    /// many as this locker ever had keys of it at once: etcd keeps a deleted name in its index
+    /// until the next compaction, and a name per acquisition would make every read of the
+    /// lock's line slower with each acquisition until then.
     #[must_use]
     fn begin_put(&self, key: &TokenKey, new: Option<&NewKey<'_>>, on: &[&Arc<Session>]) -> Begun {
         let mut reg = lock(&self.entries);
@@ -354,7 +357,6 @@ impl Sessions {
                     role: Role::Acquiring,
                     create: 0,
                     in_flight: 0,
-                    deleting: 0,
                 })
             }
         };
@@ -436,14 +438,15 @@ impl Sessions {
         lock(&self.entries).map.contains_key(key)
     }
 
-    /// Marks the token's key as being released, its delete as sent, and returns it;
-    /// [`forget`](Self::forget) or [`unwanted`](Self::unwanted) ends that. A token with a put
-    /// in flight becomes a suspect: the sessions it used are retired.
-    fn leave(&self, key: &TokenKey) -> Option<Vec<u8>> {
+    /// Marks the token's key as being released and returns the transaction that deletes it
+    /// if its value is still its token's (the name may be a later token's by the time a try
+    /// of it lands: one answered through a hedge, or timed out, may land after
+    /// [`forget`](Self::forget) freed the name); `forget` or [`unwanted`](Self::unwanted) ends
+    /// that. A token with a put in flight becomes a suspect: the sessions it used are retired.
+    fn leave(&self, key: &TokenKey) -> Option<Txn> {
         let mut reg = lock(&self.entries);
         let e = reg.map.get_mut(key)?;
         e.role = Role::Releasing;
-        e.deleting += 1;
         if e.in_flight > 0 {
             let mut current = lock(&self.current);
             for s in &e.touched {
@@ -453,21 +456,19 @@ impl Sessions {
                 }
             }
         }
-        Some(e.own.clone())
+        Some(delete_if_valued(&e.own, &e.value))
     }
 
-    /// The token's key is deleted (the delete `settled`: no other try of it is out): forgets
-    /// it unless a put or delete of it may still land (then it is unwanted: deleted again
-    /// before keepalives, and its name kept). Returns the sessions to look at for revocation:
-    /// those it used that are retired (usually none; one retired later expires on its own).
-    fn forget(&self, key: &TokenKey, settled: bool) -> Vec<Arc<Session>> {
+    /// The token's key is deleted (or was never put): forgets it unless a put of it may still
+    /// land (then it is unwanted: deleted again before keepalives, and its name kept). A try
+    /// of the delete still out does not keep it ([`leave`](Self::leave)). Returns the sessions
+    /// to look at for revocation: those it used that are retired (usually none; one retired
+    /// later expires on its own).
+    fn forget(&self, key: &TokenKey) -> Vec<Arc<Session>> {
         let mut reg = lock(&self.entries);
         let Some(e) = reg.map.get_mut(key) else {
             return Vec::new();
         };
-        if settled {
-            e.deleting = e.deleting.saturating_sub(1);
-        }
         let touched: Vec<Arc<Session>> = e
             .touched
             .iter()
@@ -483,13 +484,10 @@ impl Sessions {
         touched
     }
 
-    /// The release of the token's key failed (`settled`: it cannot land any more): it goes
-    /// before the next keepalive of its session.
-    fn unwanted(&self, key: &TokenKey, settled: bool) {
+    /// The release of the token's key failed: it goes before the next keepalive of its
+    /// session.
+    fn unwanted(&self, key: &TokenKey) {
         if let Some(e) = lock(&self.entries).map.get_mut(key) {
-            if settled {
-                e.deleting = e.deleting.saturating_sub(1);
-            }
             if e.role == Role::Releasing {
                 e.role = Role::Unwanted;
             }
@@ -507,15 +505,33 @@ impl Sessions {
             .collect()
     }
 
-    /// The session's lease is gone (expired or revoked): suspects of it alone are forgotten.
-    fn gone(&self, s: &Session) {
-        s.dead.store(true, Ordering::Release);
-        {
-            let mut current = lock(&self.current);
-            if current.get(&s.secs).is_some_and(|c| c.id == s.id) {
-                current.remove(&s.secs);
-            }
+    /// Retired sessions of `candidates` that no wanted key is on any more, to be revoked:
+    /// marked dead at once (nothing goes on them, renews them or revokes them again), while
+    /// the suspects that may land on them keep their names until [`gone`](Self::gone) says
+    /// etcd answered the revocation — a revocation that fails leaves the lease alive for up
+    /// to its class, and a suspect's put landing on it then would move the key of the name's
+    /// next token onto that dying lease.
+    fn revoking(&self, candidates: &[Arc<Session>]) -> Vec<Arc<Session>> {
+        let idle = self.idle_retired(candidates);
+        for s in &idle {
+            self.dying(s);
         }
+        idle
+    }
+
+    /// The session is not to be used or kept alive any more.
+    fn dying(&self, s: &Session) {
+        s.dead.store(true, Ordering::Release);
+        let mut current = lock(&self.current);
+        if current.get(&s.secs).is_some_and(|c| c.id == s.id) {
+            current.remove(&s.secs);
+        }
+    }
+
+    /// The session's lease is gone (expired, or revoked as etcd answered): suspects of it
+    /// alone are forgotten.
+    fn gone(&self, s: &Session) {
+        self.dying(s);
         let mut reg = lock(&self.entries);
         let mut gone = Vec::new();
         for (k, e) in &mut reg.map {
@@ -701,13 +717,44 @@ impl EtcdBackend {
     }
 
     /// Revokes retired sessions of `candidates` that nothing wanted is on any more, in the
-    /// background (a lease no one keeps alive runs out anyway; this is sooner).
+    /// background (a lease no one keeps alive runs out anyway; this is sooner). The suspects
+    /// on such a session keep their names until etcd answers the revocation
+    /// ([`Sessions::revoking`]); one that failed is tried again after the session's class
+    /// (by then the lease has run out, unless a leader change renewed it: etcd answers "not
+    /// found", which is as good), up to [`REVOKE_TRIES`] times — after that, those suspects
+    /// keep their names for good.
     fn revoke_idle(&self, candidates: &[Arc<Session>]) {
-        let idle = self.sessions.idle_retired(candidates);
-        for s in &idle {
-            self.sessions.gone(s);
+        let idle = self.sessions.revoking(candidates);
+        if idle.is_empty() {
+            return;
         }
-        self.revoke_later(idle.iter().map(|s| s.id).collect());
+        let this = self.clone();
+        tokio::spawn(async move {
+            let each = idle.iter().map(|s| {
+                let this = &this;
+                async move {
+                    for tried in 1..=REVOKE_TRIES {
+                        match this.revoke(vec![s.id]).await {
+                            Ok(()) => {
+                                this.sessions.gone(s);
+                                return;
+                            }
+                            Err(e) if tried == REVOKE_TRIES => {
+                                tracing::debug!(
+                                    error = %e,
+                                    "etcd: revoking an unused session failed; it expires"
+                                );
+                            }
+                            Err(_) => {
+                                tokio::time::sleep(Duration::from_secs(s.secs.unsigned_abs()))
+                                    .await;
+                            }
+                        }
+                    }
+                }
+            });
+            futures_util::future::join_all(each).await;
+        });
     }
 
     /// An acquire attempt of a lock the watchdog renews (`args.renew`), on session leases.
@@ -834,7 +881,7 @@ impl EtcdBackend {
         // suspect from now on).
         if self.sessions.leave(&key).is_some() {
             // No delete is sent: there is nothing to delete.
-            let touched = self.sessions.forget(&key, true);
+            let touched = self.sessions.forget(&key);
             self.revoke_idle(&touched);
         }
         Ok(Attempt::Held {
@@ -954,27 +1001,23 @@ impl EtcdBackend {
         &self,
         key: &TokenKey,
     ) -> Option<Result<bool, LockError>> {
-        let own = self.sessions.leave(key)?;
-        // A plain delete (no compare): the name stays this token's until the delete is
-        // settled (`Sessions::begin_put`).
-        let (deleted, settled) =
-            pool::call_tracked(&self.pool, self.opts.command_timeout, "delete", |c| {
-                let mut kv = c.kv_client();
-                let own = own.clone();
-                async move { kv.delete(own, None).await }
-            })
-            .await;
+        let delete = self.sessions.leave(key)?;
+        // The delete compares the value, which names the token: a try of it that lands late
+        // (answered through a hedge, or timed out) leaves the name's next key alone, so the
+        // name is free once this is answered (`Sessions::begin_put`).
+        let deleted = self.txn(delete).await;
         // Deleted or not, the key is unwanted now: if the delete failed, it goes before the
         // next keepalive of its session.
         let touched = match &deleted {
-            Ok(_) => self.sessions.forget(key, settled),
+            Ok(_) => self.sessions.forget(key),
             Err(_) => {
-                self.sessions.unwanted(key, settled);
+                self.sessions.unwanted(key);
                 Vec::new()
             }
         };
         self.revoke_idle(&touched);
-        Some(deleted.map(|d| d.deleted() > 0))
+        // The compare fails when the key is gone (or not this token's): not the owner.
+        Some(deleted.map(|r| r.succeeded()))
     }
 
     /// `extend` of a held registered token: `None` when the token is not held on a session.
@@ -1144,7 +1187,7 @@ mod tests {
             "nothing is on the waiters' session any more"
         );
         reg.leave(&key);
-        reg.forget(&key, true);
+        reg.forget(&key);
         assert!(idle(&reg, &hold), "released: nothing is on it");
     }
 
@@ -1157,10 +1200,10 @@ mod tests {
         let reg = Sessions::default();
         let s = session(1);
         let key = token();
-        let own = put(&reg, &key, &[&s]);
+        put(&reg, &key, &[&s]);
         reg.set_held(&key, &s, 7);
         reg.end_put(&key, true, None);
-        assert_eq!(reg.leave(&key), Some(own));
+        assert!(reg.leave(&key).is_some());
         assert!(
             reg.doomed(&s, Instant::now(), true).is_empty(),
             "not pruned while its delete is on its way"
@@ -1169,7 +1212,7 @@ mod tests {
             !idle(&reg, &s),
             "not revoked while its delete is on its way"
         );
-        reg.unwanted(&key, true);
+        reg.unwanted(&key);
         let doomed = reg.doomed(&s, Instant::now(), true);
         assert_eq!(
             doomed.len(),
@@ -1210,7 +1253,7 @@ mod tests {
         let s = session(1);
         let release = |key: &TokenKey| {
             reg.leave(key);
-            reg.forget(key, true);
+            reg.forget(key);
         };
         let (a, b, c, d, e) = (token(), token(), token(), token(), token());
         let first = put(&reg, &a, &[&s]);
@@ -1237,20 +1280,84 @@ mod tests {
         reg.gone(&s);
         assert!(!reg.is_registered(&b));
         assert_eq!(put(&reg, &e, &[&s2]), first);
+    }
 
-        // A release whose delete may still land (timed out, or answered through a hedge while
-        // another try was out) keeps its name, whatever becomes of its session.
-        let (f, g) = (token(), token());
-        reg.end_put(&e, true, None);
-        release(&e);
-        let kept = put(&reg, &f, &[&s2]);
-        assert_eq!(kept, first);
-        reg.end_put(&f, true, None);
-        reg.leave(&f);
-        reg.forget(&f, false);
-        reg.gone(&s2);
-        assert!(reg.is_registered(&f), "forgotten with its delete out");
-        assert_ne!(put(&reg, &g, &[&session(3)]), first);
+    /// A release whose delete was answered through a hedge (a sibling try still out) or timed
+    /// out frees its name all the same — the delete compares the token's value, so a late try
+    /// of it cannot touch the next token's key — and is not deleted again before every later
+    /// keepalive of its session: kept, it was one more delete before each keepalive for as long
+    /// as the session lived, for every such release (all of them, in a cluster slower than a
+    /// fifth of the command timeout), and its name was never reused.
+    #[test]
+    fn a_release_whose_delete_may_still_land_frees_its_name() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let held = |key: &TokenKey| {
+            let own = put(&reg, key, &[&s]);
+            reg.set_held(key, &s, 7);
+            reg.end_put(key, true, None);
+            own
+        };
+        let (a, b, c) = (token(), token(), token());
+        let first = held(&a);
+        assert!(reg.leave(&a).is_some());
+        // Its delete was answered, a hedged try of it still out.
+        reg.forget(&a);
+        assert!(!reg.is_registered(&a), "kept for a delete that compares");
+        assert!(
+            reg.doomed(&s, Instant::now(), true).is_empty(),
+            "deleted again before a keepalive"
+        );
+        assert_eq!(held(&b), first, "the name is free");
+
+        // A delete that timed out: the key may still be there, so it goes before the next
+        // keepalive, and then the name is free.
+        assert!(reg.leave(&b).is_some());
+        reg.unwanted(&b);
+        let doomed = reg.doomed(&s, Instant::now(), true);
+        assert_eq!(doomed.len(), 1);
+        reg.pruned(doomed, Instant::now());
+        assert!(!reg.is_registered(&b));
+        assert!(reg.doomed(&s, Instant::now(), true).is_empty());
+        assert_eq!(held(&c), first);
+    }
+
+    /// An idle retired session is revoked in the background. Until etcd answers the
+    /// revocation, a suspect on it keeps its name: a revocation that fails leaves the lease
+    /// alive (up to its class), and the suspect's put landing on it then — a try of a permit
+    /// or hold puts its name whether or not a key has it — would move the name's next key
+    /// (another token's, held on another session) onto the dying lease, whose end deletes it
+    /// while its holder believes it holds.
+    #[test]
+    fn a_suspects_name_is_kept_until_its_sessions_revocation_is_answered() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let (t, t2, t3) = (token(), token(), token());
+        // `t`'s put is on its way (unanswered) when it is released: a suspect, `s` retired.
+        let name = put(&reg, &t, &[&s]);
+        assert!(reg.leave(&t).is_some());
+        reg.forget(&t);
+        assert!(reg.is_registered(&t));
+        assert!(s.retired.load(Ordering::Acquire));
+        // Nothing wanted is on `s`: its revocation is sent.
+        let revoking = reg.revoking(std::slice::from_ref(&s));
+        assert_eq!(revoking.len(), 1);
+        assert!(!s.usable());
+        assert!(
+            reg.revoking(std::slice::from_ref(&s)).is_empty(),
+            "revoked once"
+        );
+        let s2 = session(2);
+        let other = put(&reg, &t2, &[&s2]);
+        assert_ne!(
+            other, name,
+            "reused while the suspect's put may land on a live lease"
+        );
+        assert!(reg.is_registered(&t));
+        // etcd answered: the lease is gone, and a put on it fails.
+        reg.gone(&s);
+        assert!(!reg.is_registered(&t));
+        assert_eq!(put(&reg, &t3, &[&s2]), name);
     }
 
     /// A lock's slots: the lowest free one is taken, past the first 64 too, and a freed one
