@@ -640,20 +640,29 @@ mod tests {
     use crate::backend::{AcquireArgs, Attempt, BoxFuture, MemoryBackend};
     use crate::{LockError, Locker};
 
-    /// The memory backend, with the watchdog's batches held at a gate (after signalling that
-    /// one arrived, and signalling again once it was applied), and a log of every lease length
-    /// in the order the store applied it.
-    struct GatedRenewals {
+    /// The memory backend with test hooks: a log of every lease length an `extend` applied
+    /// (in order), the watchdog's batches held at a gate (`gated`: signalled on arrival, let go
+    /// by the gate, signalled again once applied), extends that fail while `down` is set, and
+    /// batches answered `late` after they were applied.
+    #[derive(Default)]
+    struct Hooked {
         inner: MemoryBackend,
+        gated: Option<Gated>,
+        applied: Arc<Mutex<Vec<Duration>>>,
+        down: Arc<AtomicBool>,
+        late: Duration,
+    }
+
+    #[derive(Clone, Default)]
+    struct Gated {
         arrived: Arc<Notify>,
         gate: Arc<Notify>,
         applied_batch: Arc<Notify>,
-        applied: Arc<Mutex<Vec<Duration>>>,
     }
 
-    impl Backend for GatedRenewals {
+    impl Backend for Hooked {
         fn name(&self) -> &'static str {
-            "gated"
+            "hooked"
         }
         fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
             self.inner.acquire(a)
@@ -672,6 +681,9 @@ mod tests {
             ttl: Duration,
         ) -> BoxFuture<'a, Result<bool, LockError>> {
             Box::pin(async move {
+                if self.down.load(Ordering::SeqCst) {
+                    return Err(LockError::unavailable("down", None));
+                }
                 let out = self.inner.extend(r, t, ttl).await;
                 self.applied.lock().unwrap().push(ttl);
                 out
@@ -682,13 +694,18 @@ mod tests {
             items: &'a [ExtendItem],
         ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
             Box::pin(async move {
-                self.arrived.notify_one();
-                self.gate.notified().await;
+                if let Some(g) = &self.gated {
+                    g.arrived.notify_one();
+                    g.gate.notified().await;
+                }
                 let mut out = Vec::new();
                 for i in items {
                     out.push(self.extend(&i.resource, &i.token, i.ttl).await);
                 }
-                self.applied_batch.notify_one();
+                if let Some(g) = &self.gated {
+                    g.applied_batch.notify_one();
+                }
+                tokio::time::sleep(self.late).await;
                 out
             })
         }
@@ -706,18 +723,16 @@ mod tests {
     /// returned is the extended one.
     #[tokio::test(flavor = "current_thread")]
     async fn watchdog_batch_in_flight_cannot_overwrite_an_extend() {
-        let (arrived, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-        let applied_batch = Arc::new(Notify::new());
-        let applied = Arc::new(Mutex::new(Vec::new()));
+        let gated = Gated::default();
+        let (arrived, gate, applied_batch) = (&gated.arrived, &gated.gate, &gated.applied_batch);
+        let backend = Hooked {
+            gated: Some(gated.clone()),
+            ..Hooked::default()
+        };
+        let applied = backend.applied.clone();
         let locker = Locker::builder()
             .command_timeout(Duration::from_secs(10))
-            .build(GatedRenewals {
-                inner: MemoryBackend::new(),
-                arrived: arrived.clone(),
-                gate: gate.clone(),
-                applied_batch: applied_batch.clone(),
-                applied: applied.clone(),
-            });
+            .build(backend);
         let short = Duration::from_millis(600);
         let long = Duration::from_secs(30);
         let guard = Arc::new(locker.lock("race").ttl(short).acquire().await.unwrap());
@@ -754,18 +769,16 @@ mod tests {
     /// back: the lock stayed a whole TTL past the hold).
     #[tokio::test(flavor = "current_thread")]
     async fn a_renewal_in_flight_cannot_undo_a_release_within_a_minimum_hold() {
-        let (arrived, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-        let applied_batch = Arc::new(Notify::new());
-        let applied = Arc::new(Mutex::new(Vec::new()));
+        let gated = Gated::default();
+        let (arrived, gate, applied_batch) = (&gated.arrived, &gated.gate, &gated.applied_batch);
+        let backend = Hooked {
+            gated: Some(gated.clone()),
+            ..Hooked::default()
+        };
+        let applied = backend.applied.clone();
         let locker = Locker::builder()
             .command_timeout(Duration::from_secs(10))
-            .build(GatedRenewals {
-                inner: MemoryBackend::new(),
-                arrived: arrived.clone(),
-                gate: gate.clone(),
-                applied_batch: applied_batch.clone(),
-                applied: applied.clone(),
-            });
+            .build(backend);
         let ttl = Duration::from_millis(900);
         let guard = locker
             .lock("held")
@@ -792,56 +805,13 @@ mod tests {
         );
     }
 
-    /// A memory backend whose extends fail while `down` is set.
-    struct Flaky {
-        inner: MemoryBackend,
-        down: Arc<AtomicBool>,
-    }
-
-    impl Backend for Flaky {
-        fn name(&self) -> &'static str {
-            "flaky"
-        }
-        fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-            self.inner.acquire(a)
-        }
-        fn release<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.inner.release(r, t)
-        }
-        fn extend<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            if self.down.load(Ordering::SeqCst) {
-                return Box::pin(async { Err(LockError::unavailable("down", None)) });
-            }
-            self.inner.extend(r, t, ttl)
-        }
-        fn abandon<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-        ) -> BoxFuture<'a, Result<(), LockError>> {
-            self.inner.abandon(r, t)
-        }
-    }
-
     /// A dropped guard's hold goes to the background; a retry that lands late sets the lease
     /// to what is left of the hold then, not to what was left at the drop (which kept the lock
     /// that long past the retry, beyond the hold's end).
     #[tokio::test]
     async fn a_late_background_retry_keeps_the_lock_no_longer_than_the_hold() {
-        let down = Arc::new(AtomicBool::new(false));
-        let backend = Arc::new(Flaky {
-            inner: MemoryBackend::new(),
-            down: down.clone(),
-        });
+        let backend = Arc::new(Hooked::default());
+        let down = backend.down.clone();
         let locker = Locker::builder().build(backend.clone());
         let hold = Duration::from_secs(1);
         let taken = Instant::now();
@@ -882,64 +852,14 @@ mod tests {
         );
     }
 
-    /// A memory backend whose renewal batches are applied at once but answered `delay` later.
-    struct LateAnswers {
-        inner: MemoryBackend,
-        delay: Duration,
-    }
-
-    impl Backend for LateAnswers {
-        fn name(&self) -> &'static str {
-            "late"
-        }
-        fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-            self.inner.acquire(a)
-        }
-        fn release<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.inner.release(r, t)
-        }
-        fn extend<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.inner.extend(r, t, ttl)
-        }
-        fn extend_many<'a>(
-            &'a self,
-            items: &'a [ExtendItem],
-        ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
-            Box::pin(async move {
-                let mut out = Vec::new();
-                for i in items {
-                    out.push(self.inner.extend(&i.resource, &i.token, i.ttl).await);
-                }
-                tokio::time::sleep(self.delay).await;
-                out
-            })
-        }
-        fn abandon<'a>(
-            &'a self,
-            r: &'a ResourceName,
-            t: &'a OwnerToken,
-        ) -> BoxFuture<'a, Result<(), LockError>> {
-            self.inner.abandon(r, t)
-        }
-    }
-
     /// A renewal answered after the local lease ran out (the guard was reported lost) does
     /// not put the guard back on the schedule: the holder was told it lost the lock, so the
     /// key is left to expire (it was renewed on, for as long as the guard lived).
     #[tokio::test]
     async fn a_guard_reported_lost_is_not_renewed_by_a_late_answer() {
-        let backend = Arc::new(LateAnswers {
-            inner: MemoryBackend::new(),
-            delay: Duration::from_millis(250),
+        let backend = Arc::new(Hooked {
+            late: Duration::from_millis(250),
+            ..Hooked::default()
         });
         let locker = Locker::builder().build(backend.clone());
         let guard = locker
