@@ -718,13 +718,10 @@ mod tests {
         }
     }
 
-    /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not
-    /// overwrite it: the extend waits for the batch, and every lease applied after the extend
-    /// returned is the extended one.
-    #[tokio::test(flavor = "current_thread")]
-    async fn watchdog_batch_in_flight_cannot_overwrite_an_extend() {
+    /// A locker over a [`Hooked`] backend whose batches wait at a gate, with the gate and the
+    /// log of applied leases.
+    fn gated_locker() -> (Locker, Gated, Arc<Mutex<Vec<Duration>>>) {
         let gated = Gated::default();
-        let (arrived, gate, applied_batch) = (&gated.arrived, &gated.gate, &gated.applied_batch);
         let backend = Hooked {
             gated: Some(gated.clone()),
             ..Hooked::default()
@@ -733,6 +730,16 @@ mod tests {
         let locker = Locker::builder()
             .command_timeout(Duration::from_secs(10))
             .build(backend);
+        (locker, gated, applied)
+    }
+
+    /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not
+    /// overwrite it: the extend waits for the batch, and every lease applied after the extend
+    /// returned is the extended one.
+    #[tokio::test(flavor = "current_thread")]
+    async fn watchdog_batch_in_flight_cannot_overwrite_an_extend() {
+        let (locker, gated, applied) = gated_locker();
+        let (arrived, gate, applied_batch) = (&gated.arrived, &gated.gate, &gated.applied_batch);
         let short = Duration::from_millis(600);
         let long = Duration::from_secs(30);
         let guard = Arc::new(locker.lock("race").ttl(short).acquire().await.unwrap());
@@ -769,16 +776,8 @@ mod tests {
     /// back: the lock stayed a whole TTL past the hold).
     #[tokio::test(flavor = "current_thread")]
     async fn a_renewal_in_flight_cannot_undo_a_release_within_a_minimum_hold() {
-        let gated = Gated::default();
+        let (locker, gated, applied) = gated_locker();
         let (arrived, gate, applied_batch) = (&gated.arrived, &gated.gate, &gated.applied_batch);
-        let backend = Hooked {
-            gated: Some(gated.clone()),
-            ..Hooked::default()
-        };
-        let applied = backend.applied.clone();
-        let locker = Locker::builder()
-            .command_timeout(Duration::from_secs(10))
-            .build(backend);
         let ttl = Duration::from_millis(900);
         let guard = locker
             .lock("held")

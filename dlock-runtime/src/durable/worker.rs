@@ -137,29 +137,17 @@ impl DurableWorker {
     }
 
     /// Puts a claimed job back with backoff (or dead-letters it with `reason` when it used up
-    /// its attempts) and says which.
-    async fn put_back(&self, claim: &Claimed, info: &JobInfo, policy: &DeferPolicy, reason: &str) {
-        self.finish_failed(
-            claim,
-            info,
-            policy.backoff(claim.attempt),
-            policy.max_attempts,
-            reason,
-            false,
-        )
-        .await;
-    }
-
-    /// Puts a claimed job back with the backoff of its current attempt, without counting the
-    /// claim as an attempt: the job could not be tried (its lock backend did not answer), so an
-    /// outage does not use up its attempts and dead-letter it. Its retries keep that pace until
+    /// its attempts) and says which. `untried`: the job could not be tried (its lock backend did
+    /// not answer), so the claim does not count as an attempt — an outage does not use up its
+    /// attempts and dead-letter it — and its retries keep the pace of its current attempt until
     /// the backend answers.
-    async fn put_back_untried(
+    async fn put_back(
         &self,
         claim: &Claimed,
         info: &JobInfo,
         policy: &DeferPolicy,
         reason: &str,
+        untried: bool,
     ) {
         self.finish_failed(
             claim,
@@ -167,7 +155,7 @@ impl DurableWorker {
             policy.backoff(claim.attempt),
             policy.max_attempts,
             reason,
-            true,
+            untried,
         )
         .await;
     }
@@ -228,7 +216,7 @@ impl DurableWorker {
             tracing::warn!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
             let reason = format!("no worker knows the job type `{}`", env.kind);
             let info = info(&env.key).named(env.kind.clone());
-            self.put_back(&claim, &info, &policy, &reason).await;
+            self.put_back(&claim, &info, &policy, &reason, false).await;
             return;
         };
         let runner = runner.clone();
@@ -254,20 +242,20 @@ impl DurableWorker {
             Ok(Some(g)) => g,
             Ok(None) => {
                 let reason = format!("its lock was still busy after {} attempts", claim.attempt);
-                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
                     .await;
                 return;
             }
             // The lock backend is down (503): the job was not tried.
             Err(e) if e.status() == 503 => {
                 let reason = format!("its lock backend did not answer: {e}");
-                self.put_back_untried(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, true)
                     .await;
                 return;
             }
             Err(e) => {
                 let reason = format!("its lock could not be taken: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
                     .await;
                 return;
             }
@@ -295,7 +283,7 @@ impl DurableWorker {
             Err(panic) => {
                 let _ = guard.release().await;
                 let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
-                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
                     .await;
                 return;
             }
@@ -348,7 +336,7 @@ impl DurableWorker {
                 }
                 tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %claim.id, error = %e);
                 let reason = format!("the job failed: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
                     .await;
             }
             Err(panic) => {
@@ -363,7 +351,7 @@ impl DurableWorker {
                     "dlock job worker: the job panicked"
                 );
                 let reason = format!("the job panicked: {message}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
                     .await;
             }
         }
