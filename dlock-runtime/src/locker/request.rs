@@ -612,9 +612,10 @@ async fn wait_for(
     let mut counted: Option<WaitingCount<'_>> = None;
     let mut step = 0u32;
     let fifo = policy.fair && locker.backend().fifo();
-    // When the last attempt that found the lock held was sent. A release that hands the lock
-    // to this waiter does so after that attempt reached the backend, so the handed-over lease
-    // is counted from then: never later than it really started.
+    // When the last attempt that found the lock held was sent. A handoff taken is one noted
+    // after that attempt's answer (those noted before are dropped, below): the release that
+    // made it came after the attempt reached the backend, so the handed-over lease is counted
+    // from then — never later than it really started.
     let mut asked_ns;
     // When a release last woke this waiter: the handoff time runs from there.
     let mut woken: Option<Instant> = None;
@@ -634,9 +635,16 @@ async fn wait_for(
             Err(remaining) => remaining,
         };
         let now = Instant::now();
-        if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
-            handoff(woken);
-            return hold(locker, flight, grant, take).await;
+        // A handoff noted before this answer came is stale: had it still stood when the attempt
+        // reached the backend, the attempt would have found the lock this waiter's and been
+        // granted it. On Redis the pushes come on the attempt's connection, in order, so one
+        // that came first was published before the attempt ran; taken, it made a second
+        // holder once its lease had lapsed and another waiter had the lock. Elsewhere (a
+        // notification on another connection) a handoff made after the attempt may come first
+        // too: dropped, its wake-up is still stored, and the next attempt finds the lock this
+        // waiter's and takes it — one round trip more.
+        if let Some(w) = &watch {
+            let _ = w.take_handoff();
         }
         if now >= deadline {
             // Leave the queue before reporting, so the caller's next move sees it gone.
@@ -965,5 +973,86 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// A backend that answers every attempt "held", and hands the lock over (as a release's
+    /// push would) just before answering its `handoff_at`-th attempt: a handoff that came
+    /// before an attempt's "held" answer was made before that attempt ran, so it is stale.
+    struct StaleHandoff {
+        hub: std::sync::Arc<crate::backend::ReleaseHub>,
+        attempts: AtomicUsize,
+        handoff_at: usize,
+    }
+
+    impl crate::backend::Backend for StaleHandoff {
+        fn name(&self) -> &'static str {
+            "stale-handoff"
+        }
+
+        fn acquire<'a>(
+            &'a self,
+            args: crate::backend::AcquireArgs<'a>,
+        ) -> BoxFuture<'a, Result<crate::backend::Attempt, LockError>> {
+            if self.attempts.fetch_add(1, Ordering::SeqCst) + 1 == self.handoff_at {
+                self.hub
+                    .hand_over(args.resource.as_str(), args.token.as_str(), 7);
+            }
+            Box::pin(std::future::ready(Ok(crate::backend::Attempt::Held {
+                remaining: None,
+            })))
+        }
+
+        fn release<'a>(
+            &'a self,
+            _: &'a crate::key::ResourceName,
+            _: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            Box::pin(std::future::ready(Ok(false)))
+        }
+
+        fn extend<'a>(
+            &'a self,
+            _: &'a crate::key::ResourceName,
+            _: &'a crate::backend::OwnerToken,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            Box::pin(std::future::ready(Ok(false)))
+        }
+
+        fn abandon<'a>(
+            &'a self,
+            _: &'a crate::key::ResourceName,
+            _: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+
+        fn watch<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<Watch, LockError>> {
+            let (watch, _) = self.hub.register(resource, token, None);
+            Box::pin(std::future::ready(Ok(watch)))
+        }
+    }
+
+    /// A handoff noted before an attempt's "held" answer is not taken: the lock was not this
+    /// waiter's when the attempt ran (it was taken as a grant, a second holder).
+    #[tokio::test]
+    async fn a_handoff_older_than_a_held_answer_is_not_taken() {
+        // Attempt 1, the subscription, attempt 2 (the handoff comes just before its answer).
+        let locker = Locker::builder().build(StaleHandoff {
+            hub: crate::backend::ReleaseHub::new(),
+            attempts: AtomicUsize::new(0),
+            handoff_at: 2,
+        });
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::retry(Duration::from_millis(300)))
+            .acquire()
+            .await
+            .expect_err("a stale handoff was taken for a grant");
+        assert!(err.is_timeout(), "{err}");
     }
 }
