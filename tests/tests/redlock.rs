@@ -328,6 +328,83 @@ async fn startup_without_a_majority_is_a_typed_error() {
     assert!(err.is_unavailable(), "{err}");
 }
 
+/// One node that refuses every write at once (a node at `maxmemory` with `noeviction` does the
+/// same; here `min-replicas-to-write`), the lock held by another locker: every attempt is
+/// "held" (wait), never "unavailable" (503), whichever nodes answer first. The fast failure
+/// and one "held" decided the attempt before the third node answered, and the node not
+/// waited for was counted as failed: a 503 on most attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_failing_fast_beside_a_holder_is_contention_not_an_outage() {
+    let servers = start_many(3);
+    let a = redlock(&servers, Locker::builder()).await;
+    let b = redlock(&servers, Locker::builder()).await;
+    let held = a.lock("rl:fast-fail").acquire().await.unwrap();
+    let _: () = servers[2]
+        .query(
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("min-replicas-to-write")
+                .arg(1),
+        )
+        .await;
+    for i in 0..30 {
+        match b.lock("rl:fast-fail").try_acquire().await {
+            Ok(None) => {}
+            other => panic!("attempt {i}: {other:?}"),
+        }
+    }
+    held.release().await.unwrap();
+}
+
+/// A node whose connection hangs (it accepts TCP and never answers) does not hold up a
+/// waiter's subscription: the two healthy nodes carry the release notification, and the
+/// waiter takes the lock when it frees. The subscription waited for every node, and its
+/// deadline ended the wait with a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_node_does_not_hold_up_a_waiters_subscription() {
+    let servers = start_many(2);
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut nodes = urls(&servers);
+    nodes.push(format!("redis://{}", mute.local_addr().unwrap()));
+    let locker = || async {
+        let opts = RedlockOptions::default()
+            .node_timeout(Duration::from_millis(100))
+            .connect_timeout(Duration::from_millis(300));
+        let backend = connect(&nodes, opts).await.expect("a majority answers");
+        Locker::builder().try_build(backend).unwrap()
+    };
+    let (a, b) = (locker().await, locker().await);
+    let held = a.lock("rl:hung").acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move {
+            b.lock("rl:hung")
+                .on_fail(OnFail::retry(Duration::from_secs(10)))
+                .acquire()
+                .await
+        }
+    });
+    // Counted as waiting once subscribed (and asked again since).
+    let start = Instant::now();
+    while b.waiting() == 0 {
+        if waiter.is_finished() {
+            panic!(
+                "the waiter never got to wait: {:?}",
+                waiter.await.unwrap().err()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the waiter never got to wait"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    held.release().await.unwrap();
+    let got = waiter.await.unwrap();
+    assert!(got.is_ok(), "{:?}", got.err());
+    drop(mute);
+}
+
 /// Now, in µs since the epoch: the unit of fencing tokens drawn from a clock.
 fn now_us() -> u64 {
     std::time::SystemTime::now()

@@ -520,12 +520,16 @@ impl Backend for RedlockBackend {
             }
             // Failed: undo on every node, answered or not.
             self.undo_everywhere(resource, token).await;
+            // Unavailable when the nodes that failed are too many for a majority, whatever
+            // the others say; otherwise someone holds it. The nodes not waited for (the
+            // outcome was decided without them) are neither: counted as failures, the answer
+            // hung on which nodes answered first — one node failing fast beside a "held" made
+            // every contended attempt a 503 (a minority down must not fail the lock).
             let failed = votes
                 .iter()
                 .filter(|(_, v)| matches!(v, Vote::Failed(_)))
                 .count();
-            let unanswered = self.inner.nodes.len() - votes.len();
-            if failed + unanswered > self.inner.nodes.len() - self.inner.quorum {
+            if failed > self.inner.nodes.len() - self.inner.quorum {
                 return Err(LockError::unavailable(
                     self.describe("acquire", &votes),
                     None,
@@ -645,16 +649,18 @@ impl Backend for RedlockBackend {
             });
             let (watch, _) = self.inner.hub.register(resource, token, Some(on_last));
             // Notifications from any node will do; a node that cannot subscribe now is skipped
-            // (the fallback timer covers it).
+            // (the fallback timer covers it) — within the node timeout, like every node call:
+            // a node whose connection hangs must not hold up the wait.
+            let limit = self.inner.opts.node_timeout;
             let ok = futures_util::future::join_all(
                 self.inner
                     .nodes
                     .iter()
-                    .map(|n| n.ensure_subscribed(resource)),
+                    .map(|n| tokio::time::timeout(limit, n.ensure_subscribed(resource))),
             )
             .await
             .into_iter()
-            .filter(Result::is_ok)
+            .filter(|r| matches!(r, Ok(Ok(()))))
             .count();
             if ok == 0 {
                 return Err(LockError::unavailable(
