@@ -370,6 +370,12 @@ impl Watchdog {
                 state.mark_lost("extend found another owner");
                 Err(crate::LockError::lost(state.resource.key().as_str()))
             }
+            // Refused as invalid (a TTL this backend cannot take): nothing was sent, so
+            // nothing changed — the lease and the TTL the watchdog renews stay as they were.
+            Err(e) if e.is_invalid() => {
+                pending.armed = false;
+                Err(e)
+            }
             // `pending` settles the unknown outcome on drop.
             Err(e) => Err(e),
         }

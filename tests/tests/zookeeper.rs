@@ -390,6 +390,25 @@ async fn a_ttl_beyond_the_session_is_refused() {
         "{err}"
     );
     assert!(err.to_string().contains("session timeout"), "{err}");
+
+    // An extend to such a TTL is refused the same way, and changes nothing: the lock keeps
+    // its lease and its renewals (it was taken, the local lease capped at the session, while
+    // the renewals, due at a third of the new TTL, came after that: lost, the node kept).
+    let guard = l
+        .lock("long")
+        .ttl(Duration::from_secs(3))
+        .acquire()
+        .await
+        .unwrap();
+    let err = guard.extend(Duration::from_secs(10)).await.unwrap_err();
+    assert!(
+        matches!(err, dlock_runtime::LockError::InvalidTtl { .. }),
+        "{err}"
+    );
+    let lost = tokio::time::timeout(Duration::from_secs(4), guard.lost()).await;
+    assert!(lost.is_err(), "the lock was lost after a refused extend");
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
 }
 
 /// The leader is killed while a lock is held: the lock survives (still held, renewed, nobody
@@ -547,6 +566,9 @@ async fn a_lock_whose_lease_outlasts_an_outage_keeps_its_session() {
     let b = locker(&zk.url()).await;
     let ttl = Duration::from_secs(20);
     let held = a.lock("kept").ttl(ttl).acquire().await.unwrap();
+    // Another locker holds the lock `outage` tries meanwhile, so that lock's directory stays:
+    // a create sent during the outage lands in it once the servers are back.
+    let blocker = b.lock("during").ttl(ttl).acquire().await.unwrap();
     let before = backend.session_id();
     outage(&mut zk, &a, Duration::from_secs(3)).await;
     // The client comes back by itself (at its next round) on the same session.
@@ -562,12 +584,49 @@ async fn a_lock_whose_lease_outlasts_an_outage_keeps_its_session() {
         before,
         "a session was given up while a lease on it was live"
     );
+    // The tries made during the outage were answered 503 and undone in vain (no server):
+    // their creates, kept by the client, were applied once it had a server again, queued
+    // behind the blocker. Their nodes (a fresh lease each, no guard) are deleted then, by
+    // their owner — nothing else would, short of another attempt on that lock.
+    let dir = format!(
+        "/dlock/{}",
+        a.resource(LockKey::new("during").unwrap()).as_str()
+    );
+    let raw = zookeeper_client::Client::connect(zk.url().trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || {
+            let kids = match raw.list_children(&dir).await {
+                Ok(kids) => kids,
+                Err(zookeeper_client::Error::NoNode) => return Ok(()),
+                Err(e) => return Err(e.to_string()),
+            };
+            let mut left = 0;
+            for kid in &kids {
+                let stat = raw.check_stat(&format!("{dir}/{kid}")).await;
+                if let Ok(Some(stat)) = stat {
+                    left += usize::from(stat.ephemeral_owner == before);
+                }
+            }
+            match left {
+                0 => Ok(()),
+                n => Err(format!(
+                    "{n} nodes of the outage's tries left on the session"
+                )),
+            }
+        },
+    )
+    .await;
     assert!(held.is_held(), "the lock was lost");
     assert!(
         try_take(&b, "kept", ttl).await.is_err(),
         "another locker took a lock that is still held"
     );
     held.release().await.unwrap();
+    blocker.release().await.unwrap();
 }
 
 /// A locker on a backend the test can look into.

@@ -69,7 +69,8 @@
 //! the negotiated session timeout ([`Backend::lease_margin`] is `ttl − session timeout` for
 //! longer TTLs): [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session
 //! timeout by the local clock, before the server can let the next holder in. A TTL above twice
-//! the session timeout is refused with [`LockError::InvalidTtl`] (the watchdog renews every
+//! the session timeout is refused with [`LockError::InvalidTtl`], by an acquire and by an
+//! extend alike (the lease then stays as it was; the watchdog renews every
 //! TTL/3, which must come before the session's bound); raise the server's `maxSessionTimeout`
 //! and [`ZkOptions::session_timeout`] (or `?session_timeout_ms=`) for longer TTLs. The session
 //! timeout is what the server grants: between its `minSessionTimeout` (default 2 ticks) and
@@ -85,7 +86,11 @@
 //! survive that. When the session expires, its nodes are gone: renewals answer "not the owner"
 //! (the guards are lost, if their local lease had not already ended), and the backend opens a
 //! new session for the next calls. ZooKeeper applies one session's requests in the order they
-//! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made.
+//! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made. An
+//! `abandon` that gets no answer (no server) leaves the attempt unsettled: the client keeps
+//! the `create` and sends it once it has a server, so a task looks the node up again then, and
+//! deletes it (it would otherwise hold the lock for a lease nobody counts on, and stay on a
+//! lock nobody tries again for the life of the session).
 //!
 //! **After an outage.** The client reconnects by itself, but waits twice as long after every round
 //! over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …), so after
@@ -107,7 +112,7 @@
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
 //! as an attempt judges them, by the ensemble's clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -460,6 +465,13 @@ struct Own {
 /// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
 type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
 
+/// Abandons that got no answer (no server, or no answer in time), by lock and owner token. The
+/// `create` of the attempt they undo may still be applied: the client keeps requests while it
+/// has no server and sends them when it has one again, so the node can appear after every
+/// undo the locker tried, with a fresh lease and no guard. A task per entry
+/// ([`ZkBackend::look_again`]) finds it then.
+type Unsettled = Arc<Mutex<HashSet<(Arc<str>, OwnerToken)>>>;
+
 /// Locks in ZooKeeper. See the [module docs](self) for the recipe, fencing and leases.
 #[derive(Clone)]
 pub struct ZkBackend {
@@ -469,6 +481,7 @@ pub struct ZkBackend {
     hub: Arc<ReleaseHub>,
     owned: Owned,
     watchers: Watchers,
+    unsettled: Unsettled,
 }
 
 impl fmt::Debug for ZkBackend {
@@ -629,6 +642,7 @@ impl ZkBackend {
             hub: ReleaseHub::new(),
             owned: Arc::default(),
             watchers: Arc::default(),
+            unsettled: Arc::default(),
         })
     }
 
@@ -702,6 +716,21 @@ impl ZkBackend {
         }
     }
 
+    /// Refuses a TTL over twice the session timeout (see the module docs), for an acquire
+    /// and an extend alike.
+    fn check_ttl(&self, ttl: Duration) -> Result<(), LockError> {
+        let session = self.session.timeout();
+        if ttl > session * 2 {
+            return Err(LockError::InvalidTtl {
+                ttl,
+                reason: format!(
+                    "the ZooKeeper backend takes TTLs up to twice its session timeout ({session:?}); raise the server's maxSessionTimeout and the session timeout"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn key(resource: &ResourceName, token: &OwnerToken) -> (Arc<str>, OwnerToken) {
         (resource.shared(), token.clone())
     }
@@ -750,6 +779,11 @@ impl ZkBackend {
     /// written since is left. Records of a session given up ([`Session`]) are dropped without
     /// a delete: their nodes go with it.
     fn sweep(&self, c: &Arc<Client>) {
+        // A call answered on a client replaced meanwhile: the records to keep are the current
+        // session's, which this one cannot tell apart from a dead session's. Left to the next.
+        if !self.session.is_current(c) {
+            return;
+        }
         let now = self.session.now_ms();
         let margin = millis(self.session.timeout());
         let session = c.session_id().0;
@@ -1109,6 +1143,84 @@ impl ZkBackend {
     }
 }
 
+/// An abandon not answered yet: dropped armed, it notes the attempt as unsettled
+/// ([`ZkBackend::look_again`]).
+struct Unanswered<'a> {
+    backend: &'a ZkBackend,
+    resource: &'a ResourceName,
+    token: &'a OwnerToken,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.backend.look_again(self.resource, self.token);
+        }
+    }
+}
+
+impl ZkBackend {
+    /// Notes `token`'s attempt on `resource` as unsettled and, unless a task already looks
+    /// for its node, starts one (see [`Unsettled`]). The task waits for the session to have a
+    /// server, then looks the node up and deletes it: ZooKeeper applies a session's requests in
+    /// the order they were sent, so once the look-up is answered the `create` has been applied
+    /// or never will be. It stops as soon as that look-up is answered, a later abandon of the
+    /// same attempt was answered, or the session was given up or expired (its nodes go with
+    /// it); it holds the client, so the session it was on is kept no longer than that.
+    fn look_again(&self, resource: &ResourceName, token: &OwnerToken) {
+        let key = Self::key(resource, token);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self
+            .unsettled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone())
+        {
+            return;
+        }
+        let (session, unsettled) = (self.session.clone(), self.unsettled.clone());
+        let (c, dir) = (session.current(), self.dir(resource.as_str()));
+        let probe = key.clone();
+        let still = move |unsettled: &Unsettled| {
+            unsettled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(&probe)
+        };
+        rt.spawn(async move {
+            let limit = session.opts.command_timeout;
+            while still(&unsettled) && session.is_current(&c) && !c.state().is_terminated() {
+                if c.state() == SessionState::SyncConnected {
+                    let found = tokio::time::timeout(limit, Self::find_by_token(&c, &dir, &key.1));
+                    match found.await {
+                        Ok(Ok(None)) => break,
+                        Ok(Ok(Some((name, _)))) => {
+                            let path = format!("{dir}/{name}");
+                            let deleted = tokio::time::timeout(limit, c.delete(&path, None));
+                            if let Ok(Ok(()) | Err(ZkError::NoNode)) = deleted.await {
+                                tracing::debug!(
+                                    "zookeeper: deleted the node of an attempt whose undo \
+                                     had no answer"
+                                );
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            unsettled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&key);
+        });
+    }
+}
+
 impl Backend for ZkBackend {
     fn name(&self) -> &'static str {
         "zookeeper"
@@ -1124,15 +1236,7 @@ impl Backend for ZkBackend {
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
-            let session = self.session.timeout();
-            if args.ttl > session * 2 {
-                return Err(LockError::InvalidTtl {
-                    ttl: args.ttl,
-                    reason: format!(
-                        "the ZooKeeper backend takes TTLs up to twice its session timeout ({session:?}); raise the server's maxSessionTimeout and the session timeout"
-                    ),
-                });
-            }
+            self.check_ttl(args.ttl)?;
             self.bounded("acquire", self.attempt(&args)).await
         })
     }
@@ -1166,6 +1270,7 @@ impl Backend for ZkBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(self.bounded("extend", async move {
+            self.check_ttl(ttl)?;
             let c = self.session.client().await?;
             let dir = self.dir(resource.as_str());
             let Some(name) = self.find_own(&c, &dir, resource, token).await? else {
@@ -1187,21 +1292,43 @@ impl Backend for ZkBackend {
         resource: &'a ResourceName,
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
-        Box::pin(self.bounded("abandon", async move {
-            self.stop_watch(resource, token);
-            let c = self.session.client().await?;
-            let dir = self.dir(resource.as_str());
-            // Requests of one session are applied in the order they were sent: a `create` of
-            // a cancelled attempt is applied before this look-up, so its node is found.
-            if let Some(name) = self.find_own(&c, &dir, resource, token).await? {
-                match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
-                    Ok(()) | Err(ZkError::NoNode) => {}
-                    Err(e) => return Err(unavailable("delete", e)),
-                }
+        // Until this undo is answered (also if it is dropped), the node of the attempt it
+        // undoes may still appear: looked for again once the session has a server.
+        let mut unanswered = Unanswered {
+            backend: self,
+            resource,
+            token,
+            armed: true,
+        };
+        Box::pin(async move {
+            let out = self
+                .bounded("abandon", async move {
+                    self.stop_watch(resource, token);
+                    let c = self.session.client().await?;
+                    let dir = self.dir(resource.as_str());
+                    // Requests of one session are applied in the order they were sent: a
+                    // `create` of a cancelled attempt is applied before this look-up, so its
+                    // node is found.
+                    if let Some(name) = self.find_own(&c, &dir, resource, token).await? {
+                        match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
+                            Ok(()) | Err(ZkError::NoNode) => {}
+                            Err(e) => return Err(unavailable("delete", e)),
+                        }
+                    }
+                    self.forget(resource, token);
+                    Ok(())
+                })
+                .await;
+            if out.is_ok() {
+                unanswered.armed = false;
+                self.unsettled
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&Self::key(resource, token));
             }
-            self.forget(resource, token);
-            Ok(())
-        }))
+            drop(unanswered);
+            out
+        })
     }
 
     fn watch<'a>(
