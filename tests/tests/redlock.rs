@@ -405,6 +405,39 @@ async fn a_hung_node_does_not_hold_up_a_waiters_subscription() {
     drop(mute);
 }
 
+/// An undo that did not reach enough nodes for the others to make a quorum is not done: it
+/// answers `Unavailable`, so the locker keeps retrying it in the background (it answered `Ok`
+/// whatever the nodes said, and a grant landing late on a majority stayed to its TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undo_that_missed_a_majority_is_not_done() {
+    use dlock_runtime::backend::{Backend as _, OwnerToken};
+    use dlock_runtime::LockKey;
+
+    let mut servers = start_many(3);
+    let opts = RedlockOptions::default().node_timeout(Duration::from_millis(100));
+    let backend = connect(&urls(&servers), opts).await.unwrap();
+    let locker = Locker::builder().build(backend.clone());
+    let resource = locker.resource(LockKey::new("rl:undo").unwrap());
+    let token = OwnerToken::generate();
+    backend
+        .abandon(&resource, &token)
+        .await
+        .expect("every node undid it");
+    servers[0].pause();
+    servers[1].pause();
+    let err = backend
+        .abandon(&resource, &token)
+        .await
+        .expect_err("undone on one node of three");
+    assert!(err.is_unavailable(), "{err}");
+    servers[1].resume();
+    backend
+        .abandon(&resource, &token)
+        .await
+        .expect("two of three undid it: no majority can be left");
+    servers[0].resume();
+}
+
 /// Now, in µs since the epoch: the unit of fencing tokens drawn from a clock.
 fn now_us() -> u64 {
     std::time::SystemTime::now()

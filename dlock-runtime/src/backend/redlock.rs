@@ -390,12 +390,15 @@ impl RedlockBackend {
         }
     }
 
-    async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) {
+    /// Undoes `token`'s attempt on every node; answers how many nodes confirmed it.
+    async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) -> usize {
         futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
-            let _ = tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token))
-                .await;
+            tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token)).await
         }))
-        .await;
+        .await
+        .into_iter()
+        .filter(|r| matches!(r, Ok(Ok(()))))
+        .count()
     }
 }
 
@@ -630,7 +633,20 @@ impl Backend for RedlockBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
-            self.undo_everywhere(resource, token).await;
+            // A grant that lands late on nodes the undo did not reach blocks the others only
+            // when they are too many for the rest to make a quorum: then the undo is not done,
+            // and the locker retries it in the background.
+            let undone = self.undo_everywhere(resource, token).await;
+            let n = self.inner.nodes.len();
+            if n - undone > n - self.inner.quorum {
+                return Err(LockError::unavailable(
+                    format!(
+                        "redlock abandon: undone on {undone} of {n} nodes, quorum {}",
+                        self.inner.quorum
+                    ),
+                    None,
+                ));
+            }
             Ok(())
         })
     }
