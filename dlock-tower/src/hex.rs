@@ -1,4 +1,4 @@
-//! The crate's one hex codec (stored requests, body digests).
+//! The crate's one hex codec (stored requests, body digests, percent-escapes in paths).
 
 use std::fmt::Write as _;
 
@@ -12,7 +12,6 @@ pub(crate) fn encode(bytes: &[u8]) -> String {
 }
 
 /// Decodes lowercase or uppercase hex. Works on bytes, so no input can make it panic.
-#[cfg_attr(not(feature = "defer"), allow(dead_code))]
 pub(crate) fn decode(s: &str) -> Result<Vec<u8>, &'static str> {
     fn digit(b: u8) -> Result<u8, &'static str> {
         match b {

@@ -32,12 +32,13 @@ pub(crate) fn normalised_path(path: &str) -> Cow<'_, str> {
     let mut out = String::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
-        let escaped = (bytes[i] == b'%')
-            .then(|| Some((hex(*bytes.get(i + 1)?)?, hex(*bytes.get(i + 2)?)?)))
-            .flatten();
-        match escaped {
-            Some((hi, lo)) => {
-                let c = char::from(hi << 4 | lo);
+        let escaped = path
+            .get(i + 1..i + 3)
+            .filter(|_| bytes[i] == b'%')
+            .and_then(|digits| crate::hex::decode(digits).ok());
+        match escaped.as_deref() {
+            Some(&[byte]) => {
+                let c = char::from(byte);
                 if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '~') {
                     out.push(c);
                 } else {
@@ -46,7 +47,7 @@ pub(crate) fn normalised_path(path: &str) -> Cow<'_, str> {
                 }
                 i += 3;
             }
-            None => {
+            _ => {
                 // Not an escape (a lone `%`, or one without two hex digits): kept as sent. The
                 // path is ASCII (a `Uri` holds no other bytes), so a byte is a char.
                 out.push(char::from(bytes[i]));
@@ -55,10 +56,6 @@ pub(crate) fn normalised_path(path: &str) -> Cow<'_, str> {
         }
     }
     Cow::Owned(out)
-}
-
-fn hex(b: u8) -> Option<u8> {
-    char::from(b).to_digit(16).map(|d| d as u8)
 }
 
 #[cfg(test)]

@@ -59,7 +59,6 @@ fn defer_layer(
 }
 
 /// Holds the lock that a request with `idempotency-key: <key>` needs.
-#[cfg(feature = "defer")]
 async fn hold(locker: &Locker, key: &str) -> dlock_runtime::LockGuard {
     let resource = format!("hdr:idempotency-key:{key}");
     locker.lock(resource).acquire().await.unwrap()
