@@ -88,8 +88,8 @@
 //! new session for the next calls. ZooKeeper applies one session's requests in the order they
 //! were sent, so an `abandon` after a cancelled `create` finds the node the `create` made. An
 //! `abandon` that gets no answer (no server) leaves the attempt unsettled: the client keeps
-//! the `create` and sends it once it has a server, so a task looks the node up again then, and
-//! deletes it (it would otherwise hold the lock for a lease nobody counts on, and stay on a
+//! the `create` and sends it once it has a server, so the backend's one task for such attempts
+//! looks the node up again then, and deletes it (it would otherwise hold the lock for a lease nobody counts on, and stay on a
 //! lock nobody tries again for the life of the session).
 //!
 //! **After an outage.** The client reconnects by itself, but waits twice as long after every round
@@ -112,7 +112,7 @@
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
 //! as an attempt judges them, by the ensemble's clock.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -465,12 +465,17 @@ struct Own {
 /// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
 type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
 
-/// Abandons that got no answer (no server, or no answer in time), by lock and owner token. The
-/// `create` of the attempt they undo may still be applied: the client keeps requests while it
-/// has no server and sends them when it has one again, so the node can appear after every
-/// undo the locker tried, with a fresh lease and no guard. A task per entry
-/// ([`ZkBackend::look_again`]) finds it then.
-type Unsettled = Arc<Mutex<HashSet<(Arc<str>, OwnerToken)>>>;
+/// Abandons that got no answer (no server, or no answer in time): each attempt's node
+/// directory, by lock and owner token. The `create` of the attempt they undo may still be
+/// applied: the client keeps requests while it has no server and sends them when it has one
+/// again, so the node can appear after every undo the locker tried, with a fresh lease and no
+/// guard. One task per backend ([`ZkBackend::look_again`]) finds such nodes then; `running`
+/// says whether it is at work.
+#[derive(Default)]
+struct Unsettled {
+    attempts: Mutex<HashMap<(Arc<str>, OwnerToken), String>>,
+    running: std::sync::atomic::AtomicBool,
+}
 
 /// Locks in ZooKeeper. See the [module docs](self) for the recipe, fencing and leases.
 #[derive(Clone)]
@@ -481,7 +486,7 @@ pub struct ZkBackend {
     hub: Arc<ReleaseHub>,
     owned: Owned,
     watchers: Watchers,
-    unsettled: Unsettled,
+    unsettled: Arc<Unsettled>,
 }
 
 impl fmt::Debug for ZkBackend {
@@ -1161,62 +1166,82 @@ impl Drop for Unanswered<'_> {
 }
 
 impl ZkBackend {
-    /// Notes `token`'s attempt on `resource` as unsettled and, unless a task already looks
-    /// for its node, starts one (see [`Unsettled`]). The task waits for the session to have a
-    /// server, then looks the node up and deletes it: ZooKeeper applies a session's requests in
-    /// the order they were sent, so once the look-up is answered the `create` has been applied
-    /// or never will be. It stops as soon as that look-up is answered, a later abandon of the
-    /// same attempt was answered, or the session was given up or expired (its nodes go with
-    /// it); it holds the client, so the session it was on is kept no longer than that.
+    /// Notes `token`'s attempt on `resource` as unsettled, and starts the backend's task that
+    /// settles them unless it runs already (see [`Unsettled`]). The task waits for the session
+    /// to have a server, then looks each attempt's node up and deletes it: ZooKeeper applies
+    /// a session's requests in the order they were sent, so once a look-up is answered the
+    /// `create` has been applied or never will be. An attempt is settled by that answer, by a
+    /// later abandon of it that was answered, or by the end of the session it was on (its
+    /// nodes go with it: a look-up on a newer session does not find them). The task ends
+    /// when none is left.
     fn look_again(&self, resource: &ResourceName, token: &OwnerToken) {
-        let key = Self::key(resource, token);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if !self
-            .unsettled
+        self.unsettled
+            .attempts
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(key.clone())
-        {
+            .insert(Self::key(resource, token), self.dir(resource.as_str()));
+        if self.unsettled.running.swap(true, Ordering::AcqRel) {
             return;
         }
         let (session, unsettled) = (self.session.clone(), self.unsettled.clone());
-        let (c, dir) = (session.current(), self.dir(resource.as_str()));
-        let probe = key.clone();
-        let still = move |unsettled: &Unsettled| {
-            unsettled
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .contains(&probe)
-        };
         rt.spawn(async move {
             let limit = session.opts.command_timeout;
-            while still(&unsettled) && session.is_current(&c) && !c.state().is_terminated() {
+            let attempts = || {
+                unsettled
+                    .attempts
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+            };
+            loop {
+                let left: Vec<_> = attempts()
+                    .iter()
+                    .map(|(k, dir)| (k.clone(), dir.clone()))
+                    .collect();
+                if left.is_empty() {
+                    unsettled.running.store(false, Ordering::Release);
+                    // One noted after the look but before the flag went down is this task's.
+                    if attempts().is_empty() || unsettled.running.swap(true, Ordering::AcqRel) {
+                        return;
+                    }
+                    continue;
+                }
+                let c = session.current();
+                if c.state().is_terminated() {
+                    // Every session the attempts were on has ended: their nodes are gone.
+                    attempts().clear();
+                    continue;
+                }
                 if c.state() == SessionState::SyncConnected {
-                    let found = tokio::time::timeout(limit, Self::find_by_token(&c, &dir, &key.1));
-                    match found.await {
-                        Ok(Ok(None)) => break,
-                        Ok(Ok(Some((name, _)))) => {
-                            let path = format!("{dir}/{name}");
-                            let deleted = tokio::time::timeout(limit, c.delete(&path, None));
-                            if let Ok(Ok(()) | Err(ZkError::NoNode)) = deleted.await {
-                                tracing::debug!(
-                                    "zookeeper: deleted the node of an attempt whose undo \
-                                     had no answer"
-                                );
-                                break;
+                    for (key, dir) in left {
+                        let found =
+                            tokio::time::timeout(limit, Self::find_by_token(&c, &dir, &key.1));
+                        let settled = match found.await {
+                            Ok(Ok(None)) => true,
+                            Ok(Ok(Some((name, _)))) => {
+                                let path = format!("{dir}/{name}");
+                                let deleted = tokio::time::timeout(limit, c.delete(&path, None));
+                                let done =
+                                    matches!(deleted.await, Ok(Ok(()) | Err(ZkError::NoNode)));
+                                if done {
+                                    tracing::debug!(
+                                        "zookeeper: deleted the node of an attempt whose undo \
+                                         had no answer"
+                                    );
+                                }
+                                done
                             }
+                            _ => false,
+                        };
+                        if settled {
+                            attempts().remove(&key);
                         }
-                        _ => {}
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            unsettled
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&key);
         });
     }
 }
@@ -1322,6 +1347,7 @@ impl Backend for ZkBackend {
             if out.is_ok() {
                 unanswered.armed = false;
                 self.unsettled
+                    .attempts
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(&Self::key(resource, token));
