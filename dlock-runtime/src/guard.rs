@@ -19,7 +19,9 @@ use crate::LockError;
 /// * [`release`](LockGuard::release) releases and tells you whether the lock was still yours.
 /// * Dropping the guard releases it in the background without blocking the current thread;
 ///   the release is owner-checked, so a guard whose lock expired and was taken by someone else
-///   never releases the new owner's lock. With no tokio runtime alive, the TTL ends the lock.
+///   never releases the new owner's lock. It is released even when dropped off any tokio
+///   runtime, or after the runtime that ran the locker's background task shut down (the task
+///   moves to a fallback thread).
 #[must_use = "the lock is released when the guard is dropped"]
 pub struct LockGuard {
     lease: Lease,

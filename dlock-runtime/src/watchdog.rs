@@ -11,8 +11,8 @@
 //!   lease: on waking, the lease is checked before anything is sent.
 //! * **Releases from `Drop`.** `LockGuard::drop` and the drop of a cancelled acquire cannot
 //!   await; they send the owner-checked release (or abandon) to this task over an unbounded
-//!   channel, which never blocks the dropping thread. With no runtime alive, nothing runs and
-//!   the TTL ends the lock.
+//!   channel, which never blocks the dropping thread. A guard dropped on a thread with no
+//!   runtime is released too: the task runs on the fallback thread (below) if it ran nowhere.
 //!
 //! Release and drop remove the guard from the schedule before the release script runs, and a
 //! release waits for a renewal already on its way (the guard's turn, below), so no renewal lands
@@ -26,8 +26,13 @@
 //!   overwrite it. After `extend(t)` the server's expiry, the local lease end (set exactly, so
 //!   it can move *earlier*) and the next renewal (due `t/3` later, renewing `t`) all follow `t`.
 //!
-//! The task is spawned lazily on the runtime of the first caller that needs it, and respawned
-//! if that runtime went away; the schedule lives outside the task, so nothing is lost.
+//! The task is spawned lazily on the runtime of the first caller that needs it. The schedule
+//! and the command queue live outside the task, and the task does not depend on that runtime
+//! outliving the locker: if it shuts down (an actix-web worker restarting, a set-up runtime
+//! dropped), the task's `Host` moves it, queue and all, to one process-wide fallback thread
+//! (`dlock-watchdog`, started on first need), a renewal batch cut off on its way puts its
+//! guards back on the schedule, due at once (`Batch`), and a background release cut off puts
+//! its command back on the queue with what is left of its time (`Resend`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -405,35 +410,43 @@ impl Watchdog {
 
     fn send(self: &Arc<Self>, cmd: Cmd) {
         if let Some(tx) = self.ensure_running() {
-            // Fails only if the task died since; then the TTL ends the lock.
+            // The queue lives as long as the watchdog (a task whose runtime shut down hands it
+            // to the next), so this fails only while the locker itself is being dropped.
             let _ = tx.send(cmd);
         } else {
-            tracing::debug!("no tokio runtime to release a dropped lock; its TTL will end it");
+            tracing::warn!(
+                "dlock could not start a thread to release a dropped lock; its TTL will end it"
+            );
         }
     }
 
-    /// The command channel of a live task, spawning the task if needed (and possible).
+    /// The command queue of a live task, spawning the task if needed: on the caller's runtime,
+    /// or on the fallback runtime when the caller is on none (a guard dropped on a plain thread).
     fn ensure_running(self: &Arc<Self>) -> Option<mpsc::UnboundedSender<Cmd>> {
         let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(t) = tx.as_ref().filter(|t| !t.is_closed()) {
             return Some(t.clone());
         }
-        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let rt = match tokio::runtime::Handle::try_current() {
+            Ok(rt) => rt,
+            Err(_) => fallback_runtime()?.clone(),
+        };
         let (t, rx) = mpsc::unbounded_channel();
-        rt.spawn(run(
-            Arc::downgrade(self),
-            self.backend.clone(),
-            self.command_timeout,
-            self.wake.clone(),
-            rx,
-        ));
+        rt.spawn(run(Host {
+            watchdog: Arc::downgrade(self),
+            backend: self.backend.clone(),
+            command_timeout: self.command_timeout,
+            wake: self.wake.clone(),
+            resend: t.downgrade(),
+            rx: Some(rx),
+        }));
         *tx = Some(t.clone());
         Some(t)
     }
 
     /// Removes and returns every guard due by now (plus the batching window), and the next
     /// due time after that.
-    fn take_due(&self) -> (Vec<Arc<GuardState>>, Option<u64>) {
+    fn take_due(self: &Arc<Self>) -> (Batch, Option<u64>) {
         let limit = self.now_ns() + BATCH_WINDOW.as_nanos() as u64;
         let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
         let mut due = Vec::new();
@@ -446,36 +459,43 @@ impl Watchdog {
             due.push(state);
         }
         let next = map.keys().next().map(|&(d, _)| d);
-        (due, next)
+        let batch = Batch {
+            watchdog: self.clone(),
+            guards: due,
+            turns: Vec::new(),
+            settled: false,
+        };
+        (batch, next)
     }
 
-    async fn renew(self: Arc<Self>, batch: Vec<Arc<GuardState>>) {
+    async fn renew(self: Arc<Self>, mut batch: Batch) {
         let now = self.now_ns();
-        let mut live = Vec::with_capacity(batch.len());
-        let mut items = Vec::with_capacity(batch.len());
-        let mut turns: Vec<OwnedMutexGuard<()>> = Vec::with_capacity(batch.len());
-        for g in batch {
+        let mut items = Vec::with_capacity(batch.guards.len());
+        let mut turns: Vec<OwnedMutexGuard<()>> = Vec::with_capacity(batch.guards.len());
+        batch.guards.retain(|g| {
             if g.done.load(Ordering::Acquire) {
-                continue;
+                return false;
             }
             // An extend of this guard is on its way: it sets the lease and reschedules the
             // renewal itself, so this batch leaves the guard alone.
             let Ok(turn) = g.turn.clone().try_lock_owned() else {
-                continue;
+                return false;
             };
             if now >= g.lease_end_ns() {
                 g.mark_lost("lease ran out before it could be renewed");
-                continue;
+                return false;
             }
             items.push(ExtendItem {
                 resource: g.resource.clone(),
                 token: g.token.clone(),
                 ttl: g.ttl(),
             });
-            live.push(g);
             turns.push(turn);
-        }
+            true
+        });
+        batch.turns = turns;
         if items.is_empty() {
+            batch.settled = true;
             return;
         }
         let sent = self.now_ns();
@@ -483,6 +503,8 @@ impl Watchdog {
         let results = tokio::time::timeout(self.command_timeout, self.backend.extend_many(&items))
             .await
             .unwrap_or_default();
+        batch.settled = true;
+        let live = &batch.guards;
         let renewed = results.iter().filter(|r| matches!(r, Ok(true))).count();
         self.renewed.fetch_add(renewed as u64, Ordering::Relaxed);
         tracing::trace!(batch = items.len(), renewed, "dlock.renew");
@@ -514,8 +536,37 @@ impl Watchdog {
                 }
             }
         }
-        // Only now may an extend of these guards go ahead.
-        drop(turns);
+        // Only now (`batch` dropped, its turns with it) may an extend of these guards go ahead.
+    }
+}
+
+/// Guards taken off the schedule for one renewal, with their turns once taken. Dropped before
+/// the backend's answers were in — the runtime running the renewal shut down — it lets the
+/// turns go and puts its guards back on the schedule, due at once, for the task's next host:
+/// taken off and never put back, they were never renewed again.
+struct Batch {
+    watchdog: Arc<Watchdog>,
+    guards: Vec<Arc<GuardState>>,
+    turns: Vec<OwnedMutexGuard<()>>,
+    settled: bool,
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.guards.is_empty()
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        self.turns.clear();
+        let now = self.watchdog.now_ns();
+        for g in self.guards.drain(..) {
+            self.watchdog.schedule_at(&g, now);
+        }
     }
 }
 
@@ -545,15 +596,79 @@ impl Drop for ExtendInFlight<'_> {
     }
 }
 
-async fn run(
+/// The background task's queue and what it needs. Dropped before the task returned — the
+/// runtime running it shut down (an actix worker restarting, a set-up runtime dropped) — while
+/// the locker still lives or commands are queued, it moves the task, queue and all, to the
+/// fallback runtime; renewals and releases go on there.
+struct Host {
     watchdog: Weak<Watchdog>,
     backend: Arc<dyn Backend>,
     command_timeout: Duration,
     wake: Arc<Notify>,
-    mut rx: mpsc::UnboundedReceiver<Cmd>,
-) {
+    /// For background releases to put their command back if their runtime shuts down.
+    resend: mpsc::WeakUnboundedSender<Cmd>,
+    /// `None` once the task returned.
+    rx: Option<mpsc::UnboundedReceiver<Cmd>>,
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let Some(rx) = self.rx.take() else { return };
+        if self.watchdog.strong_count() == 0 && rx.is_empty() {
+            return;
+        }
+        let Some(rt) = fallback_runtime() else {
+            tracing::warn!(
+                "dlock could not start its fallback thread after the runtime running its \
+                 watchdog shut down; locks held are renewed again once one is taken"
+            );
+            return;
+        };
+        tracing::debug!("dlock watchdog moves to its fallback thread: its runtime shut down");
+        rt.spawn(run(Host {
+            watchdog: self.watchdog.clone(),
+            backend: self.backend.clone(),
+            command_timeout: self.command_timeout,
+            wake: self.wake.clone(),
+            resend: self.resend.clone(),
+            rx: Some(rx),
+        }));
+    }
+}
+
+/// The runtime the watchdog moves to when the one running it shuts down, or starts on when a
+/// guard is dropped off any runtime: one thread for the whole process, started on first need.
+fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
+    static FALLBACK: std::sync::OnceLock<Option<tokio::runtime::Handle>> =
+        std::sync::OnceLock::new();
+    FALLBACK
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("dlock-watchdog".into())
+                .spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build();
+                    match rt {
+                        Ok(rt) => {
+                            let _ = tx.send(Some(rt.handle().clone()));
+                            rt.block_on(std::future::pending::<()>());
+                        }
+                        Err(_) => {
+                            let _ = tx.send(None);
+                        }
+                    }
+                })
+                .ok()?;
+            rx.recv().ok().flatten()
+        })
+        .as_ref()
+}
+
+async fn run(mut host: Host) {
     loop {
-        let next = match watchdog.upgrade() {
+        let next = match host.watchdog.upgrade() {
             Some(e) => {
                 let (due, next) = e.take_due();
                 if !due.is_empty() {
@@ -570,41 +685,86 @@ async fn run(
                 None => std::future::pending().await,
             }
         };
+        let Some(rx) = host.rx.as_mut() else { return };
         tokio::select! {
             cmd = rx.recv() => {
                 // `None`: every sender (the watchdog) is gone and the queue is drained.
-                let Some(cmd) = cmd else { return };
-                tokio::spawn(background_release(backend.clone(), command_timeout, cmd));
+                let Some(cmd) = cmd else {
+                    host.rx = None;
+                    return;
+                };
+                tokio::spawn(background_release(
+                    host.backend.clone(),
+                    host.command_timeout,
+                    Resend { cmd: Some(cmd), tx: host.resend.upgrade(), start: tokio::time::Instant::now() },
+                ));
             }
-            _ = wake.notified() => {}
+            _ = host.wake.notified() => {}
             _ = sleep => {}
         }
     }
 }
 
-async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration, cmd: Cmd) {
-    let start = tokio::time::Instant::now();
-    let _turn = match &cmd {
+/// A command a background release is working on. Dropped unfinished — its runtime shut down —
+/// it goes back on the queue, with what is left of its time, for the task's next host.
+struct Resend {
+    cmd: Option<Cmd>,
+    tx: Option<mpsc::UnboundedSender<Cmd>>,
+    start: tokio::time::Instant,
+}
+
+impl Drop for Resend {
+    fn drop(&mut self) {
+        let (Some(cmd), Some(tx)) = (self.cmd.take(), self.tx.take()) else {
+            return;
+        };
+        let spent = self.start.elapsed();
+        let cmd = match cmd {
+            Cmd::Release(r, t, give_up) => Cmd::Release(r, t, give_up.saturating_sub(spent)),
+            Cmd::Abandon(r, t, give_up) => Cmd::Abandon(r, t, give_up.saturating_sub(spent)),
+            Cmd::Expire(r, t, until, give_up, turn) => {
+                Cmd::Expire(r, t, until, give_up.saturating_sub(spent), turn)
+            }
+        };
+        if !cmd.give_up().is_zero() {
+            let _ = tx.send(cmd);
+        }
+    }
+}
+
+impl Cmd {
+    fn give_up(&self) -> Duration {
+        match self {
+            Cmd::Release(.., give_up) | Cmd::Abandon(.., give_up) | Cmd::Expire(.., give_up, _) => {
+                *give_up
+            }
+        }
+    }
+}
+
+async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration, mut job: Resend) {
+    let Some(cmd) = job.cmd.as_ref() else { return };
+    let start = job.start;
+    let _turn = match cmd {
         Cmd::Expire(.., turn) => Some(turn.clone().lock_owned().await),
         _ => None,
     };
+    let give_up = cmd.give_up();
     let mut pause = Duration::from_millis(20);
     loop {
-        let (op, res, give_up) = match &cmd {
-            Cmd::Release(r, t, give_up) => (
+        let (op, res) = match cmd {
+            Cmd::Release(r, t, _) => (
                 "release",
                 tokio::time::timeout(command_timeout, async {
                     backend.release(r, t).await.map(|_| ())
                 })
                 .await,
-                *give_up,
             ),
-            Cmd::Abandon(r, t, give_up) => (
+            Cmd::Abandon(r, t, _) => (
                 "abandon",
                 tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
-                *give_up,
             ),
-            Cmd::Expire(r, t, until, give_up, _) => {
+            Cmd::Expire(r, t, until, ..) => {
                 let left = until.saturating_duration_since(tokio::time::Instant::now());
                 let left = crate::util::hold_rest(u64::try_from(left.as_nanos()).unwrap_or(0));
                 (
@@ -616,26 +776,27 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
                         }
                     })
                     .await,
-                    *give_up,
                 )
             }
         };
         let error = match res {
             Ok(Ok(())) => {
                 tracing::trace!(op, "dlock background release");
-                return;
+                break;
             }
             Ok(Err(err)) => err.to_string(),
             Err(_) => "timed out".to_owned(),
         };
         if start.elapsed() + pause >= give_up {
             tracing::debug!(op, error = %error, "dlock background release gave up; the TTL ends the lock");
-            return;
+            break;
         }
         tracing::trace!(op, error = %error, "dlock background release failed; retrying");
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(1));
     }
+    // Done (landed or given up): nothing to put back.
+    job.tx = None;
 }
 
 #[cfg(test)]
@@ -657,6 +818,9 @@ mod tests {
         applied: Arc<Mutex<Vec<Duration>>>,
         down: Arc<AtomicBool>,
         late: Duration,
+        /// Signalled as each batch arrives, and as each release has been applied.
+        batch_arrived: Arc<Notify>,
+        released: Arc<Notify>,
     }
 
     #[derive(Clone, Default)]
@@ -678,7 +842,11 @@ mod tests {
             r: &'a ResourceName,
             t: &'a OwnerToken,
         ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.inner.release(r, t)
+            Box::pin(async move {
+                let out = self.inner.release(r, t).await;
+                self.released.notify_one();
+                out
+            })
         }
         fn extend<'a>(
             &'a self,
@@ -700,6 +868,7 @@ mod tests {
             items: &'a [ExtendItem],
         ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
             Box::pin(async move {
+                self.batch_arrived.notify_one();
                 if let Some(g) = &self.gated {
                     g.arrived.notify_one();
                     g.gate.notified().await;
@@ -890,5 +1059,92 @@ mod tests {
         };
         assert!(!guard.is_held());
         drop(freed);
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The watchdog runs on the runtime of the first caller. When that runtime shuts down (an
+    /// actix worker restarting, a set-up runtime dropped) with a renewal on its way, the task
+    /// moves to the fallback thread: the lock is renewed on past its TTL, and the guard dropped
+    /// afterwards, on a thread with no runtime, is released at once. Before, the renewal on its
+    /// way was dropped with its guard off the schedule: nothing renewed the lock again.
+    #[test]
+    fn renewals_go_on_after_the_runtime_running_the_watchdog_shuts_down() {
+        let backend = Arc::new(Hooked {
+            late: Duration::from_millis(300),
+            ..Hooked::default()
+        });
+        let (arrived, applied) = (backend.batch_arrived.clone(), backend.applied.clone());
+        let released = backend.released.clone();
+        let locker = Locker::builder().build(backend.clone());
+        let ttl = Duration::from_millis(1500);
+        let first = runtime();
+        let other = runtime();
+        let guard = first
+            .block_on(locker.lock("moved").ttl(ttl).acquire())
+            .unwrap();
+        // The first renewal (due at TTL/3) is applied and now waits 300 ms for its answer.
+        other.block_on(arrived.notified());
+        drop(first);
+        let before = applied.lock().unwrap().len();
+        // Four renewals more, 500 ms apart: past the lease of the last renewal answered.
+        let renewed_on = other.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), async {
+                while applied.lock().unwrap().len() < before + 4 {
+                    arrived.notified().await;
+                }
+            })
+            .await
+        });
+        assert!(
+            renewed_on.is_ok(),
+            "not renewed after the runtime shut down: {} renewals applied",
+            applied.lock().unwrap().len()
+        );
+        assert!(guard.is_held());
+        let rival = Locker::builder().build(backend);
+        let taken = other.block_on(rival.lock("moved").try_acquire()).unwrap();
+        assert!(taken.is_none(), "the lock lapsed while its guard was held");
+        drop(guard);
+        other
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), released.notified()).await
+            })
+            .expect("the guard dropped off any runtime was not released");
+        let taken = other.block_on(rival.lock("moved").try_acquire()).unwrap();
+        assert!(taken.is_some(), "released, yet not free");
+    }
+
+    /// A guard dropped on a thread with no runtime, before the watchdog ever ran (no renewal:
+    /// nothing started it), is released at once on the fallback thread; its lock stayed taken
+    /// until its TTL.
+    #[test]
+    fn a_guard_dropped_off_any_runtime_is_released() {
+        let backend = Arc::new(Hooked::default());
+        let released = backend.released.clone();
+        let locker = Locker::builder().build(backend);
+        let rt = runtime();
+        let guard = rt
+            .block_on(
+                locker
+                    .lock("plain")
+                    .ttl(Duration::from_secs(60))
+                    .auto_renew(false)
+                    .acquire(),
+            )
+            .unwrap();
+        drop(guard);
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), released.notified()).await
+        })
+        .expect("the guard dropped off any runtime was not released");
+        let again = rt.block_on(locker.lock("plain").try_acquire()).unwrap();
+        assert!(again.is_some(), "released, yet not free");
     }
 }
