@@ -1,5 +1,6 @@
 //! Small pieces every layer uses: the TTL bounds, one hex codec, the two kinds of randomness (secure tokens from
-//! the OS, fast jitter), and one exponential backoff.
+//! the OS, fast jitter), one exponential backoff, and the fallback runtime background tasks
+//! move to.
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -174,6 +175,37 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {
     let ms = left_ns.div_ceil(1_000_000).saturating_add(1);
     Some(Duration::from_millis(ms)).filter(|_| Duration::from_nanos(left_ns) >= MIN_TTL)
+}
+
+/// The runtime a background task moves to when the one running it shuts down (the watchdog, the
+/// Postgres `LISTEN` task), and the watchdog starts on when a guard is dropped off any runtime:
+/// one thread for the whole process, `dlock-watchdog`, started on first need.
+pub(crate) fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
+    static FALLBACK: std::sync::OnceLock<Option<tokio::runtime::Handle>> =
+        std::sync::OnceLock::new();
+    FALLBACK
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("dlock-watchdog".into())
+                .spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build();
+                    match rt {
+                        Ok(rt) => {
+                            let _ = tx.send(Some(rt.handle().clone()));
+                            rt.block_on(std::future::pending::<()>());
+                        }
+                        Err(_) => {
+                            let _ = tx.send(None);
+                        }
+                    }
+                })
+                .ok()?;
+            rx.recv().ok().flatten()
+        })
+        .as_ref()
 }
 
 #[cfg(test)]

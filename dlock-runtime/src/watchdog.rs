@@ -429,7 +429,7 @@ impl Watchdog {
         }
         let rt = match tokio::runtime::Handle::try_current() {
             Ok(rt) => rt,
-            Err(_) => fallback_runtime()?.clone(),
+            Err(_) => crate::util::fallback_runtime()?.clone(),
         };
         let (t, rx) = mpsc::unbounded_channel();
         rt.spawn(run(Host {
@@ -617,7 +617,7 @@ impl Drop for Host {
         if self.watchdog.strong_count() == 0 && rx.is_empty() {
             return;
         }
-        let Some(rt) = fallback_runtime() else {
+        let Some(rt) = crate::util::fallback_runtime() else {
             tracing::warn!(
                 "dlock could not start its fallback thread after the runtime running its \
                  watchdog shut down; locks held are renewed again once one is taken"
@@ -634,36 +634,6 @@ impl Drop for Host {
             rx: Some(rx),
         }));
     }
-}
-
-/// The runtime the watchdog moves to when the one running it shuts down, or starts on when a
-/// guard is dropped off any runtime: one thread for the whole process, started on first need.
-fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
-    static FALLBACK: std::sync::OnceLock<Option<tokio::runtime::Handle>> =
-        std::sync::OnceLock::new();
-    FALLBACK
-        .get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new()
-                .name("dlock-watchdog".into())
-                .spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build();
-                    match rt {
-                        Ok(rt) => {
-                            let _ = tx.send(Some(rt.handle().clone()));
-                            rt.block_on(std::future::pending::<()>());
-                        }
-                        Err(_) => {
-                            let _ = tx.send(None);
-                        }
-                    }
-                })
-                .ok()?;
-            rx.recv().ok().flatten()
-        })
-        .as_ref()
 }
 
 async fn run(mut host: Host) {

@@ -238,6 +238,69 @@ fn terminate(app: &str) -> usize {
     out.parse().expect("a count")
 }
 
+/// The `LISTEN` task starts on the runtime the backend is connected on. When that runtime shuts
+/// down (an actix-web worker restarting, a runtime built for set-up) while the backend lives
+/// on, the task moves to the fallback thread: `LISTEN` comes back and a waiter over the backend
+/// is woken by another process's release, not by its fallback timer (10 s backoff steps).
+/// Before, the task was gone for good and `is_listening` went on saying `true`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listen_task_outlives_the_runtime_it_started_on() {
+    let url = direct_url("postgres");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let first_url = url.clone();
+    std::thread::spawn(move || {
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let backend = first.block_on(async {
+            let (_, backend) = locker_at(&first_url, Duration::from_secs(2)).await;
+            until_listening(&[&backend], Duration::from_secs(5)).await;
+            backend
+        });
+        drop(first);
+        let _ = tx.send(backend);
+    });
+    let waiter_backend = rx.await.expect("the first runtime's thread");
+    until_listening(&[&waiter_backend], Duration::from_secs(10)).await;
+    let (holder, _) = locker_at(&url, Duration::from_secs(2)).await;
+    let guard = holder
+        .lock("rt:k")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let slow = Locker::builder()
+        .waiter_ttl(Duration::from_secs(60))
+        .try_build(waiter_backend.clone())
+        .unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let h = slow.clone();
+    let wait = tokio::spawn(async move {
+        let g = h
+            .lock("rt:k")
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    });
+    wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (slow.waiting() > 0).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    wait.await.unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "woken after {took:?}: not by the notification"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terminated_sessions_are_replaced_and_notifications_resume() {
     let app = "dlock_terminated";

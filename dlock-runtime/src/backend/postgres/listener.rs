@@ -4,7 +4,9 @@
 //! transaction committed): `<lock name>\t<waiter token>\t<fencing token>` when a release handed
 //! the lock to that waiter, `<lock name>\t` to wake one barging waiter. The task reconnects with
 //! backoff when the connection drops and then wakes every local waiter once (notifications sent
-//! meanwhile were missed); it ends when the backend is dropped.
+//! meanwhile were missed); it ends when the backend is dropped. It starts on the runtime the
+//! backend is connected on and moves to the fallback thread if that runtime shuts down first
+//! ([`Task`]).
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -27,43 +29,94 @@ pub(super) fn spawn(
     limit: Duration,
 ) -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
-    tokio::spawn(run(config, connector, channel, hub, limit, tx));
+    tokio::spawn(run(Task {
+        config,
+        connector,
+        channel,
+        hub,
+        limit,
+        up: Some(tx),
+        missed: false,
+    }));
     rx
 }
 
-async fn run(
+/// What the task runs on. Dropped while it runs — the runtime running it shut down (an
+/// actix-web worker restarting, a runtime built for set-up and dropped) while the backend lives
+/// on — it starts the task again on the fallback runtime, which then wakes every local waiter
+/// once `LISTEN` is back (notifications meanwhile were missed). Before, the task was gone for
+/// good: waiters on other runtimes heard of other processes' releases only by their timers.
+struct Task {
     config: tokio_postgres::Config,
     connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
     limit: Duration,
-    up: watch::Sender<bool>,
-) {
+    /// `None` once the task returned.
+    up: Option<watch::Sender<bool>>,
+    missed: bool,
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        let Some(up) = self.up.take() else { return };
+        if self.hub.strong_count() == 0 || up.is_closed() {
+            return;
+        }
+        up.send_replace(false);
+        let Some(rt) = crate::util::fallback_runtime() else {
+            tracing::warn!("postgres LISTEN task gone with its runtime; waiters run on timers");
+            return;
+        };
+        tracing::debug!("postgres LISTEN task moves to the fallback thread: its runtime shut down");
+        rt.spawn(run(Task {
+            config: self.config.clone(),
+            connector: self.connector.clone(),
+            channel: std::mem::take(&mut self.channel),
+            hub: self.hub.clone(),
+            limit: self.limit,
+            up: Some(up),
+            missed: true,
+        }));
+    }
+}
+
+async fn run(mut task: Task) {
     let mut pause = Duration::from_millis(20);
-    let mut missed = false;
+    let Task {
+        config,
+        connector,
+        channel,
+        hub,
+        limit,
+        ..
+    } = &task;
+    let Some(up) = task.up.as_ref() else { return };
+    let mut missed = task.missed;
     loop {
         tokio::select! {
-            _ = up.closed() => return,
+            _ = up.closed() => break,
             _ = async {
-                match &connector {
-                    Connector::Plain => session(&config, NoTls, &channel, &hub, limit, &up, missed).await,
+                match connector {
+                    Connector::Plain => session(config, NoTls, channel, hub, *limit, up, missed).await,
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Tls(t) => session(&config, t.clone(), &channel, &hub, limit, &up, missed).await,
+                    Connector::Tls(t) => session(config, t.clone(), channel, hub, *limit, up, missed).await,
                 }
             } => {}
         }
         up.send_replace(false);
         if hub.strong_count() == 0 {
-            return;
+            break;
         }
         missed = true;
         tracing::warn!("postgres LISTEN connection lost; reconnecting");
         tokio::select! {
-            _ = up.closed() => return,
+            _ = up.closed() => break,
             _ = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(Duration::from_secs(1));
     }
+    task.up = None;
 }
 
 /// One connection's life: connect, `LISTEN`, dispatch until it fails.
