@@ -96,7 +96,8 @@ impl Shared {
 /// or `#[distributed_lock(on_fail = "defer")]`.
 ///
 /// Jobs live in memory only: a crash or restart loses them. Use the durable queue when that
-/// matters. The queue is bounded by its [`QueueLimits`] (set with
+/// matters. The queue's task starts on the runtime of the first deferral and moves to dlock's
+/// fallback thread, jobs and all, if that runtime shuts down first. The queue is bounded by its [`QueueLimits`] (set with
 /// [`LockerBuilder::defer_limits`](crate::LockerBuilder::defer_limits)): a full queue refuses
 /// new work with [`LockError::QueueFull`], and dead letters are dropped after their retention
 /// or beyond their count bound, oldest first.
@@ -223,7 +224,8 @@ impl DeferQueue {
             .map_err(|_| LockError::unavailable("deferring work needs a tokio runtime", None))?;
         if tx.is_some() {
             // The task is gone with the runtime it ran on (shut down while this locker lived
-            // on), and the jobs it held with it: reported dropped, and no longer counted.
+            // on) and could not move to the fallback thread (see `Task`), and the jobs it held
+            // with it: reported dropped, and no longer counted.
             let mut shared = self.shared();
             let key_log = shared.key_log;
             for (_, info) in shared.pending.drain() {
@@ -231,7 +233,7 @@ impl DeferQueue {
             }
         }
         let (t, rx) = mpsc::unbounded_channel();
-        rt.spawn(run(rx, self.inner.shared.clone()));
+        rt.spawn(run(Task::new(rx, self.inner.shared.clone())));
         *tx = Some(t.clone());
         Ok(t)
     }
@@ -317,17 +319,94 @@ async fn attempt(job: PendingJob) -> Outcome {
     }
 }
 
-async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
+/// The queue task's state. Dropped while the task runs — the runtime running it shut down (an
+/// actix-web worker restarting, a runtime built for set-up) while the queue lives on — it moves
+/// the queue to the fallback runtime: the command queue, every waiting job with what is left
+/// of its delay, and a drain under way. Only attempts in flight when the runtime shut down are
+/// lost (their work was cut off with it): they are reported `dropped`. Before, every job went.
+struct Task {
+    /// `None` once the task returned.
+    rx: Option<mpsc::UnboundedReceiver<Cmd>>,
+    shared: Arc<Mutex<Shared>>,
+    /// Jobs to queue first, with their delays (from the task this one took over from).
+    carried: Vec<(PendingJob, Duration)>,
+    queue: DelayQueue<PendingJob>,
+    running: JoinSet<Outcome>,
+    /// Which job each running attempt belongs to: to account for a panicking one, and for one
+    /// still in flight when a drain runs out of time.
+    running_ids: HashMap<tokio::task::Id, JobInfo>,
+    draining: Option<(Instant, oneshot::Sender<ShutdownReport>)>,
+    completed: usize,
+}
+
+impl Task {
+    fn new(rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) -> Task {
+        Task {
+            rx: Some(rx),
+            shared,
+            carried: Vec::new(),
+            queue: DelayQueue::new(),
+            running: JoinSet::new(),
+            running_ids: HashMap::new(),
+            draining: None,
+            completed: 0,
+        }
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        let Some(rx) = self.rx.take() else { return };
+        let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+        let key_log = shared.key_log;
+        for (_, info) in self.running_ids.drain() {
+            shared.pending.remove(&info.id);
+            event(key_log, "dropped", &info);
+        }
+        drop(shared);
+        let now = Instant::now();
+        let mut jobs = std::mem::take(&mut self.carried);
+        while let Some(key) = self.queue.peek() {
+            let job = self.queue.remove(&key);
+            let left = job.deadline().saturating_duration_since(now);
+            jobs.push((job.into_inner(), left));
+        }
+        let Some(rt) = crate::util::fallback_runtime() else {
+            // Dropped here; the next push finds the task gone and reports them.
+            return;
+        };
+        tracing::debug!(
+            target: "dlock::defer",
+            queue = "memory",
+            jobs = jobs.len(),
+            "the queue task moves to the fallback thread: its runtime shut down"
+        );
+        let mut next = Task::new(rx, self.shared.clone());
+        next.carried = jobs;
+        next.draining = self.draining.take();
+        next.completed = self.completed;
+        rt.spawn(run(next));
+    }
+}
+
+async fn run(mut task: Task) {
+    for (job, delay) in std::mem::take(&mut task.carried) {
+        task.queue.insert(job, delay);
+    }
+    let shared = task.shared.clone();
     let lock = || shared.lock().unwrap_or_else(PoisonError::into_inner);
     let key_log = lock().key_log;
-    let mut queue: DelayQueue<PendingJob> = DelayQueue::new();
-    let mut running: JoinSet<Outcome> = JoinSet::new();
-    // Which job each running attempt belongs to: to account for a panicking one, and for one
-    // still in flight when a drain runs out of time.
-    let mut running_ids: HashMap<tokio::task::Id, JobInfo> = HashMap::new();
-    let mut draining: Option<(Instant, oneshot::Sender<ShutdownReport>)> = None;
-    let mut completed = 0usize;
-    loop {
+    let Task {
+        rx,
+        queue,
+        running,
+        running_ids,
+        draining,
+        completed,
+        ..
+    } = &mut task;
+    let Some(rx) = rx.as_mut() else { return };
+    let finished = loop {
         if let Some((deadline, _)) = &draining {
             let deadline = *deadline;
             if queue.is_empty() && running.is_empty() || Instant::now() >= deadline {
@@ -338,7 +417,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                     match done {
                         Ok((task, Outcome::Done(info))) => {
                             running_ids.remove(&task);
-                            completed += 1;
+                            *completed += 1;
                             event(key_log, "completed", &info);
                         }
                         Ok((task, Outcome::Busy(job))) => {
@@ -362,9 +441,12 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                 for info in &dropped {
                     event(key_log, "dropped", info);
                 }
-                let _ = reply.send(ShutdownReport { completed, dropped });
+                let _ = reply.send(ShutdownReport {
+                    completed: *completed,
+                    dropped,
+                });
                 running.abort_all();
-                return;
+                break true;
             }
         }
         let deadline = draining.as_ref().map(|(d, _)| *d);
@@ -383,9 +465,9 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                     for job in all {
                         queue.insert(job, Duration::ZERO);
                     }
-                    draining = Some((Instant::now() + within, reply));
+                    *draining = Some((Instant::now() + within, reply));
                 }
-                None => return,
+                None => break true,
             },
             Some(expired) = futures_util::future::poll_fn(|cx| queue.poll_expired(cx)), if !queue.is_empty() => {
                 let job = expired.into_inner();
@@ -397,7 +479,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                 Ok((task, Outcome::Done(info))) => {
                     running_ids.remove(&task);
                     lock().pending.remove(&info.id);
-                    completed += 1;
+                    *completed += 1;
                     event(key_log, "completed", &info);
                 }
                 Ok((task, Outcome::Busy(mut job))) => {
@@ -443,5 +525,8 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Mutex<Shared>>) {
                 }
             } => {}
         }
+    };
+    if finished {
+        task.rx = None;
     }
 }
