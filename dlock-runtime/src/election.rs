@@ -293,7 +293,10 @@ impl Election {
     }
 }
 
-/// The background task of one [`Election`].
+/// The background task of one [`Election`]. Dropped without returning — the runtime it ran on
+/// shut down — it stops leading in the open: no term, `Follower` published, and the channel
+/// closes (its guard, dropped with it, is released in the background). Before, the term stayed
+/// set: `is_leader` said `true` while the next candidate led.
 struct Campaign {
     locker: Locker,
     name: LockKey,
@@ -358,6 +361,14 @@ impl Campaign {
         };
         *self.held.lock().unwrap_or_else(PoisonError::into_inner) = held;
         self.tx.send_replace(role);
+    }
+}
+
+impl Drop for Campaign {
+    fn drop(&mut self) {
+        if self.tx.borrow().is_leader() {
+            self.set(None);
+        }
     }
 }
 
@@ -476,5 +487,42 @@ mod tests {
         let err = locker.elect("el:no-runtime").start().unwrap_err();
         assert!(err.is_unsupported(), "{err}");
         assert!(err.to_string().contains("tokio runtime"), "{err}");
+    }
+
+    /// A campaign runs on the runtime the election was started on and ends with it, in the
+    /// open: the lock is released (the other candidate leads with a greater term long before
+    /// the TTL), `is_leader` is `false`, the watch channel closes and `resign` answers
+    /// `Unavailable`.
+    #[test]
+    fn a_campaign_ends_with_its_runtime() {
+        let rt = || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        let (x, y) = pair();
+        let first = rt();
+        let (a, t1) = first.block_on(async {
+            let a = x.elect("el:runtime").ttl(TTL).start().unwrap();
+            let t1 = leads(&a).await;
+            (a, t1)
+        });
+        let mut role = a.watch();
+        drop(first);
+        let other = rt();
+        other.block_on(async {
+            assert!(!a.is_leader());
+            assert_eq!(a.term(), None);
+            // `Follower` is published, then the channel closes.
+            while role.changed().await.is_ok() {}
+            assert_eq!(*role.borrow(), Leadership::Follower);
+            let err = a.resign().await.unwrap_err();
+            assert!(err.is_unavailable(), "{err}");
+            let b = y.elect("el:runtime").ttl(TTL).start().unwrap();
+            let t2 = leads(&b).await;
+            assert!(t2 > t1);
+        });
     }
 }

@@ -305,9 +305,10 @@ pub(crate) struct LeaseProbe {
 }
 
 impl LeaseProbe {
-    /// See [`Lease::is_held`].
+    /// See [`Lease::is_held`]; and not once the guard is released or dropped, whatever the
+    /// lease clock says (a probe outlives its guard).
     pub(crate) fn is_held(&self) -> bool {
-        self.watchdog.is_held(&self.state)
+        !self.state.done.load(Ordering::Acquire) && self.watchdog.is_held(&self.state)
     }
 
     /// See [`Lease::lost`].
