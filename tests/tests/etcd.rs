@@ -534,6 +534,90 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     assert_eq!(backend.watch_tasks(), 0);
 }
 
+/// A locker built on a runtime that then shuts down (an actix-web worker restarting, a runtime
+/// built for set-up and dropped) loses, with that runtime, its etcd client's channel — tonic's
+/// buffer worker and the HTTP/2 connection run on it — and the watch stream its waiter on
+/// another runtime had opened over that connection. The waiter is still woken by another
+/// locker's release: the backend connects again on the runtime that remains (once, for every
+/// request that found the client dead) and the watch comes back. The holder's lease is 30 s
+/// and the waiter's wait 20 s: nothing but the watch wakes it in time. (Before, every request
+/// of the locker failed for good: the waiter's next attempt answered `Unavailable`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_after_the_runtime_that_built_its_locker_shut_down() {
+    use dlock_runtime::OnFail;
+
+    let url = etcd_server::shared().lock().unwrap().url();
+    let (built, on_built) = tokio::sync::oneshot::channel();
+    let (stop, on_stop) = tokio::sync::oneshot::channel::<()>();
+    let first = std::thread::spawn({
+        let url = url.clone();
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            // The runtime runs the client's tasks (for the requests made from the test's
+            // runtime too) until it is told to stop, then shuts down.
+            rt.block_on(async move {
+                let opts = EtcdOptions::default().command_timeout(COMMAND_TIMEOUT);
+                let backend = EtcdBackend::connect(&url, opts).await.unwrap();
+                let a = Locker::builder()
+                    .command_timeout(COMMAND_TIMEOUT)
+                    .build(backend.clone());
+                let run = dlock_runtime::conformance::unique_key("first-runtime");
+                a.lock(&run)
+                    .acquire()
+                    .await
+                    .unwrap()
+                    .release()
+                    .await
+                    .unwrap();
+                let _ = built.send((backend, a));
+                let _ = on_stop.await;
+            });
+            drop(rt);
+        }
+    });
+    let (backend, a) = on_built.await.expect("the first runtime's locker");
+    let b = locker(&url).await;
+    let key = dlock_runtime::conformance::unique_key("waiter-dead-runtime");
+    let ttl = Duration::from_secs(30);
+    let held = b.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move {
+            a.lock(&key)
+                .ttl(ttl)
+                .on_fail(OnFail::retry(Duration::from_secs(20)))
+                .acquire()
+                .await
+        }
+    });
+    dlock_tests::wait::wait_for("the waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1 && backend.watch_tasks() == 1).then_some(())
+    })
+    .await;
+    stop.send(()).unwrap();
+    tokio::task::spawn_blocking(move || first.join())
+        .await
+        .unwrap()
+        .expect("the first runtime's thread");
+    held.release().await.unwrap();
+    let g = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter was not woken by the release")
+        .unwrap()
+        .expect("the waiter's acquire after its locker's first runtime shut down");
+    assert!(g.is_held());
+    assert_eq!(
+        backend.reconnects(),
+        1,
+        "one new client for every request that found the old one dead"
+    );
+    g.release().await.expect("still the waiter's lock");
+    assert_eq!(a.waiting(), 0);
+}
+
 /// etcd over TLS (`etcds://`, feature `etcd-tls`), on a member serving a certificate from a
 /// throwaway CA: with that CA a locker locks, renews (the session's keepalive stream runs over
 /// TLS too) and releases; with another CA every request fails its handshake — a typed 503

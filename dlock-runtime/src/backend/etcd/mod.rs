@@ -105,7 +105,8 @@
 //! change is absorbed by etcd (the new leader renews every lease) and by those retries. A holder
 //! cut off from the cluster cannot renew; its local lease clock ends and
 //! [`lost`](crate::LockGuard::lost) fires, before the server's lease lets the next holder in.
-//! Errors never contain the URL's credentials.
+//! A client whose runtime shut down is replaced (see *Runtimes*). Errors never contain the
+//! URL's credentials.
 //!
 //! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
 //! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
@@ -118,6 +119,25 @@
 //! its answer was read, is reopened on another member. One answer can be ambiguous: a release
 //! whose first try was applied but not answered, repeated, answers "not the owner" (reported
 //! as a lost lock, after the lock was in fact released).
+//!
+//! # Runtimes
+//!
+//! A member's client runs its channel on tasks of the tokio runtime that made it (tonic's
+//! buffer worker, which owns the balancer, and the HTTP/2 connection). A locker may outlive
+//! that runtime — an actix-web worker restarting, a runtime built for set-up and dropped — and
+//! then those tasks are gone for good: every request would fail (`Unknown: Service was not
+//! ready`) and every stream on the connection breaks, while tonic only ever reconnects a
+//! connection to a member that went away. So every client comes with a sentinel task on its
+//! runtime that marks it dead when that runtime drops it, and a request finding its member's
+//! client dead first makes a new one on its own runtime — one connect for all the callers that
+//! find it dead meanwhile, within their command timeout — and goes on (module `pool`, which
+//! also says which requests are repeated). A member that is merely down is not dead: its
+//! requests fail with [`LockError::Unavailable`] as before. What ran over the old client comes
+//! back over the new one: a session's keepalive stream fails at its next keepalive and is
+//! reopened, and a waiter's watch stream fails, so its task (on the waiter's runtime) reads the
+//! line again and watches anew — the waiter is woken by a release as before. Revocations
+//! running in the background when their runtime shuts down start again on the fallback thread
+//! (as the locker's watchdog does).
 //!
 //! # Cancellation
 //!
@@ -440,23 +460,23 @@ impl EtcdBackend {
         }
         // One client per member (see `pool`): connecting opens nothing yet, except that with
         // a user it authenticates, which a member that is down cannot do — it is left out.
-        let connects = endpoints.iter().zip(&parsed.hosts).map(|(e, host)| {
+        let connects = endpoints.into_iter().zip(&parsed.hosts).map(|(e, host)| {
             let options = member_options(&connect, tls.as_ref(), host);
             tokio::time::timeout(
                 opts.connect_timeout,
-                Client::connect([e.as_str()], Some(options)),
+                pool::Member::connect(e, options, opts.connect_timeout),
             )
         });
-        let mut clients = Vec::new();
+        let mut members = Vec::new();
         let mut failure = None;
         for c in futures_util::future::join_all(connects).await {
             match c {
-                Ok(Ok(c)) => clients.push(c),
+                Ok(Ok(m)) => members.push(m),
                 Ok(Err(e)) => failure = Some(Box::new(e) as crate::BoxError),
                 Err(_) => {}
             }
         }
-        if clients.is_empty() {
+        if members.is_empty() {
             return Err(LockError::unavailable(
                 format!(
                     "etcd: cannot connect to {shown} within {:?}",
@@ -466,7 +486,7 @@ impl EtcdBackend {
             ));
         }
         Ok(EtcdBackend {
-            pool: Arc::new(Pool::new(clients)),
+            pool: Arc::new(Pool::new(members)),
             opts,
             endpoints: shown,
             hub: ReleaseHub::new(),
@@ -538,6 +558,13 @@ impl EtcdBackend {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .len()
+    }
+
+    /// How many times a member's client was made anew because the runtime it ran on shut
+    /// down (module docs, *Runtimes*). For tests.
+    #[doc(hidden)]
+    pub fn reconnects(&self) -> u64 {
+        self.pool.reconnects()
     }
 
     async fn call<T, F: Future<Output = Result<T, etcd_client::Error>>>(
@@ -697,11 +724,14 @@ impl EtcdBackend {
             return;
         }
         let this = self.clone();
-        tokio::spawn(async move {
-            if let Err(e) = this.revoke(ids).await {
-                tracing::debug!(error = %e, "etcd: revoking unused leases failed; they expire");
-            }
-        });
+        spawn_to_the_end(Arc::new(move || {
+            let (this, ids) = (this.clone(), ids.clone());
+            Box::pin(async move {
+                if let Err(e) = this.revoke(ids).await {
+                    tracing::debug!(error = %e, "etcd: revoking unused leases failed; they expire");
+                }
+            })
+        }));
     }
 
     async fn revoke(&self, ids: Vec<i64>) -> Result<(), LockError> {
@@ -853,6 +883,43 @@ fn relet_txn(own: &[u8], create: i64, lease: i64) -> Txn {
         "",
         Some(PutOptions::new().with_lease(lease).with_ignore_value()),
     )])
+}
+
+/// Background work of a backend that is safe to do twice (a revocation), started anew by each
+/// call.
+type Work = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
+/// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
+/// half-way, the work starts again, from the beginning, on the fallback thread (as the
+/// watchdog does): a revocation cut off would leave its lease to expire, and a retired
+/// session's suspects would keep their names for good.
+fn spawn_to_the_end(work: Work) {
+    tokio::spawn(to_the_end(Unfinished(Some(work))));
+}
+
+/// Work not done yet: dropped so, it starts again on the fallback thread.
+struct Unfinished(Option<Work>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        // Not after a panic in the work: it would only panic again.
+        let Some(work) = self.0.take().filter(|_| !std::thread::panicking()) else {
+            return;
+        };
+        let Some(rt) = crate::util::fallback_runtime() else {
+            tracing::debug!("etcd: a revocation cut off with its runtime; its lease expires");
+            return;
+        };
+        rt.spawn(to_the_end(Unfinished(Some(work))));
+    }
+}
+
+async fn to_the_end(mut task: Unfinished) {
+    if let Some(work) = task.0.clone() {
+        work().await;
+    }
+    task.0 = None;
 }
 
 /// The connect options for the member at `host`: `base`, with TLS for that host's name.
@@ -1243,6 +1310,64 @@ mod tests {
         assert_eq!(noted(b"30000"), (Some(Duration::from_secs(30)), None));
         assert_eq!(noted(b"fp:abc"), (None, None));
         assert_eq!(noted(token.as_str().as_bytes()), (None, None));
+    }
+
+    /// Background work cut off by its runtime's shutdown starts again on the fallback thread
+    /// and runs to its end; work that ended is not started again.
+    #[test]
+    fn background_work_cut_off_by_its_runtime_runs_to_the_end_elsewhere() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (starts, ends) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let work = |starts: &Arc<AtomicUsize>, ends: &Arc<AtomicUsize>, pause: Duration| -> Work {
+            let (starts, ends) = (starts.clone(), ends.clone());
+            Arc::new(move || {
+                let (starts, ends) = (starts.clone(), ends.clone());
+                Box::pin(async move {
+                    starts.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(pause).await;
+                    ends.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        };
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async {
+            spawn_to_the_end(work(&starts, &ends, Duration::from_millis(50)));
+            while starts.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(first);
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while ends.load(Ordering::SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the work was not finished"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(starts.load(Ordering::SeqCst), 2, "started again once");
+
+        let (starts, ends) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        second.block_on(async {
+            spawn_to_the_end(work(&starts, &ends, Duration::ZERO));
+            while ends.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(second);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            starts.load(Ordering::SeqCst),
+            1,
+            "work that ended started again"
+        );
     }
 
     #[test]

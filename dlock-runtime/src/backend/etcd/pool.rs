@@ -8,14 +8,42 @@
 //! that did not answer within [`per_try`] or failed in a way another member may not, and
 //! hedges: a try unanswered after `per_try` gets a sibling on another member, and the first
 //! answer wins.
+//!
+//! # Runtimes
+//!
+//! A client's channel runs on tasks of the runtime current when it was made: tonic's buffer
+//! worker (which owns the balancer) and the HTTP/2 connection. When that runtime shuts down (an
+//! actix-web worker restarting, a runtime built for set-up and dropped) while the backend lives
+//! on, those tasks are gone for good: every later request fails at once with
+//! `Unknown: Service was not ready: transport error`, and every stream on the connection
+//! breaks. tonic reconnects a connection to a member that went away, never a channel whose
+//! worker is gone. So each client comes with a *sentinel*: a task on the same runtime that
+//! never ends and, dropped with that runtime, marks the client dead ([`Conn`]). Before a try
+//! is sent, its member's client is read (a shared lock and an atomic load); a dead one is
+//! replaced first by a client made on the runtime of the request at hand — one at a time: the
+//! callers that find it dead meanwhile wait for that one connect, bounded by their deadline.
+//! A member that is merely down is not dead (its channel's tasks live and reconnect): it is
+//! suspected and passed over as before, and its requests fail with
+//! [`LockError::Unavailable`] when no member answers in time.
+//!
+//! No request is sent to a client known dead, so the common case (the runtime shut down
+//! between two requests) costs one connect and no retry. A try under way when the runtime
+//! shuts down fails: if it never left the client (the buffer refused it: the message above)
+//! it is repeated on the new client and does not count as possibly applied; if it may have
+//! reached etcd (its connection broke under it), it is repeated like any try whose answer was
+//! lost — every request the backend makes is safe to repeat (see the backend's docs) — and the
+//! call is not *settled* ([`call_tracked`]), so the session registry treats a put in it as one
+//! that may still land.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use etcd_client::Client;
+use etcd_client::{Client, ConnectOptions};
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use crate::LockError;
@@ -28,19 +56,167 @@ const MAX_TRIES: usize = 3;
 
 /// The clients, one per member.
 pub(super) struct Pool {
-    members: Vec<Client>,
+    members: Vec<Member>,
     suspect_until: Mutex<Vec<Option<Instant>>>,
     next: AtomicUsize,
 }
 
+/// One member: its client, and what it takes to make another.
+pub(super) struct Member {
+    endpoint: String,
+    /// With the member's TLS settings and the user, if any (never printed).
+    options: ConnectOptions,
+    connect_timeout: Duration,
+    conn: RwLock<Conn>,
+    /// Held while a new client is made: one connect for every caller that found the old one
+    /// dead.
+    reconnecting: tokio::sync::Mutex<()>,
+    /// How many times the client was made anew.
+    reconnects: AtomicU64,
+}
+
+/// A client, and whether the runtime its channel's tasks run on shut down.
+struct Conn {
+    client: Client,
+    /// Set when the sentinel task is dropped: its runtime shut down, and the channel's tasks
+    /// (spawned on it by the same connect) with it.
+    dead: Arc<AtomicBool>,
+    sentinel: AbortHandle,
+}
+
+/// Marks its client dead when dropped.
+struct Sentinel(Arc<AtomicBool>);
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl Conn {
+    /// `client`, just made on the current runtime, watched by a sentinel on the same runtime.
+    fn watched(client: Client) -> Self {
+        let dead = Arc::new(AtomicBool::new(false));
+        let sentinel = Sentinel(dead.clone());
+        // Moved into the future: dropped with it even if the task never ran.
+        let task = tokio::spawn(async move {
+            let _sentinel = sentinel;
+            std::future::pending::<()>().await;
+        });
+        Conn {
+            client,
+            dead,
+            sentinel: task.abort_handle(),
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.sentinel.abort();
+    }
+}
+
+/// The error of a try that could not be sent: no live client within the time left.
+fn not_connected(endpoint: &str) -> etcd_client::Error {
+    etcd_client::Error::IoError(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("etcd: no new client for {endpoint} in time (its runtime shut down)"),
+    ))
+}
+
+impl Member {
+    /// Connects to the member at `endpoint` (`http[s]://host:port`) on the current runtime.
+    pub(super) async fn connect(
+        endpoint: String,
+        options: ConnectOptions,
+        connect_timeout: Duration,
+    ) -> Result<Self, etcd_client::Error> {
+        let client = Client::connect([endpoint.as_str()], Some(options.clone())).await?;
+        Ok(Member {
+            endpoint,
+            options,
+            connect_timeout,
+            conn: RwLock::new(Conn::watched(client)),
+            reconnecting: tokio::sync::Mutex::new(()),
+            reconnects: AtomicU64::new(0),
+        })
+    }
+
+    /// `f` of the client, unless the client is dead (`None`).
+    fn with_live<R>(&self, f: impl FnOnce(&Client) -> R) -> Option<R> {
+        let conn = self.conn.read().unwrap_or_else(PoisonError::into_inner);
+        (!conn.dead.load(Ordering::Acquire)).then(|| f(&conn.client))
+    }
+
+    fn is_dead(&self) -> bool {
+        self.with_live(|_| ()).is_none()
+    }
+
+    /// Replaces a dead client with one made on the current runtime, before `until`: one
+    /// connect at a time, and none when another caller's made a live one meanwhile.
+    async fn reconnect(&self, until: Instant) -> Result<(), etcd_client::Error> {
+        let Ok(_one) = tokio::time::timeout_at(until, self.reconnecting.lock()).await else {
+            return Err(not_connected(&self.endpoint));
+        };
+        if !self.is_dead() {
+            return Ok(());
+        }
+        let until = until.min(Instant::now() + self.connect_timeout);
+        let connect = Client::connect([self.endpoint.as_str()], Some(self.options.clone()));
+        let client = tokio::time::timeout_at(until, connect)
+            .await
+            .map_err(|_| not_connected(&self.endpoint))??;
+        let old = std::mem::replace(
+            &mut *self.conn.write().unwrap_or_else(PoisonError::into_inner),
+            Conn::watched(client),
+        );
+        drop(old);
+        self.reconnects.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            endpoint = %self.endpoint,
+            "etcd: the runtime this member's client ran on shut down; connected again"
+        );
+        Ok(())
+    }
+
+    /// The request `request` makes on a live client (made anew first if the client is dead).
+    async fn open<F>(
+        &self,
+        until: Instant,
+        request: &mut impl FnMut(&Client) -> F,
+    ) -> Result<Pin<Box<F>>, etcd_client::Error> {
+        // Twice at most: a new client is dead at once only if this runtime is shutting down
+        // too (and then this task is about to be dropped).
+        for _ in 0..2 {
+            // Boxed: a client's request future is large, and every future around this one (up
+            // to the backend's boxed future) would otherwise carry it and copy it when moved.
+            if let Some(fut) = self.with_live(|c| Box::pin(request(c))) {
+                return Ok(fut);
+            }
+            // Boxed: rare, and large (a connect), it would make every request's future larger.
+            Box::pin(self.reconnect(until)).await?;
+        }
+        Err(not_connected(&self.endpoint))
+    }
+}
+
 impl Pool {
-    pub(super) fn new(members: Vec<Client>) -> Self {
+    pub(super) fn new(members: Vec<Member>) -> Self {
         let n = members.len();
         Pool {
             members,
             suspect_until: Mutex::new(vec![None; n]),
             next: AtomicUsize::new(0),
         }
+    }
+
+    /// How many times a member's client was made anew (its runtime shut down).
+    pub(super) fn reconnects(&self) -> u64 {
+        self.members
+            .iter()
+            .map(|m| m.reconnects.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// A member to try, round robin over those not under suspicion and not in `busy` (those
@@ -106,19 +282,11 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
     let hedge_after = per_try(timeout);
     // (member, started) of the tries in flight.
     let mut pending: Vec<(usize, Instant)> = Vec::with_capacity(1);
-    let mut start = |pending: &mut Vec<(usize, Instant)>| {
-        let busy: Vec<usize> = pending.iter().map(|p| p.0).collect();
-        let i = pool.pick(&busy);
-        pending.push((i, Instant::now()));
-        // Boxed: a client's request future is large, and every future around this one (up
-        // to the backend's boxed future) would otherwise carry it and copy it when moved.
-        let fut = Box::pin(request(&pool.members[i]));
-        async move { (i, fut.await) }
-    };
     // The first try is polled in place; the hedged ones (rare: a member that does not answer)
     // go into a set made when the first of them starts. One timer serves the hedge and the
     // deadline. (What a request costs the client is most of what a lock costs it.)
-    let first = start(&mut pending);
+    let (i, opened) = open_next(pool, &mut pending, deadline, &mut request).await;
+    let first = tried(i, opened);
     tokio::pin!(first);
     let mut first_live = true;
     let mut hedged = None::<FuturesUnordered<_>>;
@@ -144,7 +312,7 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
             first_live || hedged.as_ref().is_some_and(|h| !h.is_empty())
         };
         match answered {
-            Some((i, answer)) => {
+            Some((i, answer, sent)) => {
                 pending.retain(|p| p.0 != i);
                 let settled = !in_flight(first_live, &hedged) && !doubtful;
                 match answer {
@@ -161,7 +329,8 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
                     }
                     Err(e) => {
                         pool.suspect(i);
-                        doubtful = true;
+                        // A request that never left the client cannot have been applied.
+                        doubtful |= sent;
                         last = Some(e);
                         if !in_flight(first_live, &hedged) {
                             next_try = (Instant::now() + Duration::from_millis(10)).min(deadline);
@@ -186,14 +355,57 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
                     }
                 }
                 if pending.len() < MAX_TRIES {
-                    let fut = start(&mut pending);
-                    hedged.get_or_insert_with(FuturesUnordered::new).push(fut);
+                    let (i, opened) = open_next(pool, &mut pending, deadline, &mut request).await;
+                    hedged
+                        .get_or_insert_with(FuturesUnordered::new)
+                        .push(tried(i, opened));
                 }
                 next_try = (now + hedge_after).min(deadline);
                 timer.as_mut().reset(next_try);
             }
         }
     }
+}
+
+/// Picks the member of a new try (see [`Pool::pick`]) and makes its request on the member's
+/// live client, connecting anew first if the client's runtime shut down; the try counts in
+/// `pending` from then on. An `Err`: no live client could be made before `until`.
+async fn open_next<F>(
+    pool: &Pool,
+    pending: &mut Vec<(usize, Instant)>,
+    until: Instant,
+    request: &mut impl FnMut(&Client) -> F,
+) -> (usize, Result<Pin<Box<F>>, etcd_client::Error>) {
+    let busy: Vec<usize> = pending.iter().map(|p| p.0).collect();
+    let i = pool.pick(&busy);
+    let opened = pool.members[i].open(until, request).await;
+    pending.push((i, Instant::now()));
+    (i, opened)
+}
+
+/// A try: the member's answer, and whether the request may have reached etcd (not when it
+/// was never made, nor when the channel refused it: [`unsent`]).
+async fn tried<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+    i: usize,
+    opened: Result<Pin<Box<F>>, etcd_client::Error>,
+) -> (usize, Result<T, etcd_client::Error>, bool) {
+    match opened {
+        Ok(fut) => {
+            let answer = fut.await;
+            let sent = !matches!(&answer, Err(e) if unsent(e));
+            (i, answer, sent)
+        }
+        Err(e) => (i, Err(e), false),
+    }
+}
+
+/// Whether a request failed before it was handed to the connection: the generated gRPC client
+/// asks the channel whether it is ready first and answers this when it is not — with
+/// etcd-client's balanced channel (whose balancer never fails: it waits for an endpoint),
+/// only when the channel's buffer worker is gone, i.e. its runtime shut down.
+fn unsent(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::Unknown && s.message().starts_with("Service was not ready"))
 }
 
 /// Whether another try (maybe on another member) may succeed.
@@ -212,5 +424,90 @@ fn retryable(e: &etcd_client::Error) -> bool {
                 | Code::ResourceExhausted
         ),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A member at a port nothing listens on: connecting (no user) opens nothing yet.
+    fn nowhere() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        format!("http://127.0.0.1:{port}")
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn get(
+        c: &Client,
+    ) -> impl Future<Output = Result<etcd_client::GetResponse, etcd_client::Error>> {
+        let mut kv = c.kv_client();
+        async move { kv.get("k", None).await }
+    }
+
+    /// A member's client made on a runtime that shut down is dead: a request on it fails at
+    /// once, refused by its channel (never sent). Many callers on another runtime then make one
+    /// new client between them, which is live.
+    #[test]
+    fn a_client_whose_runtime_shut_down_is_made_anew_once() {
+        let first = runtime();
+        let member = Arc::new(
+            first
+                .block_on(Member::connect(
+                    nowhere(),
+                    ConnectOptions::new(),
+                    Duration::from_secs(1),
+                ))
+                .unwrap(),
+        );
+        assert!(!member.is_dead());
+        drop(first);
+        assert!(member.is_dead(), "its runtime shut down");
+        runtime().block_on(async {
+            let dead = member.conn.read().unwrap().client.clone();
+            let err = get(&dead).await.expect_err("a request on a dead channel");
+            assert!(unsent(&err), "{err:?}");
+            let until = Instant::now() + Duration::from_secs(1);
+            let opens = (0..16).map(|_| {
+                let member = member.clone();
+                tokio::spawn(async move { member.open(until, &mut get).await.map(drop) })
+            });
+            for opened in futures_util::future::join_all(opens).await {
+                opened.unwrap().unwrap();
+            }
+            assert!(!member.is_dead());
+            assert_eq!(member.reconnects.load(Ordering::Relaxed), 1);
+        });
+    }
+
+    /// A member that is down is not dead: its channel lives (tonic connects again when asked),
+    /// a request fails as the member's refusal — a try worth repeating, not one the channel
+    /// refused — and no new client is made.
+    #[test]
+    fn a_member_that_is_down_is_not_dead() {
+        runtime().block_on(async {
+            let member = Member::connect(nowhere(), ConnectOptions::new(), Duration::from_secs(1))
+                .await
+                .unwrap();
+            let until = Instant::now() + Duration::from_millis(300);
+            let request = member.open(until, &mut get).await.unwrap();
+            match tokio::time::timeout_at(until, request).await {
+                // Refused by the member (`Unavailable: tcp connect error`), or waiting for it.
+                Ok(Err(e)) => assert!(!unsent(&e) && retryable(&e), "{e:?}"),
+                Ok(Ok(_)) => panic!("an answer from nowhere"),
+                Err(_) => {}
+            }
+            assert!(!member.is_dead());
+            assert_eq!(member.reconnects.load(Ordering::Relaxed), 0);
+        });
     }
 }

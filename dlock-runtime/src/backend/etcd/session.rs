@@ -93,7 +93,8 @@ pub(super) struct Session {
     fresh_from: Mutex<Instant>,
     /// The keepalive stream (opened by the first keepalive; reopened on another member when
     /// it fails, or when a keepalive was dropped before its answer was read: every answer
-    /// read from it is the answer to the keepalive that reads it).
+    /// read from it is the answer to the keepalive that reads it). A stream of a client whose
+    /// runtime shut down fails at its next keepalive, and is reopened over the new client.
     stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
     /// No new key goes on it (a suspect may land on it).
     retired: AtomicBool,
@@ -728,33 +729,38 @@ impl EtcdBackend {
         if idle.is_empty() {
             return;
         }
+        // Run to the end even if this runtime shuts down first (it moves to the fallback
+        // thread): cut off, the suspects on these sessions would keep their names for good.
         let this = self.clone();
-        tokio::spawn(async move {
-            let each = idle.iter().map(|s| {
-                let this = &this;
-                async move {
-                    for tried in 1..=REVOKE_TRIES {
-                        match this.revoke(vec![s.id]).await {
-                            Ok(()) => {
-                                this.sessions.gone(s);
-                                return;
-                            }
-                            Err(e) if tried == REVOKE_TRIES => {
-                                tracing::debug!(
-                                    error = %e,
-                                    "etcd: revoking an unused session failed; it expires"
-                                );
-                            }
-                            Err(_) => {
-                                tokio::time::sleep(Duration::from_secs(s.secs.unsigned_abs()))
-                                    .await;
-                            }
-                        }
+        super::spawn_to_the_end(Arc::new(move || {
+            let (this, idle) = (this.clone(), idle.clone());
+            Box::pin(async move { this.revoke_sessions(&idle).await })
+        }));
+    }
+
+    /// The work of [`revoke_idle`](Self::revoke_idle): revokes each session, trying again
+    /// after its class when that fails.
+    async fn revoke_sessions(&self, idle: &[Arc<Session>]) {
+        let each = idle.iter().map(|s| async move {
+            for tried in 1..=REVOKE_TRIES {
+                match self.revoke(vec![s.id]).await {
+                    Ok(()) => {
+                        self.sessions.gone(s);
+                        return;
+                    }
+                    Err(e) if tried == REVOKE_TRIES => {
+                        tracing::debug!(
+                            error = %e,
+                            "etcd: revoking an unused session failed; it expires"
+                        );
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_secs(s.secs.unsigned_abs())).await;
                     }
                 }
-            });
-            futures_util::future::join_all(each).await;
+            }
         });
+        futures_util::future::join_all(each).await;
     }
 
     /// An acquire attempt of a lock the watchdog renews (`args.renew`), on session leases.
