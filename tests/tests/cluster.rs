@@ -749,3 +749,94 @@ async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
     )
     .await;
 }
+
+/// A locker built on a runtime that then shuts down (an actix-web worker restarting) loses its
+/// cluster connections with it, their subscriptions included. Its waiters must still hear the
+/// releases after that: one queued (from another runtime) before the shutdown, whose
+/// subscription died with it, and one that starts waiting after it. Each is handed its lock
+/// within 3 s of the release, long before its fallback timer (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_hear_releases_after_their_lockers_runtime_shut_down() {
+    use dlock_runtime::RetryPolicy;
+
+    let url = redis_cluster::shared().lock().unwrap().url();
+    let ttl = Duration::from_secs(30);
+    let builder = move || {
+        let url = url.clone();
+        async move {
+            Locker::builder()
+                .prefix("outlived")
+                .waiter_ttl(ttl)
+                .connect(&url)
+                .await
+                .unwrap()
+        }
+    };
+    // The waiters' locker, on a runtime of its own that runs until `shut_down` is sent, then
+    // is dropped with every task on it.
+    let (built_tx, built) = tokio::sync::oneshot::channel();
+    let (shut_down, shut) = tokio::sync::oneshot::channel::<()>();
+    let (down_tx, down) = tokio::sync::oneshot::channel();
+    let connect = builder();
+    std::thread::spawn(move || {
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let locker = first.block_on(connect);
+        let _ = built_tx.send(locker);
+        first.block_on(async {
+            let _ = shut.await;
+        });
+        drop(first);
+        let _ = down_tx.send(());
+    });
+    let locker = built.await.unwrap();
+    let holder = builder().await;
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false);
+    let queue = |key: &'static str| {
+        let (locker, policy) = (locker.clone(), policy.clone());
+        tokio::spawn(async move {
+            locker
+                .lock(key)
+                .ttl(ttl)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+        })
+    };
+
+    let before = holder.lock("before").ttl(ttl).acquire().await.unwrap();
+    let queued = queue("before");
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (locker.waiting() == 1).then_some(())
+    })
+    .await;
+    shut_down.send(()).unwrap();
+    down.await.unwrap();
+    release_and_hand_over(
+        before,
+        queued,
+        Duration::from_secs(3),
+        "the waiter queued before the shutdown did not hear the release",
+    )
+    .await;
+
+    let after = holder.lock("after").ttl(ttl).acquire().await.unwrap();
+    let late = queue("after");
+    dlock_tests::wait::wait_for(
+        "the late waiter to queue",
+        Duration::from_secs(5),
+        async || (locker.waiting() == 1).then_some(()),
+    )
+    .await;
+    release_and_hand_over(
+        after,
+        late,
+        Duration::from_secs(3),
+        "the waiter that started after the shutdown did not hear the release",
+    )
+    .await;
+}

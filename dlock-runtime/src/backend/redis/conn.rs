@@ -5,9 +5,25 @@
 //! followed through failovers (`super::sentinel`). One server and Sentinel carry commands and
 //! RESP3 pushes on the same connection; a cluster keeps its shard-channel subscriptions on
 //! connections of their own (see [`Conn::Cluster`]).
+//!
+//! Reconnecting: the `ConnectionManager` reconnects by itself, and Sentinel's connection with
+//! it. The cluster client follows a cluster's failovers and lost nodes, but it lives on a task
+//! of the runtime it was made on, and once that runtime shuts down it is gone for good: a
+//! [`ClusterLink`] makes it anew on the runtime of its next use (see there).
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+#[cfg(feature = "cluster")]
+use {
+    redis::cluster::ClusterClient,
+    redis::cluster_async::ClusterConnection,
+    redis::cluster_routing::RoutingInfo,
+    redis::RedisError,
+    std::sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak},
+    std::time::Duration,
+    tokio::sync::oneshot,
+};
 
 /// One server or a cluster. Cheap to clone.
 #[derive(Clone)]
@@ -20,12 +36,15 @@ pub(crate) enum Conn {
     /// reply after it goes to the request behind it (an acquire could get another key's
     /// grant) until the connection is idle. No command ever waits on the subscriptions'
     /// connections, so a moved slot cannot shift a command's reply.
+    ///
+    /// Each is a [`ClusterLink`]: made anew on the runtime of its next use when the runtime it
+    /// ran on shuts down.
     #[cfg(feature = "cluster")]
     Cluster {
         /// Every command.
-        cmds: redis::cluster_async::ClusterConnection,
+        cmds: ClusterLink,
         /// `SSUBSCRIBE`/`SUNSUBSCRIBE` only.
-        subs: redis::cluster_async::ClusterConnection,
+        subs: ClusterLink,
     },
     #[cfg(feature = "sentinel")]
     Sentinel(super::sentinel::SentinelConn),
@@ -65,6 +84,33 @@ impl Conn {
         }
     }
 
+    /// Whether `e`, the failure of a command sent through this handle, says the command never
+    /// reached the server and may be sent again: on a cluster, the connection's driver was
+    /// gone with its runtime before the command was handed to it (the next command then makes
+    /// a new connection; see [`ClusterLink::never_sent`]). One server and Sentinel reconnect
+    /// on their own and never say so.
+    pub(super) fn never_sent(&mut self, e: &redis::RedisError) -> bool {
+        match self {
+            #[cfg(feature = "cluster")]
+            Conn::Cluster { cmds, .. } => cmds.never_sent(e),
+            _ => {
+                let _ = e;
+                false
+            }
+        }
+    }
+
+    /// Whether the subscriptions made through this connection still hold, as far as is known:
+    /// on a cluster, `false` once the subscriptions connection died with its runtime (its
+    /// subscriptions with it) until it is made anew.
+    pub(super) fn subscriptions_alive(&self) -> bool {
+        match self {
+            #[cfg(feature = "cluster")]
+            Conn::Cluster { subs, .. } => subs.is_alive(),
+            _ => true,
+        }
+    }
+
     /// The reverse of [`subscribe`](Conn::subscribe).
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
@@ -97,21 +143,11 @@ pub(crate) async fn connect_cluster(
                 None,
             )
         })?;
-    let limit = connect_timeout + command_timeout;
-    match tokio::time::timeout(limit, client.get_async_connection()).await {
-        Ok(Ok(c)) => Ok(Conn::Cluster {
-            cmds: c.clone(),
-            subs: c,
-        }),
-        Ok(Err(e)) => Err(crate::LockError::unavailable(
-            format!("redis cluster connect: {:?}", e.kind()),
-            Some(Box::new(e)),
-        )),
-        Err(_) => Err(crate::LockError::unavailable(
-            format!("redis cluster: no node answered within {limit:?}"),
-            None,
-        )),
-    }
+    let cmds = ClusterLink::connect(client, connect_timeout + command_timeout).await?;
+    Ok(Conn::Cluster {
+        subs: cmds.clone(),
+        cmds,
+    })
 }
 
 /// Whether `url` names a cluster (`redis+cluster://`, `rediss+cluster://`).
@@ -205,6 +241,399 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// A cluster connection that outlives the runtime it was made on.
+///
+/// redis-rs's `ClusterConnection` is a handle to a task (its driver) spawned on the runtime
+/// current when it was made; when that runtime shuts down (an actix-web worker restarting, a
+/// runtime built for set-up and dropped), the driver is dropped with it and every later
+/// command fails ("Unable to send command") — the cluster client, unlike the single server's
+/// `ConnectionManager`, never reconnects by itself. A link keeps the client, and a small task
+/// beside the driver on the same runtime whose end, unasked, says the runtime is gone.
+/// Each command first reads the current connection (a shared `RwLock` read and the clone
+/// that cloning the connection itself always cost); when its driver is gone, the first caller
+/// makes a new connection on its own runtime (the others wait for it: one reconnect however
+/// many callers), and the command goes on there.
+///
+/// Cheap to clone: a clone shares the connection and takes it at its first command.
+#[cfg(feature = "cluster")]
+pub(crate) struct ClusterLink {
+    shared: Arc<Link>,
+    /// The connection this handle sends on and its generation, taken from
+    /// [`Link::current`] at the handle's first command and again when it was replaced.
+    conn: Option<(ClusterConnection, u64)>,
+}
+
+#[cfg(feature = "cluster")]
+impl Clone for ClusterLink {
+    fn clone(&self) -> Self {
+        ClusterLink {
+            shared: self.shared.clone(),
+            conn: None,
+        }
+    }
+}
+
+/// What a [`ClusterLink`] tells the backend (see [`ClusterLink::on_event`]).
+#[cfg(feature = "cluster")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LinkEvent {
+    /// The runtime running the connection's driver shut down: the connection, and everything
+    /// it was subscribed to, is gone. Told from inside that runtime's shutdown.
+    Gone,
+    /// A new connection replaced one whose driver was gone; it is subscribed to nothing. Told
+    /// on the runtime that made it, which runs its driver.
+    Remade,
+}
+
+#[cfg(feature = "cluster")]
+type OnEvent = Box<dyn Fn(LinkEvent) + Send + Sync>;
+
+#[cfg(feature = "cluster")]
+struct Link {
+    client: ClusterClient,
+    /// Deadline of making a connection.
+    limit: Duration,
+    current: RwLock<Current>,
+    /// Held by the one caller making the next connection.
+    remaking: tokio::sync::Mutex<()>,
+    /// How many attempts to make a connection failed: a caller that waited on an attempt
+    /// that failed answers with its failure instead of trying again at once (a cluster that
+    /// does not answer costs each caller one connect deadline, not one per caller before it).
+    failed: AtomicU64,
+    on_event: OnceLock<OnEvent>,
+}
+
+/// The connection a [`Link`] sends on now.
+#[cfg(feature = "cluster")]
+struct Current {
+    conn: ClusterConnection,
+    /// Numbers the connections a link has had.
+    generation: u64,
+    /// Its receiver is held by the watch task beside the driver ([`watch`]): closed, the
+    /// driver's runtime is gone. Dropped (this connection replaced, or the link dropped), it
+    /// ends that task. `None` when no runtime could be found to run it.
+    watch: Option<oneshot::Sender<()>>,
+    /// A command found the driver gone before its watch task's end was seen.
+    dead: AtomicBool,
+}
+
+#[cfg(feature = "cluster")]
+impl Current {
+    fn alive(&self) -> bool {
+        !self.dead.load(Ordering::Relaxed) && !self.watch.as_ref().is_some_and(|w| w.is_closed())
+    }
+}
+
+#[cfg(feature = "cluster")]
+impl ClusterLink {
+    /// Connects to the cluster `client` names, within `limit`.
+    pub(super) async fn connect(
+        client: ClusterClient,
+        limit: Duration,
+    ) -> Result<ClusterLink, crate::LockError> {
+        let conn = match tokio::time::timeout(limit, client.get_async_connection()).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                return Err(crate::LockError::unavailable(
+                    format!("redis cluster connect: {:?}", e.kind()),
+                    Some(Box::new(e)),
+                ))
+            }
+            Err(_) => {
+                return Err(crate::LockError::unavailable(
+                    format!("redis cluster: no node answered within {limit:?}"),
+                    None,
+                ))
+            }
+        };
+        let shared = Arc::new_cyclic(|link| Link {
+            client,
+            limit,
+            current: RwLock::new(Current {
+                conn,
+                generation: 0,
+                watch: watch(link.clone(), 0),
+                dead: AtomicBool::new(false),
+            }),
+            remaking: tokio::sync::Mutex::new(()),
+            failed: AtomicU64::new(0),
+            on_event: OnceLock::new(),
+        });
+        Ok(ClusterLink { shared, conn: None })
+    }
+
+    /// Sets what the link tells the backend (once; later calls are ignored).
+    pub(super) fn on_event(&self, f: impl Fn(LinkEvent) + Send + Sync + 'static) {
+        let _ = self.shared.on_event.set(Box::new(f));
+    }
+
+    /// Takes the current connection into this handle if it does not hold it yet (no await:
+    /// the hot path). `false`: the current connection's driver is gone.
+    fn refresh(&mut self) -> bool {
+        let cur = self.shared.read();
+        if !cur.alive() {
+            return false;
+        }
+        if !matches!(self.conn, Some((_, g)) if g == cur.generation) {
+            self.conn = Some((cur.conn.clone(), cur.generation));
+        }
+        true
+    }
+
+    /// The connection to send on: the current one, or, its driver gone, a new one made on
+    /// this runtime.
+    async fn ready(&mut self) -> RedisResult<&mut ClusterConnection> {
+        if !self.refresh() {
+            self.conn = Some(self.shared.remake().await?);
+        }
+        match &mut self.conn {
+            Some((c, _)) => Ok(c),
+            None => Err(gone_error()),
+        }
+    }
+
+    /// Whether the link's connection is live, as far as is known (its runtime has not shut
+    /// down, no command found its driver gone).
+    pub(super) fn is_alive(&self) -> bool {
+        self.shared.read().alive()
+    }
+
+    /// Makes sure the link has a live connection (making one on this runtime if needed).
+    pub(super) async fn connected(&mut self) -> RedisResult<()> {
+        self.ready().await.map(|_| ())
+    }
+
+    /// Whether `e`, the failure of a command sent through this handle, says the command never
+    /// left this process: the driver's queue was closed, so Redis never saw it and it may be
+    /// sent again. The connection is then taken for gone, and the next command makes a new
+    /// one. (A command whose answer was lost — "Unable to receive", a timeout — or a pipeline,
+    /// which redis-rs fails with a bare broken pipe either way, may have run: `false`.)
+    pub(super) fn never_sent(&mut self, e: &RedisError) -> bool {
+        if !not_sent(e) {
+            return false;
+        }
+        if let Some((_, generation)) = self.conn.take() {
+            let cur = self.shared.read();
+            if cur.generation == generation {
+                cur.dead.store(true, Ordering::Relaxed);
+            }
+        }
+        true
+    }
+
+    /// Sends `cmd` to `routing` (redis-rs's `ClusterConnection::route_command`), once more on
+    /// a new connection if the first one's driver was gone before it was sent.
+    pub(super) async fn route_command(
+        &mut self,
+        cmd: Cmd,
+        routing: RoutingInfo,
+    ) -> RedisResult<Value> {
+        match self
+            .ready()
+            .await?
+            .route_command(cmd.clone(), routing.clone())
+            .await
+        {
+            Err(e) if self.never_sent(&e) => self.ready().await?.route_command(cmd, routing).await,
+            r => r,
+        }
+    }
+
+    /// `SSUBSCRIBE`, once more on a new connection if the driver was gone (subscribing twice
+    /// is harmless, so a lost answer is retried too).
+    pub(super) async fn ssubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self.ready().await?.ssubscribe(channel).await {
+            Err(e) if self.driver_lost(&e) => self.ready().await?.ssubscribe(channel).await,
+            r => r,
+        }
+    }
+
+    /// `SUNSUBSCRIBE`, like [`ssubscribe`](Self::ssubscribe).
+    pub(super) async fn sunsubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self.ready().await?.sunsubscribe(channel).await {
+            Err(e) if self.driver_lost(&e) => self.ready().await?.sunsubscribe(channel).await,
+            r => r,
+        }
+    }
+
+    /// Whether `e` is a broken pipe from a connection whose driver is gone (seen or not yet
+    /// seen by its watch task): for commands that may run twice.
+    fn driver_lost(&mut self, e: &RedisError) -> bool {
+        if self.never_sent(e) {
+            return true;
+        }
+        e.is_connection_dropped() && !self.refresh()
+    }
+}
+
+/// Whether `e` is redis-rs's (1.8) error for a command its cluster driver's queue refused
+/// ("redis_cluster: Unable to send command", a broken pipe): the driver is gone, and the command
+/// was never sent. Its error for an answer that never came ("Unable to receive command") and
+/// its pipelines' bare broken pipe are not.
+#[cfg(feature = "cluster")]
+fn not_sent(e: &RedisError) -> bool {
+    e.is_io_error() && e.to_string().contains("Unable to send command")
+}
+
+#[cfg(feature = "cluster")]
+fn gone_error() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::BrokenPipe,
+        "redis cluster: the connection's runtime is gone",
+    ))
+}
+
+#[cfg(feature = "cluster")]
+impl Link {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Current> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A new connection, made on this runtime, in place of one whose driver is gone; the
+    /// current one if another caller made it meanwhile, or that caller's failure.
+    async fn remake(self: &Arc<Self>) -> RedisResult<(ClusterConnection, u64)> {
+        let failed = self.failed.load(Ordering::Acquire);
+        let _one = self.remaking.lock().await;
+        {
+            let cur = self.read();
+            if cur.alive() {
+                return Ok((cur.conn.clone(), cur.generation));
+            }
+        }
+        if self.failed.load(Ordering::Acquire) != failed {
+            return Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "redis cluster: no node answered the reconnect",
+            )));
+        }
+        let conn = match tokio::time::timeout(self.limit, self.client.get_async_connection()).await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                self.failed.fetch_add(1, Ordering::AcqRel);
+                return Err(e);
+            }
+            Err(_) => {
+                self.failed.fetch_add(1, Ordering::AcqRel);
+                return Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("redis cluster: no node answered within {:?}", self.limit),
+                )));
+            }
+        };
+        // Only this caller changes the generation (it holds `remaking`). The watch is spawned
+        // before the write lock is taken: on a runtime shutting down, it is dropped at once,
+        // and its drop reads `current`.
+        let generation = self.read().generation + 1;
+        let next = Current {
+            conn: conn.clone(),
+            generation,
+            watch: watch(Arc::downgrade(self), generation),
+            dead: AtomicBool::new(false),
+        };
+        let old = std::mem::replace(
+            &mut *self.current.write().unwrap_or_else(PoisonError::into_inner),
+            next,
+        );
+        drop(old);
+        tracing::debug!("redis cluster connection made anew: its runtime had shut down");
+        if let Some(f) = self.on_event.get() {
+            f(LinkEvent::Remade);
+        }
+        Ok((conn, generation))
+    }
+}
+
+/// Spawns the watch task of connection `generation` of `link` on this runtime, the one its
+/// driver was just spawned on: it lives until the connection is replaced or its link dropped
+/// (the sender returned is dropped). Dropped before that, its runtime shut down — and the
+/// driver with it. Without a runtime (redis-rs could not have spawned its driver either),
+/// `None`: the connection is taken for alive until a command finds it gone.
+#[cfg(feature = "cluster")]
+fn watch(link: Weak<Link>, generation: u64) -> Option<oneshot::Sender<()>> {
+    let rt = tokio::runtime::Handle::try_current().ok()?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let guard = Watch {
+        link,
+        generation,
+        armed: true,
+    };
+    rt.spawn(async move {
+        let mut guard = guard;
+        let _ = stopped.await;
+        guard.armed = false;
+    });
+    Some(stop)
+}
+
+#[cfg(feature = "cluster")]
+struct Watch {
+    link: Weak<Link>,
+    generation: u64,
+    armed: bool,
+}
+
+#[cfg(feature = "cluster")]
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Some(link) = self.link.upgrade() else {
+            return;
+        };
+        {
+            let cur = link.read();
+            if cur.generation != self.generation {
+                return;
+            }
+            // Before anyone is told: the watch's receiver may not be dropped yet.
+            cur.dead.store(true, Ordering::Relaxed);
+        }
+        tracing::debug!("redis cluster connection gone with its runtime; made anew on next use");
+        if let Some(f) = link.on_event.get() {
+            f(LinkEvent::Gone);
+        }
+    }
+}
+
+#[cfg(feature = "cluster")]
+impl ConnectionLike for ClusterLink {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        if !self.refresh() {
+            return Box::pin(async move { self.ready().await?.req_packed_command(cmd).await });
+        }
+        match &mut self.conn {
+            Some((c, _)) => c.req_packed_command(cmd),
+            None => Box::pin(async { Err(gone_error()) }),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        if !self.refresh() {
+            return Box::pin(async move {
+                self.ready()
+                    .await?
+                    .req_packed_commands(pipeline, offset, count)
+                    .await
+            });
+        }
+        match &mut self.conn {
+            Some((c, _)) => c.req_packed_commands(pipeline, offset, count),
+            None => Box::pin(async { Err(gone_error()) }),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
+
 /// The cluster slot of a lock: CRC16 (XMODEM) of its hash tag — the encoded key, which holds no
 /// braces — modulo 16384, as Redis Cluster computes it.
 #[cfg(feature = "cluster")]
@@ -262,6 +691,20 @@ mod tests {
             vec!["rediss://a:1"]
         );
         assert!(cluster_urls("redis+cluster://").is_err());
+    }
+
+    #[test]
+    fn only_a_command_the_driver_refused_counts_as_never_sent() {
+        let io = |kind, text: &str| RedisError::from(std::io::Error::new(kind, text.to_owned()));
+        let pipe = std::io::ErrorKind::BrokenPipe;
+        // redis-rs 1.8's own texts (`cluster_async::ClusterConnection::route_command`).
+        assert!(not_sent(&io(pipe, "redis_cluster: Unable to send command")));
+        assert!(!not_sent(&io(
+            pipe,
+            "redis_cluster: Unable to receive command"
+        )));
+        // A pipeline's, either way.
+        assert!(!not_sent(&RedisError::from(std::io::Error::from(pipe))));
     }
 
     #[test]

@@ -16,6 +16,18 @@
 //! * The connection reconnects on its own (redis-rs `ConnectionManager`); every command has a
 //!   deadline ([`RedisOptions::command_timeout`]), so a hung server turns into
 //!   [`LockError::Unavailable`] instead of a hung handler.
+//! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
+//!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
+//!   runtime dropped). Each is a `conn::ClusterLink`, made anew on the runtime of its next
+//!   use — one reconnect however many callers find it gone; while no node answers, commands
+//!   fail with [`LockError::Unavailable`]. A command the dead connection never sent is sent
+//!   once more on the new one; one that may have run is not (its answer was lost: a release
+//!   run twice would report its own lock lost, a handoff or an idempotency step would answer
+//!   differently), and fails with [`LockError::Unavailable`] for the locker to settle as any
+//!   lost answer. The subscriptions connection is made again at once, on the fallback thread,
+//!   while local waiters exist (no command of theirs may come before the release they wait
+//!   for); every new one subscribes again to the channels that still have waiters and wakes
+//!   every waiter to re-check, as after a reconnect above.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -432,18 +444,15 @@ impl RedisBackend {
         };
         let client = builder().push_sender(push).build().map_err(invalid)?;
         let limit = opts.connect_timeout + opts.command_timeout;
-        let connect =
-            async || match tokio::time::timeout(limit, client.get_async_connection()).await {
-                Ok(r) => r.map_err(|e| redis_err("cluster connect", e)),
-                Err(_) => Err(LockError::unavailable(
-                    format!("redis cluster: no node answered within {limit:?}"),
-                    None,
-                )),
-            };
-        let conn = Conn::Cluster {
-            cmds: connect().await?,
-            subs: connect().await?,
-        };
+        let cmds = conn::ClusterLink::connect(client.clone(), limit).await?;
+        let subs = conn::ClusterLink::connect(client, limit).await?;
+        let me_subs = me.clone();
+        subs.on_event(move |event| {
+            if let Some(inner) = me_subs.get() {
+                on_subs_event(inner, event);
+            }
+        });
+        let conn = Conn::Cluster { cmds, subs };
         // Dedicated connections (for `WAIT`) carry no pushes.
         let plain = builder().build().map_err(invalid)?;
         let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
@@ -615,7 +624,9 @@ impl RedisBackend {
     pub(crate) async fn ensure_subscribed(&self, resource: &ResourceName) -> Result<(), LockError> {
         let channel = resource.with_suffix(CHANNEL_SUFFIX);
         let mut subscribed = self.inner.subscribed.lock().await;
-        if !subscribed.contains(&channel) {
+        // A cluster's subscriptions connection that died with its runtime took its
+        // subscriptions along: subscribing makes it anew (and `resubscribe_all` the rest).
+        if !subscribed.contains(&channel) || !self.inner.conn.subscriptions_alive() {
             let mut conn = self.inner.conn.clone();
             self.deadline("subscribe", conn.subscribe(&channel)).await?;
             subscribed.insert(channel);
@@ -694,6 +705,7 @@ impl RedisBackend {
     ) -> Result<(T, Issuer), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut again = 2;
+        let mut resend = true;
         loop {
             match inv.invoke_async(&mut conn).await {
                 Err(e)
@@ -703,6 +715,10 @@ impl RedisBackend {
                 {
                     again -= 1;
                 }
+                // Never sent (a cluster connection whose runtime shut down as it was sent): once
+                // more, on the connection made in its place. A script whose answer was lost is
+                // not sent again: it may have run (see the module docs).
+                Err(e) if resend && conn.never_sent(&e) => resend = false,
                 r => return Ok((r.map_err(|e| redis_err(what, e))?, conn.replied_issuer())),
             }
         }
@@ -753,19 +769,12 @@ impl RedisBackend {
             #[cfg(feature = "cluster")]
             (Reconnect::Cluster(client), _) => {
                 let limit = opts.connect_timeout + opts.command_timeout;
-                match tokio::time::timeout(limit, client.get_async_connection()).await {
-                    // A dedicated connection never subscribes: `subs` is never used.
-                    Ok(r) => r
-                        .map(|c| Conn::Cluster {
-                            subs: c.clone(),
-                            cmds: c,
-                        })
-                        .map_err(|e| redis_err("cluster connect", e)),
-                    Err(_) => Err(LockError::unavailable(
-                        format!("redis cluster: no node answered within {limit:?}"),
-                        None,
-                    )),
-                }
+                let c = conn::ClusterLink::connect((**client).clone(), limit).await?;
+                // A dedicated connection never subscribes: `subs` is never used.
+                Ok(Conn::Cluster {
+                    subs: c.clone(),
+                    cmds: c,
+                })
             }
             #[cfg(feature = "sentinel")]
             (Reconnect::FromConn, Conn::Sentinel(c)) => Ok(Conn::Sentinel(c.dedicated()?)),
@@ -778,6 +787,11 @@ impl RedisBackend {
         let Some(inner) = inner.upgrade() else { return };
         let mut subscribed = inner.subscribed.lock().await;
         if inner.hub.has_waiters(&resource) || !subscribed.contains(&channel) {
+            return;
+        }
+        // Gone with a cluster's subscriptions connection: no connection is made to drop it.
+        if !inner.conn.subscriptions_alive() {
+            subscribed.remove(&channel);
             return;
         }
         let mut conn = inner.conn.clone();
@@ -837,6 +851,98 @@ async fn resubscribe(inner: Weak<Inner>, resource: String) {
         // The next waiter of this lock subscribes again; until then the waiters' timers wake them.
         _ => {
             subscribed.remove(&channel);
+        }
+    }
+    drop(subscribed);
+    inner.hub.notify_all();
+}
+
+/// What a cluster backend does when its subscriptions connection died with its runtime, or
+/// was made anew (see [`conn::LinkEvent`]).
+#[cfg(feature = "cluster")]
+fn on_subs_event(inner: &Weak<Inner>, event: conn::LinkEvent) {
+    let Some(me) = inner.upgrade() else { return };
+    match event {
+        // Told inside the dying runtime's shutdown: waiters whose channels died with it are
+        // deaf until the connection is made again, so it is made now, on the fallback thread
+        // (a command made on any other runtime would do the same, but none may come).
+        conn::LinkEvent::Gone if me.hub.watched() > 0 => match crate::util::fallback_runtime() {
+            Some(rt) => {
+                rt.spawn(remake_subscriptions(inner.clone()));
+            }
+            None => tracing::warn!(
+                "dlock could not start its fallback thread; waiters of a cluster whose \
+                 runtime shut down re-check on their timers"
+            ),
+        },
+        conn::LinkEvent::Gone => {}
+        conn::LinkEvent::Remade => {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(resubscribe_all(inner.clone()));
+            }
+        }
+    }
+}
+
+/// Makes a cluster's subscriptions connection again (its runtime shut down) while local waiters
+/// exist, pausing between failed attempts; the new connection then subscribes to what is still
+/// wanted ([`resubscribe_all`], on `Remade`).
+#[cfg(feature = "cluster")]
+async fn remake_subscriptions(inner: Weak<Inner>) {
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(me) = inner.upgrade() else { return };
+        let Conn::Cluster { subs, .. } = &me.conn else {
+            return;
+        };
+        if me.hub.watched() == 0 {
+            return;
+        }
+        let mut subs = subs.clone();
+        match subs.connected().await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::debug!(error = ?e.kind(), "redis cluster subscriptions: no reconnect yet")
+            }
+        }
+        drop(me);
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A cluster's subscriptions connection was made anew, subscribed to nothing (the one before
+/// died with its runtime): subscribes again to the channels of locks that still have local
+/// waiters, forgets the others, then wakes every waiter to re-check — releases published
+/// while no connection listened were missed.
+#[cfg(feature = "cluster")]
+async fn resubscribe_all(inner: Weak<Inner>) {
+    let Some(inner) = inner.upgrade() else { return };
+    let mut subscribed = inner.subscribed.lock().await;
+    let mut conn = inner.conn.clone();
+    let wanted = |channel: &String| {
+        channel
+            .strip_suffix(CHANNEL_SUFFIX)
+            .and_then(|r| r.strip_suffix(':'))
+            .is_some_and(|r| inner.hub.has_waiters(r))
+    };
+    let channels: Vec<String> = subscribed.drain().filter(wanted).collect();
+    let mut left = channels.into_iter();
+    while let Some(channel) = left.next() {
+        match tokio::time::timeout(inner.opts.command_timeout, conn.subscribe(&channel)).await {
+            Ok(Ok(())) => {
+                subscribed.insert(channel);
+            }
+            // The connection is gone again: the next one made subscribes to these (and
+            // `ensure_subscribed` does not take them for subscribed meanwhile).
+            _ if !conn.subscriptions_alive() => {
+                subscribed.insert(channel);
+                subscribed.extend(left);
+                break;
+            }
+            // Not subscribed: the next waiter of this lock subscribes again; until then its
+            // waiters' timers wake them.
+            _ => {}
         }
     }
     drop(subscribed);
@@ -1024,12 +1130,11 @@ impl Backend for RedisBackend {
             if resource.kind() != LockKind::Exclusive {
                 return self.extend_kind(resource, token, ttl).await;
             }
-            let mut conn = self.inner.conn.clone();
             let mut inv = self.inner.extend.prepare_invoke();
             inv.key(resource.as_str())
                 .arg(token.as_str())
                 .arg(scripts::px(ttl));
-            let n: i64 = self.deadline("extend", inv.invoke_async(&mut conn)).await?;
+            let n: i64 = self.run_script("extend", &inv).await?;
             Ok(n == 1)
         })
     }
