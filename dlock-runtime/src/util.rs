@@ -208,6 +208,43 @@ pub(crate) fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
         .as_ref()
 }
 
+/// Background work that is safe to do twice (a revocation, a reconnect check, a keep-alive
+/// loop), started anew by each call.
+pub(crate) type Work =
+    std::sync::Arc<dyn Fn() -> crate::backend::BoxFuture<'static, ()> + Send + Sync>;
+
+/// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
+/// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
+/// half-way, the work starts again, from the beginning, on the fallback thread (as the
+/// watchdog does). Without a runtime, nothing runs.
+pub(crate) fn spawn_to_the_end(work: Work) {
+    tokio::spawn(to_the_end(Unfinished(Some(work))));
+}
+
+/// Work not done yet: dropped so, it starts again on the fallback thread.
+struct Unfinished(Option<Work>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        // Not after a panic in the work: it would only panic again.
+        let Some(work) = self.0.take().filter(|_| !std::thread::panicking()) else {
+            return;
+        };
+        let Some(rt) = crate::util::fallback_runtime() else {
+            tracing::warn!("dlock could not start its fallback thread; background work cut off with its runtime");
+            return;
+        };
+        rt.spawn(to_the_end(Unfinished(Some(work))));
+    }
+}
+
+async fn to_the_end(mut task: Unfinished) {
+    if let Some(work) = task.0.clone() {
+        work().await;
+    }
+    task.0 = None;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,5 +316,72 @@ mod tests {
             let equal = backoff(base, n % 4, max, Jitter::Equal);
             assert!(equal >= step / 2 && equal <= step, "{equal:?} vs {step:?}");
         }
+    }
+
+    /// Background work cut off by its runtime's shutdown starts again on the fallback thread
+    /// and runs to its end; work that ended is not started again.
+    #[test]
+    fn background_work_cut_off_by_its_runtime_runs_to_the_end_elsewhere() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (starts, ends) = (
+            std::sync::Arc::new(AtomicUsize::new(0)),
+            std::sync::Arc::new(AtomicUsize::new(0)),
+        );
+        let work = |starts: &std::sync::Arc<AtomicUsize>,
+                    ends: &std::sync::Arc<AtomicUsize>,
+                    pause: Duration|
+         -> Work {
+            let (starts, ends) = (starts.clone(), ends.clone());
+            std::sync::Arc::new(move || {
+                let (starts, ends) = (starts.clone(), ends.clone());
+                Box::pin(async move {
+                    starts.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(pause).await;
+                    ends.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        };
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async {
+            spawn_to_the_end(work(&starts, &ends, Duration::from_millis(50)));
+            while starts.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(first);
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while ends.load(Ordering::SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the work was not finished"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(starts.load(Ordering::SeqCst), 2, "started again once");
+
+        let (starts, ends) = (
+            std::sync::Arc::new(AtomicUsize::new(0)),
+            std::sync::Arc::new(AtomicUsize::new(0)),
+        );
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        second.block_on(async {
+            spawn_to_the_end(work(&starts, &ends, Duration::ZERO));
+            while ends.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(second);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            starts.load(Ordering::SeqCst),
+            1,
+            "work that ended started again"
+        );
     }
 }

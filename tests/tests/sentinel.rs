@@ -235,6 +235,31 @@ async fn role(port: u16) -> Result<String, String> {
 /// same token twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_is_followed_while_the_old_master_still_serves() {
+    failover_followed_while_the_old_master_serves(false).await;
+}
+
+/// As above, with a locker connected on a runtime that shut down since (an actix-web worker
+/// restarting, a runtime built for set-up): its connections to the sentinels died with it, and
+/// the task that keeps them subscribed goes on on the fallback thread and subscribes them again.
+/// Before, that task was gone: no announcement reached the locker, which granted on the old
+/// master beside the holder on the promoted one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_is_followed_by_a_locker_whose_first_runtime_shut_down() {
+    failover_followed_while_the_old_master_serves(true).await;
+}
+
+/// Whether the sentinel on `port` has a client subscribed to anything.
+async fn has_subscriber(port: u16) -> bool {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut node_conn(port).await)
+        .await
+        .expect("CLIENT LIST");
+    list.lines()
+        .any(|l| l.split(' ').any(|f| f.starts_with("sub=") && f != "sub=0"))
+}
+
+async fn failover_followed_while_the_old_master_serves(first_runtime_shut_down: bool) {
     let deployment = RedisSentinel::start();
     let command_timeout = Duration::from_millis(500);
     let connect = async || {
@@ -244,7 +269,55 @@ async fn a_failover_is_followed_while_the_old_master_still_serves() {
             .await
             .unwrap()
     };
-    let locker = connect().await;
+    let locker = if first_runtime_shut_down {
+        let url = deployment.url();
+        let locker = tokio::task::spawn_blocking(move || {
+            let first = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let locker = first.block_on(
+                Locker::builder()
+                    .command_timeout(command_timeout)
+                    .connect(&url),
+            );
+            drop(first);
+            locker.unwrap()
+        })
+        .await
+        .unwrap();
+        // Its subscriptions died with the runtime; they must come back before the failover.
+        let sentinels: Vec<u16> = deployment.sentinels.iter().map(|s| s.port()).collect();
+        poll_until(
+            Duration::from_secs(20),
+            Duration::from_millis(20),
+            async || {
+                for &port in &sentinels {
+                    if !has_subscriber(port).await {
+                        return Err(format!("sentinel {port} has no subscriber"));
+                    }
+                }
+                Ok(())
+            },
+        )
+        .await;
+        // Its connection to the master died with the runtime too: the connection manager
+        // reconnects on the first command that finds it gone, which fails (503) like any
+        // command on a dropped connection.
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            async || match locker.lock("warm").try_acquire().await {
+                Ok(Some(g)) => g.release().await.map_err(|e| e.to_string()),
+                Ok(None) => Err("held".to_owned()),
+                Err(e) => Err(e.to_string()),
+            },
+        )
+        .await;
+        locker
+    } else {
+        connect().await
+    };
     let old_port = deployment.servers[deployment.master_index()].port();
     let before = locker.lock("switch").acquire().await.unwrap();
     let token = before.fencing_token();

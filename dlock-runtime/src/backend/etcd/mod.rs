@@ -724,7 +724,7 @@ impl EtcdBackend {
             return;
         }
         let this = self.clone();
-        spawn_to_the_end(Arc::new(move || {
+        crate::util::spawn_to_the_end(Arc::new(move || {
             let (this, ids) = (this.clone(), ids.clone());
             Box::pin(async move {
                 if let Err(e) = this.revoke(ids).await {
@@ -883,43 +883,6 @@ fn relet_txn(own: &[u8], create: i64, lease: i64) -> Txn {
         "",
         Some(PutOptions::new().with_lease(lease).with_ignore_value()),
     )])
-}
-
-/// Background work of a backend that is safe to do twice (a revocation), started anew by each
-/// call.
-type Work = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
-
-/// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
-/// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
-/// half-way, the work starts again, from the beginning, on the fallback thread (as the
-/// watchdog does): a revocation cut off would leave its lease to expire, and a retired
-/// session's suspects would keep their names for good.
-fn spawn_to_the_end(work: Work) {
-    tokio::spawn(to_the_end(Unfinished(Some(work))));
-}
-
-/// Work not done yet: dropped so, it starts again on the fallback thread.
-struct Unfinished(Option<Work>);
-
-impl Drop for Unfinished {
-    fn drop(&mut self) {
-        // Not after a panic in the work: it would only panic again.
-        let Some(work) = self.0.take().filter(|_| !std::thread::panicking()) else {
-            return;
-        };
-        let Some(rt) = crate::util::fallback_runtime() else {
-            tracing::debug!("etcd: a revocation cut off with its runtime; its lease expires");
-            return;
-        };
-        rt.spawn(to_the_end(Unfinished(Some(work))));
-    }
-}
-
-async fn to_the_end(mut task: Unfinished) {
-    if let Some(work) = task.0.clone() {
-        work().await;
-    }
-    task.0 = None;
 }
 
 /// The connect options for the member at `host`: `base`, with TLS for that host's name.
@@ -1310,64 +1273,6 @@ mod tests {
         assert_eq!(noted(b"30000"), (Some(Duration::from_secs(30)), None));
         assert_eq!(noted(b"fp:abc"), (None, None));
         assert_eq!(noted(token.as_str().as_bytes()), (None, None));
-    }
-
-    /// Background work cut off by its runtime's shutdown starts again on the fallback thread
-    /// and runs to its end; work that ended is not started again.
-    #[test]
-    fn background_work_cut_off_by_its_runtime_runs_to_the_end_elsewhere() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let (starts, ends) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let work = |starts: &Arc<AtomicUsize>, ends: &Arc<AtomicUsize>, pause: Duration| -> Work {
-            let (starts, ends) = (starts.clone(), ends.clone());
-            Arc::new(move || {
-                let (starts, ends) = (starts.clone(), ends.clone());
-                Box::pin(async move {
-                    starts.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(pause).await;
-                    ends.fetch_add(1, Ordering::SeqCst);
-                })
-            })
-        };
-        let first = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        first.block_on(async {
-            spawn_to_the_end(work(&starts, &ends, Duration::from_millis(50)));
-            while starts.load(Ordering::SeqCst) == 0 {
-                tokio::task::yield_now().await;
-            }
-        });
-        drop(first);
-        let until = std::time::Instant::now() + Duration::from_secs(5);
-        while ends.load(Ordering::SeqCst) == 0 {
-            assert!(
-                std::time::Instant::now() < until,
-                "the work was not finished"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert_eq!(starts.load(Ordering::SeqCst), 2, "started again once");
-
-        let (starts, ends) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let second = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        second.block_on(async {
-            spawn_to_the_end(work(&starts, &ends, Duration::ZERO));
-            while ends.load(Ordering::SeqCst) == 0 {
-                tokio::task::yield_now().await;
-            }
-        });
-        drop(second);
-        std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(
-            starts.load(Ordering::SeqCst),
-            1,
-            "work that ended started again"
-        );
     }
 
     #[test]

@@ -732,7 +732,7 @@ impl EtcdBackend {
         // Run to the end even if this runtime shuts down first (it moves to the fallback
         // thread): cut off, the suspects on these sessions would keep their names for good.
         let this = self.clone();
-        super::spawn_to_the_end(Arc::new(move || {
+        crate::util::spawn_to_the_end(Arc::new(move || {
             let (this, idle) = (this.clone(), idle.clone());
             Box::pin(async move { this.revoke_sessions(&idle).await })
         }));

@@ -1027,8 +1027,14 @@ fn on_push(
                 return;
             }
             match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    rt.spawn(wake_after_reconnect(Arc::downgrade(&inner)));
+                // To the end: cut off by its runtime's shutdown, it runs again on the fallback
+                // thread (else `recovering` stayed set, and no waiter was woken after a
+                // reconnect again).
+                Ok(_) => {
+                    let weak = Arc::downgrade(&inner);
+                    crate::util::spawn_to_the_end(Arc::new(move || {
+                        Box::pin(wake_after_reconnect(weak.clone()))
+                    }));
                 }
                 Err(_) => inner.recovering.store(false, Ordering::Release),
             }

@@ -433,7 +433,10 @@ impl Sentinels {
         let _ = this.set(Arc::downgrade(&sentinels));
         let limit = connect_timeout + command_timeout;
         futures_util::future::join_all(sentinels.conns.iter().map(|l| l.subscribe(limit))).await;
-        tokio::spawn(keep_alive(Arc::downgrade(&sentinels)));
+        // To the end: if this runtime shuts down first, it goes on on the fallback thread
+        // (else the sentinels' subscriptions were never made again after a drop).
+        let weak = Arc::downgrade(&sentinels);
+        crate::util::spawn_to_the_end(Arc::new(move || Box::pin(keep_alive(weak.clone()))));
         Ok(sentinels)
     }
 
@@ -740,8 +743,11 @@ impl Shared {
             return;
         }
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(check(Arc::downgrade(self)));
+            // To the end: a check cut off by its runtime's shutdown runs again on the fallback
+            // thread (else `checking` stayed set, and no failover was followed again).
+            Ok(_) => {
+                let weak = Arc::downgrade(self);
+                crate::util::spawn_to_the_end(Arc::new(move || Box::pin(check(weak.clone()))));
             }
             Err(_) => self.checking.store(false, Ordering::Release),
         }
