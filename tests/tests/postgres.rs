@@ -411,6 +411,72 @@ async fn unreachable_database_is_a_typed_503_within_the_timeout() {
     }
 }
 
+/// A `LISTEN` connection whose peer goes silent (every byte held: a partition, a middlebox that
+/// forgot the connection) is found dead within two intervals of its empty-query check and
+/// made again: `is_listening` turns `false`, then `true`, and a waiter over the backend is
+/// woken by another backend's release, not by its fallback timer. Before, the connection
+/// stayed open and deaf for as long as TCP keepalive allowed (hours), saying it listened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_connection_gone_silent_is_made_again() {
+    let proxy = Proxy::start(port()).await.unwrap();
+    let via = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        proxy_port(&proxy)
+    );
+    let limit = Duration::from_millis(500);
+    let (_, backend) = locker_at(&via, limit).await;
+    until_listening(&[&backend], Duration::from_secs(5)).await;
+    // Silent: held, not closed (only what is read from now on; new connections too, so the
+    // latency is lifted once the old connection is given up).
+    proxy.set_latency(Duration::from_secs(3600));
+    wait_for(
+        "LISTEN taken for dead",
+        Duration::from_secs(10),
+        async || (!backend.is_listening()).then_some(()),
+    )
+    .await;
+    proxy.set_latency(Duration::ZERO);
+    until_listening(&[&backend], Duration::from_secs(10)).await;
+
+    let (holder, _) = locker_at(&direct_url("postgres"), Duration::from_secs(2)).await;
+    let guard = holder
+        .lock("silent:k")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let slow = Locker::builder()
+        .command_timeout(Duration::from_secs(2))
+        .waiter_ttl(Duration::from_secs(60))
+        .try_build(backend.clone())
+        .unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let h = slow.clone();
+    let wait = tokio::spawn(async move {
+        let g = h
+            .lock("silent:k")
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    });
+    wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (slow.waiting() > 0).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    wait.await.unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "woken after {took:?}: not by the notification"
+    );
+}
+
 fn proxy_port(proxy: &Proxy) -> u16 {
     proxy
         .url()

@@ -3,8 +3,10 @@
 //! Payloads (sent by `pg_notify` in the functions of `schema`, delivered after the releasing
 //! transaction committed): `<lock name>\t<waiter token>\t<fencing token>` when a release handed
 //! the lock to that waiter, `<lock name>\t` to wake one barging waiter. The task reconnects with
-//! backoff when the connection drops and then wakes every local waiter once (notifications sent
-//! meanwhile were missed); it ends when the backend is dropped. It starts on the runtime the
+//! backoff when the connection drops, or when it does not answer an empty query within the
+//! connect plus command timeout (asked once per that interval: a peer gone silent is found in
+//! two), and then wakes every local waiter once (notifications sent meanwhile were missed); it
+//! ends when the backend is dropped. It starts on the runtime the
 //! backend is connected on and moves to the fallback thread if that runtime shuts down first
 //! ([`Task`]).
 
@@ -161,8 +163,36 @@ async fn session<T>(
             tracing::debug!("postgres LISTEN back; local waiters woken to re-check");
         }
     }
-    while let Some(Ok(m)) = messages.next().await {
-        dispatch(hub, m);
+    // A connection whose peer vanished without a word (a partition, a middlebox that forgot
+    // it) stays open and silent for as long as TCP keepalive lets it — hours by default —
+    // while its notifications go nowhere. One empty query every `limit` tells: unanswered
+    // within `limit`, the connection is taken for dead and made again.
+    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + limit, limit);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            m = messages.next() => match m {
+                Some(Ok(m)) => dispatch(hub, m),
+                _ => break,
+            },
+            _ = check.tick() => {
+                let ping = tokio::time::timeout(limit, client.batch_execute(""));
+                tokio::pin!(ping);
+                let alive = loop {
+                    tokio::select! {
+                        r = &mut ping => break matches!(r, Ok(Ok(()))),
+                        m = messages.next() => match m {
+                            Some(Ok(m)) => dispatch(hub, m),
+                            _ => break false,
+                        },
+                    }
+                };
+                if !alive {
+                    tracing::warn!("postgres LISTEN connection did not answer within {limit:?}");
+                    break;
+                }
+            }
+        }
     }
     drop(client);
 }
