@@ -17,7 +17,7 @@ use dlock_runtime::backend::{
 };
 use dlock_runtime::conformance::Store;
 use dlock_runtime::key::ResourceName;
-use dlock_runtime::{LockError, LockKey, Locker, OnFail, RetryPolicy};
+use dlock_runtime::{LockError, LockGuard, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::postgres_server::{shared, shared_bouncer};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::free_port;
@@ -238,6 +238,42 @@ fn terminate(app: &str) -> usize {
     out.parse().expect("a count")
 }
 
+/// A waiter over `backend` queues for `key`, which `guard` holds, and must be woken by the
+/// release within 2 s: by the notification, not by its fallback timer (10 s backoff steps, a
+/// 60 s waiter TTL).
+async fn woken_by_the_release(backend: &PostgresBackend, key: &'static str, guard: LockGuard) {
+    let slow = Locker::builder()
+        .command_timeout(Duration::from_secs(2))
+        .waiter_ttl(Duration::from_secs(60))
+        .try_build(backend.clone())
+        .unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let h = slow.clone();
+    let wait = tokio::spawn(async move {
+        let g = h
+            .lock(key)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    });
+    wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (slow.waiting() > 0).then_some(())
+    })
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    wait.await.unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "woken after {took:?}: not by the notification"
+    );
+}
+
 /// The `LISTEN` task starts on the runtime the backend is connected on. When that runtime shuts
 /// down (an actix-web worker restarting, a runtime built for set-up) while the backend lives
 /// on, the task moves to the fallback thread: `LISTEN` comes back and a waiter over the backend
@@ -270,35 +306,7 @@ async fn the_listen_task_outlives_the_runtime_it_started_on() {
         .acquire()
         .await
         .unwrap();
-    let slow = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .try_build(waiter_backend.clone())
-        .unwrap();
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false);
-    let h = slow.clone();
-    let wait = tokio::spawn(async move {
-        let g = h
-            .lock("rt:k")
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    });
-    wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (slow.waiting() > 0).then_some(())
-    })
-    .await;
-    let released = Instant::now();
-    guard.release().await.unwrap();
-    wait.await.unwrap();
-    let took = released.elapsed();
-    assert!(
-        took < Duration::from_secs(2),
-        "woken after {took:?}: not by the notification"
-    );
+    woken_by_the_release(&waiter_backend, "rt:k", guard).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,39 +343,8 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     assert!(waiter.lock("term:k").try_acquire().await.unwrap().is_none());
 
     // Notifications resume: a waiter over the other terminated backend is woken by the
-    // release, not by its fallback timer (10 s backoff steps, a 60 s waiter TTL).
-    let slow = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .try_build(waiter_backend.clone())
-        .unwrap();
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false);
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let h = slow.clone();
-    let wait = tokio::spawn(async move {
-        let _ = tx.send(());
-        let g = h
-            .lock("term:k")
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    });
-    rx.await.unwrap();
-    wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (slow.waiting() > 0).then_some(())
-    })
-    .await;
-    let released = Instant::now();
-    guard.release().await.unwrap();
-    wait.await.unwrap();
-    let took = released.elapsed();
-    assert!(
-        took < Duration::from_secs(2),
-        "woken after {took:?}: not by the notification"
-    );
+    // release, not by its fallback timer.
+    woken_by_the_release(&waiter_backend, "term:k", guard).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,36 +422,7 @@ async fn a_listen_connection_gone_silent_is_made_again() {
         .acquire()
         .await
         .unwrap();
-    let slow = Locker::builder()
-        .command_timeout(Duration::from_secs(2))
-        .waiter_ttl(Duration::from_secs(60))
-        .try_build(backend.clone())
-        .unwrap();
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false);
-    let h = slow.clone();
-    let wait = tokio::spawn(async move {
-        let g = h
-            .lock("silent:k")
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    });
-    wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (slow.waiting() > 0).then_some(())
-    })
-    .await;
-    let released = Instant::now();
-    guard.release().await.unwrap();
-    wait.await.unwrap();
-    let took = released.elapsed();
-    assert!(
-        took < Duration::from_secs(2),
-        "woken after {took:?}: not by the notification"
-    );
+    woken_by_the_release(&backend, "silent:k", guard).await;
 }
 
 fn proxy_port(proxy: &Proxy) -> u16 {
