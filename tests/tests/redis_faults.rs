@@ -1017,3 +1017,110 @@ async fn a_cut_off_leader_is_told_before_the_next_one_leads_and_campaigns_again(
     assert!(t3 > t2, "{t3} > {t2}");
     a.resign().await.unwrap();
 }
+
+/// A connection that went silent — a partition, a load balancer or NAT that forgot it: no reset,
+/// no close, so the kernel keeps it for many minutes — is replaced once a command times out on
+/// it: a new connection works at once, and the locker takes locks again within a few command
+/// timeouts instead of failing every command as unavailable until the kernel gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_is_replaced() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let locker = fast_fail().connect(&proxy.url()).await.unwrap();
+    let key = "silent:replaced";
+    let g = locker.lock(key).try_acquire().await.unwrap().expect("free");
+    g.release().await.unwrap();
+
+    // Silent: what is read from now on is held, not forwarded, and the connection stays open.
+    proxy.set_latency(Duration::from_secs(3600));
+    unavailable_within(Duration::from_secs(1), locker.lock(key).try_acquire()).await;
+    // New connections work again; the silent one stays stuck.
+    proxy.set_latency(Duration::ZERO);
+    let lifted = Instant::now();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => {
+                panic!("nobody holds {key}: the timed-out attempt never reached the server")
+            }
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("still on the silent connection: {e}"))
+            }
+        },
+    )
+    .await;
+    let took = lifted.elapsed();
+    // A few 200 ms command timeouts: the check's PING, the new connection, the next attempt.
+    assert!(took < Duration::from_millis(1500), "back after {took:?}");
+    g.release().await.unwrap();
+}
+
+/// A waiter queued before its connection went silent hears of the release that hands it the
+/// lock once the connection was replaced: the new connection subscribes again to the channels
+/// that still have waiters. Its fallback timer (10 s) would take far longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_hears_a_release_after_its_silent_connection_is_replaced() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let holder = server.locker().await;
+    let waiter = fast_fail()
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let key = "silent:waiter";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let evalsha_before = evalsha_calls(&server).await;
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false);
+    let wait = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::Retry(policy);
+            waiter.lock(key).ttl(LONG).on_fail(retry).acquire().await
+        })
+    };
+    // Queued, subscribed, and done with the attempt after the subscription: asleep.
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep =
+                waiter.waiting() != 0 && evalsha_calls(&server).await >= evalsha_before + 2;
+            asleep.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
+
+    proxy.set_latency(Duration::from_secs(3600));
+    let other = "silent:other";
+    unavailable_within(Duration::from_secs(1), waiter.lock(other).try_acquire()).await;
+    proxy.set_latency(Duration::ZERO);
+    let g = poll_until(
+        Duration::from_secs(3),
+        Duration::from_millis(20),
+        async || waiter.lock(other).try_acquire().await,
+    )
+    .await;
+    g.expect("nobody holds the other lock")
+        .release()
+        .await
+        .unwrap();
+
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(3), wait)
+        .await
+        .expect("the waiter never heard of the release")
+        .unwrap()
+        .unwrap();
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(2), "woken after {took:?}");
+    guard.release().await.unwrap();
+}

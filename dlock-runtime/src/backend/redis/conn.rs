@@ -6,29 +6,38 @@
 //! RESP3 pushes on the same connection; a cluster keeps its shard-channel subscriptions on
 //! connections of their own (see [`Conn::Cluster`]).
 //!
-//! Reconnecting: the `ConnectionManager` reconnects by itself, and Sentinel's connection with
-//! it. The cluster client follows a cluster's failovers and lost nodes, but it lives on a task
-//! of the runtime it was made on, and once that runtime shuts down it is gone for good: a
-//! [`ClusterLink`] makes it anew on the runtime of its next use (see there).
+//! Reconnecting: the `ConnectionManager` reconnects by itself when its connection is reset or
+//! closed, and Sentinel's connection with it. It does not when the connection goes silent (a
+//! partition, a load balancer or NAT that forgot it: no reset, no close): every command then
+//! times out, which it does not take for a lost connection, until the kernel gives up on the
+//! socket — many minutes. The backend's connection to one server is therefore a
+//! [`ServerLink`], which replaces a connection that a command timed out on and that does not
+//! answer a `PING` either (see there). The cluster client follows a cluster's failovers and
+//! lost nodes, but it lives on a task of the runtime it was made on, and once that runtime
+//! shuts down it is gone for good: a [`ClusterLink`] makes it anew on the runtime of its next
+//! use (see there).
 
-use redis::aio::{ConnectionLike, ConnectionManager};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak};
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 #[cfg(feature = "cluster")]
 use {
-    redis::cluster::ClusterClient,
-    redis::cluster_async::ClusterConnection,
-    redis::cluster_routing::RoutingInfo,
-    redis::RedisError,
-    std::sync::atomic::{AtomicBool, AtomicU64, Ordering},
-    std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak},
-    std::time::Duration,
+    redis::cluster::ClusterClient, redis::cluster_async::ClusterConnection,
+    redis::cluster_routing::RoutingInfo, redis::RedisError, std::sync::atomic::AtomicU64,
     tokio::sync::oneshot,
 };
 
 /// One server or a cluster. Cheap to clone.
 #[derive(Clone)]
 pub(crate) enum Conn {
+    /// One server, without replacement of a silent connection (connections that carry no
+    /// subscriptions: `WAIT`'s, the durable queue's).
     Single(ConnectionManager),
+    /// The backend's own connection to one server: replaced when it went silent.
+    Server(ServerLink),
     /// Commands, and subscriptions (`SSUBSCRIBE`/`SUNSUBSCRIBE`) on connections of their own.
     /// When a slot moves to another master, Redis tells the clients subscribed to its shard
     /// channels with an unsolicited `sunsubscribe` push, which redis-rs (1.8) takes for the
@@ -77,6 +86,7 @@ impl Conn {
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
             Conn::Single(c) => c.subscribe(channel).await,
+            Conn::Server(c) => c.conn().subscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.ssubscribe(channel).await,
             #[cfg(feature = "sentinel")]
@@ -111,10 +121,28 @@ impl Conn {
         }
     }
 
+    /// Told the failure of a command sent through this handle: a timeout (no answer within
+    /// the command timeout) may mean the connection went silent, which the backend's connection
+    /// to one server then checks ([`ServerLink::suspect`]). Other connections reconnect on
+    /// their own or follow a failover on their own.
+    pub(super) fn failed(&self, e: &redis::RedisError) {
+        if e.is_timeout() {
+            self.timed_out();
+        }
+    }
+
+    /// Like [`failed`](Conn::failed), for a command cut off by a deadline of the caller's.
+    pub(super) fn timed_out(&self) {
+        if let Conn::Server(c) = self {
+            c.suspect();
+        }
+    }
+
     /// The reverse of [`subscribe`](Conn::subscribe).
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
             Conn::Single(c) => c.unsubscribe(channel).await,
+            Conn::Server(c) => c.conn().unsubscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.sunsubscribe(channel).await,
             #[cfg(feature = "sentinel")]
@@ -208,6 +236,7 @@ impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Server(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_command(cmd),
             #[cfg(feature = "sentinel")]
@@ -223,6 +252,7 @@ impl ConnectionLike for Conn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Server(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "sentinel")]
@@ -233,11 +263,211 @@ impl ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
+            Conn::Server(c) => c.get_db(),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.get_db(),
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.get_db(),
         }
+    }
+}
+
+/// The backend's connection to one server: a redis-rs `ConnectionManager`, replaced when it
+/// went silent.
+///
+/// The manager reconnects when its connection is reset or closed, never when it merely stops
+/// answering: a command that times out is, to redis-rs (1.8), one to retry on the same
+/// connection. A connection a partition, a load balancer or a NAT forgot without a reset stays
+/// open until the kernel gives up on it — many minutes of commands that all time out, and of
+/// release notifications (pushes on the same connection) that never come, though a new
+/// connection would work at once. So a command that timed out, or that its caller gave up
+/// before its answer came, has the connection checked ([`suspect`](Self::suspect)): a `PING` on it, within the command timeout, one check at a
+/// time however many commands timed out. Unanswered too, the connection is taken for dead and
+/// replaced by a new manager made from the same client and settings (its push handler
+/// included); the backend is then told ([`on_remade`](Self::on_remade)) to subscribe the new
+/// connection to the release channels still wanted and wake every local waiter to re-check.
+/// A `PING` that fails otherwise (refused, reset) is left to the manager's own reconnect. The
+/// command that timed out is not sent again — it may have run — and fails as unavailable; so
+/// do the commands of a server that is really down, on every connection made in its place.
+///
+/// Each command first reads the current connection (a shared `RwLock` read, and the clone of
+/// a manager that cloning the connection always cost), like a [`ClusterLink`]'s. Cheap to
+/// clone: a clone shares the connection and takes it at its first command.
+pub(crate) struct ServerLink {
+    shared: Arc<Server>,
+    /// The connection this handle sends on and its generation, taken from [`Server::current`]
+    /// at the handle's first command and again when it was replaced.
+    conn: Option<(ConnectionManager, u64)>,
+}
+
+impl Clone for ServerLink {
+    fn clone(&self) -> Self {
+        ServerLink {
+            shared: self.shared.clone(),
+            conn: None,
+        }
+    }
+}
+
+struct Server {
+    client: redis::Client,
+    /// The settings of every connection made, the push handler included.
+    config: ConnectionManagerConfig,
+    /// How long the check's `PING` waits for its answer (the command timeout).
+    probe: Duration,
+    current: RwLock<ServerConn>,
+    /// A check is under way.
+    checking: AtomicBool,
+    on_remade: OnceLock<Box<dyn Fn() + Send + Sync>>,
+}
+
+/// The connection a [`Server`] sends on now.
+struct ServerConn {
+    conn: ConnectionManager,
+    /// Numbers the connections a link has had.
+    generation: u64,
+}
+
+impl ServerLink {
+    /// A link whose first connection is made on first use (`ConnectionManager`'s lazy
+    /// connection); `probe` is how long a check's `PING` waits.
+    pub(super) fn new(
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        probe: Duration,
+    ) -> RedisResult<ServerLink> {
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
+        Ok(ServerLink {
+            shared: Arc::new(Server {
+                client,
+                config,
+                probe,
+                current: RwLock::new(ServerConn {
+                    conn,
+                    generation: 0,
+                }),
+                checking: AtomicBool::new(false),
+                on_remade: OnceLock::new(),
+            }),
+            conn: None,
+        })
+    }
+
+    /// Sets what the link calls after it replaced a silent connection, on the runtime the new
+    /// one was made on: it is subscribed to nothing (once; later calls are ignored).
+    pub(super) fn on_remade(&self, f: impl Fn() + Send + Sync + 'static) {
+        let _ = self.shared.on_remade.set(Box::new(f));
+    }
+
+    /// The connection to send on: the current one (no await: the hot path).
+    fn conn(&mut self) -> &mut ConnectionManager {
+        let cur = self.shared.read();
+        let conn = match self.conn.take() {
+            Some((c, g)) if g == cur.generation => (c, g),
+            _ => (cur.conn.clone(), cur.generation),
+        };
+        drop(cur);
+        &mut self.conn.insert(conn).0
+    }
+
+    /// A command timed out: checks, on a task of this runtime, whether the current connection
+    /// still answers, and replaces it if not (see [`ServerLink`]). One check at a time: a
+    /// call while one runs does nothing. Without a runtime, nothing.
+    pub(super) fn suspect(&self) {
+        if self.shared.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            self.shared.checking.store(false, Ordering::Release);
+            return;
+        }
+        // To the end: cut off by its runtime's shutdown, it runs again on the fallback thread
+        // (else `checking` stayed set, and no silent connection was replaced again).
+        let weak = Arc::downgrade(&self.shared);
+        crate::util::spawn_to_the_end(Arc::new(move || Box::pin(check_server(weak.clone()))));
+    }
+}
+
+impl Server {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, ServerConn> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// [`ServerLink::suspect`]'s check: a `PING` on the current connection; unanswered within the
+/// command timeout, a new connection in its place.
+async fn check_server(link: Weak<Server>) {
+    let Some(server) = link.upgrade() else { return };
+    let (mut conn, generation) = {
+        let cur = server.read();
+        (cur.conn.clone(), cur.generation)
+    };
+    let ping = redis::cmd("PING");
+    let silent = match tokio::time::timeout(server.probe, ping.query_async::<()>(&mut conn)).await {
+        Err(_) => true,
+        Ok(Err(e)) => e.is_timeout(),
+        Ok(Ok(())) => false,
+    };
+    drop(conn);
+    let remade = silent && remake_server(&server, generation);
+    server.checking.store(false, Ordering::Release);
+    if remade {
+        if let Some(f) = server.on_remade.get() {
+            f();
+        }
+    }
+}
+
+/// Replaces connection `generation` of `server` by a new one (made on first use, on this
+/// runtime). `false`: not replaced.
+fn remake_server(server: &Server, generation: u64) -> bool {
+    let conn =
+        match ConnectionManager::new_lazy_with_config(server.client.clone(), server.config.clone())
+        {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = ?e.kind(), "redis: could not replace a silent connection");
+                return false;
+            }
+        };
+    let old = {
+        let mut cur = server
+            .current
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if cur.generation != generation {
+            return false;
+        }
+        std::mem::replace(
+            &mut *cur,
+            ServerConn {
+                conn,
+                generation: generation + 1,
+            },
+        )
+    };
+    // Outside the lock: the last handle of the old connection closes it.
+    drop(old);
+    tracing::warn!("redis connection gone silent (no answer to PING); replaced by a new one");
+    true
+}
+
+impl ConnectionLike for ServerLink {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        self.conn().req_packed_command(cmd)
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.conn().req_packed_commands(pipeline, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.shared.read().conn.get_db()
     }
 }
 

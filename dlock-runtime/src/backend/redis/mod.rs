@@ -16,6 +16,18 @@
 //! * The connection reconnects on its own (redis-rs `ConnectionManager`); every command has a
 //!   deadline ([`RedisOptions::command_timeout`]), so a hung server turns into
 //!   [`LockError::Unavailable`] instead of a hung handler.
+//! * A connection that went silent (a partition, a load balancer or NAT that forgot it: no
+//!   reset, no close) is one the `ConnectionManager` keeps, every command timing out, until the
+//!   kernel gives up on it — many minutes. So on one server (and Redlock's nodes) a command
+//!   that timed out, or was given up before its answer came (the
+//!   [`Locker`](crate::Locker)'s deadline is as long as the connection's, and often first),
+//!   has the connection checked: a `PING` on it within the command timeout, one check however
+//!   many commands timed out. Unanswered too, the connection is replaced by a new
+//!   one (`conn::ServerLink`), which subscribes again to the channels that still have waiters,
+//!   and every waiter is woken to re-check, as after a reconnect above. The command that timed
+//!   out is not sent again (it may have run) and fails with [`LockError::Unavailable`]; a
+//!   server that is really down stays so. Each command only reads which connection is current
+//!   (a shared lock's read).
 //! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
 //!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
 //!   runtime dropped). Each is a `conn::ClusterLink`, made anew on the runtime of its next
@@ -408,10 +420,19 @@ impl RedisBackend {
             .set_max_delay(opts.connect_timeout)
             .set_push_sender(push)
             .set_automatic_resubscription();
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+        let probe = opts.command_timeout;
+        let conn = conn::ServerLink::new(client.clone(), config, probe)
             .map_err(|e| redis_err("connect", e))?;
+        // A silent connection replaced: the new one is subscribed to nothing.
+        let me_remade = me.clone();
+        conn.on_remade(move || {
+            if let (Some(inner), Ok(rt)) = (me_remade.get(), tokio::runtime::Handle::try_current())
+            {
+                rt.spawn(resubscribe_all(inner.clone()));
+            }
+        });
         Ok(Self::with_conn(
-            Conn::Single(conn),
+            Conn::Server(conn),
             opts,
             hub,
             &me,
@@ -588,7 +609,14 @@ impl RedisBackend {
         }
         let mut conn = self.inner.conn.clone();
         let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
-        let issuer = take_issuer(&mut conn, limit, &[]).await?;
+        let issuer = match take_issuer(&mut conn, limit, &[]).await {
+            Ok(issuer) => issuer,
+            Err(e) => {
+                // Perhaps a timeout on a silent connection (a check is only a `PING`).
+                self.inner.conn.timed_out();
+                return Err(e);
+            }
+        };
         Ok(
             match self.inner.issuer.compare_exchange(
                 NO_ISSUER,
@@ -612,11 +640,14 @@ impl RedisBackend {
         let mut conn = self.inner.conn.clone();
         let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
         match tokio::time::timeout(limit, redis::cmd("PING").query_async::<()>(&mut conn)).await {
-            Ok(r) => r.map_err(|e| redis_err("ping", e)),
-            Err(_) => Err(LockError::unavailable(
-                format!("redis ping timed out after {limit:?}"),
-                None,
-            )),
+            Ok(r) => r.map_err(|e| self.failed("ping", e)),
+            Err(_) => {
+                self.inner.conn.timed_out();
+                Err(LockError::unavailable(
+                    format!("redis ping timed out after {limit:?}"),
+                    None,
+                ))
+            }
         }
     }
 
@@ -676,7 +707,17 @@ impl RedisBackend {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
-        fut.await.map_err(|e| redis_err(what, e))
+        let mut sent = Sent::new(&self.inner.conn);
+        let r = fut.await;
+        sent.answered();
+        r.map_err(|e| self.failed(what, e))
+    }
+
+    /// The error of a failed command, after telling the connection (a timeout has the
+    /// connection checked: see [`Conn::failed`]).
+    fn failed(&self, what: &str, e: RedisError) -> LockError {
+        self.inner.conn.failed(&e);
+        redis_err(what, e)
     }
 
     /// Runs a lock script (one that [declares](RedisBackend::declare_derived_keys) its derived
@@ -707,7 +748,10 @@ impl RedisBackend {
         let mut again = 2;
         let mut resend = true;
         loop {
-            match inv.invoke_async(&mut conn).await {
+            let mut sent = Sent::new(&self.inner.conn);
+            let r = inv.invoke_async(&mut conn).await;
+            sent.answered();
+            match r {
                 Err(e)
                     if again > 0
                         && self.is_cluster()
@@ -719,7 +763,7 @@ impl RedisBackend {
                 // more, on the connection made in its place. A script whose answer was lost is
                 // not sent again: it may have run (see the module docs).
                 Err(e) if resend && conn.never_sent(&e) => resend = false,
-                r => return Ok((r.map_err(|e| redis_err(what, e))?, conn.replied_issuer())),
+                r => return Ok((r.map_err(|e| self.failed(what, e))?, conn.replied_issuer())),
             }
         }
     }
@@ -800,8 +844,14 @@ impl RedisBackend {
                 subscribed.remove(&channel);
             }
             // Still subscribed as far as we know; a stray notification is harmless.
-            Ok(Err(e)) => tracing::debug!(error = ?e.kind(), "redis unsubscribe failed"),
-            Err(_) => tracing::debug!("redis unsubscribe timed out"),
+            Ok(Err(e)) => {
+                inner.conn.failed(&e);
+                tracing::debug!(error = ?e.kind(), "redis unsubscribe failed");
+            }
+            Err(_) => {
+                inner.conn.timed_out();
+                tracing::debug!("redis unsubscribe timed out");
+            }
         }
     }
 }
@@ -821,7 +871,13 @@ async fn wake_after_reconnect(inner: Weak<Inner>) {
         let ping = redis::cmd("PING");
         let answer =
             tokio::time::timeout(me.opts.command_timeout, ping.query_async::<()>(&mut conn));
-        if let Ok(Ok(())) = answer.await {
+        let answer = answer.await;
+        match &answer {
+            Ok(Err(e)) => me.conn.failed(e),
+            Err(_) => me.conn.timed_out(),
+            Ok(Ok(())) => {}
+        }
+        if let Ok(Ok(())) = answer {
             me.recovering.store(false, Ordering::Release);
             me.hub.notify_all();
             tracing::debug!("redis connection back; local waiters woken to re-check");
@@ -912,10 +968,10 @@ async fn remake_subscriptions(inner: Weak<Inner>) {
 }
 
 /// A cluster's subscriptions connection was made anew, subscribed to nothing (the one before
-/// died with its runtime): subscribes again to the channels of locks that still have local
-/// waiters, forgets the others, then wakes every waiter to re-check — releases published
-/// while no connection listened were missed.
-#[cfg(feature = "cluster")]
+/// died with its runtime), or one server's connection replaced (it went silent): subscribes
+/// again to the channels of locks that still have local waiters, forgets the others, then
+/// wakes every waiter to re-check — releases published while no connection listened were
+/// missed.
 async fn resubscribe_all(inner: Weak<Inner>) {
     let Some(inner) = inner.upgrade() else { return };
     let mut subscribed = inner.subscribed.lock().await;
@@ -1317,11 +1373,13 @@ impl RedisBackend {
             pipe
         };
         let mut conn = self.inner.conn.clone();
+        let mut sent = Sent::new(&self.inner.conn);
         let first = tokio::time::timeout(
             self.inner.opts.command_timeout,
             build().query_async::<Vec<i64>>(&mut conn),
         )
         .await;
+        sent.answered();
         match first {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e))
@@ -1335,8 +1393,42 @@ impl RedisBackend {
                 self.deadline("extend", build().query_async::<Vec<i64>>(&mut conn))
                     .await
             }
-            Ok(Err(e)) => Err(redis_err("extend", e)),
-            Err(_) => Err(LockError::unavailable("redis extend timed out", None)),
+            Ok(Err(e)) => Err(self.failed("extend", e)),
+            Err(_) => {
+                self.inner.conn.timed_out();
+                Err(LockError::unavailable("redis extend timed out", None))
+            }
+        }
+    }
+}
+
+/// A command on its way: dropped before its answer (or failure) came — cut off by a deadline of
+/// the caller's, which the [`Locker`](crate::Locker)'s is, the same length as the connection's
+/// own and often first — it has the connection checked as a timeout does ([`Conn::timed_out`]:
+/// a `PING` on one server, at most one at a time, when the command was given up for any
+/// reason). No allocation, no clock read: a flag on the stack.
+struct Sent<'a> {
+    conn: &'a Conn,
+    answered: bool,
+}
+
+impl<'a> Sent<'a> {
+    fn new(conn: &'a Conn) -> Self {
+        Sent {
+            conn,
+            answered: false,
+        }
+    }
+
+    fn answered(&mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Sent<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.conn.timed_out();
         }
     }
 }
