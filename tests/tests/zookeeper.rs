@@ -1,6 +1,7 @@
 //! ZooKeeper (`zk://`): the conformance suite on one real standalone server started once for
 //! this binary (`dlock_tests::zookeeper_server::shared`), URL and chroot checks, session expiry
-//! through a cut proxy, then fault tests on one 3-server ensemble shared by them.
+//! through a cut proxy, a backend outliving the runtime it started on, then fault tests on one
+//! 3-server ensemble shared by them.
 
 use dlock_runtime::backend::{ZkBackend, ZkOptions};
 use dlock_runtime::conformance::Store;
@@ -55,7 +56,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::{LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::on_owner_thread;
-use dlock_tests::wait::{poll_until, try_take};
+use dlock_tests::wait::{poll_until, try_take, wait_for};
 use dlock_tests::zookeeper_server::ZkEnsemble;
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(2000);
@@ -679,4 +680,213 @@ async fn unreachable_zookeeper_is_unavailable_in_time() {
         "an unreachable ZooKeeper took {:?} to report",
         started.elapsed()
     );
+}
+
+/// A locker built on a runtime that then shuts down (an actix-web worker restarting, a runtime
+/// built for set-up and dropped) keeps serving its waiters on the other runtimes, each woken by
+/// the release before it: one queued while that runtime ran, and one that starts waiting after.
+/// The ZooKeeper client ran the session in a task on the first runtime; with the task gone, the
+/// client still said `SyncConnected` while every call failed (503, ending every wait at once),
+/// and a watch awaited on another runtime panicked in the client, so the waiter queued before
+/// was told nothing. The backend now resumes the same session on another runtime (its nodes,
+/// so the waiters' places in the queue, kept) and wakes its waiters to watch again.
+///
+/// Every fallback timer of the waiters is 20 s or more away (backoff and refresh interval set
+/// long): getting the lock sooner is the release's doing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_woken_by_releases_after_the_runtime_that_built_their_locker_shut_down() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let key = format!("first-runtime-{}", std::process::id());
+    // Twice the granted session timeout (30 s): the waiters refresh their place every 20 s.
+    let ttl = Duration::from_secs(60);
+    let (built_tx, built_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let first = std::thread::spawn({
+        let url = url.clone();
+        move || {
+            let first = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            first.block_on(async move {
+                let backend = ZkBackend::connect(&url, ZkOptions::default())
+                    .await
+                    .expect("connect to ZooKeeper");
+                let locker = Locker::builder()
+                    .command_timeout(COMMAND_TIMEOUT)
+                    .waiter_ttl(ttl)
+                    .build(backend.clone());
+                let _ = built_tx.send((backend, locker));
+                let _ = stop_rx.await;
+            });
+            // Shut down, with the session's task and whatever the backend started on it.
+            drop(first);
+        }
+    });
+    let (backend, a) = built_rx.await.expect("the first runtime's thread");
+    let session = backend.session_id();
+    let b = locker(&url).await;
+    let holder = b.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
+    let wait = |n: u32| {
+        let (a, key) = (a.clone(), key.clone());
+        let policy = RetryPolicy::new(ttl).backoff(ttl, ttl).jitter(false);
+        tokio::spawn(async move {
+            a.lock(key.as_str())
+                .ttl(ttl)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+                .unwrap_or_else(|e| panic!("waiter {n}: {e}"))
+        })
+    };
+    let first_waiter = wait(1);
+    // Queued, watching and asleep: no call of it on its way when the runtime shuts down.
+    wait_for(
+        "the first waiter to sleep",
+        Duration::from_secs(10),
+        async || (backend.watching() == 1 && a.waiting() == 1).then_some(()),
+    )
+    .await;
+    stop_tx.send(()).unwrap();
+    tokio::task::spawn_blocking(move || first.join())
+        .await
+        .unwrap()
+        .expect("the first runtime's thread");
+    // Every waiter's timer is due 20 s or more after this.
+    let shut = Instant::now();
+    let second_waiter = wait(2);
+    wait_for(
+        "both waiters to watch on the session resumed",
+        Duration::from_secs(10),
+        async || (backend.watching() == 2 && a.waiting() == 2).then_some(()),
+    )
+    .await;
+    assert_eq!(backend.session_id(), session, "the session was not resumed");
+    holder.release().await.unwrap();
+    let g1 = tokio::time::timeout(Duration::from_secs(15), first_waiter)
+        .await
+        .expect("the first waiter was not woken by the release")
+        .unwrap();
+    let first_token = g1.fencing_token();
+    g1.release().await.unwrap();
+    let g2 = tokio::time::timeout(Duration::from_secs(15), second_waiter)
+        .await
+        .expect("the second waiter was not woken by the release")
+        .unwrap();
+    let woken = shut.elapsed();
+    assert!(
+        woken < Duration::from_secs(15),
+        "the waiters got the lock {woken:?} after the runtime shut down: by their timers"
+    );
+    assert!(g2.fencing_token() > first_token);
+    g2.release().await.unwrap();
+}
+
+/// An undo that got no answer (the client had no server) is settled by the backend's one task
+/// for such attempts, which deletes the attempt's node once the client, back, has sent the
+/// `create` it kept. That task ran on the runtime of the undo; when that runtime shut down, the
+/// task went with it, and its "running" flag stayed up: no undo was settled again, and the node
+/// stayed for the life of the session. The task now moves to the fallback thread.
+///
+/// The session runs on this test's runtime, through a proxy that cuts it off; the try, its undo
+/// (the locker's one background try: the TTL is shorter than the command timeout) and so the
+/// task run on a runtime of their own, shut down before the proxy lets the client through
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_down() {
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let timeout = Duration::from_millis(500);
+    let backend = ZkBackend::connect(
+        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
+        ZkOptions::default().command_timeout(timeout),
+    )
+    .await
+    .expect("connect to ZooKeeper");
+    let key = format!("unsettled-{}", std::process::id());
+    // Holds the lock, so its directory stays and the try's node lands behind it.
+    let b = locker(&url).await;
+    let blocker = b
+        .lock(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let dir = format!(
+        "/dlock/{}",
+        b.resource(LockKey::new(&key).unwrap()).as_str()
+    );
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let mut events = raw
+        .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
+        .await
+        .expect("a recursive watch");
+    proxy.cut(true);
+    // From now on the client keeps requests until it has a server again.
+    wait_for(
+        "the client to see the cut",
+        Duration::from_secs(10),
+        async || (!backend.connected()).then_some(()),
+    )
+    .await;
+    let first = std::thread::spawn({
+        let (backend, key) = (backend.clone(), key.clone());
+        move || {
+            let first = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            first.block_on(async move {
+                let a = Locker::builder()
+                    .command_timeout(timeout)
+                    .build(backend.clone());
+                let err = a
+                    .lock(key.as_str())
+                    .ttl(Duration::from_millis(100))
+                    .try_acquire()
+                    .await
+                    .expect_err("a lock taken without a server");
+                assert!(err.is_unavailable(), "{err}");
+                wait_for(
+                    "the undo to go unanswered",
+                    Duration::from_secs(10),
+                    async || (backend.unsettled() == 1).then_some(()),
+                )
+                .await;
+            });
+            drop(first);
+        }
+    });
+    tokio::task::spawn_blocking(move || first.join())
+        .await
+        .unwrap()
+        .expect("the undo's runtime");
+    proxy.allow();
+    // The renewals of the blocker's node come as events too: one deadline for the lot.
+    let settled = tokio::time::timeout(Duration::from_secs(15), async {
+        let mut created = None;
+        loop {
+            let event = events.changed().await;
+            match (event.event_type, &created) {
+                (zookeeper_client::EventType::NodeCreated, None) => created = Some(event.path),
+                (zookeeper_client::EventType::NodeDeleted, Some(path)) if *path == event.path => {
+                    return;
+                }
+                _ => {}
+            }
+        }
+    });
+    settled
+        .await
+        .expect("the node of the try, created once the client was back, was not deleted");
+    wait_for(
+        "the attempt to be settled",
+        Duration::from_secs(5),
+        async || (backend.unsettled() == 0).then_some(()),
+    )
+    .await;
+    blocker.release().await.unwrap();
 }

@@ -193,6 +193,62 @@ pub async fn watchdog_holds_past_ttl(store: &Store) {
     assert!(b.lock(&key).try_acquire().await.unwrap().is_some());
 }
 
+/// A locker built, and first used, on a runtime that then shuts down — an actix-web worker
+/// restarting, a runtime built for set-up and dropped — keeps working on the runtime that
+/// remains: the lock taken there is renewed on past its TTL (the locker's background task moves
+/// to its fallback thread; the backend reconnects whatever lived on the dead runtime), the
+/// locker takes and releases new locks, and the old guard's release finds the lock still its
+/// own.
+pub async fn locker_outlives_its_first_runtime(store: &Store) {
+    let key = unique_key("runtime");
+    let ttl = Duration::from_millis(600);
+    let build = (store.locker)(Locker::builder());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let first_key = key.clone();
+    std::thread::spawn(move || {
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let taken = first.block_on(async move {
+            let a = build.await;
+            let g = a.lock(&first_key).ttl(ttl).acquire().await;
+            (a, g)
+        });
+        // Shut down, with the locker's task and whatever the backend started on it.
+        drop(first);
+        let _ = tx.send(taken);
+    });
+    let (a, g) = rx.await.expect("the first runtime's thread");
+    let g = g.expect("acquire on the first runtime");
+    let b = (store.locker)(Locker::builder()).await;
+    let renewed = a.renewals();
+    let start = Instant::now();
+    while start.elapsed() < ttl * 4 {
+        assert!(
+            b.lock(&key).try_acquire().await.unwrap().is_none(),
+            "{}: the lock lapsed {:?} after its first runtime shut down",
+            store.name,
+            start.elapsed()
+        );
+        assert!(g.is_held(), "{}: reported lost", store.name);
+        tokio::time::sleep(ttl / 4).await;
+    }
+    assert!(a.renewals() > renewed, "{}: not renewed", store.name);
+    let other = unique_key("runtime-new");
+    let g2 = a.lock(&other).ttl(ttl).acquire().await.unwrap_or_else(|e| {
+        panic!(
+            "{}: a new lock after the runtime shut down: {e}",
+            store.name
+        )
+    });
+    g2.release().await.expect("the new lock released");
+    g.release()
+        .await
+        .unwrap_or_else(|e| panic!("{}: the old guard's release: {e}", store.name));
+    free_within(&b, &key, Duration::from_secs(2)).await;
+}
+
 /// A lock deleted behind the holder's back is reported lost within one renewal interval
 /// (TTL/3), long before its local lease would run out.
 pub async fn loss_is_reported(store: &Store) {

@@ -207,6 +207,7 @@ pub async fn run_all(store: &Store) {
     owner_checked_release_and_extend(store).await;
     fencing_tokens_increase(store).await;
     watchdog_holds_past_ttl(store).await;
+    locker_outlives_its_first_runtime(store).await;
     loss_is_reported(store).await;
     release_wakes_waiter(store).await;
     waiters_are_served_in_order(store).await;
@@ -266,6 +267,7 @@ macro_rules! conformance_tests {
             owner_checked_release_and_extend,
             fencing_tokens_increase,
             watchdog_holds_past_ttl,
+            locker_outlives_its_first_runtime,
             loss_is_reported,
             release_wakes_waiter,
             waiters_are_served_in_order,

@@ -108,6 +108,27 @@
 //! remove that wait, at the price of an old client that must neither close the session nor keep
 //! it).
 //!
+//! **When a runtime shuts down.** The client runs its session in a task on the runtime it
+//! connected on (that of the backend's first caller, or of the call that opened a later
+//! session), and every request, answer and watch event passes through that task; the tasks
+//! that await its watches and answers in the background run there too. When that runtime shuts
+//! down while the backend lives on (an actix-web worker restarting, a runtime built for set-up
+//! and dropped), the task goes with it, and the client does not notice: it still says
+//! `SyncConnected`, and every call on it fails at once. The session itself lives on at the
+//! server, with its nodes, until the session timeout. So a sentinel task beside the session's
+//! marks the client gone and wakes every local waiter (their watches went too), and the next
+//! call, on whatever runtime it runs, **resumes the same session** on a new client there (by
+//! its id and password), has its server sync with the leader, and goes on: locks held and
+//! places in queues are kept, renewals go on (the locker's watchdog moves to its fallback
+//! thread, `dlock-watchdog`, and renews in time, which is within the session timeout), and
+//! waiters watch again and are woken by releases as before. A call that was waiting on the
+//! session's task when it went answers `Unavailable` (the locker's own background work tries
+//! again), and so do calls while no server answers the resume. A session that expired before
+//! anything called (no lock held, or no server reachable for a session timeout) is not
+//! resumed: its nodes are gone, a new session is opened, and the renewals of its locks answer
+//! "not the owner", so their guards are reported lost. The task that settles unanswered
+//! abandons moves to the fallback thread if the runtime it runs on shuts down first.
+//!
 //! Idempotency records are not stored by this backend ([`Backend::idempotency`] is `None`).
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
 //! as an attempt judges them, by the ensemble's clock.
@@ -115,12 +136,14 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
+use tokio::runtime::Handle;
 use tokio::task::AbortHandle;
-use zookeeper_client::{Acls, Client, CreateMode, EventType, SessionState, Stat};
+use zookeeper_client::{Acls, Client, CreateMode, EventType, SessionInfo, SessionState, Stat};
 
 use super::{AcquireArgs, Attempt, Backend, BoxFuture, OwnerToken, ReleaseHub, WaitMode, Watch};
 use crate::key::ResourceName;
@@ -185,6 +208,120 @@ impl ZkOptions {
     }
 }
 
+/// A [`Conn`] in use.
+const LIVE: u8 = 0;
+/// A [`Conn`] on a resumed session whose server has not been synced with the leader yet.
+const UNSYNCED: u8 = 1;
+/// A [`Conn`] whose session task is gone with the runtime it ran on.
+const GONE: u8 = 2;
+/// A [`Conn`] dropped (its sentinel, aborted then, marks nothing).
+const RETIRED: u8 = 3;
+
+/// A client and the runtime its session's task runs on.
+///
+/// `zookeeper_client` runs a session in one task, spawned on the runtime current when it
+/// connected (tokio's `Handle::current()`), and every request, answer and watch event of the
+/// client passes through that task. When that runtime shuts down (an actix-web worker
+/// restarting, a runtime built for set-up and dropped), the task is dropped with it and the
+/// client does not notice: its state stays what it was (`SyncConnected`), every call fails at
+/// once (`UnexpectedError`), and a watch awaited on another runtime panics inside the client (its
+/// event channel is gone). The server keeps the session, and every node of it, until the session
+/// timeout. So:
+///
+/// * a sentinel task spawned beside the session's task, on the same runtime, marks the client
+///   [`GONE`] when it is dropped with it, and wakes every local waiter (the watches their turns
+///   hang on went too), so that they ask again;
+/// * the tasks that await the client's events or answers in the background (predecessor
+///   watches, the sweep's deletes) run on that runtime too ([`Conn::spawn`]): they end with the
+///   session's task instead of panicking on another runtime;
+/// * the next call resumes the session ([`Session::revive`]).
+struct Conn {
+    client: Client,
+    rt: Handle,
+    /// [`LIVE`], [`UNSYNCED`], [`GONE`] or [`RETIRED`].
+    mark: Arc<AtomicU8>,
+    sentinel: AbortHandle,
+}
+
+impl Conn {
+    /// Wraps `client`, connected just now on the current runtime, and starts its sentinel there.
+    fn new(client: Client, mark: u8, hub: Weak<ReleaseHub>) -> Self {
+        let rt = Handle::current();
+        let mark = Arc::new(AtomicU8::new(mark));
+        let sentinel = Sentinel {
+            mark: mark.clone(),
+            hub,
+        };
+        // Made outside the task: a runtime that shuts down before polling it still drops it.
+        let sentinel = rt
+            .spawn(async move {
+                let _sentinel = sentinel;
+                std::future::pending::<()>().await
+            })
+            .abort_handle();
+        Conn {
+            client,
+            rt,
+            mark,
+            sentinel,
+        }
+    }
+
+    /// Whether the client can serve calls: its task lives and, if it resumed a session, its
+    /// server is synced. One atomic load.
+    fn ready(&self) -> bool {
+        self.mark.load(Ordering::Acquire) == LIVE
+    }
+
+    /// Runs `task`, which awaits this client, on the runtime its session's task runs on.
+    fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) -> AbortHandle {
+        self.rt.spawn(task).abort_handle()
+    }
+}
+
+impl Deref for Conn {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.mark.store(RETIRED, Ordering::Release);
+        self.sentinel.abort();
+    }
+}
+
+/// Lives in a task beside a session's task ([`Conn`]); dropped with it when their runtime shuts
+/// down.
+struct Sentinel {
+    mark: Arc<AtomicU8>,
+    hub: Weak<ReleaseHub>,
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let gone = self
+            .mark
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+                (m != RETIRED).then_some(GONE)
+            })
+            .is_ok();
+        if !gone {
+            return;
+        }
+        tracing::warn!(
+            "zookeeper: the runtime running the session's task shut down; the next call \
+             resumes the session"
+        );
+        if let Some(hub) = self.hub.upgrade() {
+            hub.notify_all();
+        }
+    }
+}
+
 /// How long a session must have been without a server before [`Session::client`] may open
 /// another one in its place (when nothing depends on it any more): about the longest pause the
 /// reference client (ZooKeeper's Java client) makes between reconnect rounds.
@@ -209,8 +346,11 @@ const STUCK_AFTER: Duration = Duration::from_secs(1);
 /// seven of the outage test, the client kept reporting `SyncConnected` through a 10 s outage
 /// of every server and for 10 s after (its own reconnect rounds, backed off, brought it back
 /// 22 s after the kill), so a check on the state alone never gave it up.
+///
+/// A client whose task is gone with its runtime ([`Conn`]) is another matter: the session
+/// itself lives on at the server, so it is resumed, not given up ([`revive`](Self::revive)).
 struct Session {
-    client: Mutex<Arc<Client>>,
+    client: Mutex<Arc<Conn>>,
     /// Serialises re-connects.
     reconnect: tokio::sync::Mutex<()>,
     /// The granted session timeout, in ms.
@@ -234,37 +374,55 @@ struct Session {
     generation: AtomicU64,
     /// When (ms since `born`) the next sweep of own nodes is due ([`ZkBackend::sweep`]).
     next_sweep_ms: AtomicU64,
+    /// The backend's waiters, woken when a client is gone with its runtime ([`Conn`]).
+    hub: Weak<ReleaseHub>,
 }
 
 impl Session {
+    /// Opens a new session, on the current runtime.
     async fn open(hosts: &str, opts: &ZkOptions) -> Result<Client, LockError> {
-        let connect = Client::connector()
+        Self::connect(hosts, opts, None).await?.map_err(|e| {
+            LockError::unavailable(
+                format!("zookeeper: cannot connect to {hosts}"),
+                Some(Box::new(e)),
+            )
+        })
+    }
+
+    /// Connects on the current runtime, within the command timeout: to a new session, or with
+    /// `resume` to that one (`SessionExpired` once the server ended it). The inner error is the
+    /// client's or the server's answer.
+    async fn connect(
+        hosts: &str,
+        opts: &ZkOptions,
+        resume: Option<SessionInfo>,
+    ) -> Result<Result<Client, ZkError>, LockError> {
+        let mut connector = Client::connector()
             .with_session_timeout(opts.session_timeout)
             .with_connection_timeout(
                 opts.connection_timeout
                     .unwrap_or_else(|| (opts.command_timeout / 3).min(Duration::from_secs(1))),
-            )
-            .connect(hosts);
-        match tokio::time::timeout(opts.command_timeout, connect).await {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(LockError::unavailable(
-                format!("zookeeper: cannot connect to {hosts}"),
-                Some(Box::new(e)),
-            )),
-            Err(_) => Err(LockError::unavailable(
-                format!(
-                    "zookeeper: no session with {hosts} within {:?}",
-                    opts.command_timeout
-                ),
-                None,
-            )),
+            );
+        if let Some(session) = resume {
+            connector = connector.with_session(session);
         }
+        tokio::time::timeout(opts.command_timeout, connector.connect(hosts))
+            .await
+            .map_err(|_| {
+                LockError::unavailable(
+                    format!(
+                        "zookeeper: no session with {hosts} within {:?}",
+                        opts.command_timeout
+                    ),
+                    None,
+                )
+            })
     }
 
-    fn new(client: Client, hosts: String, opts: ZkOptions) -> Self {
+    fn new(conn: Conn, hosts: String, opts: ZkOptions, hub: Weak<ReleaseHub>) -> Self {
         Session {
-            timeout_ms: AtomicU64::new(millis(client.session_timeout())),
-            client: Mutex::new(Arc::new(client)),
+            timeout_ms: AtomicU64::new(millis(conn.session_timeout())),
+            client: Mutex::new(Arc::new(conn)),
             reconnect: tokio::sync::Mutex::new(()),
             hosts,
             opts,
@@ -274,29 +432,36 @@ impl Session {
             unanswered_ms: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             next_sweep_ms: AtomicU64::new(0),
+            hub,
         }
     }
 
     /// The current client; a new session when the current one expired or closed, or is stuck
-    /// without a server and carries no lease (see [`Session`]).
-    async fn client(&self) -> Result<Arc<Client>, LockError> {
+    /// without a server and carries no lease (see [`Session`]); the same session on a new
+    /// client when the client's task is gone with its runtime ([`revive`](Self::revive)).
+    async fn client(&self) -> Result<Arc<Conn>, LockError> {
         let c = self.current();
-        match c.state() {
-            SessionState::SyncConnected => {
-                if self.down_ms.load(Ordering::Relaxed) != 0 {
-                    self.down_ms.store(0, Ordering::Relaxed);
+        if c.ready() {
+            match c.state() {
+                SessionState::SyncConnected => {
+                    if self.down_ms.load(Ordering::Relaxed) != 0 {
+                        self.down_ms.store(0, Ordering::Relaxed);
+                    }
+                    if !self.unanswered() {
+                        return Ok(c);
+                    }
                 }
-                if !self.unanswered() {
-                    return Ok(c);
-                }
+                SessionState::Disconnected if !self.stuck() => return Ok(c),
+                s if !s.is_terminated() && s != SessionState::Disconnected => return Ok(c),
+                _ => {}
             }
-            SessionState::Disconnected if !self.stuck() => return Ok(c),
-            s if !s.is_terminated() && s != SessionState::Disconnected => return Ok(c),
-            _ => {}
         }
         drop(c);
         let _one = self.reconnect.lock().await;
         let c = self.current();
+        if !c.ready() {
+            return self.revive(c).await;
+        }
         let state = c.state();
         let expired = state.is_terminated();
         let stuck = match state {
@@ -311,27 +476,24 @@ impl Session {
         if expired {
             tracing::warn!("zookeeper: session {state:?}; opening a new one");
         }
-        let fresh = Arc::new(Self::open(&self.hosts, &self.opts).await?);
+        let fresh = Self::open(&self.hosts, &self.opts).await?;
+        let fresh = Arc::new(Conn::new(fresh, LIVE, self.hub.clone()));
         let mut slot = self.client.lock().unwrap_or_else(PoisonError::into_inner);
         // Checked again where no lease can be noted unseen (`is_current` takes this lock after
         // noting one): an old session that came back (connected again, or answering again), or
         // was granted a lease meanwhile, is kept (the new one, which has no nodes, closes when
-        // dropped).
+        // dropped); so is one whose task went with its runtime meanwhile, which the next call
+        // resumes.
         let back = match slot.state() {
             SessionState::SyncConnected => self.unanswered_ms.load(Ordering::Relaxed) == 0,
             _ => false,
         };
-        if !expired && (back || !self.lapsed()) {
+        if !expired && (back || !self.lapsed() || !slot.ready()) {
             return Ok(slot.clone());
         }
-        self.timeout_ms
-            .store(millis(fresh.session_timeout()), Ordering::Relaxed);
-        self.down_ms.store(0, Ordering::Relaxed);
-        self.unanswered_ms.store(0, Ordering::Relaxed);
-        self.generation.fetch_add(1, Ordering::Relaxed);
         // The old client, dropped by its last user, closes its session when it reaches a
         // server again (or the session expires): its nodes go, unneeded.
-        *slot = fresh.clone();
+        self.install(&mut slot, fresh.clone());
         if !expired {
             tracing::warn!(
                 "zookeeper: the session had no server (or no answer) for over {STUCK_AFTER:?} \
@@ -341,17 +503,118 @@ impl Session {
         Ok(fresh)
     }
 
-    /// Whether `c` is still the session in use. A call that reports a lock or a renewal made
-    /// on `c` checks this after noting the lease ([`granted`](Self::granted)): either the
-    /// check sees a replacement, or the replacement sees the lease and does not happen.
-    fn is_current(&self, c: &Arc<Client>) -> bool {
-        Arc::ptr_eq(
-            &self.client.lock().unwrap_or_else(PoisonError::into_inner),
-            c,
-        )
+    /// Brings back, under the reconnect lock, the client in use when it cannot serve calls
+    /// ([`Conn::ready`]): syncs the server of a resumed session, or resumes the session of a
+    /// client whose task went with its runtime, on the current runtime.
+    ///
+    /// The server keeps a session whose client went silent until the session timeout, so the
+    /// session normally lives on, with every node of it: locks held and places in queues stay
+    /// this backend's, and renewals go on. If it expired meanwhile, its nodes are gone: a new
+    /// session is opened, and the renewals of its locks answer "not the owner" (their guards
+    /// are lost), as after any expiry. A resumed session is used once its server has synced
+    /// with the leader: it may lag behind the writes the session made through the old client
+    /// (the client library resumes with no zxid and leaves that to a `sync`). Never dropped
+    /// unused: the last client of a session closes it when dropped.
+    async fn revive(&self, c: Arc<Conn>) -> Result<Arc<Conn>, LockError> {
+        if c.mark.load(Ordering::Acquire) == UNSYNCED {
+            self.sync(&c).await?;
+            return Ok(c);
+        }
+        let id = c.session_id();
+        let fresh = match Self::connect(&self.hosts, &self.opts, Some(c.session().clone())).await? {
+            Ok(resumed) => {
+                tracing::warn!(
+                    session = %id,
+                    "zookeeper: resumed the session, whose task went with the runtime it ran on"
+                );
+                Conn::new(resumed, UNSYNCED, self.hub.clone())
+            }
+            Err(ZkError::SessionExpired) => {
+                tracing::warn!(
+                    session = %id,
+                    "zookeeper: the session, whose task went with the runtime it ran on, \
+                     expired meanwhile (its nodes are gone); opening a new one"
+                );
+                let fresh = Self::open(&self.hosts, &self.opts).await?;
+                Conn::new(fresh, LIVE, self.hub.clone())
+            }
+            Err(e) => {
+                return Err(LockError::unavailable(
+                    format!("zookeeper: cannot resume the session with {}", self.hosts),
+                    Some(Box::new(e)),
+                ))
+            }
+        };
+        let fresh = Arc::new(fresh);
+        drop(c);
+        self.install(
+            &mut self.client.lock().unwrap_or_else(PoisonError::into_inner),
+            fresh.clone(),
+        );
+        if !fresh.ready() {
+            self.sync(&fresh).await?;
+        }
+        Ok(fresh)
     }
 
-    fn current(&self) -> Arc<Client> {
+    /// Syncs the server of `c`, a resumed session, with the leader; `c` is ready then.
+    async fn sync(&self, c: &Conn) -> Result<(), LockError> {
+        let limit = self.opts.command_timeout;
+        match tokio::time::timeout(limit, again(|| c.sync("/"))).await {
+            Ok(Ok(())) => {
+                let _ =
+                    c.mark
+                        .compare_exchange(UNSYNCED, LIVE, Ordering::AcqRel, Ordering::Acquire);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(unavailable("sync", e)),
+            Err(_) => Err(LockError::unavailable(
+                format!("zookeeper sync: no answer within {limit:?}"),
+                None,
+            )),
+        }
+    }
+
+    /// Puts `fresh` in `slot` (the client in use), with the counts of the old one reset.
+    fn install(&self, slot: &mut Arc<Conn>, fresh: Arc<Conn>) {
+        self.timeout_ms
+            .store(millis(fresh.session_timeout()), Ordering::Relaxed);
+        self.down_ms.store(0, Ordering::Relaxed);
+        self.unanswered_ms.store(0, Ordering::Relaxed);
+        self.generation.fetch_add(1, Ordering::Relaxed);
+        *slot = fresh;
+    }
+
+    /// The client in use, brought back first if it cannot serve calls
+    /// ([`revive`](Self::revive)); unlike [`client`](Self::client), never a new session for one
+    /// that is merely without a server.
+    async fn live(&self) -> Result<Arc<Conn>, LockError> {
+        let c = self.current();
+        if c.ready() {
+            return Ok(c);
+        }
+        drop(c);
+        let _one = self.reconnect.lock().await;
+        let c = self.current();
+        if c.ready() {
+            return Ok(c);
+        }
+        self.revive(c).await
+    }
+
+    /// Whether `c`'s session is still the one in use. A call that reports a lock or a renewal
+    /// made on `c` checks this after noting the lease ([`granted`](Self::granted)): either the
+    /// check sees a replacement, or the replacement sees the lease and does not happen. A
+    /// session resumed on a new client ([`revive`](Self::revive)) is the same session.
+    fn is_current(&self, c: &Conn) -> bool {
+        self.client
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .session_id()
+            == c.session_id()
+    }
+
+    fn current(&self) -> Arc<Conn> {
         self.client
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -469,12 +732,130 @@ type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>
 /// directory, by lock and owner token. The `create` of the attempt they undo may still be
 /// applied: the client keeps requests while it has no server and sends them when it has one
 /// again, so the node can appear after every undo the locker tried, with a fresh lease and no
-/// guard. One task per backend ([`ZkBackend::look_again`]) finds such nodes then; `running`
-/// says whether it is at work.
+/// guard. One task per backend ([`ZkBackend::look_again`]) finds such nodes then (moved to
+/// the fallback thread if the runtime it runs on shuts down: [`Settler`]); `running` says
+/// whether it is at work.
 #[derive(Default)]
 struct Unsettled {
     attempts: Mutex<HashMap<(Arc<str>, OwnerToken), String>>,
-    running: std::sync::atomic::AtomicBool,
+    running: AtomicBool,
+}
+
+impl Unsettled {
+    fn attempts(&self) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, OwnerToken), String>> {
+        self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the task that settles the attempts on `rt`, unless it runs already.
+    fn start(self: &Arc<Self>, session: &Arc<Session>, rt: &Handle, on_fallback: bool) {
+        if self.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        rt.spawn(settle(Settler {
+            session: session.clone(),
+            unsettled: self.clone(),
+            on_fallback,
+            done: false,
+        }));
+    }
+}
+
+/// The task that settles unanswered abandons ([`ZkBackend::look_again`]), and what it needs.
+/// Dropped before it returned — the runtime running it shut down — it lowers `running` (which
+/// would otherwise stay up, so that no attempt noted later started the task again and none was
+/// settled any more), and starts the task again on the fallback thread while attempts are left.
+struct Settler {
+    session: Arc<Session>,
+    unsettled: Arc<Unsettled>,
+    /// On the fallback runtime, which does not shut down: not moved again.
+    on_fallback: bool,
+    /// Returned: the flag was lowered, or another task took the attempts over.
+    done: bool,
+}
+
+impl Drop for Settler {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.unsettled.running.store(false, Ordering::Release);
+        if self.on_fallback || self.unsettled.attempts().is_empty() {
+            return;
+        }
+        let Some(rt) = crate::util::fallback_runtime() else {
+            tracing::warn!(
+                "zookeeper: the task settling unanswered undos went with its runtime; the next \
+                 unanswered undo starts it again"
+            );
+            return;
+        };
+        tracing::debug!(
+            "zookeeper: the task settling unanswered undos moves to the fallback thread"
+        );
+        self.unsettled.start(&self.session, rt, true);
+    }
+}
+
+/// The task of [`ZkBackend::look_again`]: waits for the session to have a server, then looks
+/// each unsettled attempt's node up and deletes it; ends when none is left.
+async fn settle(mut task: Settler) {
+    let (session, unsettled) = (task.session.clone(), task.unsettled.clone());
+    let limit = session.opts.command_timeout;
+    loop {
+        let left: Vec<_> = unsettled
+            .attempts()
+            .iter()
+            .map(|(k, dir)| (k.clone(), dir.clone()))
+            .collect();
+        if left.is_empty() {
+            unsettled.running.store(false, Ordering::Release);
+            // One noted after the look but before the flag went down is this task's.
+            if unsettled.attempts().is_empty() || unsettled.running.swap(true, Ordering::AcqRel) {
+                task.done = true;
+                return;
+            }
+            continue;
+        }
+        // A client whose task went with its runtime is resumed first (its session's nodes are
+        // the ones to look for).
+        let c = match tokio::time::timeout(limit, session.live()).await {
+            Ok(Ok(c)) => c,
+            _ => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if c.state().is_terminated() {
+            // Every session the attempts were on has ended: their nodes are gone.
+            unsettled.attempts().clear();
+            continue;
+        }
+        if c.state() == SessionState::SyncConnected {
+            for (key, dir) in left {
+                let found = tokio::time::timeout(limit, ZkBackend::find_by_token(&c, &dir, &key.1));
+                let settled = match found.await {
+                    Ok(Ok(None)) => true,
+                    Ok(Ok(Some((name, _)))) => {
+                        let path = format!("{dir}/{name}");
+                        let deleted = tokio::time::timeout(limit, c.delete(&path, None));
+                        let done = matches!(deleted.await, Ok(Ok(()) | Err(ZkError::NoNode)));
+                        if done {
+                            tracing::debug!(
+                                "zookeeper: deleted the node of an attempt whose undo had no \
+                                 answer"
+                            );
+                        }
+                        done
+                    }
+                    _ => false,
+                };
+                if settled {
+                    unsettled.attempts().remove(&key);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Locks in ZooKeeper. See the [module docs](self) for the recipe, fencing and leases.
@@ -626,7 +1007,12 @@ impl ZkBackend {
             ));
         }
         let hosts = parsed.hosts.join(",");
-        let client = Session::open(&hosts, &opts).await?;
+        let hub = ReleaseHub::new();
+        let client = Conn::new(
+            Session::open(&hosts, &opts).await?,
+            LIVE,
+            Arc::downgrade(&hub),
+        );
         let base: Arc<str> = format!("{}/{}", parsed.chroot, opts.prefix).into();
         let dir_opts = CreateMode::Persistent.with_acls(Acls::anyone_all());
         let mkdir = client.mkdir(&base, &dir_opts);
@@ -640,11 +1026,11 @@ impl ZkBackend {
                 ))
             }
         }
-        let session = Session::new(client, hosts, opts);
+        let session = Session::new(client, hosts, opts, Arc::downgrade(&hub));
         Ok(ZkBackend {
             session: Arc::new(session),
             base,
-            hub: ReleaseHub::new(),
+            hub,
             owned: Arc::default(),
             watchers: Arc::default(),
             unsettled: Arc::default(),
@@ -744,7 +1130,7 @@ impl ZkBackend {
     /// `lease` from now, the node at `stat`. Sweeps when a sweep is due ([`sweep`](Self::sweep)).
     fn note(
         &self,
-        c: &Arc<Client>,
+        c: &Arc<Conn>,
         (resource, token): (&ResourceName, &OwnerToken),
         name: &str,
         lease: Duration,
@@ -783,7 +1169,7 @@ impl ZkBackend {
     /// local lease ended before. A delete checks the version of the last write, so a node
     /// written since is left. Records of a session given up ([`Session`]) are dropped without
     /// a delete: their nodes go with it.
-    fn sweep(&self, c: &Arc<Client>) {
+    fn sweep(&self, c: &Arc<Conn>) {
         // A call answered on a client replaced meanwhile: the records to keep are the current
         // session's, which this one cannot tell apart from a dead session's. Left to the next.
         if !self.session.is_current(c) {
@@ -811,14 +1197,40 @@ impl ZkBackend {
             nodes = stale.len(),
             "zookeeper: deleting own nodes whose lease ended"
         );
-        let (c, limit) = (c.clone(), self.session.opts.command_timeout);
-        tokio::spawn(async move {
+        let (task_c, limit) = (c.clone(), self.session.opts.command_timeout);
+        c.spawn(async move {
+            let c = task_c;
             for (path, version) in stale {
                 // Gone already, written since, or no answer: left to the next attempt on
                 // the lock or to the session's end.
                 let _ = tokio::time::timeout(limit, c.delete(&path, Some(version))).await;
             }
         });
+    }
+
+    /// How many predecessor watches are set (one per queued waiter of this backend, their
+    /// tasks running). For tests.
+    #[doc(hidden)]
+    pub fn watching(&self) -> usize {
+        self.watchers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter(|(_, task)| !task.is_finished())
+            .count()
+    }
+
+    /// Whether the client in use says it has a server. For tests.
+    #[doc(hidden)]
+    pub fn connected(&self) -> bool {
+        self.session.current().state() == SessionState::SyncConnected
+    }
+
+    /// How many attempts wait to be settled after an undo that got no answer
+    /// ([`look_again`](Self::look_again)). For tests.
+    #[doc(hidden)]
+    pub fn unsettled(&self) -> usize {
+        self.unsettled.attempts().len()
     }
 
     /// How many own nodes this backend keeps a record of. For tests.
@@ -931,7 +1343,7 @@ impl ZkBackend {
     /// Sets the lease of `own`'s node `name` in `dir`; `None` when the node is gone.
     async fn set_lease(
         &self,
-        c: &Arc<Client>,
+        c: &Arc<Conn>,
         own: (&ResourceName, &OwnerToken),
         dir: &str,
         name: &str,
@@ -1098,7 +1510,7 @@ impl ZkBackend {
 
     /// Makes sure a task watches `pred` (the predecessor of `args.token`'s node) and wakes the
     /// waiter when it is deleted.
-    fn watch_predecessor(&self, c: &Arc<Client>, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
+    fn watch_predecessor(&self, c: &Arc<Conn>, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
         let key = Self::key(args.resource, args.token);
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((p, h)) = w.get(&key) {
@@ -1107,9 +1519,13 @@ impl ZkBackend {
             }
             h.abort();
         }
-        let (c, hub, path) = (c.clone(), self.hub.clone(), format!("{dir}/{pred}"));
+        let (task_c, hub, path) = (c.clone(), self.hub.clone(), format!("{dir}/{pred}"));
         let (resource, token) = key.clone();
-        let task = tokio::spawn(async move {
+        // On the runtime of the session's task: a watch awaited elsewhere panics in the client
+        // when that runtime shuts down ([`Conn`]); there it ends with it, and the sentinel wakes
+        // the waiter instead.
+        let task = c.spawn(async move {
+            let c = task_c;
             loop {
                 match c.check_and_watch_stat(&path).await {
                     Ok((Some(_), watcher)) => {
@@ -1127,7 +1543,7 @@ impl ZkBackend {
                 return;
             }
         });
-        w.insert(key, (pred.to_owned(), task.abort_handle()));
+        w.insert(key, (pred.to_owned(), task));
     }
 
     /// The own node's name: remembered, or found by the token (the `create`'s answer may never
@@ -1175,74 +1591,19 @@ impl ZkBackend {
     /// nodes go with it: a look-up on a newer session does not find them). The task ends
     /// when none is left.
     fn look_again(&self, resource: &ResourceName, token: &OwnerToken) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         self.unsettled
-            .attempts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .attempts()
             .insert(Self::key(resource, token), self.dir(resource.as_str()));
-        if self.unsettled.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let (session, unsettled) = (self.session.clone(), self.unsettled.clone());
-        rt.spawn(async move {
-            let limit = session.opts.command_timeout;
-            let attempts = || {
-                unsettled
-                    .attempts
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-            };
-            loop {
-                let left: Vec<_> = attempts()
-                    .iter()
-                    .map(|(k, dir)| (k.clone(), dir.clone()))
-                    .collect();
-                if left.is_empty() {
-                    unsettled.running.store(false, Ordering::Release);
-                    // One noted after the look but before the flag went down is this task's.
-                    if attempts().is_empty() || unsettled.running.swap(true, Ordering::AcqRel) {
-                        return;
-                    }
-                    continue;
-                }
-                let c = session.current();
-                if c.state().is_terminated() {
-                    // Every session the attempts were on has ended: their nodes are gone.
-                    attempts().clear();
-                    continue;
-                }
-                if c.state() == SessionState::SyncConnected {
-                    for (key, dir) in left {
-                        let found =
-                            tokio::time::timeout(limit, Self::find_by_token(&c, &dir, &key.1));
-                        let settled = match found.await {
-                            Ok(Ok(None)) => true,
-                            Ok(Ok(Some((name, _)))) => {
-                                let path = format!("{dir}/{name}");
-                                let deleted = tokio::time::timeout(limit, c.delete(&path, None));
-                                let done =
-                                    matches!(deleted.await, Ok(Ok(()) | Err(ZkError::NoNode)));
-                                if done {
-                                    tracing::debug!(
-                                        "zookeeper: deleted the node of an attempt whose undo \
-                                         had no answer"
-                                    );
-                                }
-                                done
-                            }
-                            _ => false,
-                        };
-                        if settled {
-                            attempts().remove(&key);
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
+        // On the caller's runtime (moved to the fallback thread if that one shuts down first:
+        // [`Settler`]); on the fallback thread when the caller is on none (a dropped undo).
+        let (rt, on_fallback) = match Handle::try_current() {
+            Ok(rt) => (rt, false),
+            Err(_) => match crate::util::fallback_runtime() {
+                Some(rt) => (rt.clone(), true),
+                None => return,
+            },
+        };
+        self.unsettled.start(&self.session, &rt, on_fallback);
     }
 }
 
