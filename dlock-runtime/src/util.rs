@@ -210,8 +210,9 @@ pub(crate) fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
 
 /// Background work that is safe to do twice (a revocation, a reconnect check, a keep-alive
 /// loop), started anew by each call.
-pub(crate) type Work =
-    std::sync::Arc<dyn Fn() -> crate::backend::BoxFuture<'static, ()> + Send + Sync>;
+pub(crate) type Work = std::sync::Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+>;
 
 /// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
 /// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
