@@ -339,7 +339,18 @@ async fn a_node_failing_fast_beside_a_holder_is_contention_not_an_outage() {
     let a = redlock(&servers, Locker::builder()).await;
     let b = redlock(&servers, Locker::builder()).await;
     let held = a.lock("rl:fast-fail").acquire().await.unwrap();
-    let _: () = servers[2]
+    // The grant answers at a quorum: one node may not have it (its write dropped once the
+    // quorum answered). That node is the one made to refuse writes, so the two others hold the
+    // lock and the release reaches a quorum; had a node holding it refused, the release could
+    // not, and a try of `b` could take the node without it meanwhile.
+    let resource = a.resource(dlock_runtime::LockKey::new("rl:fast-fail").unwrap());
+    let mut refusing = servers.len() - 1;
+    for (i, s) in servers.iter().enumerate() {
+        if !lock_key_exists(s, resource.as_str()).await {
+            refusing = i;
+        }
+    }
+    let _: () = servers[refusing]
         .query(
             redis::cmd("CONFIG")
                 .arg("SET")
