@@ -177,6 +177,85 @@ pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {
     Some(Duration::from_millis(ms)).filter(|_| Duration::from_nanos(left_ns) >= MIN_TTL)
 }
 
+#[cfg(any(feature = "cluster", feature = "etcd", feature = "zookeeper"))]
+pub(crate) use shutdown_watch::{on_runtime_shutdown, RuntimeWatch};
+
+#[cfg(any(feature = "cluster", feature = "etcd", feature = "zookeeper"))]
+mod shutdown_watch {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// Calls `on_shutdown` if the current runtime shuts down while the returned watch lives: a task
+    /// on that runtime that never ends holds it, and the runtime's shutdown drops the task and so
+    /// calls it — from inside the shutdown, so it must only mark and notify. For what a client
+    /// library ran on this runtime (its driver, its session task) and lost with it: the etcd and
+    /// ZooKeeper clients, the Redis Cluster connections. Dropping the watch disarms it. `None`
+    /// off any runtime.
+    pub(crate) fn on_runtime_shutdown(
+        on_shutdown: impl FnOnce() + Send + 'static,
+    ) -> Option<RuntimeWatch> {
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let state = Arc::new(WatchState::default());
+        // Made outside the task: a runtime that shuts down before polling it still drops it.
+        let fire = Fire {
+            state: state.clone(),
+            on_shutdown: Some(on_shutdown),
+        };
+        let task = rt.spawn(async move {
+            let _fire = fire;
+            std::future::pending::<()>().await
+        });
+        Some(RuntimeWatch {
+            state,
+            task: task.abort_handle(),
+        })
+    }
+
+    /// See [`on_runtime_shutdown`]. Dropped, it disarms the call and ends its task.
+    pub(crate) struct RuntimeWatch {
+        state: Arc<WatchState>,
+        task: tokio::task::AbortHandle,
+    }
+
+    #[derive(Default)]
+    struct WatchState {
+        disarmed: AtomicBool,
+        fired: AtomicBool,
+    }
+
+    impl RuntimeWatch {
+        /// Whether the runtime shut down (set before the call is made).
+        #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+        pub(crate) fn is_gone(&self) -> bool {
+            self.state.fired.load(Ordering::Acquire)
+        }
+    }
+
+    impl Drop for RuntimeWatch {
+        fn drop(&mut self) {
+            self.state.disarmed.store(true, Ordering::Release);
+            self.task.abort();
+        }
+    }
+
+    struct Fire<F: FnOnce()> {
+        state: Arc<WatchState>,
+        on_shutdown: Option<F>,
+    }
+
+    impl<F: FnOnce()> Drop for Fire<F> {
+        fn drop(&mut self) {
+            if self.state.disarmed.load(Ordering::Acquire) {
+                return;
+            }
+            self.state.fired.store(true, Ordering::Release);
+            if let Some(f) = self.on_shutdown.take() {
+                f();
+            }
+        }
+    }
+}
+
 /// The runtime a background task moves to when the one running it shuts down (the watchdog, the
 /// Postgres `LISTEN` task), and the watchdog starts on when a guard is dropped off any runtime:
 /// one thread for the whole process, `dlock-watchdog`, started on first need.
@@ -208,42 +287,49 @@ pub(crate) fn fallback_runtime() -> Option<&'static tokio::runtime::Handle> {
         .as_ref()
 }
 
-/// Background work that is safe to do twice (a revocation, a reconnect check, a keep-alive
-/// loop), started anew by each call.
-pub(crate) type Work = std::sync::Arc<
-    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
->;
+#[cfg_attr(not(any(feature = "redis", feature = "etcd")), allow(unused_imports))]
+pub(crate) use to_the_end::spawn_to_the_end;
 
-/// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
-/// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
-/// half-way, the work starts again, from the beginning, on the fallback thread (as the
-/// watchdog does). Without a runtime, nothing runs.
-pub(crate) fn spawn_to_the_end(work: Work) {
-    tokio::spawn(to_the_end(Unfinished(Some(work))));
-}
+// Used by the Redis and etcd backends (and this module's tests).
+#[cfg_attr(not(any(feature = "redis", feature = "etcd")), allow(dead_code))]
+mod to_the_end {
+    /// Background work that is safe to do twice (a revocation, a reconnect check, a keep-alive
+    /// loop), started anew by each call.
+    pub(crate) type Work = std::sync::Arc<
+        dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+    >;
 
-/// Work not done yet: dropped so, it starts again on the fallback thread.
-struct Unfinished(Option<Work>);
-
-impl Drop for Unfinished {
-    fn drop(&mut self) {
-        // Not after a panic in the work: it would only panic again.
-        let Some(work) = self.0.take().filter(|_| !std::thread::panicking()) else {
-            return;
-        };
-        let Some(rt) = crate::util::fallback_runtime() else {
-            tracing::warn!("dlock could not start its fallback thread; background work cut off with its runtime");
-            return;
-        };
-        rt.spawn(to_the_end(Unfinished(Some(work))));
+    /// Runs `work` on the current runtime to its end. If that runtime shuts down first (an
+    /// actix-web worker restarting, a runtime built for set-up and dropped) and drops the task
+    /// half-way, the work starts again, from the beginning, on the fallback thread (as the
+    /// watchdog does). Without a runtime, nothing runs.
+    pub(crate) fn spawn_to_the_end(work: Work) {
+        tokio::spawn(to_the_end(Unfinished(Some(work))));
     }
-}
 
-async fn to_the_end(mut task: Unfinished) {
-    if let Some(work) = task.0.clone() {
-        work().await;
+    /// Work not done yet: dropped so, it starts again on the fallback thread.
+    struct Unfinished(Option<Work>);
+
+    impl Drop for Unfinished {
+        fn drop(&mut self) {
+            // Not after a panic in the work: it would only panic again.
+            let Some(work) = self.0.take().filter(|_| !std::thread::panicking()) else {
+                return;
+            };
+            let Some(rt) = crate::util::fallback_runtime() else {
+                tracing::warn!("dlock could not start its fallback thread; background work cut off with its runtime");
+                return;
+            };
+            rt.spawn(to_the_end(Unfinished(Some(work))));
+        }
     }
-    task.0 = None;
+
+    async fn to_the_end(mut task: Unfinished) {
+        if let Some(work) = task.0.clone() {
+            work().await;
+        }
+        task.0 = None;
+    }
 }
 
 #[cfg(test)]
@@ -331,7 +417,7 @@ mod tests {
         let work = |starts: &std::sync::Arc<AtomicUsize>,
                     ends: &std::sync::Arc<AtomicUsize>,
                     pause: Duration|
-         -> Work {
+         -> to_the_end::Work {
             let (starts, ends) = (starts.clone(), ends.clone());
             std::sync::Arc::new(move || {
                 let (starts, ends) = (starts.clone(), ends.clone());

@@ -43,7 +43,6 @@ use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use crate::LockError;
@@ -78,42 +77,25 @@ pub(super) struct Member {
 /// A client, and whether the runtime its channel's tasks run on shut down.
 struct Conn {
     client: Client,
-    /// Set when the sentinel task is dropped: its runtime shut down, and the channel's tasks
-    /// (spawned on it by the same connect) with it.
+    /// Set when the client's runtime shut down, and the channel's tasks (spawned on it by the
+    /// same connect) with it.
     dead: Arc<AtomicBool>,
-    sentinel: AbortHandle,
-}
-
-/// Marks its client dead when dropped.
-struct Sentinel(Arc<AtomicBool>);
-
-impl Drop for Sentinel {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
+    _sentinel: Option<crate::util::RuntimeWatch>,
 }
 
 impl Conn {
-    /// `client`, just made on the current runtime, watched by a sentinel on the same runtime.
+    /// `client`, just made on the current runtime, watched by a sentinel on the same runtime
+    /// ([`crate::util::on_runtime_shutdown`]).
     fn watched(client: Client) -> Self {
         let dead = Arc::new(AtomicBool::new(false));
-        let sentinel = Sentinel(dead.clone());
-        // Moved into the future: dropped with it even if the task never ran.
-        let task = tokio::spawn(async move {
-            let _sentinel = sentinel;
-            std::future::pending::<()>().await;
-        });
+        let mark = dead.clone();
+        let sentinel =
+            crate::util::on_runtime_shutdown(move || mark.store(true, Ordering::Release));
         Conn {
             client,
             dead,
-            sentinel: task.abort_handle(),
+            _sentinel: sentinel,
         }
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        self.sentinel.abort();
     }
 }
 

@@ -27,7 +27,6 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 use {
     redis::cluster::ClusterClient, redis::cluster_async::ClusterConnection,
     redis::cluster_routing::RoutingInfo, redis::RedisError, std::sync::atomic::AtomicU64,
-    tokio::sync::oneshot,
 };
 
 /// One server or a cluster. Cheap to clone.
@@ -539,10 +538,10 @@ struct Current {
     conn: ClusterConnection,
     /// Numbers the connections a link has had.
     generation: u64,
-    /// Its receiver is held by the watch task beside the driver ([`watch`]): closed, the
-    /// driver's runtime is gone. Dropped (this connection replaced, or the link dropped), it
-    /// ends that task. `None` when no runtime could be found to run it.
-    watch: Option<oneshot::Sender<()>>,
+    /// Set off by the shutdown of the runtime the driver runs on ([`watch`]). Dropped (this
+    /// connection replaced, or the link dropped), it is disarmed. `None` when no runtime could
+    /// be found to run it.
+    watch: Option<crate::util::RuntimeWatch>,
     /// A command found the driver gone before its watch task's end was seen.
     dead: AtomicBool,
 }
@@ -550,7 +549,7 @@ struct Current {
 #[cfg(feature = "cluster")]
 impl Current {
     fn alive(&self) -> bool {
-        !self.dead.load(Ordering::Relaxed) && !self.watch.as_ref().is_some_and(|w| w.is_closed())
+        !self.dead.load(Ordering::Relaxed) && !self.watch.as_ref().is_some_and(|w| w.is_gone())
     }
 }
 
@@ -774,57 +773,29 @@ impl Link {
     }
 }
 
-/// Spawns the watch task of connection `generation` of `link` on this runtime, the one its
-/// driver was just spawned on: it lives until the connection is replaced or its link dropped
-/// (the sender returned is dropped). Dropped before that, its runtime shut down — and the
-/// driver with it. Without a runtime (redis-rs could not have spawned its driver either),
-/// `None`: the connection is taken for alive until a command finds it gone.
+/// Watches the runtime the driver of connection `generation` of `link` was just spawned on
+/// ([`crate::util::on_runtime_shutdown`]): when it shuts down, the driver goes with it — the
+/// connection is marked dead (if still current) and the backend told. Without a runtime
+/// (redis-rs could not have spawned its driver either), `None`: the connection is taken for
+/// alive until a command finds it gone.
 #[cfg(feature = "cluster")]
-fn watch(link: Weak<Link>, generation: u64) -> Option<oneshot::Sender<()>> {
-    let rt = tokio::runtime::Handle::try_current().ok()?;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let guard = Watch {
-        link,
-        generation,
-        armed: true,
-    };
-    rt.spawn(async move {
-        let mut guard = guard;
-        let _ = stopped.await;
-        guard.armed = false;
-    });
-    Some(stop)
-}
-
-#[cfg(feature = "cluster")]
-struct Watch {
-    link: Weak<Link>,
-    generation: u64,
-    armed: bool,
-}
-
-#[cfg(feature = "cluster")]
-impl Drop for Watch {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let Some(link) = self.link.upgrade() else {
+fn watch(link: Weak<Link>, generation: u64) -> Option<crate::util::RuntimeWatch> {
+    crate::util::on_runtime_shutdown(move || {
+        let Some(link) = link.upgrade() else {
             return;
         };
         {
             let cur = link.read();
-            if cur.generation != self.generation {
+            if cur.generation != generation {
                 return;
             }
-            // Before anyone is told: the watch's receiver may not be dropped yet.
             cur.dead.store(true, Ordering::Relaxed);
         }
         tracing::debug!("redis cluster connection gone with its runtime; made anew on next use");
         if let Some(f) = link.on_event.get() {
             f(LinkEvent::Gone);
         }
-    }
+    })
 }
 
 #[cfg(feature = "cluster")]

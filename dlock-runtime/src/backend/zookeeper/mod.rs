@@ -214,7 +214,7 @@ const LIVE: u8 = 0;
 const UNSYNCED: u8 = 1;
 /// A [`Conn`] whose session task is gone with the runtime it ran on.
 const GONE: u8 = 2;
-/// A [`Conn`] dropped (its sentinel, aborted then, marks nothing).
+/// A [`Conn`] dropped (its sentinel, disarmed then, marks nothing).
 const RETIRED: u8 = 3;
 
 /// A client and the runtime its session's task runs on.
@@ -240,7 +240,7 @@ struct Conn {
     rt: Handle,
     /// [`LIVE`], [`UNSYNCED`], [`GONE`] or [`RETIRED`].
     mark: Arc<AtomicU8>,
-    sentinel: AbortHandle,
+    _sentinel: Option<crate::util::RuntimeWatch>,
 }
 
 impl Conn {
@@ -248,22 +248,29 @@ impl Conn {
     fn new(client: Client, mark: u8, hub: Weak<ReleaseHub>) -> Self {
         let rt = Handle::current();
         let mark = Arc::new(AtomicU8::new(mark));
-        let sentinel = Sentinel {
-            mark: mark.clone(),
-            hub,
-        };
-        // Made outside the task: a runtime that shuts down before polling it still drops it.
-        let sentinel = rt
-            .spawn(async move {
-                let _sentinel = sentinel;
-                std::future::pending::<()>().await
-            })
-            .abort_handle();
+        let gone = mark.clone();
+        let sentinel = crate::util::on_runtime_shutdown(move || {
+            let now_gone = gone
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+                    (m != RETIRED).then_some(GONE)
+                })
+                .is_ok();
+            if !now_gone {
+                return;
+            }
+            tracing::warn!(
+                "zookeeper: the runtime running the session's task shut down; the next call \
+                 resumes the session"
+            );
+            if let Some(hub) = hub.upgrade() {
+                hub.notify_all();
+            }
+        });
         Conn {
             client,
             rt,
             mark,
-            sentinel,
+            _sentinel: sentinel,
         }
     }
 
@@ -290,35 +297,6 @@ impl Deref for Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.mark.store(RETIRED, Ordering::Release);
-        self.sentinel.abort();
-    }
-}
-
-/// Lives in a task beside a session's task ([`Conn`]); dropped with it when their runtime shuts
-/// down.
-struct Sentinel {
-    mark: Arc<AtomicU8>,
-    hub: Weak<ReleaseHub>,
-}
-
-impl Drop for Sentinel {
-    fn drop(&mut self) {
-        let gone = self
-            .mark
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
-                (m != RETIRED).then_some(GONE)
-            })
-            .is_ok();
-        if !gone {
-            return;
-        }
-        tracing::warn!(
-            "zookeeper: the runtime running the session's task shut down; the next call \
-             resumes the session"
-        );
-        if let Some(hub) = self.hub.upgrade() {
-            hub.notify_all();
-        }
     }
 }
 
