@@ -137,6 +137,19 @@ impl Conn {
         }
     }
 
+    /// A command given up before its answer came, after `waited`: taken for a timeout
+    /// ([`timed_out`](Conn::timed_out)) once it waited as long as a check's `PING` may, or
+    /// [`CUT_OFF_AFTER`] if less. One dropped sooner says nothing of the connection — a Redlock
+    /// node's acquire dropped once the majority answered, a cancelled waiter's attempt — and
+    /// costs no `PING` (every Redlock acquire cost one).
+    pub(super) fn cut_off(&self, waited: Duration) {
+        if let Conn::Server(c) = self {
+            if waited >= c.shared.probe.min(CUT_OFF_AFTER) {
+                c.suspect();
+            }
+        }
+    }
+
     /// The reverse of [`subscribe`](Conn::subscribe).
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
@@ -292,6 +305,9 @@ impl ConnectionLike for Conn {
 /// Each command first reads the current connection (a shared `RwLock` read, and the clone of
 /// a manager that cloning the connection always cost), like a [`ClusterLink`]'s. Cheap to
 /// clone: a clone shares the connection and takes it at its first command.
+/// See [`Conn::cut_off`].
+const CUT_OFF_AFTER: Duration = Duration::from_millis(100);
+
 pub(crate) struct ServerLink {
     shared: Arc<Server>,
     /// The connection this handle sends on and its generation, taken from [`Server::current`]

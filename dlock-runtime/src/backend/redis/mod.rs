@@ -19,8 +19,10 @@
 //! * A connection that went silent (a partition, a load balancer or NAT that forgot it: no
 //!   reset, no close) is one the `ConnectionManager` keeps, every command timing out, until the
 //!   kernel gives up on it — many minutes. So on one server (and Redlock's nodes) a command
-//!   that timed out, or was given up before its answer came (the
-//!   [`Locker`](crate::Locker)'s deadline is as long as the connection's, and often first),
+//!   that timed out, or was given up before its answer came after waiting at least the lesser of
+//!   the command timeout and 100 ms (the [`Locker`](crate::Locker)'s deadline is as long as the
+//!   connection's, and often first; a Redlock node's command dropped once the majority answered
+//!   is not),
 //!   has the connection checked: a `PING` on it within the command timeout, one check however
 //!   many commands timed out. Unanswered too, the connection is replaced by a new
 //!   one (`conn::ServerLink`), which subscribes again to the channels that still have waiters,
@@ -44,7 +46,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
@@ -1402,13 +1404,14 @@ impl RedisBackend {
     }
 }
 
-/// A command on its way: dropped before its answer (or failure) came — cut off by a deadline of
-/// the caller's, which the [`Locker`](crate::Locker)'s is, the same length as the connection's
-/// own and often first — it has the connection checked as a timeout does ([`Conn::timed_out`]:
-/// a `PING` on one server, at most one at a time, when the command was given up for any
-/// reason). No allocation, no clock read: a flag on the stack.
+/// A command on its way: dropped before its answer (or failure) came after waiting long enough
+/// — cut off by a deadline of the caller's, which the [`Locker`](crate::Locker)'s is, the same
+/// length as the connection's own and often first — it has the connection checked as a timeout
+/// does ([`Conn::cut_off`]: a `PING` on one server, at most one at a time). No allocation: a
+/// clock read and a flag on the stack.
 struct Sent<'a> {
     conn: &'a Conn,
+    started: Instant,
     answered: bool,
 }
 
@@ -1416,6 +1419,7 @@ impl<'a> Sent<'a> {
     fn new(conn: &'a Conn) -> Self {
         Sent {
             conn,
+            started: Instant::now(),
             answered: false,
         }
     }
@@ -1428,7 +1432,7 @@ impl<'a> Sent<'a> {
 impl Drop for Sent<'_> {
     fn drop(&mut self) {
         if !self.answered {
-            self.conn.timed_out();
+            self.conn.cut_off(self.started.elapsed());
         }
     }
 }
