@@ -12,6 +12,10 @@
 //!   the next chunk the server sends is delivered, then every connection is cut and new ones
 //!   are refused — a partition that falls exactly between two commands.
 //!
+//! * **silence** every open connection for good ([`silence`](Proxy::silence)): nothing more is
+//!   forwarded on them either way and they stay open — a partition, or a load balancer or NAT
+//!   that forgot them, which sends no reset — while new connections are forwarded as usual.
+//!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
 
@@ -47,6 +51,8 @@ struct Shared {
     next_id: AtomicU64,
     /// Connections accepted since start (for the report).
     accepted: AtomicU64,
+    /// Connections numbered below this one are silent ([`Proxy::silence`]).
+    silent_below: AtomicU64,
 }
 
 impl Proxy {
@@ -62,6 +68,7 @@ impl Proxy {
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             accepted: AtomicU64::new(0),
+            silent_below: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Proxy {
@@ -98,6 +105,19 @@ impl Proxy {
     /// ones until [`allow`](Proxy::allow).
     pub fn cut_after_next_reply(&self) {
         self.shared.cut_after_reply.store(true, Ordering::Release);
+    }
+
+    /// Silences every connection open now, for good: what either side sends from now on is
+    /// never delivered, and the connections stay open. Connections accepted later are forwarded
+    /// as usual. Returns how many were silenced.
+    pub fn silence(&self) -> usize {
+        let next = self.shared.next_id.load(Ordering::Acquire);
+        self.shared.silent_below.store(next, Ordering::Release);
+        self.shared
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Accepts new connections again.
@@ -153,7 +173,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         // Register under the lock before the task can finish and deregister itself.
         let mut conns = shared.conns.lock().unwrap_or_else(PoisonError::into_inner);
         let task = tokio::spawn(async move {
-            let _ = serve(client, &s).await;
+            let _ = serve(client, &s, id).await;
             s.conns
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -163,7 +183,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-async fn serve(client: TcpStream, shared: &Shared) -> io::Result<()> {
+async fn serve(client: TcpStream, shared: &Shared, id: u64) -> io::Result<()> {
     let upstream =
         tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(shared.upstream))
             .await
@@ -175,8 +195,8 @@ async fn serve(client: TcpStream, shared: &Shared) -> io::Result<()> {
     // The first direction to end (EOF delivered, or an error) ends the connection: Redis
     // clients and servers do not half-close.
     tokio::select! {
-        r = pump(cr, uw, shared, false) => r,
-        r = pump(ur, cw, shared, true) => r,
+        r = pump(cr, uw, shared, id, false) => r,
+        r = pump(ur, cw, shared, id, true) => r,
     }
 }
 
@@ -185,6 +205,7 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &Shared,
+    id: u64,
     from_server: bool,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
@@ -205,6 +226,10 @@ async fn pump(
     let writer = async {
         while let Some((due, buf)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
+            if id < shared.silent_below.load(Ordering::Acquire) {
+                // Silenced: held open, nothing more delivered (not even a close).
+                std::future::pending::<()>().await;
+            }
             to.write_all(&buf).await?;
             if from_server && shared.cut_after_reply.swap(false, Ordering::AcqRel) {
                 to.flush().await?;

@@ -8,6 +8,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::proxy::Proxy;
 use crate::redis_cluster::redis_cli;
 use crate::RedisServer;
 
@@ -25,6 +26,9 @@ pub struct RedisSentinel {
     pub servers: Vec<RedisServer>,
     /// The three sentinels.
     pub sentinels: Vec<RedisServer>,
+    /// `(proxy port, master port)` when the sentinels reach the first master through a proxy
+    /// ([`RedisSentinel::start_behind_proxy`]): they name the proxy's port.
+    proxied: Option<(u16, u16)>,
 }
 
 impl RedisSentinel {
@@ -46,25 +50,71 @@ impl RedisSentinel {
             }
         };
         let master = server(&[]);
+        Self::around(master, None, DOWN_AFTER, owned_by_thread)
+    }
+
+    /// Starts a deployment like [`start`](RedisSentinel::start) whose sentinels — and so every
+    /// client that asks them for the master — reach the master through a [`Proxy`] in front of
+    /// it, and call it down only after `down_after`. A test can then make the clients'
+    /// connections to the master go silent ([`Proxy::set_latency`]) without a failover, as long
+    /// as it is done well within `down_after / 2` (after that a sentinel drops its own link and
+    /// makes a new one through the proxy). Needs a multi-thread runtime: the proxy forwards on
+    /// it while this waits for the deployment.
+    ///
+    /// # Panics
+    /// If a server or the proxy does not start, or the deployment is not ready within 30 s.
+    pub async fn start_behind_proxy(down_after: Duration) -> (Self, Proxy) {
+        let master = RedisServer::start_with(&[]);
+        let proxy = Proxy::start(master.port()).await.expect("start the proxy");
+        let port = proxy.port();
+        let deployment =
+            tokio::task::block_in_place(|| Self::around(master, Some(port), down_after, false));
+        (deployment, proxy)
+    }
+
+    /// A replica of `master` and three sentinels monitoring it at `monitored` (its own port if
+    /// none).
+    fn around(
+        master: RedisServer,
+        monitored: Option<u16>,
+        down_after: Duration,
+        owned_by_thread: bool,
+    ) -> Self {
         let master_port = master.port().to_string();
-        let replica = server(&["--replicaof", "127.0.0.1", &master_port]);
+        let extra = ["--replicaof", "127.0.0.1", &master_port];
+        let replica = if owned_by_thread {
+            RedisServer::start_owned_by_thread(&extra)
+        } else {
+            RedisServer::start_with(&extra)
+        };
+        let monitored_port = monitored.unwrap_or(master.port());
         let config = format!(
             "sentinel resolve-hostnames no\n\
-             sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2\n\
+             sentinel monitor {MASTER_NAME} 127.0.0.1 {monitored_port} 2\n\
              sentinel down-after-milliseconds {MASTER_NAME} {}\n\
              sentinel failover-timeout {MASTER_NAME} 2000\n\
              sentinel parallel-syncs {MASTER_NAME} 1\n",
-            DOWN_AFTER.as_millis()
+            down_after.as_millis()
         );
         let sentinels = (0..3)
             .map(|_| RedisServer::start_sentinel(&config, owned_by_thread))
             .collect();
         let deployment = RedisSentinel {
+            proxied: monitored.map(|p| (p, master.port())),
             servers: vec![master, replica],
             sentinels,
         };
         deployment.wait_ready(Duration::from_secs(30));
         deployment
+    }
+
+    /// The data node's port behind `port`, a port the sentinels name (the proxy's, if they
+    /// reach the master through one).
+    fn behind(&self, port: u16) -> u16 {
+        match self.proxied {
+            Some((proxy, master)) if proxy == port => master,
+            _ => port,
+        }
     }
 
     /// Waits until every running sentinel knows the two other sentinels and every running
@@ -82,7 +132,7 @@ impl RedisSentinel {
                     && fields.get("num-slaves") == Some(&replicas.to_string())
                     && fields.get("flags").map(String::as_str) == Some("master")
             });
-            let master = self.master_port();
+            let master = self.master_port().map(|p| self.behind(p));
             let replicas_ok = self
                 .servers
                 .iter()
@@ -118,7 +168,7 @@ impl RedisSentinel {
     /// # Panics
     /// If no sentinel names a master, or it is not one of ours.
     pub fn master_index(&self) -> usize {
-        let port = self.master_port().expect("no sentinel names a master");
+        let port = self.behind(self.master_port().expect("no sentinel names a master"));
         self.servers
             .iter()
             .position(|s| s.port() == port)

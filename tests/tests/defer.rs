@@ -888,3 +888,42 @@ async fn attribute_defers_when_busy() {
         .unwrap();
     assert_eq!(user, Some(9));
 }
+
+/// The durable queue's connection to one server is replaced when it goes silent (a partition,
+/// a load balancer or NAT that forgot it: no reset, no close): a command that timed out has it
+/// checked with a `PING`, and it is made anew if that gets no answer either. Before, every
+/// queue command — enqueues, workers' claims and heartbeats — timed out until the kernel gave
+/// up on the socket, many minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_queue_connection_gone_silent_is_replaced() {
+    use dlock_tests::proxy::Proxy;
+    use dlock_tests::wait::poll_until;
+    use std::time::Instant;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let queue = DurableQueue::connect(&proxy.url(), "silent").await.unwrap();
+    assert_eq!(queue.len().await.unwrap(), 0);
+
+    proxy.silence();
+    let err = queue
+        .len()
+        .await
+        .expect_err("a command on a silent connection succeeded");
+    assert!(err.is_unavailable(), "{err}");
+    let silenced = Instant::now();
+    poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(20),
+        async || match queue.len().await {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("still on the silent connection: {e}"))
+            }
+        },
+    )
+    .await;
+    // The queue's 1 s command timeout: the check's `PING`, then the next command.
+    let took = silenced.elapsed();
+    assert!(took < Duration::from_secs(4), "back after {took:?}");
+}

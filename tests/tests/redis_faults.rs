@@ -1124,3 +1124,56 @@ async fn a_waiter_hears_a_release_after_its_silent_connection_is_replaced() {
     assert!(took < Duration::from_secs(2), "woken after {took:?}");
     guard.release().await.unwrap();
 }
+
+/// The connections of their own that `.replicas(1)` sends `WAIT` on are replaced when they go
+/// silent, like the locker's own connection: each is checked (a `PING`) once a renewal timed
+/// out on it, and made anew if that gets no answer either. Before, they were plain managers,
+/// and a timeout on one had the locker's own connection checked instead: every acknowledged
+/// acquire that went to a silent one failed as unavailable until the kernel gave up on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_for_wait_gone_silent_are_replaced() {
+    use dlock_tests::proxy::Proxy;
+    let master = RedisServer::start();
+    let port = master.port().to_string();
+    let _replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let proxy = Proxy::start(master.port()).await.unwrap();
+    let locker = fast_fail().connect(&proxy.url()).await.unwrap();
+    let acked = async |label: &str| {
+        let started = Instant::now();
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            async || match locker.lock("silent:acked").replicas(1).acquire().await {
+                Ok(g) => Ok(g),
+                Err(e) => {
+                    assert!(e.is_unavailable(), "{e}");
+                    Err(format!("{label}: {e}"))
+                }
+            },
+        )
+        .await
+        .release()
+        .await
+        .unwrap();
+        started.elapsed()
+    };
+    // The replica in sync, and every connection for `WAIT` made and used.
+    for _ in 0..8 {
+        acked("before").await;
+    }
+
+    proxy.silence();
+    unavailable_within(
+        Duration::from_secs(1),
+        locker.lock("silent:acked").replicas(1).acquire(),
+    )
+    .await;
+    acked("after").await;
+    for round in 0..8 {
+        let took = acked("after, again").await;
+        assert!(
+            took < Duration::from_secs(3),
+            "acknowledged acquire {round} took {took:?}"
+        );
+    }
+}

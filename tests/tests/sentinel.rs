@@ -569,3 +569,171 @@ async fn release_notifications_reach_waiters_after_a_failover() {
         );
     }
 }
+
+/// Connections to the master that went silent — a partition, a load balancer or NAT that forgot
+/// them: no reset, no close, so the kernel keeps them for many minutes — are replaced while the
+/// sentinels still name the same master: the failover check `PING`s the connection a command
+/// timed out on and, with no answer, makes a new connection to the same master. Before, the
+/// check `PING`ed the silent connection for a minute and every command failed as unavailable
+/// until the kernel gave up on the socket, though a new connection worked at once.
+///
+/// The locker's own connection (new locks are taken again within a few command timeouts, and a
+/// waiter queued before hears the release through the new connection) and its connections for
+/// `WAIT` (`.replicas(1)`) are all made anew. The sentinels reach the master through the same
+/// proxy and call it down only after a minute: no failover happens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_the_master_gone_silent_are_replaced() {
+    let (deployment, proxy) = RedisSentinel::start_behind_proxy(Duration::from_secs(60)).await;
+    let master = deployment.servers[0].port();
+    let holding = Locker::builder()
+        .connect(&format!("redis://127.0.0.1:{master}"))
+        .await
+        .unwrap();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&deployment.url())
+        .await
+        .unwrap();
+    let acked = async |label: &str| {
+        let started = Instant::now();
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            async || match locker.lock("silent:acked").replicas(1).acquire().await {
+                Ok(g) => Ok(g),
+                Err(e) => {
+                    assert!(e.is_unavailable(), "{e}");
+                    Err(format!("{label}: {e}"))
+                }
+            },
+        )
+        .await
+        .release()
+        .await
+        .unwrap();
+        started.elapsed()
+    };
+    // Every connection for `WAIT` made and used (then silenced with the rest).
+    for _ in 0..8 {
+        acked("before").await;
+    }
+
+    // A waiter queued on a lock another locker holds, subscribed to its channel, asleep: its
+    // fallback re-check comes only after 10 s.
+    let key = "silent:held";
+    let held = holding
+        .lock(key)
+        .ttl(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let evalsha_before = evalsha_calls(&deployment.servers[0]).await;
+    let waiter = {
+        let locker = locker.clone();
+        let policy = dlock_runtime::RetryPolicy::new(Duration::from_secs(30))
+            .backoff(Duration::from_secs(10), Duration::from_secs(10))
+            .jitter(false);
+        tokio::spawn(async move {
+            let retry = dlock_runtime::OnFail::Retry(policy);
+            locker.lock(key).on_fail(retry).acquire().await
+        })
+    };
+    // Queued, subscribed, and done with the attempt after the subscription: asleep. (An
+    // attempt the silence cuts off fails as unavailable: a waiter does not outlast an outage.)
+    queued(master, key).await;
+    subscribed(master, key).await;
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep = locker.waiting() != 0
+                && evalsha_calls(&deployment.servers[0]).await >= evalsha_before + 2;
+            asleep.then_some(()).ok_or("the waiter never went to sleep")
+        },
+    )
+    .await;
+
+    let silenced = proxy.silence();
+    assert!(
+        silenced >= 2,
+        "only {silenced} connections went through the proxy"
+    );
+    // The sentinels set the replica to replicate from the master at the address they know it
+    // by, the proxy's: its link went silent too. It makes a new one at once when told to.
+    let replica = deployment.servers[1].port();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("master")
+        .query_async(&mut node_conn(replica).await)
+        .await
+        .unwrap();
+    let err = locker
+        .lock("silent:other")
+        .try_acquire()
+        .await
+        .expect_err("a command on a silent connection succeeded");
+    assert!(err.is_unavailable(), "{err}");
+    let lifted = Instant::now();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match locker.lock("silent:other").try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds the other lock"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("still on the silent connection: {e}"))
+            }
+        },
+    )
+    .await;
+    let took = lifted.elapsed();
+    // A few 200 ms command timeouts: the failed attempt, the check's look-up and `PING`, the
+    // new connection, the next attempt.
+    assert!(took < Duration::from_millis(2000), "back after {took:?}");
+    g.release().await.unwrap();
+
+    // Each connection for `WAIT` is replaced once a renewal timed out on it: a few attempts.
+    acked("after").await;
+    for round in 0..8 {
+        let took = acked("after, again").await;
+        assert!(
+            took < Duration::from_secs(3),
+            "acknowledged acquire {round} took {took:?}"
+        );
+    }
+
+    // The waiter hears the release through the new connection.
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let g = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the waiter never heard of the release")
+        .unwrap()
+        .unwrap();
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(2), "woken after {took:?}");
+    g.release().await.unwrap();
+    // No failover happened: the sentinels still name the master behind the proxy.
+    assert_eq!(deployment.master_port(), Some(proxy.port()));
+}
+
+/// How many `EVALSHA`s the data node `server` has run (failed calls not counted).
+async fn evalsha_calls(server: &dlock_tests::RedisServer) -> u64 {
+    let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
+    let Some(stats) = info
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+    else {
+        return 0;
+    };
+    let field = |name: &str| -> u64 {
+        stats
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name))
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    field("calls=") - field("failed_calls=")
+}

@@ -5,9 +5,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 
-use crate::backend::redis::conn::Conn;
+use crate::backend::redis::conn::{Conn, ServerLink};
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
@@ -108,7 +108,7 @@ impl DurableQueue {
         } else if url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://") {
             Self::sentinel_conn(url, command_timeout).await?
         } else {
-            Conn::Single(Self::single_conn(url, command_timeout).await?)
+            Self::single_conn(url, command_timeout).await?
         };
         Ok(DurableQueue {
             inner: Arc::new(QueueInner {
@@ -130,22 +130,26 @@ impl DurableQueue {
         })
     }
 
-    async fn single_conn(
-        url: &str,
-        command_timeout: Duration,
-    ) -> Result<ConnectionManager, LockError> {
+    /// A connection to one server, replaced when it goes silent (see
+    /// `crate::backend::redis::conn::ServerLink`), connected (and so checked) before it is
+    /// returned.
+    async fn single_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
         let client = redis::Client::open(url).map_err(|e| redis_err("url", e))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(command_timeout))
             .set_response_timeout(Some(command_timeout))
             .set_number_of_retries(2);
+        let mut conn = ServerLink::new(client, config, command_timeout)
+            .map(Conn::Server)
+            .map_err(|e| redis_err("connect", e))?;
         tokio::time::timeout(
             command_timeout * 2,
-            ConnectionManager::new_with_config(client, config),
+            redis::cmd("PING").query_async::<()>(&mut conn),
         )
         .await
         .map_err(|_| LockError::unavailable("job queue connect timed out", None))?
-        .map_err(|e| redis_err("connect", e))
+        .map_err(|e| redis_err("connect", e))?;
+        Ok(conn)
     }
 
     #[cfg(feature = "cluster")]
@@ -213,12 +217,20 @@ impl DurableQueue {
         what: &str,
         fut: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
+        // A timeout has the connection checked: one to one server that went silent is
+        // replaced (see `Conn::failed`).
         match tokio::time::timeout(self.inner.command_timeout, fut).await {
-            Ok(r) => r.map_err(|e| redis_err(what, e)),
-            Err(_) => Err(LockError::unavailable(
-                format!("job queue {what} timed out"),
-                None,
-            )),
+            Ok(r) => r.map_err(|e| {
+                self.inner.conn.failed(&e);
+                redis_err(what, e)
+            }),
+            Err(_) => {
+                self.inner.conn.timed_out();
+                Err(LockError::unavailable(
+                    format!("job queue {what} timed out"),
+                    None,
+                ))
+            }
         }
     }
 

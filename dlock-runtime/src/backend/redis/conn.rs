@@ -32,10 +32,8 @@ use {
 /// One server or a cluster. Cheap to clone.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    /// One server, without replacement of a silent connection (connections that carry no
-    /// subscriptions: `WAIT`'s, the durable queue's).
-    Single(ConnectionManager),
-    /// The backend's own connection to one server: replaced when it went silent.
+    /// One server: replaced when it went silent. The backend's own connection, its
+    /// connections for `WAIT` and the durable queue's.
     Server(ServerLink),
     /// Commands, and subscriptions (`SSUBSCRIBE`/`SUNSUBSCRIBE`) on connections of their own.
     /// When a slot moves to another master, Redis tells the clients subscribed to its shard
@@ -84,7 +82,6 @@ impl Conn {
     /// cluster.
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
-            Conn::Single(c) => c.subscribe(channel).await,
             Conn::Server(c) => c.conn().subscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.ssubscribe(channel).await,
@@ -123,17 +120,33 @@ impl Conn {
     /// Told the failure of a command sent through this handle: a timeout (no answer within
     /// the command timeout) may mean the connection went silent, which the backend's connection
     /// to one server then checks ([`ServerLink::suspect`]). Other connections reconnect on
-    /// their own or follow a failover on their own.
-    pub(super) fn failed(&self, e: &redis::RedisError) {
-        if e.is_timeout() {
-            self.timed_out();
+    /// their own or follow a failover on their own (Sentinel's starts its check on such a
+    /// failure by itself).
+    pub(crate) fn failed(&self, e: &redis::RedisError) {
+        if let (true, Some(c)) = (e.is_timeout(), self.server()) {
+            c.suspect();
+        }
+    }
+
+    /// The link to one server, if this is one.
+    fn server(&self) -> Option<&ServerLink> {
+        match self {
+            Conn::Server(c) => Some(c),
+            #[allow(unreachable_patterns)]
+            _ => None,
         }
     }
 
     /// Like [`failed`](Conn::failed), for a command cut off by a deadline of the caller's.
-    pub(super) fn timed_out(&self) {
-        if let Conn::Server(c) = self {
-            c.suspect();
+    pub(crate) fn timed_out(&self) {
+        match self {
+            Conn::Server(c) => c.suspect(),
+            // A command cut off by the caller's deadline never reached the connection's own
+            // failure handling, which starts the check (see `SentinelConn`).
+            #[cfg(feature = "sentinel")]
+            Conn::Sentinel(c) => c.timed_out(),
+            #[allow(unreachable_patterns)]
+            _ => {}
         }
     }
 
@@ -141,9 +154,10 @@ impl Conn {
     /// ([`timed_out`](Conn::timed_out)) once it waited as long as a check's `PING` may, or
     /// [`CUT_OFF_AFTER`] if less. One dropped sooner says nothing of the connection — a Redlock
     /// node's acquire dropped once the majority answered, a cancelled waiter's attempt — and
-    /// costs no `PING` (every Redlock acquire cost one).
+    /// costs no `PING` (every Redlock acquire cost one). One server only: Sentinel's check
+    /// asks every sentinel, and a cancelled caller is no sign of a failover.
     pub(super) fn cut_off(&self, waited: Duration) {
-        if let Conn::Server(c) = self {
+        if let Some(c) = self.server() {
             if waited >= c.shared.probe.min(CUT_OFF_AFTER) {
                 c.suspect();
             }
@@ -153,7 +167,6 @@ impl Conn {
     /// The reverse of [`subscribe`](Conn::subscribe).
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
-            Conn::Single(c) => c.unsubscribe(channel).await,
             Conn::Server(c) => c.conn().unsubscribe(channel).await,
             #[cfg(feature = "cluster")]
             Conn::Cluster { subs, .. } => subs.sunsubscribe(channel).await,
@@ -247,7 +260,6 @@ pub(super) fn node_urls(scheme: &str, auth: &str, hosts: &str) -> Vec<String> {
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Server(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_command(cmd),
@@ -263,7 +275,6 @@ impl ConnectionLike for Conn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Server(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.req_packed_commands(pipeline, offset, count),
@@ -274,7 +285,6 @@ impl ConnectionLike for Conn {
 
     fn get_db(&self) -> i64 {
         match self {
-            Conn::Single(c) => c.get_db(),
             Conn::Server(c) => c.get_db(),
             #[cfg(feature = "cluster")]
             Conn::Cluster { cmds, .. } => cmds.get_db(),
@@ -346,7 +356,7 @@ struct ServerConn {
 impl ServerLink {
     /// A link whose first connection is made on first use (`ConnectionManager`'s lazy
     /// connection); `probe` is how long a check's `PING` waits.
-    pub(super) fn new(
+    pub(crate) fn new(
         client: redis::Client,
         config: ConnectionManagerConfig,
         probe: Duration,

@@ -48,7 +48,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 
 use self::conn::Conn;
 use redis::{IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError, Script};
@@ -709,10 +709,24 @@ impl RedisBackend {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
-        let mut sent = Sent::new(&self.inner.conn);
+        self.deadline_on(&self.inner.conn, what, fut).await
+    }
+
+    /// [`deadline`](Self::deadline) for a command on `conn` (a connection for `WAIT`): a
+    /// timeout there has `conn` checked.
+    async fn deadline_on<T>(
+        &self,
+        conn: &Conn,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
+        let mut sent = Sent::new(conn);
         let r = fut.await;
         sent.answered();
-        r.map_err(|e| self.failed(what, e))
+        r.map_err(|e| {
+            conn.failed(&e);
+            redis_err(what, e)
+        })
     }
 
     /// The error of a failed command, after telling the connection (a timeout has the
@@ -802,14 +816,16 @@ impl RedisBackend {
     async fn new_dedicated(&self) -> Result<Conn, LockError> {
         let opts = &self.inner.opts;
         match (&self.inner.reconnect, &self.inner.conn) {
+            // Replaced when it goes silent, like the backend's own connection (it carries no
+            // subscriptions: nothing to do after).
             (Reconnect::Single(client), _) => {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(opts.connect_timeout))
                     .set_response_timeout(Some(opts.command_timeout))
                     .set_number_of_retries(2)
                     .set_max_delay(opts.connect_timeout);
-                ConnectionManager::new_lazy_with_config((**client).clone(), config)
-                    .map(Conn::Single)
+                conn::ServerLink::new((**client).clone(), config, opts.command_timeout)
+                    .map(Conn::Server)
                     .map_err(|e| redis_err("connect", e))
             }
             #[cfg(feature = "cluster")]
@@ -1269,8 +1285,10 @@ impl Backend for RedisBackend {
                 .key(resource.as_str())
                 .arg(token.as_str())
                 .arg(scripts::px(ttl));
+            // A timeout has this connection checked, not the backend's own.
+            let on = conn.clone();
             let owned: i64 = self
-                .deadline("replicate", renew.invoke_async(&mut conn))
+                .deadline_on(&on, "replicate", renew.invoke_async(&mut conn))
                 .await?;
             if owned != 1 {
                 return Err(LockError::lost(resource.key().as_str()));
@@ -1291,14 +1309,14 @@ impl Backend for RedisBackend {
                         Route::new(slot, SlotAddr::Master),
                     ));
                     let v = self
-                        .deadline("wait for replicas", c.route_command(wait, to))
+                        .deadline_on(&on, "wait for replicas", c.route_command(wait, to))
                         .await?;
                     redis::from_redis_value(v).map_err(|e| {
                         LockError::unavailable(format!("redis wait for replicas: {e}"), None)
                     })?
                 }
                 _ => {
-                    self.deadline("wait for replicas", wait.query_async(&mut conn))
+                    self.deadline_on(&on, "wait for replicas", wait.query_async(&mut conn))
                         .await?
                 }
             };

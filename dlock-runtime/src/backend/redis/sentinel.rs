@@ -21,6 +21,10 @@
 //! retries with backoff until that node answers again or a limit passes; an announcement cuts that
 //! wait short (a killed master restarted at once comes back empty at the same address, and the
 //! connection, which reconnects by itself, would otherwise have stayed there until the wait ended).
+//! A `PING` that gets no answer at all may mean this connection went silent (a partition, a load
+//! balancer or NAT that forgot it: no reset, no close, and the manager reconnects only on those)
+//! while the master serves: the check then makes a new connection to the same master and switches
+//! to it if the master answers there, as it would to a new master.
 //!
 //! The announcement matters because a failover does not always break the old master's
 //! connections: after `SENTINEL FAILOVER`, or when a master frozen past the down-after time
@@ -278,6 +282,12 @@ impl SentinelConn {
         }
         self.shared.after(&r);
         r
+    }
+
+    /// A command on this connection got no answer before its caller's deadline: a failover
+    /// check, as for a command that failed the way a failover makes it fail.
+    pub(super) fn timed_out(&self) {
+        self.shared.start_check();
     }
 
     /// The master's address now (`host:port`), as the sentinels named it.
@@ -753,6 +763,34 @@ impl Shared {
         }
     }
 
+    /// Whether the master the sentinels still name answers on the connection `current`. A
+    /// `PING` that gets no answer at all within the command timeout may mean the connection went
+    /// silent (a partition, a load balancer or NAT that forgot it: no reset, no close, so the
+    /// manager never reconnects and every command times out until the kernel gives up on the
+    /// socket, many minutes) while the master serves new connections: a new connection to the
+    /// same master is tried, and switched to if the master answers on it (subscribed to every
+    /// release channel, the waiters woken, as after a failover). A master that is down or
+    /// frozen answers on neither; the check goes on.
+    async fn same_master(&self, current: &Current, master: &View) -> bool {
+        let mut conn = current.conn.clone();
+        let ping = redis::cmd("PING");
+        match tokio::time::timeout(self.command_timeout, ping.query_async::<()>(&mut conn)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) if !e.is_timeout() => false,
+            _ => {
+                drop(conn);
+                let switched = match self.sentinels.client(master) {
+                    Ok(client) => self.switch_to(client, master.addr()).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = &switched {
+                    tracing::debug!(error = %e, "redis sentinel: the master does not answer");
+                }
+                switched.is_ok()
+            }
+        }
+    }
+
     /// Connects to the master `client` names, checks it is one, re-subscribes there, switches
     /// to it and wakes the local waiters.
     async fn switch_to(&self, client: Client, addr: String) -> Result<(), LockError> {
@@ -799,7 +837,11 @@ impl Shared {
                 issuers.remove(0);
             }
         }
-        tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
+        if old.addr == addr {
+            tracing::warn!(master = %addr, "redis sentinel: the connection to the master went silent (no answer to PING); replaced by a new one");
+        } else {
+            tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
+        }
         if let Some(hub) = self.hub.as_ref().and_then(Weak::upgrade) {
             hub.notify_all();
         }
@@ -838,13 +880,9 @@ async fn check(shared: Weak<Shared>) {
             // The same master: done once it answers, unless a failover is announced first
             // (the old master may come back, empty, at the same address: a killed one
             // restarted; waiting for it to answer then kept the connection there).
-            Ok(_) => {
-                let mut conn = current.conn.clone();
-                let ping = redis::cmd("PING");
+            Ok(master) => {
                 tokio::select! {
-                    r = tokio::time::timeout(s.command_timeout, ping.query_async::<()>(&mut conn)) => {
-                        matches!(r, Ok(Ok(())))
-                    }
+                    answers = s.same_master(&current, &master) => answers,
                     () = s.announced.notified() => {
                         now = true;
                         false
