@@ -177,10 +177,10 @@ pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {
     Some(Duration::from_millis(ms)).filter(|_| Duration::from_nanos(left_ns) >= MIN_TTL)
 }
 
-#[cfg(any(feature = "cluster", feature = "etcd", feature = "zookeeper"))]
+#[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 pub(crate) use shutdown_watch::{on_runtime_shutdown, RuntimeWatch};
 
-#[cfg(any(feature = "cluster", feature = "etcd", feature = "zookeeper"))]
+#[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 mod shutdown_watch {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
@@ -189,7 +189,7 @@ mod shutdown_watch {
     /// on that runtime that never ends holds it, and the runtime's shutdown drops the task and so
     /// calls it — from inside the shutdown, so it must only mark and notify. For what a client
     /// library ran on this runtime (its driver, its session task) and lost with it: the etcd and
-    /// ZooKeeper clients, the Redis Cluster connections. Dropping the watch disarms it. `None`
+    /// ZooKeeper clients, the Redis connections (redis-rs's managers and cluster clients). Dropping the watch disarms it. `None`
     /// off any runtime.
     pub(crate) fn on_runtime_shutdown(
         on_shutdown: impl FnOnce() + Send + 'static,
@@ -225,7 +225,7 @@ mod shutdown_watch {
 
     impl RuntimeWatch {
         /// Whether the runtime shut down (set before the call is made).
-        #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+        #[cfg_attr(not(feature = "redis"), allow(dead_code))]
         pub(crate) fn is_gone(&self) -> bool {
             self.state.fired.load(Ordering::Acquire)
         }

@@ -1177,3 +1177,54 @@ async fn connections_for_wait_gone_silent_are_replaced() {
         );
     }
 }
+
+/// A reconnect that redis-rs's connection manager began on a runtime that then shut down holds
+/// that runtime's timers (its back-off between connection attempts): polled on another runtime
+/// — by the next command, in a request handler — it panicked ("A Tokio 1.x context was found,
+/// but it is being shutdown"). The manager also spawns its reconnects on the runtime it was made
+/// on, which is gone. A connection made on a runtime that shut down is now replaced on its next
+/// use, on the runtime of that use: the first command there succeeds (before, even without a
+/// reconnect under way, it failed with 503: the manager's driver had died with the runtime).
+#[test]
+fn a_connection_whose_runtime_shut_down_mid_reconnect_is_replaced() {
+    let mut server = RedisServer::start();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let locker = first.block_on(async {
+        let locker = fast_fail().connect(&server.url()).await.unwrap();
+        let g = locker.lock("rt:reconnect").try_acquire().await.unwrap();
+        g.expect("free").release().await.unwrap();
+        locker
+    });
+    server.stop();
+    first.block_on(async {
+        // The connection is found gone: the manager starts reconnecting on this runtime, and
+        // each refused attempt backs off (100 ms and more) on one of its timers.
+        let err = locker.lock("rt:reconnect").try_acquire().await.unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    });
+    drop(first);
+    server.restart();
+
+    let second = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let locker = locker.clone();
+        let attempt = tokio::spawn(async move {
+            let g = locker.lock("rt:reconnect").try_acquire().await;
+            g.map(|g| g.map(|g| g.fencing_token()))
+        })
+        .await;
+        match attempt {
+            Ok(Ok(Some(_))) => {}
+            Ok(other) => panic!("the first lock on the new runtime: {other:?}"),
+            Err(e) => panic!("the first lock on the new runtime panicked: {e}"),
+        }
+    });
+}

@@ -294,8 +294,11 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// See [`Conn::cut_off`].
+const CUT_OFF_AFTER: Duration = Duration::from_millis(100);
+
 /// The backend's connection to one server: a redis-rs `ConnectionManager`, replaced when it
-/// went silent.
+/// went silent, or when the runtime it was made on shut down.
 ///
 /// The manager reconnects when its connection is reset or closed, never when it merely stops
 /// answering: a command that times out is, to redis-rs (1.8), one to retry on the same
@@ -312,12 +315,18 @@ impl ConnectionLike for Conn {
 /// command that timed out is not sent again — it may have run — and fails as unavailable; so
 /// do the commands of a server that is really down, on every connection made in its place.
 ///
-/// Each command first reads the current connection (a shared `RwLock` read, and the clone of
-/// a manager that cloning the connection always cost), like a [`ClusterLink`]'s. Cheap to
-/// clone: a clone shares the connection and takes it at its first command.
-/// See [`Conn::cut_off`].
-const CUT_OFF_AFTER: Duration = Duration::from_millis(100);
-
+/// A manager belongs to the runtime it was made on: it spawns its reconnects there, and a
+/// reconnect that runtime began holds that runtime's timers (the back-off between attempts),
+/// which panic when polled on another runtime once it shut down — in the caller's task (an
+/// actix-web worker restarting, a runtime built for set-up and dropped while the locker lives
+/// on). So a watch ([`util::on_runtime_shutdown`](crate::util::on_runtime_shutdown)) goes with
+/// each connection, and the first use after its runtime shut down replaces it on the runtime of
+/// that use, then has it subscribed again like a silent one's replacement.
+///
+/// Each command first reads the current connection (a shared `RwLock` read, one atomic load
+/// for the watch, and the clone of a manager that cloning the connection always cost), like a
+/// [`ClusterLink`]'s. Cheap to clone: a clone shares the connection and takes it at its first
+/// command.
 pub(crate) struct ServerLink {
     shared: Arc<Server>,
     /// The connection this handle sends on and its generation, taken from [`Server::current`]
@@ -351,6 +360,23 @@ struct ServerConn {
     conn: ConnectionManager,
     /// Numbers the connections a link has had.
     generation: u64,
+    /// Whether the runtime `conn` was made on shut down (none if made off any runtime).
+    made_on: Option<crate::util::RuntimeWatch>,
+}
+
+impl ServerConn {
+    fn runtime_gone(&self) -> bool {
+        self.made_on
+            .as_ref()
+            .is_some_and(crate::util::RuntimeWatch::is_gone)
+    }
+}
+
+/// Why a connection is replaced, for the log.
+#[derive(Clone, Copy)]
+enum Remade {
+    Silent,
+    RuntimeGone,
 }
 
 impl ServerLink {
@@ -370,6 +396,7 @@ impl ServerLink {
                 current: RwLock::new(ServerConn {
                     conn,
                     generation: 0,
+                    made_on: crate::util::on_runtime_shutdown(|| {}),
                 }),
                 checking: AtomicBool::new(false),
                 on_remade: OnceLock::new(),
@@ -384,9 +411,16 @@ impl ServerLink {
         let _ = self.shared.on_remade.set(Box::new(f));
     }
 
-    /// The connection to send on: the current one (no await: the hot path).
+    /// The connection to send on: the current one (no await: the hot path), made anew first if
+    /// the runtime it was made on shut down.
     fn conn(&mut self) -> &mut ConnectionManager {
-        let cur = self.shared.read();
+        let mut cur = self.shared.read();
+        if cur.runtime_gone() && tokio::runtime::Handle::try_current().is_ok() {
+            let generation = cur.generation;
+            drop(cur);
+            remake(&self.shared, generation, Remade::RuntimeGone);
+            cur = self.shared.read();
+        }
         let conn = match self.conn.take() {
             Some((c, g)) if g == cur.generation => (c, g),
             _ => (cur.conn.clone(), cur.generation),
@@ -423,18 +457,26 @@ impl Server {
 /// command timeout, a new connection in its place.
 async fn check_server(link: Weak<Server>) {
     let Some(server) = link.upgrade() else { return };
-    let (mut conn, generation) = {
+    let (mut conn, generation, gone) = {
         let cur = server.read();
-        (cur.conn.clone(), cur.generation)
+        (cur.conn.clone(), cur.generation, cur.runtime_gone())
     };
-    let ping = redis::cmd("PING");
-    let silent = match tokio::time::timeout(server.probe, ping.query_async::<()>(&mut conn)).await {
-        Err(_) => true,
-        Ok(Err(e)) => e.is_timeout(),
-        Ok(Ok(())) => false,
+    // A connection whose runtime shut down is not polled here (see [`ServerLink`]).
+    let silent = !gone && {
+        let ping = redis::cmd("PING");
+        match tokio::time::timeout(server.probe, ping.query_async::<()>(&mut conn)).await {
+            Err(_) => true,
+            Ok(Err(e)) => e.is_timeout(),
+            Ok(Ok(())) => false,
+        }
     };
     drop(conn);
-    let remade = silent && remake_server(&server, generation);
+    let why = if gone {
+        Remade::RuntimeGone
+    } else {
+        Remade::Silent
+    };
+    let remade = (gone || silent) && remake_server(&server, generation, why);
     server.checking.store(false, Ordering::Release);
     if remade {
         if let Some(f) = server.on_remade.get() {
@@ -443,9 +485,19 @@ async fn check_server(link: Weak<Server>) {
     }
 }
 
+/// Replaces connection `generation` of `server` (see [`remake_server`]) and, if it did, tells
+/// the backend ([`ServerLink::on_remade`]).
+fn remake(server: &Server, generation: u64, why: Remade) {
+    if remake_server(server, generation, why) {
+        if let Some(f) = server.on_remade.get() {
+            f();
+        }
+    }
+}
+
 /// Replaces connection `generation` of `server` by a new one (made on first use, on this
-/// runtime). `false`: not replaced.
-fn remake_server(server: &Server, generation: u64) -> bool {
+/// runtime). `false`: not replaced (another call did, or no manager could be made).
+fn remake_server(server: &Server, generation: u64, why: Remade) -> bool {
     let conn =
         match ConnectionManager::new_lazy_with_config(server.client.clone(), server.config.clone())
         {
@@ -468,12 +520,20 @@ fn remake_server(server: &Server, generation: u64) -> bool {
             ServerConn {
                 conn,
                 generation: generation + 1,
+                made_on: crate::util::on_runtime_shutdown(|| {}),
             },
         )
     };
     // Outside the lock: the last handle of the old connection closes it.
     drop(old);
-    tracing::warn!("redis connection gone silent (no answer to PING); replaced by a new one");
+    match why {
+        Remade::Silent => tracing::warn!(
+            "redis connection gone silent (no answer to PING); replaced by a new one"
+        ),
+        Remade::RuntimeGone => tracing::debug!(
+            "redis connection made on a runtime that shut down; replaced by a new one"
+        ),
+    }
     true
 }
 
