@@ -737,3 +737,70 @@ async fn evalsha_calls(server: &dlock_tests::RedisServer) -> u64 {
     };
     field("calls=") - field("failed_calls=")
 }
+
+/// A locker whose first runtime shut down (an actix-web worker restarting, a runtime built for
+/// set-up) takes its next lock on another runtime at the first attempt, and its waiters hear
+/// releases: the connection to the master — a redis-rs manager, whose driver and reconnects
+/// belong to the runtime it was made on — is made anew on the runtime of its next use, and
+/// subscribed again to the release channels. Before, that first command failed as unavailable
+/// (the manager found its driver gone), and a reconnect the old runtime had begun panicked when
+/// polled on the new one.
+#[test]
+fn the_first_lock_after_the_first_runtime_shut_down_is_taken() {
+    let url = redis_sentinel::shared().lock().unwrap().url();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let locker = first.block_on(async {
+        let locker = Locker::builder()
+            .waiter_ttl(Duration::from_secs(60))
+            .connect(&url)
+            .await
+            .unwrap();
+        let g = locker.lock("rt:first").try_acquire().await.unwrap();
+        g.expect("free").release().await.unwrap();
+        locker
+    });
+    drop(first);
+
+    let second = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let attempt = {
+            let locker = locker.clone();
+            tokio::spawn(async move { locker.lock("rt:first").try_acquire().await })
+        };
+        let g = attempt
+            .await
+            .expect("the first attempt on the new runtime panicked")
+            .expect("the first attempt on the new runtime failed")
+            .expect("nobody holds rt:first");
+        g.release().await.unwrap();
+
+        // A waiter of this locker hears the release of another locker's lock.
+        let other = Locker::builder().connect(&url).await.unwrap();
+        let held = other.lock("rt:waited").acquire().await.unwrap();
+        let waiter = wait_for(&locker, "rt:waited");
+        let master = redis_sentinel::shared()
+            .lock()
+            .unwrap()
+            .master_port()
+            .unwrap();
+        queued(master, "rt:waited").await;
+        subscribed(master, "rt:waited").await;
+        let released = Instant::now();
+        held.release().await.unwrap();
+        let g = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter never got the lock")
+            .unwrap()
+            .unwrap();
+        let took = released.elapsed();
+        assert!(took < Duration::from_secs(2), "woken after {took:?}");
+        g.release().await.unwrap();
+    });
+}

@@ -55,6 +55,7 @@ use redis::{
 };
 
 use crate::backend::ReleaseHub;
+use crate::util::RuntimeWatch;
 use crate::LockError;
 
 /// How long a failover check keeps asking the sentinels while they name a master that does not
@@ -151,7 +152,13 @@ struct Sentinels {
 }
 
 struct SentinelLink {
-    conn: ConnectionManager,
+    /// How to connect (with the push handler), to make the connection anew.
+    client: Client,
+    config: ConnectionManagerConfig,
+    /// The connection and a watch on the runtime it was made on: redis-rs's manager spawns its
+    /// reconnects there, and a reconnect begun there panics when polled on another runtime once
+    /// that one shut down (see `conn::ServerLink`).
+    conn: RwLock<(ConnectionManager, Option<Arc<RuntimeWatch>>)>,
     /// Subscribed to the [`ANNOUNCEMENTS`], as far as this side knows.
     subscribed: AtomicBool,
 }
@@ -190,6 +197,8 @@ struct Current {
     addr: String,
     /// The issuer number taken on this master (see the module docs).
     issuer: u64,
+    /// A watch on the runtime `conn` was made on (see [`SentinelLink::conn`]).
+    made_on: Option<Arc<RuntimeWatch>>,
 }
 
 impl SentinelConn {
@@ -216,6 +225,7 @@ impl SentinelConn {
             conn,
             client,
             issuer,
+            made_on: watch_runtime(),
         };
         Ok(SentinelConn {
             replied: None,
@@ -244,7 +254,11 @@ impl SentinelConn {
             replied: None,
             shared: Shared::new(
                 s.sentinels.clone(),
-                Current { conn, ..current },
+                Current {
+                    conn,
+                    made_on: watch_runtime(),
+                    ..current
+                },
                 config,
                 None,
                 Vec::new(),
@@ -426,10 +440,12 @@ impl Sentinels {
                     Ok::<(), redis::aio::SendError>(())
                 })
                 .set_automatic_resubscription();
-            let conn = ConnectionManager::new_lazy_with_config(client, config)
+            let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
                 .map_err(|e| super::redis_err("sentinel connect", e))?;
             conns.push(SentinelLink {
-                conn,
+                client,
+                config,
+                conn: RwLock::new((conn, watch_runtime())),
                 subscribed: AtomicBool::new(false),
             });
         }
@@ -501,7 +517,7 @@ impl Sentinels {
             .conns
             .iter()
             .map(|l| {
-                let mut conn = l.conn.clone();
+                let mut conn = l.conn();
                 let mut ask = redis::pipe();
                 ask.cmd("SENTINEL").arg("MASTER").arg(&self.master_name);
                 ask.cmd("SENTINEL")
@@ -561,10 +577,36 @@ impl Sentinels {
 }
 
 impl SentinelLink {
+    /// The connection to this sentinel, made anew here (and so unsubscribed) if the runtime it
+    /// was made on shut down.
+    fn conn(&self) -> ConnectionManager {
+        let cur = self.conn.read().unwrap_or_else(PoisonError::into_inner);
+        if !gone(&cur.1) || tokio::runtime::Handle::try_current().is_err() {
+            return cur.0.clone();
+        }
+        drop(cur);
+        let Ok(conn) =
+            ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+        else {
+            return self
+                .conn
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+                .clone();
+        };
+        let mut cur = self.conn.write().unwrap_or_else(PoisonError::into_inner);
+        if gone(&cur.1) {
+            *cur = (conn, watch_runtime());
+            self.subscribed.store(false, Ordering::Release);
+        }
+        cur.0.clone()
+    }
+
     /// Subscribes to the [`ANNOUNCEMENTS`] (again: a sentinel answers a repeated subscription
     /// alike), within `limit`; whether it did.
     async fn subscribe(&self, limit: Duration) -> bool {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let ok = matches!(
             tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await,
             Ok(Ok(()))
@@ -596,7 +638,7 @@ async fn keep_alive(sentinels: Weak<Sentinels>) {
         let limit = s.command_timeout;
         let back = futures_util::future::join_all(s.conns.iter().map(|l| async move {
             if l.subscribed.load(Ordering::Acquire) {
-                let mut conn = l.conn.clone();
+                let mut conn = l.conn();
                 let ping = redis::cmd("PING");
                 let ok = matches!(
                     tokio::time::timeout(limit, ping.query_async::<()>(&mut conn)).await,
@@ -633,6 +675,16 @@ async fn ensure_master(conn: &mut ConnectionManager, limit: Duration) -> Result<
             None,
         )),
     }
+}
+
+/// A watch on the current runtime, if any (see [`SentinelLink::conn`]).
+fn watch_runtime() -> Option<Arc<RuntimeWatch>> {
+    crate::util::on_runtime_shutdown(|| {}).map(Arc::new)
+}
+
+/// Whether the runtime a watch was set on shut down.
+fn gone(watch: &Option<Arc<RuntimeWatch>>) -> bool {
+    watch.as_deref().is_some_and(RuntimeWatch::is_gone)
 }
 
 /// Whether `e` is how commands fail while a master fails over.
@@ -723,11 +775,60 @@ impl Shared {
         shared
     }
 
+    /// The connection to the master now, made anew first if the runtime it was made on shut
+    /// down (see [`remade_here`](Shared::remade_here)).
     fn current(&self) -> Current {
-        self.current
+        let cur = self
+            .current
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .clone();
+        if gone(&cur.made_on) && tokio::runtime::Handle::try_current().is_ok() {
+            return self.remade_here(cur);
+        }
+        cur
+    }
+
+    /// Replaces `old`, a connection made on a runtime that shut down, by a new one to the same
+    /// master, made on this runtime, with the same issuer number (the master is the same);
+    /// then, on a task, subscribes it to every release channel and wakes the local waiters
+    /// (releases published meanwhile reached no one).
+    fn remade_here(&self, old: Current) -> Current {
+        let Ok((conn, cell)) = connect_to(&old.client, &self.config, self.push.as_ref()) else {
+            return old;
+        };
+        cell.store(old.issuer, Ordering::Release);
+        let mut cur = self.current.write().unwrap_or_else(PoisonError::into_inner);
+        if !gone(&cur.made_on) {
+            // Made anew by another caller (or switched) meanwhile.
+            return cur.clone();
+        }
+        *cur = Current {
+            conn,
+            made_on: watch_runtime(),
+            ..old
+        };
+        let new = cur.clone();
+        drop(cur);
+        let channels: Vec<String> = self
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect();
+        let hub = self.hub.clone();
+        let (mut conn, limit) = (new.conn.clone(), self.command_timeout);
+        tokio::spawn(async move {
+            for channel in &channels {
+                let _ = tokio::time::timeout(limit, conn.subscribe(channel)).await;
+            }
+            if let Some(hub) = hub.as_ref().and_then(Weak::upgrade) {
+                hub.notify_all();
+            }
+        });
+        tracing::debug!(master = %new.addr, "redis sentinel: connection made on a runtime that shut down; replaced");
+        new
     }
 
     /// Starts a failover check after a command failed the way a failover makes it fail: an
@@ -828,6 +929,7 @@ impl Shared {
                 client,
                 addr: addr.clone(),
                 issuer,
+                made_on: watch_runtime(),
             },
         );
         if self.push.is_some() {
