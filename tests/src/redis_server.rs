@@ -270,6 +270,24 @@ impl RedisServer {
         cmd.query_async(&mut self.conn().await).await.unwrap()
     }
 
+    /// How many times the server has run `command` (from clients, or from scripts), not
+    /// counting calls that failed (an `EVALSHA` answered `NOSCRIPT` before the script is
+    /// loaded).
+    pub async fn calls(&self, command: &str) -> u64 {
+        let info: String = self.query(redis::cmd("INFO").arg("commandstats")).await;
+        let prefix = format!("cmdstat_{command}:");
+        let Some(stats) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
+            return 0;
+        };
+        let field = |name: &str| -> u64 {
+            stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(name))
+                .map_or(0, |n| n.parse().unwrap())
+        };
+        field("calls=") - field("failed_calls=")
+    }
+
     /// A [`Locker`](dlock_runtime::Locker) on this server with the default settings
     /// (`Locker::from_url`).
     ///

@@ -160,3 +160,30 @@ pub async fn try_take(
         }
     }
 }
+
+/// How long it took to take and release `key` with `.replicas(1)` (polled every 20 ms, 10 s at
+/// most), where each failed attempt must be the typed 503 one: a replica that does not
+/// acknowledge in time, or a connection not back yet.
+///
+/// # Panics
+/// On another error, or when no attempt succeeds within 10 s (the last error in the message,
+/// after `label`).
+pub async fn acknowledged_acquire(locker: &Locker, key: &str, label: &str) -> Duration {
+    let started = Instant::now();
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match locker.lock(key).replicas(1).acquire().await {
+            Ok(g) => Ok(g),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("{label}: {e}"))
+            }
+        },
+    )
+    .await
+    .release()
+    .await
+    .unwrap();
+    started.elapsed()
+}

@@ -336,24 +336,7 @@ async fn waiters_recheck_after_a_reconnect() {
 
 /// How many script calls (`EVALSHA`) the server has run.
 async fn evalsha_calls(server: &RedisServer) -> u64 {
-    calls(server, "evalsha").await
-}
-
-/// How many times the server has run `command` (from clients, or from scripts), not counting
-/// calls that failed (an `EVALSHA` answered `NOSCRIPT` before the script is loaded).
-async fn calls(server: &RedisServer, command: &str) -> u64 {
-    let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
-    let prefix = format!("cmdstat_{command}:");
-    let Some(stats) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
-        return 0;
-    };
-    let field = |name: &str| -> u64 {
-        stats
-            .split(',')
-            .find_map(|kv| kv.strip_prefix(name))
-            .map_or(0, |n| n.parse().unwrap())
-    };
-    field("calls=") - field("failed_calls=")
+    server.calls("evalsha").await
 }
 
 /// An idempotency `begin` whose reply is lost (the server ran it, the connection died) is
@@ -453,7 +436,7 @@ async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
         40,
         "one script per step"
     );
-    assert_eq!(calls(&server, "publish").await, 0, "nobody waited");
+    assert_eq!(server.calls("publish").await, 0, "nobody waited");
     let mut keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).await;
     let mut expected = vec![format!("{}:fence", locker.prefix()), "dlock:issuers".into()];
     keys.sort();
@@ -577,11 +560,7 @@ async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
     );
     assert!(guard.fencing_token() > held_token);
     guard.release().await.unwrap();
-    assert_eq!(
-        calls(&server, "publish").await,
-        1,
-        "one grant, nothing else"
-    );
+    assert_eq!(server.calls("publish").await, 1, "one grant, nothing else");
 }
 
 /// A Redis backend that never hears release notifications: a waiter on it misses every
@@ -1139,23 +1118,7 @@ async fn connections_for_wait_gone_silent_are_replaced() {
     let proxy = Proxy::start(master.port()).await.unwrap();
     let locker = fast_fail().connect(&proxy.url()).await.unwrap();
     let acked = async |label: &str| {
-        let started = Instant::now();
-        poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            async || match locker.lock("silent:acked").replicas(1).acquire().await {
-                Ok(g) => Ok(g),
-                Err(e) => {
-                    assert!(e.is_unavailable(), "{e}");
-                    Err(format!("{label}: {e}"))
-                }
-            },
-        )
-        .await
-        .release()
-        .await
-        .unwrap();
-        started.elapsed()
+        dlock_tests::wait::acknowledged_acquire(&locker, "silent:acked", label).await
     };
     // The replica in sync, and every connection for `WAIT` made and used.
     for _ in 0..8 {

@@ -596,23 +596,7 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
         .await
         .unwrap();
     let acked = async |label: &str| {
-        let started = Instant::now();
-        poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            async || match locker.lock("silent:acked").replicas(1).acquire().await {
-                Ok(g) => Ok(g),
-                Err(e) => {
-                    assert!(e.is_unavailable(), "{e}");
-                    Err(format!("{label}: {e}"))
-                }
-            },
-        )
-        .await
-        .release()
-        .await
-        .unwrap();
-        started.elapsed()
+        dlock_tests::wait::acknowledged_acquire(&locker, "silent:acked", label).await
     };
     // Every connection for `WAIT` made and used (then silenced with the rest).
     for _ in 0..8 {
@@ -628,7 +612,7 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
         .acquire()
         .await
         .unwrap();
-    let evalsha_before = evalsha_calls(&deployment.servers[0]).await;
+    let evalsha_before = deployment.servers[0].calls("evalsha").await;
     let waiter = {
         let locker = locker.clone();
         let policy = dlock_runtime::RetryPolicy::new(Duration::from_secs(30))
@@ -648,7 +632,7 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
         Duration::from_millis(5),
         async || {
             let asleep = locker.waiting() != 0
-                && evalsha_calls(&deployment.servers[0]).await >= evalsha_before + 2;
+                && deployment.servers[0].calls("evalsha").await >= evalsha_before + 2;
             asleep.then_some(()).ok_or("the waiter never went to sleep")
         },
     )
@@ -718,24 +702,6 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
     g.release().await.unwrap();
     // No failover happened: the sentinels still name the master behind the proxy.
     assert_eq!(deployment.master_port(), Some(proxy.port()));
-}
-
-/// How many `EVALSHA`s the data node `server` has run (failed calls not counted).
-async fn evalsha_calls(server: &dlock_tests::RedisServer) -> u64 {
-    let info: String = server.query(redis::cmd("INFO").arg("commandstats")).await;
-    let Some(stats) = info
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
-    else {
-        return 0;
-    };
-    let field = |name: &str| -> u64 {
-        stats
-            .split(',')
-            .find_map(|kv| kv.strip_prefix(name))
-            .map_or(0, |n| n.parse().unwrap())
-    };
-    field("calls=") - field("failed_calls=")
 }
 
 /// A locker whose first runtime shut down (an actix-web worker restarting, a runtime built for

@@ -775,6 +775,16 @@ impl Shared {
         shared
     }
 
+    /// The release channels subscribed through this connection.
+    fn channels(&self) -> Vec<String> {
+        self.channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
+    }
+
     /// The connection to the master now, made anew first if the runtime it was made on shut
     /// down (see [`remade_here`](Shared::remade_here)).
     fn current(&self) -> Current {
@@ -810,13 +820,7 @@ impl Shared {
         };
         let new = cur.clone();
         drop(cur);
-        let channels: Vec<String> = self
-            .channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect();
+        let channels = self.channels();
         let hub = self.hub.clone();
         let (mut conn, limit) = (new.conn.clone(), self.command_timeout);
         tokio::spawn(async move {
@@ -909,13 +913,7 @@ impl Shared {
         } else {
             self.current().issuer
         };
-        let channels: Vec<String> = self
-            .channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect();
+        let channels = self.channels();
         for channel in &channels {
             tokio::time::timeout(self.command_timeout, conn.subscribe(channel))
                 .await
