@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 2 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 3 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -9,8 +9,44 @@ BEGIN;
 SELECT pg_advisory_xact_lock(1684824939, 0);
 CREATE SCHEMA IF NOT EXISTS dlock;
 
+-- A client that finds a newer schema never puts older functions over it.
+DO $$
+BEGIN
+  IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
+    IF dlock.dlock_schema_version() > 3 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 3',
+        dlock.dlock_schema_version();
+    END IF;
+  END IF;
+END $$;
+
 -- Fencing tokens and waiters' places in line: never reused, also across restarts.
 CREATE SEQUENCE IF NOT EXISTS dlock.dlock_fence;
+
+-- The server's WAL timeline (version 3): 1 on a new cluster, one more on each promotion of a
+-- standby (and each point-in-time recovery). Where the server does not tell its WAL position
+-- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1.
+DO $$
+BEGIN
+  PERFORM pg_walfile_name(pg_current_wal_lsn());
+  CREATE OR REPLACE FUNCTION dlock.dlock_timeline() RETURNS bigint LANGUAGE sql
+    AS $f$SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint$f$;
+EXCEPTION WHEN OTHERS THEN
+  CREATE OR REPLACE FUNCTION dlock.dlock_timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
+END $$;
+
+-- A new fencing token: timeline × 2^48 + the sequence's next value. A standby promoted after
+-- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
+-- but on a later timeline, so its tokens are still larger than any the old primary issued.
+CREATE OR REPLACE FUNCTION dlock.dlock_next_fence() RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline();
+BEGIN
+  IF n >= 281474976710656 OR tl >= 32768 THEN
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (timeline %, sequence %)', tl, n;
+  END IF;
+  RETURN tl * 281474976710656 + n;
+END $$;
 
 CREATE TABLE IF NOT EXISTS dlock.dlock_locks (
     name       text PRIMARY KEY,
@@ -59,7 +95,7 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_queue (
 CREATE INDEX IF NOT EXISTS dlock_queue_line ON dlock.dlock_queue (name, seq);
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 2';
+LANGUAGE sql IMMUTABLE AS 'SELECT 3';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
@@ -102,7 +138,7 @@ BEGIN
     RETURN NULL;
   END IF;
   DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = h.token;
-  f := nextval('dlock.dlock_fence');
+  f := dlock.dlock_next_fence();
   INSERT INTO dlock.dlock_locks AS l (name, owner, fence, expires_at, barged)
   VALUES (p_name, h.token, f, clock_timestamp() + h.lease_ms * interval '1 millisecond', p_barged)
   ON CONFLICT (name) DO UPDATE
@@ -167,7 +203,7 @@ BEGIN
       DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;
     END IF;
   END IF;
-  f := nextval('dlock.dlock_fence');
+  f := dlock.dlock_next_fence();
   INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -246,7 +282,7 @@ BEGIN
   END IF;
   SELECT * INTO h FROM dlock.dlock_head(p_name);
   IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
-  o_n := nextval('dlock.dlock_fence');
+  o_n := dlock.dlock_next_fence();
   INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -353,7 +389,7 @@ BEGIN
     RETURN -dlock.dlock_ms_until(first_end) - 1;
   END IF;
   DELETE FROM dlock.dlock_queue WHERE name = p_name AND token = p_token;
-  f := nextval('dlock.dlock_fence');
+  f := dlock.dlock_next_fence();
   INSERT INTO dlock.dlock_holders AS h (name, owner, exclusive, fence, expires_at)
   VALUES (p_name, p_token, p_excl, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name, owner) DO UPDATE SET fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at;

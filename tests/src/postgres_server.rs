@@ -219,6 +219,72 @@ impl PostgresServer {
         panic!("could not start postgres on a free port after 10 tries");
     }
 
+    /// A hot standby of this server, replicating asynchronously: a base backup streamed from it
+    /// (`pg_basebackup -R`), started on a free port in a folder of its own.
+    ///
+    /// # Panics
+    /// If the base backup fails or the standby does not come up in 30 s.
+    pub fn start_standby(&self) -> Self {
+        let dir = temp_dir("pg");
+        let out = command_as_db_user(&bin_dir().join("pg_basebackup"), false)
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args(["-R", "-X", "stream", "--checkpoint=fast", "--no-sync"])
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run pg_basebackup ({e})"));
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for _ in 0..10 {
+            let mut standby = PostgresServer {
+                child: None,
+                port: free_port(),
+                dir: dir.clone(),
+                die_with_parent: false,
+                tls: false,
+            };
+            if standby.spawn(Duration::from_secs(30)) {
+                return standby;
+            }
+        }
+        panic!("could not start a standby on a free port after 10 tries");
+    }
+
+    /// Waits until `standby` has replayed everything this server had written when called.
+    ///
+    /// # Panics
+    /// If that takes more than 30 s.
+    pub fn until_replayed(&self, standby: &PostgresServer) {
+        let lsn = self.psql("SELECT pg_current_wal_lsn()");
+        let caught_up = format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while standby.psql(&caught_up) != "t" {
+            assert!(
+                Instant::now() < deadline,
+                "the standby never replayed {lsn}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Promotes this standby to a primary and waits until it is one (`pg_promote`).
+    ///
+    /// # Panics
+    /// If the promotion does not complete within 30 s.
+    pub fn promote(&self) {
+        assert_eq!(self.psql("SELECT pg_promote(true, 30)"), "t", "promotion");
+    }
+
     fn spawn(&mut self, limit: Duration) -> bool {
         let mut tls_args = Vec::new();
         if self.tls {

@@ -226,6 +226,68 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
     g.release().await.unwrap();
 }
 
+/// Takes `key` (free), releases it, and returns its fencing token.
+async fn token_of_a_grant(locker: &Locker, key: &'static str) -> u64 {
+    let g = locker.lock(key).try_acquire().await.unwrap().expect("free");
+    let token = g.fencing_token();
+    g.release().await.unwrap();
+    token
+}
+
+/// Asynchronous replication: a standby promoted without the latest grants has a sequence that
+/// is behind the old primary's, yet every token it issues is larger than every token the old
+/// primary did — promotion starts a new WAL timeline, the token's high part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_promoted_without_the_latest_grants_issues_larger_tokens() {
+    const COUNT: u64 = (1 << 48) - 1;
+    let primary = Arc::new(Mutex::new(blocking(PostgresServer::start).await));
+    let url = primary.lock().unwrap().url("postgres");
+    let (old, _) = locker_at(&url, Duration::from_secs(2)).await;
+    let first = token_of_a_grant(&old, "failover:k").await;
+    assert_eq!(first >> 48, 1, "timeline 1 on a new cluster: {first}");
+    let p = primary.clone();
+    let mut standby = blocking(move || {
+        let p = p.lock().unwrap();
+        let standby = p.start_standby();
+        p.until_replayed(&standby);
+        standby
+    })
+    .await;
+    // The standby stops hearing from the primary, which goes on granting.
+    standby.kill();
+    let mut last = first;
+    for _ in 0..100 {
+        let token = token_of_a_grant(&old, "failover:k").await;
+        assert!(token > last, "{token} after {last}");
+        last = token;
+    }
+    drop(old);
+    let p = primary.clone();
+    let standby = blocking(move || {
+        p.lock().unwrap().kill();
+        standby.restart();
+        standby.promote();
+        standby
+    })
+    .await;
+
+    let (new, _) = locker_at(&standby.url("postgres"), Duration::from_secs(2)).await;
+    let token = token_of_a_grant(&new, "failover:k").await;
+    // The case is the one named: the promoted standby's count is behind the old primary's.
+    assert!(
+        token & COUNT < last & COUNT,
+        "the standby had the latest grants: count {} against {}",
+        token & COUNT,
+        last & COUNT
+    );
+    assert_eq!(token >> 48, 2, "the promoted standby's timeline: {token}");
+    assert!(
+        token > last,
+        "the promoted standby issued {token}, not above the old primary's {last}"
+    );
+    assert!(token_of_a_grant(&new, "failover:other").await > token);
+}
+
 /// The sessions of one application name, terminated by the server.
 fn terminate(app: &str) -> usize {
     let out = shared()
@@ -1000,6 +1062,32 @@ async fn transaction_scoped_lock_works_through_pgbouncer() {
 }
 
 // ---- schema and pools ----------------------------------------------------------------------
+
+/// A server that does not tell its WAL position (`pg_current_wal_lsn` refused, as Amazon
+/// Aurora does) still grants locks, its tokens counted on timeline 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_hiding_its_wal_position_still_issues_tokens() {
+    let server = shared();
+    let db = blocking(move || {
+        let s = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = s.create_database("hidden_wal");
+        s.psql_in(
+            &db,
+            &format!(
+                "DO $$ BEGIN CREATE ROLE dlock_nowal LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+                 REVOKE EXECUTE ON FUNCTION pg_current_wal_lsn() FROM PUBLIC; \
+                 GRANT CREATE ON DATABASE {db} TO dlock_nowal;"
+            ),
+        );
+        db
+    })
+    .await;
+    let url = format!("postgres://dlock_nowal@127.0.0.1:{}/{db}", port());
+    let (locker, _) = locker_at(&url, Duration::from_secs(2)).await;
+    let first = token_of_a_grant(&locker, "nowal:k").await;
+    assert_eq!(first >> 48, 1, "counted on timeline 1: {first}");
+    assert!(token_of_a_grant(&locker, "nowal:k").await > first);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sql_file_is_all_a_least_privileged_role_needs() {

@@ -164,7 +164,7 @@ impl PostgresBackend {
             .await
             .map_err(err)?;
         let fence: i64 = tx
-            .query_typed(&format!("SELECT nextval('{}')", self.object("fence")), &[])
+            .query_typed(&format!("SELECT {}()", self.object("next_fence")), &[])
             .await
             .map_err(err)?[0]
             .get(0);

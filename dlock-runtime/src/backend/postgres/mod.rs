@@ -9,9 +9,11 @@
 //!   whole call back: there is no half-taken lock.
 //! * **Expiry by the database's clock**: a lease is `expires_at = clock_timestamp() + ttl`,
 //!   compared with `clock_timestamp()`; the client's clock is never sent.
-//! * **Fencing tokens** come from one sequence per schema and prefix (`<prefix>fence`): never
-//!   reused (sequences are WAL-logged and jump ahead after a crash), across every key, expiry
-//!   and restart. A token is drawn only under the lock name's advisory lock, after the previous
+//! * **Fencing tokens** are the server's WAL timeline × 2^48 plus the next value of one
+//!   sequence per schema and prefix (`<prefix>fence`): never reused (sequences are WAL-logged
+//!   and jump ahead after a crash), across every key, expiry, restart — and failover to an
+//!   asynchronous standby that missed the latest grants, since promotion starts a new
+//!   timeline. A token is drawn only under the lock name's advisory lock, after the previous
 //!   grant of that name committed, so tokens of one key are strictly increasing.
 //! * **Fair waiting**: a `waiters` table keeps each lock's line (place from the same sequence,
 //!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is
@@ -561,7 +563,8 @@ impl PostgresBackend {
         // With names too long for a plain channel, functions made by a release before the
         // digest notify on a name `pg_notify` refuses: replaced whenever allowed.
         let stale = schema::channel_is_digest(s, p) && self.inner.opts.create_schema;
-        if found.is_some_and(|v| v >= schema::VERSION) && !stale {
+        // A newer schema is never replaced by this client's older functions.
+        if found.is_some_and(|v| v > schema::VERSION || (v == schema::VERSION && !stale)) {
             return Ok(());
         }
         if !self.inner.opts.create_schema {

@@ -10,7 +10,8 @@
 //!
 //! | object | holds |
 //! |---|---|
-//! | `<s>.<p>fence` | sequence: every fencing token and every waiter's place in line |
+//! | `<s>.<p>fence` | sequence: every fencing token's count and every waiter's place in line |
+//! | `<s>.<p>timeline`, `next_fence` | the server's WAL timeline; a new fencing token, `timeline × 2^48 + nextval` |
 //! | `<s>.<p>locks` | one row per held (or lapsed, not yet swept) lock: owner token, fencing token, expiry (`timestamptz`, the database's clock), whether a barging waiter asked to be woken |
 //! | `<s>.<p>waiters` | one row per queued waiter: its place (`seq`), entry expiry, the lease a handoff grants it |
 //! | `<s>.<p>idempotency` | one row per idempotency key: fingerprint, the running attempt's owner token or the stored result, expiry |
@@ -22,9 +23,17 @@
 //! `pg_advisory_xact_lock(1684825963, hashtext(<lock name>))` — the two-`int4` form, whose key
 //! space never meets the one-`bigint` form of the transaction-scoped mode or of the
 //! application's own advisory locks — and reads the lock's row `FOR UPDATE`. A fencing token is
-//! drawn (`nextval`) only under that lock, after the previous grant of the key committed, so
+//! drawn (`next_fence`) only under that lock, after the previous grant of the key committed, so
 //! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
-//! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
+//! turns).
+//!
+//! **Fencing across a failover.** A token is the server's WAL timeline × 2^48 plus the
+//! sequence's next value. With asynchronous replication a standby can be promoted without the
+//! latest grants, and its sequence is then behind the old primary's; but promotion starts a new
+//! timeline, so every token the new primary issues is larger than every token of the old one —
+//! also while the old one, not yet fenced off, still takes writes. Where the server hides its
+//! WAL position (`pg_current_wal_lsn` refused, as on Amazon Aurora, whose failovers lose no
+//! committed rows), the DDL makes `timeline()` answer 1. `extend` is a single owner-checked `UPDATE` (the row lock suffices).
 //!
 //! **Semaphores and read-write locks** keep the rule of the
 //! [`backend`](crate::backend#semaphores-and-read-write-locks) module docs in `holders` and
@@ -36,10 +45,12 @@
 //! owner-checked `UPDATE` for a batch, like `extend`.
 //!
 //! **Upgrades.** Version 2 added the last two tables and the `kind_*` functions; the DDL only
-//! creates what is missing, so running it over version 1 upgrades in place.
+//! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
+//! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
+//! version, so a resource keeps accepting them. Its DDL refuses to run over a newer schema.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 2;
+pub(crate) const VERSION: i32 = 3;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -62,8 +73,44 @@ BEGIN;
 SELECT pg_advisory_xact_lock(@k@, 0);
 CREATE SCHEMA IF NOT EXISTS @s@;
 
+-- A client that finds a newer schema never puts older functions over it.
+DO $$
+BEGIN
+  IF to_regprocedure('@s@.@p@schema_version()') IS NOT NULL THEN
+    IF @s@.@p@schema_version() > @v@ THEN
+      RAISE EXCEPTION 'dlock: schema "@s@" (prefix "@p@") is at version %, newer than this client''s @v@',
+        @s@.@p@schema_version();
+    END IF;
+  END IF;
+END $$;
+
 -- Fencing tokens and waiters' places in line: never reused, also across restarts.
 CREATE SEQUENCE IF NOT EXISTS @s@.@p@fence;
+
+-- The server's WAL timeline (version 3): 1 on a new cluster, one more on each promotion of a
+-- standby (and each point-in-time recovery). Where the server does not tell its WAL position
+-- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1.
+DO $$
+BEGIN
+  PERFORM pg_walfile_name(pg_current_wal_lsn());
+  CREATE OR REPLACE FUNCTION @s@.@p@timeline() RETURNS bigint LANGUAGE sql
+    AS $f$SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint$f$;
+EXCEPTION WHEN OTHERS THEN
+  CREATE OR REPLACE FUNCTION @s@.@p@timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
+END $$;
+
+-- A new fencing token: timeline × 2^48 + the sequence's next value. A standby promoted after
+-- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
+-- but on a later timeline, so its tokens are still larger than any the old primary issued.
+CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline();
+BEGIN
+  IF n >= 281474976710656 OR tl >= 32768 THEN
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (timeline %, sequence %)', tl, n;
+  END IF;
+  RETURN tl * 281474976710656 + n;
+END $$;
 
 CREATE TABLE IF NOT EXISTS @s@.@p@locks (
     name       text PRIMARY KEY,
@@ -155,7 +202,7 @@ BEGIN
     RETURN NULL;
   END IF;
   DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = h.token;
-  f := nextval('@s@.@p@fence');
+  f := @s@.@p@next_fence();
   INSERT INTO @s@.@p@locks AS l (name, owner, fence, expires_at, barged)
   VALUES (p_name, h.token, f, clock_timestamp() + h.lease_ms * interval '1 millisecond', p_barged)
   ON CONFLICT (name) DO UPDATE
@@ -220,7 +267,7 @@ BEGIN
       DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
     END IF;
   END IF;
-  f := nextval('@s@.@p@fence');
+  f := @s@.@p@next_fence();
   INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -299,7 +346,7 @@ BEGIN
   END IF;
   SELECT * INTO h FROM @s@.@p@head(p_name);
   IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
-  o_n := nextval('@s@.@p@fence');
+  o_n := @s@.@p@next_fence();
   INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -406,7 +453,7 @@ BEGIN
     RETURN -@s@.@p@ms_until(first_end) - 1;
   END IF;
   DELETE FROM @s@.@p@queue WHERE name = p_name AND token = p_token;
-  f := nextval('@s@.@p@fence');
+  f := @s@.@p@next_fence();
   INSERT INTO @s@.@p@holders AS h (name, owner, exclusive, fence, expires_at)
   VALUES (p_name, p_token, p_excl, f, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
   ON CONFLICT (name, owner) DO UPDATE SET fence = EXCLUDED.fence, expires_at = EXCLUDED.expires_at;
