@@ -547,8 +547,11 @@ async fn after_a_long_outage_locks_come_back_as_soon_as_the_ensemble_serves() {
         "locks back {back:?} after the ensemble served again ({:?} after the kill)",
         killed.elapsed()
     );
+    // Usually tens of milliseconds; at most one command timeout more when a call in flight as
+    // the servers came back waits it out before its stuck session is given up (2.03 s once,
+    // under CI load). The client's own reconnect round came 10.7 s late.
     assert!(
-        back < Duration::from_secs(2),
+        back < COMMAND_TIMEOUT + Duration::from_secs(1),
         "locks came back {back:?} after the ensemble served again ({:?} after the servers \
          were killed)",
         killed.elapsed()
