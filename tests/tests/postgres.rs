@@ -234,9 +234,19 @@ async fn token_of_a_grant(locker: &Locker, key: &'static str) -> u64 {
     token
 }
 
+/// The multi-host URL of a primary and its standby that asks for the primary.
+fn failover_url(primary: u16, standby: u16) -> String {
+    format!(
+        "postgres://postgres@127.0.0.1:{primary},127.0.0.1:{standby}/postgres\
+         ?target_session_attrs=read-write"
+    )
+}
+
 /// Asynchronous replication: a standby promoted without the latest grants has a sequence that
 /// is behind the old primary's, yet every token it issues is larger than every token the old
-/// primary did — promotion starts a new WAL timeline, the token's high part.
+/// primary did — promotion starts a new WAL timeline, the token's high part. A lock granted
+/// after the standby stopped hearing is lost with the failover: its holder, following to the
+/// new primary, is told so by its next renewal, and another owner takes it with a larger token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_promoted_without_the_latest_grants_issues_larger_tokens() {
     const COUNT: u64 = (1 << 48) - 1;
@@ -246,16 +256,24 @@ async fn a_standby_promoted_without_the_latest_grants_issues_larger_tokens() {
     let first = token_of_a_grant(&old, "failover:k").await;
     assert_eq!(first >> 48, 1, "timeline 1 on a new cluster: {first}");
     let p = primary.clone();
-    let mut standby = blocking(move || {
+    let standby = blocking(move || {
         let p = p.lock().unwrap();
-        let standby = p.start_standby();
+        let mut standby = p.start_standby();
         p.until_replayed(&standby);
+        // The standby stops hearing from the primary, which goes on granting.
+        standby.kill();
         standby
     })
     .await;
-    // The standby stops hearing from the primary, which goes on granting.
-    standby.kill();
-    let mut last = first;
+    let both = failover_url(primary.lock().unwrap().port(), standby.port());
+    let (holder, _) = locker_at(&both, Duration::from_millis(500)).await;
+    let held = holder
+        .lock("failover:held")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let mut last = held.fencing_token();
     for _ in 0..100 {
         let token = token_of_a_grant(&old, "failover:k").await;
         assert!(token > last, "{token} after {last}");
@@ -265,6 +283,7 @@ async fn a_standby_promoted_without_the_latest_grants_issues_larger_tokens() {
     let p = primary.clone();
     let standby = blocking(move || {
         p.lock().unwrap().kill();
+        let mut standby = standby;
         standby.restart();
         standby.promote();
         standby
@@ -286,6 +305,28 @@ async fn a_standby_promoted_without_the_latest_grants_issues_larger_tokens() {
         "the promoted standby issued {token}, not above the old primary's {last}"
     );
     assert!(token_of_a_grant(&new, "failover:other").await > token);
+
+    // The holder's pool finds the new primary; its renewal finds the lock gone.
+    let err = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match held.extend(Duration::from_secs(30)).await {
+            Ok(()) => panic!("a lock the standby never received was renewed"),
+            Err(e) if e.is_unavailable() => Err(format!("not back: {e}")),
+            Err(e) => Ok(e),
+        },
+    )
+    .await;
+    assert!(matches!(err, LockError::Lost { .. }), "{err}");
+    assert!(!held.is_held());
+    let taken = new
+        .lock("failover:held")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("the lost lock is free on the new primary");
+    assert!(taken.fencing_token() > held.fencing_token());
+    taken.release().await.unwrap();
 }
 
 /// The sessions of one application name, terminated by the server.
@@ -1062,6 +1103,77 @@ async fn transaction_scoped_lock_works_through_pgbouncer() {
 }
 
 // ---- schema and pools ----------------------------------------------------------------------
+
+/// Failover, with asynchronous replication and a multi-host URL that asks for the primary
+/// (`target_session_attrs=read-write`): the primary dies and its standby is promoted. Meanwhile
+/// every call is a typed 503; then the same lockers serve again, without a restart: a lock
+/// held before (replicated) still excludes others and renews on the new primary, new grants
+/// have larger tokens, and the `LISTEN` session follows, so a waiter is woken by a release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_the_same_lockers_serve_from_the_promoted_standby() {
+    let primary = Arc::new(Mutex::new(blocking(PostgresServer::start).await));
+    let p = primary.clone();
+    let standby = blocking(move || p.lock().unwrap().start_standby()).await;
+    let url = failover_url(primary.lock().unwrap().port(), standby.port());
+    let (a, _) = locker_at(&url, Duration::from_millis(500)).await;
+    let (b, b_backend) = locker_at(&url, Duration::from_millis(500)).await;
+    let held = a
+        .lock("fo:held")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let before = held.fencing_token();
+    let p = primary.clone();
+    let standby = blocking(move || {
+        let mut p = p.lock().unwrap();
+        p.until_replayed(&standby);
+        p.kill();
+        standby
+    })
+    .await;
+    unavailable_within(
+        Duration::from_millis(1500),
+        b.lock("fo:during").try_acquire(),
+    )
+    .await;
+    let standby = blocking(move || {
+        standby.promote();
+        standby
+    })
+    .await;
+
+    let g = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        async || match b.lock("fo:new").try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds fo:new"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("not back: {e}"))
+            }
+        },
+    )
+    .await;
+    assert!(g.fencing_token() > before, "tokens keep increasing");
+    assert_eq!(g.fencing_token() >> 48, 2, "granted on the new timeline");
+    g.release().await.unwrap();
+    assert!(
+        b.lock("fo:held").try_acquire().await.unwrap().is_none(),
+        "the lock held before the failover must still exclude others"
+    );
+    held.extend(Duration::from_secs(30))
+        .await
+        .expect("the holder renews on the new primary");
+    assert!(
+        held.is_held(),
+        "a lock that survived the failover was reported lost"
+    );
+    until_listening(&[&b_backend], Duration::from_secs(10)).await;
+    woken_by_the_release(&b_backend, "fo:held", held).await;
+    drop(standby);
+}
 
 /// A server that does not tell its WAL position (`pg_current_wal_lsn` refused, as Amazon
 /// Aurora does) still grants locks, its tokens counted on timeline 1.
