@@ -204,6 +204,11 @@ impl PostgresServer {
         if tls {
             Self::make_certificates(&dir);
         }
+        Self::spawn_on_a_free_port(dir, die_with_parent, tls)
+    }
+
+    /// Starts the cluster in `dir` on a free port (ten tries: another process may take it).
+    fn spawn_on_a_free_port(dir: PathBuf, die_with_parent: bool, tls: bool) -> Self {
         for _ in 0..10 {
             let mut server = PostgresServer {
                 child: None,
@@ -216,7 +221,10 @@ impl PostgresServer {
                 return server;
             }
         }
-        panic!("could not start postgres on a free port after 10 tries");
+        panic!(
+            "could not start postgres in {} on a free port after 10 tries",
+            dir.display()
+        );
     }
 
     /// A hot standby of this server, replicating asynchronously: a base backup streamed from it
@@ -245,19 +253,7 @@ impl PostgresServer {
             "pg_basebackup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        for _ in 0..10 {
-            let mut standby = PostgresServer {
-                child: None,
-                port: free_port(),
-                dir: dir.clone(),
-                die_with_parent: false,
-                tls: false,
-            };
-            if standby.spawn(Duration::from_secs(30)) {
-                return standby;
-            }
-        }
-        panic!("could not start a standby on a free port after 10 tries");
+        Self::spawn_on_a_free_port(dir, false, false)
     }
 
     /// Waits until `standby` has replayed everything this server had written when called.

@@ -136,6 +136,24 @@ async fn unavailable_within<T: std::fmt::Debug>(
     err
 }
 
+/// Tries `key`, which nobody holds, until the database serves again (15 s at most): meanwhile
+/// every try must fail with `Unavailable`.
+async fn taken_once_back(locker: &Locker, key: &'static str) -> LockGuard {
+    poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        async || match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds {key}"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("not back: {e}"))
+            }
+        },
+    )
+    .await
+}
+
 /// Blocking harness calls (kill, restart) off the runtime's threads.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.expect("harness call")
@@ -174,19 +192,7 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
     let s = server.clone();
     blocking(move || s.lock().unwrap().restart()).await;
     // The same locker recovers on its own: a new lock without restarting anything.
-    let g = poll_until(
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        async || match locker.lock("kill:after").try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => panic!("nobody holds kill:after"),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(format!("no recovery: {e}"))
-            }
-        },
-    )
-    .await;
+    let g = taken_once_back(&locker, "kill:after").await;
     g.release().await.unwrap();
     // The lock table is durable: the long lease survived the crash and is still held by its
     // guard (renewed again), not reported lost.
@@ -1143,19 +1149,7 @@ async fn after_a_failover_the_same_lockers_serve_from_the_promoted_standby() {
     })
     .await;
 
-    let g = poll_until(
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        async || match b.lock("fo:new").try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => panic!("nobody holds fo:new"),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(format!("not back: {e}"))
-            }
-        },
-    )
-    .await;
+    let g = taken_once_back(&b, "fo:new").await;
     assert!(g.fencing_token() > before, "tokens keep increasing");
     assert_eq!(g.fencing_token() >> 48, 2, "granted on the new timeline");
     g.release().await.unwrap();
