@@ -25,7 +25,8 @@ CREATE SEQUENCE IF NOT EXISTS dlock.dlock_fence;
 
 -- The server's WAL timeline (version 3): 1 on a new cluster, one more on each promotion of a
 -- standby (and each point-in-time recovery). Where the server does not tell its WAL position
--- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1.
+-- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1: decided here, with
+-- the privileges of the role that runs this file.
 DO $$
 BEGIN
   PERFORM pg_walfile_name(pg_current_wal_lsn());

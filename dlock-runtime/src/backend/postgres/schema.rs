@@ -25,7 +25,7 @@
 //! application's own advisory locks — and reads the lock's row `FOR UPDATE`. A fencing token is
 //! drawn (`next_fence`) only under that lock, after the previous grant of the key committed, so
 //! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
-//! turns).
+//! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
 //!
 //! **Fencing across a failover.** A token is the server's WAL timeline × 2^48 plus the
 //! sequence's next value. With asynchronous replication a standby can be promoted without the
@@ -33,7 +33,8 @@
 //! timeline, so every token the new primary issues is larger than every token of the old one —
 //! also while the old one, not yet fenced off, still takes writes. Where the server hides its
 //! WAL position (`pg_current_wal_lsn` refused, as on Amazon Aurora, whose failovers lose no
-//! committed rows), the DDL makes `timeline()` answer 1. `extend` is a single owner-checked `UPDATE` (the row lock suffices).
+//! committed rows), the DDL makes `timeline()` answer 1 — decided when the DDL runs, with the
+//! privileges of whoever runs it: apply it as a role that may call `pg_current_wal_lsn`.
 //!
 //! **Semaphores and read-write locks** keep the rule of the
 //! [`backend`](crate::backend#semaphores-and-read-write-locks) module docs in `holders` and
@@ -89,7 +90,8 @@ CREATE SEQUENCE IF NOT EXISTS @s@.@p@fence;
 
 -- The server's WAL timeline (version 3): 1 on a new cluster, one more on each promotion of a
 -- standby (and each point-in-time recovery). Where the server does not tell its WAL position
--- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1.
+-- (Amazon Aurora, whose failovers lose no committed rows), it is taken as 1: decided here, with
+-- the privileges of the role that runs this file.
 DO $$
 BEGIN
   PERFORM pg_walfile_name(pg_current_wal_lsn());
