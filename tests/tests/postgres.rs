@@ -351,6 +351,15 @@ fn terminate(app: &str) -> usize {
 /// release within 2 s: by the notification, not by its fallback timer (10 s backoff steps, a
 /// 60 s waiter TTL).
 async fn woken_by_the_release(backend: &PostgresBackend, key: &'static str, guard: LockGuard) {
+    woken_by(backend, key, async move { guard.release().await.unwrap() }).await;
+}
+
+/// As [`woken_by_the_release`], for any `release` of the holder's lock on `key`.
+async fn woken_by(
+    backend: &PostgresBackend,
+    key: &'static str,
+    release: impl std::future::Future<Output = ()>,
+) {
     let slow = Locker::builder()
         .command_timeout(Duration::from_secs(2))
         .waiter_ttl(Duration::from_secs(60))
@@ -374,7 +383,7 @@ async fn woken_by_the_release(backend: &PostgresBackend, key: &'static str, guar
     })
     .await;
     let released = Instant::now();
-    guard.release().await.unwrap();
+    release.await;
     wait.await.unwrap();
     let took = released.elapsed();
     assert!(
@@ -828,11 +837,10 @@ async fn the_longest_schema_and_prefix_still_notify_a_waiter() {
     // The waiter runs over another backend: only its LISTEN session can tell it.
     let waiter_backend = PostgresBackend::connect(&url, opts).await.expect("connect");
     until_listening(&[&waiter_backend], Duration::from_secs(5)).await;
-    let waiter = Locker::builder()
-        .waiter_ttl(Duration::from_secs(60))
-        .try_build(waiter_backend)
-        .unwrap();
-    let k = waiter.resource(LockKey::new("long:k").unwrap());
+    let k = Locker::builder()
+        .try_build(holder.clone())
+        .unwrap()
+        .resource(LockKey::new("long:k").unwrap());
     let token = OwnerToken::generate();
     let raw = client(&url).await;
     let fence: i64 = raw
@@ -844,35 +852,16 @@ async fn the_longest_schema_and_prefix_still_notify_a_waiter() {
         .unwrap()
         .get(0);
     assert!(fence > 0, "held");
-    // Fallback timers far beyond the test: the notification must wake it.
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false);
-    let w = waiter.clone();
-    let wait = tokio::spawn(async move {
-        let g = w
-            .lock("long:k")
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    });
-    wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (waiter.waiting() > 0).then_some(())
+    woken_by(&waiter_backend, "long:k", async {
+        assert!(
+            holder
+                .release(&k, &token)
+                .await
+                .expect("the release notifies"),
+            "the holder's release"
+        );
     })
     .await;
-    assert!(
-        holder
-            .release(&k, &token)
-            .await
-            .expect("the release notifies"),
-        "the holder's release"
-    );
-    tokio::time::timeout(Duration::from_secs(2), wait)
-        .await
-        .expect("woken by the notification, not the fallback timer")
-        .unwrap();
 }
 
 // ---- URLs ----------------------------------------------------------------------------------
