@@ -1125,25 +1125,29 @@ impl RedisBackend {
         args: AcquireArgs<'_>,
         floor: Floor,
     ) -> Result<(Attempt, Issuer), LockError> {
-        let mode = match args.mode {
-            WaitMode::Try => "0",
-            WaitMode::Queue => "1",
-            WaitMode::Barge => "2",
-        };
         let mut inv = self.inner.acquire.prepare_invoke();
         inv.key(args.resource.as_str());
         self.declare_derived_keys(&mut inv, args.resource);
+        let (Floor::AtLeast(f) | Floor::Exactly(f)) = floor;
         inv.arg(args.token.as_str())
             .arg(scripts::px(args.ttl))
             .arg(self.fence_key(args.resource))
-            .arg(mode)
-            // An entry must not outlive the lock's key (see `scripts::LINGER`).
-            .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
-            .arg(millis(args.ttl));
-        match floor {
-            Floor::AtLeast(f) => inv.arg(f),
-            Floor::Exactly(f) => inv.arg(f).arg("exact"),
-        };
+            .arg(f);
+        // A plain try (the uncontended path) stops here: the script's mode defaults to try.
+        if args.mode != WaitMode::Try || matches!(floor, Floor::Exactly(_)) {
+            let mode = match args.mode {
+                WaitMode::Try => "0",
+                WaitMode::Queue => "1",
+                WaitMode::Barge => "2",
+            };
+            inv.arg(mode)
+                // An entry must not outlive the lock's key (see `scripts::LINGER`).
+                .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
+                .arg(millis(args.ttl));
+            if let Floor::Exactly(_) = floor {
+                inv.arg("exact");
+            }
+        }
         let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
         Ok((Attempt::from_reply(reply), issuer))
     }

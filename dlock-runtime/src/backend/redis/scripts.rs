@@ -230,10 +230,12 @@ pub(super) fn px(lease: Duration) -> u64 {
 /// One acquire attempt. Uncontended: `INCR` of the fencing counter (and about once per
 /// millisecond per client a `SET` raising it to the client's clock) and `SET NX PX`.
 ///
-/// KEYS: 1 lock. ARGV: 1 owner token, 2 [`px`] of the lease, 3 the fencing counter's key, 4 mode
-/// (`0` try, `1` queue, `2` barge), 5 waiter entry ttl ms, 6 lease ms, 7 (optional) the
-/// client's floor for the fencing token: the counter is `INCR`ed and raised to it if below; with
-/// 8 = `exact` (Redlock) the counter takes the floor itself unless already past it.
+/// KEYS: 1 lock. ARGV: 1 owner token, 2 [`px`] of the lease, 3 the fencing counter's key, 4 the
+/// client's floor for the fencing token: the counter is `INCR`ed and raised to it if below; then,
+/// optional together: 5 mode (`0` try — the default, `1` queue, `2` barge), 6 waiter entry ttl
+/// ms, 7 lease ms; with 8 = `exact` (Redlock) the counter takes the floor itself unless already
+/// past it. A plain try sends only the first four: every argument is a Lua string the server
+/// builds for each call.
 /// Returns the fencing token (> 0) when granted — also when the lock is already this token's
 /// (handed over by a release whose notification was lost: a fresh grant, new token, lease
 /// restarted) —, `-(lease left ms) - 1` when someone else holds it, and `-(ms left of its
@@ -246,10 +248,10 @@ pub(super) fn acquire() -> Script {
         "local token, fence_key = ARGV[1], ARGV[3]\n",
         r#"
 local fence
-local fence_floor = tonumber(ARGV[7])
+local fence_floor = tonumber(ARGV[4])
 if ARGV[8] then
   -- Redlock: the counter takes the client's floor (one write), unless it is already past it.
-  local old = tonumber(redis.call('SET', fence_key, ARGV[7], 'GET') or '0')
+  local old = tonumber(redis.call('SET', fence_key, ARGV[4], 'GET') or '0')
   fence = fence_floor
   if old >= fence_floor then
     fence = old + 1
@@ -261,7 +263,7 @@ else
         r#"
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
-local mode, wttl, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local mode, wttl, lease = ARGV[5] or '0', tonumber(ARGV[6]), tonumber(ARGV[7])
 local v = redis.call('GET', KEYS[1])
 "#,
         queue_keys!(),
