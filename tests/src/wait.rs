@@ -161,6 +161,31 @@ pub async fn try_take(
     }
 }
 
+/// Takes `key` (`try_acquire`) once the backend is back after a fault, polling every `every`
+/// for at most `limit`; each failed attempt must be the typed 503 one.
+///
+/// # Panics
+/// When `key` is held (nobody else may hold it), on another error, or when `limit` passes
+/// first.
+pub async fn taken_once_back(
+    locker: &Locker,
+    key: &str,
+    limit: Duration,
+    every: Duration,
+) -> dlock_runtime::LockGuard {
+    poll_until(limit, every, async || {
+        match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds `{key}`, yet it was busy"),
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                Err(format!("`{key}` not back: {e}"))
+            }
+        }
+    })
+    .await
+}
+
 /// How long it took to take and release `key` with `.replicas(1)` (polled every 20 ms, 10 s at
 /// most), where each failed attempt must be the typed 503 one: a replica that does not
 /// acknowledge in time, or a connection not back yet.
@@ -186,4 +211,16 @@ pub async fn acknowledged_acquire(locker: &Locker, key: &str, label: &str) -> Du
     .await
     .unwrap();
     started.elapsed()
+}
+
+/// `rounds` more [`acknowledged_acquire`]s of `key`, each within `bound`: after a fault, every
+/// connection for `WAIT` has been replaced, not only the first one used.
+///
+/// # Panics
+/// As [`acknowledged_acquire`], and when a round takes `bound` or longer.
+pub async fn acknowledged_again(locker: &Locker, key: &str, rounds: usize, bound: Duration) {
+    for round in 0..rounds {
+        let took = acknowledged_acquire(locker, key, "after, again").await;
+        assert!(took < bound, "acknowledged acquire {round} took {took:?}");
+    }
 }

@@ -21,7 +21,7 @@ use dlock_runtime::{LockError, LockGuard, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::postgres_server::{shared, shared_bouncer};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::free_port;
-use dlock_tests::wait::{poll_until, wait_for};
+use dlock_tests::wait::{poll_until, taken_once_back, wait_for};
 use dlock_tests::PostgresServer;
 
 /// The shared server's port.
@@ -136,23 +136,10 @@ async fn unavailable_within<T: std::fmt::Debug>(
     err
 }
 
-/// Tries `key`, which nobody holds, until the database serves again (15 s at most): meanwhile
-/// every try must fail with `Unavailable`.
-async fn taken_once_back(locker: &Locker, key: &'static str) -> LockGuard {
-    poll_until(
-        Duration::from_secs(15),
-        Duration::from_millis(50),
-        async || match locker.lock(key).try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => panic!("nobody holds {key}"),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(format!("not back: {e}"))
-            }
-        },
-    )
-    .await
-}
+/// How long a restarted or promoted server has to serve again ([`taken_once_back`]), and how
+/// often to try meanwhile.
+const BACK_WITHIN: Duration = Duration::from_secs(15);
+const BACK_EVERY: Duration = Duration::from_millis(50);
 
 /// Blocking harness calls (kill, restart) off the runtime's threads.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -192,7 +179,7 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
     let s = server.clone();
     blocking(move || s.lock().unwrap().restart()).await;
     // The same locker recovers on its own: a new lock without restarting anything.
-    let g = taken_once_back(&locker, "kill:after").await;
+    let g = taken_once_back(&locker, "kill:after", BACK_WITHIN, BACK_EVERY).await;
     g.release().await.unwrap();
     // The lock table is durable: the long lease survived the crash and is still held by its
     // guard (renewed again), not reported lost.
@@ -1138,7 +1125,7 @@ async fn after_a_failover_the_same_lockers_serve_from_the_promoted_standby() {
     })
     .await;
 
-    let g = taken_once_back(&b, "fo:new").await;
+    let g = taken_once_back(&b, "fo:new", BACK_WITHIN, BACK_EVERY).await;
     assert!(g.fencing_token() > before, "tokens keep increasing");
     assert_eq!(g.fencing_token() >> 48, 2, "granted on the new timeline");
     g.release().await.unwrap();

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use dlock_runtime::backend::RedisBackend;
 use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_server::free_port;
-use dlock_tests::wait::{poll_until, wait_until_free, Deadline};
+use dlock_tests::wait::{
+    acknowledged_again, poll_until, taken_once_back, wait_until_free, Deadline,
+};
 use dlock_tests::RedisServer;
 use redis::AsyncCommands;
 
@@ -69,17 +71,11 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
 
     server.restart();
     // The connection comes back on its own; the key was lost with the server's memory.
-    let g = poll_until(
+    let g = taken_once_back(
+        &locker,
+        "fault:restart",
         Duration::from_secs(10),
         Duration::from_millis(50),
-        async || match locker.lock("fault:restart").try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => panic!("the restarted server has no lock to hold"),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(format!("no reconnect: {e}"))
-            }
-        },
     )
     .await;
     g.release().await.unwrap();
@@ -1132,13 +1128,7 @@ async fn connections_for_wait_gone_silent_are_replaced() {
     )
     .await;
     acked("after").await;
-    for round in 0..8 {
-        let took = acked("after, again").await;
-        assert!(
-            took < Duration::from_secs(3),
-            "acknowledged acquire {round} took {took:?}"
-        );
-    }
+    acknowledged_again(&locker, "silent:acked", 8, Duration::from_secs(3)).await;
 }
 
 /// A reconnect that redis-rs's connection manager began on a runtime that then shut down holds

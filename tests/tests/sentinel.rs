@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::conformance::Store;
 use dlock_runtime::Locker;
 use dlock_tests::redis_sentinel::{self, RedisSentinel};
-use dlock_tests::wait::{poll_until, Deadline};
+use dlock_tests::wait::{acknowledged_again, poll_until, taken_once_back, Deadline};
 
 /// A connection of its own to the data node on `port`.
 async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
@@ -660,17 +660,11 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
         .expect_err("a command on a silent connection succeeded");
     assert!(err.is_unavailable(), "{err}");
     let lifted = Instant::now();
-    let g = poll_until(
+    let g = taken_once_back(
+        &locker,
+        "silent:other",
         Duration::from_secs(10),
         Duration::from_millis(20),
-        async || match locker.lock("silent:other").try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => panic!("nobody holds the other lock"),
-            Err(e) => {
-                assert!(e.is_unavailable(), "{e}");
-                Err(format!("still on the silent connection: {e}"))
-            }
-        },
     )
     .await;
     let took = lifted.elapsed();
@@ -681,13 +675,7 @@ async fn connections_to_the_master_gone_silent_are_replaced() {
 
     // Each connection for `WAIT` is replaced once a renewal timed out on it: a few attempts.
     acked("after").await;
-    for round in 0..8 {
-        let took = acked("after, again").await;
-        assert!(
-            took < Duration::from_secs(3),
-            "acknowledged acquire {round} took {took:?}"
-        );
-    }
+    acknowledged_again(&locker, "silent:acked", 8, Duration::from_secs(3)).await;
 
     // The waiter hears the release through the new connection.
     let released = Instant::now();
