@@ -202,7 +202,15 @@ impl MemoryBackend {
     fn attempt(&self, args: &AcquireArgs<'_>) -> Attempt {
         self.with_entry(args.resource.as_str(), |e, now| {
             e.prune_queue(now);
-            if let Some((_, exp)) = e.live_holder(now) {
+            if let Some((holder, exp)) = e.live_holder(now) {
+                if holder == args.token {
+                    // Already ours (an earlier attempt's reply was lost): a fresh grant.
+                    e.holder = Some((args.token.clone(), now + args.ttl));
+                    e.fence = self.next_fence();
+                    return Attempt::Acquired {
+                        fencing_token: e.fence,
+                    };
+                }
                 let remaining = *exp - now;
                 if args.mode == WaitMode::Queue {
                     enqueue(e, args.token, now + args.waiter_ttl);

@@ -7,7 +7,11 @@
 //! * [`acquire`](Backend::acquire): one atomic attempt that either grants the lock with a new
 //!   fencing token or reports the holder's remaining lease. In [`WaitMode::Queue`] a failed
 //!   attempt also puts (or keeps) the caller in the key's FIFO waiter queue, with an entry that
-//!   expires after the waiter TTL unless refreshed by the next attempt.
+//!   expires after the waiter TTL unless refreshed by the next attempt. An attempt by the token
+//!   that already holds the lock, in any mode, is granted again — `Acquired`, a fencing token
+//!   not below the one before, the lease restarted with the new TTL, still one holder: the
+//!   reply to the earlier attempt may have been lost (a timeout, a failover, a lost handoff
+//!   notification), and the locker asks again with the same token.
 //! * [`release`](Backend::release), [`extend`](Backend::extend): compare the owner token and act,
 //!   atomically, server side.
 //! * [`abandon`](Backend::abandon): for a cancelled or abandoned acquire — release if the token
@@ -18,10 +22,9 @@
 //!   asking again. The default never fires ([`Watch::never`]); waiters then re-check on their
 //!   fallback timer. A backend that hands over grants a lease of
 //!   `min(ttl, waiter_ttl)` ([`AcquireArgs`]; the waiter renews it to `ttl`), so that a waiter
-//!   that died holds the lock no longer than its queue entry would have held up the queue; and
-//!   it grants the lock to its owner when the waiter asks again (its notification may be lost):
-//!   [`acquire`](Backend::acquire) by the token that holds the lock answers `Acquired` with the
-//!   same fencing token and restarts the lease.
+//!   that died holds the lock no longer than its queue entry would have held up the queue; a
+//!   waiter whose notification was lost asks again and is granted the lock it already holds
+//!   (above).
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
 //! * [`acquire_kind`](Backend::acquire_kind) (optional): semaphores and read-write locks
@@ -242,7 +245,8 @@ pub trait Backend: Send + Sync + 'static {
         Duration::ZERO
     }
 
-    /// One acquire attempt.
+    /// One acquire attempt. An attempt by the token that already holds the lock is granted
+    /// again, with the lease restarted (see the [module docs](self)).
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>>;
 
     /// Releases the lock if `token` owns it and notifies the next waiter. `Ok(false)` when the

@@ -550,3 +550,51 @@ pub async fn kinds_cancelled_acquires_leave_nothing(store: &Store) {
         store.name
     );
 }
+
+/// [`an_attempt_by_the_holder_is_granted_again`](super::an_attempt_by_the_holder_is_granted_again)
+/// for a permit and for read and write holds: the holder asking again keeps exactly one hold
+/// (a semaphore of 2 still has one permit for another owner, and only one), with its lease
+/// restarted; one release gives it back.
+pub async fn kinds_an_attempt_by_the_holder_is_granted_again(store: &Store) {
+    if !offered(store).await {
+        return;
+    }
+    let (a, b) = store.pair().await;
+    let sem2 = LockKind::Semaphore { permits: 2 };
+    // What another owner can take beside the hold, and what it cannot.
+    for (kind, beside, not_beside) in [
+        (sem2, Some(sem2), sem2),
+        (LockKind::Read, Some(LockKind::Read), LockKind::Write),
+        (LockKind::Write, None, LockKind::Read),
+    ] {
+        let key = unique_key("kind-again");
+        let (resource, token) = super::granted_again(store, &a, &key, kind).await;
+        let other = match beside {
+            Some(beside) => {
+                let g = b.request(&key, beside).try_acquire().await.unwrap();
+                assert!(
+                    g.is_some(),
+                    "{}: {kind:?}: no room beside the holder",
+                    store.name
+                );
+                g
+            }
+            None => None,
+        };
+        assert!(
+            b.request(&key, not_beside)
+                .try_acquire()
+                .await
+                .unwrap()
+                .is_none(),
+            "{}: {kind:?}: {not_beside:?} got in beside the holder: its lease was not \
+             restarted, or it lost its hold",
+            store.name
+        );
+        super::release_as(store, &a, &resource, &token).await;
+        if let Some(g) = other {
+            g.release().await.unwrap();
+        }
+        kind_free_within(&b, &key, not_beside, Duration::from_secs(2)).await;
+    }
+}

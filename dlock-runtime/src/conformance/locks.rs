@@ -650,3 +650,27 @@ pub async fn release_after_the_lease_ran_out_is_lost(store: &Store) {
     );
     free_within(&b, &key, Duration::from_secs(5)).await;
 }
+
+/// An attempt by the token that already holds the lock is granted it again, in every wait
+/// mode: its earlier attempt's reply may have been lost (a timeout, a failover) or a release's
+/// handoff notification may have been. The grant restarts the lease (it outlives the first,
+/// short one), its fencing token is not below the first, and there is still one holder:
+/// another owner is refused, and one release frees the lock. `RetryPolicy::through_outages`
+/// and lost handoffs rely on it.
+pub async fn an_attempt_by_the_holder_is_granted_again(store: &Store) {
+    let (a, b) = store.pair().await;
+    let key = unique_key("again");
+    let (resource, token) = super::granted_again(store, &a, &key, crate::LockKind::Exclusive).await;
+    assert!(
+        b.lock(&key).try_acquire().await.unwrap().is_none(),
+        "{}: the lease was not restarted by the holder's second grant, or another owner got in",
+        store.name
+    );
+    super::release_as(store, &a, &resource, &token).await;
+    let g = b.lock(&key).try_acquire().await.unwrap();
+    assert!(
+        g.is_some(),
+        "{}: one release did not free the lock",
+        store.name
+    );
+}

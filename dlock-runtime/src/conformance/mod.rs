@@ -140,6 +140,80 @@ impl Store {
     }
 }
 
+/// Takes `key` (as `kind`) for a fresh owner token straight through `locker`'s backend, then
+/// asks again with the same token in every wait mode, as a retry after a lost reply or a lost
+/// handoff notification does: every attempt must be granted, with a fencing token not below
+/// the one before. The first grant's lease is 300 ms, the later ones' 30 s; this returns once
+/// the first would have run out (so the caller can check the lease was restarted), with the
+/// resource and the token, which holds it without renewal.
+pub(crate) async fn granted_again(
+    store: &Store,
+    locker: &Locker,
+    key: &str,
+    kind: crate::LockKind,
+) -> (crate::key::ResourceName, crate::backend::OwnerToken) {
+    use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
+    let resource = locker
+        .resource(crate::LockKey::new(key).expect("key"))
+        .with_kind(kind);
+    let token = OwnerToken::generate();
+    let mut last = 0;
+    let short = Duration::from_millis(300);
+    for (mode, ttl) in [
+        (WaitMode::Try, short),
+        (WaitMode::Queue, Duration::from_secs(30)),
+        (WaitMode::Barge, Duration::from_secs(30)),
+        (WaitMode::Try, Duration::from_secs(30)),
+    ] {
+        let args = AcquireArgs {
+            resource: &resource,
+            token: &token,
+            ttl,
+            mode,
+            waiter_ttl: locker.waiter_ttl_for(ttl),
+            renew: false,
+        };
+        let backend = locker.backend();
+        let asked = match kind {
+            crate::LockKind::Exclusive => backend.acquire(args),
+            _ => backend.acquire_kind(args),
+        };
+        match asked.await {
+            Ok(Attempt::Acquired { fencing_token }) => {
+                assert!(
+                    fencing_token >= last,
+                    "{}: {kind:?}: asked again ({mode:?}), the fencing token went back from \
+                     {last} to {fencing_token}",
+                    store.name
+                );
+                last = fencing_token;
+            }
+            other => panic!(
+                "{}: {kind:?}: the holder asked again ({mode:?}) and got {other:?}",
+                store.name
+            ),
+        }
+    }
+    tokio::time::sleep(short * 3).await;
+    (resource, token)
+}
+
+/// Owner-checked release of what [`granted_again`] took.
+pub(crate) async fn release_as(
+    store: &Store,
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+) {
+    let released = locker.backend().release(resource, token).await;
+    assert!(
+        matches!(released, Ok(true)),
+        "{}: {:?}: the holder's release answered {released:?}",
+        store.name,
+        resource.kind()
+    );
+}
+
 pub(crate) async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {
@@ -219,6 +293,7 @@ pub async fn run_all(store: &Store) {
     extend_can_shorten_the_lease(store).await;
     extend_reschedules_the_watchdog(store).await;
     release_after_the_lease_ran_out_is_lost(store).await;
+    an_attempt_by_the_holder_is_granted_again(store).await;
     multi_key_opposite_orders(store).await;
     multi_key_all_or_nothing(store).await;
     multi_key_cancel_safety(store).await;
@@ -232,6 +307,7 @@ pub async fn run_all(store: &Store) {
     kinds_fencing_tokens_increase(store).await;
     kinds_watchdog_loss_and_owner_checks(store).await;
     kinds_cancelled_acquires_leave_nothing(store).await;
+    kinds_an_attempt_by_the_holder_is_granted_again(store).await;
     admin_inspect_list_force_release(store).await;
     election_leadership_moves_on_resign_and_drop(store).await;
     election_recampaigns_after_loss(store).await;
@@ -279,6 +355,7 @@ macro_rules! conformance_tests {
             extend_can_shorten_the_lease,
             extend_reschedules_the_watchdog,
             release_after_the_lease_ran_out_is_lost,
+            an_attempt_by_the_holder_is_granted_again,
             multi_key_opposite_orders,
             multi_key_all_or_nothing,
             multi_key_cancel_safety,
@@ -297,6 +374,7 @@ macro_rules! conformance_tests {
             kinds_fencing_tokens_increase,
             kinds_watchdog_loss_and_owner_checks,
             kinds_cancelled_acquires_leave_nothing,
+            kinds_an_attempt_by_the_holder_is_granted_again,
             admin_inspect_list_force_release,
         );
     };

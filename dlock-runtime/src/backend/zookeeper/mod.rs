@@ -14,8 +14,10 @@
 //! FIFO, [`Backend::fifo`] is `true`), and each waiter watches only its predecessor (no herd,
 //! no polling).
 //!
-//! * [`WaitMode::Try`] / [`WaitMode::Barge`]: create the own child, list the directory; the
-//!   lowest → `Acquired`; otherwise the own child is deleted again (a try leaves nothing).
+//! * [`WaitMode::Try`] / [`WaitMode::Barge`]: create the own child (or find the one an earlier
+//!   attempt by the same token made: a holder asking again is granted again, its lease
+//!   restarted), list the directory; the lowest → `Acquired`; otherwise the own child is
+//!   deleted again (a try leaves nothing).
 //!   With this recipe there is no "free but queued" state to barge past — the lowest child *is*
 //!   the holder — so barging is a try.
 //! * [`WaitMode::Queue`]: create the own child once (later attempts find it), list; the
@@ -1374,15 +1376,16 @@ impl ZkBackend {
         let mine = (args.resource, args.token);
         // The own node; the stat of this attempt's last write to it (its mtime is the
         // ensemble's "now" for expiry checks); whether its lease is the lock's TTL.
-        let (own, mut stat, mut has_ttl) =
-            match self.known(&c, args.resource, args.token).filter(|_| queue) {
-                Some(name) => (name, None, false),
-                None => {
-                    let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
-                    self.note(&c, mine, &name, args.ttl, &stat);
-                    (name, Some(stat), true)
-                }
-            };
+        // A node this token already has, in any mode: a holder asking again (the answer to
+        // its attempt was lost) keeps its node and gets its lease restarted, below.
+        let (own, mut stat, mut has_ttl) = match self.known(&c, args.resource, args.token) {
+            Some(name) => (name, None, false),
+            None => {
+                let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
+                self.note(&c, mine, &name, args.ttl, &stat);
+                (name, Some(stat), true)
+            }
+        };
         let own_path = format!("{dir}/{own}");
         // Expired nodes ahead are deleted and the directory listed again; each round removes
         // at least one node, so a few rounds suffice in practice.
