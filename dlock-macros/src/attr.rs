@@ -26,6 +26,7 @@ mod kw {
     syn::custom_keyword!(ttl);
     syn::custom_keyword!(on_fail);
     syn::custom_keyword!(wait);
+    syn::custom_keyword!(through_outages);
     syn::custom_keyword!(delay);
     syn::custom_keyword!(max_attempts);
     syn::custom_keyword!(on_lost);
@@ -80,8 +81,11 @@ pub(crate) struct Key {
 pub(crate) enum OnFail {
     /// One attempt; the call fails at once when the lock is held.
     Reject,
-    /// Wait for the lock up to `wait`.
-    Retry { wait: Duration },
+    /// Wait for the lock up to `wait`; with `through_outages`, also while the backend is down.
+    Retry {
+        wait: Duration,
+        through_outages: bool,
+    },
     /// Hand the call to the runtime's in-process delay queue (see `expand::defer`).
     Defer(Defer),
     /// One attempt; when the lock is held, return at once with the return type's "nothing
@@ -110,8 +114,9 @@ pub(crate) enum OnLost {
 }
 
 /// The argument names, in the order the error for an unknown one lists them.
-const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `delay`, `max_attempts`, `on_lost`, \
-                     `locker`, `message`, `crate`, `hold_at_least`, `fallback`, `permits`, `mode`";
+const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `through_outages`, `delay`, \
+                     `max_attempts`, `on_lost`, `locker`, `message`, `crate`, `hold_at_least`, \
+                     `fallback`, `permits`, `mode`";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Name {
@@ -119,6 +124,7 @@ enum Name {
     Ttl,
     OnFail,
     Wait,
+    ThroughOutages,
     Delay,
     MaxAttempts,
     OnLost,
@@ -138,6 +144,7 @@ impl Name {
             Name::Ttl => "ttl",
             Name::OnFail => "on_fail",
             Name::Wait => "wait",
+            Name::ThroughOutages => "through_outages",
             Name::Delay => "delay",
             Name::MaxAttempts => "max_attempts",
             Name::OnLost => "on_lost",
@@ -158,6 +165,7 @@ impl Name {
             Name::Ttl => "ttl = \"30s\"",
             Name::OnFail => "on_fail = \"retry\"",
             Name::Wait => "wait = \"5s\"",
+            Name::ThroughOutages => "through_outages = true",
             Name::Delay => "delay = \"2s\"",
             Name::MaxAttempts => "max_attempts = 5",
             Name::OnLost => "on_lost = \"cancel\"",
@@ -196,6 +204,10 @@ impl Parse for RawArgs {
                 input.parse::<kw::on_fail>().map(|_| Ok(Name::OnFail))
             } else if lookahead.peek(kw::wait) {
                 input.parse::<kw::wait>().map(|_| Ok(Name::Wait))
+            } else if lookahead.peek(kw::through_outages) {
+                input
+                    .parse::<kw::through_outages>()
+                    .map(|_| Ok(Name::ThroughOutages))
             } else if lookahead.peek(kw::delay) {
                 input.parse::<kw::delay>().map(|_| Ok(Name::Delay))
             } else if lookahead.peek(kw::max_attempts) {
@@ -307,6 +319,7 @@ impl Args {
         let mut ttl = Slot::new(Name::Ttl);
         let mut on_fail = Slot::new(Name::OnFail);
         let mut wait = Slot::new(Name::Wait);
+        let mut through_outages = Slot::new(Name::ThroughOutages);
         let mut delay = Slot::new(Name::Delay);
         let mut max_attempts = Slot::new(Name::MaxAttempts);
         let mut on_lost = Slot::new(Name::OnLost);
@@ -339,6 +352,9 @@ impl Args {
                 Name::Ttl => ttl.set(errors, name_span, parse_ttl(&value)),
                 Name::OnFail => on_fail.set(errors, name_span, parse_on_fail(&value)),
                 Name::Wait => wait.set(errors, name_span, parse_wait(name, &value)),
+                Name::ThroughOutages => {
+                    through_outages.set(errors, name_span, parse_bool(name, &value));
+                }
                 Name::Delay => delay.set(errors, name_span, parse_wait(name, &value)),
                 Name::MaxAttempts => {
                     max_attempts.set(errors, name_span, parse_max_attempts(&value));
@@ -375,6 +391,7 @@ impl Args {
         };
         for (span, name, belongs_to) in [
             (wait.span(), Name::Wait, "retry"),
+            (through_outages.span(), Name::ThroughOutages, "retry"),
             (delay.span(), Name::Delay, "defer"),
             (max_attempts.span(), Name::MaxAttempts, "defer"),
         ] {
@@ -401,6 +418,7 @@ impl Args {
             None | Some(Strategy::Reject) => OnFail::Reject,
             Some(Strategy::Retry) => OnFail::Retry {
                 wait: wait.value().unwrap_or(DEFAULT_WAIT),
+                through_outages: through_outages.value().unwrap_or(false),
             },
             Some(Strategy::Defer(lit)) => OnFail::Defer(Defer {
                 lit,
@@ -656,6 +674,28 @@ fn parse_max_attempts(value: &Expr) -> syn::Result<u32> {
     }
 }
 
+/// `true` or `false`.
+fn parse_bool(name: Name, value: &Expr) -> syn::Result<bool> {
+    let mut value = value;
+    while let Expr::Group(group) = value {
+        value = &group.expr;
+    }
+    match value {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Bool(lit),
+            ..
+        }) => Ok(lit.value),
+        other => Err(syn::Error::new(
+            other.span(),
+            format_args!(
+                "`{}` expects `true` or `false`, as in `{}`",
+                name.as_str(),
+                name.example()
+            ),
+        )),
+    }
+}
+
 fn parse_message(value: &Expr) -> syn::Result<LitStr> {
     let lit = string_literal(Name::Message, value)?;
     if lit.value().trim().is_empty() {
@@ -731,7 +771,7 @@ mod tests {
         .expect("valid");
         assert_eq!(args.ttl, Duration::from_secs(90));
         assert!(
-            matches!(args.on_fail, OnFail::Retry { wait } if wait == Duration::from_millis(500))
+            matches!(args.on_fail, OnFail::Retry { wait, .. } if wait == Duration::from_millis(500))
         );
         assert_eq!(args.on_lost, OnLost::Cancel);
         let locker = args.locker.expect("locker");
@@ -744,7 +784,53 @@ mod tests {
     #[test]
     fn retry_default_wait() {
         let args = parse(quote::quote!(key = "a", on_fail = "retry")).expect("valid");
-        assert!(matches!(args.on_fail, OnFail::Retry { wait } if wait == DEFAULT_WAIT));
+        assert!(matches!(
+            args.on_fail,
+            OnFail::Retry { wait, through_outages: false } if wait == DEFAULT_WAIT
+        ));
+    }
+
+    #[test]
+    fn retry_through_outages() {
+        let args = parse(quote::quote!(
+            key = "a",
+            on_fail = "retry",
+            through_outages = true
+        ))
+        .expect("valid");
+        assert!(matches!(
+            args.on_fail,
+            OnFail::Retry {
+                through_outages: true,
+                ..
+            }
+        ));
+        let args = parse(quote::quote!(
+            key = "a",
+            on_fail = "retry",
+            through_outages = false
+        ))
+        .expect("valid");
+        assert!(matches!(
+            args.on_fail,
+            OnFail::Retry {
+                through_outages: false,
+                ..
+            }
+        ));
+        assert_eq!(
+            one_error(quote::quote!(
+                key = "a",
+                on_fail = "retry",
+                through_outages = "yes"
+            )),
+            "`through_outages` expects `true` or `false`, as in `through_outages = true`"
+        );
+        assert_eq!(
+            one_error(quote::quote!(key = "a", through_outages = true)),
+            "`through_outages` only applies to `on_fail = \"retry\"`, but this lock uses \
+             `on_fail = \"reject\"` (the default)"
+        );
     }
 
     #[test]
@@ -773,7 +859,7 @@ mod tests {
         assert_eq!(args.ttl, locker.default_ttl());
         let args = parse(quote::quote!(key = "a", on_fail = "retry")).expect("valid");
         let default_wait = dlock_runtime::RetryPolicy::default().wait;
-        assert!(matches!(args.on_fail, OnFail::Retry { wait } if wait == default_wait));
+        assert!(matches!(args.on_fail, OnFail::Retry { wait, .. } if wait == default_wait));
 
         let ms = Duration::from_millis(1);
         let (min, max) = (dlock_runtime::MIN_TTL, dlock_runtime::MAX_TTL);

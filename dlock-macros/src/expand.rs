@@ -290,9 +290,16 @@ fn expand_locked(
         ),
     };
     spec.extend(quote!((#ttl).name(#name)));
-    if let OnFail::Retry { wait } = args.on_fail {
+    if let OnFail::Retry {
+        wait,
+        through_outages,
+    } = args.on_fail
+    {
         let wait = duration(&private, wait);
         spec.extend(quote!(.retry(#wait)));
+        if through_outages {
+            spec.extend(quote!(.through_outages()));
+        }
     }
     let (run_fn, defer_checks) = match &args.on_fail {
         OnFail::Defer(defer) => {
@@ -541,6 +548,20 @@ mod tests {
         ] {
             assert!(out.contains(expected), "missing `{expected}` in\n{out}");
         }
+        assert!(!out.contains("through_outages"), "{out}");
+    }
+
+    #[test]
+    fn expands_through_outages_after_the_retry() {
+        let out = expand_str(
+            quote!(key = "a", on_fail = "retry", through_outages = true),
+            quote!(
+                async fn f() {}
+            ),
+        );
+        let expected = ". retry (:: dlock_runtime :: __private :: Duration :: new (10u64 , 0u32)) \
+                        . through_outages ()";
+        assert!(out.contains(expected), "missing `{expected}` in\n{out}");
     }
 
     #[test]

@@ -48,6 +48,7 @@ use proc_macro::TokenStream;
 /// | `ttl` | how long the lock lives if its holder stops renewing it; a duration such as `"30s"`, `"500ms"`, `"1m 30s"`, from 10ms to 24h | `"30s"` |
 /// | `on_fail` | what to do when another call holds the lock: `"reject"` (fail at once), `"retry"` (wait up to `wait`), `"defer"` (return `LockError::Deferred` — HTTP 202 — at once and run the body later from the locker's in-process delay queue; every argument must be `Send + 'static`) | `"reject"` |
 /// | `wait` | with `on_fail = "retry"`: how long to wait for the lock before giving up | `"10s"` |
+/// | `through_outages` | with `on_fail = "retry"`: `true` keeps waiting, up to `wait`, while the backend is down (a failover, a restarted server) instead of failing with `LockError::Unavailable` — HTTP 503 — at the first outage answer (`RetryPolicy::through_outages`) | `false` |
 /// | `delay`, `max_attempts` | with `on_fail = "defer"`: the delay before the first deferred attempt (doubling, with jitter, after each busy attempt), and how many attempts before the job is dead-lettered | `"1s"`, `5` |
 /// | `on_lost` | what to do if the lock is lost while the body runs (renewal failed, lease ran out): `"ignore"` keeps running, `"cancel"` stops the body and returns a lock-lost error | `"ignore"` |
 /// | `locker` | any expression giving a `Locker` or `&Locker`, such as `state.locker`; it may use the arguments | the global default locker (`dlock_runtime::set_default_locker`) |
@@ -63,8 +64,8 @@ use proc_macro::TokenStream;
 /// the attribute and the runtime read them from one crate, `dlock-limits`.
 ///
 /// Every misuse is a compile error pointing at the offending token: unknown or duplicate
-/// arguments, a bad duration or strategy, `wait` without `on_fail = "retry"`, a bad key template,
-/// a function that is not `async`.
+/// arguments, a bad duration or strategy, `wait` or `through_outages` without
+/// `on_fail = "retry"`, a bad key template, a function that is not `async`.
 ///
 /// # Key templates
 ///

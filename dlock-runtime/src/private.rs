@@ -85,6 +85,15 @@ impl Spec {
         self
     }
 
+    /// `through_outages = true`, after [`retry`](Self::retry): the wait goes on while the
+    /// backend is down ([`RetryPolicy::through_outages`]).
+    pub fn through_outages(mut self) -> Self {
+        if let OnFail::Retry(policy) = &mut self.on_fail {
+            policy.through_outages = true;
+        }
+        self
+    }
+
     /// `on_fail = "defer"` with `delay` and `max_attempts`.
     pub fn defer(mut self, delay: Duration, max_attempts: u32) -> Self {
         self.on_fail = OnFail::defer(delay, max_attempts);

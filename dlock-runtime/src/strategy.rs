@@ -22,7 +22,9 @@ pub enum OnFail {
     Reject,
     /// Wait for the lock until the policy's deadline, then fail with
     /// [`LockError::Timeout`](crate::LockError::Timeout). Waiters are served in arrival order
-    /// and woken by the release itself; see [`RetryPolicy`].
+    /// and woken by the release itself; see [`RetryPolicy`]. A backend that is down ends the
+    /// wait with [`LockError::Unavailable`](crate::LockError::Unavailable), unless the policy
+    /// waits [through outages](RetryPolicy::through_outages).
     Retry(RetryPolicy),
     /// Hand the work to the locker's in-process delay queue and return
     /// [`LockError::Deferred`](crate::LockError::Deferred) (HTTP 202) at once; the queue runs it
@@ -59,9 +61,15 @@ impl OnFail {
 /// base · 2ⁿ))`), never later than the holder's remaining lease or the waiter queue's refresh
 /// interval, and never after the deadline.
 ///
-/// Defaults: `wait` 10 s, `base` 100 ms, `max_backoff` 1 s, full jitter on, fair on. The base is
-/// high on purpose: the release notification is what wakes a waiter; the timer is only the
-/// safety net, and a short one makes every queued waiter poll the backend.
+/// Defaults: `wait` 10 s, `base` 100 ms, `max_backoff` 1 s, full jitter on, fair on, outages
+/// end the wait. The base is high on purpose: the release notification is what wakes a waiter;
+/// the timer is only the safety net, and a short one makes every queued waiter poll the backend.
+///
+/// **Outages.** By default a wait ends at the first answer that the backend is down
+/// ([`LockError::Unavailable`](crate::LockError::Unavailable), a 503): a service fails fast and
+/// its callers retry. [`through_outages`](RetryPolicy::through_outages) makes the wait ride
+/// them out instead — a Sentinel failover, a restarted server, a Postgres switchover — up to
+/// the same deadline.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
@@ -76,6 +84,9 @@ pub struct RetryPolicy {
     /// Serve waiters in arrival order (default). `false` lets any waiter take a free lock
     /// ("barging"): lower latency for the releaser's own next request, no fairness.
     pub fair: bool,
+    /// Keep waiting while the backend is down, until the deadline
+    /// ([`through_outages`](RetryPolicy::through_outages); off by default).
+    pub through_outages: bool,
 }
 
 impl Default for RetryPolicy {
@@ -93,6 +104,7 @@ impl RetryPolicy {
             max_backoff: Duration::from_secs(1),
             jitter: true,
             fair: true,
+            through_outages: false,
         }
     }
 
@@ -112,6 +124,29 @@ impl RetryPolicy {
     /// Fair (FIFO, the default) or barging waiting.
     pub fn fair(mut self, on: bool) -> Self {
         self.fair = on;
+        self
+    }
+
+    /// Keep waiting through outages (`true`), or end the wait at the first
+    /// [`LockError::Unavailable`](crate::LockError::Unavailable) (`false`, the default).
+    ///
+    /// With it on, an attempt the backend did not answer — refused, timed out, failed over —
+    /// is made again after the fallback backoff, by the same owner token, until the deadline.
+    /// Such an attempt may still have taken the lock; the next one by the same token is
+    /// granted it (every backend answers an attempt by the lock's own holder with a fresh
+    /// grant), so nothing is held twice and nothing is left behind. A deadline that passes
+    /// during the outage ends the wait with the last `Unavailable` error (503): whether the lock
+    /// was free is not known. A deadline of `Duration::MAX` then waits for the backend as long as
+    /// it takes.
+    ///
+    /// ```
+    /// # use dlock_runtime::{OnFail, RetryPolicy};
+    /// # use std::time::Duration;
+    /// // Wait up to 30 s for the lock, through a failover if one comes.
+    /// let on_fail = OnFail::Retry(RetryPolicy::new(Duration::from_secs(30)).through_outages(true));
+    /// ```
+    pub fn through_outages(mut self, on: bool) -> Self {
+        self.through_outages = on;
         self
     }
 

@@ -1,6 +1,6 @@
 //! `#[distributed_lock]` end to end: axum and actix-web handlers over real HTTP servers
 //! against a real Redis (and the two axum scenarios on a real PostgreSQL), and plain async fns
-//! (re-entrancy, default locker, panics, `?`).
+//! (re-entrancy, default locker, panics, `?`, waiting through an outage).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -693,4 +693,45 @@ async fn readers_share_and_the_writer_after_them_fences_above() {
         written > top,
         "writer token {written} not above the readers' {top}"
     );
+}
+
+#[distributed_lock(key = "ledger:<id>", on_fail = "retry", wait = "30s", through_outages = true, locker = locker)]
+async fn post_through_outages(locker: &Locker, id: u32) -> u64 {
+    current_lock().unwrap().fencing_token()
+}
+
+#[distributed_lock(key = "ledger:<id>", on_fail = "retry", wait = "30s", locker = locker)]
+async fn post_plain(locker: &Locker, id: u32) -> u64 {
+    current_lock().unwrap().fencing_token()
+}
+
+/// `through_outages = true` on a real Redis that stops answering: the call waits for the
+/// server and runs once it is back, where the same call without it answers 503 meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_outages_waits_for_a_frozen_server() {
+    let mut server = RedisServer::start();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    server.pause();
+    let mut through = tokio::spawn({
+        let locker = locker.clone();
+        async move { post_through_outages(&locker, 1).await }
+    });
+    let err = post_plain(&locker, 2).await.unwrap_err();
+    assert_eq!(err.status(), 503, "{err}");
+    let still = tokio::time::timeout(Duration::from_secs(1), &mut through).await;
+    assert!(
+        still.is_err(),
+        "the call gave up during the outage: {still:?}"
+    );
+    server.resume();
+    let token = tokio::time::timeout(Duration::from_secs(15), through)
+        .await
+        .expect("the call did not run once the server was back")
+        .unwrap()
+        .expect("the call gave up");
+    assert!(token > 0);
 }

@@ -106,6 +106,79 @@ async fn hung_server_gives_a_typed_error_within_the_deadline() {
     g.release().await.unwrap();
 }
 
+/// `RetryPolicy::through_outages`: a waiter keeps waiting while the server is frozen (its
+/// attempts queue up unanswered, and run when it thaws) or killed and restarted, and gets the
+/// lock once the server answers — one holder, given back by one release. A deadline that passes
+/// during the outage is a 503, and what the unanswered attempts took is given back once the
+/// server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_through_outages_rides_out_a_frozen_and_a_restarted_server() {
+    let (mut server, locker) = fast_fail_server().await;
+    let other = fast_fail().connect(&server.url()).await.unwrap();
+    let through = |wait| OnFail::Retry(RetryPolicy::new(wait).through_outages(true));
+    for (round, kill) in [(0, false), (1, true)] {
+        let key = format!("fault:through:{round}");
+        if kill {
+            server.stop();
+        } else {
+            server.pause();
+        }
+        let mut waiter = tokio::spawn({
+            let (locker, key, on_fail) = (locker.clone(), key.clone(), through(LONG));
+            async move { locker.lock(&key).ttl(LONG).on_fail(on_fail).acquire().await }
+        });
+        // Without the opt-in, the same wait ends at the first outage answer.
+        let plain = locker
+            .lock("fault:through:plain")
+            .on_fail(OnFail::retry(LONG));
+        unavailable_within(Duration::from_millis(700), plain.acquire()).await;
+        // Five command timeouts later the waiter through outages is still waiting.
+        let still = tokio::time::timeout(Duration::from_secs(1), &mut waiter).await;
+        assert!(
+            still.is_err(),
+            "round {round}: the waiter gave up: {still:?}"
+        );
+        if kill {
+            server.restart();
+        } else {
+            server.resume();
+        }
+        let guard = tokio::time::timeout(Duration::from_secs(15), waiter)
+            .await
+            .expect("the waiter was not served once the server was back")
+            .unwrap()
+            .expect("the waiter through outages gave up");
+        // The other locker's connection comes back on its own use.
+        let answered = async || other.lock(&key).try_acquire().await;
+        let taken = poll_until(Duration::from_secs(10), Duration::from_millis(20), answered).await;
+        assert!(taken.is_none(), "round {round}: a second owner got in");
+        guard.release().await.unwrap();
+        let free = other.lock(&key).try_acquire().await.unwrap();
+        free.expect("one release did not free the lock")
+            .release()
+            .await
+            .unwrap();
+    }
+
+    // A deadline during the outage: 503, not a timeout; the attempts that ran when the server
+    // thawed took the lock for the waiter's token, and the undo gives it back.
+    server.pause();
+    let key = "fault:through:deadline";
+    let wait = Duration::from_millis(800);
+    let err = locker
+        .lock(key)
+        .ttl(LONG)
+        .on_fail(through(wait))
+        .acquire()
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    server.resume();
+    let back = Deadline::after(Duration::from_secs(5));
+    let why = "the lock the unanswered attempts took was not given back (30 s TTL)";
+    wait_until_free(&other, key, &back, Duration::from_millis(20), why).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_server_gives_a_typed_error_within_the_deadline() {
     let (mut server, locker) = fast_fail_server().await;

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use dlock_runtime::conformance::Store;
-use dlock_runtime::Locker;
+use dlock_runtime::{Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_sentinel::{self, RedisSentinel};
 use dlock_tests::wait::{acknowledged_again, poll_until, taken_once_back, Deadline};
 
@@ -90,7 +90,9 @@ async fn taken_once_followed(
 /// command timeout, and takes no lock on the old one; the holder of a lock that only the dead
 /// master had is told through `lost()`; the acknowledged lock is still held on the new master
 /// (an owner-checked extend succeeds there); a new holder of the lost lock gets a larger fencing
-/// token.
+/// token. A waiter that started when the master died waits through the failover
+/// (`RetryPolicy::through_outages`) and gets its lock on the new master, where one that did not
+/// opt in got a 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told() {
     let mut deployment = RedisSentinel::start();
@@ -153,6 +155,32 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     // Not acknowledged: only the master that is about to die has it.
     let lost = locker.lock("lost").ttl(ttl).acquire().await.unwrap();
     deployment.servers[old].stop();
+    // Two waiters start with the master gone: only the one waiting through outages waits.
+    let wait = RetryPolicy::new(Duration::from_secs(60));
+    let through = tokio::spawn({
+        let (locker, policy) = (locker.clone(), wait.clone().through_outages(true));
+        async move {
+            let on_fail = OnFail::Retry(policy);
+            locker
+                .lock("through")
+                .ttl(ttl)
+                .on_fail(on_fail)
+                .acquire()
+                .await
+        }
+    });
+    let err = locker
+        .lock("no-through")
+        .ttl(ttl)
+        .on_fail(OnFail::Retry(wait))
+        .acquire()
+        .await
+        .expect_err("a lock was taken with no master");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(
+        !through.is_finished(),
+        "the waiter through outages gave up at the first outage answer"
+    );
     deployment.servers[replica].resume();
     let promoted = deployment.wait_failover_from(old_port, Duration::from_secs(30));
     assert_eq!(promoted, replica_port);
@@ -175,6 +203,15 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
         "the locker took a lock on the restarted old master"
     );
     g.release().await.unwrap();
+
+    // The waiter through outages was granted its lock on the new master once it was followed.
+    let through = tokio::time::timeout(Duration::from_secs(30), through)
+        .await
+        .expect("the waiter through outages was not served after the failover")
+        .unwrap()
+        .expect("the waiter through outages gave up");
+    assert!(has_lock(promoted, "through").await);
+    through.release().await.unwrap();
 
     // The holder of the lock the failover dropped is told.
     tokio::time::timeout(ttl + Duration::from_secs(2), lost.lost())

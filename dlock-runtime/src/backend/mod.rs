@@ -11,7 +11,8 @@
 //!   that already holds the lock, in any mode, is granted again — `Acquired`, a fencing token
 //!   not below the one before, the lease restarted with the new TTL, still one holder: the
 //!   reply to the earlier attempt may have been lost (a timeout, a failover, a lost handoff
-//!   notification), and the locker asks again with the same token.
+//!   notification), and the locker asks again with the same token
+//!   ([`RetryPolicy::through_outages`](crate::RetryPolicy::through_outages)).
 //! * [`release`](Backend::release), [`extend`](Backend::extend): compare the owner token and act,
 //!   atomically, server side.
 //! * [`abandon`](Backend::abandon): for a cancelled or abandoned acquire — release if the token

@@ -624,15 +624,37 @@ async fn wait_for(
             take.labels.handoff(at.elapsed());
         }
     };
+    // Pauses after an answer that the backend is down, when the policy waits through outages
+    // and the deadline leaves time: `Err` ends the wait with that answer. The flight stays
+    // armed: the attempt may have taken the lock, and the next one by the same token is
+    // granted it (or, if the wait ends here, the undo gives it back).
+    let outage = |err: LockError, step: u32| {
+        let pause = (policy.through_outages && err.is_unavailable())
+            .then(|| deadline.checked_duration_since(Instant::now()))
+            .flatten()
+            .filter(|left| !left.is_zero())
+            .map(|left| policy.backoff_step(step).min(left));
+        async move {
+            let Some(pause) = pause else { return Err(err) };
+            tracing::debug!(error = %err, ?pause, "backend unavailable: waiting through the outage");
+            tokio::time::sleep(pause).await;
+            Ok(())
+        }
+    };
     loop {
         asked_ns = locker.watchdog().now_ns();
         let out = attempt(locker, &flight, take, mode).await;
-        let remaining = match refused(&mut flight, out)? {
-            Ok(grant) => {
+        let remaining = match refused(&mut flight, out) {
+            Ok(Ok(grant)) => {
                 handoff(woken);
                 return hold(locker, flight, grant, take).await;
             }
-            Err(remaining) => remaining,
+            Ok(Err(remaining)) => remaining,
+            Err(err) => {
+                outage(err, step).await?;
+                step = step.saturating_add(1);
+                continue;
+            }
         };
         let now = Instant::now();
         // A handoff noted before this answer came is stale: had it still stood when the attempt
@@ -661,13 +683,19 @@ async fn wait_for(
         if watch.is_none() {
             // Subscribe, then attempt again at once: a release between the first attempt and
             // the subscription is caught by that attempt, any later one by the notification.
-            let w = locker
+            let subscribed = locker
                 .with_deadline(
                     "subscribe",
                     locker.backend().watch(flight.resource(), flight.token()),
                 )
-                .await?;
-            watch = Some(w);
+                .await;
+            match subscribed {
+                Ok(w) => watch = Some(w),
+                Err(err) => {
+                    outage(err, step).await?;
+                    step = step.saturating_add(1);
+                }
+            }
             continue;
         }
         let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
@@ -909,6 +937,192 @@ mod tests {
         let guard = waiter.await.unwrap().unwrap();
         assert_eq!(locker.waiting(), 0);
         guard.release().await.unwrap();
+    }
+
+    /// The in-memory backend behind a failing link: the next `lost_replies` attempts are made
+    /// and then answered `Unavailable` (the reply lost: the lock may have been taken), and the
+    /// next `failed_watches` subscriptions fail.
+    #[derive(Default)]
+    struct Outage {
+        inner: crate::backend::MemoryBackend,
+        attempts: AtomicUsize,
+        lost_replies: AtomicUsize,
+        failed_watches: AtomicUsize,
+    }
+
+    fn take_one(n: &AtomicUsize) -> bool {
+        n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    impl crate::backend::Backend for std::sync::Arc<Outage> {
+        fn name(&self) -> &'static str {
+            "outage"
+        }
+
+        fn acquire<'a>(
+            &'a self,
+            args: AcquireArgs<'a>,
+        ) -> BoxFuture<'a, Result<Attempt, LockError>> {
+            Box::pin(async move {
+                self.attempts.fetch_add(1, Ordering::SeqCst);
+                let out = self.inner.acquire(args).await;
+                if take_one(&self.lost_replies) {
+                    return Err(LockError::unavailable("the reply was lost", None));
+                }
+                out
+            })
+        }
+
+        fn release<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(resource, token)
+        }
+
+        fn extend<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.extend(resource, token, ttl)
+        }
+
+        fn abandon<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(resource, token)
+        }
+
+        fn watch<'a>(
+            &'a self,
+            resource: &'a ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<Watch, LockError>> {
+            if take_one(&self.failed_watches) {
+                return Box::pin(async { Err(LockError::unavailable("down", None)) });
+            }
+            self.inner.watch(resource, token)
+        }
+    }
+
+    fn outage_locker() -> (Locker, std::sync::Arc<Outage>) {
+        let outage = std::sync::Arc::new(Outage::default());
+        (Locker::builder().build(outage.clone()), outage)
+    }
+
+    fn through_outages(wait: Duration) -> OnFail {
+        OnFail::Retry(
+            RetryPolicy::new(wait)
+                .backoff(Duration::from_millis(1), Duration::from_millis(5))
+                .through_outages(true),
+        )
+    }
+
+    /// Attempts whose replies were lost took the lock: waiting through the outage, the next
+    /// attempt by the same token is granted it — one holder, nothing left behind.
+    #[tokio::test]
+    async fn a_wait_through_outages_gets_the_lock_its_unanswered_attempts_took() {
+        let (locker, outage) = outage_locker();
+        outage.lost_replies.store(3, Ordering::SeqCst);
+        let guard = locker
+            .lock("k")
+            .on_fail(through_outages(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .expect("granted once the backend answers");
+        assert_eq!(outage.attempts.load(Ordering::SeqCst), 4);
+        assert!(locker.lock("k").try_acquire().await.unwrap().is_none());
+        guard.release().await.unwrap();
+        let again = locker.lock("k").try_acquire().await.unwrap();
+        assert!(again.is_some(), "the lock was left taken");
+    }
+
+    /// A waiter whose subscription fails during an outage subscribes again and is woken by the
+    /// release.
+    #[tokio::test]
+    async fn a_wait_through_outages_subscribes_again() {
+        let (locker, outage) = outage_locker();
+        let held = locker.lock("k").acquire().await.unwrap();
+        outage.failed_watches.store(2, Ordering::SeqCst);
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .lock("k")
+                    .on_fail(through_outages(Duration::from_secs(10)))
+                    .acquire()
+                    .await
+            }
+        });
+        while locker.waiting() == 0 {
+            assert!(!waiter.is_finished(), "the waiter gave up");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(outage.failed_watches.load(Ordering::SeqCst), 0);
+        held.release().await.unwrap();
+        let guard = waiter.await.unwrap().expect("woken by the release");
+        guard.release().await.unwrap();
+    }
+
+    /// By default the first answer that the backend is down ends the wait (503), from an
+    /// attempt or from the subscription.
+    #[tokio::test]
+    async fn by_default_an_outage_ends_the_wait() {
+        let (locker, outage) = outage_locker();
+        outage.lost_replies.store(1, Ordering::SeqCst);
+        let err = locker
+            .lock("a")
+            .on_fail(OnFail::retry(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(outage.attempts.load(Ordering::SeqCst), 1);
+
+        let held = locker.lock("b").acquire().await.unwrap();
+        outage.failed_watches.store(1, Ordering::SeqCst);
+        let err = locker
+            .lock("b")
+            .on_fail(OnFail::retry(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        held.release().await.unwrap();
+    }
+
+    /// A deadline that passes during the outage ends the wait with `Unavailable` (whether the
+    /// lock was free is not known), not `Timeout`; what the unanswered attempts took is given
+    /// back.
+    #[tokio::test]
+    async fn a_deadline_in_an_outage_is_unavailable_and_gives_the_lock_back() {
+        let (locker, outage) = outage_locker();
+        outage.lost_replies.store(usize::MAX, Ordering::SeqCst);
+        let err = locker
+            .lock("k")
+            .ttl(Duration::from_secs(30))
+            .on_fail(through_outages(Duration::from_millis(50)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        assert!(outage.attempts.load(Ordering::SeqCst) > 1);
+        outage.lost_replies.store(0, Ordering::SeqCst);
+        // The undo runs in the background; the 30 s lease would hold the lock far longer.
+        let start = Instant::now();
+        while locker.lock("k").try_acquire().await.unwrap().is_none() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the lock taken by the unanswered attempts was not given back"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// `Duration::MAX` is how a caller says "wait as long as it takes": it waits, it does not

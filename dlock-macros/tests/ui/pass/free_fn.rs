@@ -41,6 +41,12 @@ async fn std_result(id: u64) -> std::result::Result<(), AppError> {
     Ok(())
 }
 
+// Waits through a backend outage too (`RetryPolicy::through_outages`).
+#[distributed_lock(key = "order:<id>", on_fail = "retry", wait = "2s", through_outages = true)]
+async fn through_outages(id: u64) -> u64 {
+    id
+}
+
 #[distributed_lock(key = "count", on_lost = "cancel")]
 async fn count() -> usize {
     42
@@ -70,6 +76,7 @@ async fn main() {
     assert_eq!(pay(0, "2").await.unwrap(), 0);
     assert!(matches!(pay(1, "x").await, Err(AppError::Parse(_))));
     std_result(7).await.unwrap();
+    assert_eq!(through_outages(7).await.unwrap(), 7);
     assert_eq!(count().await.unwrap(), 42);
     unit(String::new()).await.unwrap();
     unit("a".to_owned()).await.unwrap();
