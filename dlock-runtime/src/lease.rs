@@ -358,6 +358,11 @@ impl<'a> Undo<'a> {
         self.armed = false;
     }
 
+    /// Another attempt with the same token is about to be sent.
+    pub(crate) fn arm(&mut self) {
+        self.armed = true;
+    }
+
     /// The attempt took the lock (granted with `fencing_token`, the request sent at `sent_ns`):
     /// the lease takes over from the undo, registered with the watchdog.
     pub(crate) fn into_lease(mut self, grant: Grant, locker_id: u64) -> Lease {

@@ -134,7 +134,9 @@ impl RetryPolicy {
     /// is made again after the fallback backoff, by the same owner token, until the deadline.
     /// Such an attempt may still have taken the lock; the next one by the same token is
     /// granted it (every backend answers an attempt by the lock's own holder with a fresh
-    /// grant), so nothing is held twice and nothing is left behind. A deadline that passes
+    /// grant), so nothing is held twice and nothing is left behind. A grant its replicas did
+    /// not acknowledge in time ([`LockRequest::replicas`](crate::LockRequest::replicas)) is
+    /// given back and taken anew, as often as the deadline allows. A deadline that passes
     /// during the outage ends the wait with the last `Unavailable` error (503): whether the lock
     /// was free is not known. A deadline of `Duration::MAX` then waits for the backend as long as
     /// it takes.

@@ -510,13 +510,34 @@ async fn hold(
     mut grant: Grant,
     take: Take,
 ) -> Result<LockGuard, LockError> {
-    let replicas = take.replicas;
-    if replicas > 0 {
-        replicated(locker, &mut flight, grant.ttl, replicas).await?;
+    acknowledged(locker, &mut flight, &mut grant, take).await?;
+    held(locker, flight, grant, take).await
+}
+
+/// The replica acknowledgement a request asks for ([`LockRequest::replicas`]), if any: when it
+/// fails, the lock has been given back (see [`replicated`]).
+async fn acknowledged(
+    locker: &Locker,
+    flight: &mut Undo<'_>,
+    grant: &mut Grant,
+    take: Take,
+) -> Result<(), LockError> {
+    if take.replicas > 0 {
+        replicated(locker, flight, grant.ttl, take.replicas).await?;
         // The renewal sent before `WAIT` set the whole lease; counting it from the grant's
         // request is conservative.
         grant.lease = grant.ttl;
     }
+    Ok(())
+}
+
+/// [`hold`] once the replicas, if any, have acknowledged the grant.
+async fn held(
+    locker: &Locker,
+    flight: Undo<'_>,
+    grant: Grant,
+    take: Take,
+) -> Result<LockGuard, LockError> {
     let (ttl, short) = (grant.ttl, grant.lease < grant.ttl && !grant.auto_renew);
     let mut guard = LockGuard::new(flight.into_lease(grant, locker.id()));
     if short {
@@ -645,9 +666,18 @@ async fn wait_for(
         asked_ns = locker.watchdog().now_ns();
         let out = attempt(locker, &flight, take, mode).await;
         let remaining = match refused(&mut flight, out) {
-            Ok(Ok(grant)) => {
+            Ok(Ok(mut grant)) => {
                 handoff(woken);
-                return hold(locker, flight, grant, take).await;
+                match acknowledged(locker, &mut flight, &mut grant, take).await {
+                    Ok(()) => return held(locker, flight, grant, take).await,
+                    Err(err) => {
+                        // Given back: the next attempt takes it anew.
+                        outage(err, step).await?;
+                        flight.arm();
+                        step = step.saturating_add(1);
+                        continue;
+                    }
+                }
             }
             Ok(Err(remaining)) => remaining,
             Err(err) => {
@@ -717,9 +747,16 @@ async fn wait_for(
                 }
                 _ = tokio::time::sleep(sleep) => { woken = None; }
             }
-            if let Some(grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
+            if let Some(mut grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
                 handoff(woken);
-                return hold(locker, flight, grant, take).await;
+                match acknowledged(locker, &mut flight, &mut grant, take).await {
+                    Ok(()) => return held(locker, flight, grant, take).await,
+                    Err(err) => {
+                        outage(err, step).await?;
+                        flight.arm();
+                        step = step.saturating_add(1);
+                    }
+                }
             }
         }
     }
@@ -941,13 +978,15 @@ mod tests {
 
     /// The in-memory backend behind a failing link: the next `lost_replies` attempts are made
     /// and then answered `Unavailable` (the reply lost: the lock may have been taken), and the
-    /// next `failed_watches` subscriptions fail.
+    /// next `failed_watches` subscriptions fail. Replicas: every replica acknowledges, except
+    /// that the next `failed_acks` replica waits answer `Unavailable`.
     #[derive(Default)]
     struct Outage {
         inner: crate::backend::MemoryBackend,
         attempts: AtomicUsize,
         lost_replies: AtomicUsize,
         failed_watches: AtomicUsize,
+        failed_acks: AtomicUsize,
     }
 
     fn take_one(n: &AtomicUsize) -> bool {
@@ -1009,6 +1048,22 @@ mod tests {
             }
             self.inner.watch(resource, token)
         }
+
+        fn replicate<'a>(
+            &'a self,
+            _resource: &'a ResourceName,
+            _token: &'a crate::backend::OwnerToken,
+            _ttl: Duration,
+            replicas: u32,
+        ) -> BoxFuture<'a, Result<u32, LockError>> {
+            let failed = take_one(&self.failed_acks);
+            Box::pin(async move {
+                if failed {
+                    return Err(LockError::unavailable("no replica answered", None));
+                }
+                Ok(replicas)
+            })
+        }
     }
 
     fn outage_locker() -> (Locker, std::sync::Arc<Outage>) {
@@ -1068,6 +1123,40 @@ mod tests {
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().expect("woken by the release");
         guard.release().await.unwrap();
+    }
+
+    /// Replicas that do not acknowledge a grant in time: the lock is given back, and a wait
+    /// through outages takes it again and asks them again; by default the wait ends (503) with
+    /// the lock given back.
+    #[tokio::test]
+    async fn a_wait_through_outages_asks_the_replicas_again() {
+        let (locker, outage) = outage_locker();
+        outage.failed_acks.store(2, Ordering::SeqCst);
+        let guard = locker
+            .lock("k")
+            .replicas(1)
+            .on_fail(through_outages(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .expect("granted once the replicas acknowledge");
+        assert_eq!(outage.attempts.load(Ordering::SeqCst), 3);
+        assert_eq!(outage.failed_acks.load(Ordering::SeqCst), 0);
+        guard.release().await.unwrap();
+
+        outage.failed_acks.store(1, Ordering::SeqCst);
+        let err = locker
+            .lock("k")
+            .replicas(1)
+            .on_fail(OnFail::retry(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        let again = locker.lock("k").try_acquire().await.unwrap();
+        assert!(
+            again.is_some(),
+            "the unacknowledged lock was not given back"
+        );
     }
 
     /// By default the first answer that the backend is down ends the wait (503), from an
