@@ -1090,7 +1090,9 @@ async fn transaction_scoped_lock_works_through_pgbouncer() {
 /// (`target_session_attrs=read-write`): the primary dies and its standby is promoted. Meanwhile
 /// every call is a typed 503; then the same lockers serve again, without a restart: a lock
 /// held before (replicated) still excludes others and renews on the new primary, new grants
-/// have larger tokens, and the `LISTEN` session follows, so a waiter is woken by a release.
+/// have larger tokens, and the `LISTEN` session follows, so a waiter is woken by a release. A
+/// waiter that started with no primary up waits through the failover
+/// (`RetryPolicy::through_outages`) and is served by the promoted standby.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_the_same_lockers_serve_from_the_promoted_standby() {
     let primary = Arc::new(Mutex::new(blocking(PostgresServer::start).await));
@@ -1119,11 +1121,34 @@ async fn after_a_failover_the_same_lockers_serve_from_the_promoted_standby() {
         b.lock("fo:during").try_acquire(),
     )
     .await;
+    let mut through = tokio::spawn({
+        let b = b.clone();
+        let policy = RetryPolicy::new(Duration::from_secs(60)).through_outages(true);
+        async move {
+            b.lock("fo:through")
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+        }
+    });
+    // Three command timeouts with no primary: still waiting.
+    let still = tokio::time::timeout(Duration::from_millis(1500), &mut through).await;
+    assert!(
+        still.is_err(),
+        "the waiter through outages gave up: {still:?}"
+    );
     let standby = blocking(move || {
         standby.promote();
         standby
     })
     .await;
+    let g = tokio::time::timeout(BACK_WITHIN, through)
+        .await
+        .expect("the waiter through outages was not served by the promoted standby")
+        .unwrap()
+        .expect("the waiter through outages gave up");
+    assert_eq!(g.fencing_token() >> 48, 2, "granted on the new timeline");
+    g.release().await.unwrap();
 
     let g = taken_once_back(&b, "fo:new", BACK_WITHIN, BACK_EVERY).await;
     assert!(g.fencing_token() > before, "tokens keep increasing");
