@@ -317,6 +317,92 @@ async fn a_node_left_to_its_lease_is_deleted_by_its_owner_after_the_lease() {
     assert_eq!(backend.own_nodes(), 0, "records of own nodes are left");
 }
 
+/// A node of a token that the backend does not know of — made by an attempt whose answer was
+/// lost and that was not found again, or left by a delete that failed — would hold the lock
+/// (or the queue) for that token with nobody knowing: the token's next attempt deletes it and
+/// is granted the lock (here the stray is lowest, so the lock was held by it meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_node_of_a_token_is_deleted_by_its_next_attempt() {
+    use dlock_runtime::backend::{Attempt, Backend, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let (backend, a) = zk_locker(&url).await;
+    let b = locker(&url).await;
+    let key = format!("stray-{}", std::process::id());
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let token = OwnerToken::generate();
+    let ttl = Duration::from_secs(30);
+    let ask = || attempt_as(&a, &resource, &token, WaitMode::Try, ttl);
+    // The lock's directory exists once a node was made in it.
+    let first = ask().await.unwrap();
+    assert!(matches!(first, Attempt::Acquired { .. }), "{first:?}");
+    assert!(backend.release(&resource, &token).await.unwrap());
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let dir = format!("/dlock/{}", resource.as_str());
+    let opts = zookeeper_client::CreateMode::EphemeralSequential
+        .with_acls(zookeeper_client::Acls::anyone_all());
+    let stray = format!("{dir}/{}-", token.as_str());
+    raw.create(&stray, b"30000", &opts)
+        .await
+        .expect("the stray node");
+    assert!(
+        b.lock(key.as_str()).try_acquire().await.unwrap().is_none(),
+        "the stray node holds the lock"
+    );
+    let again = ask().await.unwrap();
+    assert!(
+        matches!(again, Attempt::Acquired { .. }),
+        "the token was blocked by its own stray node: {again:?}"
+    );
+    assert_eq!(
+        raw.list_children(&dir).await.unwrap().len(),
+        1,
+        "the stray node is left"
+    );
+    assert!(b.lock(key.as_str()).try_acquire().await.unwrap().is_none());
+    assert!(backend.release(&resource, &token).await.unwrap());
+    let free = b.lock(key.as_str()).try_acquire().await.unwrap();
+    free.expect("free once released").release().await.unwrap();
+}
+
+/// A try by a token that already has a node in the queue (a barging waiter asking again after
+/// an answer was lost) judges the holder by the ensemble's time like any attempt: it reports
+/// the holder's lease left, not the lease counted from the epoch — and, as a try, leaves
+/// nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_by_a_queued_token_reports_the_holders_lease() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let (_, a) = zk_locker(&url).await;
+    let key = format!("queued-try-{}", std::process::id());
+    let ttl = Duration::from_secs(20);
+    let held = a.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let token = OwnerToken::generate();
+    let queued = attempt_as(&a, &resource, &token, WaitMode::Queue, ttl).await;
+    assert!(matches!(queued, Ok(Attempt::Held { .. })), "{queued:?}");
+    let tried = attempt_as(&a, &resource, &token, WaitMode::Try, ttl).await;
+    let Ok(Attempt::Held {
+        remaining: Some(left),
+    }) = tried
+    else {
+        panic!("{tried:?}");
+    };
+    assert!(
+        left <= ttl,
+        "the holder has {left:?} left of a {ttl:?} lease"
+    );
+    held.release().await.unwrap();
+    let free = a.lock(key.as_str()).try_acquire().await.unwrap();
+    free.expect("the try left its node in the queue")
+        .release()
+        .await
+        .unwrap();
+}
+
 /// A holder whose connection is cut (behind a proxy that then refuses) cannot renew: its
 /// guard reports `lost()` by the local lease clock — capped at the session timeout — before
 /// the server expires the session and lets the next holder in, whose fencing token is greater.

@@ -140,6 +140,31 @@ impl Store {
     }
 }
 
+/// One acquire attempt by `token` on `resource` (its kind included), straight to `locker`'s
+/// backend — what the locker sends, without its deadline, watchdog or undo: for checks, and a
+/// backend's own tests, that must ask as a given owner (again after a lost answer, say).
+pub async fn attempt_as(
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+    mode: crate::backend::WaitMode,
+    ttl: Duration,
+) -> Result<crate::backend::Attempt, crate::LockError> {
+    let args = crate::backend::AcquireArgs {
+        resource,
+        token,
+        ttl,
+        mode,
+        waiter_ttl: locker.waiter_ttl_for(ttl),
+        renew: false,
+    };
+    let backend = locker.backend();
+    match resource.kind() {
+        crate::LockKind::Exclusive => backend.acquire(args).await,
+        _ => backend.acquire_kind(args).await,
+    }
+}
+
 /// Takes `key` (as `kind`) for a fresh owner token straight through `locker`'s backend, then
 /// asks again with the same token in every wait mode, as a retry after a lost reply or a lost
 /// handoff notification does: every attempt must be granted, with a fencing token not below
@@ -152,7 +177,7 @@ pub(crate) async fn granted_again(
     key: &str,
     kind: crate::LockKind,
 ) -> (crate::key::ResourceName, crate::backend::OwnerToken) {
-    use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
+    use crate::backend::{Attempt, OwnerToken, WaitMode};
     let resource = locker
         .resource(crate::LockKey::new(key).expect("key"))
         .with_kind(kind);
@@ -165,20 +190,7 @@ pub(crate) async fn granted_again(
         (WaitMode::Barge, Duration::from_secs(30)),
         (WaitMode::Try, Duration::from_secs(30)),
     ] {
-        let args = AcquireArgs {
-            resource: &resource,
-            token: &token,
-            ttl,
-            mode,
-            waiter_ttl: locker.waiter_ttl_for(ttl),
-            renew: false,
-        };
-        let backend = locker.backend();
-        let asked = match kind {
-            crate::LockKind::Exclusive => backend.acquire(args),
-            _ => backend.acquire_kind(args),
-        };
-        match asked.await {
+        match attempt_as(locker, &resource, &token, mode, ttl).await {
             Ok(Attempt::Acquired { fencing_token }) => {
                 assert!(
                     fencing_token >= last,

@@ -1376,10 +1376,23 @@ impl ZkBackend {
         let mine = (args.resource, args.token);
         // The own node; the stat of this attempt's last write to it (its mtime is the
         // ensemble's "now" for expiry checks); whether its lease is the lock's TTL.
-        // A node this token already has, in any mode: a holder asking again (the answer to
-        // its attempt was lost) keeps its node and gets its lease restarted, below.
-        let (own, mut stat, mut has_ttl) = match self.known(&c, args.resource, args.token) {
-            Some(name) => (name, None, false),
+        // A node this token already has is kept, in any mode: a holder asking again (the
+        // answer to its attempt was lost) keeps its lock. A try or a barge gives it the TTL at
+        // once (that write tells the ensemble's "now"); one that is gone is forgotten and a new
+        // node made.
+        let known = match self.known(&c, args.resource, args.token) {
+            Some(name) if !queue => match self.set_lease(&c, mine, &dir, &name, args.ttl).await? {
+                Some(stat) => Some((name, Some(stat), true)),
+                None => {
+                    self.forget(args.resource, args.token);
+                    None
+                }
+            },
+            Some(name) => Some((name, None, false)),
+            None => None,
+        };
+        let (own, mut stat, mut has_ttl) = match known {
+            Some(own) => own,
             None => {
                 let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
                 self.note(&c, mine, &name, args.ttl, &stat);
@@ -1387,6 +1400,11 @@ impl ZkBackend {
             }
         };
         let own_path = format!("{dir}/{own}");
+        // Nodes of this token other than `own`: made by an attempt whose answer was lost and
+        // not found since, or left by a delete that failed. Never someone else's (the token
+        // is secret); left, they would hold the lock or the queue for this token with nobody
+        // knowing.
+        let mine_prefix = format!("{}-", args.token.as_str());
         // Expired nodes ahead are deleted and the directory listed again; each round removes
         // at least one node, so a few rounds suffice in practice.
         for _ in 0..8 {
@@ -1395,6 +1413,20 @@ impl ZkBackend {
                 Err(ZkError::NoNode) => Vec::new(),
                 Err(e) => return Err(unavailable("getChildren", e)),
             };
+            let strays: Vec<&Child> = kids
+                .iter()
+                .filter(|k| k.name != own && k.name.starts_with(&mine_prefix))
+                .collect();
+            if !strays.is_empty() {
+                for k in strays {
+                    let path = format!("{dir}/{}", k.name);
+                    match again(|| c.delete(&path, None)).await {
+                        Ok(()) | Err(ZkError::NoNode) => {}
+                        Err(e) => return Err(unavailable("delete", e)),
+                    }
+                }
+                continue; // look again without them
+            }
             let Some(pos) = kids.iter().position(|k| k.name == own) else {
                 // The own node is gone (it expired and was deleted, or the session ended).
                 self.forget(args.resource, args.token);
@@ -1473,10 +1505,10 @@ impl ZkBackend {
                 .filter(|s| !s.expired(now))
                 .and_then(|s| s.remaining(now));
             if !queue {
-                // A try leaves nothing behind.
-                self.forget(args.resource, args.token);
+                // A try leaves nothing behind. Forgotten once deleted: a node whose delete
+                // failed is still this token's, found by its next attempt (or its undo).
                 match again(|| c.delete(&own_path, None)).await {
-                    Ok(()) | Err(ZkError::NoNode) => {}
+                    Ok(()) | Err(ZkError::NoNode) => self.forget(args.resource, args.token),
                     Err(e) => return Err(unavailable("delete", e)),
                 }
                 return Ok(Attempt::Held { remaining });
