@@ -131,15 +131,23 @@ impl RetryPolicy {
     /// [`LockError::Unavailable`](crate::LockError::Unavailable) (`false`, the default).
     ///
     /// With it on, an attempt the backend did not answer — refused, timed out, failed over —
-    /// is made again after the fallback backoff, by the same owner token, until the deadline.
-    /// Such an attempt may still have taken the lock; the next one by the same token is
-    /// granted it (every backend answers an attempt by the lock's own holder with a fresh
-    /// grant), so nothing is held twice and nothing is left behind. A grant its replicas did
-    /// not acknowledge in time ([`LockRequest::replicas`](crate::LockRequest::replicas)) is
-    /// given back and taken anew, as often as the deadline allows. A deadline that passes
-    /// during the outage ends the wait with the last `Unavailable` error (503): whether the lock
-    /// was free is not known. A deadline of `Duration::MAX` then waits for the backend as long as
-    /// it takes.
+    /// is made again after the fallback backoff (at least 10 ms), by the same owner token,
+    /// until the deadline. Such an attempt may still have taken the lock; the next one by the
+    /// same token is granted it (every backend answers an attempt by the lock's own holder with
+    /// a fresh grant), so nothing is held twice and nothing is left held. The rest of taking a
+    /// lock goes on too:
+    /// * a grant its replicas did not acknowledge in time
+    ///   ([`LockRequest::replicas`](crate::LockRequest::replicas)), or that was gone by then
+    ///   (a master that failed over), is given back and asked for again — a fair waiter
+    ///   leaves the queue with it and joins again at its end;
+    /// * a lock handed over with a short lease that could not be extended to its TTL (without
+    ///   auto-renewal) is released and asked for again with a new owner token.
+    ///
+    /// A deadline that passes during the outage ends the wait with the last `Unavailable` error
+    /// (503): whether the lock was free is not known. Every `Unavailable` counts as an outage,
+    /// including a refusal that retrying cannot fix (a Redis ACL without the scripts'
+    /// commands): such a wait ends at its deadline, so keep the deadline finite — with
+    /// `Duration::MAX` it waits for the backend as long as it takes.
     ///
     /// ```
     /// # use dlock_runtime::{OnFail, RetryPolicy};

@@ -600,6 +600,10 @@ async fn attempt_once(
     }
 }
 
+/// The least pause between attempts while waiting through an outage: a backend that refuses at
+/// once (nothing listening) is not asked in a busy loop, whatever the policy's backoff.
+const OUTAGE_PAUSE: Duration = Duration::from_millis(10);
+
 async fn wait_for(
     locker: &Locker,
     resource: ResourceName,
@@ -625,7 +629,8 @@ async fn wait_for(
     // ends no later than the entry would have; the entry's deadline is the waiter TTL from the
     // last attempt, so counted from that attempt, as below, the lease is never shorter).
     let handoff_lease = take.ttl.min(waiter_ttl);
-    let mut flight = Undo::new(locker.watchdog(), resource, take.ttl.max(waiter_ttl));
+    let horizon = take.ttl.max(waiter_ttl);
+    let mut flight = Undo::new(locker.watchdog(), resource, horizon);
     let refresh = waiter_ttl / 3;
     let mut watch: Option<Watch> = None;
     // Counted in `Locker::waiting` from its first sleep: by then the waiter is queued,
@@ -645,16 +650,16 @@ async fn wait_for(
             take.labels.handoff(at.elapsed());
         }
     };
-    // Pauses after an answer that the backend is down, when the policy waits through outages
-    // and the deadline leaves time: `Err` ends the wait with that answer. The flight stays
-    // armed: the attempt may have taken the lock, and the next one by the same token is
-    // granted it (or, if the wait ends here, the undo gives it back).
-    let outage = |err: LockError, step: u32| {
-        let pause = (policy.through_outages && err.is_unavailable())
+    // Pauses after an answer that the backend is down (with `lost_too`, also after a grant
+    // that vanished before it was acknowledged), when the policy waits through outages and the
+    // deadline leaves time: `Err` ends the wait with that answer.
+    let outage = |err: LockError, step: u32, lost_too: bool| {
+        let retry = policy.through_outages && (err.is_unavailable() || (lost_too && err.is_lost()));
+        let pause = retry
             .then(|| deadline.checked_duration_since(Instant::now()))
             .flatten()
             .filter(|left| !left.is_zero())
-            .map(|left| policy.backoff_step(step).min(left));
+            .map(|left| policy.backoff_step(step).max(OUTAGE_PAUSE).min(left));
         async move {
             let Some(pause) = pause else { return Err(err) };
             tracing::debug!(error = %err, ?pause, "backend unavailable: waiting through the outage");
@@ -662,79 +667,73 @@ async fn wait_for(
             Ok(())
         }
     };
-    loop {
-        asked_ns = locker.watchdog().now_ns();
-        let out = attempt(locker, &flight, take, mode).await;
-        let remaining = match refused(&mut flight, out) {
-            Ok(Ok(mut grant)) => {
-                handoff(woken);
-                match acknowledged(locker, &mut flight, &mut grant, take).await {
-                    Ok(()) => return held(locker, flight, grant, take).await,
+    'ask: loop {
+        // A grant, from an attempt or handed over by a release; every other way through the
+        // loop asks again.
+        let mut grant = 'granted: {
+            asked_ns = locker.watchdog().now_ns();
+            let out = attempt(locker, &flight, take, mode).await;
+            let remaining = match refused(&mut flight, out) {
+                Ok(Ok(grant)) => break 'granted grant,
+                Ok(Err(remaining)) => remaining,
+                Err(err) => {
+                    // The attempt may have taken the lock: the flight stays armed, and the
+                    // next attempt by the same token is granted it.
+                    woken = None;
+                    outage(err, step, false).await?;
+                    step = step.saturating_add(1);
+                    continue 'ask;
+                }
+            };
+            let now = Instant::now();
+            // A handoff noted before this answer came is stale: had it still stood when the
+            // attempt reached the backend, the attempt would have found the lock this
+            // waiter's and been granted it. On Redis the pushes come on the attempt's
+            // connection, in order, so one that came first was published before the attempt
+            // ran; taken, it made a second holder once its lease had lapsed and another waiter
+            // had the lock. Elsewhere (a notification on another connection) a handoff made
+            // after the attempt may come first too: dropped, its wake-up is still stored, and
+            // the next attempt finds the lock this waiter's and takes it — one round trip more.
+            if let Some(w) = &watch {
+                let _ = w.take_handoff();
+            }
+            if now >= deadline {
+                // Leave the queue before reporting, so the caller's next move sees it gone.
+                let undo = locker.backend().abandon(flight.resource(), flight.token());
+                if locker.with_deadline("abandon", undo).await.is_ok() {
+                    flight.disarm();
+                }
+                return Err(LockError::timeout(
+                    flight.resource().key().as_str(),
+                    now - start,
+                    remaining,
+                ));
+            }
+            let Some(w) = &watch else {
+                // Subscribe, then attempt again at once: a release between the first attempt
+                // and the subscription is caught by that attempt, any later one by the
+                // notification.
+                let subscribed = locker
+                    .with_deadline(
+                        "subscribe",
+                        locker.backend().watch(flight.resource(), flight.token()),
+                    )
+                    .await;
+                match subscribed {
+                    Ok(w) => watch = Some(w),
                     Err(err) => {
-                        // Given back: the next attempt takes it anew.
-                        outage(err, step).await?;
-                        flight.arm();
+                        outage(err, step, false).await?;
                         step = step.saturating_add(1);
-                        continue;
                     }
                 }
+                continue 'ask;
+            };
+            let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
+            if let Some(r) = remaining {
+                // Wake when the holder's lease ends, in case it dies without releasing.
+                sleep = sleep.min(r + Duration::from_millis(1));
             }
-            Ok(Err(remaining)) => remaining,
-            Err(err) => {
-                outage(err, step).await?;
-                step = step.saturating_add(1);
-                continue;
-            }
-        };
-        let now = Instant::now();
-        // A handoff noted before this answer came is stale: had it still stood when the attempt
-        // reached the backend, the attempt would have found the lock this waiter's and been
-        // granted it. On Redis the pushes come on the attempt's connection, in order, so one
-        // that came first was published before the attempt ran; taken, it made a second
-        // holder once its lease had lapsed and another waiter had the lock. Elsewhere (a
-        // notification on another connection) a handoff made after the attempt may come first
-        // too: dropped, its wake-up is still stored, and the next attempt finds the lock this
-        // waiter's and takes it — one round trip more.
-        if let Some(w) = &watch {
-            let _ = w.take_handoff();
-        }
-        if now >= deadline {
-            // Leave the queue before reporting, so the caller's next move sees it gone.
-            let undo = locker.backend().abandon(flight.resource(), flight.token());
-            if locker.with_deadline("abandon", undo).await.is_ok() {
-                flight.disarm();
-            }
-            return Err(LockError::timeout(
-                flight.resource().key().as_str(),
-                now - start,
-                remaining,
-            ));
-        }
-        if watch.is_none() {
-            // Subscribe, then attempt again at once: a release between the first attempt and
-            // the subscription is caught by that attempt, any later one by the notification.
-            let subscribed = locker
-                .with_deadline(
-                    "subscribe",
-                    locker.backend().watch(flight.resource(), flight.token()),
-                )
-                .await;
-            match subscribed {
-                Ok(w) => watch = Some(w),
-                Err(err) => {
-                    outage(err, step).await?;
-                    step = step.saturating_add(1);
-                }
-            }
-            continue;
-        }
-        let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
-        if let Some(r) = remaining {
-            // Wake when the holder's lease ends, in case it dies without releasing.
-            sleep = sleep.min(r + Duration::from_millis(1));
-        }
-        step = step.saturating_add(1);
-        if let Some(w) = &watch {
+            step = step.saturating_add(1);
             if counted.is_none() {
                 counted = Some(WaitingCount::enter(locker, take.labels));
             }
@@ -747,16 +746,37 @@ async fn wait_for(
                 }
                 _ = tokio::time::sleep(sleep) => { woken = None; }
             }
-            if let Some(mut grant) = handed_over(&watch, take, handoff_lease, asked_ns) {
-                handoff(woken);
-                match acknowledged(locker, &mut flight, &mut grant, take).await {
-                    Ok(()) => return held(locker, flight, grant, take).await,
-                    Err(err) => {
-                        outage(err, step).await?;
-                        flight.arm();
-                        step = step.saturating_add(1);
-                    }
-                }
+            match handed_over(&watch, take, handoff_lease, asked_ns) {
+                Some(grant) => break 'granted grant,
+                None => continue 'ask,
+            }
+        };
+        handoff(woken);
+        if let Err(err) = acknowledged(locker, &mut flight, &mut grant, take).await {
+            // Given back, and out of the queue: the same token asks again (a fair waiter
+            // queues again), or the wait ends.
+            woken = None;
+            outage(err, step, true).await?;
+            flight.arm();
+            step = step.saturating_add(1);
+            continue 'ask;
+        }
+        // Kept for a wait through outages, which asks again with a new token if the guard
+        // fails before it is handed out.
+        let again = policy.through_outages.then(|| flight.resource().clone());
+        match held(locker, flight, grant, take).await {
+            Ok(guard) => return Ok(guard),
+            Err(err) => {
+                // The guard was made and dropped, its release under way in the background: a
+                // new token asks, so that release cannot free the next grant.
+                let Some(resource) = again else {
+                    return Err(err);
+                };
+                woken = None;
+                outage(err, step, false).await?;
+                step = step.saturating_add(1);
+                flight = Undo::new(locker.watchdog(), resource, horizon);
+                watch = None;
             }
         }
     }
@@ -979,7 +999,10 @@ mod tests {
     /// The in-memory backend behind a failing link: the next `lost_replies` attempts are made
     /// and then answered `Unavailable` (the reply lost: the lock may have been taken), and the
     /// next `failed_watches` subscriptions fail. Replicas: every replica acknowledges, except
-    /// that the next `failed_acks` replica waits answer `Unavailable`.
+    /// that the next `failed_acks` replica waits answer `Unavailable` and the next `lost_acks`
+    /// find the grant gone (`Lost`). The next `failed_extends` extends answer `Unavailable`.
+    /// With `hand_over`, a release hands the lock to the last subscribed waiter (a lease of the
+    /// waiter's queue entry) and tells it so, as Redis does.
     #[derive(Default)]
     struct Outage {
         inner: crate::backend::MemoryBackend,
@@ -987,6 +1010,11 @@ mod tests {
         lost_replies: AtomicUsize,
         failed_watches: AtomicUsize,
         failed_acks: AtomicUsize,
+        lost_acks: AtomicUsize,
+        failed_extends: AtomicUsize,
+        hand_over: std::sync::atomic::AtomicBool,
+        hub: std::sync::Arc<crate::backend::ReleaseHub>,
+        subscribed: std::sync::Mutex<Option<crate::backend::OwnerToken>>,
     }
 
     fn take_one(n: &AtomicUsize) -> bool {
@@ -1018,7 +1046,27 @@ mod tests {
             resource: &'a ResourceName,
             token: &'a crate::backend::OwnerToken,
         ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.inner.release(resource, token)
+            Box::pin(async move {
+                let released = self.inner.release(resource, token).await?;
+                let next = self.subscribed.lock().unwrap().take();
+                if let Some(next) = next.filter(|_| released) {
+                    let args = AcquireArgs {
+                        resource,
+                        token: &next,
+                        ttl: Duration::from_secs(1),
+                        mode: WaitMode::Queue,
+                        waiter_ttl: Duration::from_secs(1),
+                        renew: false,
+                    };
+                    let Attempt::Acquired { fencing_token } = self.inner.acquire(args).await?
+                    else {
+                        panic!("the head waiter was not granted the released lock");
+                    };
+                    self.hub
+                        .hand_over(resource.as_str(), next.as_str(), fencing_token);
+                }
+                Ok(released)
+            })
         }
 
         fn extend<'a>(
@@ -1027,6 +1075,9 @@ mod tests {
             token: &'a crate::backend::OwnerToken,
             ttl: Duration,
         ) -> BoxFuture<'a, Result<bool, LockError>> {
+            if take_one(&self.failed_extends) {
+                return Box::pin(async { Err(LockError::unavailable("down", None)) });
+            }
             self.inner.extend(resource, token, ttl)
         }
 
@@ -1046,6 +1097,11 @@ mod tests {
             if take_one(&self.failed_watches) {
                 return Box::pin(async { Err(LockError::unavailable("down", None)) });
             }
+            if self.hand_over.load(Ordering::SeqCst) {
+                *self.subscribed.lock().unwrap() = Some(token.clone());
+                let (watch, _) = self.hub.register(resource, token, None);
+                return Box::pin(async { Ok(watch) });
+            }
             self.inner.watch(resource, token)
         }
 
@@ -1056,10 +1112,13 @@ mod tests {
             _ttl: Duration,
             replicas: u32,
         ) -> BoxFuture<'a, Result<u32, LockError>> {
-            let failed = take_one(&self.failed_acks);
+            let (failed, lost) = (take_one(&self.failed_acks), take_one(&self.lost_acks));
             Box::pin(async move {
                 if failed {
                     return Err(LockError::unavailable("no replica answered", None));
+                }
+                if lost {
+                    return Err(LockError::lost("k"));
                 }
                 Ok(replicas)
             })
@@ -1143,6 +1202,18 @@ mod tests {
         assert_eq!(outage.failed_acks.load(Ordering::SeqCst), 0);
         guard.release().await.unwrap();
 
+        // A grant gone before its replicas were asked (a master that failed over): taken anew.
+        outage.lost_acks.store(1, Ordering::SeqCst);
+        let guard = locker
+            .lock("k")
+            .replicas(1)
+            .on_fail(through_outages(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .expect("granted anew after the grant was lost");
+        assert_eq!(outage.lost_acks.load(Ordering::SeqCst), 0);
+        guard.release().await.unwrap();
+
         outage.failed_acks.store(1, Ordering::SeqCst);
         let err = locker
             .lock("k")
@@ -1157,6 +1228,52 @@ mod tests {
             again.is_some(),
             "the unacknowledged lock was not given back"
         );
+    }
+
+    /// A lock handed over with a short lease, not renewed by the watchdog, is extended to its
+    /// TTL before the guard is handed out; when that extend finds the backend down, the guard
+    /// is dropped (its release under way) and a wait through outages asks again with a new
+    /// token — by default the wait ends there (503).
+    #[tokio::test]
+    async fn a_wait_through_outages_asks_anew_when_a_handed_over_lease_cannot_be_extended() {
+        for through in [true, false] {
+            let outage = std::sync::Arc::new(Outage::default());
+            outage.hand_over.store(true, Ordering::SeqCst);
+            let locker = Locker::builder()
+                .waiter_ttl(Duration::from_secs(1))
+                .build(outage.clone());
+            let held = locker.lock("k").acquire().await.unwrap();
+            let waiter = tokio::spawn({
+                let locker = locker.clone();
+                let on_fail = if through {
+                    through_outages(Duration::from_secs(10))
+                } else {
+                    OnFail::retry(Duration::from_secs(10))
+                };
+                async move {
+                    let request = locker.lock("k").ttl(Duration::from_secs(10));
+                    request.auto_renew(false).on_fail(on_fail).acquire().await
+                }
+            });
+            while locker.waiting() == 0 {
+                assert!(!waiter.is_finished(), "the waiter gave up");
+                tokio::task::yield_now().await;
+            }
+            outage.failed_extends.store(1, Ordering::SeqCst);
+            held.release().await.unwrap();
+            let out = waiter.await.unwrap();
+            assert_eq!(outage.failed_extends.load(Ordering::SeqCst), 0);
+            if !through {
+                let err = out.unwrap_err();
+                assert!(err.is_unavailable(), "{err}");
+                continue;
+            }
+            let guard = out.expect("granted to the new token");
+            assert!(guard.is_held());
+            assert!(locker.lock("k").try_acquire().await.unwrap().is_none());
+            guard.release().await.unwrap();
+            assert!(locker.lock("k").try_acquire().await.unwrap().is_some());
+        }
     }
 
     /// By default the first answer that the backend is down ends the wait (503), from an
