@@ -651,8 +651,8 @@ async fn wait_for(
         }
     };
     // Pauses after an answer that the backend is down (with `lost_too`, also after a grant
-    // that vanished before it was acknowledged), when the policy waits through outages and the
-    // deadline leaves time: `Err` ends the wait with that answer.
+    // that vanished before it was handed out as a guard), when the policy waits through
+    // outages and the deadline leaves time: `Err` ends the wait with that answer.
     let outage = |err: LockError, step: u32, lost_too: bool| {
         let retry = policy.through_outages && (err.is_unavailable() || (lost_too && err.is_lost()));
         let pause = retry
@@ -773,7 +773,7 @@ async fn wait_for(
                     return Err(err);
                 };
                 woken = None;
-                outage(err, step, false).await?;
+                outage(err, step, true).await?;
                 step = step.saturating_add(1);
                 flight = Undo::new(locker.watchdog(), resource, horizon);
                 watch = None;
@@ -1190,12 +1190,9 @@ mod tests {
     #[tokio::test]
     async fn a_wait_through_outages_asks_the_replicas_again() {
         let (locker, outage) = outage_locker();
+        let acknowledged = |on_fail| locker.lock("k").replicas(1).on_fail(on_fail).acquire();
         outage.failed_acks.store(2, Ordering::SeqCst);
-        let guard = locker
-            .lock("k")
-            .replicas(1)
-            .on_fail(through_outages(Duration::from_secs(10)))
-            .acquire()
+        let guard = acknowledged(through_outages(Duration::from_secs(10)))
             .await
             .expect("granted once the replicas acknowledge");
         assert_eq!(outage.attempts.load(Ordering::SeqCst), 3);
@@ -1204,22 +1201,14 @@ mod tests {
 
         // A grant gone before its replicas were asked (a master that failed over): taken anew.
         outage.lost_acks.store(1, Ordering::SeqCst);
-        let guard = locker
-            .lock("k")
-            .replicas(1)
-            .on_fail(through_outages(Duration::from_secs(10)))
-            .acquire()
+        let guard = acknowledged(through_outages(Duration::from_secs(10)))
             .await
             .expect("granted anew after the grant was lost");
         assert_eq!(outage.lost_acks.load(Ordering::SeqCst), 0);
         guard.release().await.unwrap();
 
         outage.failed_acks.store(1, Ordering::SeqCst);
-        let err = locker
-            .lock("k")
-            .replicas(1)
-            .on_fail(OnFail::retry(Duration::from_secs(10)))
-            .acquire()
+        let err = acknowledged(OnFail::retry(Duration::from_secs(10)))
             .await
             .unwrap_err();
         assert!(err.is_unavailable(), "{err}");
