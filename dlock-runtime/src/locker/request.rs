@@ -910,69 +910,14 @@ mod tests {
         assert_eq!(out, Some(Some("job".to_owned())));
     }
 
-    /// The in-memory backend, its attempts counted, each taking a turn of the scheduler first
-    /// as a round trip to a server would.
-    struct SlowAsk(crate::backend::MemoryBackend, std::sync::Arc<AtomicUsize>);
-
-    impl crate::backend::Backend for SlowAsk {
-        fn name(&self) -> &'static str {
-            "slow-ask"
-        }
-
-        fn acquire<'a>(
-            &'a self,
-            args: AcquireArgs<'a>,
-        ) -> BoxFuture<'a, Result<Attempt, LockError>> {
-            Box::pin(async move {
-                tokio::task::yield_now().await;
-                self.1.fetch_add(1, Ordering::SeqCst);
-                self.0.acquire(args).await
-            })
-        }
-
-        fn release<'a>(
-            &'a self,
-            resource: &'a ResourceName,
-            token: &'a crate::backend::OwnerToken,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.0.release(resource, token)
-        }
-
-        fn extend<'a>(
-            &'a self,
-            resource: &'a ResourceName,
-            token: &'a crate::backend::OwnerToken,
-            ttl: Duration,
-        ) -> BoxFuture<'a, Result<bool, LockError>> {
-            self.0.extend(resource, token, ttl)
-        }
-
-        fn abandon<'a>(
-            &'a self,
-            resource: &'a ResourceName,
-            token: &'a crate::backend::OwnerToken,
-        ) -> BoxFuture<'a, Result<(), LockError>> {
-            self.0.abandon(resource, token)
-        }
-
-        fn watch<'a>(
-            &'a self,
-            resource: &'a ResourceName,
-            token: &'a crate::backend::OwnerToken,
-        ) -> BoxFuture<'a, Result<Watch, LockError>> {
-            self.0.watch(resource, token)
-        }
-    }
-
     /// `Locker::waiting` counts a waiter only once a release would wake it: after it
     /// subscribed and asked again. Counted at the subscription, a release made as soon as the
     /// waiter showed up could come before that second attempt, which then simply took the lock
     /// — no wake, no handoff recorded (the metrics example failed in CI on it).
     #[tokio::test]
     async fn a_waiter_is_counted_once_a_release_would_wake_it() {
-        let attempts = std::sync::Arc::new(AtomicUsize::new(0));
-        let backend = SlowAsk(crate::backend::MemoryBackend::new(), attempts.clone());
-        let locker = Locker::builder().build(backend);
+        let (locker, outage) = outage_locker();
+        let attempts = &outage.attempts;
         let held = locker.lock("k").acquire().await.unwrap();
         let before = attempts.load(Ordering::SeqCst);
         let waiter = tokio::spawn({
@@ -996,9 +941,10 @@ mod tests {
         guard.release().await.unwrap();
     }
 
-    /// The in-memory backend behind a failing link: the next `lost_replies` attempts are made
-    /// and then answered `Unavailable` (the reply lost: the lock may have been taken), and the
-    /// next `failed_watches` subscriptions fail. Replicas: every replica acknowledges, except
+    /// The in-memory backend behind a link: each attempt is counted and takes a turn of the
+    /// scheduler first, as a round trip to a server would. It can fail: the next
+    /// `lost_replies` attempts are made and then answered `Unavailable` (the reply lost: the
+    /// lock may have been taken), and the next `failed_watches` subscriptions fail. Replicas: every replica acknowledges, except
     /// that the next `failed_acks` replica waits answer `Unavailable` and the next `lost_acks`
     /// find the grant gone (`Lost`). The next `failed_extends` extends answer `Unavailable`.
     /// With `hand_over`, a release hands the lock to the last subscribed waiter (a lease of the
@@ -1032,6 +978,7 @@ mod tests {
             args: AcquireArgs<'a>,
         ) -> BoxFuture<'a, Result<Attempt, LockError>> {
             Box::pin(async move {
+                tokio::task::yield_now().await;
                 self.attempts.fetch_add(1, Ordering::SeqCst);
                 let out = self.inner.acquire(args).await;
                 if take_one(&self.lost_replies) {
