@@ -18,44 +18,48 @@ pub(crate) fn original<'a>(uri: &'a Uri, extensions: &'a Extensions) -> &'a Uri 
     uri
 }
 
-/// `path` with its percent-encoding normalised (RFC 3986, 6.2.2.1 and 6.2.2.2): an escaped
-/// unreserved character (`A`–`Z`, `a`–`z`, `0`–`9`, `-`, `.`, `_`, `~`) is decoded, and the hex
-/// digits of the other escapes are upper case. Both forms name the same resource, and routers
-/// decode path parameters, so `/orders/%34%32` reaches the handler of `/orders/42`: keyed by the
-/// raw path, the two would take different locks. Escapes of reserved characters (`%2F`, `%3A`
-/// …) stay escaped, so no two paths that differ in meaning share a key.
+/// `path` in one spelling per resource: two paths a router hands the same path parameters
+/// get the same string, and two it hands different ones do not. Routers (axum, actix-web)
+/// decode every escape in a path parameter, so `/orders/%34%32` reaches the handler of
+/// `/orders/42` and `/users/a%40b` the handler of `/users/a@b`: keyed by the raw path, each pair
+/// would take two locks for one resource.
+///
+/// Each byte is decoded (a `%XX` escape, or a raw byte) and written back one way: the characters
+/// a path segment may hold as they are (RFC 3986 `pchar`: letters, digits, `-._~`,
+/// `!$&'()*+,;=`, `:` and `@`) literally, every other byte — `%`, a space, a byte of a
+/// non-ASCII character, sent raw or escaped — as `%XX` with upper-case hex. A raw `/` separates
+/// segments and an escaped one (`%2F`) does not, so that one stays `%2F`. A `%` that does not
+/// start an escape is the byte `%`, as routers read it (`%25`).
 pub(crate) fn normalised_path(path: &str) -> Cow<'_, str> {
-    if !path.contains('%') {
+    let bytes = path.as_bytes();
+    if bytes.iter().all(|&b| b == b'/' || literal(b)) {
         return Cow::Borrowed(path);
     }
-    let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len());
+    let mut out = String::with_capacity(path.len() + 8);
     let mut i = 0;
     while i < bytes.len() {
-        let escaped = path
+        let escaped = bytes
             .get(i + 1..i + 3)
             .filter(|_| bytes[i] == b'%')
             .and_then(|digits| crate::hex::decode(digits).ok());
-        match escaped.as_deref() {
-            Some(&[byte]) => {
-                let c = char::from(byte);
-                if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '~') {
-                    out.push(c);
-                } else {
-                    out.push('%');
-                    out.push_str(&path[i + 1..i + 3].to_ascii_uppercase());
-                }
-                i += 3;
-            }
-            _ => {
-                // Not an escape (a lone `%`, or one without two hex digits): kept as sent. The
-                // path is ASCII (a `Uri` holds no other bytes), so a byte is a char.
-                out.push(char::from(bytes[i]));
-                i += 1;
-            }
+        let (byte, raw) = match escaped.as_deref() {
+            Some(&[byte]) => (byte, false),
+            _ => (bytes[i], true),
+        };
+        i += if raw { 1 } else { 3 };
+        if literal(byte) || (raw && byte == b'/') {
+            out.push(char::from(byte));
+        } else {
+            out.push('%');
+            out.push_str(&crate::hex::encode(&[byte]).to_ascii_uppercase());
         }
     }
     Cow::Owned(out)
+}
+
+/// A byte a path segment holds as itself (RFC 3986 `pchar` without escapes).
+fn literal(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b)
 }
 
 #[cfg(test)]
@@ -63,17 +67,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escaped_unreserved_characters_are_decoded_and_hex_is_upper_case() {
+    fn escapes_are_decoded_and_written_back_one_way() {
         assert_eq!(normalised_path("/orders/42/pay"), "/orders/42/pay");
         assert_eq!(normalised_path("/orders/%34%32/pay"), "/orders/42/pay");
         assert_eq!(normalised_path("/a%2db%7E%5F%2E"), "/a-b~_.");
+        // Escaped characters a segment may hold as they are: decoded, as routers decode them.
+        assert_eq!(normalised_path("/users/a%40b.com"), "/users/a@b.com");
+        assert_eq!(normalised_path("/k/a%2Bb%3D%3d"), "/k/a+b==");
+        assert_eq!(normalised_path("/x%3ay%20z"), "/x:y%20z");
+        // An escaped `/` is not a separator.
         assert_eq!(normalised_path("/a%2fb"), "/a%2Fb");
         assert_eq!(normalised_path("/a%2Fb"), "/a%2Fb");
-        assert_eq!(normalised_path("/x%3ay%20z"), "/x%3Ay%20z");
+        assert_ne!(normalised_path("/a%2Fb"), normalised_path("/a/b"));
+        // Everything else escaped, with upper-case hex.
         assert_eq!(normalised_path("/caf%c3%a9"), "/caf%C3%A9");
-        // Not escapes: kept as sent.
-        assert_eq!(normalised_path("/100%"), "/100%");
-        assert_eq!(normalised_path("/%zz/%4"), "/%zz/%4");
-        assert_eq!(normalised_path("/%%34%32"), "/%42");
+        assert_eq!(normalised_path("/a%3f%23"), "/a%3F%23");
+        // Not escapes: the byte `%`.
+        assert_eq!(normalised_path("/100%"), "/100%25");
+        assert_eq!(normalised_path("/%zz/%4"), "/%25zz/%254");
+        assert_eq!(normalised_path("/%%34%32"), "/%2542");
+        assert_eq!(normalised_path("/%%34%32"), normalised_path("/%2542"));
+    }
+
+    #[test]
+    fn a_character_sent_raw_and_escaped_is_one_path() {
+        // A `Uri` takes raw UTF-8 in its path (hyper passes it through), and routers hand the
+        // handler the same parameter either way.
+        assert_eq!(normalised_path("/items/中"), "/items/%E4%B8%AD");
+        assert_eq!(normalised_path("/items/%E4%B8%AD"), "/items/%E4%B8%AD");
+        assert_eq!(normalised_path("/x/中%41"), "/x/%E4%B8%ADA");
+        assert_eq!(normalised_path("/x/中%41"), normalised_path("/x/中A"));
+        // Different characters stay different, whatever mix of raw and escaped bytes.
+        assert_ne!(normalised_path("/%41中"), normalised_path("/Aä¸\u{AD}"));
+        assert_eq!(normalised_path("/Aä¸\u{AD}"), "/A%C3%A4%C2%B8%C2%AD");
     }
 }

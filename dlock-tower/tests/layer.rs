@@ -514,8 +514,8 @@ async fn axum_path_params_key_across_routes() {
 
 /// `method_path` keys by the path the client sent: inside axum's `nest` the whole path (the
 /// nested router sees only its rest, so every tenant's `/orders` shared one lock), with escaped
-/// unreserved characters decoded (`/tenants/%61` reaches tenant `a`'s handler, so it must
-/// take tenant `a`'s lock).
+/// escapes written one way (`/tenants/%61%40b` reaches tenant `a@b`'s handler, so it must take
+/// tenant `a@b`'s lock).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_escapes() {
     use axum::extract::Extension;
@@ -539,7 +539,8 @@ async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_esc
     let app = Router::new().nest("/tenants/{t}", tenant);
 
     let req = |path: &str| bare(Method::POST, path, &[]);
-    let waiting = bare(Method::POST, "/tenants/a/orders", &[("x-wait", "1")]);
+    // Tenant `a@中`, sent raw (a `Uri` takes UTF-8 in its path, and so does hyper).
+    let waiting = bare(Method::POST, "/tenants/a@中/orders", &[("x-wait", "1")]);
     let first = tokio::spawn(app.clone().oneshot(waiting));
     tokio::time::timeout(HANG, entered_rx.recv())
         .await
@@ -549,17 +550,35 @@ async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_esc
     // Another tenant: its own lock.
     let res = app.clone().oneshot(req("/tenants/b/orders")).await.unwrap();
     assert_eq!(text(res).await, "path:POST:/tenants/b/orders");
-    // Tenant `a` spelled with an escape: the same resource, so the same (held) lock.
+    // Tenant `a@中` spelled with escapes: the router hands the handler the same tenant, so
+    // the same (held) lock.
+    for spelling in [
+        "/tenants/%61@中/orders",
+        "/tenants/a%40中/orders",
+        "/tenants/a@%E4%B8%AD/orders",
+        "/tenants/%61%40%e4%b8%ad/orders",
+    ] {
+        let res = app.clone().oneshot(req(spelling)).await.unwrap();
+        assert_problem(&res, StatusCode::CONFLICT);
+    }
+    // An escaped `/` is part of the tenant, not a separator: another tenant.
     let res = app
         .clone()
-        .oneshot(req("/tenants/%61/orders"))
+        .oneshot(req("/tenants/a%2F@中/orders"))
         .await
         .unwrap();
-    assert_problem(&res, StatusCode::CONFLICT);
+    // (The lock key escapes `%` in the values it is built from.)
+    assert_eq!(
+        text(res).await,
+        "path:POST:/tenants/a%252F@%25E4%25B8%25AD/orders"
+    );
 
     open.send(true).unwrap();
     let res = first.await.unwrap().unwrap();
-    assert_eq!(text(res).await, "path:POST:/tenants/a/orders");
+    assert_eq!(
+        text(res).await,
+        "path:POST:/tenants/a@%25E4%25B8%25AD/orders"
+    );
 }
 
 /// Missing, repeated, oversized and forged keys.

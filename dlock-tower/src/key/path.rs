@@ -8,9 +8,12 @@ use super::{combinators, ExtractKey, Extracted, Key};
 
 /// Keys requests by method and URI path (no query): `path:<METHOD>:<path>`. Every request has
 /// one. The path is the one the client sent — inside axum's `Router::nest`, with the `axum`
-/// feature, the whole path, not the nested router's rest — with its percent-encoding
-/// normalised (escaped unreserved characters decoded, `%2f` as `%2F`), so `/orders/%34%32` and
-/// `/orders/42`, one resource to a router, share a lock.
+/// feature, the whole path, not the nested router's rest — spelled one way per resource, so
+/// paths a router hands the same parameters share a lock: `/orders/%34%32` and `/orders/42`,
+/// `/users/a%40b` and `/users/a@b`, `/items/中` sent raw and `/items/%E4%B8%AD`. Every escape is
+/// decoded and written back one way (the characters a path segment may hold as they are
+/// literally, every other byte as `%XX` in upper case); an escaped `/` (`%2F`) is not a
+/// separator to a router, so it stays escaped and `/a%2Fb` keeps its own lock.
 ///
 /// Behind an axum router, [`matched_path`](crate::key::matched_path) (feature `axum`) keys by
 /// the route template instead (`/users/{id}` rather than `/users/42`).
