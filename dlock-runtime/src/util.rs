@@ -170,6 +170,18 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic with a non-string payload".to_owned())
 }
 
+/// The lease margin of a server that takes a lease in whole milliseconds (dropping the rest of
+/// `ttl`), counted from `clock_ms` milliseconds before the request could have reached it: a
+/// clock read in whole milliseconds is up to 1 ms behind. The local lease clock starts when the
+/// request is sent, so with this margin it ends before the server lets anyone else in.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn whole_ms_margin(ttl: Duration, clock_ms: u64) -> Duration {
+    let below_ms = ttl.saturating_sub(Duration::from_millis(
+        u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+    ));
+    below_ms + Duration::from_millis(clock_ms)
+}
+
 /// The lease that keeps a lock until a minimum hold with `left_ns` to go ends
 /// (`Lease::hold_left`).
 pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {

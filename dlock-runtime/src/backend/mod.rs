@@ -238,9 +238,12 @@ pub trait Backend: Send + Sync + 'static {
         true
     }
 
-    /// How much of a granted lease the holder must not count on (clock drift between the
-    /// holder and the servers). The local lease clock ends `lease_margin(ttl)` before the TTL.
-    /// Default: none.
+    /// How much of a granted lease the holder must not count on: clock drift between the
+    /// holder and the servers, and a lease the server rounds down or counts from a clock read
+    /// in coarse steps (Redis: whole milliseconds). The local lease clock, started when the
+    /// request is sent, ends `lease_margin(ttl)` before the TTL, which must be before the
+    /// backend lets another owner in (the conformance check
+    /// `the_local_lease_ends_before_the_lock_frees`). Default: none.
     fn lease_margin(&self, ttl: Duration) -> Duration {
         let _ = ttl;
         Duration::ZERO

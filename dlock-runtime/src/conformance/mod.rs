@@ -291,6 +291,7 @@ pub async fn run_all(store: &Store) {
     idempotency_complete_is_owner_checked(store).await;
     mutual_exclusion(store).await;
     owner_checked_release_and_extend(store).await;
+    the_local_lease_ends_before_the_lock_frees(store).await;
     fencing_tokens_increase(store).await;
     watchdog_holds_past_ttl(store).await;
     locker_outlives_its_first_runtime(store).await;
@@ -353,6 +354,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each $make;
             mutual_exclusion,
             owner_checked_release_and_extend,
+            the_local_lease_ends_before_the_lock_frees,
             fencing_tokens_increase,
             watchdog_holds_past_ttl,
             locker_outlives_its_first_runtime,

@@ -785,6 +785,12 @@ impl Backend for PostgresBackend {
         "postgres"
     }
 
+    /// A lease is a whole number of milliseconds from `clock_timestamp()` (microseconds), read
+    /// after the request arrived: the part of `ttl` below a millisecond.
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        crate::util::whole_ms_margin(ttl, 0)
+    }
+
     fn idempotency(&self) -> Option<&dyn super::IdempotencyStore> {
         Some(self)
     }

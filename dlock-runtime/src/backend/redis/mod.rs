@@ -1158,6 +1158,12 @@ impl Backend for RedisBackend {
         "redis"
     }
 
+    /// The scripts give a lease in whole milliseconds from the server's clock, read in whole
+    /// milliseconds: the part of `ttl` below a millisecond, and one more.
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        crate::util::whole_ms_margin(ttl, 1)
+    }
+
     fn idempotency(&self) -> Option<&dyn super::IdempotencyStore> {
         Some(self)
     }
