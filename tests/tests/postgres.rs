@@ -13,7 +13,7 @@ use dlock_runtime::backend::postgres::{
 };
 use dlock_runtime::backend::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, PostgresBackend,
-    PostgresOptions,
+    PostgresOptions, Watch,
 };
 use dlock_runtime::conformance::Store;
 use dlock_runtime::key::ResourceName;
@@ -772,6 +772,161 @@ async fn an_undo_lands_after_the_timed_out_acquire_it_undoes() {
 }
 
 // ---- batched renewals and names -------------------------------------------------------------
+
+/// The backend under test, whose attempts each wait for a permit from `gate` and are counted
+/// in `answered` once answered.
+struct GatedAttempts {
+    inner: PostgresBackend,
+    gate: Arc<tokio::sync::Semaphore>,
+    answered: tokio::sync::watch::Sender<u32>,
+}
+
+impl Backend for GatedAttempts {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        self.inner.lease_margin(ttl)
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            self.gate.acquire().await.expect("gate").forget();
+            let out = self.inner.acquire(args).await;
+            self.answered.send_modify(|n| *n += 1);
+            out
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.release(resource, token)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.extend(resource, token, ttl)
+    }
+
+    fn extend_many<'a>(
+        &'a self,
+        items: &'a [ExtendItem],
+    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
+        self.inner.extend_many(items)
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        self.inner.abandon(resource, token)
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        self.inner.watch(resource, token)
+    }
+}
+
+/// A release's handoff whose notification comes late — after the waiter's next attempt found
+/// the handed-over lease lapsed and the lock gone to the next in line — is not a grant: the
+/// waiter asks, and waits behind the new holder. (Notifications come on the LISTEN connection,
+/// not in order with the answers; taken as a grant, it counted a lease that had ended from the
+/// later attempt, and two guards held the lock.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_handoff_notification_is_not_a_grant() {
+    let proxy = Proxy::start(port()).await.unwrap();
+    let listen_via = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+    let opts = PostgresOptions::default().notify_url(listen_via);
+    let late = PostgresBackend::connect(&direct_url("postgres"), opts)
+        .await
+        .expect("connect");
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (answered, mut answers) = tokio::sync::watch::channel(0u32);
+    let w = Locker::builder()
+        .try_build(GatedAttempts {
+            inner: late.clone(),
+            gate: gate.clone(),
+            answered,
+        })
+        .unwrap();
+    let (others, prompt) = locker_at(&direct_url("postgres"), Duration::from_secs(5)).await;
+    until_listening(&[&late, &prompt], Duration::from_secs(10)).await;
+    let hang = Duration::from_secs(5);
+
+    let key = "handoff:late:k";
+    let ttl = Duration::from_millis(20);
+    let retry = OnFail::Retry(
+        RetryPolicy::new(Duration::from_secs(20))
+            .backoff(Duration::from_millis(5), Duration::from_millis(10)),
+    );
+    let holder = others
+        .lock(key)
+        .ttl(Duration::from_secs(10))
+        .acquire()
+        .await
+        .unwrap();
+    // W queues (its first attempt) and subscribes (its second); then its attempts wait.
+    let mut waiter = tokio::spawn({
+        let (w, retry) = (w.clone(), retry.clone());
+        async move { w.lock(key).ttl(ttl).on_fail(retry).acquire().await }
+    });
+    gate.add_permits(2);
+    tokio::time::timeout(hang, answers.wait_for(|n| *n == 2))
+        .await
+        .expect("W queued and subscribed")
+        .unwrap();
+    let next = tokio::spawn({
+        let (others, retry) = (others.clone(), retry.clone());
+        async move { others.lock(key).ttl(ttl).on_fail(retry).acquire().await }
+    });
+    wait_for("X to wait", hang, async || {
+        (others.waiting() == 1).then_some(())
+    })
+    .await;
+    // The release hands the lock to W, whose notification comes a second late; the 20 ms
+    // handoff lease lapses and X, next in line, takes the lock (renewed while held).
+    proxy.set_latency(Duration::from_secs(1));
+    holder.release().await.unwrap();
+    let x = tokio::time::timeout(hang, next)
+        .await
+        .expect("X gets the lock once W's handoff lapsed")
+        .unwrap()
+        .unwrap();
+    // W asks again and is told the lock is X's; then the notification comes.
+    gate.add_permits(1);
+    tokio::time::timeout(hang, answers.wait_for(|n| *n == 3))
+        .await
+        .expect("W asked again")
+        .unwrap();
+    gate.add_permits(1_000);
+    let early = tokio::time::timeout(Duration::from_secs(2), &mut waiter).await;
+    assert!(
+        early.is_err(),
+        "W was granted the lock while X held it (token {:?})",
+        early.map(|r| r.map(|g| g.map(|g| g.fencing_token())))
+    );
+    assert!(x.is_held());
+    x.release().await.unwrap();
+    let w_guard = tokio::time::timeout(hang, waiter)
+        .await
+        .expect("W gets the lock after X")
+        .unwrap()
+        .unwrap();
+    w_guard.release().await.unwrap();
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_extend_tells_two_tokens_of_one_name_apart() {

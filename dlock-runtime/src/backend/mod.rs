@@ -25,7 +25,13 @@
 //!   `min(ttl, waiter_ttl)` ([`AcquireArgs`]; the waiter renews it to `ttl`), so that a waiter
 //!   that died holds the lock no longer than its queue entry would have held up the queue; a
 //!   waiter whose notification was lost asks again and is granted the lock it already holds
-//!   (above).
+//!   (above). Hand over only when the news reaches the waiter in order with the answers to its
+//!   attempts (Redis: pushes on the connection the attempts use): the locker takes a handoff
+//!   that comes after an attempt's answer as made after that attempt, and counts its lease
+//!   from that attempt. Notifications on a connection of their own can come late, after an
+//!   attempt that found the handed-over lease lapsed and the lock another's; such a backend
+//!   wakes the waiter instead ([`ReleaseHub::notify`]), which asks and is granted what is
+//!   already its own (Postgres).
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
 //! * [`acquire_kind`](Backend::acquire_kind) (optional): semaphores and read-write locks

@@ -2,7 +2,8 @@
 //!
 //! Payloads (sent by `pg_notify` in the functions of `schema`, delivered after the releasing
 //! transaction committed): `<lock name>\t<waiter token>\t<fencing token>` when a release handed
-//! the lock to that waiter, `<lock name>\t` to wake one barging waiter. The task reconnects with
+//! the lock to that waiter (which is woken, not handed the grant: see [`deliver`]),
+//! `<lock name>\t` to wake one barging waiter. The task reconnects with
 //! backoff when the connection drops, or when it does not answer an empty query within the
 //! connect plus command timeout (asked once per that interval: a peer gone silent is found in
 //! two), and then wakes every local waiter once (notifications sent meanwhile were missed); it
@@ -205,20 +206,20 @@ fn dispatch(hub: &Weak<ReleaseHub>, message: AsyncMessage) {
     deliver(&hub, n.payload());
 }
 
-/// Hands one payload to the hub.
+/// Hands one payload to the hub: `<name>\t<waiter token>[\t<fencing token>]` wakes that waiter,
+/// `<name>\t` the first local one.
+///
+/// A handoff's fencing token is not passed on as a grant ([`ReleaseHub::hand_over`]): the
+/// notification comes on this connection, not in order with the answers to the waiter's
+/// attempts, so it may come after an attempt that found the handed-over lease lapsed and the
+/// lock another's — counted from that attempt, the lease would outlast the real one. Woken,
+/// the waiter asks, and an attempt by the token the lock was handed to is granted it.
 pub(super) fn deliver(hub: &Arc<ReleaseHub>, payload: &str) {
     let mut parts = payload.splitn(3, '\t');
     let (Some(name), Some(token)) = (parts.next(), parts.next()) else {
         return;
     };
-    if token.is_empty() {
-        hub.notify(name, None);
-        return;
-    }
-    match parts.next().and_then(|f| f.parse::<u64>().ok()) {
-        Some(fence) if fence > 0 => hub.hand_over(name, token, fence),
-        _ => hub.notify(name, Some(token)),
-    }
+    hub.notify(name, Some(token).filter(|t| !t.is_empty()));
 }
 
 #[cfg(test)]
@@ -230,7 +231,7 @@ mod tests {
     use futures_util::FutureExt as _;
 
     #[test]
-    fn payloads_hand_over_or_wake_the_named_waiter() {
+    fn payloads_wake_the_named_waiter() {
         let hub = ReleaseHub::new();
         let res = ResourceName::new("p", LockKey::new("k").unwrap());
         let (t1, t2) = (OwnerToken::generate(), OwnerToken::generate());
@@ -238,7 +239,7 @@ mod tests {
         let (w2, _) = hub.register(&res, &t2, None);
         deliver(&hub, &format!("{}\t{}\t42", res.as_str(), t2.as_str()));
         assert!(w2.notified().now_or_never().is_some());
-        assert_eq!(w2.take_handoff(), Some(42));
+        assert_eq!(w2.take_handoff(), None, "a wake-up, not a grant");
         assert!(
             w1.notified().now_or_never().is_none(),
             "only the named waiter"

@@ -19,7 +19,11 @@
 //!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is
 //!   free and the caller is first among the live entries. A release grants the lock to the first
 //!   live waiter in the same transaction (direct handoff: a new fencing token, a lease of
-//!   `min(ttl, waiter ttl)`) and tells it with `pg_notify`.
+//!   `min(ttl, waiter ttl)`) and wakes it with `pg_notify`. The waiter then asks once and is
+//!   granted what is already its own, with the lease counted from that attempt: the
+//!   notification comes on another connection than the waiter's attempts, so one that came
+//!   late — after an attempt that found the handed-over lease lapsed and the lock gone to the
+//!   next in line — taken as the grant itself, would have let two guards hold the lock.
 //! * **Semaphores and read-write locks** ([`LockKind`]): a `holders` and a `queue` table under
 //!   the same advisory lock per name, the ready-prefix rule of the
 //!   [`backend`](super#semaphores-and-read-write-locks) module docs in `kind_acquire` and
@@ -30,7 +34,7 @@
 //!   its first 46 bytes, `~` and a digest of it; a release only notifies when someone
 //!   waits), feeding the locker's [`ReleaseHub`]. The connection reconnects on its own and
 //!   wakes every local waiter once it is back. A release answers the grant it made, so a
-//!   waiter of the same backend is told at once, without waiting for the `NOTIFY` to come
+//!   waiter of the same backend is woken at once, without waiting for the `NOTIFY` to come
 //!   round (with or without `LISTEN`).
 //!   One channel per schema and prefix means every listening backend (one per service
 //!   instance) receives every such notification and drops those for locks it has no waiter
@@ -846,13 +850,12 @@ impl Backend for PostgresBackend {
             let Some(answer) = answer else {
                 return Ok(false);
             };
-            // Handed to a waiter: if it waits in this process, it hears it now rather than
-            // through the LISTEN session (which still tells the others; a second word of the
-            // same grant is ignored).
-            if let Some((next, fence)) = answer.split_once('\t') {
-                if let Ok(fence) = fence.parse::<u64>() {
-                    self.inner.hub.hand_over(resource.as_str(), next, fence);
-                }
+            // Handed to a waiter: if it waits in this process, it is woken now rather than
+            // through the LISTEN session (which still tells the others). Woken, not handed the
+            // grant: this task may be polled late, and the waiter's attempts are answered on
+            // other connections (see `listener::deliver`).
+            if let Some((next, _fence)) = answer.split_once('\t') {
+                self.inner.hub.notify(resource.as_str(), Some(next));
             }
             Ok(true)
         })
