@@ -49,6 +49,10 @@ impl LockGuard {
         self.lease.hold_at_least(hold);
     }
 
+    pub(crate) fn clear_hold(&mut self) {
+        self.lease.clear_hold();
+    }
+
     #[cfg(test)]
     pub(crate) fn lease(&self) -> &Lease {
         &self.lease

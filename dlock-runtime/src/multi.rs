@@ -191,7 +191,12 @@ impl MultiLockRequest<'_> {
                 _ => request.on_fail(OnFail::Reject).acquire().await,
             };
             match outcome {
-                Ok(guard) => guards.push(guard),
+                Ok(mut guard) => {
+                    // The hold starts once every key is taken: a key held until then is
+                    // released at once if this future is dropped or a later key fails.
+                    guard.clear_hold();
+                    guards.push(guard);
+                }
                 Err(err) => {
                     // Given back before reporting, so the caller's next move finds them free;
                     // a release that fails goes on in the background.
@@ -208,6 +213,11 @@ impl MultiLockRequest<'_> {
                         err => err,
                     });
                 }
+            }
+        }
+        if let Some(hold) = self.hold_at_least {
+            for guard in &mut guards {
+                guard.hold_at_least(hold);
             }
         }
         Ok(MultiGuard { guards })
@@ -399,5 +409,53 @@ mod tests {
             "`a` was kept for the hold"
         );
         held.release().await.unwrap();
+    }
+
+    /// An acquire dropped midway — `a` taken, waiting for `z` — releases `a` at once, minimum
+    /// hold or not (it kept `a` locked by nobody until the hold ended), and a whole that was
+    /// taken keeps its hold.
+    #[tokio::test]
+    async fn a_dropped_acquire_gives_back_its_keys_at_once_whatever_the_hold() {
+        let locker = Locker::memory();
+        let held = locker.lock("z").acquire().await.unwrap();
+        let hold = Duration::from_secs(5);
+        let mut acquire = Box::pin(
+            locker
+                .lock_all(["a", "z"])
+                .ttl(Duration::from_secs(10))
+                .hold_at_least(hold)
+                .on_fail(crate::OnFail::retry(Duration::from_secs(10)))
+                .acquire(),
+        );
+        tokio::select! {
+            _ = &mut acquire => panic!("`z` is held"),
+            _ = async { while locker.waiting() == 0 { tokio::task::yield_now().await } } => {}
+        }
+        drop(acquire);
+        let again = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                if let Some(g) = locker.lock("a").try_acquire().await.unwrap() {
+                    break g;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("`a` was kept for the hold");
+        again.release().await.unwrap();
+        held.release().await.unwrap();
+
+        let both = locker
+            .lock_all(["a", "z"])
+            .ttl(Duration::from_secs(10))
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        both.release().await.unwrap();
+        assert!(
+            locker.lock("a").try_acquire().await.unwrap().is_none(),
+            "a whole that was taken keeps its hold"
+        );
     }
 }
