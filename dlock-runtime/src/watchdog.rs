@@ -379,6 +379,11 @@ impl Watchdog {
             // nothing changed — the lease and the TTL the watchdog renews stay as they were.
             Err(e) if e.is_invalid() => {
                 pending.armed = false;
+                // A renewal batch that came due meanwhile took the guard off the schedule and
+                // left it to this extend (it held the guard's turn): put it back.
+                if state.auto_renew && state.due.load(Ordering::Acquire) == NOT_SCHEDULED {
+                    self.schedule_at(state, self.now_ns());
+                }
                 Err(e)
             }
             // `pending` settles the unknown outcome on drop.
@@ -791,6 +796,16 @@ mod tests {
         /// Signalled as each batch arrives, and as each release has been applied.
         batch_arrived: Arc<Notify>,
         released: Arc<Notify>,
+        /// An extend to this TTL is refused as invalid, once let go.
+        refuse: Option<Refuse>,
+    }
+
+    /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid.
+    #[derive(Clone)]
+    struct Refuse {
+        ttl: Duration,
+        entered: Arc<Notify>,
+        go: Arc<Notify>,
     }
 
     #[derive(Clone, Default)]
@@ -827,6 +842,14 @@ mod tests {
             Box::pin(async move {
                 if self.down.load(Ordering::SeqCst) {
                     return Err(LockError::unavailable("down", None));
+                }
+                if let Some(refuse) = self.refuse.as_ref().filter(|f| f.ttl == ttl) {
+                    refuse.entered.notify_one();
+                    refuse.go.notified().await;
+                    return Err(LockError::InvalidTtl {
+                        ttl,
+                        reason: "refused by the test".into(),
+                    });
                 }
                 let out = self.inner.extend(r, t, ttl).await;
                 self.applied.lock().unwrap().push(ttl);
@@ -876,6 +899,48 @@ mod tests {
             .command_timeout(Duration::from_secs(10))
             .build(backend);
         (locker, gated, applied)
+    }
+
+    /// An extend refused as invalid leaves the renewals as they were, also when a renewal
+    /// batch came due while it was on its way (the batch left the guard to the extend, off the
+    /// schedule, and nothing put it back: the lease ran out mid-work).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_extend_refused_while_a_batch_came_due_keeps_the_renewals() {
+        let refuse = Refuse {
+            ttl: Duration::from_secs(7),
+            entered: Arc::new(Notify::new()),
+            go: Arc::new(Notify::new()),
+        };
+        let backend = Hooked {
+            refuse: Some(refuse.clone()),
+            ..Hooked::default()
+        };
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(backend);
+        let ttl = Duration::from_millis(300);
+        let guard = Arc::new(locker.lock("refused").ttl(ttl).acquire().await.unwrap());
+        let extend = tokio::spawn({
+            let guard = guard.clone();
+            async move { guard.extend(Duration::from_secs(7)).await }
+        });
+        refuse.entered.notified().await;
+        // The batch due at TTL/3 takes the guard off the schedule and leaves it to the extend.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while locker.renewing() != 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the batch came due");
+        refuse.go.notify_one();
+        let err = extend.await.unwrap().unwrap_err();
+        assert!(err.is_invalid(), "{err}");
+        assert!(
+            tokio::time::timeout(ttl * 4, guard.lost()).await.is_err(),
+            "the lease ran out: nothing renewed it"
+        );
+        assert!(guard.is_held());
     }
 
     /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not
