@@ -261,12 +261,15 @@ impl MultiGuard {
     }
 
     /// The fencing token of `key` (as given to [`Locker::lock_all`], or encoded), if it is one
-    /// of this guard's keys.
+    /// of this guard's keys. A key as given comes first: of `lock_all(["a b", "a%20b"])`,
+    /// `fencing_token("a%20b")` is the second key's, not the first's (whose encoded form is
+    /// `a%20b`).
     pub fn fencing_token(&self, key: &str) -> Option<u64> {
-        let encoded = LockKey::new(key).ok();
-        self.guards
-            .iter()
-            .find(|g| g.key() == key || encoded.as_ref().is_some_and(|k| g.key() == k.as_str()))
+        let find = |encoded: &str| self.guards.iter().find(|g| g.key() == encoded);
+        LockKey::new(key)
+            .ok()
+            .and_then(|given| find(given.as_str()))
+            .or_else(|| find(key))
             .map(LockGuard::fencing_token)
     }
 
@@ -409,6 +412,30 @@ mod tests {
             "`a` was kept for the hold"
         );
         held.release().await.unwrap();
+    }
+
+    /// A key as given is found before another key's encoded form that reads the same.
+    #[tokio::test]
+    async fn fencing_token_finds_a_key_as_given_first() {
+        let locker = Locker::memory();
+        let both = locker.lock_all(["a b", "a%20b"]).acquire().await.unwrap();
+        let token_of = |encoded: &str| {
+            both.guards()
+                .iter()
+                .find(|g| g.key() == encoded)
+                .map(LockGuard::fencing_token)
+        };
+        let (spaced, escaped) = (token_of("a%20b"), token_of("a%2520b"));
+        assert!(spaced.is_some() && escaped.is_some() && spaced != escaped);
+        assert_eq!(both.fencing_token("a b"), spaced);
+        assert_eq!(both.fencing_token("a%20b"), escaped);
+        assert_eq!(
+            both.fencing_token("a%2520b"),
+            escaped,
+            "an encoded key is found too"
+        );
+        assert_eq!(both.fencing_token("c"), None);
+        both.release().await.unwrap();
     }
 
     /// An acquire dropped midway — `a` taken, waiting for `z` — releases `a` at once, minimum
