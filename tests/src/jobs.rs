@@ -35,6 +35,10 @@ pub struct RecordJob {
     /// Panic on every attempt.
     #[serde(default)]
     pub panic_always: bool,
+    /// Cut the queue's connections as its last act, refusing new ones: the worker's
+    /// `Arc<Proxy>` state ([`DurableWorker::state`]) is in front of the queue.
+    #[serde(default)]
+    pub cut_queue_at_end: bool,
 }
 
 impl Job for RecordJob {
@@ -66,6 +70,11 @@ impl Job for RecordJob {
             )
             .await?;
         ctx.set_result(format!("done {}", self.id));
+        if self.cut_queue_at_end {
+            ctx.state::<Arc<crate::proxy::Proxy>>()
+                .expect("the worker's state is the queue's proxy")
+                .cut(true);
+        }
         Ok(())
     }
 }

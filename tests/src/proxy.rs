@@ -51,6 +51,8 @@ struct Shared {
     next_id: AtomicU64,
     /// Connections accepted since start (for the report).
     accepted: AtomicU64,
+    /// Connections refused since start.
+    refused: AtomicU64,
     /// Connections numbered below this one are silent ([`Proxy::silence`]).
     silent_below: AtomicU64,
 }
@@ -68,6 +70,7 @@ impl Proxy {
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             accepted: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             silent_below: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -129,6 +132,11 @@ impl Proxy {
     pub fn accepted(&self) -> u64 {
         self.shared.accepted.load(Ordering::Relaxed)
     }
+
+    /// Connections refused so far (accepted and closed at once, while refusing).
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for Proxy {
@@ -165,6 +173,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         };
         if shared.refuse.load(Ordering::Acquire) {
             drop(client);
+            shared.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         }
         shared.accepted.fetch_add(1, Ordering::Relaxed);

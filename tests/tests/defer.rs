@@ -409,6 +409,64 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
     assert_eq!(dead[0].attempts, 3);
 }
 
+/// A job that finished is acknowledged even when the queue's connection fails right then: the
+/// worker asks again until the queue answers (within the claim's visibility timeout). Once, it
+/// logged the failure and left the claim to expire, so the finished job ran again (or, on its
+/// last attempt, was dead-lettered as a crash).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_job_is_acknowledged_through_a_failed_connection() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Arc::new(Proxy::start(server.port()).await.unwrap());
+    let queue = DurableQueue::connect_with(
+        &proxy.url(),
+        "ack",
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let locker = server.locker().await;
+    let mut job = record_job(&server, 21, "ack");
+    job.cut_queue_at_end = true;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 1);
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker)
+        .register::<RecordJob>()
+        .state(proxy.clone());
+    // The job cuts the queue's connection as it ends; the ack fails while new connections are
+    // refused (the connection manager's reconnects count them), then they are let through.
+    let reopen = tokio::spawn({
+        let proxy = proxy.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(10), async {
+                while proxy.refused() < 3 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("reconnects were refused");
+            proxy.allow();
+        }
+    });
+    worker.run_once().await.unwrap();
+    reopen.await.unwrap();
+    // Read within the visibility timeout (no other worker could take the job over by then);
+    // the first command on the queue's remade connection may still fail.
+    let status = wait_for("the queue to answer", Duration::from_secs(3), async || {
+        queue.status(&id).await.ok()
+    })
+    .await;
+    assert_eq!(
+        status,
+        JobStatus::Completed {
+            result: Some("done 21".into())
+        },
+        "the finished job was not acknowledged"
+    );
+    assert_eq!(runs(&server, 21).await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purging_a_job_that_is_not_a_dead_letter_leaves_it_to_run() {
     let (server, locker, queue) = start_queue("purge").await;

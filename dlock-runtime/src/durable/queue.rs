@@ -350,7 +350,10 @@ impl DurableQueue {
         ) = self
             .deadline(
                 "status",
+                // One transaction (the keys share a hash tag): read apart, a job moved from
+                // `inflight` back to `due` between the reads was in neither, `Unknown` (404).
                 redis::pipe()
+                    .atomic()
                     .zscore(self.key("due"), id)
                     .zscore(self.key("inflight"), id)
                     .zscore(self.key("dead"), id)

@@ -174,6 +174,33 @@ impl DurableWorker {
             .await;
     }
 
+    /// Runs `step` — an owner-checked step on the job's claim (ack, retry, dead-letter) — until
+    /// the queue answers it, for as long as the claim may still be this worker's (the
+    /// visibility timeout). One failed command (a timeout, a dropped connection) would otherwise
+    /// leave the claim to expire: a finished job would run again, or on its last attempt be
+    /// dead-lettered as a crash. Each step checks the claim's token, so one that took effect
+    /// but whose answer was lost is answered "taken over" the next time, and changes nothing.
+    async fn settle<T, F: Future<Output = Result<T, LockError>>>(
+        &self,
+        what: &str,
+        claim: &Claimed,
+        mut step: impl FnMut() -> F,
+    ) -> Result<T, LockError> {
+        let give_up = tokio::time::Instant::now() + self.queue.inner.visibility;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match step().await {
+                Ok(v) => return Ok(v),
+                Err(e) if tokio::time::Instant::now() + pause < give_up => {
+                    tracing::debug!(error = %e, job_id = %claim.id, what, "dlock job worker: settling the claim failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     async fn finish_failed(
         &self,
         claim: &Claimed,
@@ -184,8 +211,10 @@ impl DurableWorker {
         uncounted: bool,
     ) {
         match self
-            .queue
-            .retry(claim, delay, max_attempts, reason, uncounted)
+            .settle("retry", claim, || {
+                self.queue
+                    .retry(claim, delay, max_attempts, reason, uncounted)
+            })
             .await
         {
             Ok(Retried::DeadLettered) => event("dead_lettered", info),
@@ -317,14 +346,17 @@ impl DurableWorker {
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take()
                     .unwrap_or_default();
-                match self.queue.ack(&claim, &recorded).await {
+                match self
+                    .settle("ack", &claim, || self.queue.ack(&claim, &recorded))
+                    .await
+                {
                     Ok(true) => event("completed", &info(&env.key)),
                     Ok(false) => tracing::warn!(
                         job_id = %claim.id,
                         "dlock job worker: the job ran, but its claim had been taken over; not acknowledged"
                     ),
                     Err(e) => {
-                        tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed; the job may run again")
+                        tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed until the claim's visibility timeout; the job may run again")
                     }
                 }
             }
