@@ -662,21 +662,47 @@ async fn a_timed_out_call_never_hands_its_busy_connection_to_a_later_call() {
     g.release().await.unwrap();
 }
 
-/// The backend under test, whose undos (`abandon`) wait until the test says `go` and are
-/// counted once they have run.
-struct HeldUndos {
+/// The backend under test with hooks: with `attempts`, each attempt waits for a permit from
+/// the gate and is counted once answered; with `undos`, each undo (`abandon`) waits until the
+/// test says go and is counted once it has run.
+struct Hooked {
     inner: PostgresBackend,
-    go: tokio::sync::watch::Receiver<bool>,
-    undone: tokio::sync::watch::Sender<u32>,
+    attempts: Option<(Arc<tokio::sync::Semaphore>, tokio::sync::watch::Sender<u32>)>,
+    undos: Option<(
+        tokio::sync::watch::Receiver<bool>,
+        tokio::sync::watch::Sender<u32>,
+    )>,
 }
 
-impl Backend for HeldUndos {
+impl Hooked {
+    fn new(inner: PostgresBackend) -> Self {
+        Hooked {
+            inner,
+            attempts: None,
+            undos: None,
+        }
+    }
+}
+
+impl Backend for Hooked {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
 
+    fn lease_margin(&self, ttl: Duration) -> Duration {
+        self.inner.lease_margin(ttl)
+    }
+
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-        self.inner.acquire(args)
+        Box::pin(async move {
+            let Some((gate, answered)) = &self.attempts else {
+                return self.inner.acquire(args).await;
+            };
+            gate.acquire().await.expect("gate").forget();
+            let out = self.inner.acquire(args).await;
+            answered.send_modify(|n| *n += 1);
+            out
+        })
     }
 
     fn release<'a>(
@@ -709,14 +735,24 @@ impl Backend for HeldUndos {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<(), LockError>> {
         Box::pin(async move {
-            let mut go = self.go.clone();
-            let _ = go.wait_for(|go| *go).await;
+            let Some((go, undone)) = &self.undos else {
+                return self.inner.abandon(resource, token).await;
+            };
+            let _ = go.clone().wait_for(|go| *go).await;
             let out = self.inner.abandon(resource, token).await;
             if out.is_ok() {
-                self.undone.send_modify(|n| *n += 1);
+                undone.send_modify(|n| *n += 1);
             }
             out
         })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        self.inner.watch(resource, token)
     }
 }
 
@@ -730,10 +766,9 @@ async fn an_undo_lands_after_the_timed_out_acquire_it_undoes() {
     let (undone, mut undos) = tokio::sync::watch::channel(0u32);
     let locker = Locker::builder()
         .command_timeout(limit)
-        .try_build(HeldUndos {
-            inner: backend.clone(),
-            go,
-            undone,
+        .try_build(Hooked {
+            undos: Some((go, undone)),
+            ..Hooked::new(backend.clone())
         })
         .unwrap();
     // The acquire reaches the database a second after it was sent: long after it timed out.
@@ -773,73 +808,6 @@ async fn an_undo_lands_after_the_timed_out_acquire_it_undoes() {
 
 // ---- batched renewals and names -------------------------------------------------------------
 
-/// The backend under test, whose attempts each wait for a permit from `gate` and are counted
-/// in `answered` once answered.
-struct GatedAttempts {
-    inner: PostgresBackend,
-    gate: Arc<tokio::sync::Semaphore>,
-    answered: tokio::sync::watch::Sender<u32>,
-}
-
-impl Backend for GatedAttempts {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn lease_margin(&self, ttl: Duration) -> Duration {
-        self.inner.lease_margin(ttl)
-    }
-
-    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
-        Box::pin(async move {
-            self.gate.acquire().await.expect("gate").forget();
-            let out = self.inner.acquire(args).await;
-            self.answered.send_modify(|n| *n += 1);
-            out
-        })
-    }
-
-    fn release<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<bool, LockError>> {
-        self.inner.release(resource, token)
-    }
-
-    fn extend<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<bool, LockError>> {
-        self.inner.extend(resource, token, ttl)
-    }
-
-    fn extend_many<'a>(
-        &'a self,
-        items: &'a [ExtendItem],
-    ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
-        self.inner.extend_many(items)
-    }
-
-    fn abandon<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
-        self.inner.abandon(resource, token)
-    }
-
-    fn watch<'a>(
-        &'a self,
-        resource: &'a ResourceName,
-        token: &'a OwnerToken,
-    ) -> BoxFuture<'a, Result<Watch, LockError>> {
-        self.inner.watch(resource, token)
-    }
-}
-
 /// A release's handoff whose notification comes late — after the waiter's next attempt found
 /// the handed-over lease lapsed and the lock gone to the next in line — is not a grant: the
 /// waiter asks, and waits behind the new holder. (Notifications come on the LISTEN connection,
@@ -856,10 +824,9 @@ async fn a_late_handoff_notification_is_not_a_grant() {
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let (answered, mut answers) = tokio::sync::watch::channel(0u32);
     let w = Locker::builder()
-        .try_build(GatedAttempts {
-            inner: late.clone(),
-            gate: gate.clone(),
-            answered,
+        .try_build(Hooked {
+            attempts: Some((gate.clone(), answered)),
+            ..Hooked::new(late.clone())
         })
         .unwrap();
     let (others, prompt) = locker_at(&direct_url("postgres"), Duration::from_secs(5)).await;
