@@ -31,7 +31,8 @@
 //!   from that attempt. Notifications on a connection of their own can come late, after an
 //!   attempt that found the handed-over lease lapsed and the lock another's; such a backend
 //!   wakes the waiter instead ([`ReleaseHub::notify`]), which asks and is granted what is
-//!   already its own (Postgres).
+//!   already its own (Postgres, and Redis Cluster, whose subscriptions have connections of
+//!   their own).
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
 //! * [`acquire_kind`](Backend::acquire_kind) (optional): semaphores and read-write locks

@@ -688,12 +688,11 @@ async fn wait_for(
             let now = Instant::now();
             // A handoff noted before this answer came is stale: had it still stood when the
             // attempt reached the backend, the attempt would have found the lock this
-            // waiter's and been granted it. On Redis the pushes come on the attempt's
-            // connection, in order, so one that came first was published before the attempt
-            // ran; taken, it made a second holder once its lease had lapsed and another waiter
-            // had the lock. Elsewhere (a notification on another connection) a handoff made
-            // after the attempt may come first too: dropped, its wake-up is still stored, and
-            // the next attempt finds the lock this waiter's and takes it — one round trip more.
+            // waiter's and been granted it. On one Redis server (or Sentinel's master) the
+            // pushes come on the attempt's connection, in order, so one that came first was
+            // published before the attempt ran; taken, it made a second holder once its lease
+            // had lapsed and another waiter had the lock. Backends whose notifications come on
+            // another connection only wake the waiter (see `Backend`'s module docs).
             if let Some(w) = &watch {
                 let _ = w.take_handoff();
             }

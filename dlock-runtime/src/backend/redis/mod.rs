@@ -399,8 +399,9 @@ impl RedisBackend {
         url: &str,
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
-        // Whether a grant published by a release is taken as one (a single server). A Redlock
-        // node's grant is one node's vote, so there it only wakes the waiter.
+        // Whether a grant published by a release is taken as one (a single server, whose
+        // pushes come on the attempts' connection). A Redlock node's grant is one node's
+        // vote, so there it only wakes the waiter.
         handoff: bool,
     ) -> Result<Self, LockError> {
         // The URL may carry a password: never put it in an error message.
@@ -450,7 +451,12 @@ impl RedisBackend {
     #[cfg(feature = "cluster")]
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
         let hub = ReleaseHub::new();
-        let (me, push) = push_handler(&hub, true);
+        // A grant published by a release only wakes the waiter: the pushes come on the
+        // subscriptions' own connections, not in order with the answers to the waiter's
+        // attempts (see `Backend`'s module docs), so a late one could name a handed-over lease
+        // that lapsed before the waiter's last attempt. Woken, the waiter asks and is granted
+        // what is already its own.
+        let (me, push) = push_handler(&hub, false);
         // The URLs may carry a password: never put them in an error message.
         let invalid = |e: RedisError| {
             LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
