@@ -174,7 +174,7 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// `ttl`), counted from `clock_ms` milliseconds before the request could have reached it: a
 /// clock read in whole milliseconds is up to 1 ms behind. The local lease clock starts when the
 /// request is sent, so with this margin it ends before the server lets anyone else in.
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "zookeeper"))]
 pub(crate) fn whole_ms_margin(ttl: Duration, clock_ms: u64) -> Duration {
     let below_ms = ttl.saturating_sub(Duration::from_millis(
         u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),

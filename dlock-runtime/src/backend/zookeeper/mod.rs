@@ -69,7 +69,8 @@
 //! server may expire its session — deleting its node — as early as one session timeout after
 //! the last request it answered. So the local lease clock of a lock never counts on more than
 //! the negotiated session timeout ([`Backend::lease_margin`] is `ttl − session timeout` for
-//! longer TTLs): [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session
+//! longer TTLs; for shorter ones, the part of the TTL below a millisecond and one more, as
+//! leases are whole milliseconds from a `mtime` in whole milliseconds): [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session
 //! timeout by the local clock, before the server can let the next holder in. A TTL above twice
 //! the session timeout is refused with [`LockError::InvalidTtl`], by an acquire and by an
 //! extend alike (the lease then stays as it was; the watchdog renews every
@@ -1626,7 +1627,10 @@ impl Backend for ZkBackend {
     }
 
     fn lease_margin(&self, ttl: Duration) -> Duration {
+        // A lease is whole milliseconds from a node's `mtime` (the leader's clock, in whole
+        // milliseconds), as on Redis.
         ttl.saturating_sub(self.session.timeout())
+            .max(crate::util::whole_ms_margin(ttl, 1))
     }
 
     fn admin(&self) -> Option<&dyn super::AdminStore> {
