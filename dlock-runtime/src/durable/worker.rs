@@ -175,26 +175,30 @@ impl DurableWorker {
     }
 
     /// Runs `step` — an owner-checked step on the job's claim (ack, retry, dead-letter) — until
-    /// the queue answers it, for as long as the claim may still be this worker's (the
-    /// visibility timeout). One failed command (a timeout, a dropped connection) would otherwise
-    /// leave the claim to expire: a finished job would run again, or on its last attempt be
-    /// dead-lettered as a crash. Each step checks the claim's token, so one that took effect
-    /// but whose answer was lost is answered "taken over" the next time, and changes nothing.
+    /// the queue answers it, for up to the visibility timeout from now (the claim, last
+    /// refreshed by a heartbeat before now, expires no later). One failed command (a timeout,
+    /// a dropped connection) would otherwise leave the claim to expire: a finished job would
+    /// run again, or on its last attempt be dead-lettered as a crash. Each step checks the
+    /// claim's token, so one that took effect but whose answer was lost is answered "not this
+    /// claim's" the next time, and changes nothing. Answers whether `step` was sent more than
+    /// once (such a "not this claim's" answer is then not known to be a takeover).
     async fn settle<T, F: Future<Output = Result<T, LockError>>>(
         &self,
         what: &str,
         claim: &Claimed,
         mut step: impl FnMut() -> F,
-    ) -> Result<T, LockError> {
+    ) -> Result<(T, bool), LockError> {
         let give_up = tokio::time::Instant::now() + self.queue.inner.visibility;
         let mut pause = Duration::from_millis(20);
+        let mut repeated = false;
         loop {
             match step().await {
-                Ok(v) => return Ok(v),
+                Ok(v) => return Ok((v, repeated)),
                 Err(e) if tokio::time::Instant::now() + pause < give_up => {
                     tracing::debug!(error = %e, job_id = %claim.id, what, "dlock job worker: settling the claim failed; trying again");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
+                    repeated = true;
                 }
                 Err(e) => return Err(e),
             }
@@ -217,11 +221,15 @@ impl DurableWorker {
             })
             .await
         {
-            Ok(Retried::DeadLettered) => event("dead_lettered", info),
-            Ok(Retried::Requeued) => event("retried", info),
-            Ok(Retried::Stale) => tracing::warn!(
+            Ok((Retried::DeadLettered, _)) => event("dead_lettered", info),
+            Ok((Retried::Requeued, _)) => event("retried", info),
+            Ok((Retried::Stale, false)) => tracing::warn!(
                 job_id = %claim.id,
                 "dlock job worker: the job's claim was taken over; leaving it to its new worker"
+            ),
+            Ok((Retried::Stale, true)) => tracing::warn!(
+                job_id = %claim.id,
+                "dlock job worker: putting the job back failed, then found its claim gone: the first try landed, or the claim was taken over"
             ),
             Err(e) => {
                 tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: retry failed; the claim will expire")
@@ -350,11 +358,13 @@ impl DurableWorker {
                     .settle("ack", &claim, || self.queue.ack(&claim, &recorded))
                     .await
                 {
-                    Ok(true) => event("completed", &info(&env.key)),
-                    Ok(false) => tracing::warn!(
+                    Ok((true, _)) => event("completed", &info(&env.key)),
+                    Ok((false, false)) => tracing::warn!(
                         job_id = %claim.id,
                         "dlock job worker: the job ran, but its claim had been taken over; not acknowledged"
                     ),
+                    // The ack's first try may have landed with its answer lost: completed.
+                    Ok((false, true)) => event("completed", &info(&env.key)),
                     Err(e) => {
                         tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed until the claim's visibility timeout; the job may run again")
                     }
