@@ -19,7 +19,8 @@ pub(crate) fn original<'a>(uri: &'a Uri, extensions: &'a Extensions) -> &'a Uri 
 }
 
 /// `path` in one spelling per resource: two paths a router hands the same path parameters
-/// get the same string, and two it hands different ones do not. Routers (axum, actix-web)
+/// get the same string (but for a catch-all parameter, which also decodes `%2F`), and two it
+/// hands different ones do not. Routers (axum, actix-web)
 /// decode every escape in a path parameter, so `/orders/%34%32` reaches the handler of
 /// `/orders/42` and `/users/a%40b` the handler of `/users/a@b`: keyed by the raw path, each pair
 /// would take two locks for one resource.

@@ -834,7 +834,7 @@ async fn a_late_handoff_notification_is_not_a_grant() {
     let hang = Duration::from_secs(5);
 
     let key = "handoff:late:k";
-    let ttl = Duration::from_millis(20);
+    let ttl = Duration::from_millis(150);
     let retry = OnFail::Retry(
         RetryPolicy::new(Duration::from_secs(20))
             .backoff(Duration::from_millis(5), Duration::from_millis(10)),
@@ -863,10 +863,22 @@ async fn a_late_handoff_notification_is_not_a_grant() {
         (others.waiting() == 1).then_some(())
     })
     .await;
-    // The release hands the lock to W, whose notification comes a second late; the 20 ms
+    // The release hands the lock to W, whose notification comes a second late; the 150 ms
     // handoff lease lapses and X, next in line, takes the lock (renewed while held).
     proxy.set_latency(Duration::from_secs(1));
+    let admin = others.admin().unwrap();
+    let line = admin.inspect(key).await.unwrap().waiters;
+    assert_eq!(line.len(), 2, "W and X wait: {line:?}");
     holder.release().await.unwrap();
+    // The release handed the lock to W, first in line (else the set-up outlived W's queue
+    // entry, and this test checks nothing).
+    let state = admin.inspect(key).await.unwrap();
+    let to = state.holder.map(|h| h.token_prefix);
+    assert!(
+        to.as_ref() == Some(&line[0].token_prefix) || to.is_none(),
+        "the lock went to {to:?}, not W ({})",
+        line[0].token_prefix
+    );
     let x = tokio::time::timeout(hang, next)
         .await
         .expect("X gets the lock once W's handoff lapsed")

@@ -13,7 +13,10 @@ use super::{combinators, ExtractKey, Extracted, Key};
 /// `/users/a%40b` and `/users/a@b`, `/items/中` sent raw and `/items/%E4%B8%AD`. Every escape is
 /// decoded and written back one way (the characters a path segment may hold as they are
 /// literally, every other byte as `%XX` in upper case); an escaped `/` (`%2F`) is not a
-/// separator to a router, so it stays escaped and `/a%2Fb` keeps its own lock.
+/// separator to a router, so it stays escaped and `/a%2Fb` keeps its own lock (a catch-all
+/// route, `/{*rest}`, hands the handler `a/b` for both: key such routes by the parameter,
+/// `key::path_params`, feature `axum`). A non-ASCII character counts three bytes per
+/// UTF-8 byte against the key's length bound.
 ///
 /// Behind an axum router, [`matched_path`](crate::key::matched_path) (feature `axum`) keys by
 /// the route template instead (`/users/{id}` rather than `/users/42`).
