@@ -193,7 +193,8 @@ impl MultiLockRequest<'_> {
             match outcome {
                 Ok(mut guard) => {
                     // The hold starts once every key is taken: a key held until then is
-                    // released at once if this future is dropped or a later key fails.
+                    // released at once if this future is dropped or a later key fails. (The
+                    // request still carries the hold, which it checks against the TTL.)
                     guard.clear_hold();
                     guards.push(guard);
                 }

@@ -33,9 +33,9 @@
 //! So every job runs **at least once**. It can run twice only if its worker lost contact (died,
 //! froze, or was cut off from Redis) for longer than the visibility timeout while running it, or
 //! before it could acknowledge it (a failed acknowledgement is sent again for up to the
-//! visibility timeout): that window is the at-least-once window. The job's lock narrows the damage (the two runs do not
-//! overlap while the first still holds the lock), and [`JobContext::fencing_token`] lets the job's
-//! writes reject the stale run; [`JobContext::attempt`] tells a job it is being retried.
+//! visibility timeout): that window is the at-least-once window. The job's lock narrows the
+//! damage (the two runs do not overlap while the first still holds the lock), and
+//! [`JobContext::fencing_token`] lets the job's writes reject the stale run; [`JobContext::attempt`] tells a job it is being retried.
 //!
 //! A job whose lock is busy, or which returns an error or panics, is put back with the policy's
 //! backoff; after `max_attempts` claims it moves to the dead-letter set, where

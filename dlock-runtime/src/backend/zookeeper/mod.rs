@@ -70,8 +70,9 @@
 //! the last request it answered. So the local lease clock of a lock never counts on more than
 //! the negotiated session timeout ([`Backend::lease_margin`] is `ttl − session timeout` for
 //! longer TTLs; for shorter ones, the part of the TTL below a millisecond and one more, as
-//! leases are whole milliseconds from a `mtime` in whole milliseconds): [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session
-//! timeout by the local clock, before the server can let the next holder in. A TTL above twice
+//! leases are whole milliseconds from a `mtime` in whole milliseconds):
+//! [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session timeout by
+//! the local clock, before the server can let the next holder in. A TTL above twice
 //! the session timeout is refused with [`LockError::InvalidTtl`], by an acquire and by an
 //! extend alike (the lease then stays as it was; the watchdog renews every
 //! TTL/3, which must come before the session's bound); raise the server's `maxSessionTimeout`
