@@ -136,7 +136,7 @@ enum Failure {
 
 impl From<LockError> for Failure {
     fn from(e: LockError) -> Self {
-        if e.is_unavailable() || e.is_invalid() || e.is_unsupported() {
+        if e.is_unavailable() || e.is_misconfigured() || e.is_invalid() || e.is_unsupported() {
             Failure::Usage(e.to_string())
         } else {
             Failure::NotDone(e.to_string())

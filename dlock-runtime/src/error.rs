@@ -14,7 +14,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | [`Contended`](LockError::Contended) | someone else holds the lock (one attempt was made) | 409 + `Retry-After` |
 /// | [`Timeout`](LockError::Timeout) | waited until the deadline, still held by someone else | 409 + `Retry-After` |
 /// | [`Deferred`](LockError::Deferred) | the work was queued to run when the lock frees | 202 |
-/// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time or refused | 503 + `Retry-After` |
+/// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time, or failed in a way that can pass (a failover, a restart, overload) | 503 + `Retry-After` |
+/// | [`Misconfigured`](LockError::Misconfigured) | the backend refused in a way retrying does not change: authentication failed, no permission, the database or schema missing, the key holding other data | 500 |
 /// | [`QueueFull`](LockError::QueueFull) | the lock was busy and the defer queue is at its bound | 503 + `Retry-After` |
 /// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
@@ -70,6 +71,22 @@ pub enum LockError {
     #[non_exhaustive]
     Unavailable {
         /// What failed, without secrets (no owner tokens, no passwords).
+        message: String,
+        /// The underlying error, if any.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// The backend cannot be used as configured, and retrying does not change that: its URL is
+    /// invalid, the credentials are wrong, the user lacks a permission (a Redis ACL, a Postgres
+    /// grant, an etcd role, a ZooKeeper ACL), the database, schema or table is missing, or the
+    /// key holds data that is not this crate's. An operator has to act, so it is not an outage:
+    /// a wait [through outages](crate::RetryPolicy::through_outages) ends with it at once, a
+    /// fail-open layer does not open on it, and a durable job it stops counts the attempt
+    /// (it is dead-lettered after its attempts rather than put back for ever). HTTP 500.
+    #[error("lock backend refused the request: {message}")]
+    #[non_exhaustive]
+    Misconfigured {
+        /// What was refused, without secrets (no owner tokens, no passwords).
         message: String,
         /// The underlying error, if any.
         #[source]
@@ -151,6 +168,37 @@ impl LockError {
         LockError::Unavailable {
             message: message.into(),
             source,
+        }
+    }
+
+    pub(crate) fn misconfigured(message: impl Into<String>, source: Option<BoxError>) -> Self {
+        LockError::Misconfigured {
+            message: message.into(),
+            source,
+        }
+    }
+
+    /// A backend's failure: [`Misconfigured`](LockError::Misconfigured) when `permanent` (the
+    /// backend refused in a way retrying does not change), else
+    /// [`Unavailable`](LockError::Unavailable).
+    #[cfg_attr(
+        not(any(
+            feature = "redis",
+            feature = "postgres",
+            feature = "etcd",
+            feature = "zookeeper"
+        )),
+        allow(dead_code)
+    )]
+    pub(crate) fn backend(
+        message: impl Into<String>,
+        source: Option<BoxError>,
+        permanent: bool,
+    ) -> Self {
+        if permanent {
+            LockError::misconfigured(message, source)
+        } else {
+            LockError::unavailable(message, source)
         }
     }
 
@@ -271,6 +319,12 @@ impl LockError {
         matches!(self, LockError::Unavailable { .. })
     }
 
+    /// The backend refused the request in a way retrying does not change
+    /// ([`Misconfigured`](LockError::Misconfigured)).
+    pub fn is_misconfigured(&self) -> bool {
+        matches!(self, LockError::Misconfigured { .. })
+    }
+
     /// The defer queue was full ([`QueueFull`](LockError::QueueFull)).
     pub fn is_queue_full(&self) -> bool {
         matches!(self, LockError::QueueFull { .. })
@@ -331,6 +385,7 @@ impl LockError {
             LockError::InvalidTtl { .. }
             | LockError::InvalidPermits { .. }
             | LockError::NoLocker
+            | LockError::Misconfigured { .. }
             | LockError::Unsupported { .. }
             | LockError::Reentrant { .. } => 500,
         }
@@ -386,6 +441,9 @@ impl LockError {
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
             LockError::InvalidPermits { .. } => ("lock-invalid-permits", "Internal Server Error"),
             LockError::NoLocker => ("lock-not-configured", "Internal Server Error"),
+            LockError::Misconfigured { .. } => {
+                ("lock-backend-misconfigured", "Internal Server Error")
+            }
             LockError::Unsupported { .. } => ("lock-unsupported", "Internal Server Error"),
             LockError::Reentrant { .. } => ("lock-reentrant", "Internal Server Error"),
             LockError::Deferred { .. } => ("deferred", "Accepted"),
@@ -410,6 +468,7 @@ impl LockError {
             LockError::InvalidTtl { .. }
             | LockError::InvalidPermits { .. }
             | LockError::NoLocker
+            | LockError::Misconfigured { .. }
             | LockError::Unsupported { .. }
             | LockError::Reentrant { .. } => "the lock is misconfigured on the server".to_owned(),
             LockError::Deferred { .. } => String::new(),
@@ -544,6 +603,17 @@ mod tests {
         assert!(full
             .problem_json()
             .starts_with("{\"type\":\"urn:dlock:problem:defer-queue-full\""));
+        let refused = LockError::backend("redis lock: NOPERM", None, true);
+        assert_eq!(refused.status(), 500);
+        assert!(refused.is_misconfigured() && !refused.is_unavailable());
+        assert_eq!(refused.retry_after_secs(), None);
+        let body = refused.problem_json();
+        assert!(
+            body.starts_with("{\"type\":\"urn:dlock:problem:lock-backend-misconfigured\"")
+                && !body.contains("NOPERM"),
+            "{body}"
+        );
+        assert!(LockError::backend("down", None, false).is_unavailable());
         let deferred = LockError::Deferred {
             key: "k".into(),
             job_id: "j1".into(),

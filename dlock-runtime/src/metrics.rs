@@ -16,7 +16,7 @@
 //! | metric | kind | labels | what |
 //! |---|---|---|---|
 //! | `dlock_acquire_attempts_total` | counter | `backend`, `name` | acquire calls sent to the backend (a waiter makes several) |
-//! | `dlock_acquire_total` | counter | `backend`, `name`, `outcome` | requests by outcome: `acquired`, `contended` (held by another, no wait), `timeout` (gave up waiting), `unavailable` (backend down or too slow), `deferred`, `error` (invalid key or TTL, unsupported, defer queue full) |
+//! | `dlock_acquire_total` | counter | `backend`, `name`, `outcome` | requests by outcome: `acquired`, `contended` (held by another, no wait), `timeout` (gave up waiting), `unavailable` (backend down or too slow), `deferred`, `error` (invalid key or TTL, unsupported, a backend that refused for good (`Misconfigured`), defer queue full) |
 //! | `dlock_acquire_wait_seconds` | histogram | `backend`, `name` | from the request to holding the lock, for acquired requests |
 //! | `dlock_hold_seconds` | histogram | `backend`, `name` | from holding a lock to its release, drop or loss |
 //! | `dlock_locks_held` | gauge | `backend`, `name` | locks this process holds now (guards and idempotent operations) |

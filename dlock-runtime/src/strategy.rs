@@ -130,7 +130,8 @@ impl RetryPolicy {
     /// Keep waiting through outages (`true`), or end the wait at the first
     /// [`LockError::Unavailable`](crate::LockError::Unavailable) (`false`, the default).
     ///
-    /// With it on, an attempt the backend did not answer — refused, timed out, failed over —
+    /// With it on, an attempt the backend did not answer — connection refused, timed out,
+    /// failed over —
     /// is made again after the fallback backoff (at least 10 ms), by the same owner token,
     /// until the deadline. Such an attempt may still have taken the lock; the next one by the
     /// same token is granted it (every backend answers an attempt by the lock's own holder with
@@ -144,10 +145,11 @@ impl RetryPolicy {
     ///   auto-renewal) is released and asked for again with a new owner token.
     ///
     /// A deadline that passes during the outage ends the wait with the last `Unavailable` error
-    /// (503): whether the lock was free is not known. Every `Unavailable` counts as an outage,
-    /// including a refusal that retrying cannot fix (a Redis ACL without the scripts'
-    /// commands): such a wait ends at its deadline, so keep the deadline finite — with
-    /// `Duration::MAX` it waits for the backend as long as it takes.
+    /// (503): whether the lock was free is not known. A refusal that retrying cannot fix — a
+    /// wrong password, a Redis ACL, a Postgres grant, an etcd role or a ZooKeeper ACL without
+    /// the lock keys, a missing schema — is no outage: it ends the wait at once with
+    /// [`LockError::Misconfigured`](crate::LockError::Misconfigured) (500). With
+    /// `Duration::MAX` the wait lasts as long as the outage does.
     ///
     /// ```
     /// # use dlock_runtime::{OnFail, RetryPolicy};

@@ -17,6 +17,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 /// |---|---|---|
 /// | the lock is held ([`LockError::Contended`], [`LockError::Timeout`]) | 409 + `Retry-After` | `urn:dlock:problem:lock-contended` / `lock-timeout` |
 /// | the backend is down and the layer fails closed | 503 + `Retry-After` | `urn:dlock:problem:lock-backend-unavailable` |
+/// | the backend refuses for good ([`LockError::Misconfigured`]: wrong credentials, no permission), in either fail mode | 500 | `urn:dlock:problem:lock-backend-misconfigured` |
 /// | the key is invalid (oversized, empty, not UTF-8, repeated header) | 400 | `urn:dlock:problem:lock-invalid-key` |
 /// | the key is missing and [`MissingKey::Reject`](crate::MissingKey::Reject) | 400 | `urn:dlock:problem:lock-key-missing` |
 /// | [`IdempotencyLayer`](crate::IdempotencyLayer): an identity is configured and the request has none ([`MissingIdentity::Reject`](crate::MissingIdentity::Reject)) | 401 | `urn:dlock:problem:idempotency-identity-missing` |

@@ -341,6 +341,37 @@ async fn backend_down_fails_closed_or_open() {
     assert_eq!(*saw_lock.lock().unwrap(), [false, false]);
 }
 
+/// A backend that refuses for good (an ACL without the lock keys) is no outage: fail-closed
+/// and fail-open layers both answer 500 (`lock-backend-misconfigured`, no `Retry-After`), and
+/// the service is never called — fail-open would have run every request unlocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_refuses_for_good_fails_closed_in_either_mode() {
+    let redis = RedisServer::start();
+    let url = redis.confined_user_url("confined").await;
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(300))
+        .connect(&url)
+        .await
+        .unwrap();
+    let saw_lock = Arc::new(Mutex::new(Vec::new()));
+    let inner = served_recording_locks(&saw_lock);
+    let layer = DistributedLockLayer::new(locker, key::header("idempotency-key")).ttl(TTL);
+    for mode in [FailMode::Closed, FailMode::Open] {
+        let svc = ServiceBuilder::new()
+            .layer(layer.clone().fail_mode(mode))
+            .service(inner.clone());
+        let res = svc.oneshot(idem("refused")).await.unwrap();
+        assert_problem(&res, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(res.headers().get("retry-after").is_none(), "{mode:?}");
+        let body = text(res).await;
+        assert!(
+            body.contains("urn:dlock:problem:lock-backend-misconfigured"),
+            "{mode:?}: {body}"
+        );
+    }
+    assert!(saw_lock.lock().unwrap().is_empty(), "the service ran");
+}
+
 /// The body digest hands the handler the exact bytes and keys by their SHA-256; a body over
 /// the limit (declared or streamed) is answered 413 without calling the handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

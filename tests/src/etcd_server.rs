@@ -424,6 +424,39 @@ impl EtcdCluster {
     }
 }
 
+impl EtcdCluster {
+    /// Adds the user `name` (password `password`) with read and write permission only on the
+    /// keys under `other/` — none of a locker's. Before [`enable_auth`](Self::enable_auth).
+    ///
+    /// # Panics
+    /// If a step fails.
+    pub fn add_confined_user(&self, name: &str, password: &str) {
+        let port = self.members[0].client_port;
+        // The gateway takes bytes as base64: `other/` and its range end `other0`.
+        let (key, end) = ("b3RoZXIv", "b3RoZXIw");
+        let steps = [
+            ("/v3/auth/role/add", format!(r#"{{"name":"{name}"}}"#)),
+            (
+                "/v3/auth/role/grant",
+                format!(
+                    r#"{{"name":"{name}","perm":{{"permType":"READWRITE","key":"{key}","range_end":"{end}"}}}}"#
+                ),
+            ),
+            (
+                "/v3/auth/user/add",
+                format!(r#"{{"name":"{name}","password":"{password}"}}"#),
+            ),
+            (
+                "/v3/auth/user/grant",
+                format!(r#"{{"user":"{name}","role":"{name}"}}"#),
+            ),
+        ];
+        for (path, body) in steps {
+            assert!(post_body(port, path, &body).is_some(), "etcd {path} failed");
+        }
+    }
+}
+
 /// POSTs `{}` to a gRPC-gateway path of the member on `port`; the body, when it answers 200.
 fn post(port: u16, path: &str) -> Option<String> {
     post_body(port, path, "{}")

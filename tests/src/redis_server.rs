@@ -261,6 +261,27 @@ impl RedisServer {
             .expect("connect to redis")
     }
 
+    /// Adds the ACL user `user` (password `pw`), who may run every command but only on keys
+    /// under `other:` — none of a locker's — and returns a URL that signs in as it: a server
+    /// that refuses a locker's commands for good (`NOPERM`).
+    ///
+    /// # Panics
+    /// If the server refuses the `ACL SETUSER`.
+    pub async fn confined_user_url(&self, user: &str) -> String {
+        let mut setuser = redis::cmd("ACL");
+        setuser
+            .arg("SETUSER")
+            .arg(user)
+            .arg("reset")
+            .arg("on")
+            .arg(">pw")
+            .arg("~other:*")
+            .arg("&*")
+            .arg("+@all");
+        let () = self.query(&setuser).await;
+        format!("redis://{user}:pw@127.0.0.1:{}", self.port)
+    }
+
     /// Runs one command on a new connection ([`conn`](Self::conn)) and returns its reply, e.g.
     /// `server.query::<i64>(redis::cmd("DEL").arg(key))`.
     ///

@@ -224,3 +224,35 @@ pub async fn acknowledged_again(locker: &Locker, key: &str, rounds: usize, bound
         assert!(took < bound, "acknowledged acquire {round} took {took:?}");
     }
 }
+
+/// Asserts that `locker`'s backend refuses `key` for good: a try is `Misconfigured` (500, no
+/// `Retry-After`), and a 30 s wait through outages ends with it at once — within a sixth of
+/// its deadline, where a refusal taken for an outage retried until the deadline.
+///
+/// # Panics
+/// If an answer is anything else, or the wait lasts.
+pub async fn refused_at_once(locker: &Locker, key: &str) {
+    use dlock_runtime::{OnFail, RetryPolicy};
+    let err = locker
+        .lock(key)
+        .try_acquire()
+        .await
+        .expect_err("a backend that refuses the lock keys granted a lock");
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    assert_eq!(err.retry_after_secs(), None);
+    let wait = Duration::from_secs(30);
+    let start = Instant::now();
+    let err = locker
+        .lock(key)
+        .on_fail(OnFail::Retry(RetryPolicy::new(wait).through_outages(true)))
+        .acquire()
+        .await
+        .expect_err("a backend that refuses the lock keys granted a lock");
+    let took = start.elapsed();
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(
+        took < wait / 6,
+        "waited {took:?} of its {wait:?} for a refusal"
+    );
+}

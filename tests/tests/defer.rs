@@ -550,6 +550,33 @@ async fn a_lock_backend_outage_does_not_use_up_a_jobs_attempts() {
     assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
 }
 
+/// A lock backend that refuses for good (an ACL without the lock keys) is not an outage: each
+/// claim counts an attempt and the job is dead-lettered after its attempts, with the reason.
+/// Put back uncounted as an outage, it was claimed and put back for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_backend_that_refuses_for_good_dead_letters_the_job_after_its_attempts() {
+    let (server, queue) =
+        server_and_queue("refused", Duration::from_secs(30), Duration::from_secs(60)).await;
+    let lock_server = RedisServer::start();
+    let url = lock_server.confined_user_url("confined").await;
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&url)
+        .await
+        .unwrap();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 2).max_delay(Duration::from_millis(10));
+    let job = record_job(&server, 11, "refused");
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    let dead = run_until_dead_letter("the refused job's dead letter", &worker, &queue).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, id);
+    assert_eq!(dead[0].attempts, 2);
+    let reason = dead[0].reason.clone().unwrap_or_default();
+    assert!(reason.contains("refused"), "{reason}");
+    assert_eq!(runs(&server, 11).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_mid_job_loses_nothing() {
     let visibility = Duration::from_millis(800);

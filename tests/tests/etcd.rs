@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::Locker;
 use dlock_tests::etcd_server::EtcdCluster;
-use dlock_tests::wait::{poll_until, try_take};
+use dlock_tests::wait::{poll_until, refused_at_once, try_take};
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(1000);
 
@@ -206,13 +206,16 @@ async fn a_holder_whose_lease_expires_in_a_pause_is_told_and_fenced() {
 }
 
 /// etcd with authentication on: a locker given the user and password in the URL (percent-
-/// encoded) locks; a wrong password is a typed 503 error at connect that never shows the
-/// password, nor does the good one appear in any error.
+/// encoded) locks; a wrong password, no user, or a user without permission on the lock keys
+/// is refused for good — a typed `Misconfigured` (500) that never shows the password, nor
+/// does the good one appear in any error — and a wait through outages ends with it at once
+/// instead of retrying until its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_and_password_from_the_url_and_never_in_errors() {
     let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
     let cluster = EtcdCluster::start();
     let password = "s3cr:et@pw";
+    cluster.add_confined_user("confined", "pw");
     cluster.enable_auth(password);
     let hosts = cluster.url().trim_start_matches("etcd://").to_owned();
     let good = format!("etcd://root:s3cr%3Aet%40pw@{hosts}");
@@ -228,7 +231,7 @@ async fn user_and_password_from_the_url_and_never_in_errors() {
     else {
         panic!("a wrong password connected");
     };
-    assert!(err.is_unavailable(), "{err}");
+    assert!(err.is_misconfigured(), "{err}");
     let mut shown = format!("{err} {err:?}");
     let mut source = std::error::Error::source(&err);
     while let Some(s) = source {
@@ -244,8 +247,12 @@ async fn user_and_password_from_the_url_and_never_in_errors() {
         .try_acquire()
         .await
         .expect_err("an anonymous client locked on an etcd with authentication");
-    assert!(err.is_unavailable(), "{err}");
+    assert!(err.is_misconfigured(), "{err}");
     assert!(!format!("{err:?}").contains(password));
+
+    // A user whose role has no permission on the lock keys.
+    let confined = locker(&format!("etcd://confined:pw@{hosts}")).await;
+    refused_at_once(&confined, "auth").await;
 }
 
 /// Nothing listens at the URL: connecting or the first request fails with the typed 503 error

@@ -21,7 +21,7 @@ use dlock_runtime::{LockError, LockGuard, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::postgres_server::{shared, shared_bouncer};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::free_port;
-use dlock_tests::wait::{poll_until, taken_once_back, wait_for};
+use dlock_tests::wait::{poll_until, refused_at_once, taken_once_back, wait_for};
 use dlock_tests::PostgresServer;
 
 /// The shared server's port.
@@ -450,6 +450,42 @@ async fn terminated_sessions_are_replaced_and_notifications_resume() {
     // Notifications resume: a waiter over the other terminated backend is woken by the
     // release, not by its fallback timer.
     woken_by_the_release(&waiter_backend, "term:k", guard).await;
+}
+
+/// A database that refuses for good — a role without privileges on the lock schema, a
+/// database that does not exist, a schema dropped under a running locker — answers
+/// `Misconfigured` (500), not `Unavailable` (503): there is no outage to ride out, so a wait
+/// through outages ends with it at once instead of retrying until its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_once() {
+    let (db, outsider) = {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = server.create_database("refused");
+        let outsider = format!("{db}_outsider");
+        server.psql(&format!("CREATE ROLE {outsider} LOGIN"));
+        (db, outsider)
+    };
+    // A role that may sign in but not create the lock schema (42501).
+    let url = format!("postgres://{outsider}@127.0.0.1:{}/{db}", port());
+    let err = Locker::from_url(&url).await.unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    // A database that does not exist (3D000).
+    let err = Locker::from_url(&direct_url(&format!("{db}_missing")))
+        .await
+        .unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+
+    // A running locker whose schema an operator dropped (42883/42P01).
+    let locker = Locker::from_url(&direct_url(&db)).await.unwrap();
+    let guard = locker.lock("refused:k").acquire().await.unwrap();
+    guard.release().await.unwrap();
+    shared()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .psql_in(&db, "DROP SCHEMA dlock CASCADE");
+    refused_at_once(&locker, "refused:k").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use dlock_runtime::backend::RedisBackend;
 use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_server::free_port;
 use dlock_tests::wait::{
-    acknowledged_again, poll_until, taken_once_back, wait_until_free, Deadline,
+    acknowledged_again, poll_until, refused_at_once, taken_once_back, wait_until_free, Deadline,
 };
 use dlock_tests::RedisServer;
 use redis::AsyncCommands;
@@ -177,6 +177,25 @@ async fn a_wait_through_outages_rides_out_a_frozen_and_a_restarted_server() {
     let back = Deadline::after(Duration::from_secs(5));
     let why = "the lock the unanswered attempts took was not given back (30 s TTL)";
     wait_until_free(&other, key, &back, Duration::from_millis(20), why).await;
+}
+
+/// A server that refuses for good — an ACL that denies every lock key, a wrong password —
+/// answers `Misconfigured` (500), not `Unavailable` (503): no outage to ride out, so a wait
+/// through outages ends with it at once instead of retrying until its deadline (it did: an
+/// ACL mistake held every such request for its whole wait, as a 503 that said "try again").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_once() {
+    let server = RedisServer::start();
+    let url = server.confined_user_url("confined").await;
+    let locker = fast_fail().connect(&url).await.unwrap();
+    refused_at_once(&locker, "refused:k").await;
+
+    // A wrong password is refused at connect, without the password in the error (within the
+    // default timeouts: the client tries to sign in three times before it answers).
+    let wrong = url.replace(":pw@", ":not-the-pw@");
+    let err = Locker::builder().connect(&wrong).await.unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(!format!("{err:?}").contains("not-the-pw"), "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use dlock_runtime::conformance::Store;
 use dlock_runtime::key::ResourceName;
 use dlock_runtime::{LockError, Locker, OnFail};
 use dlock_tests::redis_server::{redlock_url, start_many, urls, RedisServer};
-use dlock_tests::wait::{poll, poll_until, wait_until_free, Deadline};
+use dlock_tests::wait::{poll, poll_until, refused_at_once, wait_until_free, Deadline};
 
 const NODES: usize = 5;
 
@@ -169,6 +169,30 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     g.release().await.unwrap();
     servers[0].resume();
     servers[3].resume();
+}
+
+/// Nodes that refuse for good (an ACL without the lock keys): one of three does not stop the
+/// lock (the other two are a majority); when every failed node refused, the answer is
+/// `Misconfigured` (500), and a wait through outages ends with it at once instead of
+/// retrying until its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_that_refuse_for_good_are_misconfigured_not_an_outage() {
+    let servers = start_many(3);
+    let mut confined = Vec::new();
+    for s in &servers {
+        confined.push(s.confined_user_url("confined").await);
+    }
+    let build = async |urls: &[String]| {
+        let backend = connect(urls, RedlockOptions::default())
+            .await
+            .expect("redlock connect");
+        Locker::builder().try_build(backend).expect("locker")
+    };
+    let one = build(&[confined[0].clone(), servers[1].url(), servers[2].url()]).await;
+    acquire_and_release(&one, "rl:refused-by-one").await;
+
+    let all = build(&confined).await;
+    refused_at_once(&all, "rl:refused").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,7 +56,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::{LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::proxy::Proxy;
 use dlock_tests::redis_server::on_owner_thread;
-use dlock_tests::wait::{poll_until, try_take, wait_for};
+use dlock_tests::wait::{poll_until, refused_at_once, try_take, wait_for};
 use dlock_tests::zookeeper_server::ZkEnsemble;
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(2000);
@@ -119,12 +119,51 @@ async fn locker(url: &str) -> Locker {
         .expect("connect to ZooKeeper")
 }
 
+/// An ensemble that refuses for good — an ACL on the lock root that lets this client read but
+/// not create — answers `Misconfigured` (500), not `Unavailable` (503), at connect when the
+/// root cannot be made and at each lock when it exists: a wait through outages ends with it
+/// at once instead of retrying until its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_once() {
+    use zookeeper_client::{Acls, CreateMode};
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let chroot = format!("/refused-{}", std::process::id());
+    let read_only = CreateMode::Persistent.with_acls(Acls::anyone_read());
+    raw.create(&chroot, b"", &read_only)
+        .await
+        .expect("the read-only chroot");
+    let err = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&format!("{url}{chroot}"))
+        .await
+        .unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+
+    // The lock root exists, and lets this client read only.
+    let chroot = format!("{chroot}-root");
+    raw.create(
+        &chroot,
+        b"",
+        &CreateMode::Persistent.with_acls(Acls::anyone_all()),
+    )
+    .await
+    .expect("the chroot");
+    raw.create(&format!("{chroot}/dlock"), b"", &read_only)
+        .await
+        .expect("the read-only lock root");
+    let locker = locker(&format!("{url}{chroot}")).await;
+    refused_at_once(&locker, "refused:k").await;
+}
+
 /// Bad URLs are refused with a typed error naming the problem, before any connection.
 #[tokio::test]
 async fn bad_urls_are_typed_errors() {
     for url in ["zk://", "zk://127.0.0.1:1/a//b", "zk://127.0.0.1:x"] {
         let err = Locker::from_url(url).await.expect_err(url);
-        assert!(err.is_unavailable(), "{url}: {err}");
+        assert!(err.is_misconfigured(), "{url}: {err}");
         assert!(err.to_string().contains("invalid ZooKeeper URL"), "{err}");
     }
 }

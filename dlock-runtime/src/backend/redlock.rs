@@ -166,7 +166,14 @@ enum Answer<T> {
 enum Vote<T> {
     Yes(T),
     No(Option<Duration>),
-    Failed(String),
+    /// The node failed; `true` when it refused for good ([`LockError::Misconfigured`]).
+    Failed(String, bool),
+}
+
+impl<T> Vote<T> {
+    fn failed(e: &LockError) -> Self {
+        Vote::Failed(short(e), e.is_misconfigured())
+    }
 }
 
 impl RedlockBackend {
@@ -175,7 +182,7 @@ impl RedlockBackend {
     /// fails with [`LockError::Unavailable`].
     pub async fn connect(urls: &[&str], opts: RedlockOptions) -> Result<Self, LockError> {
         if urls.is_empty() {
-            return Err(LockError::unavailable(
+            return Err(LockError::misconfigured(
                 "redlock needs at least one node",
                 None,
             ));
@@ -230,7 +237,7 @@ impl RedlockBackend {
     /// and connects.
     pub async fn connect_url(url: &str, opts: RedlockOptions) -> Result<Self, LockError> {
         let rest = url.strip_prefix("redlock://").ok_or_else(|| {
-            LockError::unavailable("redlock url must start with redlock://", None)
+            LockError::misconfigured("redlock url must start with redlock://", None)
         })?;
         let urls: Vec<String> = rest
             .split(',')
@@ -267,7 +274,7 @@ impl RedlockBackend {
             .map(|(i, v)| match v {
                 Vote::Yes(_) => format!("node{i}=ok"),
                 Vote::No(_) => format!("node{i}=held"),
-                Vote::Failed(e) => format!("node{i}=failed ({e})"),
+                Vote::Failed(e, _) => format!("node{i}=failed ({e})"),
             })
             .collect();
         parts.sort();
@@ -305,8 +312,8 @@ impl RedlockBackend {
                     let vote = match tokio::time::timeout(limit, fut).await {
                         Ok(Ok(Answer::Yes(v))) => Vote::Yes(v),
                         Ok(Ok(Answer::No(rem))) => Vote::No(rem),
-                        Ok(Err(e)) => Vote::Failed(short(&e)),
-                        Err(_) => Vote::Failed("timeout".to_owned()),
+                        Ok(Err(e)) => Vote::failed(&e),
+                        Err(_) => Vote::Failed("timeout".to_owned(), false),
                     };
                     (i, vote)
                 }
@@ -348,8 +355,8 @@ impl RedlockBackend {
                 let vote = match tokio::time::timeout(limit, fut).await {
                     Ok(Ok(true)) => Vote::Yes(()),
                     Ok(Ok(false)) => Vote::No(None),
-                    Ok(Err(e)) => Vote::Failed(short(&e)),
-                    Err(_) => Vote::Failed("timeout".to_owned()),
+                    Ok(Err(e)) => Vote::failed(&e),
+                    Err(_) => Vote::Failed("timeout".to_owned(), false),
                 };
                 let _ = tx.send((i, vote));
             });
@@ -372,19 +379,19 @@ impl RedlockBackend {
     }
 
     /// A majority said yes (inside the validity window): `true`. Failed nodes make the outcome
-    /// unknowable (they might have said yes): `Unavailable`. Otherwise a majority said no:
-    /// `false`.
+    /// unknowable (they might have said yes): `Unavailable`, or `Misconfigured` when every
+    /// failed node refused for good. Otherwise a majority said no: `false`.
     fn verdict(
         &self,
         yes: usize,
-        failed: usize,
+        (failed, refused): (usize, usize),
         in_window: bool,
         describe: impl FnOnce() -> String,
     ) -> Result<bool, LockError> {
         if yes >= self.inner.quorum && in_window {
             Ok(true)
         } else if yes + failed >= self.inner.quorum && in_window {
-            Err(LockError::unavailable(describe(), None))
+            Err(LockError::backend(describe(), None, refused == failed))
         } else {
             Ok(false)
         }
@@ -402,22 +409,28 @@ impl RedlockBackend {
     }
 }
 
-/// (yes votes, failed nodes).
-fn tally<T>(votes: &[(usize, Vote<T>)]) -> (usize, usize) {
+/// (yes votes, (failed nodes, nodes of those that refused for good)).
+fn tally<T>(votes: &[(usize, Vote<T>)]) -> (usize, (usize, usize)) {
     let yes = votes
         .iter()
         .filter(|(_, v)| matches!(v, Vote::Yes(_)))
         .count();
-    let failed = votes
-        .iter()
-        .filter(|(_, v)| matches!(v, Vote::Failed(_)))
-        .count();
-    (yes, failed)
+    (yes, failures(votes))
+}
+
+/// (failed nodes, nodes of those that refused for good).
+fn failures<T>(votes: &[(usize, Vote<T>)]) -> (usize, usize) {
+    votes.iter().fold((0, 0), |(f, r), (_, v)| match v {
+        Vote::Failed(_, refused) => (f + 1, r + usize::from(*refused)),
+        _ => (f, r),
+    })
 }
 
 fn short(e: &LockError) -> String {
     match e {
-        LockError::Unavailable { message, .. } => message.clone(),
+        LockError::Unavailable { message, .. } | LockError::Misconfigured { message, .. } => {
+            message.clone()
+        }
         other => other.to_string(),
     }
 }
@@ -528,14 +541,12 @@ impl Backend for RedlockBackend {
             // outcome was decided without them) are neither: counted as failures, the answer
             // hung on which nodes answered first — one node failing fast beside a "held" made
             // every contended attempt a 503 (a minority down must not fail the lock).
-            let failed = votes
-                .iter()
-                .filter(|(_, v)| matches!(v, Vote::Failed(_)))
-                .count();
+            let (failed, refused) = failures(&votes);
             if failed > self.inner.nodes.len() - self.inner.quorum {
-                return Err(LockError::unavailable(
+                return Err(LockError::backend(
                     self.describe("acquire", &votes),
                     None,
+                    refused == failed,
                 ));
             }
             let remaining = votes
@@ -615,8 +626,12 @@ impl Backend for RedlockBackend {
                         .iter()
                         .filter(|r| !matches!(r.get(i), Some(Ok(_))))
                         .count();
+                    let refused = per_node
+                        .iter()
+                        .filter(|r| matches!(r.get(i), Some(Err(e)) if e.is_misconfigured()))
+                        .count();
                     let in_window = elapsed + self.drift(items[i].ttl) < items[i].ttl;
-                    self.verdict(yes, failed, in_window, || {
+                    self.verdict(yes, (failed, refused), in_window, || {
                         format!(
                             "redlock extend: {yes} of {} nodes agreed, {failed} failed",
                             self.inner.nodes.len()

@@ -245,9 +245,11 @@ impl Envelope {
 }
 
 pub(crate) fn redis_err(what: &str, e: RedisError) -> LockError {
-    LockError::unavailable(
+    let permanent = crate::backend::redis::refused_for_good(&e);
+    LockError::backend(
         format!("job queue {what}: {:?}", e.kind()),
         Some(Box::new(e)),
+        permanent,
     )
 }
 

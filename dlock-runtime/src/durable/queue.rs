@@ -159,7 +159,7 @@ impl DurableQueue {
 
     #[cfg(not(feature = "cluster"))]
     async fn cluster_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
-        Err(LockError::unavailable(
+        Err(LockError::misconfigured(
             "redis+cluster:// needs dlock-runtime's feature `cluster`",
             None,
         ))
@@ -176,7 +176,7 @@ impl DurableQueue {
 
     #[cfg(not(feature = "sentinel"))]
     async fn sentinel_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
-        Err(LockError::unavailable(
+        Err(LockError::misconfigured(
             "redis+sentinel:// needs dlock-runtime's feature `sentinel`",
             None,
         ))

@@ -196,7 +196,7 @@ impl LockerBuilder {
                 let backend = crate::backend::PostgresBackend::connect(url, opts).await?;
                 self.try_build(backend)
             }
-            _ => Err(LockError::unavailable(
+            _ => Err(LockError::misconfigured(
                 format!("unsupported locker url scheme `{scheme}://` (known: memory://, redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, postgres://, postgresql://, etcd://, etcds://, zk://; redis+cluster needs feature `cluster`, redis+sentinel feature `sentinel`, postgres feature `postgres`, etcd feature `etcd`, zk feature `zookeeper`)"),
                 None,
             )),

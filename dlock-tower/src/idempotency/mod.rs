@@ -115,6 +115,7 @@
 //! | request body over [`max_request_body`](IdempotencyLayer::max_request_body) | `413` | `body-too-large` |
 //! | backend unavailable, [`FailMode::Closed`] (default) | `503` + `Retry-After` | `lock-backend-unavailable` |
 //! | backend unavailable, [`FailMode::Open`] | the handler's, without idempotency | |
+//! | backend refuses for good ([`LockError::Misconfigured`]), either mode | `500` | `lock-backend-misconfigured` |
 //!
 //! # What is stored and replayed
 //!

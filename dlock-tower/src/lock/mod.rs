@@ -67,9 +67,13 @@ pub use self::layer::DistributedLockLayer;
 pub use self::service::DistributedLock;
 
 /// What the middleware does when the lock backend is unavailable (unreachable, timing out,
-/// failing).
+/// failing: [`LockError::Unavailable`](dlock_runtime::LockError::Unavailable)).
 ///
-/// The default is [`FailMode::Closed`]: a lock that cannot be taken is not assumed.
+/// The default is [`FailMode::Closed`]: a lock that cannot be taken is not assumed. A backend
+/// that refuses for good ([`LockError::Misconfigured`](dlock_runtime::LockError::Misconfigured):
+/// wrong credentials, no permission, a missing schema) is answered `500` in either mode: fail
+/// open is for riding out an outage, not for running every request unlocked until someone
+/// notices the configuration.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailMode {

@@ -278,21 +278,21 @@ struct TlsFiles {
 impl TlsFiles {
     fn read(opts: &EtcdOptions) -> Result<Self, LockError> {
         if !cfg!(feature = "etcd-tls") {
-            return Err(LockError::unavailable(
+            return Err(LockError::misconfigured(
                 "etcds:// (TLS) needs dlock-runtime's cargo feature `etcd-tls`",
                 None,
             ));
         }
         let read = |what: &str, path: &std::path::Path| {
             std::fs::read(path).map_err(|e| {
-                LockError::unavailable(
+                LockError::misconfigured(
                     format!("etcd TLS: cannot read the {what} {}", path.display()),
                     Some(Box::new(e)),
                 )
             })
         };
         let ca = opts.tls_ca.as_deref().ok_or_else(|| {
-            LockError::unavailable(
+            LockError::misconfigured(
                 "etcds:// needs the CA certificate that signed the members' certificates \
                  (EtcdOptions::tls_ca_file)",
                 None,
@@ -469,20 +469,26 @@ impl EtcdBackend {
         });
         let mut members = Vec::new();
         let mut failure = None;
+        // Whether every member refused for good (a wrong password): no point in retrying.
+        let mut refused = true;
         for c in futures_util::future::join_all(connects).await {
             match c {
                 Ok(Ok(m)) => members.push(m),
-                Ok(Err(e)) => failure = Some(Box::new(e) as crate::BoxError),
-                Err(_) => {}
+                Ok(Err(e)) => {
+                    refused &= pool::refused_for_good(&e);
+                    failure = Some(Box::new(e) as crate::BoxError);
+                }
+                Err(_) => refused = false,
             }
         }
         if members.is_empty() {
-            return Err(LockError::unavailable(
+            return Err(LockError::backend(
                 format!(
                     "etcd: cannot connect to {shown} within {:?}",
                     opts.connect_timeout
                 ),
                 failure,
+                refused,
             ));
         }
         Ok(EtcdBackend {

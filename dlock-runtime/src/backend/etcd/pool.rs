@@ -303,9 +303,11 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
                         return (Ok(v), settled);
                     }
                     Err(e) if !retryable(&e) => {
-                        let err = LockError::unavailable(
+                        let permanent = refused_for_good(&e);
+                        let err = LockError::backend(
                             format!("etcd {what} failed"),
                             Some(Box::new(e)),
+                            permanent,
                         );
                         return (Err(err), settled);
                     }
@@ -407,6 +409,17 @@ fn retryable(e: &etcd_client::Error) -> bool {
         ),
         _ => false,
     }
+}
+
+/// Whether etcd refused in a way retrying does not change ([`LockError::Misconfigured`]): the
+/// user lacks a permission on the lock keys (`PermissionDenied`), or the request or its
+/// credentials are invalid (`InvalidArgument`: a wrong password, a request without a user
+/// on a cluster with auth enabled, a limit exceeded). An expired or outdated auth token
+/// (`Unauthenticated`) is renewed by signing in again, and stays `Unavailable`.
+pub(super) fn refused_for_good(e: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if matches!(s.code(), Code::PermissionDenied | Code::InvalidArgument))
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ pub(super) struct EtcdUrl {
 
 fn invalid(what: &str) -> LockError {
     // Never echo the URL: it may carry a password.
-    LockError::unavailable(format!("invalid etcd URL: {what}"), None)
+    LockError::misconfigured(format!("invalid etcd URL: {what}"), None)
 }
 
 fn percent_decode(s: &str) -> Result<String, LockError> {

@@ -326,7 +326,8 @@ struct Inner {
     cancel: Option<Connector>,
 }
 
-/// Maps a client error to [`LockError::Unavailable`], naming the SQLSTATE when the database
+/// Maps a client error to [`LockError::Unavailable`], or to [`LockError::Misconfigured`] when
+/// the database refused for good ([`refused_for_good`]), naming the SQLSTATE when the database
 /// answered (never the connection string).
 fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
     let detail = match e.code() {
@@ -335,7 +336,21 @@ fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
         // The client's own errors (I/O, TLS, protocol) never quote the connection string.
         None => format!("postgres {what}: {e}"),
     };
-    LockError::unavailable(detail, Some(Box::new(e)))
+    let permanent = e.code().is_some_and(|c| refused_for_good(c.code()));
+    LockError::backend(detail, Some(Box::new(e)), permanent)
+}
+
+/// Whether a SQLSTATE says the database refused in a way retrying does not change: class 28
+/// (wrong credentials, no `pg_hba.conf` entry), class 42 (no privilege on the lock tables —
+/// `42501` — or a table, function or column missing: a schema not installed or dropped),
+/// `3D000` (no such database), `3F000` (no such schema) and `0A000` (a feature the server or
+/// pooler does not support). Everything else — connection errors (class 08), a standby's
+/// `25006` read-only answer, shutdowns (57), lock or statement timeouts, serialization
+/// failures, too many connections (53) — passes with a failover, a restart or load.
+pub(crate) fn refused_for_good(sqlstate: &str) -> bool {
+    sqlstate.starts_with("28")
+        || sqlstate.starts_with("42")
+        || matches!(sqlstate, "3D000" | "3F000" | "0A000")
 }
 
 /// Splits `url` into the tokio-postgres configuration and this crate's own parameters
@@ -372,7 +387,7 @@ pub(crate) fn parse_url(
 fn pg_config(url: &str) -> Result<tokio_postgres::Config, LockError> {
     let config: tokio_postgres::Config = url
         .parse()
-        .map_err(|_| LockError::unavailable("invalid postgres url", None))?;
+        .map_err(|_| LockError::misconfigured("invalid postgres url", None))?;
     Ok(config)
 }
 
@@ -403,7 +418,7 @@ impl Connector {
                 Ok(Connector::Plain)
             }
             #[cfg(not(feature = "postgres-tls"))]
-            _ => Err(LockError::unavailable(
+            _ => Err(LockError::misconfigured(
                 "postgres url: this sslmode needs TLS, which needs the cargo feature `postgres-tls`",
                 None,
             )),
@@ -424,7 +439,7 @@ impl Connector {
 
 fn percent_decode(s: &str) -> Result<String, LockError> {
     let bad =
-        || LockError::unavailable("invalid percent-encoding in a postgres url parameter", None);
+        || LockError::misconfigured("invalid percent-encoding in a postgres url parameter", None);
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -466,7 +481,7 @@ impl PostgresBackend {
         let pool = Pool::builder(manager)
             .max_size(opts.pool_size)
             .build()
-            .map_err(|e| LockError::unavailable(format!("postgres pool: {e}"), None))?;
+            .map_err(|e| LockError::misconfigured(format!("postgres pool: {e}"), None))?;
         Self::start(pool, notify, Some(connector), opts).await
     }
 
@@ -572,7 +587,7 @@ impl PostgresBackend {
             return Ok(());
         }
         if !self.inner.opts.create_schema {
-            return Err(LockError::unavailable(
+            return Err(LockError::misconfigured(
                 format!(
                     "postgres schema `{}` (prefix `{}`) is missing or older than version {}, and \
                      create_schema is off: apply dlock-runtime/sql/postgres.sql",

@@ -35,17 +35,17 @@ impl MakeRustls {
         if let Some(pem) = extra_pem {
             for cert in CertificateDer::pem_slice_iter(pem) {
                 let cert = cert.map_err(|_| {
-                    LockError::unavailable("postgres tls: unreadable root certificate PEM", None)
+                    LockError::misconfigured("postgres tls: unreadable root certificate PEM", None)
                 })?;
                 roots.add(cert).map_err(|_| {
-                    LockError::unavailable("postgres tls: invalid root certificate", None)
+                    LockError::misconfigured("postgres tls: invalid root certificate", None)
                 })?;
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|_| LockError::unavailable("postgres tls: no protocol versions", None))?
+            .map_err(|_| LockError::misconfigured("postgres tls: no protocol versions", None))?
             .with_root_certificates(roots)
             .with_no_client_auth();
         Ok(MakeRustls {

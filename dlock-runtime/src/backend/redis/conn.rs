@@ -191,7 +191,7 @@ pub(crate) async fn connect_cluster(
         .build()
         // The URL may carry a password: never put it in an error message.
         .map_err(|e| {
-            crate::LockError::unavailable(
+            crate::LockError::misconfigured(
                 format!("invalid redis cluster url: {:?}", e.kind()),
                 None,
             )
@@ -214,7 +214,7 @@ pub(crate) fn is_cluster_url(url: &str) -> bool {
 #[cfg(feature = "cluster")]
 pub(crate) fn cluster_urls(url: &str) -> Result<Vec<String>, crate::LockError> {
     let bad = || {
-        crate::LockError::unavailable(
+        crate::LockError::misconfigured(
             "invalid redis cluster url: expected redis+cluster://host:port,host:port",
             None,
         )

@@ -336,7 +336,31 @@ pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
 }
 
 fn redis_err(what: &str, e: RedisError) -> LockError {
-    LockError::unavailable(format!("redis {what}: {:?}", e.kind()), Some(Box::new(e)))
+    let permanent = refused_for_good(&e);
+    LockError::backend(
+        format!("redis {what}: {:?}", e.kind()),
+        Some(Box::new(e)),
+        permanent,
+    )
+}
+
+/// Whether Redis refused in a way that retrying does not change ([`LockError::Misconfigured`]):
+/// wrong or missing credentials, an ACL that denies the command or the key (`NOPERM`, also
+/// from inside a script), or a lock key that holds another type (`WRONGTYPE`: something
+/// else writes under this crate's prefix). `READONLY`, `LOADING`, `BUSY`, `OOM`, `TRYAGAIN`,
+/// `CLUSTERDOWN`, `MASTERDOWN` and I/O errors pass with a failover, a restart or load, and
+/// stay [`LockError::Unavailable`].
+pub(crate) fn refused_for_good(e: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    matches!(
+        e.kind(),
+        ErrorKind::AuthenticationFailed
+            | ErrorKind::InvalidClientConfig
+            | ErrorKind::Server(ServerErrorKind::NoPerm)
+    ) || matches!(
+        e.code(),
+        Some("NOAUTH" | "WRONGPASS" | "WRONGTYPE" | "NOPERM")
+    )
 }
 
 impl RedisBackend {
@@ -406,7 +430,7 @@ impl RedisBackend {
     ) -> Result<Self, LockError> {
         // The URL may carry a password: never put it in an error message.
         let info = url.into_connection_info().map_err(|e| {
-            LockError::unavailable(format!("invalid redis url: {:?}", e.kind()), None)
+            LockError::misconfigured(format!("invalid redis url: {:?}", e.kind()), None)
         })?;
         let settings = info
             .redis_settings()
@@ -459,7 +483,7 @@ impl RedisBackend {
         let (me, push) = push_handler(&hub, false);
         // The URLs may carry a password: never put them in an error message.
         let invalid = |e: RedisError| {
-            LockError::unavailable(format!("invalid redis cluster urls: {:?}", e.kind()), None)
+            LockError::misconfigured(format!("invalid redis cluster urls: {:?}", e.kind()), None)
         };
         let builder = || {
             redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))

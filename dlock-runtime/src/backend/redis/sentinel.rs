@@ -93,7 +93,7 @@ impl SentinelUrl {
     /// Parses a `redis+sentinel://` or `rediss+sentinel://` URL.
     pub(crate) fn parse(url: &str) -> Result<Self, LockError> {
         let bad = || {
-            LockError::unavailable(
+            LockError::misconfigured(
                 "invalid redis sentinel url: expected redis+sentinel://[user:pass@]host:port,host:port/<master-name>[/<db>]",
                 None,
             )
@@ -411,7 +411,7 @@ impl Sentinels {
     ) -> Result<Arc<Sentinels>, LockError> {
         // The URL may carry a password: never put it in an error message.
         let invalid = |e: RedisError| {
-            LockError::unavailable(format!("invalid redis sentinel url: {:?}", e.kind()), None)
+            LockError::misconfigured(format!("invalid redis sentinel url: {:?}", e.kind()), None)
         };
         let resp3 = |info: ConnectionInfo| {
             let settings = info
@@ -1086,7 +1086,7 @@ mod tests {
             "redis://a:1/m",
         ] {
             let e = SentinelUrl::parse(bad).unwrap_err();
-            assert!(e.is_unavailable(), "{bad}: {e}");
+            assert!(e.is_misconfigured(), "{bad}: {e}");
         }
         // A password never reaches the error.
         let e = SentinelUrl::parse("redis+sentinel://u:secret@a:1").unwrap_err();

@@ -364,9 +364,11 @@ impl Session {
     /// Opens a new session, on the current runtime.
     async fn open(hosts: &str, opts: &ZkOptions) -> Result<Client, LockError> {
         Self::connect(hosts, opts, None).await?.map_err(|e| {
-            LockError::unavailable(
+            let permanent = refused_for_good(&e);
+            LockError::backend(
                 format!("zookeeper: cannot connect to {hosts}"),
                 Some(Box::new(e)),
+                permanent,
             )
         })
     }
@@ -947,9 +949,30 @@ fn superseded() -> LockError {
     )
 }
 
-/// Maps a ZooKeeper failure to `Unavailable`.
+/// Maps a ZooKeeper failure to `Unavailable`, or to `Misconfigured` when the ensemble refused
+/// for good ([`refused_for_good`]).
 fn unavailable(what: &str, e: ZkError) -> LockError {
-    LockError::unavailable(format!("zookeeper {what} failed: {e}"), Some(Box::new(e)))
+    let permanent = refused_for_good(&e);
+    LockError::backend(
+        format!("zookeeper {what} failed: {e}"),
+        Some(Box::new(e)),
+        permanent,
+    )
+}
+
+/// Whether ZooKeeper refused in a way retrying does not change: an ACL on the lock root or
+/// a lock's node that denies this client (`NoAuth`), failed authentication (`AuthFailed`),
+/// a request the ensemble does not implement, or a client-side argument error. Connection
+/// loss, timeouts, an expired or moved session, a read-only server and throttling pass.
+fn refused_for_good(e: &ZkError) -> bool {
+    matches!(
+        e,
+        ZkError::NoAuth
+            | ZkError::AuthFailed
+            | ZkError::InvalidAcl
+            | ZkError::Unimplemented
+            | ZkError::BadArguments(_)
+    )
 }
 
 /// A node read for an expiry check: where it is, its lease and its stat.
@@ -983,7 +1006,7 @@ impl ZkBackend {
             opts.session_timeout = t;
         }
         if opts.prefix.is_empty() || opts.prefix.contains('/') {
-            return Err(LockError::unavailable(
+            return Err(LockError::misconfigured(
                 "zookeeper: the node prefix must be one non-empty node name",
                 None,
             ));

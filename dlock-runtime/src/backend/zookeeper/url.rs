@@ -16,7 +16,7 @@ pub(super) struct ZkUrl {
 }
 
 fn invalid(what: &str) -> LockError {
-    LockError::unavailable(format!("invalid ZooKeeper URL: {what}"), None)
+    LockError::misconfigured(format!("invalid ZooKeeper URL: {what}"), None)
 }
 
 /// Parses a `zk://` URL.
@@ -119,7 +119,7 @@ mod tests {
             ("zk://h1?timeout=3", "unknown parameter"),
         ] {
             let e = parse(url).unwrap_err();
-            assert!(e.is_unavailable(), "{url}: {e}");
+            assert!(e.is_misconfigured(), "{url}: {e}");
             assert!(e.to_string().contains(reason), "{url}: {e}");
         }
     }
