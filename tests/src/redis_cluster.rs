@@ -349,9 +349,65 @@ impl crate::redis_server::Failover for RedisCluster {
         RedisCluster::wait_failed_over(self, port, limit);
     }
 
-    fn wait_healthy(&self, limit: Duration) {
-        self.wait_ready(limit);
-        self.wait_replicated(limit);
+    /// Settled: the same masters, no node suspected or flagged failed by any other, for
+    /// 2 × [`NODE_TIMEOUT`] in a row (a replica waits its election delay, up to a second after
+    /// its master is flagged failed, before it is promoted).
+    fn wait_healthy(&self, limit: Duration) -> Duration {
+        let deadline = Instant::now() + limit;
+        let settle = NODE_TIMEOUT * 2;
+        let mut since = (Instant::now(), self.settled_view());
+        while since.1.is_none() || since.0.elapsed() < settle {
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not settle within {limit:?}; its nodes say:\n{}",
+                self.running_ports()
+                    .into_iter()
+                    .map(describe)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+            let now = self.settled_view();
+            if now.is_none() || now != since.1 {
+                since = (Instant::now(), now);
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.wait_ready(left);
+        self.wait_replicated(left);
+        since.0.elapsed()
+    }
+}
+
+impl RedisCluster {
+    /// What every running node says of the cluster (`CLUSTER NODES`: each node's address and
+    /// role), if they all say the same and none suspects or flags a node as failed.
+    fn settled_view(&self) -> Option<Vec<String>> {
+        let mut agreed: Option<Vec<String>> = None;
+        for port in self.running_ports() {
+            let nodes = redis_cli(port, &["cluster", "nodes"])?;
+            let mut view = Vec::new();
+            for line in nodes.lines() {
+                let mut f = line.split_whitespace().skip(1);
+                let (Some(addr), Some(flags)) = (f.next(), f.next()) else {
+                    continue;
+                };
+                let flags: Vec<&str> = flags.split(',').filter(|x| *x != "myself").collect();
+                if flags
+                    .iter()
+                    .any(|x| matches!(*x, "fail" | "fail?" | "handshake"))
+                {
+                    return None;
+                }
+                view.push(format!("{addr} {}", flags.join(",")));
+            }
+            view.sort();
+            match &agreed {
+                Some(v) if *v != view => return None,
+                _ => agreed = Some(view),
+            }
+        }
+        agreed
     }
 }
 

@@ -232,11 +232,10 @@ impl crate::redis_server::Failover for RedisSentinel {
         self.wait_failover_from(port, limit);
     }
 
-    /// Also waits until the sentinels have named the same master for 3 × [`DOWN_AFTER`] in a
-    /// row: a master frozen past `DOWN_AFTER` and woken again may still be failed over a moment
-    /// later (the sentinels agree it is down, elect a leader, promote), and nothing announces
-    /// that it will not be.
-    fn wait_healthy(&self, limit: Duration) {
+    /// Settled: the sentinels have named the same master, with no failover under way, for
+    /// 3 × [`DOWN_AFTER`] in a row (the sentinels agree a master is down, elect a leader,
+    /// promote).
+    fn wait_healthy(&self, limit: Duration) -> Duration {
         let deadline = Instant::now() + limit;
         let settle = DOWN_AFTER * 3;
         let mut since = (Instant::now(), self.master_port());
@@ -257,6 +256,7 @@ impl crate::redis_server::Failover for RedisSentinel {
             }
         }
         self.wait_ready(deadline.saturating_duration_since(Instant::now()));
+        since.0.elapsed()
     }
 }
 

@@ -429,9 +429,13 @@ pub trait Failover: Send {
     /// # Panics
     /// If that does not happen within `limit`.
     fn wait_failed_over(&self, port: u16, limit: Duration);
-    /// Waits until every master serves and every running replica is linked to its master.
+    /// Waits until every master serves and every running replica is linked to its master, and
+    /// the deployment has settled: it kept the same masters, with no failover under way, for a
+    /// while in a row (a master frozen past its down-after time and woken again may still be
+    /// failed over a moment later, and nothing announces that it will not be). Returns how long
+    /// ago it reached the state it settled in: when the master it settled on began to serve.
     ///
     /// # Panics
     /// If that does not happen within `limit`.
-    fn wait_healthy(&self, limit: Duration);
+    fn wait_healthy(&self, limit: Duration) -> Duration;
 }

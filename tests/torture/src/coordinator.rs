@@ -781,22 +781,30 @@ impl Phase {
                 };
                 let start_us = self.record(format!("{} {detail}", kind.name())).await?;
                 let c = failover.clone();
-                tokio::task::spawn_blocking(move || {
+                let settled_for = tokio::task::spawn_blocking(move || {
                     let mut c = lock(&c);
                     if kind == FaultKind::MasterKill {
                         c.node(port).stop();
                         c.wait_failed_over(port, Duration::from_secs(30));
+                        Duration::ZERO
                     } else {
                         c.node(port).pause();
                         std::thread::sleep(frozen);
                         c.node(port).resume();
-                        c.wait_healthy(Duration::from_secs(30));
+                        c.wait_healthy(Duration::from_secs(30))
                     }
                 })
                 .await
                 .map_err(|e| format!("{}: {e}", kind.name()))?;
                 // Lifted: the shard serves again (its replica promoted, or its master back).
-                let end_us = self.record(format!("{}-end", kind.name())).await?;
+                // A frozen master woken near its down-after time may still be failed over
+                // after it serves again; lifted is when the deployment settled on the master
+                // that serves from then on, which `wait_healthy` saw a while ago.
+                let end_us = self
+                    .record(format!("{}-end", kind.name()))
+                    .await?
+                    .saturating_sub(settled_for.as_micros() as u64)
+                    .max(start_us);
                 // The killed master comes back and rejoins as a replica; the frozen one, if it
                 // was replaced meanwhile, has rejoined as a replica too. Every master has a
                 // replica again before the next fault.

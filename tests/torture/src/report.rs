@@ -374,8 +374,10 @@ impl FaultRecord {
     /// When the fault stops excusing a lack of progress (µs). A paused or killed holder's
     /// lock must move on within the TTL *while* the holder stays frozen or dead, so those
     /// count from the start; a restart, latency or cut counts from when it was lifted, a
-    /// master kill or pause from when its shard serves again, a reshard from when its slot is
-    /// served by the new master.
+    /// master kill from when its shard serves again, a master pause from when the deployment
+    /// settled on the master that serves from then on (a frozen master woken near its
+    /// down-after time may still be failed over after it serves again: that failover is part
+    /// of the fault), a reshard from when its slot is served by the new master.
     pub(crate) fn lifted_us(&self) -> u64 {
         match self.kind {
             FaultKind::Pause | FaultKind::Kill => self.start_us,
