@@ -777,6 +777,7 @@ async fn queued_through_proxy(
     server: &RedisServer,
     key: &'static str,
     waiter_ttl: Duration,
+    policy: RetryPolicy,
 ) -> (
     dlock_tests::proxy::Proxy,
     tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
@@ -792,7 +793,7 @@ async fn queued_through_proxy(
     let wait = {
         let waiter = waiter.clone();
         tokio::spawn(async move {
-            let retry = OnFail::retry(LONG);
+            let retry = OnFail::Retry(policy);
             waiter.lock(key).ttl(LONG).on_fail(retry).acquire().await
         })
     };
@@ -809,6 +810,124 @@ async fn queued_through_proxy(
     (proxy, wait)
 }
 
+/// The server's clock, in ms.
+async fn server_ms(server: &RedisServer) -> u64 {
+    let (secs, micros): (u64, u64) = server.query(&redis::cmd("TIME")).await;
+    secs * 1000 + micros / 1000
+}
+
+/// The deadline (server ms) of the queue entry of the waiter first in line for `lock_key`.
+async fn first_entry_deadline(server: &RedisServer, lock_key: &str) -> u64 {
+    let first: Option<String> = server
+        .query(redis::cmd("LINDEX").arg(format!("{lock_key}:q")).arg(0))
+        .await;
+    let first = first.expect("nobody is queued");
+    let entry: Option<String> = server
+        .query(redis::cmd("HGET").arg(format!("{lock_key}:qw")).arg(&first))
+        .await;
+    let entry = entry.expect("the first waiter's entry is gone");
+    let (deadline, _lease) = entry
+        .split_once('|')
+        .expect("an entry is `<deadline>|<lease>`");
+    deadline.parse().unwrap()
+}
+
+/// A waiter that rides out an outage keeps its place in the queue: after a refused attempt it
+/// asks again within its refresh interval (a third of its waiter TTL) whatever its backoff, so
+/// its entry — which lives a waiter TTL from its last attempt that got through — is refreshed
+/// once the server is reachable, and the next release hands the lock to it, not to the waiter
+/// behind. (It slept its backoff, here 10 s: its entry lapsed, the release passed it over,
+/// and a lock handed to it meanwhile would have stayed unused until its lease ended.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_through_outages_keeps_its_place_in_the_queue() {
+    let server = RedisServer::start();
+    let holder = server.locker().await;
+    let waiter_ttl = Duration::from_secs(3);
+    let refresh = waiter_ttl / 3;
+    let key = "queue:outage-keeps-place";
+    let lock_key = holder
+        .resource(dlock_runtime::LockKey::new(key).unwrap())
+        .as_str()
+        .to_owned();
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let patient = RetryPolicy::new(LONG)
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false)
+        .through_outages(true);
+    let (proxy, first) = queued_through_proxy(&server, key, waiter_ttl, patient).await;
+    // The second waiter reaches the server directly.
+    let behind = fast_fail()
+        .waiter_ttl(waiter_ttl)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let second = {
+        let behind = behind.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::retry(LONG);
+            behind.lock(key).ttl(LONG).on_fail(retry).acquire().await
+        })
+    };
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            (behind.waiting() != 0)
+                .then_some(())
+                .ok_or("the second waiter never queued")
+        },
+    )
+    .await;
+
+    proxy.cut(true);
+    // Nothing of the first waiter's gets through from here: its entry's deadline stands, and
+    // its last refresh was a waiter TTL before it. Its next attempt is due a refresh interval
+    // after that one and is refused (or times out: 200 ms); let the outage outlast it.
+    let cut_deadline = first_entry_deadline(&server, &lock_key).await;
+    let last_refresh = cut_deadline - waiter_ttl.as_millis() as u64;
+    let refused_by = last_refresh + (refresh + Duration::from_millis(400)).as_millis() as u64;
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            (server_ms(&server).await >= refused_by)
+                .then_some(())
+                .ok_or("the server's clock stands still".to_owned())
+        },
+    )
+    .await;
+    assert!(!first.is_finished(), "the wait through outages ended");
+    proxy.allow();
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            let now = server_ms(&server).await;
+            let deadline = first_entry_deadline(&server, &lock_key).await;
+            if deadline > cut_deadline {
+                Ok(())
+            } else if now >= cut_deadline {
+                Err(format!(
+                    "the first waiter's entry lapsed before it asked again (the server has let \
+                     it through for {} ms)",
+                    now - refused_by
+                ))
+            } else {
+                Err("not refreshed yet".to_owned())
+            }
+        },
+    )
+    .await;
+    held.release().await.unwrap();
+    let guard = first
+        .await
+        .unwrap()
+        .expect("the first waiter was handed the lock");
+    assert!(!second.is_finished(), "the second waiter got the lock too");
+    guard.release().await.unwrap();
+    second.await.unwrap().unwrap().release().await.unwrap();
+}
+
 /// A lock handed to a waiter that died ends no later than the dead waiter's queue entry would
 /// have: a crashed process holds up a lock at most the longer of the TTL and the waiter TTL,
 /// not a waiter TTL more after a release that came just before its entry lapsed.
@@ -819,7 +938,8 @@ async fn a_lock_handed_to_a_dead_waiter_ends_when_its_entry_would_have() {
     let waiter_ttl = Duration::from_secs(2);
     let key = "handoff:dead-waiter";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let (proxy, wait) = queued_through_proxy(&server, key, waiter_ttl).await;
+    let (proxy, wait) =
+        queued_through_proxy(&server, key, waiter_ttl, RetryPolicy::new(LONG)).await;
     proxy.cut(true);
     let died = Instant::now();
     // Its entry lapses within the waiter TTL of its last refresh; release most of the way there.
@@ -863,7 +983,8 @@ async fn an_attempt_behind_a_dead_waiter_is_told_when_its_entry_lapses() {
         .unwrap();
     let queued = Instant::now();
     // The first waiter; cutting its proxy is its process dying.
-    let (proxy, wait) = queued_through_proxy(&server, key, waiter_ttl).await;
+    let (proxy, wait) =
+        queued_through_proxy(&server, key, waiter_ttl, RetryPolicy::new(LONG)).await;
     proxy.cut(true);
     let lock_key = holder
         .resource(dlock_runtime::LockKey::new(key).unwrap())

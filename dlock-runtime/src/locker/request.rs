@@ -652,14 +652,24 @@ async fn wait_for(
     };
     // Pauses after an answer that the backend is down (with `lost_too`, also after a grant
     // that vanished before it was handed out as a guard), when the policy waits through
-    // outages and the deadline leaves time: `Err` ends the wait with that answer.
+    // outages and the deadline leaves time: `Err` ends the wait with that answer. Never longer
+    // than the refresh interval: the queue entry lives a waiter TTL from the last attempt that
+    // reached the backend, so a longer pause after a slow or refused answer (a backend that
+    // is up again, or never was down: one timed-out reply) lets the entry lapse — the waiter
+    // loses its place, and a release meanwhile hands it a lock it sleeps through.
     let outage = |err: LockError, step: u32, lost_too: bool| {
         let retry = policy.through_outages && (err.is_unavailable() || (lost_too && err.is_lost()));
         let pause = retry
             .then(|| deadline.checked_duration_since(Instant::now()))
             .flatten()
             .filter(|left| !left.is_zero())
-            .map(|left| policy.backoff_step(step).max(OUTAGE_PAUSE).min(left));
+            .map(|left| {
+                policy
+                    .backoff_step(step)
+                    .max(OUTAGE_PAUSE)
+                    .min(refresh)
+                    .min(left)
+            });
         async move {
             let Some(pause) = pause else { return Err(err) };
             tracing::debug!(error = %err, ?pause, "backend unavailable: waiting through the outage");
