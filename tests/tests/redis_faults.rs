@@ -785,9 +785,21 @@ async fn queued_through_proxy(
     let proxy = dlock_tests::proxy::Proxy::start(server.port())
         .await
         .unwrap();
+    let wait = queued(&proxy.url(), key, waiter_ttl, policy).await;
+    (proxy, wait)
+}
+
+/// A waiter for `key` (held by someone else) on a [`fast_fail`] locker of its own connected to
+/// `url`, queued: its acquire runs in the returned task and has entered the queue.
+async fn queued(
+    url: &str,
+    key: &'static str,
+    waiter_ttl: Duration,
+    policy: RetryPolicy,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
     let waiter = fast_fail()
         .waiter_ttl(waiter_ttl)
-        .connect(&proxy.url())
+        .connect(url)
         .await
         .unwrap();
     let wait = {
@@ -807,7 +819,7 @@ async fn queued_through_proxy(
         },
     )
     .await;
-    (proxy, wait)
+    wait
 }
 
 /// The server's clock, in ms.
@@ -856,28 +868,7 @@ async fn a_wait_through_outages_keeps_its_place_in_the_queue() {
         .through_outages(true);
     let (proxy, first) = queued_through_proxy(&server, key, waiter_ttl, patient).await;
     // The second waiter reaches the server directly.
-    let behind = fast_fail()
-        .waiter_ttl(waiter_ttl)
-        .connect(&server.url())
-        .await
-        .unwrap();
-    let second = {
-        let behind = behind.clone();
-        tokio::spawn(async move {
-            let retry = OnFail::retry(LONG);
-            behind.lock(key).ttl(LONG).on_fail(retry).acquire().await
-        })
-    };
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(5),
-        async || {
-            (behind.waiting() != 0)
-                .then_some(())
-                .ok_or("the second waiter never queued")
-        },
-    )
-    .await;
+    let second = queued(&server.url(), key, waiter_ttl, RetryPolicy::new(LONG)).await;
 
     proxy.cut(true);
     // Nothing of the first waiter's gets through from here: its entry's deadline stands, and
