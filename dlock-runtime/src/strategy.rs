@@ -131,14 +131,13 @@ impl RetryPolicy {
     /// [`LockError::Unavailable`](crate::LockError::Unavailable) (`false`, the default).
     ///
     /// With it on, an attempt the backend did not answer — connection refused, timed out,
-    /// failed over —
-    /// is made again after the fallback backoff (at least 10 ms, and never later than the waiter
-    /// queue's refresh interval, a third of the waiter TTL: a fair waiter keeps its place
-    /// through an outage shorter than its queue entry's life, and is not handed locks it
-    /// sleeps through), by the same owner token, until the deadline. Such an attempt may still have taken the lock; the next one by the
-    /// same token is granted it (every backend answers an attempt by the lock's own holder with
-    /// a fresh grant), so nothing is held twice and nothing is left held. The rest of taking a
-    /// lock goes on too:
+    /// failed over — is made again after the fallback backoff (at least 10 ms, and never later
+    /// than the waiter queue's refresh interval, a third of the waiter TTL: a fair waiter keeps
+    /// its place through an outage shorter than its queue entry's life, and is not handed locks
+    /// it sleeps through), by the same owner token, until the deadline. Such an attempt may
+    /// still have taken the lock; the next one by the same token is granted it (every backend
+    /// answers an attempt by the lock's own holder with a fresh grant), so nothing is held twice
+    /// and nothing is left held. The rest of taking a lock goes on too:
     /// * a grant its replicas did not acknowledge in time
     ///   ([`LockRequest::replicas`](crate::LockRequest::replicas)), or that was gone by then
     ///   (a master that failed over), is given back and asked for again — a fair waiter
