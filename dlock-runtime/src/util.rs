@@ -24,6 +24,29 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
     Err(LockError::InvalidTtl { ttl, reason })
 }
 
+/// Decodes `%XX` escapes (a URL's user, password or parameter); `None` when an escape is not
+/// two hex digits or the result is not UTF-8. `+` stays `+`.
+#[cfg(any(feature = "etcd", feature = "postgres", feature = "sentinel"))]
+pub(crate) fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 /// Appends `bytes` as lowercase hex.
 pub(crate) fn hex_into(out: &mut String, bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -347,6 +370,16 @@ mod to_the_end {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg(any(feature = "etcd", feature = "postgres", feature = "sentinel"))]
+    fn percent_escapes_decode_and_bad_ones_are_refused() {
+        assert_eq!(percent_decode("a%40b%3Ac%2F+").as_deref(), Some("a@b:c/+"));
+        assert_eq!(percent_decode("%C3%A9").as_deref(), Some("é"));
+        for bad in ["%", "%4", "%+1", "%zz", "%C3"] {
+            assert_eq!(percent_decode(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn ttl_bounds_are_enforced() {

@@ -18,23 +18,8 @@ fn invalid(what: &str) -> LockError {
 }
 
 fn percent_decode(s: &str) -> Result<String, LockError> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| invalid("bad percent-encoding in the user or password"))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| invalid("user or password is not UTF-8"))
+    crate::util::percent_decode(s)
+        .ok_or_else(|| invalid("bad percent-encoding in the user or password, or not UTF-8"))
 }
 
 /// Parses an `etcd://` URL.

@@ -438,22 +438,9 @@ impl Connector {
 }
 
 fn percent_decode(s: &str) -> Result<String, LockError> {
-    let bad =
-        || LockError::misconfigured("invalid percent-encoding in a postgres url parameter", None);
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3).ok_or_else(bad)?;
-            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| bad())
+    crate::util::percent_decode(s).ok_or_else(|| {
+        LockError::misconfigured("invalid percent-encoding in a postgres url parameter", None)
+    })
 }
 
 impl PostgresBackend {
