@@ -10,6 +10,7 @@ use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_sentinel::{self, RedisSentinel};
 use dlock_tests::wait::{acknowledged_again, poll_until, taken_once_back, Deadline};
+use dlock_tests::RedisServer;
 
 /// A connection of its own to the data node on `port`.
 async fn node_conn(port: u16) -> redis::aio::MultiplexedConnection {
@@ -453,6 +454,95 @@ async fn replicas_on_a_backend_without_them_is_unsupported() {
     assert_eq!(err.status(), 500);
     // Nothing is left behind.
     assert!(locker.lock("r").try_acquire().await.unwrap().is_some());
+}
+
+/// Sentinels with a password of their own (`requirepass`, ACL users): the locker signs in to
+/// them with the URL's `sentinel_password` (and `sentinel_username`), apart from the data
+/// nodes' credentials in the userinfo. Without them, with a wrong one, or with a master name
+/// the sentinels do not monitor, connecting fails as `Misconfigured` (500) naming the cause and
+/// no password — not as an outage (503) that retrying would never end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_with_a_password_of_their_own_are_signed_in_to() {
+    let master = RedisServer::start();
+    let mut app = redis::cmd("ACL");
+    app.arg(
+        "SETUSER app reset on >data-pw ~* &* +@all"
+            .split(' ')
+            .collect::<Vec<_>>(),
+    );
+    let () = master.query(&app).await;
+    let config = format!(
+        "sentinel resolve-hostnames no\nsentinel monitor authed 127.0.0.1 {} 1\n",
+        master.port()
+    );
+    let sentinel = RedisServer::start_sentinel(&config, false);
+    let mut watch = redis::cmd("ACL");
+    watch.arg(
+        "SETUSER watch on >watch-pw +@all"
+            .split(' ')
+            .collect::<Vec<_>>(),
+    );
+    let () = sentinel.query(&watch).await;
+    let mut default = redis::cmd("ACL");
+    default.arg(
+        "SETUSER default resetpass >sentinel-pw"
+            .split(' ')
+            .collect::<Vec<_>>(),
+    );
+    let () = sentinel.query(&default).await;
+
+    let url = |name: &str, query: &str| {
+        format!(
+            "redis+sentinel://app:data-pw@127.0.0.1:{}/{name}{query}",
+            sentinel.port()
+        )
+    };
+    for query in [
+        "?sentinel_password=sentinel-pw",
+        "?sentinel_username=watch&sentinel_password=watch-pw",
+    ] {
+        let locker = Locker::builder()
+            .connect(&url("authed", query))
+            .await
+            .unwrap_or_else(|e| panic!("{query}: {e}"));
+        let guard = locker.lock("sentinel-auth").acquire().await.unwrap();
+        let held: i64 = master
+            .query(redis::cmd("EXISTS").arg("dlock:{sentinel-auth}"))
+            .await;
+        assert_eq!(held, 1, "{query}: the lock is not on the master");
+        guard.release().await.unwrap();
+    }
+
+    for (name, query, says) in [
+        ("authed", "", "sentinel_password"),
+        (
+            "authed",
+            "?sentinel_password=not-the-pw",
+            "sentinel_password",
+        ),
+        (
+            "authed",
+            "?sentinel_username=watch&sentinel_password=not-the-pw",
+            "sentinel_password",
+        ),
+        (
+            "unmonitored",
+            "?sentinel_password=sentinel-pw",
+            "no master of that name",
+        ),
+    ] {
+        let err = Locker::builder()
+            .connect(&url(name, query))
+            .await
+            .expect_err("connected");
+        assert!(err.is_misconfigured(), "{name}{query}: {err}");
+        assert_eq!(err.status(), 500);
+        let shown = format!("{err} {err:?}");
+        assert!(shown.contains(says), "{name}{query}: {shown}");
+        for secret in ["data-pw", "sentinel-pw", "not-the-pw"] {
+            assert!(!shown.contains(secret), "{name}{query}: {shown}");
+        }
+    }
 }
 
 /// The durable queue runs behind Sentinel (`redis+sentinel://`): see

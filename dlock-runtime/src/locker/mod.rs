@@ -111,15 +111,16 @@ impl Locker {
     /// * `redis+cluster://[user:pass@]host:port,host:port,…`, `rediss+cluster://…` (feature
     ///   `cluster`) — a Redis Cluster (Redis ≥ 7: release notifications use sharded pub/sub),
     ///   reached through any of the listed nodes;
-    /// * `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>]`,
+    /// * `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>][?sentinel_password=…]`,
     ///   `rediss+sentinel://…` (feature `sentinel`) — the master of a Sentinel-monitored group,
     ///   found through the sentinels and followed through a failover: commands in flight when
     ///   the master dies fail as [`LockError::Unavailable`], the next ones go to the promoted
     ///   replica; a holder whose lock the promoted replica did not have is told through
     ///   [`LockGuard::lost`](crate::LockGuard::lost); fencing tokens keep increasing. Replication
     ///   is asynchronous: a lock granted just before the failover may be lost unless the request
-    ///   asked for [`replicas`](crate::LockRequest::replicas). The credentials are the
-    ///   servers'; the sentinels are reached without;
+    ///   asked for [`replicas`](crate::LockRequest::replicas). The userinfo's credentials
+    ///   are the servers'; sentinels with a password of their own get it as `sentinel_password`
+    ///   (and an ACL user as `sentinel_username`), percent-encoded;
     /// * `redlock://host:port,host:port,host:port` — Redlock over independent servers (each
     ///   part may also be a full `redis://` URL); see [`RedlockBackend`](crate::backend::RedlockBackend);
     /// * `postgres://[user:pass@]host:port/db[?…]`, `postgresql://…` (feature `postgres`; TLS

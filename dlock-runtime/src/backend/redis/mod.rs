@@ -514,12 +514,15 @@ impl RedisBackend {
     }
 
     /// Connects to the master of a Sentinel-monitored group,
-    /// `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>]` (`rediss+sentinel://`
-    /// with feature `tls`): the sentinels name the master, and the backend follows a failover to
-    /// the next one (see [`Locker::from_url`](crate::Locker::from_url) for what a failover
-    /// keeps). The credentials and database are the servers'; the sentinels are reached
-    /// without credentials. Fails with [`LockError::Unavailable`] if no sentinel names a live
-    /// master within the connect timeout plus the command timeout.
+    /// `redis+sentinel://[user:pass@]s1:p1,s2:p2,…/<master-name>[/<db>][?sentinel_username=…&sentinel_password=…]`
+    /// (`rediss+sentinel://` with feature `tls`): the sentinels name the master, and the backend
+    /// follows a failover to the next one (see [`Locker::from_url`](crate::Locker::from_url) for
+    /// what a failover keeps). The userinfo's credentials and the database are the servers'; the
+    /// sentinels sign in with `sentinel_password` (and `sentinel_username` for an ACL user,
+    /// both percent-encoded) when given, else without credentials. Fails with
+    /// [`LockError::Misconfigured`] if every sentinel refuses for good (the sign-in, or a
+    /// master name it does not monitor), and with [`LockError::Unavailable`] if no sentinel
+    /// names a live master within the connect timeout plus the command timeout.
     #[cfg(feature = "sentinel")]
     pub async fn connect_sentinel(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
         let parsed = sentinel::SentinelUrl::parse(url)?;

@@ -76,9 +76,10 @@ pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer) + Send + Sync>;
 /// How many of the issuer numbers of earlier masters a connection keeps clear of.
 const ISSUERS_KEPT: usize = 64;
 
-/// The parts of a `redis+sentinel://[user:pass@]s1:p1,s2:p2/<master>[/<db>]` URL
-/// (`rediss+sentinel://` for TLS to the sentinels and the servers).
-#[derive(Debug, PartialEq, Eq)]
+/// The parts of a
+/// `redis+sentinel://[user:pass@]s1:p1,s2:p2/<master>[/<db>][?sentinel_username=…&sentinel_password=…]`
+/// URL (`rediss+sentinel://` for TLS to the sentinels and the servers).
+#[derive(PartialEq, Eq)]
 pub(crate) struct SentinelUrl {
     /// One `redis://host:port` (or `rediss://`) URL per sentinel.
     pub(crate) sentinels: Vec<String>,
@@ -87,6 +88,21 @@ pub(crate) struct SentinelUrl {
     /// `redis://[user:pass@]host/<db>` (or `rediss://`): the credentials and database for the
     /// master and its replicas. Its host is a placeholder; the sentinels name the real one.
     pub(crate) server: String,
+    /// The sentinels' own user and password (`sentinel_username`, `sentinel_password`,
+    /// percent-decoded): a sentinel with `requirepass` or ACL users of its own. Without them
+    /// the sentinels are reached without signing in.
+    pub(crate) sentinel_auth: Option<(Option<String>, String)>,
+}
+
+/// Shows no credentials (the data nodes' are in `server`).
+impl std::fmt::Debug for SentinelUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelUrl")
+            .field("sentinels", &self.sentinels)
+            .field("master", &self.master)
+            .field("sentinel_auth", &self.sentinel_auth.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SentinelUrl {
@@ -94,7 +110,7 @@ impl SentinelUrl {
     pub(crate) fn parse(url: &str) -> Result<Self, LockError> {
         let bad = || {
             LockError::misconfigured(
-                "invalid redis sentinel url: expected redis+sentinel://[user:pass@]host:port,host:port/<master-name>[/<db>]",
+                "invalid redis sentinel url: expected redis+sentinel://[user:pass@]host:port,host:port/<master-name>[/<db>][?sentinel_username=…&sentinel_password=…]",
                 None,
             )
         };
@@ -104,6 +120,7 @@ impl SentinelUrl {
             "rediss+sentinel" => "rediss",
             _ => return Err(bad()),
         };
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         let (auth, hosts, path) = super::conn::split_hosts(rest);
         let path = path.ok_or_else(bad)?;
         let mut path = path.split('/').filter(|p| !p.is_empty());
@@ -115,7 +132,7 @@ impl SentinelUrl {
         if path.next().is_some() {
             return Err(bad());
         }
-        // The credentials are the servers': the sentinels are reached without.
+        // The URL's credentials are the servers': the sentinels get their own, if any.
         let sentinels = super::conn::node_urls(scheme, "", hosts);
         if sentinels.is_empty() {
             return Err(bad());
@@ -124,7 +141,50 @@ impl SentinelUrl {
             sentinels,
             master,
             server: format!("{scheme}://{auth}localhost/{db}"),
+            sentinel_auth: sentinel_auth(query)?,
         })
+    }
+}
+
+/// The sentinels' credentials from the URL's query (`sentinel_username`, `sentinel_password`);
+/// any other parameter is refused. Errors name a parameter, never a value.
+fn sentinel_auth(query: &str) -> Result<Option<(Option<String>, String)>, LockError> {
+    let invalid = |what: String| {
+        LockError::misconfigured(format!("invalid redis sentinel url: {what}"), None)
+    };
+    let (mut user, mut password) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match k {
+            "sentinel_username" => &mut user,
+            "sentinel_password" => &mut password,
+            // A stray secret (`?hunter2`) is not echoed: only a name-like key is.
+            _ if k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') => {
+                return Err(invalid(format!(
+                    "unknown parameter `{k}` (known: sentinel_username, sentinel_password)"
+                )))
+            }
+            _ => {
+                return Err(invalid(
+                    "a parameter that is not sentinel_username or sentinel_password".into(),
+                ))
+            }
+        };
+        let v = crate::util::percent_decode(v)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "`{k}` is empty, badly percent-encoded or not UTF-8"
+                ))
+            })?;
+        *slot = Some(v);
+    }
+    match (user, password) {
+        (user, Some(password)) => Ok(Some((user, password))),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(invalid(
+            "sentinel_username needs a sentinel_password".into(),
+        )),
     }
 }
 
@@ -388,6 +448,31 @@ impl View {
     }
 }
 
+/// One sentinel's answer to a look-up.
+enum Asked {
+    /// It named the master.
+    Named(View),
+    /// It refused in a way asking again does not change (why, for the error).
+    Refused(&'static str),
+    /// No answer, or one that named no master: it may answer next time.
+    Failed,
+}
+
+impl Asked {
+    /// Why a sentinel's error is a refusal for good: the sign-in, or a master name it does not
+    /// monitor.
+    fn refused(e: &RedisError) -> Option<&'static str> {
+        if super::refused_for_good(e) {
+            Some("it refused the sign-in (a sentinel with a password of its own needs `sentinel_password`, and `sentinel_username` for an ACL user, in the url's query)")
+        } else if e.to_string().contains("No such master") {
+            // `ERR No such master with that name` (in a pipeline's error: no `detail`).
+            Some("it monitors no master of that name")
+        } else {
+            None
+        }
+    }
+}
+
 /// The master to follow among the sentinels' views: the one named under the latest
 /// configuration epoch (a sentinel that missed a failover names the old master under an older
 /// one), one that no sentinel at that epoch finds down if there is one (the node is asked
@@ -429,7 +514,14 @@ impl Sentinels {
         let this: Arc<OnceLock<Weak<Sentinels>>> = Arc::new(OnceLock::new());
         let mut conns = Vec::with_capacity(url.sentinels.len());
         for (i, sentinel) in url.sentinels.iter().enumerate() {
-            let info = resp3(sentinel.as_str().into_connection_info().map_err(invalid)?);
+            let mut info = resp3(sentinel.as_str().into_connection_info().map_err(invalid)?);
+            if let Some((user, password)) = &url.sentinel_auth {
+                let mut settings = info.redis_settings().clone().set_password(password);
+                if let Some(user) = user {
+                    settings = settings.set_username(user);
+                }
+                info = info.set_redis_settings(settings);
+            }
             let client = Client::open(info).map_err(invalid)?;
             let this = this.clone();
             let config = manager_config(connect_timeout, command_timeout)
@@ -511,7 +603,11 @@ impl Sentinels {
     }
 
     /// Asks every sentinel for the master, within `limit`, and picks the one to follow (see
-    /// [`pick`]). Once a majority of them answered, the others get a short while more.
+    /// [`pick`]). Once a majority of them named one, the others get a short while more. When
+    /// every sentinel refused in a way asking again does not change — the sign-in (a sentinel
+    /// with a password of its own, see [`SentinelUrl::sentinel_auth`]) or an unknown master
+    /// name — the answer is [`LockError::Misconfigured`]; otherwise, with no master named,
+    /// [`LockError::Unavailable`].
     async fn lookup(&self, limit: Duration) -> Result<View, LockError> {
         let mut asks: FuturesUnordered<_> = self
             .conns
@@ -526,12 +622,12 @@ impl Sentinels {
                 async move {
                     let replies = ask.query_async::<(Value, Value)>(&mut conn);
                     match tokio::time::timeout(limit, replies).await {
-                        Ok(Ok((master, addr))) => View::parse(&master, &addr),
+                        Ok(Ok((master, addr))) => View::parse(&master, &addr).map_or(Asked::Failed, Asked::Named),
                         Ok(Err(e)) => {
                             tracing::debug!(error = %e, "redis sentinel: a sentinel did not answer");
-                            None
+                            Asked::refused(&e).map_or(Asked::Failed, Asked::Refused)
                         }
-                        Err(_) => None,
+                        Err(_) => Asked::Failed,
                     }
                 }
             })
@@ -539,22 +635,40 @@ impl Sentinels {
         let majority = self.conns.len() / 2 + 1;
         let grace =
             (self.command_timeout / 5).clamp(Duration::from_millis(10), Duration::from_millis(100));
-        let mut answered = 0;
         let mut views = Vec::with_capacity(self.conns.len());
+        let mut refused = Vec::new();
         let mut deadline = tokio::time::Instant::now() + limit;
-        while let Ok(Some(view)) = tokio::time::timeout_at(deadline, asks.next()).await {
-            answered += 1;
-            views.extend(view);
-            if answered == majority {
-                deadline = deadline.min(tokio::time::Instant::now() + grace);
+        while let Ok(Some(asked)) = tokio::time::timeout_at(deadline, asks.next()).await {
+            match asked {
+                Asked::Named(view) => {
+                    views.push(view);
+                    if views.len() == majority {
+                        deadline = deadline.min(tokio::time::Instant::now() + grace);
+                    }
+                }
+                Asked::Refused(why) => refused.push(why),
+                Asked::Failed => {}
             }
         }
-        pick(&views).cloned().ok_or_else(|| {
-            LockError::unavailable(
-                format!("redis sentinel: no sentinel named the master within {limit:?}"),
+        if let Some(view) = pick(&views) {
+            return Ok(view.clone());
+        }
+        if refused.len() == self.conns.len() {
+            refused.sort_unstable();
+            refused.dedup();
+            return Err(LockError::misconfigured(
+                format!(
+                    "redis sentinel: every sentinel refused to name master `{}`: {}",
+                    self.master_name,
+                    refused.join("; ")
+                ),
                 None,
-            )
-        })
+            ));
+        }
+        Err(LockError::unavailable(
+            format!("redis sentinel: no sentinel named the master within {limit:?}"),
+            None,
+        ))
     }
 
     /// A client for the data node `master` names, with the URL's credentials, database and TLS.
@@ -1072,8 +1186,36 @@ mod tests {
                 sentinels: vec!["redis://a:1".into(), "redis://b:2".into()],
                 master: "mymaster".into(),
                 server: "redis://u:p@localhost/3".into(),
+                sentinel_auth: None,
             }
         );
+        // The sentinels' own credentials, percent-decoded; the servers' stay in the userinfo.
+        let with = |q: &str| SentinelUrl::parse(&format!("redis+sentinel://u:p@a:1/m/2?{q}"));
+        let auth = with("sentinel_password=s%40cret%2F1").unwrap();
+        assert_eq!(auth.sentinel_auth, Some((None, "s@cret/1".into())));
+        assert_eq!(auth.server, "redis://u:p@localhost/2");
+        assert_eq!(auth.sentinels, vec!["redis://a:1"]);
+        let auth = with("sentinel_username=watch&sentinel_password=pw").unwrap();
+        assert_eq!(
+            auth.sentinel_auth,
+            Some((Some("watch".into()), "pw".into()))
+        );
+        assert!(!format!("{auth:?}").contains("pw"), "{auth:?}");
+        for bad in [
+            "sentinel_username=watch",
+            "sentinel_password=",
+            "sentinel_password=%zz",
+            "sentinel_pasword=hunter2",
+            "hunter2",
+        ] {
+            let e = with(bad).unwrap_err();
+            assert!(e.is_misconfigured(), "{bad}: {e}");
+            assert!(!e.to_string().contains("hunter2"), "{bad}: {e}");
+        }
+        assert!(with("sentinel_pasword=x")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown parameter `sentinel_pasword`"));
         let tls = SentinelUrl::parse("rediss+sentinel://a:1/m").unwrap();
         assert_eq!(tls.sentinels, vec!["rediss://a:1"]);
         assert_eq!(tls.server, "rediss://localhost/0");
