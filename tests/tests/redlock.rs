@@ -195,6 +195,59 @@ async fn nodes_that_refuse_for_good_are_misconfigured_not_an_outage() {
     refused_at_once(&all, "rl:refused").await;
 }
 
+/// Connecting with nodes that refuse the sign-in (a wrong password): when the nodes that did
+/// not refuse cannot make a majority, retrying cannot fix it — `Misconfigured` (500), naming no
+/// password; while a node that is merely down could still make one, `Unavailable` (503); with a
+/// majority answering, the locker works and the refusing node is left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connecting_to_nodes_that_refuse_the_sign_in_is_misconfigured_not_an_outage() {
+    let mut servers = start_many(3);
+    let mut wrong = Vec::new();
+    for s in &servers {
+        let url = s.confined_user_url("confined").await;
+        wrong.push(url.replace(":pw@", ":not-the-pw@"));
+    }
+    let right = urls(&servers);
+    for (nodes, what) in [
+        (wrong.clone(), "every node refuses"),
+        (
+            vec![wrong[0].clone(), wrong[1].clone(), right[2].clone()],
+            "two of three refuse",
+        ),
+    ] {
+        let err = connect(&nodes, RedlockOptions::default())
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{what}: connected"));
+        assert!(err.is_misconfigured(), "{what}: {err}");
+        let shown = format!("{err} {err:?}");
+        assert!(!shown.contains("not-the-pw"), "{what}: {shown}");
+        assert!(
+            shown.contains("node0") && shown.contains("quorum 2"),
+            "{what}: {shown}"
+        );
+    }
+
+    let one = connect(
+        &[wrong[0].clone(), right[1].clone(), right[2].clone()],
+        RedlockOptions::default(),
+    )
+    .await
+    .expect("a majority answers");
+    let locker = Locker::builder().try_build(one).expect("locker");
+    acquire_and_release(&locker, "rl:refused-sign-in").await;
+
+    servers[2].stop();
+    let err = connect(
+        &[wrong[0].clone(), right[1].clone(), right[2].clone()],
+        RedlockOptions::default(),
+    )
+    .await
+    .err()
+    .expect("connected without a majority");
+    assert!(err.is_unavailable(), "a down node may come back: {err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_of_five_paused_fails_typed_within_deadline_and_leaves_nothing() {
     let mut servers = start_many(NODES);

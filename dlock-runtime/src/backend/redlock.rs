@@ -179,7 +179,9 @@ impl<T> Vote<T> {
 impl RedlockBackend {
     /// Connects to every node (`redis://…` URLs). Nodes that are down at startup are retried in
     /// the background and join when they come up; at least a majority must answer now, or this
-    /// fails with [`LockError::Unavailable`].
+    /// fails with [`LockError::Unavailable`] — or [`LockError::Misconfigured`] when so many
+    /// nodes refused for good (a wrong password) that the others cannot make a majority, and
+    /// when no nodes or an invalid URL are given.
     pub async fn connect(urls: &[&str], opts: RedlockOptions) -> Result<Self, LockError> {
         if urls.is_empty() {
             return Err(LockError::misconfigured(
@@ -210,27 +212,49 @@ impl RedlockBackend {
                 opts,
             }),
         };
-        let up = futures_util::future::join_all(backend.inner.nodes.iter().map(|n| async {
-            tokio::time::timeout(backend.inner.opts.connect_timeout, n.ping())
-                .await
-                .map(|r| r.is_ok())
-                .unwrap_or(false)
+        let pinged = futures_util::future::join_all(backend.inner.nodes.iter().map(|n| async {
+            match tokio::time::timeout(backend.inner.opts.connect_timeout, n.ping()).await {
+                Ok(r) => r,
+                Err(_) => Err(LockError::unavailable("no answer", None)),
+            }
         }))
-        .await
-        .into_iter()
-        .filter(|ok| *ok)
-        .count();
-        if up < backend.inner.quorum {
-            return Err(LockError::unavailable(
-                format!(
-                    "redlock: only {up} of {} nodes answered at startup (quorum {})",
-                    backend.inner.nodes.len(),
-                    backend.inner.quorum
-                ),
-                None,
-            ));
-        }
+        .await;
+        backend.check_startup(&pinged)?;
         Ok(backend)
+    }
+
+    /// At least a majority of the nodes must have answered the startup `PING` (`pinged`, per
+    /// node). A node that refused for good (a wrong password) is logged; when the nodes that
+    /// did not refuse are too few for a majority, retrying cannot help: `Misconfigured`.
+    fn check_startup(&self, pinged: &[Result<(), LockError>]) -> Result<(), LockError> {
+        let (n, quorum) = (self.inner.nodes.len(), self.inner.quorum);
+        let up = pinged.iter().filter(|r| r.is_ok()).count();
+        let refused = pinged
+            .iter()
+            .filter(|r| r.as_ref().is_err_and(LockError::is_misconfigured))
+            .count();
+        let failed = || {
+            pinged
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("node{i}={}", short(e))))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if up >= quorum {
+            if refused > 0 {
+                tracing::warn!(
+                    nodes = %failed(),
+                    "redlock: nodes refused at startup (they will go on refusing); the others make a majority"
+                );
+            }
+            return Ok(());
+        }
+        let message = format!(
+            "redlock: only {up} of {n} nodes answered at startup (quorum {quorum}): {}",
+            failed()
+        );
+        Err(LockError::backend(message, None, n - refused < quorum))
     }
 
     /// Parses `redlock://host:port,host:port,…` (each part may also be a full `redis://` URL)
