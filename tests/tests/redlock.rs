@@ -243,8 +243,7 @@ async fn connecting_to_nodes_that_refuse_the_sign_in_is_misconfigured_not_an_out
         RedlockOptions::default(),
     )
     .await
-    .err()
-    .expect("connected without a majority");
+    .expect_err("connected without a majority");
     assert!(err.is_unavailable(), "a down node may come back: {err}");
 }
 
