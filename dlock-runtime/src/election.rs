@@ -16,6 +16,8 @@ use crate::{IntoLockKey, LockError, LockKey, Locker, OnFail, RetryPolicy};
 const CAMPAIGN_WAIT: Duration = Duration::from_secs(60);
 /// The backoff between campaign attempts the backend did not answer.
 const ERROR_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
+/// How often a campaign the backend keeps refusing for good says so again at error level.
+const REFUSED_REPORT_EVERY: Duration = Duration::from_secs(60);
 
 /// This candidate's role, as published on [`Election::watch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -153,7 +155,11 @@ type Held = Arc<Mutex<Option<(u64, LeaseProbe)>>>;
 ///   [`lost`](Election::lost), [`is_leader`](Election::is_leader) and the
 ///   [`watch`](Election::watch) channel) before, or when, a new one can lead.
 /// * **Re-campaign.** After a loss the candidate queues for the lock again; backend errors are
-///   retried with a jittered backoff. The campaign ends only with
+///   retried with a jittered backoff (up to 2 s). A refusal that retrying cannot fix
+///   ([`LockError::Misconfigured`]: a wrong password, a user without the lock keys) is an
+///   `error` event (`dlock.election: the backend refuses the campaign`, at most once a minute
+///   while it lasts; other failures are `debug`), and the campaign goes on, so it leads once
+///   the configuration is fixed. The campaign ends only with
 ///   [`resign`](Election::resign) or when the [`Election`] is dropped; both step down (the
 ///   lock is released, so the next candidate leads at once rather than after the TTL).
 ///
@@ -309,6 +315,8 @@ impl Campaign {
     /// Campaigns until `stop` fires (resign) or its sender is dropped (the election dropped).
     async fn run(self, mut stop: oneshot::Receiver<()>) -> Result<(), LockError> {
         let mut failures = 0u32;
+        // When a refusal for good was last reported (none since the last success).
+        let mut refused_reported: Option<tokio::time::Instant> = None;
         loop {
             let acquire = self
                 .locker
@@ -325,7 +333,16 @@ impl Campaign {
                 Ok(guard) => guard,
                 Err(e) if e.is_timeout() => continue,
                 Err(e) => {
-                    tracing::debug!(election = %self.name, error = %e, "dlock.election: campaign attempt failed");
+                    let (name, error) = (
+                        self.locker.trace_key(self.name.as_str()),
+                        self.locker.trace_error(&e),
+                    );
+                    if !e.is_misconfigured() {
+                        tracing::debug!(election = %name, error = %error, "dlock.election: campaign attempt failed");
+                    } else if refused_reported.is_none_or(|t| t.elapsed() >= REFUSED_REPORT_EVERY) {
+                        refused_reported = Some(tokio::time::Instant::now());
+                        tracing::error!(election = %name, error = %error, "dlock.election: the backend refuses the campaign; retrying until the configuration is fixed");
+                    }
                     let pause = backoff(ERROR_BACKOFF.0, failures, ERROR_BACKOFF.1, Jitter::Equal);
                     failures = failures.saturating_add(1);
                     tokio::select! {
@@ -336,9 +353,11 @@ impl Campaign {
                 }
             };
             failures = 0;
+            refused_reported = None;
             let term = guard.fencing_token();
             self.set(Some((term, guard.probe())));
-            tracing::info!(election = %self.name, term, "dlock.election: leading");
+            let name = self.locker.trace_key(self.name.as_str());
+            tracing::info!(election = %name, term, "dlock.election: leading");
             tokio::select! {
                 biased;
                 _ = &mut stop => {
@@ -348,7 +367,7 @@ impl Campaign {
                 }
                 _ = guard.lost() => {
                     self.set(None);
-                    tracing::warn!(election = %self.name, term, "dlock.election: leadership lost; campaigning again");
+                    tracing::warn!(election = %name, term, "dlock.election: leadership lost; campaigning again");
                 }
             }
         }

@@ -645,6 +645,60 @@ fn a_password_in_a_url_never_reaches_an_event_or_an_error() {
     }
 }
 
+/// A leader election the backend refuses for good (a user without the lock keys) is one
+/// `ERROR` event naming the election by its redacted name — not one per attempt, and not a
+/// `DEBUG` event nobody sees — and the campaign goes on: once the user is granted the keys, the
+/// candidate leads.
+#[test]
+fn an_election_refused_for_good_is_an_error_once_and_leads_once_fixed() {
+    const NAME: &str = "secret-election";
+    let server = RedisServer::start();
+    let (term, captured) = capture::capturing_live(|captured| {
+        runtime().block_on(async {
+            let url = server.confined_user_url("campaigner").await;
+            let locker = Locker::builder().connect(&url).await.unwrap();
+            let election = locker.elect(NAME).start().unwrap();
+            // Four refused campaign attempts (an attempt is an acquire).
+            wait_for(
+                "four campaign attempts",
+                Duration::from_secs(10),
+                async || (captured.spans("dlock.acquire").len() >= 4).then_some(()),
+            )
+            .await;
+            assert!(!election.is_leader());
+            let mut grant = redis::cmd("ACL");
+            grant.arg(&["SETUSER", "campaigner", "~*"]);
+            let () = server.query(&grant).await;
+            let term =
+                tokio::time::timeout(Duration::from_secs(10), election.wait_for_leadership())
+                    .await
+                    .expect("the campaign did not lead once the keys were granted")
+                    .expect("the campaign ended");
+            election.resign().await.unwrap();
+            term
+        })
+    });
+    assert!(term > 0);
+    let errors: Vec<Seen> = captured
+        .all()
+        .into_iter()
+        .filter(|s| s.kind == Kind::Event && s.level == Level::ERROR)
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let refused = &errors[0];
+    assert!(refused.name.contains("refuses the campaign"), "{refused:?}");
+    assert_redacted(refused.field("election"));
+    let error = refused.field("error").expect("an error field");
+    assert!(!error.contains(NAME), "{refused:?}");
+    assert!(
+        captured
+            .events("dlock.election: campaign attempt failed")
+            .is_empty(),
+        "a refusal for good was also logged as an ordinary failed attempt"
+    );
+    assert_eq!(captured.events("dlock.election: leading").len(), 1);
+}
+
 // ---- Prometheus over HTTP ----
 
 /// The Prometheus exporter's text, served by a real HTTP server and scraped with a real client,

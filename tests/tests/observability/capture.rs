@@ -150,8 +150,13 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
 
 /// Runs `f` with a subscriber that captures everything (all levels) on this thread.
 pub(crate) fn capturing<T>(f: impl FnOnce() -> T) -> (T, Captured) {
+    capturing_live(|_| f())
+}
+
+/// Like [`capturing`], with what is captured so far in `f`'s hands (to wait for a record).
+pub(crate) fn capturing_live<T>(f: impl FnOnce(&Captured) -> T) -> (T, Captured) {
     let captured = Captured::default();
     let subscriber = tracing_subscriber::registry().with(Capture(captured.clone()));
-    let out = tracing::subscriber::with_default(subscriber, f);
+    let out = tracing::subscriber::with_default(subscriber, || f(&captured));
     (out, captured)
 }
