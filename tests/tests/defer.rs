@@ -16,6 +16,10 @@ use dlock_tests::jobs::{run_in_background, start_queue, RecordJob, StallJob};
 use dlock_tests::wait::wait_for;
 use dlock_tests::RedisServer;
 use redis::AsyncCommands as _;
+
+#[path = "observability/capture.rs"]
+#[allow(dead_code)]
+mod capture;
 use tokio::sync::mpsc;
 
 // ---- in-process queue ------------------------------------------------------------------
@@ -184,6 +188,187 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
         .await
         .unwrap_err();
     assert!(err.is_unavailable(), "{err}");
+}
+
+/// Jobs deferred while a shutdown begins are drained or reported, never lost: every job id a
+/// caller was given (202) is in the report, as completed, dropped or failed. A push that
+/// passed the "closed?" check just before the shutdown reached the queue task after it, was
+/// never looked at, and was in no list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_deferred_while_the_queue_shuts_down_are_all_in_the_report() {
+    for round in 0..30 {
+        let locker = Locker::memory();
+        let _held = locker.lock("busy").acquire().await.unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let pushers: Vec<_> = (0..2)
+            .map(|_| {
+                let (locker, accepted) = (locker.clone(), accepted.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let err = locker
+                            .lock("busy")
+                            .on_fail(OnFail::defer(Duration::from_secs(60), 3))
+                            .run(async {})
+                            .await
+                            .unwrap_err();
+                        if !err.is_deferred() {
+                            // Shut down (or, on a slow machine, full).
+                            assert!(err.is_unavailable() || err.is_queue_full(), "{err}");
+                            return;
+                        }
+                        accepted.fetch_add(1, Ordering::SeqCst);
+                        tokio::task::yield_now().await;
+                    }
+                })
+            })
+            .collect();
+        wait_for("jobs deferred", Duration::from_secs(5), async || {
+            (accepted.load(Ordering::SeqCst) >= 20).then_some(())
+        })
+        .await;
+        let report = locker
+            .defer_queue()
+            .shutdown(Duration::from_millis(5))
+            .await;
+        for p in pushers {
+            p.await.unwrap();
+        }
+        let accounted = report.completed + report.dropped.len() + report.failed.len();
+        assert_eq!(
+            accounted,
+            accepted.load(Ordering::SeqCst),
+            "round {round}: deferred jobs missing from the report"
+        );
+        assert!(locker.defer_queue().pending().is_empty());
+    }
+}
+
+/// A job whose work panics during the drain is in the report's `failed` list, with the panic
+/// as its reason (it was in no list: neither completed nor dropped).
+#[tokio::test]
+async fn a_job_that_panics_during_the_drain_is_reported_failed() {
+    let locker = Locker::memory();
+    let held = locker.lock("p").acquire().await.unwrap();
+    let err = locker
+        .lock("p")
+        .on_fail(OnFail::defer(Duration::from_secs(60), 3))
+        .run(async { panic!("the mail server said no") })
+        .await
+        .unwrap_err();
+    let id = err.job_id().unwrap().to_owned();
+    held.release().await.unwrap();
+    let report = locker.defer_queue().shutdown(Duration::from_secs(5)).await;
+    assert_eq!(report.completed, 0);
+    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
+    assert_eq!(report.failed.len(), 1, "{report:?}");
+    assert_eq!(report.failed[0].id, id);
+    let reason = report.failed[0].reason.as_deref().unwrap_or_default();
+    assert!(
+        reason.contains("panicked") && reason.contains("the mail server said no"),
+        "{reason}"
+    );
+}
+
+/// An in-process job rides out a lock-backend outage: an attempt the backend did not answer
+/// (503) does not count, so after more such attempts than the job has it is still pending, and
+/// it runs once the backend is back. A refusal for good counts: the job is dead-lettered after
+/// its attempts, with the refusal as the reason. Before, both used up attempts and
+/// dead-lettered the job as "its lock was still busy".
+#[test]
+fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
+    let mut server = RedisServer::start();
+    let policy = || {
+        OnFail::Defer(
+            DeferPolicy::new(Duration::from_millis(5), 2).max_delay(Duration::from_millis(10)),
+        )
+    };
+    let retries = |captured: &capture::Captured, id: &str| {
+        captured
+            .events("retried")
+            .iter()
+            .filter(|e| e.field("job_id") == Some(id))
+            .count()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ((), _) = capture::capturing_live(|captured| {
+        runtime.block_on(async {
+            let mut app = redis::cmd("ACL");
+            app.arg(&["SETUSER", "app", "on", ">pw", "~*", "&*", "+@all"]);
+            let () = server.query(&app).await;
+            let url = format!("redis://app:pw@127.0.0.1:{}", server.port());
+            let locker = Locker::builder()
+                .command_timeout(Duration::from_millis(200))
+                .connect(&url)
+                .await
+                .unwrap();
+
+            // An outage.
+            let held = locker.lock("out").acquire().await.unwrap();
+            let ran = Arc::new(AtomicUsize::new(0));
+            let r = ran.clone();
+            let err = locker
+                .lock("out")
+                .on_fail(policy())
+                .run(async move {
+                    r.fetch_add(1, Ordering::SeqCst);
+                })
+                .await
+                .unwrap_err();
+            let id = err.job_id().unwrap().to_owned();
+            server.stop();
+            wait_for(
+                "four attempts during the outage",
+                Duration::from_secs(20),
+                async || (retries(captured, &id) >= 4).then_some(()),
+            )
+            .await;
+            assert!(locker.defer_queue().dead_letters().is_empty());
+            let pending = locker.defer_queue().pending();
+            assert_eq!(pending.len(), 1);
+            assert_eq!(pending[0].attempts, 0, "an outage used up attempts");
+            drop(held);
+            // Nothing is kept on disk: the restarted server has neither the user nor the lock.
+            server.restart();
+            let () = server.query(&app).await;
+            wait_for("the job to run", Duration::from_secs(20), async || {
+                (ran.load(Ordering::SeqCst) == 1).then_some(())
+            })
+            .await;
+
+            // A refusal for good: the user loses the lock keys while the job waits.
+            let held = locker.lock("refused").acquire().await.unwrap();
+            let err = locker
+                .lock("refused")
+                .on_fail(policy())
+                .run(async {})
+                .await
+                .unwrap_err();
+            let id = err.job_id().unwrap().to_owned();
+            let mut revoke = redis::cmd("ACL");
+            revoke.arg(&["SETUSER", "app", "resetkeys", "~other:*"]);
+            let () = server.query(&revoke).await;
+            let dead = wait_for(
+                "the refused job's dead letter",
+                Duration::from_secs(20),
+                async || {
+                    let dead = locker.defer_queue().dead_letters();
+                    (!dead.is_empty()).then_some(dead)
+                },
+            )
+            .await;
+            assert_eq!(dead[0].id, id);
+            assert_eq!(dead[0].attempts, 2);
+            let reason = dead[0].reason.as_deref().unwrap_or_default();
+            assert!(
+                reason.contains("could not be taken") && reason.contains("refused"),
+                "{reason}"
+            );
+            drop(held);
+        })
+    });
 }
 
 #[tokio::test]

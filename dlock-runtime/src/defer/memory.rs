@@ -20,9 +20,21 @@ use crate::LockError;
 /// the work when the lock is free. The queue knows nothing of lockers; the caller that defers
 /// the work says how to attempt it.
 pub(crate) trait DeferredWork: Send + 'static {
-    /// One attempt: `Ok(())` when the work ran, `Err(self)` when its lock was still busy (or
-    /// the backend did not answer), to be tried again later.
-    fn attempt(self: Box<Self>) -> BoxFuture<'static, Result<(), Box<dyn DeferredWork>>>;
+    /// One attempt: `Ok(())` when the work ran, `Err((self, why))` when it did not (its lock
+    /// was still busy, or the backend failed), to be tried again later.
+    fn attempt(self: Box<Self>) -> BoxFuture<'static, Attempted>;
+}
+
+/// How an attempt went: `Err` gives the work back, with why it did not run.
+pub(crate) type Attempted = Result<(), (Box<dyn DeferredWork>, NotRun)>;
+
+/// Why an attempt did not run its work.
+pub(crate) enum NotRun {
+    /// The lock was held by someone else.
+    Busy,
+    /// Taking the lock failed: an outage (a 503 error, [`LockError::Unavailable`]), which does
+    /// not use up an attempt, or anything else ([`LockError::Misconfigured`], …), which does.
+    Failed(LockError),
 }
 
 /// One deferred piece of work with its bookkeeping.
@@ -39,19 +51,23 @@ enum Cmd {
 
 enum Outcome {
     Done(JobInfo),
-    Busy(PendingJob),
+    NotRun(PendingJob, NotRun),
 }
 
-/// What [`DeferQueue::shutdown`] did. Every job the queue held is in exactly one of the two.
+/// What [`DeferQueue::shutdown`] did. Every job the queue held — including one deferred while
+/// the shutdown began — is in exactly one of the three.
 #[derive(Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
     /// Jobs that ran during the drain.
     pub completed: usize,
-    /// Jobs that could not run before the drain deadline (their lock stayed busy, or their
-    /// attempt was still in flight and was cancelled) or sat in the dead-letter set: they
-    /// were dropped, and are listed here.
+    /// Jobs that could not run before the drain deadline (their lock stayed busy or its
+    /// backend did not answer, or their attempt was still in flight and was cancelled) or sat
+    /// in the dead-letter set: they were dropped, and are listed here.
     pub dropped: Vec<JobInfo>,
+    /// Jobs whose work panicked during the drain, with the panic in
+    /// [`reason`](JobInfo::reason).
+    pub failed: Vec<JobInfo>,
 }
 
 #[derive(Default)]
@@ -194,24 +210,26 @@ impl DeferQueue {
                     target: "dlock::defer",
                     event = "full",
                     queue = "memory",
-                    key = %key,
+                    key = %shared.key_log.show(key),
                     max_queued = shared.limits.max_queued,
                 );
                 return Err(LockError::queue_full(key, "memory"));
             }
+            // Sent under the lock that `shutdown` closes the queue under: a job accepted here
+            // reaches the task before the shutdown does, so the drain tries it (it was lost,
+            // and missing from the report, when its push lost that race).
+            let first = policy.backoff(1);
+            let job = PendingJob {
+                info: info.clone(),
+                policy,
+                work,
+            };
+            if tx.send(Cmd::Push(job, first)).is_err() {
+                return Err(LockError::unavailable("the defer queue task is gone", None));
+            }
             shared.pending.insert(info.id.clone(), info.clone());
+            event(shared.key_log, "deferred", &info);
         }
-        let first = policy.backoff(1);
-        let job = PendingJob {
-            info: info.clone(),
-            policy,
-            work,
-        };
-        if tx.send(Cmd::Push(job, first)).is_err() {
-            self.shared().pending.remove(&info.id);
-            return Err(LockError::unavailable("the defer queue task is gone", None));
-        }
-        event(self.shared().key_log, "deferred", &info);
         Ok(info.id)
     }
 
@@ -253,29 +271,32 @@ impl DeferQueue {
     /// Moves a dead-lettered job back into the queue with a fresh attempt budget; `false` if
     /// no such dead letter exists (or the queue is shut down).
     pub fn requeue(&self, job_id: &str) -> bool {
-        let job = {
-            let mut shared = self.shared();
-            if shared.closed {
-                return false;
-            }
-            shared.prune_dead(Instant::now());
-            let Some(pos) = shared.dead.iter().position(|(j, _)| j.info.id == job_id) else {
-                return false;
-            };
-            let Some((mut job, _)) = shared.dead.remove(pos) else {
-                return false;
-            };
-            job.info.attempts = 0;
-            job.info.reason = None;
-            shared.pending.insert(job.info.id.clone(), job.info.clone());
-            job
-        };
-        let first = job.policy.backoff(1);
-        event(self.shared().key_log, "requeued", &job.info);
-        match self.sender() {
-            Ok(tx) => tx.send(Cmd::Push(job, first)).is_ok(),
-            Err(_) => false,
+        let Ok(tx) = self.sender() else { return false };
+        let mut shared = self.shared();
+        if shared.closed {
+            return false;
         }
+        shared.prune_dead(Instant::now());
+        let Some(pos) = shared.dead.iter().position(|(j, _)| j.info.id == job_id) else {
+            return false;
+        };
+        let Some((mut job, at)) = shared.dead.remove(pos) else {
+            return false;
+        };
+        job.info.attempts = 0;
+        job.info.reason = None;
+        let info = job.info.clone();
+        let first = job.policy.backoff(1);
+        // Under the lock, as in `push`: ahead of a shutdown that closes the queue.
+        if let Err(mpsc::error::SendError(cmd)) = tx.send(Cmd::Push(job, first)) {
+            if let Cmd::Push(job, _) = cmd {
+                shared.dead.insert(pos, (job, at));
+            }
+            return false;
+        }
+        event(shared.key_log, "requeued", &info);
+        shared.pending.insert(info.id.clone(), info);
+        true
     }
 
     /// Stops accepting jobs and drains: every pending job is tried at once (and retried with a
@@ -315,7 +336,16 @@ async fn attempt(job: PendingJob) -> Outcome {
     let PendingJob { info, policy, work } = job;
     match work.attempt().await {
         Ok(()) => Outcome::Done(info),
-        Err(work) => Outcome::Busy(PendingJob { info, policy, work }),
+        Err((work, why)) => Outcome::NotRun(PendingJob { info, policy, work }, why),
+    }
+}
+
+/// What a panicked (or aborted) attempt says about itself.
+fn failure(e: tokio::task::JoinError) -> String {
+    if e.is_panic() {
+        format!("the job panicked: {}", panic_message(&*e.into_panic()))
+    } else {
+        e.to_string()
     }
 }
 
@@ -337,6 +367,8 @@ struct Task {
     running_ids: HashMap<tokio::task::Id, JobInfo>,
     draining: Option<(Instant, oneshot::Sender<ShutdownReport>)>,
     completed: usize,
+    /// Jobs that panicked during the drain.
+    failed: Vec<JobInfo>,
 }
 
 impl Task {
@@ -350,6 +382,7 @@ impl Task {
             running_ids: HashMap::new(),
             draining: None,
             completed: 0,
+            failed: Vec::new(),
         }
     }
 }
@@ -385,6 +418,7 @@ impl Drop for Task {
         next.carried = jobs;
         next.draining = self.draining.take();
         next.completed = self.completed;
+        next.failed = std::mem::take(&mut self.failed);
         rt.spawn(run(next));
     }
 }
@@ -403,6 +437,7 @@ async fn run(mut task: Task) {
         running_ids,
         draining,
         completed,
+        failed,
         ..
     } = &mut task;
     let Some(rx) = rx.as_mut() else { return };
@@ -420,13 +455,14 @@ async fn run(mut task: Task) {
                             *completed += 1;
                             event(key_log, "completed", &info);
                         }
-                        Ok((task, Outcome::Busy(job))) => {
+                        Ok((task, Outcome::NotRun(job, _))) => {
                             running_ids.remove(&task);
                             dropped.push(job.info);
                         }
                         Err(e) => {
-                            if let Some(info) = running_ids.remove(&e.id()) {
-                                dropped.push(info);
+                            if let Some(mut info) = running_ids.remove(&e.id()) {
+                                info.reason = Some(failure(e));
+                                failed.push(info);
                             }
                         }
                     }
@@ -444,6 +480,7 @@ async fn run(mut task: Task) {
                 let _ = reply.send(ShutdownReport {
                     completed: *completed,
                     dropped,
+                    failed: std::mem::take(failed),
                 });
                 running.abort_all();
                 break true;
@@ -482,11 +519,17 @@ async fn run(mut task: Task) {
                     *completed += 1;
                     event(key_log, "completed", &info);
                 }
-                Ok((task, Outcome::Busy(mut job))) => {
+                Ok((task, Outcome::NotRun(mut job, why))) => {
                     running_ids.remove(&task);
-                    job.info.attempts += 1;
-                    if job.info.attempts >= job.policy.max_attempts {
-                        let reason = format!("its lock was still busy after {} attempts", job.info.attempts);
+                    // An outage (503) does not use up an attempt, as in the durable queue: the
+                    // job is tried again at the pace of its current attempt.
+                    let counted = !matches!(&why, NotRun::Failed(e) if e.status() == 503);
+                    job.info.attempts += u32::from(counted);
+                    if counted && job.info.attempts >= job.policy.max_attempts {
+                        let reason = match why {
+                            NotRun::Busy => format!("its lock was still busy after {} attempts", job.info.attempts),
+                            NotRun::Failed(e) => format!("its lock could not be taken: {e}"),
+                        };
                         lock().push_dead(job, reason);
                     } else {
                         let wait = if draining.is_some() {
@@ -501,14 +544,14 @@ async fn run(mut task: Task) {
                 }
                 Err(e) => {
                     // The work panicked (or was aborted); its future is gone, it cannot be retried.
-                    let job_id = running_ids.remove(&e.id()).map(|i| i.id).unwrap_or_default();
-                    lock().pending.remove(&job_id);
-                    let error = if e.is_panic() {
-                        format!("the job panicked: {}", panic_message(&*e.into_panic()))
-                    } else {
-                        e.to_string()
-                    };
-                    tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %job_id, error = %error);
+                    let mut info = running_ids.remove(&e.id()).unwrap_or_else(|| JobInfo::new("", "", 0));
+                    lock().pending.remove(&info.id);
+                    let error = failure(e);
+                    tracing::error!(target: "dlock::defer", event = "failed", queue = "memory", job_id = %info.id, error = %error);
+                    if draining.is_some() {
+                        info.reason = Some(error);
+                        failed.push(info);
+                    }
                 }
             },
             _ = async {

@@ -5,12 +5,16 @@
 //!   [`LockError::Deferred`](crate::LockError::Deferred) at once, carrying the job id (HTTP
 //!   202). When the job's turn comes it makes one attempt at the lock; if the lock is still
 //!   busy it is deferred again with exponential backoff and jitter, up to `max_attempts`, and
-//!   then moved to the dead-letter set, which can be listed and re-queued.
+//!   then moved to the dead-letter set, which can be listed and re-queued. An attempt the lock
+//!   backend did not answer (a 503 error: an outage) does not count — the job is tried again at
+//!   the same pace until the backend is back — while any other failure (a refusal for good,
+//!   [`LockError::Misconfigured`](crate::LockError::Misconfigured)) counts, and the dead letter
+//!   says which ([`JobInfo::reason`]).
 //! * [`DeferQueue`] — the in-process queue (the default, one per [`Locker`](crate::Locker)),
 //!   built on tokio-util's `DelayQueue`. It holds closures and futures, so it serves
 //!   `LockRequest::run` and `#[distributed_lock(on_fail = "defer")]`. **It does not survive a
 //!   crash or a restart**: jobs live in this process's memory. [`DeferQueue::shutdown`] drains
-//!   it and reports exactly what was dropped.
+//!   it and reports every job it held: completed, dropped, or failed during the drain.
 //! * The durable queue (`dlock_runtime::durable`, feature `durable`) — typed jobs (serde types)
 //!   in Redis, run by a worker that every instance of the service can run. Claims carry a
 //!   visibility timeout: a job claimed by a process that dies is run by another instance once
@@ -42,7 +46,7 @@ use std::time::Duration;
 use crate::key::KeyLog;
 
 mod memory;
-pub(crate) use memory::DeferredWork;
+pub(crate) use memory::{Attempted, DeferredWork, NotRun};
 pub use memory::{DeferQueue, ShutdownReport};
 
 pub use crate::strategy::DeferPolicy;

@@ -394,9 +394,8 @@ struct LockedWork {
 }
 
 impl crate::defer::DeferredWork for LockedWork {
-    fn attempt(
-        self: Box<Self>,
-    ) -> BoxFuture<'static, Result<(), Box<dyn crate::defer::DeferredWork>>> {
+    fn attempt(self: Box<Self>) -> BoxFuture<'static, crate::defer::Attempted> {
+        use crate::defer::NotRun;
         Box::pin(async move {
             let mut request = self
                 .locker
@@ -413,13 +412,16 @@ impl crate::defer::DeferredWork for LockedWork {
                     run_under(&locker, guard, work).await;
                     Ok(())
                 }
-                Ok(None) => Err(self as Box<dyn crate::defer::DeferredWork>),
+                Ok(None) => Err((self as Box<dyn crate::defer::DeferredWork>, NotRun::Busy)),
                 Err(e) => {
                     tracing::debug!(
                         error = %self.locker.trace_error(&e),
                         "dlock: deferred attempt could not reach the backend"
                     );
-                    Err(self as Box<dyn crate::defer::DeferredWork>)
+                    Err((
+                        self as Box<dyn crate::defer::DeferredWork>,
+                        NotRun::Failed(e),
+                    ))
                 }
             }
         })
