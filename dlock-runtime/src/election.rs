@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 
 use crate::lease::LeaseProbe;
-use crate::util::{backoff, Jitter};
+use crate::util::{backoff, FailureStreak, Jitter};
 use crate::{IntoLockKey, LockError, LockKey, Locker, OnFail, RetryPolicy};
 
 /// How long one queued campaign attempt waits before it re-queues (it simply tries again).
@@ -315,8 +315,7 @@ impl Campaign {
     /// Campaigns until `stop` fires (resign) or its sender is dropped (the election dropped).
     async fn run(self, mut stop: oneshot::Receiver<()>) -> Result<(), LockError> {
         let mut failures = 0u32;
-        // When a refusal for good was last reported (none since the last success).
-        let mut refused_reported: Option<tokio::time::Instant> = None;
+        let mut refused = FailureStreak::default();
         loop {
             let acquire = self
                 .locker
@@ -339,9 +338,8 @@ impl Campaign {
                     );
                     if !e.is_misconfigured() {
                         tracing::debug!(election = %name, error = %error, "dlock.election: campaign attempt failed");
-                    } else if refused_reported.is_none_or(|t| t.elapsed() >= REFUSED_REPORT_EVERY) {
-                        refused_reported = Some(tokio::time::Instant::now());
-                        tracing::error!(election = %name, error = %error, "dlock.election: the backend refuses the campaign; retrying until the configuration is fixed");
+                    } else if let Some(attempts) = refused.failed(REFUSED_REPORT_EVERY) {
+                        tracing::error!(election = %name, error = %error, attempts, "dlock.election: the backend refuses the campaign; retrying until the configuration is fixed");
                     }
                     let pause = backoff(ERROR_BACKOFF.0, failures, ERROR_BACKOFF.1, Jitter::Equal);
                     failures = failures.saturating_add(1);
@@ -353,7 +351,7 @@ impl Campaign {
                 }
             };
             failures = 0;
-            refused_reported = None;
+            refused.succeeded();
             let term = guard.fencing_token();
             self.set(Some((term, guard.probe())));
             let name = self.locker.trace_key(self.name.as_str());

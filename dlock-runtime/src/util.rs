@@ -184,6 +184,39 @@ pub(crate) fn backoff(base: Duration, n: u32, max: Duration, jitter: Jitter) -> 
     }
 }
 
+/// A run of failures of one repeated operation (a poll, a campaign attempt), reported without
+/// flooding the log: the first failure, then at most one report per `every` while it lasts.
+#[derive(Debug, Default)]
+pub(crate) struct FailureStreak {
+    /// Failures in this run.
+    failures: u64,
+    /// When the run was last reported.
+    reported: Option<tokio::time::Instant>,
+}
+
+impl FailureStreak {
+    /// Counts a failure; `Some(failures in the run so far)` when it is to be reported now.
+    pub(crate) fn failed(&mut self, every: Duration) -> Option<u64> {
+        self.failures += 1;
+        let now = tokio::time::Instant::now();
+        if self
+            .reported
+            .is_some_and(|at| now.duration_since(at) < every)
+        {
+            return None;
+        }
+        self.reported = Some(now);
+        Some(self.failures)
+    }
+
+    /// Ends the run on a success; `Some(its failures)` when there was one.
+    pub(crate) fn succeeded(&mut self) -> Option<u64> {
+        let failures = std::mem::take(&mut self.failures);
+        self.reported = None;
+        (failures > 0).then_some(failures)
+    }
+}
+
 /// The message of a caught panic's payload.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -379,6 +412,25 @@ mod tests {
         for bad in ["%", "%4", "%+1", "%zz", "%C3"] {
             assert_eq!(percent_decode(bad), None, "{bad}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_streak_is_reported_first_then_once_per_interval() {
+        let every = Duration::from_secs(60);
+        let mut streak = FailureStreak::default();
+        assert_eq!(streak.succeeded(), None);
+        assert_eq!(streak.failed(every), Some(1));
+        assert_eq!(streak.failed(every), None);
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert_eq!(streak.failed(every), None);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(streak.failed(every), Some(4));
+        assert_eq!(streak.succeeded(), Some(4));
+        assert_eq!(
+            streak.failed(every),
+            Some(1),
+            "a new run is reported at once"
+        );
     }
 
     #[test]

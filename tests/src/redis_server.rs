@@ -261,25 +261,50 @@ impl RedisServer {
             .expect("connect to redis")
     }
 
-    /// Adds the ACL user `user` (password `pw`), who may run every command but only on keys
-    /// under `other:` — none of a locker's — and returns a URL that signs in as it: a server
-    /// that refuses a locker's commands for good (`NOPERM`).
+    /// Adds the ACL user `user` (password `pw`), who may run every command on every key and
+    /// channel, and returns a URL that signs in as it (`redis://<user>:pw@127.0.0.1:<port>`);
+    /// [`confine`](Self::confine) takes its keys away, [`unconfine`](Self::unconfine) gives
+    /// them back.
+    ///
+    /// # Panics
+    /// If the server refuses the `ACL SETUSER`.
+    pub async fn user_url(&self, user: &str) -> String {
+        let mut setuser = redis::cmd("ACL");
+        setuser.arg(&["SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all"]);
+        let () = self.query(&setuser).await;
+        format!("redis://{user}:pw@127.0.0.1:{}", self.port)
+    }
+
+    /// Leaves the ACL user `user` only keys under `other:` — none of a locker's or a durable
+    /// queue's: from then on the server refuses its commands on them for good (`NOPERM`).
+    ///
+    /// # Panics
+    /// If the server refuses the `ACL SETUSER`.
+    pub async fn confine(&self, user: &str) {
+        let mut setuser = redis::cmd("ACL");
+        setuser.arg(&["SETUSER", user, "resetkeys", "~other:*"]);
+        let () = self.query(&setuser).await;
+    }
+
+    /// Gives the ACL user `user` every key again (after [`confine`](Self::confine)).
+    ///
+    /// # Panics
+    /// If the server refuses the `ACL SETUSER`.
+    pub async fn unconfine(&self, user: &str) {
+        let mut setuser = redis::cmd("ACL");
+        setuser.arg(&["SETUSER", user, "~*"]);
+        let () = self.query(&setuser).await;
+    }
+
+    /// [`user_url`](Self::user_url) of a [confined](Self::confine) user: a server that refuses
+    /// a locker's commands for good (`NOPERM`).
     ///
     /// # Panics
     /// If the server refuses the `ACL SETUSER`.
     pub async fn confined_user_url(&self, user: &str) -> String {
-        let mut setuser = redis::cmd("ACL");
-        setuser
-            .arg("SETUSER")
-            .arg(user)
-            .arg("reset")
-            .arg("on")
-            .arg(">pw")
-            .arg("~other:*")
-            .arg("&*")
-            .arg("+@all");
-        let () = self.query(&setuser).await;
-        format!("redis://{user}:pw@127.0.0.1:{}", self.port)
+        let url = self.user_url(user).await;
+        self.confine(user).await;
+        url
     }
 
     /// Runs one command on a new connection ([`conn`](Self::conn)) and returns its reply, e.g.
@@ -307,6 +332,25 @@ impl RedisServer {
                 .map_or(0, |n| n.parse().unwrap())
         };
         field("calls=") - field("failed_calls=")
+    }
+
+    /// How many times the server answered `command` with an error: rejected before it ran (an
+    /// ACL that denies a key it names) or failed while running (a script that a `NOPERM`
+    /// ended).
+    pub async fn error_calls(&self, command: &str) -> u64 {
+        let info: String = self.query(redis::cmd("INFO").arg("commandstats")).await;
+        let prefix = format!("cmdstat_{command}:");
+        let Some(stats) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
+            return 0;
+        };
+        stats
+            .split(',')
+            .filter_map(|kv| {
+                kv.strip_prefix("rejected_calls=")
+                    .or_else(|| kv.strip_prefix("failed_calls="))
+            })
+            .map(|n| n.parse::<u64>().unwrap())
+            .sum()
     }
 
     /// A [`Locker`](dlock_runtime::Locker) on this server with the default settings

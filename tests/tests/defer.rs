@@ -295,10 +295,7 @@ fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
         .unwrap();
     let ((), _) = capture::capturing_live(|captured| {
         runtime.block_on(async {
-            let mut app = redis::cmd("ACL");
-            app.arg(&["SETUSER", "app", "on", ">pw", "~*", "&*", "+@all"]);
-            let () = server.query(&app).await;
-            let url = format!("redis://app:pw@127.0.0.1:{}", server.port());
+            let url = server.user_url("app").await;
             let locker = Locker::builder()
                 .command_timeout(Duration::from_millis(200))
                 .connect(&url)
@@ -332,7 +329,7 @@ fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
             drop(held);
             // Nothing is kept on disk: the restarted server has neither the user nor the lock.
             server.restart();
-            let () = server.query(&app).await;
+            server.user_url("app").await;
             wait_for("the job to run", Duration::from_secs(20), async || {
                 (ran.load(Ordering::SeqCst) == 1).then_some(())
             })
@@ -347,9 +344,7 @@ fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
                 .await
                 .unwrap_err();
             let id = err.job_id().unwrap().to_owned();
-            let mut revoke = redis::cmd("ACL");
-            revoke.arg(&["SETUSER", "app", "resetkeys", "~other:*"]);
-            let () = server.query(&revoke).await;
+            server.confine("app").await;
             let dead = wait_for(
                 "the refused job's dead letter",
                 Duration::from_secs(20),
@@ -760,6 +755,68 @@ async fn a_lock_backend_that_refuses_for_good_dead_letters_the_job_after_its_att
     let reason = dead[0].reason.clone().unwrap_or_default();
     assert!(reason.contains("refused"), "{reason}");
     assert_eq!(runs(&server, 11).await, 0);
+}
+
+/// A worker whose claims the queue refuses (its user lost the queue's keys) says so once, at
+/// `ERROR`, not once per poll, and goes on polling; once the keys are back it says that claims
+/// work again (`INFO`, with the count of refused claims) and runs the jobs.
+#[test]
+fn a_worker_whose_claims_are_refused_says_so_once_and_recovers() {
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ((), captured) = capture::capturing_live(|_| {
+        runtime.block_on(async {
+            let url = server.user_url("worker").await;
+            let queue = DurableQueue::connect(&url, "refused-claims").await.unwrap();
+            let worker = DurableWorker::new(queue, server.locker().await)
+                .register::<RecordJob>()
+                .poll_interval(Duration::from_millis(10));
+            server.confine("worker").await;
+            let before = server.error_calls("evalsha").await;
+            let running = run_in_background(worker);
+            wait_for("ten refused claims", Duration::from_secs(20), async || {
+                (server.error_calls("evalsha").await >= before + 10).then_some(())
+            })
+            .await;
+            server.unconfine("worker").await;
+            let own = DurableQueue::connect(&server.url(), "refused-claims")
+                .await
+                .unwrap();
+            let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+            enqueue(&own, &record_job(&server, 1, "refused-claims"), &policy)
+                .await
+                .unwrap();
+            wait_for("the job to run", Duration::from_secs(20), async || {
+                done(&server).await.remove(&1)
+            })
+            .await;
+            running.stop().await;
+        })
+    });
+    let said = |level: tracing::Level| {
+        captured
+            .all()
+            .into_iter()
+            .filter(|e| e.kind == capture::Kind::Event && e.level == level)
+            .filter(|e| e.name.starts_with("dlock job worker"))
+            .collect::<Vec<_>>()
+    };
+    let errors = said(tracing::Level::ERROR);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].name.contains("refuses the claims"), "{errors:?}");
+    assert_eq!(errors[0].field("failures"), Some("1"));
+    assert!(
+        said(tracing::Level::WARN).is_empty(),
+        "{:?}",
+        said(tracing::Level::WARN)
+    );
+    let back = captured.events("dlock job worker: claims work again");
+    assert_eq!(back.len(), 1, "{back:?}");
+    let failures: u64 = back[0].field("failures").unwrap().parse().unwrap();
+    assert!(failures >= 10, "{failures}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,8 +13,11 @@ use super::queue::{Claimed, Retried};
 use super::{event, DurableQueue, Envelope, Job, JobContext, JobError, PermanentFailure};
 use crate::backend::BoxFuture;
 use crate::defer::JobInfo;
-use crate::util::panic_message;
+use crate::util::{panic_message, FailureStreak};
 use crate::{DeferPolicy, LockError, LockKey, Locker};
+
+/// How often a run of failed claims is logged again while it lasts.
+const CLAIM_FAILURE_REPORT_EVERY: Duration = Duration::from_secs(60);
 
 type Runner = Arc<
     dyn Fn(
@@ -114,14 +117,35 @@ impl DurableWorker {
     }
 
     /// Runs batches until `shutdown` resolves; the batch in progress is finished first.
+    ///
+    /// A claim that fails (the queue's Redis down, or refusing: a wrong password, an ACL) is
+    /// tried again every poll interval; the failure is logged when it starts — `WARN`, or
+    /// `ERROR` for a refusal retrying cannot fix ([`LockError::Misconfigured`]) — then at most
+    /// once a minute while it lasts (with the count of failed claims), and its end at `INFO`.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
+        let mut failing = FailureStreak::default();
+        let queue = self.queue.name();
         loop {
             let idle = match self.run_once().await {
-                Ok(0) => true,
-                Ok(_) => false,
+                Ok(claimed) => {
+                    if let Some(failures) = failing.succeeded() {
+                        tracing::info!(queue = %queue, failures, "dlock job worker: claims work again");
+                    }
+                    claimed == 0
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, queue = %self.queue.name(), "dlock job worker: claim failed");
+                    match failing.failed(CLAIM_FAILURE_REPORT_EVERY) {
+                        Some(failures) if e.is_misconfigured() => {
+                            tracing::error!(error = %e, queue = %queue, failures, "dlock job worker: the queue refuses the claims; retrying until the configuration is fixed")
+                        }
+                        Some(failures) => {
+                            tracing::warn!(error = %e, queue = %queue, failures, "dlock job worker: claim failed")
+                        }
+                        None => {
+                            tracing::debug!(error = %e, queue = %queue, "dlock job worker: claim failed")
+                        }
+                    }
                     true
                 }
             };
