@@ -541,6 +541,125 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     assert_eq!(backend.watch_tasks(), 0);
 }
 
+/// A locker whose waiters' fallback timers are 5 s (no jitter; a 30 s waiter TTL, so the
+/// queue refresh does not come sooner), the policy of its waits, and the lease of every lock:
+/// a waiter that gets the lock well within 5 s of its turn was woken by its watch.
+async fn slow_timers(url: &str) -> (Locker, impl Fn(bool) -> dlock_runtime::OnFail) {
+    let locker = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .waiter_ttl(Duration::from_secs(30))
+        .default_ttl(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .expect("connect to etcd");
+    let policy = |fair: bool| {
+        dlock_runtime::OnFail::Retry(
+            dlock_runtime::RetryPolicy::new(Duration::from_secs(30))
+                .backoff(Duration::from_secs(5), Duration::from_secs(5))
+                .jitter(false)
+                .fair(fair),
+        )
+    };
+    (locker, policy)
+}
+
+/// A barging waiter (`fair(false)`) is woken by a release — its watch waits for a key of the
+/// lock to be deleted — not by its fallback timer. Before, its watch woke it at once (it has no
+/// key in the line) and ended, and every release after that went unnoticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barging_waiter_is_woken_by_a_release() {
+    let url = etcd_server::shared().lock().unwrap().url();
+    let (a, policy) = slow_timers(&url).await;
+    let key = dlock_runtime::conformance::unique_key("barging");
+    let held = a.lock(&key).acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let (a, key, policy) = (a.clone(), key.clone(), policy(false));
+        async move { a.lock(&key).on_fail(policy).acquire().await }
+    });
+    dlock_tests::wait::wait_for("the waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    let released = Instant::now();
+    let g = waiter.await.unwrap().unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "woken {took:?} after the release"
+    );
+    g.release().await.unwrap();
+}
+
+/// A fair waiter whose key vanished (deleted here by hand, as a lease that ran out would be)
+/// queues again at the back on its next attempt, and is woken when its turn comes again: its
+/// watch follows the new key. Before, its watch ended when it found the key gone, and the
+/// waiter was left to its fallback timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_key_vanished_is_woken_at_its_next_turn() {
+    use etcd_client::{Client, GetOptions, SortOrder, SortTarget};
+
+    let url = etcd_server::shared().lock().unwrap().url();
+    let (a, policy) = slow_timers(&url).await;
+    let key = dlock_runtime::conformance::unique_key("vanished");
+    let held = a.lock(&key).acquire().await.unwrap();
+    let wait = |then_release: bool| {
+        let (a, key, policy) = (a.clone(), key.clone(), policy(true));
+        tokio::spawn(async move {
+            let g = a.lock(&key).on_fail(policy).acquire().await.unwrap();
+            if then_release {
+                g.release().await.unwrap();
+                return None;
+            }
+            Some(g)
+        })
+    };
+    let first = wait(false);
+    dlock_tests::wait::wait_for("the first waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1).then_some(())
+    })
+    .await;
+    let second = wait(true);
+    dlock_tests::wait::wait_for("two waiters", Duration::from_secs(5), async || {
+        (a.waiting() == 2).then_some(())
+    })
+    .await;
+    // The line: the holder's key, the first waiter's, the second's.
+    let raw = Client::connect([url.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let dir = lock_dir(&a, &key);
+    let line = raw
+        .kv_client()
+        .get(
+            dir.as_str(),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(line.kvs().len(), 3, "{:?}", line.kvs());
+    raw.kv_client()
+        .delete(line.kvs()[1].key(), None)
+        .await
+        .unwrap();
+    // The first waiter finds its key gone and queues behind the second, which takes the lock
+    // and gives it up at once.
+    held.release().await.unwrap();
+    assert!(second.await.unwrap().is_none());
+    let released = Instant::now();
+    let g = first.await.unwrap().unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "woken {took:?} after its turn came"
+    );
+    g.release().await.unwrap();
+}
+
 /// A locker built on a runtime that then shuts down (an actix-web worker restarting, a runtime
 /// built for set-up and dropped) loses, with that runtime, its etcd client's channel — tonic's
 /// buffer worker and the HTTP/2 connection run on it — and the watch stream its waiter on

@@ -619,6 +619,15 @@ impl ReleaseHub {
         }
     }
 
+    /// Whether `token` is a local waiter of `resource` (registered, its [`Watch`] alive).
+    pub fn is_waiting(&self, resource: &str, token: &OwnerToken) -> bool {
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(resource)
+            .is_some_and(|list| list.iter().any(|(t, _)| t == token))
+    }
+
     /// Whether `resource` has local waiters.
     pub fn has_waiters(&self, resource: &str) -> bool {
         self.keys

@@ -43,7 +43,7 @@ use etcd_client::{
 
 use super::next_message;
 use super::pool::{call, Pool};
-use super::{EtcdBackend, Keys};
+use super::{EtcdBackend, Keys, Turn};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken};
 use crate::key::{LockKind, ResourceName};
 use crate::LockError;
@@ -132,16 +132,18 @@ impl EtcdBackend {
     }
 }
 
-/// Returns once the own key fits beside the keys ahead of it (or is gone: the waiter must ask
-/// again); the watch loop of a permit's or hold's waiter (see the module docs).
+/// Returns [`Turn::Now`] once the own key fits beside the keys ahead of it or is deleted (the
+/// waiter must ask again), or [`Turn::NoKey`] when there is none (a barging waiter); the watch
+/// loop of a permit's or hold's waiter (see the module docs).
 pub(super) async fn wait_admitted(
     pool: &Pool,
     kind: LockKind,
     k: &Keys,
     timeout: Duration,
-) -> Result<(), LockError> {
-    let Some(rev) = super::own_revision(pool, k, timeout).await? else {
-        return Ok(());
+) -> Result<Turn, LockError> {
+    let rev = match super::own_revision(pool, k, timeout).await? {
+        Ok(rev) => rev,
+        Err(read) => return Ok(Turn::NoKey(read)),
     };
     let ahead = call(pool, timeout, "get", |c| {
         let mut kv = c.kv_client();
@@ -161,7 +163,7 @@ pub(super) async fn wait_admitted(
         fits(keys.len() as u64, writers, exclusive, kind.capacity())
     };
     if fits_now(&keys) {
-        return Ok(());
+        return Ok(Turn::Now);
     }
     let from = ahead.header().map_or(0, |h| h.revision()) + 1;
     let mut stream = call(pool, timeout, "watch", |c| {
@@ -184,12 +186,12 @@ pub(super) async fn wait_admitted(
                 continue;
             }
             if key == k.own.as_slice() {
-                return Ok(());
+                return Ok(Turn::Now);
             }
             keys.retain(|a| a.as_slice() != key);
         }
         if fits_now(&keys) {
-            return Ok(());
+            return Ok(Turn::Now);
         }
     }
 }

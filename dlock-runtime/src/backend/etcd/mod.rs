@@ -54,7 +54,11 @@
 //!   greatest create revision below its own) and watches only that key's deletion, from the
 //!   revision of the read on (no event can fall between the read and the watch; no thundering
 //!   herd, no polling). When the predecessor is gone it reads again; when there is none, it is
-//!   this waiter's turn and the [`ReleaseHub`] wakes it. Each waiting waiter costs one gRPC
+//!   this waiter's turn and the [`ReleaseHub`] wakes it (also when its own key is gone: its
+//!   next attempt queues it anew). A waiter without a key in the line (a barging one) is woken
+//!   when any key of the lock is deleted. A task ends when it wakes its waiter; an attempt of a
+//!   local waiter that finds the lock held again starts a new one (for its new key, if it
+//!   queued anew), and one that takes the lock stops it. Each waiting waiter costs one gRPC
 //!   watch stream while it waits (the streams share the one HTTP/2 connection to the member);
 //!   multiplexing all of a locker's watches over one stream is not done yet.
 //!
@@ -323,8 +327,8 @@ impl TlsFiles {
     }
 }
 
-/// Background watch tasks, by (resource, owner token).
-type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), AbortHandle>>>;
+/// Background watch tasks, by (resource, owner token), with the own key each watches for.
+type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (AbortHandle, Vec<u8>)>>>;
 
 /// The leases an acquisition's attempts put its key on, by (resource, owner token): what
 /// [`Backend::abandon`] revokes so that an attempt still in flight cannot put the key back.
@@ -794,9 +798,79 @@ impl EtcdBackend {
         .await
     }
 
+    /// Starts the watch task of the local waiter `token` ([`watch_turn`]), replacing one that
+    /// runs. The task takes itself out of the books before it wakes the waiter, so that an
+    /// attempt the waiter then makes finds it gone (see [`rewatch`](Self::rewatch)).
+    fn spawn_watch(&self, resource: &ResourceName, token: &OwnerToken) {
+        let k = match self.sessions.name_of(&token_key(resource, token)) {
+            Some(own) => Keys {
+                own,
+                ..self.lock_dir(resource)
+            },
+            None => self.keys(resource, token),
+        };
+        let name = resource.shared();
+        let own = k.own.clone();
+        let turn = watch_turn(
+            self.pool.clone(),
+            self.hub.clone(),
+            name.clone(),
+            token.clone(),
+            k,
+            self.opts.command_timeout,
+            resource.kind(),
+        );
+        let entry = (name, token.clone());
+        let (watchers, hub) = (self.watchers.clone(), self.hub.clone());
+        // Inserted under the same lock, so the entry is there before the task can look for it.
+        let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
+        let task = tokio::spawn({
+            let entry = entry.clone();
+            async move {
+                turn.await;
+                {
+                    let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
+                    if w.get(&entry)
+                        .is_some_and(|(h, _)| h.id() == tokio::task::id())
+                    {
+                        w.remove(&entry);
+                    }
+                }
+                hub.notify(&entry.0, Some(entry.1.as_str()));
+            }
+        });
+        if let Some((old, _)) = w.insert(entry, (task.abort_handle(), own)) {
+            old.abort();
+        }
+    }
+
+    /// After an attempt of `token` found the lock held: a local waiter whose watch task ended
+    /// — it was woken, and is not first after all: another barging waiter took the lock, or its
+    /// key was gone and it queued again at the back — or watches a key it no longer has gets
+    /// a new one, watching for its next turn (else it would wake only on its fallback timer
+    /// from then on).
+    fn rewatch(&self, resource: &ResourceName, token: &OwnerToken) {
+        if !self.hub.is_waiting(resource.as_str(), token) {
+            return;
+        }
+        let own = self
+            .sessions
+            .name_of(&token_key(resource, token))
+            .unwrap_or_else(|| self.keys(resource, token).own);
+        let watched = self
+            .watchers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&token_key(resource, token))
+            .is_some_and(|(_, watched)| *watched == own);
+        if !watched {
+            self.spawn_watch(resource, token);
+        }
+    }
+
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(h) = w.remove(&(resource.shared(), token.clone())) {
+        if let Some((h, _)) = w.remove(&(resource.shared(), token.clone())) {
             h.abort();
         }
     }
@@ -835,7 +909,6 @@ impl EtcdBackend {
         if own_rev > 0 && kinds::admitted(kind, k.dir.len(), line, &k.own) {
             let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
             if self.relet_on(&k.own, own_rev, lease).await? {
-                self.stop_watch(args.resource, args.token);
                 return Ok(Attempt::Acquired {
                     fencing_token: own_rev.unsigned_abs(),
                 });
@@ -915,9 +988,22 @@ fn range_end(dir: &[u8]) -> Vec<u8> {
     end
 }
 
-/// One waiter's watch loop: wait until no key precedes `own` (a lock), or until `own` fits
-/// beside the keys ahead of it (a permit or hold, `kinds::wait_admitted`), then wake the
-/// waiter.
+/// What a waiter's watch found.
+enum Turn {
+    /// Its turn, or its key is gone (deleted, or its lease ran out: its next attempt queues
+    /// it anew): wake it.
+    Now,
+    /// The waiter has had no key in the line since its watch began — it barges — as of this
+    /// revision: wake it when a key of the lock is deleted after it.
+    NoKey(i64),
+    /// The key ahead was deleted: look again.
+    Again,
+}
+
+/// One waiter's watch loop: returns when the waiter is to be woken — no key precedes `own` (a
+/// lock), `own` fits beside the keys ahead of it (a permit or hold, `kinds::wait_admitted`),
+/// or, when the waiter has no key in the line, a key of the lock was deleted. A backend error
+/// wakes the waiter too (its attempt may find the lock free) while the loop goes on.
 async fn watch_turn(
     pool: Arc<Pool>,
     hub: Arc<ReleaseHub>,
@@ -928,22 +1014,24 @@ async fn watch_turn(
     kind: LockKind,
 ) {
     let mut backoff = Duration::from_millis(20);
-    // The own key's create revision, read once: it never changes while the key lives (and a
-    // key that is gone has no predecessor left to wait for: its waiter's attempt finds out).
+    // The own key's create revision, read once: it never changes while the key lives.
     let mut own_rev = None;
     loop {
         let turn = match kind {
             LockKind::Exclusive => wait_predecessor(&pool, &k, &mut own_rev, timeout).await,
-            kind => kinds::wait_admitted(&pool, kind, &k, timeout)
-                .await
-                .map(|()| true),
+            kind => kinds::wait_admitted(&pool, kind, &k, timeout).await,
         };
-        match turn {
-            Ok(true) => {
-                hub.notify(&resource, Some(token.as_str()));
-                return;
+        let woken = match turn {
+            Ok(Turn::Now) => return,
+            Ok(Turn::NoKey(revision)) => deleted_after(&pool, &k, revision, timeout).await,
+            Ok(Turn::Again) => {
+                backoff = Duration::from_millis(20);
+                continue;
             }
-            Ok(false) => backoff = Duration::from_millis(20),
+            Err(e) => Err(e),
+        };
+        match woken {
+            Ok(()) => return,
             Err(e) => {
                 tracing::debug!(error = %e, "etcd watch failed; the waiter re-checks");
                 // The waiter re-checks (its attempt may find the lock free) while we retry.
@@ -951,6 +1039,36 @@ async fn watch_turn(
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
+        }
+    }
+}
+
+/// Returns once a key of the lock of `k` is deleted after `revision` (a release, a lease that
+/// ran out, a waiter that left).
+async fn deleted_after(
+    pool: &Pool,
+    k: &Keys,
+    revision: i64,
+    timeout: Duration,
+) -> Result<(), LockError> {
+    let mut stream = call(pool, timeout, "watch", |c| {
+        let mut watch = c.watch_client();
+        let options = WatchOptions::new()
+            .with_range(k.end.clone())
+            .with_start_revision(revision + 1)
+            .with_filters([WatchFilterType::NoPut]);
+        let dir = k.dir.clone();
+        async move { watch.watch(dir, Some(options)).await }
+    })
+    .await?;
+    loop {
+        let msg = next_message(&mut stream).await?;
+        if msg
+            .events()
+            .iter()
+            .any(|e| e.event_type() == EventType::Delete)
+        {
+            return Ok(());
         }
     }
 }
@@ -972,28 +1090,40 @@ async fn next_message(
     Ok(msg)
 }
 
-/// The create revision of the own key of `k`; `None` when it is gone.
-async fn own_revision(pool: &Pool, k: &Keys, timeout: Duration) -> Result<Option<i64>, LockError> {
+/// The create revision of the own key of `k` — `Err` with the revision of the read when the
+/// key is gone.
+async fn own_revision(
+    pool: &Pool,
+    k: &Keys,
+    timeout: Duration,
+) -> Result<Result<i64, i64>, LockError> {
     let mine = call(pool, timeout, "get", |c| {
         let mut kv = c.kv_client();
         let own = k.own.clone();
         async move { kv.get(own, None).await }
     })
     .await?;
-    Ok(mine.kvs().first().map(KeyValue::create_revision))
+    let read = mine.header().map_or(0, |h| h.revision());
+    Ok(mine
+        .kvs()
+        .first()
+        .map(KeyValue::create_revision)
+        .ok_or(read))
 }
 
-/// Reads the predecessor of the own key of `k`; `Ok(true)` when there is none (or the own key
-/// is gone: the waiter must ask again), `Ok(false)` once the predecessor was deleted. The own
-/// key's create revision is read the first time into `own_rev`; after that one transaction
-/// reads the own key and its predecessor together (a handoff costs the woken waiter's watch
-/// one round trip), and a changed revision (the key was deleted and put again) is read anew.
+/// Reads the predecessor of the own key of `k`: [`Turn::Now`] when there is none or the own
+/// key is gone, [`Turn::NoKey`] when this watch never saw the own key, [`Turn::Again`] once
+/// the predecessor was deleted.
+/// The own key's create revision is read the first time into `own_rev`; after that one
+/// transaction reads the own key and its predecessor together (a handoff costs the woken
+/// waiter's watch one round trip), and a changed revision (the key was deleted and put again)
+/// is read anew.
 async fn wait_predecessor(
     pool: &Pool,
     k: &Keys,
     own_rev: &mut Option<i64>,
     timeout: Duration,
-) -> Result<bool, LockError> {
+) -> Result<Turn, LockError> {
     let predecessor = |rev: i64| {
         GetOptions::new()
             .with_range(k.end.clone())
@@ -1004,10 +1134,10 @@ async fn wait_predecessor(
     };
     let (pred_key, header_rev) = loop {
         let Some(rev) = *own_rev else {
-            let Some(rev) = own_revision(pool, k, timeout).await? else {
-                return Ok(true);
-            };
-            *own_rev = Some(rev);
+            match own_revision(pool, k, timeout).await? {
+                Ok(rev) => *own_rev = Some(rev),
+                Err(read) => return Ok(Turn::NoKey(read)),
+            }
             continue;
         };
         let txn = Txn::new().and_then([
@@ -1026,11 +1156,11 @@ async fn wait_predecessor(
             .first()
             .map(KeyValue::create_revision)
         {
-            None => return Ok(true),
+            None => return Ok(Turn::Now),
             Some(now) if now != rev => *own_rev = Some(now),
             Some(_) => {
                 let Some(pred) = kinds::kvs_at(&ops, 1).first() else {
-                    return Ok(true);
+                    return Ok(Turn::Now);
                 };
                 break (pred.key().to_vec(), header_rev);
             }
@@ -1053,7 +1183,7 @@ async fn wait_predecessor(
             .iter()
             .any(|e| e.event_type() == EventType::Delete)
         {
-            return Ok(false);
+            return Ok(Turn::Again);
         }
     }
 }
@@ -1065,14 +1195,20 @@ impl Backend for EtcdBackend {
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
-            match args.mode {
+            let attempt = match args.mode {
                 _ if args.renew => self.acquire_renewed(&args).await,
                 WaitMode::Queue => self.acquire_queued(&args).await,
                 _ if args.resource.kind() != LockKind::Exclusive => {
                     self.acquire_kind_if_free(&args).await
                 }
                 _ => self.acquire_if_free(&args).await,
+            };
+            match &attempt {
+                Ok(Attempt::Acquired { .. }) => self.stop_watch(args.resource, args.token),
+                Ok(Attempt::Held { .. }) => self.rewatch(args.resource, args.token),
+                _ => {}
             }
+            attempt
         })
     }
 
@@ -1205,7 +1341,7 @@ impl Backend for EtcdBackend {
             let watchers = self.watchers.clone();
             let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
                 let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
-                w.retain(|(r, _), h| {
+                w.retain(|(r, _), (h, _)| {
                     let keep = &**r != res;
                     if !keep {
                         h.abort();
@@ -1214,43 +1350,7 @@ impl Backend for EtcdBackend {
                 });
             });
             let (watch, _first) = self.hub.register(resource, token, Some(on_last));
-            let k = match self.sessions.name_of(&token_key(resource, token)) {
-                Some(own) => Keys {
-                    own,
-                    ..self.lock_dir(resource)
-                },
-                None => self.keys(resource, token),
-            };
-            let name = resource.shared();
-            let turn = watch_turn(
-                self.pool.clone(),
-                self.hub.clone(),
-                name.clone(),
-                token.clone(),
-                k,
-                self.opts.command_timeout,
-                resource.kind(),
-            );
-            let entry = (name, token.clone());
-            let watchers = self.watchers.clone();
-            let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
-            // A task that is done (its waiter woken) takes its entry out itself: a lock that
-            // always has local waiters never sees its last one leave, which clears them all
-            // (`on_last`), and its entries would pile up, one per waiter served. Inserted under
-            // the same lock, so the entry is there before the task can look for it.
-            let task = tokio::spawn({
-                let entry = entry.clone();
-                async move {
-                    turn.await;
-                    let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
-                    if w.get(&entry).is_some_and(|h| h.id() == tokio::task::id()) {
-                        w.remove(&entry);
-                    }
-                }
-            });
-            if let Some(old) = w.insert(entry, task.abort_handle()) {
-                old.abort();
-            }
+            self.spawn_watch(resource, token);
             Ok(watch)
         })
     }
