@@ -137,6 +137,23 @@ impl Conn {
         }
     }
 
+    /// One server: a connection made directly, without the manager's retries, and dropped —
+    /// the error it ends with within `limit`, if any (`None` for other deployments). The
+    /// manager retries a refused sign-in like a dropped connection, so with short timeouts its
+    /// tries outlast the caller's deadline and a wrong password looks like a timeout; this
+    /// tells the two apart.
+    pub(crate) async fn connect_once(&self, limit: Duration) -> Option<redis::RedisError> {
+        let c = self.server()?;
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(limit))
+            .set_response_timeout(Some(limit));
+        let made = c
+            .shared
+            .client
+            .get_multiplexed_async_connection_with_config(&config);
+        tokio::time::timeout(limit, made).await.ok()?.err()
+    }
+
     /// Like [`failed`](Conn::failed), for a command cut off by a deadline of the caller's.
     pub(crate) fn timed_out(&self) {
         match self {

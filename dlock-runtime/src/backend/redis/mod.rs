@@ -389,12 +389,29 @@ impl RedisBackend {
 
     /// Connects to `url` (`redis://[user:pass@]host:port[/db]`, or `rediss://` with feature
     /// `tls`). Fails with [`LockError::Unavailable`] if the server does not answer within the
-    /// connect timeout.
+    /// connect and command timeouts, and with [`LockError::Misconfigured`] if it refuses the
+    /// sign-in (a wrong password or user) — whatever the timeouts.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
         let backend = Self::build(url, opts, ReleaseHub::new(), true)?;
         // Establish the connection now, so a wrong URL or a down server fails at startup; the
         // round trip also takes this backend's issuer number.
-        backend.issuer().await?;
+        if let Err(e) = backend.issuer().await {
+            // No answer in time may be a sign-in refused over and over (the manager's retries):
+            // one direct try says whether the server refuses for good.
+            if e.is_unavailable() {
+                let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
+                if let Some(refused) = backend
+                    .inner
+                    .conn
+                    .connect_once(limit)
+                    .await
+                    .filter(refused_for_good)
+                {
+                    return Err(redis_err("connect", refused));
+                }
+            }
+            return Err(e);
+        }
         Ok(backend)
     }
 
