@@ -134,7 +134,8 @@ impl RetryPolicy {
     /// failed over — is made again after the fallback backoff (at least 10 ms, and never later
     /// than the waiter queue's refresh interval, a third of the waiter TTL: a fair waiter keeps
     /// its place through an outage shorter than its queue entry's life, and is not handed locks
-    /// it sleeps through), by the same owner token, until the deadline. Such an attempt may
+    /// it sleeps through; a release notification that reaches it ends the pause at once), by
+    /// the same owner token, until the deadline. Such an attempt may
     /// still have taken the lock; the next one by the same token is granted it (every backend
     /// answers an attempt by the lock's own holder with a fresh grant), so nothing is held twice
     /// and nothing is left held. The rest of taking a lock goes on too:

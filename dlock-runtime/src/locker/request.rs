@@ -652,13 +652,16 @@ async fn wait_for(
             take.labels.handoff(at.elapsed());
         }
     };
-    // Pauses after an answer that the backend is down (with `lost_too`, also after a grant
+    // The pause after an answer that the backend is down (with `lost_too`, also after a grant
     // that vanished before it was handed out as a guard), when the policy waits through
-    // outages and the deadline leaves time: `Err` ends the wait with that answer. Never longer
+    // outages and the deadline leaves time (slept by `outage_pause`): `Err` ends the wait with
+    // that answer. Never longer
     // than the refresh interval: the queue entry lives a waiter TTL from the last attempt that
     // reached the backend, so a longer pause after a slow or refused answer (a backend that
     // is up again, or never was down: one timed-out reply) lets the entry lapse — the waiter
-    // loses its place, and a release meanwhile hands it a lock it sleeps through.
+    // loses its place, and a release meanwhile hands it a lock it sleeps through. A subscribed
+    // waiter also ends the pause when it is notified (a release, a handoff): it asks again at
+    // once.
     let outage = |err: LockError, step: u32, lost_too: bool| {
         let retry = policy.through_outages && (err.is_unavailable() || (lost_too && err.is_lost()));
         let pause = retry
@@ -672,12 +675,9 @@ async fn wait_for(
                     .min(refresh)
                     .min(left)
             });
-        async move {
-            let Some(pause) = pause else { return Err(err) };
-            tracing::debug!(error = %err, ?pause, "backend unavailable: waiting through the outage");
-            tokio::time::sleep(pause).await;
-            Ok(())
-        }
+        let Some(pause) = pause else { return Err(err) };
+        tracing::debug!(error = %err, ?pause, "backend unavailable: waiting through the outage");
+        Ok(pause)
     };
     'ask: loop {
         // A grant, from an attempt or handed over by a release; every other way through the
@@ -692,7 +692,7 @@ async fn wait_for(
                     // The attempt may have taken the lock: the flight stays armed, and the
                     // next attempt by the same token is granted it.
                     woken = None;
-                    outage(err, step, false).await?;
+                    outage_pause(outage(err, step, false)?, watch.as_ref()).await;
                     step = step.saturating_add(1);
                     continue 'ask;
                 }
@@ -733,7 +733,7 @@ async fn wait_for(
                 match subscribed {
                     Ok(w) => watch = Some(w),
                     Err(err) => {
-                        outage(err, step, false).await?;
+                        outage_pause(outage(err, step, false)?, watch.as_ref()).await;
                         step = step.saturating_add(1);
                     }
                 }
@@ -767,7 +767,7 @@ async fn wait_for(
             // Given back, and out of the queue: the same token asks again (a fair waiter
             // queues again), or the wait ends.
             woken = None;
-            outage(err, step, true).await?;
+            outage_pause(outage(err, step, true)?, watch.as_ref()).await;
             flight.arm();
             step = step.saturating_add(1);
             continue 'ask;
@@ -784,12 +784,24 @@ async fn wait_for(
                     return Err(err);
                 };
                 woken = None;
-                outage(err, step, true).await?;
+                outage_pause(outage(err, step, true)?, None).await;
                 step = step.saturating_add(1);
                 flight = Undo::new(locker.watchdog(), resource, horizon);
                 watch = None;
             }
         }
+    }
+}
+
+/// Sleeps an outage pause; a subscribed waiter also wakes when notified (a release, a
+/// handoff), to ask again at once.
+async fn outage_pause(pause: Duration, watch: Option<&Watch>) {
+    match watch {
+        Some(w) => tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = w.notified() => {}
+        },
+        None => tokio::time::sleep(pause).await,
     }
 }
 
@@ -1225,6 +1237,49 @@ mod tests {
 
     /// By default the first answer that the backend is down ends the wait (503), from an
     /// attempt or from the subscription.
+    /// A wait through outages listens for its notification while it pauses after an outage
+    /// answer: a lock handed to it then is taken at once, not when the pause ends (up to a
+    /// third of its waiter TTL, here 1.67 s of the paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_through_outages_takes_a_handoff_during_its_pause() {
+        let (locker, outage) = outage_locker();
+        outage.hand_over.store(true, Ordering::SeqCst);
+        let held = locker.lock("k").acquire().await.unwrap();
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                let patient = RetryPolicy::new(Duration::from_secs(60))
+                    .backoff(Duration::from_secs(10), Duration::from_secs(10))
+                    .jitter(false)
+                    .through_outages(true);
+                locker
+                    .lock("k")
+                    .on_fail(OnFail::Retry(patient))
+                    .acquire()
+                    .await
+            }
+        });
+        while locker.waiting() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // Its next attempt's reply is lost: it pauses before asking again.
+        let before = outage.attempts.load(Ordering::SeqCst);
+        outage.lost_replies.store(1, Ordering::SeqCst);
+        while outage.lost_replies.load(Ordering::SeqCst) == 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(outage.attempts.load(Ordering::SeqCst), before + 1);
+        let released = tokio::time::Instant::now();
+        held.release().await.unwrap();
+        let guard = waiter.await.unwrap().unwrap();
+        let took = released.elapsed();
+        assert!(
+            took < Duration::from_millis(100),
+            "took the handed lock after {took:?}"
+        );
+        guard.release().await.unwrap();
+    }
+
     #[tokio::test]
     async fn by_default_an_outage_ends_the_wait() {
         let (locker, outage) = outage_locker();
