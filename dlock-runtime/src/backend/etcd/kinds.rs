@@ -36,10 +36,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{
-    EventType, GetOptions, KeyValue, SortOrder, SortTarget, TxnOpResponse, WatchFilterType,
-    WatchOptions,
-};
+use etcd_client::{EventType, GetOptions, KeyValue, SortOrder, SortTarget, TxnOpResponse};
 
 use super::next_message;
 use super::pool::{call, Pool};
@@ -166,16 +163,7 @@ pub(super) async fn wait_admitted(
         return Ok(Turn::Now);
     }
     let from = ahead.header().map_or(0, |h| h.revision()) + 1;
-    let mut stream = call(pool, timeout, "watch", |c| {
-        let mut watch = c.watch_client();
-        let options = WatchOptions::new()
-            .with_range(k.end.clone())
-            .with_start_revision(from)
-            .with_filters([WatchFilterType::NoPut]);
-        let dir = k.dir.clone();
-        async move { watch.watch(dir, Some(options)).await }
-    })
-    .await?;
+    let mut stream = super::watch_deletions(pool, &k.dir, Some(&k.end), from, timeout).await?;
     loop {
         let msg = next_message(&mut stream).await?;
         for e in msg.events() {

@@ -1051,18 +1051,37 @@ async fn deleted_after(
     revision: i64,
     timeout: Duration,
 ) -> Result<(), LockError> {
-    let mut stream = call(pool, timeout, "watch", |c| {
+    let mut stream = watch_deletions(pool, &k.dir, Some(&k.end), revision + 1, timeout).await?;
+    next_deletion(&mut stream).await
+}
+
+/// A watch of the deletions of `key` — of the keys from `key` up to `range_end`, if given —
+/// from revision `from` on.
+async fn watch_deletions(
+    pool: &Pool,
+    key: &[u8],
+    range_end: Option<&[u8]>,
+    from: i64,
+    timeout: Duration,
+) -> Result<etcd_client::WatchStream, LockError> {
+    call(pool, timeout, "watch", |c| {
         let mut watch = c.watch_client();
-        let options = WatchOptions::new()
-            .with_range(k.end.clone())
-            .with_start_revision(revision + 1)
+        let mut options = WatchOptions::new()
+            .with_start_revision(from)
             .with_filters([WatchFilterType::NoPut]);
-        let dir = k.dir.clone();
-        async move { watch.watch(dir, Some(options)).await }
+        if let Some(end) = range_end {
+            options = options.with_range(end.to_vec());
+        }
+        let key = key.to_vec();
+        async move { watch.watch(key, Some(options)).await }
     })
-    .await?;
+    .await
+}
+
+/// Returns once a message of `stream` carries a deletion.
+async fn next_deletion(stream: &mut etcd_client::WatchStream) -> Result<(), LockError> {
     loop {
-        let msg = next_message(&mut stream).await?;
+        let msg = next_message(stream).await?;
         if msg
             .events()
             .iter()
@@ -1166,26 +1185,9 @@ async fn wait_predecessor(
             }
         }
     };
-    let from = header_rev + 1;
-    let mut stream = call(pool, timeout, "watch", |c| {
-        let mut watch = c.watch_client();
-        let options = WatchOptions::new()
-            .with_start_revision(from)
-            .with_filters([WatchFilterType::NoPut]);
-        let key = pred_key.clone();
-        async move { watch.watch(key, Some(options)).await }
-    })
-    .await?;
-    loop {
-        let msg = next_message(&mut stream).await?;
-        if msg
-            .events()
-            .iter()
-            .any(|e| e.event_type() == EventType::Delete)
-        {
-            return Ok(Turn::Again);
-        }
-    }
+    let mut stream = watch_deletions(pool, &pred_key, None, header_rev + 1, timeout).await?;
+    next_deletion(&mut stream).await?;
+    Ok(Turn::Again)
 }
 
 impl Backend for EtcdBackend {
