@@ -26,7 +26,12 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
 
 /// Decodes `%XX` escapes (a URL's user, password or parameter); `None` when an escape is not
 /// two hex digits or the result is not UTF-8. `+` stays `+`.
-#[cfg(any(feature = "etcd", feature = "postgres", feature = "sentinel"))]
+#[cfg(any(
+    feature = "etcd",
+    feature = "postgres",
+    feature = "sentinel",
+    feature = "zookeeper"
+))]
 pub(crate) fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
@@ -405,7 +410,12 @@ mod tests {
     use super::*;
 
     #[test]
-    #[cfg(any(feature = "etcd", feature = "postgres", feature = "sentinel"))]
+    #[cfg(any(
+        feature = "etcd",
+        feature = "postgres",
+        feature = "sentinel",
+        feature = "zookeeper"
+    ))]
     fn percent_escapes_decode_and_bad_ones_are_refused() {
         assert_eq!(percent_decode("a%40b%3Ac%2F+").as_deref(), Some("a@b:c/+"));
         assert_eq!(percent_decode("%C3%A9").as_deref(), Some("é"));

@@ -289,80 +289,74 @@ fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
             .filter(|e| e.field("job_id") == Some(id))
             .count()
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let ((), _) = capture::capturing_live(|captured| {
-        runtime.block_on(async {
-            let url = server.user_url("app").await;
-            let locker = Locker::builder()
-                .command_timeout(Duration::from_millis(200))
-                .connect(&url)
-                .await
-                .unwrap();
+    capture::capturing_run(async |captured| {
+        let url = server.user_url("app").await;
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_millis(200))
+            .connect(&url)
+            .await
+            .unwrap();
 
-            // An outage.
-            let held = locker.lock("out").acquire().await.unwrap();
-            let ran = Arc::new(AtomicUsize::new(0));
-            let r = ran.clone();
-            let err = locker
-                .lock("out")
-                .on_fail(policy())
-                .run(async move {
-                    r.fetch_add(1, Ordering::SeqCst);
-                })
-                .await
-                .unwrap_err();
-            let id = err.job_id().unwrap().to_owned();
-            server.stop();
-            wait_for(
-                "four attempts during the outage",
-                Duration::from_secs(20),
-                async || (retries(captured, &id) >= 4).then_some(()),
-            )
-            .await;
-            assert!(locker.defer_queue().dead_letters().is_empty());
-            let pending = locker.defer_queue().pending();
-            assert_eq!(pending.len(), 1);
-            assert_eq!(pending[0].attempts, 0, "an outage used up attempts");
-            drop(held);
-            // Nothing is kept on disk: the restarted server has neither the user nor the lock.
-            server.restart();
-            server.user_url("app").await;
-            wait_for("the job to run", Duration::from_secs(20), async || {
-                (ran.load(Ordering::SeqCst) == 1).then_some(())
+        // An outage.
+        let held = locker.lock("out").acquire().await.unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r = ran.clone();
+        let err = locker
+            .lock("out")
+            .on_fail(policy())
+            .run(async move {
+                r.fetch_add(1, Ordering::SeqCst);
             })
-            .await;
-
-            // A refusal for good: the user loses the lock keys while the job waits.
-            let held = locker.lock("refused").acquire().await.unwrap();
-            let err = locker
-                .lock("refused")
-                .on_fail(policy())
-                .run(async {})
-                .await
-                .unwrap_err();
-            let id = err.job_id().unwrap().to_owned();
-            server.confine("app").await;
-            let dead = wait_for(
-                "the refused job's dead letter",
-                Duration::from_secs(20),
-                async || {
-                    let dead = locker.defer_queue().dead_letters();
-                    (!dead.is_empty()).then_some(dead)
-                },
-            )
-            .await;
-            assert_eq!(dead[0].id, id);
-            assert_eq!(dead[0].attempts, 2);
-            let reason = dead[0].reason.as_deref().unwrap_or_default();
-            assert!(
-                reason.contains("could not be taken") && reason.contains("refused"),
-                "{reason}"
-            );
-            drop(held);
+            .await
+            .unwrap_err();
+        let id = err.job_id().unwrap().to_owned();
+        server.stop();
+        wait_for(
+            "four attempts during the outage",
+            Duration::from_secs(20),
+            async || (retries(captured, &id) >= 4).then_some(()),
+        )
+        .await;
+        assert!(locker.defer_queue().dead_letters().is_empty());
+        let pending = locker.defer_queue().pending();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].attempts, 0, "an outage used up attempts");
+        drop(held);
+        // Nothing is kept on disk: the restarted server has neither the user nor the lock.
+        server.restart();
+        server.user_url("app").await;
+        wait_for("the job to run", Duration::from_secs(20), async || {
+            (ran.load(Ordering::SeqCst) == 1).then_some(())
         })
+        .await;
+
+        // A refusal for good: the user loses the lock keys while the job waits.
+        let held = locker.lock("refused").acquire().await.unwrap();
+        let err = locker
+            .lock("refused")
+            .on_fail(policy())
+            .run(async {})
+            .await
+            .unwrap_err();
+        let id = err.job_id().unwrap().to_owned();
+        server.confine("app").await;
+        let dead = wait_for(
+            "the refused job's dead letter",
+            Duration::from_secs(20),
+            async || {
+                let dead = locker.defer_queue().dead_letters();
+                (!dead.is_empty()).then_some(dead)
+            },
+        )
+        .await;
+        assert_eq!(dead[0].id, id);
+        assert_eq!(dead[0].attempts, 2);
+        let reason = dead[0].reason.as_deref().unwrap_or_default();
+        assert!(
+            reason.contains("could not be taken") && reason.contains("refused"),
+            "{reason}"
+        );
+        drop(held);
     });
 }
 
@@ -763,38 +757,32 @@ async fn a_lock_backend_that_refuses_for_good_dead_letters_the_job_after_its_att
 #[test]
 fn a_worker_whose_claims_are_refused_says_so_once_and_recovers() {
     let server = RedisServer::start();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let ((), captured) = capture::capturing_live(|_| {
-        runtime.block_on(async {
-            let url = server.user_url("worker").await;
-            let queue = DurableQueue::connect(&url, "refused-claims").await.unwrap();
-            let worker = DurableWorker::new(queue, server.locker().await)
-                .register::<RecordJob>()
-                .poll_interval(Duration::from_millis(10));
-            server.confine("worker").await;
-            let before = server.error_calls("evalsha").await;
-            let running = run_in_background(worker);
-            wait_for("ten refused claims", Duration::from_secs(20), async || {
-                (server.error_calls("evalsha").await >= before + 10).then_some(())
-            })
-            .await;
-            server.unconfine("worker").await;
-            let own = DurableQueue::connect(&server.url(), "refused-claims")
-                .await
-                .unwrap();
-            let policy = DeferPolicy::new(Duration::from_millis(5), 3);
-            enqueue(&own, &record_job(&server, 1, "refused-claims"), &policy)
-                .await
-                .unwrap();
-            wait_for("the job to run", Duration::from_secs(20), async || {
-                done(&server).await.remove(&1)
-            })
-            .await;
-            running.stop().await;
+    let ((), captured) = capture::capturing_run(async |_| {
+        let url = server.user_url("worker").await;
+        let queue = DurableQueue::connect(&url, "refused-claims").await.unwrap();
+        let worker = DurableWorker::new(queue, server.locker().await)
+            .register::<RecordJob>()
+            .poll_interval(Duration::from_millis(10));
+        server.confine("worker").await;
+        let before = server.error_calls("evalsha").await;
+        let running = run_in_background(worker);
+        wait_for("ten refused claims", Duration::from_secs(20), async || {
+            (server.error_calls("evalsha").await >= before + 10).then_some(())
         })
+        .await;
+        server.unconfine("worker").await;
+        let own = DurableQueue::connect(&server.url(), "refused-claims")
+            .await
+            .unwrap();
+        let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+        enqueue(&own, &record_job(&server, 1, "refused-claims"), &policy)
+            .await
+            .unwrap();
+        wait_for("the job to run", Duration::from_secs(20), async || {
+            done(&server).await.remove(&1)
+        })
+        .await;
+        running.stop().await;
     });
     let said = |level: tracing::Level| {
         captured

@@ -656,30 +656,27 @@ fn a_password_in_a_url_never_reaches_an_event_or_an_error() {
 fn an_election_refused_for_good_is_an_error_once_and_leads_once_fixed() {
     const NAME: &str = "secret-election";
     let server = RedisServer::start();
-    let (term, captured) = capture::capturing_live(|captured| {
-        runtime().block_on(async {
-            let url = server.confined_user_url("campaigner").await;
-            let locker = Locker::builder().connect(&url).await.unwrap();
-            let election = locker.elect(NAME).start().unwrap();
-            // Four refused campaign attempts (an attempt is an acquire).
-            wait_for(
-                "four campaign attempts",
-                Duration::from_secs(10),
-                async || (captured.spans("dlock.acquire").len() >= 4).then_some(()),
-            )
-            .await;
-            assert!(!election.is_leader());
-            let mut grant = redis::cmd("ACL");
-            grant.arg(&["SETUSER", "campaigner", "~*"]);
-            let () = server.query(&grant).await;
-            let term =
-                tokio::time::timeout(Duration::from_secs(10), election.wait_for_leadership())
-                    .await
-                    .expect("the campaign did not lead once the keys were granted")
-                    .expect("the campaign ended");
-            election.resign().await.unwrap();
-            term
-        })
+    let (term, captured) = capture::capturing_run(async |captured| {
+        let url = server.confined_user_url("campaigner").await;
+        let locker = Locker::builder().connect(&url).await.unwrap();
+        let election = locker.elect(NAME).start().unwrap();
+        // Four refused campaign attempts (an attempt is an acquire).
+        wait_for(
+            "four campaign attempts",
+            Duration::from_secs(10),
+            async || (captured.spans("dlock.acquire").len() >= 4).then_some(()),
+        )
+        .await;
+        assert!(!election.is_leader());
+        let mut grant = redis::cmd("ACL");
+        grant.arg(&["SETUSER", "campaigner", "~*"]);
+        let () = server.query(&grant).await;
+        let term = tokio::time::timeout(Duration::from_secs(10), election.wait_for_leadership())
+            .await
+            .expect("the campaign did not lead once the keys were granted")
+            .expect("the campaign ended");
+        election.resign().await.unwrap();
+        term
     });
     assert!(term > 0);
     let errors: Vec<Seen> = captured

@@ -153,6 +153,17 @@ pub(crate) fn capturing<T>(f: impl FnOnce() -> T) -> (T, Captured) {
     capturing_live(|_| f())
 }
 
+/// Runs `f` on a current-thread runtime — so the tasks it spawns report here too — with a
+/// subscriber that captures everything on this thread, and what is captured so far in `f`'s
+/// hands (to wait for a record).
+pub(crate) fn capturing_run<T>(f: impl AsyncFnOnce(&Captured) -> T) -> (T, Captured) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    capturing_live(|captured| runtime.block_on(f(captured)))
+}
+
 /// Like [`capturing`], with what is captured so far in `f`'s hands (to wait for a record).
 pub(crate) fn capturing_live<T>(f: impl FnOnce(&Captured) -> T) -> (T, Captured) {
     let captured = Captured::default();

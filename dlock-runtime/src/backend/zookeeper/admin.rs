@@ -19,20 +19,7 @@ use crate::LockError;
 
 /// The resource string of a lock directory's node name (the inverse of [`node_name`]).
 fn resource_of(node: &str) -> Option<String> {
-    let bytes = node.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = node.get(i + 1..i + 3)?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    crate::util::percent_decode(node)
 }
 
 /// The owner token part of a node name `<token>-<sequence>`.
