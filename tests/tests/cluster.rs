@@ -43,6 +43,44 @@ mod conformance {
     dlock_runtime::conformance_tests!(super::cluster_store);
 }
 
+/// A cluster that refuses for good — a user without the lock keys on every node, a wrong
+/// password — answers `Misconfigured` (500), not `Unavailable` (503): a wait through outages
+/// ends at once, and connecting with a wrong password fails as such, also with timeouts
+/// shorter than the client's sign-in retries take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_that_refuses_for_good_is_misconfigured() {
+    let ports: Vec<u16> = {
+        let cluster = redis_cluster::shared();
+        let cluster = cluster.lock().unwrap();
+        cluster.nodes.iter().map(|n| n.port()).collect()
+    };
+    // ACLs are not replicated: the user goes on every node.
+    for &port in &ports {
+        let () = redis::cmd("ACL")
+            .arg(&[
+                "SETUSER", "confined", "reset", "on", ">pw", "~other:*", "&*", "+@all",
+            ])
+            .query_async(&mut node_conn(port).await)
+            .await
+            .unwrap();
+    }
+    let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let url = format!("redis+cluster://confined:pw@{}", hosts.join(","));
+    let locker = Locker::builder().connect(&url).await.unwrap();
+    dlock_tests::wait::refused_at_once(&locker, "cluster:refused").await;
+
+    let wrong = url.replace(":pw@", ":not-the-pw@");
+    for ms in [1000, 200] {
+        let err = Locker::builder()
+            .command_timeout(Duration::from_millis(ms))
+            .connect(&wrong)
+            .await
+            .expect_err("connected with a wrong password");
+        assert!(err.is_misconfigured(), "{ms} ms: {err}");
+        assert!(!format!("{err} {err:?}").contains("not-the-pw"), "{err:?}");
+    }
+}
+
 /// How many times each master has run `command` (`INFO commandstats`), masters in creation
 /// order.
 async fn calls_per_master(command: &str) -> Vec<u64> {

@@ -23,6 +23,8 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+
+use crate::LockError;
 #[cfg(feature = "cluster")]
 use {
     redis::cluster::ClusterClient, redis::cluster_async::ClusterConnection,
@@ -137,21 +139,10 @@ impl Conn {
         }
     }
 
-    /// One server: a connection made directly, without the manager's retries, and dropped —
-    /// the error it ends with within `limit`, if any (`None` for other deployments). The
-    /// manager retries a refused sign-in like a dropped connection, so with short timeouts its
-    /// tries outlast the caller's deadline and a wrong password looks like a timeout; this
-    /// tells the two apart.
-    pub(crate) async fn connect_once(&self, limit: Duration) -> Option<redis::RedisError> {
-        let c = self.server()?;
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(limit))
-            .set_response_timeout(Some(limit));
-        let made = c
-            .shared
-            .client
-            .get_multiplexed_async_connection_with_config(&config);
-        tokio::time::timeout(limit, made).await.ok()?.err()
+    /// One server: whether it refuses the sign-in for good ([`refused_at_sign_in`]); `None`
+    /// for other deployments.
+    pub(crate) async fn refused_at_sign_in(&self, limit: Duration) -> Option<LockError> {
+        refused_at_sign_in(&self.server()?.shared.client, limit).await
     }
 
     /// Like [`failed`](Conn::failed), for a command cut off by a deadline of the caller's.
@@ -262,6 +253,23 @@ pub(super) fn split_hosts(rest: &str) -> (String, &str, Option<&str>) {
         Some((hosts, path)) => (auth, hosts, Some(path)),
         None => (auth, hosts, None),
     }
+}
+
+/// One connection to `client`'s server made directly — without a connection manager's
+/// retries — and dropped: the error it ends with within `limit` when the server refuses for
+/// good (a wrong password or user). A manager retries a refused sign-in like a dropped
+/// connection, so with short timeouts its tries outlast the caller's deadline and the refusal
+/// looks like a timeout; this tells the two apart, on the failing path only.
+pub(super) async fn refused_at_sign_in(
+    client: &redis::Client,
+    limit: Duration,
+) -> Option<LockError> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(limit))
+        .set_response_timeout(Some(limit));
+    let made = client.get_multiplexed_async_connection_with_config(&config);
+    let e = tokio::time::timeout(limit, made).await.ok()?.err()?;
+    super::refused_for_good(&e).then(|| super::redis_err("connect", e))
 }
 
 /// One `<scheme>://<auth><host>` URL per non-empty comma-separated host.

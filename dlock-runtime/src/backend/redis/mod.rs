@@ -335,6 +335,21 @@ pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
     }
 }
 
+/// Whether a seed of a cluster refuses the sign-in for good (see
+/// [`conn::refused_at_sign_in`]), asked of every seed at once: the refusal, if one did.
+#[cfg(feature = "cluster")]
+async fn refused_by_seeds(urls: &[String], limit: Duration) -> Option<LockError> {
+    let asks = urls
+        .iter()
+        .filter_map(|u| redis::Client::open(u.as_str()).ok())
+        .map(|client| async move { conn::refused_at_sign_in(&client, limit).await });
+    futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .next()
+}
+
 fn redis_err(what: &str, e: RedisError) -> LockError {
     let permanent = refused_for_good(&e);
     LockError::backend(
@@ -400,14 +415,8 @@ impl RedisBackend {
             // one direct try says whether the server refuses for good.
             if e.is_unavailable() {
                 let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
-                if let Some(refused) = backend
-                    .inner
-                    .conn
-                    .connect_once(limit)
-                    .await
-                    .filter(refused_for_good)
-                {
-                    return Err(redis_err("connect", refused));
+                if let Some(refused) = backend.inner.conn.refused_at_sign_in(limit).await {
+                    return Err(refused);
                 }
             }
             return Err(e);
@@ -488,7 +497,8 @@ impl RedisBackend {
     /// `rediss://` with feature `tls`): every command of a lock goes to its slot's master, and
     /// `MOVED`/`ASK` and topology changes are followed by redis-rs's cluster client. Release
     /// notifications use sharded pub/sub (`SSUBSCRIBE`, Redis 7). Fails with
-    /// [`LockError::Unavailable`] if no node answers within the connect timeout.
+    /// [`LockError::Unavailable`] if no node answers within the connect timeout, and with
+    /// [`LockError::Misconfigured`] if a node refuses the sign-in (a wrong password or user).
     #[cfg(feature = "cluster")]
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
         let hub = ReleaseHub::new();
@@ -514,7 +524,11 @@ impl RedisBackend {
         };
         let client = builder().push_sender(push).build().map_err(invalid)?;
         let limit = opts.connect_timeout + opts.command_timeout;
-        let cmds = conn::ClusterLink::connect(client.clone(), limit).await?;
+        let cmds = match conn::ClusterLink::connect(client.clone(), limit).await {
+            Ok(cmds) => cmds,
+            // The cluster client reports a refused sign-in as an I/O error: ask the seeds.
+            Err(e) => return Err(refused_by_seeds(urls, limit).await.unwrap_or(e)),
+        };
         let subs = conn::ClusterLink::connect(client, limit).await?;
         let me_subs = me.clone();
         subs.on_event(move |event| {

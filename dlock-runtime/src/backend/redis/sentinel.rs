@@ -277,8 +277,20 @@ impl SentinelConn {
         let config = manager_config(connect_timeout, command_timeout);
         let client = sentinels.client(&master)?;
         let (mut conn, cell) = connect_to(&client, &config, push.as_ref())?;
-        ensure_master(&mut conn, limit).await?;
-        let issuer = super::take_issuer(&mut conn, limit, &[]).await?;
+        let checked = async {
+            ensure_master(&mut conn, limit).await?;
+            super::take_issuer(&mut conn, limit, &[]).await
+        };
+        let issuer = match checked.await {
+            Ok(issuer) => issuer,
+            // No answer in time may be a sign-in refused over and over (the manager retries).
+            Err(e) if e.is_unavailable() => {
+                return Err(super::conn::refused_at_sign_in(&client, limit)
+                    .await
+                    .unwrap_or(e))
+            }
+            Err(e) => return Err(e),
+        };
         cell.store(issuer, Ordering::Release);
         let current = Current {
             addr: master.addr(),
