@@ -117,7 +117,9 @@ impl Harness {
 /// * `x-wait: gate` — signal "entered", then wait for the test's gate; `x-wait: forever` —
 ///   signal, then never answer;
 /// * `x-binary: <n>` — an octet-stream body of `n` bytes covering every byte value;
-///   `x-stream: 1` — send it in chunks without a declared length.
+///   `x-stream: 1` — send it in chunks without a declared length;
+/// * `x-encoded: <coding>` — say the body is encoded with it (`Content-Encoding`), as a
+///   compression layer inside the idempotency layer would.
 ///
 /// Every response carries headers that are replayed (content-type, location, etag, two links,
 /// cache-control) and some that are not (set-cookie, x-request-id).
@@ -165,7 +167,11 @@ async fn pay(
             ("application/json", Body::from(json))
         }
     };
-    Response::builder()
+    let mut response = Response::builder();
+    if let Some(coding) = header("x-encoded") {
+        response = response.header("content-encoding", coding);
+    }
+    response
         .status(status)
         .header(CONTENT_TYPE, content_type)
         .header("location", format!("/payments/{n}"))
@@ -947,6 +953,41 @@ async fn memory_backend_basic_flow() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
     assert_eq!(h.calls(), 3);
+    server.abort();
+}
+
+/// A stored response encoded for the first request (`Content-Encoding: gzip`, from a
+/// compression layer inside this one) is replayed only to a retry that accepts that coding (or
+/// sends no `Accept-Encoding`); one that does not gets `406` (problem+json), not bytes it
+/// cannot decode. The handler runs once.
+#[tokio::test]
+async fn an_encoded_response_is_replayed_only_where_its_coding_is_accepted() {
+    let h = Harness::new();
+    let (http, server) = h
+        .serve(IdempotencyLayer::new(Locker::memory()).ttl(TTL))
+        .await;
+    let send = |accept: Option<&'static str>| {
+        let mut request = post_with("enc-1", "{}").header("x-encoded", "gzip");
+        if let Some(accept) = accept {
+            request = request.header("accept-encoding", accept);
+        }
+        http.send(request)
+    };
+    let first = send(Some("gzip, br")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.headers["content-encoding"], "gzip");
+    for accept in [Some("br;q=0.5, gzip"), None, Some("*")] {
+        let retry = send(accept).await;
+        assert_replay_of(&retry, &first);
+        assert_eq!(retry.headers["content-encoding"], "gzip", "{accept:?}");
+    }
+    for accept in ["identity", "br", "gzip;q=0, *"] {
+        send(Some(accept)).await.assert_problem(
+            StatusCode::NOT_ACCEPTABLE,
+            "idempotency-replay-not-acceptable",
+        );
+    }
+    assert_eq!(h.calls(), 1);
     server.abort();
 }
 

@@ -104,6 +104,19 @@ fn key_reused() -> Rejection {
     )
 }
 
+/// A stored response encoded with `coding` (for the first request), which the retry does not
+/// accept: replayed, it would be bytes the client cannot decode.
+fn not_acceptable(coding: &str) -> Rejection {
+    Rejection::new(
+        StatusCode::NOT_ACCEPTABLE,
+        "idempotency-replay-not-acceptable",
+        &format!(
+            "the stored response to this idempotency key is encoded with `{coding}`, which \
+             this request's Accept-Encoding does not accept; retry accepting it"
+        ),
+    )
+}
+
 fn internal(kind: &str, detail: &str) -> Rejection {
     Rejection::new(StatusCode::INTERNAL_SERVER_ERROR, kind, detail)
 }
@@ -258,7 +271,10 @@ where
         Ok(Begin::Run(op)) => op,
         Ok(Begin::Replay(record)) => {
             return Ok(match StoredResponse::decode(record) {
-                Some(stored) => stored.into_response(),
+                Some(stored) => match stored.unacceptable_coding(request.headers()) {
+                    Some(coding) => reject(not_acceptable(&coding)),
+                    None => stored.into_response(),
+                },
                 None => {
                     tracing::error!("dlock-tower: a stored idempotency record is unreadable");
                     reject(internal(

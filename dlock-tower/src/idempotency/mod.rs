@@ -105,6 +105,7 @@
 //! | first request with a key | the handler's (stored if storable) | |
 //! | same key, earlier response stored, same fingerprint | the stored response + `Idempotent-Replayed: true`; the handler does not run | |
 //! | same key, earlier response stored, different fingerprint | `422` | `idempotency-key-reused` |
+//! | same key, earlier response stored with a `Content-Encoding` the retry's `Accept-Encoding` does not accept | `406` | `idempotency-replay-not-acceptable` |
 //! | same key while the first request runs | `409` + `Retry-After` (the running request's remaining lease, in seconds) | `idempotency-request-in-progress` |
 //! | same key while the first request runs, different fingerprint | `422` | `idempotency-key-reused` |
 //! | no key, [`MissingKey::Reject`] (default) | `400` | `idempotency-key-missing` |
@@ -125,6 +126,12 @@
 //! `Idempotent-Replayed: true`. Never stored: `Set-Cookie`, `Date`, `Age`, `Content-Length`
 //! (recomputed) and hop-by-hop fields. The first client gets the handler's response with all
 //! its headers.
+//!
+//! **Compression**: put a compression layer *outside* this one (so it wraps it), and the
+//! stored body is the handler's own, encoded for each response — replays included — as that
+//! request accepts. A compression layer inside stores the body encoded for the first request:
+//! it is replayed only to a retry whose `Accept-Encoding` accepts that coding (RFC 9110; no
+//! field accepts any), and a retry that does not gets `406` rather than bytes it cannot decode.
 //!
 //! Not stored — the key is freed and the client's retry runs the handler again:
 //!

@@ -162,6 +162,55 @@ impl StoredResponse {
     }
 
     /// The replay: the stored status, headers and body, plus `Idempotent-Replayed: true`.
+    /// The first of this response's content codings (`Content-Encoding`) that a request with
+    /// `request`'s headers does not accept (`Accept-Encoding`, RFC 9110 §12.5.3), if any: no
+    /// field accepts every coding; an empty one only `identity`; a coding is accepted when it
+    /// is listed, or `*` is, with a weight above 0 (`x-gzip` and `x-compress` are `gzip` and
+    /// `compress`).
+    pub(crate) fn unacceptable_coding(&self, request: &http::HeaderMap) -> Option<String> {
+        let normal = |c: &str| {
+            let c = c.trim().to_ascii_lowercase();
+            match c.strip_prefix("x-") {
+                Some(base @ ("gzip" | "compress")) => base.to_owned(),
+                _ => c,
+            }
+        };
+        let codings: Vec<String> = self
+            .headers
+            .iter()
+            .filter(|(name, _)| name == http::header::CONTENT_ENCODING)
+            .flat_map(|(_, v)| v.to_str().unwrap_or("").split(','))
+            .map(normal)
+            .filter(|c| !c.is_empty() && c != "identity")
+            .collect();
+        let mut fields = request
+            .get_all(http::header::ACCEPT_ENCODING)
+            .iter()
+            .peekable();
+        if codings.is_empty() || fields.peek().is_none() {
+            return None;
+        }
+        let accepted: Vec<(String, f32)> = fields
+            .flat_map(|v| v.to_str().unwrap_or("").split(','))
+            .filter_map(|item| {
+                let mut parts = item.split(';');
+                let name = normal(parts.next()?);
+                let weight = parts
+                    .filter_map(|p| p.trim().strip_prefix("q=").or(p.trim().strip_prefix("Q=")))
+                    .find_map(|q| q.trim().parse::<f32>().ok())
+                    .unwrap_or(1.0);
+                (!name.is_empty()).then_some((name, weight))
+            })
+            .collect();
+        let weight = |coding: &str| {
+            let named = |n: &str| accepted.iter().find(|(a, _)| a == n).map(|(_, q)| *q);
+            named(coding).or_else(|| named("*"))
+        };
+        codings
+            .into_iter()
+            .find(|c| weight(c).is_none_or(|q| q <= 0.0))
+    }
+
     pub(crate) fn into_response<B: Body>(self) -> Response<ResponseBody<B>> {
         let mut res = Response::new(ResponseBody::full(self.body));
         *res.status_mut() = self.status;
@@ -277,6 +326,56 @@ mod tests {
         assert!(StoredResponse::decode(v).is_none());
         // Truncated inside the header section.
         assert!(StoredResponse::decode(good[..10].to_vec()).is_none());
+    }
+
+    #[test]
+    fn a_coding_is_replayed_only_where_accepted() {
+        let stored = |encoding: &str| StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![(
+                HeaderName::from_static("content-encoding"),
+                HeaderValue::from_str(encoding).unwrap(),
+            )],
+            body: Bytes::from_static(b"x"),
+        };
+        let accept = |fields: &[&str]| {
+            let mut h = http::HeaderMap::new();
+            for f in fields {
+                h.append("accept-encoding", HeaderValue::from_str(f).unwrap());
+            }
+            h
+        };
+        let gzip = stored("gzip");
+        for ok in [
+            &[][..],
+            &["gzip"],
+            &["br;q=0.5, GZIP"],
+            &["*"],
+            &["identity", "x-gzip;q=0.1"],
+            &["deflate, *;q=0.2"],
+        ] {
+            assert_eq!(gzip.unacceptable_coding(&accept(ok)), None, "{ok:?}");
+        }
+        for refused in [
+            &[""][..],
+            &["identity"],
+            &["br"],
+            &["gzip;q=0, *"],
+            &["*;q=0"],
+        ] {
+            assert_eq!(
+                gzip.unacceptable_coding(&accept(refused)),
+                Some("gzip".to_owned()),
+                "{refused:?}"
+            );
+        }
+        // Every coding applied must be accepted; `identity` always is.
+        let both = stored("gzip, br");
+        assert_eq!(
+            both.unacceptable_coding(&accept(&["gzip"])),
+            Some("br".into())
+        );
+        assert_eq!(stored("identity").unacceptable_coding(&accept(&[""])), None);
     }
 
     #[test]
