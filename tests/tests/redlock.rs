@@ -208,14 +208,22 @@ async fn connecting_to_nodes_that_refuse_the_sign_in_is_misconfigured_not_an_out
         wrong.push(url.replace(":pw@", ":not-the-pw@"));
     }
     let right = urls(&servers);
-    for (nodes, what) in [
-        (wrong.clone(), "every node refuses"),
+    // Also with a connect timeout shorter than the client's sign-in retries take.
+    let short = RedlockOptions::default().connect_timeout(Duration::from_millis(100));
+    for (nodes, opts, what) in [
+        (
+            wrong.clone(),
+            RedlockOptions::default(),
+            "every node refuses",
+        ),
+        (wrong.clone(), short, "every node refuses, 100 ms"),
         (
             vec![wrong[0].clone(), wrong[1].clone(), right[2].clone()],
+            RedlockOptions::default(),
             "two of three refuse",
         ),
     ] {
-        let err = connect(&nodes, RedlockOptions::default())
+        let err = connect(&nodes, opts)
             .await
             .err()
             .unwrap_or_else(|| panic!("{what}: connected"));

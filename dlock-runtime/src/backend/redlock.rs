@@ -212,13 +212,30 @@ impl RedlockBackend {
                 opts,
             }),
         };
-        let pinged = futures_util::future::join_all(backend.inner.nodes.iter().map(|n| async {
-            match tokio::time::timeout(backend.inner.opts.connect_timeout, n.ping()).await {
-                Ok(r) => r,
-                Err(_) => Err(LockError::unavailable("no answer", None)),
+        let ping = |n: &RedisBackend| {
+            let n = n.clone();
+            let limit = backend.inner.opts.connect_timeout;
+            async move {
+                match tokio::time::timeout(limit, n.ping()).await {
+                    Ok(r) => r,
+                    Err(_) => Err(LockError::unavailable("no answer", None)),
+                }
             }
-        }))
-        .await;
+        };
+        let mut pinged = futures_util::future::join_all(backend.inner.nodes.iter().map(ping)).await;
+        if pinged.iter().filter(|r| r.is_ok()).count() < backend.inner.quorum {
+            // Too few answered: tell the nodes that refuse the sign-in from those that are down
+            // (with short timeouts, a refused sign-in is retried past the deadline).
+            pinged = futures_util::future::join_all(backend.inner.nodes.iter().zip(pinged).map(
+                |(n, r)| async move {
+                    match r {
+                        Err(e) => Err(n.refused_at_sign_in(e).await),
+                        ok => ok,
+                    }
+                },
+            ))
+            .await;
+        }
         backend.check_startup(&pinged)?;
         Ok(backend)
     }

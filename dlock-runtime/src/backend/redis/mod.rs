@@ -411,15 +411,7 @@ impl RedisBackend {
         // Establish the connection now, so a wrong URL or a down server fails at startup; the
         // round trip also takes this backend's issuer number.
         if let Err(e) = backend.issuer().await {
-            // No answer in time may be a sign-in refused over and over (the manager's retries):
-            // one direct try says whether the server refuses for good.
-            if e.is_unavailable() {
-                let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
-                if let Some(refused) = backend.inner.conn.refused_at_sign_in(limit).await {
-                    return Err(refused);
-                }
-            }
-            return Err(e);
+            return Err(backend.refused_at_sign_in(e).await);
         }
         Ok(backend)
     }
@@ -699,6 +691,18 @@ impl RedisBackend {
     /// Whether this backend talks to a cluster.
     pub(crate) fn is_cluster(&self) -> bool {
         self.inner.conn.is_cluster()
+    }
+
+    /// `e`, an answer of this server at connect — or, when `e` is no answer in time and the
+    /// server refuses the sign-in for good, that refusal: the manager retries a refused
+    /// sign-in like a dropped connection, so with short timeouts its tries outlast the
+    /// deadline, and one direct try tells the two apart (`conn::refused_at_sign_in`).
+    pub(crate) async fn refused_at_sign_in(&self, e: LockError) -> LockError {
+        if !e.is_unavailable() {
+            return e;
+        }
+        let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
+        self.inner.conn.refused_at_sign_in(limit).await.unwrap_or(e)
     }
 
     /// Round trip to the server (connects first if needed).
