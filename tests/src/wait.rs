@@ -225,6 +225,27 @@ pub async fn acknowledged_again(locker: &Locker, key: &str, rounds: usize, bound
     }
 }
 
+/// Asserts that connecting to `url` (whose password is wrong) fails as `Misconfigured` with
+/// each command timeout of `timeouts_ms` — also those shorter than the client's sign-in
+/// retries take — and that no text of `secrets` shows in the error.
+///
+/// # Panics
+/// If a connect succeeds or fails otherwise, or the error shows a secret.
+pub async fn refused_at_connect(url: &str, timeouts_ms: &[u64], secrets: &[&str]) {
+    for &ms in timeouts_ms {
+        let err = Locker::builder()
+            .command_timeout(Duration::from_millis(ms))
+            .connect(url)
+            .await
+            .expect_err("connected with a wrong password");
+        assert!(err.is_misconfigured(), "{ms} ms: {err}");
+        let shown = format!("{err} {err:?}");
+        for secret in secrets {
+            assert!(!shown.contains(secret), "{ms} ms: {shown}");
+        }
+    }
+}
+
 /// Asserts that `locker`'s backend refuses `key` for good: a try is `Misconfigured` (500, no
 /// `Retry-After`), and a 30 s wait through outages ends with it at once — within a sixth of
 /// its deadline, where a refusal taken for an outage retried until the deadline.

@@ -197,12 +197,7 @@ async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_
     assert!(err.is_misconfigured(), "{err}");
     assert!(!format!("{err:?}").contains("not-the-pw"), "{err:?}");
     // Also with timeouts shorter than the client's three sign-in tries take.
-    for ms in [200, 50] {
-        let builder = Locker::builder().command_timeout(Duration::from_millis(ms));
-        let err = builder.connect(&wrong).await.unwrap_err();
-        assert!(err.is_misconfigured(), "{ms} ms: {err}");
-        assert!(!format!("{err:?}").contains("not-the-pw"), "{err:?}");
-    }
+    dlock_tests::wait::refused_at_connect(&wrong, &[200, 50], &["not-the-pw"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
