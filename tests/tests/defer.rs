@@ -724,6 +724,91 @@ async fn a_lock_backend_outage_does_not_use_up_a_jobs_attempts() {
     assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
 }
 
+/// A job whose type the claiming worker does not know — a rolling deploy: an instance of the
+/// new release queued it, one of the old release claimed it — is put back without using up an
+/// attempt, and runs (as attempt 1) once a worker that knows the type claims it. One that no
+/// worker knows within the grace period is dead-lettered, naming the type; requeued, it runs.
+/// Once, each such claim counted as an attempt: a job of a new type queued mid-deploy was
+/// dead-lettered after `max_attempts` claims by old instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_of_a_type_the_worker_does_not_know_waits_for_a_worker_that_does() {
+    let (server, locker, queue) = start_queue("deploy").await;
+    let noted = async || -> HashMap<String, u64> {
+        let mut c = server.conn().await;
+        c.hgetall("dlock:{jobs:deploy}:unknown").await.unwrap()
+    };
+    let policy = DeferPolicy::new(Duration::from_millis(5), 2).max_delay(Duration::from_millis(10));
+    let id = enqueue(&queue, &record_job(&server, 20, "deploy"), &policy)
+        .await
+        .unwrap();
+    let old_release = DurableWorker::new(queue.clone(), locker.clone())
+        .register::<StallJob>()
+        .unknown_type_grace(Duration::from_secs(600));
+    let mut claimed = 0;
+    wait_for(
+        "three claims by the old release",
+        Duration::from_secs(20),
+        async || {
+            claimed += old_release.run_once().await.unwrap();
+            let dead = queue.dead_letters().await.unwrap();
+            assert!(dead.is_empty(), "dead-lettered mid-deploy: {dead:?}");
+            (claimed >= 3).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+    assert_eq!(runs(&server, 20).await, 0);
+    let attempts: Option<u32> = server
+        .conn()
+        .await
+        .hget("dlock:{jobs:deploy}:attempts", &id)
+        .await
+        .unwrap();
+    assert_eq!(attempts, Some(0), "the claims used up no attempt");
+    assert!(
+        noted().await.contains_key(&id),
+        "the first such claim is noted"
+    );
+
+    let new_release = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    wait_for("the job to run", Duration::from_secs(10), async || {
+        new_release.run_once().await.unwrap();
+        done(&server).await.remove(&20)
+    })
+    .await;
+    assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 20").await;
+    let record = done(&server).await.remove(&20).unwrap();
+    assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
+    assert!(noted().await.is_empty(), "acknowledging clears the note");
+
+    // A type no worker knows within the grace period: dead-lettered, attempts untouched.
+    let old_release = old_release.unknown_type_grace(Duration::from_millis(1500));
+    let id = enqueue(&queue, &record_job(&server, 21, "deploy"), &policy)
+        .await
+        .unwrap();
+    let dead = run_until_dead_letter("the unknown type's dead letter", &old_release, &queue).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, id);
+    assert_eq!(dead[0].attempts, 0);
+    let reason = dead[0].reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("`record`") && reason.contains("1.5s"),
+        "{reason}"
+    );
+    assert!(noted().await.is_empty(), "dead-lettering clears the note");
+    assert!(queue.requeue(&id).await.unwrap());
+    wait_for(
+        "the requeued job to run",
+        Duration::from_secs(10),
+        async || {
+            new_release.run_once().await.unwrap();
+            done(&server).await.remove(&21)
+        },
+    )
+    .await;
+    assert_eq!(runs(&server, 21).await, 1);
+}
+
 /// A lock backend that refuses for good (an ACL without the lock keys) is not an outage: each
 /// claim counts an attempt and the job is dead-lettered after its attempts, with the reason.
 /// Put back uncounted as an outage, it was claimed and put back for ever.

@@ -14,6 +14,7 @@
 //! | `dlock:{jobs:<name>}:claims` | hash | job id → the token of its current claim |
 //! | `dlock:{jobs:<name>}:dead` | zset | job id → time it was dead-lettered |
 //! | `dlock:{jobs:<name>}:reasons` | hash | job id → why it was dead-lettered |
+//! | `dlock:{jobs:<name>}:unknown` | hash | job id → when a claim first did not know its type (ms) |
 //! | `dlock:{jobs:<name>}:status:<id>` | string | final outcome, kept for the retention period |
 //!
 //! # Delivery
@@ -48,6 +49,11 @@
 //! A claim whose lock backend did not answer (a 503-class error: down, failing over) does not
 //! count as an attempt: the job was not tried, so it is put back at the pace of its current
 //! attempt until the backend answers, and an outage never uses up a job's attempts.
+//!
+//! Nor does a claim by a worker that does not know the job's type (an older release, mid-deploy):
+//! the job is put back (at least 1 s later) for a worker that knows it, until the worker's
+//! [`DurableWorker::unknown_type_grace`] (1 h by default) has passed since the first such claim;
+//! then it is dead-lettered, naming the type.
 
 use std::any::Any;
 use std::fmt;

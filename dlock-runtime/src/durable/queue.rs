@@ -57,10 +57,25 @@ pub(super) struct Claimed {
     pub(super) token: String,
 }
 
+/// How a claim that is put back counts (the retry script's ARGV[6]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Counted {
+    /// As an attempt: the job ran, or its lock was busy.
+    Attempt,
+    /// Not at all: the job could not be tried (its lock backend did not answer).
+    Untried,
+    /// Not as an attempt, but against this grace period, counted from the first claim that
+    /// did not know the job's type; once it is over, the job is dead-lettered.
+    UnknownType(Duration),
+}
+
 /// What the retry script did.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Retried {
     Requeued,
+    /// Re-queued by the first claim (since the job last ran or was requeued) that did not
+    /// know its type: the grace period starts now.
+    FirstUnknown,
     DeadLettered,
     /// The claim is not ours any more: nothing changed.
     Stale,
@@ -431,6 +446,7 @@ impl DurableQueue {
                 .key(self.key("jobs"))
                 .key(self.key("attempts"))
                 .key(self.key("reasons"))
+                .key(self.key("unknown"))
                 .arg(&id);
             let n: i64 = self.deadline("purge", inv.invoke_async(&mut conn)).await?;
             if n == 1 {
@@ -490,6 +506,7 @@ impl DurableQueue {
             .key(self.key("due"))
             .key(self.key("attempts"))
             .key(self.key("reasons"))
+            .key(self.key("unknown"))
             .arg(id);
         let n: i64 = self
             .deadline("requeue", inv.invoke_async(&mut conn))
@@ -511,6 +528,7 @@ impl DurableQueue {
             .key(self.key("claims"))
             .key(self.key("dead"))
             .key(self.key("reasons"))
+            .key(self.key("unknown"))
             .arg(millis(self.inner.visibility))
             .arg(batch)
             // Unique per claim call (128 random bits); the script appends the job's position.
@@ -545,15 +563,20 @@ impl DurableQueue {
     }
 
     /// Puts a claimed job back after `delay`, or dead-letters it (with `reason`) when it used
-    /// up `max_attempts`.
+    /// up `max_attempts` (or, for an unknown type, its grace period).
     pub(super) async fn retry(
         &self,
         claim: &Claimed,
         delay: Duration,
         max_attempts: u32,
         reason: &str,
-        uncounted: bool,
+        counted: Counted,
     ) -> Result<Retried, LockError> {
+        let (how, grace) = match counted {
+            Counted::Attempt => (0, Duration::ZERO),
+            Counted::Untried => (1, Duration::ZERO),
+            Counted::UnknownType(grace) => (2, grace),
+        };
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.retry.prepare_invoke();
         inv.key(self.key("inflight"))
@@ -562,16 +585,19 @@ impl DurableQueue {
             .key(self.key("attempts"))
             .key(self.key("claims"))
             .key(self.key("reasons"))
+            .key(self.key("unknown"))
             .arg(&claim.id)
             .arg(&claim.token)
             .arg(millis(delay))
             .arg(max_attempts)
             .arg(reason)
-            .arg(u8::from(uncounted));
+            .arg(how)
+            .arg(millis(grace));
         let n: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
         Ok(match n {
             1 => Retried::DeadLettered,
             0 => Retried::Requeued,
+            2 => Retried::FirstUnknown,
             _ => Retried::Stale,
         })
     }
@@ -586,6 +612,7 @@ impl DurableQueue {
             .key(self.key("attempts"))
             .key(self.key(&format!("status:{}", claim.id)))
             .key(self.key("claims"))
+            .key(self.key("unknown"))
             .arg(&claim.id)
             .arg(result)
             .arg(millis(self.inner.retention).max(1))

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt as _;
 
-use super::queue::{Claimed, Retried};
+use super::queue::{Claimed, Counted, Retried};
 use super::{event, DurableQueue, Envelope, Job, JobContext, JobError, PermanentFailure};
 use crate::backend::BoxFuture;
 use crate::defer::JobInfo;
@@ -18,6 +18,11 @@ use crate::{DeferPolicy, LockError, LockKey, Locker};
 
 /// How often a run of failed claims is logged again while it lasts.
 const CLAIM_FAILURE_REPORT_EVERY: Duration = Duration::from_secs(60);
+
+/// The least time a job of a type the worker does not know is put back for: instances that do
+/// not know it (an older release, during a rolling deploy) would otherwise claim it and put it
+/// back at the pace of its policy — every few milliseconds — for the whole deploy.
+const UNKNOWN_TYPE_MIN_DELAY: Duration = Duration::from_secs(1);
 
 type Runner = Arc<
     dyn Fn(
@@ -53,6 +58,7 @@ pub struct DurableWorker {
     state: Option<Arc<dyn Any + Send + Sync>>,
     batch: usize,
     poll: Duration,
+    unknown_type_grace: Duration,
 }
 
 impl fmt::Debug for DurableWorker {
@@ -65,7 +71,8 @@ impl fmt::Debug for DurableWorker {
 }
 
 impl DurableWorker {
-    /// A worker for `queue` taking locks with `locker`. Defaults: batch 16, idle poll 100 ms.
+    /// A worker for `queue` taking locks with `locker`. Defaults: batch 16, idle poll 100 ms,
+    /// [unknown-type grace](DurableWorker::unknown_type_grace) 1 h.
     pub fn new(queue: DurableQueue, locker: Locker) -> Self {
         DurableWorker {
             queue,
@@ -74,6 +81,7 @@ impl DurableWorker {
             state: None,
             batch: 16,
             poll: Duration::from_millis(100),
+            unknown_type_grace: Duration::from_secs(3600),
         }
     }
 
@@ -102,6 +110,23 @@ impl DurableWorker {
     /// How long to wait when no job is due.
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll = d;
+        self
+    }
+
+    /// How long a job whose type this worker does not [`register`](DurableWorker::register)
+    /// may wait for a worker that does (default 1 h).
+    ///
+    /// During a rolling deploy, an instance of the new release queues a job of a new type and
+    /// one of the old release claims it. Such a claim is not an attempt: the job is put back
+    /// (after its policy's backoff, at least 1 s), its attempts untouched, for a worker that
+    /// knows the type. The first claim that did not know it notes the time in the queue (and
+    /// logs a warning); a claim that does not know it once `grace` has passed since
+    /// dead-letters the job, with a reason naming the type — so a type no worker will ever
+    /// know (a typo, a job type removed while jobs of it were queued) ends in the dead-letter
+    /// set, not in an endless loop, and [`DurableQueue::requeue`] brings it back. A worker that
+    /// knows the type clears the note when it settles the job.
+    pub fn unknown_type_grace(mut self, grace: Duration) -> Self {
+        self.unknown_type_grace = grace;
         self
     }
 
@@ -161,27 +186,25 @@ impl DurableWorker {
     }
 
     /// Puts a claimed job back with backoff (or dead-letters it with `reason` when it used up
-    /// its attempts) and says which. `untried`: the job could not be tried (its lock backend did
-    /// not answer), so the claim does not count as an attempt — an outage does not use up its
-    /// attempts and dead-letter it — and its retries keep the pace of its current attempt until
-    /// the backend answers.
+    /// its attempts) and says which. [`Counted::Untried`]: the job could not be tried (its lock
+    /// backend did not answer), so the claim does not count as an attempt — an outage does not
+    /// use up its attempts and dead-letter it — and its retries keep the pace of its current
+    /// attempt until the backend answers. [`Counted::UnknownType`]: likewise, but at least
+    /// [`UNKNOWN_TYPE_MIN_DELAY`] apart, and dead-lettered once the grace period is over.
     async fn put_back(
         &self,
         claim: &Claimed,
         info: &JobInfo,
         policy: &DeferPolicy,
         reason: &str,
-        untried: bool,
+        counted: Counted,
     ) {
-        self.finish_failed(
-            claim,
-            info,
-            policy.backoff(claim.attempt),
-            policy.max_attempts,
-            reason,
-            untried,
-        )
-        .await;
+        let mut delay = policy.backoff(claim.attempt);
+        if matches!(counted, Counted::UnknownType(_)) {
+            delay = delay.max(UNKNOWN_TYPE_MIN_DELAY);
+        }
+        self.finish_failed(claim, info, delay, policy.max_attempts, reason, counted)
+            .await;
     }
 
     /// Dead-letters a claimed job at once, with `reason`.
@@ -194,7 +217,7 @@ impl DurableWorker {
             reason,
             "dlock job worker: the job cannot run; dead-lettering it"
         );
-        self.finish_failed(claim, info, Duration::ZERO, 0, reason, false)
+        self.finish_failed(claim, info, Duration::ZERO, 0, reason, Counted::Attempt)
             .await;
     }
 
@@ -236,17 +259,26 @@ impl DurableWorker {
         delay: Duration,
         max_attempts: u32,
         reason: &str,
-        uncounted: bool,
+        counted: Counted,
     ) {
         match self
             .settle("retry", claim, || {
                 self.queue
-                    .retry(claim, delay, max_attempts, reason, uncounted)
+                    .retry(claim, delay, max_attempts, reason, counted)
             })
             .await
         {
             Ok((Retried::DeadLettered, _)) => event("dead_lettered", info),
             Ok((Retried::Requeued, _)) => event("retried", info),
+            Ok((Retried::FirstUnknown, _)) => {
+                tracing::warn!(
+                    job_type = %info.name,
+                    job_id = %claim.id,
+                    grace = ?self.unknown_type_grace,
+                    "dlock job worker: no job of this type is registered here; putting the job back for a worker that knows it (dead-lettered if none claims it within the grace period)"
+                );
+                event("retried", info);
+            }
             Ok((Retried::Stale, false)) => tracing::warn!(
                 job_id = %claim.id,
                 "dlock job worker: the job's claim was taken over; leaving it to its new worker"
@@ -273,11 +305,17 @@ impl DurableWorker {
         };
         let policy = env.policy();
         let Some((&name, runner)) = self.runners.get_key_value(env.kind.as_str()) else {
-            // Another instance may know this type: put it back for them.
-            tracing::warn!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
-            let reason = format!("no worker knows the job type `{}`", env.kind);
+            // Another instance may know this type (a newer release, mid-deploy): put it back
+            // for them, without using up an attempt, for up to the grace period.
+            tracing::debug!(job_type = %env.kind, job_id = %claim.id, "dlock job worker: unregistered job type");
+            let reason = format!(
+                "no worker that claimed it knew the job type `{}` within {:?}",
+                env.kind, self.unknown_type_grace
+            );
             let info = info(&env.key).named(env.kind.clone());
-            self.put_back(&claim, &info, &policy, &reason, false).await;
+            let counted = Counted::UnknownType(self.unknown_type_grace);
+            self.put_back(&claim, &info, &policy, &reason, counted)
+                .await;
             return;
         };
         let runner = runner.clone();
@@ -303,20 +341,20 @@ impl DurableWorker {
             Ok(Some(g)) => g,
             Ok(None) => {
                 let reason = format!("its lock was still busy after {} attempts", claim.attempt);
-                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
                 return;
             }
             // The lock backend is down (503): the job was not tried.
             Err(e) if e.status() == 503 => {
                 let reason = format!("its lock backend did not answer: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, true)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Untried)
                     .await;
                 return;
             }
             Err(e) => {
                 let reason = format!("its lock could not be taken: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
                 return;
             }
@@ -344,7 +382,7 @@ impl DurableWorker {
             Err(panic) => {
                 let _ = guard.release().await;
                 let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
-                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
                 return;
             }
@@ -402,7 +440,7 @@ impl DurableWorker {
                 }
                 tracing::warn!(target: "dlock::defer", event = "failed", queue = "redis", job_id = %claim.id, error = %e);
                 let reason = format!("the job failed: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
             }
             Err(panic) => {
@@ -417,7 +455,7 @@ impl DurableWorker {
                     "dlock job worker: the job panicked"
                 );
                 let reason = format!("the job panicked: {message}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, false)
+                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
             }
         }

@@ -30,7 +30,7 @@ return 1
 /// are reaped: dead-lettered when the job used up its attempts, else put back due now. Then up
 /// to ARGV[2] due jobs move to `inflight` with deadline now + ARGV[1] ms, their attempt count
 /// goes up and each gets the claim token ARGV[3] .. ':' .. position.
-/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons.
+/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons, 8 unknown.
 /// Returns a flat list id, payload, attempt, claim token, ….
 pub(crate) const CLAIM: &str = concat!(
     now_ms!(),
@@ -40,6 +40,7 @@ local function forget(id)
   redis.call('HDEL', KEYS[4], id)
   redis.call('HDEL', KEYS[3], id)
   redis.call('HDEL', KEYS[7], id)
+  redis.call('HDEL', KEYS[8], id)
 end
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 1000)) do
   forget(id)
@@ -59,6 +60,7 @@ for _, id in ipairs(expired) do
   local ok, env = pcall(cjson.decode, payload or '')
   local max = ok and type(env) == 'table' and tonumber(env['max_attempts']) or 0
   if n >= max then
+    redis.call('HDEL', KEYS[8], id)
     redis.call('ZADD', KEYS[6], now, id)
     redis.call('HSET', KEYS[7], id, 'its claim expired ' .. n .. ' times (a worker died, was killed or stalled past the visibility timeout while running it)')
   else
@@ -86,12 +88,21 @@ return out
 );
 
 /// Retry, if claim ARGV[2] is still the job's: take it out of `inflight`; dead-letter it with
-/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms. With
-/// ARGV[6] = `1` the claim does not count as an attempt (the job could not be tried: its lock
-/// backend was down): the count goes back down and the job is re-queued.
-/// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons.
-/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason, 6 uncounted (0 or 1).
-/// Returns 1 when dead-lettered, 0 when re-queued, -1 when the claim is not this one.
+/// reason ARGV[5] when its attempts reached ARGV[4], else make it due in ARGV[3] ms. ARGV[6]
+/// says how the claim counts:
+/// * `0`: as an attempt (the job ran, or its lock was busy);
+/// * `1`: not at all (the job could not be tried: its lock backend was down): the count goes
+///   back down and the job is re-queued;
+/// * `2`: not as an attempt, but against a grace period: the worker does not know the job's
+///   type (a rolling deploy: a newer instance queued it). The first such claim notes the time
+///   in `unknown`; once ARGV[7] ms have passed since, the job is dead-lettered.
+///
+/// Any other outcome (the type was known) clears that note.
+/// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons, 7 unknown.
+/// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason, 6 how it counts (above),
+/// 7 grace ms for an unknown type.
+/// Returns 1 when dead-lettered, 0 when re-queued, 2 when re-queued as the first claim that
+/// did not know its type, -1 when the claim is not this one.
 pub(crate) const RETRY: &str = concat!(
     r#"
 if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[2] then return -1 end
@@ -101,23 +112,37 @@ redis.call('ZREM', KEYS[1], ARGV[1])
     now_ms!(),
     r#"
 local n = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
-if ARGV[6] == '1' then
-  if n > 0 then redis.call('HINCRBY', KEYS[4], ARGV[1], -1) end
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-  return 0
+if ARGV[6] ~= '0' and n > 0 then redis.call('HINCRBY', KEYS[4], ARGV[1], -1) end
+local first_unknown = false
+if ARGV[6] == '2' then
+  local since = tonumber(redis.call('HGET', KEYS[7], ARGV[1]) or '')
+  if not since then
+    since = now
+    first_unknown = true
+    redis.call('HSET', KEYS[7], ARGV[1], now)
+  end
+  if now - since >= tonumber(ARGV[7]) then
+    redis.call('HDEL', KEYS[7], ARGV[1])
+    redis.call('ZADD', KEYS[3], now, ARGV[1])
+    redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
+    return 1
+  end
+else
+  redis.call('HDEL', KEYS[7], ARGV[1])
 end
-if n >= tonumber(ARGV[4]) then
+if ARGV[6] == '0' and n >= tonumber(ARGV[4]) then
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
   return 1
 end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+if first_unknown then return 2 end
 return 0
 "#
 );
 
 /// Ack, if claim ARGV[4] is still the job's: drop the job and keep its outcome for ARGV[3] ms.
-/// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key, 5 claims.
+/// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key, 5 claims, 6 unknown.
 /// ARGV: 1 id, 2 outcome, 3 retention ms, 4 claim token.
 /// Returns 1 when acknowledged, 0 when the claim is not this one.
 pub(crate) const ACK: &str = r#"
@@ -126,6 +151,7 @@ redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
 return 1
 "#;
@@ -146,21 +172,25 @@ return 1
 
 /// Purge a dead letter for good: only if it is one (a job requeued or still queued keeps its
 /// payload and bookkeeping).
-/// KEYS: 1 dead, 2 jobs, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
+/// KEYS: 1 dead, 2 jobs, 3 attempts, 4 reasons, 5 unknown. ARGV: 1 id. Returns 1 if it was a
+/// dead letter.
 pub(crate) const PURGE: &str = r#"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 return 1
 "#;
 
-/// Requeue a dead letter with a fresh attempt budget, due now.
-/// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons. ARGV: 1 id. Returns 1 if it was a dead letter.
+/// Requeue a dead letter with a fresh attempt budget (and grace for an unknown type), due now.
+/// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons, 5 unknown. ARGV: 1 id. Returns 1 if it was a
+/// dead letter.
 pub(crate) const REQUEUE: &str = concat!(
     r#"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], 0)
 "#,
     now_ms!(),
