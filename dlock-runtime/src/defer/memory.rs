@@ -301,7 +301,8 @@ impl DeferQueue {
 
     /// Stops accepting jobs and drains: every pending job is tried at once (and retried with a
     /// short step) until it has run or `within` has passed. Jobs still pending then, and
-    /// dead letters, are dropped and listed in the report.
+    /// dead letters, are dropped and listed in the report ([`ShutdownReport::dropped`]); a job
+    /// whose work panicked during the drain is listed in [`ShutdownReport::failed`].
     pub async fn shutdown(&self, within: Duration) -> ShutdownReport {
         self.shared().closed = true;
         let tx = self
