@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 3 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 4 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -13,8 +13,8 @@ CREATE SCHEMA IF NOT EXISTS dlock;
 DO $$
 BEGIN
   IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
-    IF dlock.dlock_schema_version() > 3 THEN
-      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 3',
+    IF dlock.dlock_schema_version() > 4 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 4',
         dlock.dlock_schema_version();
     END IF;
   END IF;
@@ -36,17 +36,40 @@ EXCEPTION WHEN OTHERS THEN
   CREATE OR REPLACE FUNCTION dlock.dlock_timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
 END $$;
 
--- A new fencing token: timeline × 2^48 + the sequence's next value. A standby promoted after
+-- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
+-- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
+-- up on another cluster whose timeline is lower (a dump restored, pg_upgrade: a new cluster
+-- starts at timeline 1), so it never goes down. Made equal to the timeline, as version 3 used.
+CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
+    one      boolean PRIMARY KEY DEFAULT true CHECK (one),
+    timeline bigint NOT NULL,
+    epoch    bigint NOT NULL
+);
+INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
+  VALUES (dlock.dlock_timeline(), dlock.dlock_timeline()) ON CONFLICT DO NOTHING;
+
+-- A new fencing token: epoch × 2^48 + the sequence's next value. A standby promoted after
 -- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
--- but on a later timeline, so its tokens are still larger than any the old primary issued.
+-- but on a later timeline, so its epoch and tokens are larger than any the old primary issued.
+-- The epoch row is written only when the timeline moved; of two grants that find it moved, the
+-- second waits for the first's update and then finds it done.
 CREATE OR REPLACE FUNCTION dlock.dlock_next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
-DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline();
+DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline(); e bigint;
 BEGIN
-  IF n >= 281474976710656 OR tl >= 32768 THEN
-    RAISE EXCEPTION 'dlock: fencing tokens exhausted (timeline %, sequence %)', tl, n;
+  SELECT epoch INTO e FROM dlock.dlock_fence_epoch WHERE one AND timeline = tl;
+  IF NOT FOUND THEN
+    UPDATE dlock.dlock_fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
+      WHERE one AND timeline <> tl RETURNING epoch INTO e;
+    IF NOT FOUND THEN
+      INSERT INTO dlock.dlock_fence_epoch AS f (timeline, epoch) VALUES (tl, tl)
+        ON CONFLICT (one) DO UPDATE SET timeline = f.timeline RETURNING f.epoch INTO e;
+    END IF;
   END IF;
-  RETURN tl * 281474976710656 + n;
+  IF n >= 281474976710656 OR e >= 32768 THEN
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n;
+  END IF;
+  RETURN e * 281474976710656 + n;
 END $$;
 
 CREATE TABLE IF NOT EXISTS dlock.dlock_locks (
@@ -96,7 +119,7 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_queue (
 CREATE INDEX IF NOT EXISTS dlock_queue_line ON dlock.dlock_queue (name, seq);
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 3';
+LANGUAGE sql IMMUTABLE AS 'SELECT 4';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void

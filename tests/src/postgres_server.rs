@@ -395,6 +395,50 @@ impl PostgresServer {
         self.psql_in("postgres", sql)
     }
 
+    /// Copies schema `schema` of database `db` here into database `into` of `to` with
+    /// `pg_dump` and `psql` — a dump restored on another cluster.
+    ///
+    /// # Panics
+    /// If the dump or the restore fails.
+    pub fn copy_schema(&self, db: &str, schema: &str, to: &PostgresServer, into: &str) {
+        let dump = Command::new(bin_dir().join("pg_dump"))
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-d", db, "-n", schema, "--no-owner"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run pg_dump ({e})"));
+        assert!(
+            dump.status.success(),
+            "pg_dump failed: {}",
+            String::from_utf8_lossy(&dump.stderr)
+        );
+        let mut restore = Command::new(bin_dir().join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &to.port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-d",
+                into,
+                "-X",
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run psql ({e})"));
+        std::io::Write::write_all(&mut restore.stdin.take().expect("stdin"), &dump.stdout)
+            .expect("feed the dump to psql");
+        let out = restore.wait_with_output().expect("psql");
+        assert!(
+            out.status.success(),
+            "restoring the dump failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Creates a fresh database named `<what>_<n>` and returns its name.
     pub fn create_database(&self, what: &str) -> String {
         let name = format!("{what}_{}", SEQ.fetch_add(1, Ordering::Relaxed));

@@ -227,6 +227,84 @@ async fn token_of_a_grant(locker: &Locker, key: &'static str) -> u64 {
     token
 }
 
+/// A copy of the data on another cluster — a dump restored, `pg_upgrade` — starts at WAL
+/// timeline 1 again with the sequence where it was. Its tokens stay above every token the
+/// original issued, also when the original had been promoted (its tokens' high part above 1).
+/// Once, the copy's tokens started again at timeline 1: below the original's, so every resource
+/// that kept one of those refused the copy's for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_restored_on_another_cluster_issues_larger_tokens() {
+    let promoted = blocking(|| {
+        let primary = PostgresServer::start();
+        let standby = primary.start_standby();
+        primary.until_replayed(&standby);
+        standby.promote();
+        standby
+    })
+    .await;
+    let (original, _) = locker_at(&promoted.url("postgres"), Duration::from_secs(2)).await;
+    let mut last = 0;
+    for key in ["copy:k", "copy:other", "copy:k"] {
+        let token = token_of_a_grant(&original, key).await;
+        assert!(token > last, "{token} after {last}");
+        last = token;
+    }
+    assert_eq!(last >> 48, 2, "the promoted server's timeline: {last}");
+    drop(original);
+
+    // Restored into a database of the shared server, a cluster on timeline 1.
+    let db = blocking(move || {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = server.create_database("copy");
+        promoted.copy_schema("postgres", "dlock", &server, &db);
+        db
+    })
+    .await;
+    let (copy, _) = locker_at(&direct_url(&db), Duration::from_secs(2)).await;
+    let token = token_of_a_grant(&copy, "copy:k").await;
+    assert!(
+        token > last,
+        "the copy issued {token}, not above the original's {last}"
+    );
+    assert!(token_of_a_grant(&copy, "copy:other").await > token);
+}
+
+/// A schema of version 3 (the last before the epoch row; its DDL, as released, is in
+/// `tests/fixtures`) is upgraded in place by a client that creates the schema, and its tokens
+/// go on from where version 3's were, with the same high part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_3_schema_is_upgraded_in_place_and_its_tokens_go_on() {
+    let (db, before) = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = server.create_database("v3");
+        server.psql_in(&db, include_str!("../fixtures/postgres-schema-v3.sql"));
+        assert_eq!(
+            server.psql_in(&db, "SELECT dlock.dlock_schema_version()"),
+            "3"
+        );
+        let token = server.psql_in(&db, "SELECT dlock.dlock_next_fence()");
+        (db, token.parse::<u64>().expect("a token"))
+    })
+    .await;
+    let (locker, _) = locker_at(&direct_url(&db), Duration::from_secs(2)).await;
+    let token = token_of_a_grant(&locker, "v3:k").await;
+    assert!(token > before, "{token} after version 3's {before}");
+    assert_eq!(
+        token >> 48,
+        before >> 48,
+        "the same high part: {token}, {before}"
+    );
+    let version = blocking(move || {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.psql_in(&db, "SELECT dlock.dlock_schema_version()")
+    })
+    .await;
+    assert_eq!(version, "4");
+}
+
 /// The multi-host URL of a primary and its standby that asks for the primary.
 fn failover_url(primary: u16, standby: u16) -> String {
     format!(

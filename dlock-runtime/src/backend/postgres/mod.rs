@@ -9,11 +9,12 @@
 //!   whole call back: there is no half-taken lock.
 //! * **Expiry by the database's clock**: a lease is `expires_at = clock_timestamp() + ttl`,
 //!   compared with `clock_timestamp()`; the client's clock is never sent.
-//! * **Fencing tokens** are the server's WAL timeline × 2^48 plus the next value of one
-//!   sequence per schema and prefix (`<prefix>fence`): never reused (sequences are WAL-logged
-//!   and jump ahead after a crash), across every key, expiry, restart — and failover to an
-//!   asynchronous standby that missed the latest grants, since promotion starts a new
-//!   timeline. A token is drawn only under the lock name's advisory lock, after the previous
+//! * **Fencing tokens** are an epoch × 2^48 plus the next value of one sequence per schema
+//!   and prefix (`<prefix>fence`): never reused (sequences are WAL-logged and jump ahead after
+//!   a crash), across every key, expiry, restart — and failover to an asynchronous standby
+//!   that missed the latest grants, since promotion starts a new WAL timeline and the epoch
+//!   follows the timeline up — and a copy of the data on another cluster (a dump restored,
+//!   `pg_upgrade`: the timeline starts at 1 again, and the epoch goes up by one). A token is drawn only under the lock name's advisory lock, after the previous
 //!   grant of that name committed, so tokens of one key are strictly increasing.
 //! * **Fair waiting**: a `waiters` table keeps each lock's line (place from the same sequence,
 //!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is

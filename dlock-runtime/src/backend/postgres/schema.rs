@@ -11,7 +11,8 @@
 //! | object | holds |
 //! |---|---|
 //! | `<s>.<p>fence` | sequence: every fencing token's count and every waiter's place in line |
-//! | `<s>.<p>timeline`, `next_fence` | the server's WAL timeline; a new fencing token, `timeline × 2^48 + nextval` |
+//! | `<s>.<p>timeline`, `next_fence` | the server's WAL timeline; a new fencing token, `epoch × 2^48 + nextval` |
+//! | `<s>.<p>fence_epoch` | one row: the timeline last seen and the epoch, the tokens' high part |
 //! | `<s>.<p>locks` | one row per held (or lapsed, not yet swept) lock: owner token, fencing token, expiry (`timestamptz`, the database's clock), whether a barging waiter asked to be woken |
 //! | `<s>.<p>waiters` | one row per queued waiter: its place (`seq`), entry expiry, the lease a handoff grants it |
 //! | `<s>.<p>idempotency` | one row per idempotency key: fingerprint, the running attempt's owner token or the stored result, expiry |
@@ -27,14 +28,22 @@
 //! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
 //! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
 //!
-//! **Fencing across a failover.** A token is the server's WAL timeline × 2^48 plus the
-//! sequence's next value. With asynchronous replication a standby can be promoted without the
-//! latest grants, and its sequence is then behind the old primary's; but promotion starts a new
-//! timeline, so every token the new primary issues is larger than every token of the old one —
-//! also while the old one, not yet fenced off, still takes writes. Where the server hides its
-//! WAL position (`pg_current_wal_lsn` refused, as on Amazon Aurora, whose failovers lose no
-//! committed rows), the DDL makes `timeline()` answer 1 — decided when the DDL runs, with the
-//! privileges of whoever runs it: apply it as a role that may call `pg_current_wal_lsn`.
+//! **Fencing across a failover.** A token is an epoch × 2^48 plus the sequence's next value;
+//! the epoch follows the server's WAL timeline. With asynchronous replication a standby can be
+//! promoted without the latest grants, and its sequence is then behind the old primary's; but
+//! promotion starts a new timeline, and the epoch goes up with it, so every token the new
+//! primary issues is larger than every token of the old one — also while the old one, not yet
+//! fenced off, still takes writes. Where the server hides its WAL position
+//! (`pg_current_wal_lsn` refused, as on Amazon Aurora, whose failovers lose no committed rows),
+//! the DDL makes `timeline()` answer 1 — decided when the DDL runs, with the privileges of
+//! whoever runs it: apply it as a role that may call `pg_current_wal_lsn`.
+//!
+//! **Fencing across a copy.** The epoch is kept in `fence_epoch` with the timeline it was
+//! last seen on, because a copy of the data on another cluster — a dump restored, `pg_upgrade`,
+//! a standby of another lineage — starts at a lower timeline (a new cluster's is 1) with the
+//! sequence where it was: the first grant there finds the timeline lower than the row's and
+//! raises the epoch by one, so the copy's tokens stay above the original's. (A copy made by
+//! logical replication has no sequence values: set the sequence as for every other one.)
 //!
 //! **Semaphores and read-write locks** keep the rule of the
 //! [`backend`](crate::backend#semaphores-and-read-write-locks) module docs in `holders` and
@@ -48,10 +57,12 @@
 //! **Upgrades.** Version 2 added the last two tables and the `kind_*` functions; the DDL only
 //! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
 //! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
-//! version, so a resource keeps accepting them. Its DDL refuses to run over a newer schema.
+//! version, so a resource keeps accepting them. Version 4 added `fence_epoch`, made equal to
+//! the timeline, so its tokens go on from version 3's. The DDL refuses to run over a newer
+//! schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 3;
+pub(crate) const VERSION: i32 = 4;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -101,17 +112,40 @@ EXCEPTION WHEN OTHERS THEN
   CREATE OR REPLACE FUNCTION @s@.@p@timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
 END $$;
 
--- A new fencing token: timeline × 2^48 + the sequence's next value. A standby promoted after
+-- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
+-- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
+-- up on another cluster whose timeline is lower (a dump restored, pg_upgrade: a new cluster
+-- starts at timeline 1), so it never goes down. Made equal to the timeline, as version 3 used.
+CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
+    one      boolean PRIMARY KEY DEFAULT true CHECK (one),
+    timeline bigint NOT NULL,
+    epoch    bigint NOT NULL
+);
+INSERT INTO @s@.@p@fence_epoch (timeline, epoch)
+  VALUES (@s@.@p@timeline(), @s@.@p@timeline()) ON CONFLICT DO NOTHING;
+
+-- A new fencing token: epoch × 2^48 + the sequence's next value. A standby promoted after
 -- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
--- but on a later timeline, so its tokens are still larger than any the old primary issued.
+-- but on a later timeline, so its epoch and tokens are larger than any the old primary issued.
+-- The epoch row is written only when the timeline moved; of two grants that find it moved, the
+-- second waits for the first's update and then finds it done.
 CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
-DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline();
+DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline(); e bigint;
 BEGIN
-  IF n >= 281474976710656 OR tl >= 32768 THEN
-    RAISE EXCEPTION 'dlock: fencing tokens exhausted (timeline %, sequence %)', tl, n;
+  SELECT epoch INTO e FROM @s@.@p@fence_epoch WHERE one AND timeline = tl;
+  IF NOT FOUND THEN
+    UPDATE @s@.@p@fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
+      WHERE one AND timeline <> tl RETURNING epoch INTO e;
+    IF NOT FOUND THEN
+      INSERT INTO @s@.@p@fence_epoch AS f (timeline, epoch) VALUES (tl, tl)
+        ON CONFLICT (one) DO UPDATE SET timeline = f.timeline RETURNING f.epoch INTO e;
+    END IF;
   END IF;
-  RETURN tl * 281474976710656 + n;
+  IF n >= 281474976710656 OR e >= 32768 THEN
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n;
+  END IF;
+  RETURN e * 281474976710656 + n;
 END $$;
 
 CREATE TABLE IF NOT EXISTS @s@.@p@locks (
