@@ -142,7 +142,10 @@ impl MultiLockRequest<'_> {
     ///
     /// Errors: [`LockError::InvalidKey`] for an empty list or a key given twice,
     /// [`LockError::Reentrant`] for a key this task already holds, else the error of the first
-    /// key that could not be taken (a [`Timeout`](LockError::Timeout) counts the whole wait).
+    /// key that could not be taken (a [`Timeout`](LockError::Timeout) counts the whole wait),
+    /// or [`LockError::Lost`] for a key taken early that was lost while a later one was waited
+    /// for (its lease ran out without renewal, or a renewal was refused): the others are given
+    /// back; a set is never handed out with a key it no longer holds.
     /// Cancel-safe: dropping the future releases whatever it took.
     pub async fn acquire(self) -> Result<MultiGuard, LockError> {
         self.take(false).await
@@ -215,6 +218,14 @@ impl MultiLockRequest<'_> {
                     });
                 }
             }
+        }
+        // All or nothing: a key taken early may have been lost while later ones were waited
+        // for (its lease ran out without renewal, or a renewal was refused).
+        if let Some(gone) = guards.iter().find(|g| !g.is_held()) {
+            let err = LockError::lost(gone.key());
+            let _ =
+                futures_util::future::join_all(guards.into_iter().map(LockGuard::give_back)).await;
+            return Err(err);
         }
         if let Some(hold) = self.hold_at_least {
             for guard in &mut guards {

@@ -1387,3 +1387,41 @@ fn a_connection_whose_runtime_shut_down_mid_reconnect_is_replaced() {
         }
     });
 }
+
+/// A grant whose answer comes after the lease it granted ran out — a round trip slower than the
+/// TTL — is not handed out: `acquire` answers `Lost` (and gives the lock back), and the next
+/// owner takes the key. Once, such a guard was returned already not holding the lock
+/// (`is_held() == false`), and a caller that did not check did its work unprotected; a
+/// `lock_all` did the same with a key lost while it waited for the next
+/// (`conformance::multi_key_lost_while_waiting_fails`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_answered_after_its_lease_ran_out_is_not_handed_out() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_secs(2))
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    proxy.set_latency(Duration::from_millis(60));
+    let err = locker
+        .lock("slow:k")
+        .ttl(Duration::from_millis(50))
+        .on_fail(OnFail::Reject)
+        .acquire()
+        .await
+        .expect_err("a guard whose lease ran out before it was handed out");
+    assert!(err.is_lost(), "{err}");
+    assert_eq!(err.key(), Some("slow:k"));
+    proxy.set_latency(Duration::ZERO);
+    let next = server.locker().await;
+    let g = next
+        .lock("slow:k")
+        .on_fail(OnFail::retry(Duration::from_secs(5)))
+        .acquire()
+        .await
+        .expect("the key is free for the next owner");
+    assert!(g.is_held());
+    g.release().await.unwrap();
+}

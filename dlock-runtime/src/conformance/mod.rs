@@ -309,6 +309,7 @@ pub async fn run_all(store: &Store) {
     an_attempt_by_the_holder_is_granted_again(store).await;
     multi_key_opposite_orders(store).await;
     multi_key_all_or_nothing(store).await;
+    multi_key_lost_while_waiting_fails(store).await;
     multi_key_cancel_safety(store).await;
     hold_at_least_keeps_the_lock(store).await;
     semaphore_admits_at_most_permits(store).await;
@@ -372,6 +373,7 @@ macro_rules! conformance_tests {
             an_attempt_by_the_holder_is_granted_again,
             multi_key_opposite_orders,
             multi_key_all_or_nothing,
+            multi_key_lost_while_waiting_fails,
             multi_key_cancel_safety,
             hold_at_least_keeps_the_lock,
             election_leadership_moves_on_resign_and_drop,

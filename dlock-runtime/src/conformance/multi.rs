@@ -136,6 +136,64 @@ pub async fn multi_key_all_or_nothing(store: &Store) {
     second.release().await.expect("release both");
 }
 
+/// All or nothing also in time: a key the set took first whose lease runs out (no renewal)
+/// while `lock_all` waits for the next — another owner takes it meanwhile — is not handed out
+/// as held: the set fails with `Lost`, naming that key, and holds nothing.
+pub async fn multi_key_lost_while_waiting_fails(store: &Store) {
+    let (x, y) = store.pair().await;
+    let (a, b) = (unique_key("mlost-a"), unique_key("mlost-b"));
+    let held = y.lock(&b).acquire().await.expect("hold b");
+    let set = tokio::spawn({
+        let (x, a, b) = (x.clone(), a.clone(), b.clone());
+        async move {
+            x.lock_all([&a, &b])
+                .ttl(Duration::from_millis(300))
+                .auto_renew(false)
+                .on_fail(OnFail::retry(Duration::from_secs(30)))
+                .acquire()
+                .await
+        }
+    });
+    // The set takes `a` (an attempt that finds it free gives it back at once)...
+    let start = Instant::now();
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{}: the set never took a",
+            store.name
+        );
+        match y.lock(&a).try_acquire().await {
+            Ok(None) => break,
+            Ok(Some(g)) => g.release().await.expect("release a"),
+            Err(e) => assert!(e.is_unavailable(), "{}: {e}", store.name),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // ...then its lease runs out and another owner takes it.
+    let other = loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{}: a never lapsed",
+            store.name
+        );
+        match y.lock(&a).try_acquire().await {
+            Ok(Some(g)) => break g,
+            Ok(None) => {}
+            Err(e) => assert!(e.is_unavailable(), "{}: {e}", store.name),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    held.release().await.expect("release b");
+    let err = set
+        .await
+        .expect("the set's task")
+        .expect_err("a set with a key held by another owner was handed out");
+    assert!(err.is_lost(), "{}: {err}", store.name);
+    assert_eq!(err.key(), Some(a.as_str()), "{}", store.name);
+    free_within(&y, &b, Duration::from_secs(3)).await;
+    other.release().await.expect("release a");
+}
+
 /// Cancel safety: 100 `lock_all` acquires cut at varying points (half of them while a key is
 /// held elsewhere, so some are queued waiters) leave both keys free within a short bound —
 /// far less than the TTL, so only a clean undo frees them this fast.

@@ -176,6 +176,11 @@ impl<'a> LockRequest<'a> {
     /// wait for itself. (Nested attribute calls re-enter instead; a guard merely kept in a
     /// variable is not known to the task — wrap the work in [`with_lock`](crate::with_lock).)
     ///
+    /// Fails with [`LockError::Lost`] when the grant's answer came after the lease it granted
+    /// had run out (a round trip slower than the TTL, a frozen process): a guard is never
+    /// handed out not holding its lock. (A wait through outages,
+    /// [`RetryPolicy::through_outages`](crate::RetryPolicy::through_outages), asks again.)
+    ///
     /// Cancel-safe: dropping this future at any point never leaves the lock held without a
     /// guard — whatever reached the backend is undone in the background (and a queued waiter
     /// leaves the queue).
@@ -546,6 +551,14 @@ async fn held(
         // Before the hold is set: a guard dropped here (an error, or this future dropped) is
         // released at once, not kept for a hold whose work never ran.
         guard.extend(ttl).await?;
+    }
+    if !guard.is_held() {
+        // The grant's answer came after the lease it granted had run out (an answer slower
+        // than the TTL, or a frozen process): a guard that does not hold the lock is never
+        // handed out. Given back, in case the lock is still ours on the backend.
+        let key = guard.key().to_owned();
+        let _ = guard.give_back().await;
+        return Err(LockError::lost(&key));
     }
     if let Some(hold) = take.hold_at_least {
         guard.hold_at_least(hold);
