@@ -1036,11 +1036,12 @@ async fn reaper_dead_letters_a_job_whose_claims_keep_expiring() {
     assert!(queue.is_empty().await.unwrap());
 }
 
-/// Same name as `RecordJob`, different shape: what a worker finds after a bad deploy or a
-/// corrupted payload.
+/// Same name as `RecordJob`, another shape of data: what an older worker finds after a newer
+/// release changed the type's fields (or a corrupted payload). Its id is a string that must
+/// never reach a log or a dead-letter reason.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct NotARecord {
-    nonsense: Vec<u8>,
+    id: String,
 }
 
 impl Job for NotARecord {
@@ -1055,30 +1056,141 @@ impl Job for NotARecord {
     }
 }
 
+/// Data this worker's version of the job type cannot decode may be a newer release's: the job
+/// is put back without using an attempt, like a job of an unknown type, and dead-lettered only
+/// once the grace period is over — with the decode error, but not the value it quoted. Once,
+/// it was dead-lettered at its first claim, and the reason quoted the job's data.
+#[test]
+fn data_the_worker_cannot_decode_waits_for_the_grace_and_its_reason_quotes_no_value() {
+    let secret = "sk_live_do_not_log";
+    let (reason, captured) = capture::capturing_run(async |_| {
+        let (server, locker, queue) = start_queue("corrupt").await;
+        let id = queue
+            .enqueue(
+                &NotARecord {
+                    id: secret.to_owned(),
+                },
+                &DeferPolicy::new(Duration::from_millis(5), 5),
+                Duration::from_secs(5),
+                Duration::ZERO,
+            )
+            .await
+            .unwrap();
+        let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+        assert_eq!(worker.run_once().await.unwrap(), 1);
+        assert!(
+            queue.dead_letters().await.unwrap().is_empty(),
+            "dead-lettered at its first claim"
+        );
+        assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+        let attempts: Option<u32> = server
+            .conn()
+            .await
+            .hget("dlock:{jobs:corrupt}:attempts", &id)
+            .await
+            .unwrap();
+        assert_eq!(attempts, Some(0), "the claim used up no attempt");
+
+        let impatient = worker.unknown_type_grace(Duration::ZERO);
+        let dead =
+            run_until_dead_letter("the undecodable job's dead letter", &impatient, &queue).await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].id, id);
+        dead[0].reason.clone().unwrap_or_default()
+    });
+    assert!(
+        reason.contains("could decode its data as `record`")
+            && reason.contains("invalid type, expected u32"),
+        "{reason}"
+    );
+    assert!(!reason.contains(secret), "{reason}");
+    let all = captured.all();
+    assert!(
+        all.iter().any(|e| e.name.contains("cannot run the job")),
+        "the first such claim is logged"
+    );
+    assert!(
+        all.iter()
+            .flat_map(|e| e.texts())
+            .all(|t| !t.contains(secret)),
+        "a log quoted the job's data"
+    );
+}
+
+/// A queue made with "never" for its timeouts (`Duration::MAX` as the visibility timeout and
+/// the outcome retention) runs and acknowledges its jobs: both are bounded. Once, settling a
+/// job overflowed the worker's deadline (a panic), and the acknowledgement asked Redis for an
+/// expiry it refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn undecodable_job_is_dead_lettered_at_once_with_the_reason() {
-    let (_server, locker, queue) = start_queue("corrupt").await;
-    let id = queue
-        .enqueue(
-            &NotARecord { nonsense: vec![1] },
-            &DeferPolicy::new(Duration::from_millis(5), 5),
-            Duration::from_secs(5),
-            Duration::ZERO,
-        )
+async fn a_queue_whose_timeouts_say_never_runs_and_acknowledges_its_jobs() {
+    let (server, queue) = server_and_queue("never", Duration::MAX, Duration::MAX).await;
+    assert_eq!(queue.visibility_timeout(), Duration::from_secs(86_400));
+    let locker = server.locker().await;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+    let id = enqueue(&queue, &record_job(&server, 40, "never"), &policy)
         .await
         .unwrap();
     let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
     assert_eq!(worker.run_once().await.unwrap(), 1);
-    let dead = queue.dead_letters().await.unwrap();
-    assert_eq!(
-        dead.len(),
-        1,
-        "dead-lettered on its first claim, not retried"
+    assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 40").await;
+}
+
+/// A worker that runs a job clears its unknown-type note (with its heartbeat), so if that
+/// worker dies and an old release claims the job again, the grace period starts afresh. Once,
+/// the note of the first claim stayed: the old release's next claim found the grace long over
+/// and dead-lettered a job a worker that knew its type had been running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_a_worker_ran_gets_a_fresh_grace_for_an_unknown_type() {
+    let (server, queue) =
+        server_and_queue("fresh", Duration::from_millis(300), Duration::from_secs(60)).await;
+    let locker = server.locker().await;
+    let noted = async || -> HashMap<String, u64> {
+        let mut c = server.conn().await;
+        c.hgetall("dlock:{jobs:fresh}:unknown").await.unwrap()
+    };
+    let policy = DeferPolicy::new(Duration::from_millis(5), 5).max_delay(Duration::from_millis(10));
+    let mut job = record_job(&server, 30, "fresh");
+    job.hang_first = true;
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    let grace = Duration::from_millis(800);
+    let old_release = DurableWorker::new(queue.clone(), locker.clone())
+        .register::<StallJob>()
+        .unknown_type_grace(grace);
+    let noted_at = std::time::Instant::now();
+    assert_eq!(old_release.run_once().await.unwrap(), 1);
+    assert!(noted().await.contains_key(&id));
+
+    // The new release claims it (once it is due again) and runs it: its attempt hangs.
+    let new_release = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    let running = tokio::spawn(async move {
+        while new_release.run_once().await.unwrap() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    wait_for(
+        "the new release to run the job and clear the note",
+        Duration::from_secs(10),
+        async || (runs(&server, 30).await == 1 && noted().await.is_empty()).then_some(()),
+    )
+    .await;
+    // The worker dies mid-job; its claim expires.
+    running.abort();
+    assert!(noted_at.elapsed() > grace, "the first note's grace is over");
+    let mut claimed = 0;
+    wait_for(
+        "the old release to claim it again",
+        Duration::from_secs(10),
+        async || {
+            claimed += old_release.run_once().await.unwrap();
+            (claimed > 0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        queue.dead_letters().await.unwrap().is_empty(),
+        "dead-lettered by a note from before it ran"
     );
-    assert_eq!(dead[0].id, id);
-    assert_eq!(dead[0].attempts, 1);
-    let reason = dead[0].reason.as_deref().unwrap_or_default();
-    assert!(reason.contains("does not decode"), "{reason}");
+    assert!(noted().await.contains_key(&id), "a fresh note");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,8 +41,8 @@
 //! A job whose lock is busy, or which returns an error or panics, is put back with the policy's
 //! backoff; after `max_attempts` claims it moves to the dead-letter set, where
 //! [`DurableQueue::dead_letters`] lists it (with the reason) and [`DurableQueue::requeue`] puts
-//! it back. A job that returns [`PermanentFailure`], or whose stored data does not decode, is
-//! dead-lettered at once. Dead letters are deleted after the queue's
+//! it back. A job that returns [`PermanentFailure`], or whose stored envelope does not decode,
+//! is dead-lettered at once. Dead letters are deleted after the queue's
 //! [`QueueLimits::dead_letter_retention`] (7 days by default); the queue holds at most
 //! [`QueueLimits::max_queued`] jobs (see [`DurableQueue::with_limits`]).
 //!
@@ -50,10 +50,11 @@
 //! count as an attempt: the job was not tried, so it is put back at the pace of its current
 //! attempt until the backend answers, and an outage never uses up a job's attempts.
 //!
-//! Nor does a claim by a worker that does not know the job's type (an older release, mid-deploy):
-//! the job is put back (at least 1 s later) for a worker that knows it, until the worker's
-//! [`DurableWorker::unknown_type_grace`] (1 h by default) has passed since the first such claim;
-//! then it is dead-lettered, naming the type.
+//! Nor does a claim by a worker that does not know the job's type, or cannot decode its data
+//! (an older release, mid-deploy): the job is put back (at least 1 s later) for a worker that
+//! can run it, until the worker's [`DurableWorker::unknown_type_grace`] (1 h by default) has
+//! passed since the first such claim; then it is dead-lettered, naming the type. Decode errors
+//! in logs and dead-letter reasons never quote the job's data.
 
 use std::any::Any;
 use std::fmt;
@@ -265,4 +266,65 @@ pub(crate) fn millis(d: Duration) -> u64 {
 
 pub(crate) fn event(event: &'static str, info: &JobInfo) {
     info.event("redis", event, crate::key::KeyLog::default());
+}
+
+/// A decode error's message without the values it quotes. serde's data errors name the
+/// offending value (`invalid type: string "sk_live_…", expected u64`), and a job's data may hold
+/// secrets, which must not reach the logs or the stored dead-letter reasons; what the job type
+/// expected (and where, in the stored envelope) is kept.
+pub(crate) fn decode_error(e: &serde_json::Error) -> String {
+    const QUOTING: [&str; 4] = [
+        "invalid type",
+        "invalid value",
+        "invalid length",
+        "unknown variant",
+    ];
+    let msg = e.to_string();
+    match QUOTING.iter().find(|p| msg.starts_with(**p)) {
+        Some(p) => match msg.find(", expected ") {
+            Some(i) => format!("{p}{}", &msg[i..]),
+            None => (*p).to_owned(),
+        },
+        None => msg,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_error;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    enum Currency {
+        Eur,
+        Usd,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Payment {
+        id: u64,
+        currency: Currency,
+    }
+
+    fn error(json: &str) -> String {
+        decode_error(&serde_json::from_str::<Payment>(json).unwrap_err())
+    }
+
+    #[test]
+    fn decode_errors_keep_what_was_expected_and_drop_the_values() {
+        let wrong_type = error(r#"{"id": "sk_live_secret", "currency": "Eur"}"#);
+        assert!(!wrong_type.contains("sk_live"), "{wrong_type}");
+        assert!(
+            wrong_type.starts_with("invalid type, expected u64"),
+            "{wrong_type}"
+        );
+        let variant = error(r#"{"id": 1, "currency": "sk_live_secret"}"#);
+        assert!(!variant.contains("sk_live"), "{variant}");
+        assert!(variant.contains("expected `Eur` or `Usd`"), "{variant}");
+        let missing = error(r#"{"id": 1}"#);
+        assert!(missing.starts_with("missing field `currency`"), "{missing}");
+        let value = decode_error(&serde_json::from_str::<u8>("1000").unwrap_err());
+        assert!(!value.contains("1000"), "{value}");
+    }
 }

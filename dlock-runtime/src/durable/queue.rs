@@ -15,6 +15,15 @@ use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, 
 use crate::defer::{JobInfo, QueueLimits};
 use crate::{DeferPolicy, LockError, LockKey, Locker};
 
+/// The visibility timeout's bounds: a shorter one expires claims between heartbeats; a longer
+/// one would overflow the worker's deadlines (`Duration::MAX` meaning "never") and gains
+/// nothing, since a running job's claim is renewed every third of it.
+const MIN_VISIBILITY: Duration = Duration::from_millis(100);
+const MAX_VISIBILITY: Duration = Duration::from_secs(86_400);
+/// The longest outcome retention: Redis refuses an expiry past its clock's range, and the
+/// acknowledgement that stores the outcome has deleted the job by then.
+const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
+
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
 pub struct DurableQueue {
@@ -100,8 +109,9 @@ impl DurableQueue {
     }
 
     /// Like [`connect`](DurableQueue::connect) with an explicit visibility timeout (how long a
-    /// claimed job may go without a heartbeat before another worker may run it) and outcome
-    /// retention.
+    /// claimed job may go without a heartbeat before another worker may run it; at least
+    /// 100 ms and at most a day — a running job's worker renews it every third of it) and
+    /// outcome retention (at most ten years).
     pub async fn connect_with(
         url: &str,
         name: &str,
@@ -130,8 +140,8 @@ impl DurableQueue {
                 name: name.to_owned(),
                 conn,
                 base: format!("dlock:{{jobs:{name}}}"),
-                visibility: visibility.max(Duration::from_millis(100)),
-                retention,
+                visibility: visibility.clamp(MIN_VISIBILITY, MAX_VISIBILITY),
+                retention: retention.min(MAX_RETENTION),
                 limits: QueueLimits::default(),
                 command_timeout,
                 enqueue: Script::new(ENQUEUE),
@@ -553,6 +563,7 @@ impl DurableQueue {
         let mut inv = self.inner.heartbeat.prepare_invoke();
         inv.key(self.key("inflight"))
             .key(self.key("claims"))
+            .key(self.key("unknown"))
             .arg(millis(self.inner.visibility))
             .arg(&claim.id)
             .arg(&claim.token);

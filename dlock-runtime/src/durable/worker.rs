@@ -88,7 +88,7 @@ impl DurableWorker {
     /// Teaches the worker job type `J`.
     pub fn register<J: Job>(mut self) -> Self {
         let runner: Runner = Arc::new(|data, ctx| {
-            let job: J = serde_json::from_value(data)?;
+            let job: J = serde_json::from_value(data).map_err(|e| super::decode_error(&e))?;
             Ok(Box::pin(job.run(ctx)))
         });
         self.runners.insert(J::NAME, runner);
@@ -113,18 +113,21 @@ impl DurableWorker {
         self
     }
 
-    /// How long a job whose type this worker does not [`register`](DurableWorker::register)
-    /// may wait for a worker that does (default 1 h).
+    /// How long a job whose type this worker does not [`register`](DurableWorker::register),
+    /// or whose data its version of the type cannot decode, may wait for a worker that can run
+    /// it (default 1 h).
     ///
-    /// During a rolling deploy, an instance of the new release queues a job of a new type and
-    /// one of the old release claims it. Such a claim is not an attempt: the job is put back
+    /// During a rolling deploy, an instance of the new release queues a job of a new type (or
+    /// of a type whose data changed shape: a new enum variant, a renamed field) and one of the
+    /// old release claims it. Such a claim is not an attempt: the job is put back
     /// (after its policy's backoff, at least 1 s), its attempts untouched, for a worker that
     /// knows the type. The first claim that did not know it notes the time in the queue (and
     /// logs a warning); a claim that does not know it once `grace` has passed since
-    /// dead-letters the job, with a reason naming the type — so a type no worker will ever
-    /// know (a typo, a job type removed while jobs of it were queued) ends in the dead-letter
-    /// set, not in an endless loop, and [`DurableQueue::requeue`] brings it back. A worker that
-    /// knows the type clears the note when it settles the job.
+    /// dead-letters the job, with a reason naming the type (and the decode error, without the
+    /// values it quoted) — so a type no worker will ever know (a typo, a job type removed
+    /// while jobs of it were queued) or data none can decode ends in the dead-letter set, not
+    /// in an endless loop, and [`DurableQueue::requeue`] brings it back. A worker that runs
+    /// the job clears the note.
     pub fn unknown_type_grace(mut self, grace: Duration) -> Self {
         self.unknown_type_grace = grace;
         self
@@ -275,7 +278,8 @@ impl DurableWorker {
                     job_type = %info.name,
                     job_id = %claim.id,
                     grace = ?self.unknown_type_grace,
-                    "dlock job worker: no job of this type is registered here; putting the job back for a worker that knows it (dead-lettered if none claims it within the grace period)"
+                    reason,
+                    "dlock job worker: this worker cannot run the job (its type, or the shape of its data, is unknown here); putting it back for a worker that can (dead-lettered if none claims it within the grace period)"
                 );
                 event("retried", info);
             }
@@ -298,7 +302,10 @@ impl DurableWorker {
         let env: Envelope = match serde_json::from_str(&claim.payload) {
             Ok(e) => e,
             Err(e) => {
-                let reason = format!("the stored job does not decode: {e}");
+                let reason = format!(
+                    "the stored job does not decode: {}",
+                    super::decode_error(&e)
+                );
                 self.dead_letter(&claim, &info(""), &reason).await;
                 return;
             }
@@ -374,9 +381,17 @@ impl DurableWorker {
         })) {
             Ok(Ok(fut)) => fut,
             Ok(Err(e)) => {
+                // Data this worker's version of the type cannot read may be a newer
+                // version's (a rolling deploy): put back for a worker that can, as a job of an
+                // unknown type is.
                 let _ = guard.release().await;
-                let reason = format!("the job's data does not decode: {e}");
-                self.dead_letter(&claim, &info(&env.key), &reason).await;
+                let reason = format!(
+                    "no worker that claimed it could decode its data as `{name}` within {:?}: {e}",
+                    self.unknown_type_grace
+                );
+                let counted = Counted::UnknownType(self.unknown_type_grace);
+                self.put_back(&claim, &info(&env.key), &policy, &reason, counted)
+                    .await;
                 return;
             }
             Err(panic) => {

@@ -27,7 +27,8 @@ return 1
 
 /// Claim. First the clean-up: dead letters past their retention (ARGV[4] ms) or beyond the
 /// count bound (ARGV[5]) are deleted with their payload and bookkeeping; then expired claims
-/// are reaped: dead-lettered when the job used up its attempts, else put back due now. Then up
+/// are reaped: dead-lettered when the job used up its attempts, else put back due now (either
+/// way its unknown-type note goes: a worker that ran it may have died). Then up
 /// to ARGV[2] due jobs move to `inflight` with deadline now + ARGV[1] ms, their attempt count
 /// goes up and each gets the claim token ARGV[3] .. ':' .. position.
 /// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons, 8 unknown.
@@ -64,6 +65,7 @@ for _, id in ipairs(expired) do
     redis.call('ZADD', KEYS[6], now, id)
     redis.call('HSET', KEYS[7], id, 'its claim expired ' .. n .. ' times (a worker died, was killed or stalled past the visibility timeout while running it)')
   else
+    redis.call('HDEL', KEYS[8], id)
     redis.call('ZADD', KEYS[1], now, id)
   end
 end
@@ -156,12 +158,14 @@ redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
 return 1
 "#;
 
-/// Heartbeat, if claim ARGV[3] is still the job's: push its deadline to now + ARGV[1] ms.
-/// KEYS: 1 inflight, 2 claims. ARGV: 1 visibility ms, 2 id, 3 claim token.
+/// Heartbeat, if claim ARGV[3] is still the job's: push its deadline to now + ARGV[1] ms. Only
+/// a worker that runs the job sends one, so it clears the job's unknown-type note.
+/// KEYS: 1 inflight, 2 claims, 3 unknown. ARGV: 1 visibility ms, 2 id, 3 claim token.
 /// Returns 1 if extended, 0 when the claim is not this one.
 pub(crate) const HEARTBEAT: &str = concat!(
     r#"
 if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[3] then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[2])
 "#,
     now_ms!(),
     r#"
