@@ -362,6 +362,13 @@ impl Watchdog {
             )
             .await;
         match res {
+            // The local lease ran out while the extend was on its way, and the holder was
+            // told (`lost()` resolved): the lock is not kept on its behalf, and the extend does
+            // not contradict what the holder was told.
+            Ok(true) if state.lost.is_cancelled() => {
+                pending.armed = false;
+                Err(crate::LockError::lost(state.resource.key().as_str()))
+            }
             Ok(true) => {
                 pending.armed = false;
                 state.renewed(sent, ttl, margin);
@@ -481,9 +488,17 @@ impl Watchdog {
             if g.done.load(Ordering::Acquire) {
                 return false;
             }
-            // An extend of this guard is on its way: it sets the lease and reschedules the
-            // renewal itself, so this batch leaves the guard alone.
+            if g.lost.is_cancelled() {
+                return false;
+            }
+            // The guard's turn is taken: an extend is on its way, or the batch before this one
+            // is still settling (it rescheduled the guard into this batch's window before
+            // letting its turns go). Neither reschedules the guard again, so this batch does:
+            // shortly, to ask again once the turn is free (an extend's own reschedule, if it
+            // lands later, replaces this one).
             let Ok(turn) = g.turn.clone().try_lock_owned() else {
+                let retry = (g.ttl().as_nanos() as u64 / 10).max(10_000_000);
+                self.schedule_at(g, (now + retry).min(g.lease_end_ns()));
                 return false;
             };
             if now >= g.lease_end_ns() {
@@ -800,12 +815,14 @@ mod tests {
         refuse: Option<Refuse>,
     }
 
-    /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid.
+    /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid — or,
+    /// with `accept`, answered renewed (a backend whose clock says the lock is still held).
     #[derive(Clone)]
     struct Refuse {
         ttl: Duration,
         entered: Arc<Notify>,
         go: Arc<Notify>,
+        accept: bool,
     }
 
     #[derive(Clone, Default)]
@@ -846,6 +863,9 @@ mod tests {
                 if let Some(refuse) = self.refuse.as_ref().filter(|f| f.ttl == ttl) {
                     refuse.entered.notify_one();
                     refuse.go.notified().await;
+                    if refuse.accept {
+                        return Ok(true);
+                    }
                     return Err(LockError::InvalidTtl {
                         ttl,
                         reason: "refused by the test".into(),
@@ -910,6 +930,7 @@ mod tests {
             ttl: Duration::from_secs(7),
             entered: Arc::new(Notify::new()),
             go: Arc::new(Notify::new()),
+            accept: false,
         };
         let backend = Hooked {
             refuse: Some(refuse.clone()),
@@ -920,15 +941,16 @@ mod tests {
             .build(backend);
         let ttl = Duration::from_millis(300);
         let guard = Arc::new(locker.lock("refused").ttl(ttl).acquire().await.unwrap());
+        let first_due = guard.lease().state().due.load(Ordering::Acquire);
         let extend = tokio::spawn({
             let guard = guard.clone();
             async move { guard.extend(Duration::from_secs(7)).await }
         });
         refuse.entered.notified().await;
-        // The batch due at TTL/3 takes the guard off the schedule and leaves it to the extend.
+        // The batch due at TTL/3 finds the guard's turn taken by the extend.
         tokio::time::timeout(Duration::from_secs(5), async {
-            while locker.renewing() != 0 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+            while guard.lease().state().due.load(Ordering::Acquire) == first_due {
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
         })
         .await
@@ -936,6 +958,80 @@ mod tests {
         refuse.go.notify_one();
         let err = extend.await.unwrap().unwrap_err();
         assert!(err.is_invalid(), "{err}");
+        assert!(
+            tokio::time::timeout(ttl * 4, guard.lost()).await.is_err(),
+            "the lease ran out: nothing renewed it"
+        );
+        assert!(guard.is_held());
+    }
+
+    /// An extend answered "renewed" after the local lease ran out and `lost()` resolved
+    /// answers `Lost`, like `lost()` did, and schedules no renewal. Once, it answered `Ok`: the
+    /// holder was told both that the lock was gone and that it was extended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_extend_answered_after_the_loss_was_reported_is_lost() {
+        let refuse = Refuse {
+            ttl: Duration::from_secs(7),
+            entered: Arc::new(Notify::new()),
+            go: Arc::new(Notify::new()),
+            accept: true,
+        };
+        let backend = Hooked {
+            refuse: Some(refuse.clone()),
+            ..Hooked::default()
+        };
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(backend);
+        let guard = Arc::new(
+            locker
+                .lock("late-extend")
+                .ttl(Duration::from_millis(200))
+                .auto_renew(false)
+                .acquire()
+                .await
+                .unwrap(),
+        );
+        let extend = tokio::spawn({
+            let guard = guard.clone();
+            async move { guard.extend(Duration::from_secs(7)).await }
+        });
+        refuse.entered.notified().await;
+        tokio::time::timeout(Duration::from_secs(5), guard.lost())
+            .await
+            .expect("the local lease ran out");
+        refuse.go.notify_one();
+        let err = extend.await.unwrap().unwrap_err();
+        assert!(err.is_lost(), "{err}");
+        assert!(!guard.is_held());
+        assert_eq!(locker.renewing(), 0, "a lost guard is not renewed");
+    }
+
+    /// A renewal batch that finds a guard's turn taken (an extend on its way, or the batch
+    /// before still settling) keeps the guard on the schedule and asks again shortly. Once, it
+    /// dropped the guard, trusting the turn's holder to reschedule it — but a batch that had
+    /// already rescheduled it (into the next batch's window: a renewal answered late) did not
+    /// again, and the lease ran out under a live holder.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_finds_the_turn_taken_keeps_the_guard_scheduled() {
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(Hooked::default());
+        let ttl = Duration::from_millis(600);
+        let guard = locker.lock("turn").ttl(ttl).acquire().await.unwrap();
+        let state = guard.lease().state();
+        let first_due = state.due.load(Ordering::Acquire);
+        assert_ne!(first_due, NOT_SCHEDULED);
+        let turn = state.turn.clone().lock_owned().await;
+        // The batch due at TTL/3 comes and finds the turn taken.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while state.due.load(Ordering::Acquire) == first_due {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the batch came due");
+        drop(turn);
         assert!(
             tokio::time::timeout(ttl * 4, guard.lost()).await.is_err(),
             "the lease ran out: nothing renewed it"
