@@ -785,7 +785,9 @@ async fn cancelled_request_frees_the_key_without_a_record() {
     let redis = RedisServer::start();
     let locker = redis.locker().await;
     let mut h = Harness::new();
-    let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
+    let layer = IdempotencyLayer::new(locker.clone())
+        .ttl(TTL)
+        .cancel_on_disconnect(true);
     let router = app(layer, h.ctl.clone());
 
     let request = || post_with("cancel-1", "{}").build::<Body>("");
@@ -818,6 +820,68 @@ async fn cancelled_request_frees_the_key_without_a_record() {
     let res = router.oneshot(request()).await.unwrap();
     assert_eq!(res.headers()["idempotent-replayed"], "true");
     assert_eq!(h.calls(), 2);
+}
+
+/// The client goes away (here: a timeout layer outside gives up, answering 504) while the
+/// handler runs: the handler runs to its end anyway and its response is stored, so the
+/// client's retry gets `409` while it runs, then the replay — the handler ran once. Once,
+/// dropping the response future cut the handler off wherever it was (between two effects: the
+/// card charged, the ledger not written), and the retry ran it again from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_given_up_while_its_handler_runs_finishes_and_the_retry_replays_it() {
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let mut h = Harness::new();
+    let (give_up, give_up_rx) = watch::channel(false);
+    let timeout = axum::middleware::from_fn(
+        move |req: Request<Body>, next: axum::middleware::Next| {
+            let mut give_up = give_up_rx.clone();
+            async move {
+                tokio::select! {
+                    res = next.run(req) => res,
+                    _ = give_up.wait_for(|g| *g) => {
+                        Response::builder().status(StatusCode::GATEWAY_TIMEOUT).body(Body::empty()).unwrap()
+                    }
+                }
+            }
+        },
+    );
+    let app = app(IdempotencyLayer::new(locker).ttl(TTL), h.ctl.clone()).layer(timeout);
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+
+    let first = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            http.send(post_with("given-up", "{\"amount\":5}").header("x-wait", "gate"))
+                .await
+        })
+    };
+    h.wait_entered().await;
+    give_up.send(true).unwrap();
+    assert_eq!(first.await.unwrap().status, StatusCode::GATEWAY_TIMEOUT);
+    give_up.send(false).unwrap();
+
+    // The handler still runs: the retry is told so.
+    let retry = http.send(post_with("given-up", "{\"amount\":5}")).await;
+    retry.assert_problem(StatusCode::CONFLICT, "idempotency-request-in-progress");
+    assert_eq!(h.calls(), 1);
+
+    h.open_gate();
+    let start = Instant::now();
+    let retry = loop {
+        let reply = http.send(post_with("given-up", "{\"amount\":5}")).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        assert!(start.elapsed() < HANG, "the key stays in progress");
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed(), "the retry must replay, not run again");
+    assert!(retry.text().contains("\"payment\":1"), "{}", retry.text());
+    assert_eq!(h.calls(), 1, "the handler ran once");
+    server.abort();
 }
 
 /// A response over the size limit reaches the client in full (declared length, and streamed

@@ -22,11 +22,13 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// The response future of [`Idempotency`](super::Idempotency).
 ///
-/// It owns the key's lock (an [`IdempotentOperation`]) while the inner service runs: dropping
-/// it then (a cancelled request) drops the inner service's future and releases the lock in the
-/// background **without** a record, so the client's retry runs the handler again. Once the
-/// handler has returned, reading the response body and storing the record run in a spawned
-/// task that finishes even if this future is dropped.
+/// Once the key is taken, the inner service's future, reading the response body and storing
+/// the record run in a spawned task that finishes even if this future is dropped (a client
+/// that went away): the retry gets the replay. With
+/// [`cancel_on_disconnect(true)`](super::IdempotencyLayer::cancel_on_disconnect) it owns the
+/// key's lock (an [`IdempotentOperation`]) while the inner service runs: dropping it then drops
+/// the inner service's future and releases the lock in the background **without** a record,
+/// so the client's retry runs the handler again; only the storing runs in a task.
 ///
 /// A boxed future (like axum's `from_fn`): the steps before and after the inner call (read the
 /// body, begin, read the response, complete) are each asynchronous.
@@ -217,6 +219,8 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
     ReqBody: Body + From<Bytes>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Send + 'static,
@@ -309,8 +313,63 @@ where
 
     // The handler runs with the lock visible in its extensions and to `current_lock()`.
     request.extensions_mut().insert(op.info());
+    let call = inner.call(request);
+    let handled = if shared.cancel_on_disconnect {
+        // Dropping this future drops the handler's; only the storing is detached.
+        handle(op, call, shared.clone(), true).await?
+    } else {
+        // Once the key is taken the handler runs to its end, also if this future is dropped
+        // (a client that went away): otherwise the client's retry would run it again, from
+        // the start, after it was cut off anywhere.
+        match detached(handle(op, call, shared.clone(), false)).await {
+            Some(handled) => handled?,
+            None => Err(internal(
+                "idempotency-handler-cancelled",
+                "the server is shutting down; the request did not finish",
+            )),
+        }
+    };
+    Ok(match handled {
+        Err(rejection) => reject(rejection),
+        Ok(Handled::Unstored(response)) => response.map(ResponseBody::inner),
+        Ok(Handled::Read(head, Collected::Full(bytes))) => {
+            Response::from_parts(head, ResponseBody::full(bytes))
+        }
+        Ok(Handled::Read(
+            head,
+            Collected::Partial {
+                prefix,
+                pending,
+                rest,
+            },
+        )) => Response::from_parts(head, ResponseBody::chain(prefix, pending, rest)),
+    })
+}
+
+/// What became of the handler's response.
+enum Handled<B: Body> {
+    /// Not to be stored (its status, or a declared length over the limit): handed on as is.
+    Unstored(Response<B>),
+    /// Read (up to the limit) and stored, or not stored with what was read.
+    Read(http::response::Parts, Collected<B>),
+}
+
+/// Runs the handler's future `call` with the key's lock, then stores its response with the
+/// release (or releases without a record). `detach_store`: the storing runs in a task of its
+/// own, which finishes even if this future is dropped once the handler has returned.
+async fn handle<F, B, E>(
+    op: IdempotentOperation,
+    call: F,
+    shared: Arc<Shared>,
+    detach_store: bool,
+) -> Result<Result<Handled<B>, Rejection>, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Send + 'static,
+{
     let response = {
-        let mut call = pin!(inner.call(request));
+        let mut call = pin!(call);
         poll_fn(|cx| op.poll_scoped(call.as_mut(), cx)).await
     };
     let response = match response {
@@ -320,40 +379,43 @@ where
             return Err(err);
         }
     };
-
     let (head, body) = response.into_parts();
     if !is_storable(head.status) || body.size_hint().lower() > shared.max_response_body as u64 {
         abort(op, &shared).await;
-        return Ok(Response::from_parts(head, ResponseBody::inner(body)));
+        return Ok(Ok(Handled::Unstored(Response::from_parts(head, body))));
     }
-    // The handler has produced its response: from here on, storing it must finish even if
-    // this future is dropped (a timeout layer gives up, the client goes away) — otherwise the
-    // client's retry would run the handler again. So the rest runs in its own task, which this
-    // future only waits for.
     let store = finish(op, head, body, shared.clone());
-    let (head, answer) = match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => match runtime.spawn(store).await {
-            Ok(done) => done,
-            Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
-            Err(_) => {
-                return Ok(reject(internal(
-                    "idempotency-store-cancelled",
-                    "the server is shutting down; the response could not be stored",
-                )))
-            }
-        },
-        // No tokio runtime to hand the work to: do it here (a dropped future then stores
-        // nothing, and the retry runs again).
-        Err(_) => store.await,
+    let stored = if detach_store {
+        detached(store).await
+    } else {
+        Some(store.await)
     };
-    Ok(match answer {
-        Collected::Full(bytes) => Response::from_parts(head, ResponseBody::full(bytes)),
-        Collected::Partial {
-            prefix,
-            pending,
-            rest,
-        } => Response::from_parts(head, ResponseBody::chain(prefix, pending, rest)),
+    Ok(match stored {
+        Some((head, collected)) => Ok(Handled::Read(head, collected)),
+        None => Err(internal(
+            "idempotency-store-cancelled",
+            "the server is shutting down; the response could not be stored",
+        )),
     })
+}
+
+/// Runs `fut` to its end in a tokio task of its own (with the caller's tracing span), which
+/// goes on if this future is dropped; `None` when the runtime shut down first. A panic in
+/// `fut` is resumed here. Without a tokio runtime to hand it to, `fut` runs here (and a
+/// dropped future then drops it).
+async fn detached<T: Send + 'static>(fut: impl Future<Output = T> + Send + 'static) -> Option<T> {
+    use tracing::Instrument as _;
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return Some(fut.await);
+    };
+    match runtime
+        .spawn(fut.instrument(tracing::Span::current()))
+        .await
+    {
+        Ok(out) => Some(out),
+        Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+        Err(_) => None,
+    }
 }
 
 /// Reads the response body (up to the limit) and stores the record with the release — or

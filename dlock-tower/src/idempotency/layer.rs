@@ -170,6 +170,18 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Whether dropping the response future — the client disconnects, a timeout layer outside
+    /// gives up — cancels the handler. Default `false`: once the key is taken, the handler
+    /// runs to its end in a tokio task of its own and its response is stored, so the client's
+    /// retry gets `409` while it runs, then the replay (see the
+    /// [module docs](super#crashes-and-cancellation)). `true`: the handler's future is dropped
+    /// with the response future and the key freed without a record; the retry runs the
+    /// handler again.
+    pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
+        Arc::make_mut(&mut self.shared).cancel_on_disconnect = cancel;
+        self
+    }
+
     /// Also stores and replays the response header `name` (in addition to
     /// [`DEFAULT_REPLAY_HEADERS`](super::DEFAULT_REPLAY_HEADERS)), e.g. an `x-payment-id`.
     ///

@@ -169,9 +169,16 @@
 //!
 //! # Crashes and cancellation
 //!
-//! * **The client disconnects** (or a timeout layer gives up) **while the handler runs**: the
-//!   response future is dropped with the handler's future; the lock is released in the
-//!   background without a record; the client's retry runs the handler again.
+//! * **The client disconnects** (or a timeout layer outside gives up) **while the handler
+//!   runs**: the handler runs to its end anyway — in a tokio task of its own, started once
+//!   the key is taken — and its response is stored, so the client's retry gets `409` while it
+//!   runs and then the replay. Cut off between two effects (the card charged, the ledger not
+//!   yet written), it would run again from the start on the retry. The task is instrumented
+//!   with the request's tracing span; other task-locals of the caller do not reach the
+//!   handler. [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect) restores
+//!   tower's usual behaviour: the handler's future is dropped with the response future, the
+//!   lock is released in the background without a record, and the retry runs the handler
+//!   again. (Without a tokio runtime, the handler always runs in the response future.)
 //! * **The client disconnects after the handler returned** (while the layer reads the response
 //!   body or stores the record): storing runs in its own tokio task and finishes anyway, so
 //!   the client's retry gets the stored response — the case `Idempotency-Key` exists for.
@@ -300,6 +307,9 @@ pub(crate) struct Shared {
     pub(crate) name: &'static str,
     pub(crate) missing_key: MissingKey,
     pub(crate) fail_mode: FailMode,
+    /// Dropping the response future cancels the handler (else it runs to its end in a task
+    /// of its own).
+    pub(crate) cancel_on_disconnect: bool,
 }
 
 impl Shared {
@@ -322,6 +332,7 @@ impl Shared {
             name: dlock_runtime::metrics::UNNAMED,
             missing_key: MissingKey::default(),
             fail_mode: FailMode::default(),
+            cancel_on_disconnect: false,
         }
     }
 }
@@ -342,6 +353,7 @@ impl fmt::Debug for Shared {
             .field("replay_headers", &self.replay_headers)
             .field("missing_key", &self.missing_key)
             .field("fail_mode", &self.fail_mode)
+            .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .finish()
     }
 }
