@@ -363,6 +363,11 @@ impl<'a> Undo<'a> {
         self.armed = true;
     }
 
+    /// Whether something sent under this token may still have to be undone.
+    pub(crate) fn is_armed(&self) -> bool {
+        self.armed
+    }
+
     /// The attempt took the lock (granted with `fencing_token`, the request sent at `sent_ns`):
     /// the lease takes over from the undo, registered with the watchdog.
     pub(crate) fn into_lease(mut self, grant: Grant, locker_id: u64) -> Lease {

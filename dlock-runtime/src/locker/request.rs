@@ -778,11 +778,21 @@ async fn wait_for(
         handoff(woken);
         if let Err(err) = acknowledged(locker, &mut flight, &mut grant, take).await {
             // Given back, and out of the queue: the same token asks again (a fair waiter
-            // queues again), or the wait ends.
+            // queues again), or the wait ends. When the give-back went unanswered (the flight
+            // is still armed), a new token asks: that give-back may still land, after a new
+            // grant to the same token, and free it under its guard. The old flight, dropped,
+            // gives back in the background.
             woken = None;
+            let unsure = flight.is_armed();
             outage_pause(outage(err, step, true)?, watch.as_ref()).await;
-            flight.arm();
             step = step.saturating_add(1);
+            if unsure {
+                let resource = flight.resource().clone();
+                flight = Undo::new(locker.watchdog(), resource, horizon);
+                watch = None;
+            } else {
+                flight.arm();
+            }
             continue 'ask;
         }
         // Kept for a wait through outages, which asks again with a new token if the guard
@@ -994,6 +1004,9 @@ mod tests {
         failed_acks: AtomicUsize,
         lost_acks: AtomicUsize,
         failed_extends: AtomicUsize,
+        failed_abandons: AtomicUsize,
+        /// The owner token of every acquire attempt, in order.
+        tokens: std::sync::Mutex<Vec<String>>,
         hand_over: std::sync::atomic::AtomicBool,
         hub: std::sync::Arc<crate::backend::ReleaseHub>,
         subscribed: std::sync::Mutex<Option<crate::backend::OwnerToken>>,
@@ -1016,6 +1029,10 @@ mod tests {
             Box::pin(async move {
                 tokio::task::yield_now().await;
                 self.attempts.fetch_add(1, Ordering::SeqCst);
+                self.tokens
+                    .lock()
+                    .unwrap()
+                    .push(args.token.as_str().to_owned());
                 let out = self.inner.acquire(args).await;
                 if take_one(&self.lost_replies) {
                     return Err(LockError::unavailable("the reply was lost", None));
@@ -1069,6 +1086,9 @@ mod tests {
             resource: &'a ResourceName,
             token: &'a crate::backend::OwnerToken,
         ) -> BoxFuture<'a, Result<(), LockError>> {
+            if take_one(&self.failed_abandons) {
+                return Box::pin(async { Err(LockError::unavailable("no answer", None)) });
+            }
             self.inner.abandon(resource, token)
         }
 
@@ -1165,6 +1185,32 @@ mod tests {
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().expect("woken by the release");
         guard.release().await.unwrap();
+    }
+
+    /// Replicas that do not acknowledge a grant in time, and a give-back of the grant whose
+    /// outcome is unknown (it was not answered): the wait through outages asks again with a
+    /// new owner token. A late give-back by the old token cannot free a grant to the new one
+    /// under its guard; with the same token, it could — two holders.
+    #[tokio::test]
+    async fn a_give_back_of_unknown_outcome_is_followed_by_a_new_token() {
+        let (locker, outage) = outage_locker();
+        outage.failed_acks.store(1, Ordering::SeqCst);
+        outage.failed_abandons.store(1, Ordering::SeqCst);
+        let guard = locker
+            .lock("k")
+            .replicas(1)
+            .on_fail(through_outages(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .expect("granted once the replicas acknowledge");
+        let tokens = outage.tokens.lock().unwrap().clone();
+        assert!(tokens.len() >= 2, "{tokens:?}");
+        assert!(
+            tokens[1..].iter().all(|t| *t != tokens[0]),
+            "the token whose give-back went unanswered asked again: {tokens:?}"
+        );
+        guard.release().await.unwrap();
+        assert!(locker.lock("k").try_acquire().await.unwrap().is_some());
     }
 
     /// Replicas that do not acknowledge a grant in time: the lock is given back, and a wait
