@@ -1135,6 +1135,35 @@ async fn a_queue_whose_timeouts_say_never_runs_and_acknowledges_its_jobs() {
     assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 40").await;
 }
 
+/// An enqueue whose answer is lost — the server runs it after the client stopped waiting — is
+/// sent again with the same id: the caller gets the id, and the queue holds one job. Once, the
+/// caller got `Unavailable` for a job that was queued, and its retry queued a second: both
+/// ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_whose_answer_was_lost_queues_one_job() {
+    let (server, queue) = server_and_queue(
+        "lost-answer",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    )
+    .await;
+    // Writes wait 1.5 s on the server: the first try's answer comes after the client's 1 s
+    // command timeout.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("WRITE")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+    let id = enqueue(&queue, &record_job(&server, 50, "lost"), &policy)
+        .await
+        .expect("queued: the second try is answered");
+    assert_eq!(queue.len().await.unwrap(), 1, "one job, not two");
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+}
+
 /// A worker that runs a job clears its unknown-type note (with its heartbeat), so if that
 /// worker dies and an old release claims the job again, the grace period starts afresh. Once,
 /// the note of the first claim stayed: the old release's next claim found the grace long over

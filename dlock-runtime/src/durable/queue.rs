@@ -24,6 +24,9 @@ const MAX_VISIBILITY: Duration = Duration::from_secs(86_400);
 /// acknowledgement that stores the outcome has deleted the job by then.
 const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
 
+/// How many times an unanswered enqueue is sent (with the same job id).
+const ENQUEUE_TRIES: u64 = 3;
+
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
 pub struct DurableQueue {
@@ -261,7 +264,10 @@ impl DurableQueue {
 
     /// Queues `job` to run after `delay` under `policy` (its lock held with lease `ttl`).
     /// Returns the job id, or [`LockError::QueueFull`] when the queue holds
-    /// [`QueueLimits::max_queued`] jobs already.
+    /// [`QueueLimits::max_queued`] jobs already. An enqueue the queue does not answer (a
+    /// timeout, a dropped connection) is sent again, up to three times, with the same job id,
+    /// which is never queued twice; `Unavailable` means none of them was answered (the job may
+    /// or may not be queued).
     pub async fn enqueue<J: Job>(
         &self,
         job: &J,
@@ -301,13 +307,26 @@ impl DurableQueue {
         inv.key(self.key("due"))
             .key(self.key("inflight"))
             .key(self.key("jobs"))
+            .key(self.key(&format!("status:{id}")))
             .arg(&id)
             .arg(payload)
             .arg(millis(delay))
             .arg(self.inner.limits.max_queued);
-        let queued: i64 = self
-            .deadline("enqueue", inv.invoke_async(&mut conn))
-            .await?;
+        // An enqueue that was not answered (a timeout, a dropped connection) may have queued
+        // the job: it is sent again with the same id, which the script does not queue twice.
+        // Answered `Unavailable`, the caller would try again with a new id — a second job.
+        let mut tries = 0;
+        let queued: i64 = loop {
+            tries += 1;
+            match self.deadline("enqueue", inv.invoke_async(&mut conn)).await {
+                Ok(n) => break n,
+                Err(e) if e.is_unavailable() && tries < ENQUEUE_TRIES => {
+                    tracing::debug!(error = %e, "dlock job queue: enqueue unanswered; sending it again");
+                    tokio::time::sleep(Duration::from_millis(20 * tries)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if queued == 0 {
             tracing::warn!(
                 target: "dlock::defer",

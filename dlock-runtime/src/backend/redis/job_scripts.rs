@@ -8,11 +8,17 @@ macro_rules! now_ms {
     };
 }
 
-/// Enqueue, unless the queue already holds ARGV[4] jobs (due + in flight).
-/// KEYS: 1 due, 2 inflight, 3 jobs. ARGV: 1 id, 2 payload, 3 delay ms, 4 max queued.
-/// Returns 1 when queued, 0 when full (nothing changed).
+/// Enqueue, unless the queue already holds ARGV[4] jobs (due + in flight). A job with id ARGV[1]
+/// that is already there (queued, running, dead-lettered) or done (its outcome kept) is not
+/// queued again: an enqueue whose answer was lost is sent again with the same id.
+/// KEYS: 1 due, 2 inflight, 3 jobs, 4 the job's status key. ARGV: 1 id, 2 payload, 3 delay ms,
+/// 4 max queued.
+/// Returns 1 when queued (or already there), 0 when full (nothing changed).
 pub(crate) const ENQUEUE: &str = concat!(
     r#"
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('EXISTS', KEYS[4]) == 1 then
+  return 1
+end
 if redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then
   return 0
 end
