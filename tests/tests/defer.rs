@@ -1147,8 +1147,13 @@ async fn an_enqueue_whose_answer_was_lost_queues_one_job() {
         Duration::from_secs(60),
     )
     .await;
-    // Writes wait 1.5 s on the server: the first try's answer comes after the client's 1 s
-    // command timeout.
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+    // A first job loads the enqueue script: the paused enqueue below runs as sent.
+    enqueue(&queue, &record_job(&server, 49, "lost"), &policy)
+        .await
+        .unwrap();
+    // Writes wait 1.5 s on the server: the first try runs then, after the client's 1 s
+    // command timeout, and the second try, on the same connection, right after it.
     let _: () = redis::cmd("CLIENT")
         .arg("PAUSE")
         .arg(1500)
@@ -1156,12 +1161,51 @@ async fn an_enqueue_whose_answer_was_lost_queues_one_job() {
         .query_async(&mut server.conn().await)
         .await
         .unwrap();
-    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
     let id = enqueue(&queue, &record_job(&server, 50, "lost"), &policy)
         .await
         .expect("queued: the second try is answered");
-    assert_eq!(queue.len().await.unwrap(), 1, "one job, not two");
+    assert_eq!(queue.len().await.unwrap(), 2, "one job each, not three");
     assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+}
+
+/// A claim whose answer is lost — the server runs it after the worker stopped waiting — is
+/// sent again with the same token and answered with the jobs the first try claimed: they run
+/// now, as attempt 1. Once, the worker gave up on the claim (`Unavailable`): its jobs stayed claimed by
+/// nobody until their claims expired, each having used an attempt without running — a job on
+/// its last attempt was dead-lettered as if its worker had died.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_was_lost_runs_its_jobs() {
+    let (server, queue) = server_and_queue(
+        "lost-claim",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    )
+    .await;
+    let locker = server.locker().await;
+    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    // A first claim (of nothing) loads the claim script: the paused one below runs as sent.
+    assert_eq!(worker.run_once().await.unwrap(), 0);
+    let policy = DeferPolicy::new(Duration::from_millis(5), 1);
+    let id = enqueue(&queue, &record_job(&server, 60, "lost-claim"), &policy)
+        .await
+        .unwrap();
+    // Writes wait 1.5 s on the server: the first try runs then, after the 1 s timeout, and the
+    // second try, on the same connection, right after it.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1500)
+        .arg("WRITE")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+    let claimed = worker
+        .run_once()
+        .await
+        .expect("the claim is answered by a second try");
+    assert_eq!(claimed, 1);
+    assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 60").await;
+    let record = done(&server).await.remove(&60).unwrap();
+    assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
 }
 
 /// A worker that runs a job clears its unknown-type note (with its heartbeat), so if that

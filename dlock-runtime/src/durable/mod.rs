@@ -16,12 +16,16 @@
 //! | `dlock:{jobs:<name>}:reasons` | hash | job id → why it was dead-lettered |
 //! | `dlock:{jobs:<name>}:unknown` | hash | job id → when a claim first did not know its type (ms) |
 //! | `dlock:{jobs:<name>}:status:<id>` | string | final outcome, kept for the retention period |
+//! | `dlock:{jobs:<name>}:batch:<token>` | list | the ids one claim took, kept for the visibility timeout (a claim sent again after its answer was lost is answered from it) |
 //!
 //! # Delivery
 //!
 //! A worker claims due jobs with one script: expired claims are first put back (the reaper),
 //! then up to a batch of due jobs move atomically from `due` to `inflight` with a deadline of
-//! now + the visibility timeout, and their attempt counts go up. Every claim gets a fresh
+//! now + the visibility timeout, and their attempt counts go up. A claim (or an enqueue) that
+//! is not answered — the server may have run it — is sent again with the same token (job id),
+//! and answered with what the first one did: a lost answer neither leaves a batch claimed by
+//! nobody nor queues a job twice. Every claim gets a fresh
 //! random token; the worker's heartbeat, acknowledgement and retry carry it and are refused
 //! once the claim is no longer theirs. While a job runs, its worker pushes the deadline forward
 //! every third of the timeout. A worker that dies stops doing so; once the deadline passes, the

@@ -24,8 +24,9 @@ const MAX_VISIBILITY: Duration = Duration::from_secs(86_400);
 /// acknowledgement that stores the outcome has deleted the job by then.
 const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
 
-/// How many times an unanswered enqueue is sent (with the same job id).
-const ENQUEUE_TRIES: u64 = 3;
+/// How many times an unanswered enqueue or claim is sent (with the same job id, or claim
+/// token).
+const RESEND_TRIES: u64 = 3;
 
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
@@ -320,7 +321,7 @@ impl DurableQueue {
             tries += 1;
             match self.deadline("enqueue", inv.invoke_async(&mut conn)).await {
                 Ok(n) => break n,
-                Err(e) if e.is_unavailable() && tries < ENQUEUE_TRIES => {
+                Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
                     tracing::debug!(error = %e, "dlock job queue: enqueue unanswered; sending it again");
                     tokio::time::sleep(Duration::from_millis(20 * tries)).await;
                 }
@@ -546,10 +547,16 @@ impl DurableQueue {
         Ok(n == 1)
     }
 
+    /// Claims up to `batch` due jobs. A claim the queue does not answer (a timeout, a dropped
+    /// connection) may have claimed jobs: it is sent again with the same token, up to three
+    /// times, and answered with the jobs it claimed — not left claimed by nobody until their
+    /// claims expire, each having used an attempt without running.
     pub(super) async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.claim.prepare_invoke();
         let limits = &self.inner.limits;
+        // Unique per claim call (128 random bits); the script appends the job's position.
+        let token = crate::util::secure_token::<16>();
         inv.key(self.key("due"))
             .key(self.key("inflight"))
             .key(self.key("attempts"))
@@ -558,13 +565,24 @@ impl DurableQueue {
             .key(self.key("dead"))
             .key(self.key("reasons"))
             .key(self.key("unknown"))
+            .key(self.key(&format!("batch:{token}")))
             .arg(millis(self.inner.visibility))
             .arg(batch)
-            // Unique per claim call (128 random bits); the script appends the job's position.
-            .arg(crate::util::secure_token::<16>())
+            .arg(&token)
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
-        let flat: Vec<String> = self.deadline("claim", inv.invoke_async(&mut conn)).await?;
+        let mut tries = 0;
+        let flat: Vec<String> = loop {
+            tries += 1;
+            match self.deadline("claim", inv.invoke_async(&mut conn)).await {
+                Ok(flat) => break flat,
+                Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
+                    tracing::debug!(error = %e, "dlock job queue: claim unanswered; sending it again");
+                    tokio::time::sleep(Duration::from_millis(20 * tries)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         Ok(flat
             .chunks_exact(4)
             .map(|c| Claimed {

@@ -36,12 +36,31 @@ return 1
 /// are reaped: dead-lettered when the job used up its attempts, else put back due now (either
 /// way its unknown-type note goes: a worker that ran it may have died). Then up
 /// to ARGV[2] due jobs move to `inflight` with deadline now + ARGV[1] ms, their attempt count
-/// goes up and each gets the claim token ARGV[3] .. ':' .. position.
-/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons, 8 unknown.
+/// goes up and each gets the claim token ARGV[3] .. ':' .. position; the batch's ids are kept
+/// under KEYS[9] for the visibility timeout. A claim sent again with the same ARGV[3] (its
+/// answer was lost) finds them there and answers the jobs still claimed by it, claiming no
+/// more: a lost answer does not leave a batch claimed by nobody until its claims expire.
+/// KEYS: 1 due, 2 inflight, 3 attempts, 4 jobs, 5 claims, 6 dead, 7 reasons, 8 unknown,
+/// 9 the batch (`batch:` .. ARGV[3]).
 /// Returns a flat list id, payload, attempt, claim token, ….
 pub(crate) const CLAIM: &str = concat!(
     now_ms!(),
     r#"
+local kept = redis.call('LRANGE', KEYS[9], 0, -1)
+if #kept > 0 then
+  local out = {}
+  for i, id in ipairs(kept) do
+    local token = ARGV[3] .. ':' .. i
+    local payload = redis.call('HGET', KEYS[4], id)
+    if payload and redis.call('HGET', KEYS[5], id) == token then
+      table.insert(out, id)
+      table.insert(out, payload)
+      table.insert(out, redis.call('HGET', KEYS[3], id) or '1')
+      table.insert(out, token)
+    end
+  end
+  return out
+end
 local function forget(id)
   redis.call('ZREM', KEYS[6], id)
   redis.call('HDEL', KEYS[4], id)
@@ -90,6 +109,12 @@ for i, id in ipairs(ids) do
     table.insert(out, tostring(n))
     table.insert(out, token)
   end
+end
+if #ids > 0 then
+  for j = 1, #ids, 1000 do
+    redis.call('RPUSH', KEYS[9], unpack(ids, j, math.min(j + 999, #ids)))
+  end
+  redis.call('PEXPIRE', KEYS[9], ARGV[1])
 end
 return out
 "#
