@@ -10,7 +10,9 @@ use std::time::Duration;
 use futures_util::FutureExt as _;
 
 use super::queue::{Claimed, Counted, Retried};
-use super::{event, DurableQueue, Envelope, Job, JobContext, JobError, PermanentFailure};
+use super::{
+    event, DurableQueue, Envelope, Job, JobContext, JobError, JobStatus, PermanentFailure,
+};
 use crate::backend::BoxFuture;
 use crate::defer::JobInfo;
 use crate::util::{panic_message, FailureStreak};
@@ -440,8 +442,15 @@ impl DurableWorker {
                         job_id = %claim.id,
                         "dlock job worker: the job ran, but its claim had been taken over; not acknowledged"
                     ),
-                    // The ack's first try may have landed with its answer lost: completed.
-                    Ok((false, true)) => event("completed", &info(&env.key)),
+                    // The ack's first try may have landed with its answer lost — or the
+                    // claim expired meanwhile: the job's status tells.
+                    Ok((false, true)) => match self.queue.status(&claim.id).await {
+                        Ok(JobStatus::Completed { .. }) => event("completed", &info(&env.key)),
+                        _ => tracing::warn!(
+                            job_id = %claim.id,
+                            "dlock job worker: the job ran, but acknowledging it was not answered and its claim is gone; it may run again"
+                        ),
+                    },
                     Err(e) => {
                         tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: ack failed until the claim's visibility timeout; the job may run again")
                     }
