@@ -908,6 +908,18 @@ mod tests {
 
     /// A locker over a [`Hooked`] backend whose batches wait at a gate, with the gate and the
     /// log of applied leases.
+    /// Waits (at most 5 s) until `state` is no longer due at `first_due`: the batch due then
+    /// has taken it off the schedule (and put it back, or not).
+    async fn until_rescheduled(state: &GuardState, first_due: u64) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while state.due.load(Ordering::Acquire) == first_due {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the batch came due");
+    }
+
     fn gated_locker() -> (Locker, Gated, Arc<Mutex<Vec<Duration>>>) {
         let gated = Gated::default();
         let backend = Hooked {
@@ -948,13 +960,7 @@ mod tests {
         });
         refuse.entered.notified().await;
         // The batch due at TTL/3 finds the guard's turn taken by the extend.
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while guard.lease().state().due.load(Ordering::Acquire) == first_due {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the batch came due");
+        until_rescheduled(guard.lease().state(), first_due).await;
         refuse.go.notify_one();
         let err = extend.await.unwrap().unwrap_err();
         assert!(err.is_invalid(), "{err}");
@@ -1024,13 +1030,7 @@ mod tests {
         assert_ne!(first_due, NOT_SCHEDULED);
         let turn = state.turn.clone().lock_owned().await;
         // The batch due at TTL/3 comes and finds the turn taken.
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while state.due.load(Ordering::Acquire) == first_due {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the batch came due");
+        until_rescheduled(state, first_due).await;
         drop(turn);
         assert!(
             tokio::time::timeout(ttl * 4, guard.lost()).await.is_err(),

@@ -185,6 +185,24 @@ async fn pay(
         .unwrap()
 }
 
+/// `router` behind an outer layer that drops the request's future once `give_up` says so,
+/// answering 504: what a timeout layer (or a client that went away) does.
+fn with_give_up(router: Router, give_up: watch::Receiver<bool>) -> Router {
+    router.layer(axum::middleware::from_fn(
+        move |req: Request<Body>, next: axum::middleware::Next| {
+            let mut give_up = give_up.clone();
+            async move {
+                tokio::select! {
+                    res = next.run(req) => res,
+                    _ = give_up.wait_for(|g| *g) => {
+                        Response::builder().status(StatusCode::GATEWAY_TIMEOUT).body(Body::empty()).unwrap()
+                    }
+                }
+            }
+        },
+    ))
+}
+
 fn app(layer: IdempotencyLayer, ctl: Ctl) -> Router {
     Router::new()
         .route(
@@ -833,20 +851,10 @@ async fn a_request_given_up_while_its_handler_runs_finishes_and_the_retry_replay
     let locker = redis.locker().await;
     let mut h = Harness::new();
     let (give_up, give_up_rx) = watch::channel(false);
-    let timeout = axum::middleware::from_fn(
-        move |req: Request<Body>, next: axum::middleware::Next| {
-            let mut give_up = give_up_rx.clone();
-            async move {
-                tokio::select! {
-                    res = next.run(req) => res,
-                    _ = give_up.wait_for(|g| *g) => {
-                        Response::builder().status(StatusCode::GATEWAY_TIMEOUT).body(Body::empty()).unwrap()
-                    }
-                }
-            }
-        },
+    let app = with_give_up(
+        app(IdempotencyLayer::new(locker).ttl(TTL), h.ctl.clone()),
+        give_up_rx,
     );
-    let app = app(IdempotencyLayer::new(locker).ttl(TTL), h.ctl.clone()).layer(timeout);
     let (addr, server) = serve(app).await;
     let http = Http::new(addr);
 
@@ -1121,25 +1129,12 @@ async fn response_future_dropped_after_the_handler_returned_still_stores_the_rec
             }
         }
     };
-    // An outer layer that drops the request's future when the test says so, answering 504:
-    // what a timeout layer (or a client that went away) does.
-    let timeout = axum::middleware::from_fn(
-        move |req: Request<Body>, next: axum::middleware::Next| {
-            let mut give_up = give_up_rx.clone();
-            async move {
-                tokio::select! {
-                    res = next.run(req) => res,
-                    _ = give_up.wait_for(|g| *g) => {
-                        Response::builder().status(StatusCode::GATEWAY_TIMEOUT).body(Body::empty()).unwrap()
-                    }
-                }
-            }
-        },
+    let app = with_give_up(
+        Router::new()
+            .route("/payments", post(handler))
+            .route_layer(IdempotencyLayer::new(locker).ttl(TTL)),
+        give_up_rx,
     );
-    let app = Router::new()
-        .route("/payments", post(handler))
-        .route_layer(IdempotencyLayer::new(locker).ttl(TTL))
-        .layer(timeout);
     let (addr, server) = serve(app).await;
     let http = Http::new(addr);
 

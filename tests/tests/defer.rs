@@ -479,6 +479,24 @@ async fn run_until_dead_letter(
     .await
 }
 
+/// Runs `worker` once per poll until it has claimed `n` jobs (at most 20 s), asserting after
+/// each claim that `queue` has no dead letter.
+async fn claims_without_dead_letters(
+    what: &str,
+    worker: &DurableWorker,
+    queue: &DurableQueue,
+    n: usize,
+) {
+    let mut claimed = 0;
+    wait_for(what, Duration::from_secs(20), async || {
+        claimed += worker.run_once().await.unwrap();
+        let dead = queue.dead_letters().await.unwrap();
+        assert!(dead.is_empty(), "dead-lettered: {dead:?}");
+        (claimed >= n).then_some(())
+    })
+    .await;
+}
+
 /// Waits (at most `limit`) until job `id` is no longer running, and asserts that it completed
 /// with `result`.
 async fn assert_completes(
@@ -697,18 +715,7 @@ async fn a_lock_backend_outage_does_not_use_up_a_jobs_attempts() {
 
     lock_server.stop();
     // Four claims that reach the job, twice its attempts.
-    let mut claimed = 0;
-    wait_for(
-        "four claims of the job",
-        Duration::from_secs(20),
-        async || {
-            claimed += worker.run_once().await.unwrap();
-            let dead = queue.dead_letters().await.unwrap();
-            assert!(dead.is_empty(), "dead-lettered during the outage: {dead:?}");
-            (claimed >= 4).then_some(())
-        },
-    )
-    .await;
+    claims_without_dead_letters("four claims of the job", &worker, &queue, 4).await;
     assert!(queue.dead_letters().await.unwrap().is_empty());
     assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
     assert_eq!(runs(&server, 10).await, 0);
@@ -744,18 +751,7 @@ async fn a_job_of_a_type_the_worker_does_not_know_waits_for_a_worker_that_does()
     let old_release = DurableWorker::new(queue.clone(), locker.clone())
         .register::<StallJob>()
         .unknown_type_grace(Duration::from_secs(600));
-    let mut claimed = 0;
-    wait_for(
-        "three claims by the old release",
-        Duration::from_secs(20),
-        async || {
-            claimed += old_release.run_once().await.unwrap();
-            let dead = queue.dead_letters().await.unwrap();
-            assert!(dead.is_empty(), "dead-lettered mid-deploy: {dead:?}");
-            (claimed >= 3).then_some(())
-        },
-    )
-    .await;
+    claims_without_dead_letters("three claims by the old release", &old_release, &queue, 3).await;
     assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
     assert_eq!(runs(&server, 20).await, 0);
     let attempts: Option<u32> = server
@@ -1057,8 +1053,9 @@ impl Job for NotARecord {
 }
 
 /// Data this worker's version of the job type cannot decode may be a newer release's: the job
-/// is put back without using an attempt, like a job of an unknown type, and dead-lettered only
-/// once the grace period is over — with the decode error, but not the value it quoted. Once,
+/// is put back without using an attempt (decoded before its lock is taken, so a busy lock
+/// does not count one either), like a job of an unknown type, and dead-lettered only once the
+/// grace period is over — with the decode error, but not the value it quoted. Once,
 /// it was dead-lettered at its first claim, and the reason quoted the job's data.
 #[test]
 fn data_the_worker_cannot_decode_waits_for_the_grace_and_its_reason_quotes_no_value() {
@@ -1077,7 +1074,10 @@ fn data_the_worker_cannot_decode_waits_for_the_grace_and_its_reason_quotes_no_va
             .await
             .unwrap();
         let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+        // Its lock is busy: a worker that took the lock before decoding counted an attempt.
+        let held = locker.lock("nonsense").acquire().await.unwrap();
         assert_eq!(worker.run_once().await.unwrap(), 1);
+        held.release().await.unwrap();
         assert!(
             queue.dead_letters().await.unwrap().is_empty(),
             "dead-lettered at its first claim"

@@ -241,6 +241,30 @@ impl DurableQueue {
         format!("{}:{suffix}", self.inner.base)
     }
 
+    /// Runs the script invocation `inv` (an enqueue, a claim), sending it again unchanged —
+    /// the same job id, the same claim token — up to [`RESEND_TRIES`] times while it is not
+    /// answered (a timeout, a dropped connection). The server may have run a try whose answer
+    /// was lost, so these scripts answer a resend with what the first try did.
+    async fn invoke_resending<T: redis::FromRedisValue>(
+        &self,
+        what: &str,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, LockError> {
+        let mut conn = self.inner.conn.clone();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.deadline(what, inv.invoke_async(&mut conn)).await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
+                    tracing::debug!(error = %e, what, "dlock job queue: not answered; sending it again");
+                    tokio::time::sleep(Duration::from_millis(20 * tries)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     async fn deadline<T>(
         &self,
         what: &str,
@@ -303,7 +327,6 @@ impl DurableQueue {
         delay: Duration,
     ) -> Result<String, LockError> {
         let id = crate::util::secure_token::<16>();
-        let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.enqueue.prepare_invoke();
         inv.key(self.key("due"))
             .key(self.key("inflight"))
@@ -313,21 +336,8 @@ impl DurableQueue {
             .arg(payload)
             .arg(millis(delay))
             .arg(self.inner.limits.max_queued);
-        // An enqueue that was not answered (a timeout, a dropped connection) may have queued
-        // the job: it is sent again with the same id, which the script does not queue twice.
         // Answered `Unavailable`, the caller would try again with a new id — a second job.
-        let mut tries = 0;
-        let queued: i64 = loop {
-            tries += 1;
-            match self.deadline("enqueue", inv.invoke_async(&mut conn)).await {
-                Ok(n) => break n,
-                Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
-                    tracing::debug!(error = %e, "dlock job queue: enqueue unanswered; sending it again");
-                    tokio::time::sleep(Duration::from_millis(20 * tries)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let queued: i64 = self.invoke_resending("enqueue", &inv).await?;
         if queued == 0 {
             tracing::warn!(
                 target: "dlock::defer",
@@ -552,7 +562,6 @@ impl DurableQueue {
     /// times, and answered with the jobs it claimed — not left claimed by nobody until their
     /// claims expire, each having used an attempt without running.
     pub(super) async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
-        let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.claim.prepare_invoke();
         let limits = &self.inner.limits;
         // Unique per claim call (128 random bits); the script appends the job's position.
@@ -571,18 +580,7 @@ impl DurableQueue {
             .arg(&token)
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
-        let mut tries = 0;
-        let flat: Vec<String> = loop {
-            tries += 1;
-            match self.deadline("claim", inv.invoke_async(&mut conn)).await {
-                Ok(flat) => break flat,
-                Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
-                    tracing::debug!(error = %e, "dlock job queue: claim unanswered; sending it again");
-                    tokio::time::sleep(Duration::from_millis(20 * tries)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let flat: Vec<String> = self.invoke_resending("claim", &inv).await?;
         Ok(flat
             .chunks_exact(4)
             .map(|c| Claimed {

@@ -26,14 +26,11 @@ const CLAIM_FAILURE_REPORT_EVERY: Duration = Duration::from_secs(60);
 /// back at the pace of its policy — every few milliseconds — for the whole deploy.
 const UNKNOWN_TYPE_MIN_DELAY: Duration = Duration::from_secs(1);
 
-type Runner = Arc<
-    dyn Fn(
-            serde_json::Value,
-            JobContext,
-        ) -> Result<BoxFuture<'static, Result<(), JobError>>, JobError>
-        + Send
-        + Sync,
->;
+/// A decoded job, waiting for its context (with the fencing token of its lock) to run.
+type Prepared = Box<dyn FnOnce(JobContext) -> BoxFuture<'static, Result<(), JobError>> + Send>;
+
+/// Decodes a job's data as its type (the type's own `Deserialize`).
+type Runner = Arc<dyn Fn(serde_json::Value) -> Result<Prepared, JobError> + Send + Sync>;
 
 /// Runs the jobs of a [`DurableQueue`]: claims due jobs, takes each job's lock (one attempt),
 /// runs it with a heartbeat on its claim, and acknowledges it — or puts it back with backoff.
@@ -89,9 +86,11 @@ impl DurableWorker {
 
     /// Teaches the worker job type `J`.
     pub fn register<J: Job>(mut self) -> Self {
-        let runner: Runner = Arc::new(|data, ctx| {
+        let runner: Runner = Arc::new(|data| {
             let job: J = serde_json::from_value(data).map_err(|e| super::decode_error(&e))?;
-            Ok(Box::pin(job.run(ctx)))
+            Ok(Box::new(
+                move |ctx| -> BoxFuture<'static, Result<(), JobError>> { Box::pin(job.run(ctx)) },
+            ))
         });
         self.runners.insert(J::NAME, runner);
         self
@@ -338,6 +337,30 @@ impl DurableWorker {
                 return;
             }
         };
+        // Decoded before the lock is taken: data this worker's version of the type cannot read
+        // may be a newer version's (a rolling deploy), put back for a worker that can, as a
+        // job of an unknown type is — without taking its lock. Decoding runs the type's own
+        // `Deserialize`: it may panic too.
+        let prepared =
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner(env.data))) {
+                Ok(Ok(prepared)) => prepared,
+                Ok(Err(e)) => {
+                    let reason = format!(
+                    "no worker that claimed it could decode its data as `{name}` within {:?}: {e}",
+                    self.unknown_type_grace
+                );
+                    let counted = Counted::UnknownType(self.unknown_type_grace);
+                    self.put_back(&claim, &info(&env.key), &policy, &reason, counted)
+                        .await;
+                    return;
+                }
+                Err(panic) => {
+                    let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
+                    self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
+                        .await;
+                    return;
+                }
+            };
         let ttl = Duration::from_millis(env.ttl_ms);
         let guard = match self
             .locker
@@ -377,28 +400,12 @@ impl DurableWorker {
             state: self.state.clone(),
             result: result.clone(),
         };
-        // Decoding runs the job type's own `Deserialize`: it may panic too.
-        let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            runner(env.data, ctx)
-        })) {
-            Ok(Ok(fut)) => fut,
-            Ok(Err(e)) => {
-                // Data this worker's version of the type cannot read may be a newer
-                // version's (a rolling deploy): put back for a worker that can, as a job of an
-                // unknown type is.
-                let _ = guard.release().await;
-                let reason = format!(
-                    "no worker that claimed it could decode its data as `{name}` within {:?}: {e}",
-                    self.unknown_type_grace
-                );
-                let counted = Counted::UnknownType(self.unknown_type_grace);
-                self.put_back(&claim, &info(&env.key), &policy, &reason, counted)
-                    .await;
-                return;
-            }
+        // Making the job's future runs the type's `run` up to its first await: it may panic.
+        let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prepared(ctx))) {
+            Ok(fut) => fut,
             Err(panic) => {
                 let _ = guard.release().await;
-                let reason = format!("decoding the job panicked: {}", panic_message(&*panic));
+                let reason = format!("starting the job panicked: {}", panic_message(&*panic));
                 self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
                     .await;
                 return;
