@@ -920,6 +920,25 @@ mod tests {
         .expect("the batch came due");
     }
 
+    /// A locker whose extends to 7 s are held at a gate ([`Refuse`]), then refused — or, with
+    /// `accept`, answered renewed.
+    fn refusing_locker(accept: bool) -> (Locker, Refuse) {
+        let refuse = Refuse {
+            ttl: Duration::from_secs(7),
+            entered: Arc::new(Notify::new()),
+            go: Arc::new(Notify::new()),
+            accept,
+        };
+        let backend = Hooked {
+            refuse: Some(refuse.clone()),
+            ..Hooked::default()
+        };
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(backend);
+        (locker, refuse)
+    }
+
     fn gated_locker() -> (Locker, Gated, Arc<Mutex<Vec<Duration>>>) {
         let gated = Gated::default();
         let backend = Hooked {
@@ -938,19 +957,7 @@ mod tests {
     /// schedule, and nothing put it back: the lease ran out mid-work).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_extend_refused_while_a_batch_came_due_keeps_the_renewals() {
-        let refuse = Refuse {
-            ttl: Duration::from_secs(7),
-            entered: Arc::new(Notify::new()),
-            go: Arc::new(Notify::new()),
-            accept: false,
-        };
-        let backend = Hooked {
-            refuse: Some(refuse.clone()),
-            ..Hooked::default()
-        };
-        let locker = Locker::builder()
-            .command_timeout(Duration::from_secs(10))
-            .build(backend);
+        let (locker, refuse) = refusing_locker(false);
         let ttl = Duration::from_millis(300);
         let guard = Arc::new(locker.lock("refused").ttl(ttl).acquire().await.unwrap());
         let first_due = guard.lease().state().due.load(Ordering::Acquire);
@@ -976,19 +983,7 @@ mod tests {
     /// holder was told both that the lock was gone and that it was extended.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_extend_answered_after_the_loss_was_reported_is_lost() {
-        let refuse = Refuse {
-            ttl: Duration::from_secs(7),
-            entered: Arc::new(Notify::new()),
-            go: Arc::new(Notify::new()),
-            accept: true,
-        };
-        let backend = Hooked {
-            refuse: Some(refuse.clone()),
-            ..Hooked::default()
-        };
-        let locker = Locker::builder()
-            .command_timeout(Duration::from_secs(10))
-            .build(backend);
+        let (locker, refuse) = refusing_locker(true);
         let guard = Arc::new(
             locker
                 .lock("late-extend")

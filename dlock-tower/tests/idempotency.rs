@@ -318,6 +318,19 @@ impl Http {
         }
     }
 
+    /// Sends `call()` until the answer is not `409` (the key in progress), for up to [`HANG`].
+    async fn until_not_in_progress(&self, call: impl Fn() -> Call) -> Reply {
+        let start = Instant::now();
+        loop {
+            let reply = self.send(call()).await;
+            if reply.status != StatusCode::CONFLICT {
+                return reply;
+            }
+            assert!(start.elapsed() < HANG, "the key stays in progress");
+            tokio::task::yield_now().await;
+        }
+    }
+
     async fn send(&self, call: Call) -> Reply {
         let req = call.build(&format!("http://{}", self.addr));
         let res = tokio::time::timeout(HANG, self.client.request(req))
@@ -876,15 +889,9 @@ async fn a_request_given_up_while_its_handler_runs_finishes_and_the_retry_replay
     assert_eq!(h.calls(), 1);
 
     h.open_gate();
-    let start = Instant::now();
-    let retry = loop {
-        let reply = http.send(post_with("given-up", "{\"amount\":5}")).await;
-        if reply.status != StatusCode::CONFLICT {
-            break reply;
-        }
-        assert!(start.elapsed() < HANG, "the key stays in progress");
-        tokio::task::yield_now().await;
-    };
+    let retry = http
+        .until_not_in_progress(|| post_with("given-up", "{\"amount\":5}"))
+        .await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert!(retry.replayed(), "the retry must replay, not run again");
     assert!(retry.text().contains("\"payment\":1"), "{}", retry.text());
@@ -1152,15 +1159,9 @@ async fn response_future_dropped_after_the_handler_returned_still_stores_the_rec
     open.send(true).unwrap();
 
     // The retry: 409 while the record is being stored, then the stored response.
-    let start = Instant::now();
-    let retry = loop {
-        let reply = http.send(post_with("gone-key", "{\"amount\":9}")).await;
-        if reply.status != StatusCode::CONFLICT {
-            break reply;
-        }
-        assert!(start.elapsed() < HANG, "the key stays in progress");
-        tokio::task::yield_now().await;
-    };
+    let retry = http
+        .until_not_in_progress(|| post_with("gone-key", "{\"amount\":9}"))
+        .await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert!(retry.replayed(), "the retry must replay, not run again");
     assert_eq!(retry.text(), "{\"status\":\" payment 1 done\"}");

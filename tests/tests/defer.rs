@@ -479,6 +479,17 @@ async fn run_until_dead_letter(
     .await
 }
 
+/// Pauses `server`'s writes (scripts included) for `ms` milliseconds (`CLIENT PAUSE … WRITE`).
+async fn pause_writes(server: &RedisServer, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("WRITE")
+        .query_async(&mut server.conn().await)
+        .await
+        .unwrap();
+}
+
 /// Runs `worker` once per poll until it has claimed `n` jobs (at most 20 s), asserting after
 /// each claim that `queue` has no dead letter.
 async fn claims_without_dead_letters(
@@ -1154,13 +1165,7 @@ async fn an_enqueue_whose_answer_was_lost_queues_one_job() {
         .unwrap();
     // Writes wait 1.5 s on the server: the first try runs then, after the client's 1 s
     // command timeout, and the second try, on the same connection, right after it.
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1500)
-        .arg("WRITE")
-        .query_async(&mut server.conn().await)
-        .await
-        .unwrap();
+    pause_writes(&server, 1500).await;
     let id = enqueue(&queue, &record_job(&server, 50, "lost"), &policy)
         .await
         .expect("queued: the second try is answered");
@@ -1191,13 +1196,7 @@ async fn a_claim_whose_answer_was_lost_runs_its_jobs() {
         .unwrap();
     // Writes wait 1.5 s on the server: the first try runs then, after the 1 s timeout, and the
     // second try, on the same connection, right after it.
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1500)
-        .arg("WRITE")
-        .query_async(&mut server.conn().await)
-        .await
-        .unwrap();
+    pause_writes(&server, 1500).await;
     let claimed = worker
         .run_once()
         .await
