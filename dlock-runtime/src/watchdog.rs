@@ -363,10 +363,13 @@ impl Watchdog {
             .await;
         match res {
             // The local lease ran out while the extend was on its way, and the holder was
-            // told (`lost()` resolved): the lock is not kept on its behalf, and the extend does
-            // not contradict what the holder was told.
+            // told (`lost()` resolved): the extend does not contradict what the holder was
+            // told, and the lock it renewed is given back (owner-checked) rather than kept
+            // for the new TTL on behalf of a guard that no longer holds it.
             Ok(true) if state.lost.is_cancelled() => {
                 pending.armed = false;
+                let undo = self.backend.release(&state.resource, &state.token);
+                let _ = self.with_deadline("release", undo).await;
                 Err(crate::LockError::lost(state.resource.key().as_str()))
             }
             Ok(true) => {
@@ -497,8 +500,12 @@ impl Watchdog {
             // shortly, to ask again once the turn is free (an extend's own reschedule, if it
             // lands later, replaces this one).
             let Ok(turn) = g.turn.clone().try_lock_owned() else {
-                let retry = (g.ttl().as_nanos() as u64 / 10).max(10_000_000);
-                self.schedule_at(g, (now + retry).min(g.lease_end_ns()));
+                // Past the lease end, the turn's holder settles the guard (renewed, or lost):
+                // rescheduled at a due time already past, it would be taken again at once.
+                if now < g.lease_end_ns() {
+                    let retry = (g.ttl().as_nanos() as u64 / 10).max(10_000_000);
+                    self.schedule_at(g, (now + retry).min(g.lease_end_ns()));
+                }
                 return false;
             };
             if now >= g.lease_end_ns() {
@@ -922,7 +929,8 @@ mod tests {
 
     /// A locker whose extends to 7 s are held at a gate ([`Refuse`]), then refused — or, with
     /// `accept`, answered renewed.
-    fn refusing_locker(accept: bool) -> (Locker, Refuse) {
+    /// The third value is signalled as each release has been applied.
+    fn refusing_locker(accept: bool) -> (Locker, Refuse, Arc<Notify>) {
         let refuse = Refuse {
             ttl: Duration::from_secs(7),
             entered: Arc::new(Notify::new()),
@@ -933,10 +941,11 @@ mod tests {
             refuse: Some(refuse.clone()),
             ..Hooked::default()
         };
+        let released = backend.released.clone();
         let locker = Locker::builder()
             .command_timeout(Duration::from_secs(10))
             .build(backend);
-        (locker, refuse)
+        (locker, refuse, released)
     }
 
     fn gated_locker() -> (Locker, Gated, Arc<Mutex<Vec<Duration>>>) {
@@ -957,7 +966,7 @@ mod tests {
     /// schedule, and nothing put it back: the lease ran out mid-work).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_extend_refused_while_a_batch_came_due_keeps_the_renewals() {
-        let (locker, refuse) = refusing_locker(false);
+        let (locker, refuse, _) = refusing_locker(false);
         let ttl = Duration::from_millis(300);
         let guard = Arc::new(locker.lock("refused").ttl(ttl).acquire().await.unwrap());
         let first_due = guard.lease().state().due.load(Ordering::Acquire);
@@ -979,11 +988,11 @@ mod tests {
     }
 
     /// An extend answered "renewed" after the local lease ran out and `lost()` resolved
-    /// answers `Lost`, like `lost()` did, and schedules no renewal. Once, it answered `Ok`: the
+    /// answers `Lost`, like `lost()` did, schedules no renewal, and gives the renewed lock back. Once, it answered `Ok`: the
     /// holder was told both that the lock was gone and that it was extended.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_extend_answered_after_the_loss_was_reported_is_lost() {
-        let (locker, refuse) = refusing_locker(true);
+        let (locker, refuse, released) = refusing_locker(true);
         let guard = Arc::new(
             locker
                 .lock("late-extend")
@@ -1006,6 +1015,9 @@ mod tests {
         assert!(err.is_lost(), "{err}");
         assert!(!guard.is_held());
         assert_eq!(locker.renewing(), 0, "a lost guard is not renewed");
+        tokio::time::timeout(Duration::from_secs(5), released.notified())
+            .await
+            .expect("the lock the late extend renewed is given back, not kept for its TTL");
     }
 
     /// A renewal batch that finds a guard's turn taken (an extend on its way, or the batch

@@ -57,8 +57,9 @@
 //! Nor does a claim by a worker that does not know the job's type, or cannot decode its data
 //! (an older release, mid-deploy): the job is put back (at least 1 s later) for a worker that
 //! can run it, until the worker's [`DurableWorker::unknown_type_grace`] (1 h by default) has
-//! passed since the first such claim; then it is dead-lettered, naming the type. Decode errors
-//! in logs and dead-letter reasons never quote the job's data.
+//! passed since the first such claim; then it is dead-lettered, naming the type. serde's decode
+//! errors in logs and dead-letter reasons do not quote the job's data (a type's own
+//! `Error::custom` messages are kept as written).
 
 use std::any::Any;
 use std::fmt;
@@ -285,7 +286,8 @@ pub(crate) fn decode_error(e: &serde_json::Error) -> String {
     ];
     let msg = e.to_string();
     match QUOTING.iter().find(|p| msg.starts_with(**p)) {
-        Some(p) => match msg.find(", expected ") {
+        // The last one: a quoted value may hold the words too.
+        Some(p) => match msg.rfind(", expected ") {
             Some(i) => format!("{p}{}", &msg[i..]),
             None => (*p).to_owned(),
         },
@@ -326,6 +328,8 @@ mod tests {
         let variant = error(r#"{"id": 1, "currency": "sk_live_secret"}"#);
         assert!(!variant.contains("sk_live"), "{variant}");
         assert!(variant.contains("expected `Eur` or `Usd`"), "{variant}");
+        let tricky = error(r#"{"id": "x, expected sk_live_secret", "currency": "Eur"}"#);
+        assert!(!tricky.contains("sk_live"), "{tricky}");
         let missing = error(r#"{"id": 1}"#);
         assert!(missing.starts_with("missing field `currency`"), "{missing}");
         let value = decode_error(&serde_json::from_str::<u8>("1000").unwrap_err());

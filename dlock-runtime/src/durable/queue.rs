@@ -290,8 +290,8 @@ impl DurableQueue {
     /// Queues `job` to run after `delay` under `policy` (its lock held with lease `ttl`).
     /// Returns the job id, or [`LockError::QueueFull`] when the queue holds
     /// [`QueueLimits::max_queued`] jobs already. An enqueue the queue does not answer (a
-    /// timeout, a dropped connection) is sent again, up to three times, with the same job id,
-    /// which is never queued twice; `Unavailable` means none of them was answered (the job may
+    /// timeout, a dropped connection) is sent again with the same job id (three tries in
+    /// all), which is never queued twice; `Unavailable` means none of them was answered (the job may
     /// or may not be queued).
     pub async fn enqueue<J: Job>(
         &self,
@@ -558,8 +558,8 @@ impl DurableQueue {
     }
 
     /// Claims up to `batch` due jobs. A claim the queue does not answer (a timeout, a dropped
-    /// connection) may have claimed jobs: it is sent again with the same token, up to three
-    /// times, and answered with the jobs it claimed — not left claimed by nobody until their
+    /// connection) may have claimed jobs: it is sent again with the same token (three tries
+    /// in all), and answered with the jobs it claimed — not left claimed by nobody until their
     /// claims expire, each having used an attempt without running.
     pub(super) async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
         let mut inv = self.inner.claim.prepare_invoke();

@@ -224,7 +224,9 @@ impl<'a> LockRequest<'a> {
         }
     }
 
-    /// One attempt, whatever the strategy: `Ok(None)` when someone else holds the lock.
+    /// One attempt, whatever the strategy: `Ok(None)` when someone else holds the lock;
+    /// [`LockError::Lost`] when the grant's answer came after its lease had run out (see
+    /// [`acquire`](LockRequest::acquire)).
     pub async fn try_acquire(self) -> Result<Option<LockGuard>, LockError> {
         let (labels, start) = (self.locker.labels(self.name), Instant::now());
         let out = self.try_acquire_inner().await;

@@ -176,7 +176,9 @@ impl IdempotencyLayer {
     /// retry gets `409` while it runs, then the replay (see the
     /// [module docs](super#crashes-and-cancellation)). `true`: the handler's future is dropped
     /// with the response future and the key freed without a record; the retry runs the
-    /// handler again.
+    /// handler again. With the default, put layers that bound handlers (a timeout, a
+    /// concurrency limit) inside this one: outside, they no longer bound a handler whose
+    /// client went away.
     pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
         Arc::make_mut(&mut self.shared).cancel_on_disconnect = cancel;
         self

@@ -179,6 +179,10 @@
 //!   tower's usual behaviour: the handler's future is dropped with the response future, the
 //!   lock is released in the background without a record, and the retry runs the handler
 //!   again. (Without a tokio runtime, the handler always runs in the response future.)
+//!   **Layers that bound handlers belong inside this one**: a timeout or a concurrency limit
+//!   outside no longer bounds a handler whose client went away (the timeout answers, the
+//!   permit is freed, the handler runs on). Inside, a timeout still ends a hung handler — its
+//!   error response is not stored, so the key is freed — and a limit still counts it.
 //! * **The client disconnects after the handler returned** (while the layer reads the response
 //!   body or stores the record): storing runs in its own tokio task and finishes anyway, so
 //!   the client's retry gets the stored response — the case `Idempotency-Key` exists for.

@@ -115,20 +115,21 @@ END $$;
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
 -- up on another cluster whose timeline is lower (a dump restored, pg_upgrade: a new cluster
--- starts at timeline 1), so it never goes down. Made equal to the timeline, as version 3 used.
+-- starts at timeline 1), so it never goes down. Its row is made below, once the tables exist.
+-- (Teams that grant privileges table by table: the backend's role needs SELECT, INSERT and
+-- UPDATE on this table too.)
 CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
     one      boolean PRIMARY KEY DEFAULT true CHECK (one),
     timeline bigint NOT NULL,
     epoch    bigint NOT NULL
 );
-INSERT INTO @s@.@p@fence_epoch (timeline, epoch)
-  VALUES (@s@.@p@timeline(), @s@.@p@timeline()) ON CONFLICT DO NOTHING;
 
 -- A new fencing token: epoch × 2^48 + the sequence's next value. A standby promoted after
 -- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
 -- but on a later timeline, so its epoch and tokens are larger than any the old primary issued.
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
--- second waits for the first's update and then finds it done.
+-- second waits for the first's update, then finds it done (and takes the row's epoch through a
+-- no-op update).
 CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline(); e bigint;
@@ -193,6 +194,15 @@ CREATE TABLE IF NOT EXISTS @s@.@p@queue (
     PRIMARY KEY (name, token)
 );
 CREATE INDEX IF NOT EXISTS @p@queue_line ON @s@.@p@queue (name, seq);
+
+-- The epoch row: the timeline now, and an epoch no lower than it nor than the high part of any
+-- token the locks and holders hold (version 3 used the timeline; a timeline() that answers 1
+-- here — a role that may not read the WAL position — still does not take tokens back).
+INSERT INTO @s@.@p@fence_epoch (timeline, epoch)
+  SELECT @s@.@p@timeline(), greatest(@s@.@p@timeline(),
+    (SELECT coalesce(max(fence), 0) / 281474976710656 FROM @s@.@p@locks),
+    (SELECT coalesce(max(fence), 0) / 281474976710656 FROM @s@.@p@holders))
+  ON CONFLICT DO NOTHING;
 
 CREATE OR REPLACE FUNCTION @s@.@p@schema_version() RETURNS integer
 LANGUAGE sql IMMUTABLE AS 'SELECT @v@';
