@@ -7,10 +7,11 @@ use http::{Extensions, Uri};
 /// The URI the client sent. Inside axum's `Router::nest`, the request's own URI has the nest's
 /// prefix taken off before the nested router's layers run, so two nested routers' `/pay` would
 /// look alike (one idempotency fingerprint, one lock, a deferred job replayed to the wrong
-/// route); with the `axum` feature the layers read axum's `OriginalUri` instead, which the
-/// outermost router sets. Without the feature (or outside axum) it is the request's URI.
+/// route); with the `axum` feature (or `admin`, which brings axum too) the layers read axum's
+/// `OriginalUri` instead, which the outermost router sets. Without either (or outside axum)
+/// it is the request's URI.
 pub(crate) fn original<'a>(uri: &'a Uri, extensions: &'a Extensions) -> &'a Uri {
-    #[cfg(feature = "axum")]
+    #[cfg(any(feature = "axum", feature = "admin"))]
     if let Some(axum::extract::OriginalUri(sent)) = extensions.get() {
         return sent;
     }

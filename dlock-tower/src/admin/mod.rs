@@ -205,6 +205,7 @@ impl OpsPage {
 
     async fn jobs(&self) -> Value {
         let queue = self.locker.defer_queue();
+        #[cfg_attr(not(feature = "defer"), allow(unused_mut))]
         let mut queues = vec![json!({
             "queue": "in-process",
             "deferred": queue.pending().iter().map(job_json).collect::<Vec<_>>(),
