@@ -1102,6 +1102,83 @@ impl http_body::Body for GatedBody {
     }
 }
 
+/// `/payments` behind `layer`, whose handler counts its calls in `calls` and answers `201` with a
+/// [`GatedBody`]: `{"status":"` at once, then (after signalling `reading`) ` payment <n> done"}`
+/// once `gate` opens.
+fn gated_payments(
+    layer: IdempotencyLayer,
+    calls: Arc<AtomicUsize>,
+    reading: mpsc::UnboundedSender<()>,
+    gate: watch::Receiver<bool>,
+) -> Router {
+    let handler = move || {
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let (reading, mut gate) = (reading.clone(), gate.clone());
+        async move {
+            let rest = Box::pin(async move {
+                let _ = reading.send(());
+                gate.wait_for(|open| *open).await.unwrap();
+                Bytes::from(format!(" payment {n} done\"}}"))
+            });
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Body::new(GatedBody {
+                    first: Some(Bytes::from_static(b"{\"status\":\"")),
+                    rest,
+                    done: false,
+                }))
+                .unwrap()
+        }
+    };
+    Router::new()
+        .route("/payments", post(handler))
+        .route_layer(layer)
+}
+
+/// A response body still streaming after `max_response_wait` is sent on as it comes, unstored:
+/// the client gets the status and the first chunk without waiting for the end, and the key is
+/// freed (a retry runs the handler again, not `409` for as long as the first one streams).
+/// Once, the layer read the whole body before sending any of it, with no bound: a streamed
+/// response kept its client waiting and its key at `409` for as long as it streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_still_streaming_after_the_wait_is_sent_on_unstored() {
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (reading_tx, _reading) = mpsc::unbounded_channel::<()>();
+    let (open, gate) = watch::channel(false);
+    let layer = IdempotencyLayer::new(locker)
+        .ttl(TTL)
+        .max_response_wait(Duration::from_millis(200));
+    let (addr, server) = serve(gated_payments(layer, calls.clone(), reading_tx, gate)).await;
+    let http = Http::new(addr);
+    let request = || post_with("streaming", "{\"amount\":3}").build(&format!("http://{addr}"));
+
+    // The body's rest waits for the gate, which stays shut: the status comes anyway.
+    let first = tokio::time::timeout(HANG, http.client.request(request()))
+        .await
+        .expect("the status before the body ended")
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    // Not stored, the key freed: the retry runs the handler again.
+    let second = tokio::time::timeout(HANG, http.client.request(request()))
+        .await
+        .expect("the retry's status")
+        .unwrap();
+    assert_eq!(
+        second.status(),
+        StatusCode::CREATED,
+        "not 409 while the first streams"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    open.send(true).unwrap();
+    let body = first.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "{\"status\":\" payment 1 done\"}");
+    server.abort();
+}
+
 /// The handler has returned, the layer is reading its body to store it, and
 /// the response future is dropped (a timeout layer gives up, the client goes away). Storing
 /// the record still finishes: the client's retry is a replay, and the handler ran once.
@@ -1114,32 +1191,13 @@ async fn response_future_dropped_after_the_handler_returned_still_stores_the_rec
     let (open, gate) = watch::channel(false);
     let (give_up, give_up_rx) = watch::channel(false);
 
-    let handler = {
-        let calls = calls.clone();
-        move || {
-            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-            let (reading, mut gate) = (reading_tx.clone(), gate.clone());
-            async move {
-                let rest = Box::pin(async move {
-                    reading.send(()).unwrap();
-                    gate.wait_for(|open| *open).await.unwrap();
-                    Bytes::from(format!(" payment {n} done\"}}"))
-                });
-                Response::builder()
-                    .status(StatusCode::CREATED)
-                    .body(Body::new(GatedBody {
-                        first: Some(Bytes::from_static(b"{\"status\":\"")),
-                        rest,
-                        done: false,
-                    }))
-                    .unwrap()
-            }
-        }
-    };
     let app = with_give_up(
-        Router::new()
-            .route("/payments", post(handler))
-            .route_layer(IdempotencyLayer::new(locker).ttl(TTL)),
+        gated_payments(
+            IdempotencyLayer::new(locker).ttl(TTL),
+            calls.clone(),
+            reading_tx,
+            gate,
+        ),
         give_up_rx,
     );
     let (addr, server) = serve(app).await;

@@ -167,8 +167,8 @@ async fn read_request_body<B: Body>(body: B, limit: usize) -> Result<Bytes, Reje
 enum Collected<B: Body> {
     /// All of it, within the limit.
     Full(Bytes),
-    /// Not storable (over the limit, trailers, or a read error): what was read, the frame that
-    /// stopped the reading, and the rest.
+    /// Not storable (over the limit, trailers, a read error, or still streaming after the
+    /// wait): what was read, the frame that stopped the reading (if one did), and the rest.
     Partial {
         prefix: Bytes,
         pending: Option<Result<Frame<Bytes>, B::Error>>,
@@ -176,11 +176,34 @@ enum Collected<B: Body> {
     },
 }
 
-async fn read_response_body<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
+/// Reads a response body of at most `limit` bytes that ends within `wait` (counted when a
+/// tokio runtime is at hand).
+async fn read_response_body<B: Body<Data = Bytes>>(
+    body: B,
+    limit: usize,
+    wait: Duration,
+) -> Collected<B> {
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
+    let deadline = tokio::runtime::Handle::try_current()
+        .ok()
+        .and_then(|_| tokio::time::Instant::now().checked_add(wait));
     loop {
-        let frame = poll_fn(|cx| body.as_mut().poll_frame(cx)).await;
+        let next = poll_fn(|cx| body.as_mut().poll_frame(cx));
+        let frame = match deadline {
+            Some(at) => match tokio::time::timeout_at(at, next).await {
+                Ok(frame) => frame,
+                // Still streaming: hand on what was read, and the rest as it comes.
+                Err(_) => {
+                    return Collected::Partial {
+                        prefix: buf.freeze(),
+                        pending: None,
+                        rest: body,
+                    }
+                }
+            },
+            None => next.await,
+        };
         let stop = match frame {
             None => return Collected::Full(buf.freeze()),
             Some(Ok(frame)) => match frame.into_data() {
@@ -429,7 +452,8 @@ async fn finish<B>(
 where
     B: Body<Data = Bytes>,
 {
-    let collected = read_response_body(body, shared.max_response_body).await;
+    let collected =
+        read_response_body(body, shared.max_response_body, shared.max_response_wait).await;
     match &collected {
         Collected::Full(bytes) => {
             let stored = StoredResponse::capture(&head, &shared.replay_headers, bytes.clone());

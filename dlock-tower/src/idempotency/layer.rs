@@ -170,6 +170,17 @@ impl IdempotencyLayer {
         self
     }
 
+    /// How long the layer waits for the handler's response body to end, to store it, before
+    /// it sends what it read and streams the rest unstored (the key is freed; a retry runs the
+    /// handler again). Default: [`DEFAULT_MAX_RESPONSE_WAIT`](super::DEFAULT_MAX_RESPONSE_WAIT)
+    /// (30 s). The body is read whole before any of it is sent, so without a bound a streamed
+    /// response (server-sent events, a long poll) would keep its client waiting and its key
+    /// answering `409` for as long as it streams.
+    pub fn max_response_wait(mut self, wait: Duration) -> Self {
+        Arc::make_mut(&mut self.shared).max_response_wait = wait;
+        self
+    }
+
     /// Whether dropping the response future — the client disconnects, a timeout layer outside
     /// gives up — cancels the handler. Default `false`: once the key is taken, the handler
     /// runs to its end in a tokio task of its own and its response is stored, so the client's

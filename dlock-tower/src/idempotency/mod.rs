@@ -145,7 +145,12 @@
 //!   1 MiB), a body with trailers, or one that fails while read: the client still gets it in
 //!   full (the layer hands on what it read, then the rest), but nothing is stored. **Set the
 //!   limit above your largest response**: a retry of a request whose response was too large to
-//!   store runs the handler again.
+//!   store runs the handler again;
+//! * a response body still not ended after
+//!   [`max_response_wait`](IdempotencyLayer::max_response_wait) (default 30 s): the body is
+//!   read whole before any of it is sent (it is stored first), so a stream — server-sent
+//!   events, a long poll — would keep the client waiting and the key at `409`; after the wait
+//!   the client gets what was read, then the rest as it comes, and nothing is stored.
 //!
 //! Everything else (`2xx`, `3xx`, the other `4xx`) is the request's final outcome and is stored.
 //! The draft leaves this choice to the server; the list follows common practice (Stripe,
@@ -250,6 +255,9 @@ pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// The default largest response body stored: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1024 * 1024;
 
+/// The default longest wait for a response body to end before it is sent on unstored: 30 s.
+pub const DEFAULT_MAX_RESPONSE_WAIT: Duration = Duration::from_secs(30);
+
 /// The lock key the layer uses for the idempotency key `key` of a request with `identity`:
 /// `idem:<identity>:<key>`, or `idem:<key>` without one, encoded by the runtime so that no
 /// identity/key pair collides with another. For looking a key up (or purging it) by hand, and
@@ -306,6 +314,7 @@ pub(crate) struct Shared {
     pub(crate) retention: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    pub(crate) max_response_wait: Duration,
     pub(crate) replay_headers: Vec<HeaderName>,
     /// The lock's bounded name in metrics and traces.
     pub(crate) name: &'static str,
@@ -329,6 +338,7 @@ impl Shared {
             retention: DEFAULT_RETENTION,
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
             max_response_body: DEFAULT_MAX_RESPONSE_BODY,
+            max_response_wait: DEFAULT_MAX_RESPONSE_WAIT,
             replay_headers: DEFAULT_REPLAY_HEADERS
                 .iter()
                 .map(|h| HeaderName::from_static(h))
@@ -354,6 +364,7 @@ impl fmt::Debug for Shared {
             .field("retention", &self.retention)
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
+            .field("max_response_wait", &self.max_response_wait)
             .field("replay_headers", &self.replay_headers)
             .field("missing_key", &self.missing_key)
             .field("fail_mode", &self.fail_mode)

@@ -127,10 +127,11 @@ return out
 /// * `1`: not at all (the job could not be tried: its lock backend was down): the count goes
 ///   back down and the job is re-queued;
 /// * `2`: not as an attempt, but against a grace period: the worker does not know the job's
-///   type (a rolling deploy: a newer instance queued it). The first such claim notes the time
-///   in `unknown`; once ARGV[7] ms have passed since, the job is dead-lettered.
+///   type, or cannot decode its data (a rolling deploy: a newer instance queued it). The first
+///   such claim notes the time in `unknown`; once ARGV[7] ms have passed since, the job is
+///   dead-lettered.
 ///
-/// Any other outcome (the type was known) clears that note.
+/// Any other outcome (a worker that could run the job) clears that note.
 /// KEYS: 1 inflight, 2 due, 3 dead, 4 attempts, 5 claims, 6 reasons, 7 unknown.
 /// ARGV: 1 id, 2 claim token, 3 delay ms, 4 max attempts, 5 reason, 6 how it counts (above),
 /// 7 grace ms for an unknown type.
