@@ -362,10 +362,19 @@ impl PostgresServer {
         self.psql_in_try("postgres", sql)
     }
 
+    /// The client tool `program` (`psql`, `pg_dump`) of the server's release, signed in to
+    /// database `db` over TCP as `postgres`.
+    fn client(&self, program: &str, db: &str) -> Command {
+        let mut c = Command::new(bin_dir().join(program));
+        c.args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-d", db]);
+        c
+    }
+
     fn psql_in_try(&self, db: &str, sql: &str) -> Option<String> {
-        let out = Command::new(bin_dir().join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(["-U", "postgres", "-d", db, "-X", "-q", "-A", "-t", "-v"])
+        let out = self
+            .client("psql", db)
+            .args(["-X", "-q", "-A", "-t", "-v"])
             .arg("ON_ERROR_STOP=1")
             .arg("-c")
             .arg(sql)
@@ -401,9 +410,9 @@ impl PostgresServer {
     /// # Panics
     /// If the dump or the restore fails.
     pub fn copy_schema(&self, db: &str, schema: &str, to: &PostgresServer, into: &str) {
-        let dump = Command::new(bin_dir().join("pg_dump"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(["-U", "postgres", "-d", db, "-n", schema, "--no-owner"])
+        let dump = self
+            .client("pg_dump", db)
+            .args(["-n", schema, "--no-owner"])
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("cannot run pg_dump ({e})"));
@@ -412,18 +421,9 @@ impl PostgresServer {
             "pg_dump failed: {}",
             String::from_utf8_lossy(&dump.stderr)
         );
-        let mut restore = Command::new(bin_dir().join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &to.port.to_string()])
-            .args([
-                "-U",
-                "postgres",
-                "-d",
-                into,
-                "-X",
-                "-q",
-                "-v",
-                "ON_ERROR_STOP=1",
-            ])
+        let mut restore = to
+            .client("psql", into)
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
