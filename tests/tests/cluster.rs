@@ -389,18 +389,13 @@ async fn durable_queue_runs_on_the_cluster() {
 
 /// `.replicas(1)` on a cluster: the lock counts as taken once its shard's replica has it (a
 /// `WAIT` sent to the lock's master on a connection of its own); while that replica cannot
-/// acknowledge, the request fails as unavailable and leaves no lock behind.
+/// acknowledge, the request fails as unavailable and leaves no lock behind, and a lock without
+/// `.replicas` is taken although its master must load its scripts again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_locks_wait_for_their_shards_replica() {
     let cluster = redis_cluster::shared();
     let url = cluster.lock().unwrap().url();
     let command_timeout = Duration::from_millis(300);
-    let locker = Locker::builder()
-        .prefix("acked")
-        .command_timeout(command_timeout)
-        .connect(&url)
-        .await
-        .unwrap();
     let key = "acked-1";
     let resource = format!("acked:{{{key}}}");
     let slot = key_slot(master_ports()[0], &resource).await;
@@ -416,6 +411,13 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
         },
     )
     .await;
+    // Connected once the replica is listed: the locker's client knows it.
+    let locker = Locker::builder()
+        .prefix("acked")
+        .command_timeout(command_timeout)
+        .connect(&url)
+        .await
+        .unwrap();
     let g = locker.lock(key).replicas(1).acquire().await.unwrap();
     let mut r = node_conn(range.replicas[0]).await;
     let (_, owner): ((), Option<String>) = redis::pipe()
@@ -440,7 +442,18 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
         .query_async(&mut node_conn(range.master).await)
         .await
         .unwrap();
+    // A master that lost its scripts (a restart, a failover: `NOSCRIPT`) has them loaded again
+    // while the replica is frozen: `SCRIPT LOAD` goes to the masters only. redis-rs sent it to
+    // every node, and it timed out on the frozen one.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut node_conn(range.master).await)
+        .await
+        .unwrap();
+    let plain = locker.lock(key).try_acquire().await;
     cluster.lock().unwrap().nodes[replica].resume();
+    let plain = plain.expect("a lock whose master had to load its script failed");
+    plain.expect("the lock is free").release().await.unwrap();
     let err = err.expect_err("a lock no replica acknowledged counted as taken");
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(on_master, 0, "an unacknowledged lock was not given back");

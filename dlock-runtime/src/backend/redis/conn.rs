@@ -909,9 +909,33 @@ fn watch(link: Weak<Link>, generation: u64) -> Option<crate::util::RuntimeWatch>
     })
 }
 
+/// Whether `cmd` is `SCRIPT LOAD`.
+#[cfg(feature = "cluster")]
+fn is_script_load(cmd: &Cmd) -> bool {
+    let mut args = cmd.args_iter().map(|a| match a {
+        redis::Arg::Simple(a) => a,
+        _ => b"",
+    });
+    args.next()
+        .is_some_and(|a| a.eq_ignore_ascii_case(b"SCRIPT"))
+        && args.next().is_some_and(|a| a.eq_ignore_ascii_case(b"LOAD"))
+}
+
 #[cfg(feature = "cluster")]
 impl ConnectionLike for ClusterLink {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        // redis-rs sends `SCRIPT LOAD` (a script's first use on a node, or its first after a
+        // failover or restart: `NOSCRIPT`) to every node, replicas too, and fails it unless all
+        // answer: one replica that does not (frozen, cut off, dead but not yet marked failed)
+        // failed every lock whose master had not yet run the script. Scripts run on masters
+        // only: it goes to those.
+        if is_script_load(cmd) {
+            let to = RoutingInfo::MultiNode((
+                redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
+                Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+            ));
+            return Box::pin(async move { self.route_command(cmd.clone(), to).await });
+        }
         if !self.refresh() {
             return Box::pin(async move { self.ready().await?.req_packed_command(cmd).await });
         }
