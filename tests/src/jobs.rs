@@ -162,13 +162,13 @@ impl Running {
 }
 
 /// The durable queue end to end on the Redis deployment at `url` (one server, a cluster,
-/// Sentinel), with names from `tag`: a job whose lock is busy is stored, a worker runs it under
-/// its lock once the holder releases — with a larger fencing token —, acknowledges it, and the
-/// queue is empty after.
+/// Sentinel), with names from `tag` and enqueues waiting for `replicas` replicas: a job whose
+/// lock is busy is stored, a worker runs it under its lock once the holder releases — with a
+/// larger fencing token —, acknowledges it, and the queue is empty after.
 ///
 /// # Panics
 /// If any of that does not happen (within 10 s for the run, 5 s for the acknowledgement).
-pub async fn durable_round_trip(url: &str, tag: &str) {
+pub async fn durable_round_trip(url: &str, tag: &str, replicas: u32) {
     use dlock_runtime::durable::{JobStatus, Submitted};
     use dlock_runtime::DeferPolicy;
 
@@ -176,7 +176,8 @@ pub async fn durable_round_trip(url: &str, tag: &str) {
     let locker = Locker::from_url(url).await.unwrap();
     let queue = DurableQueue::connect(url, &format!("{tag}-invoices"))
         .await
-        .unwrap();
+        .unwrap()
+        .with_replicas(replicas);
     let policy =
         DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
     let lock = format!("{tag}-o1");
@@ -226,4 +227,62 @@ pub async fn durable_round_trip(url: &str, tag: &str) {
     .await;
     w.stop().await;
     assert!(queue.is_empty().await.unwrap());
+}
+
+/// A queue's enqueues wait for its replica (`with_replicas(1)`; the queue is `name`, with no
+/// worker): an enqueue returns once the replica has the job (`on_replica(key, id)`: whether the
+/// replica's hash `key` holds `id`); while the replica is frozen (`freeze`, undone by `thaw`),
+/// an enqueue fails as unavailable and withdraws its job, so the master (`on_master(key)`:
+/// the length of its hash `key`) still holds the first job only. An enqueue made while the
+/// replica was still catching up may fail as unavailable: it is tried again, for up to 10 s.
+///
+/// # Panics
+/// If any of that does not happen.
+pub async fn enqueue_waits_for_the_replica(
+    url: &str,
+    name: &str,
+    on_replica: impl AsyncFn(&str, &str) -> bool,
+    freeze: impl FnOnce(),
+    thaw: impl FnOnce(),
+    on_master: impl AsyncFn(&str) -> i64,
+) {
+    use dlock_runtime::DeferPolicy;
+
+    let queue = DurableQueue::connect(url, name)
+        .await
+        .unwrap()
+        .with_replicas(1);
+    assert_eq!(queue.replicas(), 1);
+    let jobs = format!("dlock:{{jobs:{name}}}:jobs");
+    let job = RecordJob {
+        id: 1,
+        lock: format!("{name}-1"),
+        ..RecordJob::default()
+    };
+    let policy = DeferPolicy::new(Duration::from_secs(1), 3);
+    let (ttl, delay) = (Duration::from_secs(5), Duration::from_secs(60));
+    let id = crate::wait::poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match queue.enqueue(&job, &policy, ttl, delay).await {
+            Ok(id) => Ok(id),
+            Err(e) if e.is_unavailable() => Err(e.to_string()),
+            Err(e) => panic!("enqueue: {e}"),
+        },
+    )
+    .await;
+    assert!(
+        on_replica(&jobs, &id).await,
+        "an enqueue with_replicas(1) returned before the replica had the job"
+    );
+    assert_eq!(on_master(&jobs).await, 1);
+
+    freeze();
+    let err = queue.enqueue(&job, &policy, ttl, delay).await;
+    let held = on_master(&jobs).await;
+    thaw();
+    let err = err.expect_err("a job no replica confirmed counted as queued");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(err.to_string().contains("withdrawn"), "{err}");
+    assert_eq!(held, 1, "an unconfirmed job was left queued");
 }

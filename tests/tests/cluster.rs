@@ -379,28 +379,19 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     held_b.release().await.unwrap();
 }
 
-/// The durable queue runs on the cluster (`redis+cluster://`): see
-/// [`dlock_tests::jobs::durable_round_trip`].
+/// The durable queue runs on the cluster (`redis+cluster://`), its enqueues waiting for their
+/// shard's replica: see [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_queue_runs_on_the_cluster() {
     let url = redis_cluster::shared().lock().unwrap().url();
-    dlock_tests::jobs::durable_round_trip(&url, "cluster").await;
+    dlock_tests::jobs::durable_round_trip(&url, "cluster", 1).await;
 }
 
-/// `.replicas(1)` on a cluster: the lock counts as taken once its shard's replica has it (a
-/// `WAIT` sent to the lock's master on a connection of its own); while that replica cannot
-/// acknowledge, the request fails as unavailable and leaves no lock behind, and a lock without
-/// `.replicas` is taken although its master must load its scripts again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acknowledged_locks_wait_for_their_shards_replica() {
-    let cluster = redis_cluster::shared();
-    let url = cluster.lock().unwrap().url();
-    let command_timeout = Duration::from_millis(300);
-    let key = "acked-1";
-    let resource = format!("acked:{{{key}}}");
-    let slot = key_slot(master_ports()[0], &resource).await;
-    // A node's view of the other shards' replicas may lag behind the cluster's start.
-    let range = poll_until(
+/// The slot range serving Redis key `key` (as the first master sees it), once it lists a
+/// replica: a node's view of the other shards' replicas may lag behind the cluster's start.
+async fn shard_with_replica(key: &str) -> SlotRange {
+    let slot = key_slot(master_ports()[0], key).await;
+    poll_until(
         Duration::from_secs(10),
         Duration::from_millis(50),
         async || {
@@ -410,8 +401,63 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
                 .ok_or("no replica listed yet")
         },
     )
+    .await
+}
+
+/// `with_replicas(1)` on a cluster: an enqueue counts once the queue's shard's replica has the
+/// job (the `WAIT` goes to the shard's master, on the connection that carried the enqueue);
+/// while that replica is frozen (for less than the node timeout: no failover), an enqueue
+/// fails as unavailable and leaves no job behind. See
+/// [`dlock_tests::jobs::enqueue_waits_for_the_replica`].
+async fn acknowledged_jobs_wait_for_their_shards_replica() {
+    let cluster = redis_cluster::shared();
+    let url = cluster.lock().unwrap().url();
+    let name = "acked-jobs";
+    let range = shard_with_replica(&format!("dlock:{{jobs:{name}}}:jobs")).await;
+    let replica = cluster.lock().unwrap().index_of(range.replicas[0]);
+    dlock_tests::jobs::enqueue_waits_for_the_replica(
+        &url,
+        name,
+        async |jobs, id| {
+            let mut r = node_conn(range.replicas[0]).await;
+            let (_, has): ((), bool) = redis::pipe()
+                .cmd("READONLY")
+                .cmd("HEXISTS")
+                .arg(jobs)
+                .arg(id)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            has
+        },
+        || cluster.lock().unwrap().nodes[replica].pause(),
+        || cluster.lock().unwrap().nodes[replica].resume(),
+        async |jobs| {
+            redis::cmd("HLEN")
+                .arg(jobs)
+                .query_async(&mut node_conn(range.master).await)
+                .await
+                .unwrap()
+        },
+    )
     .await;
+}
+
+/// `.replicas(1)` on a cluster: the lock counts as taken once its shard's replica has it (a
+/// `WAIT` sent to the lock's master on a connection of its own); while that replica cannot
+/// acknowledge, the request fails as unavailable and leaves no lock behind, and a lock without
+/// `.replicas` is taken although its master must load its scripts again. Then the same for
+/// the durable queue's enqueues ([`acknowledged_jobs_wait_for_their_shards_replica`]): one
+/// test, so that the two never freeze a replica of the shared cluster at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_locks_and_jobs_wait_for_their_shards_replica() {
+    let cluster = redis_cluster::shared();
+    let url = cluster.lock().unwrap().url();
+    let command_timeout = Duration::from_millis(300);
+    let key = "acked-1";
+    let resource = format!("acked:{{{key}}}");
     // Connected once the replica is listed: the locker's client knows it.
+    let range = shard_with_replica(&resource).await;
     let locker = Locker::builder()
         .prefix("acked")
         .command_timeout(command_timeout)
@@ -457,6 +503,7 @@ async fn acknowledged_locks_wait_for_their_shards_replica() {
     let err = err.expect_err("a lock no replica acknowledged counted as taken");
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(on_master, 0, "an unacknowledged lock was not given back");
+    acknowledged_jobs_wait_for_their_shards_replica().await;
 }
 
 /// Four lock keys that share one cluster slot (and so one fencing counter), as the locker names

@@ -1511,3 +1511,36 @@ async fn durable_queue_connection_gone_silent_is_replaced() {
     let took = silenced.elapsed();
     assert!(took < Duration::from_secs(4), "back after {took:?}");
 }
+
+/// `with_replicas(1)` on one server with a replica: an enqueue counts once the replica has the
+/// job (a `WAIT` after it, on the connection that carried it); while the replica is frozen, an
+/// enqueue fails as unavailable and leaves no job behind. Before, an enqueue counted once the
+/// master had the job, and a failover to a replica that had not received it lost a job that
+/// `enqueue` had answered `Ok`. See [`dlock_tests::jobs::enqueue_waits_for_the_replica`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_with_replicas_counts_once_the_replica_has_the_job() {
+    let master = RedisServer::start();
+    let port = master.port().to_string();
+    let replica = std::cell::RefCell::new(RedisServer::start_with(&[
+        "--replicaof",
+        "127.0.0.1",
+        &port,
+    ]));
+    let replica_port = replica.borrow().port();
+    dlock_tests::jobs::enqueue_waits_for_the_replica(
+        &master.url(),
+        "acked",
+        async |jobs, id| {
+            let mut c = redis::Client::open(format!("redis://127.0.0.1:{replica_port}"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            c.hexists(jobs, id).await.unwrap()
+        },
+        || replica.borrow_mut().pause(),
+        || replica.borrow_mut().resume(),
+        async |jobs| master.conn().await.hlen(jobs).await.unwrap(),
+    )
+    .await;
+}

@@ -551,12 +551,12 @@ async fn sentinels_with_a_password_of_their_own_are_signed_in_to() {
         .await;
 }
 
-/// The durable queue runs behind Sentinel (`redis+sentinel://`): see
-/// [`dlock_tests::jobs::durable_round_trip`].
+/// The durable queue runs behind Sentinel (`redis+sentinel://`), its enqueues waiting for the
+/// replica: see [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_queue_runs_behind_sentinel() {
     let url = redis_sentinel::shared().lock().unwrap().url();
-    dlock_tests::jobs::durable_round_trip(&url, "sentinel").await;
+    dlock_tests::jobs::durable_round_trip(&url, "sentinel", 1).await;
 }
 
 /// A task of `locker` waiting (fair queue, up to a minute) for `key`.

@@ -35,6 +35,12 @@
 //! refused when it wakes: it stops working on that job, and its acknowledgement or retry, if it
 //! gets that far, changes nothing — the job belongs to whoever claimed it next.
 //!
+//! An enqueue counts once the master has the job. A failover to a replica that had not yet
+//! received it loses the job; [`DurableQueue::with_replicas`] makes an enqueue count only once
+//! that many replicas have it (`WAIT`), withdrawing the job and answering `Unavailable` when
+//! fewer confirm in time. Claims, heartbeats, acknowledgements and retries are not waited on:
+//! one lost in a failover runs a job again, never loses one.
+//!
 //! So every job runs **at least once**. It can run twice only if its worker lost contact (died,
 //! froze, or was cut off from Redis) for longer than the visibility timeout while running it, or
 //! before it could acknowledge it (a failed acknowledgement is sent again for up to the

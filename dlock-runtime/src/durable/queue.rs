@@ -7,11 +7,13 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManagerConfig;
 
-use crate::backend::redis::conn::{Conn, ServerLink};
+use crate::backend::redis::conn::{self, Conn, Dedicated, Reconnect, ServerLink};
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
-use crate::backend::redis::job_scripts::{ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY};
+use crate::backend::redis::job_scripts::{
+    ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY, WITHDRAW,
+};
 use crate::defer::{JobInfo, QueueLimits};
 use crate::{DeferPolicy, LockError, LockKey, Locker};
 
@@ -38,6 +40,10 @@ pub struct DurableQueue {
 pub(super) struct QueueInner {
     name: String,
     conn: Conn,
+    /// Connections of their own for an enqueue and the `WAIT` after it
+    /// ([`with_replicas`](DurableQueue::with_replicas)).
+    dedicated: Arc<Dedicated>,
+    replicas: u32,
     base: String,
     pub(super) visibility: Duration,
     retention: Duration,
@@ -50,6 +56,7 @@ pub(super) struct QueueInner {
     heartbeat: Script,
     requeue: Script,
     purge: Script,
+    withdraw: Script,
 }
 
 impl fmt::Debug for DurableQueue {
@@ -58,6 +65,7 @@ impl fmt::Debug for DurableQueue {
             .field("name", &self.inner.name)
             .field("visibility", &self.inner.visibility)
             .field("limits", &self.inner.limits)
+            .field("replicas", &self.inner.replicas)
             .finish_non_exhaustive()
     }
 }
@@ -132,7 +140,7 @@ impl DurableQueue {
             ));
         }
         let command_timeout = Duration::from_secs(1);
-        let conn = if crate::backend::redis::conn::is_cluster_url(url) {
+        let (conn, reconnect) = if conn::is_cluster_url(url) {
             Self::cluster_conn(url, command_timeout).await?
         } else if url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://") {
             Self::sentinel_conn(url, command_timeout).await?
@@ -143,6 +151,8 @@ impl DurableQueue {
             inner: Arc::new(QueueInner {
                 name: name.to_owned(),
                 conn,
+                dedicated: Arc::new(Dedicated::new(reconnect, command_timeout, command_timeout)),
+                replicas: 0,
                 base: format!("dlock:{{jobs:{name}}}"),
                 visibility: visibility.clamp(MIN_VISIBILITY, MAX_VISIBILITY),
                 retention: retention.min(MAX_RETENTION),
@@ -155,20 +165,24 @@ impl DurableQueue {
                 heartbeat: Script::new(HEARTBEAT),
                 requeue: Script::new(REQUEUE),
                 purge: Script::new(PURGE),
+                withdraw: Script::new(WITHDRAW),
             }),
         })
     }
 
     /// A connection to one server, replaced when it goes silent (see
     /// `crate::backend::redis::conn::ServerLink`), connected (and so checked) before it is
-    /// returned.
-    async fn single_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
+    /// returned; and how to make [`Dedicated`] ones.
+    async fn single_conn(
+        url: &str,
+        command_timeout: Duration,
+    ) -> Result<(Conn, Reconnect), LockError> {
         let client = redis::Client::open(url).map_err(|e| redis_err("url", e))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(command_timeout))
             .set_response_timeout(Some(command_timeout))
             .set_number_of_retries(2);
-        let mut conn = ServerLink::new(client, config, command_timeout)
+        let mut conn = ServerLink::new(client.clone(), config, command_timeout)
             .map(Conn::Server)
             .map_err(|e| redis_err("connect", e))?;
         tokio::time::timeout(
@@ -178,16 +192,22 @@ impl DurableQueue {
         .await
         .map_err(|_| LockError::unavailable("job queue connect timed out", None))?
         .map_err(|e| redis_err("connect", e))?;
-        Ok(conn)
+        Ok((conn, Reconnect::Single(Box::new(client))))
     }
 
     #[cfg(feature = "cluster")]
-    async fn cluster_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
-        crate::backend::redis::conn::connect_cluster(url, command_timeout, command_timeout).await
+    async fn cluster_conn(
+        url: &str,
+        command_timeout: Duration,
+    ) -> Result<(Conn, Reconnect), LockError> {
+        conn::connect_cluster(url, command_timeout, command_timeout).await
     }
 
     #[cfg(not(feature = "cluster"))]
-    async fn cluster_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
+    async fn cluster_conn(
+        _url: &str,
+        _command_timeout: Duration,
+    ) -> Result<(Conn, Reconnect), LockError> {
         Err(LockError::misconfigured(
             "redis+cluster:// needs dlock-runtime's feature `cluster`",
             None,
@@ -195,16 +215,22 @@ impl DurableQueue {
     }
 
     #[cfg(feature = "sentinel")]
-    async fn sentinel_conn(url: &str, command_timeout: Duration) -> Result<Conn, LockError> {
+    async fn sentinel_conn(
+        url: &str,
+        command_timeout: Duration,
+    ) -> Result<(Conn, Reconnect), LockError> {
         use crate::backend::redis::sentinel::{SentinelConn, SentinelUrl};
         let url = SentinelUrl::parse(url)?;
-        SentinelConn::connect(&url, command_timeout, command_timeout, None, None)
-            .await
-            .map(Conn::Sentinel)
+        let conn =
+            SentinelConn::connect(&url, command_timeout, command_timeout, None, None).await?;
+        Ok((Conn::Sentinel(conn), Reconnect::FromConn))
     }
 
     #[cfg(not(feature = "sentinel"))]
-    async fn sentinel_conn(_url: &str, _command_timeout: Duration) -> Result<Conn, LockError> {
+    async fn sentinel_conn(
+        _url: &str,
+        _command_timeout: Duration,
+    ) -> Result<(Conn, Reconnect), LockError> {
         Err(LockError::misconfigured(
             "redis+sentinel:// needs dlock-runtime's feature `sentinel`",
             None,
@@ -220,6 +246,34 @@ impl DurableQueue {
         DurableQueue {
             inner: Arc::new(inner),
         }
+    }
+
+    /// This queue with enqueues that count only once `n` replicas have the job (Redis `WAIT`;
+    /// one server with replicas, Sentinel, or a cluster, where the queue's shard's replicas
+    /// count). Default 0: the master's answer is enough, and a failover to a replica that had
+    /// not yet received the job loses it, although [`enqueue`](Self::enqueue) answered `Ok`.
+    ///
+    /// With `n > 0`, each enqueue is sent with the `WAIT` after it on a connection of their own
+    /// (`WAIT` blocks its connection) and waits up to ¾ of the command timeout (1 s) for the
+    /// replicas. When fewer answer in time, the job is withdrawn — unless a worker has claimed
+    /// it already — and the enqueue fails with [`LockError::Unavailable`]: as for an enqueue
+    /// that was not answered, the job may or may not be queued (a failover right then can
+    /// bring back a withdrawn job, and a claimed one runs). A queue whose master has fewer
+    /// than `n` replicas fails every enqueue so; claims, acknowledgements and retries are not
+    /// waited on (one lost in a failover runs a job again, which at-least-once allows, but
+    /// never loses one).
+    pub fn with_replicas(self, n: u32) -> Self {
+        let mut inner = Arc::unwrap_or_clone(self.inner);
+        inner.replicas = n;
+        DurableQueue {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// How many replicas must have a job before its enqueue counts
+    /// ([`with_replicas`](Self::with_replicas)).
+    pub fn replicas(&self) -> u32 {
+        self.inner.replicas
     }
 
     /// The queue's bounds.
@@ -245,16 +299,21 @@ impl DurableQueue {
     /// the same job id, the same claim token — up to [`RESEND_TRIES`] times while it is not
     /// answered (a timeout, a dropped connection). The server may have run a try whose answer
     /// was lost, so these scripts answer a resend with what the first try did.
+    /// The script runs on `on` (the queue's connection, or a dedicated one).
     async fn invoke_resending<T: redis::FromRedisValue>(
         &self,
+        on: &Conn,
         what: &str,
         inv: &redis::ScriptInvocation<'_>,
     ) -> Result<T, LockError> {
-        let mut conn = self.inner.conn.clone();
+        let mut conn = on.clone();
         let mut tries = 0;
         loop {
             tries += 1;
-            match self.deadline(what, inv.invoke_async(&mut conn)).await {
+            match self
+                .deadline_on(on, what, inv.invoke_async(&mut conn))
+                .await
+            {
                 Ok(v) => return Ok(v),
                 Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
                     tracing::debug!(error = %e, what, "dlock job queue: not answered; sending it again");
@@ -270,15 +329,25 @@ impl DurableQueue {
         what: &str,
         fut: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
+        self.deadline_on(&self.inner.conn, what, fut).await
+    }
+
+    /// [`deadline`](Self::deadline) for a command on `conn`.
+    async fn deadline_on<T>(
+        &self,
+        conn: &Conn,
+        what: &str,
+        fut: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
         // A timeout has the connection checked: one to one server that went silent is
         // replaced (see `Conn::failed`).
         match tokio::time::timeout(self.inner.command_timeout, fut).await {
             Ok(r) => r.map_err(|e| {
-                self.inner.conn.failed(&e);
+                conn.failed(&e);
                 redis_err(what, e)
             }),
             Err(_) => {
-                self.inner.conn.timed_out();
+                conn.timed_out();
                 Err(LockError::unavailable(
                     format!("job queue {what} timed out"),
                     None,
@@ -337,7 +406,11 @@ impl DurableQueue {
             .arg(millis(delay))
             .arg(self.inner.limits.max_queued);
         // Answered `Unavailable`, the caller would try again with a new id — a second job.
-        let queued: i64 = self.invoke_resending("enqueue", &inv).await?;
+        let on = match self.inner.replicas {
+            0 => self.inner.conn.clone(),
+            _ => self.inner.dedicated.get(&self.inner.conn).await?,
+        };
+        let queued: i64 = self.invoke_resending(&on, "enqueue", &inv).await?;
         if queued == 0 {
             tracing::warn!(
                 target: "dlock::defer",
@@ -350,11 +423,55 @@ impl DurableQueue {
             );
             return Err(LockError::queue_full(key.as_str(), &self.inner.name));
         }
+        if self.inner.replicas > 0 {
+            self.replicated(on, &id).await?;
+        }
         event(
             "deferred",
             &JobInfo::new(id.clone(), key.as_str(), 0).named(name),
         );
         Ok(id)
+    }
+
+    /// Waits until [`replicas`](Self::replicas) replicas have job `id`, just queued over `on`
+    /// (the `WAIT` counts the writes of its connection); withdraws the job when they do not.
+    async fn replicated(&self, mut on: Conn, id: &str) -> Result<(), LockError> {
+        let want = self.inner.replicas;
+        let wait = self.inner.command_timeout * 3 / 4;
+        let tag = format!("jobs:{}", self.inner.name);
+        let conn = on.clone();
+        let waited = conn::wait_replicas(&mut on, &tag, want, wait);
+        let short = match self.deadline_on(&conn, "wait for replicas", waited).await {
+            Ok(acked) if acked >= i64::from(want) => return Ok(()),
+            Ok(acked) => format!("{acked} of {want} replicas confirmed it in time"),
+            Err(e) => format!("its replicas did not answer ({e})"),
+        };
+        let mut inv = self.inner.withdraw.prepare_invoke();
+        inv.key(self.key("due"))
+            .key(self.key("jobs"))
+            .key(self.key("attempts"))
+            .arg(id);
+        let outcome = match self
+            .deadline("withdraw", inv.invoke_async(&mut self.inner.conn.clone()))
+            .await
+        {
+            Ok(1) => "not queued (withdrawn)".to_owned(),
+            Ok(_) => "a worker claimed it already: it may run, or be lost in a failover".to_owned(),
+            Err(e) => format!("its withdrawal failed ({e}): it may be queued"),
+        };
+        tracing::warn!(
+            target: "dlock::defer",
+            event = "unreplicated",
+            queue = "redis",
+            name = %self.inner.name,
+            job_id = id,
+            replicas = want,
+            %outcome,
+        );
+        Err(LockError::unavailable(
+            format!("job queue enqueue: {short}; {outcome}"),
+            None,
+        ))
     }
 
     /// Runs `job` now if its lock is free; otherwise queues it (first attempt after the
@@ -580,7 +697,9 @@ impl DurableQueue {
             .arg(&token)
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
-        let flat: Vec<String> = self.invoke_resending("claim", &inv).await?;
+        let flat: Vec<String> = self
+            .invoke_resending(&self.inner.conn, "claim", &inv)
+            .await?;
         Ok(flat
             .chunks_exact(4)
             .map(|c| Claimed {

@@ -184,14 +184,133 @@ impl Conn {
     }
 }
 
+/// How to make another connection to the same store, without a push handler (for
+/// [`Dedicated`]).
+pub(crate) enum Reconnect {
+    /// One server.
+    Single(Box<redis::Client>),
+    /// A cluster.
+    #[cfg(feature = "cluster")]
+    Cluster(Box<ClusterClient>),
+    /// From the connection itself (Sentinel: `SentinelConn::dedicated`, which follows a
+    /// failover on its own).
+    #[cfg(feature = "sentinel")]
+    FromConn,
+}
+
+/// Connections of their own for commands that block their connection (`WAIT`): a few, made on
+/// first use and taken in turn. They carry no pushes. The lock backend's `.replicas(n)` and the
+/// durable queue's [`with_replicas`](crate::durable::DurableQueue::with_replicas) send their
+/// writes and the `WAIT` after them here.
+pub(crate) struct Dedicated {
+    how: Reconnect,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    pool: tokio::sync::Mutex<Vec<Conn>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Dedicated {
+    /// How many connections the `WAIT`s are spread over.
+    const SIZE: usize = 4;
+
+    pub(crate) fn new(
+        how: Reconnect,
+        connect_timeout: Duration,
+        command_timeout: Duration,
+    ) -> Self {
+        Dedicated {
+            how,
+            connect_timeout,
+            command_timeout,
+            pool: tokio::sync::Mutex::new(Vec::new()),
+            next: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// The next connection, the pool made first if it is not yet (`main`: the store's own
+    /// connection, which Sentinel's are made from).
+    pub(crate) async fn get(&self, main: &Conn) -> Result<Conn, LockError> {
+        let mut pool = self.pool.lock().await;
+        if pool.is_empty() {
+            for _ in 0..Self::SIZE {
+                pool.push(self.make(main).await?);
+            }
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % pool.len();
+        Ok(pool[i].clone())
+    }
+
+    async fn make(&self, main: &Conn) -> Result<Conn, LockError> {
+        match (&self.how, main) {
+            // Replaced when it goes silent, like the store's own connection (it carries no
+            // subscriptions: nothing to do after).
+            (Reconnect::Single(client), _) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.command_timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(self.connect_timeout);
+                ServerLink::new((**client).clone(), config, self.command_timeout)
+                    .map(Conn::Server)
+                    .map_err(|e| super::redis_err("connect", e))
+            }
+            #[cfg(feature = "cluster")]
+            (Reconnect::Cluster(client), _) => {
+                let limit = self.connect_timeout + self.command_timeout;
+                let c = ClusterLink::connect((**client).clone(), limit).await?;
+                // A dedicated connection never subscribes: `subs` is never used.
+                Ok(Conn::Cluster {
+                    subs: c.clone(),
+                    cmds: c,
+                })
+            }
+            #[cfg(feature = "sentinel")]
+            (Reconnect::FromConn, Conn::Sentinel(c)) => Ok(Conn::Sentinel(c.dedicated()?)),
+            #[allow(unreachable_patterns)]
+            _ => Err(LockError::unsupported("redis", "replica acknowledgement")),
+        }
+    }
+}
+
+/// `WAIT replicas <wait>` on `conn`, the connection that made the writes it waits for: the
+/// number of replicas that have every write this connection made so far. On a cluster it is
+/// sent to the master of the slot of hash tag `tag`, on the connection that carried the
+/// writes to it.
+pub(crate) async fn wait_replicas(
+    conn: &mut Conn,
+    tag: &str,
+    replicas: u32,
+    wait: Duration,
+) -> RedisResult<i64> {
+    let mut cmd = redis::cmd("WAIT");
+    cmd.arg(replicas).arg(super::millis(wait));
+    match conn {
+        #[cfg(feature = "cluster")]
+        Conn::Cluster { cmds, .. } => {
+            use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+            let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                slot(tag),
+                SlotAddr::Master,
+            )));
+            Ok(redis::from_redis_value(cmds.route_command(cmd, to).await?)?)
+        }
+        _ => {
+            let _ = tag;
+            cmd.query_async(conn).await
+        }
+    }
+}
+
 /// Connects to the cluster behind `url` (`redis+cluster://[user:pass@]h1:p1,h2:p2`,
-/// `rediss+cluster://…`) without release notifications (the durable queue's connection).
+/// `rediss+cluster://…`) without release notifications (the durable queue's connection), and how to make
+/// [`Dedicated`] ones.
 #[cfg(all(feature = "cluster", feature = "durable"))]
 pub(crate) async fn connect_cluster(
     url: &str,
     connect_timeout: std::time::Duration,
     command_timeout: std::time::Duration,
-) -> Result<Conn, crate::LockError> {
+) -> Result<(Conn, Reconnect), crate::LockError> {
     let client = redis::cluster::ClusterClient::builder(cluster_urls(url)?)
         .connection_timeout(connect_timeout)
         .response_timeout(command_timeout)
@@ -204,11 +323,12 @@ pub(crate) async fn connect_cluster(
                 None,
             )
         })?;
-    let cmds = ClusterLink::connect(client, connect_timeout + command_timeout).await?;
-    Ok(Conn::Cluster {
+    let cmds = ClusterLink::connect(client.clone(), connect_timeout + command_timeout).await?;
+    let conn = Conn::Cluster {
         subs: cmds.clone(),
         cmds,
-    })
+    };
+    Ok((conn, Reconnect::Cluster(Box::new(client))))
 }
 
 /// Whether `url` names a cluster (`redis+cluster://`, `rediss+cluster://`).
@@ -909,6 +1029,7 @@ fn watch(link: Weak<Link>, generation: u64) -> Option<crate::util::RuntimeWatch>
     })
 }
 
+#[cfg(feature = "cluster")]
 /// Whether `cmd` is `SCRIPT LOAD`.
 #[cfg(feature = "cluster")]
 fn is_script_load(cmd: &Cmd) -> bool {

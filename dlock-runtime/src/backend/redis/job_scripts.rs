@@ -13,10 +13,18 @@ macro_rules! now_ms {
 /// queued again: an enqueue whose answer was lost is sent again with the same id.
 /// KEYS: 1 due, 2 inflight, 3 jobs, 4 the job's status key. ARGV: 1 id, 2 payload, 3 delay ms,
 /// 4 max queued.
-/// Returns 1 when queued (or already there), 0 when full (nothing changed).
+/// Returns 1 when queued (or already there), 0 when full (nothing changed). A job already there
+/// is written again unchanged, so that the answer follows a write of this connection's: a
+/// `WAIT` after it (`DurableQueue::with_replicas`) counts the replicas that have the job even
+/// when the first try came over another connection.
 pub(crate) const ENQUEUE: &str = concat!(
     r#"
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('EXISTS', KEYS[4]) == 1 then
+local queued = redis.call('HGET', KEYS[3], ARGV[1])
+if queued then
+  redis.call('HSET', KEYS[3], ARGV[1], queued)
+  return 1
+end
+if redis.call('EXISTS', KEYS[4]) == 1 then
   return 1
 end
 if redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then
@@ -205,6 +213,18 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
 return 1
 "#
 );
+
+/// Withdraw job ARGV[1], queued but never claimed (its replicas did not confirm it: see
+/// `DurableQueue::with_replicas`). KEYS: 1 due, 2 jobs, 3 attempts.
+/// Returns 1 when withdrawn, 0 when the job is not there or was claimed already (nothing
+/// changed).
+pub(crate) const WITHDRAW: &str = r#"
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"#;
 
 /// Purge a dead letter for good: only if it is one (a job requeued or still queued keeps its
 /// payload and bookkeeping).

@@ -159,12 +159,8 @@ struct Inner {
     issuer: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
-    /// How to reach the store again, for dedicated connections.
-    reconnect: Reconnect,
-    /// Connections of their own for commands that block a connection (`WAIT`), made on first
-    /// use; taken in turn.
-    dedicated: tokio::sync::Mutex<Vec<Conn>>,
-    next_dedicated: std::sync::atomic::AtomicUsize,
+    /// Connections of their own for `WAIT` (`.replicas(n)`).
+    dedicated: conn::Dedicated,
 }
 
 impl Inner {
@@ -182,18 +178,6 @@ impl Inner {
     }
 }
 
-/// How to make another connection to the same store (without a push handler).
-enum Reconnect {
-    /// One server.
-    Single(Box<redis::Client>),
-    /// A cluster.
-    #[cfg(feature = "cluster")]
-    Cluster(Box<redis::cluster::ClusterClient>),
-    /// From the connection itself (Sentinel: `SentinelConn::dedicated`).
-    #[cfg(feature = "sentinel")]
-    FromConn,
-}
-
 /// The issuer number of the connection a reply came over, where it differs from the backend's
 /// own ([`Inner::issuer`]): behind Sentinel, each master the backend follows is given a number
 /// of its own (see `sentinel::Current::issuer`). `None`: the backend's own.
@@ -205,9 +189,6 @@ const NO_ISSUER: u64 = u64::MAX;
 /// The key whose `INCR` numbers the backends of one Redis deployment (see
 /// [`RedisBackend::ISSUER_BITS`]).
 const ISSUERS_KEY: &str = "dlock:issuers";
-
-/// How many dedicated connections [`Backend::replicate`] spreads its `WAIT`s over.
-const DEDICATED: usize = 4;
 
 /// A lower bound an acquire brings for its fencing token.
 #[derive(Clone, Copy, Debug)]
@@ -481,7 +462,7 @@ impl RedisBackend {
             opts,
             hub,
             &me,
-            Reconnect::Single(Box::new(client)),
+            conn::Reconnect::Single(Box::new(client)),
         ))
     }
 
@@ -531,7 +512,13 @@ impl RedisBackend {
         let conn = Conn::Cluster { cmds, subs };
         // Dedicated connections (for `WAIT`) carry no pushes.
         let plain = builder().build().map_err(invalid)?;
-        let backend = Self::with_conn(conn, opts, hub, &me, Reconnect::Cluster(Box::new(plain)));
+        let backend = Self::with_conn(
+            conn,
+            opts,
+            hub,
+            &me,
+            conn::Reconnect::Cluster(Box::new(plain)),
+        );
         backend.issuer().await?;
         Ok(backend)
     }
@@ -562,7 +549,13 @@ impl RedisBackend {
         .await?;
         // The first master's issuer number, taken by the connection (see [`Issuer`]).
         let first = conn.issuer();
-        let backend = Self::with_conn(Conn::Sentinel(conn), opts, hub, &me, Reconnect::FromConn);
+        let backend = Self::with_conn(
+            Conn::Sentinel(conn),
+            opts,
+            hub,
+            &me,
+            conn::Reconnect::FromConn,
+        );
         backend.inner.issuer.store(first, Ordering::Release);
         Ok(backend)
     }
@@ -582,9 +575,10 @@ impl RedisBackend {
         opts: RedisOptions,
         hub: Arc<ReleaseHub>,
         me: &OnceLock<Weak<Inner>>,
-        reconnect: Reconnect,
+        reconnect: conn::Reconnect,
     ) -> Self {
         let cluster = conn.is_cluster();
+        let dedicated = conn::Dedicated::new(reconnect, opts.connect_timeout, opts.command_timeout);
         let backend = RedisBackend {
             inner: Arc::new(Inner {
                 conn,
@@ -599,9 +593,7 @@ impl RedisBackend {
                 fence_seen: AtomicU64::new(0),
                 issuer: AtomicU64::new(NO_ISSUER),
                 recovering: AtomicBool::new(false),
-                reconnect,
-                dedicated: tokio::sync::Mutex::new(Vec::new()),
-                next_dedicated: std::sync::atomic::AtomicUsize::new(0),
+                dedicated,
             }),
         };
         let _ = me.set(Arc::downgrade(&backend.inner));
@@ -866,51 +858,6 @@ impl RedisBackend {
             .arg(self.fence_key(resource))
             .arg(self.floor());
         self.run_script(what, &inv).await
-    }
-
-    /// One of the connections of its own for commands that block their connection (`WAIT`),
-    /// in turn; made on first use.
-    async fn dedicated(&self) -> Result<Conn, LockError> {
-        let mut pool = self.inner.dedicated.lock().await;
-        if pool.is_empty() {
-            for _ in 0..DEDICATED {
-                pool.push(self.new_dedicated().await?);
-            }
-        }
-        let i = self.inner.next_dedicated.fetch_add(1, Ordering::Relaxed) % pool.len();
-        Ok(pool[i].clone())
-    }
-
-    async fn new_dedicated(&self) -> Result<Conn, LockError> {
-        let opts = &self.inner.opts;
-        match (&self.inner.reconnect, &self.inner.conn) {
-            // Replaced when it goes silent, like the backend's own connection (it carries no
-            // subscriptions: nothing to do after).
-            (Reconnect::Single(client), _) => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(opts.connect_timeout))
-                    .set_response_timeout(Some(opts.command_timeout))
-                    .set_number_of_retries(2)
-                    .set_max_delay(opts.connect_timeout);
-                conn::ServerLink::new((**client).clone(), config, opts.command_timeout)
-                    .map(Conn::Server)
-                    .map_err(|e| redis_err("connect", e))
-            }
-            #[cfg(feature = "cluster")]
-            (Reconnect::Cluster(client), _) => {
-                let limit = opts.connect_timeout + opts.command_timeout;
-                let c = conn::ClusterLink::connect((**client).clone(), limit).await?;
-                // A dedicated connection never subscribes: `subs` is never used.
-                Ok(Conn::Cluster {
-                    subs: c.clone(),
-                    cmds: c,
-                })
-            }
-            #[cfg(feature = "sentinel")]
-            (Reconnect::FromConn, Conn::Sentinel(c)) => Ok(Conn::Sentinel(c.dedicated()?)),
-            #[allow(unreachable_patterns)]
-            _ => Err(LockError::unsupported("redis", "replica acknowledgement")),
-        }
     }
 
     async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
@@ -1357,7 +1304,7 @@ impl Backend for RedisBackend {
         replicas: u32,
     ) -> BoxFuture<'a, Result<u32, LockError>> {
         Box::pin(async move {
-            let mut conn = self.dedicated().await?;
+            let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
             let mut renew = self.inner.extend.prepare_invoke();
             renew
                 .key(resource.as_str())
@@ -1371,33 +1318,9 @@ impl Backend for RedisBackend {
             if owned != 1 {
                 return Err(LockError::lost(resource.key().as_str()));
             }
-            let mut wait = redis::cmd("WAIT");
-            wait.arg(replicas)
-                .arg(millis(self.inner.opts.command_timeout * 3 / 4));
-            let acked: i64 = match &mut conn {
-                // `WAIT` has no key: send it to the lock's master, on the connection that
-                // carried the renewal.
-                #[cfg(feature = "cluster")]
-                Conn::Cluster { cmds: c, .. } => {
-                    use redis::cluster_routing::{
-                        Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
-                    };
-                    let slot = conn::slot(resource.key().as_str());
-                    let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
-                        Route::new(slot, SlotAddr::Master),
-                    ));
-                    let v = self
-                        .deadline_on(&on, "wait for replicas", c.route_command(wait, to))
-                        .await?;
-                    redis::from_redis_value(v).map_err(|e| {
-                        LockError::unavailable(format!("redis wait for replicas: {e}"), None)
-                    })?
-                }
-                _ => {
-                    self.deadline_on(&on, "wait for replicas", wait.query_async(&mut conn))
-                        .await?
-                }
-            };
+            let wait = self.inner.opts.command_timeout * 3 / 4;
+            let acked = conn::wait_replicas(&mut conn, resource.key().as_str(), replicas, wait);
+            let acked = self.deadline_on(&on, "wait for replicas", acked).await?;
             Ok(u32::try_from(acked).unwrap_or(0))
         })
     }
