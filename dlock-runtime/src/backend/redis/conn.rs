@@ -303,8 +303,8 @@ pub(crate) async fn wait_replicas(
 }
 
 /// Connects to the cluster behind `url` (`redis+cluster://[user:pass@]h1:p1,h2:p2`,
-/// `rediss+cluster://…`) without release notifications (the durable queue's connection), and how to make
-/// [`Dedicated`] ones.
+/// `rediss+cluster://…`) without release notifications (the durable queue's connection), and
+/// how to make [`Dedicated`] ones.
 #[cfg(all(feature = "cluster", feature = "durable"))]
 pub(crate) async fn connect_cluster(
     url: &str,
@@ -1029,7 +1029,6 @@ fn watch(link: Weak<Link>, generation: u64) -> Option<crate::util::RuntimeWatch>
     })
 }
 
-#[cfg(feature = "cluster")]
 /// Whether `cmd` is `SCRIPT LOAD`.
 #[cfg(feature = "cluster")]
 fn is_script_load(cmd: &Cmd) -> bool {
