@@ -248,7 +248,8 @@ async fn keys_on_two_masters(
 }
 
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
-/// it. Locks on the other shards keep being renewed; acquiring on the dead shard is a prompt
+/// it. Locks on the other shards keep being renewed and taken, also where a script must be
+/// loaded again before the dead shard has failed over; acquiring on the dead shard is a prompt
 /// typed error, never a hang; the replica takes over and the shard works again; the holder
 /// whose lock did not survive is told through `lost()`, while a lock acquired with
 /// `.replicas(1)` on the same shard survives; and the next fencing token for that key is larger
@@ -327,6 +328,33 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     let held_a = locker.lock(&a).ttl(ttl).acquire().await.unwrap();
     let master = cluster.index_of(ra.master);
     cluster.nodes[master].stop();
+
+    // A has no master, nor can it get one yet (its replica is frozen), when B's master loses
+    // its script cache: the scripts are loaded again on B's master alone, so a new lock there
+    // and the watchdog's renewal of B (a pipeline) work. (Loading on every node failed both
+    // until A's failover.)
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut node_conn(rb.master).await)
+        .await
+        .unwrap();
+    let before = held_b.remaining();
+    let mut on_b = None;
+    for i in 0.. {
+        let key = format!("failover-b:{i}");
+        if range_of_key(&locker, seed, &key).await.master == rb.master {
+            on_b = Some(key);
+            break;
+        }
+    }
+    let g = locker.lock(on_b.unwrap()).ttl(ttl).acquire().await.unwrap();
+    g.release().await.unwrap();
+    poll_until(ttl, Duration::from_millis(10), async || {
+        (held_b.remaining() > before)
+            .then_some(())
+            .ok_or("B not renewed")
+    })
+    .await;
     cluster.nodes[replica].resume();
 
     // While the shard has no master, an acquire there fails fast with a typed error.

@@ -25,7 +25,7 @@ const SCAN_COUNT: usize = 1000;
 /// KEYS: 1 lock (plus, on a cluster, the derived keys). ARGV: 1 the fencing counter's key.
 /// Returns `{value or '', PTTL, counter or '', {waiter, entry ms left, …}}`.
 static INSPECT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    super::conn::script(
         &[
             scripts::QUEUE_KEYS,
             r#"

@@ -27,9 +27,58 @@ use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 use crate::LockError;
 #[cfg(feature = "cluster")]
 use {
-    redis::cluster::ClusterClient, redis::cluster_async::ClusterConnection,
-    redis::cluster_routing::RoutingInfo, redis::RedisError, std::sync::atomic::AtomicU64,
+    redis::cluster::ClusterClient,
+    redis::cluster_async::ClusterConnection,
+    redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
+    redis::RedisError,
+    std::collections::HashMap,
+    std::sync::atomic::AtomicU64,
 };
+
+/// A script the crate runs. Every one is made here (`clippy.toml` forbids `Script::new`
+/// elsewhere), so that a cluster connection can send its text where a node lacks it (see
+/// [`ClusterLink`]'s `req_packed_command`).
+#[allow(clippy::disallowed_methods)]
+pub(crate) fn script(text: &str) -> redis::Script {
+    let script = redis::Script::new(text);
+    #[cfg(feature = "cluster")]
+    SCRIPTS
+        .write()
+        .unwrap_or_else(PoisonError::into_inner)
+        .entry(script.get_hash().to_owned())
+        .or_insert_with(|| text.into());
+    script
+}
+
+/// The text of every script made by [`script`], by SHA1 (hex).
+#[cfg(feature = "cluster")]
+static SCRIPTS: std::sync::LazyLock<RwLock<HashMap<String, Arc<str>>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// The text of the script made by [`script`] whose SHA1 (hex) is `sha`.
+#[cfg(feature = "cluster")]
+pub(super) fn script_body(sha: &str) -> Option<Arc<str>> {
+    SCRIPTS
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(sha)
+        .cloned()
+}
+
+/// The start of a call of `script`: `EVALSHA <sha>`, or, `with_body` on a cluster, `EVAL <its
+/// text>` (where a node lacks it: see [`ClusterLink`]).
+pub(super) fn script_call(script: &redis::Script, with_body: bool) -> Cmd {
+    #[cfg(feature = "cluster")]
+    if let Some(text) = with_body.then(|| script_body(script.get_hash())).flatten() {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(&*text);
+        return cmd;
+    }
+    let _ = with_body;
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash());
+    cmd
+}
 
 /// One server or a cluster. Cheap to clone.
 #[derive(Clone)]
@@ -288,7 +337,6 @@ pub(crate) async fn wait_replicas(
     match conn {
         #[cfg(feature = "cluster")]
         Conn::Cluster { cmds, .. } => {
-            use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
             let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
                 slot(tag),
                 SlotAddr::Master,
@@ -1032,37 +1080,77 @@ fn watch(link: Weak<Link>, generation: u64) -> Option<crate::util::RuntimeWatch>
 /// Whether `cmd` is `SCRIPT LOAD`.
 #[cfg(feature = "cluster")]
 fn is_script_load(cmd: &Cmd) -> bool {
-    let mut args = cmd.args_iter().map(|a| match a {
-        redis::Arg::Simple(a) => a,
-        _ => b"",
-    });
+    let mut args = simple_args(cmd);
     args.next()
         .is_some_and(|a| a.eq_ignore_ascii_case(b"SCRIPT"))
         && args.next().is_some_and(|a| a.eq_ignore_ascii_case(b"LOAD"))
 }
 
 #[cfg(feature = "cluster")]
+fn simple_args(cmd: &Cmd) -> impl Iterator<Item = &[u8]> {
+    cmd.args_iter().map(|a| match a {
+        redis::Arg::Simple(a) => a,
+        _ => b"",
+    })
+}
+
+/// Whether a reply says `NOSCRIPT` (redis-rs hands a server's error over as a value).
+#[cfg(feature = "cluster")]
+fn is_noscript(v: &Value) -> bool {
+    matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript))
+}
+
+/// `cmd`, a script call (`EVALSHA <sha> …`) of a script made by [`script`], as `EVAL <its
+/// text> …`.
+#[cfg(feature = "cluster")]
+fn with_body(cmd: &Cmd) -> Option<Cmd> {
+    let mut args = simple_args(cmd);
+    if !args.next()?.eq_ignore_ascii_case(b"EVALSHA") {
+        return None;
+    }
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(&*script_body(std::str::from_utf8(args.next()?).ok()?)?);
+    for a in args {
+        eval.arg(a);
+    }
+    Some(eval)
+}
+
+#[cfg(feature = "cluster")]
 impl ConnectionLike for ClusterLink {
+    /// A script call that finds its script missing on its node (`NOSCRIPT`: the script's
+    /// first use there, or its first after a failover, a restart or `SCRIPT FLUSH`) is sent
+    /// once more with the script's text (`EVAL`), which also caches it there. redis-rs
+    /// instead sends `SCRIPT LOAD` to every node, replicas too, and fails it unless all answer:
+    /// one node that did not (a frozen or cut-off replica, another shard's master dead and not
+    /// yet failed over) failed every lock, on any shard, whose master had to load a script.
+    /// `EVAL` is routed like the call, redirects included (a slot being resharded: the node
+    /// that answered `NOSCRIPT` may be the slot's next master). A `SCRIPT LOAD` still sent (a
+    /// script not made by [`script`]) goes to the masters only: scripts run nowhere else.
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        // redis-rs sends `SCRIPT LOAD` (a script's first use on a node, or its first after a
-        // failover or restart: `NOSCRIPT`) to every node, replicas too, and fails it unless all
-        // answer: one replica that does not (frozen, cut off, dead but not yet marked failed)
-        // failed every lock whose master had not yet run the script. Scripts run on masters
-        // only: it goes to those.
         if is_script_load(cmd) {
+            use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy};
             let to = RoutingInfo::MultiNode((
-                redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
-                Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
             ));
             return Box::pin(async move { self.route_command(cmd.clone(), to).await });
         }
-        if !self.refresh() {
-            return Box::pin(async move { self.ready().await?.req_packed_command(cmd).await });
-        }
-        match &mut self.conn {
-            Some((c, _)) => c.req_packed_command(cmd),
-            None => Box::pin(async { Err(gone_error()) }),
-        }
+        let live = self.refresh();
+        Box::pin(async move {
+            let r = match (&mut self.conn, live) {
+                (Some((c, _)), true) => c.req_packed_command(cmd).await,
+                (None, true) => Err(gone_error()),
+                (_, false) => self.ready().await?.req_packed_command(cmd).await,
+            };
+            match r {
+                Ok(v) if is_noscript(&v) => match with_body(cmd) {
+                    Some(eval) => self.ready().await?.req_packed_command(&eval).await,
+                    None => Ok(v),
+                },
+                r => r,
+            }
+        })
     }
 
     fn req_packed_commands<'a>(
@@ -1147,6 +1235,26 @@ mod tests {
             vec!["rediss://a:1"]
         );
         assert!(cluster_urls("redis+cluster://").is_err());
+    }
+
+    #[test]
+    fn a_script_call_is_resent_with_its_text_and_its_arguments() {
+        let text = "return {KEYS[1], ARGV[1], 'with_body test'}";
+        let s = script(text);
+        let mut call = script_call(&s, false);
+        call.arg(1).arg("k").arg("a");
+        let packed = |c: &Cmd| String::from_utf8(c.get_packed_command()).unwrap();
+        let mut expected = redis::cmd("EVAL");
+        expected.arg(text).arg(1).arg("k").arg("a");
+        assert_eq!(packed(&with_body(&call).unwrap()), packed(&expected));
+        let mut pipelined = script_call(&s, true);
+        pipelined.arg(1).arg("k").arg("a");
+        assert_eq!(packed(&pipelined), packed(&expected));
+        // Not a script call, or a script not made by `script`: left to redis-rs.
+        assert!(with_body(redis::cmd("GET").arg("k")).is_none());
+        let mut unknown = redis::cmd("EVALSHA");
+        unknown.arg("0".repeat(40)).arg(0);
+        assert!(with_body(&unknown).is_none());
     }
 
     #[test]

@@ -1376,7 +1376,7 @@ impl RedisBackend {
     }
 
     async fn extend_chunk(&self, chunk: &[ExtendItem]) -> Result<Vec<i64>, LockError> {
-        let build = || {
+        let build = |with_body: bool| {
             let mut pipe = redis::pipe();
             for item in chunk {
                 // A semaphore's or read-write lock's lease is its holder's score, not a `PX`.
@@ -1384,8 +1384,7 @@ impl RedisBackend {
                     LockKind::Exclusive => (&self.inner.extend, scripts::px(item.ttl)),
                     _ => (kinds::extend_script(), millis(item.ttl)),
                 };
-                pipe.cmd("EVALSHA")
-                    .arg(script.get_hash())
+                pipe.add_command(conn::script_call(script, with_body))
                     .arg(1)
                     .arg(item.resource.as_str())
                     .arg(item.token.as_str())
@@ -1397,7 +1396,7 @@ impl RedisBackend {
         let mut sent = Sent::new(&self.inner.conn);
         let first = tokio::time::timeout(
             self.inner.opts.command_timeout,
-            build().query_async::<Vec<i64>>(&mut conn),
+            build(false).query_async::<Vec<i64>>(&mut conn),
         )
         .await;
         sent.answered();
@@ -1406,12 +1405,21 @@ impl RedisBackend {
             Ok(Err(e))
                 if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
             {
-                // The server lost its script cache (restart, SCRIPT FLUSH): load and retry once.
+                // The server lost its script cache (a restart, a failover, `SCRIPT FLUSH`; a
+                // renewal that ran is harmless to run again). On a cluster, once more with the
+                // scripts' text (`EVAL`), which reaches the very node that lacks them, the
+                // slot's next master mid-reshard included (see `conn::ClusterLink`); on one
+                // server, load them and retry once.
+                if self.is_cluster() {
+                    return self
+                        .deadline("extend", build(true).query_async::<Vec<i64>>(&mut conn))
+                        .await;
+                }
                 for script in [&self.inner.extend, kinds::extend_script()] {
                     self.deadline("script load", script.prepare_invoke().load_async(&mut conn))
                         .await?;
                 }
-                self.deadline("extend", build().query_async::<Vec<i64>>(&mut conn))
+                self.deadline("extend", build(false).query_async::<Vec<i64>>(&mut conn))
                     .await
             }
             Ok(Err(e)) => Err(self.failed("extend", e)),

@@ -208,7 +208,7 @@ pub(super) const PASS_ON: &str = pass_on!();
 
 /// A script's text with `LINGER` replaced by its value in ms.
 pub(super) fn script(text: &str) -> Script {
-    Script::new(&text.replace("LINGER", LINGER_MS))
+    super::conn::script(&text.replace("LINGER", LINGER_MS))
 }
 
 /// Like [`script`]; on a cluster (`cluster`), release notifications go out on the lock's
@@ -413,7 +413,7 @@ return 1
 ///
 /// KEYS: 1 fencing counter. ARGV: 1 token. Returns 1.
 pub(super) fn raise_fence() -> Script {
-    Script::new(
+    super::conn::script(
         r#"
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
