@@ -27,6 +27,8 @@ mod admin;
 mod idempotency;
 mod kinds;
 
+pub use idempotency::DEFAULT_IDEMPOTENCY_CAPACITY;
+
 const SHARDS: usize = 64;
 
 /// The in-process lock store. Cheap to clone; clones share the same locks.
@@ -110,6 +112,27 @@ impl MemoryBackend {
                 idempotency: Default::default(),
             }),
         }
+    }
+
+    /// Sets how many bytes this store's idempotency records
+    /// ([`Locker::idempotency`](crate::Locker::idempotency), `IdempotencyLayer`) take at most
+    /// (default [`DEFAULT_IDEMPOTENCY_CAPACITY`], 64 MiB; for every clone of this store). A
+    /// record counts its key, its stored response and about 160 bytes. A record that takes
+    /// them over it has the completed records nearest their expiry dropped first, down to nine
+    /// tenths of it, with a `WARN` event `dlock.idempotency.evicted`: a retry whose record was
+    /// dropped runs as a new request, as after its retention. Running attempts are never
+    /// dropped. Size it for the records your retention keeps (requests per second × retention
+    /// × response size); Redis and Postgres keep theirs in the server instead.
+    ///
+    /// ```
+    /// use dlock_runtime::backend::MemoryBackend;
+    ///
+    /// let store = MemoryBackend::new().with_idempotency_capacity(256 * 1024 * 1024);
+    /// # let _ = store;
+    /// ```
+    pub fn with_idempotency_capacity(self, bytes: usize) -> Self {
+        self.inner.idempotency.set_capacity(bytes);
+        self
     }
 
     /// How many keys currently have state (a live holder or live waiters); for tests and

@@ -93,7 +93,7 @@ use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
 mod memory;
-pub use memory::MemoryBackend;
+pub use memory::{MemoryBackend, DEFAULT_IDEMPOTENCY_CAPACITY};
 
 pub mod admin;
 pub use self::admin::AdminStore;

@@ -157,6 +157,12 @@
 //! the draft's discussion): store what a retry must not change, free what a retry is meant to
 //! redo.
 //!
+//! Stored records live for the retention, in the locker's backend: Redis and Postgres keep them
+//! in the server; the in-memory backend keeps at most its capacity
+//! ([`MemoryBackend::with_idempotency_capacity`](dlock_runtime::backend::MemoryBackend::with_idempotency_capacity),
+//! 64 MiB by default) and, over it, drops the completed records nearest their expiry first —
+//! a retry whose record was dropped runs the handler again, as after the retention.
+//!
 //! # The key
 //!
 //! The draft defines `Idempotency-Key` as a Structured Field string

@@ -10,8 +10,16 @@
 //! only while that owner's lock lives) or a completed record (fingerprint and result bytes).
 //! Both expire after the retention period; expired entries are dropped when touched and by an
 //! amortised sweep.
+//!
+//! The records of one backend take at most its capacity
+//! ([`MemoryBackend::with_idempotency_capacity`], default [`DEFAULT_IDEMPOTENCY_CAPACITY`]):
+//! each counts its key, its result and [`RECORD_OVERHEAD`]. A record that takes them over it
+//! has the completed records nearest their expiry dropped first, down to nine tenths of it
+//! (so a full store sweeps once per tenth of its capacity, not on every record). Notes of
+//! running attempts are never dropped: they are small and as many as the running handlers.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -21,10 +29,27 @@ use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
 use crate::LockError;
 
+/// How many bytes the idempotency records of a [`MemoryBackend`] take at most unless set
+/// otherwise ([`MemoryBackend::with_idempotency_capacity`]): 64 MiB.
+pub const DEFAULT_IDEMPOTENCY_CAPACITY: usize = 64 * 1024 * 1024;
+
+/// What a record counts beside its key and result: the map's slot, the record, the key's and
+/// result's allocation headers, an owner token.
+const RECORD_OVERHEAD: usize = 160;
+
 /// The record map of one [`MemoryBackend`].
-#[derive(Default)]
 pub(super) struct Records {
     inner: Mutex<RecordMap>,
+    capacity: AtomicUsize,
+}
+
+impl Default for Records {
+    fn default() -> Self {
+        Records {
+            inner: Mutex::default(),
+            capacity: AtomicUsize::new(DEFAULT_IDEMPOTENCY_CAPACITY),
+        }
+    }
 }
 
 impl std::fmt::Debug for Records {
@@ -32,6 +57,8 @@ impl std::fmt::Debug for Records {
         let map = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         f.debug_struct("Records")
             .field("len", &map.map.len())
+            .field("bytes", &map.bytes)
+            .field("capacity", &self.capacity.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -40,6 +67,8 @@ impl std::fmt::Debug for Records {
 struct RecordMap {
     map: HashMap<Arc<str>, Record>,
     sweep_at: usize,
+    /// What the records count, [`Record::size`] each.
+    bytes: usize,
 }
 
 struct Record {
@@ -55,26 +84,102 @@ enum State {
     Done { result: Arc<[u8]> },
 }
 
+impl Record {
+    fn size(&self, name: &str) -> usize {
+        let result = match &self.state {
+            State::Running { .. } => 0,
+            State::Done { result } => result.len(),
+        };
+        name.len() + result + RECORD_OVERHEAD
+    }
+}
+
 impl RecordMap {
     fn get(&mut self, name: &str, now: Instant) -> Option<&Record> {
         if self.map.get(name).is_some_and(|r| r.expires <= now) {
-            self.map.remove(name);
+            self.remove(name);
         }
         self.map.get(name)
     }
 
-    fn insert(&mut self, name: &str, record: Record, now: Instant) {
-        self.map.insert(name.into(), record);
+    fn remove(&mut self, name: &str) {
+        if let Some((name, r)) = self.map.remove_entry(name) {
+            self.bytes -= r.size(&name);
+        }
+    }
+
+    fn insert(&mut self, name: &str, record: Record, now: Instant, capacity: usize) {
+        self.bytes += record.size(name);
+        if let Some(old) = self.map.insert(name.into(), record) {
+            self.bytes -= old.size(name);
+        }
         if self.map.len() > self.sweep_at {
-            self.map.retain(|_, r| r.expires > now);
+            self.sweep(|r| r.expires > now);
             self.sweep_at = (self.map.len() * 2).max(64);
         }
+        if self.bytes > capacity {
+            self.evict(capacity / 10 * 9);
+        }
+    }
+
+    fn sweep(&mut self, mut keep: impl FnMut(&Record) -> bool) {
+        let mut freed = 0;
+        self.map.retain(|name, r| {
+            let kept = keep(r);
+            if !kept {
+                freed += r.size(name);
+            }
+            kept
+        });
+        self.bytes -= freed;
+    }
+
+    /// Drops completed records, nearest their expiry first, until the records take at most
+    /// `target` bytes (or only running attempts are left).
+    fn evict(&mut self, target: usize) {
+        let mut done: Vec<(Instant, usize)> = self
+            .map
+            .iter()
+            .filter(|(_, r)| matches!(r.state, State::Done { .. }))
+            .map(|(name, r)| (r.expires, r.size(name)))
+            .collect();
+        done.sort_unstable_by_key(|&(expires, _)| expires);
+        let mut over = self.bytes.saturating_sub(target);
+        let mut until = None;
+        for (expires, size) in done {
+            if over == 0 {
+                break;
+            }
+            over = over.saturating_sub(size);
+            until = Some(expires);
+        }
+        let Some(until) = until else { return };
+        let before = self.map.len();
+        self.sweep(|r| !matches!(r.state, State::Done { .. }) || r.expires > until);
+        // The records were over their capacity: the completed ones nearest their expiry went.
+        tracing::warn!(
+            dropped = before - self.map.len(),
+            bytes = self.bytes,
+            "dlock.idempotency.evicted"
+        );
     }
 }
 
 impl Records {
     fn lock(&self) -> std::sync::MutexGuard<'_, RecordMap> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn set_capacity(&self, bytes: usize) {
+        self.capacity.store(bytes, Ordering::Relaxed);
+        let mut map = self.lock();
+        if map.bytes > bytes {
+            map.evict(bytes / 10 * 9);
+        }
     }
 }
 
@@ -142,6 +247,7 @@ impl IdempotencyStore for MemoryBackend {
                     expires: expiry(now, args.retention),
                 },
                 now,
+                self.records().capacity(),
             );
             e.fence = self.next_fence();
             BeginReply::Acquired {
@@ -156,7 +262,8 @@ impl IdempotencyStore for MemoryBackend {
         let (done, next) = self.with_entry(name, |e, now| match e.live_holder(now) {
             Some((t, _)) if t == args.token => {
                 e.holder = None;
-                self.records().lock().insert(
+                let records = self.records();
+                records.lock().insert(
                     name,
                     Record {
                         fingerprint: *args.fingerprint.as_bytes(),
@@ -166,6 +273,7 @@ impl IdempotencyStore for MemoryBackend {
                         expires: expiry(now, args.retention),
                     },
                     now,
+                    records.capacity(),
                 );
                 (true, Self::next_waiter(e, now))
             }
@@ -193,7 +301,7 @@ impl IdempotencyStore for MemoryBackend {
                     records.get(name, now),
                     Some(Record { state: State::Running { owner }, .. }) if owner == token
                 ) {
-                    records.map.remove(name);
+                    records.remove(name);
                 }
                 (true, Self::next_waiter(e, now))
             }
@@ -205,5 +313,101 @@ impl IdempotencyStore for MemoryBackend {
                 .notify(name, next.as_ref().map(OwnerToken::as_str));
         }
         Box::pin(std::future::ready(Ok(released)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::{Begin, Fingerprint};
+    use crate::Locker;
+
+    #[test]
+    fn the_byte_count_follows_inserts_replacements_removals_and_sweeps() {
+        let now = Instant::now();
+        let mut m = RecordMap::default();
+        let sum = |m: &RecordMap| m.map.iter().map(|(k, r)| r.size(k)).sum::<usize>();
+        let done = |len: usize, expires| Record {
+            fingerprint: [0; 32],
+            state: State::Done {
+                result: vec![0; len].into(),
+            },
+            expires,
+        };
+        let later = now + Duration::from_secs(60);
+        m.insert("a", done(100, later), now, usize::MAX);
+        m.insert(
+            "b",
+            done(10, now + Duration::from_millis(1)),
+            now,
+            usize::MAX,
+        );
+        m.insert("a", done(1000, later), now, usize::MAX);
+        assert_eq!(m.bytes, sum(&m));
+        assert_eq!(m.bytes, 1000 + 10 + 2 + 2 * RECORD_OVERHEAD);
+        m.remove("a");
+        assert_eq!(m.bytes, sum(&m));
+        m.insert("a", done(7, later), now, usize::MAX);
+        m.sweep(|r| r.expires > now + Duration::from_secs(1));
+        assert_eq!(m.map.len(), 1);
+        assert_eq!(m.bytes, sum(&m));
+        assert!(m.get("a", later).is_none(), "expired when touched");
+        assert_eq!(m.bytes, 0);
+    }
+
+    /// Filled over its capacity, the store drops the completed records nearest their expiry —
+    /// the newest records still replay, the oldest run again — and keeps a running attempt
+    /// begun before them all.
+    #[tokio::test]
+    async fn records_over_capacity_drop_those_nearest_their_expiry_first() {
+        const CAPACITY: usize = 16 * 1024;
+        let locker = Locker::new(MemoryBackend::new().with_idempotency_capacity(CAPACITY));
+        let fp = Fingerprint::from_bytes([7; 32]);
+        let result = vec![b'r'; 1024];
+        let Begin::Run(running) = locker.idempotency("running", fp).begin().await.unwrap() else {
+            panic!("a first attempt runs")
+        };
+        let retention = |i: u64| Duration::from_secs(60 + i);
+        for i in 0..40 {
+            let begin = locker
+                .idempotency(format!("k{i}"), fp)
+                .retention(retention(i));
+            let Begin::Run(op) = begin.begin().await.unwrap() else {
+                panic!("k{i} runs")
+            };
+            op.complete(&result).await.unwrap();
+        }
+        let mut replayed = Vec::new();
+        let mut ran_again = Vec::new();
+        for i in (0..40).rev() {
+            match locker
+                .idempotency(format!("k{i}"), fp)
+                .begin()
+                .await
+                .unwrap()
+            {
+                Begin::Replay(r) => {
+                    assert_eq!(r, result);
+                    replayed.push(i);
+                }
+                Begin::Run(op) => {
+                    op.abort().await.unwrap();
+                    ran_again.push(i);
+                }
+                other => panic!("k{i}: {other:?}"),
+            }
+        }
+        let kept = replayed.len();
+        assert_eq!(replayed, (40 - kept..40).rev().collect::<Vec<_>>());
+        assert!(
+            (10..=CAPACITY / 1024).contains(&kept),
+            "{kept} records of 1 KiB kept within {CAPACITY} bytes"
+        );
+        assert!(ran_again.contains(&0));
+        running.complete(b"done").await.unwrap();
+        match locker.idempotency("running", fp).begin().await.unwrap() {
+            Begin::Replay(r) => assert_eq!(r, b"done"),
+            other => panic!("the running attempt's record: {other:?}"),
+        }
     }
 }
