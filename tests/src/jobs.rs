@@ -278,9 +278,10 @@ pub async fn enqueue_waits_for_the_replica(
     assert_eq!(on_master(&jobs).await, 1);
 
     freeze();
+    let thaw = crate::wait::OnDrop::new(thaw);
     let err = queue.enqueue(&job, &policy, ttl, delay).await;
     let held = on_master(&jobs).await;
-    thaw();
+    thaw.run();
     let err = err.expect_err("a job no replica confirmed counted as queued");
     assert!(err.is_unavailable(), "{err}");
     assert!(err.to_string().contains("withdrawn"), "{err}");

@@ -277,3 +277,30 @@ pub async fn refused_at_once(locker: &Locker, key: &str) {
         "waited {took:?} of its {wait:?} for a refusal"
     );
 }
+
+/// Runs a closure when dropped — also when the test panics first — or earlier, at
+/// [`run`](Self::run): the undoing of a fault (a frozen node thawed) that the other tests of a
+/// binary sharing the server must not inherit from a failed check.
+pub struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> OnDrop<F> {
+    /// `f`, run when this is dropped.
+    pub fn new(f: F) -> Self {
+        OnDrop(Some(f))
+    }
+
+    /// Runs it now.
+    pub fn run(mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+impl<F: FnOnce()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}

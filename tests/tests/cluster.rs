@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail};
 use dlock_tests::redis_cluster::{self, key_slot, node_conn, RedisCluster, SlotRange};
-use dlock_tests::wait::poll_until;
+use dlock_tests::wait::{poll_until, OnDrop};
 use redis::AsyncCommands as _;
 
 fn cluster_store() -> ((), Store) {
@@ -415,6 +415,15 @@ async fn durable_queue_runs_on_the_cluster() {
     dlock_tests::jobs::durable_round_trip(&url, "cluster", 1).await;
 }
 
+/// Thaws node `index` of the shared cluster (also from a test that panicked holding its lock).
+fn thaw(cluster: &std::sync::Mutex<RedisCluster>, index: usize) {
+    cluster
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .nodes[index]
+        .resume();
+}
+
 /// The slot range serving Redis key `key` (as the first master sees it), once it lists a
 /// replica: a node's view of the other shards' replicas may lag behind the cluster's start.
 async fn shard_with_replica(key: &str) -> SlotRange {
@@ -459,7 +468,7 @@ async fn acknowledged_jobs_wait_for_their_shards_replica() {
             has
         },
         || cluster.lock().unwrap().nodes[replica].pause(),
-        || cluster.lock().unwrap().nodes[replica].resume(),
+        || thaw(&cluster, replica),
         async |jobs| {
             redis::cmd("HLEN")
                 .arg(jobs)
@@ -510,22 +519,23 @@ async fn acknowledged_locks_and_jobs_wait_for_their_shards_replica() {
     // The replica stops acknowledging (frozen for less than the node timeout: no failover).
     let replica = cluster.lock().unwrap().index_of(range.replicas[0]);
     cluster.lock().unwrap().nodes[replica].pause();
+    let thawed = OnDrop::new(|| thaw(&cluster, replica));
     let err = locker.lock(key).replicas(1).acquire().await;
     let on_master: i64 = redis::cmd("EXISTS")
         .arg(&resource)
         .query_async(&mut node_conn(range.master).await)
         .await
         .unwrap();
-    // A master that lost its scripts (a restart, a failover: `NOSCRIPT`) has them loaded again
-    // while the replica is frozen: `SCRIPT LOAD` goes to the masters only. redis-rs sent it to
-    // every node, and it timed out on the frozen one.
+    // A master that lost its scripts (a restart, a failover: `NOSCRIPT`) gets them again while
+    // the replica is frozen: the call is sent once more with the script's text, to that master
+    // alone. redis-rs sent `SCRIPT LOAD` to every node, and it timed out on the frozen one.
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query_async(&mut node_conn(range.master).await)
         .await
         .unwrap();
     let plain = locker.lock(key).try_acquire().await;
-    cluster.lock().unwrap().nodes[replica].resume();
+    thawed.run();
     let plain = plain.expect("a lock whose master had to load its script failed");
     plain.expect("the lock is free").release().await.unwrap();
     let err = err.expect_err("a lock no replica acknowledged counted as taken");
