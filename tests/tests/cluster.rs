@@ -247,6 +247,17 @@ async fn keys_on_two_masters(
     unreachable!()
 }
 
+/// The first lock key `<prefix>:<n>` served by the master on port `master`.
+async fn key_on_master(locker: &Locker, seed: u16, prefix: &str, master: u16) -> String {
+    for i in 0.. {
+        let key = format!("{prefix}:{i}");
+        if range_of_key(locker, seed, &key).await.master == master {
+            return key;
+        }
+    }
+    unreachable!()
+}
+
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
 /// it. Locks on the other shards keep being renewed and taken, also where a script must be
 /// loaded again before the dead shard has failed over; acquiring on the dead shard is a prompt
@@ -295,15 +306,7 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     )
     .await;
     // An acknowledged lock on A's master: the replica has it before acquire returns.
-    let mut acked_key = None;
-    for i in 0.. {
-        let key = format!("failover-acked:{i}");
-        if range_of_key(&locker, seed, &key).await.master == ra.master {
-            acked_key = Some(key);
-            break;
-        }
-    }
-    let acked_key = acked_key.unwrap();
+    let acked_key = key_on_master(&locker, seed, "failover-acked", ra.master).await;
     // Its lease outlasts the failover (node timeout + election), so only the failover could
     // lose it.
     let acked = locker
@@ -339,15 +342,8 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
         .await
         .unwrap();
     let before = held_b.remaining();
-    let mut on_b = None;
-    for i in 0.. {
-        let key = format!("failover-b:{i}");
-        if range_of_key(&locker, seed, &key).await.master == rb.master {
-            on_b = Some(key);
-            break;
-        }
-    }
-    let g = locker.lock(on_b.unwrap()).ttl(ttl).acquire().await.unwrap();
+    let on_b = key_on_master(&locker, seed, "failover-b", rb.master).await;
+    let g = locker.lock(on_b).ttl(ttl).acquire().await.unwrap();
     g.release().await.unwrap();
     poll_until(ttl, Duration::from_millis(10), async || {
         (held_b.remaining() > before)
