@@ -319,8 +319,6 @@ impl IdempotencyStore for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::{Begin, Fingerprint};
-    use crate::Locker;
 
     #[test]
     fn the_byte_count_follows_inserts_replacements_removals_and_sweeps() {
@@ -353,61 +351,5 @@ mod tests {
         assert_eq!(m.bytes, sum(&m));
         assert!(m.get("a", later).is_none(), "expired when touched");
         assert_eq!(m.bytes, 0);
-    }
-
-    /// Filled over its capacity, the store drops the completed records nearest their expiry —
-    /// the newest records still replay, the oldest run again — and keeps a running attempt
-    /// begun before them all.
-    #[tokio::test]
-    async fn records_over_capacity_drop_those_nearest_their_expiry_first() {
-        const CAPACITY: usize = 16 * 1024;
-        let locker = Locker::new(MemoryBackend::new().with_idempotency_capacity(CAPACITY));
-        let fp = Fingerprint::from_bytes([7; 32]);
-        let result = vec![b'r'; 1024];
-        let Begin::Run(running) = locker.idempotency("running", fp).begin().await.unwrap() else {
-            panic!("a first attempt runs")
-        };
-        let retention = |i: u64| Duration::from_secs(60 + i);
-        for i in 0..40 {
-            let begin = locker
-                .idempotency(format!("k{i}"), fp)
-                .retention(retention(i));
-            let Begin::Run(op) = begin.begin().await.unwrap() else {
-                panic!("k{i} runs")
-            };
-            op.complete(&result).await.unwrap();
-        }
-        let mut replayed = Vec::new();
-        let mut ran_again = Vec::new();
-        for i in (0..40).rev() {
-            match locker
-                .idempotency(format!("k{i}"), fp)
-                .begin()
-                .await
-                .unwrap()
-            {
-                Begin::Replay(r) => {
-                    assert_eq!(r, result);
-                    replayed.push(i);
-                }
-                Begin::Run(op) => {
-                    op.abort().await.unwrap();
-                    ran_again.push(i);
-                }
-                other => panic!("k{i}: {other:?}"),
-            }
-        }
-        let kept = replayed.len();
-        assert_eq!(replayed, (40 - kept..40).rev().collect::<Vec<_>>());
-        assert!(
-            (10..=CAPACITY / 1024).contains(&kept),
-            "{kept} records of 1 KiB kept within {CAPACITY} bytes"
-        );
-        assert!(ran_again.contains(&0));
-        running.complete(b"done").await.unwrap();
-        match locker.idempotency("running", fp).begin().await.unwrap() {
-            Begin::Replay(r) => assert_eq!(r, b"done"),
-            other => panic!("the running attempt's record: {other:?}"),
-        }
     }
 }
