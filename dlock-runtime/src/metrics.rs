@@ -24,7 +24,7 @@
 //! | `dlock_renewals_total` | counter | `backend`, `name` | watchdog renewals that succeeded |
 //! | `dlock_renewal_failures_total` | counter | `backend`, `name` | watchdog renewals that failed or timed out (retried until the lease runs out) |
 //! | `dlock_lost_total` | counter | `backend`, `name` | held locks reported lost (renewal refused, lease ran out) |
-//! | `dlock_handoff_seconds` | histogram | `backend`, `name` | for a waiter woken by a release: from the wake-up to holding the lock |
+//! | `dlock_handoff_seconds` | histogram | `backend`, `name` | for a waiter woken by a release: from the wake-up to holding the lock (a release that came while the waiter's own attempt was on its way: from that attempt) |
 //! | `dlock_jobs_total` | counter | `backend` (`memory` or `redis` queue), `name`, `event` | deferred jobs by event: `deferred`, `retried`, `dead_lettered`, `completed`, `requeued`, `dropped`, `abandoned` |
 //! | `dlock_idempotency_total` | counter | `backend`, `name`, `outcome` | idempotency begins by outcome: `run` (first attempt), `replayed`, `conflict` (key reused with another payload), `in_progress` |
 //!
@@ -52,7 +52,8 @@ pub const RENEWALS: &str = "dlock_renewals_total";
 pub const RENEWAL_FAILURES: &str = "dlock_renewal_failures_total";
 /// Counter: locks reported lost.
 pub const LOST: &str = "dlock_lost_total";
-/// Histogram (seconds): a waiter's wake-up by a release to holding the lock.
+/// Histogram (seconds): a waiter's wake-up by a release to holding the lock; for a release
+/// that came while the waiter's own attempt was on its way, from that attempt.
 pub const HANDOFF: &str = "dlock_handoff_seconds";
 /// Counter: deferred jobs by `event`.
 pub const JOBS: &str = "dlock_jobs_total";

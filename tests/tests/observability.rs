@@ -9,14 +9,21 @@
 //! tests of this binary never see each other's values.
 
 use std::future::{Future, IntoFuture as _};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use dlock_runtime::backend::{
+    AcquireArgs, Attempt, Backend, BoxFuture, MemoryBackend, OwnerToken, Watch,
+};
 use dlock_runtime::idempotency::{Begin, Fingerprint};
+use dlock_runtime::key::ResourceName;
 use dlock_runtime::metrics as m;
-use dlock_runtime::{LockGuard, Locker, OnFail};
+use dlock_runtime::{LockError, LockGuard, Locker, OnFail, RetryPolicy};
 use dlock_tests::wait::wait_for;
 use dlock_tests::RedisServer;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tokio::sync::Notify;
 
 #[path = "observability/capture.rs"]
 mod capture;
@@ -329,6 +336,117 @@ fn a_scripted_run_records_exact_metrics() {
     // No key ever became a label.
     let names = r.names_of(m::ACQUIRE);
     assert!(names.iter().all(|n| !n.contains(':')), "{names:?}");
+}
+
+/// The memory backend, with its acquire attempts held at a gate while `gated` is set: the test
+/// signals `arrived` when one comes, and lets it on with `go`.
+#[derive(Clone, Default)]
+struct GatedAcquire {
+    inner: MemoryBackend,
+    gated: Arc<AtomicBool>,
+    arrived: Arc<Notify>,
+    go: Arc<Notify>,
+}
+
+impl Backend for GatedAcquire {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+
+    fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
+        Box::pin(async move {
+            if self.gated.swap(false, Ordering::SeqCst) {
+                self.arrived.notify_one();
+                self.go.notified().await;
+            }
+            self.inner.acquire(args).await
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.release(resource, token)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.inner.extend(resource, token, ttl)
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        self.inner.abandon(resource, token)
+    }
+
+    fn watch<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+    ) -> BoxFuture<'a, Result<Watch, LockError>> {
+        self.inner.watch(resource, token)
+    }
+}
+
+/// A release that lands while the waiter's attempt is on its way — the waiter woke on its
+/// timer, not on the release — hands it the lock all the same, and is counted as a handoff.
+/// (Such a race left `a_scripted_run_records_exact_metrics` one handoff short, now and then.)
+#[test]
+fn a_release_during_the_waiters_attempt_counts_as_a_handoff() {
+    let ((), snap) = with_recorder(async {
+        let backend = GatedAcquire::default();
+        let locker = Locker::new(backend.clone());
+        let held = locker.lock("k").name("holder").acquire().await.unwrap();
+        let next = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                // Its timer wakes it every 5 ms: its attempts are not woken by the release.
+                let policy = RetryPolicy::new(Duration::from_secs(10))
+                    .backoff(Duration::from_millis(5), Duration::from_millis(5))
+                    .jitter(false);
+                locker
+                    .lock("k")
+                    .name("next")
+                    .on_fail(OnFail::Retry(policy))
+                    .acquire()
+                    .await
+            }
+        });
+        wait_for("the waiter in line", Duration::from_secs(5), async || {
+            (locker.waiting() == 1).then_some(())
+        })
+        .await;
+        // Its next attempt, sent when its timer runs out, is held on its way while the
+        // release frees the lock and names it the next holder.
+        backend.gated.store(true, Ordering::SeqCst);
+        backend.arrived.notified().await;
+        held.release().await.unwrap();
+        backend.go.notify_one();
+        next.await.unwrap().unwrap().release().await.unwrap();
+    });
+    let r = Recorded::of(&snap);
+    let l = |name| [("backend", "gated"), ("name", name)];
+    assert_eq!(
+        r.counter(
+            m::ACQUIRE,
+            &[
+                ("backend", "gated"),
+                ("name", "next"),
+                ("outcome", "acquired")
+            ]
+        ),
+        1
+    );
+    assert_eq!(r.samples(m::HANDOFF, &l("next")).len(), 1);
 }
 
 /// A Redis server that goes away: requests are `unavailable`, renewals fail, the lock is lost.

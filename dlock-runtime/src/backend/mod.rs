@@ -478,6 +478,13 @@ impl Watch {
         self.slot.notify.notified().await;
     }
 
+    /// Takes a notification that has arrived and not yet been waited for, without waiting:
+    /// `true` when one had (a release woke this waiter while it was not waiting).
+    pub(crate) fn take_notification(&self) -> bool {
+        use futures_util::FutureExt as _;
+        self.slot.notify.notified().now_or_never().is_some()
+    }
+
     /// The fencing token of the lock, if a release handed it to this waiter
     /// ([`ReleaseHub::hand_over`]): the waiter holds it now, without asking again. Taken once.
     pub fn take_handoff(&self) -> Option<u64> {

@@ -701,7 +701,15 @@ async fn wait_for(
             asked_ns = locker.watchdog().now_ns();
             let out = attempt(locker, &flight, take, mode).await;
             let remaining = match refused(&mut flight, out) {
-                Ok(Ok(grant)) => break 'granted grant,
+                Ok(Ok(grant)) => {
+                    // A release that woke this waiter while its attempt was on the way (it
+                    // woke on its timer, or had just subscribed) freed the lock the attempt
+                    // took: a handoff too, counted from when the attempt was sent.
+                    if woken.is_none() && watch.as_ref().is_some_and(Watch::take_notification) {
+                        woken = Some(locker.watchdog().instant_at(asked_ns));
+                    }
+                    break 'granted grant;
+                }
                 Ok(Err(remaining)) => remaining,
                 Err(err) => {
                     // The attempt may have taken the lock: the flight stays armed, and the
@@ -764,6 +772,8 @@ async fn wait_for(
                 counted = Some(WaitingCount::enter(locker, take.labels));
             }
             tokio::select! {
+                // A notification wins over a timer that ran out at the same time.
+                biased;
                 // A fair waiter is woken alone, when it is first: start over. Barging waiters
                 // (Redlock) are woken together; keeping their backoff avoids a lockstep retry.
                 _ = w.notified() => {
