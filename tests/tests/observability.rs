@@ -427,11 +427,17 @@ fn a_release_during_the_waiters_attempt_counts_as_a_handoff() {
         .await;
         // Its next attempt, sent when its timer runs out, is held on its way while the
         // release frees the lock and names it the next holder.
+        let limit = Duration::from_secs(5);
         backend.gated.store(true, Ordering::SeqCst);
-        backend.arrived.notified().await;
+        tokio::time::timeout(limit, backend.arrived.notified())
+            .await
+            .expect("the waiter's next attempt");
         held.release().await.unwrap();
         backend.go.notify_one();
-        next.await.unwrap().unwrap().release().await.unwrap();
+        let next = tokio::time::timeout(limit, next)
+            .await
+            .expect("the waiter holds the lock");
+        next.unwrap().unwrap().release().await.unwrap();
     });
     let r = Recorded::of(&snap);
     let l = |name| [("backend", "gated"), ("name", name)];
