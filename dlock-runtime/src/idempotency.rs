@@ -558,10 +558,87 @@ mod tests {
             "{kept} records of 1 KiB kept within {CAPACITY} bytes"
         );
         assert!(ran_again.contains(&0));
+        // The running attempt's note is still there: a request with another fingerprint is
+        // told so (without the note it could not tell, and would answer `true`).
+        match locker
+            .idempotency("running", Fingerprint::from_bytes([8; 32]))
+            .begin()
+            .await
+            .unwrap()
+        {
+            Begin::InProgress {
+                same_fingerprint, ..
+            } => assert!(!same_fingerprint, "the running attempt's note was dropped"),
+            other => panic!("the running attempt: {other:?}"),
+        }
         running.complete(b"done").await.unwrap();
         match locker.idempotency("running", fp).begin().await.unwrap() {
             Begin::Replay(r) => assert_eq!(r, b"done"),
             other => panic!("the running attempt's record: {other:?}"),
         }
+    }
+
+    /// Notes left by attempts that ended without `complete` or `abort` — their operations
+    /// dropped, their locks released in the background — are garbage, not running attempts:
+    /// over the capacity they go first, before any completed record. Once, kept for their
+    /// whole retention and never dropped, they filled the store, and every record completed
+    /// after that was dropped as soon as it was stored (its retry ran the handler again).
+    #[tokio::test]
+    async fn notes_of_dropped_attempts_go_before_completed_records() {
+        const CAPACITY: usize = 16 * 1024;
+        let backend = crate::backend::MemoryBackend::new().with_idempotency_capacity(CAPACITY);
+        let locker = Locker::new(backend.clone());
+        let fp = Fingerprint::from_bytes([7; 32]);
+        let Begin::Run(running) = locker.idempotency("running", fp).begin().await.unwrap() else {
+            panic!("a first attempt runs")
+        };
+        // 200 notes of about 170 bytes: twice the capacity.
+        for i in 0..200 {
+            let Begin::Run(op) = locker
+                .idempotency(format!("d{i}"), fp)
+                .begin()
+                .await
+                .unwrap()
+            else {
+                panic!("d{i} runs")
+            };
+            drop(op);
+        }
+        // The dropped attempts' locks are released by the locker's background task, on this
+        // runtime.
+        for _ in 0..10_000 {
+            if backend.len() == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            backend.len(),
+            1,
+            "the dropped attempts' locks were not released"
+        );
+        let Begin::Run(op) = locker.idempotency("done", fp).begin().await.unwrap() else {
+            panic!("a first attempt runs")
+        };
+        op.complete(&[b'r'; 1024]).await.unwrap();
+        match locker.idempotency("done", fp).begin().await.unwrap() {
+            Begin::Replay(r) => assert_eq!(r, [b'r'; 1024]),
+            other => panic!("the record just completed: {other:?}"),
+        }
+        let bytes = backend.idempotency_bytes();
+        assert!(bytes <= CAPACITY, "{bytes} bytes kept, capacity {CAPACITY}");
+        // The running attempt's note is kept (another fingerprint is told it differs).
+        match locker
+            .idempotency("running", Fingerprint::from_bytes([8; 32]))
+            .begin()
+            .await
+            .unwrap()
+        {
+            Begin::InProgress {
+                same_fingerprint, ..
+            } => assert!(!same_fingerprint, "the running attempt's note was dropped"),
+            other => panic!("the running attempt: {other:?}"),
+        }
+        running.complete(b"done").await.unwrap();
     }
 }

@@ -118,9 +118,11 @@ impl MemoryBackend {
     /// ([`Locker::idempotency`](crate::Locker::idempotency), `IdempotencyLayer`) take at most
     /// (default [`DEFAULT_IDEMPOTENCY_CAPACITY`], 64 MiB; for every clone of this store). A
     /// record counts its key, its stored response and about 160 bytes. A record that takes
-    /// them over it has the completed records nearest their expiry dropped first, down to nine
-    /// tenths of it, with a `WARN` event `dlock.idempotency.evicted`: a retry whose record was
-    /// dropped runs as a new request, as after its retention. Running attempts are never
+    /// them over it has, first, the notes of attempts that ended without `complete` or `abort`
+    /// dropped (an operation dropped: its lock is gone, nothing reads the note again), then
+    /// the completed records nearest their expiry, down to nine tenths of the capacity, with a
+    /// `WARN` event `dlock.idempotency.evicted`: a retry whose record was dropped runs as a new
+    /// request, as after its retention. Attempts that still hold their lock are never
     /// dropped. Size it for the records your retention keeps (requests per second × retention
     /// × response size); Redis and Postgres keep theirs in the server instead.
     ///

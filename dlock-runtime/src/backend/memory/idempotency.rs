@@ -14,9 +14,13 @@
 //! The records of one backend take at most its capacity
 //! ([`MemoryBackend::with_idempotency_capacity`], default [`DEFAULT_IDEMPOTENCY_CAPACITY`]):
 //! each counts its key, its result and [`RECORD_OVERHEAD`]. A record that takes them over it
-//! has the completed records nearest their expiry dropped first, down to nine tenths of it
-//! (so a full store sweeps once per tenth of its capacity, not on every record). Notes of
-//! running attempts are never dropped: they are small and as many as the running handlers.
+//! starts a trim, outside the locks: first the notes of attempts whose lock is gone (the
+//! operation was dropped without `complete` or `abort` and its lock released in the
+//! background, or its lease ran out) — they are read only while that lock lives, so nothing
+//! reads them again —, then the completed records nearest their expiry, down to nine tenths of
+//! the capacity (so a full store trims once per tenth of its capacity, not on every record).
+//! Notes of attempts that still hold their lock are never dropped; should they alone take the
+//! records over the capacity, the next trim waits until another tenth of it has been added.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -69,6 +73,8 @@ struct RecordMap {
     sweep_at: usize,
     /// What the records count, [`Record::size`] each.
     bytes: usize,
+    /// Over the capacity, no trim before the records count more than this (0: at once).
+    trim_at: usize,
 }
 
 struct Record {
@@ -108,7 +114,7 @@ impl RecordMap {
         }
     }
 
-    fn insert(&mut self, name: &str, record: Record, now: Instant, capacity: usize) {
+    fn insert(&mut self, name: &str, record: Record, now: Instant) {
         self.bytes += record.size(name);
         if let Some(old) = self.map.insert(name.into(), record) {
             self.bytes -= old.size(name);
@@ -117,8 +123,30 @@ impl RecordMap {
             self.sweep(|r| r.expires > now);
             self.sweep_at = (self.map.len() * 2).max(64);
         }
-        if self.bytes > capacity {
-            self.evict(capacity / 10 * 9);
+    }
+
+    /// Whether the records take more than `capacity` and a trim is due
+    /// ([`MemoryBackend::trim_records`]).
+    fn trim_due(&self, capacity: usize) -> bool {
+        self.bytes > capacity && self.bytes > self.trim_at
+    }
+
+    /// The notes of running attempts: record name and owner.
+    fn notes(&self) -> Vec<(Arc<str>, OwnerToken)> {
+        self.map
+            .iter()
+            .filter_map(|(name, r)| match &r.state {
+                State::Running { owner } => Some((name.clone(), owner.clone())),
+                State::Done { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Removes `name`'s record if it is still the note of `owner`'s attempt.
+    fn remove_note(&mut self, name: &str, owner: &OwnerToken) {
+        if matches!(self.map.get(name), Some(Record { state: State::Running { owner: o }, .. }) if o == owner)
+        {
+            self.remove(name);
         }
     }
 
@@ -176,16 +204,50 @@ impl Records {
 
     pub(super) fn set_capacity(&self, bytes: usize) {
         self.capacity.store(bytes, Ordering::Relaxed);
-        let mut map = self.lock();
-        if map.bytes > bytes {
-            map.evict(bytes / 10 * 9);
-        }
     }
 }
 
 impl MemoryBackend {
     fn records(&self) -> &Records {
         &self.inner.idempotency
+    }
+
+    /// What the idempotency records count now, in bytes.
+    #[cfg(test)]
+    pub(crate) fn idempotency_bytes(&self) -> usize {
+        self.records().lock().bytes
+    }
+
+    /// Brings the records back under their capacity, if they are over it and a trim is due:
+    /// the notes of attempts whose lock is gone first, then completed records nearest their
+    /// expiry, down to nine tenths of the capacity. Takes the locks itself (a lock entry's
+    /// shard, then the records): call it holding neither.
+    pub(super) fn trim_records(&self) {
+        let records = self.records();
+        let capacity = records.capacity();
+        let notes = {
+            let map = records.lock();
+            if !map.trim_due(capacity) {
+                return;
+            }
+            map.notes()
+        };
+        for (name, owner) in notes {
+            self.with_entry(&name, |e, now| {
+                if !e.live_holder(now).is_some_and(|(t, _)| *t == owner) {
+                    records.lock().remove_note(&name, &owner);
+                }
+            });
+        }
+        let mut map = records.lock();
+        if map.bytes > capacity {
+            map.evict(capacity / 10 * 9);
+        }
+        map.trim_at = if map.bytes > capacity {
+            map.bytes + capacity / 10
+        } else {
+            0
+        };
     }
 }
 
@@ -247,13 +309,13 @@ impl IdempotencyStore for MemoryBackend {
                     expires: expiry(now, args.retention),
                 },
                 now,
-                self.records().capacity(),
             );
             e.fence = self.next_fence();
             BeginReply::Acquired {
                 fencing_token: e.fence,
             }
         });
+        self.trim_records();
         Box::pin(std::future::ready(Ok(reply)))
     }
 
@@ -262,8 +324,7 @@ impl IdempotencyStore for MemoryBackend {
         let (done, next) = self.with_entry(name, |e, now| match e.live_holder(now) {
             Some((t, _)) if t == args.token => {
                 e.holder = None;
-                let records = self.records();
-                records.lock().insert(
+                self.records().lock().insert(
                     name,
                     Record {
                         fingerprint: *args.fingerprint.as_bytes(),
@@ -273,13 +334,13 @@ impl IdempotencyStore for MemoryBackend {
                         expires: expiry(now, args.retention),
                     },
                     now,
-                    records.capacity(),
                 );
                 (true, Self::next_waiter(e, now))
             }
             _ => (false, None),
         });
         if done {
+            self.trim_records();
             self.inner
                 .hub
                 .notify(name, next.as_ref().map(OwnerToken::as_str));
@@ -333,19 +394,14 @@ mod tests {
             expires,
         };
         let later = now + Duration::from_secs(60);
-        m.insert("a", done(100, later), now, usize::MAX);
-        m.insert(
-            "b",
-            done(10, now + Duration::from_millis(1)),
-            now,
-            usize::MAX,
-        );
-        m.insert("a", done(1000, later), now, usize::MAX);
+        m.insert("a", done(100, later), now);
+        m.insert("b", done(10, now + Duration::from_millis(1)), now);
+        m.insert("a", done(1000, later), now);
         assert_eq!(m.bytes, sum(&m));
         assert_eq!(m.bytes, 1000 + 10 + 2 + 2 * RECORD_OVERHEAD);
         m.remove("a");
         assert_eq!(m.bytes, sum(&m));
-        m.insert("a", done(7, later), now, usize::MAX);
+        m.insert("a", done(7, later), now);
         m.sweep(|r| r.expires > now + Duration::from_secs(1));
         assert_eq!(m.map.len(), 1);
         assert_eq!(m.bytes, sum(&m));
