@@ -508,6 +508,23 @@ mod tests {
         op.complete(b"x").await.unwrap();
     }
 
+    /// The note of the attempt running on `key` (begun with a fingerprint other than `[8; 32]`)
+    /// is still there: a request with another fingerprint is told it differs (without the
+    /// note the store could not tell, and would answer `true`).
+    async fn assert_note_kept(locker: &Locker, key: &str) {
+        match locker
+            .idempotency(key.to_owned(), Fingerprint::from_bytes([8; 32]))
+            .begin()
+            .await
+            .unwrap()
+        {
+            Begin::InProgress {
+                same_fingerprint, ..
+            } => assert!(!same_fingerprint, "the running attempt's note was dropped"),
+            other => panic!("the running attempt: {other:?}"),
+        }
+    }
+
     /// Filled over its capacity, the in-memory store drops the completed records nearest their expiry —
     /// the newest records still replay, the oldest run again — and keeps a running attempt
     /// begun before them all.
@@ -558,19 +575,7 @@ mod tests {
             "{kept} records of 1 KiB kept within {CAPACITY} bytes"
         );
         assert!(ran_again.contains(&0));
-        // The running attempt's note is still there: a request with another fingerprint is
-        // told so (without the note it could not tell, and would answer `true`).
-        match locker
-            .idempotency("running", Fingerprint::from_bytes([8; 32]))
-            .begin()
-            .await
-            .unwrap()
-        {
-            Begin::InProgress {
-                same_fingerprint, ..
-            } => assert!(!same_fingerprint, "the running attempt's note was dropped"),
-            other => panic!("the running attempt: {other:?}"),
-        }
+        assert_note_kept(&locker, "running").await;
         running.complete(b"done").await.unwrap();
         match locker.idempotency("running", fp).begin().await.unwrap() {
             Begin::Replay(r) => assert_eq!(r, b"done"),
@@ -627,18 +632,7 @@ mod tests {
         }
         let bytes = backend.idempotency_bytes();
         assert!(bytes <= CAPACITY, "{bytes} bytes kept, capacity {CAPACITY}");
-        // The running attempt's note is kept (another fingerprint is told it differs).
-        match locker
-            .idempotency("running", Fingerprint::from_bytes([8; 32]))
-            .begin()
-            .await
-            .unwrap()
-        {
-            Begin::InProgress {
-                same_fingerprint, ..
-            } => assert!(!same_fingerprint, "the running attempt's note was dropped"),
-            other => panic!("the running attempt: {other:?}"),
-        }
+        assert_note_kept(&locker, "running").await;
         running.complete(b"done").await.unwrap();
     }
 }
