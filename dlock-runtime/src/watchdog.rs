@@ -171,7 +171,15 @@ pub(crate) enum Cmd {
 pub(crate) struct Watchdog {
     epoch: Instant,
     schedule: Mutex<BTreeMap<(u64, u64), Arc<GuardState>>>,
+    /// When the background task looks at the schedule next, at the latest (`NOT_SCHEDULED`:
+    /// only when woken). Read and written under `schedule`'s mutex. It may be earlier than
+    /// the first due time left (that guard was released since): the task then wakes, finds
+    /// nothing due and sleeps again, which costs less than a wake-up for every new guard.
+    wakes_at: AtomicU64,
     wake: Arc<Notify>,
+    /// How often a new due time woke the background task.
+    #[cfg(test)]
+    woken: AtomicU64,
     tx: Mutex<Option<mpsc::UnboundedSender<Cmd>>>,
     backend: Arc<dyn Backend>,
     command_timeout: Duration,
@@ -191,7 +199,10 @@ impl Watchdog {
         Arc::new(Watchdog {
             epoch: Instant::now(),
             schedule: Mutex::new(BTreeMap::new()),
+            wakes_at: AtomicU64::new(NOT_SCHEDULED),
             wake: Arc::new(Notify::new()),
+            #[cfg(test)]
+            woken: AtomicU64::new(0),
             tx: Mutex::new(None),
             backend,
             command_timeout,
@@ -255,7 +266,7 @@ impl Watchdog {
     }
 
     fn schedule_at(self: &Arc<Self>, state: &Arc<GuardState>, due_ns: u64) {
-        let earliest = {
+        let sooner = {
             let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
             if state.done.load(Ordering::Acquire) {
                 return;
@@ -264,12 +275,19 @@ impl Watchdog {
             if old != NOT_SCHEDULED {
                 map.remove(&(old, state.id));
             }
-            let earliest = map.keys().next().is_none_or(|&(d, _)| due_ns < d);
             map.insert((due_ns, state.id), state.clone());
-            earliest
+            // Only a due time before the task's next look wakes it. A lock taken after the
+            // one before it was released is due later than that one was: no wake-up.
+            let sooner = due_ns < self.wakes_at.load(Ordering::Relaxed);
+            if sooner {
+                self.wakes_at.store(due_ns, Ordering::Relaxed);
+            }
+            sooner
         };
         self.ensure_running();
-        if earliest {
+        if sooner {
+            #[cfg(test)]
+            self.woken.fetch_add(1, Ordering::Relaxed);
             self.wake.notify_one();
         }
     }
@@ -460,7 +478,7 @@ impl Watchdog {
     }
 
     /// Removes and returns every guard due by now (plus the batching window), and the next
-    /// due time after that.
+    /// due time after that, which the task sleeps until (noted in `wakes_at`).
     fn take_due(self: &Arc<Self>) -> (Batch, Option<u64>) {
         let limit = self.now_ns() + BATCH_WINDOW.as_nanos() as u64;
         let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
@@ -473,7 +491,14 @@ impl Watchdog {
             state.due.store(NOT_SCHEDULED, Ordering::Release);
             due.push(state);
         }
-        let next = map.keys().next().map(|&(d, _)| d);
+        // With nothing scheduled, the look already planned stays if it is still ahead (the
+        // guard due then was released since): the next guard, due later, need not wake the task.
+        let next = map.keys().next().map(|&(d, _)| d).or_else(|| {
+            let planned = self.wakes_at.load(Ordering::Relaxed);
+            (planned != NOT_SCHEDULED && planned > limit).then_some(planned)
+        });
+        self.wakes_at
+            .store(next.unwrap_or(NOT_SCHEDULED), Ordering::Relaxed);
         let batch = Batch {
             watchdog: self.clone(),
             guards: due,
@@ -959,6 +984,78 @@ mod tests {
             .command_timeout(Duration::from_secs(10))
             .build(backend);
         (locker, gated, applied)
+    }
+
+    /// A locker over a [`Hooked`] backend, with its signal for each renewal batch's arrival.
+    fn hooked_locker() -> (Locker, Arc<Notify>) {
+        let backend = Hooked::default();
+        let arrived = backend.batch_arrived.clone();
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(backend);
+        (locker, arrived)
+    }
+
+    /// Waits (at most 5 s) until the watchdog's task plans its next look at `due`.
+    async fn until_planned(watchdog: &Watchdog, due: u64) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while watchdog.wakes_at.load(Ordering::Relaxed) != due {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the watchdog's task looked at the schedule");
+    }
+
+    /// Locks taken one after another, each released before the next, wake the watchdog's task
+    /// once: each is due later than the one before, which the task sleeps until. It used to
+    /// wake for every lock (an empty schedule took any due time as the earliest), a task
+    /// switch per lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn locks_taken_one_after_another_wake_the_watchdog_once() {
+        let (locker, _) = hooked_locker();
+        let watchdog = locker.watchdog().clone();
+        let ttl = Duration::from_secs(30);
+        let first = locker.lock("one-by-one").ttl(ttl).acquire().await.unwrap();
+        until_planned(&watchdog, first.lease().state().due.load(Ordering::Acquire)).await;
+        first.release().await.unwrap();
+        for _ in 0..49 {
+            let guard = locker.lock("one-by-one").ttl(ttl).acquire().await.unwrap();
+            guard.release().await.unwrap();
+        }
+        assert_eq!(watchdog.woken.load(Ordering::Relaxed), 1);
+    }
+
+    /// A guard due after a released one's due time, which the task sleeps until, is renewed:
+    /// the task wakes then, finds nothing due, and sleeps until the guard's due time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guard_due_after_the_planned_look_is_renewed() {
+        let (locker, arrived) = hooked_locker();
+        let watchdog = locker.watchdog().clone();
+        let first = locker
+            .lock("after")
+            .ttl(Duration::from_millis(300))
+            .acquire()
+            .await
+            .unwrap();
+        let first_due = first.lease().state().due.load(Ordering::Acquire);
+        until_planned(&watchdog, first_due).await;
+        first.release().await.unwrap();
+        let guard = locker
+            .lock("after")
+            .ttl(Duration::from_millis(900))
+            .acquire()
+            .await
+            .unwrap();
+        let due = guard.lease().state().due.load(Ordering::Acquire);
+        assert!(due > first_due);
+        assert_eq!(watchdog.woken.load(Ordering::Relaxed), 1);
+        tokio::time::timeout(Duration::from_secs(5), arrived.notified())
+            .await
+            .expect("the guard's renewal came");
+        until_rescheduled(guard.lease().state(), NOT_SCHEDULED).await;
+        assert!(guard.is_held());
+        assert_eq!(watchdog.renewals(), 1);
     }
 
     /// An extend refused as invalid leaves the renewals as they were, also when a renewal
