@@ -23,7 +23,7 @@
 //! records over the capacity, the next trim waits until another tenth of it has been added.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,8 @@ const RECORD_OVERHEAD: usize = 160;
 pub(super) struct Records {
     inner: Mutex<RecordMap>,
     capacity: AtomicUsize,
+    /// A trim is running (one at a time: two would each drop a tenth of the capacity).
+    trimming: AtomicBool,
 }
 
 impl Default for Records {
@@ -52,6 +54,7 @@ impl Default for Records {
         Records {
             inner: Mutex::default(),
             capacity: AtomicUsize::new(DEFAULT_IDEMPOTENCY_CAPACITY),
+            trimming: AtomicBool::new(false),
         }
     }
 }
@@ -162,26 +165,17 @@ impl RecordMap {
         self.bytes -= freed;
     }
 
-    /// Drops completed records, nearest their expiry first, until the records take at most
-    /// `target` bytes (or only running attempts are left).
-    fn evict(&mut self, target: usize) {
-        let mut done: Vec<(Instant, usize)> = self
-            .map
+    /// The expiry and size of every completed record.
+    fn done_records(&self) -> Vec<(Instant, usize)> {
+        self.map
             .iter()
             .filter(|(_, r)| matches!(r.state, State::Done { .. }))
             .map(|(name, r)| (r.expires, r.size(name)))
-            .collect();
-        done.sort_unstable_by_key(|&(expires, _)| expires);
-        let mut over = self.bytes.saturating_sub(target);
-        let mut until = None;
-        for (expires, size) in done {
-            if over == 0 {
-                break;
-            }
-            over = over.saturating_sub(size);
-            until = Some(expires);
-        }
-        let Some(until) = until else { return };
+            .collect()
+    }
+
+    /// Drops the completed records that expire at or before `until`.
+    fn evict_until(&mut self, until: Instant) {
         let before = self.map.len();
         self.sweep(|r| !matches!(r.state, State::Done { .. }) || r.expires > until);
         // The records were over their capacity: the completed ones nearest their expiry went.
@@ -191,6 +185,21 @@ impl RecordMap {
             "dlock.idempotency.evicted"
         );
     }
+}
+
+/// The expiry up to which completed records (`done`: expiry and size) must go, nearest their
+/// expiry first, to free `over` bytes; `None` when there is nothing to free or nothing to drop.
+fn eviction_cutoff(mut done: Vec<(Instant, usize)>, mut over: usize) -> Option<Instant> {
+    done.sort_unstable_by_key(|&(expires, _)| expires);
+    let mut until = None;
+    for (expires, size) in done {
+        if over == 0 {
+            break;
+        }
+        over = over.saturating_sub(size);
+        until = Some(expires);
+    }
+    until
 }
 
 impl Records {
@@ -227,11 +236,12 @@ impl MemoryBackend {
         let capacity = records.capacity();
         let notes = {
             let map = records.lock();
-            if !map.trim_due(capacity) {
+            if !map.trim_due(capacity) || records.trimming.swap(true, Ordering::Acquire) {
                 return;
             }
             map.notes()
         };
+        let _trimming = Trimming(&records.trimming);
         for (name, owner) in notes {
             self.with_entry(&name, |e, now| {
                 if !e.live_holder(now).is_some_and(|(t, _)| *t == owner) {
@@ -239,15 +249,32 @@ impl MemoryBackend {
                 }
             });
         }
+        // The completed records are sorted outside the records' mutex (a full store holds
+        // some 200,000 of them); one stored meanwhile goes too only if it expires by `until`.
+        let done = {
+            let map = records.lock();
+            let over = map.bytes.saturating_sub(capacity / 10 * 9);
+            (map.bytes > capacity).then(|| (map.done_records(), over))
+        };
+        let until = done.and_then(|(done, over)| eviction_cutoff(done, over));
         let mut map = records.lock();
-        if map.bytes > capacity {
-            map.evict(capacity / 10 * 9);
+        if let Some(until) = until {
+            map.evict_until(until);
         }
         map.trim_at = if map.bytes > capacity {
             map.bytes + capacity / 10
         } else {
             0
         };
+    }
+}
+
+/// Clears [`Records::trimming`] when the trim ends.
+struct Trimming<'a>(&'a AtomicBool);
+
+impl Drop for Trimming<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -340,10 +367,11 @@ impl IdempotencyStore for MemoryBackend {
             _ => (false, None),
         });
         if done {
-            self.trim_records();
             self.inner
                 .hub
                 .notify(name, next.as_ref().map(OwnerToken::as_str));
+            // After the wake-up: the next waiter need not wait for a trim.
+            self.trim_records();
         }
         Box::pin(std::future::ready(Ok(done)))
     }
