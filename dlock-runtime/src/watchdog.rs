@@ -1143,6 +1143,40 @@ mod tests {
         assert!(guard.is_held());
     }
 
+    /// A batch that finds a guard's turn taken once its lease has ended leaves the guard to
+    /// the turn's holder, off the schedule. Rescheduled at its lease end — a due time already
+    /// past — it would be taken again at once, and again, in a busy loop for as long as the
+    /// turn stayed taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_turn_taken_past_the_lease_end_is_not_asked_for_in_a_loop() {
+        let (locker, _) = hooked_locker();
+        let watchdog = locker.watchdog().clone();
+        let guard = locker
+            .lock("turn-past-end")
+            .ttl(Duration::from_millis(300))
+            .acquire()
+            .await
+            .unwrap();
+        let state = guard.lease().state();
+        let first_due = state.due.load(Ordering::Acquire);
+        let turn = state.turn.clone().lock_owned().await;
+        until_rescheduled(state, first_due).await;
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while guard.is_held() || state.due.load(Ordering::Acquire) != NOT_SCHEDULED {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the lease ended and the guard left the schedule");
+        // Not a synchronisation: a window in which a busy loop would wake the task thousands
+        // of times.
+        let woken = watchdog.woken.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(watchdog.woken.load(Ordering::Relaxed), woken);
+        assert_eq!(state.due.load(Ordering::Acquire), NOT_SCHEDULED);
+        drop(turn);
+    }
+
     /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not
     /// overwrite it: the extend waits for the batch, and every lease applied after the extend
     /// returned is the extended one.
