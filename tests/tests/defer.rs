@@ -141,11 +141,17 @@ fn jobs_survive_the_runtime_the_queue_started_on() {
         let second = locker.lock("k").on_fail(policy()).run(async {}).await;
         assert!(second.unwrap_err().is_queue_full());
         held.release().await.unwrap();
-        wait_for("the job to run", Duration::from_secs(10), async || {
-            (ran.load(Ordering::SeqCst) == 1).then_some(())
-        })
+        // The job leaves the pending list once its run has ended (its lock released), a
+        // moment after its body counted: wait for both.
+        wait_for(
+            "the job to run and leave the queue",
+            Duration::from_secs(10),
+            async || {
+                (ran.load(Ordering::SeqCst) == 1 && locker.defer_queue().pending().is_empty())
+                    .then_some(())
+            },
+        )
         .await;
-        assert!(locker.defer_queue().pending().is_empty());
     });
 }
 
