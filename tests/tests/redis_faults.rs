@@ -653,6 +653,67 @@ async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
     assert_eq!(server.calls("publish").await, 1, "one grant, nothing else");
 }
 
+/// A second waiter of the same process on the same lock watches before its first attempt
+/// (the lock's channel is subscribed already) and sleeps on that attempt's answer: one script
+/// call, not the attempt again that a first waiter sends after subscribing. It misses no
+/// release for it: each release hands the lock on, in queue order, with no attempt from
+/// either waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_local_waiter_asks_once_and_is_handed_the_lock_in_turn() {
+    let server = RedisServer::start();
+    let (holder, waiter) = holder_and_waiter(&server).await;
+    let key = "handoff:second";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let first = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
+    let before = evalsha_calls(&server).await;
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(NEVER, NEVER)
+        .jitter(false);
+    let second = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .lock(key)
+                .ttl(LONG)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+        }
+    });
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || (waiter.waiting() == 2).then_some(()).ok_or("not asleep"),
+    )
+    .await;
+    assert_eq!(
+        evalsha_calls(&server).await,
+        before + 1,
+        "the second waiter asked once before it slept"
+    );
+    held.release().await.unwrap();
+    let a = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    assert!(!second.is_finished(), "the second waiter jumped the queue");
+    let a_token = a.fencing_token();
+    a.release().await.unwrap();
+    let b = tokio::time::timeout(Duration::from_secs(5), second)
+        .await
+        .expect("the second waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    assert!(b.fencing_token() > a_token);
+    assert_eq!(
+        evalsha_calls(&server).await,
+        before + 3,
+        "its attempt, then two releases: neither waiter asked again"
+    );
+    b.release().await.unwrap();
+}
+
 /// A Redis backend that never hears release notifications: a waiter on it misses every
 /// handoff and relies on its own timer.
 struct Deaf(dlock_runtime::backend::RedisBackend);

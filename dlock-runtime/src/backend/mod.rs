@@ -32,7 +32,9 @@
 //!   attempt that found the handed-over lease lapsed and the lock another's; such a backend
 //!   wakes the waiter instead ([`ReleaseHub::notify`]), which asks and is granted what is
 //!   already its own (Postgres, and Redis Cluster, whose subscriptions have connections of
-//!   their own).
+//!   their own). With [`listening`](Backend::listening) a backend says a watch would cost no
+//!   round trip (another local waiter's subscription): the waiter then watches before its
+//!   first attempt and sleeps on that attempt's answer, instead of asking again after watching.
 //! * [`idempotency`](Backend::idempotency) (optional): an [`IdempotencyStore`] that keeps
 //!   records atomically with the locks.
 //! * [`acquire_kind`](Backend::acquire_kind) (optional): semaphores and read-write locks
@@ -312,6 +314,19 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         let _ = (resource, token);
         Box::pin(async { Ok(Watch::never()) })
+    }
+
+    /// Whether this process already listens for `resource`'s releases, so that a
+    /// [`watch`](Backend::watch) on it costs no round trip to the store (another local waiter's
+    /// watch made the subscription, or is making it). A waiter then watches *before* its first
+    /// attempt: an attempt sent once the watch is made misses no release, so the waiter sleeps
+    /// on the attempt's answer, instead of watching after it and asking again to catch a
+    /// release in between. A hint only: `true` where the watch would cost a round trip makes
+    /// a waiter that the first attempt grants the lock pay for a watch it does not use.
+    /// Default `false`.
+    fn listening(&self, resource: &ResourceName) -> bool {
+        let _ = resource;
+        false
     }
 
     /// Where this backend keeps idempotency records, atomically with its locks (an optional

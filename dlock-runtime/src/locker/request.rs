@@ -651,7 +651,7 @@ async fn wait_for(
     let refresh = waiter_ttl / 3;
     let mut watch: Option<Watch> = None;
     // Counted in `Locker::waiting` from its first sleep: by then the waiter is queued,
-    // subscribed, and has asked again since subscribing, so a release from then on wakes it.
+    // subscribed, and has asked since subscribing, so a release from then on wakes it.
     let mut counted: Option<WaitingCount<'_>> = None;
     let mut step = 0u32;
     let fifo = policy.fair && locker.backend().fifo();
@@ -698,6 +698,16 @@ async fn wait_for(
         // A grant, from an attempt or handed over by a release; every other way through the
         // loop asks again.
         let mut grant = 'granted: {
+            if watch.is_none() && locker.backend().listening(flight.resource()) {
+                // Another local waiter already has this lock's releases listened for: watch
+                // first (no round trip), and this attempt misses no release after it — no
+                // attempt again once the watch is made, as below. Failing, the watch is made
+                // after the attempt, as below.
+                let watched = locker.backend().watch(flight.resource(), flight.token());
+                if let Ok(w) = locker.with_deadline("subscribe", watched).await {
+                    watch = Some(w);
+                }
+            }
             asked_ns = locker.watchdog().now_ns();
             let out = attempt(locker, &flight, take, mode).await;
             let remaining = match refused(&mut flight, out) {
@@ -1547,5 +1557,120 @@ mod tests {
             .await
             .expect_err("a stale handoff was taken for a grant");
         assert!(err.is_timeout(), "{err}");
+    }
+
+    /// The in-memory backend, counting acquire attempts, and saying [`Backend::listening`] as
+    /// told (its watch never costs a round trip).
+    struct Listening {
+        inner: crate::backend::MemoryBackend,
+        attempts: AtomicUsize,
+        listening: bool,
+    }
+
+    impl crate::backend::Backend for Listening {
+        fn name(&self) -> &'static str {
+            "listening"
+        }
+
+        fn acquire<'a>(
+            &'a self,
+            args: crate::backend::AcquireArgs<'a>,
+        ) -> BoxFuture<'a, Result<crate::backend::Attempt, LockError>> {
+            self.attempts.fetch_add(1, Ordering::SeqCst);
+            self.inner.acquire(args)
+        }
+
+        fn release<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(resource, token)
+        }
+
+        fn extend<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+            ttl: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.extend(resource, token, ttl)
+        }
+
+        fn abandon<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(resource, token)
+        }
+
+        fn watch<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> BoxFuture<'a, Result<Watch, LockError>> {
+            self.inner.watch(resource, token)
+        }
+
+        fn listening(&self, _: &crate::key::ResourceName) -> bool {
+            self.listening
+        }
+    }
+
+    /// A waiter on a backend already listening for the lock's releases watches before its
+    /// first attempt and sleeps on that attempt's answer (one attempt); otherwise it watches
+    /// after it and asks again (two). Either way the release that follows reaches it.
+    #[tokio::test]
+    async fn a_waiter_watches_first_where_the_backend_already_listens() {
+        for (listening, asked) in [(true, 1), (false, 2)] {
+            let backend = std::sync::Arc::new(Listening {
+                inner: crate::backend::MemoryBackend::new(),
+                attempts: AtomicUsize::new(0),
+                listening,
+            });
+            // Timers of a minute or more: only the release's notification wakes the waiter
+            // within the test's 5 s.
+            let minute = Duration::from_secs(60);
+            let locker = Locker::builder()
+                .waiter_ttl(minute * 3)
+                .build(backend.clone());
+            let held = locker.lock("k").ttl(minute).acquire().await.unwrap();
+            let before = backend.attempts.load(Ordering::SeqCst);
+            let waiter = tokio::spawn({
+                let locker = locker.clone();
+                async move {
+                    let wait = RetryPolicy::new(minute * 10)
+                        .backoff(minute, minute)
+                        .jitter(false);
+                    locker
+                        .lock("k")
+                        .ttl(minute)
+                        .on_fail(OnFail::Retry(wait))
+                        .acquire()
+                        .await
+                }
+            });
+            // Counted as waiting from its first sleep, after its last attempt before it.
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while locker.waiting() == 0 {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("the waiter went to sleep");
+            assert_eq!(
+                backend.attempts.load(Ordering::SeqCst) - before,
+                asked,
+                "attempts before the first sleep, listening: {listening}"
+            );
+            held.release().await.unwrap();
+            let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("the release woke the waiter")
+                .unwrap()
+                .unwrap();
+            guard.release().await.unwrap();
+        }
     }
 }

@@ -1292,6 +1292,13 @@ impl Backend for RedisBackend {
         })
     }
 
+    /// Another local waiter watches `resource`: its channel is subscribed (or the `SUBSCRIBE`
+    /// is on its way, which a new watch awaits). A release is published after the script that
+    /// freed the lock, so a watch made before an attempt misses none after it.
+    fn listening(&self, resource: &ResourceName) -> bool {
+        self.inner.hub.has_waiters(resource.as_str())
+    }
+
     /// Renews the lease and sends `WAIT replicas <¾ of the command timeout>` after it, on a
     /// connection of their own (`WAIT` blocks its connection; on a cluster, to the lock's
     /// master): `WAIT` counts the replicas that have every write made so far, the lock's grant
