@@ -538,7 +538,28 @@ async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
 const NEVER: Duration = Duration::from_secs(20);
 
 /// Starts a waiter for `key` on `waiter` that retries every `backoff` (queue refresh: a third
-/// of the locker's waiter TTL), and returns once it is queued and asleep.
+/// of the locker's waiter TTL).
+fn spawn_waiter(
+    waiter: &Locker,
+    key: &'static str,
+    (ttl, auto_renew): (Duration, bool),
+    backoff: Duration,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(backoff, backoff)
+        .jitter(false);
+    let w = waiter.clone();
+    tokio::spawn(async move {
+        w.lock(key)
+            .ttl(ttl)
+            .auto_renew(auto_renew)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    })
+}
+
+/// [`spawn_waiter`], returning once the waiter is queued and asleep.
 async fn queued_waiter(
     server: &RedisServer,
     waiter: &Locker,
@@ -547,18 +568,7 @@ async fn queued_waiter(
     backoff: Duration,
 ) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
     let before = evalsha_calls(server).await;
-    let policy = RetryPolicy::new(Duration::from_secs(60))
-        .backoff(backoff, backoff)
-        .jitter(false);
-    let w = waiter.clone();
-    let wait = tokio::spawn(async move {
-        w.lock(key)
-            .ttl(ttl)
-            .auto_renew(auto_renew)
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-    });
+    let wait = spawn_waiter(waiter, key, (ttl, auto_renew), backoff);
     // Queued, subscribed, and done with the attempt that follows the subscription.
     poll_until(
         Duration::from_secs(5),
@@ -666,20 +676,7 @@ async fn a_second_local_waiter_asks_once_and_is_handed_the_lock_in_turn() {
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let first = queued_waiter(&server, &waiter, key, (LONG, true), NEVER).await;
     let before = evalsha_calls(&server).await;
-    let policy = RetryPolicy::new(Duration::from_secs(60))
-        .backoff(NEVER, NEVER)
-        .jitter(false);
-    let second = tokio::spawn({
-        let waiter = waiter.clone();
-        async move {
-            waiter
-                .lock(key)
-                .ttl(LONG)
-                .on_fail(OnFail::Retry(policy))
-                .acquire()
-                .await
-        }
-    });
+    let second = spawn_waiter(&waiter, key, (LONG, true), NEVER);
     poll_until(
         Duration::from_secs(5),
         Duration::from_millis(5),
