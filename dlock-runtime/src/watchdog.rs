@@ -35,7 +35,7 @@
 //! its command back on the queue with what is left of its time (`Resend`).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -176,6 +176,10 @@ pub(crate) struct Watchdog {
     /// the first due time left (that guard was released since): the task then wakes, finds
     /// nothing due and sleeps again, which costs less than a wake-up for every new guard.
     wakes_at: AtomicU64,
+    /// Guards taken off the schedule into a renewal batch and not yet put back or settled
+    /// (counted in `scheduled`). Added to under `schedule`'s mutex; taken from once a guard
+    /// leaves its batch, after it is put back on the schedule if it is.
+    in_batch: AtomicUsize,
     wake: Arc<Notify>,
     /// How often a new due time woke the background task.
     #[cfg(test)]
@@ -200,6 +204,7 @@ impl Watchdog {
             epoch: Instant::now(),
             schedule: Mutex::new(BTreeMap::new()),
             wakes_at: AtomicU64::new(NOT_SCHEDULED),
+            in_batch: AtomicUsize::new(0),
             wake: Arc::new(Notify::new()),
             #[cfg(test)]
             woken: AtomicU64::new(0),
@@ -424,12 +429,12 @@ impl Watchdog {
         self.renewed.load(Ordering::Relaxed)
     }
 
-    /// How many guards are scheduled for renewal.
+    /// How many guards are under renewal: on the schedule, or in a renewal on its way (a
+    /// guard put back on the schedule by a renewal that has not ended yet counts twice for
+    /// that moment).
     pub(crate) fn scheduled(&self) -> usize {
-        self.schedule
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        let map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
+        map.len() + self.in_batch.load(Ordering::Acquire)
     }
 
     /// Runs `cmd` in the background, from a context that cannot await (a drop): a release
@@ -491,6 +496,7 @@ impl Watchdog {
             state.due.store(NOT_SCHEDULED, Ordering::Release);
             due.push(state);
         }
+        self.in_batch.fetch_add(due.len(), Ordering::AcqRel);
         // With nothing scheduled, the look already planned stays if it is still ahead (the
         // guard due then was released since): the next guard, due later, need not wake the task.
         let next = map.keys().next().map(|&(d, _)| d).or_else(|| {
@@ -512,6 +518,7 @@ impl Watchdog {
         let now = self.now_ns();
         let mut items = Vec::with_capacity(batch.guards.len());
         let mut turns: Vec<OwnedMutexGuard<()>> = Vec::with_capacity(batch.guards.len());
+        let taken = batch.guards.len();
         batch.guards.retain(|g| {
             if g.done.load(Ordering::Acquire) {
                 return false;
@@ -546,6 +553,9 @@ impl Watchdog {
             true
         });
         batch.turns = turns;
+        // Those left out were put back on the schedule or are settled.
+        self.in_batch
+            .fetch_sub(taken - batch.guards.len(), Ordering::AcqRel);
         if items.is_empty() {
             batch.settled = true;
             return;
@@ -611,14 +621,16 @@ impl Batch {
 
 impl Drop for Batch {
     fn drop(&mut self) {
-        if self.settled {
-            return;
+        let left = self.guards.len();
+        if !self.settled {
+            self.turns.clear();
+            let now = self.watchdog.now_ns();
+            for g in self.guards.drain(..) {
+                self.watchdog.schedule_at(&g, now);
+            }
         }
-        self.turns.clear();
-        let now = self.watchdog.now_ns();
-        for g in self.guards.drain(..) {
-            self.watchdog.schedule_at(&g, now);
-        }
+        // Settled, each was put back on the schedule or is done with.
+        self.watchdog.in_batch.fetch_sub(left, Ordering::AcqRel);
     }
 }
 
@@ -1175,6 +1187,29 @@ mod tests {
         assert_eq!(watchdog.woken.load(Ordering::Relaxed), woken);
         assert_eq!(state.due.load(Ordering::Acquire), NOT_SCHEDULED);
         drop(turn);
+    }
+
+    /// A guard whose renewal is on its way is still counted as renewed
+    /// ([`Locker::renewing`](crate::Locker::renewing)). Off the schedule while its batch was
+    /// out, it counted for nothing: of 100,000 held locks the bench saw 83,603 "renewing".
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_guard_whose_renewal_is_on_its_way_counts_as_renewing() {
+        let (locker, gated, _) = gated_locker();
+        let guard = locker
+            .lock("counted")
+            .ttl(Duration::from_millis(600))
+            .acquire()
+            .await
+            .unwrap();
+        assert_eq!(locker.renewing(), 1);
+        // The first batch (due at TTL/3) is on its way.
+        gated.arrived.notified().await;
+        assert_eq!(locker.renewing(), 1, "the guard in the batch on its way");
+        gated.gate.notify_one();
+        gated.applied_batch.notified().await;
+        assert_eq!(locker.renewing(), 1, "the guard back on the schedule");
+        guard.release().await.unwrap();
+        assert_eq!(locker.renewing(), 0);
     }
 
     /// A watchdog batch sent with the old TTL that lands after the user's `extend` must not

@@ -316,9 +316,9 @@ pub trait Backend: Send + Sync + 'static {
         Box::pin(async { Ok(Watch::never()) })
     }
 
-    /// Whether this process already listens for `resource`'s releases, so that a
+    /// Whether this backend already listens for `resource`'s releases, so that a
     /// [`watch`](Backend::watch) on it costs no round trip to the store (another local waiter's
-    /// watch made the subscription, or is making it). A waiter then watches *before* its first
+    /// watch made the subscription). A waiter then watches *before* its first
     /// attempt: an attempt sent once the watch is made misses no release, so the waiter sleeps
     /// on the attempt's answer, instead of watching after it and asking again to catch a
     /// release in between. A hint only: `true` where the watch would cost a round trip makes

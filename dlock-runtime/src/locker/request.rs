@@ -699,10 +699,10 @@ async fn wait_for(
         // loop asks again.
         let mut grant = 'granted: {
             if watch.is_none() && locker.backend().listening(flight.resource()) {
-                // Another local waiter already has this lock's releases listened for: watch
-                // first (no round trip), and this attempt misses no release after it — no
-                // attempt again once the watch is made, as below. Failing, the watch is made
-                // after the attempt, as below.
+                // The backend already listens for this lock's releases: watch first (no round
+                // trip), and this attempt misses no release after it — no attempt again once
+                // the watch is made, as below. Failing, the watch is made after the attempt,
+                // as below.
                 let watched = locker.backend().watch(flight.resource(), flight.token());
                 if let Ok(w) = locker.with_deadline("subscribe", watched).await {
                     watch = Some(w);
@@ -1565,6 +1565,20 @@ mod tests {
         inner: crate::backend::MemoryBackend,
         attempts: AtomicUsize,
         listening: bool,
+        /// When set, the first attempt answered "held" signals `.0` and keeps its answer until
+        /// `.1` is notified.
+        held_gate: Option<(tokio::sync::Notify, tokio::sync::Notify)>,
+    }
+
+    impl Listening {
+        fn new(listening: bool) -> Self {
+            Listening {
+                inner: crate::backend::MemoryBackend::new(),
+                attempts: AtomicUsize::new(0),
+                listening,
+                held_gate: None,
+            }
+        }
     }
 
     impl crate::backend::Backend for Listening {
@@ -1577,7 +1591,16 @@ mod tests {
             args: crate::backend::AcquireArgs<'a>,
         ) -> BoxFuture<'a, Result<crate::backend::Attempt, LockError>> {
             self.attempts.fetch_add(1, Ordering::SeqCst);
-            self.inner.acquire(args)
+            Box::pin(async move {
+                let out = self.inner.acquire(args).await;
+                if let (Some((arrived, go)), Ok(crate::backend::Attempt::Held { .. })) =
+                    (&self.held_gate, &out)
+                {
+                    arrived.notify_one();
+                    go.notified().await;
+                }
+                out
+            })
         }
 
         fn release<'a>(
@@ -1624,11 +1647,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_watches_first_where_the_backend_already_listens() {
         for (listening, asked) in [(true, 1), (false, 2)] {
-            let backend = std::sync::Arc::new(Listening {
-                inner: crate::backend::MemoryBackend::new(),
-                attempts: AtomicUsize::new(0),
-                listening,
-            });
+            let backend = std::sync::Arc::new(Listening::new(listening));
             // Timers of a minute or more: only the release's notification wakes the waiter
             // within the test's 5 s.
             let minute = Duration::from_secs(60);
@@ -1672,5 +1691,48 @@ mod tests {
                 .unwrap();
             guard.release().await.unwrap();
         }
+    }
+
+    /// A waiter that watched first hears a release that lands after its attempt ran and
+    /// before its answer came: it was watching already (a watch made after the answer, with no
+    /// attempt again, would sleep through it — here for a minute).
+    #[tokio::test]
+    async fn a_waiter_that_watched_first_hears_a_release_right_after_its_attempt() {
+        let backend = std::sync::Arc::new(Listening {
+            held_gate: Some((tokio::sync::Notify::new(), tokio::sync::Notify::new())),
+            ..Listening::new(true)
+        });
+        let minute = Duration::from_secs(60);
+        let locker = Locker::builder()
+            .waiter_ttl(minute * 3)
+            .build(backend.clone());
+        // Taken before the gate matters: the holder's attempt is granted.
+        let held = locker.lock("k").ttl(minute).acquire().await.unwrap();
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                let wait = RetryPolicy::new(minute * 10)
+                    .backoff(minute, minute)
+                    .jitter(false);
+                locker
+                    .lock("k")
+                    .ttl(minute)
+                    .on_fail(OnFail::Retry(wait))
+                    .acquire()
+                    .await
+            }
+        });
+        let (arrived, go) = backend.held_gate.as_ref().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), arrived.notified())
+            .await
+            .expect("the waiter's attempt was answered \"held\"");
+        held.release().await.unwrap();
+        go.notify_one();
+        let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter slept through the release")
+            .unwrap()
+            .unwrap();
+        guard.release().await.unwrap();
     }
 }

@@ -1292,11 +1292,20 @@ impl Backend for RedisBackend {
         })
     }
 
-    /// Another local waiter watches `resource`: its channel is subscribed (or the `SUBSCRIBE`
-    /// is on its way, which a new watch awaits). A release is published after the script that
-    /// freed the lock, so a watch made before an attempt misses none after it.
+    /// Another waiter of this backend watches `resource` and its channel is subscribed now
+    /// (not while a `SUBSCRIBE` or `UNSUBSCRIBE` is on its way: then a watch could wait for a
+    /// round trip). A release is published by the script that freed the lock, so a watch made
+    /// before an attempt misses none after it.
     fn listening(&self, resource: &ResourceName) -> bool {
-        self.inner.hub.has_waiters(resource.as_str())
+        if !self.inner.hub.has_waiters(resource.as_str()) {
+            return false;
+        }
+        let channel = resource.with_suffix(CHANNEL_SUFFIX);
+        self.inner
+            .subscribed
+            .try_lock()
+            .is_ok_and(|subscribed| subscribed.contains(&channel))
+            && self.inner.conn.subscriptions_alive()
     }
 
     /// Renews the lease and sends `WAIT replicas <¾ of the command timeout>` after it, on a
