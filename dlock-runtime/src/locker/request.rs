@@ -1641,24 +1641,24 @@ mod tests {
         }
     }
 
-    /// A waiter on a backend already listening for the lock's releases watches before its
-    /// first attempt and sleeps on that attempt's answer (one attempt); otherwise it watches
-    /// after it and asks again (two). Either way the release that follows reaches it.
-    #[tokio::test]
-    async fn a_waiter_watches_first_where_the_backend_already_listens() {
-        for (listening, asked) in [(true, 1), (false, 2)] {
-            let backend = std::sync::Arc::new(Listening::new(listening));
-            // Timers of a minute or more: only the release's notification wakes the waiter
-            // within the test's 5 s.
-            let minute = Duration::from_secs(60);
-            let locker = Locker::builder()
-                .waiter_ttl(minute * 3)
-                .build(backend.clone());
-            let held = locker.lock("k").ttl(minute).acquire().await.unwrap();
-            let before = backend.attempts.load(Ordering::SeqCst);
-            let waiter = tokio::spawn({
+    /// A locker over `backend` with timers of a minute or more (only a release's notification
+    /// wakes a waiter within a test's 5 s), the lock `k` held on it, and `waiter()`, which
+    /// starts a waiter for `k`.
+    async fn minute_timers(
+        backend: std::sync::Arc<Listening>,
+    ) -> (
+        Locker,
+        LockGuard,
+        impl Fn() -> tokio::task::JoinHandle<Result<LockGuard, LockError>>,
+    ) {
+        let minute = Duration::from_secs(60);
+        let locker = Locker::builder().waiter_ttl(minute * 3).build(backend);
+        let held = locker.lock("k").ttl(minute).acquire().await.unwrap();
+        let waiter = {
+            let locker = locker.clone();
+            move || {
                 let locker = locker.clone();
-                async move {
+                tokio::spawn(async move {
                     let wait = RetryPolicy::new(minute * 10)
                         .backoff(minute, minute)
                         .jitter(false);
@@ -1668,8 +1668,22 @@ mod tests {
                         .on_fail(OnFail::Retry(wait))
                         .acquire()
                         .await
-                }
-            });
+                })
+            }
+        };
+        (locker, held, waiter)
+    }
+
+    /// A waiter on a backend already listening for the lock's releases watches before its
+    /// first attempt and sleeps on that attempt's answer (one attempt); otherwise it watches
+    /// after it and asks again (two). Either way the release that follows reaches it.
+    #[tokio::test]
+    async fn a_waiter_watches_first_where_the_backend_already_listens() {
+        for (listening, asked) in [(true, 1), (false, 2)] {
+            let backend = std::sync::Arc::new(Listening::new(listening));
+            let (locker, held, waiter) = minute_timers(backend.clone()).await;
+            let before = backend.attempts.load(Ordering::SeqCst);
+            let waiter = waiter();
             // Counted as waiting from its first sleep, after its last attempt before it.
             tokio::time::timeout(Duration::from_secs(5), async {
                 while locker.waiting() == 0 {
@@ -1702,26 +1716,9 @@ mod tests {
             held_gate: Some((tokio::sync::Notify::new(), tokio::sync::Notify::new())),
             ..Listening::new(true)
         });
-        let minute = Duration::from_secs(60);
-        let locker = Locker::builder()
-            .waiter_ttl(minute * 3)
-            .build(backend.clone());
-        // Taken before the gate matters: the holder's attempt is granted.
-        let held = locker.lock("k").ttl(minute).acquire().await.unwrap();
-        let waiter = tokio::spawn({
-            let locker = locker.clone();
-            async move {
-                let wait = RetryPolicy::new(minute * 10)
-                    .backoff(minute, minute)
-                    .jitter(false);
-                locker
-                    .lock("k")
-                    .ttl(minute)
-                    .on_fail(OnFail::Retry(wait))
-                    .acquire()
-                    .await
-            }
-        });
+        // The holder's attempt is granted: the gate does not hold it.
+        let (_locker, held, waiter) = minute_timers(backend.clone()).await;
+        let waiter = waiter();
         let (arrived, go) = backend.held_gate.as_ref().unwrap();
         tokio::time::timeout(Duration::from_secs(5), arrived.notified())
             .await
