@@ -781,9 +781,6 @@ async fn a_timed_out_call_never_hands_its_busy_connection_to_a_later_call() {
 /// test says go and is counted once it has run.
 struct Hooked {
     inner: PostgresBackend,
-    /// Whether [`Backend::listening`] answers as the backend does (else `false`, the trait's
-    /// default: a waiter watches after its first attempt and asks again).
-    listening: bool,
     attempts: Option<(Arc<tokio::sync::Semaphore>, tokio::sync::watch::Sender<u32>)>,
     undos: Option<(
         tokio::sync::watch::Receiver<bool>,
@@ -795,7 +792,6 @@ impl Hooked {
     fn new(inner: PostgresBackend) -> Self {
         Hooked {
             inner,
-            listening: false,
             attempts: None,
             undos: None,
         }
@@ -872,63 +868,6 @@ impl Backend for Hooked {
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         self.inner.watch(resource, token)
     }
-
-    fn listening(&self, resource: &ResourceName) -> bool {
-        self.listening && self.inner.listening(resource)
-    }
-}
-
-/// With `LISTEN` up, a waiter watches before its first attempt and sleeps on its answer: one
-/// statement, not the attempt again that a watch made after it needs. The release that
-/// follows still reaches it (its timers are a minute long).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiter_asks_once_when_the_backend_listens() {
-    let backend = PostgresBackend::connect(&direct_url("postgres"), PostgresOptions::default())
-        .await
-        .expect("connect");
-    until_listening(&[&backend], Duration::from_secs(10)).await;
-    let gate = Arc::new(tokio::sync::Semaphore::new(100));
-    let (answered, answers) = tokio::sync::watch::channel(0u32);
-    let minute = Duration::from_secs(60);
-    let w = Locker::builder()
-        .waiter_ttl(minute * 3)
-        .try_build(Hooked {
-            listening: true,
-            attempts: Some((gate, answered)),
-            ..Hooked::new(backend.clone())
-        })
-        .unwrap();
-    let (holder, _) = locker_at(&direct_url("postgres"), Duration::from_secs(5)).await;
-    let key = "listening:once";
-    let held = holder.lock(key).ttl(minute).acquire().await.unwrap();
-    let waiter = tokio::spawn({
-        let w = w.clone();
-        let policy = RetryPolicy::new(minute * 10)
-            .backoff(minute, minute)
-            .jitter(false);
-        async move {
-            w.lock(key)
-                .ttl(minute)
-                .on_fail(OnFail::Retry(policy))
-                .acquire()
-                .await
-        }
-    });
-    let hang = Duration::from_secs(5);
-    wait_for("the waiter to sleep", hang, async || {
-        (w.waiting() == 1).then_some(())
-    })
-    .await;
-    assert_eq!(*answers.borrow(), 1, "attempts before the waiter slept");
-    held.release().await.unwrap();
-    let guard = tokio::time::timeout(hang, waiter)
-        .await
-        .expect("the release woke the waiter")
-        .unwrap()
-        .unwrap();
-    // Woken by the notification, it asked once more and was granted the lock.
-    assert_eq!(*answers.borrow(), 2);
-    guard.release().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,8 +36,7 @@
 //!   waits), feeding the locker's [`ReleaseHub`]. The connection reconnects on its own and
 //!   wakes every local waiter once it is back. A release answers the grant it made, so a
 //!   waiter of the same backend is woken at once, without waiting for the `NOTIFY` to come
-//!   round (with or without `LISTEN`). While `LISTEN` is up, a waiter watches before its
-//!   first attempt and asks once ([`Backend::listening`]).
+//!   round (with or without `LISTEN`).
 //!   One channel per schema and prefix means every listening backend (one per service
 //!   instance) receives every such notification and drops those for locks it has no waiter
 //!   of: cheap for tens of instances; per-lock channels (as on Redis) would need `LISTEN`
@@ -931,13 +930,6 @@ impl Backend for PostgresBackend {
             .await;
             Ok(watch)
         })
-    }
-
-    /// The `LISTEN` connection is up: a watch costs no round trip (it only registers), and a
-    /// release committed after it is heard — on that connection, so the waiter is woken (no
-    /// handoff taken from it) and asks.
-    fn listening(&self, _: &ResourceName) -> bool {
-        self.is_listening()
     }
 }
 
