@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 4 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 5 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -13,8 +13,8 @@ CREATE SCHEMA IF NOT EXISTS dlock;
 DO $$
 BEGIN
   IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
-    IF dlock.dlock_schema_version() > 4 THEN
-      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 4',
+    IF dlock.dlock_schema_version() > 5 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 5',
         dlock.dlock_schema_version();
     END IF;
   END IF;
@@ -129,7 +129,7 @@ INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
   ON CONFLICT DO NOTHING;
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 4';
+LANGUAGE sql IMMUTABLE AS 'SELECT 5';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
@@ -139,13 +139,17 @@ LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(1684824939, hashtext(p_name))';
 CREATE OR REPLACE FUNCTION dlock.dlock_ms_until(t timestamptz) RETURNS bigint
 LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
 
--- The first live waiter of a lock (dropping expired entries): its token and handoff lease.
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease —
+-- the lease its entry notes, but ending no later than the entry would have (version 5): a
+-- waiter that died holds a handed-over lock no longer than its entry would have held up the
+-- line. A live waiter loses nothing: it asks again within a third of the waiter TTL of its
+-- last attempt, which set the entry's expiry, and that grant restarts the lease.
 CREATE OR REPLACE FUNCTION dlock.dlock_head(p_name text, OUT token text, OUT lease_ms bigint)
 LANGUAGE plpgsql AS $$
 BEGIN
   DELETE FROM dlock.dlock_waiters w WHERE w.name = p_name AND w.expires_at <= clock_timestamp();
-  SELECT w.token, w.lease_ms INTO token, lease_ms FROM dlock.dlock_waiters w
-   WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
+  SELECT w.token, least(w.lease_ms, dlock.dlock_ms_until(w.expires_at)) INTO token, lease_ms
+    FROM dlock.dlock_waiters w WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
 END $$;
 
 -- Puts (or keeps) a waiter in line with a fresh entry expiry.

@@ -8,7 +8,7 @@ use dlock_tests::etcd_server;
 fn etcd_store() -> ((), Store) {
     let url = etcd_server::shared().lock().unwrap().url();
     let for_break = url.clone();
-    let store = Store::new(
+    let mut store = Store::new(
         "etcd",
         move |b| {
             let url = url.clone();
@@ -25,6 +25,11 @@ fn etcd_store() -> ((), Store) {
             })
         },
     );
+    // See "Leases and TTLs" in the etcd backend's docs.
+    store.lease_bound = |ttl| {
+        Duration::from_secs(ttl.as_millis().div_ceil(1000).max(1) as u64 + 1)
+            + Duration::from_millis(500)
+    };
     ((), store)
 }
 

@@ -302,7 +302,7 @@ async fn a_version_3_schema_is_upgraded_in_place_and_its_tokens_go_on() {
         server.psql_in(&db, "SELECT dlock.dlock_schema_version()")
     })
     .await;
-    assert_eq!(version, "4");
+    assert_eq!(version, "5");
 }
 
 /// The multi-host URL of a primary and its standby that asks for the primary.

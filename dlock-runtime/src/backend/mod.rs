@@ -22,8 +22,10 @@
 //!   this waiter ([`ReleaseHub::hand_over`], [`Watch::take_handoff`]), so it starts without
 //!   asking again. The default never fires ([`Watch::never`]); waiters then re-check on their
 //!   fallback timer. A backend that hands over grants a lease of
-//!   `min(ttl, waiter_ttl)` ([`AcquireArgs`]; the waiter renews it to `ttl`), so that a waiter
-//!   that died holds the lock no longer than its queue entry would have held up the queue; a
+//!   `min(ttl, waiter_ttl)` ([`AcquireArgs`]; the waiter renews it to `ttl`) that ends no
+//!   later than the waiter's queue entry would have, so that a waiter that died holds the lock
+//!   no longer than its entry would have held up the queue (conformance:
+//!   `a_dead_waiters_handoff_ends_with_its_entry`); a
 //!   waiter whose notification was lost asks again and is granted the lock it already holds
 //!   (above). Hand over only when the news reaches the waiter in order with the answers to its
 //!   attempts (Redis: pushes on the connection the attempts use): the locker takes a handoff

@@ -449,28 +449,7 @@ pub async fn dead_waiters_leave_the_queue(store: &Store) {
     let b = (store.locker)(with_waiter_ttl(Duration::from_millis(300))).await;
     // 2. A waiter that vanishes without cleanup (its future is leaked, as in a crash).
     let holder = a.lock(&key).acquire().await.unwrap();
-    let vanished = b.clone();
-    let vkey = key.clone();
-    let mut leaked = Box::pin(async move {
-        vanished
-            .lock(&vkey)
-            .on_fail(retry())
-            .acquire()
-            .await
-            .map(drop)
-    });
-    // Poll it until it is queued, then forget it: no drop, no cleanup.
-    let start = Instant::now();
-    while b.waiting() == 0 {
-        std::future::poll_fn(|cx| {
-            assert!(leaked.as_mut().poll(cx).is_pending());
-            std::task::Poll::Ready(())
-        })
-        .await;
-        assert!(start.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    std::mem::forget(leaked);
+    leak_a_queued_waiter(&b, &key).await;
     let next = {
         let (a, key) = (a.clone(), key.clone());
         tokio::spawn(async move {
@@ -487,6 +466,84 @@ pub async fn dead_waiters_leave_the_queue(store: &Store) {
         .await
         .unwrap_or_else(|_| panic!("{}: dead waiter blocked the queue", store.name))
         .unwrap();
+}
+
+/// Starts a waiter for `key` on `locker` (which has no other waiter), polls it until it is
+/// queued, then forgets it — no drop, no cleanup, as in a crash — and returns when it was seen
+/// queued: after its last attempt, which set its entry's expiry.
+async fn leak_a_queued_waiter(locker: &Locker, key: &str) -> Instant {
+    let vanished = locker.clone();
+    let vkey = key.to_owned();
+    let mut leaked = Box::pin(async move {
+        vanished
+            .lock(&vkey)
+            .on_fail(OnFail::retry(Duration::from_secs(30)))
+            .acquire()
+            .await
+            .map(drop)
+    });
+    let start = Instant::now();
+    while locker.waiting() == 0 {
+        std::future::poll_fn(|cx| {
+            assert!(leaked.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let queued = Instant::now();
+    std::mem::forget(leaked);
+    queued
+}
+
+/// A lock that a release hands to a waiter that died (first in line, its entry not yet
+/// expired) is held for it no longer than its queue entry would have lived — a waiter TTL from
+/// its last attempt ([`Store::lease_bound`] of it) — not a waiter TTL from the handoff: a
+/// crashed waiter blocks a lock at most the longer of the TTL and the waiter TTL.
+pub async fn a_dead_waiters_handoff_ends_with_its_entry(store: &Store) {
+    let waiter_ttl = Duration::from_secs(1);
+    let make = || (store.locker)(Locker::builder().waiter_ttl(waiter_ttl));
+    let (a, b, c) = (make().await, make().await, make().await);
+    let key = unique_key("deadhandoff");
+    let holder = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let queued = leak_a_queued_waiter(&b, &key).await;
+    let next = {
+        let (c, key) = (c.clone(), key.clone());
+        tokio::spawn(async move {
+            let g = c
+                .lock(&key)
+                .on_fail(OnFail::retry(Duration::from_secs(10)))
+                .acquire()
+                .await
+                .unwrap();
+            let at = Instant::now();
+            g.release().await.unwrap();
+            at
+        })
+    };
+    wait_until("the live waiter queued", Duration::from_secs(5), || {
+        c.waiting() == 1
+    })
+    .await;
+    // Half the dead waiter's entry has gone by (time passing is what is under test): the
+    // release hands it the lock with half a waiter TTL left on its entry.
+    tokio::time::sleep_until((queued + waiter_ttl / 2).into()).await;
+    holder.release().await.unwrap();
+    let got = next.await.unwrap();
+    let bound = (store.lease_bound)(waiter_ttl) + Duration::from_millis(300);
+    assert!(
+        got - queued < bound,
+        "{}: the lock was handed to a dead waiter and freed {:?} after its last attempt \
+         (its entry lived {waiter_ttl:?}; bound {bound:?})",
+        store.name,
+        got - queued
+    );
 }
 
 /// A holder that vanishes without releasing stops blocking others after its TTL.

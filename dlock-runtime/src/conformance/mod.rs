@@ -99,6 +99,11 @@ pub struct Store {
     /// Whether the backend has the inspection capability ([`AdminStore`](crate::backend::AdminStore));
     /// one without must say so ([`admin`] checks that it answers `Unsupported`).
     pub admin: bool,
+    /// How long after its last word a holder or waiter that died, with a lease or queue entry
+    /// of the given length, may still block a lock: the length itself (the default) for a
+    /// backend that expires to the millisecond; etcd's leases are whole seconds, rounded up,
+    /// plus a second of headroom and up to its 500 ms expiry sweep.
+    pub lease_bound: fn(Duration) -> Duration,
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
@@ -129,6 +134,7 @@ impl Store {
             notifications: true,
             kinds: true,
             admin: true,
+            lease_bound: |ttl| ttl,
         }
     }
 
@@ -299,6 +305,7 @@ pub async fn run_all(store: &Store) {
     release_wakes_waiter(store).await;
     waiters_are_served_in_order(store).await;
     dead_waiters_leave_the_queue(store).await;
+    a_dead_waiters_handoff_ends_with_its_entry(store).await;
     vanished_holder_expires(store).await;
     drop_releases(store).await;
     reject_and_timeout_errors(store).await;
@@ -363,6 +370,7 @@ macro_rules! conformance_tests {
             release_wakes_waiter,
             waiters_are_served_in_order,
             dead_waiters_leave_the_queue,
+            a_dead_waiters_handoff_ends_with_its_entry,
             vanished_holder_expires,
             drop_releases,
             reject_and_timeout_errors,

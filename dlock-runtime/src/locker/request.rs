@@ -642,9 +642,10 @@ async fn wait_for(
     // and undoes whatever the last attempt may have taken.
     let waiter_ttl = locker.waiter_ttl_for(take.ttl);
     // A lock handed over by a release comes with a lease this long, so that a waiter that died
-    // holds it no longer than its queue entry would have held up the queue (on Redis it also
-    // ends no later than the entry would have; the entry's deadline is the waiter TTL from the
-    // last attempt, so counted from that attempt, as below, the lease is never shorter).
+    // holds it no longer than its queue entry would have held up the queue (on Redis and
+    // Postgres it also ends no later than the entry would have; the entry's deadline is the
+    // waiter TTL from the last attempt, so counted from that attempt, as below, the lease is
+    // never shorter).
     let handoff_lease = take.ttl.min(waiter_ttl);
     let horizon = take.ttl.max(waiter_ttl);
     let mut flight = Undo::new(locker.watchdog(), resource, horizon);

@@ -20,7 +20,8 @@
 //!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is
 //!   free and the caller is first among the live entries. A release grants the lock to the first
 //!   live waiter in the same transaction (direct handoff: a new fencing token, a lease of
-//!   `min(ttl, waiter ttl)`) and wakes it with `pg_notify`. The waiter then asks once and is
+//!   `min(ttl, waiter ttl)` that ends no later than the waiter's entry would have, so a waiter
+//!   that died blocks the lock no longer than its entry did) and wakes it with `pg_notify`. The waiter then asks once and is
 //!   granted what is already its own, with the lease counted from that attempt: the
 //!   notification comes on another connection than the waiter's attempts, so one that came
 //!   late — after an attempt that found the handed-over lease lapsed and the lock gone to the

@@ -58,11 +58,14 @@
 //! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
 //! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
 //! version, so a resource keeps accepting them. Version 4 added `fence_epoch`, made equal to
-//! the timeline, so its tokens go on from version 3's. The DDL refuses to run over a newer
-//! schema; a client of an older version uses a newer schema as it is.
+//! the timeline, so its tokens go on from version 3's. Version 5 changed only `head`: a lock
+//! handed to a waiter is leased no longer than the waiter's queue entry has left (as on
+//! Redis), so a dead waiter first in line blocks a lock at most the waiter TTL after its last
+//! attempt — version 4 leased it the full waiter TTL from the handoff. The DDL refuses to run
+//! over a newer schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 4;
+pub(crate) const VERSION: i32 = 5;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -215,13 +218,17 @@ LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(@k@, hashtext(p_name))';
 CREATE OR REPLACE FUNCTION @s@.@p@ms_until(t timestamptz) RETURNS bigint
 LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
 
--- The first live waiter of a lock (dropping expired entries): its token and handoff lease.
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease —
+-- the lease its entry notes, but ending no later than the entry would have (version 5): a
+-- waiter that died holds a handed-over lock no longer than its entry would have held up the
+-- line. A live waiter loses nothing: it asks again within a third of the waiter TTL of its
+-- last attempt, which set the entry's expiry, and that grant restarts the lease.
 CREATE OR REPLACE FUNCTION @s@.@p@head(p_name text, OUT token text, OUT lease_ms bigint)
 LANGUAGE plpgsql AS $$
 BEGIN
   DELETE FROM @s@.@p@waiters w WHERE w.name = p_name AND w.expires_at <= clock_timestamp();
-  SELECT w.token, w.lease_ms INTO token, lease_ms FROM @s@.@p@waiters w
-   WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
+  SELECT w.token, least(w.lease_ms, @s@.@p@ms_until(w.expires_at)) INTO token, lease_ms
+    FROM @s@.@p@waiters w WHERE w.name = p_name ORDER BY w.seq LIMIT 1;
 END $$;
 
 -- Puts (or keeps) a waiter in line with a fresh entry expiry.
