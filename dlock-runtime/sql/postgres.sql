@@ -209,8 +209,9 @@ END $$;
 -- One acquire attempt. p_mode: 0 try, 1 queue, 2 barge.
 -- Returns the fencing token (> 0) when granted (also when the lock is already this token's:
 -- handed over by a release whose notification was lost; same token, lease restarted),
--- -(lease left ms) - 1 when someone else holds it, 0 when it is free but another waiter is
--- first in line.
+-- -(lease left ms) - 1 when someone else holds it, and -(ms left on the first waiter's entry)
+-- - 1 when it is free but another waiter is first in line (version 5; it was 0): a waiter
+-- behind one that died asks again when that entry ends, as on Redis, not a backoff step later.
 CREATE OR REPLACE FUNCTION dlock.dlock_acquire(p_name text, p_token text, p_ttl_ms bigint, p_mode integer, p_wttl_ms bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE l record; h record; f bigint;
@@ -235,7 +236,8 @@ BEGIN
     SELECT * INTO h FROM dlock.dlock_head(p_name);
     IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
       IF p_mode = 1 THEN PERFORM dlock.dlock_enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
-      RETURN 0;
+      RETURN coalesce(-dlock.dlock_ms_until((SELECT w.expires_at FROM dlock.dlock_waiters w
+                                         WHERE w.name = p_name AND w.token = h.token)) - 1, 0);
     END IF;
     IF h.token IS NOT NULL THEN
       DELETE FROM dlock.dlock_waiters WHERE name = p_name AND token = p_token;

@@ -201,16 +201,17 @@ pub enum Attempt {
     /// Someone else holds it, or the lock is free but another waiter is ahead in the queue.
     Held {
         /// The holder's remaining lease, when known. When the lock is free but another waiter
-        /// is ahead: how long that waiter's turn may last, when known (Redis: what its queue
-        /// entry has left), else `None`. The locker wakes a waiting task no later than this.
+        /// is ahead: how long that waiter's turn may last, when known (Redis, Postgres: what
+        /// its queue entry has left), else `None`. The locker wakes a waiting task no later than this.
         remaining: Option<Duration>,
     },
 }
 
 impl Attempt {
     /// The outcome a lock script or function answered in the shared encoding: the fencing
-    /// token (> 0) when granted, `-(the holder's lease left ms) - 1` when held, `0` when free
-    /// but another waiter is first (the Redis scripts and the Postgres functions).
+    /// token (> 0) when granted, `-(ms left) - 1` when held (the holder's lease left, or, free
+    /// but another waiter first, what that waiter's queue entry has left), `0` when held for an
+    /// unknown time (the Redis scripts and the Postgres functions).
     #[cfg(any(feature = "redis", feature = "postgres"))]
     pub(crate) fn from_reply(reply: i64) -> Self {
         match reply {

@@ -58,11 +58,14 @@
 //! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
 //! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
 //! version, so a resource keeps accepting them. Version 4 added `fence_epoch`, made equal to
-//! the timeline, so its tokens go on from version 3's. Version 5 changed only `head`: a lock
-//! handed to a waiter is leased no longer than the waiter's queue entry has left (as on
-//! Redis), so a dead waiter first in line blocks a lock at most the waiter TTL after its last
-//! attempt — version 4 leased it the full waiter TTL from the handoff. The DDL refuses to run
-//! over a newer schema; a client of an older version uses a newer schema as it is.
+//! the timeline, so its tokens go on from version 3's. Version 5 changed two function bodies,
+//! both to what the Redis scripts do: a lock handed to a waiter is leased no longer than the
+//! waiter's queue entry has left (`head`), so a dead waiter first in line blocks a lock at most
+//! the waiter TTL after its last attempt (version 4 leased it the full waiter TTL from the
+//! handoff); and `acquire`, finding the lock free but another waiter first, answers how long
+//! that waiter's entry has left (version 4 answered no time, so a waiter behind a dead one
+//! asked again only on its next backoff step). The DDL refuses to run over a newer schema; a
+//! client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
 pub(crate) const VERSION: i32 = 5;
@@ -288,8 +291,9 @@ END $$;
 -- One acquire attempt. p_mode: 0 try, 1 queue, 2 barge.
 -- Returns the fencing token (> 0) when granted (also when the lock is already this token's:
 -- handed over by a release whose notification was lost; same token, lease restarted),
--- -(lease left ms) - 1 when someone else holds it, 0 when it is free but another waiter is
--- first in line.
+-- -(lease left ms) - 1 when someone else holds it, and -(ms left on the first waiter's entry)
+-- - 1 when it is free but another waiter is first in line (version 5; it was 0): a waiter
+-- behind one that died asks again when that entry ends, as on Redis, not a backoff step later.
 CREATE OR REPLACE FUNCTION @s@.@p@acquire(p_name text, p_token text, p_ttl_ms bigint, p_mode integer, p_wttl_ms bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE l record; h record; f bigint;
@@ -314,7 +318,8 @@ BEGIN
     SELECT * INTO h FROM @s@.@p@head(p_name);
     IF h.token IS NOT NULL AND h.token <> p_token AND p_mode <> 2 THEN
       IF p_mode = 1 THEN PERFORM @s@.@p@enqueue(p_name, p_token, p_ttl_ms, p_wttl_ms); END IF;
-      RETURN 0;
+      RETURN coalesce(-@s@.@p@ms_until((SELECT w.expires_at FROM @s@.@p@waiters w
+                                         WHERE w.name = p_name AND w.token = h.token)) - 1, 0);
     END IF;
     IF h.token IS NOT NULL THEN
       DELETE FROM @s@.@p@waiters WHERE name = p_name AND token = p_token;
