@@ -398,9 +398,9 @@ END $$;
 -- p_cap: the permits, or the largest bigint for a read-write lock). p_mode: 0 try (granted
 -- when it would be admitted after the whole line), 1 queue (join or refresh the line; granted
 -- when in the ready prefix), 2 barge (granted when it fits beside the holders). Returns the
--- fencing token (> 0) when granted (also when the token already holds: a fresh grant),
--- -(the first holder's lease left ms) - 1 when held, 0 when there is room but waiters are
--- ahead.
+-- fencing token (> 0) when granted (also when the token already holds: a fresh grant), else
+-- -(ms until the first holder's lease or queue entry ends) - 1 (the line may move then: a
+-- waiter ahead that died blocks it until its entry ends; version 5), 0 when there is neither.
 CREATE OR REPLACE FUNCTION dlock.dlock_kind_acquire(p_name text, p_token text, p_excl boolean, p_cap bigint,
   p_mode integer, p_ttl_ms bigint, p_wttl_ms bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
@@ -424,9 +424,10 @@ BEGIN
     ok := p_token IN (SELECT dlock.dlock_kind_ready(p_name, p_cap, NULL));
   END IF;
   IF NOT ok THEN
-    SELECT min(expires_at) INTO first_end FROM dlock.dlock_holders WHERE name = p_name;
+    SELECT least((SELECT min(expires_at) FROM dlock.dlock_holders WHERE name = p_name),
+                 (SELECT min(expires_at) FROM dlock.dlock_queue WHERE name = p_name)) INTO first_end;
     IF first_end IS NULL THEN RETURN 0; END IF;
-    RETURN -dlock.dlock_ms_until(first_end) - 1;
+    RETURN -greatest(dlock.dlock_ms_until(first_end), 1) - 1;
   END IF;
   DELETE FROM dlock.dlock_queue WHERE name = p_name AND token = p_token;
   f := dlock.dlock_next_fence();

@@ -1021,54 +1021,6 @@ async fn a_late_handoff_notification_is_not_a_grant() {
     w_guard.release().await.unwrap();
 }
 
-/// A waiter that finds the lock free but another waiter first in line is told how long that
-/// waiter's queue entry has left (as on Redis), so that a waiter behind one that died asks
-/// again when the entry ends — not a backoff step later, with the lock free all that time.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiter_behind_another_is_told_when_the_first_ones_entry_ends() {
-    use dlock_runtime::backend::WaitMode;
-    use dlock_runtime::conformance::attempt_as;
-    let opts = PostgresOptions::default().notifications(false);
-    let backend = PostgresBackend::connect(&direct_url("postgres"), opts)
-        .await
-        .expect("connect");
-    let waiter_ttl = Duration::from_secs(5);
-    let locker = Locker::builder()
-        .waiter_ttl(waiter_ttl)
-        .try_build(backend.clone())
-        .expect("locker");
-    let k = locker.resource(LockKey::new("line:behind").unwrap());
-    let (holder, first, second) = (
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
-    let ttl = Duration::from_secs(30);
-    let ask = |token, mode| attempt_as(&locker, &k, token, mode, ttl);
-    let taken = ask(&holder, WaitMode::Try).await;
-    assert!(matches!(taken, Ok(Attempt::Acquired { .. })), "{taken:?}");
-    let queued = ask(&first, WaitMode::Queue).await;
-    assert!(matches!(queued, Ok(Attempt::Held { .. })), "{queued:?}");
-    // The holder's lock goes without a release (no handoff): free, with `first` first in line.
-    assert!(backend.force_release(k.as_str()).await.unwrap());
-    match ask(&second, WaitMode::Queue).await {
-        Ok(Attempt::Held {
-            remaining: Some(left),
-        }) => assert!(
-            left <= waiter_ttl && left > waiter_ttl - Duration::from_secs(2),
-            "told {left:?}; the first waiter's entry lives {waiter_ttl:?} from its attempt"
-        ),
-        other => panic!("the second waiter was told {other:?}, not the first one's time left"),
-    }
-    let granted = ask(&first, WaitMode::Queue).await;
-    assert!(
-        matches!(granted, Ok(Attempt::Acquired { .. })),
-        "{granted:?}"
-    );
-    assert!(backend.release(&k, &first).await.unwrap());
-    assert!(backend.abandon(&k, &second).await.is_ok());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_extend_tells_two_tokens_of_one_name_apart() {
     let opts = PostgresOptions::default().notifications(false);

@@ -244,15 +244,20 @@ impl MemoryBackend {
                     remaining: Some(remaining),
                 };
             }
-            let my_turn = match e.queue.front() {
-                None => true,
-                Some((head, _)) => head == args.token || args.mode == WaitMode::Barge,
+            // Free: the first in line (live, after the prune) may take it until its entry ends.
+            let ahead = match e.queue.front() {
+                Some((head, until)) if head != args.token && args.mode != WaitMode::Barge => {
+                    Some(*until - now)
+                }
+                _ => None,
             };
-            if !my_turn {
+            if let Some(left) = ahead {
                 if args.mode == WaitMode::Queue {
                     enqueue(e, args.token, now + args.waiter_ttl);
                 }
-                return Attempt::Held { remaining: None };
+                return Attempt::Held {
+                    remaining: Some(left),
+                };
             }
             e.queue.retain(|(t, _)| t != args.token);
             e.holder = Some((args.token.clone(), now + args.ttl));

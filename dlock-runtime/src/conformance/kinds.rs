@@ -511,6 +511,16 @@ pub async fn kinds_watchdog_loss_and_owner_checks(store: &Store) {
     owner.release().await.unwrap();
 }
 
+/// A reader behind a writer that died in line, with no holder left (the reader before it gone
+/// without a release), is let in or told when the line may move: when the writer's queue
+/// entry ends (see `told_when_the_line_may_move`).
+pub async fn kinds_a_waiter_behind_a_dead_one_is_told_when_the_line_may_move(store: &Store) {
+    if offered(store).await {
+        super::told_when_the_line_may_move(store, LockKind::Read, LockKind::Write, LockKind::Read)
+            .await;
+    }
+}
+
 /// Acquires of permits and write holds cancelled at random points (queued or in flight)
 /// leave nothing held: the name frees far sooner than any TTL.
 pub async fn kinds_cancelled_acquires_leave_nothing(store: &Store) {

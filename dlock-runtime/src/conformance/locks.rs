@@ -546,6 +546,14 @@ pub async fn a_dead_waiters_handoff_ends_with_its_entry(store: &Store) {
     );
 }
 
+/// A waiter behind one that died first in line, the lock free (its holder gone without a
+/// release, so no handoff), is let in or told when the line may move: when the dead waiter's
+/// entry ends (see `told_when_the_line_may_move`).
+pub async fn a_waiter_behind_a_dead_one_is_told_when_the_line_may_move(store: &Store) {
+    let lock = crate::LockKind::Exclusive;
+    super::told_when_the_line_may_move(store, lock, lock, lock).await;
+}
+
 /// A holder that vanishes without releasing stops blocking others after its TTL.
 pub async fn vanished_holder_expires(store: &Store) {
     let (a, b) = store.pair().await;

@@ -171,6 +171,66 @@ pub async fn attempt_as(
     }
 }
 
+/// A holder of `held` goes without a release (taken away by [`Store::break_lock`]) while a
+/// waiter for `first` that died is first in line behind it; a third owner then asks for
+/// `behind` in queue mode. It must be let in (the store took the line away with the holder)
+/// or told when the line may move — within [`Store::lease_bound`] of the waiter TTL, when the
+/// dead waiter's entry ends — never "no time", which left it to its backoff with the line
+/// free. All three are names of one lock (of one kind, or modes of one read-write lock).
+pub(crate) async fn told_when_the_line_may_move(
+    store: &Store,
+    held: crate::LockKind,
+    first: crate::LockKind,
+    behind: crate::LockKind,
+) {
+    use crate::backend::{Attempt, OwnerToken, WaitMode};
+    let waiter_ttl = Duration::from_secs(5);
+    let locker = (store.locker)(Locker::builder().waiter_ttl(waiter_ttl)).await;
+    let key = unique_key("line");
+    let at = |kind| {
+        locker
+            .resource(crate::LockKey::new(&key).expect("key"))
+            .with_kind(kind)
+    };
+    let ttl = Duration::from_secs(30);
+    let tokens: [OwnerToken; 3] = std::array::from_fn(|_| OwnerToken::generate());
+    let ask = |i: usize, kind, mode| {
+        let (resource, tokens, locker) = (at(kind), &tokens, &locker);
+        async move { attempt_as(locker, &resource, &tokens[i], mode, ttl).await }
+    };
+    let taken = ask(0, held, WaitMode::Try).await;
+    assert!(
+        matches!(taken, Ok(Attempt::Acquired { .. })),
+        "{}: {taken:?}",
+        store.name
+    );
+    let queued = ask(1, first, WaitMode::Queue).await;
+    assert!(
+        matches!(queued, Ok(Attempt::Held { .. })),
+        "{}: {queued:?}",
+        store.name
+    );
+    (store.break_lock)(at(held).as_str().to_owned()).await;
+    let bound = (store.lease_bound)(waiter_ttl);
+    match ask(2, behind, WaitMode::Queue).await {
+        Ok(Attempt::Acquired { .. }) => {}
+        Ok(Attempt::Held {
+            remaining: Some(left),
+        }) => assert!(
+            left <= bound,
+            "{}: told {left:?}; the dead waiter's entry ends within {bound:?}",
+            store.name
+        ),
+        other => panic!(
+            "{}: a waiter behind a dead one, nothing held, was told {other:?}",
+            store.name
+        ),
+    }
+    for (i, kind) in [(1, first), (2, behind)] {
+        let _ = locker.backend().abandon(&at(kind), &tokens[i]).await;
+    }
+}
+
 /// Takes `key` (as `kind`) for a fresh owner token straight through `locker`'s backend, then
 /// asks again with the same token in every wait mode, as a retry after a lost reply or a lost
 /// handoff notification does: every attempt must be granted, with a fencing token not below
@@ -306,6 +366,7 @@ pub async fn run_all(store: &Store) {
     waiters_are_served_in_order(store).await;
     dead_waiters_leave_the_queue(store).await;
     a_dead_waiters_handoff_ends_with_its_entry(store).await;
+    a_waiter_behind_a_dead_one_is_told_when_the_line_may_move(store).await;
     vanished_holder_expires(store).await;
     drop_releases(store).await;
     reject_and_timeout_errors(store).await;
@@ -329,6 +390,7 @@ pub async fn run_all(store: &Store) {
     kinds_watchdog_loss_and_owner_checks(store).await;
     kinds_cancelled_acquires_leave_nothing(store).await;
     kinds_an_attempt_by_the_holder_is_granted_again(store).await;
+    kinds_a_waiter_behind_a_dead_one_is_told_when_the_line_may_move(store).await;
     admin_inspect_list_force_release(store).await;
     election_leadership_moves_on_resign_and_drop(store).await;
     election_recampaigns_after_loss(store).await;
@@ -371,6 +433,7 @@ macro_rules! conformance_tests {
             waiters_are_served_in_order,
             dead_waiters_leave_the_queue,
             a_dead_waiters_handoff_ends_with_its_entry,
+            a_waiter_behind_a_dead_one_is_told_when_the_line_may_move,
             vanished_holder_expires,
             drop_releases,
             reject_and_timeout_errors,
@@ -399,6 +462,7 @@ macro_rules! conformance_tests {
             kinds_watchdog_loss_and_owner_checks,
             kinds_cancelled_acquires_leave_nothing,
             kinds_an_attempt_by_the_holder_is_granted_again,
+            kinds_a_waiter_behind_a_dead_one_is_told_when_the_line_may_move,
             admin_inspect_list_force_release,
         );
     };

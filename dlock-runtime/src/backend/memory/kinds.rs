@@ -73,8 +73,12 @@ impl Shared {
         self.queue.iter().take(n).map(|w| w.token.clone()).collect()
     }
 
+    /// Until the first holder's lease or queue entry ends: the line may move then (a waiter
+    /// ahead that died blocks it until its entry ends). After `prune`.
     fn remaining(&self, now: Instant) -> Option<Duration> {
-        self.holders.iter().map(|h| h.until - now).min()
+        (self.holders.iter().chain(&self.queue))
+            .map(|h| h.until - now)
+            .min()
     }
 }
 

@@ -58,14 +58,15 @@
 //! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
 //! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
 //! version, so a resource keeps accepting them. Version 4 added `fence_epoch`, made equal to
-//! the timeline, so its tokens go on from version 3's. Version 5 changed two function bodies,
-//! both to what the Redis scripts do: a lock handed to a waiter is leased no longer than the
-//! waiter's queue entry has left (`head`), so a dead waiter first in line blocks a lock at most
+//! the timeline, so its tokens go on from version 3's. Version 5 changed three function
+//! bodies: a lock handed to a waiter is leased no longer than the waiter's queue entry has
+//! left (`head`, as the Redis scripts do), so a dead waiter first in line blocks a lock at most
 //! the waiter TTL after its last attempt (version 4 leased it the full waiter TTL from the
-//! handoff); and `acquire`, finding the lock free but another waiter first, answers how long
-//! that waiter's entry has left (version 4 answered no time, so a waiter behind a dead one
-//! asked again only on its next backoff step). The DDL refuses to run over a newer schema; a
-//! client of an older version uses a newer schema as it is.
+//! handoff); `acquire`, finding the lock free but another waiter first, answers how long that
+//! waiter's entry has left, and `kind_acquire` the time until the first holder's lease or
+//! queue entry ends (version 4 answered no time, or only the holders', so a waiter behind a
+//! dead one asked again only on its next backoff step). The DDL refuses to run over a newer
+//! schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
 pub(crate) const VERSION: i32 = 5;
@@ -480,9 +481,9 @@ END $$;
 -- p_cap: the permits, or the largest bigint for a read-write lock). p_mode: 0 try (granted
 -- when it would be admitted after the whole line), 1 queue (join or refresh the line; granted
 -- when in the ready prefix), 2 barge (granted when it fits beside the holders). Returns the
--- fencing token (> 0) when granted (also when the token already holds: a fresh grant),
--- -(the first holder's lease left ms) - 1 when held, 0 when there is room but waiters are
--- ahead.
+-- fencing token (> 0) when granted (also when the token already holds: a fresh grant), else
+-- -(ms until the first holder's lease or queue entry ends) - 1 (the line may move then: a
+-- waiter ahead that died blocks it until its entry ends; version 5), 0 when there is neither.
 CREATE OR REPLACE FUNCTION @s@.@p@kind_acquire(p_name text, p_token text, p_excl boolean, p_cap bigint,
   p_mode integer, p_ttl_ms bigint, p_wttl_ms bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
@@ -506,9 +507,10 @@ BEGIN
     ok := p_token IN (SELECT @s@.@p@kind_ready(p_name, p_cap, NULL));
   END IF;
   IF NOT ok THEN
-    SELECT min(expires_at) INTO first_end FROM @s@.@p@holders WHERE name = p_name;
+    SELECT least((SELECT min(expires_at) FROM @s@.@p@holders WHERE name = p_name),
+                 (SELECT min(expires_at) FROM @s@.@p@queue WHERE name = p_name)) INTO first_end;
     IF first_end IS NULL THEN RETURN 0; END IF;
-    RETURN -@s@.@p@ms_until(first_end) - 1;
+    RETURN -greatest(@s@.@p@ms_until(first_end), 1) - 1;
   END IF;
   DELETE FROM @s@.@p@queue WHERE name = p_name AND token = p_token;
   f := @s@.@p@next_fence();

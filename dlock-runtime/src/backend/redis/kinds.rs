@@ -76,8 +76,9 @@ end
 /// 1 owner token, 2 `1` for a writer else `0`, 3 capacity, 4 mode (`0` try, `1` queue,
 /// `2` barge), 5 lease ms, 6 waiter entry ttl ms, 7 the fencing counter's key, 8 the client's
 /// fencing floor. Returns the fencing token (> 0) when granted (also when the token already
-/// holds: a fresh grant), `-(the first holder's lease left ms) - 1` when held, `0` when there
-/// is room but waiters are ahead.
+/// holds: a fresh grant), else `-(ms until the first holder's lease or queue entry ends) - 1`
+/// (the line may move then: a waiter ahead that died blocks it until its entry ends), `0` when
+/// there is neither.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r#"
@@ -117,8 +118,12 @@ else
   ok = reached
 end
 if ok then return grant() end
-local first = redis.call('ZRANGE', h, 0, 0, 'WITHSCORES')
-if first[2] then return -(tonumber(first[2]) - now) - 1 end
+local soonest = false
+for _, k in ipairs({{h, qe}}) do
+  local first = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
+  if first[2] and (not soonest or tonumber(first[2]) < soonest) then soonest = tonumber(first[2]) end
+end
+if soonest then return -math.max(soonest - now, 1) - 1 end
 return 0
 "#
     ))
