@@ -299,8 +299,9 @@ RETURNS SETOF text LANGUAGE sql AS $$
 $$;
 
 -- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
--- 3 mismatch, 0 held (o_n = lease left ms, or -2 when free but a waiter is first; o_same = 1
--- same fingerprint, 0 different, NULL unknown).
+-- 3 mismatch, 0 held (o_n = lease left ms, or, free but a waiter first, what that waiter's
+-- entry has left (version 5; it was -2, no time); o_same = 1 same fingerprint, 0 different,
+-- NULL unknown).
 CREATE OR REPLACE FUNCTION dlock.dlock_idem_begin(p_name text, p_token text, p_ttl_ms bigint, p_fp text, p_retention_ms bigint,
   OUT o_code integer, OUT o_n bigint, OUT o_same integer, OUT o_result bytea)
 LANGUAGE plpgsql AS $$
@@ -321,7 +322,12 @@ BEGIN
     RETURN;
   END IF;
   SELECT * INTO h FROM dlock.dlock_head(p_name);
-  IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
+  IF h.token IS NOT NULL THEN
+    o_code := 0;
+    o_n := coalesce(dlock.dlock_ms_until((SELECT w.expires_at FROM dlock.dlock_waiters w
+                                     WHERE w.name = p_name AND w.token = h.token)), -2);
+    RETURN;
+  END IF;
   o_n := dlock.dlock_next_fence();
   INSERT INTO dlock.dlock_locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')

@@ -201,8 +201,8 @@ pub enum Attempt {
     /// Someone else holds it, or the lock is free but another waiter is ahead in the queue.
     Held {
         /// The holder's remaining lease, when known. When the lock is free but another waiter
-        /// is ahead: how long that waiter's turn may last, when known (Redis, Postgres: what
-        /// its queue entry has left), else `None`. The locker wakes a waiting task no later than this.
+        /// is ahead: how long that waiter's turn may last — what its queue entry has left (a
+        /// waiter that died holds the line until then) — else `None`. The locker wakes a waiting task no later than this.
         remaining: Option<Duration>,
     },
 }

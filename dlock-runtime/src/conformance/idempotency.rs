@@ -234,3 +234,40 @@ pub async fn idempotency_complete_is_owner_checked(store: &Store) {
         other => panic!("[{}] expected Replay, got {other:?}", store.name),
     }
 }
+
+/// A `begin` on a key whose lock is free but held up by a waiter that died first in line (its
+/// holder gone without a release) runs (a store without a line: Redlock's waiters barge) or
+/// answers "in progress" with a `retry_after` by when that waiter's entry ends — never
+/// without one, which a `409` would have passed on with no `Retry-After`.
+pub async fn idempotency_behind_a_dead_waiter_is_told_when_the_line_may_move(store: &Store) {
+    let probe = (store.locker)(Locker::builder()).await;
+    if !supported(store, &probe).await {
+        return;
+    }
+    let lock = crate::LockKind::Exclusive;
+    let line = super::a_dead_waiter_first(store, lock, lock).await;
+    let begun = line
+        .locker
+        .idempotency(line.key.as_str(), fingerprint("POST /line"))
+        .ttl(Duration::from_secs(10))
+        .begin()
+        .await
+        .expect("begin");
+    match begun {
+        Begin::Run(op) => op.abort().await.expect("abort"),
+        Begin::InProgress {
+            retry_after: Some(left),
+            ..
+        } => assert!(
+            left <= line.bound,
+            "[{}] told {left:?}; the dead waiter's entry ends within {:?}",
+            store.name,
+            line.bound
+        ),
+        other => panic!(
+            "[{}] a begin behind a dead waiter, nothing held, was told {other:?}",
+            store.name
+        ),
+    }
+    line.clear().await;
+}

@@ -171,12 +171,89 @@ pub async fn attempt_as(
     }
 }
 
-/// A holder of `held` goes without a release (taken away by [`Store::break_lock`]) while a
-/// waiter for `first` that died is first in line behind it; a third owner then asks for
-/// `behind` in queue mode. It must be let in (the store took the line away with the holder)
-/// or told when the line may move — within [`Store::lease_bound`] of the waiter TTL, when the
-/// dead waiter's entry ends — never "no time", which left it to its backoff with the line
-/// free. All three are names of one lock (of one kind, or modes of one read-write lock).
+/// A lock's line with a waiter that died first in it and nothing held: see
+/// [`a_dead_waiter_first`].
+pub(crate) struct DeadFirst {
+    /// A locker with a waiter TTL of 5 s.
+    pub(crate) locker: Locker,
+    pub(crate) key: String,
+    /// [`Store::lease_bound`] of the waiter TTL: the dead waiter's entry ends within it.
+    pub(crate) bound: Duration,
+    /// The dead waiter's: `(kind, token)`.
+    first: (crate::LockKind, crate::backend::OwnerToken),
+}
+
+impl DeadFirst {
+    pub(crate) fn resource(&self, kind: crate::LockKind) -> crate::key::ResourceName {
+        self.locker
+            .resource(crate::LockKey::new(&self.key).expect("key"))
+            .with_kind(kind)
+    }
+
+    /// Takes the dead waiter out of the line.
+    pub(crate) async fn clear(self) {
+        let (kind, token) = &self.first;
+        let _ = self
+            .locker
+            .backend()
+            .abandon(&self.resource(*kind), token)
+            .await;
+    }
+}
+
+/// A holder of `held` goes without a release (its 300 ms lease lapses; time passing is the
+/// behaviour under test) while a waiter for `first` that died is first in line behind it: the
+/// lock is free (no handoff) and the line held up until that waiter's entry ends. Both are
+/// names of one lock (of one kind, or modes of one read-write lock). Whoever asks next must
+/// be let in (a store without a line: Redlock's waiters barge) or told when the line may move
+/// — never "no time", which left it to its backoff with the line free.
+pub(crate) async fn a_dead_waiter_first(
+    store: &Store,
+    held: crate::LockKind,
+    first: crate::LockKind,
+) -> DeadFirst {
+    use crate::backend::{Attempt, OwnerToken, WaitMode};
+    let waiter_ttl = Duration::from_secs(5);
+    let line = DeadFirst {
+        locker: (store.locker)(Locker::builder().waiter_ttl(waiter_ttl)).await,
+        key: unique_key("line"),
+        bound: (store.lease_bound)(waiter_ttl),
+        first: (first, OwnerToken::generate()),
+    };
+    let (short, ttl) = (Duration::from_millis(300), Duration::from_secs(30));
+    let holder = OwnerToken::generate();
+    let taken = attempt_as(
+        &line.locker,
+        &line.resource(held),
+        &holder,
+        WaitMode::Try,
+        short,
+    )
+    .await;
+    assert!(
+        matches!(taken, Ok(Attempt::Acquired { .. })),
+        "{}: {taken:?}",
+        store.name
+    );
+    let queued = attempt_as(
+        &line.locker,
+        &line.resource(first),
+        &line.first.1,
+        WaitMode::Queue,
+        ttl,
+    )
+    .await;
+    assert!(
+        matches!(queued, Ok(Attempt::Held { .. })),
+        "{}: {queued:?}",
+        store.name
+    );
+    tokio::time::sleep((store.lease_bound)(short) + Duration::from_millis(100)).await;
+    line
+}
+
+/// [`a_dead_waiter_first`], then a third owner asks for `behind` in queue mode: let in, or
+/// told a time within the bound.
 pub(crate) async fn told_when_the_line_may_move(
     store: &Store,
     held: crate::LockKind,
@@ -184,51 +261,26 @@ pub(crate) async fn told_when_the_line_may_move(
     behind: crate::LockKind,
 ) {
     use crate::backend::{Attempt, OwnerToken, WaitMode};
-    let waiter_ttl = Duration::from_secs(5);
-    let locker = (store.locker)(Locker::builder().waiter_ttl(waiter_ttl)).await;
-    let key = unique_key("line");
-    let at = |kind| {
-        locker
-            .resource(crate::LockKey::new(&key).expect("key"))
-            .with_kind(kind)
-    };
+    let line = a_dead_waiter_first(store, held, first).await;
+    let (resource, token) = (line.resource(behind), OwnerToken::generate());
     let ttl = Duration::from_secs(30);
-    let tokens: [OwnerToken; 3] = std::array::from_fn(|_| OwnerToken::generate());
-    let ask = |i: usize, kind, mode| {
-        let (resource, tokens, locker) = (at(kind), &tokens, &locker);
-        async move { attempt_as(locker, &resource, &tokens[i], mode, ttl).await }
-    };
-    let taken = ask(0, held, WaitMode::Try).await;
-    assert!(
-        matches!(taken, Ok(Attempt::Acquired { .. })),
-        "{}: {taken:?}",
-        store.name
-    );
-    let queued = ask(1, first, WaitMode::Queue).await;
-    assert!(
-        matches!(queued, Ok(Attempt::Held { .. })),
-        "{}: {queued:?}",
-        store.name
-    );
-    (store.break_lock)(at(held).as_str().to_owned()).await;
-    let bound = (store.lease_bound)(waiter_ttl);
-    match ask(2, behind, WaitMode::Queue).await {
+    match attempt_as(&line.locker, &resource, &token, WaitMode::Queue, ttl).await {
         Ok(Attempt::Acquired { .. }) => {}
         Ok(Attempt::Held {
             remaining: Some(left),
         }) => assert!(
-            left <= bound,
-            "{}: told {left:?}; the dead waiter's entry ends within {bound:?}",
-            store.name
+            left <= line.bound,
+            "{}: told {left:?}; the dead waiter's entry ends within {:?}",
+            store.name,
+            line.bound
         ),
         other => panic!(
             "{}: a waiter behind a dead one, nothing held, was told {other:?}",
             store.name
         ),
     }
-    for (i, kind) in [(1, first), (2, behind)] {
-        let _ = locker.backend().abandon(&at(kind), &tokens[i]).await;
-    }
+    let _ = line.locker.backend().abandon(&resource, &token).await;
+    line.clear().await;
 }
 
 /// Takes `key` (as `kind`) for a fresh owner token straight through `locker`'s backend, then
@@ -355,6 +407,7 @@ pub async fn run_all(store: &Store) {
     idempotency_runs_once_then_replays(store).await;
     idempotency_in_progress_abort_and_expiry(store).await;
     idempotency_complete_is_owner_checked(store).await;
+    idempotency_behind_a_dead_waiter_is_told_when_the_line_may_move(store).await;
     mutual_exclusion(store).await;
     owner_checked_release_and_extend(store).await;
     the_local_lease_ends_before_the_lock_frees(store).await;
@@ -452,6 +505,7 @@ macro_rules! conformance_tests {
             idempotency_runs_once_then_replays,
             idempotency_in_progress_abort_and_expiry,
             idempotency_complete_is_owner_checked,
+            idempotency_behind_a_dead_waiter_is_told_when_the_line_may_move,
             semaphore_admits_at_most_permits,
             semaphore_waiters_are_served_in_order,
             semaphore_dead_holders_expire,

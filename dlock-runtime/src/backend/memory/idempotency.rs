@@ -319,9 +319,10 @@ impl IdempotencyStore for MemoryBackend {
             }
             // A single attempt that respects the fair queue (`WaitMode::Try`).
             e.prune_queue(now);
-            if !e.queue.is_empty() {
+            if let Some((_, until)) = e.queue.front() {
+                // Free, but the first in line may take it until its entry ends.
                 return BeginReply::Held {
-                    remaining: None,
+                    remaining: Some(*until - now),
                     same_fingerprint: None,
                 };
             }

@@ -58,15 +58,15 @@
 //! creates what is missing, so running it over version 1 upgrades in place. Version 3 added
 //! `timeline` and `next_fence`: its tokens start at 2^48, above every token of an older
 //! version, so a resource keeps accepting them. Version 4 added `fence_epoch`, made equal to
-//! the timeline, so its tokens go on from version 3's. Version 5 changed three function
+//! the timeline, so its tokens go on from version 3's. Version 5 changed four function
 //! bodies: a lock handed to a waiter is leased no longer than the waiter's queue entry has
 //! left (`head`, as the Redis scripts do), so a dead waiter first in line blocks a lock at most
 //! the waiter TTL after its last attempt (version 4 leased it the full waiter TTL from the
 //! handoff); `acquire`, finding the lock free but another waiter first, answers how long that
-//! waiter's entry has left, and `kind_acquire` the time until the first holder's lease or
-//! queue entry ends (version 4 answered no time, or only the holders', so a waiter behind a
-//! dead one asked again only on its next backoff step). The DDL refuses to run over a newer
-//! schema; a client of an older version uses a newer schema as it is.
+//! waiter's entry has left (so does `idem_begin`), and `kind_acquire` the time until the
+//! first holder's lease or queue entry ends (version 4 answered no time, or only the holders',
+//! so a waiter behind a dead one asked again only on its next backoff step). The DDL refuses
+//! to run over a newer schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
 pub(crate) const VERSION: i32 = 5;
@@ -382,8 +382,9 @@ RETURNS SETOF text LANGUAGE sql AS $$
 $$;
 
 -- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
--- 3 mismatch, 0 held (o_n = lease left ms, or -2 when free but a waiter is first; o_same = 1
--- same fingerprint, 0 different, NULL unknown).
+-- 3 mismatch, 0 held (o_n = lease left ms, or, free but a waiter first, what that waiter's
+-- entry has left (version 5; it was -2, no time); o_same = 1 same fingerprint, 0 different,
+-- NULL unknown).
 CREATE OR REPLACE FUNCTION @s@.@p@idem_begin(p_name text, p_token text, p_ttl_ms bigint, p_fp text, p_retention_ms bigint,
   OUT o_code integer, OUT o_n bigint, OUT o_same integer, OUT o_result bytea)
 LANGUAGE plpgsql AS $$
@@ -404,7 +405,12 @@ BEGIN
     RETURN;
   END IF;
   SELECT * INTO h FROM @s@.@p@head(p_name);
-  IF h.token IS NOT NULL THEN o_code := 0; o_n := -2; RETURN; END IF;
+  IF h.token IS NOT NULL THEN
+    o_code := 0;
+    o_n := coalesce(@s@.@p@ms_until((SELECT w.expires_at FROM @s@.@p@waiters w
+                                     WHERE w.name = p_name AND w.token = h.token)), -2);
+    RETURN;
+  END IF;
   o_n := @s@.@p@next_fence();
   INSERT INTO @s@.@p@locks AS k (name, owner, fence, expires_at)
   VALUES (p_name, p_token, o_n, clock_timestamp() + p_ttl_ms * interval '1 millisecond')

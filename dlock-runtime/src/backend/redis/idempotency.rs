@@ -40,8 +40,9 @@ const RECORD_SUFFIX: &str = "idem";
 /// * `{1, "<fencing token>", ""}` — granted: the lock is set and the fingerprint noted;
 /// * `{2, <stored result>, ""}` — a completed record with the same fingerprint;
 /// * `{3, "", ""}` — a completed record with a different fingerprint;
-/// * `{0, "<lease left ms>", m}` — held (`-2` when the lock is free but a waiter is first in
-///   line); `m` = `"1"` same fingerprint, `"0"` different, `""` unknown.
+/// * `{0, "<ms left>", m}` — held: the holder's lease left, or, when the lock is free but a
+///   waiter is first in line, what that waiter's queue entry has left; `m` = `"1"` same
+///   fingerprint, `"0"` different, `""` unknown.
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r#"
@@ -67,7 +68,7 @@ if v then
   flags = fl
   if string.find(fl, 'q', 1, true) then
     {QUEUE_HEAD}
-    if head then return {{0, '-2', ''}} end
+    if head then return {{0, tostring(hleft), ''}} end
     flags = string.gsub(flags, 'q', '')
   end
 end

@@ -1524,10 +1524,13 @@ impl ZkBackend {
             if !blocked && (cleared > 0 || gone > 0) {
                 continue; // look again: we may be first now
             }
+            // Until the first live node ahead ends: the holder's lease, or — the head just
+            // found lapsed — the entry of the waiter next in line (one that died holds the
+            // line until then).
             let remaining = seen
-                .first()
-                .and_then(Option::as_ref)
-                .filter(|s| !s.expired(now))
+                .iter()
+                .flatten()
+                .find(|s| !s.expired(now))
                 .and_then(|s| s.remaining(now));
             if !queue {
                 // A try leaves nothing behind. Forgotten once deleted: a node whose delete
