@@ -76,11 +76,13 @@
 //!
 //! # Backends
 //!
-//! [`MemoryBackend`](crate::backend::MemoryBackend) and the Redis backend store records.
-//! Redlock ([`RedlockBackend`](crate::backend::RedlockBackend)) does not (yet): a record would
-//! need a majority write that is atomic with the majority's lock release, which independent
-//! servers cannot give; [`IdempotencyRequest::begin`] answers [`LockError::Unavailable`] naming
-//! the backend, and [`Locker::check_idempotency`] tells you at startup.
+//! [`MemoryBackend`](crate::backend::MemoryBackend), the Redis backend (one server, a Cluster,
+//! Sentinel), Postgres and etcd store records. Redlock
+//! ([`RedlockBackend`](crate::backend::RedlockBackend)) does not (yet): a record would need a
+//! majority write that is atomic with the majority's lock release, which independent servers
+//! cannot give; nor does ZooKeeper. Either way, [`IdempotencyRequest::begin`] answers
+//! [`LockError::Unavailable`] naming the backend, and [`Locker::check_idempotency`] tells you
+//! at startup.
 
 use std::fmt;
 use std::time::Duration;
@@ -117,7 +119,7 @@ pub(crate) fn validate_retention(retention: Duration) -> Result<Duration, LockEr
 fn unsupported(locker: &Locker) -> LockError {
     LockError::unavailable(
         format!(
-            "the {} backend does not store idempotency records (supported: memory, redis, postgres)",
+            "the {} backend does not store idempotency records (supported: memory, redis, postgres, etcd)",
             locker.backend_name()
         ),
         None,

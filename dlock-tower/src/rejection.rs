@@ -89,6 +89,29 @@ impl Rejection {
         )
     }
 
+    /// The answer to a request body that failed while read: `413` when a body limit of the
+    /// server cut it off — an `http_body_util::LengthLimitError` anywhere in the error's
+    /// source chain, as tower-http's `RequestBodyLimitLayer` or a `Limited` body outside this
+    /// layer raises —, else `400`.
+    pub(crate) fn unreadable_body(err: dlock_runtime::BoxError) -> Self {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*err);
+        while let Some(e) = cause {
+            if e.is::<http_body_util::LengthLimitError>() {
+                return Rejection::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body-too-large",
+                    "the request body is larger than this server reads",
+                );
+            }
+            cause = e.source();
+        }
+        Rejection::new(
+            StatusCode::BAD_REQUEST,
+            "body-unreadable",
+            "the request body could not be read",
+        )
+    }
+
     /// Adds a `Retry-After` header of `secs` seconds.
     #[must_use]
     pub fn with_retry_after(mut self, secs: u64) -> Self {

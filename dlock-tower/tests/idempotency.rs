@@ -604,7 +604,11 @@ async fn non_final_statuses_are_not_stored_and_the_retry_runs() {
     let (http, server) = h.serve(layer).await;
 
     let mut calls = 0;
-    for status in [500u16, 503, 429, 409, 408, 425, 401] {
+    // The 4xx a request gets for one of its headers (outside the fingerprint) are freed too:
+    // the client's corrected retry (credentials, `If-Match`, `Content-Type`) must run.
+    for status in [
+        500u16, 503, 429, 409, 408, 425, 401, 406, 412, 415, 426, 428, 431,
+    ] {
         let key = format!("not-stored-{status}");
         let failed = http
             .send(post_with(&key, "{}").header("x-status", status.to_string()))
@@ -1224,5 +1228,108 @@ async fn response_future_dropped_after_the_handler_returned_still_stores_the_rec
     assert!(retry.replayed(), "the retry must replay, not run again");
     assert_eq!(retry.text(), "{\"status\":\" payment 1 done\"}");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    server.abort();
+}
+
+/// A stored `405` is replayed with its `Allow` field, which RFC 9110 requires of it: with the
+/// layer on the whole router, a `PATCH` to a `POST`-only route gets axum's `405` with
+/// `Allow: POST`, and the retry's replay carries the same field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_405_keeps_its_allow_field() {
+    let layer = IdempotencyLayer::new(Locker::memory()).ttl(TTL);
+    let app = Router::new()
+        .route("/refunds", post(|| async { "refunded" }))
+        .layer(layer);
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+    let call = || {
+        post_with("allow-1", "{}")
+            .method(Method::PATCH)
+            .path("/refunds")
+    };
+    let first = http.send(call()).await;
+    assert_eq!(first.status, StatusCode::METHOD_NOT_ALLOWED);
+    let allow = first.headers.get("allow").expect("axum's 405 has `Allow`");
+    let retry = http.send(call()).await;
+    assert!(retry.replayed(), "a 405 is the request's final outcome");
+    assert_eq!(retry.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        retry.headers.get("allow"),
+        Some(allow),
+        "the replay lost `Allow`"
+    );
+    server.abort();
+}
+
+/// A request body that a limit outside the layer cuts off (tower-http's
+/// `RequestBodyLimitLayer` wraps bodies of unknown length in `Limited`) is `413`, as the
+/// layer's own limit answers, not `400`; the handler does not run and the key stays free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_cut_off_by_an_outer_limit_is_413() {
+    let h = Harness::new();
+    let layer = IdempotencyLayer::new(Locker::memory()).ttl(TTL);
+    let limited = |req: Request<Body>| req.map(|b| Body::new(http_body_util::Limited::new(b, 64)));
+    let app = app(layer, h.ctl.clone()).layer(tower::util::MapRequestLayer::new(limited));
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+
+    let too_big = http.send(post_with("outer-limit", &"x".repeat(100))).await;
+    too_big.assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    assert_eq!(h.calls(), 0);
+    let small = http.send(post_with("outer-limit", "{}")).await;
+    assert_eq!(small.status, StatusCode::CREATED, "{}", small.text());
+    assert_eq!(h.calls(), 1);
+    server.abort();
+}
+
+/// `IdempotencyLayer::in_flight` counts a handler whose client went away until its response
+/// is stored, and `drained` resolves only then: a shutdown that waits for it cuts no handler
+/// off, and the retry (after it) gets the replay at once, never `409`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_drains_once_a_given_up_handlers_response_is_stored() {
+    use std::future::Future as _;
+
+    let mut h = Harness::new();
+    let locker = Locker::memory();
+    let layer = IdempotencyLayer::new(locker.clone()).ttl(TTL);
+    let in_flight = layer.in_flight();
+    let (give_up, give_up_rx) = watch::channel(false);
+    let (addr, server) = serve(with_give_up(app(layer, h.ctl.clone()), give_up_rx)).await;
+    let http = Http::new(addr);
+    assert_eq!(in_flight.count(), 0);
+    in_flight.drained().await; // nothing runs: at once
+
+    let first = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            http.send(post_with("drain-1", "{}").header("x-wait", "gate"))
+                .await
+        })
+    };
+    h.wait_entered().await;
+    give_up.send(true).unwrap();
+    assert_eq!(first.await.unwrap().status, StatusCode::GATEWAY_TIMEOUT);
+    server.abort(); // the server stopped: no connection waits for the handler any more
+
+    assert_eq!(in_flight.count(), 1, "the given-up handler still runs");
+    let mut drained = Box::pin(in_flight.drained());
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    assert!(
+        drained.as_mut().poll(&mut cx).is_pending(),
+        "drained while a handler runs"
+    );
+    h.open_gate();
+    tokio::time::timeout(HANG, drained)
+        .await
+        .expect("drained once the handler ended");
+    assert_eq!(in_flight.count(), 0);
+
+    // Everything is stored by now: the next instance's first answer to the retry is the
+    // replay, not `409`.
+    let (addr, server) = serve(app(IdempotencyLayer::new(locker), h.ctl.clone())).await;
+    let retry = Http::new(addr).send(post_with("drain-1", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(retry.replayed());
+    assert_eq!(h.calls(), 1);
     server.abort();
 }

@@ -1261,3 +1261,61 @@ async fn custom_rejection_and_message() {
     let res = send("/custom").await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
 }
+
+/// The body limits: a body the `DeferLayer` would store over its `body_limit` is `413`,
+/// declared or streamed, and so is one a limit outside the layer cuts off (tower-http's
+/// `RequestBodyLimitLayer` wraps bodies of unknown length in `Limited`) — never `400`; a body
+/// within both is deferred (`202`). The body digest key answers a cut-off body `413` too.
+#[cfg(feature = "defer")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_a_limit_inside_or_outside_are_413() {
+    use dlock_tests::jobs::start_queue;
+
+    let (_redis, locker, queue) = start_queue("http-defer-limits").await;
+    let _held = hold(&locker, "k1").await;
+    // A body limit of 32 bytes outside, on requests that ask for it.
+    let outer = |req: Request<Body>| match req.headers().contains_key("x-outer") {
+        true => req.map(|b| Body::new(http_body_util::Limited::new(b, 32))),
+        false => req,
+    };
+    let app = Router::new()
+        .route("/orders", post(|| async { "created" }))
+        .route_layer(defer_layer(&locker, queue.clone()).body_limit(64))
+        .layer(tower::util::MapRequestLayer::new(outer));
+    let order = |body: Body, outer: bool| {
+        let mut req = Request::post("/orders").header("idempotency-key", "k1");
+        if outer {
+            req = req.header("x-outer", "1");
+        }
+        app.clone().oneshot(req.body(body).unwrap())
+    };
+    let sixty = || Body::new(Chunked(vec![Bytes::from(vec![b'x'; 20]); 3]));
+    // Within the limits: deferred.
+    assert_eq!(
+        order(sixty(), false).await.unwrap().status(),
+        StatusCode::ACCEPTED
+    );
+    // Over the layer's own 64 bytes (declared, streamed); over the outer 32 bytes.
+    for (body, outer) in [
+        (Body::from(vec![b'x'; 100]), false),
+        (
+            Body::new(Chunked(vec![Bytes::from(vec![b'x'; 50]); 2])),
+            false,
+        ),
+        (sixty(), true),
+    ] {
+        let res = order(body, outer).await.unwrap();
+        assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(text(res).await.contains("urn:dlock:problem:body-too-large"));
+    }
+
+    let digest = ServiceBuilder::new()
+        .map_request(outer)
+        .layer(DistributedLockLayer::new(locker, key::body_digest(64)).ttl(TTL))
+        .service(service_fn(|_: Request<Body>| async {
+            Ok::<_, Infallible>(Response::new(Body::from("digested")))
+        }));
+    let req = Request::post("/digest").header("x-outer", "1");
+    let res = digest.oneshot(req.body(sixty()).unwrap()).await.unwrap();
+    assert_problem(&res, StatusCode::PAYLOAD_TOO_LARGE);
+}

@@ -122,14 +122,7 @@ where
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return Rejection::body_too_large(shared.body_limit).into_response()
         }
-        Err(_) => {
-            return Rejection::new(
-                StatusCode::BAD_REQUEST,
-                "body-unreadable",
-                "the request body could not be read",
-            )
-            .into_response()
-        }
+        Err(e) => return Rejection::unreadable_body(e).into_response(),
     };
     let headers = parts
         .headers

@@ -138,20 +138,18 @@ where
 }
 
 /// Reads a request body of at most `limit` bytes.
-async fn read_request_body<B: Body>(body: B, limit: usize) -> Result<Bytes, Rejection> {
+async fn read_request_body<B>(body: B, limit: usize) -> Result<Bytes, Rejection>
+where
+    B: Body,
+    B::Error: Into<dlock_runtime::BoxError>,
+{
     if body.size_hint().lower() > limit as u64 {
         return Err(Rejection::body_too_large(limit));
     }
     let mut body = pin!(body);
     let mut buf = BytesMut::new();
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        let frame = frame.map_err(|_| {
-            Rejection::new(
-                StatusCode::BAD_REQUEST,
-                "body-unreadable",
-                "the request body could not be read",
-            )
-        })?;
+        let frame = frame.map_err(|e| Rejection::unreadable_body(e.into()))?;
         let Ok(data) = frame.into_data() else {
             continue; // trailers are not handed on
         };
@@ -245,6 +243,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body + From<Bytes>,
+    ReqBody::Error: Into<dlock_runtime::BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Send + 'static,
 {
@@ -344,7 +343,8 @@ where
         // Once the key is taken the handler runs to its end, also if this future is dropped
         // (a client that went away): otherwise the client's retry would run it again, from
         // the start, after it was cut off anywhere.
-        match detached(handle(op, call, shared.clone(), false)).await {
+        let handling = handle(op, call, shared.clone(), false);
+        match detached(&shared.in_flight, handling).await {
             Some(handled) => handled?,
             None => Err(internal(
                 "idempotency-handler-cancelled",
@@ -409,7 +409,7 @@ where
     }
     let store = finish(op, head, body, shared.clone());
     let stored = if detach_store {
-        detached(store).await
+        detached(&shared.in_flight, store).await
     } else {
         Some(store.await)
     };
@@ -422,17 +422,25 @@ where
     })
 }
 
-/// Runs `fut` to its end in a tokio task of its own (with the caller's tracing span), which
-/// goes on if this future is dropped; `None` when the runtime shut down first. A panic in
-/// `fut` is resumed here. Without a tokio runtime to hand it to, `fut` runs here (and a
-/// dropped future then drops it).
-async fn detached<T: Send + 'static>(fut: impl Future<Output = T> + Send + 'static) -> Option<T> {
+/// Runs `fut` to its end in a tokio task of its own (with the caller's tracing span, counted
+/// in `in_flight` until it ends or is dropped), which goes on if this future is dropped;
+/// `None` when the runtime shut down first. A panic in `fut` is resumed here. Without a tokio
+/// runtime to hand it to, `fut` runs here (and a dropped future then drops it).
+async fn detached<T: Send + 'static>(
+    in_flight: &super::InFlight,
+    fut: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
     use tracing::Instrument as _;
+    let ticket = in_flight.enter();
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return Some(fut.await);
     };
+    let counted = async move {
+        let _ticket = ticket;
+        fut.await
+    };
     match runtime
-        .spawn(fut.instrument(tracing::Span::current()))
+        .spawn(counted.instrument(tracing::Span::current()))
         .await
     {
         Ok(out) => Some(out),

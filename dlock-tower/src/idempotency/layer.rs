@@ -47,7 +47,7 @@ impl IdempotencyLayer {
     /// Idempotency with `locker`'s backend and the defaults documented on each setter.
     ///
     /// # Panics
-    /// If the locker's backend does not store idempotency records (Redlock); use
+    /// If the locker's backend does not store idempotency records (Redlock, ZooKeeper); use
     /// [`try_new`](IdempotencyLayer::try_new) to get an error instead.
     pub fn new(locker: Locker) -> Self {
         match Self::try_new(locker) {
@@ -57,7 +57,7 @@ impl IdempotencyLayer {
     }
 
     /// Like [`new`](IdempotencyLayer::new), but a backend that does not store idempotency
-    /// records (Redlock) is a [`LockError::Unavailable`] naming it.
+    /// records (Redlock, ZooKeeper) is a [`LockError::Unavailable`] naming it.
     pub fn try_new(locker: Locker) -> Result<Self, LockError> {
         locker.check_idempotency()?;
         Ok(IdempotencyLayer {
@@ -193,6 +193,13 @@ impl IdempotencyLayer {
     pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
         Arc::make_mut(&mut self.shared).cancel_on_disconnect = cancel;
         self
+    }
+
+    /// The handlers this layer (and every clone of it, and the services it makes) runs in
+    /// tasks of their own, for a shutdown to wait for: see
+    /// [crashes and cancellation](super#crashes-and-cancellation).
+    pub fn in_flight(&self) -> super::InFlight {
+        self.shared.in_flight.clone()
     }
 
     /// Also stores and replays the response header `name` (in addition to

@@ -139,8 +139,10 @@
 //! * `408 Request Timeout`, `425 Too Early`, `429 Too Many Requests`: they say "try again";
 //! * `409 Conflict` and `423 Locked`: a conflict with the resource's current state, which the
 //!   retry may not meet;
-//! * `401` and `407`: the request was refused for lack of credentials, which the client adds on
-//!   its retry (the fingerprint does not cover them);
+//! * the `4xx` a request gets for one of its header fields, which the fingerprint does not
+//!   cover, so the client's corrected retry is the same request: `401` and `407`
+//!   (credentials), `406` (`Accept…`), `412` and `428` (`If-Match`…), `415` (`Content-Type`),
+//!   `426` (the protocol), `431` (header size);
 //! * a response body over [`max_response_body`](IdempotencyLayer::max_response_body) (default
 //!   1 MiB), a body with trailers, or one that fails while read: the client still gets it in
 //!   full (the layer hands on what it read, then the rest), but nothing is stored. **Set the
@@ -153,9 +155,10 @@
 //!   the client gets what was read, then the rest as it comes, and nothing is stored.
 //!
 //! Everything else (`2xx`, `3xx`, the other `4xx`) is the request's final outcome and is stored.
-//! The draft leaves this choice to the server; the list follows common practice (Stripe,
-//! the draft's discussion): store what a retry must not change, free what a retry is meant to
-//! redo.
+//! The draft leaves this choice to the server. The rule here: store what a retry must not
+//! change, free what a retry is meant to redo. Some APIs store every response, `5xx` included
+//! (Stripe's); here a server error frees the key, because the handler may have failed before
+//! any effect, and a stored `500` would keep the client from ever completing the request.
 //!
 //! Stored records live for the retention, in the locker's backend: Redis and Postgres keep them
 //! in the server; the in-memory backend keeps at most its capacity
@@ -210,15 +213,40 @@
 //!   the lease): the handler is not interrupted, the response reaches the client, but it
 //!   cannot be stored (the step is owner-checked) — logged at `warn`.
 //!
+//! * **The process shuts down on purpose** (a deploy): a handler whose client went away runs
+//!   in a task no connection waits for, so a server's graceful shutdown does not wait for it
+//!   either, and the runtime's shutdown would cut it off like a crash. Wait for
+//!   [`IdempotencyLayer::in_flight`]'s [`drained`](InFlight::drained) after the server
+//!   stopped and before the runtime ends:
+//!
+//!   ```no_run
+//!   # use std::future::Future;
+//!   # async fn run(
+//!   #     app: axum::Router,
+//!   #     listener: tokio::net::TcpListener,
+//!   #     layer: dlock_tower::IdempotencyLayer,
+//!   #     shutdown: impl Future<Output = ()> + Send + 'static, // e.g. SIGTERM
+//!   # ) {
+//!   let in_flight = layer.in_flight(); // before `layer` goes into the router
+//!   axum::serve(listener, app)
+//!       .with_graceful_shutdown(shutdown)
+//!       .await
+//!       .unwrap();
+//!   // Every handler the layer started has ended and its response is stored (or its key freed).
+//!   let _ = tokio::time::timeout(std::time::Duration::from_secs(30), in_flight.drained()).await;
+//!   # }
+//!   ```
+//!
 //! No state blocks a key forever or replays a response that was not stored for that key.
 //!
 //! # Backends
 //!
-//! Records live in the same backend as the lock, atomic with it: Redis (Lua scripts, all keys
-//! under the lock's Cluster hash tag; layout in [`dlock_runtime::idempotency`]) and the
-//! in-memory backend (under the lock's shard mutex). Redlock is not supported:
-//! [`IdempotencyLayer::new`] panics and [`IdempotencyLayer::try_new`] fails, naming the
-//! backend.
+//! Records live in the same backend as the lock, atomic with it: Redis (one server, a Cluster
+//! or Sentinel; Lua scripts, all keys under the lock's Cluster hash tag; layout in
+//! [`dlock_runtime::idempotency`]), Postgres (the `idem` table, one function call a step),
+//! etcd (one transaction a step) and the in-memory backend (under the lock's shard mutex).
+//! Redlock and ZooKeeper do not store records: [`IdempotencyLayer::new`] panics and
+//! [`IdempotencyLayer::try_new`] fails, naming the backend.
 //!
 //! # Where to put it
 //!
@@ -245,6 +273,8 @@ use http::header::HeaderName;
 use http::{Method, Uri};
 
 use crate::{FailMode, MissingKey};
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use self::body::ResponseBody;
 pub use self::future::ResponseFuture;
@@ -284,6 +314,72 @@ pub fn lock_key(identity: Option<&str>, key: &str) -> Result<LockKey, LockError>
 /// [`Fingerprint`]). A request with the same key and another fingerprint is answered `422`.
 pub fn fingerprint(method: &Method, uri: &Uri, body: &[u8]) -> Fingerprint {
     request::fingerprint(method, uri, body)
+}
+
+/// The handlers (with the storing of their responses) that an [`IdempotencyLayer`] runs in
+/// tasks of their own — all of them, unless
+/// [`cancel_on_disconnect`](IdempotencyLayer::cancel_on_disconnect) — counted from their start
+/// to the end of their storing (or the release of their key). From
+/// [`IdempotencyLayer::in_flight`]; clones count the same tasks. See
+/// [crashes and cancellation](self#crashes-and-cancellation) for why a shutdown waits for
+/// them.
+#[derive(Clone, Default)]
+pub struct InFlight {
+    inner: Arc<InFlightInner>,
+}
+
+#[derive(Default)]
+struct InFlightInner {
+    count: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl InFlight {
+    /// How many run now.
+    pub fn count(&self) -> usize {
+        self.inner.count.load(Ordering::Acquire)
+    }
+
+    /// Resolves once none runs: every handler the layer started has ended and its response is
+    /// stored (or its key freed). A handler started meanwhile is waited for too, so stop the
+    /// server first; bound the wait with a timeout of your own (a hung handler never ends).
+    pub async fn drained(&self) {
+        loop {
+            let idle = self.inner.idle.notified();
+            let mut idle = std::pin::pin!(idle);
+            idle.as_mut().enable();
+            if self.count() == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    /// Counts one task until the returned ticket is dropped.
+    pub(crate) fn enter(&self) -> InFlightTicket {
+        self.inner.count.fetch_add(1, Ordering::AcqRel);
+        InFlightTicket(self.inner.clone())
+    }
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InFlight")
+            .field("count", &self.count())
+            .finish()
+    }
+}
+
+/// One counted task of an [`InFlight`]; dropping it (the task ended, or was dropped with its
+/// runtime) uncounts it.
+pub(crate) struct InFlightTicket(Arc<InFlightInner>);
+
+impl Drop for InFlightTicket {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 type Identity = Arc<dyn Fn(&http::Extensions) -> Option<String> + Send + Sync>;
@@ -329,6 +425,8 @@ pub(crate) struct Shared {
     /// Dropping the response future cancels the handler (else it runs to its end in a task
     /// of its own).
     pub(crate) cancel_on_disconnect: bool,
+    /// The tasks the layer started (shared by every clone of the configuration).
+    pub(crate) in_flight: InFlight,
 }
 
 impl Shared {
@@ -353,6 +451,7 @@ impl Shared {
             missing_key: MissingKey::default(),
             fail_mode: FailMode::default(),
             cancel_on_disconnect: false,
+            in_flight: InFlight::default(),
         }
     }
 }
@@ -375,6 +474,7 @@ impl fmt::Debug for Shared {
             .field("missing_key", &self.missing_key)
             .field("fail_mode", &self.fail_mode)
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
+            .field("in_flight", &self.in_flight)
             .finish()
     }
 }

@@ -18,6 +18,7 @@ use super::ResponseBody;
 /// `upgrade`). Add your own with
 /// [`IdempotencyLayer::replay_header`](super::IdempotencyLayer::replay_header).
 pub const DEFAULT_REPLAY_HEADERS: &[&str] = &[
+    "allow",
     "cache-control",
     "content-disposition",
     "content-encoding",
@@ -54,19 +55,25 @@ pub(crate) const NEVER_REPLAYED: &[&str] = &[
 /// Not stored — the key is freed, so the client's retry runs the handler again:
 /// * `1xx` (not a final response) and every `5xx`: the server failed or gave up; the request's
 ///   outcome is not known to be final, and a retry is what the client should do.
-/// * `401 Unauthorized`, `407 Proxy Authentication Required`: the request was not processed
-///   for lack of credentials; the client retries with credentials, which the fingerprint does
-///   not cover.
+/// * The statuses a request gets for one of its header fields, which the fingerprint does not
+///   cover, so the client's corrected retry is the same request: `401 Unauthorized` and
+///   `407 Proxy Authentication Required` (credentials), `406 Not Acceptable` (`Accept…`),
+///   `412 Precondition Failed` and `428 Precondition Required` (`If-Match`…),
+///   `415 Unsupported Media Type` (`Content-Type`, `Content-Encoding`), `426 Upgrade Required`
+///   (the protocol) and `431 Request Header Fields Too Large`.
 /// * `408 Request Timeout`, `425 Too Early`, `429 Too Many Requests`: explicitly "try again".
 /// * `409 Conflict`, `423 Locked`: a conflict with the resource's *current* state (a concurrent
 ///   change, a lock), which a later retry may not meet.
 ///
 /// Everything else is stored: `2xx`, `3xx` and the remaining `4xx` are the request's final
-/// outcome (a validation error stays one on retry).
+/// outcome (a validation error of the body stays one on retry).
 pub(crate) fn is_storable(status: StatusCode) -> bool {
     !(status.is_informational()
         || status.is_server_error()
-        || matches!(status.as_u16(), 401 | 407 | 408 | 409 | 423 | 425 | 429))
+        || matches!(
+            status.as_u16(),
+            401 | 406 | 407 | 408 | 409 | 412 | 415 | 423 | 425 | 426 | 428 | 429 | 431
+        ))
 }
 
 /// A stored response: status, the replay-safe headers (in their original order, repeated
@@ -240,12 +247,13 @@ mod tests {
     #[test]
     fn only_final_outcomes_are_stored() {
         for s in [
-            200, 201, 202, 204, 301, 303, 400, 403, 404, 410, 413, 415, 422,
+            200, 201, 202, 204, 301, 303, 400, 403, 404, 405, 410, 413, 422,
         ] {
             assert!(is_storable(StatusCode::from_u16(s).unwrap()), "{s}");
         }
         for s in [
-            100, 103, 401, 407, 408, 409, 423, 425, 429, 500, 502, 503, 504, 599,
+            100, 103, 401, 406, 407, 408, 409, 412, 415, 423, 425, 426, 428, 429, 431, 500, 502,
+            503, 504, 599,
         ] {
             assert!(!is_storable(StatusCode::from_u16(s).unwrap()), "{s}");
         }

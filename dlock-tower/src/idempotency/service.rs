@@ -59,7 +59,7 @@ where
     S::Error: Send + 'static,
     ReqBody: Body + From<Bytes> + Send + 'static,
     ReqBody::Data: Send,
-    ReqBody::Error: Send,
+    ReqBody::Error: Into<dlock_runtime::BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Send + 'static,
 {

@@ -5,8 +5,9 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use dlock_runtime::BoxError;
 use http::request::Parts;
-use http::{Request, StatusCode};
+use http::Request;
 use http_body::Body;
 use pin_project_lite::pin_project;
 use sha2::{Digest, Sha256};
@@ -21,8 +22,9 @@ use crate::Rejection;
 /// intact as `B::from(bytes)` (so the body type must implement `From<Bytes>`, as axum's
 /// `Body` and http-body-util's `Full<Bytes>` do; hyper's `Incoming` does not: map it into one
 /// of those first). A body longer than `limit` (by its declared size or as it is read) is
-/// answered with `413 Payload Too Large` and an `application/problem+json` body; a body that
-/// fails to read with 400. Trailers are not handed on. An empty body has a key too (the
+/// answered with `413 Payload Too Large` and an `application/problem+json` body, as is one a
+/// body limit outside cuts off (tower-http's `RequestBodyLimitLayer`); a body that fails to read
+/// otherwise with 400. Trailers are not handed on. An empty body has a key too (the
 /// digest of nothing).
 ///
 /// Usually combined with the endpoint, so that equal payloads to different endpoints do not
@@ -55,6 +57,7 @@ impl BodyDigest {
 impl<B> ExtractKey<B> for BodyDigest
 where
     B: Body + From<Bytes>,
+    B::Error: Into<BoxError>,
 {
     type Future = BodyDigestFuture<B>;
 
@@ -89,6 +92,7 @@ pin_project! {
 impl<B> Future for BodyDigestFuture<B>
 where
     B: Body + From<Bytes>,
+    B::Error: Into<BoxError>,
 {
     type Output = Extracted<B>;
 
@@ -110,13 +114,7 @@ where
                     }
                     this.buf.put(data);
                 }
-                Some(Err(_)) => {
-                    return Poll::Ready(Err(Rejection::new(
-                        StatusCode::BAD_REQUEST,
-                        "body-unreadable",
-                        "the request body could not be read",
-                    )));
-                }
+                Some(Err(e)) => return Poll::Ready(Err(Rejection::unreadable_body(e.into()))),
                 None => break,
             }
         }
