@@ -1081,3 +1081,112 @@ async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_k
     g.release().await.unwrap();
     assert!(names().await.is_empty());
 }
+
+/// A lock that is not renewed (`auto_renew(false)`), waited for in line: each attempt puts the
+/// waiter's key on a waiter lease (seconds), and the attempt that is admitted moves it onto a
+/// lease of the lock's TTL. A try of a put sent the slow way (and hedged on the fast one) that
+/// lands after that move must not put the key back on its waiter lease: etcd would delete it
+/// within the waiter TTL and let the next waiter in while this holder's guard says it holds
+/// the lock for the whole TTL. After every acquisition (and after every try still on its way
+/// has landed), the holder's key is on a lease with most of the TTL left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_late_put_does_not_move_its_admitted_key_back_to_the_waiter_lease() {
+    use dlock_tests::proxy::Proxy;
+    use etcd_client::{Client, GetOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let port = etcd_server::shared().lock().unwrap().client_port(0);
+    let (slow, fast) = (
+        Proxy::start(port).await.unwrap(),
+        Proxy::start(port).await.unwrap(),
+    );
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let holder = Locker::builder().connect(&member).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let policy = dlock_runtime::OnFail::Retry(
+        dlock_runtime::RetryPolicy::new(Duration::from_secs(20)).fair(true),
+    );
+    let run = dlock_runtime::conformance::unique_key("late-waiter-put");
+    for round in 0..6 {
+        // Tries hedged after 400 ms; the slow path answers after 700.
+        let (first, second) = if round % 2 == 0 {
+            (&slow, &fast)
+        } else {
+            (&fast, &slow)
+        };
+        let w = over_two_paths(first, second, Duration::from_secs(2)).await;
+        slow.set_latency(Duration::from_millis(700));
+        let key = format!("{run}-{round}");
+        let held = holder.lock(&key).ttl(ttl).acquire().await.unwrap();
+        let waiter = tokio::spawn({
+            let (w, key, policy) = (w.clone(), key.clone(), policy.clone());
+            async move {
+                w.lock(&key)
+                    .ttl(ttl)
+                    .auto_renew(false)
+                    .on_fail(policy)
+                    .acquire()
+                    .await
+            }
+        });
+        dlock_tests::wait::wait_for("the waiter", Duration::from_secs(10), async || {
+            (w.waiting() == 1).then_some(())
+        })
+        .await;
+        held.release().await.unwrap();
+        let g = waiter.await.unwrap().unwrap();
+        // Every try still on its way lands within the slow path's delay; no signal tells
+        // when a try that may not exist has landed, so wait that long, twice over.
+        tokio::time::sleep(Duration::from_millis(1400)).await;
+        let dir = lock_dir(&w, &key);
+        let kvs = raw
+            .kv_client()
+            .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        assert_eq!(kvs.kvs().len(), 1, "round {round}: only the holder's key");
+        let lease = kvs.kvs()[0].lease();
+        let left = raw
+            .lease_client()
+            .time_to_live(lease, None)
+            .await
+            .unwrap()
+            .ttl();
+        assert!(
+            left >= 25,
+            "round {round}: the holder's key is on a lease with {left} s left; its guard counts \
+             on {} s",
+            ttl.as_secs()
+        );
+        assert!(g.is_held());
+        slow.set_latency(Duration::ZERO);
+        g.release().await.unwrap();
+    }
+}
+
+/// A user and password given for a cluster without authentication: etcd refuses the sign-in
+/// ("authentication is not enabled"), which no retry changes — a typed `Misconfigured` (500)
+/// at connect, not an outage (503) retried until every deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_for_a_cluster_without_auth_are_misconfigured() {
+    let member = etcd_server::shared().lock().unwrap().url();
+    let hosts = member.trim_start_matches("etcd://").to_owned();
+    let started = Instant::now();
+    let Err(err) = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .connect(&format!("etcd://root:pw@{hosts}"))
+        .await
+    else {
+        panic!("connected with credentials etcd does not check");
+    };
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    assert!(!format!("{err:?}").contains("pw@"), "{err:?}");
+    assert!(
+        started.elapsed() < COMMAND_TIMEOUT * 2,
+        "{:?}",
+        started.elapsed()
+    );
+}

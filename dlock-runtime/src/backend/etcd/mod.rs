@@ -112,8 +112,9 @@
 //! A client whose runtime shut down is replaced (see *Runtimes*). Errors never contain the
 //! URL's credentials.
 //!
-//! Repeating a request is safe: a put of the own key keeps its create revision, a re-let and a
-//! delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
+//! Repeating a request is safe: a put of the own key keeps its create revision (and a queued
+//! put that lands after its key was admitted and moved onto the lock's lease fails: the
+//! waiter leases are revoked first), a re-let and a delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
 //! lease expires unused, and a put that lands after its lock was released is a suspect (see
 //! *Cancellation*); a repeated idempotency `begin` whose first try took the lock finds its own
 //! key at the head and takes that as its answer, and a repeated `complete` whose first try
@@ -335,7 +336,8 @@ type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (AbortHandle, Vec<u8>)
 type Leases = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), Vec<i64>>>>;
 
 /// How many of an acquisition's latest leases are remembered: the one its key is on and those
-/// of an attempt that may still be in flight (attempts of one acquisition are sequential).
+/// of an attempt that may still be in flight (attempts of one acquisition are sequential). An
+/// older one is revoked as it is forgotten (`grant_for`).
 const LEASES_KEPT: usize = 3;
 
 /// Locks in etcd. See the [module docs](self) for the recipe, fencing and lease design.
@@ -394,9 +396,10 @@ fn noted(value: &[u8]) -> (Option<Duration>, Option<&str>) {
     let Ok(value) = std::str::from_utf8(value) else {
         return (None, None);
     };
-    // (A key written before the token was noted has the TTL alone.)
+    // (A key written before the token was noted has the TTL alone; a key on a session has
+    // its registration after the token, `/<n>`.)
     let (ms, token) = match value.split_once(':') {
-        Some((ms, token)) => (ms, Some(token)),
+        Some((ms, token)) => (ms, Some(token.split_once('/').map_or(token, |(t, _)| t))),
         None => (value, None),
     };
     match ms.parse() {
@@ -696,14 +699,19 @@ impl EtcdBackend {
         ttl: Duration,
     ) -> Result<i64, LockError> {
         let id = self.grant(ttl).await?;
-        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
-        let list = leases
-            .entry((resource.shared(), token.clone()))
-            .or_default();
-        list.push(id);
-        if list.len() > LEASES_KEPT {
-            list.remove(0);
-        }
+        let dropped = {
+            let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+            let list = leases
+                .entry((resource.shared(), token.clone()))
+                .or_default();
+            list.push(id);
+            let over = list.len().saturating_sub(LEASES_KEPT);
+            list.drain(..over).collect::<Vec<_>>()
+        };
+        // A lease no longer remembered is revoked before the attempt goes on: a try of its
+        // put still on its way would otherwise land after a later admission and move the key
+        // back onto it (the admission revokes only the leases it remembers).
+        self.revoke(dropped).await?;
         Ok(id)
     }
 
@@ -717,6 +725,17 @@ impl EtcdBackend {
     ) -> Result<(), LockError> {
         let ids = self.take_leases(resource, token);
         self.revoke(ids).await
+    }
+
+    /// Forgets every lease of `token`'s but `keep`, and returns them.
+    fn keep_only_lease(&self, resource: &ResourceName, token: &OwnerToken, keep: i64) -> Vec<i64> {
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        let list = leases
+            .entry((resource.shared(), token.clone()))
+            .or_default();
+        let others = list.iter().copied().filter(|id| *id != keep).collect();
+        *list = vec![keep];
+        others
     }
 
     fn take_leases(&self, resource: &ResourceName, token: &OwnerToken) -> Vec<i64> {
@@ -908,7 +927,22 @@ impl EtcdBackend {
         let own_rev = i64::try_from(create_revision_at(&ops, 2)).unwrap_or(0);
         if own_rev > 0 && kinds::admitted(kind, k.dir.len(), line, &k.own) {
             let lease = self.grant_for(args.resource, args.token, args.ttl).await?;
-            if self.relet_on(&k.own, own_rev, lease).await? {
+            if !self.relet_on(&k.own, own_rev, lease).await? {
+                return Ok(Attempt::Held { remaining: None });
+            }
+            // A try of this acquisition's puts still on its way (a hedged try's first one, an
+            // attempt that timed out) would land after the relet and move the key back onto
+            // its waiter lease: it would expire within the waiter TTL, and the next waiter get
+            // the lock while this one holds it. So revoke the waiter leases first — a put on a
+            // revoked lease fails, and one that landed before the revoke goes with it — then
+            // check that the key is still on the lock's lease.
+            let waiter_leases = self.keep_only_lease(args.resource, args.token, lease);
+            self.revoke(waiter_leases).await?;
+            let still_on = Txn::new().when([
+                Compare::create_revision(k.own.clone(), CompareOp::Equal, own_rev),
+                Compare::lease(k.own.clone(), CompareOp::Equal, lease),
+            ]);
+            if self.txn(still_on).await?.succeeded() {
                 return Ok(Attempt::Acquired {
                     fencing_token: own_rev.unsigned_abs(),
                 });
@@ -1376,6 +1410,11 @@ mod tests {
         let value = noted_value(Duration::from_millis(1500), &token);
         assert_eq!(
             noted(value.as_bytes()),
+            (Some(Duration::from_millis(1500)), Some(token.as_str()))
+        );
+        let registered = format!("{value}/7");
+        assert_eq!(
+            noted(registered.as_bytes()),
             (Some(Duration::from_millis(1500)), Some(token.as_str()))
         );
         assert_eq!(noted(b"30000"), (Some(Duration::from_secs(30)), None));

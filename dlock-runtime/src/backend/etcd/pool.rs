@@ -135,6 +135,13 @@ impl Member {
         self.with_live(|_| ()).is_none()
     }
 
+    /// Has the next request made on a new client, which signs in again: the auth token of
+    /// this one is older than the cluster's auth store ([`auth_outdated`]).
+    fn sign_in_again(&self) {
+        let conn = self.conn.read().unwrap_or_else(PoisonError::into_inner);
+        conn.dead.store(true, Ordering::Release);
+    }
+
     /// Replaces a dead client with one made on the current runtime, before `until`: one
     /// connect at a time, and none when another caller's made a live one meanwhile.
     async fn reconnect(&self, until: Instant) -> Result<(), etcd_client::Error> {
@@ -157,7 +164,8 @@ impl Member {
         self.reconnects.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(
             endpoint = %self.endpoint,
-            "etcd: the runtime this member's client ran on shut down; connected again"
+            "etcd: this member's client was made anew (its runtime shut down, or its auth \
+             token was outdated)"
         );
         Ok(())
     }
@@ -312,6 +320,9 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
                         return (Err(err), settled);
                     }
                     Err(e) => {
+                        if auth_outdated(&e) {
+                            pool.members[i].sign_in_again();
+                        }
                         pool.suspect(i);
                         // A request that never left the client cannot have been applied.
                         doubtful |= sent;
@@ -392,10 +403,24 @@ fn unsent(e: &etcd_client::Error) -> bool {
         if s.code() == tonic::Code::Unknown && s.message().starts_with("Service was not ready"))
 }
 
+/// Whether etcd refused the request's auth token as older than its auth store (any user or
+/// role change in the cluster makes it so): etcd's own client signs in again and retries;
+/// etcd-client signs in again only on `Unauthenticated`. A try on a new client (which signs
+/// in again) succeeds; a simple token is checked against the current store on each request,
+/// so a plain retry does too.
+fn auth_outdated(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s)
+        if s.code() == tonic::Code::InvalidArgument
+            && s.message().contains("revision of auth store is old"))
+}
+
 /// Whether another try (maybe on another member) may succeed.
 fn retryable(e: &etcd_client::Error) -> bool {
     use etcd_client::Error as E;
     use tonic::Code;
+    if auth_outdated(e) {
+        return true;
+    }
     match e {
         E::TransportError(_) | E::IoError(_) | E::WatchError(_) => true,
         E::GRpcStatus(s) => matches!(
@@ -412,19 +437,60 @@ fn retryable(e: &etcd_client::Error) -> bool {
 }
 
 /// Whether etcd refused in a way retrying does not change ([`LockError::Misconfigured`]): the
-/// user lacks a permission on the lock keys (`PermissionDenied`), or the request or its
+/// user lacks a permission on the lock keys (`PermissionDenied`), the request or its
 /// credentials are invalid (`InvalidArgument`: a wrong password, a request without a user
-/// on a cluster with auth enabled, a limit exceeded). An expired or outdated auth token
-/// (`Unauthenticated`) is renewed by signing in again, and stays `Unavailable`.
+/// on a cluster with auth enabled, a limit exceeded), or credentials were given to a cluster
+/// without auth (`FailedPrecondition`, "authentication is not enabled"). An expired auth token
+/// (`Unauthenticated`) is renewed by signing in again, and one older than the auth store
+/// ([`auth_outdated`]) by a new client: both stay `Unavailable`.
 pub(super) fn refused_for_good(e: &etcd_client::Error) -> bool {
     use tonic::Code;
     matches!(e, etcd_client::Error::GRpcStatus(s)
-        if matches!(s.code(), Code::PermissionDenied | Code::InvalidArgument))
+        if matches!(s.code(), Code::PermissionDenied | Code::InvalidArgument)
+            && !auth_outdated(e)
+        || s.code() == Code::FailedPrecondition
+            && s.message().contains("authentication is not enabled"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An auth token older than the auth store (a user or role changed anywhere in the
+    /// cluster) is worth another try, on a client that signs in again — not a refusal for
+    /// good (a 500 for every request until a JWT token expired); credentials given to a
+    /// cluster without auth are one, not an outage retried for ever.
+    #[test]
+    fn auth_refusals_are_told_apart() {
+        let status =
+            |code, msg: &str| etcd_client::Error::GRpcStatus(tonic::Status::new(code, msg));
+        let old = status(
+            tonic::Code::InvalidArgument,
+            "etcdserver: revision of auth store is old",
+        );
+        assert!(auth_outdated(&old));
+        assert!(retryable(&old));
+        assert!(!refused_for_good(&old));
+        let not_enabled = status(
+            tonic::Code::FailedPrecondition,
+            "etcdserver: authentication is not enabled",
+        );
+        assert!(refused_for_good(&not_enabled));
+        assert!(!retryable(&not_enabled));
+        let wrong_password = status(
+            tonic::Code::InvalidArgument,
+            "etcdserver: authentication failed, invalid user ID or password",
+        );
+        assert!(refused_for_good(&wrong_password));
+        assert!(!retryable(&wrong_password));
+        let denied = status(
+            tonic::Code::PermissionDenied,
+            "etcdserver: permission denied",
+        );
+        assert!(refused_for_good(&denied));
+        let other_precondition = status(tonic::Code::FailedPrecondition, "etcdserver: not capable");
+        assert!(!refused_for_good(&other_precondition));
+    }
 
     /// A member at a port nothing listens on: connecting (no user) opens nothing yet.
     fn nowhere() -> String {

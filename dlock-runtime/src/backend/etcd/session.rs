@@ -39,17 +39,19 @@
 //!   free slots only when the token's entry goes, which waits for every put of it to be
 //!   settled (or its sessions to be gone: expired, or revoked as etcd answered). Every delete
 //!   of a registered key — a release's, and a keepalive's pruning, which may be dropped
-//!   half-way — deletes it only if its value is still its token's (every put of a token
-//!   writes the same value, which names the token), so a delete that may still land (answered
-//!   through a hedge while its sibling is out, or timed out) keeps no name: it cannot touch
-//!   the key of the name's next token.
+//!   half-way — deletes it only if its value is still its registration's (every put of one
+//!   registration writes the same value, which names the token and the registration), so a
+//!   delete that may still land (answered through a hedge while its sibling is out, or timed
+//!   out) keeps no name: it cannot touch the key of the name's next token, nor the next key of
+//!   the same token (registered again — a semaphore try that was not admitted, say — it gets
+//!   its old name back).
 //! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
 //!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -195,8 +197,8 @@ impl Entry {
 /// What [`Sessions::begin_put`] did.
 #[derive(Debug, PartialEq, Eq)]
 enum Begun {
-    /// Registered a put of the key of this name.
-    Put(Vec<u8>),
+    /// Registered a put of the key of this name, writing this value.
+    Put(Vec<u8>, Vec<u8>),
     /// A session picked was retired or is gone: nothing registered, pick again.
     Stale,
     /// The token is not registered, and no new key was asked for.
@@ -302,6 +304,8 @@ pub(super) struct Sessions {
     /// that deletion waits for no attempt to be in flight, and is skipped (until the next
     /// keepalive) when one is.
     gate: tokio::sync::RwLock<()>,
+    /// Registrations so far: the last part of a key's value ([`Sessions::begin_put`]).
+    registrations: AtomicU64,
 }
 
 impl Default for Sessions {
@@ -312,6 +316,7 @@ impl Default for Sessions {
             entries: Mutex::default(),
             instance: crate::util::secure_token::<16>(),
             gate: tokio::sync::RwLock::default(),
+            registrations: AtomicU64::new(0),
         }
     }
 }
@@ -349,9 +354,15 @@ impl Sessions {
             (None, Some(new)) => {
                 let slot = reg.take_slot(&key.0);
                 let own = super::kinds::slot_key(new.dir, new.kind, &self.instance, slot);
+                // The value names this registration, not only the token: a token registered
+                // again (its entry gone: released, not admitted, pruned) gets the name it had,
+                // and a delete of its earlier key that may still land must not match its new
+                // one.
+                let registration = self.registrations.fetch_add(1, Ordering::Relaxed);
+                let value = format!("{}/{registration}", new.value).into_bytes();
                 reg.map.entry(key.clone()).or_insert(Entry {
                     own,
-                    value: new.value.clone().into_bytes(),
+                    value,
                     slot,
                     session: on[0].clone(),
                     touched: Vec::new(),
@@ -370,7 +381,7 @@ impl Sessions {
                 e.touched.push((*s).clone());
             }
         }
-        Begun::Put(e.own.clone())
+        Begun::Put(e.own.clone(), e.value.clone())
     }
 
     /// The put of [`begin_put`](Self::begin_put) was answered (`settled`: no try of it can
@@ -805,18 +816,17 @@ impl EtcdBackend {
             kind,
             value: super::noted_value(args.ttl, args.token),
         };
-        let (picked, own) = self
+        let (picked, own, value) = self
             .begin_put_on(&key, Some(&new), &classes)
             .await?
             .ok_or_else(|| LockError::unavailable("etcd: a new key was not registered", None))?;
         let hold = picked[0].clone();
         let wait = picked.last().unwrap_or(&hold).clone();
         k.own = own;
-        let value = new.value;
         let put_on = |lease: i64| {
             TxnOp::put(
                 k.own.clone(),
-                value.as_bytes(),
+                value.as_slice(),
                 Some(PutOptions::new().with_lease(lease)),
             )
         };
@@ -956,7 +966,7 @@ impl EtcdBackend {
         key: &TokenKey,
         new: Option<&NewKey<'_>>,
         classes: &[(i64, Duration)],
-    ) -> Result<Option<(Vec<Arc<Session>>, Vec<u8>)>, LockError> {
+    ) -> Result<Option<(Vec<Arc<Session>>, Vec<u8>, Vec<u8>)>, LockError> {
         for _ in 0..16 {
             let mut picked = Vec::with_capacity(classes.len());
             for &(secs, need) in classes {
@@ -964,7 +974,7 @@ impl EtcdBackend {
             }
             let on: Vec<&Arc<Session>> = picked.iter().collect();
             match self.sessions.begin_put(key, new, &on) {
-                Begun::Put(own) => return Ok(Some((picked, own))),
+                Begun::Put(own, value) => return Ok(Some((picked, own, value))),
                 Begun::Unknown => return Ok(None),
                 Begun::Stale => {}
             }
@@ -984,7 +994,7 @@ impl EtcdBackend {
         create: i64,
         ttl: Duration,
     ) -> Result<bool, LockError> {
-        let Some((mut to, own)) = self
+        let Some((mut to, own, _)) = self
             .begin_put_on(key, None, &[(session_secs(ttl), ttl)])
             .await?
         else {
@@ -1153,7 +1163,7 @@ mod tests {
             value: super::super::noted_value(Duration::from_secs(1), &key.1),
         };
         match reg.begin_put(key, Some(&new), on) {
-            Begun::Put(own) => own,
+            Begun::Put(own, _) => own,
             other => panic!("not registered: {other:?}"),
         }
     }
@@ -1328,6 +1338,46 @@ mod tests {
         assert_eq!(held(&c), first);
     }
 
+    /// The same token registered again (its entry gone: a semaphore try that was not
+    /// admitted, a release, a pruning) gets its old name back, so the delete of its earlier key
+    /// — which may still land: answered through a hedge, or timed out — must not match the new
+    /// key's value. Before, every registration of a token wrote the same value, and that late
+    /// delete deleted the key the token had just been admitted with while it held it.
+    #[test]
+    fn a_token_registered_again_writes_a_value_its_earlier_delete_does_not_match() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let new = NewKey {
+            dir: b"dlock/r/",
+            kind: LockKind::Exclusive,
+            value: "1000:t".to_owned(),
+        };
+        let key = token();
+        let Begun::Put(first, first_value) = reg.begin_put(&key, Some(&new), &[&s]) else {
+            panic!("not registered");
+        };
+        reg.end_put(&key, true, None);
+        let late_delete = reg.leave(&key).expect("registered");
+        reg.forget(&key);
+        assert!(!reg.is_registered(&key));
+        let Begun::Put(again, again_value) = reg.begin_put(&key, Some(&new), &[&s]) else {
+            panic!("not registered");
+        };
+        assert_eq!(again, first, "the name is reused");
+        assert_ne!(again_value, first_value, "the value names the registration");
+        assert_eq!(
+            format!("{late_delete:?}"),
+            format!("{:?}", delete_if_valued(&first, &first_value)),
+            "the earlier delete compares the earlier value"
+        );
+        // Every put of one registration writes the same value.
+        reg.end_put(&key, true, None);
+        let Begun::Put(_, same) = reg.begin_put(&key, None, &[&s]) else {
+            panic!("not registered");
+        };
+        assert_eq!(same, again_value);
+    }
+
     /// An idle retired session is revoked in the background. Until etcd answers the
     /// revocation, a suspect on it keeps its name: a revocation that fails leaves the lease
     /// alive (up to its class), and the suspect's put landing on it then — a try of a permit
@@ -1396,7 +1446,7 @@ mod tests {
             kind: LockKind::Write,
             value: "1000:x".to_owned(),
         };
-        let Begun::Put(writer) = reg.begin_put(&other, Some(&new), &[&s]) else {
+        let Begun::Put(writer, _) = reg.begin_put(&other, Some(&new), &[&s]) else {
             panic!("not registered");
         };
         let name = String::from_utf8(writer).unwrap();
