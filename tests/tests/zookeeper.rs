@@ -1018,3 +1018,126 @@ async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_do
     .await;
     blocker.release().await.unwrap();
 }
+
+/// The local lease of a lock never counts on more than ¾ of the negotiated session timeout:
+/// the leader expires a session one session timeout after it last heard of it, and for a
+/// client served by a follower that can be up to half a tick (at most a quarter of the session
+/// timeout, as `minSessionTimeout` is two ticks) before the client's last answered request —
+/// the follower tells the leader in its answers to the leader's pings. Counting on the whole
+/// session timeout, a holder cut off with its follower still believed it held the lock when the
+/// leader let the next holder in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locks_local_lease_counts_on_three_quarters_of_the_session_timeout() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let session = Duration::from_millis(2000);
+    let backend = ZkBackend::connect(
+        &format!("{url}?session_timeout_ms={}", session.as_millis()),
+        ZkOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(backend.session_timeout(), session);
+    let a = Locker::builder().build(backend);
+    let key = format!("three-quarters-{}", std::process::id());
+    for ttl in [Duration::from_secs(4), Duration::from_millis(1600)] {
+        let g = a
+            .lock(key.as_str())
+            .ttl(ttl)
+            .auto_renew(false)
+            .acquire()
+            .await
+            .unwrap();
+        let left = g.remaining();
+        assert!(
+            left <= session * 3 / 4 && left > session / 2,
+            "a {ttl:?} lock on a {session:?} session counts on {left:?}"
+        );
+        g.release().await.unwrap();
+    }
+}
+
+/// A token that asks again after the answer to its `create` was lost (the command timeout cut
+/// the attempt off while the `create` was on its way) keeps the place that `create` took — here
+/// the head of the line, i.e. the lock — rather than deleting that node as a stray and
+/// queueing behind the waiter that came meanwhile: an attempt whose reply was lost is granted
+/// the lock it took, with that node's fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let timeout = Duration::from_secs(1);
+    // The connection stays (its silence is the proxy's latency, not a dead server).
+    let opts = ZkOptions::default()
+        .command_timeout(timeout)
+        .connection_timeout(Duration::from_secs(5));
+    let backend = ZkBackend::connect(
+        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
+        opts,
+    )
+    .await
+    .unwrap();
+    let a = Locker::builder().command_timeout(timeout).build(backend);
+    let b = locker(&url).await;
+    // A lease on the session, so that the unanswered call does not get it replaced.
+    let other = a
+        .lock(format!("lost-create-other-{}", std::process::id()))
+        .ttl(Duration::from_secs(20))
+        .acquire()
+        .await
+        .unwrap();
+    let key = format!("lost-create-{}", std::process::id());
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let (mine, theirs) = (OwnerToken::generate(), OwnerToken::generate());
+    let ttl = Duration::from_secs(20);
+
+    // The lock's directory exists (a node was made in it), so the `create` is the one call.
+    let made = b.lock(key.as_str()).try_acquire().await.unwrap();
+    made.expect("free").release().await.unwrap();
+    // The `create` reaches the server after 800 ms; the attempt gave up at 1 s, its answer
+    // 1.6 s after it was sent.
+    proxy.set_latency(Duration::from_millis(800));
+    let lost = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
+    assert!(lost.is_err(), "answered through 1.6 s of latency: {lost:?}");
+    let dir = format!("/dlock/{}", resource.as_str());
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let taken = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let kids = raw.list_children(&dir).await.unwrap_or_default();
+            match kids.iter().find(|k| k.starts_with(mine.as_str())) {
+                Some(name) => Ok(name.clone()),
+                None => Err(format!("no node of the token yet: {kids:?}")),
+            }
+        },
+    )
+    .await;
+    let queued = attempt_as(&b, &resource, &theirs, WaitMode::Queue, ttl).await;
+    assert!(
+        matches!(queued, Ok(Attempt::Held { .. })),
+        "the lost create holds the lock: {queued:?}"
+    );
+    proxy.set_latency(Duration::ZERO);
+
+    let again = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
+    let (_, stat) = raw
+        .get_data(&format!("{dir}/{taken}"))
+        .await
+        .expect("the node the lost create made is kept");
+    assert_eq!(
+        again.unwrap_or_else(|e| panic!("{e}")),
+        Attempt::Acquired {
+            fencing_token: stat.czxid.unsigned_abs()
+        },
+        "asked again, the token must be granted the lock its lost create took"
+    );
+    let kids = raw.list_children(&dir).await.unwrap();
+    assert_eq!(kids.len(), 2, "its node and the waiter's: {kids:?}");
+    other.release().await.unwrap();
+}

@@ -66,13 +66,18 @@
 //!   session.
 //!
 //! **TTL and the session timeout.** A holder cut off from the ensemble cannot renew, and the
-//! server may expire its session — deleting its node — as early as one session timeout after
-//! the last request it answered. So the local lease clock of a lock never counts on more than
-//! the negotiated session timeout ([`Backend::lease_margin`] is `ttl − session timeout` for
-//! longer TTLs; for shorter ones, the part of the TTL below a millisecond and one more, as
-//! leases are whole milliseconds from a `mtime` in whole milliseconds):
-//! [`lost`](crate::LockGuard::lost) fires when a disconnect outlives the session timeout by
-//! the local clock, before the server can let the next holder in. A TTL above twice
+//! leader may expire its session — deleting its node — one session timeout after it last
+//! heard of the session. For a client on a follower, that is not the client's last answered
+//! request: the follower passes the sessions it served on to the leader only in its answers to
+//! the leader's pings, every half tick, so a follower cut off right after answering leaves the
+//! leader's last word up to half a tick older. The server's `minSessionTimeout` is at least
+//! two ticks, so half a tick is at most a quarter of the session timeout, and the local lease
+//! clock of a lock never counts on more than **¾ of the negotiated session timeout**
+//! ([`Backend::lease_margin`] is `ttl − ¾ session timeout` for longer TTLs; for shorter ones,
+//! the part of the TTL below a millisecond and one more, as leases are whole milliseconds
+//! from a `mtime` in whole milliseconds):
+//! [`lost`](crate::LockGuard::lost) fires when a disconnect outlives ¾ of the session timeout
+//! by the local clock, before the server can let the next holder in. A TTL above twice
 //! the session timeout is refused with [`LockError::InvalidTtl`], by an acquire and by an
 //! extend alike (the lease then stays as it was; the watchdog renews every
 //! TTL/3, which must come before the session's bound); raise the server's `maxSessionTimeout`
@@ -94,7 +99,15 @@
 //! `abandon` that gets no answer (no server) leaves the attempt unsettled: the client keeps
 //! the `create` and sends it once it has a server, so the backend's one task for such attempts
 //! looks the node up again then, and deletes it (it would otherwise hold the lock for a lease nobody counts on, and stay on a
-//! lock nobody tries again for the life of the session).
+//! lock nobody tries again for the life of the session). An attempt whose `create` was cut off
+//! by the command timeout and landed all the same leaves a node the backend does not know of:
+//! the token's next attempt keeps the earliest such node of the current session (its place in
+//! line, the lock if it is first, with that node's fencing token) and deletes the newer one.
+//! One answer can be ambiguous: a release whose `delete` was applied but not answered, sent
+//! again, finds the node gone and answers "not the owner" (the guard reports a lost lock,
+//! after the lock was in fact released). A node gone by then may as well have been deleted by
+//! someone else (its lease ran out, a force release), and reporting that as a clean release
+//! would hide a loss.
 //!
 //! **After an outage.** The client reconnects by itself, but waits twice as long after every round
 //! over the servers without an answer (with three servers 0.3, 0.6, 1.2, 2.4, 4.8 s …), so after
@@ -1345,6 +1358,15 @@ impl ZkBackend {
         Ok(None)
     }
 
+    /// Whether the node `name` in `dir` exists and is an ephemeral node of `c`'s session.
+    async fn on_this_session(&self, c: &Client, dir: &str, name: &str) -> Result<bool, LockError> {
+        let path = format!("{dir}/{name}");
+        match again(|| c.check_stat(&path)).await {
+            Ok(stat) => Ok(stat.is_some_and(|s| s.ephemeral_owner == c.session_id().0)),
+            Err(e) => Err(unavailable("exists", e)),
+        }
+    }
+
     /// Sets the lease of `own`'s node `name` in `dir`; `None` when the node is gone.
     async fn set_lease(
         &self,
@@ -1416,7 +1438,7 @@ impl ZkBackend {
             Some(name) => Some((name, None, false)),
             None => None,
         };
-        let (own, mut stat, mut has_ttl) = match known {
+        let (mut own, mut stat, mut has_ttl) = match known {
             Some(own) => own,
             None => {
                 let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
@@ -1424,7 +1446,7 @@ impl ZkBackend {
                 (name, Some(stat), true)
             }
         };
-        let own_path = format!("{dir}/{own}");
+        let mut own_path = format!("{dir}/{own}");
         // Nodes of this token other than `own`: made by an attempt whose answer was lost and
         // not found since, or left by a delete that failed. Never someone else's (the token
         // is secret); left, they would hold the lock or the queue for this token with nobody
@@ -1443,6 +1465,23 @@ impl ZkBackend {
                 .filter(|k| k.name != own && k.name.starts_with(&mine_prefix))
                 .collect();
             if !strays.is_empty() {
+                // The earliest node of this token on this session, ahead of `own`, was made
+                // by an attempt whose answer never came (a `create` the command timeout cut
+                // off): it keeps its place — it may hold the lock already — and `own` goes.
+                let own_at = kids.iter().position(|k| k.name == own);
+                let earlier = strays[0];
+                let ahead = own_at.is_none_or(|at| kids[at].seq > earlier.seq);
+                if ahead && self.on_this_session(&c, &dir, &earlier.name).await? {
+                    match again(|| c.delete(&own_path, None)).await {
+                        Ok(()) | Err(ZkError::NoNode) => {}
+                        Err(e) => return Err(unavailable("delete", e)),
+                    }
+                    own.clone_from(&earlier.name);
+                    own_path = format!("{dir}/{own}");
+                    // Its lease is written afresh below (as the holder's or a waiter's).
+                    (stat, has_ttl) = (None, false);
+                    continue;
+                }
                 for k in strays {
                     let path = format!("{dir}/{}", k.name);
                     match again(|| c.delete(&path, None)).await {
@@ -1648,6 +1687,11 @@ impl ZkBackend {
     }
 }
 
+/// The longest local lease a lock of a session of `timeout` counts on: ¾ of it.
+fn local_lease_cap(timeout: Duration) -> Duration {
+    timeout - timeout / 4
+}
+
 impl Backend for ZkBackend {
     fn name(&self) -> &'static str {
         "zookeeper"
@@ -1655,8 +1699,11 @@ impl Backend for ZkBackend {
 
     fn lease_margin(&self, ttl: Duration) -> Duration {
         // A lease is whole milliseconds from a node's `mtime` (the leader's clock, in whole
-        // milliseconds), as on Redis.
-        ttl.saturating_sub(self.session.timeout())
+        // milliseconds), as on Redis. And the local lease never counts on more than ¾ of the
+        // session timeout (see the module docs: the leader may have last heard of the session
+        // up to half a tick — at most a quarter of the session timeout — before the client's
+        // last answered request).
+        ttl.saturating_sub(local_lease_cap(self.session.timeout()))
             .max(crate::util::whole_ms_margin(ttl, 1))
     }
 
