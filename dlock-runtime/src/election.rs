@@ -155,11 +155,13 @@ type Held = Arc<Mutex<Option<(u64, LeaseProbe)>>>;
 ///   [`lost`](Election::lost), [`is_leader`](Election::is_leader) and the
 ///   [`watch`](Election::watch) channel) before, or when, a new one can lead.
 /// * **Re-campaign.** After a loss the candidate queues for the lock again; backend errors are
-///   retried with a jittered backoff (up to 2 s). A refusal that retrying cannot fix
-///   ([`LockError::Misconfigured`]: a wrong password, a user without the lock keys) is an
-///   `error` event (`dlock.election: the backend refuses the campaign`, at most once a minute
-///   while it lasts; other failures are `debug`), and the campaign goes on, so it leads once
-///   the configuration is fixed. The campaign ends only with
+///   retried with a jittered backoff (up to 2 s). A failure that is not an outage — a refusal
+///   that retrying cannot fix ([`LockError::Misconfigured`]: a wrong password, a user without
+///   the lock keys), or a request the backend cannot take (a TTL over ZooKeeper's bound for
+///   its session timeout, `replicas(n)` on a backend without replicas) — is an `error` event
+///   (`dlock.election: the backend refuses the campaign`, at most once a minute while it
+///   lasts; outages are `debug`), and the campaign goes on, so it leads once the
+///   configuration is fixed. The campaign ends only with
 ///   [`resign`](Election::resign) or when the [`Election`] is dropped; both step down (the
 ///   lock is released, so the next candidate leads at once rather than after the TTL).
 ///
@@ -336,7 +338,7 @@ impl Campaign {
                         self.locker.trace_key(self.name.as_str()),
                         self.locker.trace_error(&e),
                     );
-                    if !e.is_misconfigured() {
+                    if e.status() == 503 {
                         tracing::debug!(election = %name, error = %error, "dlock.election: campaign attempt failed");
                     } else if let Some(attempts) = refused.failed(REFUSED_REPORT_EVERY) {
                         tracing::error!(election = %name, error = %error, attempts, "dlock.election: the backend refuses the campaign; retrying until the configuration is fixed");
@@ -376,8 +378,12 @@ impl Campaign {
             Some((term, _)) => Leadership::Leader { term: *term },
             None => Leadership::Follower,
         };
-        *self.held.lock().unwrap_or_else(PoisonError::into_inner) = held;
+        // Published under the lock: whoever reads the term (`lost`) sees the channel already
+        // saying so, and does not take the channel's older role for the term's end.
+        let mut slot = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        *slot = held;
         self.tx.send_replace(role);
+        drop(slot);
     }
 }
 

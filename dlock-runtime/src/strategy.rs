@@ -46,7 +46,8 @@ impl OnFail {
         OnFail::Retry(RetryPolicy::new(wait))
     }
 
-    /// [`OnFail::Defer`]: first deferred attempt after `delay`, at most `max_attempts`.
+    /// [`OnFail::Defer`]: first deferred attempt after about `delay` (equal jitter: between
+    /// half of it and all of it), at most `max_attempts`.
     pub fn defer(delay: Duration, max_attempts: u32) -> Self {
         OnFail::Defer(DeferPolicy::new(delay, max_attempts))
     }
@@ -180,15 +181,16 @@ impl RetryPolicy {
 ///
 /// Attempt `n` (1-based, counting the caller's own first try as attempt 0) waits
 /// `delay · 2ⁿ⁻¹` with "equal jitter" (a random point in the upper half of the step), capped at
-/// `max_delay`.
+/// `max_delay` (and at a year).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeferPolicy {
-    /// Delay before the first deferred attempt.
+    /// The first backoff step: the first deferred attempt waits between half of it and all of
+    /// it.
     pub delay: Duration,
     /// How many deferred attempts before the job is dead-lettered.
     pub max_attempts: u32,
-    /// Largest backoff step.
+    /// Largest backoff step (default: 5 minutes, or `delay` when that is longer).
     pub max_delay: Duration,
 }
 
@@ -202,12 +204,14 @@ impl Default for DeferPolicy {
 }
 
 impl DeferPolicy {
-    /// `delay` before the first deferred attempt, `max_attempts` attempts in all.
+    /// About `delay` before the first deferred attempt (between half of it and all of it),
+    /// `max_attempts` attempts in all. The cap on the steps starts at 5 minutes, or at
+    /// `delay` when that is longer (before, a `delay` over 5 minutes was cut to 5 minutes).
     pub fn new(delay: Duration, max_attempts: u32) -> Self {
         DeferPolicy {
             delay,
             max_attempts: max_attempts.max(1),
-            max_delay: Duration::from_secs(300),
+            max_delay: delay.max(Duration::from_secs(300)),
         }
     }
 
@@ -231,6 +235,42 @@ impl DeferPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Steps as long as a `Duration` holds neither panic (the jitter's `% (step + 1)`
+    /// overflowed) nor reach past a year (the defer queues' timer wheels refuse deadlines past
+    /// about two years).
+    #[test]
+    fn huge_steps_are_capped_and_never_panic() {
+        let retry = RetryPolicy::new(Duration::from_secs(1)).backoff(Duration::MAX, Duration::MAX);
+        for n in [0, 1, 40] {
+            assert!(retry.backoff_step(n) <= crate::util::MAX_BACKOFF_STEP);
+        }
+        let defer = DeferPolicy::new(Duration::MAX, 3).max_delay(Duration::MAX);
+        for attempt in [1, 2, 3] {
+            let step = defer.backoff(attempt);
+            assert!(step <= crate::util::MAX_BACKOFF_STEP, "{step:?}");
+            assert!(step >= crate::util::MAX_BACKOFF_STEP / 2, "{step:?}");
+        }
+        for _ in 0..100 {
+            let _ = crate::util::random_up_to(Duration::MAX);
+        }
+    }
+
+    /// The first deferred attempt waits about `delay` — between half of it and all of it —
+    /// also when `delay` is over the default 5-minute cap.
+    #[test]
+    fn the_first_deferred_attempt_waits_about_its_delay() {
+        for delay in [Duration::from_secs(2), Duration::from_secs(600)] {
+            let policy = DeferPolicy::new(delay, 3);
+            for _ in 0..50 {
+                let first = policy.backoff(1);
+                assert!(
+                    first >= delay / 2 && first <= delay,
+                    "{first:?} for {delay:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn backoff_grows_to_the_cap_without_jitter() {

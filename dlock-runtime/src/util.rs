@@ -158,15 +158,20 @@ pub(crate) fn next_random() -> u64 {
     })
 }
 
-/// A uniformly random duration in `0..=max`.
+/// A uniformly random duration in `0..=max` (`max` counted up to `u64::MAX` nanoseconds).
 pub(crate) fn random_up_to(max: Duration) -> Duration {
     let nanos = max.as_nanos().min(u128::from(u64::MAX)) as u64;
-    if nanos == 0 {
-        Duration::ZERO
-    } else {
-        Duration::from_nanos(next_random() % (nanos + 1))
+    match nanos.checked_add(1) {
+        Some(span) => Duration::from_nanos(next_random() % span),
+        // `0..=u64::MAX`: every value is in range.
+        None => Duration::from_nanos(next_random()),
     }
 }
+
+/// The longest backoff step: a year. Longer steps mean nothing to a retry, and the timer
+/// wheels that schedule deferred work refuse deadlines past about two years (a panic in the
+/// queue's task, and the job in hand lost).
+pub(crate) const MAX_BACKOFF_STEP: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// Where in a backoff step the wait falls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,8 +184,10 @@ pub(crate) enum Jitter {
     Equal,
 }
 
-/// Step `n` (0-based) of the exponential backoff `base · 2ⁿ`, capped at `max`, with `jitter`.
+/// Step `n` (0-based) of the exponential backoff `base · 2ⁿ`, capped at `max` (and at
+/// [`MAX_BACKOFF_STEP`]), with `jitter`.
 pub(crate) fn backoff(base: Duration, n: u32, max: Duration, jitter: Jitter) -> Duration {
+    let max = max.min(MAX_BACKOFF_STEP);
     let step = base.checked_mul(1u32 << n.min(20)).unwrap_or(max).min(max);
     match jitter {
         Jitter::None => step,

@@ -823,6 +823,45 @@ fn an_election_refused_for_good_is_an_error_once_and_leads_once_fixed() {
     assert_eq!(captured.events("dlock.election: leading").len(), 1);
 }
 
+/// A campaign whose every attempt fails in a way no retry changes, though it is not a
+/// refusal of the backend's — here the locker asks every lock for a replica acknowledgement
+/// the in-memory backend cannot give (`Unsupported`) — never leads; that is an `ERROR` event,
+/// not a `DEBUG` event per attempt that nobody sees (a fleet without a leader, and nothing
+/// alerting). A ZooKeeper TTL over twice the session timeout (`InvalidTtl`) is the same case.
+#[test]
+fn an_election_no_attempt_of_which_can_succeed_is_an_error() {
+    let (led, captured) = capture::capturing_run(async |captured| {
+        let locker = Locker::builder().replicas(1).memory().unwrap();
+        let election = locker.elect("unsupported-election").start().unwrap();
+        wait_for(
+            "four campaign attempts",
+            Duration::from_secs(10),
+            async || (captured.spans("dlock.acquire").len() >= 4).then_some(()),
+        )
+        .await;
+        let led = election.is_leader();
+        election.resign().await.unwrap();
+        led
+    });
+    assert!(!led);
+    let errors: Vec<Seen> = captured
+        .all()
+        .into_iter()
+        .filter(|s| s.kind == Kind::Event && s.level == Level::ERROR)
+        .collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].name.contains("refuses the campaign"),
+        "{errors:?}"
+    );
+    assert!(
+        captured
+            .events("dlock.election: campaign attempt failed")
+            .is_empty(),
+        "logged as an ordinary failed attempt"
+    );
+}
+
 // ---- Prometheus over HTTP ----
 
 /// The Prometheus exporter's text, served by a real HTTP server and scraped with a real client,

@@ -64,7 +64,10 @@ impl LockerBuilder {
     /// How many replicas must have a lock before it counts as taken, for requests that don't
     /// say ([`LockRequest::replicas`](crate::LockRequest::replicas)). Default 0. Redis only (one
     /// server, Sentinel, a cluster); other backends answer
-    /// [`LockError::Unsupported`] when it is above 0.
+    /// [`LockError::Unsupported`] when it is above 0. Replica acknowledgement covers exclusive
+    /// locks only: above 0, a semaphore or read-write request (also one the attribute makes,
+    /// `permits`/`mode`) answers [`LockError::Unsupported`] too — use a locker of its own
+    /// for those.
     pub fn replicas(mut self, n: u32) -> Self {
         self.config.replicas = n;
         self
