@@ -1141,3 +1141,45 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
     assert_eq!(kids.len(), 2, "its node and the waiter's: {kids:?}");
     other.release().await.unwrap();
 }
+
+/// A line of twenty waiters that died (their leases lapsed; a frozen process's, say) ahead of
+/// a new waiter on a free lock: its attempt clears them and is granted the lock. Before, an
+/// attempt gave up after eight rounds of clearing (two nodes each) and answered "held, time
+/// unknown" with no watch set, so the waiter slept until its backoff on a free lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_clears_a_long_line_of_dead_waiters() {
+    use dlock_runtime::backend::{Attempt, Backend, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let (backend, a) = zk_locker(&url).await;
+    let key = format!("dead-line-{}", std::process::id());
+    // The lock's directory exists once a node was made in it.
+    let made = a.lock(key.as_str()).try_acquire().await.unwrap();
+    made.expect("free").release().await.unwrap();
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let dir = format!("/dlock/{}", resource.as_str());
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let opts = zookeeper_client::CreateMode::EphemeralSequential
+        .with_acls(zookeeper_client::Acls::anyone_all());
+    for _ in 0..20 {
+        // A lease of 1 ms.
+        let waiter = format!("{dir}/{}-", OwnerToken::generate().as_str());
+        raw.create(&waiter, b"1", &opts)
+            .await
+            .expect("a dead waiter");
+    }
+    // Their 1 ms leases lapse by the ensemble's clock (no event tells when).
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let token = OwnerToken::generate();
+    let ttl = Duration::from_secs(10);
+    let attempt = attempt_as(&a, &resource, &token, WaitMode::Queue, ttl).await;
+    assert!(
+        matches!(attempt, Ok(Attempt::Acquired { .. })),
+        "a free lock behind dead waiters: {attempt:?}"
+    );
+    assert_eq!(raw.list_children(&dir).await.unwrap().len(), 1);
+    assert!(backend.release(&resource, &token).await.unwrap());
+}

@@ -1453,8 +1453,10 @@ impl ZkBackend {
         // knowing.
         let mine_prefix = format!("{}-", args.token.as_str());
         // Expired nodes ahead are deleted and the directory listed again; each round removes
-        // at least one node, so a few rounds suffice in practice.
-        for _ in 0..8 {
+        // the head and the predecessor when they lapsed. Enough rounds for a line of dead
+        // waiters (a frozen process's, say): out of rounds, the attempt answers "held, time
+        // unknown" with no watch set, and the waiter sleeps until its backoff.
+        for _ in 0..CLEARING_ROUNDS {
             let kids = match again(|| c.list_children(&dir)).await {
                 Ok(k) => sorted(k),
                 Err(ZkError::NoNode) => Vec::new(),
@@ -1686,6 +1688,9 @@ impl ZkBackend {
         self.unsettled.start(&self.session, &rt, on_fallback);
     }
 }
+
+/// Rounds of an attempt's listing and clearing of lapsed nodes ahead (each clears up to two).
+const CLEARING_ROUNDS: usize = 64;
 
 /// The longest local lease a lock of a session of `timeout` counts on: ¾ of it.
 fn local_lease_cap(timeout: Duration) -> Duration {
