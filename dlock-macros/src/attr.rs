@@ -114,7 +114,7 @@ pub(crate) enum OnLost {
 }
 
 /// The argument names, in the order the error for an unknown one lists them.
-const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `through_outages`, `delay`, \
+pub(crate) const KNOWN: &str = "`key`, `ttl`, `on_fail`, `wait`, `through_outages`, `delay`, \
                      `max_attempts`, `on_lost`, `locker`, `message`, `crate`, `hold_at_least`, \
                      `fallback`, `permits`, `mode`";
 
@@ -412,6 +412,26 @@ impl Args {
                     );
                 }
             }
+        }
+
+        // Arguments a strategy would silently ignore.
+        if let (Some(span), Some("defer")) = (on_lost.span(), strategy) {
+            if matches!(on_lost.given, Some((_, Some(OnLost::Cancel)))) {
+                errors.error(
+                    span,
+                    "`on_lost = \"cancel\"` does not apply to `on_fail = \"defer\"`: a deferred \
+                     body runs to its end (fence its writes with the lock's token instead)",
+                );
+            }
+        }
+        if let (Some(span), Some(strategy @ ("defer" | "skip"))) = (message.span(), strategy) {
+            errors.error(
+                span,
+                format_args!(
+                    "`message` only applies to `on_fail = \"reject\"` or `\"retry\"` (the \
+                     detail of their `409`), but this lock uses `on_fail = \"{strategy}\"`"
+                ),
+            );
         }
 
         let on_fail = match on_fail.value() {

@@ -30,7 +30,11 @@ impl Body {
     /// `{ stmts }` with the original braces' span.
     pub(crate) fn block(&self) -> Group {
         let mut block = Group::new(Delimiter::Brace, self.stmts.clone());
-        block.set_span(self.brace_span);
+        // Where the user wrote them, but as the macro's braces: the body becomes the tail of
+        // an async block, and under the user's own hygiene rustc took a one-line body
+        // (`{ id * 2 }`) for braces written around a block's return value (`unused_braces`,
+        // an error under `deny(warnings)`, with advice that does not compile).
+        block.set_span(self.brace_span.resolved_at(Span::mixed_site()));
         block
     }
 }

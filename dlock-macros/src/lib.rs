@@ -50,9 +50,11 @@ use proc_macro::TokenStream;
 /// | `wait` | with `on_fail = "retry"`: how long to wait for the lock before giving up | `"10s"` |
 /// | `through_outages` | with `on_fail = "retry"`: `true` keeps waiting, up to `wait`, while the backend is down (a failover, a restarted server) instead of failing with `LockError::Unavailable` — HTTP 503 — at the first outage answer (`RetryPolicy::through_outages`) | `false` |
 /// | `delay`, `max_attempts` | with `on_fail = "defer"`: the delay before the first deferred attempt (doubling, with jitter, after each busy attempt), and how many attempts before the job is dead-lettered | `"1s"`, `5` |
-/// | `on_lost` | what to do if the lock is lost while the body runs (renewal failed, lease ran out): `"ignore"` keeps running, `"cancel"` stops the body and returns a lock-lost error | `"ignore"` |
+/// | `on_lost` | what to do if the lock is lost while the body runs (renewal failed, lease ran out): `"ignore"` keeps running, `"cancel"` stops the body and returns a lock-lost error; `"cancel"` not with `on_fail = "defer"` (a deferred body runs to its end) | `"ignore"` |
 /// | `locker` | any expression giving a `Locker` or `&Locker`, such as `state.locker`; it may use the arguments | the global default locker (`dlock_runtime::set_default_locker`) |
-/// | `message` | a human-readable detail for the rejection (shown in the HTTP problem response) | — |
+/// | `message` | a human-readable detail for the rejection (shown in the HTTP problem response); with `on_fail = "reject"` or `"retry"` only | — |
+/// | `permits` | a semaphore: at most this many calls with the same key run at once (1 or more) | — (a lock) |
+/// | `mode` | a read-write lock: `"read"` (shared with other readers) or `"write"` (alone); not with `permits` | — (a lock) |
 /// | `crate` | the path of `dlock_runtime`, when it is re-exported under another name | `"::dlock_runtime"` |
 /// | `key = [..]` | a list of key templates, `key = ["account:<from>", "account:<to>"]`: every key is locked, all-or-nothing, in a canonical order (deadlock-free whatever order callers name them in) and released together; not with `on_fail = "defer"`; templates must differ, and keys equal at run time are `LockError::InvalidKey` (400) | — |
 /// | `on_fail = "skip"` | for scheduled jobs: one attempt; when the lock is held the function returns at once, without running, `()`, `None`, `Ok(())` or `Ok(None)` — only those return types (`()`, `Option<T>`, `Result<(), E>`, `Result<Option<T>, E>`) compile | — |
@@ -83,6 +85,11 @@ use proc_macro::TokenStream;
 ///   `("1", "23")` and `("12", "3")` apart.
 /// - The literal text may not contain `{`, `}`, `%`, `#`, whitespace or control characters, which
 ///   the runtime reserves.
+/// - Keys are kept apart *within* a template; a template's keys can meet another template's
+///   when one's literal text can be another's value (`"<tenant>:orders"` with `tenant =
+///   "admin"` is the key `"admin:orders"`, and `"user:<id>x"` with `id = 1` is `"user:<id>"`
+///   with `id = "1x"`). Start every template with a literal segment of its own
+///   (`"orders:<tenant>"`), so that request data can only choose among that template's keys.
 ///
 /// The key and the `locker` expression are evaluated before the body starts, when the arguments
 /// are still whole.
@@ -92,8 +99,11 @@ use proc_macro::TokenStream;
 /// - A return type whose last path segment is `Result` (`Result<T, E>`, `io::Result<T>`,
 ///   `anyhow::Result<T>`) is kept as it is; a lock failure becomes `E` through
 ///   `From<LockError>`, so `E` must implement `From<dlock_runtime::LockError>`.
-/// - Any other return type `T` — including no return type, and `impl Trait` — becomes
-///   `Result<T, dlock_runtime::LockError>`.
+/// - Any other return type `T` — including no return type, `impl Trait`, and a `Result` with
+///   an `impl Trait` in it (`Result<impl IntoResponse, AppError>`: the lock failure cannot be
+///   converted without naming the type) — becomes `Result<T, dlock_runtime::LockError>`. For
+///   an axum handler that answers with `AppError`'s response, name the type
+///   (`Result<Response, AppError>`).
 ///
 /// `?` and early `return`s in the body work as before. No `Send` bound is added: the function's
 /// future is `Send` when the body's is (axum handlers) and works when it is not (actix-web
@@ -163,6 +173,15 @@ mod tests {
             assert!(
                 docs.contains(&expected),
                 "the docs of `distributed_lock` do not say `{expected}`"
+            );
+        }
+        // Every argument the attribute takes has a row in the table.
+        for name in crate::attr::KNOWN.split(", ") {
+            let name = name.trim_matches(|c: char| c == '`' || c.is_whitespace() || c == '\\');
+            assert!(
+                docs.contains(&format!("/// | `{name}`"))
+                    || docs.contains(&format!("`, `{name}` |")),
+                "the argument table of `distributed_lock` has no row for `{name}`"
             );
         }
     }
