@@ -101,7 +101,9 @@ pub struct LockState {
     pub waiters: Vec<Waiter>,
     /// The fencing counter this lock draws from, when the store keeps one apart from the
     /// holder: every token issued from now on is greater. Redis: the namespace's (on a cluster,
-    /// the slot's) counter; memory: the store's. `None` on Postgres, etcd and ZooKeeper, which
+    /// the slot's) counter, in the counter's own units — a Redis token is `counter × 2^11 +
+    /// the issuer number` (`RedisBackend::ISSUER_BITS`), so compare it with `token >> 11`;
+    /// memory: the store's (the same units as its tokens). `None` on Postgres, etcd and ZooKeeper, which
     /// keep the holder's token with the lock.
     pub fence_counter: Option<u64>,
 }
@@ -165,8 +167,9 @@ pub struct LockPage {
 pub struct ForceReleased {
     /// Whether a live holder was removed.
     pub was_held: bool,
-    /// The fencing counter after the release raised it: the next holder's token is greater.
-    /// `None` where the store's counter is not reachable apart from a grant (etcd: the next
+    /// The fence after the release raised it, in token units (on Redis a token, `counter ×
+    /// 2^11 + issuer`, unlike [`LockState::fence_counter`]): the next holder's token is
+    /// greater. `None` where the store's counter is not reachable apart from a grant (etcd: the next
     /// holder's revision is above every revision so far by construction; ZooKeeper: likewise
     /// its node's `czxid`).
     pub fence: Option<u64>,

@@ -63,8 +63,9 @@
 //! from an old snapshot, flushed, or evicted. The clock term keeps that case mild (an empty
 //! node proposes its clock, larger than any token it issued before unless its clock stepped
 //! back), but only keeping the data makes it safe: run the nodes with persistence (below) and
-//! with `maxmemory-policy` `noeviction` or a `volatile-*` policy — the counter has no TTL, so
-//! `allkeys-*` eviction could remove it.
+//! with `maxmemory-policy` **`noeviction`** — an `allkeys-*` policy can remove the counter
+//! (it has no TTL), and a `volatile-*` policy the lock keys themselves (every one has a TTL),
+//! so a node under memory pressure would vote for a second owner of a held lock.
 //!
 //! # Restarts and persistence
 //!

@@ -39,12 +39,14 @@
 //! to a replica that missed the latest tokens, a restart without persistence), the floors carry
 //! the order on: the lost tokens were below the clocks of their moment, and the next ones start
 //! from the clocks after the failure, so the order holds unless the clients' clocks disagree by
-//! more than the failover took. A release's handoff (which has no client floor) takes
-//! `counter + 1`; an `INCR` that answers 1 found no counter and starts it at the server clock
-//! in µs. A Redlock node takes the floor exactly (see `backend::redlock`). The scripts issue
+//! more than the failover took. A release's handoff takes the releasing client's floor the
+//! same way (every script that may hand over — release, abandon, idempotency complete and
+//! abort, force release — is sent one); an `INCR` that answers 1 found no counter and starts
+//! it at the server clock in µs. A Redlock node takes the floor exactly (see `backend::redlock`). The scripts issue
 //! counter values (below 2^53: Lua numbers are doubles); the client reports
 //! `counter × 2^ISSUER_BITS + its issuer number` as the token (`RedisBackend::ISSUER_BITS`), so
-//! two masters that issue the same counter value during a split never grant the same token.
+//! two masters that issue the same counter value during a split never grant the same token
+//! (unless 2^ISSUER_BITS other clients took issuer numbers between theirs).
 
 //! **On a cluster** the scripts declare, after their own `KEYS`, the keys they derive (the
 //! slot's fencing counter, the lock's queue list and entries): they still derive the names
