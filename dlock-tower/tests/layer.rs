@@ -975,6 +975,7 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
                         .header("idempotency-key", key)
                         .header(AUTHORIZATION, "Bearer s3cret-token")
                         .header(COOKIE, "session=s3cret-cookie")
+                        .header("x-api-key", "s3cret-key")
                         .header("x-trace", "t1")
                         .body(Full::default())
                         .unwrap(),

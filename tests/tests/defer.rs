@@ -1550,3 +1550,147 @@ async fn an_enqueue_with_replicas_counts_once_the_replica_has_the_job() {
     )
     .await;
 }
+
+/// A job that never ends (an upstream call without a timeout) holds one of the worker's slots,
+/// not the worker: a job enqueued after it runs and completes while it hangs. Before, the
+/// worker ran a batch to its end before it claimed again, so nothing else ever ran on that
+/// instance. With `job_timeout`, the hung job is stopped and counts as a failed attempt
+/// (dead-lettered after its last, with the reason), and the worker's shutdown returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_never_ends_holds_a_slot_not_the_worker() {
+    use dlock_tests::jobs::run_in_background;
+
+    let (server, locker, queue) = start_queue("hung").await;
+    let policy = DeferPolicy::new(Duration::from_millis(20), 1);
+    let ttl = Duration::from_secs(5);
+    let mut hung = record_job(&server, 1, "h1");
+    hung.hang_always = true;
+    let hung_id = queue
+        .enqueue(&hung, &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone())
+        .register::<RecordJob>()
+        .poll_interval(Duration::from_millis(10))
+        .job_timeout(Duration::from_secs(3));
+    let running = run_in_background(worker);
+    wait_for(
+        "the hung job to start",
+        Duration::from_secs(10),
+        async || (queue.status(&hung_id).await.unwrap() == JobStatus::Running).then_some(()),
+    )
+    .await;
+    let next = queue
+        .enqueue(&record_job(&server, 2, "h2"), &policy, ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    let done = wait_for(
+        "a job enqueued while another hangs to complete",
+        Duration::from_secs(2),
+        async || match queue.status(&next).await.unwrap() {
+            s @ JobStatus::Completed { .. } => Some(s),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(
+        done,
+        JobStatus::Completed {
+            result: Some("done 2".into())
+        }
+    );
+    assert_eq!(
+        queue.status(&hung_id).await.unwrap(),
+        JobStatus::Running,
+        "still within its limit"
+    );
+    // Past its limit: stopped, and (its one attempt used) dead-lettered with the reason.
+    let dead = wait_for(
+        "the hung job stopped",
+        Duration::from_secs(10),
+        async || {
+            let dead = queue.dead_letters().await.unwrap();
+            dead.into_iter().find(|j| j.id == hung_id)
+        },
+    )
+    .await;
+    let reason = dead.reason.unwrap_or_default();
+    assert!(reason.contains("ran longer than its 3s limit"), "{reason}");
+    tokio::time::timeout(Duration::from_secs(5), running.stop())
+        .await
+        .expect("the worker stops");
+    // Its lock was released with it.
+    let lock = locker.lock("record:h1").try_acquire().await.unwrap();
+    assert!(lock.is_some(), "the stopped job's lock is still held");
+}
+
+/// A durable job put back after a busy attempt waits the next attempt's step, as
+/// `DeferPolicy` documents and the in-process queue does ("attempt n waits delay · 2ⁿ⁻¹", with
+/// equal jitter): after attempt 1, between 10 and 20 s for a 10 s delay. Before, it waited
+/// attempt 1's step again (5–10 s), every step half the documented one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_retry_waits_the_next_attempts_step() {
+    let (server, locker, queue) = start_queue("steps").await;
+    let policy = DeferPolicy::new(Duration::from_secs(10), 3);
+    let _held = locker.lock("record:s1").acquire().await.unwrap();
+    let id = queue
+        .enqueue(
+            &record_job(&server, 1, "s1"),
+            &policy,
+            Duration::from_secs(5),
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    assert_eq!(
+        worker.run_once().await.unwrap(),
+        1,
+        "claimed, its lock busy"
+    );
+    let due_ms: f64 = server
+        .query(redis::cmd("ZSCORE").arg("dlock:{jobs:steps}:due").arg(&id))
+        .await;
+    let (secs, micros): (u64, u64) = server.query(&redis::cmd("TIME")).await;
+    let now_ms = (secs * 1000 + micros / 1000) as f64;
+    let wait = Duration::from_millis((due_ms - now_ms).max(0.0) as u64);
+    assert!(
+        wait >= Duration::from_millis(9_900) && wait <= Duration::from_secs(20),
+        "put back for {wait:?} after attempt 1 of a 10 s policy"
+    );
+}
+
+/// A job whose data does not serialize (serde_json refuses a map with non-string keys) is
+/// refused as what it is — a 500 no retry changes — not as an outage (503 with `Retry-After`)
+/// that callers and HTTP clients would retry for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_does_not_serialize_is_not_an_outage() {
+    use dlock_runtime::durable::{Job, JobContext, JobError};
+    use std::collections::HashMap;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Unserializable {
+        by_pair: HashMap<(u8, u8), u8>,
+    }
+    impl Job for Unserializable {
+        const NAME: &'static str = "unserializable";
+        fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> {
+            dlock_runtime::LockKey::new("unserializable")
+        }
+        async fn run(self, _: JobContext) -> Result<(), JobError> {
+            Ok(())
+        }
+    }
+
+    let (_server, _locker, queue) = start_queue("unserializable").await;
+    let job = Unserializable {
+        by_pair: HashMap::from([((1, 2), 3)]),
+    };
+    let policy = DeferPolicy::new(Duration::from_secs(1), 3);
+    let err = queue
+        .enqueue(&job, &policy, Duration::from_secs(5), Duration::ZERO)
+        .await
+        .expect_err("a job serde_json cannot write was queued");
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+}

@@ -58,7 +58,10 @@
 //!
 //! A claim whose lock backend did not answer (a 503-class error: down, failing over) does not
 //! count as an attempt: the job was not tried, so it is put back at the pace of its current
-//! attempt until the backend answers, and an outage never uses up a job's attempts.
+//! attempt until the backend answers, and an outage of the lock backend never uses up a job's
+//! attempts. One of the *queue's* Redis (often the same server) can: a claim whose job cannot
+//! be put back before its visibility timeout ends is re-queued by the reaper, which counts it
+//! as an attempt (a claim whose worker died looks the same).
 //!
 //! Nor does a claim by a worker that does not know the job's type, or cannot decode its data
 //! (an older release, mid-deploy): the job is put back (at least 1 s later) for a worker that

@@ -19,7 +19,10 @@ use crate::{DeferPolicy, LockError, LockKey, Locker};
 
 /// The visibility timeout's bounds: a shorter one expires claims between heartbeats; a longer
 /// one would overflow the worker's deadlines (`Duration::MAX` meaning "never") and gains
-/// nothing, since a running job's claim is renewed every third of it.
+/// nothing, since a running job's claim is renewed every third of it. Below three command
+/// timeouts (3 s) the queue works, but a claim or heartbeat answered late can outlive it: a
+/// claim sent again no longer finds its batch, and a claim renewed late has expired (tests
+/// use such short ones; production should not).
 const MIN_VISIBILITY: Duration = Duration::from_millis(100);
 const MAX_VISIBILITY: Duration = Duration::from_secs(86_400);
 /// The longest outcome retention: Redis refuses an expiry past its clock's range, and the
@@ -122,7 +125,9 @@ impl DurableQueue {
 
     /// Like [`connect`](DurableQueue::connect) with an explicit visibility timeout (how long a
     /// claimed job may go without a heartbeat before another worker may run it; at least
-    /// 100 ms and at most a day — a running job's worker renews it every third of it) and
+    /// 100 ms and at most a day — a running job's worker renews it every third of it; keep it
+    /// at 3 s or more: under three of the queue's 1 s command timeouts, a claim or heartbeat
+    /// answered late can outlive it, and the job is re-queued with an attempt counted) and
     /// outcome retention (at most ten years).
     pub async fn connect_with(
         url: &str,
@@ -372,8 +377,9 @@ impl DurableQueue {
         let key = job.lock_key()?;
         let env = Envelope {
             kind: J::NAME.to_owned(),
+            // A job that does not serialize never will: a 500, not an outage to retry.
             data: serde_json::to_value(job).map_err(|e| {
-                LockError::unavailable(
+                LockError::misconfigured(
                     format!("job {} does not serialize", J::NAME),
                     Some(Box::new(e)),
                 )

@@ -58,6 +58,7 @@ pub struct DurableWorker {
     batch: usize,
     poll: Duration,
     unknown_type_grace: Duration,
+    job_timeout: Option<Duration>,
 }
 
 impl fmt::Debug for DurableWorker {
@@ -81,6 +82,7 @@ impl DurableWorker {
             batch: 16,
             poll: Duration::from_millis(100),
             unknown_type_grace: Duration::from_secs(3600),
+            job_timeout: None,
         }
     }
 
@@ -102,7 +104,9 @@ impl DurableWorker {
         self
     }
 
-    /// How many jobs one claim takes (and runs concurrently).
+    /// How many jobs one claim takes and the worker runs at once (default 16).
+    /// [`run_until`](DurableWorker::run_until) claims again as soon as one of them ends, so a
+    /// job that runs long holds one of these slots, not the worker.
     pub fn batch(mut self, n: usize) -> Self {
         self.batch = n.max(1);
         self
@@ -111,6 +115,19 @@ impl DurableWorker {
     /// How long to wait when no job is due.
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll = d;
+        self
+    }
+
+    /// The longest a job may run (default: no limit). A job still running then is stopped —
+    /// its future dropped at its next await, its lock released — and counts as a failed
+    /// attempt ("it ran longer than …"), put back with backoff or dead-lettered after its last.
+    /// Without a limit, a job that never ends (an upstream call without a timeout) keeps its
+    /// claim and its lock alive for good, holds one of the worker's slots, and keeps
+    /// [`run_until`](DurableWorker::run_until) from returning at shutdown. A job must not block
+    /// its thread (use `tokio::task::spawn_blocking`): the worker's jobs share one task, and a
+    /// blocked one stops the heartbeats of the others.
+    pub fn job_timeout(mut self, limit: Duration) -> Self {
+        self.job_timeout = Some(limit);
         self
     }
 
@@ -145,46 +162,92 @@ impl DurableWorker {
         Ok(n)
     }
 
-    /// Runs batches until `shutdown` resolves; the batch in progress is finished first.
+    /// Runs jobs until `shutdown` resolves: up to [`batch`](DurableWorker::batch) at once,
+    /// claiming again as soon as one ends (or, with none due, every poll interval). Once
+    /// `shutdown` resolves nothing more is claimed, and the jobs running are finished first
+    /// (bound them with [`job_timeout`](DurableWorker::job_timeout)).
     ///
     /// A claim that fails (the queue's Redis down, or refusing: a wrong password, an ACL) is
     /// tried again every poll interval; the failure is logged when it starts — `WARN`, or
     /// `ERROR` for a refusal retrying cannot fix ([`LockError::Misconfigured`]) — then at most
     /// once a minute while it lasts (with the count of failed claims), and its end at `INFO`.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) {
+        use futures_util::StreamExt as _;
+
         tokio::pin!(shutdown);
         let mut failing = FailureStreak::default();
         let queue = self.queue.name();
+        let mut running = futures_util::stream::FuturesUnordered::new();
+        let mut stopping = false;
+        // When to claim next: at once after a claim that found jobs, else a poll later.
+        let mut claim_at = tokio::time::Instant::now();
         loop {
-            let idle = match self.run_once().await {
-                Ok(claimed) => {
-                    if let Some(failures) = failing.succeeded() {
-                        tracing::info!(queue = %queue, failures, "dlock job worker: claims work again");
+            let free = self.batch.saturating_sub(running.len());
+            if !stopping && free > 0 && tokio::time::Instant::now() >= claim_at {
+                let claim = self.queue.claim(free);
+                tokio::pin!(claim);
+                // The jobs running go on (their heartbeats) while the claim is on its way.
+                let claimed = loop {
+                    tokio::select! {
+                        biased;
+                        claimed = &mut claim => break claimed,
+                        Some(()) = running.next(), if !running.is_empty() => {}
                     }
-                    claimed == 0
+                };
+                let idle = self.claimed(claimed, &mut failing, queue, |c| {
+                    running.push(self.process(c));
+                });
+                claim_at =
+                    tokio::time::Instant::now() + if idle { self.poll } else { Duration::ZERO };
+                if futures_util::FutureExt::now_or_never(&mut shutdown).is_some() {
+                    stopping = true;
                 }
-                Err(e) => {
-                    match failing.failed(CLAIM_FAILURE_REPORT_EVERY) {
-                        Some(failures) if e.is_misconfigured() => {
-                            tracing::error!(error = %e, queue = %queue, failures, "dlock job worker: the queue refuses the claims; retrying until the configuration is fixed")
-                        }
-                        Some(failures) => {
-                            tracing::warn!(error = %e, queue = %queue, failures, "dlock job worker: claim failed")
-                        }
-                        None => {
-                            tracing::debug!(error = %e, queue = %queue, "dlock job worker: claim failed")
-                        }
-                    }
-                    true
-                }
-            };
-            if idle {
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    _ = tokio::time::sleep(self.poll) => {}
-                }
-            } else if futures_util::FutureExt::now_or_never(&mut shutdown).is_some() {
+                continue;
+            }
+            if stopping && running.is_empty() {
                 return;
+            }
+            let slot_free = !stopping && running.len() < self.batch;
+            tokio::select! {
+                biased;
+                _ = &mut shutdown, if !stopping => stopping = true,
+                Some(()) = running.next(), if !running.is_empty() => {}
+                _ = tokio::time::sleep_until(claim_at), if slot_free => {}
+            }
+        }
+    }
+
+    /// Takes the answer to a claim: each job claimed to `run`, the failure logged; `true` when
+    /// nothing was claimed (wait a poll interval before the next claim).
+    fn claimed(
+        &self,
+        claimed: Result<Vec<Claimed>, LockError>,
+        failing: &mut FailureStreak,
+        queue: &str,
+        mut run: impl FnMut(Claimed),
+    ) -> bool {
+        match claimed {
+            Ok(claimed) => {
+                if let Some(failures) = failing.succeeded() {
+                    tracing::info!(queue = %queue, failures, "dlock job worker: claims work again");
+                }
+                let idle = claimed.is_empty();
+                claimed.into_iter().for_each(&mut run);
+                idle
+            }
+            Err(e) => {
+                match failing.failed(CLAIM_FAILURE_REPORT_EVERY) {
+                    Some(failures) if e.is_misconfigured() => {
+                        tracing::error!(error = %e, queue = %queue, failures, "dlock job worker: the queue refuses the claims; retrying until the configuration is fixed")
+                    }
+                    Some(failures) => {
+                        tracing::warn!(error = %e, queue = %queue, failures, "dlock job worker: claim failed")
+                    }
+                    None => {
+                        tracing::debug!(error = %e, queue = %queue, "dlock job worker: claim failed")
+                    }
+                }
+                true
             }
         }
     }
@@ -203,7 +266,12 @@ impl DurableWorker {
         reason: &str,
         counted: Counted,
     ) {
-        let mut delay = policy.backoff(claim.attempt);
+        // A counted attempt waits the next attempt's step (`DeferPolicy::backoff` of attempt
+        // `n` is the wait before it); an uncounted one keeps its own attempt's pace.
+        let mut delay = match counted {
+            Counted::Attempt => policy.backoff(claim.attempt.saturating_add(1)),
+            Counted::Untried | Counted::UnknownType(_) => policy.backoff(claim.attempt),
+        };
         if matches!(counted, Counted::UnknownType(_)) {
             delay = delay.max(UNKNOWN_TYPE_MIN_DELAY);
         }
@@ -413,12 +481,25 @@ impl DurableWorker {
         };
         // Keep the claim alive while the job runs; stop the job if the claim is taken over.
         let beat = self.queue.inner.visibility / 3;
+        let limit = self.job_timeout;
+        let overdue = async move {
+            match limit {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
         let outcome = {
             let work = std::panic::AssertUnwindSafe(crate::with_lock(&guard, run)).catch_unwind();
             tokio::pin!(work);
+            tokio::pin!(overdue);
             loop {
                 tokio::select! {
                     out = &mut work => break Some(out),
+                    () = &mut overdue => {
+                        let limit = limit.unwrap_or_default();
+                        let stopped: JobError = format!("it ran longer than its {limit:?} limit").into();
+                        break Some(Ok(Err(stopped)));
+                    }
                     _ = tokio::time::sleep(beat) => match self.queue.heartbeat(&claim).await {
                         Ok(true) => {}
                         Ok(false) => break None,

@@ -35,11 +35,23 @@
 //! twice if its worker dies mid-request, so the handler should fence its writes with the
 //! [`LockInfo`](dlock_runtime::LockInfo) it finds in the request extensions.
 //!
-//! Credentials are not stored by default: `Authorization`, `Cookie` and `Proxy-Authorization`
-//! are left out of the stored request (so the replay runs without them) unless you opt a header
-//! in by name with [`DeferLayer::store_header`] — it then sits in your Redis for as long as the
-//! job lives (a dead letter for the queue's dead-letter retention, 7 days by default). List
-//! other headers that must not be stored with [`DeferLayer::exclude_header`].
+//! Credential headers are not stored by default: `Authorization`, `Cookie`,
+//! `Proxy-Authorization`, and the API-key and token headers in common use (`X-Api-Key`,
+//! `Api-Key`, `X-Auth-Token`, `X-Access-Token`, `X-Amz-Security-Token`, `X-Goog-Api-Key`,
+//! `X-CSRF-Token`, `X-XSRF-Token`) are left out of the stored request (so the replay runs
+//! without them) unless you opt a header in by name with [`DeferLayer::store_header`] — it
+//! then sits in your Redis for as long as the job lives (a dead letter for the queue's
+//! dead-letter retention, 7 days by default). List your own with
+//! [`DeferLayer::exclude_header`]. **The URI is stored as sent**, query string included: a
+//! token in the query (`?access_token=…`) is stored with it — keep credentials out of the URIs
+//! of deferred routes.
+//!
+//! **Order.** Requests for one key are not kept in order: a request that finds the lock free
+//! runs at once, ahead of an earlier one deferred for that key, and two deferred ones may run in
+//! either order (jitter). The replay takes the lock later, so it has the *newer* fencing token
+//! and a fenced resource accepts its write. Defer requests whose order does not matter
+//! (appending, idempotent creates); for whole-state writes (`PUT` of a document) use the lock
+//! layer with `on_fail`-style rejection or waiting instead.
 //!
 //! The queue is bounded ([`QueueLimits::max_queued`](dlock_runtime::defer::QueueLimits)): when it
 //! is full, a busy request gets `503 Service Unavailable` with `Retry-After` (problem type
@@ -76,11 +88,20 @@ const HOP_BY_HOP: [&str; 7] = [
 ];
 
 /// Headers that carry credentials: never stored unless opted in with
-/// [`DeferLayer::store_header`].
-const CREDENTIALS: [HeaderName; 3] = [
+/// [`DeferLayer::store_header`]. The standard ones, and the API-key and token headers in
+/// common use.
+const CREDENTIALS: [HeaderName; 11] = [
     header::AUTHORIZATION,
     header::COOKIE,
     header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("x-api-key"),
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-auth-token"),
+    HeaderName::from_static("x-access-token"),
+    HeaderName::from_static("x-amz-security-token"),
+    HeaderName::from_static("x-goog-api-key"),
+    HeaderName::from_static("x-csrf-token"),
+    HeaderName::from_static("x-xsrf-token"),
 ];
 
 /// Configuration shared by the layer and every service and future it makes.
