@@ -862,6 +862,33 @@ fn an_election_no_attempt_of_which_can_succeed_is_an_error() {
     );
 }
 
+/// A Redis that may evict keys under memory pressure can evict a held lock (every lock key
+/// has a TTL) and grant it to another owner: connecting to one whose `maxmemory-policy` is not
+/// `noeviction` is one `WARN` event naming the policy; to one with `noeviction`, none.
+#[test]
+fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
+    let server = RedisServer::start();
+    let warnings = |policy: &'static str| {
+        let url = server.url();
+        let ((), captured) = capture::capturing_run(async |_| {
+            let mut set = redis::cmd("CONFIG");
+            set.arg(&["SET", "maxmemory-policy", policy]);
+            let () = server.query(&set).await;
+            let _locker = Locker::builder().connect(&url).await.unwrap();
+        });
+        captured
+            .all()
+            .into_iter()
+            .filter(|s| s.kind == Kind::Event && s.level == Level::WARN)
+            .collect::<Vec<Seen>>()
+    };
+    let evicting = warnings("volatile-lru");
+    assert_eq!(evicting.len(), 1, "{evicting:?}");
+    assert!(evicting[0].name.contains("evicts keys"), "{evicting:?}");
+    assert_eq!(evicting[0].field("policy"), Some("volatile-lru"));
+    assert!(warnings("noeviction").is_empty());
+}
+
 // ---- Prometheus over HTTP ----
 
 /// The Prometheus exporter's text, served by a real HTTP server and scraped with a real client,
