@@ -398,7 +398,8 @@ impl RedisBackend {
         Ok(backend)
     }
 
-    /// Warns when the server may evict keys under memory pressure: every lock key has a TTL,
+    /// Warns when the server (the master, behind Sentinel) may evict keys under memory
+    /// pressure: every lock key has a TTL,
     /// so a `volatile-*` policy evicts held locks (and an `allkeys-*` one the fencing counter
     /// too), and the next locker is granted a lock that is still held. One `CONFIG GET` at
     /// connect; a server that refuses it (an ACL, a managed Redis without `CONFIG`) is not
@@ -601,6 +602,7 @@ impl RedisBackend {
             conn::Reconnect::FromConn,
         );
         backend.inner.issuer.store(first, Ordering::Release);
+        backend.check_eviction_policy().await;
         Ok(backend)
     }
 
