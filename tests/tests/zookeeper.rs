@@ -1183,3 +1183,76 @@ async fn an_attempt_clears_a_long_line_of_dead_waiters() {
     assert_eq!(raw.list_children(&dir).await.unwrap().len(), 1);
     assert!(backend.release(&resource, &token).await.unwrap());
 }
+
+/// A try by a token whose earlier `create` was cut off and landed behind a holder keeps that
+/// earlier node in its place (as a queued attempt does), judges the holder by the ensemble's
+/// time — it reports the holder's lease left, at most its TTL — and, as a try, leaves nothing
+/// behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_after_a_lost_create_reports_the_holders_lease() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let timeout = Duration::from_secs(1);
+    let opts = ZkOptions::default()
+        .command_timeout(timeout)
+        .connection_timeout(Duration::from_secs(5));
+    let backend = ZkBackend::connect(
+        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
+        opts,
+    )
+    .await
+    .unwrap();
+    let a = Locker::builder().command_timeout(timeout).build(backend);
+    let b = locker(&url).await;
+    let other = a
+        .lock(format!("lost-try-other-{}", std::process::id()))
+        .ttl(Duration::from_secs(20))
+        .acquire()
+        .await
+        .unwrap();
+    let key = format!("lost-try-{}", std::process::id());
+    let ttl = Duration::from_secs(20);
+    let held = b.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let mine = OwnerToken::generate();
+    proxy.set_latency(Duration::from_millis(800));
+    let lost = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
+    assert!(lost.is_err(), "answered through 1.6 s of latency: {lost:?}");
+    let dir = format!("/dlock/{}", resource.as_str());
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let kids = raw.list_children(&dir).await.unwrap_or_default();
+            match kids.iter().any(|k| k.starts_with(mine.as_str())) {
+                true => Ok(()),
+                false => Err(format!("no node of the token yet: {kids:?}")),
+            }
+        },
+    )
+    .await;
+    proxy.set_latency(Duration::ZERO);
+
+    let tried = attempt_as(&a, &resource, &mine, WaitMode::Try, ttl).await;
+    let Ok(Attempt::Held {
+        remaining: Some(left),
+    }) = tried
+    else {
+        panic!("{tried:?}");
+    };
+    assert!(
+        left <= ttl,
+        "the holder has {left:?} left of a {ttl:?} lease"
+    );
+    let kids = raw.list_children(&dir).await.unwrap();
+    assert_eq!(kids.len(), 1, "the try left a node behind: {kids:?}");
+    held.release().await.unwrap();
+    other.release().await.unwrap();
+}

@@ -1480,8 +1480,16 @@ impl ZkBackend {
                     }
                     own.clone_from(&earlier.name);
                     own_path = format!("{dir}/{own}");
-                    // Its lease is written afresh below (as the holder's or a waiter's).
-                    (stat, has_ttl) = (None, false);
+                    // Its lease written afresh, as a new node's would be (a waiter's lease
+                    // when queued, else the lock's); the write tells the ensemble's "now".
+                    let lease = if queue { args.waiter_ttl } else { args.ttl };
+                    match self.set_lease(&c, mine, &dir, &own, lease).await? {
+                        Some(s) => (stat, has_ttl) = (Some(s), !queue),
+                        None => {
+                            self.forget(args.resource, args.token);
+                            return Ok(Attempt::Held { remaining: None });
+                        }
+                    }
                     continue;
                 }
                 for k in strays {
