@@ -803,11 +803,7 @@ fn an_election_refused_for_good_is_an_error_once_and_leads_once_fixed() {
         term
     });
     assert!(term > 0);
-    let errors: Vec<Seen> = captured
-        .all()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Event && s.level == Level::ERROR)
-        .collect();
+    let errors = captured.at(Level::ERROR);
     assert_eq!(errors.len(), 1, "{errors:?}");
     let refused = &errors[0];
     assert!(refused.name.contains("refuses the campaign"), "{refused:?}");
@@ -844,11 +840,7 @@ fn an_election_no_attempt_of_which_can_succeed_is_an_error() {
         led
     });
     assert!(!led);
-    let errors: Vec<Seen> = captured
-        .all()
-        .into_iter()
-        .filter(|s| s.kind == Kind::Event && s.level == Level::ERROR)
-        .collect();
+    let errors = captured.at(Level::ERROR);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(
         errors[0].name.contains("refuses the campaign"),
@@ -876,11 +868,7 @@ fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
             let () = server.query(&set).await;
             let _locker = Locker::builder().connect(&url).await.unwrap();
         });
-        captured
-            .all()
-            .into_iter()
-            .filter(|s| s.kind == Kind::Event && s.level == Level::WARN)
-            .collect::<Vec<Seen>>()
+        captured.at(Level::WARN)
     };
     let evicting = warnings("volatile-lru");
     assert_eq!(evicting.len(), 1, "{evicting:?}");

@@ -1056,14 +1056,27 @@ async fn a_locks_local_lease_counts_on_three_quarters_of_the_session_timeout() {
     }
 }
 
-/// A token that asks again after the answer to its `create` was lost (the command timeout cut
-/// the attempt off while the `create` was on its way) keeps the place that `create` took — here
-/// the head of the line, i.e. the lock — rather than deleting that node as a stray and
-/// queueing behind the waiter that came meanwhile: an attempt whose reply was lost is granted
-/// the lock it took, with that node's fencing token.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
-    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+/// A `create` cut off by the command timeout that landed all the same: locker `a` (through
+/// `proxy`, 1 s command timeout) sent token `mine`'s queued attempt on `key` through 800 ms of
+/// latency each way — its node `taken` exists, the attempt answered `Unavailable` — and the
+/// latency is gone again. `a`'s session keeps a lease (`_other`), so the unanswered call does
+/// not have it replaced; `b` is a direct locker, holding the lock (`held`) if asked to.
+struct LostCreate {
+    a: Locker,
+    b: Locker,
+    raw: zookeeper_client::Client,
+    resource: dlock_runtime::key::ResourceName,
+    dir: String,
+    mine: dlock_runtime::backend::OwnerToken,
+    taken: String,
+    held: Option<dlock_runtime::LockGuard>,
+    ttl: Duration,
+    _other: dlock_runtime::LockGuard,
+    _proxy: Proxy,
+}
+
+async fn lost_create(tag: &str, hold: bool) -> LostCreate {
+    use dlock_runtime::backend::{OwnerToken, WaitMode};
     use dlock_runtime::conformance::attempt_as;
 
     let server = zookeeper_server::shared().lock().unwrap().client_port(0);
@@ -1082,23 +1095,27 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
     .unwrap();
     let a = Locker::builder().command_timeout(timeout).build(backend);
     let b = locker(&url).await;
-    // A lease on the session, so that the unanswered call does not get it replaced.
     let other = a
-        .lock(format!("lost-create-other-{}", std::process::id()))
+        .lock(format!("{tag}-other-{}", std::process::id()))
         .ttl(Duration::from_secs(20))
         .acquire()
         .await
         .unwrap();
-    let key = format!("lost-create-{}", std::process::id());
+    let key = format!("{tag}-{}", std::process::id());
     let resource = a.resource(LockKey::new(&key).unwrap());
-    let (mine, theirs) = (OwnerToken::generate(), OwnerToken::generate());
     let ttl = Duration::from_secs(20);
-
     // The lock's directory exists (a node was made in it), so the `create` is the one call.
-    let made = b.lock(key.as_str()).try_acquire().await.unwrap();
-    made.expect("free").release().await.unwrap();
+    let held = b.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
+    let held = match hold {
+        true => Some(held),
+        false => {
+            held.release().await.unwrap();
+            None
+        }
+    };
     // The `create` reaches the server after 800 ms; the attempt gave up at 1 s, its answer
     // 1.6 s after it was sent.
+    let mine = OwnerToken::generate();
     proxy.set_latency(Duration::from_millis(800));
     let lost = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
     assert!(lost.is_err(), "answered through 1.6 s of latency: {lost:?}");
@@ -1118,16 +1135,43 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
         },
     )
     .await;
-    let queued = attempt_as(&b, &resource, &theirs, WaitMode::Queue, ttl).await;
+    proxy.set_latency(Duration::ZERO);
+    LostCreate {
+        a,
+        b,
+        raw,
+        resource,
+        dir,
+        mine,
+        taken,
+        held,
+        ttl,
+        _other: other,
+        _proxy: proxy,
+    }
+}
+
+/// A token that asks again after the answer to its `create` was lost (the command timeout cut
+/// the attempt off while the `create` was on its way) keeps the place that `create` took — here
+/// the head of the line, i.e. the lock — rather than deleting that node as a stray and
+/// queueing behind the waiter that came meanwhile: an attempt whose reply was lost is granted
+/// the lock it took, with that node's fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let lost = lost_create("lost-create", false).await;
+    let (theirs, ttl) = (OwnerToken::generate(), lost.ttl);
+    let queued = attempt_as(&lost.b, &lost.resource, &theirs, WaitMode::Queue, ttl).await;
     assert!(
         matches!(queued, Ok(Attempt::Held { .. })),
         "the lost create holds the lock: {queued:?}"
     );
-    proxy.set_latency(Duration::ZERO);
-
-    let again = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
-    let (_, stat) = raw
-        .get_data(&format!("{dir}/{taken}"))
+    let again = attempt_as(&lost.a, &lost.resource, &lost.mine, WaitMode::Queue, ttl).await;
+    let (_, stat) = lost
+        .raw
+        .get_data(&format!("{}/{}", lost.dir, lost.taken))
         .await
         .expect("the node the lost create made is kept");
     assert_eq!(
@@ -1137,9 +1181,35 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
         },
         "asked again, the token must be granted the lock its lost create took"
     );
-    let kids = raw.list_children(&dir).await.unwrap();
+    let kids = lost.raw.list_children(&lost.dir).await.unwrap();
     assert_eq!(kids.len(), 2, "its node and the waiter's: {kids:?}");
-    other.release().await.unwrap();
+}
+
+/// A try by a token whose earlier `create` was cut off and landed behind a holder keeps that
+/// earlier node in its place (as a queued attempt does), judges the holder by the ensemble's
+/// time — it reports the holder's lease left, at most its TTL — and, as a try, leaves nothing
+/// behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_after_a_lost_create_reports_the_holders_lease() {
+    use dlock_runtime::backend::{Attempt, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let mut lost = lost_create("lost-try", true).await;
+    let ttl = lost.ttl;
+    let tried = attempt_as(&lost.a, &lost.resource, &lost.mine, WaitMode::Try, ttl).await;
+    let Ok(Attempt::Held {
+        remaining: Some(left),
+    }) = tried
+    else {
+        panic!("{tried:?}");
+    };
+    assert!(
+        left <= ttl,
+        "the holder has {left:?} left of a {ttl:?} lease"
+    );
+    let kids = lost.raw.list_children(&lost.dir).await.unwrap();
+    assert_eq!(kids.len(), 1, "the try left a node behind: {kids:?}");
+    lost.held.take().unwrap().release().await.unwrap();
 }
 
 /// A line of twenty waiters that died (their leases lapsed; a frozen process's, say) ahead of
@@ -1182,77 +1252,4 @@ async fn an_attempt_clears_a_long_line_of_dead_waiters() {
     );
     assert_eq!(raw.list_children(&dir).await.unwrap().len(), 1);
     assert!(backend.release(&resource, &token).await.unwrap());
-}
-
-/// A try by a token whose earlier `create` was cut off and landed behind a holder keeps that
-/// earlier node in its place (as a queued attempt does), judges the holder by the ensemble's
-/// time — it reports the holder's lease left, at most its TTL — and, as a try, leaves nothing
-/// behind.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_try_after_a_lost_create_reports_the_holders_lease() {
-    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::attempt_as;
-
-    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
-    let url = zookeeper_server::shared().lock().unwrap().url();
-    let proxy = Proxy::start(server).await.unwrap();
-    let timeout = Duration::from_secs(1);
-    let opts = ZkOptions::default()
-        .command_timeout(timeout)
-        .connection_timeout(Duration::from_secs(5));
-    let backend = ZkBackend::connect(
-        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
-        opts,
-    )
-    .await
-    .unwrap();
-    let a = Locker::builder().command_timeout(timeout).build(backend);
-    let b = locker(&url).await;
-    let other = a
-        .lock(format!("lost-try-other-{}", std::process::id()))
-        .ttl(Duration::from_secs(20))
-        .acquire()
-        .await
-        .unwrap();
-    let key = format!("lost-try-{}", std::process::id());
-    let ttl = Duration::from_secs(20);
-    let held = b.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
-    let resource = a.resource(LockKey::new(&key).unwrap());
-    let mine = OwnerToken::generate();
-    proxy.set_latency(Duration::from_millis(800));
-    let lost = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
-    assert!(lost.is_err(), "answered through 1.6 s of latency: {lost:?}");
-    let dir = format!("/dlock/{}", resource.as_str());
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(20),
-        async || {
-            let kids = raw.list_children(&dir).await.unwrap_or_default();
-            match kids.iter().any(|k| k.starts_with(mine.as_str())) {
-                true => Ok(()),
-                false => Err(format!("no node of the token yet: {kids:?}")),
-            }
-        },
-    )
-    .await;
-    proxy.set_latency(Duration::ZERO);
-
-    let tried = attempt_as(&a, &resource, &mine, WaitMode::Try, ttl).await;
-    let Ok(Attempt::Held {
-        remaining: Some(left),
-    }) = tried
-    else {
-        panic!("{tried:?}");
-    };
-    assert!(
-        left <= ttl,
-        "the holder has {left:?} left of a {ttl:?} lease"
-    );
-    let kids = raw.list_children(&dir).await.unwrap();
-    assert_eq!(kids.len(), 1, "the try left a node behind: {kids:?}");
-    held.release().await.unwrap();
-    other.release().await.unwrap();
 }

@@ -64,6 +64,14 @@ impl Captured {
     }
 
     /// Events whose message (or, without one, whose `event` field) is `name`.
+    /// The events at `level`.
+    pub(crate) fn at(&self, level: Level) -> Vec<Seen> {
+        self.all()
+            .into_iter()
+            .filter(|s| s.kind == Kind::Event && s.level == level)
+            .collect()
+    }
+
     pub(crate) fn events(&self, name: &str) -> Vec<Seen> {
         self.all()
             .into_iter()
