@@ -281,17 +281,7 @@ async fn breaking_a_lock_deletes_its_waiters_before_its_holder() {
 async fn a_node_left_to_its_lease_is_deleted_by_its_owner_after_the_lease() {
     let url = zookeeper_server::shared().lock().unwrap().url();
     let session = Duration::from_millis(1500);
-    let backend = ZkBackend::connect(
-        &format!("{url}?session_timeout_ms={}", session.as_millis()),
-        ZkOptions::default(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        backend.session_timeout(),
-        session,
-        "the server's minimum is lower"
-    );
+    let backend = with_session(&url, session).await;
     let a = Locker::builder().build(backend.clone());
     let key = format!("swept-{}", std::process::id());
     let hold = Duration::from_millis(300);
@@ -424,16 +414,7 @@ async fn a_try_by_a_queued_token_reports_the_holders_lease() {
     let queued = attempt_as(&a, &resource, &token, WaitMode::Queue, ttl).await;
     assert!(matches!(queued, Ok(Attempt::Held { .. })), "{queued:?}");
     let tried = attempt_as(&a, &resource, &token, WaitMode::Try, ttl).await;
-    let Ok(Attempt::Held {
-        remaining: Some(left),
-    }) = tried
-    else {
-        panic!("{tried:?}");
-    };
-    assert!(
-        left <= ttl,
-        "the holder has {left:?} left of a {ttl:?} lease"
-    );
+    assert_reports_the_holders_lease(tried, ttl);
     held.release().await.unwrap();
     let free = a.lock(key.as_str()).try_acquire().await.unwrap();
     free.expect("the try left its node in the queue")
@@ -759,6 +740,41 @@ async fn a_lock_whose_lease_outlasts_an_outage_keeps_its_session() {
 }
 
 /// A locker on a backend the test can look into.
+/// A backend on the server at `url` whose session has the timeout `session` (asked for in the
+/// URL; the server must grant it as asked: its minimum is lower).
+async fn with_session(url: &str, session: Duration) -> ZkBackend {
+    let backend = ZkBackend::connect(
+        &format!("{url}?session_timeout_ms={}", session.as_millis()),
+        ZkOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        backend.session_timeout(),
+        session,
+        "the server's minimum is lower"
+    );
+    backend
+}
+
+/// `tried` — a try on a lock held with a lease of `ttl` — answered "held" with the holder's
+/// lease left, at most `ttl` (judged by the ensemble's time, not counted from the epoch).
+fn assert_reports_the_holders_lease(
+    tried: Result<dlock_runtime::backend::Attempt, dlock_runtime::LockError>,
+    ttl: Duration,
+) {
+    let Ok(dlock_runtime::backend::Attempt::Held {
+        remaining: Some(left),
+    }) = tried
+    else {
+        panic!("{tried:?}");
+    };
+    assert!(
+        left <= ttl,
+        "the holder has {left:?} left of a {ttl:?} lease"
+    );
+}
+
 async fn zk_locker(url: &str) -> (ZkBackend, Locker) {
     let backend = ZkBackend::connect(url, ZkOptions::default().command_timeout(COMMAND_TIMEOUT))
         .await
@@ -1030,13 +1046,7 @@ async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_do
 async fn a_locks_local_lease_counts_on_three_quarters_of_the_session_timeout() {
     let url = zookeeper_server::shared().lock().unwrap().url();
     let session = Duration::from_millis(2000);
-    let backend = ZkBackend::connect(
-        &format!("{url}?session_timeout_ms={}", session.as_millis()),
-        ZkOptions::default(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(backend.session_timeout(), session);
+    let backend = with_session(&url, session).await;
     let a = Locker::builder().build(backend);
     let key = format!("three-quarters-{}", std::process::id());
     for ttl in [Duration::from_secs(4), Duration::from_millis(1600)] {
@@ -1191,22 +1201,13 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
 /// behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_try_after_a_lost_create_reports_the_holders_lease() {
-    use dlock_runtime::backend::{Attempt, WaitMode};
+    use dlock_runtime::backend::WaitMode;
     use dlock_runtime::conformance::attempt_as;
 
     let mut lost = lost_create("lost-try", true).await;
     let ttl = lost.ttl;
     let tried = attempt_as(&lost.a, &lost.resource, &lost.mine, WaitMode::Try, ttl).await;
-    let Ok(Attempt::Held {
-        remaining: Some(left),
-    }) = tried
-    else {
-        panic!("{tried:?}");
-    };
-    assert!(
-        left <= ttl,
-        "the holder has {left:?} left of a {ttl:?} lease"
-    );
+    assert_reports_the_holders_lease(tried, ttl);
     let kids = lost.raw.list_children(&lost.dir).await.unwrap();
     assert_eq!(kids.len(), 1, "the try left a node behind: {kids:?}");
     lost.held.take().unwrap().release().await.unwrap();
