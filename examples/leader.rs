@@ -62,7 +62,7 @@ async fn leader_work(instance: &'static str, election: Arc<Election>, store: Arc
             }
         };
         tokio::select! {
-            _ = election.lost() => println!("{instance}: term {term} is over"),
+            _ = election.ended(term) => println!("{instance}: term {term} is over"),
             _ = work => {}
         }
     }

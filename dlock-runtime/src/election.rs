@@ -170,9 +170,9 @@ type Held = Arc<Mutex<Option<(u64, LeaseProbe)>>>;
 ///
 /// Observe it with [`is_leader`](Election::is_leader) / [`term`](Election::term) (exact at the
 /// moment of the call, by the local lease clock),
-/// [`wait_for_leadership`](Election::wait_for_leadership) and [`lost`](Election::lost), or
-/// [`watch`](Election::watch) for every change. Run work only
-/// while leading:
+/// [`wait_for_leadership`](Election::wait_for_leadership), [`ended`](Election::ended) and
+/// [`lost`](Election::lost), or [`watch`](Election::watch) for every change. Run work only
+/// while leading, racing it against the end of *its* term:
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
@@ -181,7 +181,7 @@ type Held = Arc<Mutex<Option<(u64, LeaseProbe)>>>;
 /// # let mut rounds = 0;
 /// while let Some(term) = election.wait_for_leadership().await {
 ///     tokio::select! {
-///         _ = election.lost() => println!("term {term} is over; campaigning again"),
+///         _ = election.ended(term) => println!("term {term} is over; campaigning again"),
 ///         _ = async { /* leader-only work, fencing its writes with `term` */ } => {}
 ///     }
 /// #   rounds += 1; if rounds == 2 { election.resign().await?; }
@@ -247,14 +247,30 @@ impl Election {
     /// Resolves when this candidate does not lead: at once when it does not lead now, else
     /// when the current term ends — its lock lost (renewal refused, the local lease clock ran
     /// out) or the election resigned. Cancel-safe.
+    ///
+    /// It follows the term current *when it is called*: a term that ended and was followed by
+    /// the next one between [`wait_for_leadership`](Election::wait_for_leadership) and this call
+    /// goes unseen. Work tied to one term waits on [`ended`](Election::ended) with that term.
     pub async fn lost(&self) {
-        let current = {
+        if let Some(term) = self.term() {
+            self.ended(term).await;
+        }
+    }
+
+    /// Resolves when term `term` is over: at once when this candidate does not lead in `term`
+    /// now (it never did, or that term ended — even if it leads again in a later one), else
+    /// when its lock is lost or the election resigns. Cancel-safe.
+    ///
+    /// This is the one to race against a term's work: `wait_for_leadership` returned `term`,
+    /// and a loss and re-election in between cannot make the work outlive its term.
+    pub async fn ended(&self, term: u64) {
+        let probe = {
             let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
             held.as_ref()
-                .filter(|(_, probe)| probe.is_held())
-                .map(|(term, probe)| (*term, probe.clone()))
+                .filter(|(t, probe)| *t == term && probe.is_held())
+                .map(|(_, probe)| probe.clone())
         };
-        let Some((term, probe)) = current else {
+        let Some(probe) = probe else {
             return;
         };
         let mut rx = self.rx.clone();
@@ -495,6 +511,33 @@ mod tests {
         let t3 = leads(&a).await;
         assert!(t3 > t2, "{t3} > {t2}");
         a.resign().await.unwrap();
+    }
+
+    /// Work racing `ended(t1)` ends with t1 even when the candidate lost t1 and leads again in
+    /// t2 before the race starts; `lost()` called then would follow t2.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ended_follows_the_term_it_is_given_not_the_current_one() {
+        use futures_util::FutureExt;
+        let store = MemoryBackend::new();
+        let x = Locker::new(store.clone());
+        let ttl = Duration::from_millis(300);
+        let a = x.elect("el:ended").ttl(ttl).start().unwrap();
+        let t1 = leads(&a).await;
+        assert!(a.ended(t1).now_or_never().is_none(), "t1 is current");
+        assert!(store.force_release(x.resource(LockKey::new("el:ended").unwrap()).as_str()));
+        tokio::time::timeout(LIMIT, a.ended(t1))
+            .await
+            .expect("t1 ends");
+        // Alone, A leads again at once, in a later term.
+        let t2 = leads(&a).await;
+        assert!(t2 > t1, "{t2} > {t1}");
+        assert!(a.ended(t1).now_or_never().is_some(), "t1 stays over");
+        assert!(a.ended(t2).now_or_never().is_none(), "t2 is current");
+        assert!(a.lost().now_or_never().is_none(), "lost() follows t2");
+        let ends = a.ended(t2);
+        let (resigned, ()) = tokio::join!(a.resign(), ends);
+        resigned.unwrap();
+        assert!(a.ended(t2).now_or_never().is_some());
     }
 
     #[test]
