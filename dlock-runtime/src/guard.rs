@@ -112,7 +112,7 @@ impl LockGuard {
         // What is left of the hold is read when the step is sent, after a renewal on its way.
         lease
             .settle("release", || match lease.hold_left() {
-                Some(left) => backend.extend(lease.resource(), lease.token(), left),
+                Some(left) => backend.expire(lease.resource(), lease.token(), left),
                 None => backend.release(lease.resource(), lease.token()),
             })
             .instrument(lease.span("dlock.release"))

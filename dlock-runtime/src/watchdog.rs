@@ -805,7 +805,7 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
                     "expire",
                     tokio::time::timeout(command_timeout, async {
                         match left {
-                            Some(left) => backend.extend(r, t, left).await.map(|_| ()),
+                            Some(left) => backend.expire(r, t, left).await.map(|_| ()),
                             None => backend.release(r, t).await.map(|_| ()),
                         }
                     })

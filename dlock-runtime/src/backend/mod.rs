@@ -281,6 +281,21 @@ pub trait Backend: Send + Sync + 'static {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>>;
 
+    /// Lets the lock end by itself `left` from now if `token` owns it: its last step, after
+    /// which nothing renews it (a release before the minimum hold of
+    /// [`LockRequest::hold_at_least`](crate::LockRequest::hold_at_least) has passed). Unlike a
+    /// renewal, nothing else may keep the lock alive past `left`: a backend whose renewed locks
+    /// share a lease kept alive for all of them (etcd's sessions) moves it off that lease.
+    /// Default: [`extend`](Backend::extend).
+    fn expire<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        left: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        self.extend(resource, token, left)
+    }
+
     /// Extends many locks in one go (the watchdog's batch). The default runs
     /// [`extend`](Backend::extend) for each item concurrently; network backends pipeline.
     fn extend_many<'a>(

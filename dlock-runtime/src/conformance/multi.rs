@@ -229,11 +229,19 @@ pub async fn multi_key_cancel_safety(store: &Store) {
 }
 
 /// A minimum hold keeps a released lock until the hold ends (another owner cannot take it
-/// right after the release), then it frees by itself well before the TTL would end it.
+/// right after the release), then it frees by itself well before the TTL would end it — also
+/// while its locker renews another lock whose TTL is about what was left of the hold (on etcd,
+/// such a lock's session lease is kept alive for it, and a key left on it stayed held).
 pub async fn hold_at_least_keeps_the_lock(store: &Store) {
     let (x, y) = store.pair().await;
     let key = unique_key("hold");
     let hold = Duration::from_millis(1500);
+    let renewed = x
+        .lock(unique_key("hold-renewed"))
+        .ttl(Duration::from_secs(2))
+        .acquire()
+        .await
+        .expect("acquire the renewed lock");
     let taken = Instant::now();
     let guard = x
         .lock(&key)
@@ -265,4 +273,6 @@ pub async fn hold_at_least_keeps_the_lock(store: &Store) {
         "{}: free after the hold",
         store.name
     );
+    assert!(renewed.is_held(), "{}: the renewed lock", store.name);
+    renewed.release().await.expect("release the renewed lock");
 }

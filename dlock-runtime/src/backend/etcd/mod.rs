@@ -38,6 +38,10 @@
 //!   waiter TTL's class differs from the TTL's.
 //! * [`release`](Backend::release) and [`abandon`](Backend::abandon): delete the own key if
 //!   its value is still the token's (one transaction).
+//! * [`expire`](Backend::expire) (a release within a minimum hold): the key moves to a lease of
+//!   its own for the rest of the hold, which nothing renews — on its session, a renewal of any
+//!   other lock of the class would keep it alive. Its name stays taken until a keepalive's
+//!   pruning after the hold deleted it.
 //!
 //! So an uncontended acquire is one transaction and a release one delete — two Raft writes,
 //! like a bare etcd lock — and renewal writes nothing (a keepalive when needed, and one read of
@@ -1297,6 +1301,24 @@ impl Backend for EtcdBackend {
             }
             let k = self.keys(resource, token);
             self.relet(&k.own, 0, ttl).await
+        })
+    }
+
+    fn expire<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        left: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            if let Some(ended) = self
+                .expire_registered(&token_key(resource, token), left)
+                .await
+            {
+                return ended;
+            }
+            // Not on a session (`auto_renew(false)`: on a lease of its own already).
+            self.extend(resource, token, left).await
         })
     }
 

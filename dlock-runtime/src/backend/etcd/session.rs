@@ -130,6 +130,10 @@ enum Role {
     Releasing,
     /// Released, abandoned or lost a try: deleted before the next keepalive.
     Unwanted,
+    /// Released within a minimum hold: moved to a lease of its own that nothing renews, to
+    /// end by itself at the instant. Its name stays taken (a later key of the name would take
+    /// its place in the queue) until a pruning after the instant deleted it.
+    Ending(Instant),
 }
 
 /// Where a token's key goes when it is first registered.
@@ -185,6 +189,8 @@ impl Entry {
     fn wanted_on(&self, id: i64) -> bool {
         match self.role {
             Role::Unwanted => false,
+            // On a lease of its own; a put of it may still land on a session.
+            Role::Ending(_) => self.in_flight > 0 && self.touched.iter().any(|t| t.id == id),
             _ if self.session.id == id => true,
             role => {
                 (role == Role::Acquiring || self.in_flight > 0)
@@ -441,6 +447,15 @@ impl Sessions {
             .map(|e| (e.session.clone(), e.own.clone(), e.create))
     }
 
+    /// The held token's key is on a lease of its own now, ending at `until`.
+    fn ending(&self, key: &TokenKey, until: Instant) {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            if e.role == Role::Held {
+                e.role = Role::Ending(until);
+            }
+        }
+    }
+
     /// The name of a registered token's key.
     pub(super) fn name_of(&self, key: &TokenKey) -> Option<Vec<u8>> {
         lock(&self.entries).map.get(key).map(|e| e.own.clone())
@@ -569,6 +584,9 @@ impl Sessions {
             .filter(|(_, e)| match e.role {
                 Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
                 Role::Waiting(until) => waiters && until <= now && e.session.id == s.id,
+                // Its own lease ends it; deleted here (on whichever session's pruning comes
+                // first) so that its name can be used again.
+                Role::Ending(until) => until <= now,
                 Role::Acquiring | Role::Held | Role::Releasing => false,
             })
             .map(|(k, e)| (k.clone(), delete_if_valued(&e.own, &e.value)))
@@ -583,7 +601,7 @@ impl Sessions {
             let Some(e) = reg.map.get_mut(&k) else {
                 continue;
             };
-            if matches!(e.role, Role::Waiting(until) if until <= now) {
+            if matches!(e.role, Role::Waiting(until) | Role::Ending(until) if until <= now) {
                 e.role = Role::Unwanted;
             }
             if e.done() {
@@ -1036,6 +1054,33 @@ impl EtcdBackend {
         Some(deleted.map(|r| r.succeeded()))
     }
 
+    /// `expire` of a held registered token: its key moves to a lease of its own of `left`,
+    /// which nothing renews — on its session, every other key of the class would keep it alive
+    /// (a renewal of any of them is a keepalive of the session), and a lock released within
+    /// its minimum hold would stay held for as long as this locker renews another lock of that
+    /// class. `None` when the token is not held on a session.
+    pub(super) async fn expire_registered(
+        &self,
+        key: &TokenKey,
+        left: Duration,
+    ) -> Option<Result<bool, LockError>> {
+        let (cur, own, create) = self.sessions.held(key)?;
+        Some(
+            async {
+                let until = Instant::now() + left;
+                let lease = self.grant(left).await?;
+                // A try of it landing late moves the key to the same lease: as good.
+                if !self.relet_on(&own, create, lease).await? {
+                    return Ok(false);
+                }
+                self.sessions.ending(key, until);
+                self.revoke_idle(&[cur]);
+                Ok(true)
+            }
+            .await,
+        )
+    }
+
     /// `extend` of a held registered token: `None` when the token is not held on a session.
     pub(super) async fn extend_registered(
         &self,
@@ -1257,6 +1302,36 @@ mod tests {
             reg.idle_retired(std::slice::from_ref(&from)).is_empty(),
             "still on it until the move lands"
         );
+    }
+
+    /// A lock released within its minimum hold is on a lease of its own until the hold ends:
+    /// its session is no longer kept for it, but its name stays taken (a later key of the name
+    /// would inherit its place at the head of the queue) until a pruning after the hold's end
+    /// deleted it.
+    #[test]
+    fn a_key_ending_on_its_own_lease_keeps_its_name_until_pruned_after_its_end() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let (a, b) = (token(), token());
+        let first = put(&reg, &a, &[&s]);
+        reg.set_held(&a, &s, 7);
+        reg.end_put(&a, true, None);
+        let now = Instant::now();
+        let until = now + Duration::from_secs(2);
+        reg.ending(&a, until);
+        assert!(reg.held(&a).is_none(), "not renewed any more");
+        assert!(idle(&reg, &s), "its session is not kept for it");
+        let s2 = session(2);
+        assert_ne!(put(&reg, &b, &[&s2]), first, "the name stays taken");
+        reg.end_put(&b, true, None);
+        assert!(
+            reg.doomed(&s2, now, true).is_empty(),
+            "not before the hold ends"
+        );
+        let doomed = reg.doomed(&s2, until, true);
+        assert_eq!(doomed.len(), 1, "deleted by the first pruning after it");
+        reg.pruned(doomed, until);
+        assert!(!reg.is_registered(&a), "then forgotten: its name is free");
     }
 
     /// A token's key is named by the locker and a slot, the lowest its keys of the lock do not
