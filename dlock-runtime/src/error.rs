@@ -495,7 +495,7 @@ impl LockError {
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 fn ceil_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
     secs.max(1)
 }
 
@@ -577,6 +577,9 @@ mod tests {
         let e = LockError::contended("k", None);
         assert_eq!(e.retry_after_secs(), Some(1));
         assert_eq!(LockError::NoLocker.retry_after_secs(), None);
+        // A backend (the trait is public) may report any remaining lease: no overflow.
+        let e = LockError::contended("k", Some(Duration::MAX));
+        assert_eq!(e.retry_after_secs(), Some(u64::MAX));
     }
 
     #[test]

@@ -103,8 +103,12 @@ impl fmt::Debug for LockKey {
 }
 
 /// Builds a [`LockKey`] from literal parts and [`Display`](fmt::Display) values, encoding the
-/// values so that no two different value tuples give the same key (see the
-/// [module docs](self)). Used by the attribute and the tower key extractors.
+/// values (a value never contains `:`) so that, with the same literals and a `:` between every
+/// two values, no two different value tuples give the same key (see the
+/// [module docs](self)). Values without a `:` between them can: `value("1").value("23")` and
+/// `value("12").value("3")` are both `123`. Used by the attribute (which refuses a template
+/// whose placeholders are not separated by literal text with a `:`) and the tower key
+/// extractors (which join their parts with `:`).
 #[derive(Clone, Debug, Default)]
 pub struct KeyBuilder {
     out: String,

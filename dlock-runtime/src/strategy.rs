@@ -74,9 +74,13 @@ impl OnFail {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// The deadline: how long to wait in total.
+    /// The deadline: how long to wait in total. No attempt starts after it; a backend request
+    /// on its way then (each bounded by the locker's command timeout) is answered first, and
+    /// a waiter leaves the queue before it reports the timeout — so a backend slow to answer
+    /// can stretch a wait past its deadline by up to two command timeouts.
     pub wait: Duration,
-    /// First backoff step of the fallback timer.
+    /// First backoff step of the fallback timer (a step is never under 1 ms: a zero backoff
+    /// would ask the backend in a busy loop).
     pub base: Duration,
     /// Largest backoff step of the fallback timer.
     pub max_backoff: Duration,
@@ -89,6 +93,9 @@ pub struct RetryPolicy {
     /// ([`through_outages`](RetryPolicy::through_outages); off by default).
     pub through_outages: bool,
 }
+
+/// The least step of a wait's fallback timer.
+const MIN_RETRY_STEP: Duration = Duration::from_millis(1);
 
 impl Default for RetryPolicy {
     fn default() -> Self {
@@ -172,7 +179,7 @@ impl RetryPolicy {
         } else {
             Jitter::None
         };
-        backoff(self.base, n, self.max_backoff, jitter)
+        backoff(self.base, n, self.max_backoff, jitter).max(MIN_RETRY_STEP)
     }
 }
 
@@ -280,6 +287,20 @@ mod tests {
         let steps: Vec<_> = (0..5).map(|n| p.backoff_step(n).as_millis()).collect();
         assert_eq!(steps, vec![10, 20, 40, 70, 70]);
         assert_eq!(p.backoff_step(1000).as_millis(), 70);
+    }
+
+    /// A zero backoff would have a waiter whose notification does not come ask the backend in
+    /// a busy loop.
+    #[test]
+    fn a_zero_backoff_still_waits_a_millisecond() {
+        for jitter in [true, false] {
+            let p = RetryPolicy::new(Duration::from_secs(1))
+                .backoff(Duration::ZERO, Duration::ZERO)
+                .jitter(jitter);
+            for n in 0..50 {
+                assert_eq!(p.backoff_step(n), Duration::from_millis(1));
+            }
+        }
     }
 
     #[test]

@@ -776,7 +776,7 @@ async fn wait_for(
             let mut sleep = policy.backoff_step(step).min(refresh).min(deadline - now);
             if let Some(r) = remaining {
                 // Wake when the holder's lease ends, in case it dies without releasing.
-                sleep = sleep.min(r + Duration::from_millis(1));
+                sleep = sleep.min(r.saturating_add(Duration::from_millis(1)));
             }
             step = step.saturating_add(1);
             if counted.is_none() {
@@ -794,8 +794,13 @@ async fn wait_for(
                 _ = tokio::time::sleep(sleep) => { woken = None; }
             }
             match handed_over(&watch, take, handoff_lease, asked_ns) {
-                Some(grant) => break 'granted grant,
-                None => continue 'ask,
+                Some(grant) if mostly_left(locker, &grant) => break 'granted grant,
+                // Handed over with less than half its lease left by the local clock, which
+                // counts it from the last attempt (up to a refresh ago, longer than a TTL
+                // under the waiter TTL's third): the lock is this token's on the backend, and
+                // asking again is granted it with the lease restarted — rather than a guard
+                // about to lapse, or none (`Lost`) when it had already.
+                Some(_) | None => continue 'ask,
             }
         };
         handoff(woken);
@@ -858,6 +863,13 @@ fn refused<T>(flight: &mut Undo<'_>, out: Result<T, LockError>) -> Result<T, Loc
         flight.disarm();
     }
     out
+}
+
+/// Whether at least half of the grant's lease is left by the local clock.
+fn mostly_left(locker: &Locker, grant: &Grant) -> bool {
+    let lease = u64::try_from(grant.lease.as_nanos()).unwrap_or(u64::MAX);
+    let end = grant.sent_ns.saturating_add(lease);
+    end.saturating_sub(locker.watchdog().now_ns()) >= lease / 2
 }
 
 /// The grant of a lock that a release handed to this waiter (direct handoff), if one did.
@@ -1317,6 +1329,42 @@ mod tests {
         }
     }
 
+    /// A lock handed over long after the waiter's last attempt — a TTL (20 ms) shorter than
+    /// the time between attempts (a third of the 300 ms waiter TTL) — is asked for again and
+    /// granted with its lease restarted; before, the handed-over lease, counted from that
+    /// attempt, had run out and the wait ended `Lost`.
+    #[tokio::test]
+    async fn a_handoff_whose_lease_ran_out_since_the_last_attempt_is_asked_for_again() {
+        let (locker, outage) = outage_locker();
+        outage.hand_over.store(true, Ordering::SeqCst);
+        let held = locker.lock("k").acquire().await.unwrap();
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                let policy = RetryPolicy::new(Duration::from_secs(10))
+                    .backoff(Duration::from_millis(100), Duration::from_millis(100))
+                    .jitter(false);
+                let request = locker.lock("k").ttl(Duration::from_millis(20));
+                request.on_fail(OnFail::Retry(policy)).acquire().await
+            }
+        });
+        while locker.waiting() == 0 {
+            assert!(!waiter.is_finished(), "the waiter gave up");
+            tokio::task::yield_now().await;
+        }
+        let attempts = outage.attempts.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        held.release().await.unwrap();
+        let guard = waiter.await.unwrap().expect("granted");
+        assert!(guard.is_held());
+        assert_eq!(
+            outage.attempts.load(Ordering::SeqCst),
+            attempts + 1,
+            "one attempt after the handoff, none before it"
+        );
+        guard.release().await.unwrap();
+    }
+
     /// By default the first answer that the backend is down ends the wait (503), from an
     /// attempt or from the subscription.
     /// A wait through outages listens for its notification while it pauses after an outage
@@ -1486,6 +1534,8 @@ mod tests {
         hub: std::sync::Arc<crate::backend::ReleaseHub>,
         attempts: AtomicUsize,
         handoff_at: usize,
+        /// The holder's remaining lease its "held" answers report.
+        remaining: Option<Duration>,
     }
 
     impl crate::backend::Backend for StaleHandoff {
@@ -1502,7 +1552,7 @@ mod tests {
                     .hand_over(args.resource.as_str(), args.token.as_str(), 7);
             }
             Box::pin(std::future::ready(Ok(crate::backend::Attempt::Held {
-                remaining: None,
+                remaining: self.remaining,
             })))
         }
 
@@ -1550,6 +1600,7 @@ mod tests {
             hub: crate::backend::ReleaseHub::new(),
             attempts: AtomicUsize::new(0),
             handoff_at: 2,
+            remaining: None,
         });
         let err = locker
             .lock("k")
@@ -1558,6 +1609,26 @@ mod tests {
             .await
             .expect_err("a stale handoff was taken for a grant");
         assert!(err.is_timeout(), "{err}");
+    }
+
+    /// A backend (the trait is public) may report any remaining lease for the holder: a wait
+    /// does not overflow on it, it times out.
+    #[tokio::test]
+    async fn a_holders_remaining_lease_of_duration_max_is_no_overflow() {
+        let locker = Locker::builder().build(StaleHandoff {
+            hub: crate::backend::ReleaseHub::new(),
+            attempts: AtomicUsize::new(0),
+            handoff_at: usize::MAX,
+            remaining: Some(Duration::MAX),
+        });
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::retry(Duration::from_millis(50)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert_eq!(err.retry_after_secs(), Some(u64::MAX));
     }
 
     /// The in-memory backend, counting acquire attempts, and saying [`Backend::listening`] as
