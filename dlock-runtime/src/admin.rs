@@ -21,7 +21,7 @@
 //! ```
 //!
 //! The capability is the backend's ([`AdminStore`], [`Backend::admin`](crate::backend::Backend::admin)):
-//! memory, Redis (one server, Sentinel, a cluster), Postgres and etcd have it; Redlock does
+//! memory, Redis (one server, Sentinel, a cluster), Postgres, etcd and ZooKeeper have it; Redlock does
 //! not (its state is spread over independent servers) and answers
 //! [`LockError::Unsupported`].
 //!

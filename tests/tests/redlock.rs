@@ -801,3 +801,30 @@ async fn uncontended_acquire_is_one_round_trip_per_node() {
         );
     }
 }
+
+/// A drift factor outside 0–0.5 set on the public field (NaN, negative, huge) is refused at
+/// connect: it panicked in every lease computation (`Duration::mul_f64`). The setter clamps,
+/// NaN to the most cautious 0.5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drift_factor_out_of_range_is_misconfigured_not_a_panic() {
+    let servers = start_many(1);
+    for bad in [f64::NAN, -0.1, 2.0, f64::INFINITY] {
+        let mut opts = RedlockOptions::default();
+        opts.drift_factor = bad;
+        let err = connect(&urls(&servers), opts)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{bad}: connected"));
+        assert!(err.is_misconfigured(), "{bad}: {err}");
+    }
+    assert_eq!(
+        RedlockOptions::default()
+            .drift_factor(f64::NAN)
+            .drift_factor,
+        0.5
+    );
+    assert_eq!(
+        RedlockOptions::default().drift_factor(-1.0).drift_factor,
+        0.0
+    );
+}

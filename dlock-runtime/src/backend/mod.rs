@@ -69,9 +69,11 @@
 //! readers that arrive after it (writers are not starved), and a semaphore's waiters take
 //! permits in arrival order. A release or abandon that frees room wakes exactly the waiters
 //! of the new ready prefix (one for a permit, every leading reader after a writer) through
-//! [`ReleaseHub::notify`]; there is no direct handoff. Every grant draws a new fencing token
-//! from the same counter as locks: a writer's token is greater than every token issued on the
-//! name before it, readers' and permits' tokens are distinct and increasing too.
+//! [`ReleaseHub::notify`]; there is no direct handoff. Every grant carries a fencing token from
+//! the same counter as locks: a writer's token is greater than every token issued on the name
+//! before it; readers' and permits' tokens are distinct and order their arrival — drawn at the
+//! grant on most backends, at joining the queue on etcd (the key's create revision), where a
+//! permit granted after another may carry the lower token.
 //!
 //! `name`, `acquire`, `release`, `extend` and `abandon` are all a backend must write; the
 //! conformance suite (feature `conformance`) checks every promise above against it. A locker

@@ -61,8 +61,9 @@
 //! share a node, so this holds while no confirming node loses its data; it can fail if every
 //! node the two majorities share lost its counter — restarted without persistence, restored
 //! from an old snapshot, flushed, or evicted. The clock term keeps that case mild (an empty
-//! node proposes its clock, larger than any token it issued before unless its clock stepped
-//! back), but only keeping the data makes it safe: run the nodes with persistence (below) and
+//! node takes the client's floor, at least the client's clock in µs, larger than the tokens
+//! of earlier grants unless the client's clock is behind the clocks of the clients that got
+//! them), but only keeping the data makes it safe: run the nodes with persistence (below) and
 //! with `maxmemory-policy` **`noeviction`** — an `allkeys-*` policy can remove the counter
 //! (it has no TTL), and a `volatile-*` policy the lock keys themselves (every one has a TTL),
 //! so a node under memory pressure would vote for a second owner of a held lock.
@@ -117,9 +118,10 @@ impl RedlockOptions {
         self
     }
 
-    /// Sets [`drift_factor`](RedlockOptions::drift_factor).
+    /// Sets [`drift_factor`](RedlockOptions::drift_factor), clamped to 0–0.5 (NaN: 0.5, the
+    /// most cautious). `connect` refuses a field set outside that range.
     pub fn drift_factor(mut self, f: f64) -> Self {
-        self.drift_factor = f.clamp(0.0, 0.5);
+        self.drift_factor = if f.is_nan() { 0.5 } else { f.clamp(0.0, 0.5) };
         self
     }
 
@@ -187,6 +189,17 @@ impl RedlockBackend {
         if urls.is_empty() {
             return Err(LockError::misconfigured(
                 "redlock needs at least one node",
+                None,
+            ));
+        }
+        if !(0.0..=0.5).contains(&opts.drift_factor) {
+            // The field is public: NaN or a negative factor would panic in every lease
+            // computation (`Duration::mul_f64`), a huge one leave no lease at all.
+            return Err(LockError::misconfigured(
+                format!(
+                    "redlock drift_factor must be within 0 and 0.5, not {}",
+                    opts.drift_factor
+                ),
                 None,
             ));
         }

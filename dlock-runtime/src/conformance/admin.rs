@@ -93,6 +93,14 @@ pub async fn admin_inspect_list_force_release(store: &Store) {
         "{}: `{key}` not listed: {listed:?}",
         store.name
     );
+    // A page of `limit` 0 asked through the trait (which does not forbid it): an answer, not
+    // a panic (Postgres and etcd indexed `limit - 1`).
+    let store_admin = b.backend().admin().expect("the admin store");
+    let page = store_admin
+        .list(b.prefix(), &encoded, None, 0)
+        .await
+        .expect("a page of limit 0");
+    assert!(page.locks.len() <= 1, "{}: {page:?}", store.name);
     let none = admin
         .list_all("conf:no-such-prefix:", 10)
         .await

@@ -103,6 +103,8 @@ impl EtcdBackend {
             Some(c) => range_end(&self.dir(c)),
             None => from.into_bytes(),
         };
+        // `limit` 0 (the trait does not forbid it) is one lock, as `Admin::list` asks.
+        let limit = limit.max(1);
         let mut names: Vec<String> = Vec::new();
         let mut more = true;
         while names.len() <= limit && more {

@@ -126,6 +126,8 @@ impl ZkBackend {
             .filter(|n| n.starts_with(&prefix) && after.as_ref().is_none_or(|a| n > a))
             .collect();
         names.sort_unstable();
+        // `limit` 0 (the trait does not forbid it) is one lock, as `Admin::list` asks.
+        let limit = limit.max(1);
         let more = names.len() > limit;
         names.truncate(limit);
         let resources: Vec<String> = names.iter().filter_map(|n| resource_of(n)).collect();
