@@ -79,7 +79,9 @@
 //!
 //! | feature | default | what |
 //! |---|---|---|
-//! | `axum` | no | [`key::matched_path`], [`key::path_params`], [`key::path_param`] |
+//! | `axum` | no | [`key::matched_path`], [`key::path_params`], [`key::path_param`]; the layers read axum's `OriginalUri` inside `Router::nest` |
+//! | `admin` | no | `admin::router`: the ops page (axum); also reads `OriginalUri`, like `axum` |
+//! | `metrics` | no | the layers' metrics (forwards to `dlock-runtime/metrics`) |
 //! | `defer` | no | [`DeferLayer`] and [`defer`] (enables `dlock-runtime/durable`: the Redis job queue) |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -13,8 +13,9 @@ use super::{combinators, ExtractKey, Extracted, Key};
 /// identity an authentication layer placed there: `ext:<label>:<value>`, where the value is
 /// `T`'s `Display` output. A request without a `T` has no key.
 ///
-/// The label defaults to `T`'s name without its module path (`UserId` for
-/// `my_app::auth::UserId`). It is taken from [`std::any::type_name`], whose output the
+/// The label defaults to `T`'s name without its module paths (`UserId` for
+/// `my_app::auth::UserId`, `Id<User>` for `my_app::Id<my_app::User>`: generic arguments are
+/// kept, so `Id<User>` and `Id<Order>` never share a lock). It is taken from [`std::any::type_name`], whose output the
 /// standard library does not promise to keep across compiler versions: when instances built
 /// by different compilers share a lock store, set a fixed label with
 /// [`Extension::label`].
@@ -38,13 +39,32 @@ pub fn extension<T>() -> Extension<T>
 where
     T: fmt::Display + Clone + Send + Sync + 'static,
 {
-    let full = std::any::type_name::<T>();
-    let base = full.split('<').next().unwrap_or(full);
-    let short = base.rsplit("::").next().unwrap_or(base);
     Extension {
-        label: Cow::Owned(short.to_owned()),
+        label: Cow::Owned(short_type_name(std::any::type_name::<T>())),
         _marker: PhantomData,
     }
+}
+
+/// `full` with every path shortened to its last segment, generic arguments kept:
+/// `my_app::Id<my_app::User>` → `Id<User>`. Without the arguments, `Id<User>` and `Id<Order>`
+/// would share a label, and user 7 and order 7 one lock.
+fn short_type_name(full: &str) -> String {
+    let mut out = String::with_capacity(full.len());
+    let mut path = String::new();
+    let flush = |path: &mut String, out: &mut String| {
+        out.push_str(path.rsplit("::").next().unwrap_or(path));
+        path.clear();
+    };
+    for c in full.chars() {
+        if c.is_alphanumeric() || c == '_' || c == ':' {
+            path.push(c);
+        } else {
+            flush(&mut path, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut path, &mut out);
+    out
 }
 
 /// The extractor of [`extension`].
@@ -94,5 +114,30 @@ where
             .get::<T>()
             .map(|value| Key::new("ext").lit(self.label.clone()).value(value));
         ready(Ok((request, key)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_type_name;
+
+    #[test]
+    fn labels_drop_module_paths_and_keep_generic_arguments() {
+        assert_eq!(short_type_name("my_app::auth::UserId"), "UserId");
+        assert_eq!(short_type_name("u64"), "u64");
+        assert_eq!(short_type_name("my_app::Id<my_app::User>"), "Id<User>");
+        assert_ne!(
+            short_type_name("my_app::Id<my_app::User>"),
+            short_type_name("my_app::Id<my_app::Order>")
+        );
+        assert_eq!(
+            short_type_name("a::Pair<a::b::X, alloc::vec::Vec<u8>>"),
+            "Pair<X, Vec<u8>>"
+        );
+        assert_eq!(short_type_name("&'static str"), "&'static str");
+        assert_eq!(
+            super::extension::<std::sync::Arc<String>>().label,
+            "Arc<String>"
+        );
     }
 }

@@ -8,7 +8,7 @@
 //! | extractor | key | none when |
 //! |---|---|---|
 //! | [`header("idempotency-key")`](header) | `hdr:idempotency-key:<value>` | the header is absent or empty |
-//! | [`method_path()`](method_path) | `path:<METHOD>:<raw URI path>` | never |
+//! | [`method_path()`](method_path) | `path:<METHOD>:<URI path, escapes normalised>` | never |
 //! | [`matched_path()`](matched_path) (feature `axum`) | `route:<METHOD>:<route template>` | no axum route matched |
 //! | [`path_params()`](path_params) (feature `axum`) | `params:<name>:<value>:…` | no axum route matched |
 //! | [`path_param("id")`](path_param) (feature `axum`) | `param:id:<value>` | the route has no such parameter |

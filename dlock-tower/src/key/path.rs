@@ -8,7 +8,9 @@ use super::{combinators, ExtractKey, Extracted, Key};
 
 /// Keys requests by method and URI path (no query): `path:<METHOD>:<path>`. Every request has
 /// one. The path is the one the client sent — inside axum's `Router::nest`, with the `axum`
-/// feature, the whole path, not the nested router's rest — spelled one way per resource, so
+/// or the `admin` feature (both read axum's `OriginalUri`; turn one on across all instances at
+/// once, as it changes the keys of layers inside a nested router), the whole path, not the
+/// nested router's rest — spelled one way per resource, so
 /// paths a router hands the same parameters share a lock: `/orders/%34%32` and `/orders/42`,
 /// `/users/a%40b` and `/users/a@b`, `/items/中` sent raw and `/items/%E4%B8%AD`. Every escape is
 /// decoded and written back one way (the characters a path segment may hold as they are

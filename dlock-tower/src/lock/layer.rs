@@ -10,6 +10,13 @@ use super::{DistributedLock, Shared};
 /// Takes a distributed lock per request, keyed by an [extractor](crate::key), around the
 /// inner service. See the [module docs](crate::lock) for what it does and answers.
 ///
+/// The inner service is made ready (`poll_ready`) before the request's key is read and its
+/// lock taken, and is called once the lock is held, as tower's contract asks: a slot the inner
+/// service reserves when ready (a `ConcurrencyLimit` permit, a `Buffer` slot) is held while the
+/// request waits for its lock. With a waiting strategy ([`OnFail::Retry`]), put such limits
+/// *outside* this layer, or requests waiting for one busy key take the slots of requests for
+/// free keys. (axum's routers are always ready.)
+///
 /// ```
 /// use std::time::Duration;
 /// use axum::{routing::post, Router};
@@ -71,12 +78,15 @@ impl<K> DistributedLockLayer<K> {
         self
     }
 
-    /// Builds the answer to a lock error (held by another, timed out, backend down, invalid
-    /// key, lost) instead of the default problem+json. The error carries the
+    /// Builds the answer to a lock error (held by another, timed out, backend down, a key over
+    /// the length bound, lost) instead of the default problem+json. The error carries the
     /// [`message`](Self::message) as its detail; [`LockError::status`](dlock_runtime::LockError::status)
     /// and [`retry_after_secs`](dlock_runtime::LockError::retry_after_secs) help keep the
-    /// HTTP meaning. A request without a key still gets the
-    /// [`missing_key`](Self::missing_key) answer.
+    /// HTTP meaning. Refusals that come before there is a key keep their problem+json
+    /// ([`Rejection`](crate::Rejection)): a request without a key (the
+    /// [`missing_key`](Self::missing_key) answer) and an extractor's refusal of the request
+    /// itself — a repeated or non-UTF-8 header, a non-UTF-8 path parameter, a body that cannot
+    /// be read or is over its limit (400, 413).
     ///
     /// ```
     /// # let locker = dlock_runtime::Locker::memory();
