@@ -828,3 +828,47 @@ async fn a_drift_factor_out_of_range_is_misconfigured_not_a_panic() {
         0.0
     );
 }
+
+/// A majority that grants the lock only after its validity ran out (the nodes answer slower
+/// than the TTL allows) is a 503: nobody holds the lock. It was answered "held" — a 409
+/// naming no holder — and the lock was left to its TTL on the nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_majority_granting_after_the_validity_is_unavailable_not_held() {
+    use dlock_tests::proxy::Proxy;
+
+    let servers = start_many(3);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port()).await.unwrap());
+    }
+    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let opts = RedlockOptions::default().node_timeout(Duration::from_millis(500));
+    let locker = Locker::builder()
+        .try_build(connect(&urls, opts).await.unwrap())
+        .unwrap();
+    // Warm up: the script is loaded on every node.
+    let g = locker.lock("rl:late").acquire().await.unwrap();
+    g.release().await.unwrap();
+    for p in &proxies {
+        p.set_latency(Duration::from_millis(30));
+    }
+    // A round trip takes 60 ms; the TTL is 50 ms.
+    let err = locker
+        .lock("rl:late")
+        .ttl(Duration::from_millis(50))
+        .try_acquire()
+        .await
+        .expect_err("granted after its validity: no lock, and not held by another");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(err.to_string().contains("too slowly"), "{err}");
+    for p in &proxies {
+        p.set_latency(Duration::ZERO);
+    }
+    // Undone on every node: free at once.
+    assert!(locker
+        .lock("rl:late")
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_some());
+}

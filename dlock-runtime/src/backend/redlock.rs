@@ -26,7 +26,12 @@
 //!   `drift = TTL × drift_factor + 2 ms` (`drift_factor` 0.01 by default, as the Redis
 //!   documentation suggests); if no validity is left, it counts as a failure. A failed attempt
 //!   undoes itself on **every** node, including those that did not answer (their reply may still
-//!   come; the undo is queued behind it on the same connection).
+//!   come; the undo is queued behind it on the same connection), and waits for those undos, each
+//!   bounded by the node timeout: a later attempt of the same token must not overtake its undo
+//!   on a node (the undo would then take back that node's new vote). So while a node is frozen,
+//!   a failed attempt takes up to a node timeout. A majority that granted the lock only after
+//!   its validity ran out answers `Unavailable` (the nodes are too slow for the TTL), not
+//!   "held".
 //! * **Extend / renewal** succeeds only if a majority extends within the validity window; the
 //!   watchdog uses it, and a guard is lost when a majority can no longer be renewed.
 //! * **Release** goes to every node; notifications from any node wake local waiters.
@@ -591,6 +596,20 @@ impl Backend for RedlockBackend {
             }
             // Failed: undo on every node, answered or not.
             self.undo_everywhere(resource, token).await;
+            if granted.len() >= self.inner.quorum {
+                // A majority granted it, but too late: nobody holds it, the nodes are slow
+                // for this TTL. Not "held by another" (a 409 naming no holder).
+                return Err(LockError::unavailable(
+                    format!(
+                        "redlock acquire: a majority granted the lock after {:?}, leaving none \
+                         of its {ttl:?} TTL (less {:?} of clock drift): the nodes answer too \
+                         slowly for this TTL",
+                        start.elapsed(),
+                        self.drift(ttl)
+                    ),
+                    None,
+                ));
+            }
             // Unavailable when the nodes that failed are too many for a majority, whatever
             // the others say; otherwise someone holds it. The nodes not waited for (the
             // outcome was decided without them) are neither: counted as failures, the answer
