@@ -9,24 +9,43 @@
 //! ```
 //!
 //! The backend comes from `--url` or `DLOCK_URL` (the URLs of `Locker::from_url`). Exit codes:
-//! 0 success, 1 the operation did not happen (nothing to requeue, confirmation declined), 2 bad
-//! usage, a bad URL, or a backend that does not answer within `--timeout`. `--json` prints
-//! machine-readable output (one JSON document, or one per refresh for `watch`).
+//! 0 success, 1 the operation did not happen (nothing to requeue, a `release --force` of a lock
+//! nobody held, confirmation declined), 2 bad usage, a bad URL, or a backend that does not
+//! answer within `--timeout`. `--json` prints machine-readable output (one JSON document, or one
+//! per refresh for `watch`).
+//!
+//! Keys are shown encoded (`LockKey::as_str`: `user:1%3A2` for a key built from the value
+//! `1:2`, `a%20b` for the literal key `a b`), and a key or `--prefix` is taken **as shown**
+//! when it is one — every `%` starts a `%XX` escape, no character the encoder escapes, `#` only
+//! as a long key's digest marker — and as a literal key otherwise (`"a b"`, `100%`), so both
+//! what `list` printed and what the application wrote work
+//! (`dlock_runtime::admin::key_as_shown`, `Admin::list`).
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use dlock_runtime::admin::Admin;
+use dlock_runtime::admin::{key_as_shown, Admin};
 use dlock_runtime::durable::DurableQueue;
 use dlock_runtime::{LockError, Locker};
 
 mod output;
 
+/// What `--help` adds after the options: how keys are read, and the exit codes.
+const AFTER_HELP: &str = "\
+Keys: a key or --prefix is taken as `list` and `inspect` show it (encoded: `user:1%3A2`, \
+`a%20b`) when it is one — every `%` starts a `%XX` escape; no `{`, `}`, whitespace, control \
+character, or `#` but a long key's digest marker — and as a literal key otherwise (`\"a b\"`, \
+`100%`).
+
+Exit codes: 0 done; 1 not done (no such dead letter, `release --force` of a lock nobody held, \
+confirmation declined); 2 bad usage, a bad URL, or a backend that does not answer within \
+--timeout.";
+
 /// Inspect and operate dlock locks and durable jobs.
 #[derive(Debug, Parser)]
-#[command(name = "dlock", version)]
+#[command(name = "dlock", version, after_help = AFTER_HELP)]
 struct Cli {
     /// The backend, as for `Locker::from_url` (redis://, redis+cluster://, redis+sentinel://,
     /// postgres://, etcd://, zk://, memory://).
@@ -49,12 +68,13 @@ struct Cli {
 enum Command {
     /// Show a lock: holder (owner-token prefix, fencing token, lease left), waiters in order.
     Inspect {
-        /// The lock's key, as the application names it (e.g. `order:42`).
+        /// The lock's key: as `list` shows it (encoded, e.g. `user:1%3A2`) or as the application
+        /// names it (e.g. `order:42`, `"a b"`).
         key: String,
     },
     /// List the locks held or waited for (Redis: SCAN, never KEYS).
     List {
-        /// Only keys that start with this.
+        /// Only keys that start with this (as shown, e.g. `user:1%3A`, or literal text).
         #[arg(long, default_value = "")]
         prefix: String,
         /// At most this many.
@@ -62,8 +82,10 @@ enum Command {
         limit: usize,
     },
     /// Free a lock whoever holds it (no owner check) and raise its fencing counter.
+    ///
+    /// Exits 1 ("`<key>` was not held") when nobody held it.
     Release {
-        /// The lock's key.
+        /// The lock's key, as `list` shows it or as the application names it.
         key: String,
         /// Required: this skips the owner check.
         #[arg(long)]
@@ -82,7 +104,7 @@ enum Command {
     },
     /// Show the contended locks (someone waiting), refreshed until Ctrl-C or `--count`.
     Watch {
-        /// Only keys that start with this.
+        /// Only keys that start with this (as shown, or literal text).
         #[arg(long, default_value = "")]
         prefix: String,
         /// Time between refreshes.
@@ -206,7 +228,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     match &cli.command {
         Command::Inspect { key } => {
             let admin = admin(&cli).await?;
-            let state = within(cli.timeout * 2, "inspect", admin.inspect(key.as_str())).await?;
+            let key = key_as_shown(key)?;
+            let state = within(cli.timeout * 2, "inspect", admin.inspect(key)).await?;
             output::print_state(&state, cli.json);
         }
         Command::List { prefix, limit } => {
@@ -228,10 +251,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let out = within(
                 cli.timeout * 2,
                 "the release",
-                admin.force_release(key.as_str()),
+                admin.force_release(key_as_shown(key)?),
             )
             .await?;
             output::print_released(key, &out, cli.json);
+            // Freeing nothing is not what was asked for: a script must not go on as if it had.
+            if !out.was_held {
+                return Err(Failure::NotDone(format!("`{key}` was not held")));
+            }
         }
         Command::Jobs { queue, command } => jobs(&cli, queue, command).await?,
         Command::Watch {

@@ -105,10 +105,9 @@ pub(crate) fn print_released(key: &str, out: &ForceReleased, json: bool) {
         v["key"] = json!(key);
         return print_json(&v);
     }
+    // A lock nobody held is the command's error ("`<key>` was not held", exit 1).
     if out.was_held {
         println!("released `{key}` (its holder loses it at its next renewal)");
-    } else {
-        println!("`{key}` was not held");
     }
     if let Some(f) = out.fence {
         println!("fencing counter raised to {f}: tokens issued before are below it");

@@ -6,7 +6,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::durable::{DurableQueue, DurableWorker};
-use dlock_runtime::{DeferPolicy, Locker, OnFail, RetryPolicy};
+use dlock_runtime::{DeferPolicy, LockKey, Locker, OnFail, RetryPolicy};
 use dlock_tests::jobs::RecordJob;
 use dlock_tests::redis_server::free_port;
 use dlock_tests::RedisServer;
@@ -191,6 +191,100 @@ async fn locks_through_the_cli(url: &str, key: &str) {
 async fn redis_locks() {
     let server = RedisServer::start();
     locks_through_the_cli(&server.url(), "order:42").await;
+}
+
+/// The keys of `locks` as `list --json` gives them, sorted.
+fn keys(locks: &Value) -> Vec<String> {
+    let mut keys: Vec<String> = locks
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["key"].as_str().unwrap().to_owned())
+        .collect();
+    keys.sort_unstable();
+    keys
+}
+
+/// A key as `list` and `inspect` show it (encoded: `user:1%3A2`) works as `inspect`, `release`
+/// and `--prefix` argument, and literal text (`a b`, `100%`) still does; `release --force` of a
+/// lock nobody holds exits 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_keys_as_shown_and_releasing_a_free_lock_exits_1() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let locker = server.locker().await;
+    let ttl = Duration::from_secs(30);
+    let valued = LockKey::builder()
+        .lit("user:")
+        .value("1:2")
+        .finish()
+        .unwrap();
+    let guard = locker.lock(&valued).ttl(ttl).acquire().await.unwrap();
+    let _spaced = locker.lock("a b").ttl(ttl).acquire().await.unwrap();
+    let _percent = locker.lock("100%").ttl(ttl).acquire().await.unwrap();
+    let shown = "user:1%3A2";
+    assert_eq!(guard.key(), shown);
+
+    let all = json(&dlock(Some(&url), &["--json", "list"]).await);
+    assert_eq!(keys(&all), ["100%25", "a%20b", shown]);
+    for (prefix, expected) in [
+        ("user:1%3A", shown),
+        ("a%20", "a%20b"),
+        ("a b", "a%20b"),
+        ("100%", "100%25"),
+    ] {
+        let listed = json(&dlock(Some(&url), &["--json", "list", "--prefix", prefix]).await);
+        assert_eq!(keys(&listed), [expected], "--prefix {prefix}");
+    }
+    let listed = json(&dlock(Some(&url), &["--json", "list", "--prefix", "user:1:"]).await);
+    assert_eq!(listed, Value::Array(vec![]), "`user:1:` is another prefix");
+
+    for (arg, key) in [
+        (shown, shown),
+        ("a b", "a%20b"),
+        ("a%20b", "a%20b"),
+        ("100%", "100%25"),
+        ("100%25", "100%25"),
+    ] {
+        let state = json(&dlock(Some(&url), &["--json", "inspect", arg]).await);
+        assert_eq!(state["key"], key, "inspect {arg}");
+        assert!(state["holder"].is_object(), "inspect {arg}: {state}");
+    }
+    let text = stdout(&dlock(Some(&url), &["inspect", shown]).await);
+    assert!(
+        text.contains(&format!("key            {shown}\n")),
+        "{text}"
+    );
+    assert!(!text.contains("(free)"), "{text}");
+
+    let released = json(
+        &dlock(
+            Some(&url),
+            &["--json", "release", shown, "--force", "--yes"],
+        )
+        .await,
+    );
+    assert_eq!(released["was_held"], true, "{released}");
+    assert!(guard.extend(ttl).await.is_err(), "the holder is out");
+    let state = json(&dlock(Some(&url), &["--json", "inspect", shown]).await);
+    assert!(state["holder"].is_null(), "{state}");
+
+    // Nothing to free: the message, and exit 1 (text and JSON).
+    let out = dlock(Some(&url), &["release", shown, "--force", "--yes"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("`{shown}` was not held")),
+        "{}",
+        stderr(&out)
+    );
+    let out = dlock(
+        Some(&url),
+        &["--json", "release", shown, "--force", "--yes"],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    assert_eq!(doc["was_held"], false, "{doc}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,6 +27,15 @@
 //!
 //! **Force-release skips the owner check** — the only operation in dlock that does — and is
 //! meant for incidents. Expose it (and everything here) only behind your own authentication.
+//!
+//! # Keys as shown
+//!
+//! [`LockState::key`] is the *encoded* key ([`LockKey::as_str`]): `%`, `{`, `}`, `#`,
+//! whitespace and control characters of literal text, and `:` of interpolated values, appear as
+//! `%XX`, and a long key as a prefix, `#` and a digest. An operator copies that text back into
+//! a tool, so the tools read what they are given with [`key_as_shown`] (a key) and
+//! [`Admin::list`] (a key prefix): text that is an encoded key (or the start of one) is taken
+//! as is, any other text is a literal key, encoded as [`LockKey::new`] does.
 
 use std::time::Duration;
 
@@ -34,6 +43,7 @@ pub use crate::backend::admin::{
     ForceReleased, Holder, LockPage, LockState, Waiter, TOKEN_PREFIX_LEN,
 };
 use crate::backend::AdminStore;
+use crate::key::DIGEST_THRESHOLD;
 pub use crate::locker::ContentionEvent;
 use crate::locker::IntoLockKey;
 use crate::{LockError, LockKey, Locker};
@@ -81,19 +91,17 @@ impl Admin {
     }
 
     /// One page (about `limit` locks) of the active locks whose key starts with `key_prefix`
-    /// (literal text, encoded like a literal key; `""` for all), from `cursor` (`None` to
-    /// start; then the page's [`LockPage::cursor`] until it is `None`).
+    /// (`""` for all), from `cursor` (`None` to start; then the page's [`LockPage::cursor`]
+    /// until it is `None`). The prefix is read like [`key_as_shown`] reads a key: the start of
+    /// an encoded key as [`LockState::key`] shows it (`user:1%3A`) is taken as is, other text
+    /// (`100%`, `a b`) is encoded like a literal key.
     pub async fn list(
         &self,
         key_prefix: &str,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<LockPage, LockError> {
-        let encoded = if key_prefix.is_empty() {
-            String::new()
-        } else {
-            LockKey::new(key_prefix)?.as_str().to_owned()
-        };
+        let encoded = prefix_as_shown(key_prefix)?;
         let store = self.store();
         self.locker
             .with_deadline(
@@ -146,5 +154,194 @@ impl Admin {
     /// [`Locker::recent_contention`]).
     pub fn recent_contention(&self, window: Duration) -> Vec<ContentionEvent> {
         self.locker.recent_contention(window)
+    }
+}
+
+/// The key an operator means by `text`: the encoded key itself when `text` is one, as
+/// [`LockState::key`], the ops page and the `dlock` CLI show keys (`user:1%3A2`, `a%23b`, a
+/// digested `…#<sha-256 hex>`); otherwise the literal key `text` ([`LockKey::new`]: `a b`,
+/// `100%`, `a#b`).
+///
+/// `text` is an encoded key when every `%` starts a `%XX` escape (two hex digits), every other
+/// character is one the encoder keeps as it is, a `#` is only the digest marker (after the first
+/// 96 bytes — up to 3 fewer when the cut backs off to a character boundary — which may end in a
+/// cut `%XX`; followed by exactly 64 lowercase hex digits), and it is at most
+/// [`DIGEST_THRESHOLD`] bytes long (a longer encoded key is digested). Plain text such as
+/// `order:42` reads the same both ways.
+///
+/// ```
+/// use dlock_runtime::admin::key_as_shown;
+/// use dlock_runtime::LockKey;
+///
+/// let key = LockKey::builder().lit("user:").value("1:2").finish().unwrap();
+/// assert_eq!(key.as_str(), "user:1%3A2");
+/// assert_eq!(key_as_shown("user:1%3A2").unwrap(), key); // as shown
+/// assert_eq!(key_as_shown("100%").unwrap().as_str(), "100%25"); // literal
+/// assert_eq!(key_as_shown("100%25").unwrap().as_str(), "100%25"); // as shown
+/// ```
+pub fn key_as_shown(text: &str) -> Result<LockKey, LockError> {
+    if is_shown(text, false) {
+        LockKey::from_encoded(text)
+    } else {
+        LockKey::new(text)
+    }
+}
+
+/// The encoded key prefix an operator means by `text` (see [`Admin::list`]): as is when it is
+/// the start of an encoded key (as [`key_as_shown`] reads keys, and the digest marker may be
+/// followed by fewer than 64 hex digits), otherwise encoded like a literal key.
+fn prefix_as_shown(text: &str) -> Result<String, LockError> {
+    if text.is_empty() || is_shown(text, true) {
+        Ok(text.to_owned())
+    } else {
+        Ok(LockKey::new(text)?.as_str().to_owned())
+    }
+}
+
+/// Where a digested key's `#` can be: after the first 96 bytes of the encoded key (the
+/// [`key`](crate::key) module's documented cut), or up to 3 bytes earlier when the cut backs
+/// off to a character boundary.
+const DIGEST_MARKER_AT: std::ops::RangeInclusive<usize> = 93..=96;
+
+/// Hex digits after a digested key's `#`: a SHA-256.
+const DIGEST_HEX_LEN: usize = 64;
+
+/// Whether `text` is an encoded key as [`LockKey::as_str`] shows it (the start of one when
+/// `prefix`).
+fn is_shown(text: &str, prefix: bool) -> bool {
+    if text.len() > DIGEST_THRESHOLD {
+        return false;
+    }
+    match text.split_once('#') {
+        None => is_encoded_text(text, false),
+        Some((head, digest)) => {
+            let hex = digest
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            let complete = digest.len() == DIGEST_HEX_LEN;
+            DIGEST_MARKER_AT.contains(&head.len())
+                && hex
+                && (complete || (prefix && digest.len() < DIGEST_HEX_LEN))
+                // The digest's cut may split an escape: `…%2#<hex>`.
+                && is_encoded_text(head, true)
+        }
+    }
+}
+
+/// Whether every `%` of `text` starts a `%XX` escape (or a cut one at its end, when `cut`) and
+/// every other character is one the encoder keeps as written.
+fn is_encoded_text(text: &str, cut: bool) -> bool {
+    let bytes = text.as_bytes();
+    let mut chars = text.char_indices();
+    while let Some((at, c)) = chars.next() {
+        if c != '%' {
+            if !kept_by_encoder(c) {
+                return false;
+            }
+            continue;
+        }
+        let escape = &bytes[at + 1..bytes.len().min(at + 3)];
+        if !escape.iter().all(u8::is_ascii_hexdigit) {
+            return false;
+        }
+        if escape.len() < 2 {
+            return cut;
+        }
+        chars.nth(1);
+    }
+    true
+}
+
+/// Whether the encoder writes `c` of literal text as it is. Asked of the encoder itself, so
+/// this can never disagree with it about what it escapes.
+fn kept_by_encoder(c: char) -> bool {
+    let mut buf = [0u8; 4];
+    let s = c.encode_utf8(&mut buf);
+    LockKey::new(s).is_ok_and(|k| k.as_str() == s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shown(text: &str) -> String {
+        key_as_shown(text).unwrap().as_str().to_owned()
+    }
+
+    fn literal(text: &str) -> String {
+        LockKey::new(text).unwrap().as_str().to_owned()
+    }
+
+    #[test]
+    fn encoded_keys_are_taken_as_shown() {
+        let key = LockKey::builder()
+            .lit("user:")
+            .value("1:2")
+            .lit(":")
+            .value(&3)
+            .finish()
+            .unwrap();
+        assert_eq!(key_as_shown(key.as_str()).unwrap(), key);
+        assert_eq!(shown("user:1%3A2:3"), "user:1%3A2:3");
+        assert_eq!(shown(&literal("a#b c")), "a%23b%20c");
+        assert_eq!(shown(&literal("x{y}")), "x%7By%7D");
+        assert_eq!(shown("order:42"), "order:42");
+        assert_eq!(shown("café:1"), "café:1");
+    }
+
+    #[test]
+    fn other_text_is_a_literal_key_as_before() {
+        for text in [
+            "a b",
+            "100%",
+            "a#b",
+            "issue#12",
+            "50%off",
+            "x{y}",
+            "tab\there",
+            "%4",
+        ] {
+            assert_eq!(shown(text), literal(text), "{text:?}");
+        }
+        assert!(key_as_shown("").unwrap_err().is_invalid());
+        // Longer than any encoded key: a literal key, digested.
+        let long = "k".repeat(DIGEST_THRESHOLD + 1);
+        assert_eq!(shown(&long), literal(&long));
+    }
+
+    #[test]
+    fn digested_keys_are_taken_as_shown() {
+        let plain = literal(&"k".repeat(300));
+        assert!(plain.contains('#'), "{plain}");
+        assert_eq!(shown(&plain), plain);
+        // The cut after 96 bytes splits an escape (`…%2#…`) or backs off a character.
+        for filler in [94, 95] {
+            let key = literal(&format!("{}%{}", "k".repeat(filler), "x".repeat(200)));
+            assert!(key.contains("%#") || key.contains("%2#"), "{key}");
+            assert_eq!(shown(&key), key);
+        }
+        let key = literal(&format!("k{}", "€".repeat(100)));
+        assert_eq!(key.find('#'), Some(94), "{key}");
+        assert_eq!(shown(&key), key);
+        // A `#` anywhere else, or with a short or uppercase digest, is literal.
+        let upper = plain.to_uppercase();
+        assert_eq!(shown(&upper), literal(&upper));
+        let short = &plain[..plain.len() - 1];
+        assert_eq!(shown(short), literal(short));
+    }
+
+    #[test]
+    fn prefixes_are_read_like_keys() {
+        assert_eq!(prefix_as_shown("").unwrap(), "");
+        assert_eq!(prefix_as_shown("user:1%3A").unwrap(), "user:1%3A");
+        assert_eq!(prefix_as_shown("report:").unwrap(), "report:");
+        assert_eq!(prefix_as_shown("100%").unwrap(), "100%25");
+        assert_eq!(prefix_as_shown("a b").unwrap(), "a%20b");
+        assert_eq!(prefix_as_shown("issue#1").unwrap(), "issue%231");
+        // The start of a digested key, cut inside its digest.
+        let plain = literal(&"k".repeat(300));
+        let start = &plain[..plain.len() - 10];
+        assert_eq!(prefix_as_shown(start).unwrap(), start);
+        assert_eq!(prefix_as_shown(&plain).unwrap(), plain);
     }
 }

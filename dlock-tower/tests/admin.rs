@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use axum::Router;
 use dlock_runtime::durable::{DurableQueue, DurableWorker};
-use dlock_runtime::{DeferPolicy, LockError, LockGuard, OnFail, RetryPolicy};
+use dlock_runtime::{DeferPolicy, LockError, LockGuard, LockKey, OnFail, RetryPolicy};
 use dlock_tests::http::{client, serve, text};
 use dlock_tests::jobs::RecordJob;
 use dlock_tests::wait::wait_for;
 use dlock_tests::RedisServer;
-use http::{Method, Request, StatusCode};
+use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::Full;
 use serde_json::Value;
 use tokio::task::JoinHandle;
@@ -115,14 +115,26 @@ async fn fixture() -> Fixture {
 }
 
 async fn request(method: Method, url: String) -> (StatusCode, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(url)
-        .body(Full::default())
+    let (status, _, body) = request_with(method, url, &[]).await;
+    (status, body)
+}
+
+/// A request with `headers`; its status, headers and body.
+async fn request_with(
+    method: Method,
+    url: String,
+    headers: &[(&str, &str)],
+) -> (StatusCode, HeaderMap, String) {
+    let mut req = Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let res = client()
+        .request(req.body(Full::default()).unwrap())
+        .await
         .unwrap();
-    let res = client().request(req).await.unwrap();
-    let status = res.status();
-    (status, text(res).await)
+    let (status, headers) = (res.status(), res.headers().clone());
+    (status, headers, text(res).await)
 }
 
 async fn get_json(url: String) -> Value {
@@ -310,4 +322,152 @@ async fn chromium_renders_the_page() {
         "a page, not a blank: {} bytes",
         png.len()
     );
+}
+
+/// `s` percent-encoded for a URL path segment or query value (all but `A-Z a-z 0-9 - . _ ~ :`).
+fn url_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b':' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A key shown encoded (`user:1%3A2`, `a%23b%20c`, `100%25`, a digested key whose cut splits an
+/// escape) is found by `GET /api/locks/<key>` and `?prefix=` as shown; literal text still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_looked_up_as_shown() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let ttl = Duration::from_secs(60);
+    let valued = LockKey::builder()
+        .lit("user:")
+        .value("1:2")
+        .finish()
+        .unwrap();
+    // 95 bytes, then `%25`: the digest's cut after 96 bytes leaves `…%` before the `#`.
+    let long = format!("{}%{}", "k".repeat(95), "x".repeat(200));
+    let mut held = vec![locker.lock(&valued).ttl(ttl).acquire().await.unwrap()];
+    for literal in ["a#b c", "100%", long.as_str()] {
+        held.push(locker.lock(literal).ttl(ttl).acquire().await.unwrap());
+    }
+    let shown: Vec<String> = held.iter().map(|g| g.key().to_owned()).collect();
+    assert_eq!(shown[..3], ["user:1%3A2", "a%23b%20c", "100%25"]);
+    assert!(
+        shown[3].starts_with(&format!("{}%#", "k".repeat(95))),
+        "{}",
+        shown[3]
+    );
+
+    let (addr, _) = serve(Router::new().nest("/ops", dlock_tower::admin::router(locker))).await;
+    let base = format!("http://{addr}/ops");
+    let all = get_json(format!("{base}/api/locks")).await;
+    let mut listed: Vec<&str> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    listed.sort_unstable();
+    let mut expected: Vec<&str> = shown.iter().map(String::as_str).collect();
+    expected.sort_unstable();
+    assert_eq!(listed, expected, "the page shows encoded keys");
+
+    for key in &shown {
+        let one = get_json(format!("{base}/api/locks/{}", url_encode(key))).await;
+        assert_eq!(one["key"], key.as_str(), "{one}");
+        assert!(one["holder"].is_object(), "`{key}` as shown is held: {one}");
+    }
+    for literal in ["a#b c", "100%"] {
+        let one = get_json(format!("{base}/api/locks/{}", url_encode(literal))).await;
+        assert!(one["holder"].is_object(), "literal `{literal}`: {one}");
+    }
+    let other = get_json(format!("{base}/api/locks/{}", url_encode("user:1:2"))).await;
+    assert!(
+        other["holder"].is_null(),
+        "`user:1:2` is another key: {other}"
+    );
+
+    let prefixed = |prefix: &str| {
+        let url = format!("{base}/api/locks?prefix={}", url_encode(prefix));
+        async move {
+            let locks = get_json(url).await;
+            locks
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["key"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(prefixed("user:1%3A").await, ["user:1%3A2"]);
+    assert_eq!(prefixed("a%23").await, ["a%23b%20c"]);
+    assert_eq!(prefixed("a#b").await, ["a%23b%20c"], "literal prefix");
+    assert_eq!(prefixed("100%").await, ["100%25"], "literal prefix");
+    assert_eq!(prefixed(&shown[3][..110]).await, [shown[3].clone()]);
+    assert!(prefixed("user:1:").await.is_empty());
+}
+
+/// The page's requeue form works from the page's own origin (the headers a browser sends with
+/// it); the same POST from another site, to the form's route or the JSON one, is refused with
+/// `403` and requeues nothing. The page may not be framed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_origin_posts_are_refused_and_the_page_cannot_be_framed() {
+    let f = fixture().await;
+    let base = format!("http://{}/ops", f.addr);
+    let form = format!("{base}/requeue/{}", f.dead_id);
+    let json = format!("{base}/api/jobs/{}/requeue", f.dead_id);
+    let own_origin = format!("http://{}", f.addr);
+    let other_port = format!("http://127.0.0.1:{}", f.addr.port() ^ 1);
+    let form_post = [("content-type", "application/x-www-form-urlencoded")];
+
+    let refused: [(&str, Vec<(&str, &str)>); 6] = [
+        (
+            &form,
+            vec![
+                ("sec-fetch-site", "cross-site"),
+                ("origin", "https://evil.example"),
+            ],
+        ),
+        (&form, vec![("origin", "https://evil.example")]),
+        (&form, vec![("origin", other_port.as_str())]),
+        (&form, vec![("origin", "null")]),
+        (&json, vec![("sec-fetch-site", "same-site")]),
+        (&json, vec![("origin", "https://evil.example")]),
+    ];
+    for (url, headers) in refused {
+        let headers = [&form_post[..], &headers].concat();
+        let (status, _, body) = request_with(Method::POST, url.to_owned(), &headers).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{url} {headers:?}: {body}");
+        assert!(body.contains("cross-origin"), "{body}");
+        let dead = f.queue.dead_letters().await.unwrap();
+        assert_eq!(dead.len(), 1, "{headers:?}: requeued anyway");
+        assert_eq!(dead[0].id, f.dead_id);
+    }
+
+    let (status, headers, body) = request_with(
+        Method::POST,
+        form,
+        &[
+            ("content-type", "application/x-www-form-urlencoded"),
+            ("origin", own_origin.as_str()),
+            ("sec-fetch-site", "same-origin"),
+            ("sec-fetch-mode", "navigate"),
+            ("sec-fetch-dest", "document"),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::SEE_OTHER, "{body}");
+    assert_eq!(headers["location"], "/ops");
+    assert!(f.queue.dead_letters().await.unwrap().is_empty(), "requeued");
+
+    let (status, headers, _) = request_with(Method::GET, base, &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-frame-options"], "DENY");
+    let csp = headers["content-security-policy"].to_str().unwrap();
+    assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+    assert!(csp.contains("form-action 'self'"), "{csp}");
 }

@@ -26,11 +26,38 @@
 //! |---|---|
 //! | `GET /` | (the path the router is nested at, e.g. `/ops/dlock`) the HTML page: server-rendered, no JavaScript, no external resources; refreshes itself every 5 s |
 //! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON) |
-//! | `GET /api/locks/<key>` | one lock |
+//! | `GET /api/locks/<key>` | one lock (`<key>` percent-encoded like any path segment) |
 //! | `GET /api/contention?minutes=<n>` | this process's contended acquire attempts of the last `n` minutes (default 10), per key and per minute |
 //! | `GET /api/jobs` | the locker's in-process deferred jobs and dead letters, and those of the durable queues given to [`OpsPage::durable_queue`] |
 //! | `POST /api/jobs/<id>/requeue` | puts a dead letter back (`404` when there is none with that id) |
 //! | `POST /requeue/<id>` | the same for the page's button, answered with a redirect to the page |
+//!
+//! # Keys as shown
+//!
+//! The page and `/api/locks` show each lock's *encoded* key
+//! ([`LockKey::as_str`](dlock_runtime::LockKey::as_str)): `user:1%3A2` for a key built from the
+//! value `1:2`, `a%23b` for the literal key `a#b`, a long key as a prefix, `#` and a digest.
+//! `GET /api/locks/<key>` and `?prefix=` take a key or prefix **as shown**, or a literal one:
+//! text that is an encoded key (every `%` starts a `%XX` escape, no character the encoder
+//! escapes, `#` only as the digest marker) is taken as is; any other text (`a b`, `100%`) is a
+//! literal key, encoded as the locker encodes it
+//! ([`dlock_runtime::admin::key_as_shown`], [`Admin::list`](dlock_runtime::admin::Admin::list)).
+//! The URL decodes first, as always: `user:1%3A2` is requested as `/api/locks/user:1%253A2`.
+//!
+//! # Cross-origin requests are refused
+//!
+//! Every request that changes something (any method but `GET`, `HEAD` and `OPTIONS`) is
+//! answered `403` when a browser sent it from another site, so that a page elsewhere cannot
+//! make an operator's browser requeue jobs (cross-site request forgery): with a
+//! `Sec-Fetch-Site` header, unless it is `same-origin` or `none` (typed by the user); without
+//! one, when its `Origin` names another host and port than the request's `Host`. Requests with
+//! neither header (curl, scripts, other services) pass — this is no authentication, it only
+//! stops browsers from being used against yours. Behind a proxy that rewrites `Host`, have it
+//! pass the browser's (nginx: `proxy_set_header Host $host;`), or browsers that send `Origin`
+//! without `Sec-Fetch-Site` are refused on the page's own forms. The page itself is sent with
+//! `X-Frame-Options: DENY` and a `Content-Security-Policy` (`frame-ancestors 'none'`, inline
+//! styles only, forms to its own origin), so it cannot be framed and clicked through by another
+//! site (clickjacking).
 //!
 //! Lock data comes from the backend's inspection capability
 //! ([`Locker::admin`](dlock_runtime::Locker::admin)); a backend without it (Redlock) answers
@@ -41,12 +68,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{OriginalUri, Path, State};
-use axum::http::{header, StatusCode, Uri};
+use axum::extract::{OriginalUri, Path, Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use dlock_runtime::admin::LockState;
+use dlock_runtime::admin::{key_as_shown, LockState};
 use dlock_runtime::defer::JobInfo;
 use dlock_runtime::Locker;
 use serde_json::{json, Value};
@@ -55,6 +83,11 @@ mod page;
 
 /// How many locks the page and `/api/locks` show at most.
 const MAX_LOCKS: usize = 500;
+
+/// The page's `Content-Security-Policy`: it loads nothing, styles itself inline, posts its
+/// forms to its own origin, and no other page may frame it.
+const PAGE_CSP: &str =
+    "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'";
 
 /// The ops router over `locker` (see the [module docs](self)); mount it behind your own auth.
 pub fn router(locker: Locker) -> Router {
@@ -106,6 +139,7 @@ impl OpsPage {
             .route("/api/jobs/{id}/requeue", post(requeue_json))
             .route("/requeue/{id}", post(requeue_form))
             .with_state(Arc::new(self))
+            .layer(middleware::from_fn(same_origin_only))
     }
 }
 
@@ -161,6 +195,57 @@ fn percent_decode(s: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Answers `403` to a request that changes something and that a browser sent from another
+/// origin (see the [module docs](self)); passes every other request on.
+async fn same_origin_only(req: Request, next: Next) -> Response {
+    if is_cross_origin(req.method(), req.headers(), req.uri()) {
+        return json_response(
+            StatusCode::FORBIDDEN,
+            &json!({ "error": "cross-origin request refused: the ops page takes changes only from its own origin" }),
+        );
+    }
+    next.run(req).await
+}
+
+/// Whether a request is an unsafe one from another origin. `Sec-Fetch-Site`, set by the
+/// browser and never by a page, decides when present; older browsers send only `Origin`,
+/// compared with `Host` (or, over HTTP/2, the URI's authority). Neither header: not a browser's
+/// cross-site request.
+fn is_cross_origin(method: &Method, headers: &HeaderMap, uri: &Uri) -> bool {
+    if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        return false;
+    }
+    if let Some(site) = headers.get("sec-fetch-site") {
+        return !matches!(site.as_bytes(), b"same-origin" | b"none");
+    }
+    let Some(origin) = headers.get(header::ORIGIN) else {
+        return false;
+    };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| uri.authority().map(|a| a.as_str()));
+    // `Origin: null` (a sandboxed frame, a redirect across sites) has no `://`: refused.
+    let Some((scheme, authority)) = origin.to_str().ok().and_then(|o| o.split_once("://")) else {
+        return true;
+    };
+    host.is_none_or(|host| {
+        !without_default_port(authority, scheme)
+            .eq_ignore_ascii_case(without_default_port(host, scheme))
+    })
+}
+
+/// `authority` without the default port of `scheme` (`example.com:443` → `example.com` for
+/// `https`): browsers leave it out of `Origin`, a client may write it in `Host`.
+fn without_default_port<'a>(authority: &'a str, scheme: &str) -> &'a str {
+    let default = match scheme {
+        "http" => ":80",
+        "https" => ":443",
+        _ => return authority,
+    };
+    authority.strip_suffix(default).unwrap_or(authority)
 }
 
 impl OpsPage {
@@ -254,9 +339,9 @@ async fn locks(State(ops): Ops, uri: Uri) -> Response {
 }
 
 async fn lock(State(ops): Ops, Path(key): Path<String>) -> Response {
-    let inspected = match ops.locker.admin() {
-        Ok(admin) => admin.inspect(key.as_str()).await,
-        Err(e) => Err(e),
+    let inspected = match (ops.locker.admin(), key_as_shown(&key)) {
+        (Ok(admin), Ok(key)) => admin.inspect(key).await,
+        (Err(e), _) | (_, Err(e)) => Err(e),
     };
     match inspected {
         Ok(state) => json_response(StatusCode::OK, &json!(state)),
@@ -325,6 +410,8 @@ async fn html(State(ops): Ops, OriginalUri(uri): OriginalUri) -> Response {
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (header::CACHE_CONTROL, "no-store"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::CONTENT_SECURITY_POLICY, PAGE_CSP),
         ],
         body,
     )
