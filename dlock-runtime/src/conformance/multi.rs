@@ -273,6 +273,29 @@ pub async fn hold_at_least_keeps_the_lock(store: &Store) {
         "{}: free after the hold",
         store.name
     );
+    if store.kinds {
+        // A permit too (the same path on every backend that has kinds).
+        let key = unique_key("hold-sem");
+        let kind = crate::LockKind::Semaphore { permits: 1 };
+        let permit = x
+            .request(&key, kind)
+            .ttl(Duration::from_secs(20))
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .expect("acquire the permit");
+        permit.release().await.expect("release within the hold");
+        assert!(
+            y.request(&key, kind)
+                .try_acquire()
+                .await
+                .expect("try")
+                .is_none(),
+            "{}: the permit was free right after a release within the hold",
+            store.name
+        );
+        super::kind_free_within(&y, &key, kind, Duration::from_secs(5)).await;
+    }
     assert!(renewed.is_held(), "{}: the renewed lock", store.name);
     renewed.release().await.expect("release the renewed lock");
 }
