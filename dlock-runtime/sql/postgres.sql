@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 5 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 6 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -13,8 +13,8 @@ CREATE SCHEMA IF NOT EXISTS dlock;
 DO $$
 BEGIN
   IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
-    IF dlock.dlock_schema_version() > 5 THEN
-      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 5',
+    IF dlock.dlock_schema_version() > 6 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 6',
         dlock.dlock_schema_version();
     END IF;
   END IF;
@@ -38,8 +38,12 @@ END $$;
 
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
--- up on another cluster whose timeline is lower (a dump restored, pg_upgrade: a new cluster
--- starts at timeline 1), so it never goes down. Its row is made below, once the tables exist.
+-- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
+-- which starts at timeline 1), so it never goes down. A copy on the SAME timeline (a dump of a
+-- never-promoted server restored, pg_upgrade, a storage snapshot, an Aurora clone) does not
+-- raise it: before such a copy serves locks while the original still does, run once on it
+--   UPDATE dlock.dlock_fence_epoch SET epoch = epoch + 1;
+-- Its row is made below, once the tables exist.
 -- (Teams that grant privileges table by table: the backend's role needs SELECT, INSERT and
 -- UPDATE on this table too.)
 CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
@@ -54,10 +58,16 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
+-- Every grant draws its token here, so here its transaction is made to commit durably
+-- (version 6): with synchronous_commit off (server, database, role or connection options), a
+-- crash right after the answer would lose the grant and the sequence's advance, and the next
+-- grant would go to another owner with the same token. Transaction-local: nothing leaks to the
+-- next user of the connection (PgBouncer).
 CREATE OR REPLACE FUNCTION dlock.dlock_next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline(); e bigint;
 BEGIN
+  PERFORM set_config('synchronous_commit', 'on', true);
   SELECT epoch INTO e FROM dlock.dlock_fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
     UPDATE dlock.dlock_fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
@@ -68,7 +78,8 @@ BEGIN
     END IF;
   END IF;
   IF n >= 281474976710656 OR e >= 32768 THEN
-    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n;
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n
+      USING ERRCODE = 'program_limit_exceeded';
   END IF;
   RETURN e * 281474976710656 + n;
 END $$;
@@ -129,7 +140,7 @@ INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
   ON CONFLICT DO NOTHING;
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 5';
+LANGUAGE sql IMMUTABLE AS 'SELECT 6';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
@@ -220,6 +231,8 @@ BEGIN
   SELECT owner, fence, expires_at INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     IF l.owner = p_token THEN
+      -- A lease restarted: as durable as a grant (version 6; see next_fence).
+      PERFORM set_config('synchronous_commit', 'on', true);
       UPDATE dlock.dlock_locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
        WHERE name = p_name;
       RETURN l.fence;
@@ -290,8 +303,10 @@ BEGIN
 END $$;
 
 -- Owner-checked lease extension, for a batch: returns the names whose lease was extended.
+-- Durable like a grant (version 6): a holder counts its lease from the answer.
 CREATE OR REPLACE FUNCTION dlock.dlock_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
+  SELECT set_config('synchronous_commit', 'on', true);
   UPDATE dlock.dlock_locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
@@ -342,7 +357,8 @@ END $$;
 
 -- Idempotency, last step: owner-checked; stores the result and releases the lock together,
 -- handing it to the next live waiter if any. Returns 1 when stored, 0 when the token did not
--- hold a live lease (nothing changed).
+-- hold a live lease (nothing changed). The record is durable (version 6): lost in a crash
+-- after the answer, the work it records would run again.
 CREATE OR REPLACE FUNCTION dlock.dlock_idem_complete(p_name text, p_token text, p_fp text, p_result bytea, p_retention_ms bigint)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE l record;
@@ -350,6 +366,7 @@ BEGIN
   PERFORM dlock.dlock_serialise(p_name);
   SELECT owner, expires_at, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
   IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
   INSERT INTO dlock.dlock_idempotency AS i (name, fingerprint, owner, result, expires_at)
   VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -469,9 +486,10 @@ BEGIN
 END $$;
 
 -- Owner-checked lease extension of permits and read or write holds, for a batch: returns the
--- owner tokens whose lease was extended.
+-- owner tokens whose lease was extended. Durable like a grant (version 6).
 CREATE OR REPLACE FUNCTION dlock.dlock_kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
+  SELECT set_config('synchronous_commit', 'on', true);
   UPDATE dlock.dlock_holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()

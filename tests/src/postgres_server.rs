@@ -142,6 +142,8 @@ pub struct PostgresServer {
     die_with_parent: bool,
     /// Serving TLS with a certificate for `127.0.0.1` and `localhost` ([`start_tls`](Self::start_tls)).
     tls: bool,
+    /// Extra `name=value` settings, passed as `-c` at every start ([`start_with`](Self::start_with)).
+    settings: Vec<String>,
 }
 
 impl PostgresServer {
@@ -150,7 +152,16 @@ impl PostgresServer {
     /// # Panics
     /// If the binaries are missing, `initdb` fails, or the server does not come up in 30 s.
     pub fn start() -> Self {
-        Self::start_inner(false, false)
+        Self::start_inner(false, false, &[])
+    }
+
+    /// Like [`start`](Self::start), with extra server settings (`"synchronous_commit=off"`),
+    /// kept for every [`restart`](Self::restart).
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub fn start_with(settings: &[&str]) -> Self {
+        Self::start_inner(false, false, settings)
     }
 
     /// Like [`start`](Self::start), serving TLS too (`ssl = on`) with a server certificate for
@@ -159,7 +170,7 @@ impl PostgresServer {
     /// # Panics
     /// As [`start`](Self::start), or if `openssl` cannot make the certificates.
     pub fn start_tls() -> (Self, Vec<u8>) {
-        let server = Self::start_inner(false, true);
+        let server = Self::start_inner(false, true, &[]);
         let ca = std::fs::read(server.dir.join("ca.crt")).expect("read ca.crt");
         (server, ca)
     }
@@ -179,7 +190,7 @@ impl PostgresServer {
             .status();
     }
 
-    fn start_inner(die_with_parent: bool, tls: bool) -> Self {
+    fn start_inner(die_with_parent: bool, tls: bool, settings: &[&str]) -> Self {
         let dir = temp_dir("pg");
         let data = dir.join("data");
         let out = command_as_db_user(&bin_dir().join("initdb"), false)
@@ -204,11 +215,17 @@ impl PostgresServer {
         if tls {
             Self::make_certificates(&dir);
         }
-        Self::spawn_on_a_free_port(dir, die_with_parent, tls)
+        let settings = settings.iter().map(|s| (*s).to_owned()).collect();
+        Self::spawn_on_a_free_port(dir, die_with_parent, tls, settings)
     }
 
     /// Starts the cluster in `dir` on a free port (ten tries: another process may take it).
-    fn spawn_on_a_free_port(dir: PathBuf, die_with_parent: bool, tls: bool) -> Self {
+    fn spawn_on_a_free_port(
+        dir: PathBuf,
+        die_with_parent: bool,
+        tls: bool,
+        settings: Vec<String>,
+    ) -> Self {
         for _ in 0..10 {
             let mut server = PostgresServer {
                 child: None,
@@ -216,6 +233,7 @@ impl PostgresServer {
                 dir: dir.clone(),
                 die_with_parent,
                 tls,
+                settings: settings.clone(),
             };
             if server.spawn(Duration::from_secs(30)) {
                 return server;
@@ -253,7 +271,7 @@ impl PostgresServer {
             "pg_basebackup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Self::spawn_on_a_free_port(dir, false, false)
+        Self::spawn_on_a_free_port(dir, false, false, Vec::new())
     }
 
     /// Waits until `standby` has replayed everything this server had written when called.
@@ -282,20 +300,24 @@ impl PostgresServer {
     }
 
     fn spawn(&mut self, limit: Duration) -> bool {
-        let mut tls_args = Vec::new();
+        let mut extra_args = Vec::new();
         if self.tls {
-            tls_args.push("-c".to_owned());
-            tls_args.push("ssl=on".to_owned());
+            extra_args.push("-c".to_owned());
+            extra_args.push("ssl=on".to_owned());
             for (k, f) in [
                 ("ssl_cert_file", "server.crt"),
                 ("ssl_key_file", "server.key"),
             ] {
-                tls_args.push("-c".to_owned());
-                tls_args.push(format!("{k}={}", self.dir.join(f).display()));
+                extra_args.push("-c".to_owned());
+                extra_args.push(format!("{k}={}", self.dir.join(f).display()));
             }
         }
+        for setting in &self.settings {
+            extra_args.push("-c".to_owned());
+            extra_args.push(setting.clone());
+        }
         let child = command_as_db_user(&bin_dir().join("postgres"), self.die_with_parent)
-            .args(&tls_args)
+            .args(&extra_args)
             .arg("-D")
             .arg(self.dir.join("data"))
             .args(["-p", &self.port.to_string()])
@@ -354,6 +376,27 @@ impl PostgresServer {
     /// `postgres://postgres@127.0.0.1:<port>/<db>`.
     pub fn url(&self, db: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The folder of the server's Unix socket (`.s.PGSQL.<port>`, the server's `-k`).
+    pub fn socket_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `postgres://postgres@<percent-encoded socket folder>:<port>/<db>`: the same server over
+    /// its Unix socket (a host that starts with `/` is a socket folder, as for libpq).
+    pub fn socket_url(&self, db: &str) -> String {
+        let dir = self.dir.to_str().expect("a UTF-8 temp path");
+        let host: String = dir
+            .bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                    char::from(b).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        format!("postgres://postgres@{host}:{}/{db}", self.port)
     }
 
     /// Runs SQL with `psql` on database `postgres` and returns its unaligned output, or `None`
@@ -524,7 +567,7 @@ pub fn shared() -> Arc<Mutex<PostgresServer>> {
     SHARED
         .get_or_init(|| {
             on_owner_thread("dlock-postgres-owner", || {
-                Arc::new(Mutex::new(PostgresServer::start_inner(true, false)))
+                Arc::new(Mutex::new(PostgresServer::start_inner(true, false, &[])))
             })
         })
         .clone()

@@ -136,6 +136,21 @@ async fn unavailable_within<T: std::fmt::Debug>(
     err
 }
 
+/// Runs `fut`, which must fail with `Misconfigured` (500: retrying does not help) within
+/// `limit`.
+async fn misconfigured_within<T: std::fmt::Debug>(
+    limit: Duration,
+    fut: impl std::future::Future<Output = Result<T, LockError>>,
+) -> LockError {
+    let start = Instant::now();
+    let err = fut.await.expect_err("must be refused");
+    let took = start.elapsed();
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    assert!(took < limit, "took {took:?}, limit {limit:?}");
+    err
+}
+
 /// How long a restarted or promoted server has to serve again ([`taken_once_back`]), and how
 /// often to try meanwhile.
 const BACK_WITHIN: Duration = Duration::from_secs(15);
@@ -217,6 +232,62 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
         "fencing tokens keep increasing across the crash"
     );
     g.release().await.unwrap();
+}
+
+/// With `synchronous_commit = off` (here for the whole server; a database, a role or a URL's
+/// `options=-c synchronous_commit=off` do the same), a commit returns before its WAL is written
+/// out: the WAL writer does that every `wal_writer_delay` (here 10 s). A grant is answered
+/// once its transaction committed, so a crash right after the answer lost the grant and the
+/// sequence's advance: after the restart the lock was free and the next grant, to another
+/// owner, had the same fencing token. The schema's functions now make a grant's commit wait
+/// for its WAL, whatever the settings. (`fsync` is off in these servers: WAL written out by the
+/// commit is in the kernel's page cache and survives the server's processes killed with
+/// `kill -9`, while a record still in `wal_buffers` does not — as a machine crash would treat
+/// WAL fsync'd or not.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_outlives_a_crash_right_after_it_with_synchronous_commit_off() {
+    let server = Arc::new(Mutex::new(
+        blocking(|| {
+            PostgresServer::start_with(&[
+                "synchronous_commit=off",
+                "wal_writer_delay=10s",
+                "wal_writer_flush_after=1GB",
+            ])
+        })
+        .await,
+    ));
+    let url = server.lock().unwrap().url("postgres");
+    let (locker, _) = locker_at(&url, Duration::from_secs(2)).await;
+    let s = server.clone();
+    blocking(move || {
+        let s = s.lock().unwrap();
+        assert_eq!(s.psql("SHOW synchronous_commit"), "off");
+        // The schema on disk: what a crash can lose below is the grant alone.
+        s.psql("CHECKPOINT");
+    })
+    .await;
+    let held = locker
+        .lock("sync:k")
+        .ttl(Duration::from_secs(60))
+        .acquire()
+        .await
+        .unwrap();
+    let token = held.fencing_token();
+    // Killed at once (every process of the server), long before the WAL writer's next round.
+    let s = server.clone();
+    blocking(move || s.lock().unwrap().restart()).await;
+
+    let (other, _) = locker_at(&url, Duration::from_secs(2)).await;
+    assert!(
+        other.lock("sync:k").try_acquire().await.unwrap().is_none(),
+        "the lock granted (token {token}) before the crash was granted again: two holders"
+    );
+    let next = token_of_a_grant(&other, "sync:other").await;
+    assert!(
+        next > token,
+        "a fencing token was issued twice: {next} after {token} before the crash"
+    );
+    drop(held);
 }
 
 /// Takes `key` (free), releases it, and returns its fencing token.
@@ -302,7 +373,7 @@ async fn a_version_3_schema_is_upgraded_in_place_and_its_tokens_go_on() {
         server.psql_in(&db, "SELECT dlock.dlock_schema_version()")
     })
     .await;
-    assert_eq!(version, "5");
+    assert_eq!(version, "6");
 }
 
 /// The multi-host URL of a primary and its standby that asks for the primary.
@@ -566,6 +637,96 @@ async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_
     refused_at_once(&locker, "refused:k").await;
 }
 
+/// The schema check at connect took *any* error the database answered for "no schema": with
+/// `create_schema` off, a shutdown (`57P01`), a cancel (`57014`), a connection failure (class
+/// 08) or too many connections (`53300`) at that moment made `connect` fail as
+/// `Misconfigured` ("apply sql/postgres.sql") — permanent, so a service that retries only
+/// `Unavailable` gave up. Only a missing function or schema is "missing" now; the rest is the
+/// error it is. (The check's function raises each SQLSTATE here, on a real server.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passing_error_in_the_schema_check_is_unavailable_not_a_missing_schema() {
+    let db = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = server.create_database("schema_check");
+        server.psql_in(&db, "CREATE SCHEMA dlock");
+        db
+    })
+    .await;
+    let opts = PostgresOptions::default()
+        .create_schema(false)
+        .notifications(false);
+    for code in ["57P01", "57014", "08006", "53300"] {
+        let db2 = db.clone();
+        blocking(move || {
+            let server = shared();
+            let server = server.lock().unwrap_or_else(|e| e.into_inner());
+            server.psql_in(
+                &db2,
+                &format!(
+                    "CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer \
+                     LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'passing' \
+                     USING ERRCODE = '{code}'; END $$"
+                ),
+            );
+        })
+        .await;
+        let err = PostgresBackend::connect(&direct_url(&db), opts.clone())
+            .await
+            .expect_err("the check failed");
+        assert!(err.is_unavailable(), "{code}: {err}");
+        assert!(err.to_string().contains(code), "{code}: {err}");
+    }
+    // Missing for real: still `Misconfigured`, naming the file to apply.
+    let db2 = db.clone();
+    blocking(move || {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.psql_in(&db2, "DROP FUNCTION dlock.dlock_schema_version()");
+    })
+    .await;
+    let err = PostgresBackend::connect(&direct_url(&db), opts.clone())
+        .await
+        .expect_err("no schema");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("sql/postgres.sql"), "{err}");
+    let err = PostgresBackend::connect(&direct_url(&db), opts.schema("never_made"))
+        .await
+        .expect_err("no schema");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("sql/postgres.sql"), "{err}");
+}
+
+/// Fencing tokens exhausted (the sequence at 2^48, or the epoch at 2^15) are a refusal for
+/// good: `Misconfigured` (500), naming what ran out, and a wait through outages ends at once.
+/// It was `Unavailable` (503: the generic `P0001` of a `RAISE`), retried until every deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_fencing_tokens_are_a_refusal_for_good() {
+    let db = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.create_database("exhausted")
+    })
+    .await;
+    let (locker, _) = locker_at(&direct_url(&db), Duration::from_secs(2)).await;
+    token_of_a_grant(&locker, "exhausted:k").await;
+    let db2 = db.clone();
+    blocking(move || {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.psql_in(&db2, "SELECT setval('dlock.dlock_fence', 281474976710655)");
+    })
+    .await;
+    let err = locker
+        .lock("exhausted:k")
+        .try_acquire()
+        .await
+        .expect_err("no token left");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("exhausted"), "{err}");
+    refused_at_once(&locker, "exhausted:k").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_database_is_a_typed_503_within_the_timeout() {
     let limit = Duration::from_millis(300);
@@ -642,6 +803,51 @@ async fn a_listen_connection_gone_silent_is_made_again() {
         .await
         .unwrap();
     woken_by_the_release(&backend, "silent:k", guard).await;
+}
+
+/// `watch` waited up to half the *backend's* command timeout for the `LISTEN` session, inside
+/// the locker's deadline for it — its own, smaller command timeout. With the session unable to
+/// come up (here a `notify_url` nobody listens on), a waiter's subscription timed out and a
+/// plain acquire with a retry policy failed with `Unavailable` (503) on a healthy database.
+/// Now it is answered at once and the waiter runs on its timers (and this backend's own
+/// releases) until the session is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_session_that_cannot_be_made_never_fails_an_acquire() {
+    let nobody = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let opts = PostgresOptions::default()
+        .command_timeout(Duration::from_secs(4))
+        .notify_url(nobody);
+    let backend = PostgresBackend::connect(&direct_url("postgres"), opts)
+        .await
+        .expect("connect");
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_secs(1))
+        .try_build(backend.clone())
+        .unwrap();
+    let a = locker.lock("nolisten:k").acquire().await.unwrap();
+    let b = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .lock("nolisten:k")
+                .on_fail(OnFail::Retry(RetryPolicy::new(Duration::from_secs(5))))
+                .acquire()
+                .await
+        }
+    });
+    // B waits behind A (or has already failed, as it did).
+    wait_for("B to wait", Duration::from_secs(5), async || {
+        (locker.waiting() > 0 || b.is_finished()).then_some(())
+    })
+    .await;
+    assert!(!backend.is_listening());
+    a.release().await.unwrap();
+    let g = tokio::time::timeout(Duration::from_secs(5), b)
+        .await
+        .expect("B still waits after A released")
+        .unwrap()
+        .expect("a healthy database, yet B's acquire failed");
+    g.release().await.unwrap();
 }
 
 fn proxy_port(proxy: &Proxy) -> u16 {
@@ -1135,9 +1341,36 @@ async fn from_url_takes_both_schemes_and_the_backends_own_parameters() {
     let g = locker.lock("url:k").try_acquire().await.unwrap();
     g.expect("free").release().await.unwrap();
 
+    // A bad schema name is the deployment's mistake, not the request's: 500, not 400.
     let bad = format!("{base}?dlock_schema=Robert%27;DROP");
     let err = Locker::from_url(&bad).await.expect_err("invalid schema");
-    assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
+    assert!(err.is_misconfigured(), "{err:?}");
+    assert_eq!(err.status(), 500);
+}
+
+/// A schema or table prefix that is not a plain identifier — from the options or the URL —
+/// is `Misconfigured` (500): the deployment's mistake. It was `InvalidKey` (400), the answer
+/// for a bad key in a request, which tells the caller to fix its request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_schema_or_prefix_name_is_misconfigured() {
+    let url = direct_url("postgres");
+    for opts in [
+        PostgresOptions::default().schema("Dlock"),
+        PostgresOptions::default().schema(""),
+        PostgresOptions::default().table_prefix("a-b"),
+    ] {
+        let err = opts.ddl().expect_err("a bad name");
+        assert!(err.is_misconfigured(), "{err:?}");
+        let err = PostgresBackend::connect(&url, opts)
+            .await
+            .expect_err("a bad name");
+        assert!(err.is_misconfigured(), "{err:?}");
+        assert_eq!(err.status(), 500);
+    }
+    let err = Locker::from_url(&format!("{url}?dlock_table_prefix=x%3By"))
+        .await
+        .expect_err("a bad prefix");
+    assert!(err.is_misconfigured(), "{err:?}");
 }
 
 // ---- TLS -----------------------------------------------------------------------------------
@@ -1193,23 +1426,37 @@ async fn tls_follows_the_urls_sslmode_and_verifies_the_server() {
     let (all_tls, n) = blocking(move || ssl_sessions(&s, "dlock_plain")).await;
     assert!(!all_tls && n >= 1, "a plaintext session expected ({n})");
 
-    // A server certificate nobody vouches for is refused, with `prefer` too.
+    // A server certificate nobody vouches for is refused, with `prefer` too — for good
+    // (`Misconfigured`, 500): retrying meets the same certificate. It was `Unavailable` (503),
+    // so a wait through outages retried it until its deadline.
     let limit = Duration::from_millis(500);
     let untrusted = PostgresOptions::default()
         .command_timeout(limit)
         .connect_timeout(limit);
     for mode in ["require", "prefer"] {
         let url = format!("{base}?sslmode={mode}");
-        let err = unavailable_within(
+        let err = misconfigured_within(
             Duration::from_secs(3),
             PostgresBackend::connect(&url, untrusted.clone()),
         )
         .await;
         assert!(err.to_string().contains("TLS"), "{mode}: {err}");
     }
-    // require against a server without TLS fails; prefer falls back to plaintext.
+    // A trusted certificate for another name (the server's is for 127.0.0.1 and localhost):
+    // the name the URL gives, the address `hostaddr` gives.
+    let other_name = format!(
+        "postgres://postgres@dlock-other.invalid:{}/postgres?hostaddr=127.0.0.1&sslmode=require",
+        server.port()
+    );
+    let err = misconfigured_within(
+        Duration::from_secs(3),
+        PostgresBackend::connect(&other_name, opts.clone().command_timeout(limit)),
+    )
+    .await;
+    assert!(err.to_string().contains("TLS"), "{err}");
+    // require against a server without TLS fails, for good; prefer falls back to plaintext.
     let no_tls = direct_url("postgres");
-    let err = unavailable_within(
+    let err = misconfigured_within(
         Duration::from_secs(3),
         PostgresBackend::connect(&format!("{no_tls}?sslmode=require"), untrusted.clone()),
     )
@@ -1218,6 +1465,136 @@ async fn tls_follows_the_urls_sslmode_and_verifies_the_server() {
     PostgresBackend::connect(&format!("{no_tls}?sslmode=prefer"), untrusted)
         .await
         .expect("prefer falls back to plaintext");
+}
+
+/// A Unix-socket host (`postgres://user@%2Ftmp%2Fdir:port/db`) under the default
+/// `sslmode=prefer`, with the `postgres-tls` feature: every connection failed with "invalid
+/// dns name" (the TLS connector was handed the socket's empty host name). Now the pool and the
+/// `LISTEN` session connect over the socket in plaintext, as libpq does (a server never offers
+/// TLS on a socket), and `require` for a socket host is refused at once as `Misconfigured`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_host_connects_without_tls_and_refuses_require() {
+    let url = shared()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .socket_url("postgres");
+    let opts = PostgresOptions::default();
+    let backend = PostgresBackend::connect(
+        &format!("{url}?application_name=dlock_socket"),
+        opts.clone(),
+    )
+    .await
+    .expect("connect over the socket with sslmode=prefer");
+    let locker = Locker::new(backend.clone());
+    let g = locker
+        .lock("socket:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    until_listening(&[&backend], Duration::from_secs(5)).await;
+    let sessions = blocking(|| {
+        shared().lock().unwrap_or_else(|e| e.into_inner()).psql(
+            "SELECT count(*) FILTER (WHERE client_addr IS NULL) || ' ' || count(*) \
+             FROM pg_stat_activity WHERE application_name = 'dlock_socket'",
+        )
+    })
+    .await;
+    let (socket, all) = sessions.split_once(' ').expect("two counts");
+    assert!(
+        socket == all && all.parse::<u32>().unwrap() >= 2,
+        "pool and LISTEN sessions over the socket: {sessions}"
+    );
+    g.release().await.unwrap();
+    for mode in ["disable", "prefer"] {
+        let locker = Locker::new(
+            PostgresBackend::connect(&format!("{url}?sslmode={mode}"), opts.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{mode}: {e}")),
+        );
+        let g = locker.lock("socket:k").try_acquire().await.unwrap();
+        g.expect("free").release().await.unwrap();
+    }
+    let err = misconfigured_within(
+        Duration::from_millis(500),
+        PostgresBackend::connect(&format!("{url}?sslmode=require"), opts),
+    )
+    .await;
+    assert!(err.to_string().contains("Unix socket"), "{err}");
+}
+
+// ---- limits --------------------------------------------------------------------------------
+
+/// `Duration::MAX` as the command and connect timeouts ("no deadline") panicked at connect
+/// (`connect_timeout + command_timeout`), and the `LISTEN` task's check timer at
+/// `now + limit`. Now the backend connects, locks, and its `LISTEN` session wakes a waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_of_duration_max_do_not_panic() {
+    let opts = PostgresOptions::default()
+        .command_timeout(Duration::MAX)
+        .connect_timeout(Duration::MAX);
+    let backend = PostgresBackend::connect(&direct_url("postgres"), opts)
+        .await
+        .expect("connect");
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_secs(2))
+        .try_build(backend.clone())
+        .unwrap();
+    let g = locker
+        .lock("max:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    g.release().await.unwrap();
+    until_listening(&[&backend], Duration::from_secs(5)).await;
+    let (holder, _) = locker_at(&direct_url("postgres"), Duration::from_secs(2)).await;
+    let guard = holder
+        .lock("max:woken")
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    woken_by_the_release(&backend, "max:woken", guard).await;
+    assert!(backend.is_listening());
+}
+
+/// `AdminStore::list` straight on the backend with a page of 0 panicked (`limit - 1`), and with
+/// `usize::MAX` (`limit + 1` in `i64`). A page of 0 is a page of one, as on the memory store;
+/// `usize::MAX` is everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_a_page_of_zero_or_usize_max_does_not_panic() {
+    let (locker, backend) = locker_at(&direct_url("postgres"), Duration::from_secs(2)).await;
+    let a = locker.lock("pagelimit_a").acquire().await.unwrap();
+    let b = locker.lock("pagelimit_b").acquire().await.unwrap();
+    let prefix = LockKey::new("pagelimit_").unwrap();
+    let admin = backend.admin().expect("an admin store");
+    let page = admin
+        .list(locker.prefix(), prefix.as_str(), None, 0)
+        .await
+        .unwrap();
+    assert_eq!(page.locks.len(), 1, "{page:?}");
+    let cursor = page.cursor.expect("more to come");
+    let rest = admin
+        .list(locker.prefix(), prefix.as_str(), Some(&cursor), 0)
+        .await
+        .unwrap();
+    assert_eq!(rest.locks.len(), 1, "{rest:?}");
+    assert_ne!(rest.locks[0].key, page.locks[0].key);
+    let all = admin
+        .list(locker.prefix(), prefix.as_str(), None, usize::MAX)
+        .await
+        .unwrap();
+    assert_eq!(all.locks.len(), 2, "{all:?}");
+    assert_eq!(all.cursor, None);
+    let all = locker
+        .admin()
+        .unwrap()
+        .list("pagelimit_", None, usize::MAX)
+        .await;
+    assert_eq!(all.unwrap().locks.len(), 2);
+    a.release().await.unwrap();
+    b.release().await.unwrap();
 }
 
 // ---- transaction-scoped locks --------------------------------------------------------------

@@ -77,7 +77,12 @@ impl PostgresBackend {
     ) -> Result<LockPage, LockError> {
         let want = name_prefix(namespace, key_prefix);
         let after = cursor.unwrap_or("");
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // At least one a page (as the memory store): a page of none could never move the
+        // cursor on — and `limit - 1` below would underflow. One name more than the page is
+        // read to tell whether there is a next page; saturating, so `usize::MAX` ("all")
+        // neither overflows `i64` nor `+ 1`.
+        let limit = limit.max(1);
+        let fetch = i64::try_from(limit).unwrap_or(i64::MAX).saturating_add(1);
         let rows = self
             .call(
                 "list",
@@ -91,14 +96,14 @@ impl PostgresBackend {
                 &[
                     (&want, Type::TEXT),
                     (&after, Type::TEXT),
-                    (&(limit + 1), Type::INT8),
+                    (&fetch, Type::INT8),
                 ],
             )
             .await?;
         let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
-        let more = names.len() as i64 > limit;
+        let more = names.len() > limit;
         let mut locks = Vec::new();
-        for name in names.iter().take(limit as usize) {
+        for name in names.iter().take(limit) {
             let state = self.read_lock(name).await?;
             if state.is_active() {
                 locks.push(state);
@@ -106,7 +111,7 @@ impl PostgresBackend {
         }
         Ok(LockPage {
             locks,
-            cursor: more.then(|| names[limit as usize - 1].clone()),
+            cursor: more.then(|| names[limit - 1].clone()),
         })
     }
 

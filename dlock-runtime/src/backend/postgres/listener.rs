@@ -5,9 +5,11 @@
 //! the lock to that waiter (which is woken, not handed the grant: see [`deliver`]),
 //! `<lock name>\t` to wake one barging waiter. The task reconnects with
 //! backoff when the connection drops, or when it does not answer an empty query within the
-//! connect plus command timeout (asked once per that interval: a peer gone silent is found in
-//! two), and then wakes every local waiter once (notifications sent meanwhile were missed); it
-//! ends when the backend is dropped. It starts on the runtime the
+//! connect plus command timeout (asked once per that interval, at most hourly: a peer gone
+//! silent is found in two). Each time `LISTEN` is active — the first time too — it wakes every
+//! local waiter once: notifications sent while it was down were missed, and the backend's
+//! `watch` answers at once without waiting for `LISTEN`, so a waiter registered meanwhile may
+//! have missed a release. It ends when the backend is dropped. It starts on the runtime the
 //! backend is connected on and moves to the fallback thread if that runtime shuts down first
 //! ([`Task`]).
 
@@ -39,7 +41,6 @@ pub(super) fn spawn(
         hub,
         limit,
         up: Some(tx),
-        missed: false,
     }));
     rx
 }
@@ -47,8 +48,9 @@ pub(super) fn spawn(
 /// What the task runs on. Dropped while it runs — the runtime running it shut down (an
 /// actix-web worker restarting, a runtime built for set-up and dropped) while the backend lives
 /// on — it starts the task again on the fallback runtime, which then wakes every local waiter
-/// once `LISTEN` is back (notifications meanwhile were missed). Before, the task was gone for
-/// good: waiters on other runtimes heard of other processes' releases only by their timers.
+/// once `LISTEN` is back (as every session does: notifications meanwhile were missed). Before,
+/// the task was gone for good: waiters on other runtimes heard of other processes' releases
+/// only by their timers.
 struct Task {
     config: tokio_postgres::Config,
     connector: Connector,
@@ -57,7 +59,6 @@ struct Task {
     limit: Duration,
     /// `None` once the task returned.
     up: Option<watch::Sender<bool>>,
-    missed: bool,
 }
 
 impl Drop for Task {
@@ -79,7 +80,6 @@ impl Drop for Task {
             hub: self.hub.clone(),
             limit: self.limit,
             up: Some(up),
-            missed: true,
         }));
     }
 }
@@ -95,15 +95,14 @@ async fn run(mut task: Task) {
         ..
     } = &task;
     let Some(up) = task.up.as_ref() else { return };
-    let mut missed = task.missed;
     loop {
         tokio::select! {
             _ = up.closed() => break,
             _ = async {
                 match connector {
-                    Connector::Plain => session(config, NoTls, channel, hub, *limit, up, missed).await,
+                    Connector::Plain => session(config, NoTls, channel, hub, *limit, up).await,
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Tls(t) => session(config, t.clone(), channel, hub, *limit, up, missed).await,
+                    Connector::Tls(t) => session(config, t.clone(), channel, hub, *limit, up).await,
                 }
             } => {}
         }
@@ -111,7 +110,6 @@ async fn run(mut task: Task) {
         if hub.strong_count() == 0 {
             break;
         }
-        missed = true;
         tracing::warn!("postgres LISTEN connection lost; reconnecting");
         tokio::select! {
             _ = up.closed() => break,
@@ -130,7 +128,6 @@ async fn session<T>(
     hub: &Weak<ReleaseHub>,
     limit: Duration,
     up: &watch::Sender<bool>,
-    missed: bool,
 ) where
     T: MakeTlsConnect<Socket>,
     T::Stream: Send,
@@ -158,17 +155,20 @@ async fn session<T>(
         return;
     }
     up.send_replace(true);
-    if missed {
-        if let Some(hub) = hub.upgrade() {
-            hub.notify_all();
-            tracing::debug!("postgres LISTEN back; local waiters woken to re-check");
-        }
+    // Every waiter registered now may have missed a release while LISTEN was down or not yet
+    // up (a watch does not wait for it): each asks once more. None, mostly, the first time.
+    if let Some(hub) = hub.upgrade() {
+        hub.notify_all();
+        tracing::debug!("postgres LISTEN up; local waiters woken to re-check");
     }
     // A connection whose peer vanished without a word (a partition, a middlebox that forgot
     // it) stays open and silent for as long as TCP keepalive lets it — hours by default —
     // while its notifications go nowhere. One empty query every `limit` tells: unanswered
-    // within `limit`, the connection is taken for dead and made again.
-    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + limit, limit);
+    // within `limit`, the connection is taken for dead and made again. At most every hour:
+    // the timeouts may be `Duration::MAX` ("none"), and `Instant + Duration::MAX` panics (as
+    // does a zero period).
+    let every = limit.clamp(Duration::from_millis(1), Duration::from_secs(3600));
+    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

@@ -8,14 +8,32 @@
 //!   what the Lua scripts do on Redis. A statement timeout or a dropped connection rolls the
 //!   whole call back: there is no half-taken lock.
 //! * **Expiry by the database's clock**: a lease is `expires_at = clock_timestamp() + ttl`,
-//!   compared with `clock_timestamp()`; the client's clock is never sent.
+//!   compared with `clock_timestamp()`; the client's clock is never sent. `clock_timestamp()`
+//!   is the database host's *wall* clock: a step forward of it (an NTP step, a VM resumed and
+//!   resynchronised, an operator's `date -s`) ends every lease early by the step, while the
+//!   holder's own lease clock, which is monotonic, still counts its lock held — another
+//!   owner can then be granted it while the first still works: two holders on one server. A
+//!   step back lengthens leases (a dead holder's lock frees late). Keep the database host's
+//!   clock slewed, not stepped (chrony without `makestep` past boot, `ntpd -x`); the fencing
+//!   token still orders the two holders' writes at a resource that checks it.
+//! * **Durable grants**: every grant, handoff, lease extension and idempotency result commits
+//!   with `synchronous_commit = on`, whatever the server, database, role or connection says
+//!   (set for its own transaction only; see [`schema`](self#schema)): with it `off`, a crash
+//!   right after the answer lost the grant and the sequence's advance, so the lock went to a
+//!   second owner with the same fencing token.
 //! * **Fencing tokens** are an epoch × 2^48 plus the next value of one sequence per schema
-//!   and prefix (`<prefix>fence`): never reused (sequences are WAL-logged and jump ahead after
-//!   a crash), across every key, expiry, restart — and failover to an asynchronous standby
-//!   that missed the latest grants, since promotion starts a new WAL timeline and the epoch
-//!   follows the timeline up — and a copy of the data on another cluster (a dump restored,
-//!   `pg_upgrade`: the timeline starts at 1 again, and the epoch goes up by one). A token is drawn only under the lock name's advisory lock, after the previous
-//!   grant of that name committed, so tokens of one key are strictly increasing.
+//!   and prefix (`<prefix>fence`): never reused on one database (sequences are WAL-logged and
+//!   jump ahead after a crash, and a grant's commit waits for its WAL, above), across every
+//!   key, expiry, restart — and failover to an asynchronous standby that missed the latest
+//!   grants, since promotion starts a new WAL timeline and the epoch follows the timeline up.
+//!   A copy of the data raises the epoch only when its server is on another timeline than the
+//!   original was (a promoted server's dump restored on a new cluster, timeline 1: by one); a
+//!   copy on the same timeline — a never-promoted server's dump restored, `pg_upgrade`, a
+//!   storage snapshot, an Aurora clone — goes on from the sequence value it was made with and
+//!   issues the original's tokens again: raise its epoch by hand before it serves (see
+//!   [`schema`](self#schema), *Fencing across a copy*). A token is drawn only under the lock
+//!   name's advisory lock, after the previous grant of that name committed, so tokens of one
+//!   key are strictly increasing.
 //! * **Fair waiting**: a `waiters` table keeps each lock's line (place from the same sequence,
 //!   an entry expiry the waiter refreshes with each attempt); a lock is granted only when it is
 //!   free and the caller is first among the live entries. A release grants the lock to the first
@@ -35,15 +53,25 @@
 //!   `<schema>.<prefix>release` — or, when that is longer than the 63 bytes Postgres allows,
 //!   its first 46 bytes, `~` and a digest of it; a release only notifies when someone
 //!   waits), feeding the locker's [`ReleaseHub`]. The connection reconnects on its own and
-//!   wakes every local waiter once it is back. A release answers the grant it made, so a
-//!   waiter of the same backend is woken at once, without waiting for the `NOTIFY` to come
-//!   round (with or without `LISTEN`).
+//!   wakes every local waiter each time it is up (a watch made while it was down is answered
+//!   at once, without waiting for it, so its waiter may have missed a release meanwhile).
+//!   Without the `NOTIFY` coming round, only some waiters of the same backend hear of a
+//!   release: a lock's [`release`](Backend::release) answers the waiter it handed the lock
+//!   to, which is woken at once if it waits on this backend (with or without `LISTEN`); a
+//!   semaphore's or read-write lock's release answers the waiters it let in, woken here only
+//!   when the backend has no `LISTEN` session configured at all. Everything else reaches
+//!   local waiters only through `LISTEN`: a handoff made by an abandon, an idempotency
+//!   completion or abort, or [`force_release`](PostgresBackend::force_release), and the
+//!   wake-up of a barging waiter when a lock is deleted; without `LISTEN` (or while it is
+//!   down) those waiters, and every waiter on another backend, wake on their fallback timers.
 //!   One channel per schema and prefix means every listening backend (one per service
 //!   instance) receives every such notification and drops those for locks it has no waiter
 //!   of: cheap for tens of instances; per-lock channels (as on Redis) would need `LISTEN`
 //!   churn and are not built. Without it (PgBouncer in transaction pooling, see below, or
 //!   [`PostgresOptions::notifications`] off) waiters re-check on their fallback timers and
-//!   find a handed-over lock already theirs.
+//!   find a handed-over lock already theirs. A `LISTEN` session that cannot be made (a wrong
+//!   [`notify_url`](PostgresOptions::notify_url), its server down) never fails a lock call:
+//!   waiters run on their timers until it is up.
 //! * **Deadlines**: every call — taking a pooled connection included — is bounded by
 //!   [`PostgresOptions::command_timeout`]; an unreachable or hung database is
 //!   [`LockError::Unavailable`] (503), never a hang. Connection strings may carry passwords:
@@ -105,8 +133,13 @@
 //! always verified — against the operating system's roots plus
 //! [`PostgresOptions::tls_root_certificates`] — with its name checked against the URL's host
 //! (libpq's `verify-full`); `prefer` falls back to plaintext only when the server offers no TLS
-//! at all. Without the feature, `prefer` is plaintext and `require` is refused with an error
-//! naming the feature. The `LISTEN` session uses the same rule.
+//! at all. A certificate that fails verification, a failed handshake, and `require` against a
+//! server without TLS are [`LockError::Misconfigured`] (500): retrying does not change them.
+//! Over a Unix socket (`host=/run/postgresql`, `postgres://user@%2Frun%2Fpostgresql/db`) there
+//! is no TLS, as with libpq and the server itself: `prefer` is plaintext there, and `require`
+//! for a socket host is refused at once ([`LockError::Misconfigured`]). Without the feature,
+//! `prefer` is plaintext and `require` is refused with an error naming the feature. The
+//! `LISTEN` session uses the same rule.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -265,21 +298,27 @@ impl PostgresOptions {
     /// the defaults), for teams that run their own migrations.
     ///
     /// # Errors
-    /// [`LockError::InvalidKey`] if the schema or prefix is not a plain identifier.
+    /// [`LockError::Misconfigured`] if the schema or prefix is not a plain identifier.
     pub fn ddl(&self) -> Result<String, LockError> {
         self.check_names()?;
         Ok(schema::render(&self.schema, &self.table_prefix))
     }
 
+    /// The schema and prefix are configuration (options or the URL's `dlock_schema` and
+    /// `dlock_table_prefix`), not a request's key: a bad one is
+    /// [`LockError::Misconfigured`] (500), not [`LockError::InvalidKey`] (400, the client's
+    /// fault).
     fn check_names(&self) -> Result<(), LockError> {
         if !schema::valid_identifier(&self.schema, 40, false) {
-            return Err(LockError::invalid_key(
+            return Err(LockError::misconfigured(
                 "postgres schema must match [a-z_][a-z0-9_]* (at most 40 bytes)",
+                None,
             ));
         }
         if !schema::valid_identifier(&self.table_prefix, 16, true) {
-            return Err(LockError::invalid_key(
+            return Err(LockError::misconfigured(
                 "postgres table prefix must match [a-z_][a-z0-9_]* or be empty (at most 16 bytes)",
+                None,
             ));
         }
         Ok(())
@@ -329,30 +368,77 @@ struct Inner {
 }
 
 /// Maps a client error to [`LockError::Unavailable`], or to [`LockError::Misconfigured`] when
-/// the database refused for good ([`refused_for_good`]), naming the SQLSTATE when the database
-/// answered (never the connection string).
+/// the database refused for good ([`refused_for_good`]) or TLS did ([`tls_refused`]), naming
+/// the SQLSTATE when the database answered (never the connection string).
 fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
     let detail = match e.code() {
+        // The schema's own refusal (`next_fence`): its message names the epoch and sequence,
+        // and is what an operator needs to read.
+        Some(code) if code.code() == "54000" => match e.as_db_error() {
+            Some(db) => format!("postgres {what}: error 54000: {}", db.message()),
+            None => format!("postgres {what}: error 54000"),
+        },
         Some(code) => format!("postgres {what}: error {}", code.code()),
         None if e.is_closed() => format!("postgres {what}: connection closed"),
         // The client's own errors (I/O, TLS, protocol) never quote the connection string.
         None => format!("postgres {what}: {e}"),
     };
-    let permanent = e.code().is_some_and(|c| refused_for_good(c.code()));
+    let permanent = e.code().is_some_and(|c| refused_for_good(c.code())) || tls_refused(&e);
     LockError::backend(detail, Some(Box::new(e)), permanent)
 }
 
 /// Whether a SQLSTATE says the database refused in a way retrying does not change: class 28
 /// (wrong credentials, no `pg_hba.conf` entry), class 42 (no privilege on the lock tables —
 /// `42501` — or a table, function or column missing: a schema not installed or dropped),
-/// `3D000` (no such database), `3F000` (no such schema) and `0A000` (a feature the server or
-/// pooler does not support). Everything else — connection errors (class 08), a standby's
-/// `25006` read-only answer, shutdowns (57), lock or statement timeouts, serialization
-/// failures, too many connections (53) — passes with a failover, a restart or load.
+/// `3D000` (no such database), `3F000` (no such schema), `0A000` (a feature the server or
+/// pooler does not support) and class 54 (a program limit: `54000` is how `next_fence`
+/// reports fencing tokens exhausted — 2^48 grants on one epoch, or 2^15 epochs: never reached
+/// in practice, but never passing either, as every later grant fails the same way).
+/// Everything else — connection errors (class 08), a standby's `25006` read-only answer,
+/// shutdowns (57), lock or statement timeouts, serialization failures, too many connections
+/// (53) — passes with a failover, a restart or load.
 pub(crate) fn refused_for_good(sqlstate: &str) -> bool {
     sqlstate.starts_with("28")
         || sqlstate.starts_with("42")
+        || sqlstate.starts_with("54")
         || matches!(sqlstate, "3D000" | "3F000" | "0A000")
+}
+
+/// Whether a connection failed because TLS refused it (feature `postgres-tls`): the server's
+/// certificate failed verification (unknown issuer, expired, another name), the handshake
+/// failed, or `require` met a server that offers no TLS. Retrying meets the same certificate
+/// and the same server settings: [`LockError::Misconfigured`]. A connection reset or timeout
+/// during the handshake is an I/O error, not this, and stays [`LockError::Unavailable`].
+#[cfg(feature = "postgres-tls")]
+fn tls_refused(e: &tokio_postgres::Error) -> bool {
+    use std::error::Error as _;
+    let mut next = e.source();
+    while let Some(err) = next {
+        if err.is::<rustls::Error>() || err.is::<rustls::pki_types::InvalidDnsNameError>() {
+            return true;
+        }
+        // tokio-rustls reports the handshake's `rustls::Error` inside an `io::Error`, whose
+        // `source` skips it.
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io
+                .get_ref()
+                .is_some_and(|inner| inner.is::<rustls::Error>())
+            {
+                return true;
+            }
+        }
+        // tokio-postgres's own words for `require` against a server without TLS.
+        if err.to_string() == "server does not support TLS" {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
+#[cfg(not(feature = "postgres-tls"))]
+fn tls_refused(_: &tokio_postgres::Error) -> bool {
+    false
 }
 
 /// Splits `url` into the tokio-postgres configuration and this crate's own parameters
@@ -403,13 +489,37 @@ pub(crate) enum Connector {
 }
 
 impl Connector {
+    /// Over a Unix socket there is no TLS (the server answers `N` to a TLS request on a socket,
+    /// as libpq never asks there): `prefer` with only socket hosts is plaintext without asking,
+    /// and `require` with any socket host can never be met, so it is refused here rather than
+    /// by every connection attempt.
     fn for_config(
         config: &tokio_postgres::Config,
         opts: &PostgresOptions,
     ) -> Result<Self, LockError> {
         use tokio_postgres::config::SslMode;
+        #[cfg(unix)]
+        let is_socket =
+            |h: &tokio_postgres::config::Host| matches!(h, tokio_postgres::config::Host::Unix(_));
+        #[cfg(not(unix))]
+        let is_socket = |_: &tokio_postgres::config::Host| false;
+        // `hostaddr`, when given, is what the connection goes to (always TCP).
+        let hosts = if config.get_hostaddrs().is_empty() {
+            config.get_hosts()
+        } else {
+            &[]
+        };
+        let any_socket = hosts.iter().any(is_socket);
+        let only_sockets = !hosts.is_empty() && hosts.iter().all(is_socket);
         match config.get_ssl_mode() {
             SslMode::Disable => Ok(Connector::Plain),
+            SslMode::Require if any_socket => Err(LockError::misconfigured(
+                "postgres url: sslmode=require cannot be met over a Unix socket (a server never \
+                 offers TLS on one): use sslmode=disable or prefer for a socket host, or a TCP \
+                 host for TLS",
+                None,
+            )),
+            SslMode::Prefer if only_sockets => Ok(Connector::Plain),
             #[cfg(feature = "postgres-tls")]
             _ => Ok(Connector::Tls(tls::MakeRustls::new(
                 opts.tls_root_certificates.as_deref(),
@@ -516,7 +626,7 @@ impl PostgresBackend {
                 connector,
                 schema::channel(&opts.schema, &opts.table_prefix),
                 Arc::downgrade(&hub),
-                opts.connect_timeout + opts.command_timeout,
+                opts.connect_timeout.saturating_add(opts.command_timeout),
             )
         });
         let backend = PostgresBackend {
@@ -530,7 +640,9 @@ impl PostgresBackend {
                 cancel,
             }),
         };
-        let limit = backend.inner.opts.connect_timeout + backend.inner.opts.command_timeout;
+        // Saturating: either may be `Duration::MAX` ("no deadline"), and `+` would panic.
+        let opts = &backend.inner.opts;
+        let limit = opts.connect_timeout.saturating_add(opts.command_timeout);
         match tokio::time::timeout(limit, backend.ensure_schema()).await {
             Ok(r) => r?,
             Err(_) => {
@@ -562,9 +674,18 @@ impl PostgresBackend {
         &self,
         client: &tokio_postgres::Client,
     ) -> Result<(), LockError> {
+        // Missing is only what says so: no such function (42883) or schema (3F000). Any other
+        // error — a shutdown (57P01), a cancel (57014), a lost connection (08…) — is the
+        // error it is (usually `Unavailable`), not "no schema", which with `create_schema`
+        // off is a permanent `Misconfigured`.
         let found = match client.query_typed(&self.inner.sql.version, &[]).await {
             Ok(rows) => rows.first().and_then(|r| r.try_get::<_, i32>(0).ok()),
-            Err(e) if e.code().is_some() => None,
+            Err(e)
+                if e.code()
+                    .is_some_and(|c| matches!(c.code(), "42883" | "3F000")) =>
+            {
+                None
+            }
             Err(e) => return Err(pg_err("schema check", e)),
         };
         let (s, p) = (&self.inner.opts.schema, &self.inner.opts.table_prefix);
@@ -913,22 +1034,17 @@ impl Backend for PostgresBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            // Register first: a notification that arrives once LISTEN is active is not lost.
-            // Without LISTEN the registration still hears of releases by this process's own
-            // lockers over this backend (see `release`); the others wake on their timers.
+            // Registered, the waiter hears every notification LISTEN delivers from now on, and
+            // a lock release over this backend that hands the lock to it (see `release`).
+            //
+            // Answered at once, also while LISTEN is down or still connecting: waiting for it
+            // here (as this did, for half the backend's command timeout) could outlast the
+            // locker's own deadline on this call — a smaller command timeout — and fail a
+            // healthy acquire with `Unavailable` while LISTEN was unreachable (a wrong
+            // `notify_url`). Meanwhile the waiter runs on its timer, and the listener wakes
+            // every registered waiter once LISTEN is up: a release between the waiter's next
+            // attempt and then is not slept through.
             let (watch, _) = self.inner.hub.register(resource, token, None);
-            let Some(listening) = &self.inner.listening else {
-                return Ok(watch);
-            };
-            let mut listening = listening.clone();
-            // While the listener reconnects, the waiter runs on its timer; the listener wakes
-            // every waiter once it is back. Half the command timeout: the locker's own deadline
-            // on this call is the whole of it.
-            let _ = tokio::time::timeout(
-                self.inner.opts.command_timeout / 2,
-                listening.wait_for(|up| *up),
-            )
-            .await;
             Ok(watch)
         })
     }
@@ -1023,5 +1139,68 @@ impl PostgresBackend {
             )
             .await?;
         Ok(rows.iter().filter_map(|r| r.try_get(0).ok()).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connector(url: &str) -> Result<Connector, LockError> {
+        let (config, opts) = parse_url(url, PostgresOptions::default())?;
+        Connector::for_config(&config, &opts)
+    }
+
+    /// A socket host never has TLS: `prefer` is plaintext, `require` is refused at once (it
+    /// could never be met), with or without the `postgres-tls` feature.
+    #[cfg(unix)]
+    #[test]
+    fn a_socket_host_is_plaintext_and_refuses_require() {
+        let socket = "postgres://u@%2Frun%2Fpostgresql:5432/db";
+        assert!(matches!(connector(socket), Ok(Connector::Plain)));
+        let prefer = format!("{socket}?sslmode=prefer");
+        assert!(matches!(connector(&prefer), Ok(Connector::Plain)));
+        let err = connector(&format!("{socket}?sslmode=require"))
+            .err()
+            .expect("require over a socket");
+        assert!(err.is_misconfigured(), "{err}");
+        assert!(err.to_string().contains("Unix socket"), "{err}");
+        // One socket among TCP hosts: `require` can still never be met there.
+        let mixed = "postgres://u@db1:5432,%2Frun%2Fpostgresql:5432/db?sslmode=require";
+        assert!(connector(mixed).err().is_some_and(|e| e.is_misconfigured()));
+    }
+
+    /// With the feature, a TCP host under `prefer` gets the TLS connector, which also takes the
+    /// empty host name tokio-postgres gives it for a socket among the hosts.
+    #[cfg(feature = "postgres-tls")]
+    #[test]
+    fn the_tls_connector_takes_a_sockets_empty_host_name() {
+        use tokio_postgres::tls::MakeTlsConnect as _;
+        let mixed = "postgres://u@db1:5432,%2Frun%2Fpostgresql:5432/db";
+        let Ok(Connector::Tls(mut tls)) = connector(mixed) else {
+            panic!("prefer with a TCP host uses TLS");
+        };
+        assert!(tls.make_tls_connect("").is_ok(), "a socket's empty name");
+        assert!(tls.make_tls_connect("db1").is_ok());
+        assert!(tls.make_tls_connect("not a name").is_err());
+    }
+
+    #[test]
+    fn exhausted_tokens_are_a_refusal_for_good() {
+        assert!(refused_for_good("54000"));
+        assert!(!refused_for_good("P0001"));
+        assert!(!refused_for_good("57P01"));
+        assert!(!refused_for_good("08006"));
+    }
+
+    #[test]
+    fn bad_names_are_misconfigured() {
+        let err = PostgresOptions::default().schema("A").ddl().unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
+        let err = PostgresOptions::default()
+            .table_prefix("-")
+            .ddl()
+            .unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
     }
 }

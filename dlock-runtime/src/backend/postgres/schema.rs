@@ -39,11 +39,36 @@
 //! whoever runs it: apply it as a role that may call `pg_current_wal_lsn`.
 //!
 //! **Fencing across a copy.** The epoch is kept in `fence_epoch` with the timeline it was
-//! last seen on, because a copy of the data on another cluster — a dump restored, `pg_upgrade`,
-//! a standby of another lineage — starts at a lower timeline (a new cluster's is 1) with the
-//! sequence where it was: the first grant there finds the timeline lower than the row's and
-//! raises the epoch by one, so the copy's tokens stay above the original's. (A copy made by
+//! last seen on, and `next_fence` raises it only when the server it runs on reports another
+//! timeline than that row: by the difference on a promotion, by one when the timeline is lower
+//! (a copy of data from a promoted server restored on a new cluster, whose timeline is 1).
+//! **A copy on the same timeline as its original does not raise it**: a dump of a server
+//! that was never promoted restored on a new cluster, `pg_upgrade` (which starts the new
+//! cluster on timeline 1), a storage snapshot or volume clone, an Amazon Aurora clone (whose
+//! `timeline()` is always 1). Such a copy goes on from the sequence value it was made with, so
+//! while the original also serves, the two issue the same tokens. Before a copy serves locks
+//! next to the original (or after the original issued tokens the copy did not see), raise its
+//! epoch by hand, once, on the copy: `UPDATE <s>.<p>fence_epoch SET epoch = epoch + 1` — every
+//! token it issues then is above every token the original issues while the original stays on
+//! its epoch. There is no API for it: [`AdminStore::force_release`](crate::backend::AdminStore)
+//! raises the sequence by one draw, which the original's sequence matches. (A copy made by
 //! logical replication has no sequence values: set the sequence as for every other one.)
+//!
+//! **Durability of a grant.** A grant is answered after its transaction committed, and a
+//! commit with `synchronous_commit = off` — set for the server, a database, a role, or a
+//! connection's `options=-c synchronous_commit=off` — returns before its WAL is flushed: a
+//! crash (or `kill -9` of the server) up to three `wal_writer_delay`s later loses the grant and
+//! the sequence's advance, so the lock is granted again to another owner with the very fencing
+//! token the first was given. Every function whose commit must outlive a crash therefore sets
+//! `synchronous_commit` to `on` for its own transaction (`set_config(…, true)`: transaction-
+//! local, so it never leaks to the next client of a PgBouncer server connection; version 6):
+//! `next_fence`, which every grant and handoff calls (`acquire`, `pass_on`, `kind_acquire`,
+//! `idem_begin`, the admin's force-release), and the writes of a lease that a holder counts
+//! on — `acquire` finding the lock already the caller's, `extend`, `kind_extend` — and of an
+//! idempotency result (`idem_complete`). Releases, abandons and queue entries keep the
+//! session's setting: losing one is what a crash just before it would have done (a lock held
+//! until its lease ends, a waiter that asks again), and a later forced commit flushes them
+//! too (the WAL is flushed in order).
 //!
 //! **Semaphores and read-write locks** keep the rule of the
 //! [`backend`](crate::backend#semaphores-and-read-write-locks) module docs in `holders` and
@@ -65,11 +90,16 @@
 //! handoff); `acquire`, finding the lock free but another waiter first, answers how long that
 //! waiter's entry has left (so does `idem_begin`), and `kind_acquire` the time until the
 //! first holder's lease or queue entry ends (version 4 answered no time, or only the holders',
-//! so a waiter behind a dead one asked again only on its next backoff step). The DDL refuses
-//! to run over a newer schema; a client of an older version uses a newer schema as it is.
+//! so a waiter behind a dead one asked again only on its next backoff step). Version 6 changed
+//! five function bodies: `next_fence`, `acquire`, `extend`, `kind_extend` and `idem_complete`
+//! force `synchronous_commit` on for their transaction (see *Durability of a grant*), and
+//! `next_fence` raises an exhausted token space as SQLSTATE `54000` (`program_limit_exceeded`,
+//! which the backend reports as [`LockError::Misconfigured`](crate::LockError::Misconfigured):
+//! retrying does not change it) rather than the generic `P0001`. The DDL refuses to run over a
+//! newer schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 5;
+pub(crate) const VERSION: i32 = 6;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -121,8 +151,12 @@ END $$;
 
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
--- up on another cluster whose timeline is lower (a dump restored, pg_upgrade: a new cluster
--- starts at timeline 1), so it never goes down. Its row is made below, once the tables exist.
+-- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
+-- which starts at timeline 1), so it never goes down. A copy on the SAME timeline (a dump of a
+-- never-promoted server restored, pg_upgrade, a storage snapshot, an Aurora clone) does not
+-- raise it: before such a copy serves locks while the original still does, run once on it
+--   UPDATE @s@.@p@fence_epoch SET epoch = epoch + 1;
+-- Its row is made below, once the tables exist.
 -- (Teams that grant privileges table by table: the backend's role needs SELECT, INSERT and
 -- UPDATE on this table too.)
 CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
@@ -137,10 +171,16 @@ CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
+-- Every grant draws its token here, so here its transaction is made to commit durably
+-- (version 6): with synchronous_commit off (server, database, role or connection options), a
+-- crash right after the answer would lose the grant and the sequence's advance, and the next
+-- grant would go to another owner with the same token. Transaction-local: nothing leaks to the
+-- next user of the connection (PgBouncer).
 CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline(); e bigint;
 BEGIN
+  PERFORM set_config('synchronous_commit', 'on', true);
   SELECT epoch INTO e FROM @s@.@p@fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
     UPDATE @s@.@p@fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
@@ -151,7 +191,8 @@ BEGIN
     END IF;
   END IF;
   IF n >= 281474976710656 OR e >= 32768 THEN
-    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n;
+    RAISE EXCEPTION 'dlock: fencing tokens exhausted (epoch %, sequence %)', e, n
+      USING ERRCODE = 'program_limit_exceeded';
   END IF;
   RETURN e * 281474976710656 + n;
 END $$;
@@ -303,6 +344,8 @@ BEGIN
   SELECT owner, fence, expires_at INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     IF l.owner = p_token THEN
+      -- A lease restarted: as durable as a grant (version 6; see next_fence).
+      PERFORM set_config('synchronous_commit', 'on', true);
       UPDATE @s@.@p@locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
        WHERE name = p_name;
       RETURN l.fence;
@@ -373,8 +416,10 @@ BEGIN
 END $$;
 
 -- Owner-checked lease extension, for a batch: returns the names whose lease was extended.
+-- Durable like a grant (version 6): a holder counts its lease from the answer.
 CREATE OR REPLACE FUNCTION @s@.@p@extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
+  SELECT set_config('synchronous_commit', 'on', true);
   UPDATE @s@.@p@locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
@@ -425,7 +470,8 @@ END $$;
 
 -- Idempotency, last step: owner-checked; stores the result and releases the lock together,
 -- handing it to the next live waiter if any. Returns 1 when stored, 0 when the token did not
--- hold a live lease (nothing changed).
+-- hold a live lease (nothing changed). The record is durable (version 6): lost in a crash
+-- after the answer, the work it records would run again.
 CREATE OR REPLACE FUNCTION @s@.@p@idem_complete(p_name text, p_token text, p_fp text, p_result bytea, p_retention_ms bigint)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE l record;
@@ -433,6 +479,7 @@ BEGIN
   PERFORM @s@.@p@serialise(p_name);
   SELECT owner, expires_at, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
   IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
   INSERT INTO @s@.@p@idempotency AS i (name, fingerprint, owner, result, expires_at)
   VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -552,9 +599,10 @@ BEGIN
 END $$;
 
 -- Owner-checked lease extension of permits and read or write holds, for a batch: returns the
--- owner tokens whose lease was extended.
+-- owner tokens whose lease was extended. Durable like a grant (version 6).
 CREATE OR REPLACE FUNCTION @s@.@p@kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
+  SELECT set_config('synchronous_commit', 'on', true);
   UPDATE @s@.@p@holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()

@@ -4,6 +4,13 @@
 //! [`PostgresOptions::tls_root_certificates`](super::PostgresOptions::tls_root_certificates) —
 //! and its name checked against the host of the URL, whatever the `sslmode` (`prefer` still
 //! falls back to plaintext when the server has no TLS at all; `require` does not).
+//!
+//! A Unix-socket host has no name to check, and no TLS: tokio-postgres asks this connector for
+//! one with the name `""` anyway (before it knows whether the server offers TLS), and the
+//! server answers a TLS request on a socket with "no", so `prefer` goes on in plaintext. Once,
+//! `""` failed as an invalid DNS name here, and with it every connection to a socket host
+//! under the default `sslmode=prefer`. (`require` with a socket host is refused before any
+//! connection, by [`Connector::for_config`](super::Connector).)
 
 use std::future::Future;
 use std::io;
@@ -60,9 +67,15 @@ impl MakeTlsConnect<Socket> for MakeRustls {
     type Error = InvalidDnsNameError;
 
     fn make_tls_connect(&mut self, domain: &str) -> Result<RustlsConnect, InvalidDnsNameError> {
+        // `""`: a Unix socket (see the module docs).
+        let name = if domain.is_empty() {
+            None
+        } else {
+            Some(ServerName::try_from(domain.to_owned())?)
+        };
         Ok(RustlsConnect {
             config: self.config.clone(),
-            name: ServerName::try_from(domain.to_owned())?,
+            name,
         })
     }
 }
@@ -70,7 +83,8 @@ impl MakeTlsConnect<Socket> for MakeRustls {
 /// One connection's TLS handshake.
 pub(crate) struct RustlsConnect {
     config: Arc<rustls::ClientConfig>,
-    name: ServerName<'static>,
+    /// `None` over a Unix socket.
+    name: Option<ServerName<'static>>,
 }
 
 impl TlsConnect<Socket> for RustlsConnect {
@@ -80,8 +94,13 @@ impl TlsConnect<Socket> for RustlsConnect {
 
     fn connect(self, stream: Socket) -> Self::Future {
         Box::pin(async move {
+            // Never reached over a socket: a server does not offer TLS there, and tokio-postgres
+            // refuses a handshake without a host name before it gets here.
+            let Some(name) = self.name else {
+                return Err(io::Error::other("no TLS over a Unix socket"));
+            };
             let connector = tokio_rustls::TlsConnector::from(self.config);
-            Ok(RustlsStream(connector.connect(self.name, stream).await?))
+            Ok(RustlsStream(connector.connect(name, stream).await?))
         })
     }
 }
