@@ -1483,3 +1483,31 @@ async fn a_grant_answered_after_its_lease_ran_out_is_not_handed_out() {
     assert!(g.is_held());
     g.release().await.unwrap();
 }
+
+/// On a server holding many keys besides the locks, one page of a listing looks at a bounded
+/// number of keys and answers with a cursor to go on from (before, it scanned the whole
+/// keyspace under one command deadline, which timed out with no cursor on a big server);
+/// following the cursor finds the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_page_looks_at_a_bounded_number_of_keys() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    for batch in 0..100 {
+        let pairs: Vec<(String, u8)> = (0..1000)
+            .map(|i| (format!("other:{batch}:{i}"), 0))
+            .collect();
+        let _: () = conn.mset(&pairs).await.unwrap();
+    }
+    let locker = redis.locker().await;
+    let held = locker.lock("listed").acquire().await.unwrap();
+    let admin = locker.admin().unwrap();
+    let first = admin.list("", None, 10).await.expect("a page");
+    assert!(
+        first.cursor.is_some(),
+        "one page scanned all 100,000 keys: {first:?}"
+    );
+    let all = admin.list_all("", 10).await.unwrap();
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert_eq!(all[0].key, "listed");
+    held.release().await.unwrap();
+}

@@ -20,6 +20,12 @@ use crate::{LockError, LockKey};
 /// How many keys one `SCAN` call looks at.
 const SCAN_COUNT: usize = 1000;
 
+/// `SCAN` calls one page of [`AdminStore::list`] makes at most: on a server holding millions of
+/// other keys, a page answers (maybe with no lock, and a cursor) after this many keys looked
+/// at, rather than scanning the whole keyspace under one command deadline — which timed out
+/// and gave no cursor to go on from. `Admin::list_all` follows the cursor through such pages.
+const SCANS_PER_PAGE: usize = 16;
+
 /// Reads one lock.
 ///
 /// KEYS: 1 lock (plus, on a cluster, the derived keys). ARGV: 1 the fencing counter's key.
@@ -220,7 +226,9 @@ impl RedisBackend {
         // queue keys end in `:q`/`:qw`, the fencing counters in `:fence`).
         let pattern = format!("{}*}}", glob_escape(&name_prefix(namespace, key_prefix)));
         let mut names = Vec::new();
-        while node < nodes.len() && names.len() < limit {
+        let mut scans = 0;
+        while node < nodes.len() && names.len() < limit.max(1) && scans < SCANS_PER_PAGE {
+            scans += 1;
             let (next, keys) = self.scan(&nodes[node], at, &pattern).await?;
             names.extend(keys);
             if next == 0 {
