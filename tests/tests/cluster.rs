@@ -73,6 +73,24 @@ async fn a_cluster_that_refuses_for_good_is_misconfigured() {
     dlock_tests::wait::refused_at_connect(&wrong, &[1000, 200], &["not-the-pw"]).await;
 }
 
+/// A cluster node named as one server (`redis://`, not `redis+cluster://`) is refused at
+/// connect as misconfigured, naming the cluster scheme. Before, the node's `MOVED` answer to
+/// the issuer number's `INCR` was taken for an ACL's refusal: the locker connected, with a
+/// random issuer number, to a server that answers for a third of the keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_named_as_one_server_is_misconfigured() {
+    let masters = master_ports();
+    let slot = key_slot(masters[0], "dlock:issuers").await;
+    let owner = RedisCluster::range_of(masters[0], slot).await.master;
+    let other = masters.into_iter().find(|&p| p != owner).unwrap();
+    let err = Locker::builder()
+        .connect(&format!("redis://127.0.0.1:{other}"))
+        .await
+        .expect_err("connected to a cluster node as one server");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("redis+cluster://"), "{err}");
+}
+
 /// How many times each master has run `command` (`INFO commandstats`), masters in creation
 /// order.
 async fn calls_per_master(command: &str) -> Vec<u64> {
@@ -406,6 +424,147 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     held_b.release().await.unwrap();
 }
 
+/// A waiter queued on a shard whose master is killed hears the release made on the replica
+/// promoted in its place: its channel is subscribed again there (the subscription on the dead
+/// master died with it), and the handoff reaches it within 3 s — long before its fallback
+/// timer (10 s here). Before, the backend still took the channel for subscribed, and redis-rs
+/// moved a shard's subscriptions only when a command on the subscriptions connection made it
+/// read the slot map again: the waiter heard nothing. (Its own cluster: this test kills a
+/// node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_hears_the_release_on_its_shards_promoted_replica() {
+    use dlock_runtime::RetryPolicy;
+
+    let mut cluster = RedisCluster::start(3, 1);
+    let seed = cluster.nodes[0].port();
+    let ttl = Duration::from_secs(30);
+    let connect = async || {
+        Locker::builder()
+            .prefix("promoted")
+            .waiter_ttl(ttl)
+            .connect(&cluster.url())
+            .await
+            .unwrap()
+    };
+    let (locker, holder) = (connect().await, connect().await);
+    let key = "k";
+    let range = range_of_key(&locker, seed, key).await;
+    // Acknowledged: the lock survives the failover.
+    let held = holder
+        .lock(key)
+        .ttl(ttl)
+        .replicas(1)
+        .acquire()
+        .await
+        .unwrap();
+    let policy = RetryPolicy::new(Duration::from_secs(60))
+        .backoff(Duration::from_secs(20), Duration::from_secs(20))
+        .jitter(false)
+        .through_outages(true);
+    let w = locker.clone();
+    let wait = tokio::spawn(async move {
+        w.lock(key)
+            .ttl(ttl)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (locker.waiting() == 1).then_some(())
+    })
+    .await;
+    // The replica has the waiter's queue entry too.
+    let offset = async |port: u16, field: &str| {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut node_conn(port).await)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix(field))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap())
+    };
+    let written = offset(range.master, "master_repl_offset:").await;
+    let replica = range.replicas[0];
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || {
+            (offset(replica, "slave_repl_offset:").await >= written)
+                .then_some(())
+                .ok_or("the replica is behind")
+        },
+    )
+    .await;
+
+    let master = cluster.index_of(range.master);
+    cluster.nodes[master].stop();
+    tokio::task::block_in_place(|| {
+        cluster.wait_failed_over(range.master, Duration::from_secs(30));
+    });
+    // The holder's connection reaches the promoted replica.
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || held.extend(ttl).await.map_err(|e| e.to_string()),
+    )
+    .await;
+    release_and_hand_over(
+        held,
+        wait,
+        Duration::from_secs(3),
+        "the release on the promoted replica did not reach the waiter",
+    )
+    .await;
+}
+
+/// A master frozen (no reset, no close: its connections stay open) and failed over by the
+/// cluster is left: the locker's commands for its slots time out, which has its connection
+/// made anew, reading the slot map afresh, and acquires on that shard work again on the
+/// promoted replica within seconds of the failover. Before, redis-rs kept sending to the
+/// frozen node (a timed-out command is retried on the same node's connection; the slot map is
+/// read again only on a node's own error or a dropped connection), and every acquire there
+/// failed as unavailable until the master woke. (Its own cluster: this test freezes a node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_failed_over_is_left() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let seed = cluster.nodes[0].port();
+    let locker = Locker::builder()
+        .prefix("frozen")
+        .command_timeout(Duration::from_millis(500))
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let key = "k";
+    let range = range_of_key(&locker, seed, key).await;
+    locker
+        .lock(key)
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let master = cluster.index_of(range.master);
+    // Thawed and killed with the cluster, also if the test fails.
+    cluster.nodes[master].pause();
+    tokio::task::block_in_place(|| {
+        cluster.wait_failed_over(range.master, Duration::from_secs(30));
+    });
+    // Within seconds of the failover (the poll's limit), not when the master wakes.
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    g.release().await.unwrap();
+}
+
 /// The durable queue runs on the cluster (`redis+cluster://`), its enqueues waiting for their
 /// shard's replica: see [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -719,6 +878,116 @@ async fn resharding_a_slot_with_live_locks_keeps_exclusion_and_finishes() {
         assert!(g.is_some(), "{k} was left locked");
         g.unwrap().release().await.unwrap();
     }
+}
+
+/// The durable queue's cluster connection retries a command the cluster answered `TRYAGAIN`
+/// as promptly as the locker's: while the queue's slot moves (`CLUSTER SETSLOT … MIGRATING`,
+/// its keys migrated one at a time), every enqueue — whose new job's status key is on neither
+/// side, so the source answers `TRYAGAIN` — is answered within the queue's 1 s command timeout,
+/// and none fails. Before, the queue's connection waited redis-rs's default (at least 1.28 s)
+/// before its retry, so an enqueue caught by a move waited out its deadline and was sent
+/// again. (Its own cluster: it moves a slot.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueues_while_the_queues_slot_moves_are_answered_in_time() {
+    use dlock_runtime::durable::DurableQueue;
+    use dlock_runtime::DeferPolicy;
+    use dlock_tests::jobs::RecordJob;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::{Arc, Mutex};
+    const MOVES: usize = 2;
+
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let queue = DurableQueue::connect(&cluster.url(), "moving-jobs")
+        .await
+        .unwrap();
+    let slot = key_slot(seed, "{jobs:moving-jobs}").await;
+    let policy = DeferPolicy::new(Duration::from_millis(20), 3);
+    let job = RecordJob {
+        lock: "moving".to_owned(),
+        ..RecordJob::default()
+    };
+    // Due in an hour: nothing claims them, and the queue's keys exist on the slot's master.
+    let enqueue = async |queue: &DurableQueue| {
+        let started = Instant::now();
+        let r = queue
+            .enqueue(
+                &job,
+                &policy,
+                Duration::from_secs(5),
+                Duration::from_secs(3600),
+            )
+            .await;
+        (started.elapsed(), r)
+    };
+    enqueue(&queue).await.1.unwrap();
+    let moving = Arc::new(AtomicBool::new(true));
+    let slowest = Arc::new(Mutex::new(Duration::ZERO));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let (queue, job, policy) = (queue.clone(), job.clone(), policy.clone());
+            let (moving, slowest, errors) = (moving.clone(), slowest.clone(), errors.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while moving.load(SeqCst) {
+                    let started = Instant::now();
+                    let r = queue
+                        .enqueue(
+                            &job,
+                            &policy,
+                            Duration::from_secs(5),
+                            Duration::from_secs(3600),
+                        )
+                        .await;
+                    let took = started.elapsed();
+                    let mut s = slowest.lock().unwrap();
+                    *s = (*s).max(took);
+                    drop(s);
+                    if let Err(e) = r {
+                        errors.lock().unwrap().push(format!("{e:?}"));
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut owner = RedisCluster::range_of(seed, slot).await.master;
+    let other = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+        .await
+        .master;
+    assert_ne!(owner, other);
+    let home = owner;
+    for m in 0..MOVES {
+        let to = if owner == home { other } else { home };
+        cluster
+            .move_slot(slot, owner, to, 1)
+            .await
+            .unwrap_or_else(|e| panic!("move {m} of slot {slot} failed: {e}"));
+        assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
+        owner = to;
+        // Enqueues answered by the new owner before the next move.
+        let (took, r) = enqueue(&queue).await;
+        r.unwrap_or_else(|e| panic!("an enqueue after move {m} failed: {e} ({took:?})"));
+    }
+    moving.store(false, SeqCst);
+    let mut enqueued = 0;
+    for t in tasks {
+        enqueued += t.await.unwrap();
+    }
+    assert!(enqueued > 0);
+    let errors = errors.lock().unwrap().clone();
+    assert!(
+        errors.is_empty(),
+        "{} enqueues failed: {errors:?}",
+        errors.len()
+    );
+    let slowest = *slowest.lock().unwrap();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "an enqueue during a move took {slowest:?}, past the queue's command timeout"
+    );
 }
 
 /// Keys of this locker (`<prefix>:<i>`), the first in a slot of its own and the rest on the

@@ -891,3 +891,69 @@ fn the_first_lock_after_the_first_runtime_shut_down_is_taken() {
         g.release().await.unwrap();
     });
 }
+
+/// Connections to the sentinels that go silent (a partition, a NAT that forgot them: no reset,
+/// no close) are replaced: the locker reaches the sentinels through proxies that silence every
+/// connection open at once, then the master is killed; the sentinels fail it over, and the
+/// locker — whose probe of each sentinel gets no answer, so it connects to it anew — asks them
+/// again and follows the new master within seconds. Before, a sentinel connection was only
+/// marked unsubscribed and asked again on the same silent connection: the locker never learnt
+/// of the new master, and every acquire failed as unavailable. (Its own deployment: this test
+/// kills the master.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_the_sentinels_gone_silent_are_replaced() {
+    use dlock_tests::proxy::Proxy;
+
+    let mut deployment = tokio::task::block_in_place(RedisSentinel::start);
+    let mut proxies = Vec::new();
+    for s in &deployment.sentinels {
+        proxies.push(Proxy::start(s.port()).await.unwrap());
+    }
+    let hosts: Vec<String> = proxies
+        .iter()
+        .map(|p| format!("127.0.0.1:{}", p.port()))
+        .collect();
+    let url = format!(
+        "redis+sentinel://{}/{}",
+        hosts.join(","),
+        redis_sentinel::MASTER_NAME
+    );
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(300))
+        .connect(&url)
+        .await
+        .unwrap();
+    let key = "sentinels:silent";
+    locker
+        .lock(key)
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    for p in &proxies {
+        assert!(
+            p.silence() > 0,
+            "no connection to a sentinel went through its proxy"
+        );
+    }
+    let old = deployment.master_port().unwrap();
+    let master = deployment.master_index();
+    deployment.servers[master].stop();
+    tokio::task::block_in_place(|| {
+        deployment.wait_failover_from(old, Duration::from_secs(30));
+    });
+    // Within seconds of the failover (the poll's limit).
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    g.release().await.unwrap();
+}

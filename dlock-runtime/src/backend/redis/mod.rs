@@ -1,5 +1,10 @@
-//! The Redis backend: one server (or a managed primary), over ONE multiplexed RESP3
-//! connection per backend that carries both commands and release notifications.
+//! The Redis backend: one server (or a managed primary), a Sentinel-monitored master, or a
+//! Redis Cluster. On one server, and behind Sentinel (to the current master; the sentinels have
+//! links of their own), ONE multiplexed RESP3 connection per backend carries both commands and
+//! release notifications. A cluster's backend has two connections (redis-rs's cluster client,
+//! each with a connection per node): one for commands, one for the subscriptions. Everywhere,
+//! `WAIT` (`.replicas(n)`) goes on connections of its own, as it blocks the connection it is
+//! sent on (`conn::Dedicated`).
 //!
 //! * Acquire is one `EVALSHA` (the uncontended path is a single round trip): `SET NX PX`
 //!   semantics plus the fencing counter and the fair waiter queue, atomically, on one key per
@@ -8,7 +13,8 @@
 //!   hands the lock to the first live one in the same script and publishes the grant on the
 //!   lock's channel, so that waiter holds the lock before it hears of it; a release nobody
 //!   waits for publishes nothing.
-//! * Notifications arrive as RESP3 pushes on the same connection; subscriptions are per lock,
+//! * Notifications arrive as RESP3 pushes on the same connection (a cluster: on its
+//!   subscriptions connection); subscriptions are per lock,
 //!   made when the first local waiter of that lock appears and dropped with the last one, and
 //!   re-established automatically after a reconnect. Releases published while the connection
 //!   was down are missed, so once it is back (and resubscribed) every local waiter is woken to
@@ -42,6 +48,22 @@
 //!   while local waiters exist (no command of theirs may come before the release they wait
 //!   for); every new one subscribes again to the channels that still have waiters and wakes
 //!   every waiter to re-check, as after a reconnect above.
+//! * A cluster node's connection that drops (a master killed, a connection reset) took that
+//!   node's subscriptions along, and redis-rs moves them to the shard's new master only once a
+//!   command on the subscriptions connection has it read the slot map again. So on such a drop
+//!   every channel is taken for unsubscribed and those with local waiters are subscribed again
+//!   (`SSUBSCRIBE`, to the channel's current master), round after round until all are — through
+//!   a failover — each round that subscribed any waking the waiters to re-check.
+//! * A cluster node's connection that went silent (a frozen master: no reset, no close) is one
+//!   redis-rs keeps: it retries a timed-out command on the same node's connection and reads the
+//!   slot map again only on an error the node itself answers (`MOVED`, …) or a dropped
+//!   connection — so even once the cluster has failed that master over, its slots would stay
+//!   unserved until it wakes or the kernel gives up on the connection. So a cluster command
+//!   that timed out (or was given up by the caller after half a connect deadline) has both
+//!   connections made anew (`conn::ClusterLink::suspect`: one at a time, at most one every
+//!   half connect deadline), which read the slot map afresh; the new subscriptions connection
+//!   subscribes again, as above. Until the failover, commands for that master's slots fail
+//!   with [`LockError::Unavailable`]; the other shards are not affected.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -159,6 +181,13 @@ struct Inner {
     issuer: AtomicU64,
     /// A task is driving the reconnect to wake the waiters (see [`wake_after_reconnect`]).
     recovering: AtomicBool,
+    /// A cluster: a task is subscribing again after a node's connection dropped (see
+    /// [`resubscribe_after_disconnection`]).
+    #[cfg(feature = "cluster")]
+    resubscribing: AtomicBool,
+    /// A cluster: another node's connection dropped since that task began its last round.
+    #[cfg(feature = "cluster")]
+    resubscribe_again: AtomicBool,
     /// Connections of their own for `WAIT` (`.replicas(n)`).
     dedicated: conn::Dedicated,
 }
@@ -278,34 +307,77 @@ fn issued_push_handler(
 
 /// Takes an issuer number (see [`RedisBackend::ISSUER_BITS`]) from the server `conn` reaches:
 /// `INCR dlock:issuers` modulo `2^ISSUER_BITS`, again while the number is one of `avoid` (a
-/// few times, then a random number outside `avoid`); a random number when the server answers
-/// but refuses the command (an ACL without that key, a read-only replica named by mistake —
-/// which the first lock will report), unique among `2^ISSUER_BITS` only by chance.
+/// few times, then a random number outside `avoid`), all within `limit`.
+///
+/// * A server that refuses the command for good by its ACL (`NOPERM`: a user without that
+///   key) gets a random number, unique among `2^ISSUER_BITS` only by chance.
+/// * `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN` and `READONLY` pass (a restart, a
+///   failover, a replica named by mistake stays so): the `INCR` is tried again, a little later
+///   each time, until `limit`, and then fails with [`LockError::Unavailable`] — never a random
+///   number for the backend's life because the server was loading.
+/// * `MOVED`/`ASK`: a node of a Redis Cluster named as one server, which answers for a part of
+///   the keys only: [`LockError::Misconfigured`], naming `redis+cluster://`.
+/// * Other errors fail as [`redis_err`] types them.
 pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
     conn: &mut C,
     limit: Duration,
     avoid: &[u64],
 ) -> Result<u64, LockError> {
+    use redis::{ErrorKind, ServerErrorKind};
     let mask = (1 << RedisBackend::ISSUER_BITS) - 1;
-    for _ in 0..4 {
+    let deadline = tokio::time::Instant::now() + limit;
+    let late = || LockError::unavailable(format!("redis: no answer within {limit:?}"), None);
+    let mut pause = Duration::from_millis(5);
+    let mut taken_tries = 0;
+    while taken_tries < 4 {
         let mut incr = redis::cmd("INCR");
         incr.arg(ISSUERS_KEY);
-        let taken = match tokio::time::timeout(limit, incr.query_async::<u64>(conn)).await {
-            Ok(Ok(n)) => n & mask,
-            Ok(Err(e)) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
-                tracing::debug!(error = %e, "redis: no issuer number from the server; a random one");
+        let answer = tokio::time::timeout_at(deadline, incr.query_async::<u64>(conn)).await;
+        let e = match answer {
+            Ok(Ok(n)) => {
+                let taken = n & mask;
+                if !avoid.contains(&taken) {
+                    return Ok(taken);
+                }
+                taken_tries += 1;
+                continue;
+            }
+            Ok(Err(e)) => e,
+            Err(_) => return Err(late()),
+        };
+        match e.kind() {
+            ErrorKind::Server(ServerErrorKind::NoPerm) => {
+                tracing::debug!(error = %e, "redis: the ACL refuses an issuer number; a random one");
                 break;
             }
-            Ok(Err(e)) => return Err(redis_err("issuer", e)),
-            Err(_) => {
-                return Err(LockError::unavailable(
-                    format!("redis: no answer within {limit:?}"),
+            ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask) => {
+                return Err(LockError::misconfigured(
+                    "redis: this server is a node of a Redis Cluster (it answered MOVED or ASK): \
+                     connect with redis+cluster://host:port,host:port",
                     None,
-                ))
+                ));
             }
-        };
-        if !avoid.contains(&taken) {
-            return Ok(taken);
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly,
+            ) => {
+                if tokio::time::Instant::now() + pause >= deadline {
+                    return Err(LockError::unavailable(
+                        format!(
+                            "redis: no issuer number within {limit:?}: the server answers {}",
+                            e.code().unwrap_or("an error")
+                        ),
+                        Some(Box::new(e)),
+                    ));
+                }
+                tracing::debug!(error = %e, "redis: no issuer number yet; asking again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            _ => return Err(redis_err("issuer", e)),
         }
     }
     loop {
@@ -370,7 +442,7 @@ impl RedisBackend {
     /// granted to: a token is `counter × 2^ISSUER_BITS + issuer`, where `counter` is what the
     /// scripts issue (see the key layout in `backend::redis::scripts`) and `issuer` is this
     /// backend's number, `INCR dlock:issuers` modulo `2^ISSUER_BITS` when it first needs one
-    /// (a random number when the server refuses that command, e.g. under an ACL).
+    /// (a random number when the server's ACL refuses that command, `NOPERM`).
     ///
     /// Tokens are ordered by their counter first, so the order they are granted in is their
     /// numeric order as before; the issuer only separates tokens that two masters issued from
@@ -445,6 +517,9 @@ impl RedisBackend {
     /// Like [`connect`](RedisBackend::connect) but does not wait for the server: the
     /// connection is made on first use (and retried after). Release notifications are delivered
     /// into `hub`, which several backends may share (Redlock does, across its nodes).
+    ///
+    /// The connection's task starts on the current tokio runtime: called outside one, this
+    /// fails with [`LockError::Unsupported`].
     pub fn connect_lazy(
         url: &str,
         opts: RedisOptions,
@@ -472,6 +547,14 @@ impl RedisBackend {
         // vote, so there it only wakes the waiter.
         handoff: bool,
     ) -> Result<Self, LockError> {
+        // The connection manager starts its task at once (`tokio::spawn`), which panics
+        // outside a runtime.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(LockError::unsupported(
+                "redis",
+                "connecting outside a tokio runtime",
+            ));
+        }
         // The URL may carry a password: never put it in an error message.
         let info = url.into_connection_info().map_err(|e| {
             LockError::misconfigured(format!("invalid redis url: {:?}", e.kind()), None)
@@ -639,6 +722,10 @@ impl RedisBackend {
                 fence_seen: AtomicU64::new(0),
                 issuer: AtomicU64::new(NO_ISSUER),
                 recovering: AtomicBool::new(false),
+                #[cfg(feature = "cluster")]
+                resubscribing: AtomicBool::new(false),
+                #[cfg(feature = "cluster")]
+                resubscribe_again: AtomicBool::new(false),
                 dedicated,
             }),
         };
@@ -1084,6 +1171,102 @@ async fn resubscribe_all(inner: Weak<Inner>) {
     inner.hub.notify_all();
 }
 
+/// A cluster node's connection dropped (a `Disconnection` push; a master killed or cut off):
+/// starts [`resubscribe_after_disconnection`], or has the one running do another round.
+#[cfg(feature = "cluster")]
+fn resubscribe_cluster_soon(inner: &Arc<Inner>) {
+    inner.resubscribe_again.store(true, Ordering::Release);
+    if inner.resubscribing.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            rt.spawn(resubscribe_after_disconnection(Arc::downgrade(inner)));
+        }
+        Err(_) => inner.resubscribing.store(false, Ordering::Release),
+    }
+}
+
+/// After a cluster node's connection dropped: the channels subscribed on that node are
+/// subscribed nowhere now, and redis-rs moves a shard's subscriptions to its new master only
+/// once a command on the subscriptions connection has it read the slot map again. Which node a
+/// channel was on is not known here, so every channel is taken for unsubscribed (a waiter that
+/// comes meanwhile subscribes itself), and those of locks with local waiters are subscribed
+/// again (`SSUBSCRIBE`, which reaches the channel's current master; one already there stays
+/// so), round after round with a growing pause, until all are; waiters are woken to re-check
+/// after each round that subscribed any, as releases published meanwhile were missed.
+#[cfg(feature = "cluster")]
+async fn resubscribe_after_disconnection(inner: Weak<Inner>) {
+    let mut pending: HashSet<String> = HashSet::new();
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let Some(me) = inner.upgrade() else { return };
+        me.resubscribe_again.store(false, Ordering::Release);
+        let mut subscribed = me.subscribed.lock().await;
+        let wanted = |channel: &String| {
+            channel
+                .strip_suffix(CHANNEL_SUFFIX)
+                .and_then(|r| r.strip_suffix(':'))
+                .is_some_and(|r| me.hub.has_waiters(r))
+        };
+        pending.extend(subscribed.drain());
+        pending.retain(wanted);
+        let limit = me.opts.command_timeout;
+        let asks = pending.drain().map(|channel| {
+            let mut conn = me.conn.clone();
+            async move {
+                let ok = matches!(
+                    tokio::time::timeout(limit, conn.subscribe(&channel)).await,
+                    Ok(Ok(()))
+                );
+                (channel, ok)
+            }
+        });
+        let mut heard = false;
+        for (channel, ok) in futures_util::future::join_all(asks).await {
+            if ok {
+                subscribed.insert(channel);
+                heard = true;
+            } else {
+                pending.insert(channel);
+            }
+        }
+        drop(subscribed);
+        if heard {
+            me.hub.notify_all();
+        }
+        if pending.is_empty() || me.hub.watched() == 0 {
+            pending.clear();
+            if me.resubscribe_again.load(Ordering::Acquire) {
+                continue;
+            }
+            me.resubscribing.store(false, Ordering::Release);
+            // A drop told between the check and the store above found the task still running.
+            if !me.resubscribe_again.load(Ordering::Acquire)
+                || me.resubscribing.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
+            continue;
+        }
+        drop(me);
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A channel the server unsubscribed this connection from (its slot moved away) while its lock
+/// had no local waiter: no longer taken for subscribed, unless a waiter came meanwhile (its
+/// `SSUBSCRIBE` may be on its way, or done).
+async fn forget_unless_waited(inner: Weak<Inner>, resource: String) {
+    let Some(inner) = inner.upgrade() else { return };
+    let channel = format!("{resource}:{CHANNEL_SUFFIX}");
+    let mut subscribed = inner.subscribed.lock().await;
+    if !inner.hub.has_waiters(&resource) {
+        subscribed.remove(&channel);
+    }
+}
+
 /// A push that arrived over a connection whose issuer number is `issuer` (see [`Issuer`]).
 fn on_push(
     hub: &Weak<ReleaseHub>,
@@ -1140,24 +1323,33 @@ fn on_push(
                             .to_owned(),
                     )
                 });
-            let Some(resource) = resource.filter(|r| hub.has_waiters(r)) else {
-                return;
-            };
-            if let (Some(inner), Ok(rt)) = (
+            let (Some(resource), Some(inner), Ok(rt)) = (
+                resource,
                 me.get().and_then(Weak::upgrade),
                 tokio::runtime::Handle::try_current(),
-            ) {
+            ) else {
+                return;
+            };
+            if hub.has_waiters(&resource) {
                 rt.spawn(resubscribe(Arc::downgrade(&inner), resource));
+            } else {
+                // No longer subscribed: a waiter that comes later must not take the channel
+                // for one it listens on (`listening`, `ensure_subscribed`).
+                rt.spawn(forget_unless_waited(Arc::downgrade(&inner), resource));
             }
         }
         PushKind::Disconnection => {
             tracing::warn!("redis connection lost; waiters re-check once it is back");
-            if hub.watched() == 0 {
-                return;
-            }
             let Some(inner) = me.get().and_then(Weak::upgrade) else {
                 return;
             };
+            #[cfg(feature = "cluster")]
+            if inner.conn.is_cluster() {
+                resubscribe_cluster_soon(&inner);
+            }
+            if hub.watched() == 0 {
+                return;
+            }
             if inner.recovering.swap(true, Ordering::AcqRel) {
                 return;
             }
@@ -1528,4 +1720,23 @@ impl Drop for Sent<'_> {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The connection manager's task needs a runtime: made outside one, a lazy backend is a
+    /// typed error, not a panic in `tokio::spawn`.
+    #[test]
+    fn connecting_lazily_outside_a_tokio_runtime_is_unsupported() {
+        let err = RedisBackend::connect_lazy(
+            "redis://127.0.0.1:1",
+            RedisOptions::default(),
+            ReleaseHub::new(),
+        )
+        .unwrap_err();
+        assert!(err.is_unsupported(), "{err}");
+        assert!(err.to_string().contains("tokio runtime"), "{err}");
+    }
 }

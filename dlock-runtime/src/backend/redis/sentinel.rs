@@ -33,7 +33,10 @@
 //! master only after several of its INFO periods). A connection that waited for an error kept
 //! granting locks there beside the new master's holders. A sentinel connection that drops or
 //! comes back also starts a check (an announcement may have been missed), and each is probed
-//! every [`KEEPALIVE`] so one that comes back is subscribed again.
+//! every [`KEEPALIVE`] so one that comes back is subscribed again. A sentinel connection whose
+//! probe gets no answer in time may have gone silent, which its manager never notices: it is
+//! replaced by a new one (subscribed at the next probe), so the sentinels are heard, and asked
+//! for the master, again.
 //!
 //! Each master the connection follows is given an issuer number of its own (`INCR
 //! dlock:issuers` on it, distinct from the numbers of the masters before), and every reply and
@@ -154,12 +157,16 @@ fn sentinel_auth(query: &str) -> Result<Option<(Option<String>, String)>, LockEr
     };
     let (mut user, mut password) = (None, None);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let (k, v, named) = match pair.split_once('=') {
+            Some((k, v)) => (k, v, true),
+            None => (pair, "", false),
+        };
         let slot = match k {
             "sentinel_username" => &mut user,
             "sentinel_password" => &mut password,
-            // A stray secret (`?hunter2`) is not echoed: only a name-like key is.
-            _ if k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') => {
+            // A stray secret (`?hunter2`, `?correcthorse`: a bare word, with no `=`) is not
+            // echoed: only a name-like key given a value is.
+            _ if named && k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') => {
                 return Err(invalid(format!(
                     "unknown parameter `{k}` (known: sentinel_username, sentinel_password)"
                 )))
@@ -729,14 +736,43 @@ impl SentinelLink {
         cur.0.clone()
     }
 
+    /// Replaces the connection to this sentinel by a new one (made on first use, on this
+    /// runtime; subscribed to nothing): one that a probe got no answer on in time may have gone
+    /// silent, and its manager reconnects only on a reset or a close. Without a runtime,
+    /// nothing.
+    fn replace(&self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let Ok(conn) =
+            ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+        else {
+            return;
+        };
+        let old = std::mem::replace(
+            &mut *self.conn.write().unwrap_or_else(PoisonError::into_inner),
+            (conn, watch_runtime()),
+        );
+        self.subscribed.store(false, Ordering::Release);
+        // Outside the lock: the last handle of the old connection closes it.
+        drop(old);
+        tracing::debug!("redis sentinel: a connection to a sentinel went silent; replaced");
+    }
+
     /// Subscribes to the [`ANNOUNCEMENTS`] (again: a sentinel answers a repeated subscription
     /// alike), within `limit`; whether it did.
     async fn subscribe(&self, limit: Duration) -> bool {
         let mut conn = self.conn();
-        let ok = matches!(
-            tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await,
-            Ok(Ok(()))
-        );
+        let ok = match tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) if !e.is_timeout() => false,
+            // No answer in time: perhaps silent (see `replace`).
+            _ => {
+                drop(conn);
+                self.replace();
+                return false;
+            }
+        };
         self.subscribed.store(ok, Ordering::Release);
         ok
     }
@@ -755,8 +791,9 @@ fn announces(channel: &str, payload: &str, name: &str) -> bool {
 }
 
 /// Probes every sentinel connection each [`KEEPALIVE`]: one that does not answer is marked
-/// unsubscribed; one that is unsubscribed is subscribed again, and once it is, the followers
-/// check the master (a switch may have been announced while it was away).
+/// unsubscribed — and replaced, when no answer came in time (see [`SentinelLink::replace`]);
+/// one that is unsubscribed is subscribed again, and once it is, the followers check the master
+/// (a switch may have been announced while it was away).
 async fn keep_alive(sentinels: Weak<Sentinels>) {
     loop {
         tokio::time::sleep(KEEPALIVE).await;
@@ -766,12 +803,10 @@ async fn keep_alive(sentinels: Weak<Sentinels>) {
             if l.subscribed.load(Ordering::Acquire) {
                 let mut conn = l.conn();
                 let ping = redis::cmd("PING");
-                let ok = matches!(
-                    tokio::time::timeout(limit, ping.query_async::<()>(&mut conn)).await,
-                    Ok(Ok(()))
-                );
-                if !ok {
-                    l.subscribed.store(false, Ordering::Release);
+                match tokio::time::timeout(limit, ping.query_async::<()>(&mut conn)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) if !e.is_timeout() => l.subscribed.store(false, Ordering::Release),
+                    _ => l.replace(),
                 }
                 false
             } else {
@@ -1219,10 +1254,12 @@ mod tests {
             "sentinel_password=%zz",
             "sentinel_pasword=hunter2",
             "hunter2",
+            "correcthorse",
         ] {
             let e = with(bad).unwrap_err();
             assert!(e.is_misconfigured(), "{bad}: {e}");
             assert!(!e.to_string().contains("hunter2"), "{bad}: {e}");
+            assert!(!e.to_string().contains("correcthorse"), "{bad}: {e}");
         }
         assert!(with("sentinel_pasword=x")
             .unwrap_err()
