@@ -36,6 +36,20 @@ EXCEPTION WHEN OTHERS THEN
   CREATE OR REPLACE FUNCTION dlock.dlock_timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
 END $$;
 
+-- Makes the calling transaction's commit wait for its WAL to be written out on this server
+-- (version 6) when the session would not (synchronous_commit = off): a grant, a lease restart
+-- or renewal, an idempotency result answered and then lost in a crash gives the lock to a
+-- second owner with the same token, or runs the work again. 'local' and every stronger setting
+-- are left alone: 'local' is enough for a crash of this server (a promotion raises the fencing
+-- epoch), and forcing 'on' would make the lock service wait for a synchronous standby that the
+-- operator kept it out of. Transaction-local: nothing leaks to the next user of the connection
+-- (PgBouncer).
+CREATE OR REPLACE FUNCTION dlock.dlock_durable_commit() RETURNS void
+LANGUAGE sql AS $$
+  SELECT CASE WHEN current_setting('synchronous_commit') = 'off'
+    THEN set_config('synchronous_commit', 'local', true) END;
+$$;
+
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
 -- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
@@ -59,15 +73,14 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
 -- Every grant draws its token here, so here its transaction is made to commit durably
--- (version 6): with synchronous_commit off (server, database, role or connection options), a
--- crash right after the answer would lose the grant and the sequence's advance, and the next
--- grant would go to another owner with the same token. Transaction-local: nothing leaks to the
--- next user of the connection (PgBouncer).
+-- (version 6, durable_commit): with synchronous_commit off (server, database, role or
+-- connection options), a crash right after the answer would lose the grant and the sequence's
+-- advance, and the next grant would go to another owner with the same token.
 CREATE OR REPLACE FUNCTION dlock.dlock_next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline(); e bigint;
 BEGIN
-  PERFORM set_config('synchronous_commit', 'on', true);
+  PERFORM dlock.dlock_durable_commit();
   SELECT epoch INTO e FROM dlock.dlock_fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
     UPDATE dlock.dlock_fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
@@ -232,7 +245,7 @@ BEGIN
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     IF l.owner = p_token THEN
       -- A lease restarted: as durable as a grant (version 6; see next_fence).
-      PERFORM set_config('synchronous_commit', 'on', true);
+      PERFORM dlock.dlock_durable_commit();
       UPDATE dlock.dlock_locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
        WHERE name = p_name;
       RETURN l.fence;
@@ -306,7 +319,7 @@ END $$;
 -- Durable like a grant (version 6): a holder counts its lease from the answer.
 CREATE OR REPLACE FUNCTION dlock.dlock_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
-  SELECT set_config('synchronous_commit', 'on', true);
+  SELECT dlock.dlock_durable_commit();
   UPDATE dlock.dlock_locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
@@ -366,7 +379,7 @@ BEGIN
   PERFORM dlock.dlock_serialise(p_name);
   SELECT owner, expires_at, barged INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
   IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
-  PERFORM set_config('synchronous_commit', 'on', true);
+  PERFORM dlock.dlock_durable_commit();
   INSERT INTO dlock.dlock_idempotency AS i (name, fingerprint, owner, result, expires_at)
   VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -489,7 +502,7 @@ END $$;
 -- owner tokens whose lease was extended. Durable like a grant (version 6).
 CREATE OR REPLACE FUNCTION dlock.dlock_kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
-  SELECT set_config('synchronous_commit', 'on', true);
+  SELECT dlock.dlock_durable_commit();
   UPDATE dlock.dlock_holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()

@@ -518,53 +518,6 @@ async fn a_waiter_hears_the_release_on_its_shards_promoted_replica() {
     .await;
 }
 
-/// A master frozen (no reset, no close: its connections stay open) and failed over by the
-/// cluster is left: the locker's commands for its slots time out, which has its connection
-/// made anew, reading the slot map afresh, and acquires on that shard work again on the
-/// promoted replica within seconds of the failover. Before, redis-rs kept sending to the
-/// frozen node (a timed-out command is retried on the same node's connection; the slot map is
-/// read again only on a node's own error or a dropped connection), and every acquire there
-/// failed as unavailable until the master woke. (Its own cluster: this test freezes a node.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_master_failed_over_is_left() {
-    let mut cluster = RedisCluster::start(3, 1);
-    let seed = cluster.nodes[0].port();
-    let locker = Locker::builder()
-        .prefix("frozen")
-        .command_timeout(Duration::from_millis(500))
-        .connect(&cluster.url())
-        .await
-        .unwrap();
-    let key = "k";
-    let range = range_of_key(&locker, seed, key).await;
-    locker
-        .lock(key)
-        .acquire()
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
-    let master = cluster.index_of(range.master);
-    // Thawed and killed with the cluster, also if the test fails.
-    cluster.nodes[master].pause();
-    tokio::task::block_in_place(|| {
-        cluster.wait_failed_over(range.master, Duration::from_secs(30));
-    });
-    // Within seconds of the failover (the poll's limit), not when the master wakes.
-    let g = poll_until(
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        async || match locker.lock(key).try_acquire().await {
-            Ok(Some(g)) => Ok(g),
-            Ok(None) => Err("held".to_owned()),
-            Err(e) => Err(e.to_string()),
-        },
-    )
-    .await;
-    g.release().await.unwrap();
-}
-
 /// The durable queue runs on the cluster (`redis+cluster://`), its enqueues waiting for their
 /// shard's replica: see [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

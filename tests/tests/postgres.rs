@@ -1910,3 +1910,46 @@ async fn from_pool_shares_the_services_pool() {
     .expect("from pool");
     until_listening(&[&backend], Duration::from_secs(5)).await;
 }
+
+/// A grant's transaction commits durably without overriding what the operator chose: the
+/// schema raises `synchronous_commit` from `off` to `local` (its WAL written out on this
+/// server) and leaves `local` and stronger settings alone. The first version forced `on`,
+/// which made a role kept out of a synchronous standby's wait (`local`) wait for it: with that
+/// standby down, every grant stalled, holding its name's locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_raises_synchronous_commit_from_off_to_local_and_leaves_stronger_settings() {
+    let db = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.create_database("durable_commit")
+    })
+    .await;
+    let (locker, _) = locker_at(&direct_url(&db), Duration::from_secs(2)).await;
+    token_of_a_grant(&locker, "durable:k").await;
+    for (session, during_a_grant) in [
+        ("off", "local"),
+        ("local", "local"),
+        ("remote_write", "remote_write"),
+        ("on", "on"),
+        ("remote_apply", "remote_apply"),
+    ] {
+        let db2 = db.clone();
+        let shown = blocking(move || {
+            let server = shared();
+            let server = server.lock().unwrap_or_else(|e| e.into_inner());
+            server.psql_in(
+                &db2,
+                &format!(
+                    "BEGIN; SET LOCAL synchronous_commit = {session}; \
+                     SELECT dlock.dlock_next_fence(); SHOW synchronous_commit; ROLLBACK"
+                ),
+            )
+        })
+        .await;
+        assert_eq!(
+            shown.lines().last(),
+            Some(during_a_grant),
+            "{session}: {shown}"
+        );
+    }
+}

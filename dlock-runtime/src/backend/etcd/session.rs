@@ -1071,6 +1071,10 @@ impl EtcdBackend {
                 let lease = self.grant(left).await?;
                 // A try of it landing late moves the key to the same lease: as good.
                 if !self.relet_on(&own, create, lease).await? {
+                    // Gone (its session lapsed): not the owner. Its entry goes as a release's
+                    // does (its delete compares the value: harmless), or it would keep its name
+                    // and its session for good.
+                    let _ = self.release_registered(key).await;
                     return Ok(false);
                 }
                 self.sessions.ending(key, until);

@@ -17,8 +17,9 @@
 //!   clock slewed, not stepped (chrony without `makestep` past boot, `ntpd -x`); the fencing
 //!   token still orders the two holders' writes at a resource that checks it.
 //! * **Durable grants**: every grant, handoff, lease extension and idempotency result commits
-//!   with `synchronous_commit = on`, whatever the server, database, role or connection says
-//!   (set for its own transaction only; see [`schema`](self#schema)): with it `off`, a crash
+//!   with its WAL written out on the server: `synchronous_commit = off` (server, database, role
+//!   or connection) is raised to `local` for its own transaction, stronger settings are left
+//!   alone (see [`schema`](self#schema)): with it `off`, a crash
 //!   right after the answer lost the grant and the sequence's advance, so the lock went to a
 //!   second owner with the same fencing token.
 //! * **Fencing tokens** are an epoch × 2^48 plus the next value of one sequence per schema

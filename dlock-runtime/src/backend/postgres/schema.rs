@@ -59,9 +59,11 @@
 //! connection's `options=-c synchronous_commit=off` — returns before its WAL is flushed: a
 //! crash (or `kill -9` of the server) up to three `wal_writer_delay`s later loses the grant and
 //! the sequence's advance, so the lock is granted again to another owner with the very fencing
-//! token the first was given. Every function whose commit must outlive a crash therefore sets
-//! `synchronous_commit` to `on` for its own transaction (`set_config(…, true)`: transaction-
-//! local, so it never leaks to the next client of a PgBouncer server connection; version 6):
+//! token the first was given. Every function whose commit must outlive a crash therefore raises
+//! `synchronous_commit` from `off` to `local` for its own transaction (`durable_commit`:
+//! `set_config(…, true)`, transaction-local, so it never leaks to the next client of a PgBouncer
+//! server connection; version 6) — `local` and stronger settings are left as they are, so a
+//! role kept out of a synchronous standby's wait (`synchronous_commit = local`) stays out:
 //! `next_fence`, which every grant and handoff calls (`acquire`, `pass_on`, `kind_acquire`,
 //! `idem_begin`, the admin's force-release), and the writes of a lease that a holder counts
 //! on — `acquire` finding the lock already the caller's, `extend`, `kind_extend` — and of an
@@ -92,7 +94,8 @@
 //! first holder's lease or queue entry ends (version 4 answered no time, or only the holders',
 //! so a waiter behind a dead one asked again only on its next backoff step). Version 6 changed
 //! five function bodies: `next_fence`, `acquire`, `extend`, `kind_extend` and `idem_complete`
-//! force `synchronous_commit` on for their transaction (see *Durability of a grant*), and
+//! raise `synchronous_commit` from `off` to `local` for their transaction (`durable_commit`, new;
+//! see *Durability of a grant*), and
 //! `next_fence` raises an exhausted token space as SQLSTATE `54000` (`program_limit_exceeded`,
 //! which the backend reports as [`LockError::Misconfigured`](crate::LockError::Misconfigured):
 //! retrying does not change it) rather than the generic `P0001`. The DDL refuses to run over a
@@ -149,6 +152,20 @@ EXCEPTION WHEN OTHERS THEN
   CREATE OR REPLACE FUNCTION @s@.@p@timeline() RETURNS bigint LANGUAGE sql AS 'SELECT 1::bigint';
 END $$;
 
+-- Makes the calling transaction's commit wait for its WAL to be written out on this server
+-- (version 6) when the session would not (synchronous_commit = off): a grant, a lease restart
+-- or renewal, an idempotency result answered and then lost in a crash gives the lock to a
+-- second owner with the same token, or runs the work again. 'local' and every stronger setting
+-- are left alone: 'local' is enough for a crash of this server (a promotion raises the fencing
+-- epoch), and forcing 'on' would make the lock service wait for a synchronous standby that the
+-- operator kept it out of. Transaction-local: nothing leaks to the next user of the connection
+-- (PgBouncer).
+CREATE OR REPLACE FUNCTION @s@.@p@durable_commit() RETURNS void
+LANGUAGE sql AS $$
+  SELECT CASE WHEN current_setting('synchronous_commit') = 'off'
+    THEN set_config('synchronous_commit', 'local', true) END;
+$$;
+
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
 -- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
@@ -172,15 +189,14 @@ CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
 -- Every grant draws its token here, so here its transaction is made to commit durably
--- (version 6): with synchronous_commit off (server, database, role or connection options), a
--- crash right after the answer would lose the grant and the sequence's advance, and the next
--- grant would go to another owner with the same token. Transaction-local: nothing leaks to the
--- next user of the connection (PgBouncer).
+-- (version 6, durable_commit): with synchronous_commit off (server, database, role or
+-- connection options), a crash right after the answer would lose the grant and the sequence's
+-- advance, and the next grant would go to another owner with the same token.
 CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline(); e bigint;
 BEGIN
-  PERFORM set_config('synchronous_commit', 'on', true);
+  PERFORM @s@.@p@durable_commit();
   SELECT epoch INTO e FROM @s@.@p@fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
     UPDATE @s@.@p@fence_epoch SET epoch = epoch + greatest(tl - timeline, 1), timeline = tl
@@ -345,7 +361,7 @@ BEGIN
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     IF l.owner = p_token THEN
       -- A lease restarted: as durable as a grant (version 6; see next_fence).
-      PERFORM set_config('synchronous_commit', 'on', true);
+      PERFORM @s@.@p@durable_commit();
       UPDATE @s@.@p@locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
        WHERE name = p_name;
       RETURN l.fence;
@@ -419,7 +435,7 @@ END $$;
 -- Durable like a grant (version 6): a holder counts its lease from the answer.
 CREATE OR REPLACE FUNCTION @s@.@p@extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
-  SELECT set_config('synchronous_commit', 'on', true);
+  SELECT @s@.@p@durable_commit();
   UPDATE @s@.@p@locks k SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE k.name = u.name AND k.owner = u.token AND k.expires_at > clock_timestamp()
@@ -479,7 +495,7 @@ BEGIN
   PERFORM @s@.@p@serialise(p_name);
   SELECT owner, expires_at, barged INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
   IF NOT FOUND OR l.owner <> p_token OR l.expires_at <= clock_timestamp() THEN RETURN 0; END IF;
-  PERFORM set_config('synchronous_commit', 'on', true);
+  PERFORM @s@.@p@durable_commit();
   INSERT INTO @s@.@p@idempotency AS i (name, fingerprint, owner, result, expires_at)
   VALUES (p_name, p_fp, NULL, p_result, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
@@ -602,7 +618,7 @@ END $$;
 -- owner tokens whose lease was extended. Durable like a grant (version 6).
 CREATE OR REPLACE FUNCTION @s@.@p@kind_extend(p_names text[], p_tokens text[], p_ttls_ms bigint[])
 RETURNS SETOF text LANGUAGE sql AS $$
-  SELECT set_config('synchronous_commit', 'on', true);
+  SELECT @s@.@p@durable_commit();
   UPDATE @s@.@p@holders h SET expires_at = clock_timestamp() + u.ttl * interval '1 millisecond'
     FROM unnest(p_names, p_tokens, p_ttls_ms) AS u(name, token, ttl)
    WHERE h.name = u.name AND h.owner = u.token AND h.expires_at > clock_timestamp()

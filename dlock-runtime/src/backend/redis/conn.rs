@@ -13,11 +13,13 @@
 //! socket — many minutes. The backend's connection to one server is therefore a
 //! [`ServerLink`], which replaces a connection that a command timed out on and that does not
 //! answer a `PING` either (see there). The cluster client follows a cluster's failovers and
-//! lost nodes — but not a node gone silent, whose connection it keeps, even once the cluster
-//! failed that master over: a [`ClusterLink`] a command timed out on is made anew, reading the
-//! slot map afresh ([`ClusterLink::suspect`]). The cluster client also lives on a task of the
-//! runtime it was made on, and once that runtime shuts down it is gone for good: a
-//! [`ClusterLink`] makes it anew on the runtime of its next use (see there).
+//! lost nodes, but it lives on a task of the runtime it was made on, and once that runtime
+//! shuts down it is gone for good: a [`ClusterLink`] makes it anew on the runtime of its next
+//! use (see there). What it does not follow is a node gone silent (a frozen master: no reset,
+//! no close): it retries a timed-out command on that node's connection and reads the slot map
+//! again only on an error a node answers or a dropped connection, so a frozen master's slots
+//! stay unserved (`Unavailable`) until it wakes or the kernel gives up on the connection, even
+//! once the cluster has failed it over.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak};
@@ -172,23 +174,12 @@ impl Conn {
 
     /// Told the failure of a command sent through this handle: a timeout (no answer within
     /// the command timeout) may mean the connection went silent, which the backend's connection
-    /// to one server then checks ([`ServerLink::suspect`]), and a cluster's replaces
-    /// ([`ClusterLink::suspect`]: redis-rs reconnects a node's connection that dropped, but
-    /// keeps one that went silent, a frozen master, even after the cluster failed it over).
-    /// Sentinel's starts its check on such a failure by itself.
+    /// to one server then checks ([`ServerLink::suspect`]). Sentinel's starts its check on such
+    /// a failure by itself; a cluster's reconnects a node's connection that dropped, but not one
+    /// that went silent (see the module docs).
     pub(crate) fn failed(&self, e: &redis::RedisError) {
-        if !e.is_timeout() {
-            return;
-        }
-        match self {
-            Conn::Server(c) => c.suspect(),
-            #[cfg(feature = "cluster")]
-            Conn::Cluster { cmds, subs } => {
-                cmds.suspect();
-                subs.suspect();
-            }
-            #[allow(unreachable_patterns)]
-            _ => {}
+        if let (true, Some(c)) = (e.is_timeout(), self.server()) {
+            c.suspect();
         }
     }
 
@@ -211,11 +202,6 @@ impl Conn {
     pub(crate) fn timed_out(&self) {
         match self {
             Conn::Server(c) => c.suspect(),
-            #[cfg(feature = "cluster")]
-            Conn::Cluster { cmds, subs } => {
-                cmds.suspect();
-                subs.suspect();
-            }
             // A command cut off by the caller's deadline never reached the connection's own
             // failure handling, which starts the check (see `SentinelConn`).
             #[cfg(feature = "sentinel")]
@@ -229,19 +215,13 @@ impl Conn {
     /// ([`timed_out`](Conn::timed_out)) once it waited as long as a check's `PING` may, or
     /// [`CUT_OFF_AFTER`] if less. One dropped sooner says nothing of the connection — a Redlock
     /// node's acquire dropped once the majority answered, a cancelled waiter's attempt — and
-    /// costs no `PING` (every Redlock acquire cost one). On a cluster, once it waited half a
-    /// connect deadline (a new connection costs more than a `PING`). Not behind Sentinel: its
-    /// check asks every sentinel, and a cancelled caller is no sign of a failover.
+    /// costs no `PING` (every Redlock acquire cost one). One server only: Sentinel's check
+    /// asks every sentinel, and a cancelled caller is no sign of a failover.
     pub(super) fn cut_off(&self, waited: Duration) {
-        match self {
-            Conn::Server(c) if waited >= c.shared.probe.min(CUT_OFF_AFTER) => c.suspect(),
-            // As long as a command's own deadline: a cancelled waiter's attempt is not one.
-            #[cfg(feature = "cluster")]
-            Conn::Cluster { cmds, subs } if waited >= cmds.shared.limit / 2 => {
-                cmds.suspect();
-                subs.suspect();
+        if let Some(c) = self.server() {
+            if waited >= c.shared.probe.min(CUT_OFF_AFTER) {
+                c.suspect();
             }
-            _ => {}
         }
     }
 
@@ -818,9 +798,8 @@ pub(crate) enum LinkEvent {
     /// The runtime running the connection's driver shut down: the connection, and everything
     /// it was subscribed to, is gone. Told from inside that runtime's shutdown.
     Gone,
-    /// A new connection replaced one whose driver was gone, or one a command timed out on
-    /// ([`ClusterLink::suspect`]); it is subscribed to nothing. Told on the runtime that made
-    /// it, which runs its driver.
+    /// A new connection replaced one whose driver was gone; it is subscribed to nothing. Told
+    /// on the runtime that made it, which runs its driver.
     Remade,
 }
 
@@ -839,8 +818,6 @@ struct Link {
     /// that failed answers with its failure instead of trying again at once (a cluster that
     /// does not answer costs each caller one connect deadline, not one per caller before it).
     failed: AtomicU64,
-    /// A check of the connection after a timeout is under way ([`ClusterLink::suspect`]).
-    checking: AtomicBool,
     on_event: OnceLock<OnEvent>,
 }
 
@@ -898,7 +875,6 @@ impl ClusterLink {
             }),
             remaking: tokio::sync::Mutex::new(()),
             failed: AtomicU64::new(0),
-            checking: AtomicBool::new(false),
             on_event: OnceLock::new(),
         });
         Ok(ClusterLink { shared, conn: None })
@@ -932,37 +908,6 @@ impl ClusterLink {
             Some((c, _)) => Ok(c),
             None => Err(gone_error()),
         }
-    }
-
-    /// A command timed out: a node may have gone silent (a frozen master: no reset, no close),
-    /// which redis-rs keeps sending to — it retries a timed-out command on the same node's
-    /// connection and reads the slot map again only on a node's own error or a dropped
-    /// connection — even after the cluster failed that master over. So a new connection is
-    /// made, on a task of this runtime, reading the slot map afresh, and replaces the current
-    /// one (commands under way finish on the old one); the backend is told ([`LinkEvent::Remade`]:
-    /// the subscriptions are made again). One check at a time, and at most one every half a
-    /// connect deadline: a master that stays frozen and is not failed over costs a new
-    /// connection that often while commands time out. A cluster that does not answer keeps
-    /// the current connection. Without a runtime, nothing.
-    pub(super) fn suspect(&self) {
-        if self.shared.checking.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            self.shared.checking.store(false, Ordering::Release);
-            return;
-        };
-        let weak = Arc::downgrade(&self.shared);
-        rt.spawn(async move {
-            let Some(link) = weak.upgrade() else { return };
-            let next = tokio::time::Instant::now() + link.limit / 2;
-            link.replace_silent().await;
-            drop(link);
-            tokio::time::sleep_until(next).await;
-            if let Some(link) = weak.upgrade() {
-                link.checking.store(false, Ordering::Release);
-            }
-        });
     }
 
     /// Whether the link's connection is live, as far as is known (its runtime has not shut
@@ -1094,19 +1039,12 @@ impl Link {
                 )));
             }
         };
-        let generation = self.install(conn.clone());
-        tracing::debug!("redis cluster connection made anew: its runtime had shut down");
-        Ok((conn, generation))
-    }
-
-    /// Makes `conn` the current connection and tells the backend; its generation. The caller
-    /// holds `remaking`, so only it changes the generation.
-    fn install(self: &Arc<Self>, conn: ClusterConnection) -> u64 {
-        // The watch is spawned before the write lock is taken: on a runtime shutting down, it
-        // is dropped at once, and its drop reads `current`.
+        // Only this caller changes the generation (it holds `remaking`). The watch is spawned
+        // before the write lock is taken: on a runtime shutting down, it is dropped at once,
+        // and its drop reads `current`.
         let generation = self.read().generation + 1;
         let next = Current {
-            conn,
+            conn: conn.clone(),
             generation,
             watch: watch(Arc::downgrade(self), generation),
             dead: AtomicBool::new(false),
@@ -1116,36 +1054,11 @@ impl Link {
             next,
         );
         drop(old);
+        tracing::debug!("redis cluster connection made anew: its runtime had shut down");
         if let Some(f) = self.on_event.get() {
             f(LinkEvent::Remade);
         }
-        generation
-    }
-
-    /// [`ClusterLink::suspect`]'s check: a new connection (the slot map read afresh) in place
-    /// of the current one, unless another caller replaced it meanwhile or no node answers.
-    async fn replace_silent(self: &Arc<Self>) {
-        let generation = self.read().generation;
-        let _one = self.remaking.lock().await;
-        if self.read().generation != generation {
-            return;
-        }
-        match tokio::time::timeout(self.limit, self.client.get_async_connection()).await {
-            Ok(Ok(conn)) => {
-                self.install(conn);
-                tracing::debug!(
-                    "redis cluster: a command timed out; connection made anew, the slot map \
-                     read afresh"
-                );
-            }
-            Ok(Err(e)) => tracing::debug!(
-                error = ?e.kind(),
-                "redis cluster: a command timed out, and no new connection could be made"
-            ),
-            Err(_) => tracing::debug!(
-                "redis cluster: a command timed out, and no node answered a new connection"
-            ),
-        }
+        Ok((conn, generation))
     }
 }
 

@@ -53,17 +53,13 @@
 //!   command on the subscriptions connection has it read the slot map again. So on such a drop
 //!   every channel is taken for unsubscribed and those with local waiters are subscribed again
 //!   (`SSUBSCRIBE`, to the channel's current master), round after round until all are — through
-//!   a failover — each round that subscribed any waking the waiters to re-check.
+//!   a failover — waking the waiters to re-check when one is.
 //! * A cluster node's connection that went silent (a frozen master: no reset, no close) is one
 //!   redis-rs keeps: it retries a timed-out command on the same node's connection and reads the
-//!   slot map again only on an error the node itself answers (`MOVED`, …) or a dropped
-//!   connection — so even once the cluster has failed that master over, its slots would stay
-//!   unserved until it wakes or the kernel gives up on the connection. So a cluster command
-//!   that timed out (or was given up by the caller after half a connect deadline) has both
-//!   connections made anew (`conn::ClusterLink::suspect`: one at a time, at most one every
-//!   half connect deadline), which read the slot map afresh; the new subscriptions connection
-//!   subscribes again, as above. Until the failover, commands for that master's slots fail
-//!   with [`LockError::Unavailable`]; the other shards are not affected.
+//!   slot map again only on an error a node answers (`MOVED`, …) or a dropped connection. So
+//!   even once the cluster has failed a frozen master over, its slots stay unserved
+//!   ([`LockError::Unavailable`]) until it wakes or the kernel gives up on the connection; the
+//!   other shards are not affected. Not handled yet (see the README).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -1181,9 +1177,26 @@ fn resubscribe_cluster_soon(inner: &Arc<Inner>) {
     }
     match tokio::runtime::Handle::try_current() {
         Ok(rt) => {
-            rt.spawn(resubscribe_after_disconnection(Arc::downgrade(inner)));
+            let weak = Arc::downgrade(inner);
+            let running = Running(weak.clone(), true);
+            rt.spawn(resubscribe_after_disconnection(weak, running));
         }
         Err(_) => inner.resubscribing.store(false, Ordering::Release),
+    }
+}
+
+/// Clears `resubscribing` when [`resubscribe_after_disconnection`] is dropped before it ends
+/// (its runtime shut down, maybe before it first ran): else no drop would be acted on again.
+/// Disarmed (`.1`) when the task ends by itself, having cleared it.
+#[cfg(feature = "cluster")]
+struct Running(Weak<Inner>, bool);
+
+#[cfg(feature = "cluster")]
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let (true, Some(me)) = (self.1, self.0.upgrade()) {
+            me.resubscribing.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -1193,24 +1206,41 @@ fn resubscribe_cluster_soon(inner: &Arc<Inner>) {
 /// channel was on is not known here, so every channel is taken for unsubscribed (a waiter that
 /// comes meanwhile subscribes itself), and those of locks with local waiters are subscribed
 /// again (`SSUBSCRIBE`, which reaches the channel's current master; one already there stays
-/// so), round after round with a growing pause, until all are; waiters are woken to re-check
-/// after each round that subscribed any, as releases published meanwhile were missed.
+/// so), round after round with a growing pause, until all are. Waiters are woken to re-check
+/// when a channel is subscribed again (a release published meanwhile was missed) — not on
+/// rounds that subscribed nothing new.
+///
+/// The set of subscribed channels is locked only to take channels from it and to put them back,
+/// never across a subscription's round trip: a new waiter, of any shard, subscribes meanwhile
+/// without waiting for a round that waits on a node that does not answer.
 #[cfg(feature = "cluster")]
-async fn resubscribe_after_disconnection(inner: Weak<Inner>) {
+async fn resubscribe_after_disconnection(inner: Weak<Inner>, mut running: Running) {
     let mut pending: HashSet<String> = HashSet::new();
     let mut pause = Duration::from_millis(50);
     loop {
         let Some(me) = inner.upgrade() else { return };
-        me.resubscribe_again.store(false, Ordering::Release);
-        let mut subscribed = me.subscribed.lock().await;
         let wanted = |channel: &String| {
             channel
                 .strip_suffix(CHANNEL_SUFFIX)
                 .and_then(|r| r.strip_suffix(':'))
                 .is_some_and(|r| me.hub.has_waiters(r))
         };
-        pending.extend(subscribed.drain());
+        // A drop told since the last round (the first one too): every channel again.
+        if me.resubscribe_again.swap(false, Ordering::AcqRel) {
+            pending.extend(me.subscribed.lock().await.drain());
+        }
         pending.retain(wanted);
+        if pending.is_empty() {
+            me.resubscribing.store(false, Ordering::Release);
+            // A drop told between the check and the store above found the task still running.
+            if !me.resubscribe_again.load(Ordering::Acquire)
+                || me.resubscribing.swap(true, Ordering::AcqRel)
+            {
+                running.1 = false;
+                return;
+            }
+            continue;
+        }
         let limit = me.opts.command_timeout;
         let asks = pending.drain().map(|channel| {
             let mut conn = me.conn.clone();
@@ -1222,31 +1252,24 @@ async fn resubscribe_after_disconnection(inner: Weak<Inner>) {
                 (channel, ok)
             }
         });
+        let answers = futures_util::future::join_all(asks).await;
         let mut heard = false;
-        for (channel, ok) in futures_util::future::join_all(asks).await {
-            if ok {
-                subscribed.insert(channel);
-                heard = true;
-            } else {
-                pending.insert(channel);
+        {
+            let mut subscribed = me.subscribed.lock().await;
+            for (channel, ok) in answers {
+                if !ok {
+                    pending.insert(channel);
+                } else if wanted(&channel) && subscribed.insert(channel) {
+                    // (A channel whose waiters left meanwhile is not kept: its unsubscribe
+                    // may have gone out before this subscription; a later waiter subscribes.)
+                    heard = true;
+                }
             }
         }
-        drop(subscribed);
         if heard {
             me.hub.notify_all();
         }
-        if pending.is_empty() || me.hub.watched() == 0 {
-            pending.clear();
-            if me.resubscribe_again.load(Ordering::Acquire) {
-                continue;
-            }
-            me.resubscribing.store(false, Ordering::Release);
-            // A drop told between the check and the store above found the task still running.
-            if !me.resubscribe_again.load(Ordering::Acquire)
-                || me.resubscribing.swap(true, Ordering::AcqRel)
-            {
-                return;
-            }
+        if pending.is_empty() {
             continue;
         }
         drop(me);

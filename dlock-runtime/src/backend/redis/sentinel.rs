@@ -763,16 +763,14 @@ impl SentinelLink {
     /// alike), within `limit`; whether it did.
     async fn subscribe(&self, limit: Duration) -> bool {
         let mut conn = self.conn();
-        let ok = match tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await {
-            Ok(Ok(())) => true,
-            Ok(Err(e)) if !e.is_timeout() => false,
-            // No answer in time: perhaps silent (see `replace`).
-            _ => {
-                drop(conn);
-                self.replace();
-                return false;
-            }
-        };
+        // Not replaced when this gets no answer in time: the connection may be one just made
+        // (lazily, by this very call), whose connect, sign-in and subscription together can take
+        // longer than a command — replaced each time, it would never be subscribed. A
+        // connection that answered and then falls silent is replaced by the probe.
+        let ok = matches!(
+            tokio::time::timeout(limit, conn.subscribe(&ANNOUNCEMENTS[..])).await,
+            Ok(Ok(()))
+        );
         self.subscribed.store(ok, Ordering::Release);
         ok
     }
@@ -791,7 +789,8 @@ fn announces(channel: &str, payload: &str, name: &str) -> bool {
 }
 
 /// Probes every sentinel connection each [`KEEPALIVE`]: one that does not answer is marked
-/// unsubscribed — and replaced, when no answer came in time (see [`SentinelLink::replace`]);
+/// unsubscribed — and replaced, when it was subscribed (it had answered) and no answer came in
+/// time (see [`SentinelLink::replace`]);
 /// one that is unsubscribed is subscribed again, and once it is, the followers check the master
 /// (a switch may have been announced while it was away).
 async fn keep_alive(sentinels: Weak<Sentinels>) {
