@@ -168,6 +168,30 @@ fn master_ports() -> Vec<u16> {
     c.nodes.iter().take(3).map(|n| n.port()).collect()
 }
 
+/// Spawns `locker`'s acquire of `key` (TTL `ttl`, waiting by `policy`) and returns it once it
+/// waits in the queue.
+async fn queued_waiter(
+    locker: &Locker,
+    key: &str,
+    ttl: Duration,
+    policy: dlock_runtime::RetryPolicy,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>> {
+    let before = locker.waiting();
+    let (w, key) = (locker.clone(), key.to_owned());
+    let wait = tokio::spawn(async move {
+        w.lock(&key)
+            .ttl(ttl)
+            .on_fail(OnFail::Retry(policy))
+            .acquire()
+            .await
+    });
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (locker.waiting() > before).then_some(())
+    })
+    .await;
+    wait
+}
+
 /// Releases `held`; the queued `wait` must be handed the lock within `limit` (else fails with
 /// `why`), with a larger fencing token; then releases that too.
 async fn release_and_hand_over(
@@ -461,18 +485,7 @@ async fn a_waiter_hears_the_release_on_its_shards_promoted_replica() {
         .backoff(Duration::from_secs(20), Duration::from_secs(20))
         .jitter(false)
         .through_outages(true);
-    let w = locker.clone();
-    let wait = tokio::spawn(async move {
-        w.lock(key)
-            .ttl(ttl)
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-    });
-    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (locker.waiting() == 1).then_some(())
-    })
-    .await;
+    let wait = queued_waiter(&locker, key, ttl, policy).await;
     // The replica has the waiter's queue entry too.
     let offset = async |port: u16, field: &str| {
         let info: String = redis::cmd("INFO")
@@ -1003,19 +1016,7 @@ async fn a_moved_slot_neither_shifts_replies_nor_deafens_its_waiters() {
     let policy = RetryPolicy::new(Duration::from_secs(60))
         .backoff(Duration::from_secs(20), Duration::from_secs(20))
         .jitter(false);
-    let w = locker.clone();
-    let key = a.clone();
-    let wait = tokio::spawn(async move {
-        w.lock(&key)
-            .ttl(ttl)
-            .on_fail(OnFail::Retry(policy))
-            .acquire()
-            .await
-    });
-    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
-        (locker.waiting() == 1).then_some(())
-    })
-    .await;
+    let wait = queued_waiter(&locker, &a, ttl, policy).await;
 
     // The waiter's locker keeps commands in flight on the old master's other slots.
     let stop = Arc::new(AtomicBool::new(false));

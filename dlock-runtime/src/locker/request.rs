@@ -1332,7 +1332,9 @@ mod tests {
     /// A lock handed over long after the waiter's last attempt — a TTL (20 ms) shorter than
     /// the time between attempts (a third of the 300 ms waiter TTL) — is asked for again and
     /// granted with its lease restarted; before, the handed-over lease, counted from that
-    /// attempt, had run out and the wait ended `Lost`.
+    /// attempt, had run out and the wait ended `Lost`. (How many attempts that takes is not
+    /// asserted: on a loaded machine the waiter's 100 ms timer may fire before the release,
+    /// and whether the handoff is then taken or asked for again depends on the gap.)
     #[tokio::test]
     async fn a_handoff_whose_lease_ran_out_since_the_last_attempt_is_asked_for_again() {
         let (locker, outage) = outage_locker();
@@ -1352,16 +1354,11 @@ mod tests {
             assert!(!waiter.is_finished(), "the waiter gave up");
             tokio::task::yield_now().await;
         }
-        let attempts = outage.attempts.load(Ordering::SeqCst);
+        // The handed-over lease (20 ms from the last attempt) runs out before the release.
         tokio::time::sleep(Duration::from_millis(50)).await;
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().expect("granted");
         assert!(guard.is_held());
-        assert_eq!(
-            outage.attempts.load(Ordering::SeqCst),
-            attempts + 1,
-            "one attempt after the handoff, none before it"
-        );
         guard.release().await.unwrap();
     }
 
