@@ -91,7 +91,8 @@ impl fmt::Debug for ElectionRequest<'_> {
 
 impl ElectionRequest<'_> {
     /// The leader's lease: how long after a leader dies (or is cut off) another candidate can
-    /// lead. Renewed every TTL/3 while leading. Default: the locker's default TTL.
+    /// lead. Renewed every third of its local lease (TTL/3 on most backends) while leading.
+    /// Default: the locker's default TTL.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self

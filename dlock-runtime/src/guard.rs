@@ -11,7 +11,8 @@ use crate::LockError;
 
 /// A held lock.
 ///
-/// * Renewed by the [`Locker`](crate::Locker)'s watchdog every TTL/3 while held (unless the request turned
+/// * Renewed by the [`Locker`](crate::Locker)'s watchdog every third of its local lease (TTL/3, less
+///   where the backend's lease margin shortens the local lease) while held (unless the request turned
 ///   auto-renewal off), so a long critical section keeps its lock.
 /// * [`lost`](LockGuard::lost) resolves as soon as the lock is known to be gone: an extend was
 ///   refused, renewal kept failing until the lease ran out, or the local lease clock ran out
@@ -79,7 +80,8 @@ impl LockGuard {
     ///
     /// `ttl` may be shorter than the current lease: after `extend` returns, the backend's
     /// expiry, the local lease ([`is_held`](LockGuard::is_held), [`remaining`](LockGuard::remaining),
-    /// [`lost`](LockGuard::lost)) and the watchdog's next renewal (due `ttl / 3` later) all
+    /// [`lost`](LockGuard::lost)) and the watchdog's next renewal (due a third of the new local
+    /// lease later) all
     /// follow `ttl`. A watchdog renewal of this lock already on its way is waited for first, so
     /// it can never overwrite the new lease. If the backend does not answer
     /// ([`LockError::Unavailable`]), or this future is dropped before it answered, the new lease

@@ -35,7 +35,8 @@
 //!   owner's lock.
 //! * **Fencing tokens** ([`LockGuard::fencing_token`]) strictly increasing per key, also across
 //!   expiry.
-//! * **Watchdog**: one renewal watchdog per locker extends every held guard at TTL/3 in batches;
+//! * **Watchdog**: one renewal watchdog per locker extends every held guard at a third of its
+//!   local lease (TTL/3, less where a backend's lease margin shortens the local lease) in batches;
 //!   [`LockGuard::lost`] fires as soon as a lock is known gone (refused renewal, or the local
 //!   lease clock ran out, e.g. after a process freeze).
 //! * **Fair waiting** ([`OnFail::Retry`]): waiters queue in the backend in arrival order; a

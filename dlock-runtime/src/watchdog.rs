@@ -4,7 +4,8 @@
 //! * **Renewal.** Held guards sit in one ordered schedule (`BTreeMap` keyed by due time), not a
 //!   task or timer each. The task sleeps until the earliest due time, takes every guard due
 //!   within a small batching window, and renews them with one [`Backend::extend_many`] call
-//!   (pipelined by network backends). A renewal is due every TTL/3. A guard whose extend
+//!   (pipelined by network backends). A renewal is due every third of the local lease (TTL/3,
+//!   less a third of the backend's [lease margin](Backend::lease_margin)). A guard whose extend
 //!   answers "not the owner" is lost at once; one whose extend fails keeps trying until its
 //!   local lease clock (`last successful renewal + TTL`, measured from when the request was
 //!   *sent*) runs out, and is then lost — which also catches a process that was frozen past its
@@ -24,7 +25,8 @@
 //!   calls and its release take turns (one small async mutex per guard, tried — never awaited — by the
 //!   watchdog), so a watchdog batch sent with the old TTL can never land after an `extend` and
 //!   overwrite it. After `extend(t)` the server's expiry, the local lease end (set exactly, so
-//!   it can move *earlier*) and the next renewal (due `t/3` later, renewing `t`) all follow `t`.
+//!   it can move *earlier*) and the next renewal (due a third of the local lease of `t` later,
+//!   renewing `t`) all follow `t`.
 //!
 //! The task is spawned lazily on the runtime of the first caller that needs it. The schedule
 //! and the command queue live outside the task, and the task does not depend on that runtime
@@ -146,6 +148,15 @@ fn lease_end(sent_ns: u64, ttl: Duration, margin: Duration) -> u64 {
     sent_ns.saturating_add(ttl.saturating_sub(margin).as_nanos() as u64)
 }
 
+/// When the renewal of a lease of `ttl` sent at `sent_ns` is due: after a third of what the
+/// local clock counts on (the TTL less the backend's margin), so that two renewals can fail
+/// before the local lease ends. A third of the TTL alone would come after the local lease on
+/// a backend whose margin is over two thirds of it (ZooKeeper caps the local lease at ¾ of the
+/// session timeout: at a TTL of twice the session, the local lease is ⅜ of the TTL).
+fn renewal_due(sent_ns: u64, ttl: Duration, margin: Duration) -> u64 {
+    sent_ns.saturating_add(ttl.saturating_sub(margin).as_nanos() as u64 / 3)
+}
+
 /// A release or abandon to run in the background, retried until it lands or `give_up` has
 /// passed (by then the lock and its queue entry have expired on their own).
 pub(crate) enum Cmd {
@@ -248,13 +259,14 @@ impl Watchdog {
         auto_renew: bool,
         labels: crate::metrics::Labels,
     ) -> Arc<GuardState> {
+        let margin = self.backend.lease_margin(lease);
         let state = Arc::new(GuardState {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             resource,
             token,
             fencing_token,
             ttl_ms: AtomicU64::new(ttl.as_millis().max(1) as u64),
-            lease_end: AtomicU64::new(lease_end(sent_ns, lease, self.backend.lease_margin(lease))),
+            lease_end: AtomicU64::new(lease_end(sent_ns, lease, margin)),
             due: AtomicU64::new(NOT_SCHEDULED),
             lost: CancellationToken::new(),
             done: AtomicBool::new(false),
@@ -265,7 +277,7 @@ impl Watchdog {
             key_log: self.key_log,
         });
         if auto_renew {
-            self.schedule_at(&state, sent_ns.saturating_add(lease.as_nanos() as u64 / 3));
+            self.schedule_at(&state, renewal_due(sent_ns, lease, margin));
         }
         state
     }
@@ -399,7 +411,7 @@ impl Watchdog {
                 pending.armed = false;
                 state.renewed(sent, ttl, margin);
                 if state.auto_renew {
-                    self.schedule_at(state, sent.saturating_add(ttl.as_nanos() as u64 / 3));
+                    self.schedule_at(state, renewal_due(sent, ttl, margin));
                 }
                 Ok(())
             }
@@ -581,8 +593,9 @@ impl Watchdog {
                 Some(Ok(true)) if g.lost.is_cancelled() => g.labels.renewal(true),
                 Some(Ok(true)) => {
                     g.labels.renewal(true);
-                    g.renewed(sent, item.ttl, self.backend.lease_margin(item.ttl));
-                    self.schedule_at(g, sent + ttl_ns / 3);
+                    let margin = self.backend.lease_margin(item.ttl);
+                    g.renewed(sent, item.ttl, margin);
+                    self.schedule_at(g, renewal_due(sent, item.ttl, margin));
                 }
                 Some(Ok(false)) => g.mark_lost("the backend no longer has this owner's lock"),
                 // Error or timeout: retry soon, until the local lease runs out.
@@ -857,6 +870,8 @@ mod tests {
         released: Arc<Notify>,
         /// An extend to this TTL is refused as invalid, once let go.
         refuse: Option<Refuse>,
+        /// The lease margin, in percent of the TTL.
+        margin_pct: u32,
     }
 
     /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid — or,
@@ -879,6 +894,9 @@ mod tests {
     impl Backend for Hooked {
         fn name(&self) -> &'static str {
             "hooked"
+        }
+        fn lease_margin(&self, ttl: Duration) -> Duration {
+            ttl * self.margin_pct / 100
         }
         fn acquire<'a>(&'a self, a: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
             self.inner.acquire(a)
@@ -948,6 +966,30 @@ mod tests {
         ) -> BoxFuture<'a, Result<(), LockError>> {
             self.inner.abandon(r, t)
         }
+    }
+
+    /// Renewals come every third of the local lease, not of the TTL: with a margin of 70 %
+    /// (the local lease 0.9 s of a 3 s TTL) a renewal at TTL/3 came after the local lease
+    /// had ended, and the guard was lost with the backend up.
+    #[tokio::test]
+    async fn renewals_come_within_a_local_lease_shortened_by_the_margin() {
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(Hooked {
+                margin_pct: 70,
+                ..Hooked::default()
+            });
+        let guard = locker
+            .lock("k")
+            .ttl(Duration::from_secs(3))
+            .acquire()
+            .await
+            .unwrap();
+        let lost = tokio::time::timeout(Duration::from_millis(1500), guard.lost()).await;
+        assert!(lost.is_err(), "lost with the backend up");
+        assert!(guard.is_held());
+        assert!(locker.renewals() >= 2, "{} renewals", locker.renewals());
+        guard.release().await.unwrap();
     }
 
     /// A locker over a [`Hooked`] backend whose batches wait at a gate, with the gate and the
