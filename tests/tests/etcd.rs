@@ -391,6 +391,96 @@ async fn a_put_landing_after_its_release_is_not_kept_alive_by_the_session() {
     keep.release().await.expect("the other lock stayed held");
 }
 
+/// A release cut off before its answer — its caller's deadline passed while the delete could
+/// not land (its connection went silent) — leaves the key to the session's next keepalive,
+/// and an `expire` (a release within a minimum hold) cut off before its key moved to a lease
+/// of its own leaves it to the first keepalive after the hold: the renewals of another lock of
+/// their TTL class keep that session alive, and before, both keys (one marked as being
+/// released, which prunings spare; one still marked held) stayed on it for the life of the
+/// process once the background retries had given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_cut_off_before_their_answer_leave_no_key_on_a_kept_session() {
+    use dlock_runtime::backend::{Attempt, Backend, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_renewed_as;
+    use dlock_tests::proxy::Proxy;
+    use etcd_client::{Client, GetOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let port = etcd_server::shared().lock().unwrap().client_port(0);
+    let path = Proxy::start(port).await.unwrap();
+    let backend = EtcdBackend::connect(
+        &format!("etcd://127.0.0.1:{}", path.port()),
+        EtcdOptions::default().command_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let locker = Locker::new(backend.clone());
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let run = dlock_runtime::conformance::unique_key("cut");
+    let ttl = Duration::from_secs(5);
+    let take = async |key: &str| {
+        let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+        let token = OwnerToken::generate();
+        let attempt = attempt_renewed_as(&locker, &resource, &token, WaitMode::Try, ttl)
+            .await
+            .unwrap();
+        assert!(matches!(attempt, Attempt::Acquired { .. }), "{attempt:?}");
+        (resource, token)
+    };
+    // Two locks of one TTL class: on one session lease.
+    let keep = take(&format!("{run}-keep")).await;
+    let cut = take(&format!("{run}-x")).await;
+    let hold = take(&format!("{run}-y")).await;
+    let dirs = [
+        lock_dir(&locker, &format!("{run}-x")),
+        lock_dir(&locker, &format!("{run}-y")),
+    ];
+    let keys = async || {
+        let mut kv = raw.kv_client();
+        let mut n = 0;
+        for dir in &dirs {
+            let got = kv
+                .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
+                .await
+                .unwrap();
+            n += got.kvs().len();
+        }
+        n
+    };
+    assert_eq!(keys().await, 2);
+
+    // The connection goes silent (the client drops it after its HTTP/2 keepalive times out
+    // and connects again); what the release and the expire send never arrives, and their
+    // callers give up.
+    assert!(path.silence() >= 1);
+    let limit = Duration::from_millis(300);
+    let (released, expired) = tokio::join!(
+        tokio::time::timeout(limit, backend.release(&cut.0, &cut.1)),
+        tokio::time::timeout(limit, backend.expire(&hold.0, &hold.1, Duration::from_secs(1))),
+    );
+    assert!(released.is_err(), "the release was answered");
+    assert!(expired.is_err(), "the expire was answered");
+
+    // The other lock's renewals keep the session alive; its keepalives delete the keys first
+    // (the held one after its hold).
+    poll_until(Duration::from_secs(10), Duration::from_millis(250), async || {
+        match backend.extend(&keep.0, &keep.1, ttl).await {
+            Ok(true) if keys().await == 0 => Ok(()),
+            Ok(true) => Err("a released key is still there".to_owned()),
+            Ok(false) => panic!("the session's other lock was lost"),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    assert!(
+        backend.extend(&keep.0, &keep.1, ttl).await.unwrap(),
+        "the session's other lock was lost"
+    );
+    assert!(backend.release(&keep.0, &keep.1).await.unwrap());
+}
+
 /// The directory of the lock `key`'s keys, as the backend lays them out (`%` and `/` of the
 /// resource name encoded).
 fn lock_dir(locker: &Locker, key: &str) -> String {

@@ -156,13 +156,38 @@ pub async fn attempt_as(
     mode: crate::backend::WaitMode,
     ttl: Duration,
 ) -> Result<crate::backend::Attempt, crate::LockError> {
+    attempt_with(locker, resource, token, mode, ttl, false).await
+}
+
+/// [`attempt_as`] for a lock the locker's watchdog would renew
+/// ([`AcquireArgs::renew`](crate::backend::AcquireArgs::renew)): a backend may keep it
+/// differently (etcd puts it on a session lease shared with the locker's other renewed locks
+/// of its TTL class), and nothing renews it unless the caller does.
+pub async fn attempt_renewed_as(
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+    mode: crate::backend::WaitMode,
+    ttl: Duration,
+) -> Result<crate::backend::Attempt, crate::LockError> {
+    attempt_with(locker, resource, token, mode, ttl, true).await
+}
+
+async fn attempt_with(
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+    mode: crate::backend::WaitMode,
+    ttl: Duration,
+    renew: bool,
+) -> Result<crate::backend::Attempt, crate::LockError> {
     let args = crate::backend::AcquireArgs {
         resource,
         token,
         ttl,
         mode,
         waiter_ttl: locker.waiter_ttl_for(ttl),
-        renew: false,
+        renew,
     };
     let backend = locker.backend();
     match resource.kind() {

@@ -160,6 +160,12 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
+    /// Set while held by an `expire` (a release within a minimum hold), before its move to a
+    /// lease of its own lands: nothing renews the key any more, and if the move never lands
+    /// (every try failed or was cut off, and the background retries gave up) a pruning after
+    /// this instant deletes it — on its session, which renewals of the class's other locks
+    /// keep alive, it would otherwise stay held for the life of the process.
+    end_by: Option<Instant>,
 }
 
 impl Entry {
@@ -375,6 +381,7 @@ impl Sessions {
                     role: Role::Acquiring,
                     create: 0,
                     in_flight: 0,
+                    end_by: None,
                 })
             }
         };
@@ -445,6 +452,16 @@ impl Sessions {
             .get(key)
             .filter(|e| e.role == Role::Held)
             .map(|e| (e.session.clone(), e.own.clone(), e.create))
+    }
+
+    /// An `expire` of the held token's key to `until` is on its way: if it never lands, a
+    /// pruning after `until` deletes the key ([`Entry::end_by`]).
+    fn ends_by(&self, key: &TokenKey, until: Instant) {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            if e.role == Role::Held {
+                e.end_by = Some(e.end_by.map_or(until, |u| u.min(until)));
+            }
+        }
     }
 
     /// The held token's key is on a lease of its own now, ending at `until`.
@@ -587,7 +604,9 @@ impl Sessions {
                 // Its own lease ends it; deleted here (on whichever session's pruning comes
                 // first) so that its name can be used again.
                 Role::Ending(until) => until <= now,
-                Role::Acquiring | Role::Held | Role::Releasing => false,
+                // Released within a minimum hold whose move never landed: the same.
+                Role::Held => e.end_by.is_some_and(|until| until <= now),
+                Role::Acquiring | Role::Releasing => false,
             })
             .map(|(k, e)| (k.clone(), delete_if_valued(&e.own, &e.value)))
             .collect()
@@ -601,13 +620,31 @@ impl Sessions {
             let Some(e) = reg.map.get_mut(&k) else {
                 continue;
             };
-            if matches!(e.role, Role::Waiting(until) | Role::Ending(until) if until <= now) {
+            let ended = match e.role {
+                Role::Waiting(until) | Role::Ending(until) => until <= now,
+                Role::Held => e.end_by.is_some_and(|until| until <= now),
+                _ => false,
+            };
+            if ended {
                 e.role = Role::Unwanted;
             }
             if e.done() {
                 reg.remove(&k);
             }
         }
+    }
+}
+
+/// A release under way ([`EtcdBackend::release_registered`]): dropped before its answer, it
+/// leaves the key to the next pruning ([`Sessions::unwanted`]).
+struct Leaving<'a> {
+    sessions: &'a Sessions,
+    key: &'a TokenKey,
+}
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.sessions.unwanted(self.key);
     }
 }
 
@@ -1036,10 +1073,19 @@ impl EtcdBackend {
         key: &TokenKey,
     ) -> Option<Result<bool, LockError>> {
         let delete = self.sessions.leave(key)?;
+        // Cut off before the answer (a caller's deadline, a runtime shutting down): the key
+        // is left unwanted, as after a failed delete. A `Releasing` key is spared by prunings
+        // and keeps its session from being revoked; left so, it would stay for the life of the
+        // process on a session that other locks of its class keep alive.
+        let cut_off = Leaving {
+            sessions: &self.sessions,
+            key,
+        };
         // The delete compares the value, which names the token: a try of it that lands late
         // (answered through a hedge, or timed out) leaves the name's next key alone, so the
         // name is free once this is answered (`Sessions::begin_put`).
         let deleted = self.txn(delete).await;
+        std::mem::forget(cut_off);
         // Deleted or not, the key is unwanted now: if the delete failed, it goes before the
         // next keepalive of its session.
         let touched = match &deleted {
@@ -1065,9 +1111,12 @@ impl EtcdBackend {
         left: Duration,
     ) -> Option<Result<bool, LockError>> {
         let (cur, own, create) = self.sessions.held(key)?;
+        let until = Instant::now() + left;
+        // Before anything is sent: if no try of the move lands, the key still goes after
+        // `until`.
+        self.sessions.ends_by(key, until);
         Some(
             async {
-                let until = Instant::now() + left;
                 let lease = self.grant(left).await?;
                 // A try of it landing late moves the key to the same lease: as good.
                 if !self.relet_on(&own, create, lease).await? {
@@ -1287,6 +1336,50 @@ mod tests {
         reg.pruned(doomed, Instant::now());
         assert!(!reg.is_registered(&key));
         assert!(idle(&reg, &s));
+    }
+
+    /// A release within a minimum hold (`expire`) marks its key before anything is sent: if
+    /// the move to a lease of its own never lands, the key stays (its hold is on) until a
+    /// pruning after the hold deletes it; its session is not revoked under it meanwhile.
+    #[test]
+    fn a_key_whose_expire_never_landed_goes_after_its_hold() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let key = token();
+        put(&reg, &key, &[&s]);
+        reg.set_held(&key, &s, 7);
+        reg.end_put(&key, true, None);
+        let now = Instant::now();
+        let until = now + Duration::from_secs(1);
+        reg.ends_by(&key, until);
+        assert!(reg.doomed(&s, now, true).is_empty(), "deleted within its hold");
+        assert!(!idle(&reg, &s), "its session revoked within its hold");
+        let doomed = reg.doomed(&s, until, true);
+        assert_eq!(doomed.len(), 1, "kept after its hold");
+        reg.pruned(doomed, until);
+        assert!(!reg.is_registered(&key));
+        assert!(idle(&reg, &s));
+    }
+
+    /// A release cut off before its answer leaves its key to the next keepalive, as a failed
+    /// one does.
+    #[test]
+    fn a_release_cut_off_before_its_answer_leaves_its_key_to_the_next_keepalive() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let key = token();
+        put(&reg, &key, &[&s]);
+        reg.set_held(&key, &s, 7);
+        reg.end_put(&key, true, None);
+        assert!(reg.leave(&key).is_some());
+        drop(Leaving {
+            sessions: &reg,
+            key: &key,
+        });
+        let doomed = reg.doomed(&s, Instant::now(), true);
+        assert_eq!(doomed.len(), 1, "spared by prunings for good");
+        reg.pruned(doomed, Instant::now());
+        assert!(!reg.is_registered(&key));
     }
 
     /// The same for a held key moved to another class's session (an `extend` to another TTL):
