@@ -349,11 +349,12 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     .await;
     // An acknowledged lock on A's master: the replica has it before acquire returns.
     let acked_key = key_on_master(&locker, seed, "failover-acked", ra.master).await;
-    // Its lease outlasts the failover (node timeout + election), so only the failover could
-    // lose it.
+    // Its lease outlasts the failover (node timeout + election, the client's slot refresh and a
+    // renewal retry: about 6 s on a loaded machine) with room to spare, so only the failover
+    // could lose it.
     let acked = locker
         .lock(&acked_key)
-        .ttl(Duration::from_secs(10))
+        .ttl(Duration::from_secs(20))
         .replicas(1)
         .acquire()
         .await

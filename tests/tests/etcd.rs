@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::Locker;
 use dlock_tests::etcd_server::EtcdCluster;
-use dlock_tests::wait::{poll_until, refused_at_once, try_take};
+use dlock_tests::wait::{poll_until, refused_at_once, try_take, wait_for};
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(1000);
 
@@ -65,9 +65,12 @@ async fn leader_kill_keeps_locks_and_acquires_keep_working() {
     let mut cluster = EtcdCluster::start_cluster();
     let a = locker(&cluster.url()).await;
     let b = locker(&cluster.url()).await;
-    let ttl = Duration::from_secs(2);
+    // Renewing needs a leader: the lease, last renewed up to a third of it before the kill,
+    // must outlast an election (0.5–1 s) and a retry on a loaded machine.
+    let ttl = Duration::from_secs(5);
     let held = a.lock("held").ttl(ttl).acquire().await.unwrap();
     let leader = cluster.wait_leader(Duration::from_secs(10));
+    let renewed_before = a.renewals();
     cluster.kill(leader);
     let killed = Instant::now();
     let g = poll_until(
@@ -83,9 +86,12 @@ async fn leader_kill_keeps_locks_and_acquires_keep_working() {
     );
     assert!(g.fencing_token() > held.fencing_token());
     g.release().await.unwrap();
-    // More than a whole lease later the lock is still held (the watchdog renewed it through
-    // the new leader) and nobody else can take it.
-    tokio::time::sleep(ttl + ttl / 2).await;
+    // Renewed twice since the kill (through the new leader): the lock is still held, and
+    // nobody else can take it.
+    wait_for("two renewals after the kill", ttl * 2, async || {
+        (a.renewals() >= renewed_before + 2).then_some(())
+    })
+    .await;
     assert!(held.is_held(), "a lock was lost when the leader died");
     assert!(
         try_take(&b, "held", ttl).await.is_err(),
@@ -104,13 +110,16 @@ async fn freezing_one_member_changes_nothing() {
     let leader = cluster.wait_leader(Duration::from_secs(10));
     let follower = (leader + 1) % cluster.len();
     let a = locker(&cluster.url()).await;
+    // A renewal sent to the frozen member is hedged on another after a fifth of the command
+    // timeout: a 4 s TTL leaves that room many times over on a loaded machine.
     let held = a
         .lock("long")
-        .ttl(Duration::from_secs(2))
+        .ttl(Duration::from_secs(4))
         .acquire()
         .await
         .unwrap();
     cluster.pause(follower);
+    let renewed_before = a.renewals();
     for i in 0..20 {
         let g = a
             .lock(format!("k{}", i % 3))
@@ -123,7 +132,10 @@ async fn freezing_one_member_changes_nothing() {
             .await
             .unwrap_or_else(|e| panic!("release {i} with one member frozen: {e}"));
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_for("three renewals with one member frozen", Duration::from_secs(10), async || {
+        (a.renewals() >= renewed_before + 3).then_some(())
+    })
+    .await;
     assert!(held.is_held(), "a renewal failed with one member frozen");
     held.release().await.unwrap();
     cluster.resume(follower);

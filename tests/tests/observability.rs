@@ -127,12 +127,13 @@ impl Recorded {
 
 const MEMORY: (&str, &str) = ("backend", "memory");
 
-/// A lock on `key` named `name` with a 60 ms lease, once the watchdog renewed it `n` times.
+/// A lock on `key` named `name` with a 300 ms lease (renewed every 100 ms: a scheduler stall
+/// of under 200 ms loses nothing), once the watchdog renewed it `n` times.
 async fn renewed_lock(locker: &Locker, key: &str, name: &'static str, n: u64) -> LockGuard {
     let guard = locker
         .lock(key)
         .name(name)
-        .ttl(Duration::from_millis(60))
+        .ttl(Duration::from_millis(300))
         .acquire()
         .await
         .unwrap();

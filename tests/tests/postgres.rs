@@ -1175,9 +1175,12 @@ async fn a_late_handoff_notification_is_not_a_grant() {
         .await
         .expect("W queued and subscribed")
         .unwrap();
+    // X's own TTL plays no part (the handoff lease is W's, from the line): a long one keeps it
+    // held through the seconds below without depending on 50 ms renewals.
     let next = tokio::spawn({
         let (others, retry) = (others.clone(), retry.clone());
-        async move { others.lock(key).ttl(ttl).on_fail(retry).acquire().await }
+        let x_ttl = Duration::from_secs(10);
+        async move { others.lock(key).ttl(x_ttl).on_fail(retry).acquire().await }
     });
     wait_for("X to wait", hang, async || {
         (others.waiting() == 1).then_some(())

@@ -48,7 +48,7 @@ async fn unavailable_within<T: std::fmt::Debug>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
     let (mut server, locker) = fast_fail_server().await;
-    let ttl = Duration::from_millis(600);
+    let ttl = Duration::from_millis(1000);
     let guard = locker
         .lock("fault:restart")
         .ttl(ttl)
@@ -63,8 +63,10 @@ async fn server_killed_mid_hold_reports_loss_and_recovers_after_restart() {
         .expect("loss reported once renewals fail for a whole lease");
     assert!(!guard.is_held());
     let lost_after = start.elapsed();
+    // The local lease ends within a TTL of the stop (the lock was taken before it); the rest
+    // is the watchdog's wake-up on a loaded machine.
     assert!(
-        lost_after <= ttl + Duration::from_millis(300),
+        lost_after <= ttl + Duration::from_millis(500),
         "{lost_after:?}"
     );
     drop(guard);

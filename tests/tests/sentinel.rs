@@ -112,9 +112,13 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     // Acknowledged: the replica has it once acquire returns. A replica that did not answer
     // `WAIT` in time (a loaded machine) is an unavailable error and the lock given back: asked
     // again.
+    // Its copy on the replica, cut off from the master's renewals from here on, ends a TTL
+    // after this acquire: the failover and the locker's first renewal on the new master must
+    // come before that (the lost lock's 3 s TTL left no room on a loaded machine).
+    let acked_ttl = Duration::from_secs(10);
     let deadline = Deadline::after(Duration::from_secs(10));
     let acked = loop {
-        match locker.lock("acked").ttl(ttl).replicas(1).acquire().await {
+        match locker.lock("acked").ttl(acked_ttl).replicas(1).acquire().await {
             Ok(g) => break g,
             Err(e) if e.is_unavailable() => deadline.check(format!("never acknowledged: {e}")),
             Err(e) => panic!("acquire acked: {e}"),
@@ -183,7 +187,9 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
         "the waiter through outages gave up at the first outage answer"
     );
     deployment.servers[replica].resume();
-    let promoted = deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    let promoted = tokio::task::block_in_place(|| {
+        deployment.wait_failover_from(old_port, Duration::from_secs(30))
+    });
     assert_eq!(promoted, replica_port);
     let failed_over = Instant::now();
     // The old master comes back at once, empty and saying it is a master (Sentinel demotes it
@@ -226,7 +232,7 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
         "an acknowledged lock was lost in the failover"
     );
     assert!(has_lock(promoted, "acked").await);
-    acked.extend(ttl).await.unwrap();
+    acked.extend(acked_ttl).await.unwrap();
 
     // Fencing keeps increasing for the lost lock's key.
     let again = locker.lock("lost").ttl(ttl).acquire().await.unwrap();
