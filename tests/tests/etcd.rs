@@ -132,9 +132,11 @@ async fn freezing_one_member_changes_nothing() {
             .await
             .unwrap_or_else(|e| panic!("release {i} with one member frozen: {e}"));
     }
-    wait_for("three renewals with one member frozen", Duration::from_secs(10), async || {
-        (a.renewals() >= renewed_before + 3).then_some(())
-    })
+    wait_for(
+        "three renewals with one member frozen",
+        Duration::from_secs(10),
+        async || (a.renewals() >= renewed_before + 3).then_some(()),
+    )
     .await;
     assert!(held.is_held(), "a renewal failed with one member frozen");
     held.release().await.unwrap();
@@ -470,21 +472,26 @@ async fn releases_cut_off_before_their_answer_leave_no_key_on_a_kept_session() {
     let limit = Duration::from_millis(300);
     let (released, expired) = tokio::join!(
         tokio::time::timeout(limit, backend.release(&cut.0, &cut.1)),
-        tokio::time::timeout(limit, backend.expire(&hold.0, &hold.1, Duration::from_secs(1))),
+        tokio::time::timeout(
+            limit,
+            backend.expire(&hold.0, &hold.1, Duration::from_secs(1))
+        ),
     );
     assert!(released.is_err(), "the release was answered");
     assert!(expired.is_err(), "the expire was answered");
 
     // The other lock's renewals keep the session alive; its keepalives delete the keys first
     // (the held one after its hold).
-    poll_until(Duration::from_secs(10), Duration::from_millis(250), async || {
-        match backend.extend(&keep.0, &keep.1, ttl).await {
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(250),
+        async || match backend.extend(&keep.0, &keep.1, ttl).await {
             Ok(true) if keys().await == 0 => Ok(()),
             Ok(true) => Err("a released key is still there".to_owned()),
             Ok(false) => panic!("the session's other lock was lost"),
             Err(e) => Err(e.to_string()),
-        }
-    })
+        },
+    )
     .await;
     assert!(
         backend.extend(&keep.0, &keep.1, ttl).await.unwrap(),

@@ -118,7 +118,13 @@ async fn failover_is_followed_acknowledged_locks_survive_and_lost_ones_are_told(
     let acked_ttl = Duration::from_secs(10);
     let deadline = Deadline::after(Duration::from_secs(10));
     let acked = loop {
-        match locker.lock("acked").ttl(acked_ttl).replicas(1).acquire().await {
+        match locker
+            .lock("acked")
+            .ttl(acked_ttl)
+            .replicas(1)
+            .acquire()
+            .await
+        {
             Ok(g) => break g,
             Err(e) if e.is_unavailable() => deadline.check(format!("never acknowledged: {e}")),
             Err(e) => panic!("acquire acked: {e}"),

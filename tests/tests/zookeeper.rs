@@ -598,9 +598,11 @@ async fn freezing_one_server_changes_nothing() {
             .await
             .unwrap_or_else(|e| panic!("release {i} with one server frozen: {e}"));
     }
-    wait_for("three renewals with one server frozen", Duration::from_secs(10), async || {
-        (a.renewals() >= renewed_before + 3).then_some(())
-    })
+    wait_for(
+        "three renewals with one server frozen",
+        Duration::from_secs(10),
+        async || (a.renewals() >= renewed_before + 3).then_some(()),
+    )
     .await;
     assert!(held.is_held(), "a renewal failed with one server frozen");
     held.release().await.unwrap();

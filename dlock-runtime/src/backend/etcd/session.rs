@@ -1352,7 +1352,10 @@ mod tests {
         let now = Instant::now();
         let until = now + Duration::from_secs(1);
         reg.ends_by(&key, until);
-        assert!(reg.doomed(&s, now, true).is_empty(), "deleted within its hold");
+        assert!(
+            reg.doomed(&s, now, true).is_empty(),
+            "deleted within its hold"
+        );
         assert!(!idle(&reg, &s), "its session revoked within its hold");
         let doomed = reg.doomed(&s, until, true);
         assert_eq!(doomed.len(), 1, "kept after its hold");
