@@ -449,6 +449,68 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
     held_b.release().await.unwrap();
 }
 
+/// A master freezes (SIGSTOP: no reset, no close) and the cluster fails it over to its
+/// replica: locks on its slots are taken again on the promoted replica within seconds of the
+/// failover, while the old master stays frozen. Before, redis-rs kept sending those slots'
+/// commands to the frozen node (it reads the slot map again only on a redirect or a dropped
+/// connection), and they answered `Unavailable` until it woke. A lock on another shard works
+/// throughout. (Its own cluster: this test freezes a node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_failed_over_is_left_for_its_replica() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let command_timeout = Duration::from_millis(500);
+    let locker = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let seed = cluster.nodes[0].port();
+    let ((a, ra), (b, _)) = keys_on_two_masters(&locker, seed, "frozen").await;
+    // Both shards are in use (the scripts loaded, the connections made).
+    for key in [&a, &b] {
+        let g = locker.lock(key.as_str()).acquire().await.unwrap();
+        g.release().await.unwrap();
+    }
+    let frozen = cluster.index_of(ra.master);
+    cluster.nodes[frozen].pause();
+    // Commands to the frozen master time out meanwhile (a try every 100 ms).
+    let trying = tokio::spawn({
+        let (locker, a) = (locker.clone(), a.clone());
+        async move {
+            loop {
+                if let Ok(Some(g)) = locker.lock(a.as_str()).try_acquire().await {
+                    g.release().await.unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+    tokio::task::block_in_place(|| cluster.wait_failed_over(ra.master, Duration::from_secs(30)));
+    let failed_over = Instant::now();
+    trying.abort();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || match locker.lock(a.as_str()).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    eprintln!(
+        "the frozen master's slot was served again {:?} after the failover",
+        failed_over.elapsed()
+    );
+    g.release().await.unwrap();
+    let other = locker.lock(b.as_str()).try_acquire().await;
+    assert!(
+        matches!(other, Ok(Some(_))),
+        "a lock on another shard: {other:?}"
+    );
+    cluster.nodes[frozen].resume();
+}
+
 /// A waiter queued on a shard whose master is killed hears the release made on the replica
 /// promoted in its place: its channel is subscribed again there (the subscription on the dead
 /// master died with it), and the handoff reaches it within 3 s — long before its fallback

@@ -15,11 +15,13 @@
 //! answer a `PING` either (see there). The cluster client follows a cluster's failovers and
 //! lost nodes, but it lives on a task of the runtime it was made on, and once that runtime
 //! shuts down it is gone for good: a [`ClusterLink`] makes it anew on the runtime of its next
-//! use (see there). What it does not follow is a node gone silent (a frozen master: no reset,
-//! no close): it retries a timed-out command on that node's connection and reads the slot map
-//! again only on an error a node answers or a dropped connection, so a frozen master's slots
-//! stay unserved (`Unavailable`) until it wakes or the kernel gives up on the connection, even
-//! once the cluster has failed it over.
+//! use (see there). What it does not follow by itself is a node gone silent (a frozen master:
+//! no reset, no close): it retries a timed-out command on that node's connection and reads the
+//! slot map again only on an error a node answers or a dropped connection, so a frozen
+//! master's slots would stay unserved (`Unavailable`) until it wakes or the kernel gives up on
+//! the connection, even once the cluster has failed it over. A timed-out command therefore has
+//! the link check the cluster's view, and make the client read the slot map again once the
+//! master was failed over ([`ClusterLink::suspect`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak};
@@ -35,7 +37,7 @@ use {
     redis::cluster_async::ClusterConnection,
     redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
     redis::RedisError,
-    std::collections::HashMap,
+    std::collections::{HashMap, HashSet},
     std::sync::atomic::AtomicU64,
 };
 
@@ -176,10 +178,19 @@ impl Conn {
     /// the command timeout) may mean the connection went silent, which the backend's connection
     /// to one server then checks ([`ServerLink::suspect`]). Sentinel's starts its check on such
     /// a failure by itself; a cluster's reconnects a node's connection that dropped, but not one
-    /// that went silent (see the module docs).
+    /// that went silent, and checks whether a master was failed over
+    /// ([`ClusterLink::suspect`]).
     pub(crate) fn failed(&self, e: &redis::RedisError) {
-        if let (true, Some(c)) = (e.is_timeout(), self.server()) {
-            c.suspect();
+        if !e.is_timeout() {
+            return;
+        }
+        match self {
+            Conn::Server(c) => c.suspect(),
+            #[cfg(feature = "cluster")]
+            Conn::Cluster { .. } => self.timed_out(),
+            // Sentinel's connection starts its check on such a failure by itself.
+            #[allow(unreachable_patterns)]
+            _ => {}
         }
     }
 
@@ -206,8 +217,12 @@ impl Conn {
             // failure handling, which starts the check (see `SentinelConn`).
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.timed_out(),
-            #[allow(unreachable_patterns)]
-            _ => {}
+            // Perhaps a frozen master, failed over since (see `ClusterLink::suspect`).
+            #[cfg(feature = "cluster")]
+            Conn::Cluster { cmds, subs } => {
+                cmds.suspect();
+                subs.suspect();
+            }
         }
     }
 
@@ -819,6 +834,23 @@ struct Link {
     /// does not answer costs each caller one connect deadline, not one per caller before it).
     failed: AtomicU64,
     on_event: OnceLock<OnEvent>,
+    /// The failover check's state ([`ClusterLink::suspect`]).
+    check: std::sync::Mutex<FailoverCheck>,
+}
+
+/// How often a link checks, at most, whether a master it may be stuck on was failed over.
+#[cfg(feature = "cluster")]
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+#[cfg(feature = "cluster")]
+#[derive(Default)]
+struct FailoverCheck {
+    /// A check is under way.
+    running: bool,
+    /// When the last one started.
+    last: Option<std::time::Instant>,
+    /// The ids of the nodes failed over when the slot map was last made to be read again.
+    handled: HashSet<String>,
 }
 
 /// The connection a [`Link`] sends on now.
@@ -876,6 +908,7 @@ impl ClusterLink {
             remaking: tokio::sync::Mutex::new(()),
             failed: AtomicU64::new(0),
             on_event: OnceLock::new(),
+            check: Default::default(),
         });
         Ok(ClusterLink { shared, conn: None })
     }
@@ -907,6 +940,101 @@ impl ClusterLink {
         match &mut self.conn {
             Some((c, _)) => Ok(c),
             None => Err(gone_error()),
+        }
+    }
+
+    /// A command on this link timed out: perhaps its slot's master froze (no reset, no close).
+    /// redis-rs retries a timed-out command on the same node's connection, and reads the slot
+    /// map again only when a node answers with a redirect or a connection drops, so it would
+    /// keep sending that slot's commands to the frozen node after the cluster failed it over
+    /// (`Unavailable` until it wakes, or the kernel gives up on the connection). So, in the
+    /// background (one check at a time per link, at most one a [`CHECK_EVERY`]), a node is
+    /// asked for the cluster's view (`CLUSTER NODES`); when it shows a node failed and serving
+    /// no slots (failed over) that the last check did not, a live master is sent a command
+    /// for a slot it does not serve: its `MOVED` answer makes redis-rs read the slot map again
+    /// (from the nodes that answer), and the failed master's slots go to its replica. A check
+    /// costs one small command; a failover, one more.
+    pub(super) fn suspect(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        {
+            let mut check = self
+                .shared
+                .check
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if check.running || check.last.is_some_and(|t| t.elapsed() < CHECK_EVERY) {
+                return;
+            }
+            check.running = true;
+            check.last = Some(std::time::Instant::now());
+        }
+        let link = ClusterLink {
+            shared: self.shared.clone(),
+            conn: None,
+        };
+        runtime.spawn(async move {
+            /// Ends the check, also when its task is dropped with its runtime.
+            struct Done(Arc<Link>);
+            impl Drop for Done {
+                fn drop(&mut self) {
+                    let mut check = self.0.check.lock().unwrap_or_else(PoisonError::into_inner);
+                    check.running = false;
+                }
+            }
+            let _done = Done(link.shared.clone());
+            link.check_failover().await;
+        });
+    }
+
+    /// See [`suspect`](Self::suspect).
+    async fn check_failover(mut self) {
+        let limit = self.shared.limit;
+        // A random node (a frozen one does not answer): three asked at once, the first answer.
+        let asks = (0..3).map(|_| {
+            let mut link = self.clone();
+            Box::pin(async move {
+                let cmd = redis::cmd("CLUSTER").arg("NODES").to_owned();
+                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                match tokio::time::timeout(limit, link.route_command(cmd, to)).await {
+                    Ok(Ok(v)) => value_text(v).ok_or(()),
+                    _ => Err(()),
+                }
+            })
+        });
+        let Ok((view, _)) = futures_util::future::select_ok(asks).await else {
+            return;
+        };
+        let view = ClusterView::parse(&view);
+        let failed_over = view.failed_over();
+        {
+            let mut check = self
+                .shared
+                .check
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            // A node back in service is forgotten: failed over again later, it is news.
+            check.handled.retain(|id| failed_over.contains(id));
+            if failed_over.is_subset(&check.handled) {
+                return;
+            }
+        }
+        let Some((host, port, slot)) = view.redirected() else {
+            return;
+        };
+        let cmd = redis::cmd("EXISTS")
+            .arg(format!("{{{}}}", slot_tag(slot)))
+            .to_owned();
+        let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+        if let Ok(Ok(_)) = tokio::time::timeout(limit, self.route_command(cmd, to)).await {
+            tracing::warn!("redis cluster: a master was failed over; the slot map is read again");
+            let mut check = self
+                .shared
+                .check
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            check.handled = failed_over;
         }
     }
 
@@ -981,6 +1109,82 @@ impl ClusterLink {
             return true;
         }
         e.is_connection_dropped() && !self.refresh()
+    }
+}
+
+/// The text of a reply (`CLUSTER NODES`: a bulk string, or a verbatim one over RESP3).
+#[cfg(feature = "cluster")]
+fn value_text(v: Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b).ok(),
+        Value::VerbatimString { text, .. } => Some(text),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// What a `CLUSTER NODES` answer says, as far as the failover check needs it.
+#[cfg(feature = "cluster")]
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ClusterView {
+    /// The ids of the nodes flagged failed (`fail`, agreed by the masters; not `fail?`) that
+    /// serve no slots: failed over, or replicas.
+    failed: Vec<String>,
+    /// The live masters that serve slots: host, port, and the first slot of each range.
+    masters: Vec<(String, u16, Vec<u16>)>,
+}
+
+#[cfg(feature = "cluster")]
+impl ClusterView {
+    /// Reads `CLUSTER NODES`: one node a line, `<id> <ip:port@cport[,hostname]> <flags>
+    /// <master> <ping-sent> <pong-recv> <config-epoch> <link-state> [<slot> …]`.
+    fn parse(text: &str) -> ClusterView {
+        let mut view = ClusterView::default();
+        for line in text.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let [id, addr, flags, _, _, _, _, _, slots @ ..] = &fields[..] else {
+                continue;
+            };
+            let flags: Vec<&str> = flags.split(',').collect();
+            let starts: Vec<u16> = slots
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| s.split('-').next()?.parse().ok())
+                .collect();
+            if flags.contains(&"fail") {
+                if starts.is_empty() {
+                    view.failed.push((*id).to_owned());
+                }
+                continue;
+            }
+            let down = ["fail?", "handshake", "noaddr"];
+            if !flags.contains(&"master") || flags.iter().any(|f| down.contains(f)) {
+                continue;
+            }
+            let Some((host, port)) = addr
+                .split(['@', ','])
+                .next()
+                .and_then(|a| a.rsplit_once(':'))
+            else {
+                continue;
+            };
+            if let (false, Ok(port), false) = (host.is_empty(), port.parse(), starts.is_empty()) {
+                view.masters.push((host.to_owned(), port, starts));
+            }
+        }
+        view
+    }
+
+    fn failed_over(&self) -> HashSet<String> {
+        self.failed.iter().cloned().collect()
+    }
+
+    /// A live master, and a slot another live master serves: a command for that slot sent to
+    /// the first is answered `MOVED`.
+    fn redirected(&self) -> Option<(String, u16, u16)> {
+        let (host, port, _) = self.masters.first()?;
+        let slot = *self.masters.get(1)?.2.first()?;
+        Some((host.clone(), *port, slot))
     }
 }
 
@@ -1290,5 +1494,33 @@ mod tests {
         for s in [0u16, 1, 8000, 16383] {
             assert_eq!(slot(slot_tag(s)), s);
         }
+    }
+
+    /// The failover check reads `CLUSTER NODES` (the format of its documentation, host names
+    /// included): a master flagged `fail` that serves no slots was failed over; one only
+    /// suspected (`fail?`), or still serving its slots (the failover not done), was not; the
+    /// command that makes the client read the slot map again goes to a live master, for a
+    /// slot another serves.
+    #[test]
+    fn the_failover_check_reads_the_cluster_view() {
+        let nodes = "\
+07c3 127.0.0.1:30004@31004,h4 slave e7d1 0 1426238317239 4 connected
+67ed 127.0.0.1:30002@31002,h2 master - 0 1426238316232 2 connected 5461-10922
+292f 127.0.0.1:30003@31003 master,fail? - 0 1426238318243 3 connected 10923-16383
+aaaa 127.0.0.1:30001@31001 master,fail - 1426238316232 1426238316232 1 disconnected
+e7d1 127.0.0.1:30007@31007 myself,master - 0 0 7 connected 0-100 [101->-67ed] 102-5460
+bbbb 127.0.0.1:30009@31009 master,fail - 0 0 9 disconnected 16000
+";
+        let view = ClusterView::parse(nodes);
+        assert_eq!(view.failed, ["aaaa"]);
+        assert_eq!(
+            view.masters,
+            [
+                ("127.0.0.1".to_owned(), 30002, vec![5461]),
+                ("127.0.0.1".to_owned(), 30007, vec![0, 102]),
+            ]
+        );
+        assert_eq!(view.redirected(), Some(("127.0.0.1".to_owned(), 30002, 0)));
+        assert_eq!(ClusterView::parse("").redirected(), None);
     }
 }

@@ -56,10 +56,12 @@
 //!   a failover — waking the waiters to re-check when one is.
 //! * A cluster node's connection that went silent (a frozen master: no reset, no close) is one
 //!   redis-rs keeps: it retries a timed-out command on the same node's connection and reads the
-//!   slot map again only on an error a node answers (`MOVED`, …) or a dropped connection. So
-//!   even once the cluster has failed a frozen master over, its slots stay unserved
-//!   ([`LockError::Unavailable`]) until it wakes or the kernel gives up on the connection; the
-//!   other shards are not affected. Not handled yet (see the README).
+//!   slot map again only on an error a node answers (`MOVED`, …) or a dropped connection. So a
+//!   timed-out command has the connection ask a node for the cluster's view (at most once a
+//!   second), and once that shows a master failed over, send a live master a command for a slot
+//!   it does not serve: its `MOVED` has redis-rs read the slot map again, and the frozen
+//!   master's slots go to the promoted replica. Until the failover they answer
+//!   [`LockError::Unavailable`]; the other shards are not affected.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
