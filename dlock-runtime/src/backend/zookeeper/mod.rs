@@ -79,8 +79,8 @@
 //! [`lost`](crate::LockGuard::lost) fires when a disconnect outlives ¾ of the session timeout
 //! by the local clock, before the server can let the next holder in. A TTL above twice
 //! the session timeout is refused with [`LockError::InvalidTtl`], by an acquire and by an
-//! extend alike (the lease then stays as it was; the watchdog renews every
-//! TTL/3, which must come before the session's bound); raise the server's `maxSessionTimeout`
+//! extend alike (the lease then stays as it was; the watchdog renews every third of the
+//! local lease, so at most every ¼ of the session timeout); raise the server's `maxSessionTimeout`
 //! and [`ZkOptions::session_timeout`] (or `?session_timeout_ms=`) for longer TTLs. The session
 //! timeout is what the server grants: between its `minSessionTimeout` (default 2 ticks) and
 //! `maxSessionTimeout` (default 20 ticks, 40 s at the default 2 s tick); dlock asks for 30 s by
