@@ -1113,8 +1113,11 @@ impl EtcdBackend {
         let (cur, own, create) = self.sessions.held(key)?;
         let until = Instant::now() + left;
         // Before anything is sent: if no try of the move lands, the key still goes after
-        // `until`.
-        self.sessions.ends_by(key, until);
+        // `until` — and a command timeout more, so that a move still on its way at `until`
+        // (a grant and a move, two Raft writes, against a hold's rest of a few milliseconds)
+        // does not find the key pruned, and the release reported lost.
+        self.sessions
+            .ends_by(key, until + self.opts.command_timeout);
         Some(
             async {
                 let lease = self.grant(left).await?;

@@ -849,9 +849,17 @@ struct FailoverCheck {
     running: bool,
     /// When the last one started.
     last: Option<std::time::Instant>,
-    /// The ids of the nodes failed over when the slot map was last made to be read again.
+    /// The nodes failed over (`<id>@<config epoch>`: a node failed over again later, in a
+    /// later epoch, is news) when the slot map was last made to be read again, and when.
     handled: HashSet<String>,
+    nudged: Option<std::time::Instant>,
 }
+
+/// While a node stays failed over and commands keep timing out, the slot map is made to be
+/// read again at most this often (the read after a failover may have come from a node that
+/// had not learnt of the promotion yet).
+#[cfg(feature = "cluster")]
+const NUDGE_AGAIN_AFTER: Duration = Duration::from_secs(5);
 
 /// The connection a [`Link`] sends on now.
 #[cfg(feature = "cluster")]
@@ -950,10 +958,12 @@ impl ClusterLink {
     /// (`Unavailable` until it wakes, or the kernel gives up on the connection). So, in the
     /// background (one check at a time per link, at most one a [`CHECK_EVERY`]), a node is
     /// asked for the cluster's view (`CLUSTER NODES`); when it shows a node failed and serving
-    /// no slots (failed over) that the last check did not, a live master is sent a command
-    /// for a slot it does not serve: its `MOVED` answer makes redis-rs read the slot map again
-    /// (from the nodes that answer), and the failed master's slots go to its replica. A check
-    /// costs one small command; a failover, one more.
+    /// no slots (failed over) that the last check did not — or still shows one, and the last
+    /// such step is [`NUDGE_AGAIN_AFTER`] old — every live master is sent a command (routed by
+    /// a slot of its own, as redis-rs's map knows it) for a slot it does not serve: one
+    /// `MOVED` answer makes redis-rs read the slot map again (from the nodes that answer), and
+    /// the failed master's slots go to its replica. A check costs up to three small commands;
+    /// a failover, one more per master.
     pub(super) fn suspect(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -989,7 +999,7 @@ impl ClusterLink {
     }
 
     /// See [`suspect`](Self::suspect).
-    async fn check_failover(mut self) {
+    async fn check_failover(self) {
         let limit = self.shared.limit;
         // A random node (a frozen one does not answer): three asked at once, the first answer.
         let asks = (0..3).map(|_| {
@@ -1009,25 +1019,41 @@ impl ClusterLink {
         let view = ClusterView::parse(&view);
         let failed_over = view.failed_over();
         {
-            let mut check = self
+            let check = self
                 .shared
                 .check
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            // A node back in service is forgotten: failed over again later, it is news.
-            check.handled.retain(|id| failed_over.contains(id));
-            if failed_over.is_subset(&check.handled) {
+            let stale = check
+                .nudged
+                .is_none_or(|t| t.elapsed() >= NUDGE_AGAIN_AFTER);
+            let news = !failed_over.is_subset(&check.handled);
+            if !(news || (stale && !failed_over.is_empty())) {
                 return;
             }
         }
-        let Some((host, port, slot)) = view.redirected() else {
-            return;
-        };
-        let cmd = redis::cmd("EXISTS")
-            .arg(format!("{{{}}}", slot_tag(slot)))
-            .to_owned();
-        let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-        if let Ok(Ok(_)) = tokio::time::timeout(limit, self.route_command(cmd, to)).await {
+        // To each live master (by a slot of its own, as the client's slot map routes it: an
+        // address from this view may not be one the client knows the node by), a command for
+        // a slot another serves: a master the map is right about answers `MOVED`, and one
+        // `MOVED` has the client read the slot map again. (One the map still routes to the
+        // frozen node gets no answer, within the limit.)
+        let nudges = view.nudges().into_iter().map(|(route, key)| {
+            let mut link = self.clone();
+            Box::pin(async move {
+                let cmd = redis::cmd("EXISTS")
+                    .arg(format!("{{{}}}", slot_tag(key)))
+                    .to_owned();
+                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                    route,
+                    SlotAddr::Master,
+                )));
+                match tokio::time::timeout(limit, link.route_command(cmd, to)).await {
+                    Ok(Ok(_)) => Ok(()),
+                    _ => Err(()),
+                }
+            })
+        });
+        if futures_util::future::select_ok(nudges).await.is_ok() {
             tracing::warn!("redis cluster: a master was failed over; the slot map is read again");
             let mut check = self
                 .shared
@@ -1035,6 +1061,7 @@ impl ClusterLink {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             check.handled = failed_over;
+            check.nudged = Some(std::time::Instant::now());
         }
     }
 
@@ -1127,11 +1154,11 @@ fn value_text(v: Value) -> Option<String> {
 #[cfg(feature = "cluster")]
 #[derive(Debug, Default, PartialEq, Eq)]
 struct ClusterView {
-    /// The ids of the nodes flagged failed (`fail`, agreed by the masters; not `fail?`) that
-    /// serve no slots: failed over, or replicas.
+    /// The nodes flagged failed (`fail`, agreed by the masters; not `fail?`) that serve no
+    /// slots — failed over, or replicas — as `<id>@<config epoch>`.
     failed: Vec<String>,
-    /// The live masters that serve slots: host, port, and the first slot of each range.
-    masters: Vec<(String, u16, Vec<u16>)>,
+    /// The live masters that serve slots: the first slot of each of their ranges.
+    masters: Vec<Vec<u16>>,
 }
 
 #[cfg(feature = "cluster")]
@@ -1142,7 +1169,7 @@ impl ClusterView {
         let mut view = ClusterView::default();
         for line in text.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let [id, addr, flags, _, _, _, _, _, slots @ ..] = &fields[..] else {
+            let [id, _, flags, _, _, _, epoch, _, slots @ ..] = &fields[..] else {
                 continue;
             };
             let flags: Vec<&str> = flags.split(',').collect();
@@ -1153,23 +1180,14 @@ impl ClusterView {
                 .collect();
             if flags.contains(&"fail") {
                 if starts.is_empty() {
-                    view.failed.push((*id).to_owned());
+                    view.failed.push(format!("{id}@{epoch}"));
                 }
                 continue;
             }
             let down = ["fail?", "handshake", "noaddr"];
-            if !flags.contains(&"master") || flags.iter().any(|f| down.contains(f)) {
-                continue;
-            }
-            let Some((host, port)) = addr
-                .split(['@', ','])
-                .next()
-                .and_then(|a| a.rsplit_once(':'))
-            else {
-                continue;
-            };
-            if let (false, Ok(port), false) = (host.is_empty(), port.parse(), starts.is_empty()) {
-                view.masters.push((host.to_owned(), port, starts));
+            let live = flags.contains(&"master") && !flags.iter().any(|f| down.contains(f));
+            if live && !starts.is_empty() {
+                view.masters.push(starts);
             }
         }
         view
@@ -1179,12 +1197,17 @@ impl ClusterView {
         self.failed.iter().cloned().collect()
     }
 
-    /// A live master, and a slot another live master serves: a command for that slot sent to
-    /// the first is answered `MOVED`.
-    fn redirected(&self) -> Option<(String, u16, u16)> {
-        let (host, port, _) = self.masters.first()?;
-        let slot = *self.masters.get(1)?.2.first()?;
-        Some((host.clone(), *port, slot))
+    /// Per live master, a slot of its own and one the next live master serves: a command for
+    /// the second, routed by the first, reaches the first (where the client's map is right),
+    /// which answers `MOVED`. None with fewer than two live masters.
+    fn nudges(&self) -> Vec<(u16, u16)> {
+        let n = self.masters.len();
+        if n < 2 {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|i| (self.masters[i][0], self.masters[(i + 1) % n][0]))
+            .collect()
     }
 }
 
@@ -1499,8 +1522,8 @@ mod tests {
     /// The failover check reads `CLUSTER NODES` (the format of its documentation, host names
     /// included): a master flagged `fail` that serves no slots was failed over; one only
     /// suspected (`fail?`), or still serving its slots (the failover not done), was not; the
-    /// command that makes the client read the slot map again goes to a live master, for a
-    /// slot another serves.
+    /// command that makes the client read the slot map again goes to each live master (routed
+    /// by a slot of its own), for a slot another serves.
     #[test]
     fn the_failover_check_reads_the_cluster_view() {
         let nodes = "\
@@ -1512,15 +1535,9 @@ e7d1 127.0.0.1:30007@31007 myself,master - 0 0 7 connected 0-100 [101->-67ed] 10
 bbbb 127.0.0.1:30009@31009 master,fail - 0 0 9 disconnected 16000
 ";
         let view = ClusterView::parse(nodes);
-        assert_eq!(view.failed, ["aaaa"]);
-        assert_eq!(
-            view.masters,
-            [
-                ("127.0.0.1".to_owned(), 30002, vec![5461]),
-                ("127.0.0.1".to_owned(), 30007, vec![0, 102]),
-            ]
-        );
-        assert_eq!(view.redirected(), Some(("127.0.0.1".to_owned(), 30002, 0)));
-        assert_eq!(ClusterView::parse("").redirected(), None);
+        assert_eq!(view.failed, ["aaaa@1"]);
+        assert_eq!(view.masters, [vec![5461], vec![0, 102]]);
+        assert_eq!(view.nudges(), [(5461, 0), (0, 5461)]);
+        assert!(ClusterView::parse("").nudges().is_empty());
     }
 }
