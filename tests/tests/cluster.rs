@@ -300,6 +300,19 @@ async fn key_on_master(locker: &Locker, seed: u16, prefix: &str, master: u16) ->
     unreachable!()
 }
 
+/// A cluster of 3 masters with a replica each for a test that kills or freezes a node, a locker
+/// on it with `command_timeout`, and a seed node's port.
+async fn cluster_of_its_own(command_timeout: Duration) -> (RedisCluster, Locker, u16) {
+    let cluster = RedisCluster::start(3, 1);
+    let locker = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let seed = cluster.nodes[0].port();
+    (cluster, locker, seed)
+}
+
 /// A master is killed in the middle of a run, after its replica missed the last lock taken on
 /// it. Locks on the other shards keep being renewed and taken, also where a script must be
 /// loaded again before the dead shard has failed over; acquiring on the dead shard is a prompt
@@ -310,14 +323,8 @@ async fn key_on_master(locker: &Locker, seed: u16, prefix: &str, master: u16) ->
 /// this test kills a node.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
-    let mut cluster = RedisCluster::start(3, 1);
     let command_timeout = Duration::from_millis(500);
-    let locker = Locker::builder()
-        .command_timeout(command_timeout)
-        .connect(&cluster.url())
-        .await
-        .unwrap();
-    let seed = cluster.nodes[0].port();
+    let (mut cluster, locker, seed) = cluster_of_its_own(command_timeout).await;
     let ((a, ra), (b, rb)) = keys_on_two_masters(&locker, seed, "failover").await;
     let ttl = Duration::from_secs(2);
     let held_b = locker.lock(&b).ttl(ttl).acquire().await.unwrap();
@@ -457,14 +464,8 @@ async fn a_killed_master_fails_over_and_the_lost_lock_is_reported() {
 /// throughout. (Its own cluster: this test freezes a node.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_master_failed_over_is_left_for_its_replica() {
-    let mut cluster = RedisCluster::start(3, 1);
     let command_timeout = Duration::from_millis(500);
-    let locker = Locker::builder()
-        .command_timeout(command_timeout)
-        .connect(&cluster.url())
-        .await
-        .unwrap();
-    let seed = cluster.nodes[0].port();
+    let (mut cluster, locker, seed) = cluster_of_its_own(command_timeout).await;
     let ((a, ra), (b, _)) = keys_on_two_masters(&locker, seed, "frozen").await;
     // Both shards are in use (the scripts loaded, the connections made).
     for key in [&a, &b] {

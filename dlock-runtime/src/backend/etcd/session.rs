@@ -1273,6 +1273,15 @@ mod tests {
         (Arc::from("r"), OwnerToken::generate())
     }
 
+    /// A new token's key, held on `s`.
+    fn held_on(reg: &Sessions, s: &Arc<Session>) -> TokenKey {
+        let key = token();
+        put(reg, &key, &[s]);
+        reg.set_held(&key, s, 7);
+        reg.end_put(&key, true, None);
+        key
+    }
+
     fn idle(reg: &Sessions, s: &Arc<Session>) -> bool {
         s.retired.store(true, Ordering::Release);
         !reg.idle_retired(std::slice::from_ref(s)).is_empty()
@@ -1316,10 +1325,7 @@ mod tests {
     fn a_key_being_released_is_deleted_by_its_release_alone() {
         let reg = Sessions::default();
         let s = session(1);
-        let key = token();
-        put(&reg, &key, &[&s]);
-        reg.set_held(&key, &s, 7);
-        reg.end_put(&key, true, None);
+        let key = held_on(&reg, &s);
         assert!(reg.leave(&key).is_some());
         assert!(
             reg.doomed(&s, Instant::now(), true).is_empty(),
@@ -1348,10 +1354,7 @@ mod tests {
     fn a_key_whose_expire_never_landed_goes_after_its_hold() {
         let reg = Sessions::default();
         let s = session(1);
-        let key = token();
-        put(&reg, &key, &[&s]);
-        reg.set_held(&key, &s, 7);
-        reg.end_put(&key, true, None);
+        let key = held_on(&reg, &s);
         let now = Instant::now();
         let until = now + Duration::from_secs(1);
         reg.ends_by(&key, until);
@@ -1373,10 +1376,7 @@ mod tests {
     fn a_release_cut_off_before_its_answer_leaves_its_key_to_the_next_keepalive() {
         let reg = Sessions::default();
         let s = session(1);
-        let key = token();
-        put(&reg, &key, &[&s]);
-        reg.set_held(&key, &s, 7);
-        reg.end_put(&key, true, None);
+        let key = held_on(&reg, &s);
         assert!(reg.leave(&key).is_some());
         drop(Leaving {
             sessions: &reg,
