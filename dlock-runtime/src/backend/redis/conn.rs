@@ -217,12 +217,10 @@ impl Conn {
             // failure handling, which starts the check (see `SentinelConn`).
             #[cfg(feature = "sentinel")]
             Conn::Sentinel(c) => c.timed_out(),
-            // Perhaps a frozen master, failed over since (see `ClusterLink::suspect`).
+            // Perhaps a frozen master, failed over since (see `ClusterLink::suspect`). Not on
+            // the subscriptions' connection, where no command may wait (see `Conn::Cluster`).
             #[cfg(feature = "cluster")]
-            Conn::Cluster { cmds, subs } => {
-                cmds.suspect();
-                subs.suspect();
-            }
+            Conn::Cluster { cmds, .. } => cmds.suspect(),
         }
     }
 
