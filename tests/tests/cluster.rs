@@ -938,19 +938,23 @@ async fn enqueues_while_the_queues_slot_moves_are_answered_in_time() {
         ..RecordJob::default()
     };
     // Due in an hour: nothing claims them, and the queue's keys exist on the slot's master.
-    let enqueue = async |queue: &DurableQueue| {
+    async fn enqueue(
+        queue: &DurableQueue,
+        job: &RecordJob,
+        policy: &DeferPolicy,
+    ) -> (Duration, Result<String, dlock_runtime::LockError>) {
         let started = Instant::now();
         let r = queue
             .enqueue(
-                &job,
-                &policy,
+                job,
+                policy,
                 Duration::from_secs(5),
                 Duration::from_secs(3600),
             )
             .await;
         (started.elapsed(), r)
-    };
-    enqueue(&queue).await.1.unwrap();
+    }
+    enqueue(&queue, &job, &policy).await.1.unwrap();
     let moving = Arc::new(AtomicBool::new(true));
     let slowest = Arc::new(Mutex::new(Duration::ZERO));
     let errors = Arc::new(Mutex::new(Vec::new()));
@@ -961,16 +965,7 @@ async fn enqueues_while_the_queues_slot_moves_are_answered_in_time() {
             tokio::spawn(async move {
                 let mut n = 0;
                 while moving.load(SeqCst) {
-                    let started = Instant::now();
-                    let r = queue
-                        .enqueue(
-                            &job,
-                            &policy,
-                            Duration::from_secs(5),
-                            Duration::from_secs(3600),
-                        )
-                        .await;
-                    let took = started.elapsed();
+                    let (took, r) = enqueue(&queue, &job, &policy).await;
                     let mut s = slowest.lock().unwrap();
                     *s = (*s).max(took);
                     drop(s);
@@ -998,7 +993,7 @@ async fn enqueues_while_the_queues_slot_moves_are_answered_in_time() {
         assert_eq!(RedisCluster::range_of(seed, slot).await.master, to);
         owner = to;
         // Enqueues answered by the new owner before the next move.
-        let (took, r) = enqueue(&queue).await;
+        let (took, r) = enqueue(&queue, &job, &policy).await;
         r.unwrap_or_else(|e| panic!("an enqueue after move {m} failed: {e} ({took:?})"));
     }
     moving.store(false, SeqCst);
