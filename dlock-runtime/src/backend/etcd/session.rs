@@ -581,7 +581,14 @@ impl Sessions {
         for (k, e) in &mut reg.map {
             if e.role == Role::Unwanted {
                 e.touched.retain(|t| t.id != s.id);
-                if e.done() {
+                // Forgotten only when no session its key may be on is left: an unwanted key
+                // with nothing in flight may still be on another of them (a release whose
+                // delete failed or was cut off, its key moved from the waiters' session to
+                // the holders'), and its name, freed, would be given to the next token, whose
+                // attempt finds the key there and takes it — with its create revision, a
+                // fencing token issued twice (the fault harness, etcd, seed 459411213). A
+                // pruning deletes such a key (by its value) and forgets it then.
+                if e.touched.is_empty() {
                     gone.push(k.clone());
                 }
             }
@@ -1368,6 +1375,41 @@ mod tests {
         reg.pruned(doomed, until);
         assert!(!reg.is_registered(&key));
         assert!(idle(&reg, &s));
+    }
+
+    /// A key whose release failed (or was cut off) is unwanted but still there, on the
+    /// holders' session; the waiters' session it was first put on then goes (expired or
+    /// revoked). Its entry must stay — its name taken — until a pruning deleted the key:
+    /// forgotten then, its name went to the next token, whose attempt took the key left
+    /// there, and its fencing token, a second time.
+    #[test]
+    fn an_unwanted_key_keeps_its_name_while_a_session_it_may_be_on_lives() {
+        let reg = Sessions::default();
+        let (wait, hold) = (session(1), session(2));
+        let key = token();
+        let first = put(&reg, &key, &[&wait]);
+        reg.end_put(&key, true, None);
+        reg.set(
+            &key,
+            &wait,
+            Role::Waiting(Instant::now() + Duration::from_secs(5)),
+        );
+        put(&reg, &key, &[&hold]);
+        reg.set_held(&key, &hold, 7);
+        reg.end_put(&key, true, None);
+        assert!(reg.leave(&key).is_some());
+        reg.unwanted(&key);
+        reg.gone(&wait);
+        assert!(
+            reg.is_registered(&key),
+            "forgotten while its key may be on a live session"
+        );
+        let next = token();
+        assert_ne!(put(&reg, &next, &[&hold]), first, "its name was given away");
+        let doomed = reg.doomed(&hold, Instant::now(), true);
+        assert_eq!(doomed.len(), 1, "left to the holders' session's pruning");
+        reg.pruned(doomed, Instant::now());
+        assert!(!reg.is_registered(&key));
     }
 
     /// A release cut off before its answer leaves its key to the next keepalive, as a failed
