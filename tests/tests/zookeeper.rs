@@ -692,14 +692,9 @@ async fn after_a_long_outage_locks_come_back_as_soon_as_the_ensemble_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_whose_lease_outlasts_an_outage_keeps_its_session() {
     let mut zk = Faults::take().await;
-    // The lease must outlast the outage (4 s with its last tries), the servers' restart and
-    // election, and the client's next round after them (due 9.9 or 19.7 s after the kill):
-    // a 40 s TTL, renewed every 13 s, ends 26 s after the kill at the earliest; sessions of
-    // 60 s carry it (the servers' maximum; a TTL is capped at twice the session).
-    let url = format!("{}?session_timeout_ms=60000", zk.url());
-    let (backend, a) = zk_locker(&url).await;
-    let b = locker(&url).await;
-    let ttl = Duration::from_secs(40);
+    let (backend, a) = zk_locker(&zk.url()).await;
+    let b = locker(&zk.url()).await;
+    let ttl = Duration::from_secs(20);
     let held = a.lock("kept").ttl(ttl).acquire().await.unwrap();
     // Another locker holds the lock `outage` tries meanwhile, so that lock's directory stays:
     // a create sent during the outage lands in it once the servers are back.
