@@ -606,6 +606,85 @@ async fn a_lock_taken_again_and_again_reuses_its_key_names() {
     raw.kv_client().delete(marker("~end"), None).await.unwrap();
 }
 
+/// A key at a waiter's name that the waiter's puts did not write (left there by any other
+/// request) is not the waiter's place in the line. When it comes first, the waiter must not
+/// take the lock by it: the lock's fencing token would be that key's create revision, and the
+/// key is nobody's guard. The key is left as it is, and the lock is taken once it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_at_a_waiters_name_that_it_did_not_write_is_not_its_place() {
+    use etcd_client::{Client, GetOptions};
+
+    let url = etcd_server::shared().lock().unwrap().url();
+    let a = locker(&url).await;
+    let key = dlock_runtime::conformance::unique_key("foreign-name");
+    let dir = lock_dir(&a, &key);
+    let raw = Client::connect([url.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(30);
+    let held = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    let kvs = raw
+        .kv_client()
+        .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let [holder] = kvs.kvs() else {
+        panic!("one key, the holder's: {:?}", kvs.kvs());
+    };
+    // Names are `<locker instance>.<slot>`: the locker's next key of the lock takes slot 1.
+    let (instance, slot) = holder.key_str().unwrap()[dir.len()..]
+        .rsplit_once('.')
+        .unwrap();
+    assert_eq!(slot, "0");
+    let foreign = format!("{dir}{instance}.1");
+    let foreign_value = "30000:not-the-waiters/0";
+    let put = raw
+        .kv_client()
+        .put(foreign.as_str(), foreign_value, None)
+        .await
+        .unwrap();
+    let foreign_rev = put.header().unwrap().revision();
+
+    let waiter = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move {
+            a.lock(&key)
+                .ttl(ttl)
+                .on_fail(dlock_runtime::OnFail::Retry(
+                    dlock_runtime::RetryPolicy::new(Duration::from_secs(3)).fair(true),
+                ))
+                .acquire()
+                .await
+        }
+    });
+    wait_for("the waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    match waiter.await.unwrap() {
+        Ok(g) => panic!(
+            "the waiter took the lock by a key it did not write (fencing token {}, the \
+             key's create revision {foreign_rev})",
+            g.fencing_token()
+        ),
+        Err(e) => assert!(e.is_contended(), "{e}"),
+    }
+    let kvs = raw.kv_client().get(foreign.as_str(), None).await.unwrap();
+    let [kv] = kvs.kvs() else {
+        panic!("the key at the waiter's name is gone");
+    };
+    assert_eq!(kv.value_str().unwrap(), foreign_value, "left as it was");
+    assert_eq!(kv.lease(), 0, "left on no lease");
+    raw.kv_client()
+        .delete(foreign.as_str(), None)
+        .await
+        .unwrap();
+    let g = a.lock(&key).ttl(ttl).acquire().await.unwrap();
+    assert!(g.fencing_token() > foreign_rev.unsigned_abs());
+    g.release().await.unwrap();
+}
+
 /// A waiter's watch task leaves the backend's books once its waiter is woken, even while the
 /// lock still has other local waiters (when the last one leaves, all of the lock's go at once):
 /// a lock that always has waiters kept one entry per waiter it served.

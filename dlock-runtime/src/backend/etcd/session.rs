@@ -429,12 +429,12 @@ impl Sessions {
     }
 
     /// The session and key of a waiting token.
-    fn waiting_on(&self, key: &TokenKey) -> Option<(Arc<Session>, Vec<u8>)> {
+    fn waiting_on(&self, key: &TokenKey) -> Option<(Arc<Session>, Vec<u8>, Vec<u8>)> {
         lock(&self.entries)
             .map
             .get(key)
             .filter(|e| matches!(e.role, Role::Waiting(_)))
-            .map(|e| (e.session.clone(), e.own.clone()))
+            .map(|e| (e.session.clone(), e.own.clone(), e.value.clone()))
     }
 
     /// A session this token's puts used, by lease id.
@@ -655,6 +655,12 @@ impl Drop for Leaving<'_> {
     }
 }
 
+/// Whether `kv` is the token's key: at its name `own`, with the value its puts write (a key at
+/// the name that another locker's or another registration's request left is not).
+fn is_own(kv: &KeyValue, own: &[u8], value: &[u8]) -> bool {
+    kv.key() == own && kv.value() == value
+}
+
 /// A transaction that deletes the key `own` if its value is still `value` (the token's: the
 /// name may be a later token's by the time it lands).
 fn delete_if_valued(own: &[u8], value: &[u8]) -> Txn {
@@ -851,7 +857,7 @@ impl EtcdBackend {
         // the line after it (module `kinds`).
         let try_kind = !queue && kind != LockKind::Exclusive;
         if queue {
-            if let Some((w, own)) = self.sessions.waiting_on(&key) {
+            if let Some((w, own, value)) = self.sessions.waiting_on(&key) {
                 // Already queued: keep the place alive and look at the head (no write).
                 k.own = own;
                 let until = Instant::now() + args.waiter_ttl;
@@ -863,7 +869,7 @@ impl EtcdBackend {
                     ]);
                     let ops = self.txn(txn).await?.op_responses();
                     if create_revision_at(&ops, 1) > 0 {
-                        return self.queued(args, &key, &k, &ops, &w).await;
+                        return self.queued(args, &key, &k, &ops, (&w, &value)).await;
                     }
                 }
                 // The key is gone (deleted, or its lease ran out): queue again, at the back.
@@ -929,7 +935,9 @@ impl EtcdBackend {
             });
         }
         if queue {
-            return self.queued(args, &key, &k, &ops[1..], &wait).await;
+            return self
+                .queued(args, &key, &k, &ops[1..], (&wait, &value))
+                .await;
         }
         if try_kind {
             let line = kvs_at(&ops, 1);
@@ -949,7 +957,7 @@ impl EtcdBackend {
             });
         }
         let head = ops.first().and_then(first_kv);
-        if let Some(h) = head.filter(|h| h.key() == k.own.as_slice()) {
+        if let Some(h) = head.filter(|h| is_own(h, &k.own, &value)) {
             // This token holds the lock already (asking again): restart its lease.
             return self
                 .take_head(args, &key, h.create_revision(), h.lease())
@@ -957,24 +965,21 @@ impl EtcdBackend {
         }
         // A try that lost leaves nothing behind (and if a put of it may still land, it is a
         // suspect from now on).
-        if self.sessions.leave(&key).is_some() {
-            // No delete is sent: there is nothing to delete.
-            let touched = self.sessions.forget(&key);
-            self.revoke_idle(&touched);
-        }
+        self.drop_unput(&key);
         Ok(Attempt::Held {
             remaining: self.remaining(head).await?,
         })
     }
 
-    /// The rest of a queued attempt, from `ops` = [head, own key] reads.
+    /// The rest of a queued attempt, from `ops` = [head, own key] reads; `(wait, value)`: the
+    /// waiters' session and the value the token's puts write.
     async fn queued(
         &self,
         args: &AcquireArgs<'_>,
         key: &TokenKey,
         k: &Keys,
         ops: &[etcd_client::TxnOpResponse],
-        wait: &Arc<Session>,
+        (wait, value): (&Arc<Session>, &[u8]),
     ) -> Result<Attempt, LockError> {
         let line = kvs_at(ops, 0);
         let head = line.first();
@@ -982,6 +987,20 @@ impl EtcdBackend {
         let Some(own) = own else {
             return Ok(Attempt::Held { remaining: None });
         };
+        if !is_own(own, &k.own, value) {
+            // A key at the token's name that its puts did not write (the join puts only where
+            // no key is): not its place in the line. Nothing of the token is on it; the
+            // registration goes, so a later attempt queues afresh and its waiter, with no key
+            // in the line, is woken by the next delete rather than by this key's turn.
+            tracing::warn!(
+                backend = "etcd",
+                "a key at a waiter's name was not written by it; it is left alone"
+            );
+            self.drop_unput(key);
+            return Ok(Attempt::Held {
+                remaining: self.remaining(head).await?,
+            });
+        }
         if admitted(args.resource.kind(), k.dir.len(), line, &k.own) {
             return self
                 .take_head(args, key, own.create_revision(), own.lease())
@@ -1071,6 +1090,16 @@ impl EtcdBackend {
         let held = matches!(moved, Ok(true)).then_some((&to, create));
         self.sessions.end_put(key, settled, held);
         moved
+    }
+
+    /// Ends the registration of a token none of whose keys is in place (a try that lost, a
+    /// name another key holds): no delete is sent, as there is nothing of it to delete (and
+    /// if a put of it may still land, it is a suspect from now on).
+    fn drop_unput(&self, key: &TokenKey) {
+        if self.sessions.leave(key).is_some() {
+            let touched = self.sessions.forget(key);
+            self.revoke_idle(&touched);
+        }
     }
 
     /// Release or abandon of a registered token: `None` when the token is not registered
