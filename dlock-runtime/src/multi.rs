@@ -183,13 +183,11 @@ impl MultiLockRequest<'_> {
             }
             let outcome = match &on_fail {
                 OnFail::Retry(policy) if !once => {
+                    // What is left of the wait, maybe nothing: a key still gets one attempt,
+                    // as a single lock's wait does, so a free set is taken whatever the wait.
                     let mut policy = policy.clone();
                     policy.wait = policy.wait.saturating_sub(start.elapsed());
-                    if policy.wait.is_zero() {
-                        Err(LockError::timeout(key.as_str(), start.elapsed(), None))
-                    } else {
-                        request.on_fail(OnFail::Retry(policy)).acquire().await
-                    }
+                    request.on_fail(OnFail::Retry(policy)).acquire().await
                 }
                 _ => request.on_fail(OnFail::Reject).acquire().await,
             };
@@ -368,6 +366,36 @@ mod tests {
             .unwrap_err();
         assert!(err.is_timeout(), "{err}");
         assert!(locker.lock("a").try_acquire().await.unwrap().is_some());
+        held.release().await.unwrap();
+    }
+
+    /// A key of the set is asked for once even when the wait is spent by the time its turn
+    /// comes, as a single lock with that policy is: a set nobody holds is taken, not refused
+    /// with a timeout on a key it never asked for.
+    #[tokio::test]
+    async fn a_free_set_is_taken_whatever_is_left_of_the_wait() {
+        let locker = Locker::memory();
+        let one = locker
+            .lock("x")
+            .on_fail(OnFail::retry(Duration::ZERO))
+            .acquire()
+            .await;
+        one.unwrap().release().await.unwrap();
+        let all = locker
+            .lock_all(["a", "b"])
+            .on_fail(OnFail::retry(Duration::ZERO))
+            .acquire()
+            .await;
+        all.unwrap().release().await.unwrap();
+        // Held, the set is still refused with a timeout once its one attempt finds it so.
+        let held = locker.lock("b").acquire().await.unwrap();
+        let err = locker
+            .lock_all(["a", "b"])
+            .on_fail(OnFail::retry(Duration::ZERO))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
         held.release().await.unwrap();
     }
 
