@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::lease::LeaseProbe;
 use crate::{LockKey, LockKind};
 
 /// What a holder knows about its lock: the key and the fencing token to pass to the resource
@@ -49,7 +50,16 @@ impl LockInfo {
     }
 }
 
-type Held = Arc<Vec<(u64, LockInfo)>>;
+/// One lock the task holds: the locker it was taken through, what it is, and a view of its
+/// lease, so that a nested call that re-enters it can watch for its loss.
+#[derive(Clone)]
+struct Entry {
+    locker_id: u64,
+    info: LockInfo,
+    probe: LeaseProbe,
+}
+
+type Held = Arc<Vec<Entry>>;
 
 tokio::task_local! {
     static HELD: Held;
@@ -66,7 +76,7 @@ tokio::task_local! {
 /// # }
 /// ```
 pub fn current_lock() -> Option<LockInfo> {
-    HELD.try_with(|h| h.last().map(|(_, i)| i.clone()))
+    HELD.try_with(|h| h.last().map(|e| e.info.clone()))
         .ok()
         .flatten()
 }
@@ -74,7 +84,7 @@ pub fn current_lock() -> Option<LockInfo> {
 /// Every lock the current task holds through `#[distributed_lock]` / [`with_lock`](crate::with_lock), outermost
 /// first.
 pub fn held_locks() -> Vec<LockInfo> {
-    HELD.try_with(|h| h.iter().map(|(_, i)| i.clone()).collect())
+    HELD.try_with(|h| h.iter().map(|e| e.info.clone()).collect())
         .unwrap_or_default()
 }
 
@@ -82,6 +92,15 @@ pub fn held_locks() -> Vec<LockInfo> {
 /// one: the same kind (a lock, a permit of the semaphore, a read or write hold), or a write
 /// hold when `kind` is a read.
 pub(crate) fn held_by_task(locker_id: u64, key: &LockKey, kind: LockKind) -> Option<LockInfo> {
+    reentered(locker_id, key, kind).map(|(info, _)| info)
+}
+
+/// [`held_by_task`], with a view of the hold's lease.
+pub(crate) fn reentered(
+    locker_id: u64,
+    key: &LockKey,
+    kind: LockKind,
+) -> Option<(LockInfo, LeaseProbe)> {
     let covers = |held: LockKind| {
         held == kind
             || (held == LockKind::Write && kind == LockKind::Read)
@@ -92,41 +111,52 @@ pub(crate) fn held_by_task(locker_id: u64, key: &LockKey, kind: LockKind) -> Opt
     };
     HELD.try_with(|h| {
         h.iter()
-            .find(|(l, i)| *l == locker_id && i.lock_key() == key && covers(i.kind))
-            .map(|(_, i)| i.clone())
+            .find(|e| e.locker_id == locker_id && e.info.lock_key() == key && covers(e.info.kind))
+            .map(|e| (e.info.clone(), e.probe.clone()))
     })
     .ok()
     .flatten()
 }
 
-/// Runs `fut` with `info` added to the task's held locks (what [`current_lock`] returns inside).
+/// Runs `fut` with `info` (and its lease's `probe`) added to the task's held locks (what
+/// [`current_lock`] returns inside).
 pub(crate) fn scope<F: Future>(
     locker_id: u64,
     info: LockInfo,
+    probe: LeaseProbe,
     fut: F,
 ) -> impl Future<Output = F::Output> {
-    scope_all(locker_id, vec![info], fut)
+    scope_all(locker_id, vec![(info, probe)], fut)
 }
 
-/// Runs `fut` with every lock of `infos` added to the task's held locks, in order.
+/// Runs `fut` with every lock of `held` added to the task's held locks, in order.
 pub(crate) fn scope_all<F: Future>(
     locker_id: u64,
-    infos: Vec<LockInfo>,
+    held: Vec<(LockInfo, LeaseProbe)>,
     fut: F,
 ) -> impl Future<Output = F::Output> {
-    let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
-    held.extend(infos.into_iter().map(|info| (locker_id, info)));
-    HELD.scope(Arc::new(held), fut)
+    let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
+    all.extend(held.into_iter().map(|(info, probe)| Entry {
+        locker_id,
+        info,
+        probe,
+    }));
+    HELD.scope(Arc::new(all), fut)
 }
 
-/// Polls `fut` once with `info` added to the task's held locks.
+/// Polls `fut` once with `info` (and its lease's `probe`) added to the task's held locks.
 pub(crate) fn poll_scoped<F: Future + ?Sized>(
     locker_id: u64,
     info: &LockInfo,
+    probe: &LeaseProbe,
     fut: std::pin::Pin<&mut F>,
     cx: &mut std::task::Context<'_>,
 ) -> std::task::Poll<F::Output> {
-    let mut held: Vec<(u64, LockInfo)> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
-    held.push((locker_id, info.clone()));
-    HELD.sync_scope(Arc::new(held), || fut.poll(cx))
+    let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
+    all.push(Entry {
+        locker_id,
+        info: info.clone(),
+        probe: probe.clone(),
+    });
+    HELD.sync_scope(Arc::new(all), || fut.poll(cx))
 }

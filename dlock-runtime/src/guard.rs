@@ -147,5 +147,5 @@ pub fn with_lock<'g, F: Future + 'g>(
     guard: &'g LockGuard,
     fut: F,
 ) -> impl Future<Output = F::Output> + 'g {
-    crate::context::scope(guard.locker_id(), guard.info(), fut)
+    crate::context::scope(guard.locker_id(), guard.info(), guard.probe(), fut)
 }

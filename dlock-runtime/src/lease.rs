@@ -223,7 +223,7 @@ impl Lease {
         fut: std::pin::Pin<&mut F>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        crate::context::poll_scoped(self.locker_id, &self.info(), fut, cx)
+        crate::context::poll_scoped(self.locker_id, &self.info(), &self.probe(), fut, cx)
     }
 
     /// Stops renewal, so that none can follow the final step.

@@ -288,6 +288,12 @@ impl MultiGuard {
         self.guards.iter().map(LockGuard::info).collect()
     }
 
+    /// Every lock's info and a view of its lease, in canonical order (for the task's held
+    /// locks).
+    pub(crate) fn held(&self) -> Vec<(LockInfo, crate::lease::LeaseProbe)> {
+        self.guards.iter().map(|g| (g.info(), g.probe())).collect()
+    }
+
     /// Whether every lock is still held as far as this process can tell.
     pub fn is_held(&self) -> bool {
         self.guards.iter().all(LockGuard::is_held)
@@ -331,7 +337,7 @@ pub fn with_locks<'g, F: Future + 'g>(
     guard: &'g MultiGuard,
     fut: F,
 ) -> impl Future<Output = F::Output> + 'g {
-    crate::context::scope_all(guard.locker_id(), guard.infos(), fut)
+    crate::context::scope_all(guard.locker_id(), guard.held(), fut)
 }
 
 #[cfg(test)]

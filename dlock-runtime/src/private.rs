@@ -179,6 +179,9 @@ pub struct Held {
     /// `None`: every key re-entered.
     guard: Option<crate::MultiGuard>,
     cancel_on_lost: bool,
+    /// With `cancel_on_lost`: the keys re-entered (an outer call holds them) and their leases,
+    /// whose loss cancels this body too.
+    reentered: Vec<(LockKey, crate::lease::LeaseProbe)>,
 }
 
 /// The first half of [`run_all`]: takes every key the current task does not hold yet (in the
@@ -196,14 +199,26 @@ where
     let keys = crate::multi::canonical(keys)?;
     // Re-entrant: keys this task already holds (an outer locked call) are not waited for —
     // that would wait for ourselves.
+    let mut reentered = Vec::new();
     let fresh: Vec<LockKey> = keys
         .into_iter()
-        .filter(|key| crate::context::held_by_task(locker.id(), key, spec.kind).is_none())
+        .filter(
+            |key| match crate::context::reentered(locker.id(), key, spec.kind) {
+                Some((_, probe)) => {
+                    if spec.cancel_on_lost {
+                        reentered.push((key.clone(), probe));
+                    }
+                    false
+                }
+                None => true,
+            },
+        )
         .collect();
     let mut held = Held {
         locker: locker.clone(),
         guard: None,
         cancel_on_lost: spec.cancel_on_lost,
+        reentered,
     };
     if fresh.is_empty() {
         return Ok(held);
@@ -237,20 +252,29 @@ where
 }
 
 /// The second half of [`run_all`]: runs `body` under the locks of `held`, releases them.
+/// With `on_lost = "cancel"`, the body is cancelled when any of its keys is lost — those it
+/// took and those it re-entered (an outer call's, whatever that call's `on_lost`).
 pub async fn run_held<F: Future>(held: Held, body: F) -> Result<F::Output, LockError> {
     let Some(guard) = held.guard else {
-        return Ok(body.await);
+        if held.reentered.is_empty() {
+            return Ok(body.await);
+        }
+        tokio::pin!(body);
+        return tokio::select! {
+            biased;
+            out = &mut body => Ok(out),
+            key = reentered_lost(&held.reentered) => Err(LockError::lost(key.as_str())),
+        };
     };
-    let scoped = crate::context::scope_all(held.locker.id(), guard.infos(), body);
+    let scoped = crate::context::scope_all(held.locker.id(), guard.held(), body);
     let out = if held.cancel_on_lost {
         tokio::pin!(scoped);
+        // Dropping `scoped` on a loss cancels the body at its current await point.
         tokio::select! {
             biased;
             out = &mut scoped => out,
-            _ = guard.lost() => {
-                // Dropping `scoped` here cancels the body at its current await point.
-                return Err(LockError::lost(guard.lost_key()));
-            }
+            _ = guard.lost() => return Err(LockError::lost(guard.lost_key())),
+            key = reentered_lost(&held.reentered) => return Err(LockError::lost(key.as_str())),
         }
     } else {
         scoped.await
@@ -262,6 +286,20 @@ pub async fn run_held<F: Future>(held: Held, body: F) -> Result<F::Output, LockE
         );
     }
     Ok(out)
+}
+
+/// Resolves with the key of the first of `reentered` found lost (never, when empty).
+async fn reentered_lost(reentered: &[(LockKey, crate::lease::LeaseProbe)]) -> &LockKey {
+    let all = reentered.iter().map(|(key, probe)| {
+        Box::pin(async move {
+            probe.lost().await;
+            key
+        })
+    });
+    match all.len() {
+        0 => std::future::pending().await,
+        _ => futures_util::future::select_all(all).await.0,
+    }
 }
 
 /// `run` for `on_fail = "defer"`: when the lock is busy, the (not yet polled) body goes to the

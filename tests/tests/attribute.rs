@@ -352,6 +352,60 @@ async fn nested_call_with_the_same_key_re_enters() {
     assert!(locker.lock("acct:1").try_acquire().await.unwrap().is_some());
 }
 
+/// What the nested calls below tell the test, and wait for.
+struct Gate {
+    entered: mpsc::UnboundedSender<()>,
+    proceed: Notify,
+    ran: AtomicUsize,
+}
+
+#[distributed_lock(key = "nest:<id>", ttl = "600ms", locker = locker)]
+async fn outer_ignoring_loss(locker: Locker, id: u64, gate: Arc<Gate>) -> Result<(), LockError> {
+    inner_cancelled_on_loss(locker, id, gate).await
+}
+
+#[distributed_lock(key = "nest:<id>", ttl = "600ms", on_lost = "cancel", locker = locker)]
+async fn inner_cancelled_on_loss(locker: Locker, id: u64, gate: Arc<Gate>) {
+    let _ = gate.entered.send(());
+    gate.proceed.notified().await;
+    // The side effect that must not happen once the lock is lost.
+    gate.ran.fetch_add(1, Ordering::SeqCst);
+}
+
+/// `on_lost = "cancel"` on a call that re-enters a lock an outer call holds (with the default
+/// `on_lost`, "ignore"): the inner body is cancelled when that lock is lost all the same. It
+/// ran on unwatched before, its side effect after the loss included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_call_cancelled_on_loss_is_cancelled_when_the_lock_it_re_entered_is_lost() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let (entered, mut inside) = mpsc::unbounded_channel();
+    let gate = Arc::new(Gate {
+        entered,
+        proceed: Notify::new(),
+        ran: AtomicUsize::new(0),
+    });
+    let call = tokio::spawn(outer_ignoring_loss(locker, 7, gate.clone()));
+    inside.recv().await.expect("the inner body started");
+    // Take the lock away behind both calls' backs.
+    let n: i64 = server.query(redis::cmd("DEL").arg("dlock:{nest:7}")).await;
+    assert_eq!(n, 1);
+    let out = tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("the inner body was not cancelled when the lock was lost")
+        .unwrap();
+    let err = out.unwrap_err();
+    assert!(err.is_lost(), "{err}");
+    // The body was dropped at its await point: letting it proceed now runs nothing.
+    gate.proceed.notify_waiters();
+    tokio::task::yield_now().await;
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        0,
+        "side effect ran after the loss"
+    );
+}
+
 #[derive(Debug)]
 enum AppError {
     Lock(LockError),
