@@ -564,9 +564,57 @@ mod actix_impl {
     }
 }
 
+/// For code returning [`std::io::Result`] (a `#[distributed_lock]` function declared
+/// `-> io::Result<T>`, or `?` in one): the `LockError` is kept whole as the error's inner
+/// error (`get_ref`, `into_inner`), under the kind that fits — `WouldBlock` for a lock held
+/// ([`Contended`](LockError::Contended)), `TimedOut` for a wait that reached its deadline,
+/// `InvalidInput` for a bad key, TTL or argument, `Unsupported`, and `Other` for the rest.
+impl From<LockError> for std::io::Error {
+    fn from(err: LockError) -> Self {
+        use std::io::ErrorKind;
+        let kind = if err.is_timeout() {
+            ErrorKind::TimedOut
+        } else if err.is_contended() {
+            ErrorKind::WouldBlock
+        } else if err.is_invalid() {
+            ErrorKind::InvalidInput
+        } else if err.is_unsupported() {
+            ErrorKind::Unsupported
+        } else {
+            ErrorKind::Other
+        };
+        std::io::Error::new(kind, err)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_io_error_keeps_the_lock_error_under_its_kind() {
+        use std::io::ErrorKind;
+        let cases = [
+            (LockError::contended("k", None), ErrorKind::WouldBlock),
+            (
+                LockError::timeout("k", Duration::from_secs(1), None),
+                ErrorKind::TimedOut,
+            ),
+            (LockError::invalid_key("empty"), ErrorKind::InvalidInput),
+            (
+                LockError::unsupported("memory", "replica acknowledgement"),
+                ErrorKind::Unsupported,
+            ),
+            (LockError::unavailable("down", None), ErrorKind::Other),
+        ];
+        for (err, kind) in cases {
+            let shown = err.to_string();
+            let io = std::io::Error::from(err);
+            assert_eq!(io.kind(), kind, "{shown}");
+            let inner = io.into_inner().unwrap().downcast::<LockError>().unwrap();
+            assert_eq!(inner.to_string(), shown);
+        }
+    }
 
     #[test]
     fn retry_after_rounds_up_and_is_at_least_one_second() {
