@@ -125,6 +125,7 @@ fn body_output_type(sig: &Signature) -> Option<(Span, TokenStream)> {
             erase_impl_trait(&mut ty);
             match ty {
                 Type::Infer(_) => None,
+                Type::Never(never) => Some((never.span(), never_type(never.span()))),
                 ty => Some((ty.span(), ty.into_token_stream())),
             }
         }
@@ -159,7 +160,14 @@ pub(crate) fn fake_return(sig: &Signature) -> TokenStream {
     }
 }
 
-/// `-> T` becomes `-> Result<T, LockError>`; no return type becomes `-> Result<(), LockError>`.
+/// What `-> !` is written as where the never type cannot be (a type argument, a `let`'s type:
+/// unstable there): `Infallible`, which a body that never returns coerces to.
+fn never_type(span: Span) -> TokenStream {
+    quote_spanned!(span=> ::core::convert::Infallible)
+}
+
+/// `-> T` becomes `-> Result<T, LockError>`; no return type becomes `-> Result<(), LockError>`;
+/// `-> !` becomes `-> Result<Infallible, LockError>` (the lock may fail, so it returns after all).
 pub(crate) fn wrap_output(sig: &Signature, private: &TokenStream) -> Signature {
     let mut sig = sig.clone();
     let (arrow, inner, span) = match &sig.output {
@@ -167,7 +175,10 @@ pub(crate) fn wrap_output(sig: &Signature, private: &TokenStream) -> Signature {
             let span = sig.paren_token.span.close();
             (Token![->](span), quote_spanned!(span=> ()), span)
         }
-        ReturnType::Type(arrow, ty) => (*arrow, ty.to_token_stream(), ty.span()),
+        ReturnType::Type(arrow, ty) => match &**ty {
+            Type::Never(never) => (*arrow, never_type(never.span()), never.span()),
+            ty => (*arrow, ty.to_token_stream(), ty.span()),
+        },
     };
     let wrapped = quote_spanned! {span=>
         ::core::result::Result<#inner, #private::LockError>
