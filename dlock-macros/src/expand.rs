@@ -46,6 +46,15 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> syn::Result<TokenS
     let args = errors.ok(args).flatten();
     check_signature(&function, &mut errors);
     let bindings = Bindings::of(&function.sig);
+    if let (Some(args), Some(cfg)) = (&args, bindings.first_cfg()) {
+        if args.fallback.is_some() {
+            errors.push(syn::Error::new_spanned(
+                cfg,
+                "`fallback` cannot be used with a `#[cfg]` parameter: the fallback is called \
+                 with every parameter, and which ones exist would depend on the configuration",
+            ));
+        }
+    }
     let key = args
         .as_ref()
         .map(|args| key_statements(args, &function.sig, &bindings, &mut errors));
@@ -138,7 +147,14 @@ fn placeholder_expr(
                 ),
             ));
         }
-        Ident::new("self", span)
+        // The receiver's own token (its hygiene: the function may come out of a
+        // `macro_rules!`), shown at the key literal.
+        let mut receiver = bindings
+            .receiver
+            .clone()
+            .unwrap_or_else(|| Ident::new("self", span));
+        receiver.set_span(receiver.span().located_at(span));
+        receiver
     } else {
         let Some(binding) = bindings
             .names
@@ -147,8 +163,10 @@ fn placeholder_expr(
         else {
             return Err(unknown_placeholder(placeholder, sig, bindings, lit_span));
         };
+        // The parameter's own hygiene, not the attribute's: through a `macro_rules!` that
+        // forwards the function, the attribute's call site cannot see the parameters.
         let mut root = binding.clone();
-        root.set_span(span);
+        root.set_span(binding.span().located_at(span));
         root
     };
 
@@ -467,12 +485,13 @@ mod defer {
     pub(super) fn checks(bindings: &Bindings) -> TokenStream {
         // Named for the diagnostic: "required by a bound in `__dlock_defer_arg_must_be_…`".
         let assert = local("__dlock_defer_arg_must_be_send_and_static");
-        let checks = bindings.all().map(|binding| {
+        let checks = bindings.all_with_cfg().map(|(binding, cfg)| {
             // The whole call sits on the argument, so both the `Send` error and the borrow
-            // checker's "escapes the function body here" point at it.
+            // checker's "escapes the function body here" point at it. A parameter under
+            // `#[cfg]` is checked under the same `cfg`.
             let span = binding.span().resolved_at(Span::mixed_site());
             let assert = Ident::new(&assert.to_string(), span);
-            quote_spanned!(span=> #assert(&#binding);)
+            quote_spanned!(span=> #(#cfg)* #assert(&#binding);)
         });
         quote! {
             #[allow(dead_code)]

@@ -103,7 +103,9 @@ pub(crate) fn check_signature(function: &LockedFn, errors: &mut Errors) {
         errors.error(
             sig.ident.span(),
             "#[distributed_lock] needs a function body to run under the lock; it cannot be \
-             used on a trait method declaration without one (put it on the implementations)",
+             used on a trait method declaration without one (put it on the implementations, \
+             and declare the method as returning `Result<T, E>` with `E: From<LockError>`, \
+             which the implementations keep)",
         );
     }
 }
@@ -114,6 +116,10 @@ pub(crate) struct Bindings {
     pub(crate) receiver: Option<Ident>,
     /// Plain parameters and every name bound inside parameter patterns, in order.
     pub(crate) names: Vec<Ident>,
+    /// For each of `names`, the `#[cfg(..)]` attributes of its parameter: an attribute macro
+    /// sees the parameters before `cfg` removes any, so code naming every binding carries
+    /// them.
+    pub(crate) cfgs: Vec<Vec<syn::Attribute>>,
 }
 
 impl Bindings {
@@ -122,13 +128,23 @@ impl Bindings {
         let mut bindings = Bindings {
             receiver: None,
             names: Vec::new(),
+            cfgs: Vec::new(),
         };
         for input in &sig.inputs {
             match input {
                 FnArg::Receiver(receiver) => {
                     bindings.receiver = Some(Ident::from(receiver.self_token));
                 }
-                FnArg::Typed(typed) => pattern_bindings(&typed.pat, &mut bindings.names),
+                FnArg::Typed(typed) => {
+                    pattern_bindings(&typed.pat, &mut bindings.names);
+                    let cfg: Vec<syn::Attribute> = typed
+                        .attrs
+                        .iter()
+                        .filter(|a| a.path().is_ident("cfg") || a.path().is_ident("cfg_attr"))
+                        .cloned()
+                        .collect();
+                    bindings.cfgs.resize(bindings.names.len(), cfg);
+                }
             }
         }
         bindings
@@ -137,6 +153,17 @@ impl Bindings {
     /// `self` (when a method), then every named binding.
     pub(crate) fn all(&self) -> impl Iterator<Item = &Ident> {
         self.receiver.iter().chain(&self.names)
+    }
+
+    /// Every binding with the `cfg` attributes of its parameter (none for `self`).
+    pub(crate) fn all_with_cfg(&self) -> impl Iterator<Item = (&Ident, &[syn::Attribute])> {
+        let receiver = self.receiver.iter().map(|r| (r, &[][..]));
+        receiver.chain(self.names.iter().zip(self.cfgs.iter().map(Vec::as_slice)))
+    }
+
+    /// The first `#[cfg]`-like attribute on a parameter, if any.
+    pub(crate) fn first_cfg(&self) -> Option<&syn::Attribute> {
+        self.cfgs.iter().flatten().next()
     }
 }
 

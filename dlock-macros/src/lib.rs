@@ -105,6 +105,23 @@ use proc_macro::TokenStream;
 ///   an axum handler that answers with `AppError`'s response, name the type
 ///   (`Result<Response, AppError>`).
 ///
+/// - `-> !` (a worker that never returns) becomes `Result<Infallible, dlock_runtime::LockError>`:
+///   the lock may be refused, so the function returns after all.
+/// - `io::Result<T>` works as any `Result`: `io::Error` implements `From<LockError>`, with the
+///   `LockError` inside under a fitting kind (`WouldBlock` for a held lock).
+///
+/// **The lock covers the body, not what it returns.** It is released when the body's future
+/// completes: a returned stream, future or streaming response body (`impl Stream`, `Sse`, a
+/// body built from a stream) runs after the release. Do the locked work inside the body, or
+/// hold a guard in the stream (`Locker::lock`).
+///
+/// **Trait methods.** The attribute goes on an implementation (a declaration has no body).
+/// The rewritten method's return type must still match the trait's: declare it in the trait
+/// as `Result<T, E>` with `E: From<LockError>` (a plain `T` would become
+/// `Result<T, LockError>` in the implementation only). `#[async_trait]` rewrites the methods
+/// of its impl block before the attribute runs (they are no longer `async fn`); there, have
+/// the method call a locked inherent method or free function.
+///
 /// `?` and early `return`s in the body work as before. No `Send` bound is added: the function's
 /// future is `Send` when the body's is (axum handlers) and works when it is not (actix-web
 /// handlers).
