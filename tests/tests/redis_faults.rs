@@ -1115,6 +1115,52 @@ async fn fencing_tokens_grow_across_keys_and_a_lost_counter() {
     g.release().await.unwrap();
 }
 
+/// A fencing counter past 2^53 - 1 (set by hand, or a client clock centuries ahead) issues no
+/// token above the ones before: a token is `counter × 2^ISSUER_BITS + issuer` in a `u64`, and
+/// the scripts count in doubles. Every token saturated to `u64::MAX` before — the same token
+/// again and again. Now the acquire is a typed `Misconfigured` (500), the lock its script took
+/// is undone, and once the counter is put back the next token is above every one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fencing_counter_past_the_tokens_range_is_misconfigured_and_takes_no_lock() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let g = locker.lock("range").acquire().await.unwrap();
+    let last = g.fencing_token();
+    g.release().await.unwrap();
+    let fence = format!("{}:fence", locker.prefix());
+    let _: () = server
+        .query(redis::cmd("SET").arg(&fence).arg(1u64 << 53))
+        .await;
+    let lock_key = format!("{}:{{range}}", locker.prefix());
+    // Refused each time (the counter is not taken for seen), its lock undone each time.
+    for _ in 0..2 {
+        let err = locker.lock("range").acquire().await.unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
+        assert_eq!(err.status(), 500);
+        poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(5),
+            async || {
+                let n: i64 = server.query(redis::cmd("EXISTS").arg(&lock_key)).await;
+                (n == 0)
+                    .then_some(())
+                    .ok_or("the refused acquire's lock is still there")
+            },
+        )
+        .await;
+    }
+    let _: () = server
+        .query(redis::cmd("SET").arg(&fence).arg(counter_of(last)))
+        .await;
+    let g = locker.lock("range").acquire().await.unwrap();
+    assert!(
+        g.fencing_token() > last,
+        "{} after {last}",
+        g.fencing_token()
+    );
+    g.release().await.unwrap();
+}
+
 /// Two masters that both take writes for a moment (a Sentinel master frozen past the
 /// down-after time, failed over, and woken before it is demoted) issue from the same counter
 /// value: the clients that hold them still get different fencing tokens, because a token names

@@ -629,6 +629,28 @@ async fn fencing_stays_monotonic_with_a_node_clock_ahead_across_expiry() {
     second.release().await.unwrap();
 }
 
+/// A node's counter past 2^53 - 1 (set by hand, or a clock centuries ahead): the nodes'
+/// scripts count in doubles, exact only below 2^53, so no token above the ones before can be
+/// told. The acquire is a typed `Misconfigured` (500), and the lock the nodes granted is undone
+/// on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fencing_counter_past_the_tokens_range_is_misconfigured_and_takes_no_lock() {
+    let mut servers = start_many(3);
+    let locker = redlock(&servers, Locker::builder()).await;
+    let key = "rl:fence-range";
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    put_counters(&mut servers[0].conn().await, &locker, &resource, 1 << 53).await;
+    let err = locker.lock(key).acquire().await.unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
+    // With node 0 away, nodes 1 and 2 grant it as before.
+    servers[0].stop();
+    let g = locker.lock(key).acquire().await.unwrap();
+    assert!(g.fencing_token() < 1 << 53);
+    g.release().await.unwrap();
+}
+
 /// A majority grants the lock but fewer than a majority confirm the raised
 /// fencing token (the network fails between the two steps): the acquire is a 503
 /// (unavailable), not a 409 (someone else holds it), and the lock frees within its lease.

@@ -559,6 +559,18 @@ impl Backend for RedlockBackend {
                 // Raise every granting node to the majority's maximum, so that any later
                 // majority (which shares a node with this one) issues a larger token.
                 let max = granted.iter().map(|(_, t)| *t).max().unwrap_or(0);
+                if max > super::redis::MAX_COUNTER {
+                    // Past what the nodes' scripts count exactly: no token above the ones
+                    // before can be told. Not noted as seen (the floors would carry it on).
+                    self.undo_everywhere(resource, token).await;
+                    return Err(LockError::misconfigured(
+                        format!(
+                            "redlock: a node's fencing counter is at {max}, past 2^53 - 1: no \
+                             token issued from it would be above the ones before"
+                        ),
+                        None,
+                    ));
+                }
                 self.inner.fence_seen.fetch_max(max, Ordering::AcqRel);
                 let raised = futures_util::future::join_all(granted.iter().map(|&(i, t)| {
                     let node = &self.inner.nodes[i];

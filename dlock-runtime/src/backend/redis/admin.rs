@@ -298,10 +298,10 @@ impl AdminStore for RedisBackend {
             let ((held, counter), issuer): ((i64, u64), _) =
                 self.run_granting("force release", &inv).await?;
             // As a token (`RedisBackend::ISSUER_BITS`): above every token issued before, below
-            // every one issued after.
+            // every one issued after (none when the counter is past the tokens' range).
             Ok(ForceReleased {
                 was_held: held == 1,
-                fence: Some(self.granted(counter, issuer)),
+                fence: self.granted(counter, issuer).ok(),
             })
         })
     }

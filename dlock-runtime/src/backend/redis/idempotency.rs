@@ -184,7 +184,7 @@ impl IdempotencyStore for RedisBackend {
                 1 => {
                     let counter = text()?.parse::<u64>().map_err(|_| malformed())?;
                     Ok(BeginReply::Acquired {
-                        fencing_token: self.granted(counter, issuer),
+                        fencing_token: self.granted(counter, issuer)?,
                     })
                 }
                 2 => Ok(BeginReply::Replay { record: data }),

@@ -230,7 +230,7 @@ impl RedisBackend {
         let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
         Ok(match reply {
             1.. => Attempt::Acquired {
-                fencing_token: self.granted(reply as u64, issuer),
+                fencing_token: self.granted(reply as u64, issuer)?,
             },
             0 => Attempt::Held { remaining: None },
             _ => Attempt::Held {

@@ -192,18 +192,33 @@ struct Inner {
 
 impl Inner {
     /// See [`RedisBackend::granted`].
-    fn granted(&self, counter: u64, over: Issuer) -> u64 {
+    fn granted(&self, counter: u64, over: Issuer) -> Result<u64, LockError> {
+        if counter > MAX_COUNTER {
+            // Not noted as seen: the next floors would carry it on after the counter is fixed.
+            return Err(LockError::misconfigured(
+                format!(
+                    "redis: the fencing counter is at {counter}, past 2^53 - 1: no token issued \
+                     from it would be above the ones before (set by hand, or a client clock \
+                     centuries ahead)"
+                ),
+                None,
+            ));
+        }
         self.fence_seen.fetch_max(counter, Ordering::AcqRel);
         let issuer = over.unwrap_or_else(|| self.issuer.load(Ordering::Acquire));
         debug_assert_ne!(
             issuer, NO_ISSUER,
             "a token granted before the issuer was taken"
         );
-        counter
-            .saturating_mul(1 << RedisBackend::ISSUER_BITS)
-            .saturating_add(issuer & ((1 << RedisBackend::ISSUER_BITS) - 1))
+        Ok((counter << RedisBackend::ISSUER_BITS)
+            | (issuer & ((1 << RedisBackend::ISSUER_BITS) - 1)))
     }
 }
+
+/// The largest fencing counter a token is issued from: the scripts' numbers are Lua doubles,
+/// exact below 2^53, and a token (`counter × 2^ISSUER_BITS + issuer`) must fit a `u64`. (A
+/// Redlock token is a node's counter itself: the same bound.)
+pub(crate) const MAX_COUNTER: u64 = (1 << 53) - 1;
 
 /// The issuer number of the connection a reply came over, where it differs from the backend's
 /// own ([`Inner::issuer`]): behind Sentinel, each master the backend follows is given a number
@@ -449,8 +464,10 @@ impl RedisBackend {
     /// then never receive the same token, unless `2^ISSUER_BITS` other backends took a number
     /// between them. Behind Sentinel a backend takes a number on each master it follows,
     /// distinct from the numbers of the masters before, and a token carries the number of the
-    /// master that granted it, so one backend's tasks never receive the same token either. The counter stays below 2^53 (the scripts' numbers are Lua doubles), so
-    /// a token fits a `u64`.
+    /// master that granted it, so one backend's tasks never receive the same token either.
+    /// Tokens come from counters below 2^53 (the scripts' numbers are Lua doubles), so a token
+    /// fits a `u64`; a counter past that (set by hand, or a client clock centuries ahead)
+    /// issues none — the acquire is [`LockError::Misconfigured`] and its lock is undone.
     pub const ISSUER_BITS: u32 = 11;
 
     /// Connects to `url` (`redis://[user:pass@]host:port[/db]`, or `rediss://` with feature
@@ -777,8 +794,10 @@ impl RedisBackend {
     /// reports (see [`RedisBackend::ISSUER_BITS`]) with the issuer number of the connection
     /// whose reply granted it (`over`, from [`run_granting`](Self::run_granting)). The
     /// backend's own number was taken before the operation that issued `counter`
-    /// ([`RedisBackend::issuer`]).
-    pub(crate) fn granted(&self, counter: u64, over: Issuer) -> u64 {
+    /// ([`RedisBackend::issuer`]). [`LockError::Misconfigured`] for a counter past 2^53 - 1,
+    /// from which no token can be issued above the ones before: the lock the script granted is
+    /// then undone as any attempt that failed.
+    pub(crate) fn granted(&self, counter: u64, over: Issuer) -> Result<u64, LockError> {
         self.inner.granted(counter, over)
     }
 
@@ -1324,7 +1343,11 @@ fn on_push(
                 _ if payload.is_empty() => hub.notify(resource, None),
                 Some((token, fence)) => match fence.parse::<u64>() {
                     Ok(fence) if handoff => match me.get().and_then(Weak::upgrade) {
-                        Some(inner) => hub.hand_over(resource, token, inner.granted(fence, issuer)),
+                        Some(inner) => match inner.granted(fence, issuer) {
+                            Ok(fence) => hub.hand_over(resource, token, fence),
+                            // No token to hand over: the waiter asks, and is told why.
+                            Err(_) => hub.notify(resource, Some(token)),
+                        },
                         None => hub.notify(resource, Some(token)),
                     },
                     _ => hub.notify(resource, Some(token)),
@@ -1464,7 +1487,7 @@ impl Backend for RedisBackend {
             Ok(
                 match self.acquire_with_floor(args, Floor::clock(seen)).await? {
                     (Attempt::Acquired { fencing_token }, issuer) => Attempt::Acquired {
-                        fencing_token: self.granted(fencing_token, issuer),
+                        fencing_token: self.granted(fencing_token, issuer)?,
                     },
                     (held, _) => held,
                 },

@@ -43,7 +43,8 @@
 //! same way (every script that may hand over — release, abandon, idempotency complete and
 //! abort, force release — is sent one); an `INCR` that answers 1 found no counter and starts
 //! it at the server clock in µs. A Redlock node takes the floor exactly (see `backend::redlock`). The scripts issue
-//! counter values (below 2^53: Lua numbers are doubles); the client reports
+//! counter values (below 2^53: Lua numbers are doubles; the client refuses a larger one as
+//! `Misconfigured` and undoes the lock); the client reports
 //! `counter × 2^ISSUER_BITS + its issuer number` as the token (`RedisBackend::ISSUER_BITS`), so
 //! two masters that issue the same counter value during a split never grant the same token
 //! (unless 2^ISSUER_BITS other clients took issuer numbers between theirs).
