@@ -144,19 +144,18 @@ pub(crate) fn scope_all<F: Future>(
     HELD.scope(Arc::new(all), fut)
 }
 
-/// Polls `fut` once with `info` (and its lease's `probe`) added to the task's held locks.
-pub(crate) fn poll_scoped<F: Future + ?Sized>(
+/// Runs `f` with `info` (and its lease's `probe`) added to the task's held locks.
+pub(crate) fn in_scope<R>(
     locker_id: u64,
-    info: &LockInfo,
-    probe: &LeaseProbe,
-    fut: std::pin::Pin<&mut F>,
-    cx: &mut std::task::Context<'_>,
-) -> std::task::Poll<F::Output> {
+    info: LockInfo,
+    probe: LeaseProbe,
+    f: impl FnOnce() -> R,
+) -> R {
     let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
     all.push(Entry {
         locker_id,
-        info: info.clone(),
-        probe: probe.clone(),
+        info,
+        probe,
     });
-    HELD.sync_scope(Arc::new(all), || fut.poll(cx))
+    HELD.sync_scope(Arc::new(all), f)
 }

@@ -73,6 +73,14 @@ macro_rules! lease_handle_methods {
             ) -> std::task::Poll<F::Output> {
                 self.lease.poll_scoped(fut, cx)
             }
+
+            /// Runs `f` with this lock visible to [`current_lock`](crate::current_lock) (and to
+            /// nested `#[distributed_lock]` calls, which then re-enter): for code that is not a
+            /// future, such as a tower service's `call`, which runs before its future is first
+            /// polled.
+            pub fn in_scope<R>(&self, f: impl FnOnce() -> R) -> R {
+                self.lease.in_scope(f)
+            }
         }
     };
 }
@@ -218,12 +226,16 @@ impl Lease {
     }
 
     /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock).
+    pub(crate) fn in_scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        crate::context::in_scope(self.locker_id, self.info(), self.probe(), f)
+    }
+
     pub(crate) fn poll_scoped<F: Future + ?Sized>(
         &self,
         fut: std::pin::Pin<&mut F>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        crate::context::poll_scoped(self.locker_id, &self.info(), &self.probe(), fut, cx)
+        self.in_scope(|| fut.poll(cx))
     }
 
     /// Stops renewal, so that none can follow the final step.

@@ -813,6 +813,32 @@ async fn vanished_holder_blocks_until_its_ttl_then_the_retry_runs() {
     server.abort();
 }
 
+/// A service's `call` (its synchronous part, before its future is polled) sees the key's lock
+/// through `current_lock()`, the same lock as the `LockInfo` in the extensions: the call ran
+/// outside the lock's scope, and a `service_fn` reading `current_lock()` there found none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_call_sees_the_lock_before_its_future_runs() {
+    use tower::ServiceBuilder;
+
+    let svc = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(Locker::memory()).ttl(TTL))
+        .service(tower::service_fn(|req: Request<Body>| {
+            let seen = dlock_runtime::current_lock();
+            let given = req.extensions().get::<dlock_runtime::LockInfo>().cloned();
+            let same = seen.is_some() && seen == given;
+            std::future::ready(Ok::<_, Infallible>(Response::new(Body::from(
+                same.to_string(),
+            ))))
+        }));
+    let res = svc
+        .oneshot(post_with("sync-call", "{}").build::<Body>(""))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"true");
+}
+
 /// A request cancelled while the handler runs releases the key without a record (well before
 /// the TTL): the next request with the key runs the handler instead of replaying anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -483,6 +483,45 @@ async fn handler_reads_lock_info_from_extensions() {
     assert!(text(res).await.contains("lock-key-missing"));
 }
 
+/// An inner service that answers whether its `call` — the synchronous part, before its
+/// future is polled, where a plain tower service reads request state — saw the request's lock
+/// through `current_lock()` (the same lock as the `LockInfo` in the extensions).
+fn call_sees_the_lock() -> ServiceFn<
+    impl Fn(Request<Body>) -> std::future::Ready<Result<Response<Body>, Infallible>> + Clone,
+> {
+    service_fn(|req: Request<Body>| {
+        let seen = dlock_runtime::current_lock();
+        let given = req.extensions().get::<LockInfo>().cloned();
+        let same = seen.is_some() && seen == given;
+        std::future::ready(Ok(Response::new(Body::from(same.to_string()))))
+    })
+}
+
+/// A service's `call` sees the lock through `current_lock()` under the lock layer and the
+/// defer layer, not only the future it returns: the call ran outside the lock's scope, and a
+/// `service_fn` reading `current_lock()` before its `async` block found none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_call_sees_the_lock_before_its_future_runs() {
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let lock = ServiceBuilder::new()
+        .layer(DistributedLockLayer::new(locker.clone(), key::header("idempotency-key")).ttl(TTL))
+        .service(call_sees_the_lock());
+    let res = lock.oneshot(idem("sync-call")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(text(res).await, "true", "the lock layer");
+    #[cfg(feature = "defer")]
+    {
+        let (_redis, locker, queue) = dlock_tests::jobs::start_queue("sync-call").await;
+        let deferred = ServiceBuilder::new()
+            .layer(defer_layer(&locker, queue))
+            .service(call_sees_the_lock());
+        let res = deferred.oneshot(idem("sync-call")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(text(res).await, "true", "the defer layer");
+    }
+}
+
 /// axum path parameters as keys; the same key on two routes excludes across them.
 #[cfg(feature = "axum")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,7 +84,8 @@ where
     {
         Ok(Some(guard)) => {
             request.extensions_mut().insert(guard.info());
-            let out = dlock_runtime::with_lock(&guard, inner.call(request)).await;
+            let call = guard.in_scope(|| inner.call(request));
+            let out = dlock_runtime::with_lock(&guard, call).await;
             if let Err(e) = guard.release().await {
                 tracing::warn!(
                     error = %shared.locker.trace_error(&e),

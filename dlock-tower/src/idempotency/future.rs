@@ -335,7 +335,7 @@ where
 
     // The handler runs with the lock visible in its extensions and to `current_lock()`.
     request.extensions_mut().insert(op.info());
-    let call = inner.call(request);
+    let call = op.in_scope(|| inner.call(request));
     let handled = if shared.cancel_on_disconnect {
         // Dropping this future drops the handler's; only the storing is detached.
         handle(op, call, shared.clone(), true).await?

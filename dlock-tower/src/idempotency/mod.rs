@@ -78,8 +78,9 @@
 //!    and compute the request's *fingerprint*: SHA-256 over the method, the path and query,
 //!    and the SHA-256 of the body. The path is the one the client sent: inside axum's
 //!    `Router::nest` (feature `axum`) the whole path, not the nested router's rest, so one key
-//!    sent to `/orders/pay` and then to `/refunds/pay` is `422`, not a replay. The body is
-//!    handed on to the handler intact.
+//!    sent to `/orders/pay` and then to `/refunds/pay` is `422`, not a replay. The body's data
+//!    is handed on to the handler intact; request trailers (rare: chunked uploads that sign
+//!    the body in a trailer) are neither handed on nor part of the fingerprint.
 //! 3. **Begin**, one atomic step in the backend (see
 //!    [`dlock_runtime::idempotency`]): a stored response → replay it (same fingerprint) or
 //!    `422` (different); the key's lock is held → `409` (or `422` if the running request has

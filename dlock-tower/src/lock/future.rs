@@ -216,7 +216,11 @@ where
                 StateProj::Done => panic!("dlock_tower ResponseFuture polled after completion"),
             };
             let mut inner = this.inner.take().expect("polled after completion");
-            let fut = inner.call(request);
+            // The service's `call` (its synchronous part) sees the lock too.
+            let fut = match this.guard.as_ref() {
+                Some(guard) => guard.in_scope(|| inner.call(request)),
+                None => inner.call(request),
+            };
             this.state.set(State::Call { fut });
         }
     }
