@@ -486,6 +486,7 @@ async fn handler_reads_lock_info_from_extensions() {
 /// An inner service that answers whether its `call` — the synchronous part, before its
 /// future is polled, where a plain tower service reads request state — saw the request's lock
 /// through `current_lock()` (the same lock as the `LockInfo` in the extensions).
+#[allow(clippy::type_complexity)]
 fn call_sees_the_lock() -> ServiceFn<
     impl Fn(Request<Body>) -> std::future::Ready<Result<Response<Body>, Infallible>> + Clone,
 > {
