@@ -11,6 +11,10 @@ use crate::LockError;
 // at compile time.
 pub use dlock_limits::{MAX_TTL, MIN_TTL};
 
+/// What a wait past what the clock can count (`Duration::MAX`: "as long as it takes") waits
+/// instead of overflowing an `Instant`.
+pub(crate) const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
+
 pub(crate) fn validate_ttl(ttl: Duration) -> Result<Duration, LockError> {
     let reason = if ttl.is_zero() {
         "ttl must not be zero".to_owned()

@@ -196,6 +196,114 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     assert!(err.is_unavailable(), "{err}");
 }
 
+/// `shutdown(Duration::MAX)` — "drain as long as it takes" — drains: the job whose lock is free
+/// runs, and the report says so. Before, the deadline overflowed an `Instant`: the queue's task
+/// panicked, the report came back empty, and the job ran afterwards on the fallback thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_as_long_as_it_takes_runs_its_jobs_and_reports_them() {
+    let locker = Locker::memory();
+    let held = locker.lock("k").acquire().await.unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let err = locker
+        .lock("k")
+        .on_fail(OnFail::defer(Duration::from_secs(60), 5))
+        .run(async move {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .await
+        .unwrap_err();
+    assert!(err.is_deferred(), "{err}");
+    held.release().await.unwrap();
+    let report = locker.defer_queue().shutdown(Duration::MAX).await;
+    assert_eq!(report.completed, 1, "{report:?}");
+    assert!(
+        report.dropped.is_empty() && report.failed.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
+/// A dead-letter retention of `Duration::MAX` keeps dead letters until the count bound drops
+/// them, and the queue goes on. Before, the expiry overflowed an `Instant`: the queue's task
+/// panicked on every turn (moved to the fallback thread each time, where it panicked again),
+/// no other job ran, and `dead_letters()` panicked in the caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_retention_as_long_as_it_takes_keeps_them_and_the_queue_runs() {
+    let limits = QueueLimits::default().dead_letter_retention(Duration::MAX);
+    let locker = Locker::builder().defer_limits(limits).memory().unwrap();
+    let _busy = locker.lock("busy").acquire().await.unwrap();
+    let err = locker
+        .lock("busy")
+        .on_fail(OnFail::defer(Duration::from_millis(10), 1))
+        .run(async {})
+        .await
+        .unwrap_err();
+    assert!(err.is_deferred(), "{err}");
+    wait_for("the dead letter", Duration::from_secs(10), async || {
+        (locker.defer_queue().dead_letters().len() == 1).then_some(())
+    })
+    .await;
+    let held = locker.lock("other").acquire().await.unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let err = locker
+        .lock("other")
+        .on_fail(OnFail::defer(Duration::from_millis(10), 5))
+        .run(async move {
+            tx.send(()).unwrap();
+        })
+        .await
+        .unwrap_err();
+    assert!(err.is_deferred(), "{err}");
+    held.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("the second job ran")
+        .unwrap();
+    assert_eq!(locker.defer_queue().dead_letters().len(), 1);
+}
+
+/// An attempt the queue was running when the runtime it ran on shut down is cut off: the queue
+/// moves to the fallback thread, and its next drain reports that job dropped ("every job the
+/// queue held is in exactly one of the three"). It was in no list.
+#[test]
+fn an_attempt_cut_off_by_its_runtime_is_in_the_next_drains_report() {
+    let first_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let (locker, job_id) = first_rt.block_on(async {
+        let locker = Locker::memory();
+        let held = locker.lock("k").acquire().await.unwrap();
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::defer(Duration::from_millis(10), 5))
+            .run(async move {
+                started_tx.send(()).unwrap();
+                std::future::pending::<()>().await;
+            })
+            .await
+            .unwrap_err();
+        held.release().await.unwrap();
+        (locker, err.job_id().unwrap().to_owned())
+    });
+    started
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the job's work started");
+    first_rt.shutdown_timeout(Duration::from_secs(10));
+    let report = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(locker.defer_queue().shutdown(Duration::from_secs(2)));
+    assert_eq!(report.completed, 0, "{report:?}");
+    assert!(report.failed.is_empty(), "{report:?}");
+    let dropped: Vec<&str> = report.dropped.iter().map(|j| j.id.as_str()).collect();
+    assert_eq!(dropped, [job_id.as_str()], "{report:?}");
+}
+
 /// Jobs deferred while a shutdown begins are drained or reported, never lost: every job id a
 /// caller was given (202) is in the report, as completed, dropped or failed. A push that
 /// passed the "closed?" check just before the shutdown reached the queue task after it, was
@@ -1135,7 +1243,8 @@ fn data_the_worker_cannot_decode_waits_for_the_grace_and_its_reason_quotes_no_va
 }
 
 /// A queue made with "never" for its timeouts (`Duration::MAX` as the visibility timeout and
-/// the outcome retention) runs and acknowledges its jobs: both are bounded. Once, settling a
+/// the outcome retention, and a worker's poll interval) runs and acknowledges its jobs: all are
+/// bounded. Once, settling a
 /// job overflowed the worker's deadline (a panic), and the acknowledgement asked Redis for an
 /// expiry it refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1147,9 +1256,20 @@ async fn a_queue_whose_timeouts_say_never_runs_and_acknowledges_its_jobs() {
     let id = enqueue(&queue, &record_job(&server, 40, "never"), &policy)
         .await
         .unwrap();
-    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
     assert_eq!(worker.run_once().await.unwrap(), 1);
     assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 40").await;
+    // A worker told to poll "never" runs what it claims, then idles — it panicked there, its
+    // next claim's time overflowing an `Instant` — and stops when told.
+    let id = enqueue(&queue, &record_job(&server, 41, "never"), &policy)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker)
+        .register::<RecordJob>()
+        .poll_interval(Duration::MAX);
+    let running = run_in_background(worker);
+    assert_completes("the job", Duration::from_secs(5), &queue, &id, "done 41").await;
+    running.stop().await;
 }
 
 /// An enqueue whose answer is lost — the server runs it after the client stopped waiting — is

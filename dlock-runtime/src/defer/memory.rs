@@ -94,7 +94,10 @@ impl Shared {
             event(self.key_log, "dropped", &job.info);
             self.dead.pop_front();
         }
-        self.dead.front().map(|(_, at)| *at + retention)
+        // (A retention past what the clock can count: kept until the count bound.)
+        self.dead
+            .front()
+            .and_then(|(_, at)| at.checked_add(retention))
     }
 
     fn push_dead(&mut self, mut job: PendingJob, reason: String) {
@@ -269,7 +272,8 @@ impl DeferQueue {
     }
 
     /// Moves a dead-lettered job back into the queue with a fresh attempt budget; `false` if
-    /// no such dead letter exists (or the queue is shut down).
+    /// no such dead letter exists (or the queue is shut down). An operator's requeue is let in
+    /// over `max_queued`.
     pub fn requeue(&self, job_id: &str) -> bool {
         let Ok(tx) = self.sender() else { return false };
         let mut shared = self.shared();
@@ -370,6 +374,8 @@ struct Task {
     completed: usize,
     /// Jobs that panicked during the drain.
     failed: Vec<JobInfo>,
+    /// Attempts of the drain cut off by the runtime it ran on shutting down (reported dropped).
+    cut_off: Vec<JobInfo>,
 }
 
 impl Task {
@@ -384,6 +390,7 @@ impl Task {
             draining: None,
             completed: 0,
             failed: Vec::new(),
+            cut_off: Vec::new(),
         }
     }
 }
@@ -396,8 +403,8 @@ impl Drop for Task {
         for (_, info) in self.running_ids.drain() {
             shared.pending.remove(&info.id);
             event(key_log, "dropped", &info);
+            self.cut_off.push(info);
         }
-        drop(shared);
         let now = Instant::now();
         let mut jobs = std::mem::take(&mut self.carried);
         while let Some(key) = self.queue.peek() {
@@ -405,6 +412,33 @@ impl Drop for Task {
             let left = job.deadline().saturating_duration_since(now);
             jobs.push((job.into_inner(), left));
         }
+        if std::thread::panicking() {
+            // The task itself panicked (a defect): taken elsewhere, it would panic again, and
+            // again, on the thread every locker shares. Its jobs are dropped, and reported so
+            // to a drain waiting for them.
+            let mut dropped = std::mem::take(&mut self.cut_off);
+            dropped.extend(jobs.into_iter().map(|(job, _)| job.info));
+            for info in &dropped {
+                shared.pending.remove(&info.id);
+                event(key_log, "dropped", info);
+            }
+            drop(shared);
+            tracing::error!(
+                target: "dlock::defer",
+                queue = "memory",
+                jobs = dropped.len(),
+                "the in-process queue's task panicked; its jobs are dropped"
+            );
+            if let Some((_, reply)) = self.draining.take() {
+                let _ = reply.send(ShutdownReport {
+                    completed: self.completed,
+                    dropped,
+                    failed: std::mem::take(&mut self.failed),
+                });
+            }
+            return;
+        }
+        drop(shared);
         let Some(rt) = crate::util::fallback_runtime() else {
             // Dropped here; the next push finds the task gone and reports them.
             return;
@@ -420,6 +454,7 @@ impl Drop for Task {
         next.draining = self.draining.take();
         next.completed = self.completed;
         next.failed = std::mem::take(&mut self.failed);
+        next.cut_off = std::mem::take(&mut self.cut_off);
         rt.spawn(run(next));
     }
 }
@@ -439,6 +474,7 @@ async fn run(mut task: Task) {
         draining,
         completed,
         failed,
+        cut_off,
         ..
     } = &mut task;
     let Some(rx) = rx.as_mut() else { return };
@@ -447,7 +483,9 @@ async fn run(mut task: Task) {
             let deadline = *deadline;
             if queue.is_empty() && running.is_empty() || Instant::now() >= deadline {
                 let (_, reply) = draining.take().expect("draining");
-                let mut dropped = Vec::new();
+                // Attempts a runtime shutdown cut off on their way (told `dropped` then).
+                let mut dropped = std::mem::take(cut_off);
+                let told = dropped.len();
                 // Attempts that finished but were not looked at yet.
                 while let Some(done) = running.try_join_next_with_id() {
                     match done {
@@ -475,7 +513,7 @@ async fn run(mut task: Task) {
                     dropped.push(queue.remove(&key).into_inner().info);
                 }
                 lock().pending.clear();
-                for info in &dropped {
+                for info in &dropped[told..] {
                     event(key_log, "dropped", info);
                 }
                 let _ = reply.send(ShutdownReport {
@@ -503,7 +541,11 @@ async fn run(mut task: Task) {
                     for job in all {
                         queue.insert(job, Duration::ZERO);
                     }
-                    *draining = Some((Instant::now() + within, reply));
+                    let now = Instant::now();
+                    let until = now
+                        .checked_add(within)
+                        .unwrap_or_else(|| now + crate::util::CENTURY);
+                    *draining = Some((until, reply));
                 }
                 None => break true,
             },

@@ -25,12 +25,16 @@
 //!
 //! Both queues are bounded by [`QueueLimits`]: at most `max_queued` jobs waiting or running
 //! (a full queue refuses new work with [`LockError::QueueFull`](crate::LockError::QueueFull),
-//! 503 + `Retry-After`, and drops nothing already queued), and dead letters are kept for
+//! 503 + `Retry-After`, and drops nothing already queued; a dead letter an operator requeues
+//! is let in over the bound), and dead letters are kept for
 //! `dead_letter_retention` (7 days by default) and at most `max_dead_letters` of them (the
 //! oldest go first); after that a dead letter's payload and bookkeeping are deleted.
 //!
-//! A job that panics is a failed attempt like one that returns an error: the panic is caught
-//! and logged with the job's id, and the worker goes on with its other jobs. A job that can
+//! In the durable queue, a job that panics is a failed attempt like one that returns an error:
+//! the panic is caught and logged with the job's id, and the worker goes on with its other
+//! jobs. In the in-process queue, a job is a future, which cannot be polled again once it
+//! panicked: the panic is logged (`failed`, with the job's id), the job leaves the queue — a
+//! drain reports it failed — and the queue goes on with the others. A job that can
 //! never succeed (its stored data is corrupt) returns `durable::PermanentFailure` and is
 //! dead-lettered at once, with the reason, which [`JobInfo::reason`] shows.
 //!

@@ -661,7 +661,7 @@ impl DurableQueue {
     }
 
     /// Puts a dead-lettered job back with a fresh attempt budget, due now. `false` if it is not
-    /// in the dead-letter set.
+    /// in the dead-letter set. An operator's requeue is let in over `max_queued`.
     pub async fn requeue(&self, id: &str) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
         let mut inv = self.inner.requeue.prepare_invoke();

@@ -197,8 +197,13 @@ impl DurableWorker {
                 let idle = self.claimed(claimed, &mut failing, queue, |c| {
                     running.push(self.process(c));
                 });
-                claim_at =
-                    tokio::time::Instant::now() + if idle { self.poll } else { Duration::ZERO };
+                let now = tokio::time::Instant::now();
+                claim_at = match idle {
+                    true => now
+                        .checked_add(self.poll)
+                        .unwrap_or_else(|| now + crate::util::CENTURY),
+                    false => now,
+                };
                 if futures_util::FutureExt::now_or_never(&mut shutdown).is_some() {
                     stopping = true;
                 }

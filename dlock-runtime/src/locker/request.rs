@@ -632,7 +632,7 @@ async fn wait_for(
     // a century instead of overflowing.
     let deadline = start
         .checked_add(policy.wait)
-        .unwrap_or_else(|| start + Duration::from_secs(100 * 365 * 86_400));
+        .unwrap_or_else(|| start + crate::util::CENTURY);
     let mode = if policy.fair {
         WaitMode::Queue
     } else {
