@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::lease::LeaseProbe;
 use crate::{LockKey, LockKind};
 
 /// What a holder knows about its lock: the key and the fencing token to pass to the resource
@@ -50,13 +49,23 @@ impl LockInfo {
     }
 }
 
-/// One lock the task holds: the locker it was taken through, what it is, and a view of its
-/// lease, so that a nested call that re-enters it can watch for its loss.
+/// What a held lock's scope knows of its lease: when it is lost. The lease layer implements
+/// it; a nested call that re-enters the lock watches it (`on_lost = "cancel"`).
+pub(crate) trait LossWatch: Send + Sync {
+    /// Resolves when the lock is known to be lost. Cancel-safe.
+    fn lost(&self) -> futures_util::future::BoxFuture<'_, ()>;
+}
+
+/// A held lock's [`LossWatch`], shared by the scopes that show the lock.
+pub(crate) type Watch = Arc<dyn LossWatch>;
+
+/// One lock the task holds: the locker it was taken through, what it is, and a watch on its
+/// lease, so that a nested call that re-enters it can be cancelled when it is lost.
 #[derive(Clone)]
 struct Entry {
     locker_id: u64,
     info: LockInfo,
-    probe: LeaseProbe,
+    probe: Watch,
 }
 
 type Held = Arc<Vec<Entry>>;
@@ -95,12 +104,12 @@ pub(crate) fn held_by_task(locker_id: u64, key: &LockKey, kind: LockKind) -> Opt
     reentered(locker_id, key, kind).map(|(info, _)| info)
 }
 
-/// [`held_by_task`], with a view of the hold's lease.
+/// [`held_by_task`], with the watch on the hold's lease.
 pub(crate) fn reentered(
     locker_id: u64,
     key: &LockKey,
     kind: LockKind,
-) -> Option<(LockInfo, LeaseProbe)> {
+) -> Option<(LockInfo, Watch)> {
     let covers = |held: LockKind| {
         held == kind
             || (held == LockKind::Write && kind == LockKind::Read)
@@ -118,12 +127,12 @@ pub(crate) fn reentered(
     .flatten()
 }
 
-/// Runs `fut` with `info` (and its lease's `probe`) added to the task's held locks (what
+/// Runs `fut` with `info` (and the watch on its lease, `probe`) added to the task's held locks (what
 /// [`current_lock`] returns inside).
 pub(crate) fn scope<F: Future>(
     locker_id: u64,
     info: LockInfo,
-    probe: LeaseProbe,
+    probe: Watch,
     fut: F,
 ) -> impl Future<Output = F::Output> {
     scope_all(locker_id, vec![(info, probe)], fut)
@@ -132,7 +141,7 @@ pub(crate) fn scope<F: Future>(
 /// Runs `fut` with every lock of `held` added to the task's held locks, in order.
 pub(crate) fn scope_all<F: Future>(
     locker_id: u64,
-    held: Vec<(LockInfo, LeaseProbe)>,
+    held: Vec<(LockInfo, Watch)>,
     fut: F,
 ) -> impl Future<Output = F::Output> {
     let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
@@ -144,11 +153,11 @@ pub(crate) fn scope_all<F: Future>(
     HELD.scope(Arc::new(all), fut)
 }
 
-/// Runs `f` with `info` (and its lease's `probe`) added to the task's held locks.
+/// Runs `f` with `info` (and the watch on its lease, `probe`) added to the task's held locks.
 pub(crate) fn in_scope<R>(
     locker_id: u64,
     info: LockInfo,
-    probe: LeaseProbe,
+    probe: Watch,
     f: impl FnOnce() -> R,
 ) -> R {
     let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();

@@ -59,6 +59,11 @@ impl LockGuard {
         &self.lease
     }
 
+    /// The watch on this lock's lease that the task's held locks carry.
+    pub(crate) fn loss_watch(&self) -> crate::context::Watch {
+        self.lease.loss_watch()
+    }
+
     /// A view of this lock's lease for another task (leader election's `is_leader`).
     pub(crate) fn probe(&self) -> crate::lease::LeaseProbe {
         self.lease.probe()
@@ -147,5 +152,5 @@ pub fn with_lock<'g, F: Future + 'g>(
     guard: &'g LockGuard,
     fut: F,
 ) -> impl Future<Output = F::Output> + 'g {
-    crate::context::scope(guard.locker_id(), guard.info(), guard.probe(), fut)
+    crate::context::scope(guard.locker_id(), guard.info(), guard.loss_watch(), fut)
 }

@@ -99,6 +99,8 @@ pub(crate) struct Lease {
     /// the lock — shortening its lease to what is left of the hold — instead of deleting it.
     /// 0: none.
     hold_until_ns: u64,
+    /// The watch on this lease that the task's held locks carry ([`Lease::loss_watch`]).
+    watch: std::sync::OnceLock<crate::context::Watch>,
 }
 
 impl Lease {
@@ -111,6 +113,7 @@ impl Lease {
             since: std::time::Instant::now(),
             settled: AtomicBool::new(false),
             hold_until_ns: 0,
+            watch: std::sync::OnceLock::new(),
         }
     }
 
@@ -227,7 +230,15 @@ impl Lease {
 
     /// Polls `fut` with this lock visible to [`current_lock`](crate::current_lock).
     pub(crate) fn in_scope<R>(&self, f: impl FnOnce() -> R) -> R {
-        crate::context::in_scope(self.locker_id, self.info(), self.probe(), f)
+        crate::context::in_scope(self.locker_id, self.info(), self.loss_watch(), f)
+    }
+
+    /// The watch on this lease that the task's held locks carry (made once per lease, on the
+    /// first scope that shows it).
+    pub(crate) fn loss_watch(&self) -> crate::context::Watch {
+        self.watch
+            .get_or_init(|| Arc::new(self.probe()) as crate::context::Watch)
+            .clone()
     }
 
     pub(crate) fn poll_scoped<F: Future + ?Sized>(
@@ -314,6 +325,12 @@ impl Drop for Lease {
 pub(crate) struct LeaseProbe {
     state: Arc<GuardState>,
     watchdog: Arc<Watchdog>,
+}
+
+impl crate::context::LossWatch for LeaseProbe {
+    fn lost(&self) -> futures_util::future::BoxFuture<'_, ()> {
+        Box::pin(LeaseProbe::lost(self))
+    }
 }
 
 impl LeaseProbe {

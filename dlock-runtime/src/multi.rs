@@ -288,10 +288,13 @@ impl MultiGuard {
         self.guards.iter().map(LockGuard::info).collect()
     }
 
-    /// Every lock's info and a view of its lease, in canonical order (for the task's held
+    /// Every lock's info and the watch on its lease, in canonical order (for the task's held
     /// locks).
-    pub(crate) fn held(&self) -> Vec<(LockInfo, crate::lease::LeaseProbe)> {
-        self.guards.iter().map(|g| (g.info(), g.probe())).collect()
+    pub(crate) fn held(&self) -> Vec<(LockInfo, crate::context::Watch)> {
+        self.guards
+            .iter()
+            .map(|g| (g.info(), g.loss_watch()))
+            .collect()
     }
 
     /// Whether every lock is still held as far as this process can tell.

@@ -181,7 +181,7 @@ pub struct Held {
     cancel_on_lost: bool,
     /// With `cancel_on_lost`: the keys re-entered (an outer call holds them) and their leases,
     /// whose loss cancels this body too.
-    reentered: Vec<(LockKey, crate::lease::LeaseProbe)>,
+    reentered: Vec<(LockKey, crate::context::Watch)>,
 }
 
 /// The first half of [`run_all`]: takes every key the current task does not hold yet (in the
@@ -289,7 +289,7 @@ pub async fn run_held<F: Future>(held: Held, body: F) -> Result<F::Output, LockE
 }
 
 /// Resolves with the key of the first of `reentered` found lost (never, when empty).
-async fn reentered_lost(reentered: &[(LockKey, crate::lease::LeaseProbe)]) -> &LockKey {
+async fn reentered_lost(reentered: &[(LockKey, crate::context::Watch)]) -> &LockKey {
     let all = reentered.iter().map(|(key, probe)| {
         Box::pin(async move {
             probe.lost().await;

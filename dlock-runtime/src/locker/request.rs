@@ -375,7 +375,7 @@ impl<'a> LockRequest<'a> {
 /// Runs `work` holding `guard` (visible to [`current_lock`](crate::current_lock)), then
 /// releases it.
 async fn run_under<F: Future>(locker: &Locker, guard: LockGuard, work: F) -> F::Output {
-    let out = crate::context::scope(locker.id(), guard.info(), guard.probe(), work).await;
+    let out = crate::context::scope(locker.id(), guard.info(), guard.loss_watch(), work).await;
     if let Err(e) = guard.release().await {
         tracing::warn!(
             error = %locker.trace_error(&e),
