@@ -395,12 +395,15 @@ impl Campaign {
             Some((term, _)) => Leadership::Leader { term: *term },
             None => Leadership::Follower,
         };
-        // Published under the lock: whoever reads the term (`lost`) sees the channel already
-        // saying so, and does not take the channel's older role for the term's end.
-        let mut slot = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        *slot = held;
-        self.tx.send_replace(role);
-        drop(slot);
+        // The term is changed inside the channel's update: whoever reads the new term
+        // (`ended`) then waits on the channel and finds it saying so already, and does not
+        // take the older role for the term's end. The channel is taken first, the term's mutex
+        // second, as a reader does who holds a borrow of the role and asks `is_leader`:
+        // taken the other way round, each waited for the other for good.
+        self.tx.send_modify(|now| {
+            *self.held.lock().unwrap_or_else(PoisonError::into_inner) = held;
+            *now = role;
+        });
     }
 }
 
@@ -539,6 +542,45 @@ mod tests {
         let (resigned, ()) = tokio::join!(a.resign(), ends);
         resigned.unwrap();
         assert!(a.ended(t2).now_or_never().is_some());
+    }
+
+    /// A change of role published while a reader holds a borrow of the role channel
+    /// ([`Election::watch`]) and asks the term ([`Election::is_leader`]): the campaign took
+    /// the term's mutex, then waited for the channel the borrow held, while the reader waited
+    /// for the mutex — both for good.
+    #[test]
+    fn a_change_published_while_the_role_is_borrowed_leaves_the_term_readable() {
+        let (tx, rx) = watch::channel(Leadership::Leader { term: 1 });
+        let held: Held = Arc::new(Mutex::new(None));
+        let campaign = Campaign {
+            locker: Locker::memory(),
+            name: LockKey::new("el:borrow").unwrap(),
+            ttl: TTL,
+            held: held.clone(),
+            tx,
+        };
+        let borrowed = rx.borrow();
+        let publisher = std::thread::spawn(move || campaign.set(None));
+        // The publisher waits for the borrow (before: holding the term's mutex, which shows).
+        let until = std::time::Instant::now() + Duration::from_millis(200);
+        while held.try_lock().is_ok() && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
+        // What `is_leader` does, on a thread of its own so that a stuck one can be told.
+        let (answered_tx, answered) = std::sync::mpsc::channel();
+        let reader = held.clone();
+        std::thread::spawn(move || {
+            let leads = reader.lock().unwrap().is_some();
+            answered_tx.send(leads).unwrap();
+        });
+        let answer = answered.recv_timeout(Duration::from_secs(5));
+        drop(borrowed);
+        publisher.join().unwrap();
+        assert!(
+            answer.is_ok(),
+            "the term could not be read while a borrowed role was being changed"
+        );
+        assert_eq!(*rx.borrow(), Leadership::Follower);
     }
 
     #[test]
