@@ -134,7 +134,9 @@ impl EtcdBackend {
                     continue;
                 };
                 let name = decode(dir.0);
-                if names.last() != Some(&name) {
+                // Locks only (`…}`): a semaphore's directory (`…}:sem`) and a read-write
+                // lock's (`…}:rw`) hold permits or holds, not a holder and its waiters.
+                if name.ends_with('}') && names.last() != Some(&name) {
                     names.push(name);
                 }
             }

@@ -59,8 +59,15 @@ impl AdminStore for MemoryBackend {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (name, e) in &shard.map {
                 let after = cursor.is_none_or(|c| &**name > c);
-                if after && name.starts_with(&want) && !e.is_dead(now) {
-                    found.push((name.to_string(), self.state_of(name, e, now)));
+                // Locks only (`…}`): a semaphore's (`…}:sem`) and a read-write lock's
+                // (`…}:rw`) entries are not locks, and `inspect` of their key knows nothing
+                // of them.
+                let lock = name.ends_with('}');
+                if after && lock && name.starts_with(&want) && !e.is_dead(now) {
+                    let state = self.state_of(name, e, now);
+                    if state.is_active() {
+                        found.push((name.to_string(), state));
+                    }
                 }
             }
         }
