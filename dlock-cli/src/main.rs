@@ -54,8 +54,8 @@ struct Cli {
     /// The lockers' namespace prefix (`LockerBuilder::prefix`).
     #[arg(long, default_value = "dlock", global = true)]
     namespace: String,
-    /// How long to wait for the backend (connecting, and each call).
-    #[arg(long, default_value = "3s", value_parser = parse_duration, global = true)]
+    /// How long to wait for the backend (connecting, and each call), from 1ms to 1day.
+    #[arg(long, default_value = "3s", value_parser = parse_timeout, global = true)]
     timeout: Duration,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
@@ -94,7 +94,8 @@ enum Command {
         #[arg(long)]
         yes: bool,
     },
-    /// The durable job queue (Redis URLs only).
+    /// The durable job queue (Redis URLs only: redis://, rediss://, redis+unix://, unix://, and
+    /// the cluster and Sentinel forms).
     Jobs {
         /// The queue's name (`DurableQueue::connect(url, name)`).
         #[arg(long, default_value = "default")]
@@ -145,6 +146,18 @@ enum JobsCommand {
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// The longest `--timeout`: a wait past it is a hang, not a timeout.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+
+/// `--timeout`: a duration from 1ms to a day.
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(1) || d > MAX_TIMEOUT {
+        return Err("must be from 1ms to 1day".into());
+    }
+    Ok(d)
 }
 
 /// Why the command failed, and its exit code.
@@ -229,12 +242,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Inspect { key } => {
             let admin = admin(&cli).await?;
             let key = key_as_shown(key)?;
-            let state = within(cli.timeout * 2, "inspect", admin.inspect(key)).await?;
+            let state =
+                within(cli.timeout.saturating_mul(2), "inspect", admin.inspect(key)).await?;
             output::print_state(&state, cli.json);
         }
         Command::List { prefix, limit } => {
             let admin = admin(&cli).await?;
-            let locks = within(cli.timeout * 4, "list", admin.list_all(prefix, *limit)).await?;
+            // Each page is bounded by `--timeout` (the locker's command timeout); a large
+            // keyspace takes many pages, each answered in time.
+            let locks = admin.list_all(prefix, *limit).await?;
             output::print_list(&locks, cli.json, true);
         }
         Command::Release { key, force, yes } => {
@@ -249,7 +265,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             )?;
             let admin = admin(&cli).await?;
             let out = within(
-                cli.timeout * 2,
+                cli.timeout.saturating_mul(2),
                 "the release",
                 admin.force_release(key_as_shown(key)?),
             )
@@ -271,7 +287,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let mut refreshes = 0u64;
             let clear = !cli.json && std::io::stdout().is_terminal();
             loop {
-                let locks = within(cli.timeout * 4, "list", admin.list_all(prefix, 10_000)).await?;
+                let locks = admin.list_all(prefix, 10_000).await?;
                 let shown: Vec<_> = locks
                     .into_iter()
                     .filter(|s| *all || !s.waiters.is_empty())
@@ -298,6 +314,8 @@ async fn jobs(cli: &Cli, queue: &str, command: &JobsCommand) -> Result<(), Failu
         scheme,
         "redis"
             | "rediss"
+            | "redis+unix"
+            | "unix"
             | "redis+cluster"
             | "rediss+cluster"
             | "redis+sentinel"
@@ -325,7 +343,7 @@ async fn jobs(cli: &Cli, queue: &str, command: &JobsCommand) -> Result<(), Failu
         DurableQueue::connect(url, queue),
     )
     .await?;
-    let t = cli.timeout * 4;
+    let t = cli.timeout.saturating_mul(4);
     match command {
         JobsCommand::List => {
             let jobs = within(t, "list", q.pending()).await?;

@@ -9,6 +9,35 @@ use dlock_runtime::defer::JobInfo;
 use dlock_runtime::durable::JobStatus;
 use serde_json::{json, Value};
 
+/// `println!` that, when stdout is closed (`dlock watch | head -n1`), ends the program quietly
+/// with success instead of panicking (Rust ignores `SIGPIPE`, so the write fails with
+/// `BrokenPipe`).
+macro_rules! out {
+    () => {
+        out_raw("\n")
+    };
+    ($($arg:tt)*) => {
+        out_raw(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// Writes `text` to stdout, flushed; see [`out!`].
+fn out_raw(text: &str) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("dlock: cannot write to stdout: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
 fn human(d: Duration) -> String {
     format!("{:.1}s", d.as_secs_f64())
 }
@@ -18,36 +47,36 @@ pub(crate) fn state_json(s: &LockState) -> Value {
 }
 
 fn print_json(v: &Value) {
-    println!("{v}");
+    out!("{v}");
 }
 
 pub(crate) fn print_state(s: &LockState, json: bool) {
     if json {
         return print_json(&state_json(s));
     }
-    println!("key            {}", s.key);
+    out!("key            {}", s.key);
     match &s.holder {
         Some(h) => {
             let fence = h
                 .fencing_token
                 .map_or_else(|| "not stored".to_owned(), |t| t.to_string());
-            println!(
+            out!(
                 "holder         {}…  fencing token {fence}  lease left {}",
                 h.token_prefix,
                 human(h.ttl_left)
             );
         }
-        None => println!("holder         (free)"),
+        None => out!("holder         (free)"),
     }
-    println!("waiters        {}", s.waiters.len());
+    out!("waiters        {}", s.waiters.len());
     for (i, w) in s.waiters.iter().enumerate() {
         let exp = w
             .expires_in
             .map_or_else(String::new, |d| format!("  entry expires in {}", human(d)));
-        println!("  {:>3}. {}…{exp}", i + 1, w.token_prefix);
+        out!("  {:>3}. {}…{exp}", i + 1, w.token_prefix);
     }
     if let Some(f) = s.fence_counter {
-        println!("fence counter  {f}");
+        out!("fence counter  {f}");
     }
 }
 
@@ -57,20 +86,23 @@ pub(crate) fn print_list(locks: &[LockState], json: bool, footer: bool) {
     }
     if locks.is_empty() {
         if footer {
-            println!("no locks held or waited for");
+            out!("no locks held or waited for");
         }
         return;
     }
-    println!(
+    out!(
         "{:<40} {:<10} {:>10} {:>8}",
-        "KEY", "HOLDER", "LEASE", "WAITERS"
+        "KEY",
+        "HOLDER",
+        "LEASE",
+        "WAITERS"
     );
     for s in locks {
         let (holder, lease) = match &s.holder {
             Some(h) => (format!("{}…", h.token_prefix), human(h.ttl_left)),
             None => ("(free)".to_owned(), "-".to_owned()),
         };
-        println!(
+        out!(
             "{:<40} {:<10} {:>10} {:>8}",
             s.key,
             holder,
@@ -79,7 +111,7 @@ pub(crate) fn print_list(locks: &[LockState], json: bool, footer: bool) {
         );
     }
     if footer {
-        println!("{} lock(s)", locks.len());
+        out!("{} lock(s)", locks.len());
     }
 }
 
@@ -92,11 +124,11 @@ pub(crate) fn print_watch(locks: &[LockState], json: bool, clear: bool) {
         }));
     }
     if clear {
-        print!("\x1b[2J\x1b[H");
+        out_raw("\x1b[2J\x1b[H");
     }
-    println!("{now}  {} contended lock(s)", locks.len());
+    out!("{now}  {} contended lock(s)", locks.len());
     print_list(locks, false, false);
-    println!();
+    out!();
 }
 
 pub(crate) fn print_released(key: &str, out: &ForceReleased, json: bool) {
@@ -107,10 +139,10 @@ pub(crate) fn print_released(key: &str, out: &ForceReleased, json: bool) {
     }
     // A lock nobody held is the command's error ("`<key>` was not held", exit 1).
     if out.was_held {
-        println!("released `{key}` (its holder loses it at its next renewal)");
+        out!("released `{key}` (its holder loses it at its next renewal)");
     }
     if let Some(f) = out.fence {
-        println!("fencing counter raised to {f}: tokens issued before are below it");
+        out!("fencing counter raised to {f}: tokens issued before are below it");
     }
 }
 
@@ -139,20 +171,20 @@ pub(crate) fn print_jobs(jobs: &[(JobInfo, JobStatus)], json: bool) {
                 .collect(),
         ));
     }
-    println!("{:<34} {:<8} {:>8}  KEY", "ID", "STATE", "ATTEMPTS");
+    out!("{:<34} {:<8} {:>8}  KEY", "ID", "STATE", "ATTEMPTS");
     for (j, s) in jobs {
-        println!("{:<34} {:<8} {:>8}  {}", j.id, state(s), j.attempts, j.key);
+        out!("{:<34} {:<8} {:>8}  {}", j.id, state(s), j.attempts, j.key);
     }
-    println!("{} job(s)", jobs.len());
+    out!("{} job(s)", jobs.len());
 }
 
 pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
     if json {
         return print_json(&Value::Array(jobs.iter().map(job_json).collect()));
     }
-    println!("{:<34} {:>8}  {:<30} REASON", "ID", "ATTEMPTS", "KEY");
+    out!("{:<34} {:>8}  {:<30} REASON", "ID", "ATTEMPTS", "KEY");
     for j in jobs {
-        println!(
+        out!(
             "{:<34} {:>8}  {:<30} {}",
             j.id,
             j.attempts,
@@ -160,14 +192,14 @@ pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
             j.reason.as_deref().unwrap_or("")
         );
     }
-    println!("{} dead letter(s)", jobs.len());
+    out!("{} dead letter(s)", jobs.len());
 }
 
 pub(crate) fn print_done(what: &str, id: &str, json: bool) {
     if json {
         print_json(&json!({ what: id }));
     } else {
-        println!("{what} {id}");
+        out!("{what} {id}");
     }
 }
 
@@ -175,6 +207,6 @@ pub(crate) fn print_count(what: &str, n: usize, json: bool) {
     if json {
         print_json(&json!({ what: n }));
     } else {
-        println!("{what} {n}");
+        out!("{what} {n}");
     }
 }

@@ -362,6 +362,62 @@ async fn redis_jobs_list_dead_requeue_purge() {
     let out = dlock(Some("postgres://127.0.0.1:1/db"), &with(&["dead"])).await;
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("live in Redis"), "{}", stderr(&out));
+    // A Redis socket URL is a Redis URL: the queue is looked for there (none listens at this
+    // path: exit 2 for that, not for the scheme).
+    for scheme in ["redis+unix", "unix"] {
+        let url = format!("{scheme}:///nonexistent/dlock-test.sock");
+        let out = dlock(Some(&url), &with(&["--timeout", "1s", "dead"])).await;
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("live in Redis"),
+            "{scheme}: {}",
+            stderr(&out)
+        );
+    }
+}
+
+/// `--timeout` past what a wait can mean (it panicked multiplying it: exit 101) or zero is a
+/// usage error, exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_out_of_range_is_a_usage_error() {
+    for timeout in ["18446744073709551615s", "2days", "0s"] {
+        let out = dlock(Some("memory://"), &["--timeout", timeout, "inspect", "a"]).await;
+        assert_eq!(out.status.code(), Some(2), "{timeout}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("from 1ms to 1day"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    }
+    let out = dlock(Some("memory://"), &["--timeout", "1day", "inspect", "a"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+/// Output piped into a reader that stops early (`dlock watch | head -n1`): `dlock` ends quietly
+/// with success. It panicked ("failed printing to stdout: Broken pipe", exit 101).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_ends_the_command_quietly() {
+    use tokio::io::AsyncBufReadExt as _;
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args(["watch", "--interval", "10ms", "--count", "1000"])
+        .env("DLOCK_URL", "memory://")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next_line().await.unwrap();
+    assert!(first.is_some(), "a first line");
+    drop(lines);
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("dlock ends once its stdout is closed")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
