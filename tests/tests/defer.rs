@@ -65,22 +65,32 @@ async fn busy_key_defers_and_runs_once_the_holder_releases_in_process() {
     .await;
 }
 
+/// Defers, on `key`'s busy lock, work that counts its runs in `ran`: the caller's error
+/// (`Deferred`, with the job's id).
+async fn defer_counting(
+    locker: &Locker,
+    key: &str,
+    on_fail: OnFail,
+    ran: &Arc<AtomicUsize>,
+) -> dlock_runtime::LockError {
+    let r = ran.clone();
+    locker
+        .lock(key)
+        .on_fail(on_fail)
+        .run(async move {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .await
+        .unwrap_err()
+}
+
 #[tokio::test]
 async fn in_process_job_past_max_attempts_is_dead_lettered_and_requeued() {
     let locker = Locker::memory();
     let held = locker.lock("k").acquire().await.unwrap();
     let ran = Arc::new(AtomicUsize::new(0));
-    let r = ran.clone();
-    let err = locker
-        .lock("k")
-        .on_fail(OnFail::Defer(
-            DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(20)),
-        ))
-        .run(async move {
-            r.fetch_add(1, Ordering::SeqCst);
-        })
-        .await
-        .unwrap_err();
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3).max_delay(Duration::from_millis(20));
+    let err = defer_counting(&locker, "k", OnFail::Defer(policy), &ran).await;
     let id = err.job_id().unwrap().to_owned();
     let dead = wait_for("dead letter", Duration::from_secs(5), async || {
         let d = locker.defer_queue().dead_letters();
@@ -164,15 +174,8 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     let _held_b = locker.lock("b").acquire().await.unwrap();
     let mut ids = HashMap::new();
     for key in ["a", "b"] {
-        let r = ran.clone();
-        let err = locker
-            .lock(key)
-            .on_fail(OnFail::defer(Duration::from_secs(60), 100))
-            .run(async move {
-                r.fetch_add(1, Ordering::SeqCst);
-            })
-            .await
-            .unwrap_err();
+        let policy = OnFail::defer(Duration::from_secs(60), 100);
+        let err = defer_counting(&locker, key, policy, &ran).await;
         ids.insert(key, err.job_id().unwrap().to_owned());
     }
     held_a.release().await.unwrap();
@@ -204,15 +207,13 @@ async fn a_drain_as_long_as_it_takes_runs_its_jobs_and_reports_them() {
     let locker = Locker::memory();
     let held = locker.lock("k").acquire().await.unwrap();
     let ran = Arc::new(AtomicUsize::new(0));
-    let r = ran.clone();
-    let err = locker
-        .lock("k")
-        .on_fail(OnFail::defer(Duration::from_secs(60), 5))
-        .run(async move {
-            r.fetch_add(1, Ordering::SeqCst);
-        })
-        .await
-        .unwrap_err();
+    let err = defer_counting(
+        &locker,
+        "k",
+        OnFail::defer(Duration::from_secs(60), 5),
+        &ran,
+    )
+    .await;
     assert!(err.is_deferred(), "{err}");
     held.release().await.unwrap();
     let report = locker.defer_queue().shutdown(Duration::MAX).await;
@@ -414,15 +415,7 @@ fn in_process_jobs_ride_out_an_outage_and_a_refusal_dead_letters_them() {
         // An outage.
         let held = locker.lock("out").acquire().await.unwrap();
         let ran = Arc::new(AtomicUsize::new(0));
-        let r = ran.clone();
-        let err = locker
-            .lock("out")
-            .on_fail(policy())
-            .run(async move {
-                r.fetch_add(1, Ordering::SeqCst);
-            })
-            .await
-            .unwrap_err();
+        let err = defer_counting(&locker, "out", policy(), &ran).await;
         let id = err.job_id().unwrap().to_owned();
         server.stop();
         wait_for(

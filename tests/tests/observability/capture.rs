@@ -172,8 +172,18 @@ pub(crate) fn capturing_run<T>(f: impl AsyncFnOnce(&Captured) -> T) -> (T, Captu
     capturing_live(|captured| runtime.block_on(f(captured)))
 }
 
+/// A second dispatcher, registered for the life of the process. While exactly one dispatcher
+/// is registered (a capture's), tracing-core computes the interest of a callsite reached for
+/// the first time from the thread-local default of the thread that reaches it, and caches it
+/// for the process: a sibling test with no subscriber that reaches an event first caches
+/// "never", and the capture misses that event from then on (tokio-rs/tracing#2874, #3611; the
+/// defer queue's `retried` events went missing so, about one run in two of the in-process
+/// tests). With two registered, a callsite's interest is that of every live dispatcher.
+static SECOND_DISPATCHER: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+
 /// Like [`capturing`], with what is captured so far in `f`'s hands (to wait for a record).
 pub(crate) fn capturing_live<T>(f: impl FnOnce(&Captured) -> T) -> (T, Captured) {
+    SECOND_DISPATCHER.get_or_init(|| tracing::Dispatch::new(tracing_subscriber::registry()));
     let captured = Captured::default();
     let subscriber = tracing_subscriber::registry().with(Capture(captured.clone()));
     let out = tracing::subscriber::with_default(subscriber, || f(&captured));
