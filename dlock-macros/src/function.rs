@@ -140,7 +140,7 @@ impl Bindings {
                     let cfg: Vec<syn::Attribute> = typed
                         .attrs
                         .iter()
-                        .filter(|a| a.path().is_ident("cfg") || a.path().is_ident("cfg_attr"))
+                        .filter(|a| a.path().is_ident("cfg"))
                         .cloned()
                         .collect();
                     bindings.cfgs.resize(bindings.names.len(), cfg);
@@ -161,7 +161,7 @@ impl Bindings {
         receiver.chain(self.names.iter().zip(self.cfgs.iter().map(Vec::as_slice)))
     }
 
-    /// The first `#[cfg]`-like attribute on a parameter, if any.
+    /// The first `#[cfg]` attribute on a parameter, if any.
     pub(crate) fn first_cfg(&self) -> Option<&syn::Attribute> {
         self.cfgs.iter().flatten().next()
     }
