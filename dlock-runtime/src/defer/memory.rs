@@ -416,11 +416,12 @@ impl Drop for Task {
             // The task itself panicked (a defect): taken elsewhere, it would panic again, and
             // again, on the thread every locker shares. Its jobs are dropped, and reported so
             // to a drain waiting for them.
+            // (The attempts in flight were told `dropped` above.)
             let mut dropped = std::mem::take(&mut self.cut_off);
-            dropped.extend(jobs.into_iter().map(|(job, _)| job.info));
-            for info in &dropped {
-                shared.pending.remove(&info.id);
-                event(key_log, "dropped", info);
+            for (job, _) in jobs {
+                shared.pending.remove(&job.info.id);
+                event(key_log, "dropped", &job.info);
+                dropped.push(job.info);
             }
             drop(shared);
             tracing::error!(
