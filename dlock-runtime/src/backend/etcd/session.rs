@@ -1318,6 +1318,21 @@ mod tests {
         key
     }
 
+    /// A new token's key, queued on `wait` and being moved to `hold` (its move registered, not
+    /// answered yet); with the name its first put got.
+    fn moving(reg: &Sessions, wait: &Arc<Session>, hold: &Arc<Session>) -> (TokenKey, Vec<u8>) {
+        let key = token();
+        let name = put(reg, &key, &[wait]);
+        reg.end_put(&key, true, None);
+        reg.set(
+            &key,
+            wait,
+            Role::Waiting(Instant::now() + Duration::from_secs(5)),
+        );
+        put(reg, &key, &[hold]);
+        (key, name)
+    }
+
     fn idle(reg: &Sessions, s: &Arc<Session>) -> bool {
         s.retired.store(true, Ordering::Release);
         !reg.idle_retired(std::slice::from_ref(s)).is_empty()
@@ -1331,15 +1346,7 @@ mod tests {
     fn a_session_a_waiter_moves_its_key_to_is_wanted_from_before_the_move() {
         let reg = Sessions::default();
         let (wait, hold) = (session(1), session(2));
-        let key = token();
-        put(&reg, &key, &[&wait]);
-        reg.end_put(&key, true, None);
-        reg.set(
-            &key,
-            &wait,
-            Role::Waiting(Instant::now() + Duration::from_secs(5)),
-        );
-        put(&reg, &key, &[&hold]);
+        let (key, _) = moving(&reg, &wait, &hold);
         assert!(!idle(&reg, &hold), "the move may have landed on it");
         reg.set_held(&key, &hold, 7);
         reg.end_put(&key, true, None);
@@ -1415,15 +1422,7 @@ mod tests {
     fn an_unwanted_key_keeps_its_name_while_a_session_it_may_be_on_lives() {
         let reg = Sessions::default();
         let (wait, hold) = (session(1), session(2));
-        let key = token();
-        let first = put(&reg, &key, &[&wait]);
-        reg.end_put(&key, true, None);
-        reg.set(
-            &key,
-            &wait,
-            Role::Waiting(Instant::now() + Duration::from_secs(5)),
-        );
-        put(&reg, &key, &[&hold]);
+        let (key, first) = moving(&reg, &wait, &hold);
         reg.set_held(&key, &hold, 7);
         reg.end_put(&key, true, None);
         assert!(reg.leave(&key).is_some());
