@@ -118,7 +118,7 @@ impl LockGuard {
         let backend = lease.watchdog().backend();
         // What is left of the hold is read when the step is sent, after a renewal on its way.
         lease
-            .settle("release", || match lease.hold_left() {
+            .settle("release", |_| match lease.hold_left() {
                 Some(left) => backend.expire(lease.resource(), lease.token(), left),
                 None => backend.release(lease.resource(), lease.token()),
             })

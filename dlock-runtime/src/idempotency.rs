@@ -384,9 +384,20 @@ impl IdempotentOperation {
             retention: self.retention,
         };
         // An unknown outcome (`Err`) hands an owner-checked release to the background,
-        // harmless if the record was stored (the lock is gone then).
+        // harmless if the record was stored (the lock is gone then). A local lease that ran
+        // out before the step stores nothing: the answer is `Lost` whatever the backend says,
+        // and `Lost` means the next attempt runs the operation again — a record stored by a
+        // backend that still found the lock ours (an etcd lease, whole seconds, outlives the
+        // local one) would be replayed for an operation its caller was told had not finished.
+        let (resource, token) = (self.lease.resource(), self.lease.token());
         self.lease
-            .settle("idempotency complete", || store.complete(args))
+            .settle("idempotency complete", |held| {
+                if held {
+                    store.complete(args)
+                } else {
+                    store.abort(resource, token)
+                }
+            })
             .instrument(self.lease.span("dlock.idempotency.complete"))
             .await
     }
@@ -400,7 +411,7 @@ impl IdempotentOperation {
             return Err(unsupported(&self.locker));
         };
         self.lease
-            .settle("idempotency abort", || {
+            .settle("idempotency abort", |_| {
                 store.abort(self.lease.resource(), self.lease.token())
             })
             .instrument(self.lease.span("dlock.idempotency.abort"))

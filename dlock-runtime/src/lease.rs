@@ -258,8 +258,10 @@ impl Lease {
     /// The final step: stops renewal, waits for a renewal of this lock already on its way (so
     /// none can land after the step, and undo a release's shortened lease), then runs the
     /// future `step` makes — owner-checked, answering whether the lock was still ours — under
-    /// the command deadline. `step` is called only then: a backend that does its work when
-    /// called (the memory backend) still works after renewal stopped. Answered: the lease is
+    /// the command deadline. `step` is called only then, told whether the local lease still
+    /// held when it was called (a step that would do more than release — store a record — does
+    /// only the release when it did not): a backend that does its work when called (the memory
+    /// backend) still works after renewal stopped. Answered: the lease is
     /// settled ([`LockError::Lost`] if it was not ours, or if the local lease had run out
     /// before). Not answered: the error, and an owner-checked release goes to the background
     /// task at once, retried until it lands or the lease has run out. Dropped before either:
@@ -267,7 +269,7 @@ impl Lease {
     pub(crate) async fn settle<F>(
         &self,
         what: &'static str,
-        step: impl FnOnce() -> F,
+        step: impl FnOnce(bool) -> F,
     ) -> Result<(), LockError>
     where
         F: Future<Output = Result<bool, LockError>>,
@@ -280,7 +282,10 @@ impl Lease {
         // answers: a backend may find the lock still this owner's (nobody took it since), but the
         // holder was told it was lost, and ran without the lock's protection.
         let held_until_now = self.is_held();
-        let res = self.watchdog.with_deadline(what, step()).await;
+        let res = self
+            .watchdog
+            .with_deadline(what, step(held_until_now))
+            .await;
         self.settled.store(true, Ordering::Release);
         match res {
             Ok(still_ours) => self.state.settle_release(still_ours && held_until_now),

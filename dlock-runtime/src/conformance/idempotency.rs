@@ -235,6 +235,63 @@ pub async fn idempotency_complete_is_owner_checked(store: &Store) {
     }
 }
 
+/// An attempt whose local lease ran out before `complete` stores nothing, whatever the backend
+/// still finds (an etcd lease, whole seconds, outlives a 1.5 s local one): `complete` answers
+/// `Lost`, and `Lost` means the next attempt runs the operation again — never a replay of a
+/// record its caller was told was not stored.
+pub async fn idempotency_complete_after_the_local_lease_ran_out_stores_nothing(store: &Store) {
+    let (a, b) = store.pair().await;
+    if !supported(store, &a).await {
+        return;
+    }
+    let key = unique_key("idem-lapsed");
+    let op = match a
+        .idempotency(key.as_str(), fingerprint("f"))
+        .ttl(Duration::from_millis(1500))
+        .auto_renew(false)
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Run(op) => op,
+        other => panic!("[{}] expected Run, got {other:?}", store.name),
+    };
+    tokio::time::timeout(Duration::from_secs(5), op.lost())
+        .await
+        .unwrap_or_else(|_| panic!("[{}] lost() pending past the lease", store.name));
+    let err = op
+        .complete(b"late")
+        .await
+        .expect_err("a completion after the local lease ran out must not be stored");
+    assert!(err.is_lost(), "[{}] {err}", store.name);
+    let start = std::time::Instant::now();
+    loop {
+        match b
+            .idempotency(key.as_str(), fingerprint("f"))
+            .ttl(Duration::from_secs(10))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::Run(op) => break op.abort().await.expect("abort"),
+            Begin::InProgress { .. } => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "[{}] the lapsed attempt still blocks the key",
+                    store.name
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Begin::Replay(bytes) => panic!(
+                "[{}] `complete` answered Lost but stored {:?}",
+                store.name,
+                String::from_utf8_lossy(&bytes)
+            ),
+            other => panic!("[{}] expected Run, got {other:?}", store.name),
+        }
+    }
+}
+
 /// A `begin` on a key whose lock is free but held up by a waiter that died first in line (its
 /// holder gone without a release) runs (only a store without a line: Redlock's waiters barge) or
 /// answers "in progress" with a `retry_after` by when that waiter's entry ends — never
