@@ -878,6 +878,35 @@ fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
     assert!(warnings("noeviction").is_empty());
 }
 
+/// A durable job queue on a Redis that may evict keys can lose queued jobs, their claims and
+/// the records that keep a resent enqueue from queueing twice, without an error: connecting
+/// the queue to one whose `maxmemory-policy` is not `noeviction` is one `WARN` naming the
+/// policy and the queue (the queue may be on a Redis no locker connects to); with
+/// `noeviction`, none.
+#[test]
+fn a_job_queue_on_a_redis_that_evicts_keys_is_a_warning() {
+    let server = RedisServer::start();
+    let warnings = |policy: &'static str| {
+        let url = server.url();
+        let ((), captured) = capture::capturing_run(async |_| {
+            let mut set = redis::cmd("CONFIG");
+            set.arg(&["SET", "maxmemory-policy", policy]);
+            let () = server.query(&set).await;
+            let _queue = dlock_runtime::durable::DurableQueue::connect(&url, "evicting")
+                .await
+                .unwrap();
+        });
+        captured.at(Level::WARN)
+    };
+    let evicting = warnings("allkeys-lru");
+    assert_eq!(evicting.len(), 1, "{evicting:?}");
+    assert!(evicting[0].name.contains("evicts keys"), "{evicting:?}");
+    assert!(evicting[0].name.contains("job queue"), "{evicting:?}");
+    assert_eq!(evicting[0].field("policy"), Some("allkeys-lru"));
+    assert_eq!(evicting[0].field("queue"), Some("evicting"));
+    assert!(warnings("noeviction").is_empty());
+}
+
 // ---- Prometheus over HTTP ----
 
 /// The Prometheus exporter's text, served by a real HTTP server and scraped with a real client,

@@ -145,13 +145,27 @@ impl DurableQueue {
             ));
         }
         let command_timeout = Duration::from_secs(1);
-        let (conn, reconnect) = if conn::is_cluster_url(url) {
+        let cluster = conn::is_cluster_url(url);
+        let (mut conn, reconnect) = if cluster {
             Self::cluster_conn(url, command_timeout).await?
         } else if url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://") {
             Self::sentinel_conn(url, command_timeout).await?
         } else {
             Self::single_conn(url, command_timeout).await?
         };
+        // A keyless command reaches one node of a cluster: not a check of the cluster.
+        if !cluster {
+            if let Some(policy) = conn::evicting_policy(&mut conn, command_timeout).await {
+                tracing::warn!(
+                    queue = %name,
+                    policy = %policy,
+                    "dlock: the job queue's Redis evicts keys under memory pressure \
+                     (maxmemory-policy {policy}): queued jobs, their claims and the records \
+                     that keep a resent enqueue or claim from repeating can be evicted, and \
+                     jobs lost without an error; set `maxmemory-policy noeviction`"
+                );
+            }
+        }
         Ok(DurableQueue {
             inner: Arc::new(QueueInner {
                 name: name.to_owned(),

@@ -339,6 +339,33 @@ impl Dedicated {
     }
 }
 
+/// The server's `maxmemory-policy` when it is one that evicts keys (not `noeviction`): one
+/// `CONFIG GET` within `timeout`. `None` too when the server does not say (an ACL or a managed
+/// Redis without `CONFIG`, no answer in time): a check, not a condition of use.
+pub(crate) async fn evicting_policy(conn: &mut Conn, timeout: Duration) -> Option<String> {
+    let mut get = redis::cmd("CONFIG");
+    get.arg("GET").arg("maxmemory-policy");
+    // A map in RESP3, pairs in RESP2: both read as one.
+    let asked = tokio::time::timeout(
+        timeout,
+        get.query_async::<std::collections::HashMap<String, String>>(conn),
+    )
+    .await;
+    match asked {
+        Ok(Ok(mut reply)) => reply
+            .remove("maxmemory-policy")
+            .filter(|p| p.as_str() != "noeviction"),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "dlock: the eviction policy could not be read (CONFIG GET)");
+            None
+        }
+        Err(_) => {
+            tracing::debug!("dlock: the eviction policy could not be read in time (CONFIG GET)");
+            None
+        }
+    }
+}
+
 /// `WAIT replicas <wait>` on `conn`, the connection that made the writes it waits for: the
 /// number of replicas that have every write this connection made so far. On a cluster it is
 /// sent to the master of the slot of hash tag `tag`, on the connection that carried the

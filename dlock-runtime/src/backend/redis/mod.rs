@@ -496,36 +496,15 @@ impl RedisBackend {
             return; // a keyless command reaches one node of many: not a check of the cluster
         }
         let mut conn = self.inner.conn.clone();
-        let mut get = redis::cmd("CONFIG");
-        get.arg("GET").arg("maxmemory-policy");
-        let asked = tokio::time::timeout(
-            self.inner.opts.command_timeout,
-            // A map in RESP3, pairs in RESP2: both read as one.
-            get.query_async::<std::collections::HashMap<String, String>>(&mut conn),
-        )
-        .await;
-        match asked {
-            Ok(Ok(reply)) => {
-                if let Some(policy) = reply
-                    .get("maxmemory-policy")
-                    .filter(|p| p.as_str() != "noeviction")
-                {
-                    tracing::warn!(
-                        policy = %policy,
-                        "dlock: this Redis evicts keys under memory pressure (maxmemory-policy \
-                         {policy}): every lock key has a TTL, so a held lock can be evicted and \
-                         granted to another owner; set `maxmemory-policy noeviction`"
-                    );
-                }
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "dlock: the eviction policy could not be read (CONFIG GET)");
-            }
-            Err(_) => {
-                tracing::debug!(
-                    "dlock: the eviction policy could not be read in time (CONFIG GET)"
-                );
-            }
+        if let Some(policy) =
+            conn::evicting_policy(&mut conn, self.inner.opts.command_timeout).await
+        {
+            tracing::warn!(
+                policy = %policy,
+                "dlock: this Redis evicts keys under memory pressure (maxmemory-policy \
+                 {policy}): every lock key has a TTL, so a held lock can be evicted and \
+                 granted to another owner; set `maxmemory-policy noeviction`"
+            );
         }
     }
 
