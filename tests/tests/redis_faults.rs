@@ -13,10 +13,15 @@ use dlock_runtime::backend::RedisBackend;
 use dlock_runtime::{LockError, Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_server::free_port;
 use dlock_tests::wait::{
-    acknowledged_again, poll_until, refused_at_once, taken_once_back, wait_until_free, Deadline,
+    acknowledged_again, poll_until, refused_at_once, taken_once_back, wait_for, wait_until_free,
+    Deadline,
 };
 use dlock_tests::RedisServer;
 use redis::AsyncCommands;
+
+#[path = "observability/capture.rs"]
+#[allow(dead_code)]
+mod capture;
 
 /// A lease no test here outlives.
 const LONG: Duration = Duration::from_secs(30);
@@ -424,6 +429,115 @@ async fn waiters_recheck_after_a_reconnect() {
         restarted.elapsed()
     );
     guard.release().await.unwrap();
+}
+
+/// An unsubscribe that timed out (the server froze past the command timeout) but that the
+/// server ran once it woke leaves the channel counted as unsubscribed: the key's next waiter
+/// subscribes again, and hears the release that hands it the lock. Before, the channel stayed
+/// in the backend's set while the server had dropped it, and every later waiter of the key
+/// slept through its handoffs until its fallback timer.
+#[test]
+fn a_waiter_after_an_unsubscribe_that_timed_out_is_subscribed() {
+    let mut server = RedisServer::start();
+    capture::capturing_run(async |captured| {
+        let slow = || {
+            fast_fail()
+                .waiter_ttl(Duration::from_secs(60))
+                .command_timeout(Duration::from_millis(300))
+        };
+        let holder = slow().connect(&server.url()).await.unwrap();
+        let waiter = slow().connect(&server.url()).await.unwrap();
+        let key = "fault:unsubscribe-timed-out";
+        let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+        // Fallback timer 20 s (no jitter): only the release's push makes the second waiter quick.
+        let policy = RetryPolicy::new(Duration::from_secs(60))
+            .backoff(Duration::from_secs(20), Duration::from_secs(20))
+            .jitter(false);
+        let spawn_waiter = || {
+            let (waiter, policy) = (waiter.clone(), policy.clone());
+            tokio::spawn(async move {
+                waiter
+                    .lock(key)
+                    .ttl(LONG)
+                    .on_fail(OnFail::Retry(policy))
+                    .acquire()
+                    .await
+            })
+        };
+        let calls = evalsha_calls(&server).await;
+        let first = spawn_waiter();
+        asleep(&server, &waiter, calls).await;
+        assert_eq!(
+            channels(&server).await.len(),
+            1,
+            "the first waiter subscribed"
+        );
+
+        // The first waiter leaves while the server is frozen: its unsubscribe times out. The
+        // server wakes before the check's PING does, so the connection is kept.
+        server.pause();
+        first.abort();
+        wait_for(
+            "the unsubscribe to time out",
+            Duration::from_secs(5),
+            async || {
+                let given_up = ["redis unsubscribe timed out", "redis unsubscribe failed"]
+                    .iter()
+                    .any(|e| !captured.events(e).is_empty());
+                given_up.then_some(())
+            },
+        )
+        .await;
+        server.resume();
+        poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(5),
+            async || {
+                let dropped = channels(&server).await.is_empty() && waiter.waiting() == 0;
+                dropped
+                    .then_some(())
+                    .ok_or("the server still has the subscription")
+            },
+        )
+        .await;
+
+        let calls = evalsha_calls(&server).await;
+        let second = spawn_waiter();
+        asleep(&server, &waiter, calls).await;
+        assert_eq!(
+            channels(&server).await.len(),
+            1,
+            "the second waiter is not subscribed: the channel still counted as subscribed"
+        );
+        held.release().await.unwrap();
+        let guard = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("the second waiter slept through the release")
+            .unwrap()
+            .unwrap();
+        guard.release().await.unwrap();
+    });
+}
+
+/// The channels the server has subscribers on.
+async fn channels(server: &RedisServer) -> Vec<String> {
+    server
+        .query(redis::cmd("PUBSUB").arg("CHANNELS").arg("*"))
+        .await
+}
+
+/// Waits until `waiter` has a waiter queued, subscribed (counted in `waiting`) and done with
+/// the attempt after its subscription (its second script call since `calls_before`): asleep.
+async fn asleep(server: &RedisServer, waiter: &Locker, calls_before: u64) {
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep = waiter.waiting() != 0 && evalsha_calls(server).await >= calls_before + 2;
+            asleep.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
 }
 
 /// How many script calls (`EVALSHA`) the server has run.

@@ -1001,11 +1001,16 @@ impl RedisBackend {
             return;
         }
         let mut conn = inner.conn.clone();
-        match tokio::time::timeout(inner.opts.command_timeout, conn.unsubscribe(&channel)).await {
-            Ok(Ok(())) => {
-                subscribed.remove(&channel);
-            }
-            // Still subscribed as far as we know; a stray notification is harmless.
+        let answered =
+            tokio::time::timeout(inner.opts.command_timeout, conn.unsubscribe(&channel)).await;
+        // Forgotten whatever the answer: an unsubscribe that failed or timed out may have been
+        // run (a server frozen past the timeout runs it when it wakes), and a channel kept here
+        // that the server dropped would never be subscribed again — the key's next waiters
+        // would sleep through their handoffs. A subscription the server kept only brings a
+        // stray notification, which is harmless; the next waiter subscribes again.
+        subscribed.remove(&channel);
+        match answered {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 inner.conn.failed(&e);
                 tracing::debug!(error = ?e.kind(), "redis unsubscribe failed");
