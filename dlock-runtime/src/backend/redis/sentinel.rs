@@ -1080,6 +1080,7 @@ impl Shared {
                 .map_err(|_| LockError::unavailable("redis subscribe timed out", None))?
                 .map_err(|e| super::redis_err("subscribe", e))?;
         }
+        let mut late_conn = conn.clone();
         let old = std::mem::replace(
             &mut *self.current.write().unwrap_or_else(PoisonError::into_inner),
             Current {
@@ -1090,6 +1091,27 @@ impl Shared {
                 made_on: watch_runtime(),
             },
         );
+        // A waiter that subscribed while the channels above were being subscribed did so on
+        // the connection this one replaces (it read `current` before the swap; its channel was
+        // noted after `channels` was read): subscribed here too, or it would hear no release
+        // on the new master. One that read `current` after the swap is subscribed twice,
+        // which is harmless.
+        let before: std::collections::HashSet<&String> = channels.iter().collect();
+        for channel in self.channels().iter().filter(|c| !before.contains(c)) {
+            match tokio::time::timeout(self.command_timeout, late_conn.subscribe(channel)).await {
+                Ok(Ok(())) => {}
+                // Its waiters are woken below and attempt again; they run on their timers
+                // until the next switch subscribes it.
+                Ok(Err(e)) => {
+                    tracing::debug!(error = ?e.kind(), "redis sentinel: subscribing a channel noted during the switch failed");
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "redis sentinel: subscribing a channel noted during the switch timed out"
+                    );
+                }
+            }
+        }
         if self.push.is_some() {
             let mut issuers = self.issuers.lock().unwrap_or_else(PoisonError::into_inner);
             issuers.push(issuer);
