@@ -207,6 +207,20 @@ pub(crate) struct Watchdog {
     key_log: KeyLog,
 }
 
+impl Drop for Watchdog {
+    /// The locker is gone: its sender of the queue goes first, then the task is woken, to end
+    /// once the releases queued or on their way are done.
+    fn drop(&mut self) {
+        drop(
+            self.tx
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+        self.wake.notify_one();
+    }
+}
+
 impl Watchdog {
     pub(crate) fn new(
         backend: Arc<dyn Backend>,
@@ -489,7 +503,7 @@ impl Watchdog {
             backend: self.backend.clone(),
             command_timeout: self.command_timeout,
             wake: self.wake.clone(),
-            resend: t.downgrade(),
+            resend: t.clone(),
             rx: Some(rx),
         }));
         *tx = Some(t.clone());
@@ -691,23 +705,34 @@ impl Drop for ExtendInFlight<'_> {
 
 /// The background task's queue and what it needs. Dropped before the task returned — the
 /// runtime running it shut down (an actix worker restarting, a set-up runtime dropped) — while
-/// the locker still lives or commands are queued, it moves the task, queue and all, to the
-/// fallback runtime; renewals and releases go on there.
+/// the locker still lives, commands are queued or a background release is on its way, it
+/// moves the task, queue and all, to the fallback runtime; renewals and releases go on there.
 struct Host {
     watchdog: Weak<Watchdog>,
     backend: Arc<dyn Backend>,
     command_timeout: Duration,
     wake: Arc<Notify>,
-    /// For background releases to put their command back if their runtime shuts down.
-    resend: mpsc::WeakUnboundedSender<Cmd>,
+    /// The queue's sender that background releases hold, to put their command back if their
+    /// runtime shuts down — also once the locker is gone. The task ends when it holds the last
+    /// one (no watchdog: the locker is gone; no release on its way) and the queue is empty.
+    resend: mpsc::UnboundedSender<Cmd>,
     /// `None` once the task returned.
     rx: Option<mpsc::UnboundedReceiver<Cmd>>,
+}
+
+impl Host {
+    /// Nothing left to do, nor anyone to send more: only this host holds a sender of the queue
+    /// (the watchdog holds one while the locker lives, each background release on its way one),
+    /// and the queue is empty.
+    fn done(&self, rx: &mpsc::UnboundedReceiver<Cmd>) -> bool {
+        self.resend.strong_count() == 1 && rx.is_empty()
+    }
 }
 
 impl Drop for Host {
     fn drop(&mut self) {
         let Some(rx) = self.rx.take() else { return };
-        if self.watchdog.strong_count() == 0 && rx.is_empty() {
+        if self.done(&rx) {
             return;
         }
         let Some(rt) = crate::util::fallback_runtime() else {
@@ -748,10 +773,16 @@ async fn run(mut host: Host) {
                 None => std::future::pending().await,
             }
         };
+        // Checked before each wait: the watchdog's drop and the end of the last background
+        // release wake the task (after letting go of their senders).
+        if host.rx.as_ref().is_none_or(|rx| host.done(rx)) {
+            host.rx = None;
+            return;
+        }
         let Some(rx) = host.rx.as_mut() else { return };
         tokio::select! {
             cmd = rx.recv() => {
-                // `None`: every sender (the watchdog) is gone and the queue is drained.
+                // `None` cannot come while the host holds a sender.
                 let Some(cmd) = cmd else {
                     host.rx = None;
                     return;
@@ -759,7 +790,12 @@ async fn run(mut host: Host) {
                 tokio::spawn(background_release(
                     host.backend.clone(),
                     host.command_timeout,
-                    Resend { cmd: Some(cmd), tx: host.resend.upgrade(), start: tokio::time::Instant::now() },
+                    Resend {
+                        cmd: Some(cmd),
+                        tx: Some(host.resend.clone()),
+                        start: tokio::time::Instant::now(),
+                        wake: host.wake.clone(),
+                    },
                 ));
             }
             _ = host.wake.notified() => {}
@@ -769,18 +805,30 @@ async fn run(mut host: Host) {
 }
 
 /// A command a background release is working on. Dropped unfinished — its runtime shut down —
-/// it goes back on the queue, with what is left of its time, for the task's next host.
+/// it goes back on the queue, with what is left of its time, for the task's next host. Done
+/// either way, the last one on its way wakes a host whose locker is gone, to end.
 struct Resend {
     cmd: Option<Cmd>,
     tx: Option<mpsc::UnboundedSender<Cmd>>,
     start: tokio::time::Instant,
+    wake: Arc<Notify>,
 }
 
 impl Drop for Resend {
     fn drop(&mut self) {
-        let (Some(cmd), Some(tx)) = (self.cmd.take(), self.tx.take()) else {
-            return;
-        };
+        let Some(tx) = self.tx.take() else { return };
+        // This one and the host's: no watchdog, no other release on its way.
+        let last = tx.strong_count() == 2;
+        self.put_back(tx);
+        if last {
+            self.wake.notify_one();
+        }
+    }
+}
+
+impl Resend {
+    fn put_back(&mut self, tx: mpsc::UnboundedSender<Cmd>) {
+        let Some(cmd) = self.cmd.take() else { return };
         let spent = self.start.elapsed();
         let cmd = match cmd {
             Cmd::Release(r, t, give_up) => Cmd::Release(r, t, give_up.saturating_sub(spent)),
@@ -859,7 +907,7 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
         pause = (pause * 2).min(Duration::from_secs(1));
     }
     // Done (landed or given up): nothing to put back.
-    job.tx = None;
+    job.cmd = None;
 }
 
 #[cfg(test)]
@@ -888,6 +936,9 @@ mod tests {
         refuse: Option<Refuse>,
         /// The lease margin, in percent of the TTL.
         margin_pct: u32,
+        /// The first release signals this and never answers.
+        stall_first_release: Option<Arc<Notify>>,
+        stalled: AtomicBool,
     }
 
     /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid — or,
@@ -923,6 +974,12 @@ mod tests {
             t: &'a OwnerToken,
         ) -> BoxFuture<'a, Result<bool, LockError>> {
             Box::pin(async move {
+                if let Some(entered) = &self.stall_first_release {
+                    if !self.stalled.swap(true, Ordering::SeqCst) {
+                        entered.notify_one();
+                        std::future::pending::<()>().await;
+                    }
+                }
                 let out = self.inner.release(r, t).await;
                 self.released.notify_one();
                 out
@@ -1506,6 +1563,51 @@ mod tests {
             })
             .expect("the guard dropped off any runtime was not released");
         let taken = other.block_on(rival.lock("moved").try_acquire()).unwrap();
+        assert!(taken.is_some(), "released, yet not free");
+    }
+
+    /// A background release cut off by its runtime shutting down is sent again from the
+    /// fallback thread also when the locker was dropped before the guard. Before, with the
+    /// locker (and so the watchdog) gone, the release on its way held no sender of the queue
+    /// to put itself back with, the task ended with it, and the lock stayed taken until its
+    /// TTL.
+    #[test]
+    fn a_release_cut_off_after_the_locker_is_gone_is_sent_again() {
+        let entered = Arc::new(Notify::new());
+        let backend = Arc::new(Hooked {
+            stall_first_release: Some(entered.clone()),
+            ..Hooked::default()
+        });
+        let released = backend.released.clone();
+        let locker = Locker::builder().build(backend.clone());
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let guard = first
+            .block_on(
+                locker
+                    .lock("cut")
+                    .ttl(Duration::from_secs(60))
+                    .auto_renew(false)
+                    .acquire(),
+            )
+            .unwrap();
+        first.block_on(async {
+            drop(locker);
+            drop(guard);
+            entered.notified().await;
+        });
+        // The release is on its way (and never answers) when its runtime shuts down.
+        drop(first);
+        let other = runtime();
+        other
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), released.notified()).await
+            })
+            .expect("the release cut off with its runtime was not sent again");
+        let rival = Locker::builder().build(backend);
+        let taken = other.block_on(rival.lock("cut").try_acquire()).unwrap();
         assert!(taken.is_some(), "released, yet not free");
     }
 
