@@ -22,6 +22,37 @@ fn percent_decode(s: &str) -> Result<String, LockError> {
         .ok_or_else(|| invalid("bad percent-encoding in the user or password, or not UTF-8"))
 }
 
+/// One member, `host[:port]` (an IPv6 address in brackets), as `host:port`: 2379 when the
+/// port is left out. A port that is not one (`h:abc`, `h:0`, `h:70000`, `h:`) is refused here —
+/// it would otherwise be taken for part of the host, and the connection's failure reported as
+/// the cluster being down.
+fn host(h: &str) -> Result<String, LockError> {
+    if h.contains('/') || h.contains('?') {
+        return Err(invalid("paths and query strings are not supported"));
+    }
+    let port = match h.strip_prefix('[') {
+        Some(v6) => match v6.split_once(']') {
+            Some((addr, "")) if !addr.is_empty() => None,
+            Some((addr, port)) if !addr.is_empty() => Some(port.strip_prefix(':')),
+            _ => {
+                return Err(invalid(
+                    "an IPv6 host must be in brackets: [addr] or [addr]:port",
+                ))
+            }
+        },
+        None => h
+            .rsplit_once(':')
+            .map(|(name, port)| (!name.is_empty() && !name.contains(':')).then_some(port)),
+    };
+    match port {
+        None => Ok(format!("{h}:2379")),
+        Some(Some(p)) if p.parse::<u16>().is_ok_and(|p| p != 0) => Ok(h.to_owned()),
+        Some(_) => Err(invalid(
+            "a member's port must be a number from 1 to 65535 (IPv6 addresses in brackets)",
+        )),
+    }
+}
+
 /// Parses an `etcd://` URL.
 pub(super) fn parse(url: &str) -> Result<EtcdUrl, LockError> {
     let (rest, tls) = match url.strip_prefix("etcds://") {
@@ -46,18 +77,7 @@ pub(super) fn parse(url: &str) -> Result<EtcdUrl, LockError> {
         .split(',')
         .map(str::trim)
         .filter(|h| !h.is_empty())
-        .map(|h| {
-            if h.contains('/') || h.contains('?') {
-                Err(invalid("paths and query strings are not supported"))
-            } else if h
-                .rsplit_once(':')
-                .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-            {
-                Ok(h.to_owned())
-            } else {
-                Ok(format!("{h}:2379"))
-            }
-        })
+        .map(host)
         .collect::<Result<_, _>>()?;
     if hosts.is_empty() {
         return Err(invalid("no host"));
@@ -84,5 +104,28 @@ mod tests {
         assert!(t.tls);
         assert_eq!(t.hosts, ["h1:2380"]);
         assert!(parse("http://h1").is_err());
+    }
+
+    #[test]
+    fn ports_that_are_not_ones_are_misconfigured() {
+        for bad in [
+            "etcd://127.0.0.1:abc",
+            "etcd://h:",
+            "etcd://h:0",
+            "etcd://h:70000",
+            "etcd://h1:2379,h2:x",
+            "etcd://:2379",
+            "etcd://::1",
+            "etcd://[::1]x",
+            "etcd://[::1]:",
+            "etcd://[]:2379",
+        ] {
+            match parse(bad) {
+                Err(e) => assert!(e.is_misconfigured(), "{bad}: {e}"),
+                Ok(u) => panic!("{bad} was taken, as {:?}", u.hosts),
+            }
+        }
+        let u = parse("etcd://[::1],[::1]:2380,h:1").unwrap();
+        assert_eq!(u.hosts, ["[::1]:2379", "[::1]:2380", "h:1"]);
     }
 }
