@@ -25,7 +25,8 @@ fn resource_of(node: &str) -> Option<String> {
 /// The owner token part of a node name `<token>-<sequence>`.
 fn token_of(seen: &Seen) -> String {
     let name = &seen.child.name;
-    token_prefix(name.rsplit_once('-').map_or(name.as_str(), |(t, _)| t))
+    // Tokens are hex: the first '-' ends it (a wrapped sequence has a sign of its own).
+    token_prefix(name.split_once('-').map_or(name.as_str(), |(t, _)| t))
 }
 
 /// A lock's nodes as an attempt judges them at `now`: the holder's (the lowest, while its lease

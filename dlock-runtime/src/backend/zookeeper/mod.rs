@@ -194,6 +194,9 @@ impl Default for ZkOptions {
     }
 }
 
+/// The longest session timeout the protocol carries (a signed 32-bit count of ms).
+const MAX_SESSION_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
 impl ZkOptions {
     /// How long one backend call (and connecting) may take before it fails with
     /// [`LockError::Unavailable`].
@@ -204,9 +207,11 @@ impl ZkOptions {
 
     /// The session timeout to ask the server for (it grants a value within its
     /// `minSessionTimeout..=maxSessionTimeout`). Bounds the TTLs this backend takes: at most
-    /// twice the granted timeout (see the [module docs](self)).
+    /// twice the granted timeout (see the [module docs](self)). Taken as at most 2^31 − 1 ms,
+    /// what the protocol carries (the server grants at most its `maxSessionTimeout` anyway; a
+    /// longer one made the client library's arithmetic overflow and panic).
     pub fn session_timeout(mut self, timeout: Duration) -> Self {
-        self.session_timeout = timeout;
+        self.session_timeout = timeout.min(MAX_SESSION_TIMEOUT);
         self
     }
 
@@ -881,19 +886,37 @@ impl fmt::Debug for ZkBackend {
 #[derive(Clone, Debug)]
 struct Child {
     name: String,
-    seq: i64,
+    /// Its place in creation order (see [`sorted`]): lower is earlier.
+    order: i64,
 }
 
-/// The children of a lock directory in sequence order (names without a sequence are ignored).
+/// The children of a lock directory in creation order (names without a sequence are ignored).
+///
+/// A sequence is the directory's 32-bit child version when the node was made: past 2^31 − 1
+/// creates in one directory (a lock held for weeks while others try it, each try a create)
+/// it wraps to negative numbers (`<token>--2147483648`, then up), and ordered as numbers the
+/// newest nodes came first — a new attempt found itself at the head while the holder's node
+/// was there. The nodes alive at once were all made within far fewer than 2^31 creates, so
+/// their signed 32-bit distance from any one of them orders them. (Sequences past the 32-bit
+/// range, from a server that counts in 64 bits, are ordered as numbers.)
 fn sorted(children: Vec<String>) -> Vec<Child> {
     let mut out: Vec<Child> = children
         .into_iter()
         .filter_map(|name| {
-            let seq = name.rsplit_once('-')?.1.parse().ok()?;
-            Some(Child { name, seq })
+            // Tokens are hex, so the first '-' ends the token; a wrapped sequence has a sign.
+            let seq: i64 = name.split_once('-')?.1.parse().ok()?;
+            Some(Child { name, order: seq })
         })
         .collect();
-    out.sort_by_key(|c| c.seq);
+    let narrow = |seq: i64| i32::try_from(seq).ok();
+    if let Some(pivot) = out.first().and_then(|c| narrow(c.order)) {
+        if out.iter().all(|c| narrow(c.order).is_some()) {
+            for c in &mut out {
+                c.order = i64::from((c.order as i32).wrapping_sub(pivot));
+            }
+        }
+    }
+    out.sort_by_key(|c| c.order);
     out
 }
 
@@ -1016,7 +1039,7 @@ impl ZkBackend {
         let parsed = url::parse(url)?;
         let mut opts = opts;
         if let Some(t) = parsed.session_timeout {
-            opts.session_timeout = t;
+            opts = opts.session_timeout(t);
         }
         if opts.prefix.is_empty() || opts.prefix.contains('/') {
             return Err(LockError::misconfigured(
@@ -1472,7 +1495,7 @@ impl ZkBackend {
                 // off): it keeps its place — it may hold the lock already — and `own` goes.
                 let own_at = kids.iter().position(|k| k.name == own);
                 let earlier = strays[0];
-                let ahead = own_at.is_none_or(|at| kids[at].seq > earlier.seq);
+                let ahead = own_at.is_none_or(|at| kids[at].order > earlier.order);
                 if ahead && self.on_this_session(&c, &dir, &earlier.name).await? {
                     match again(|| c.delete(&own_path, None)).await {
                         Ok(()) | Err(ZkError::NoNode) => {}
@@ -1864,6 +1887,47 @@ mod tests {
         assert!(!owned_by(&format!("{}x-0000000001", t.as_str()), &t));
     }
 
+    /// A session timeout past what the protocol carries is taken as the longest it carries
+    /// (the server grants at most its own maximum); `Duration::MAX` made the client library
+    /// panic on overflow inside `connect`.
+    #[test]
+    fn session_timeouts_are_bounded_by_the_protocol() {
+        let opts = ZkOptions::default().session_timeout(Duration::MAX);
+        assert_eq!(opts.session_timeout, MAX_SESSION_TIMEOUT);
+        let opts = ZkOptions::default().session_timeout(Duration::from_secs(4));
+        assert_eq!(opts.session_timeout, Duration::from_secs(4));
+    }
+
+    /// Past 2^31 − 1 creates in a directory the sequence wraps to negative numbers, formatted
+    /// with their sign: the nodes made after the wrap come after those made before it. Before,
+    /// the sign was read as the name's separator and `b--2147483648` sorted as 2147483648,
+    /// ahead of every later node, so a new attempt found itself first while the holder's node
+    /// (made before the wrap) was there.
+    #[test]
+    fn children_made_after_the_sequence_wrapped_come_after_those_before() {
+        let kids = sorted(vec![
+            "c--2147483647".into(),
+            "a-2147483646".into(),
+            "d--000000005".into(),
+            "b--2147483648".into(),
+            "z-2147483647".into(),
+        ]);
+        let names: Vec<_> = kids.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "a-2147483646",
+                "z-2147483647",
+                "b--2147483648",
+                "c--2147483647",
+                "d--000000005"
+            ]
+        );
+        // 64-bit sequences are ordered as numbers.
+        let kids = sorted(vec!["b-00000000003000000000".into(), "a-0000000001".into()]);
+        assert_eq!(kids[0].name, "a-0000000001");
+    }
+
     #[test]
     fn resources_become_single_node_names() {
         assert_eq!(node_name("dlock:{a/b c%}"), "dlock:{a%2Fb%20c%25}");
@@ -1888,7 +1952,7 @@ mod tests {
         let seen = Seen {
             child: Child {
                 name: "x-1".into(),
-                seq: 1,
+                order: 1,
             },
             lease: lease_of(b"300"),
             stat,
