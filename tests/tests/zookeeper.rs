@@ -1218,6 +1218,103 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
     assert_eq!(kids.len(), 2, "its node and the waiter's: {kids:?}");
 }
 
+/// A barging waiter (`fair(false)`) is woken by the holder's release — its attempt, which
+/// leaves no node in the line, watches the holder's node — not by its fallback timer (5 s
+/// here). Before, a barging attempt set no watch at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barging_waiter_is_woken_by_a_release() {
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let a = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .waiter_ttl(Duration::from_secs(30))
+        .default_ttl(Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .expect("connect to ZooKeeper");
+    let key = dlock_runtime::conformance::unique_key("barging");
+    let held = a.lock(&key).acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        let policy = RetryPolicy::new(Duration::from_secs(30))
+            .backoff(Duration::from_secs(5), Duration::from_secs(5))
+            .jitter(false)
+            .fair(false);
+        async move { a.lock(&key).on_fail(OnFail::Retry(policy)).acquire().await }
+    });
+    wait_for("the waiter", Duration::from_secs(5), async || {
+        (a.waiting() == 1).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    let released = Instant::now();
+    let g = waiter.await.unwrap().unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "woken {took:?} after the release"
+    );
+    g.release().await.unwrap();
+}
+
+/// The undo of an acquire deletes every node of its token, not only the one its last attempt
+/// knew: a token whose first `create` lost its answer (that node took the free lock) and whose
+/// next attempt was cut off after creating a node of its own left the first node holding the
+/// lock, with no guard, until its lease ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandon_deletes_every_node_of_its_token() {
+    use dlock_runtime::backend::WaitMode;
+    use dlock_runtime::conformance::{abandon_as, attempt_as};
+
+    let lost = lost_create("abandon-all", false).await;
+    // The next attempt's `create` is answered after 600 ms, its listing after 1.2 s: past the
+    // 1 s command timeout, so it is cut off knowing its own node, not the first one.
+    lost._proxy.set_latency(Duration::from_millis(300));
+    let cut = attempt_as(
+        &lost.a,
+        &lost.resource,
+        &lost.mine,
+        WaitMode::Queue,
+        lost.ttl,
+    )
+    .await;
+    lost._proxy.set_latency(Duration::ZERO);
+    assert!(cut.is_err(), "answered through the latency: {cut:?}");
+    let mine = |kids: &[String]| {
+        kids.iter()
+            .filter(|k| k.starts_with(lost.mine.as_str()))
+            .count()
+    };
+    let kids = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || {
+            let kids = lost.raw.list_children(&lost.dir).await.unwrap_or_default();
+            match mine(&kids) {
+                2 => Ok(kids),
+                _ => Err(format!("not two nodes of the token yet: {kids:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(kids.contains(&lost.taken), "{kids:?}");
+    abandon_as(&lost.a, &lost.resource, &lost.mine)
+        .await
+        .expect("abandon");
+    let kids = lost.raw.list_children(&lost.dir).await.unwrap();
+    assert_eq!(
+        mine(&kids),
+        0,
+        "a node of the abandoned token is left: {kids:?}"
+    );
+    let free = lost
+        .b
+        .lock(lost.resource.key().as_str())
+        .try_acquire()
+        .await
+        .unwrap();
+    assert!(free.is_some(), "the lock is still taken after the abandon");
+}
+
 /// A try by a token whose earlier `create` was cut off and landed behind a holder keeps that
 /// earlier node in its place (as a queued attempt does), judges the holder by the ensemble's
 /// time — it reports the holder's lease left, at most its TTL — and, as a try, leaves nothing

@@ -173,6 +173,16 @@ pub async fn attempt_renewed_as(
     attempt_with(locker, resource, token, mode, ttl, true).await
 }
 
+/// The undo of an acquire by `token` on `resource`, straight to `locker`'s backend (see
+/// [`attempt_as`]): what the locker sends when an acquire is cancelled or gives up.
+pub async fn abandon_as(
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+) -> Result<(), crate::LockError> {
+    locker.backend().abandon(resource, token).await
+}
+
 async fn attempt_with(
     locker: &Locker,
     resource: &crate::key::ResourceName,

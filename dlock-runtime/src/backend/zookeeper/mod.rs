@@ -1611,6 +1611,13 @@ impl ZkBackend {
                     Ok(()) | Err(ZkError::NoNode) => self.forget(args.resource, args.token),
                     Err(e) => return Err(unavailable("delete", e)),
                 }
+                // A barging waiter (not in line) is woken when the first live node — the
+                // holder's — goes, as a queued one is by its predecessor's.
+                if args.mode == WaitMode::Barge {
+                    if let Some(first) = seen.iter().flatten().find(|s| !s.expired(now)) {
+                        self.watch_predecessor(&c, args, &dir, &first.child.name);
+                    }
+                }
                 return Ok(Attempt::Held { remaining });
             }
             if let Some(pred) = seen.last().and_then(Option::as_ref) {
@@ -1821,8 +1828,17 @@ impl Backend for ZkBackend {
                     let dir = self.dir(resource.as_str());
                     // Requests of one session are applied in the order they were sent: a
                     // `create` of a cancelled attempt is applied before this look-up, so its
-                    // node is found.
-                    if let Some(name) = self.find_own(&c, &dir, resource, token).await? {
+                    // node is found. Every node of the token goes, not only the one the last
+                    // attempt knew: an earlier attempt's `create` whose answer never came (cut
+                    // off by the command timeout) left one that keeps its place — the lock,
+                    // if it was first — and nothing else would delete it before its lease ran
+                    // out. The token names this acquisition only, so each is this undo's.
+                    let kids = match again(|| c.list_children(&dir)).await {
+                        Ok(kids) => kids,
+                        Err(ZkError::NoNode) => Vec::new(),
+                        Err(e) => return Err(unavailable("getChildren", e)),
+                    };
+                    for name in kids.iter().filter(|k| owned_by(k, token)) {
                         match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
                             Ok(()) | Err(ZkError::NoNode) => {}
                             Err(e) => return Err(unavailable("delete", e)),
