@@ -1914,6 +1914,64 @@ async fn from_pool_shares_the_services_pool() {
     until_listening(&[&backend], Duration::from_secs(5)).await;
 }
 
+/// A schema upgrade that fails part-way on a connection of the service's own pool
+/// (`from_pool`) — here its advisory lock is not granted within the role's `lock_timeout`,
+/// another instance upgrading — does not hand that connection back: the failed batch left
+/// its session inside an aborted transaction, where every later statement of the service on
+/// it failed (`25P02`) until it was closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_schema_upgrade_leaves_no_broken_connection_in_the_services_pool() {
+    use dlock_runtime::backend::postgres::deadpool_postgres::{Manager, Pool};
+    let db = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.create_database("failed_upgrade")
+    })
+    .await;
+    let url = direct_url(&db);
+    let (_locker, installed) = locker_at(&url, Duration::from_secs(5)).await;
+    drop(installed);
+    // An older schema, so the next backend runs the DDL; another instance holds its lock.
+    let connect = async || {
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("a session");
+        tokio::spawn(conn);
+        client
+    };
+    let upgrading = connect().await;
+    upgrading
+        .batch_execute(
+            "CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer \
+             LANGUAGE sql IMMUTABLE AS 'SELECT 5'",
+        )
+        .await
+        .expect("an older schema");
+    upgrading
+        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(1684824939, 0)")
+        .await
+        .expect("hold the schema lock");
+    let mut config: tokio_postgres::Config = url.parse().unwrap();
+    config.options("-c lock_timeout=100");
+    let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
+        .max_size(1)
+        .build()
+        .unwrap();
+    let refused = PostgresBackend::from_pool(pool.clone(), PostgresOptions::default()).await;
+    assert!(refused.is_err(), "the upgrade got past a held lock");
+    upgrading.batch_execute("COMMIT").await.unwrap();
+    let service = pool
+        .get()
+        .await
+        .expect("a connection of the service's pool");
+    let answered = service.simple_query("SELECT 1").await;
+    assert!(
+        answered.is_ok(),
+        "the service's pool holds a broken connection: {:?}",
+        answered.err()
+    );
+}
+
 /// A grant's transaction commits durably without overriding what the operator chose: the
 /// schema raises `synchronous_commit` from `off` to `local` (its WAL written out on this
 /// server) and leaves `local` and stronger settings alone. The first version forced `on`,

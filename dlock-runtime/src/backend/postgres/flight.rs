@@ -131,6 +131,16 @@ impl InFlight {
         self.client = None;
         self.gate = None;
     }
+
+    /// The answer is in, but the connection is not fit for the pool (a failed multi-statement
+    /// batch may have left it inside an aborted transaction, where every statement fails
+    /// until a `ROLLBACK`): it is closed, and the gate opens.
+    pub(super) fn discard(&mut self) {
+        if let Some(object) = self.client.take() {
+            drop(Object::take(object));
+        }
+        self.gate = None;
+    }
 }
 
 impl Drop for InFlight {

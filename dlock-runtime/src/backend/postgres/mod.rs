@@ -667,7 +667,13 @@ impl PostgresBackend {
         // The caller's deadline may drop this: never hand the pool a busy connection.
         let mut flight = self.in_flight(client, None);
         let out = self.check_or_create_schema(flight.client()).await;
-        flight.done();
+        // A DDL batch that failed part-way (a lock timeout, a missing privilege) leaves its
+        // session in an aborted transaction: never handed back to the pool — with
+        // `from_pool`, the service's own — where every later statement on it would fail.
+        match out {
+            Ok(()) => flight.done(),
+            Err(_) => flight.discard(),
+        }
         out
     }
 
