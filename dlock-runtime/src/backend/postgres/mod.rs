@@ -472,11 +472,31 @@ pub(crate) fn parse_url(
     Ok((config, opts))
 }
 
-/// Parses a connection string; the error never quotes it (it may carry a password).
+/// Parses a connection string; the error never quotes it (it may carry a password). What
+/// the client would refuse only when connecting — no host, lists of hosts, `hostaddr`s and
+/// ports that do not match — is refused here, as `Misconfigured`: refused by every connection
+/// attempt instead, it was reported as the database being down (`Unavailable`, 503).
 fn pg_config(url: &str) -> Result<tokio_postgres::Config, LockError> {
     let config: tokio_postgres::Config = url
         .parse()
         .map_err(|_| LockError::misconfigured("invalid postgres url", None))?;
+    let (hosts, addrs) = (config.get_hosts().len(), config.get_hostaddrs().len());
+    let invalid = |what: &str| {
+        Err(LockError::misconfigured(
+            format!("postgres url: {what}"),
+            None,
+        ))
+    };
+    if hosts == 0 && addrs == 0 {
+        return invalid("no host (name the server, or a Unix socket directory with host=)");
+    }
+    if hosts != 0 && addrs != 0 && hosts != addrs {
+        return invalid("as many hostaddr as hosts are needed");
+    }
+    let ports = config.get_ports().len();
+    if ports > 1 && ports != hosts.max(addrs) {
+        return invalid("one port for every host, or one for all of them");
+    }
     Ok(config)
 }
 
@@ -512,7 +532,27 @@ impl Connector {
         };
         let any_socket = hosts.iter().any(is_socket);
         let only_sockets = !hosts.is_empty() && hosts.iter().all(is_socket);
-        match config.get_ssl_mode() {
+        let mode = config.get_ssl_mode();
+        #[cfg(feature = "postgres-tls")]
+        if mode != SslMode::Disable && !only_sockets {
+            // Refused by every connection the client makes (to a server that offers TLS).
+            if config.get_hosts().is_empty() {
+                return Err(LockError::misconfigured(
+                    "postgres url: TLS needs the server's name to verify its certificate, and \
+                     only hostaddr is given: add host= (the name), or use sslmode=disable",
+                    None,
+                ));
+            }
+            if mode == SslMode::Prefer
+                && config.get_ssl_negotiation() == tokio_postgres::config::SslNegotiation::Direct
+            {
+                return Err(LockError::misconfigured(
+                    "postgres url: sslnegotiation=direct needs sslmode=require (or stronger)",
+                    None,
+                ));
+            }
+        }
+        match mode {
             SslMode::Disable => Ok(Connector::Plain),
             SslMode::Require if any_socket => Err(LockError::misconfigured(
                 "postgres url: sslmode=require cannot be met over a Unix socket (a server never \
@@ -1156,6 +1196,44 @@ mod tests {
     fn connector(url: &str) -> Result<Connector, LockError> {
         let (config, opts) = parse_url(url, PostgresOptions::default())?;
         Connector::for_config(&config, &opts)
+    }
+
+    /// What the client refuses only when it connects is refused by the URL, as
+    /// `Misconfigured` (500): a URL no connection can use is no outage. Before, each was
+    /// `Unavailable` (503), at every attempt, and `through_outages` waited on it.
+    #[test]
+    fn urls_no_connection_can_use_are_misconfigured() {
+        for url in [
+            "postgres://app@/appdb",
+            "postgres://app@h1,h2/db?hostaddr=10.0.0.1",
+            // Each host of the URL has its port (5432 if none): three ports for two hosts.
+            "postgres://app@h1,h2/db?port=1",
+            "host=h1,h2 port=1,2,3 user=app",
+        ] {
+            let err = connector(url).err().expect(url);
+            assert!(err.is_misconfigured(), "{url}: {err}");
+        }
+        assert!(connector("postgres://app@h1:1,h2/db?sslmode=disable").is_ok());
+        assert!(connector("host=h1,h2 port=1 user=app sslmode=disable").is_ok());
+        assert!(connector("postgres://app@/db?hostaddr=10.0.0.1&sslmode=disable").is_ok());
+    }
+
+    /// With TLS, a `hostaddr` without a host name (nothing to verify the certificate against)
+    /// and direct TLS negotiation under `prefer` are refused by every connection to a server
+    /// offering TLS: refused by the URL instead.
+    #[cfg(feature = "postgres-tls")]
+    #[test]
+    fn tls_settings_no_connection_can_use_are_misconfigured() {
+        for url in [
+            "postgres://app@/db?hostaddr=10.0.0.1",
+            "postgres://app@/db?hostaddr=10.0.0.1&sslmode=require",
+            "postgres://app@h1/db?sslnegotiation=direct",
+        ] {
+            let err = connector(url).err().expect(url);
+            assert!(err.is_misconfigured(), "{url}: {err}");
+        }
+        assert!(connector("postgres://app@h1/db?hostaddr=10.0.0.1").is_ok());
+        assert!(connector("postgres://app@h1/db?sslnegotiation=direct&sslmode=require").is_ok());
     }
 
     /// A socket host never has TLS: `prefer` is plaintext, `require` is refused at once (it
