@@ -44,6 +44,51 @@ fn wait(store: &Store) -> OnFail {
     })
 }
 
+/// A barging waiter (`fair(false)`: not in the line) of a semaphore is woken when a holder of
+/// its backend releases with nobody in line, not by its fallback timer (5 s here). Before, on
+/// memory and Redis (one server, Sentinel, Cluster), a release woke only waiters in the line.
+pub async fn semaphore_barging_waiter_is_woken_by_a_release(store: &Store) {
+    if !offered(store).await {
+        return;
+    }
+    let a = (store.locker)(Locker::builder().waiter_ttl(Duration::from_secs(30))).await;
+    let key = unique_key("sem-barge");
+    let held = a.semaphore(&key, 1).try_acquire().await.unwrap().unwrap();
+    let waiter = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        let policy = crate::RetryPolicy::new(Duration::from_secs(30))
+            .backoff(Duration::from_secs(5), Duration::from_secs(5))
+            .jitter(false)
+            .fair(false);
+        async move {
+            a.semaphore(&key, 1)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+        }
+    });
+    wait_until("the barging waiter waits", Duration::from_secs(5), || {
+        a.waiting() == 1
+    })
+    .await;
+    held.release().await.unwrap();
+    let released = Instant::now();
+    let g = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .unwrap_or_else(|_| panic!("{}: the barging waiter never got the permit", store.name))
+        .unwrap()
+        .unwrap();
+    let took = released.elapsed();
+    if store.notifications {
+        assert!(
+            took < Duration::from_millis(2500),
+            "{}: the barging waiter was woken {took:?} after the release",
+            store.name
+        );
+    }
+    g.release().await.unwrap();
+}
+
 /// A semaphore of 3 admits 3 holders across lockers and refuses a 4th until one releases;
 /// under contention (2 lockers × 6 tasks × 10 rounds) never more than 3 are inside.
 pub async fn semaphore_admits_at_most_permits(store: &Store) {

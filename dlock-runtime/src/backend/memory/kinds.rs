@@ -172,6 +172,11 @@ impl MemoryBackend {
         for t in &wake {
             self.inner.hub.notify(resource.as_str(), Some(t.as_str()));
         }
+        // Room made and nobody in line: a barging waiter (`fair(false)`, not in the line) is
+        // woken to try again, as a lock's release wakes one.
+        if held && wake.is_empty() {
+            self.inner.hub.notify(resource.as_str(), None);
+        }
         held
     }
 

@@ -68,6 +68,12 @@ impl PostgresBackend {
                 self.inner.hub.notify(resource.as_str(), Some(t));
             }
         }
+        // Room made and nobody in line: a barging waiter of this backend (`fair(false)`, not
+        // in the line) tries again. One of another backend hears nothing (the release notifies
+        // only the line) and runs on its timer.
+        if held && woken.is_empty() {
+            self.inner.hub.notify(resource.as_str(), None);
+        }
         Ok(held)
     }
 }

@@ -10,14 +10,15 @@
 //! | `N:q` | sorted set | waiters in arrival order: member as above, score = arrival number |
 //! | `N:qe` | sorted set | waiter entries: member → entry deadline (server ms) |
 //! | `<p>:fence` | string | the namespace's fencing counter, shared with the locks (per slot on a cluster) |
-//! | `N:ch` | channel | `<token>`: this waiter is in the ready prefix now, try again |
+//! | `N:ch` | channel | `<token>`: this waiter is in the ready prefix now, try again; `""`: a holder left and nobody is in line (wakes a barging waiter) |
 //!
 //! A writer holds alone, so "a writer holds" is "one holder, and its member starts with
 //! `x:`". Expired holders and waiter entries are pruned by every script that reads them
 //! (`ZREMRANGEBYSCORE`). An uncontended acquire is a handful of commands on `N` and the
-//! fencing counter; a release `ZREM`s and, only when waiters are queued, walks the ready
-//! prefix and publishes to each waiter in it (one for a freed permit, every leading reader
-//! after a writer).
+//! fencing counter; a release `ZREM`s and, when waiters are queued, walks the ready prefix and
+//! publishes to each waiter in it (one for a freed permit, every leading reader after a
+//! writer); with none queued it publishes `""`, which wakes a barging waiter (one publish to
+//! a channel nobody may listen on: kinds have no flag of their own saying one waits).
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -130,7 +131,8 @@ return 0
 });
 
 /// Owner-checked release (with ARGV[3] = `1`, the undo of an acquire: also leaves the queue);
-/// when that made room, publishes `<token>` on `N:ch` to every waiter of the new ready prefix.
+/// when that made room, publishes `<token>` on `N:ch` to every waiter of the new ready prefix —
+/// or, with nobody in line, `""` (a barging waiter, not in the line, tries again).
 ///
 /// KEYS: 1 `N` (on a cluster also the fencing counter, `N:q`, `N:qe`). ARGV: 1 owner token,
 /// 2 capacity, 3 `1` to abandon else `0`. Returns 1 when the token held a live lease, else 0.
@@ -147,7 +149,11 @@ if ARGV[3] == '1' then
   left = redis.call('ZREM', q, token, 'x:' .. token)
   redis.call('ZREM', qe, token, 'x:' .. token)
 end
-if gone + left == 0 or redis.call('EXISTS', q) == 0 then return gone end
+if gone + left == 0 then return gone end
+if redis.call('EXISTS', q) == 0 then
+  if gone == 1 then redis.call('PUBLISH', h .. ':ch', '') end
+  return gone
+end
 held = redis.call('ZCARD', h)
 writer = held == 1 and is_writer(redis.call('ZRANGE', h, 0, 0)[1])
 local n = walk(false)
