@@ -821,10 +821,28 @@ impl EtcdBackend {
         .await
     }
 
+    /// The store's revision now (one read), for a watch of a waiter with no key in the line:
+    /// its task watches deletions from after it, so a release made once this answered is not
+    /// missed however late the task reads. `None` if it could not be read (the task's own read
+    /// counts then; the waiter's timer covers the gap).
+    async fn revision_now(&self, resource: &ResourceName) -> Option<i64> {
+        let dir = self.lock_dir(resource).dir;
+        let read = self
+            .call("get", |c| {
+                let mut kv = c.kv_client();
+                let dir = dir.clone();
+                async move { kv.get(dir, Some(GetOptions::new().with_count_only())).await }
+            })
+            .await;
+        read.ok()?.header().map(|h| h.revision())
+    }
+
     /// Starts the watch task of the local waiter `token` ([`watch_turn`]), replacing one that
     /// runs. The task takes itself out of the books before it wakes the waiter, so that an
-    /// attempt the waiter then makes finds it gone (see [`rewatch`](Self::rewatch)).
-    fn spawn_watch(&self, resource: &ResourceName, token: &OwnerToken) {
+    /// attempt the waiter then makes finds it gone (see [`rewatch`](Self::rewatch)). `floor`:
+    /// a revision read before the caller returns ([`revision_now`](Self::revision_now)) — a
+    /// waiter with no key in the line is woken by deletions after it.
+    fn spawn_watch(&self, resource: &ResourceName, token: &OwnerToken, floor: Option<i64>) {
         let k = match self.sessions.name_of(&token_key(resource, token)) {
             Some(own) => Keys {
                 own,
@@ -837,11 +855,11 @@ impl EtcdBackend {
         let turn = watch_turn(
             self.pool.clone(),
             self.hub.clone(),
-            name.clone(),
-            token.clone(),
+            (name.clone(), token.clone()),
             k,
             self.opts.command_timeout,
             resource.kind(),
+            floor,
         );
         let entry = (name, token.clone());
         let (watchers, hub) = (self.watchers.clone(), self.hub.clone());
@@ -871,8 +889,10 @@ impl EtcdBackend {
     /// — it was woken, and is not first after all: another barging waiter took the lock, or its
     /// key was gone and it queued again at the back — or watches a key it no longer has gets
     /// a new one, watching for its next turn (else it would wake only on its fallback timer
-    /// from then on).
-    fn rewatch(&self, resource: &ResourceName, token: &OwnerToken) {
+    /// from then on). A barging waiter's (no key in the line) watches deletions from a
+    /// revision read before the attempt answers: a release between this attempt and the
+    /// task's first read wakes it.
+    async fn rewatch(&self, resource: &ResourceName, token: &OwnerToken, barging: bool) {
         if !self.hub.is_waiting(resource.as_str(), token) {
             return;
         }
@@ -887,7 +907,11 @@ impl EtcdBackend {
             .get(&token_key(resource, token))
             .is_some_and(|(_, watched)| *watched == own);
         if !watched {
-            self.spawn_watch(resource, token);
+            let floor = match barging {
+                true => self.revision_now(resource).await,
+                false => None,
+            };
+            self.spawn_watch(resource, token, floor);
         }
     }
 
@@ -1045,11 +1069,11 @@ enum Turn {
 async fn watch_turn(
     pool: Arc<Pool>,
     hub: Arc<ReleaseHub>,
-    resource: Arc<str>,
-    token: OwnerToken,
+    (resource, token): (Arc<str>, OwnerToken),
     k: Keys,
     timeout: Duration,
     kind: LockKind,
+    mut floor: Option<i64>,
 ) {
     let mut backoff = Duration::from_millis(20);
     // The own key's create revision, read once: it never changes while the key lives.
@@ -1059,9 +1083,15 @@ async fn watch_turn(
             LockKind::Exclusive => wait_predecessor(&pool, &k, &mut own_rev, timeout).await,
             kind => kinds::wait_admitted(&pool, kind, &k, timeout).await,
         };
+        let first_floor = floor.take();
         let woken = match turn {
             Ok(Turn::Now) => return,
-            Ok(Turn::NoKey(revision)) => deleted_after(&pool, &k, revision, timeout).await,
+            Ok(Turn::NoKey(revision)) => {
+                // From the revision read before the waiter was told it waits, if earlier (only
+                // on the first turn: a later one follows the task's own reads).
+                let from = first_floor.map_or(revision, |f| f.min(revision));
+                deleted_after(&pool, &k, from, timeout).await
+            }
             Ok(Turn::Again) => {
                 backoff = Duration::from_millis(20);
                 continue;
@@ -1245,7 +1275,10 @@ impl Backend for EtcdBackend {
             };
             match &attempt {
                 Ok(Attempt::Acquired { .. }) => self.stop_watch(args.resource, args.token),
-                Ok(Attempt::Held { .. }) => self.rewatch(args.resource, args.token),
+                Ok(Attempt::Held { .. }) => {
+                    let barging = args.mode == WaitMode::Barge;
+                    self.rewatch(args.resource, args.token, barging).await;
+                }
                 _ => {}
             }
             attempt
@@ -1408,7 +1441,10 @@ impl Backend for EtcdBackend {
                 });
             });
             let (watch, _first) = self.hub.register(resource, token, Some(on_last));
-            self.spawn_watch(resource, token);
+            // The task reads the line once it runs, after this returned: a waiter with no key
+            // in it (barging) would miss a release made before that read.
+            let floor = self.revision_now(resource).await;
+            self.spawn_watch(resource, token, floor);
             Ok(watch)
         })
     }
