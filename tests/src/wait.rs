@@ -278,6 +278,45 @@ pub async fn refused_at_once(locker: &Locker, key: &str) {
     );
 }
 
+/// Asserts that a barging waiter (`fair(false)`: not in the line) of `locker` is woken by the
+/// holder's release — within 2.5 s of it, where its fallback timer is 5 s (no jitter) — and
+/// gets the lock. `locker` should have a waiter TTL of 30 s or more, so that its queue refresh
+/// does not come sooner either.
+///
+/// # Panics
+/// If the waiter is late or fails.
+pub async fn a_barging_waiter_is_woken_by_a_release(locker: &Locker, key: &str) {
+    use dlock_runtime::{OnFail, RetryPolicy};
+    let held = locker.lock(key).acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let (locker, key) = (locker.clone(), key.to_owned());
+        let policy = RetryPolicy::new(Duration::from_secs(30))
+            .backoff(Duration::from_secs(5), Duration::from_secs(5))
+            .jitter(false)
+            .fair(false);
+        async move {
+            locker
+                .lock(&key)
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+        }
+    });
+    wait_for("the waiter", Duration::from_secs(5), async || {
+        (locker.waiting() == 1).then_some(())
+    })
+    .await;
+    held.release().await.unwrap();
+    let released = Instant::now();
+    let g = waiter.await.unwrap().unwrap();
+    let took = released.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "woken {took:?} after the release"
+    );
+    g.release().await.unwrap();
+}
+
 /// Runs a closure when dropped — also when the test panics first — or earlier, at
 /// [`run`](Self::run): the undoing of a fault (a frozen node thawed) that the other tests of a
 /// binary sharing the server must not inherit from a failed check.

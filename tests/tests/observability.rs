@@ -855,21 +855,32 @@ fn an_election_no_attempt_of_which_can_succeed_is_an_error() {
     );
 }
 
+/// The `WARN` events of `connect` to `server` once its `maxmemory-policy` is `policy`.
+fn warnings_at_connect(
+    server: &RedisServer,
+    policy: &str,
+    connect: impl AsyncFnOnce(&str),
+) -> Vec<capture::Seen> {
+    let url = server.url();
+    let ((), captured) = capture::capturing_run(async |_| {
+        let mut set = redis::cmd("CONFIG");
+        set.arg(&["SET", "maxmemory-policy", policy]);
+        let () = server.query(&set).await;
+        connect(&url).await;
+    });
+    captured.at(Level::WARN)
+}
+
 /// A Redis that may evict keys under memory pressure can evict a held lock (every lock key
 /// has a TTL) and grant it to another owner: connecting to one whose `maxmemory-policy` is not
 /// `noeviction` is one `WARN` event naming the policy; to one with `noeviction`, none.
 #[test]
 fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
     let server = RedisServer::start();
-    let warnings = |policy: &'static str| {
-        let url = server.url();
-        let ((), captured) = capture::capturing_run(async |_| {
-            let mut set = redis::cmd("CONFIG");
-            set.arg(&["SET", "maxmemory-policy", policy]);
-            let () = server.query(&set).await;
-            let _locker = Locker::builder().connect(&url).await.unwrap();
-        });
-        captured.at(Level::WARN)
+    let warnings = |policy| {
+        warnings_at_connect(&server, policy, async |url| {
+            Locker::builder().connect(url).await.unwrap();
+        })
     };
     let evicting = warnings("volatile-lru");
     assert_eq!(evicting.len(), 1, "{evicting:?}");
@@ -886,17 +897,12 @@ fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
 #[test]
 fn a_job_queue_on_a_redis_that_evicts_keys_is_a_warning() {
     let server = RedisServer::start();
-    let warnings = |policy: &'static str| {
-        let url = server.url();
-        let ((), captured) = capture::capturing_run(async |_| {
-            let mut set = redis::cmd("CONFIG");
-            set.arg(&["SET", "maxmemory-policy", policy]);
-            let () = server.query(&set).await;
-            let _queue = dlock_runtime::durable::DurableQueue::connect(&url, "evicting")
+    let warnings = |policy| {
+        warnings_at_connect(&server, policy, async |url| {
+            dlock_runtime::durable::DurableQueue::connect(url, "evicting")
                 .await
                 .unwrap();
-        });
-        captured.at(Level::WARN)
+        })
     };
     let evicting = warnings("allkeys-lru");
     assert_eq!(evicting.len(), 1, "{evicting:?}");

@@ -1232,28 +1232,7 @@ async fn a_barging_waiter_is_woken_by_a_release() {
         .await
         .expect("connect to ZooKeeper");
     let key = dlock_runtime::conformance::unique_key("barging");
-    let held = a.lock(&key).acquire().await.unwrap();
-    let waiter = tokio::spawn({
-        let (a, key) = (a.clone(), key.clone());
-        let policy = RetryPolicy::new(Duration::from_secs(30))
-            .backoff(Duration::from_secs(5), Duration::from_secs(5))
-            .jitter(false)
-            .fair(false);
-        async move { a.lock(&key).on_fail(OnFail::Retry(policy)).acquire().await }
-    });
-    wait_for("the waiter", Duration::from_secs(5), async || {
-        (a.waiting() == 1).then_some(())
-    })
-    .await;
-    held.release().await.unwrap();
-    let released = Instant::now();
-    let g = waiter.await.unwrap().unwrap();
-    let took = released.elapsed();
-    assert!(
-        took < Duration::from_millis(2500),
-        "woken {took:?} after the release"
-    );
-    g.release().await.unwrap();
+    dlock_tests::wait::a_barging_waiter_is_woken_by_a_release(&a, &key).await;
 }
 
 /// The undo of an acquire deletes every node of its token, not only the one its last attempt

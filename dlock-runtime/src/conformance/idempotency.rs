@@ -44,6 +44,57 @@ async fn run(store: &Store, locker: &Locker, key: &str, fp: &str) -> IdempotentO
     }
 }
 
+/// An attempt of fingerprint `f` whose lease of `ttl` the watchdog does not renew: it runs.
+async fn run_unrenewed(
+    store: &Store,
+    locker: &Locker,
+    key: &str,
+    ttl: Duration,
+) -> IdempotentOperation {
+    match locker
+        .idempotency(key, fingerprint("f"))
+        .ttl(ttl)
+        .auto_renew(false)
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::Run(op) => op,
+        other => panic!("[{}] expected Run, got {other:?}", store.name),
+    }
+}
+
+/// An attempt of fingerprint `f` that runs once the key's earlier attempt is gone (within 5 s,
+/// else `blocked`): "in progress" until then, and nothing else (no replay).
+async fn run_once_free(
+    store: &Store,
+    locker: &Locker,
+    key: &str,
+    blocked: &str,
+) -> IdempotentOperation {
+    let start = std::time::Instant::now();
+    loop {
+        match locker
+            .idempotency(key, fingerprint("f"))
+            .ttl(Duration::from_secs(10))
+            .begin()
+            .await
+            .expect("begin")
+        {
+            Begin::Run(op) => return op,
+            Begin::InProgress { .. } => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "[{}] {blocked}",
+                    store.name
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("[{}] expected Run or InProgress, got {other:?}", store.name),
+        }
+    }
+}
+
 /// The first attempt runs; after `complete`, an attempt with the same fingerprint — from another
 /// instance — replays the stored bytes exactly, one with another fingerprint is a mismatch, and
 /// fencing tokens increase from one run to the next key's run.
@@ -180,39 +231,9 @@ pub async fn idempotency_complete_is_owner_checked(store: &Store) {
         return;
     }
     let key = unique_key("idem-owner");
-    let stale = match a
-        .idempotency(key.as_str(), fingerprint("f"))
-        .ttl(Duration::from_millis(200))
-        .auto_renew(false)
-        .begin()
-        .await
-        .expect("begin")
-    {
-        Begin::Run(op) => op,
-        other => panic!("[{}] expected Run, got {other:?}", store.name),
-    };
+    let stale = run_unrenewed(store, &a, &key, Duration::from_millis(200)).await;
     // The lease runs out; another instance's attempt runs.
-    let start = std::time::Instant::now();
-    let fresh = loop {
-        match b
-            .idempotency(key.as_str(), fingerprint("f"))
-            .ttl(Duration::from_secs(10))
-            .begin()
-            .await
-            .expect("begin")
-        {
-            Begin::Run(op) => break op,
-            Begin::InProgress { .. } => {
-                assert!(
-                    start.elapsed() < Duration::from_secs(5),
-                    "[{}] an expired attempt still blocks the key",
-                    store.name
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            other => panic!("[{}] expected Run or InProgress, got {other:?}", store.name),
-        }
-    };
+    let fresh = run_once_free(store, &b, &key, "an expired attempt still blocks the key").await;
     assert!(
         fresh.fencing_token() > stale.fencing_token(),
         "[{}] fencing token went backwards",
@@ -245,17 +266,7 @@ pub async fn idempotency_complete_after_the_local_lease_ran_out_stores_nothing(s
         return;
     }
     let key = unique_key("idem-lapsed");
-    let op = match a
-        .idempotency(key.as_str(), fingerprint("f"))
-        .ttl(Duration::from_millis(1500))
-        .auto_renew(false)
-        .begin()
-        .await
-        .expect("begin")
-    {
-        Begin::Run(op) => op,
-        other => panic!("[{}] expected Run, got {other:?}", store.name),
-    };
+    let op = run_unrenewed(store, &a, &key, Duration::from_millis(1500)).await;
     tokio::time::timeout(Duration::from_secs(5), op.lost())
         .await
         .unwrap_or_else(|_| panic!("[{}] lost() pending past the lease", store.name));
@@ -264,32 +275,9 @@ pub async fn idempotency_complete_after_the_local_lease_ran_out_stores_nothing(s
         .await
         .expect_err("a completion after the local lease ran out must not be stored");
     assert!(err.is_lost(), "[{}] {err}", store.name);
-    let start = std::time::Instant::now();
-    loop {
-        match b
-            .idempotency(key.as_str(), fingerprint("f"))
-            .ttl(Duration::from_secs(10))
-            .begin()
-            .await
-            .expect("begin")
-        {
-            Begin::Run(op) => break op.abort().await.expect("abort"),
-            Begin::InProgress { .. } => {
-                assert!(
-                    start.elapsed() < Duration::from_secs(5),
-                    "[{}] the lapsed attempt still blocks the key",
-                    store.name
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Begin::Replay(bytes) => panic!(
-                "[{}] `complete` answered Lost but stored {:?}",
-                store.name,
-                String::from_utf8_lossy(&bytes)
-            ),
-            other => panic!("[{}] expected Run, got {other:?}", store.name),
-        }
-    }
+    // `Replay` here: stored after all.
+    let again = run_once_free(store, &b, &key, "the lapsed attempt still blocks the key").await;
+    again.abort().await.expect("abort");
 }
 
 /// A `begin` on a key whose lock is free but held up by a waiter that died first in line (its
