@@ -728,7 +728,9 @@ struct Own {
 }
 
 /// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
-type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, AbortHandle)>>>;
+/// Each queued (or barging) waiter's watch task: by lock and owner token, the node it watches,
+/// the session it watches on, and the task.
+type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, i64, AbortHandle)>>>;
 
 /// Abandons that got no answer (no server, or no answer in time): each attempt's node
 /// directory, by lock and owner token. The `create` of the attempt they undo may still be
@@ -1257,7 +1259,7 @@ impl ZkBackend {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .values()
-            .filter(|(_, task)| !task.is_finished())
+            .filter(|(_, _, task)| !task.is_finished())
             .count()
     }
 
@@ -1303,7 +1305,7 @@ impl ZkBackend {
 
     fn stop_watch(&self, resource: &ResourceName, token: &OwnerToken) {
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, h)) = w.remove(&Self::key(resource, token)) {
+        if let Some((_, _, h)) = w.remove(&Self::key(resource, token)) {
             h.abort();
         }
     }
@@ -1633,8 +1635,11 @@ impl ZkBackend {
     fn watch_predecessor(&self, c: &Arc<Conn>, args: &AcquireArgs<'_>, dir: &str, pred: &str) {
         let key = Self::key(args.resource, args.token);
         let mut w = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((p, h)) = w.get(&key) {
-            if p == pred && !h.is_finished() {
+        let session = c.session_id().0;
+        if let Some((p, s, h)) = w.get(&key) {
+            // A watch on a session given up for a new one (an outage longer than the waiter's
+            // lease) hears nothing more: the predecessor's name is the same, the watch is not.
+            if p == pred && *s == session && !h.is_finished() {
                 return;
             }
             h.abort();
@@ -1663,7 +1668,7 @@ impl ZkBackend {
                 return;
             }
         });
-        w.insert(key, (pred.to_owned(), task));
+        w.insert(key, (pred.to_owned(), session, task));
     }
 
     /// The own node's name: remembered, or found by the token (the `create`'s answer may never
@@ -1870,7 +1875,7 @@ impl Backend for ZkBackend {
             let watchers = self.watchers.clone();
             let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
                 let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
-                w.retain(|(r, _), (_, h)| {
+                w.retain(|(r, _), (_, _, h)| {
                     let keep = &**r != res;
                     if !keep {
                         h.abort();
