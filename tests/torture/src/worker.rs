@@ -252,9 +252,11 @@ async fn run(cfg: WorkerConfig) -> Result<String, String> {
 
     let stats = Arc::new(Stats::default());
     let root = Rng::new(cfg.seed);
+    let trace = Arc::new(Trace::open(cfg.id));
     let mut handles = Vec::new();
     for task in 0..cfg.tasks {
         let t = Task {
+            trace: trace.clone(),
             cfg: cfg.clone(),
             writer: format!("w{}.{task}", cfg.id),
             locker: locker.clone(),
@@ -284,7 +286,35 @@ async fn run(cfg: WorkerConfig) -> Result<String, String> {
     Ok(stats.line(cfg.id))
 }
 
+/// A debugging aid: with `DLOCK_TORTURE_TRACE=<dir>`, each worker appends a line per acquire
+/// and release (wall-clock µs, task, key, what happened) to `<dir>/w<id>.trace`, to line up
+/// with the resource's log when a stall or an overlap needs explaining.
+struct Trace(Option<std::sync::Mutex<std::fs::File>>);
+
+impl Trace {
+    fn open(id: u32) -> Trace {
+        let file = std::env::var_os("DLOCK_TORTURE_TRACE").and_then(|dir| {
+            (std::fs::OpenOptions::new().create(true).append(true))
+                .open(std::path::Path::new(&dir).join(format!("w{id}.trace")))
+                .ok()
+        });
+        Trace(file.map(std::sync::Mutex::new))
+    }
+
+    fn line(&self, who: &str, key: &str, what: std::fmt::Arguments<'_>) {
+        let Some(file) = &self.0 else { return };
+        let us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros());
+        let mut f = file
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = std::io::Write::write_fmt(&mut *f, format_args!("{us} {who} {key} {what}\n"));
+    }
+}
+
 struct Task {
+    trace: Arc<Trace>,
     cfg: WorkerConfig,
     writer: String,
     locker: Locker,
@@ -302,6 +332,7 @@ impl Task {
         let mut stop = self.stop.clone();
         while !*self.stop.borrow() {
             let key = format!("k{}", self.rng.below(u64::from(self.cfg.keys)));
+            self.trace.line(&self.writer, &key, format_args!("acquire"));
             let acquire = self
                 .locker
                 .lock(key.as_str())
@@ -316,6 +347,7 @@ impl Task {
             let guard = match guard {
                 Ok(g) => g,
                 Err(e) => {
+                    (self.trace).line(&self.writer, &key, format_args!("acquire-err {e}"));
                     let counter = if e.is_unavailable() {
                         &self.stats.acquire_unavailable
                     } else if e.is_timeout() {
@@ -342,6 +374,7 @@ impl Task {
             };
             self.stats.acquired.fetch_add(1, Ordering::Relaxed);
             let token = guard.fencing_token();
+            (self.trace).line(&self.writer, &key, format_args!("acquired {token}"));
             let w = self.writer.as_str();
 
             // Fenced read.
@@ -416,7 +449,15 @@ impl Task {
     }
 
     async fn release(&self, guard: dlock_runtime::LockGuard) {
-        match guard.release().await {
+        let key = guard.key().to_owned();
+        self.trace.line(&self.writer, &key, format_args!("release"));
+        let released = guard.release().await;
+        let what = match &released {
+            Ok(()) => "ok".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        (self.trace).line(&self.writer, &key, format_args!("released {what}"));
+        match released {
             Ok(()) => {}
             Err(e) if e.is_lost() => {
                 self.stats.release_lost.fetch_add(1, Ordering::Relaxed);
