@@ -361,6 +361,11 @@ pub(crate) struct Undo<'a> {
     token: OwnerToken,
     horizon: Duration,
     armed: bool,
+    /// Whether an outcome of an attempt under this token was noted ([`Undo::noted`]), and
+    /// whether one of them may have reached the backend. Only a token whose every noted
+    /// attempt failed before it was sent, with at least one noted, has nothing to undo.
+    noted: bool,
+    maybe_sent: bool,
 }
 
 impl<'a> Undo<'a> {
@@ -376,6 +381,17 @@ impl<'a> Undo<'a> {
             token: OwnerToken::generate(),
             horizon,
             armed: true,
+            noted: false,
+            maybe_sent: false,
+        }
+    }
+
+    /// An attempt under this token ended with `out`: unless it is an error got before anything
+    /// was sent ([`LockError::not_sent`]), it may have reached the backend.
+    pub(crate) fn noted<T>(&mut self, out: &Result<T, crate::LockError>) {
+        self.noted = true;
+        if !matches!(out, Err(e) if e.was_not_sent()) {
+            self.maybe_sent = true;
         }
     }
 
@@ -437,7 +453,9 @@ pub(crate) struct Grant {
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        // Every attempt failed before it was sent: the backend has nothing of this token.
+        let nothing_sent = self.noted && !self.maybe_sent;
+        if self.armed && !nothing_sent {
             self.watchdog.later(Cmd::Abandon(
                 self.resource.clone(),
                 self.token.clone(),

@@ -859,6 +859,7 @@ async fn outage_pause(pause: Duration, watch: Option<&Watch>) {
 /// An attempt's outcome; a backend that refused the kind ([`LockError::Unsupported`]) took
 /// nothing, so there is nothing to undo.
 fn refused<T>(flight: &mut Undo<'_>, out: Result<T, LockError>) -> Result<T, LockError> {
+    flight.noted(&out);
     if matches!(&out, Err(e) if e.is_unsupported()) {
         flight.disarm();
     }
@@ -1040,6 +1041,13 @@ mod tests {
         lost_acks: AtomicUsize,
         failed_extends: AtomicUsize,
         failed_abandons: AtomicUsize,
+        /// The next `unsent` attempts fail before they are sent (no connection), as
+        /// [`LockError::not_sent`].
+        unsent: AtomicUsize,
+        /// The owner token of every abandon that reached the backend, in order; signalled
+        /// after each.
+        abandoned: std::sync::Mutex<Vec<String>>,
+        abandon_seen: tokio::sync::Notify,
         /// The owner token of every acquire attempt, in order.
         tokens: std::sync::Mutex<Vec<String>>,
         hand_over: std::sync::atomic::AtomicBool,
@@ -1063,6 +1071,9 @@ mod tests {
         ) -> BoxFuture<'a, Result<Attempt, LockError>> {
             Box::pin(async move {
                 tokio::task::yield_now().await;
+                if take_one(&self.unsent) {
+                    return Err(LockError::unavailable("connection refused", None).not_sent());
+                }
                 self.attempts.fetch_add(1, Ordering::SeqCst);
                 self.tokens
                     .lock()
@@ -1124,7 +1135,12 @@ mod tests {
             if take_one(&self.failed_abandons) {
                 return Box::pin(async { Err(LockError::unavailable("no answer", None)) });
             }
-            self.inner.abandon(resource, token)
+            Box::pin(async move {
+                let out = self.inner.abandon(resource, token).await;
+                (self.abandoned.lock().unwrap()).push(token.as_str().to_owned());
+                self.abandon_seen.notify_one();
+                out
+            })
         }
 
         fn watch<'a>(
@@ -1193,6 +1209,34 @@ mod tests {
         guard.release().await.unwrap();
         let again = locker.lock("k").try_acquire().await.unwrap();
         assert!(again.is_some(), "the lock was left taken");
+    }
+
+    /// An attempt that failed before it was sent (no connection to send it on) took nothing and
+    /// queued nothing: no undo goes out for it. One whose reply was lost is undone. (After an
+    /// outage, the undos of every attempt refused at connect came due at once and held up the
+    /// live requests behind them.)
+    #[tokio::test]
+    async fn an_attempt_that_was_never_sent_is_not_undone() {
+        let (locker, outage) = outage_locker();
+        outage.unsent.store(1, Ordering::SeqCst);
+        let err = locker.lock("k").try_acquire().await.unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(outage.attempts.load(Ordering::SeqCst), 0, "it was sent");
+        outage.lost_replies.store(1, Ordering::SeqCst);
+        let err = locker.lock("k").try_acquire().await.unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        let lost = outage.tokens.lock().unwrap()[0].clone();
+        // Undos go out in order: once the lost reply's is in, an undo of the unsent attempt
+        // would have been too.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !outage.abandoned.lock().unwrap().contains(&lost) {
+                outage.abandon_seen.notified().await;
+            }
+        })
+        .await
+        .expect("the attempt whose reply was lost is undone");
+        assert_eq!(*outage.abandoned.lock().unwrap(), [lost]);
+        assert!(locker.lock("k").try_acquire().await.unwrap().is_some());
     }
 
     /// A waiter whose subscription fails during an outage subscribes again and is woken by the

@@ -81,7 +81,10 @@
 //!   for (the command timeout, or a dropped future) still runs on the server, so its
 //!   connection never goes back to the pool; it gets a cancel request and is closed once the
 //!   statement has ended, and an acquire's owner token stays gated until then, so the
-//!   acquire's undo lands after any late grant (see `flight`).
+//!   acquire's undo lands after any late grant (see `flight`). A call that got no connection
+//!   sent nothing: its error says so, and an acquire whose every attempt failed that way leaves
+//!   no undo behind (after an outage, those undos would all come due at once, ahead of the
+//!   live calls).
 //!
 //! # Client: tokio-postgres with deadpool-postgres
 //!
@@ -815,7 +818,9 @@ impl PostgresBackend {
     ) -> Result<Vec<Row>, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
-            let client = self.inner.pool.get().await.map_err(|e| pool_err(what, e))?;
+            let client = (self.inner.pool.get().await)
+                // Nothing was sent: no connection to send it on.
+                .map_err(|e| pool_err(what, e).not_sent())?;
             // From here, stopping early (the timeout below, or the caller dropping this)
             // drops `flight` with the statement unanswered.
             let mut flight = self.in_flight(client, gate);
