@@ -190,6 +190,7 @@ impl LockError {
     /// nothing and queued nothing, so no undo goes to the backend for it — after an outage, the
     /// undos of every attempt refused at connect would otherwise all come due at once, ahead of
     /// the live requests. Other errors are returned as they are.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn not_sent(self) -> Self {
         match self {
             LockError::Unavailable { message, source } => LockError::Unavailable {
