@@ -480,6 +480,24 @@ fn post_body(port: u16, path: &str, body: &str) -> Option<String> {
     head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
 }
 
+/// GETs `path` from the member on `port` (HTTP/1.0: no chunked body); the body, when it is 200.
+fn get(port: u16, path: &str) -> Option<String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(2000))).ok()?;
+    let req = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    s.write_all(req.as_bytes()).ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    let status = head.lines().next()?;
+    status
+        .split_whitespace()
+        .nth(1)
+        .is_some_and(|c| c == "200")
+        .then(|| body.to_owned())
+}
+
 /// The first `"<field>":"<number>"` in a gateway JSON body (uint64s are JSON strings).
 fn number_field(body: &str, field: &str) -> Option<u64> {
     let rest = body.split(&format!("\"{field}\":\"")).nth(1)?;
@@ -529,6 +547,14 @@ pub trait Quorum: Send {
     fn pause(&mut self, i: usize);
     /// Thaws member `i` (SIGCONT).
     fn resume(&mut self, i: usize);
+    /// How many expired leases member `i` has had revoked, by its own count — etcd's
+    /// `etcd_debugging_server_lease_expired_total`, counted by the member that asked for the
+    /// revoke (the leader, or an old leader that does not know it is one no more) —, or `None`
+    /// when it does not answer or the store has no such count (ZooKeeper).
+    fn leases_revoked(&self, i: usize) -> Option<u64> {
+        let _ = i;
+        None
+    }
     /// Thaws every frozen member, starts every killed one on its ports and data, and waits
     /// (bounded) until every member serves in the one cluster again.
     ///
@@ -560,6 +586,17 @@ impl Quorum for EtcdCluster {
 
     fn resume(&mut self, i: usize) {
         EtcdCluster::resume(self, i);
+    }
+
+    fn leases_revoked(&self, i: usize) -> Option<u64> {
+        let metrics = get(self.members[i].client_port, "/metrics")?;
+        let line = (metrics.lines())
+            .find(|l| l.starts_with("etcd_debugging_server_lease_expired_total "))?;
+        line.split_whitespace()
+            .nth(1)?
+            .parse::<f64>()
+            .ok()
+            .map(|n| n as u64)
     }
 
     fn heal(&mut self) {

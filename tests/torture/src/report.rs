@@ -55,6 +55,11 @@ pub(crate) struct FaultRecord {
     pub(crate) detail: String,
     /// Pause and kill: the victim's lock key and writer.
     pub(crate) victim: Option<(String, String)>,
+    /// A defect of the server itself seen during the fault, with the evidence (an etcd leader
+    /// thawed from a freeze that revoked leases the new leader kept alive): overlaps of two
+    /// live holders charged to it are counted apart (`overlaps_server_bug`), not as the lock
+    /// service's.
+    pub(crate) server_bug: Option<String>,
 }
 
 /// What one backend's phase measured.
@@ -81,6 +86,9 @@ pub(crate) struct PhaseReport {
     pub(crate) overlaps_unpaused: u64,
     /// When (µs) each of those overlaps began (the second writer's entry).
     pub(crate) unpaused_at: Vec<u64>,
+    /// Of `overlaps_unpaused`, those charged to a fault during which the server showed a
+    /// known defect of its own ([`FaultRecord::server_bug`]).
+    pub(crate) overlaps_server_bug: u64,
     /// Refused writes.
     pub(crate) stale_writes_rejected: u64,
     /// Refused reads.
@@ -368,6 +376,7 @@ impl FaultRecord {
             end_us,
             detail,
             victim,
+            server_bug: None,
         }
     }
 
@@ -551,6 +560,7 @@ mod tests {
             end_us: e,
             detail: String::new(),
             victim: None,
+            server_bug: None,
         };
         let faults = [
             f(FaultKind::Pause, 1_000_000, 2_000_000),

@@ -116,6 +116,16 @@
 //! A client whose runtime shut down is replaced (see *Runtimes*). Errors never contain the
 //! URL's credentials.
 //!
+//! **Run an etcd with etcd-io/etcd#16822** (later 3.4 and 3.5 releases; Debian 12's 3.4.23 does
+//! not have it). Without it, a leader that stalls (a long `fdatasync`, CPU starvation, a VM or
+//! process paused) while the others elect a new one still runs its lease clock as leader when
+//! it resumes, finds the leases it stopped hearing of expired, and has them revoked through the
+//! new leader — leases the new leader kept alive (etcd-io/etcd#15247). A holder's key vanishes
+//! while its holder is live: the next waiter is granted the lock, and the first learns of the
+//! loss only at its next renewal (a third of the TTL at most). No client can prevent that;
+//! fencing tokens keep the older holder's late writes out. The fault harness sees it after
+//! freezing the leader, and tells it apart by the thawed member's expired-lease count.
+//!
 //! Repeating a request is safe: a put of the own key keeps its create revision (and a queued
 //! put that lands after its key was admitted and moved onto the lock's lease fails: the
 //! waiter leases are revoked first), a re-let and a delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
