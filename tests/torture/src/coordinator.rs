@@ -1126,15 +1126,15 @@ impl Phase {
         }
         // Overlaps of two live holders, charged to the latest fault that started before the
         // second one entered.
-        for &at in &r.unpaused_at.clone() {
-            let charged = self.faults.iter().rposition(|f| f.start_us < at);
+        r.overlaps_server_bug = report::server_bug_overlaps(&r.unpaused_at, &self.faults);
+        for &at in &r.unpaused_at {
+            let charged = report::charged_to(&self.faults, at);
             let fault = match charged {
                 Some(i) => format!("fault {} {}", i + 1, self.faults[i].kind.name()),
                 None => "before the first fault".to_owned(),
             };
             println!("[{tag}] overlap of two holders not frozen nor killed, during or after {fault} (resource time {at} µs)");
             if let Some(bug) = charged.and_then(|i| self.faults[i].server_bug.as_ref()) {
-                r.overlaps_server_bug += 1;
                 println!("[{tag}]   charged to the server, not the lock service: {bug}");
             }
         }
@@ -1378,7 +1378,7 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     let result = if why.is_empty() { "pass" } else { "fail" };
     println!(
         "summary: result={result} mode={} seed={} backends={} cs={cs} overlaps={} \
-         overlaps_fenced={} overlaps_unpaused_consensus={unpaused} stale_writes_rejected={} \
+         overlaps_fenced={} overlaps_unpaused_consensus={unpaused} overlaps_server_bug={server_bug} stale_writes_rejected={} \
          stale_reads_rejected={} would_be_lost_updates={} stale_writes_accepted={stale} token_reuse={reuse} \
          value_mismatch={mismatch} locks_left={locks_left} \
          max_stall_ms={max_stall} stall_bound_ms={bound} max_gap_ms={max_gap} faults={} \

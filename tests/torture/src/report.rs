@@ -426,7 +426,7 @@ pub(crate) fn stalls(
             .collect();
         points.push(stop_us);
         for t in points {
-            if let Some(i) = faults.iter().rposition(|f| f.start_us < t) {
+            if let Some(i) = charged_to(faults, t) {
                 let gap_ms = t.saturating_sub(prev) / 1000;
                 let after_ms = t.saturating_sub(prev.max(faults[i].lifted_us())) / 1000;
                 for s in [&mut per_fault[i], &mut max] {
@@ -473,6 +473,20 @@ pub(crate) fn excerpt(log: &[String], from_us: u64, to_us: u64, ends: usize) -> 
         out.extend(inside[inside.len() - ends..].iter().map(|l| (*l).clone()));
     }
     out
+}
+
+/// The fault an event at `at` (µs) is charged to: the latest that started before it (`None`
+/// before the first).
+pub(crate) fn charged_to(faults: &[FaultRecord], at: u64) -> Option<usize> {
+    faults.iter().rposition(|f| f.start_us < at)
+}
+
+/// How many of the overlaps of two live holders that began at `unpaused_at` (µs) are charged to
+/// a fault during which the server showed a known defect of its own
+/// ([`FaultRecord::server_bug`]).
+pub(crate) fn server_bug_overlaps(unpaused_at: &[u64], faults: &[FaultRecord]) -> u64 {
+    let bug = |&at: &u64| charged_to(faults, at).is_some_and(|i| faults[i].server_bug.is_some());
+    unpaused_at.iter().filter(|at| bug(at)).count() as u64
 }
 
 #[cfg(test)]
@@ -612,5 +626,30 @@ mod tests {
             ]
         );
         assert_eq!(excerpt(&l, 55, 65, 1).len(), 2);
+    }
+
+    /// Only the overlaps charged to a fault with a server defect — those that began after it
+    /// started and before the next fault — are the server's; one before it, or after the next
+    /// fault started, is still the lock service's.
+    #[test]
+    fn overlaps_are_the_servers_only_when_charged_to_a_fault_with_a_server_defect() {
+        let mut freeze = FaultRecord::new(
+            FaultKind::MemberFreeze,
+            1_000_000,
+            2_000_000,
+            String::new(),
+            None,
+        );
+        freeze.server_bug = Some("stale revoke".into());
+        let pause = FaultRecord::new(FaultKind::Pause, 5_000_000, 6_000_000, String::new(), None);
+        let faults = [freeze, pause];
+        assert_eq!(charged_to(&faults, 500_000), None);
+        assert_eq!(charged_to(&faults, 3_000_000), Some(0));
+        assert_eq!(server_bug_overlaps(&[3_000_000], &faults), 1);
+        assert_eq!(server_bug_overlaps(&[500_000, 5_500_000], &faults), 0);
+        assert_eq!(
+            server_bug_overlaps(&[500_000, 1_500_000, 4_999_999, 7_000_000], &faults),
+            2
+        );
     }
 }
