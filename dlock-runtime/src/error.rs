@@ -163,58 +163,7 @@ pub enum LockError {
     },
 }
 
-/// The source of an error whose request never left this process — no connection to send it on
-/// could be made — so nothing reached the backend and nothing needs undoing (see
-/// [`LockError::not_sent`]). It displays as the error it wraps, and has that error's source.
-#[derive(Debug)]
-struct NotSent(Option<BoxError>);
-
-impl std::fmt::Display for NotSent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.0 {
-            Some(e) => e.fmt(f),
-            None => f.write_str("the request was not sent"),
-        }
-    }
-}
-
-impl std::error::Error for NotSent {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.as_ref().and_then(|e| e.source())
-    }
-}
-
 impl LockError {
-    /// `self`, for a request that never left this process (an `Unavailable` or
-    /// `Misconfigured` error got before anything was sent): an acquire that fails this way took
-    /// nothing and queued nothing, so no undo goes to the backend for it — after an outage, the
-    /// undos of every attempt refused at connect would otherwise all come due at once, ahead of
-    /// the live requests. Other errors are returned as they are.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn not_sent(self) -> Self {
-        match self {
-            LockError::Unavailable { message, source } => LockError::Unavailable {
-                message,
-                source: Some(Box::new(NotSent(source))),
-            },
-            LockError::Misconfigured { message, source } => LockError::Misconfigured {
-                message,
-                source: Some(Box::new(NotSent(source))),
-            },
-            other => other,
-        }
-    }
-
-    /// Whether this error was marked [`not_sent`](Self::not_sent).
-    pub(crate) fn was_not_sent(&self) -> bool {
-        match self {
-            LockError::Unavailable { source, .. } | LockError::Misconfigured { source, .. } => {
-                source.as_ref().is_some_and(|s| s.is::<NotSent>())
-            }
-            _ => false,
-        }
-    }
-
     pub(crate) fn unavailable(message: impl Into<String>, source: Option<BoxError>) -> Self {
         LockError::Unavailable {
             message: message.into(),

@@ -255,7 +255,9 @@ impl IdempotencyRequest<'_> {
         let resource = locker.resource(key);
         // The begin may take the key's lock on the server: if this future is dropped before
         // the reply, undo it for as long as that lock could live (the request's TTL).
+        // A begin given up on before it was sent (see `backend::SendMark`) has nothing to undo.
         let mut flight = Undo::new(locker.watchdog(), resource, ttl);
+        let mark = flight.next_mark();
         let sent = locker.watchdog().now_ns();
         let args = BeginArgs {
             resource: flight.resource(),
@@ -263,6 +265,7 @@ impl IdempotencyRequest<'_> {
             ttl,
             fingerprint: &self.fingerprint,
             retention,
+            sent: Some(&mark),
         };
         let reply = locker
             .with_deadline("idempotency begin", store.begin(args))

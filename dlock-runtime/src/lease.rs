@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::OwnerToken;
+use crate::backend::{OwnerToken, SendMark};
 use crate::context::LockInfo;
 use crate::key::ResourceName;
 use crate::watchdog::{Cmd, GuardState, Watchdog};
@@ -361,9 +361,11 @@ pub(crate) struct Undo<'a> {
     token: OwnerToken,
     horizon: Duration,
     armed: bool,
-    /// Whether an outcome of an attempt under this token was noted ([`Undo::noted`]), and
-    /// whether one of them may have reached the backend. Only a token whose every noted
-    /// attempt failed before it was sent, with at least one noted, has nothing to undo.
+    /// The send mark of the attempt under way ([`Undo::next_mark`]), if it has one.
+    mark: Option<Arc<SendMark>>,
+    /// Whether an attempt under this token has ended (see [`Undo::noted`]), and whether one
+    /// may have reached the backend. Only a token whose every attempt was given up on before
+    /// it was sent, with at least one made, has nothing to undo.
     noted: bool,
     maybe_sent: bool,
 }
@@ -381,17 +383,36 @@ impl<'a> Undo<'a> {
             token: OwnerToken::generate(),
             horizon,
             armed: true,
+            mark: None,
             noted: false,
             maybe_sent: false,
         }
     }
 
-    /// An attempt under this token ended with `out`: unless it is an error got before anything
-    /// was sent ([`LockError::not_sent`]), it may have reached the backend.
-    pub(crate) fn noted<T>(&mut self, out: &Result<T, crate::LockError>) {
-        self.noted = true;
-        if !matches!(out, Err(e) if e.was_not_sent()) {
+    /// The send mark for the next attempt under this token, which the backend may keep to say
+    /// whether the attempt was sent (see [`SendMark`]).
+    pub(crate) fn next_mark(&mut self) -> Arc<SendMark> {
+        self.seal_mark();
+        let mark = Arc::new(SendMark::default());
+        self.mark = Some(mark.clone());
+        mark
+    }
+
+    /// The attempt under way has ended — answered, failed, or given up on: one sent through a
+    /// mark that is now sealed unsent will never be sent; any other may have been.
+    pub(crate) fn noted(&mut self) {
+        if self.mark.is_some() {
+            self.seal_mark();
+        } else {
+            self.noted = true;
             self.maybe_sent = true;
+        }
+    }
+
+    fn seal_mark(&mut self) {
+        if let Some(mark) = self.mark.take() {
+            self.noted = true;
+            self.maybe_sent |= mark.seal();
         }
     }
 
@@ -453,7 +474,10 @@ pub(crate) struct Grant {
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
-        // Every attempt failed before it was sent: the backend has nothing of this token.
+        // An attempt dropped under way is given up on: from here, unsent, it stays unsent.
+        self.seal_mark();
+        // Every attempt was given up on before it was sent: the backend has nothing of this
+        // token.
         let nothing_sent = self.noted && !self.maybe_sent;
         if self.armed && !nothing_sent {
             self.watchdog.later(Cmd::Abandon(

@@ -1126,6 +1126,44 @@ async fn an_undo_lands_after_the_timed_out_acquire_it_undoes() {
     g.release().await.unwrap();
 }
 
+/// An acquire that timed out while it waited for a pooled connection is never sent: it does
+/// not go out once a connection is free, take the lock for nobody, or need an undo. (It used
+/// to: under a burst, every acquire timed out in the pool's queue went out late and queued an
+/// undo behind it, and the live acquires timed out behind both.) The test's own schema gives
+/// it its own fencing sequence: every grant is the one before plus one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_given_up_on_in_the_pools_queue_is_never_sent() {
+    let opts = PostgresOptions::default()
+        .schema("dlock_unsent")
+        .pool_size(1)
+        .command_timeout(Duration::from_secs(5))
+        .notifications(false);
+    let backend = PostgresBackend::connect(&direct_url("postgres"), opts)
+        .await
+        .expect("connect");
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(200))
+        .try_build(backend.clone())
+        .unwrap();
+    let before = token_of_a_grant(&locker, "unsent:k").await;
+    let busy = backend.pool().get().await.unwrap();
+    let err = locker
+        .lock("unsent:k")
+        .try_acquire()
+        .await
+        .expect_err("no connection is free before the locker's deadline");
+    assert!(err.is_unavailable(), "{err}");
+    drop(busy);
+    let next = locker
+        .lock("unsent:k")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("the timed-out acquire went out late and took the lock for nobody");
+    assert_eq!(next.fencing_token(), before + 1, "a grant came in between");
+    next.release().await.unwrap();
+}
+
 // ---- batched renewals and names -------------------------------------------------------------
 
 /// A release's handoff whose notification comes late — after the waiter's next attempt found

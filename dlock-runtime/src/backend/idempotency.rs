@@ -100,6 +100,9 @@ pub struct BeginArgs<'a> {
     pub fingerprint: &'a Fingerprint,
     /// How long the note of the running attempt's fingerprint lives at most.
     pub retention: Duration,
+    /// Where a backend that can tell says whether this step was sent (see
+    /// [`SendMark`](super::SendMark)).
+    pub(crate) sent: Option<&'a std::sync::Arc<super::SendMark>>,
 }
 
 /// What a `begin` step found (see [`IdempotencyStore::begin`]).

@@ -189,6 +189,69 @@ pub struct AcquireArgs<'a> {
     /// locks it renews differently (etcd puts them on a shared session lease); one that is
     /// not renewed must expire after its TTL on its own.
     pub renew: bool,
+    /// Where a backend that can tell says whether this attempt was sent (see [`SendMark`]);
+    /// `None` for an attempt nobody would undo.
+    pub(crate) sent: Option<&'a Arc<SendMark>>,
+}
+
+/// Whether an acquire attempt has left this process, for a backend that can tell (Postgres,
+/// whose attempt may wait for a pooled connection first) — and the request's word that it has
+/// stopped waiting for the attempt, after which an attempt not yet sent is never sent.
+///
+/// An attempt abandoned unsent then needs no undo. Without this, every acquire that timed out
+/// while queued for a connection left an undo that queued for a connection in turn, and one
+/// that went out late took a lock nobody waited for: under a burst, a pool's queue grew with
+/// work nobody wanted, and live acquires timed out behind it (after an outage, the undos of
+/// every refused attempt stalled every key for seconds).
+///
+/// A backend that does not [`hold`](SendMark::hold) the mark leaves the attempt's fate unknown:
+/// the request then undoes it, as it must for anything that may have been sent.
+#[derive(Debug, Default)]
+pub(crate) struct SendMark {
+    state: std::sync::atomic::AtomicU8,
+    sealed: tokio_util::sync::CancellationToken,
+}
+
+impl SendMark {
+    const UNTRACKED: u8 = 0;
+    const UNSENT: u8 = 1;
+    const SENT: u8 = 2;
+    const SEALED: u8 = 3;
+
+    fn cas(&self, from: u8, to: u8) -> Result<u8, u8> {
+        self.state
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+    }
+
+    /// The backend tracks the attempt: nothing of it is sent before [`send`](Self::send).
+    pub(crate) fn hold(&self) {
+        let _ = self.cas(Self::UNTRACKED, Self::UNSENT);
+    }
+
+    /// The backend is about to send the attempt: `false` when the request has stopped waiting
+    /// for it ([`seal`](Self::seal)), and the attempt must not be sent.
+    pub(crate) fn send(&self) -> bool {
+        match self.cas(Self::UNSENT, Self::SENT) {
+            Ok(_) => true,
+            Err(state) => state != Self::SEALED,
+        }
+    }
+
+    /// The request stops waiting for the attempt: whether it may have been sent. If not, it
+    /// never will be.
+    pub(crate) fn seal(&self) -> bool {
+        let sent = match self.cas(Self::UNSENT, Self::SEALED) {
+            Ok(_) => false,
+            Err(state) => state != Self::SEALED,
+        };
+        self.sealed.cancel();
+        sent
+    }
+
+    /// Resolves once the request has stopped waiting for the attempt.
+    pub(crate) async fn sealed(&self) {
+        self.sealed.cancelled().await
+    }
 }
 
 /// The outcome of one acquire attempt.
@@ -691,6 +754,25 @@ impl ReleaseHub {
 mod tests {
     use super::*;
     use crate::LockKey;
+
+    #[tokio::test]
+    async fn a_send_mark_sealed_before_the_send_keeps_the_attempt_unsent() {
+        // A backend that never says it tracks the attempt: maybe sent.
+        let untracked = SendMark::default();
+        assert!(untracked.seal(), "an untracked attempt may have been sent");
+        // Sealed while held back: never sent, and the backend is told.
+        let held = SendMark::default();
+        held.hold();
+        assert!(!held.seal());
+        held.sealed().await;
+        assert!(!held.send(), "an attempt sealed unsent must not be sent");
+        assert!(!held.seal(), "sealing again changes nothing");
+        // Sent, then sealed: it may have reached the backend.
+        let sent = SendMark::default();
+        sent.hold();
+        assert!(sent.send());
+        assert!(sent.seal());
+    }
 
     #[test]
     fn owner_tokens_are_random_and_redacted() {

@@ -535,6 +535,7 @@ impl Backend for RedlockBackend {
                                 mode,
                                 waiter_ttl,
                                 renew,
+                                sent: None,
                             };
                             Ok(match node.acquire_with_floor(a, floor).await?.0 {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),

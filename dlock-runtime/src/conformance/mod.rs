@@ -198,6 +198,7 @@ async fn attempt_with(
         mode,
         waiter_ttl: locker.waiter_ttl_for(ttl),
         renew,
+        sent: None,
     };
     let backend = locker.backend();
     match resource.kind() {

@@ -472,12 +472,13 @@ impl Take {
 /// holds it (or is ahead in the queue).
 async fn attempt(
     locker: &Locker,
-    flight: &Undo<'_>,
+    flight: &mut Undo<'_>,
     take: Take,
     mode: WaitMode,
 ) -> Result<Result<Grant, Option<Duration>>, LockError> {
     let sent_ns = locker.watchdog().now_ns();
     take.labels.attempt();
+    let mark = flight.next_mark();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
@@ -485,6 +486,7 @@ async fn attempt(
         mode,
         waiter_ttl: locker.waiter_ttl_for(take.ttl),
         renew: take.auto_renew,
+        sent: Some(&mark),
     };
     let backend = locker.backend();
     let asked = match args.resource.kind() {
@@ -607,7 +609,7 @@ async fn attempt_once(
     let mut flight = Undo::new(locker.watchdog(), resource, take.ttl);
     // The reply is in: nothing is left to undo unless we hold the lock, and then the guard
     // takes over.
-    let out = attempt(locker, &flight, take, WaitMode::Try).await;
+    let out = attempt(locker, &mut flight, take, WaitMode::Try).await;
     match refused(&mut flight, out)? {
         Ok(grant) => Ok(Ok(hold(locker, flight, grant, take).await?)),
         Err(remaining) => {
@@ -710,7 +712,7 @@ async fn wait_for(
                 }
             }
             asked_ns = locker.watchdog().now_ns();
-            let out = attempt(locker, &flight, take, mode).await;
+            let out = attempt(locker, &mut flight, take, mode).await;
             let remaining = match refused(&mut flight, out) {
                 Ok(Ok(grant)) => {
                     // A release that woke this waiter while its attempt was on the way (it
@@ -859,7 +861,7 @@ async fn outage_pause(pause: Duration, watch: Option<&Watch>) {
 /// An attempt's outcome; a backend that refused the kind ([`LockError::Unsupported`]) took
 /// nothing, so there is nothing to undo.
 fn refused<T>(flight: &mut Undo<'_>, out: Result<T, LockError>) -> Result<T, LockError> {
-    flight.noted(&out);
+    flight.noted();
     if matches!(&out, Err(e) if e.is_unsupported()) {
         flight.disarm();
     }
@@ -1041,9 +1043,16 @@ mod tests {
         lost_acks: AtomicUsize,
         failed_extends: AtomicUsize,
         failed_abandons: AtomicUsize,
-        /// The next `unsent` attempts fail before they are sent (no connection), as
-        /// [`LockError::not_sent`].
+        /// The next `unsent` attempts fail before they are sent (no connection), which their
+        /// send mark tells.
         unsent: AtomicUsize,
+        /// The next `held_back` attempts wait unsent (as for a pooled connection) in a task of
+        /// their own that outlives the request's wait; once the request has given up on one,
+        /// the task asks its send mark whether it may still send, and notes the answer in
+        /// `late_sends` (signalled after each).
+        held_back: AtomicUsize,
+        late_sends: std::sync::Mutex<Vec<bool>>,
+        late_seen: tokio::sync::Notify,
         /// The owner token of every abandon that reached the backend, in order; signalled
         /// after each.
         abandoned: std::sync::Mutex<Vec<String>>,
@@ -1071,8 +1080,25 @@ mod tests {
         ) -> BoxFuture<'a, Result<Attempt, LockError>> {
             Box::pin(async move {
                 tokio::task::yield_now().await;
+                let mark = args.sent.expect("an acquire attempt has a send mark");
                 if take_one(&self.unsent) {
-                    return Err(LockError::unavailable("connection refused", None).not_sent());
+                    mark.hold();
+                    return Err(LockError::unavailable("connection refused", None));
+                }
+                if take_one(&self.held_back) {
+                    mark.hold();
+                    let (mark, me) = (mark.clone(), self.clone());
+                    let task = tokio::spawn(async move {
+                        mark.sealed().await;
+                        let sent = mark.send();
+                        me.late_sends.lock().unwrap().push(sent);
+                        me.late_seen.notify_one();
+                        sent
+                    });
+                    return match task.await {
+                        Ok(true) => Err(LockError::unavailable("sent late", None)),
+                        _ => Err(LockError::unavailable("given up on", None)),
+                    };
                 }
                 self.attempts.fetch_add(1, Ordering::SeqCst);
                 self.tokens
@@ -1103,6 +1129,7 @@ mod tests {
                         mode: WaitMode::Queue,
                         waiter_ttl: Duration::from_secs(1),
                         renew: false,
+                        sent: None,
                     };
                     let Attempt::Acquired { fencing_token } = self.inner.acquire(args).await?
                     else {
@@ -1211,17 +1238,34 @@ mod tests {
         assert!(again.is_some(), "the lock was left taken");
     }
 
-    /// An attempt that failed before it was sent (no connection to send it on) took nothing and
-    /// queued nothing: no undo goes out for it. One whose reply was lost is undone. (After an
-    /// outage, the undos of every attempt refused at connect came due at once and held up the
-    /// live requests behind them.)
+    /// An attempt that failed before it was sent (no connection to send it on), or that its
+    /// request gave up on while it waited to be sent, took nothing and queued nothing: it is
+    /// not sent afterwards, and no undo goes out for it. One whose reply was lost is undone.
+    /// (After an outage, the undos of every attempt refused at connect came due at once and
+    /// held up the live requests behind them; under a burst, acquires that timed out queued
+    /// for a pooled connection went out late, and their undos queued behind them.)
     #[tokio::test]
     async fn an_attempt_that_was_never_sent_is_not_undone() {
-        let (locker, outage) = outage_locker();
+        let outage = std::sync::Arc::new(Outage::default());
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_millis(50))
+            .build(outage.clone());
         outage.unsent.store(1, Ordering::SeqCst);
         let err = locker.lock("k").try_acquire().await.unwrap_err();
         assert!(err.is_unavailable(), "{err}");
         assert_eq!(outage.attempts.load(Ordering::SeqCst), 0, "it was sent");
+        // Given up on (timed out) while it waited to be sent: it is not sent afterwards.
+        outage.held_back.store(1, Ordering::SeqCst);
+        let err = locker.lock("k").try_acquire().await.unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while outage.late_sends.lock().unwrap().is_empty() {
+                outage.late_seen.notified().await;
+            }
+        })
+        .await
+        .expect("the held-back attempt is told its request gave up on it");
+        assert_eq!(*outage.late_sends.lock().unwrap(), [false], "sent late");
         outage.lost_replies.store(1, Ordering::SeqCst);
         let err = locker.lock("k").try_acquire().await.unwrap_err();
         assert!(err.is_unavailable(), "{err}");

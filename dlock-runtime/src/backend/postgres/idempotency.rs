@@ -29,7 +29,7 @@ impl IdempotencyStore for PostgresBackend {
             ];
             // In order with the undo of a cancelled begin (see `PostgresBackend::gated`).
             let rows = self
-                .gated(args.token, true, WHAT, |s| &s.idem_begin, params)
+                .gated(args.token, true, WHAT, |s| &s.idem_begin, params, args.sent)
                 .await?;
             let row = rows.first().ok_or_else(|| malformed(WHAT))?;
             let code: i32 = row.try_get(0).map_err(|_| malformed(WHAT))?;

@@ -31,7 +31,14 @@ impl PostgresBackend {
             int8(millis(args.waiter_ttl)),
         ];
         let rows = self
-            .gated(args.token, true, "acquire", |s| &s.kind_acquire, params)
+            .gated(
+                args.token,
+                true,
+                "acquire",
+                |s| &s.kind_acquire,
+                params,
+                args.sent,
+            )
             .await?;
         Ok(Attempt::from_reply(int_of("acquire", &rows)?))
     }
@@ -54,7 +61,7 @@ impl PostgresBackend {
             (Box::new(abandon), Type::BOOL),
         ];
         let rows = if abandon {
-            self.gated(token, false, what, |s| &s.kind_release, params)
+            self.gated(token, false, what, |s| &s.kind_release, params, None)
                 .await?
         } else {
             self.call(what, &self.sql().kind_release, &refs(&params))

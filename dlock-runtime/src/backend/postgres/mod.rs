@@ -81,10 +81,12 @@
 //!   for (the command timeout, or a dropped future) still runs on the server, so its
 //!   connection never goes back to the pool; it gets a cancel request and is closed once the
 //!   statement has ended, and an acquire's owner token stays gated until then, so the
-//!   acquire's undo lands after any late grant (see `flight`). A call that got no connection
-//!   sent nothing: its error says so, and an acquire whose every attempt failed that way leaves
-//!   no undo behind (after an outage, those undos would all come due at once, ahead of the
-//!   live calls).
+//!   acquire's undo lands after any late grant (see `flight`). An acquire attempt (or an
+//!   idempotency `begin`) that has no connection yet when its request stops waiting for it
+//!   (its deadline, an error, a dropped future) leaves the pool's queue and is never sent, and
+//!   an acquire whose every attempt ended unsent leaves no undo behind: after an outage, or
+//!   under a burst that fills the pool's queue, the late attempts and their undos would
+//!   otherwise queue ahead of the live calls, which then time out in turn.
 //!
 //! # Client: tokio-postgres with deadpool-postgres
 //!
@@ -154,7 +156,8 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
 use super::{
-    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, WaitMode, Watch,
+    AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, SendMark,
+    WaitMode, Watch,
 };
 use crate::key::{LockKind, ResourceName};
 use crate::LockError;
@@ -803,24 +806,42 @@ impl PostgresBackend {
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, LockError> {
-        self.call_gated(what, sql, params, None).await
+        self.call_gated(what, sql, params, None, None).await
     }
 
     /// [`call`](Self::call) with `gate` closed until the statement has ended — also when the
     /// caller stops waiting first: then the connection leaves the pool and a drain task keeps
-    /// the gate closed until the statement is over (see [`flight`]).
+    /// the gate closed until the statement is over (see [`flight`]). With `sent`, the
+    /// statement is an attempt whose request may give up on it: given up on before a pooled
+    /// connection was free, it stops waiting for one and is never sent (see [`SendMark`]).
     async fn call_gated(
         &self,
         what: &str,
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
         gate: Option<flight::Gate>,
+        sent: Option<&SendMark>,
     ) -> Result<Vec<Row>, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
-            let client = (self.inner.pool.get().await)
-                // Nothing was sent: no connection to send it on.
-                .map_err(|e| pool_err(what, e).not_sent())?;
+            let given_up = || {
+                LockError::unavailable(
+                    format!("postgres {what}: given up on before it was sent"),
+                    None,
+                )
+            };
+            let client = match sent {
+                None => self.inner.pool.get().await,
+                Some(mark) => tokio::select! {
+                    biased;
+                    () = mark.sealed() => return Err(given_up()),
+                    client = self.inner.pool.get() => client,
+                },
+            };
+            let client = client.map_err(|e| pool_err(what, e))?;
+            if sent.is_some_and(|mark| !mark.send()) {
+                return Err(given_up());
+            }
             // From here, stopping early (the timeout below, or the caller dropping this)
             // drops `flight` with the statement unanswered.
             let mut flight = self.in_flight(client, gate);
@@ -880,6 +901,9 @@ impl PostgresBackend {
     /// the server — when the database answered, or, after the command timeout, once the
     /// connection it went out on has been drained (see [`flight`]) — and the undo takes the
     /// gate first.
+    ///
+    /// An attempt with a send mark (see [`SendMark`]) holds it: nothing of it is sent once its
+    /// request has given up on it, and the request then knows there is nothing to undo.
     pub(crate) async fn gated(
         &self,
         token: &OwnerToken,
@@ -887,11 +911,17 @@ impl PostgresBackend {
         what: &'static str,
         sql: fn(&schema::Statements) -> &String,
         params: Params,
+        sent: Option<&Arc<SendMark>>,
     ) -> Result<Vec<Row>, LockError> {
+        let sent = sent.cloned();
+        if let Some(mark) = &sent {
+            mark.hold();
+        }
         let gate = flight::Gate::close(&self.inner, token).await;
         let me = self.clone();
         let fut = async move {
-            me.call_gated(what, sql(&me.inner.sql), &refs(&params), Some(gate))
+            let sql = sql(&me.inner.sql);
+            me.call_gated(what, sql, &refs(&params), Some(gate), sent.as_deref())
                 .await
         };
         if spawn {
@@ -990,7 +1020,14 @@ impl Backend for PostgresBackend {
                 int8(millis(args.waiter_ttl)),
             ];
             let rows = self
-                .gated(args.token, true, "acquire", |s| &s.acquire, params)
+                .gated(
+                    args.token,
+                    true,
+                    "acquire",
+                    |s| &s.acquire,
+                    params,
+                    args.sent,
+                )
                 .await?;
             Ok(Attempt::from_reply(int_of("acquire", &rows)?))
         })
@@ -1074,7 +1111,7 @@ impl Backend for PostgresBackend {
                 return self.release_kind(resource, token, true).await.map(|_| ());
             }
             let params = vec![text(resource.as_str()), text(token.as_str())];
-            self.gated(token, false, "abandon", |s| &s.abandon, params)
+            self.gated(token, false, "abandon", |s| &s.abandon, params, None)
                 .await
                 .map(|_| ())
         })
