@@ -257,7 +257,7 @@ impl IdempotencyRequest<'_> {
         // the reply, undo it for as long as that lock could live (the request's TTL).
         // A begin given up on before it was sent (see `backend::SendMark`) has nothing to undo.
         let mut flight = Undo::new(locker.watchdog(), resource, ttl);
-        let mark = flight.next_mark();
+        flight.next_attempt();
         let sent = locker.watchdog().now_ns();
         let args = BeginArgs {
             resource: flight.resource(),
@@ -265,7 +265,7 @@ impl IdempotencyRequest<'_> {
             ttl,
             fingerprint: &self.fingerprint,
             retention,
-            sent: Some(&mark),
+            sent: flight.slot(),
         };
         let reply = locker
             .with_deadline("idempotency begin", store.begin(args))

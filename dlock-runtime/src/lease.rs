@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{OwnerToken, SendMark};
+use crate::backend::{OwnerToken, SendSlot};
 use crate::context::LockInfo;
 use crate::key::ResourceName;
 use crate::watchdog::{Cmd, GuardState, Watchdog};
@@ -361,8 +361,9 @@ pub(crate) struct Undo<'a> {
     token: OwnerToken,
     horizon: Duration,
     armed: bool,
-    /// The send mark of the attempt under way ([`Undo::next_mark`]), if it has one.
-    mark: Option<Arc<SendMark>>,
+    /// Where the attempt under way keeps its send mark ([`Undo::next_attempt`]), if it has
+    /// one.
+    slot: Option<SendSlot>,
     /// Whether an attempt under this token has ended (see [`Undo::noted`]), and whether one
     /// may have reached the backend. Only a token whose every attempt was given up on before
     /// it was sent, with at least one made, has nothing to undo.
@@ -383,25 +384,28 @@ impl<'a> Undo<'a> {
             token: OwnerToken::generate(),
             horizon,
             armed: true,
-            mark: None,
+            slot: None,
             noted: false,
             maybe_sent: false,
         }
     }
 
-    /// The send mark for the next attempt under this token, which the backend may keep to say
-    /// whether the attempt was sent (see [`SendMark`]).
-    pub(crate) fn next_mark(&mut self) -> Arc<SendMark> {
+    /// Another attempt under this token is about to be made, with a [`slot`](Self::slot) of
+    /// its own for the backend's send mark (see [`SendMark`](crate::backend::SendMark)).
+    pub(crate) fn next_attempt(&mut self) {
         self.seal_mark();
-        let mark = Arc::new(SendMark::default());
-        self.mark = Some(mark.clone());
-        mark
+        self.slot = Some(SendSlot::default());
     }
 
-    /// The attempt under way has ended — answered, failed, or given up on: one sent through a
-    /// mark that is now sealed unsent will never be sent; any other may have been.
+    /// The slot of the attempt under way ([`next_attempt`](Self::next_attempt)).
+    pub(crate) fn slot(&self) -> Option<&SendSlot> {
+        self.slot.as_ref()
+    }
+
+    /// The attempt under way has ended — answered, failed, or given up on: one whose mark is
+    /// now sealed unsent will never be sent; any other may have been.
     pub(crate) fn noted(&mut self) {
-        if self.mark.is_some() {
+        if self.slot.is_some() {
             self.seal_mark();
         } else {
             self.noted = true;
@@ -410,9 +414,9 @@ impl<'a> Undo<'a> {
     }
 
     fn seal_mark(&mut self) {
-        if let Some(mark) = self.mark.take() {
+        if let Some(slot) = self.slot.take() {
             self.noted = true;
-            self.maybe_sent |= mark.seal();
+            self.maybe_sent |= slot.seal();
         }
     }
 

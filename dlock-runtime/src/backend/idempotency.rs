@@ -102,7 +102,7 @@ pub struct BeginArgs<'a> {
     pub retention: Duration,
     /// Where a backend that can tell says whether this step was sent (see
     /// [`SendMark`](super::SendMark)).
-    pub(crate) sent: Option<&'a std::sync::Arc<super::SendMark>>,
+    pub(crate) sent: Option<&'a super::SendSlot>,
 }
 
 /// What a `begin` step found (see [`IdempotencyStore::begin`]).

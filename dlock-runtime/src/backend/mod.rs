@@ -191,7 +191,7 @@ pub struct AcquireArgs<'a> {
     pub renew: bool,
     /// Where a backend that can tell says whether this attempt was sent (see [`SendMark`]);
     /// `None` for an attempt nobody would undo.
-    pub(crate) sent: Option<&'a Arc<SendMark>>,
+    pub(crate) sent: Option<&'a SendSlot>,
 }
 
 /// Whether an acquire attempt has left this process, for a backend that can tell (Postgres,
@@ -205,7 +205,8 @@ pub struct AcquireArgs<'a> {
 /// every refused attempt stalled every key for seconds).
 ///
 /// A backend that does not [`hold`](SendMark::hold) the mark leaves the attempt's fate unknown:
-/// the request then undoes it, as it must for anything that may have been sent.
+/// the request then undoes it, as it must for anything that may have been sent. It gets the
+/// mark from the attempt's [`SendSlot`], which makes none for a backend that never asks.
 #[derive(Debug, Default)]
 pub(crate) struct SendMark {
     state: std::sync::atomic::AtomicU8,
@@ -251,6 +252,26 @@ impl SendMark {
     /// Resolves once the request has stopped waiting for the attempt.
     pub(crate) async fn sealed(&self) {
         self.sealed.cancelled().await
+    }
+}
+
+/// Where an attempt's [`SendMark`] is made when its backend asks for one: nothing is allocated
+/// for the attempts of a backend that does not.
+#[derive(Debug, Default)]
+pub(crate) struct SendSlot(std::sync::OnceLock<Arc<SendMark>>);
+
+impl SendSlot {
+    /// The attempt's mark, held: nothing of the attempt is sent before [`SendMark::send`].
+    pub(crate) fn hold(&self) -> Arc<SendMark> {
+        let mark = self.0.get_or_init(Arc::default).clone();
+        mark.hold();
+        mark
+    }
+
+    /// The request stops waiting for the attempt: whether it may have been sent (see
+    /// [`SendMark::seal`]; an attempt whose backend never held a mark may have been).
+    pub(crate) fn seal(&self) -> bool {
+        self.0.get().is_none_or(|mark| mark.seal())
     }
 }
 
@@ -760,6 +781,14 @@ mod tests {
         // A backend that never says it tracks the attempt: maybe sent.
         let untracked = SendMark::default();
         assert!(untracked.seal(), "an untracked attempt may have been sent");
+        assert!(
+            SendSlot::default().seal(),
+            "an attempt without a mark may have been sent"
+        );
+        let slot = SendSlot::default();
+        let mark = slot.hold();
+        assert!(!slot.seal(), "a held slot seals its mark");
+        assert!(!mark.send());
         // Sealed while held back: never sent, and the backend is told.
         let held = SendMark::default();
         held.hold();

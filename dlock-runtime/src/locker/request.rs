@@ -478,7 +478,7 @@ async fn attempt(
 ) -> Result<Result<Grant, Option<Duration>>, LockError> {
     let sent_ns = locker.watchdog().now_ns();
     take.labels.attempt();
-    let mark = flight.next_mark();
+    flight.next_attempt();
     let args = AcquireArgs {
         resource: flight.resource(),
         token: flight.token(),
@@ -486,7 +486,7 @@ async fn attempt(
         mode,
         waiter_ttl: locker.waiter_ttl_for(take.ttl),
         renew: take.auto_renew,
-        sent: Some(&mark),
+        sent: flight.slot(),
     };
     let backend = locker.backend();
     let asked = match args.resource.kind() {
@@ -1080,14 +1080,13 @@ mod tests {
         ) -> BoxFuture<'a, Result<Attempt, LockError>> {
             Box::pin(async move {
                 tokio::task::yield_now().await;
-                let mark = args.sent.expect("an acquire attempt has a send mark");
+                let slot = args.sent.expect("an acquire attempt has a send slot");
                 if take_one(&self.unsent) {
-                    mark.hold();
+                    slot.hold();
                     return Err(LockError::unavailable("connection refused", None));
                 }
                 if take_one(&self.held_back) {
-                    mark.hold();
-                    let (mark, me) = (mark.clone(), self.clone());
+                    let (mark, me) = (slot.hold(), self.clone());
                     let task = tokio::spawn(async move {
                         mark.sealed().await;
                         let sent = mark.send();

@@ -157,7 +157,7 @@ use tokio_postgres::{NoTls, Row};
 
 use super::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, SendMark,
-    WaitMode, Watch,
+    SendSlot, WaitMode, Watch,
 };
 use crate::key::{LockKind, ResourceName};
 use crate::LockError;
@@ -911,12 +911,9 @@ impl PostgresBackend {
         what: &'static str,
         sql: fn(&schema::Statements) -> &String,
         params: Params,
-        sent: Option<&Arc<SendMark>>,
+        sent: Option<&SendSlot>,
     ) -> Result<Vec<Row>, LockError> {
-        let sent = sent.cloned();
-        if let Some(mark) = &sent {
-            mark.hold();
-        }
+        let sent = sent.map(SendSlot::hold);
         let gate = flight::Gate::close(&self.inner, token).await;
         let me = self.clone();
         let fut = async move {
