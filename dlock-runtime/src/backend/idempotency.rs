@@ -102,6 +102,7 @@ pub struct BeginArgs<'a> {
     pub retention: Duration,
     /// Where a backend that can tell says whether this step was sent (see
     /// [`SendMark`](super::SendMark)).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) sent: Option<&'a super::SendSlot>,
 }
 
