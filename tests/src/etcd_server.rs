@@ -281,6 +281,13 @@ impl EtcdCluster {
         self.members.is_empty()
     }
 
+    /// The server version the first member reports on its `/version` endpoint (`3.4.23`).
+    pub fn server_version(&self) -> Option<String> {
+        let body = get(self.members.first()?.client_port, "/version")?;
+        let rest = body.split("\"etcdserver\":\"").nth(1)?;
+        Some(rest.split('"').next()?.to_owned())
+    }
+
     /// `etcd://127.0.0.1:<p1>,127.0.0.1:<p2>,…` over every member.
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self

@@ -37,6 +37,46 @@ mod conformance {
     dlock_runtime::conformance_tests!(super::etcd_store);
 }
 
+#[allow(dead_code)]
+#[path = "observability/capture.rs"]
+mod capture;
+
+/// Connecting to an etcd without the fix for etcd-io/etcd#15247 (3.4.31, 3.5.13, 3.6.0) logs
+/// a warning naming its version: such a server can revoke a live holder's lease after a leader
+/// stall. The harness runs Debian 12's etcd, 3.4.23, which is one.
+#[test]
+fn an_etcd_that_revokes_live_leases_is_warned_of_at_connect() {
+    let (url, version) = {
+        let shared = etcd_server::shared();
+        let cluster = shared.lock().unwrap();
+        (cluster.url(), cluster.server_version().expect("/version"))
+    };
+    let patch = version
+        .strip_prefix("3.4.")
+        .and_then(|p| p.parse::<u32>().ok());
+    assert!(
+        patch.is_some_and(|p| p < 31),
+        "this test needs an etcd without the fix; the harness runs {version}"
+    );
+    let ((), captured) = capture::capturing_run(async |captured: &capture::Captured| {
+        let _backend = EtcdBackend::connect(&url, EtcdOptions::default())
+            .await
+            .expect("connect");
+        dlock_tests::wait::wait_for("the warning", Duration::from_secs(10), async || {
+            (!captured.at(tracing::Level::WARN).is_empty()).then_some(())
+        })
+        .await;
+    });
+    let warned = captured.at(tracing::Level::WARN);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].field("version"), Some(version.as_str()));
+    assert!(
+        warned[0].name.contains("etcd-io/etcd#15247"),
+        "{}",
+        warned[0].name
+    );
+}
+
 use std::time::{Duration, Instant};
 
 use dlock_runtime::Locker;

@@ -116,9 +116,10 @@
 //! A client whose runtime shut down is replaced (see *Runtimes*). Errors never contain the
 //! URL's credentials.
 //!
-//! **Run an etcd with etcd-io/etcd#16822** (later 3.4 and 3.5 releases; Debian 12's 3.4.23 does
-//! not have it). Without it, a leader that stalls (a long `fdatasync`, CPU starvation, a VM or
-//! process paused) while the others elect a new one still runs its lease clock as leader when
+//! **Run an etcd with etcd-io/etcd#16822** (3.4.31, 3.5.13, 3.6.0 and later; Debian 12's
+//! 3.4.23 does not have it: [`connect`](EtcdBackend::connect) asks a member for its version
+//! in the background and logs a warning for one without the fix). Without it, a leader that
+//! stalls (a long `fdatasync`, CPU starvation, a VM or process paused) while the others elect a new one still runs its lease clock as leader when
 //! it resumes, finds the leases it stopped hearing of expired, and has them revoked through the
 //! new leader — leases the new leader kept alive (etcd-io/etcd#15247). A holder's key vanishes
 //! while its holder is live: the next waiter is granted the lock, and the first learns of the
@@ -442,6 +443,21 @@ fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
     }
 }
 
+/// Whether an etcd server of `version` revokes leases a stalled leader stopped hearing of
+/// (etcd-io/etcd#15247): every release before the fix (etcd-io/etcd#16822) reached 3.4.31,
+/// 3.5.13 and 3.6.0. `None` for a version that does not read as `major.minor.patch`.
+fn revokes_live_leases(version: &str) -> Option<bool> {
+    let mut parts = version.split(['.', '-', '+']).map(str::parse::<u32>);
+    let mut next = || parts.next()?.ok();
+    let (major, minor, patch) = (next()?, next()?, next()?);
+    Some(match (major, minor) {
+        (0..=2, _) | (3, 0..=3) => true,
+        (3, 4) => patch < 31,
+        (3, 5) => patch < 13,
+        _ => false,
+    })
+}
+
 impl EtcdBackend {
     /// Connects to the cluster named by an `etcd://[user:password@]host:port[,host:port…]`
     /// URL (user and password percent-encoded; they override [`EtcdOptions::user`]), or
@@ -512,7 +528,7 @@ impl EtcdBackend {
                 refused,
             ));
         }
-        Ok(EtcdBackend {
+        let backend = EtcdBackend {
             pool: Arc::new(Pool::new(members)),
             opts,
             endpoints: shown,
@@ -520,7 +536,39 @@ impl EtcdBackend {
             watchers: Arc::default(),
             leases: Arc::default(),
             sessions: Arc::default(),
-        })
+        };
+        backend.check_server_version();
+        Ok(backend)
+    }
+
+    /// Asks a member for its version in the background, and warns when it is one that revokes
+    /// live leases after a leader stall (see the module docs): connecting waits for nothing,
+    /// and the lock calls' choice of member is left as it was.
+    fn check_server_version(&self) {
+        let (pool, timeout) = (self.pool.clone(), self.opts.command_timeout);
+        let endpoints = self.endpoints.clone();
+        tokio::spawn(async move {
+            let status = pool::ask_in_order(&pool, timeout, |c| {
+                let mut maintenance = c.maintenance_client();
+                async move { maintenance.status().await }
+            })
+            .await;
+            match status {
+                Some(status) if revokes_live_leases(status.version()) == Some(true) => {
+                    tracing::warn!(
+                        endpoints = %endpoints,
+                        version = status.version(),
+                        "etcd {} can revoke live leases after a leader stall \
+                         (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13): two holders of one \
+                         lock may overlap then, and only fencing tokens keep the older one's \
+                         late writes out; upgrade etcd",
+                        status.version()
+                    );
+                }
+                Some(_) => {}
+                None => tracing::debug!("etcd: no member told its version in time"),
+            }
+        });
     }
 
     /// Deletes every key of the lock named by `resource` (`<prefix>:{<key>}`): its holder's and
@@ -1463,6 +1511,35 @@ impl Backend for EtcdBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn releases_before_the_lease_revoke_fix_are_told_apart() {
+        for old in [
+            "3.4.23",
+            "3.4.30",
+            "3.5.0",
+            "3.5.12",
+            "3.3.27",
+            "2.3.8",
+            "3.5.12-rc.0",
+        ] {
+            assert_eq!(revokes_live_leases(old), Some(true), "{old}");
+        }
+        for fixed in [
+            "3.4.31",
+            "3.4.37",
+            "3.5.13",
+            "3.5.21",
+            "3.6.0",
+            "3.6.4",
+            "4.0.0+git",
+        ] {
+            assert_eq!(revokes_live_leases(fixed), Some(false), "{fixed}");
+        }
+        for unknown in ["", "3", "3.5", "v3.5.1", "not a version"] {
+            assert_eq!(revokes_live_leases(unknown), None, "{unknown}");
+        }
+    }
 
     #[test]
     fn ttls_round_up_to_whole_seconds() {

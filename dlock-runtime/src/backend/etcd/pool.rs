@@ -362,6 +362,28 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
     }
 }
 
+/// Runs `request` on the members in their order until one answers, within `timeout` in all;
+/// `None` when none did. Neither the round robin nor any member's suspicion moves (see
+/// [`Pool::pick`]): for a look at the cluster off the lock paths, which must not change where
+/// their requests go.
+pub(super) async fn ask_in_order<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+    pool: &Pool,
+    timeout: Duration,
+    mut request: impl FnMut(&Client) -> F,
+) -> Option<T> {
+    let until = Instant::now() + timeout;
+    for member in &pool.members {
+        let Ok(Ok(fut)) = tokio::time::timeout_at(until, member.open(until, &mut request)).await
+        else {
+            continue;
+        };
+        if let Ok(Ok(answer)) = tokio::time::timeout_at(until, fut).await {
+            return Some(answer);
+        }
+    }
+    None
+}
+
 /// Picks the member of a new try (see [`Pool::pick`]) and makes its request on the member's
 /// live client, connecting anew first if the client's runtime shut down; the try counts in
 /// `pending` from then on. An `Err`: no live client could be made before `until`.
