@@ -191,7 +191,7 @@ pub struct AcquireArgs<'a> {
     pub renew: bool,
     /// Where a backend that can tell says whether this attempt was sent (see [`SendMark`]);
     /// `None` where nobody asks (a backend's own per-node attempts, the conformance helpers).
-    /// (Only the Postgres backend reads it.)
+    /// (Only the Postgres backend, and tests, read it.)
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) sent: Option<&'a SendSlot>,
 }
@@ -238,7 +238,15 @@ impl SendMark {
     pub(crate) fn send(&self) -> bool {
         match self.cas(Self::UNSENT, Self::SENT) {
             Ok(_) => true,
-            Err(state) => state != Self::SEALED,
+            Err(state) => {
+                // Unheld, a seal would not stop the send (it would count it as maybe sent).
+                debug_assert_ne!(
+                    state,
+                    Self::UNTRACKED,
+                    "a send mark is held before it is sent"
+                );
+                state != Self::SEALED
+            }
         }
     }
 

@@ -84,9 +84,9 @@
 //!   acquire's undo lands after any late grant (see `flight`). An acquire attempt (or an
 //!   idempotency `begin`) that has no connection yet when its request stops waiting for it
 //!   (its deadline, an error, a dropped future) leaves the pool's queue and is never sent, and
-//!   an acquire whose every attempt ended unsent leaves no undo behind: after an outage, or
-//!   under a burst that fills the pool's queue, the late attempts and their undos would
-//!   otherwise queue ahead of the live calls, which then time out in turn.
+//!   an acquire or begin whose every attempt ended unsent leaves no undo behind: after an
+//!   outage, or under a burst that fills the pool's queue, the late attempts and their undos
+//!   would otherwise queue ahead of the live calls, which then time out in turn.
 //!
 //! # Client: tokio-postgres with deadpool-postgres
 //!
@@ -902,8 +902,9 @@ impl PostgresBackend {
     /// connection it went out on has been drained (see [`flight`]) — and the undo takes the
     /// gate first.
     ///
-    /// An attempt with a send mark (see [`SendMark`]) holds it: nothing of it is sent once its
-    /// request has given up on it, and the request then knows there is nothing to undo.
+    /// An attempt with a send mark (see [`SendMark`]) holds it: one its request gives up on
+    /// before it was sent is never sent, and the request then knows there is nothing to undo;
+    /// one already sent is undone as above.
     pub(crate) async fn gated(
         &self,
         token: &OwnerToken,
