@@ -82,11 +82,7 @@ impl RedisCluster {
     /// # Panics
     /// If that does not happen within `limit`.
     pub fn wait_ready(&self, limit: Duration) {
-        self.wait_all("the cluster ready", limit, |port| {
-            cluster_info(port).is_some_and(|i| {
-                i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
-            })
-        });
+        self.wait_all("the cluster ready", limit, ready);
     }
 
     /// Waits until every running replica's link to its master is up and every running master
@@ -146,10 +142,7 @@ impl RedisCluster {
                             .is_some_and(|flags| flags.split(',').any(|x| x == "fail"))
                 })
             });
-            flagged
-                && cluster_info(p).is_some_and(|i| {
-                    i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384")
-                })
+            flagged && ready(p)
         });
     }
 
@@ -223,6 +216,12 @@ fn describe(port: u16) -> String {
     );
     let nodes = redis_cli(port, &["cluster", "nodes"]).unwrap_or_default();
     format!("  node {port}: {info}; {replication}\n{}", nodes.trim_end())
+}
+
+/// Whether the node on `port` says the cluster is ok and every slot is served.
+fn ready(port: u16) -> bool {
+    cluster_info(port)
+        .is_some_and(|i| i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384"))
 }
 
 /// `CLUSTER INFO` of the node on `port`, if it answers.
@@ -353,8 +352,34 @@ impl crate::redis_server::Failover for RedisCluster {
     /// 2 × [`NODE_TIMEOUT`] in a row (a replica waits its election delay, up to a second after
     /// its master is flagged failed, before it is promoted).
     fn wait_healthy(&self, limit: Duration) -> Duration {
+        self.settle(limit, false).0
+    }
+
+    /// [`wait_healthy`](crate::redis_server::Failover::wait_healthy), giving back the slots a
+    /// promoted master lost to a Redis defect ([`RedisCluster::wait_ready_reclaiming`]).
+    fn wait_healthy_repairing(&self, limit: Duration) -> (Duration, Vec<String>) {
+        let (settled, reclaimed) = self.settle(limit, true);
+        let repairs = reclaimed
+            .into_iter()
+            .map(|(port, slots)| {
+                format!(
+                    "the master on {port} dropped slot(s) {slots:?} that every other node says \
+                     are its own, to a node that came back claiming them under an older epoch \
+                     (redis/redis#12564, fixed in 7.2.4): given back with CLUSTER ADDSLOTS"
+                )
+            })
+            .collect();
+        (settled, repairs)
+    }
+}
+
+impl RedisCluster {
+    /// `wait_healthy`, with [`wait_ready_reclaiming`](RedisCluster::wait_ready_reclaiming) in
+    /// place of `wait_ready` when `reclaim`: how long ago it settled, and what was reclaimed.
+    fn settle(&self, limit: Duration, reclaim: bool) -> (Duration, Vec<(u16, Vec<u16>)>) {
         let deadline = Instant::now() + limit;
         let settle = NODE_TIMEOUT * 2;
+        let mut reclaimed = Vec::new();
         let mut since = (Instant::now(), self.settled_view());
         while since.1.is_none() || since.0.elapsed() < settle {
             assert!(
@@ -366,6 +391,10 @@ impl crate::redis_server::Failover for RedisCluster {
                     .collect::<Vec<_>>()
                     .join("\n")
             );
+            // At once, not once settled: the slots' keys stall until then.
+            if reclaim {
+                reclaimed.extend(self.reclaim_orphaned_slots());
+            }
             std::thread::sleep(Duration::from_millis(100));
             let now = self.settled_view();
             if now.is_none() || now != since.1 {
@@ -373,13 +402,15 @@ impl crate::redis_server::Failover for RedisCluster {
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        self.wait_ready(left);
-        self.wait_replicated(left);
-        since.0.elapsed()
+        if reclaim {
+            reclaimed.extend(self.wait_ready_reclaiming(left));
+        } else {
+            self.wait_ready(left);
+        }
+        self.wait_replicated(deadline.saturating_duration_since(Instant::now()));
+        (since.0.elapsed(), reclaimed)
     }
-}
 
-impl RedisCluster {
     /// What every running node says of the cluster (`CLUSTER NODES`: each node's address and
     /// role), if they all say the same and none suspects or flags a node as failed.
     fn settled_view(&self) -> Option<Vec<String>> {
@@ -409,6 +440,112 @@ impl RedisCluster {
         }
         agreed
     }
+
+    /// [`wait_ready`](RedisCluster::wait_ready), except that a master whose own view has lost
+    /// slots that every other node still gives it is handed them back with
+    /// `CLUSTER ADDSLOTS`, as `redis-cli --cluster fix` would. Returns what was handed back, per
+    /// master's port.
+    ///
+    /// Redis before 7.2.4 (Debian 12 ships 7.0.15) loses slots so (redis/redis#12564). A node
+    /// marks a slot "owner not claiming" when the slot's owner sends a view without it; two
+    /// links join each pair of nodes, so a view the owner sent before it took the slot can
+    /// arrive after one that claims it, and the mark then stays (no later view differs). When
+    /// that node is a replica promoted in its owner's place, it keeps the mark, and the old
+    /// owner coming back claiming the slot under its older epoch takes it: the promoted master
+    /// deletes the slot's keys and, once the old owner turns replica, serves the slot no more.
+    /// The other nodes still send its clients there. Nothing but an operator brings it back.
+    ///
+    /// # Panics
+    /// If the cluster is not ready within `limit`.
+    pub fn wait_ready_reclaiming(&self, limit: Duration) -> Vec<(u16, Vec<u16>)> {
+        let deadline = Instant::now() + limit;
+        let mut reclaimed = Vec::new();
+        while !self.running_ports().into_iter().all(ready) && Instant::now() < deadline {
+            reclaimed.extend(self.reclaim_orphaned_slots());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let not_ok: Vec<String> = self
+            .running_ports()
+            .into_iter()
+            .filter(|&p| !ready(p))
+            .map(describe)
+            .collect();
+        assert!(
+            not_ok.is_empty(),
+            "the cluster ready: not within {limit:?}; not so on:\n{}",
+            not_ok.join("\n")
+        );
+        reclaimed
+    }
+
+    /// One look for slots a master has lost from its own view while every other node still
+    /// gives them to it, and `CLUSTER ADDSLOTS` of those on that master. Returns what it gave
+    /// back.
+    fn reclaim_orphaned_slots(&self) -> Vec<(u16, Vec<u16>)> {
+        let views: Vec<(u16, String)> = self
+            .running_ports()
+            .into_iter()
+            .filter_map(|p| Some((p, redis_cli(p, &["cluster", "nodes"])?)))
+            .collect();
+        let mut reclaimed = Vec::new();
+        for (port, slots) in orphaned_slots(&views) {
+            let mut args = vec!["cluster".to_owned(), "addslots".to_owned()];
+            args.extend(slots.iter().map(u16::to_string));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            if redis_cli(port, &args).is_some_and(|r| r.trim() == "OK") {
+                reclaimed.push((port, slots));
+            }
+        }
+        reclaimed
+    }
+}
+
+/// Per master (its port): the slots its own view leaves unassigned although every other
+/// node's view gives them to it. `views` holds each running node's port and `CLUSTER NODES`
+/// reply.
+fn orphaned_slots(views: &[(u16, String)]) -> Vec<(u16, Vec<u16>)> {
+    // Each view: whose it is, whether that node is a master, and each slot's owner in it.
+    let parsed: Vec<(u16, String, bool, Vec<Option<String>>)> = views
+        .iter()
+        .filter_map(|(port, nodes)| {
+            let mut me = None;
+            let mut owners = vec![None; 16384];
+            for line in nodes.lines() {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let Some(flags) = f.get(2) else { continue };
+                if flags.split(',').any(|x| x == "myself") {
+                    me = Some((f[0].to_owned(), flags.split(',').any(|x| x == "master")));
+                }
+                // Slots are `n` or `a-b`; `[n->-id]` and `[n-<-id]` are migrations.
+                for range in f.iter().skip(8).filter(|t| !t.starts_with('[')) {
+                    let (a, b) = range.split_once('-').unwrap_or((range, range));
+                    let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) else {
+                        continue;
+                    };
+                    for owner in owners.iter_mut().take(b + 1).skip(a) {
+                        *owner = Some(f[0].to_owned());
+                    }
+                }
+            }
+            let (id, master) = me?;
+            Some((*port, id, master, owners))
+        })
+        .collect();
+    let mut orphaned = Vec::new();
+    for (port, id, master, owners) in &parsed {
+        let others: Vec<_> = parsed.iter().filter(|o| o.0 != *port).collect();
+        if !master || others.is_empty() {
+            continue;
+        }
+        let slots: Vec<u16> = (0..16384u16)
+            .filter(|&s| owners[s as usize].is_none())
+            .filter(|&s| others.iter().all(|o| o.3[s as usize].as_ref() == Some(id)))
+            .collect();
+        if !slots.is_empty() {
+            orphaned.push((*port, slots));
+        }
+    }
+    orphaned
 }
 
 /// The cluster slot of `key`, as the node on `port` computes it (`CLUSTER KEYSLOT`).
@@ -562,5 +699,79 @@ impl RedisCluster {
         )
         .await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::orphaned_slots;
+
+    /// What the promoted master on 33863 said in a fault-harness run on Redis 7.0.15: slot 8579,
+    /// moved to 40197 just before 40197 was killed, is nobody's in its own view.
+    const PROMOTED: &str = "\
+2671 127.0.0.1:33863@43863 myself,master - 0 1796046301000 10 connected 0-448 450-5460
+454a 127.0.0.1:40197@50197 slave 2671 0 1796046301208 10 connected
+a939 127.0.0.1:36007@46007 slave 8d4e 0 1796046301376 7 connected
+17d9 127.0.0.1:45681@55681 slave 34bd 0 1796046301576 8 connected
+34bd 127.0.0.1:32919@42919 master - 0 1796046301677 8 connected 449 5461-8578 8580-10922
+8d4e 127.0.0.1:35641@45641 master - 0 1796046301677 7 connected 10923-16383
+";
+
+    /// Another node's view of the same cluster, which gives 8579 to 33863 still.
+    fn other(myself: &str) -> String {
+        PROMOTED
+            .replace("myself,master", "master")
+            .replace(" 0-448 450-5460", " 0-448 450-5460 8579")
+            .lines()
+            .map(|l| {
+                if l.starts_with(myself) {
+                    let mut f: Vec<&str> = l.split(' ').collect();
+                    let flags = format!("myself,{}", f[2]);
+                    f[2] = &flags;
+                    f.join(" ")
+                } else {
+                    l.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn a_slot_every_other_node_gives_to_a_master_that_lost_it_is_orphaned() {
+        let views = vec![
+            (33863, PROMOTED.to_owned()),
+            (32919, other("34bd")),
+            (40197, other("454a")),
+        ];
+        assert_eq!(orphaned_slots(&views), vec![(33863, vec![8579])]);
+    }
+
+    #[test]
+    fn a_slot_not_every_node_gives_to_the_master_is_not_orphaned() {
+        // One node agrees that 8579 is nobody's (or had not heard yet): not ours to decide.
+        let views = vec![
+            (33863, PROMOTED.to_owned()),
+            (32919, other("34bd")),
+            (
+                40197,
+                PROMOTED.replace("myself,master", "master").replace(
+                    "454a 127.0.0.1:40197@50197 slave",
+                    "454a 127.0.0.1:40197@50197 myself,slave",
+                ),
+            ),
+        ];
+        assert_eq!(orphaned_slots(&views), Vec::<(u16, Vec<u16>)>::new());
+        // A healthy cluster, or a master alone: nothing.
+        let healthy = vec![(32919, other("34bd")), (40197, other("454a"))];
+        assert_eq!(orphaned_slots(&healthy), Vec::<(u16, Vec<u16>)>::new());
+        assert_eq!(orphaned_slots(&views[..1]), Vec::<(u16, Vec<u16>)>::new());
+    }
+
+    #[test]
+    fn migrating_and_importing_marks_are_not_slots() {
+        let view = PROMOTED.replace(" 0-448 450-5460", " 0-448 450-5460 [8579-<-34bd]");
+        let views = vec![(33863, view), (32919, other("34bd"))];
+        assert_eq!(orphaned_slots(&views), vec![(33863, vec![8579])]);
     }
 }

@@ -482,4 +482,13 @@ pub trait Failover: Send {
     /// # Panics
     /// If that does not happen within `limit`.
     fn wait_healthy(&self, limit: Duration) -> Duration;
+    /// [`wait_healthy`](Failover::wait_healthy), repairing on the way what a known defect of
+    /// the server breaks and nothing else repairs; also returns a line per repair (a cluster:
+    /// slots a promoted master lost, see `RedisCluster::wait_ready_reclaiming`).
+    ///
+    /// # Panics
+    /// As [`wait_healthy`](Failover::wait_healthy).
+    fn wait_healthy_repairing(&self, limit: Duration) -> (Duration, Vec<String>) {
+        (self.wait_healthy(limit), Vec::new())
+    }
 }

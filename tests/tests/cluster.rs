@@ -595,6 +595,128 @@ async fn a_waiter_hears_the_release_on_its_shards_promoted_replica() {
     .await;
 }
 
+/// `CLUSTER <args>` on the node on `port`; panics on an error reply.
+async fn cluster_cmd(port: u16, args: &[&str]) -> redis::Value {
+    redis::cmd("CLUSTER")
+        .arg(args)
+        .query_async(&mut node_conn(port).await)
+        .await
+        .unwrap_or_else(|e| panic!("CLUSTER {args:?} on {port}: {e}"))
+}
+
+/// `CLUSTER NODES` on the node on `port`.
+async fn cluster_nodes(port: u16) -> String {
+    redis::from_redis_value(cluster_cmd(port, &["NODES"]).await).expect("CLUSTER NODES text")
+}
+
+/// The installed `redis-server`'s version, as (major, minor, patch).
+fn redis_server_version() -> (u32, u32, u32) {
+    let out = std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .expect("redis-server --version");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("v="))
+        .unwrap_or_else(|| panic!("no version in {text:?}"));
+    let mut parts = v
+        .split('.')
+        .map(|p| p.parse::<u32>().expect("a version number"));
+    let mut next = || parts.next().unwrap_or(0);
+    (next(), next(), next())
+}
+
+/// The fault harness's repair of a Redis Cluster defect (redis/redis#12564, fixed in 7.2.4;
+/// Debian 12 ships 7.0.15). A replica marks a slot of its master "owner not claiming" when the
+/// master's view comes without it, and keeps the mark when the master claims the slot again;
+/// promoted, it keeps it still, and the old master coming back claiming the slot under its
+/// older epoch takes it. Once that node turns replica, the promoted master serves the slot no
+/// more, while every other node sends its clients there: the cluster never gets ready again.
+/// `wait_healthy_repairing` gives the slot back at once and says so; on a Redis with the fix
+/// there is nothing to give back. (Its own cluster: this test kills a node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_a_promoted_master_lost_to_its_old_master_is_given_back() {
+    use dlock_tests::redis_server::Failover as _;
+    let mut cluster = RedisCluster::start(3, 1);
+    let a = cluster.nodes[0].port();
+    let a_id = redis_cluster::node_id(a).await;
+    let mut replica = None;
+    for port in cluster.running_ports() {
+        if cluster_nodes(port)
+            .await
+            .lines()
+            .any(|l| l.contains(&format!("myself,slave {a_id}")))
+        {
+            replica = Some(port);
+        }
+    }
+    let r = replica.expect("the master on the first port has a replica");
+    let slot = RedisCluster::slots_seen_by(a)
+        .await
+        .into_iter()
+        .find(|range| range.master == a)
+        .expect("the first master serves slots")
+        .start;
+    let slot_arg = slot.to_string();
+    // The mark: the master's view without the slot reaches its replica (a PONG after the
+    // DELSLOTS), then the master claims the slot again, as its own last view says it does.
+    cluster_cmd(a, &["DELSLOTS", &slot_arg]).await;
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || {
+            let nodes = cluster_nodes(r).await;
+            let pong: u64 = nodes
+                .lines()
+                .find(|l| l.starts_with(&a_id))
+                .and_then(|l| l.split_whitespace().nth(5)?.parse().ok())
+                .ok_or_else(|| format!("no line for the master in {nodes}"))?;
+            if pong > since {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the replica has not heard from its master since the DELSLOTS: {nodes}"
+                ))
+            }
+        },
+    )
+    .await;
+    cluster_cmd(a, &["ADDSLOTS", &slot_arg]).await;
+
+    let index = cluster.index_of(a);
+    cluster.nodes[index].stop();
+    tokio::task::block_in_place(|| cluster.wait_failed_over(a, Duration::from_secs(30)));
+    cluster.nodes[index].restart();
+    let (_, repairs) =
+        tokio::task::block_in_place(|| cluster.wait_healthy_repairing(Duration::from_secs(30)));
+
+    if redis_server_version() < (7, 2, 4) {
+        assert_eq!(repairs.len(), 1, "one repair: {repairs:?}");
+        assert!(
+            repairs[0].contains(&format!("master on {r} dropped slot(s) [{slot}]")),
+            "the promoted master's slot is the one given back: {repairs:?}"
+        );
+    } else {
+        assert!(
+            repairs.is_empty(),
+            "a Redis with the fix loses no slot: {repairs:?}"
+        );
+    }
+    // Served again, by the promoted master, as every node says.
+    for port in cluster.running_ports() {
+        assert_eq!(
+            RedisCluster::range_of(port, slot).await.master,
+            r,
+            "node {port}"
+        );
+    }
+}
+
 /// The durable queue runs on the cluster (`redis+cluster://`), its enqueues waiting for their
 /// shard's replica: see [`dlock_tests::jobs::durable_round_trip`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
