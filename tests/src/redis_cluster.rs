@@ -447,9 +447,9 @@ impl RedisCluster {
     /// master's port.
     ///
     /// Redis before 7.2.4 (Debian 12 ships 7.0.15) loses slots so (redis/redis#12564). A node
-    /// marks a slot "owner not claiming" when the slot's owner sends a view without it; two
-    /// links join each pair of nodes, so a view the owner sent before it took the slot can
-    /// arrive after one that claims it, and the mark then stays (no later view differs). When
+    /// marks a slot "owner not claiming" when a view of the slot's owner comes without it (two
+    /// links join each pair of nodes: a view sent before the owner took the slot can arrive
+    /// after one that claims it), and the mark then stays, as no later view differs. When
     /// that node is a replica promoted in its owner's place, it keeps the mark, and the old
     /// owner coming back claiming the slot under its older epoch takes it: the promoted master
     /// deletes the slot's keys and, once the old owner turns replica, serves the slot no more.
