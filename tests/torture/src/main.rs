@@ -13,7 +13,7 @@
 //! run).
 //!
 //! ```text
-//! cargo run --release -p dlock-torture -- --quick     # CI: about 5 minutes, exits non-zero on failure
+//! cargo run --release -p dlock-torture -- --quick     # about 5 minutes, exits non-zero on failure
 //! cargo run --release -p dlock-torture                # the long mode, for release checks
 //! cargo run --release -p dlock-torture -- --seed 42   # repeat a run's fault schedule
 //! ```

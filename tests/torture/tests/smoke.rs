@@ -3,8 +3,8 @@
 //! Redlock over five, one PostgreSQL and a Redis Cluster of 3 masters and 3 replicas, about
 //! 55 s) and checks its verdict and summary line.
 //!
-//! The full `--quick` run (about two minutes) is CI's job, not `cargo test`'s:
-//! `cargo run --release -p dlock-torture -- --quick`.
+//! The full `--quick` run (about five minutes) is CI's job, not `cargo test`'s: `scripts/test`
+//! runs the debug build that `cargo test` made, `target/debug/dlock-torture --quick`.
 
 use std::process::Command;
 
