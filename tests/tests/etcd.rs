@@ -77,6 +77,34 @@ fn an_etcd_that_revokes_live_leases_is_warned_of_at_connect() {
     );
 }
 
+/// The version check asks every member, not only the first to answer: any member may lead,
+/// and a cluster in a rolling upgrade may have one member left on an old release. On a
+/// 3-member cluster of a release without the fix, the one warning names all three.
+#[test]
+fn every_member_is_asked_for_its_version() {
+    let _one = ONE_CLUSTER_AT_A_TIME.blocking_lock();
+    let cluster = EtcdCluster::start_cluster();
+    let version = cluster.server_version().expect("/version");
+    let url = cluster.url();
+    let ((), captured) = capture::capturing_run(async |captured: &capture::Captured| {
+        let _backend = EtcdBackend::connect(&url, EtcdOptions::default())
+            .await
+            .expect("connect");
+        wait_for("the warning", Duration::from_secs(10), async || {
+            (!captured.at(tracing::Level::WARN).is_empty()).then_some(())
+        })
+        .await;
+    });
+    let warned = captured.at(tracing::Level::WARN);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].field("version"), Some(version.as_str()));
+    let members = warned[0].field("members").expect("a members field");
+    for i in 0..3 {
+        let member = format!("http://127.0.0.1:{}", cluster.client_port(i));
+        assert!(members.contains(&member), "{member} in {members}");
+    }
+}
+
 use std::time::{Duration, Instant};
 
 use dlock_runtime::Locker;

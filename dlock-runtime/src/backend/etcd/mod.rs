@@ -117,13 +117,14 @@
 //! URL's credentials.
 //!
 //! **Run an etcd with etcd-io/etcd#16822** (3.4.31, 3.5.13, 3.6.0 and later; Debian 12's
-//! 3.4.23 does not have it: [`connect`](EtcdBackend::connect) asks a member for its version
-//! in the background and logs a warning for one without the fix). Without it, a leader that
-//! stalls (a long `fdatasync`, CPU starvation, a VM or process paused) while the others elect a new one still runs its lease clock as leader when
-//! it resumes, finds the leases it stopped hearing of expired, and has them revoked through the
-//! new leader — leases the new leader kept alive (etcd-io/etcd#15247). A holder's key vanishes
-//! while its holder is live: the next waiter is granted the lock, and the first learns of the
-//! loss only at its next renewal (a third of the TTL at most). No client can prevent that;
+//! 3.4.23 does not have it: [`connect`](EtcdBackend::connect) asks every member for its
+//! version in the background and logs a warning naming the members without the fix). Without
+//! it, a leader that stalls (a long `fdatasync`, CPU starvation, a VM or process paused) while
+//! the others elect a new one still runs its lease clock as leader when it resumes, finds the
+//! leases it stopped hearing of expired, and has them revoked through the new leader — leases
+//! the new leader kept alive (etcd-io/etcd#15247). A holder's key vanishes while its holder is
+//! live: the next waiter is granted the lock, and the first learns of the loss only at its
+//! next renewal (a third of the TTL at most). No client can prevent that;
 //! fencing tokens keep the older holder's late writes out. The fault harness sees it after
 //! freezing the leader, and tells it apart by the thawed member's expired-lease count.
 //!
@@ -443,6 +444,27 @@ fn first_kv(resp: &TxnOpResponse) -> Option<&KeyValue> {
     }
 }
 
+/// Of each member's endpoint and version (`None`: it did not tell), the ones whose release
+/// revokes live leases ([`revokes_live_leases`]): their distinct versions and their
+/// endpoints, each joined with ", ". `None` when no member runs such a release.
+fn lease_revoking_members(versions: &[(&str, Option<&str>)]) -> Option<(String, String)> {
+    let affected: Vec<(&str, &str)> = versions
+        .iter()
+        .filter_map(|&(member, version)| {
+            let version = version?;
+            (revokes_live_leases(version) == Some(true)).then_some((member, version))
+        })
+        .collect();
+    if affected.is_empty() {
+        return None;
+    }
+    let mut distinct: Vec<&str> = affected.iter().map(|a| a.1).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let members: Vec<&str> = affected.iter().map(|a| a.0).collect();
+    Some((distinct.join(", "), members.join(", ")))
+}
+
 /// Whether an etcd server of `version` revokes leases a stalled leader stopped hearing of
 /// (etcd-io/etcd#15247): every release before the fix (etcd-io/etcd#16822) reached 3.4.31,
 /// 3.5.13 and 3.6.0. `None` for a version that does not read as `major.minor.patch`.
@@ -541,32 +563,34 @@ impl EtcdBackend {
         Ok(backend)
     }
 
-    /// Asks a member for its version in the background, and warns when it is one that revokes
-    /// live leases after a leader stall (see the module docs): connecting waits for nothing,
+    /// Asks every member for its version in the background, and warns when any runs one that
+    /// revokes live leases after a leader stall (see the module docs; any member may lead, and
+    /// a cluster in a rolling upgrade runs several releases): connecting waits for nothing,
     /// and the lock calls' choice of member is left as it was.
     fn check_server_version(&self) {
         let (pool, timeout) = (self.pool.clone(), self.opts.command_timeout);
-        let endpoints = self.endpoints.clone();
         tokio::spawn(async move {
-            let status = pool::ask_in_order(&pool, timeout, |c| {
+            let answers = pool::ask_each(&pool, timeout, |c| {
                 let mut maintenance = c.maintenance_client();
                 async move { maintenance.status().await }
             })
             .await;
-            match status {
-                Some(status) if revokes_live_leases(status.version()) == Some(true) => {
-                    tracing::warn!(
-                        endpoints = %endpoints,
-                        version = status.version(),
-                        "etcd {} can revoke live leases after a leader stall \
-                         (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13): two holders of one \
-                         lock may overlap then, and only fencing tokens keep the older one's \
-                         late writes out; upgrade etcd",
-                        status.version()
-                    );
-                }
-                Some(_) => {}
-                None => tracing::debug!("etcd: no member told its version in time"),
+            let versions: Vec<(&str, Option<&str>)> = answers
+                .iter()
+                .map(|(member, status)| (*member, status.as_ref().map(|s| s.version())))
+                .collect();
+            if versions.iter().all(|(_, v)| v.is_none()) {
+                tracing::debug!("etcd: no member told its version in time");
+            }
+            if let Some((version, members)) = lease_revoking_members(&versions) {
+                tracing::warn!(
+                    members = %members,
+                    version = %version,
+                    "etcd {version} (on {members}) can revoke live leases after a leader stall \
+                     (etcd-io/etcd#15247, fixed in 3.4.31, 3.5.13 and 3.6.0): two holders of \
+                     one lock may overlap then, and only fencing tokens keep the older one's \
+                     late writes out; upgrade etcd"
+                );
             }
         });
     }
@@ -1539,6 +1563,25 @@ mod tests {
         for unknown in ["", "3", "3.5", "v3.5.1", "not a version"] {
             assert_eq!(revokes_live_leases(unknown), None, "{unknown}");
         }
+    }
+
+    #[test]
+    fn every_member_on_a_release_that_revokes_live_leases_is_named() {
+        let (a, b, c) = ("http://a:2379", "http://b:2379", "http://c:2379");
+        // A rolling upgrade: one member left on an old release, one silent.
+        assert_eq!(
+            lease_revoking_members(&[(a, Some("3.5.17")), (b, Some("3.4.23")), (c, None)]),
+            Some(("3.4.23".to_owned(), b.to_owned()))
+        );
+        assert_eq!(
+            lease_revoking_members(&[(a, Some("3.4.23")), (b, Some("3.5.9")), (c, Some("3.4.23"))]),
+            Some(("3.4.23, 3.5.9".to_owned(), format!("{a}, {b}, {c}")))
+        );
+        assert_eq!(
+            lease_revoking_members(&[(a, Some("3.6.0")), (b, Some("3.5.13")), (c, Some("x"))]),
+            None
+        );
+        assert_eq!(lease_revoking_members(&[(a, None)]), None);
     }
 
     #[test]

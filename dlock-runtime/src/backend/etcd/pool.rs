@@ -362,26 +362,29 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
     }
 }
 
-/// Runs `request` on the members in their order until one answers, within `timeout` in all;
-/// `None` when none did. Neither the round robin nor any member's suspicion moves (see
-/// [`Pool::pick`]): for a look at the cluster off the lock paths, which must not change where
-/// their requests go.
-pub(super) async fn ask_in_order<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+/// Runs `request` on every member at once, within `timeout` in all: each member's endpoint
+/// with its answer, `None` when it gave none in time. Neither the round robin nor any member's
+/// suspicion moves (see [`Pool::pick`]): for a look at the cluster off the lock paths, which
+/// must not change where their requests go.
+pub(super) async fn ask_each<T, F: Future<Output = Result<T, etcd_client::Error>>>(
     pool: &Pool,
     timeout: Duration,
-    mut request: impl FnMut(&Client) -> F,
-) -> Option<T> {
+    request: impl Fn(&Client) -> F,
+) -> Vec<(&str, Option<T>)> {
     let until = Instant::now() + timeout;
-    for member in &pool.members {
-        let Ok(Ok(fut)) = tokio::time::timeout_at(until, member.open(until, &mut request)).await
-        else {
-            continue;
-        };
-        if let Ok(Ok(answer)) = tokio::time::timeout_at(until, fut).await {
-            return Some(answer);
+    let asks = pool.members.iter().map(|member| {
+        let mut request = &request;
+        async move {
+            let answer = tokio::time::timeout_at(until, async {
+                member.open(until, &mut request).await.ok()?.await.ok()
+            })
+            .await
+            .ok()
+            .flatten();
+            (member.endpoint.as_str(), answer)
         }
-    }
-    None
+    });
+    futures_util::future::join_all(asks).await
 }
 
 /// Picks the member of a new try (see [`Pool::pick`]) and makes its request on the member's
