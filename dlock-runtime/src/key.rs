@@ -432,16 +432,13 @@ impl ResourceName {
         &self.key
     }
 
-    /// A key of the lock's namespace rather than of the lock: `<prefix>:<suffix>` (`<suffix>`
-    /// without a prefix). It has no hash tag, so it never names a lock's key.
+    /// The start of a key of the lock's namespace rather than of the lock (the Redis fencing
+    /// counter's, `<prefix>:fence`): the full name up to the `{` that opens the encoded key
+    /// (the prefix has no braces). A key made from it has no hash tag, so it never names a
+    /// lock's key.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn namespace_key(&self, suffix: &str) -> String {
-        // The prefix has no braces: the first `{` opens the encoded key.
-        let brace = self.full.find('{').unwrap_or(0);
-        let mut s = String::with_capacity(brace + suffix.len());
-        s.push_str(&self.full[..brace]);
-        s.push_str(suffix);
-        s
+    pub(crate) fn namespace_prefix(&self) -> &str {
+        &self.full[..self.full.find('{').unwrap_or(0)]
     }
 
     /// The name of a companion key of this lock (`<prefix>:{<key>}:<suffix>`).
@@ -482,10 +479,10 @@ mod tests {
     fn namespace_keys_have_no_hash_tag_and_follow_the_prefix() {
         let key = || LockKey::new("order:{42}").unwrap();
         assert_eq!(
-            ResourceName::new("dlock", key()).namespace_key("fence"),
-            "dlock:fence"
+            ResourceName::new("dlock", key()).namespace_prefix(),
+            "dlock:"
         );
-        assert_eq!(ResourceName::new("", key()).namespace_key("fence"), "fence");
+        assert_eq!(ResourceName::new("", key()).namespace_prefix(), "");
     }
 
     fn two(a: &str, b: &str) -> String {

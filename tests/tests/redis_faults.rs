@@ -650,6 +650,69 @@ async fn uncontended_locks_leave_no_keys_and_publish_nothing() {
     assert_eq!(keys, expected, "the counter and the issuer numbers only");
 }
 
+/// A server that lost its scripts (a restart without persistence, a failover, `SCRIPT
+/// FLUSH`) answers a script call `NOSCRIPT`: the call loads its script (`SCRIPT LOAD`) and is
+/// sent once more — every step of a lock (acquire, extend, release), a semaphore's, and a
+/// read-only inspection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_lost_its_scripts_is_given_them_again() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    // Empties the server's script cache; answers how many scripts it had loaded so far.
+    let flush = || async {
+        let _: () = server.query(redis::cmd("SCRIPT").arg("FLUSH")).await;
+        server.calls("script|load").await
+    };
+    let server = &server;
+    let loaded_since = |before: u64| async move { server.calls("script|load").await - before };
+
+    let before = flush().await;
+    let guard = locker
+        .lock("lost:scripts")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("acquired after the flush");
+    assert_eq!(loaded_since(before).await, 1, "the acquire script loaded");
+    let before = flush().await;
+    guard.extend(LONG).await.unwrap();
+    assert_eq!(loaded_since(before).await, 1, "the extend script loaded");
+    let before = flush().await;
+    let state = locker
+        .admin()
+        .unwrap()
+        .inspect("lost:scripts")
+        .await
+        .unwrap();
+    assert!(
+        state.holder.is_some(),
+        "inspected after the flush: {state:?}"
+    );
+    assert_eq!(loaded_since(before).await, 1, "the inspect script loaded");
+    let before = flush().await;
+    guard.release().await.unwrap();
+    assert_eq!(loaded_since(before).await, 1, "the release script loaded");
+    let again = locker.lock("lost:scripts").try_acquire().await.unwrap();
+    again
+        .expect("released after the flush")
+        .release()
+        .await
+        .unwrap();
+    let before = flush().await;
+    let permit = locker
+        .semaphore("lost:permits", 2)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("a permit after the flush");
+    assert_eq!(
+        loaded_since(before).await,
+        1,
+        "the semaphore's script loaded"
+    );
+    permit.release().await.unwrap();
+}
+
 /// The backoff of a waiter whose own timer cannot fire within a test.
 const NEVER: Duration = Duration::from_secs(20);
 

@@ -101,12 +101,10 @@ fn glob_escape(s: &str) -> String {
 
 impl RedisBackend {
     async fn read_lock(&self, resource: &ResourceName) -> Result<LockState, LockError> {
-        let mut inv = INSPECT.prepare_invoke();
-        inv.key(resource.as_str());
-        self.declare_derived_keys(&mut inv, resource);
-        inv.arg(self.fence_key(resource));
+        let mut call = self.lock_call(&INSPECT, resource);
+        call.arg(self.fence_key(resource));
         let (value, pttl, fence, waiters): (String, i64, String, Vec<String>) =
-            self.run_script("inspect", &inv).await?;
+            self.run_script("inspect", &call).await?;
         let linger = super::millis(Self::LINGER) as i64;
         let owner = value.split_once('|').map_or(value.as_str(), |(_, o)| o);
         let holder = (!value.is_empty() && (pttl > linger || pttl == -1)).then(|| Holder {
@@ -291,12 +289,10 @@ impl AdminStore for RedisBackend {
             #[cfg(not(feature = "cluster"))]
             let script = &*FORCE_ONE;
             self.issuer().await?;
-            let mut inv = script.prepare_invoke();
-            inv.key(resource.as_str());
-            self.declare_derived_keys(&mut inv, resource);
-            inv.arg(self.fence_key(resource)).arg(self.floor());
+            let mut call = self.lock_call(script, resource);
+            call.arg(self.fence_key(resource)).arg(self.floor());
             let ((held, counter), issuer): ((i64, u64), _) =
-                self.run_granting("force release", &inv).await?;
+                self.run_granting("force release", &call).await?;
             // As a token (`RedisBackend::ISSUER_BITS`): above every token issued before, below
             // every one issued after (none when the counter is past the tokens' range).
             Ok(ForceReleased {

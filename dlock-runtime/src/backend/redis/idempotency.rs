@@ -22,6 +22,7 @@ use redis::Script;
 
 // Lua shared with the lock scripts: parsing the lock's value, the next fencing token, the live
 // head of the waiter queue, passing a given-up lock on.
+use super::conn::ScriptCall;
 use super::scripts::{publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS};
 use super::{millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -151,14 +152,16 @@ return 1
 
 /// KEYS of every idempotency script: the lock, the record (and on a cluster the keys the
 /// scripts derive, see [`RedisBackend::declare_derived_keys`]).
-fn lock_keys(
+fn lock_call<'s>(
     backend: &RedisBackend,
-    inv: &mut redis::ScriptInvocation<'_>,
+    script: &'s Script,
     resource: &ResourceName,
-) {
-    inv.key(resource.as_str())
+) -> ScriptCall<'s> {
+    let mut call = ScriptCall::new(script, 2 + backend.derived_keys());
+    call.key(resource.as_str())
         .key(resource.with_suffix(RECORD_SUFFIX));
-    backend.declare_derived_keys(inv, resource);
+    backend.declare_derived_keys(&mut call, resource);
+    call
 }
 
 fn malformed() -> LockError {
@@ -169,16 +172,15 @@ impl IdempotencyStore for RedisBackend {
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>> {
         Box::pin(async move {
             self.issuer().await?;
-            let mut inv = BEGIN.prepare_invoke();
-            lock_keys(self, &mut inv, args.resource);
-            inv.arg(args.token.as_str())
+            let mut call = lock_call(self, &BEGIN, args.resource);
+            call.arg(args.token.as_str())
                 .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())
                 .arg(millis(args.retention))
                 .arg(self.fence_key(args.resource))
                 .arg(self.floor());
             let ((code, data, extra), issuer): ((i64, Vec<u8>, String), _) =
-                self.run_granting("idempotency begin", &inv).await?;
+                self.run_granting("idempotency begin", &call).await?;
             let text = || std::str::from_utf8(&data).map_err(|_| malformed());
             match code {
                 1 => {
@@ -209,15 +211,18 @@ impl IdempotencyStore for RedisBackend {
 
     fn complete<'a>(&'a self, args: CompleteArgs<'a>) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut inv = COMPLETE[usize::from(self.is_cluster())].prepare_invoke();
-            lock_keys(self, &mut inv, args.resource);
-            inv.arg(args.token.as_str())
+            let mut call = lock_call(
+                self,
+                &COMPLETE[usize::from(self.is_cluster())],
+                args.resource,
+            );
+            call.arg(args.token.as_str())
                 .arg(self.fence_key(args.resource))
                 .arg(args.fingerprint.to_hex())
                 .arg(args.record)
                 .arg(millis(args.retention))
                 .arg(self.floor());
-            let n: i64 = self.run_script("idempotency complete", &inv).await?;
+            let n: i64 = self.run_script("idempotency complete", &call).await?;
             Ok(n == 1)
         })
     }
@@ -228,12 +233,11 @@ impl IdempotencyStore for RedisBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let mut inv = ABORT[usize::from(self.is_cluster())].prepare_invoke();
-            lock_keys(self, &mut inv, resource);
-            inv.arg(token.as_str())
+            let mut call = lock_call(self, &ABORT[usize::from(self.is_cluster())], resource);
+            call.arg(token.as_str())
                 .arg(self.fence_key(resource))
                 .arg(self.floor());
-            let n: i64 = self.run_script("idempotency abort", &inv).await?;
+            let n: i64 = self.run_script("idempotency abort", &call).await?;
             Ok(n == 1)
         })
     }

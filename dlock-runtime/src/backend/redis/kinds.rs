@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use redis::Script;
 
+use super::conn::ScriptCall;
 use super::scripts::{publishing, script, NEXT_FENCE};
 use super::{millis, RedisBackend};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
@@ -200,15 +201,24 @@ pub(super) fn extend_script() -> &'static Script {
 }
 
 impl RedisBackend {
-    /// Declares, on a cluster, the keys a kind's scripts derive (see
-    /// [`declare_derived_keys`](RedisBackend::declare_derived_keys) for why).
-    fn declare_kind_keys(&self, inv: &mut redis::ScriptInvocation<'_>, resource: &ResourceName) {
+    /// A call of a kind's `script`: the lock's key, then, on a cluster, the keys the kinds'
+    /// scripts derive from it (see [`declare_derived_keys`](RedisBackend::declare_derived_keys)
+    /// for why).
+    fn kind_call<'s>(&self, script: &'s Script, resource: &ResourceName) -> ScriptCall<'s> {
+        let derived = if self.is_cluster() {
+            1 + QUEUE_SUFFIXES.len()
+        } else {
+            0
+        };
+        let mut call = ScriptCall::new(script, 1 + derived);
+        call.key(resource.as_str());
         if self.is_cluster() {
-            inv.key(self.fence_key(resource));
+            call.key(self.fence_key(resource));
             for suffix in QUEUE_SUFFIXES {
-                inv.key(resource.with_suffix(suffix));
+                call.key(resource.with_suffix(suffix));
             }
         }
+        call
     }
 
     pub(super) async fn acquire_kind_once(
@@ -222,10 +232,8 @@ impl RedisBackend {
             _ => "2",
         };
         self.issuer().await?;
-        let mut inv = ACQUIRE.prepare_invoke();
-        inv.key(args.resource.as_str());
-        self.declare_kind_keys(&mut inv, args.resource);
-        inv.arg(args.token.as_str())
+        let mut call = self.kind_call(&ACQUIRE, args.resource);
+        call.arg(args.token.as_str())
             .arg(if kind.is_exclusive() { "1" } else { "0" })
             .arg(kind.capacity())
             .arg(mode)
@@ -233,7 +241,7 @@ impl RedisBackend {
             .arg(millis(args.waiter_ttl))
             .arg(self.fence_key(args.resource))
             .arg(self.floor());
-        let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
+        let (reply, issuer): (i64, _) = self.run_granting("acquire", &call).await?;
         Ok(match reply {
             1.. => Attempt::Acquired {
                 fencing_token: self.granted(reply as u64, issuer)?,
@@ -252,14 +260,12 @@ impl RedisBackend {
         token: &OwnerToken,
         abandon: bool,
     ) -> Result<bool, LockError> {
-        let mut inv = RELEASE[usize::from(self.is_cluster())].prepare_invoke();
-        inv.key(resource.as_str());
-        self.declare_kind_keys(&mut inv, resource);
-        inv.arg(token.as_str())
+        let mut call = self.kind_call(&RELEASE[usize::from(self.is_cluster())], resource);
+        call.arg(token.as_str())
             .arg(resource.kind().capacity())
             .arg(if abandon { "1" } else { "0" });
         let what = if abandon { "abandon" } else { "release" };
-        let n: i64 = self.run_script(what, &inv).await?;
+        let n: i64 = self.run_script(what, &call).await?;
         Ok(n == 1)
     }
 
@@ -269,11 +275,11 @@ impl RedisBackend {
         token: &OwnerToken,
         ttl: Duration,
     ) -> Result<bool, LockError> {
-        let mut inv = EXTEND.prepare_invoke();
-        inv.key(resource.as_str())
+        let mut call = ScriptCall::new(&EXTEND, 1);
+        call.key(resource.as_str())
             .arg(token.as_str())
             .arg(millis(ttl));
-        let n: i64 = self.run_script("extend", &inv).await?;
+        let n: i64 = self.run_script("extend", &call).await?;
         Ok(n == 1)
     }
 }

@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManagerConfig;
 
-use self::conn::Conn;
+use self::conn::{Conn, ScriptCall};
 use redis::{IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError, Script};
 
 use super::{
@@ -730,13 +730,37 @@ impl RedisBackend {
     /// The key of the fencing counter `resource` draws from: `<prefix>:fence` on one server;
     /// on a cluster one per slot, `<prefix>:{<tag>}:fence` with a tag of the lock's slot, so
     /// the lock's scripts can reach it.
-    pub(crate) fn fence_key(&self, resource: &ResourceName) -> String {
+    pub(crate) fn fence_key<'a>(&self, resource: &'a ResourceName) -> FenceKey<'a> {
         #[cfg(feature = "cluster")]
-        if self.inner.conn.is_cluster() {
-            let tag = conn::slot_tag(conn::slot(resource.key().as_str()));
-            return resource.namespace_key(&format!("{{{tag}}}:fence"));
+        let tag = self
+            .inner
+            .conn
+            .is_cluster()
+            .then(|| conn::slot_tag(conn::slot(resource.key().as_str())));
+        #[cfg(not(feature = "cluster"))]
+        let tag = None;
+        FenceKey {
+            prefix: resource.namespace_prefix(),
+            tag,
         }
-        resource.namespace_key("fence")
+    }
+
+    /// How many keys [`declare_derived_keys`](Self::declare_derived_keys) declares.
+    fn derived_keys(&self) -> usize {
+        if self.is_cluster() {
+            1 + scripts::QUEUE_SUFFIXES.len()
+        } else {
+            0
+        }
+    }
+
+    /// A call of a lock's `script`: the lock's key, then, on a cluster, the keys the script
+    /// derives from it ([`declare_derived_keys`](Self::declare_derived_keys)).
+    fn lock_call<'s>(&self, script: &'s Script, resource: &ResourceName) -> ScriptCall<'s> {
+        let mut call = ScriptCall::new(script, 1 + self.derived_keys());
+        call.key(resource.as_str());
+        self.declare_derived_keys(&mut call, resource);
+        call
     }
 
     /// Declares, on a cluster, the keys a lock's scripts derive from its key — the slot's
@@ -750,15 +774,11 @@ impl RedisBackend {
     /// ("non local key") on a derived key already moved or not yet created. With every key
     /// declared, a script runs only on a node that holds all of them, and is told `TRYAGAIN`
     /// (retried by the cluster client) while they are split or missing during the move.
-    pub(crate) fn declare_derived_keys(
-        &self,
-        inv: &mut redis::ScriptInvocation<'_>,
-        resource: &ResourceName,
-    ) {
+    fn declare_derived_keys(&self, call: &mut ScriptCall<'_>, resource: &ResourceName) {
         if self.is_cluster() {
-            inv.key(self.fence_key(resource));
+            call.key(self.fence_key(resource));
             for suffix in scripts::QUEUE_SUFFIXES {
-                inv.key(resource.with_suffix(suffix));
+                call.key(resource.with_suffix(suffix));
             }
         }
     }
@@ -877,9 +897,9 @@ impl RedisBackend {
         token: u64,
     ) -> Result<(), LockError> {
         let mut conn = self.inner.conn.clone();
-        let mut inv = self.inner.raise_fence.prepare_invoke();
-        inv.key(self.fence_key(resource)).arg(token.to_string());
-        self.deadline("raise fence", inv.invoke_async::<i64>(&mut conn))
+        let mut call = ScriptCall::new(&self.inner.raise_fence, 1);
+        call.key(self.fence_key(resource)).arg(token);
+        self.deadline("raise fence", call.invoke::<i64>(&mut conn))
             .await
             .map(|_| ())
     }
@@ -936,25 +956,25 @@ impl RedisBackend {
     async fn run_script<T: redis::FromRedisValue>(
         &self,
         what: &str,
-        inv: &redis::ScriptInvocation<'_>,
+        call: &ScriptCall<'_>,
     ) -> Result<T, LockError> {
-        Ok(self.run_granting(what, inv).await?.0)
+        Ok(self.run_granting(what, call).await?.0)
     }
 
     /// [`run_script`](Self::run_script) for a script that may grant a fencing counter value:
     /// also the issuer number of the connection its reply came over, for
     /// [`granted`](Self::granted).
-    pub(crate) async fn run_granting<T: redis::FromRedisValue>(
+    async fn run_granting<T: redis::FromRedisValue>(
         &self,
         what: &str,
-        inv: &redis::ScriptInvocation<'_>,
+        call: &ScriptCall<'_>,
     ) -> Result<(T, Issuer), LockError> {
         let mut conn = self.inner.conn.clone();
         let mut again = 2;
         let mut resend = true;
         loop {
             let mut sent = Sent::new(&self.inner.conn);
-            let r = inv.invoke_async(&mut conn).await;
+            let r = call.invoke(&mut conn).await;
             sent.answered();
             match r {
                 Err(e)
@@ -980,13 +1000,11 @@ impl RedisBackend {
         resource: &ResourceName,
         token: &OwnerToken,
     ) -> Result<i64, LockError> {
-        let mut inv = script.prepare_invoke();
-        inv.key(resource.as_str());
-        self.declare_derived_keys(&mut inv, resource);
-        inv.arg(token.as_str())
+        let mut call = self.lock_call(script, resource);
+        call.arg(token.as_str())
             .arg(self.fence_key(resource))
             .arg(self.floor());
-        self.run_script(what, &inv).await
+        self.run_script(what, &call).await
     }
 
     async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
@@ -1410,11 +1428,9 @@ impl RedisBackend {
         args: AcquireArgs<'_>,
         floor: Floor,
     ) -> Result<(Attempt, Issuer), LockError> {
-        let mut inv = self.inner.acquire.prepare_invoke();
-        inv.key(args.resource.as_str());
-        self.declare_derived_keys(&mut inv, args.resource);
+        let mut call = self.lock_call(&self.inner.acquire, args.resource);
         let (Floor::AtLeast(f) | Floor::Exactly(f)) = floor;
-        inv.arg(args.token.as_str())
+        call.arg(args.token.as_str())
             .arg(scripts::px(args.ttl))
             .arg(self.fence_key(args.resource))
             .arg(f);
@@ -1425,15 +1441,15 @@ impl RedisBackend {
                 WaitMode::Queue => "1",
                 WaitMode::Barge => "2",
             };
-            inv.arg(mode)
+            call.arg(mode)
                 // An entry must not outlive the lock's key (see `scripts::LINGER`).
                 .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
                 .arg(millis(args.ttl));
             if let Floor::Exactly(_) = floor {
-                inv.arg("exact");
+                call.arg("exact");
             }
         }
-        let (reply, issuer): (i64, _) = self.run_granting("acquire", &inv).await?;
+        let (reply, issuer): (i64, _) = self.run_granting("acquire", &call).await?;
         Ok((Attempt::from_reply(reply), issuer))
     }
 }
@@ -1505,11 +1521,11 @@ impl Backend for RedisBackend {
             if resource.kind() != LockKind::Exclusive {
                 return self.extend_kind(resource, token, ttl).await;
             }
-            let mut inv = self.inner.extend.prepare_invoke();
-            inv.key(resource.as_str())
+            let mut call = ScriptCall::new(&self.inner.extend, 1);
+            call.key(resource.as_str())
                 .arg(token.as_str())
                 .arg(scripts::px(ttl));
-            let n: i64 = self.run_script("extend", &inv).await?;
+            let n: i64 = self.run_script("extend", &call).await?;
             Ok(n == 1)
         })
     }
@@ -1591,7 +1607,7 @@ impl Backend for RedisBackend {
     ) -> BoxFuture<'a, Result<u32, LockError>> {
         Box::pin(async move {
             let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
-            let mut renew = self.inner.extend.prepare_invoke();
+            let mut renew = ScriptCall::new(&self.inner.extend, 1);
             renew
                 .key(resource.as_str())
                 .arg(token.as_str())
@@ -1599,7 +1615,7 @@ impl Backend for RedisBackend {
             // A timeout has this connection checked, not the backend's own.
             let on = conn.clone();
             let owned: i64 = self
-                .deadline_on(&on, "replicate", renew.invoke_async(&mut conn))
+                .deadline_on(&on, "replicate", renew.invoke(&mut conn))
                 .await?;
             if owned != 1 {
                 return Err(LockError::lost(resource.key().as_str()));
@@ -1702,7 +1718,7 @@ impl RedisBackend {
                         .await;
                 }
                 for script in [&self.inner.extend, kinds::extend_script()] {
-                    self.deadline("script load", script.prepare_invoke().load_async(&mut conn))
+                    self.deadline("script load", script.load_async(&mut conn))
                         .await?;
                 }
                 self.deadline("extend", build(false).query_async::<Vec<i64>>(&mut conn))
@@ -1749,6 +1765,34 @@ impl Drop for Sent<'_> {
         }
     }
 }
+
+/// The key of a fencing counter ([`RedisBackend::fence_key`]): `<prefix>fence`, or on a
+/// cluster `<prefix>{<slot tag>}:fence`. Written straight into a command, with no `String` of
+/// its own.
+pub(crate) struct FenceKey<'a> {
+    /// The lock's prefix, up to the `{` that opens its encoded key.
+    prefix: &'a str,
+    /// A tag of the lock's slot, on a cluster.
+    tag: Option<&'static str>,
+}
+
+impl std::fmt::Display for FenceKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.prefix)?;
+        if let Some(tag) = self.tag {
+            write!(f, "{{{tag}}}:")?;
+        }
+        f.write_str("fence")
+    }
+}
+
+impl redis::ToRedisArgs for FenceKey<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        out.write_arg_fmt(self);
+    }
+}
+
+impl redis::ToSingleRedisArg for FenceKey<'_> {}
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
