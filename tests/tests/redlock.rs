@@ -145,6 +145,47 @@ async fn all_up_acquire_and_release() {
     assert_cleared_everywhere(&servers, resource.as_str()).await;
 }
 
+/// Nodes that lost their scripts (restarted without persistence, `SCRIPT FLUSH`) are given
+/// them again by the call that found them missing, and vote as before: every node here lost
+/// them before the acquire and again before the release, so each majority is one of such
+/// nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_that_lost_their_scripts_still_vote() {
+    let servers = start_many(NODES);
+    let locker = redlock(&servers, Locker::builder()).await;
+    let resource = locker.resource(dlock_runtime::LockKey::new("rl:flushed").unwrap());
+    let flush_all = || async {
+        for s in &servers {
+            let _: () = s.query(redis::cmd("SCRIPT").arg("FLUSH")).await;
+        }
+    };
+    for round in 0..2 {
+        flush_all().await;
+        let loads = servers[0].calls("script|load").await;
+        let g = locker
+            .lock("rl:flushed")
+            .try_acquire()
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}: not acquired"));
+        let mut holding = 0;
+        for s in &servers {
+            holding += usize::from(lock_key_exists(s, resource.as_str()).await);
+        }
+        assert!(
+            holding >= 3,
+            "round {round}: the lock on {holding} of 5 nodes"
+        );
+        flush_all().await;
+        g.release().await.unwrap();
+        assert_cleared_everywhere(&servers, resource.as_str()).await;
+        assert!(
+            servers[0].calls("script|load").await > loads,
+            "round {round}: the first node was given its scripts again"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     let mut servers = start_many(NODES);

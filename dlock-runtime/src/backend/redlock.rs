@@ -397,9 +397,10 @@ impl RedlockBackend {
 
     /// Runs an owner-checked yes/no operation on every node and returns as soon as the outcome
     /// is decided (a majority said yes, or can no longer say yes), so frozen nodes are not
-    /// waited for. Each node's command runs in its own task and finishes (or meets its node
-    /// deadline) in the background: a release really reaches every node that answers, even
-    /// after the caller has its answer. A dropped per-node future might never send its command.
+    /// waited for. The nodes' commands run on one task of their own and finish (or meet their
+    /// node deadline) in the background: a release really reaches every node that answers,
+    /// even after the caller has its answer or was dropped. (A dropped per-node future might
+    /// never send its command.)
     async fn poll_owner_checked<F, Fut>(&self, op: F) -> Vec<(usize, Vote<()>)>
     where
         F: Fn(RedisBackend) -> Fut,
@@ -408,20 +409,30 @@ impl RedlockBackend {
         let n = self.inner.nodes.len();
         let quorum = self.inner.quorum;
         let limit = self.inner.opts.node_timeout;
+        let mut pending: FuturesUnordered<_> = self
+            .inner
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let fut = op(node.clone());
+                async move {
+                    let vote = match tokio::time::timeout(limit, fut).await {
+                        Ok(Ok(true)) => Vote::Yes(()),
+                        Ok(Ok(false)) => Vote::No(None),
+                        Ok(Err(e)) => Vote::failed(&e),
+                        Err(_) => Vote::Failed("timeout".to_owned(), false),
+                    };
+                    (i, vote)
+                }
+            })
+            .collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        for (i, node) in self.inner.nodes.iter().enumerate() {
-            let (fut, tx) = (op(node.clone()), tx.clone());
-            tokio::spawn(async move {
-                let vote = match tokio::time::timeout(limit, fut).await {
-                    Ok(Ok(true)) => Vote::Yes(()),
-                    Ok(Ok(false)) => Vote::No(None),
-                    Ok(Err(e)) => Vote::failed(&e),
-                    Err(_) => Vote::Failed("timeout".to_owned(), false),
-                };
-                let _ = tx.send((i, vote));
-            });
-        }
-        drop(tx);
+        tokio::spawn(async move {
+            while let Some(vote) = pending.next().await {
+                let _ = tx.send(vote);
+            }
+        });
         let mut votes = Vec::with_capacity(n);
         let (mut yes, mut no) = (0, 0);
         while let Some((i, vote)) = rx.recv().await {
@@ -516,28 +527,24 @@ impl Backend for RedlockBackend {
                 WaitMode::Try => WaitMode::Try,
                 _ => WaitMode::Barge,
             };
-            let (resource, token, ttl, waiter_ttl, renew) = (
-                args.resource,
-                args.token,
-                args.ttl,
-                args.waiter_ttl,
-                args.renew,
-            );
+            let (resource, token, ttl) = (args.resource, args.token, args.ttl);
             let floor = super::redis::Floor::exact(&self.inner.fence_seen);
+            // One call for every node: the nodes are single servers, so it names nothing of one
+            // node's (`connect` made at least one).
+            let call = self.inner.nodes[0].acquire_call(
+                &AcquireArgs {
+                    mode,
+                    sent: None,
+                    ..args
+                },
+                floor,
+            );
+            let call = &call;
             let votes = self
                 .poll(
                     |node| {
                         Box::pin(async move {
-                            let a = AcquireArgs {
-                                resource,
-                                token,
-                                ttl,
-                                mode,
-                                waiter_ttl,
-                                renew,
-                                sent: None,
-                            };
-                            Ok(match node.acquire_with_floor(a, floor).await?.0 {
+                            Ok(match node.run_acquire(call).await?.0 {
                                 Attempt::Acquired { fencing_token } => Answer::Yes(fencing_token),
                                 Attempt::Held { remaining } => Answer::No(remaining),
                             })

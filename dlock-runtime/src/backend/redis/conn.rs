@@ -91,7 +91,7 @@ pub(super) fn script_call(script: &redis::Script, with_body: bool) -> Cmd {
 /// argument in a buffer of its own and copies them into a new command on every send: about
 /// ten allocations for one call of the acquire script, where this makes two.) The number of keys
 /// is given first, as Redis reads it; the keys follow, then the arguments.
-pub(super) struct ScriptCall<'s> {
+pub(crate) struct ScriptCall<'s> {
     script: &'s redis::Script,
     cmd: Cmd,
     /// Keys declared and not written yet: must be none before the first argument.

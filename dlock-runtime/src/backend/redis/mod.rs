@@ -1428,6 +1428,13 @@ impl RedisBackend {
         args: AcquireArgs<'_>,
         floor: Floor,
     ) -> Result<(Attempt, Issuer), LockError> {
+        self.run_acquire(&self.acquire_call(&args, floor)).await
+    }
+
+    /// The call of one acquire attempt, its fencing counter at least `floor`. It holds nothing
+    /// of this server's but, on a cluster, the lock's slot: Redlock sends one call to each of
+    /// its servers.
+    pub(crate) fn acquire_call(&self, args: &AcquireArgs<'_>, floor: Floor) -> ScriptCall<'_> {
         let mut call = self.lock_call(&self.inner.acquire, args.resource);
         let (Floor::AtLeast(f) | Floor::Exactly(f)) = floor;
         call.arg(args.token.as_str())
@@ -1449,7 +1456,16 @@ impl RedisBackend {
                 call.arg("exact");
             }
         }
-        let (reply, issuer): (i64, _) = self.run_granting("acquire", &call).await?;
+        call
+    }
+
+    /// Sends an acquire [`call`](Self::acquire_call): the attempt, and the issuer number of the
+    /// connection its reply came over.
+    pub(crate) async fn run_acquire(
+        &self,
+        call: &ScriptCall<'_>,
+    ) -> Result<(Attempt, Issuer), LockError> {
+        let (reply, issuer): (i64, _) = self.run_granting("acquire", call).await?;
         Ok((Attempt::from_reply(reply), issuer))
     }
 }
