@@ -350,49 +350,28 @@ impl RedlockBackend {
         )
     }
 
-    /// Runs `op` on every node concurrently and collects votes until `decided` says the outcome
-    /// is settled (the remaining nodes' futures are dropped; their commands are already queued
-    /// on their connections).
+    /// Runs `op` on every node concurrently and collects the votes — with `stop_early`, only
+    /// until they decide the outcome (the remaining nodes' futures are dropped; their commands
+    /// are already queued on their connections).
     async fn poll<'a, T, F>(&'a self, op: F, stop_early: bool) -> Vec<(usize, Vote<T>)>
     where
         T: Send + 'a,
         F: Fn(&'a RedisBackend) -> BoxFuture<'a, Result<Answer<T>, LockError>>,
     {
-        let n = self.inner.nodes.len();
-        let quorum = self.inner.quorum;
-        let mut pending: FuturesUnordered<_> = self
-            .inner
-            .nodes
-            .iter()
-            .enumerate()
+        let mut pending: FuturesUnordered<_> = (self.inner.nodes.iter().enumerate())
             .map(|(i, node)| {
                 let fut = op(node);
                 let limit = self.inner.opts.node_timeout;
-                async move {
-                    let vote = match tokio::time::timeout(limit, fut).await {
-                        Ok(Ok(Answer::Yes(v))) => Vote::Yes(v),
-                        Ok(Ok(Answer::No(rem))) => Vote::No(rem),
-                        Ok(Err(e)) => Vote::failed(&e),
-                        Err(_) => Vote::Failed("timeout".to_owned(), false),
-                    };
-                    (i, vote)
-                }
+                async move { (i, vote(limit, fut).await) }
             })
             .collect();
-        let mut votes = Vec::with_capacity(n);
-        let (mut yes, mut no) = (0, 0);
+        let mut count = Count::new(self.inner.nodes.len(), self.inner.quorum);
         while let Some((i, v)) = pending.next().await {
-            if matches!(v, Vote::Yes(_)) {
-                yes += 1;
-            } else {
-                no += 1;
-            }
-            votes.push((i, v));
-            if stop_early && (yes >= quorum || no > n - quorum) {
+            if count.add(i, v) && stop_early {
                 break;
             }
         }
-        votes
+        count.votes
     }
 
     /// Runs an owner-checked yes/no operation on every node and returns as soon as the outcome
@@ -406,25 +385,17 @@ impl RedlockBackend {
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<bool, LockError>> + Send + 'static,
     {
-        let n = self.inner.nodes.len();
-        let quorum = self.inner.quorum;
         let limit = self.inner.opts.node_timeout;
-        let mut pending: FuturesUnordered<_> = self
-            .inner
-            .nodes
-            .iter()
-            .enumerate()
+        let mut pending: FuturesUnordered<_> = (self.inner.nodes.iter().enumerate())
             .map(|(i, node)| {
                 let fut = op(node.clone());
-                async move {
-                    let vote = match tokio::time::timeout(limit, fut).await {
-                        Ok(Ok(true)) => Vote::Yes(()),
-                        Ok(Ok(false)) => Vote::No(None),
-                        Ok(Err(e)) => Vote::failed(&e),
-                        Err(_) => Vote::Failed("timeout".to_owned(), false),
-                    };
-                    (i, vote)
-                }
+                let answer = async move {
+                    Ok(match fut.await? {
+                        true => Answer::Yes(()),
+                        false => Answer::No(None),
+                    })
+                };
+                async move { (i, vote(limit, answer).await) }
             })
             .collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -433,20 +404,13 @@ impl RedlockBackend {
                 let _ = tx.send(vote);
             }
         });
-        let mut votes = Vec::with_capacity(n);
-        let (mut yes, mut no) = (0, 0);
-        while let Some((i, vote)) = rx.recv().await {
-            if matches!(vote, Vote::Yes(_)) {
-                yes += 1;
-            } else {
-                no += 1;
-            }
-            votes.push((i, vote));
-            if yes >= quorum || no > n - quorum {
+        let mut count = Count::new(self.inner.nodes.len(), self.inner.quorum);
+        while let Some((i, v)) = rx.recv().await {
+            if count.add(i, v) {
                 break;
             }
         }
-        votes
+        count.votes
     }
 
     /// A majority said yes (inside the validity window): `true`. Failed nodes make the outcome
@@ -477,6 +441,51 @@ impl RedlockBackend {
         .into_iter()
         .filter(|r| matches!(r, Ok(Ok(()))))
         .count()
+    }
+}
+
+/// A node's answer as a vote, within `limit`.
+async fn vote<T>(
+    limit: Duration,
+    answer: impl std::future::Future<Output = Result<Answer<T>, LockError>>,
+) -> Vote<T> {
+    match tokio::time::timeout(limit, answer).await {
+        Ok(Ok(Answer::Yes(v))) => Vote::Yes(v),
+        Ok(Ok(Answer::No(remaining))) => Vote::No(remaining),
+        Ok(Err(e)) => Vote::failed(&e),
+        Err(_) => Vote::Failed("timeout".to_owned(), false),
+    }
+}
+
+/// The votes in so far, and whether they decide the outcome.
+struct Count<T> {
+    votes: Vec<(usize, Vote<T>)>,
+    yes: usize,
+    no: usize,
+    nodes: usize,
+    quorum: usize,
+}
+
+impl<T> Count<T> {
+    fn new(nodes: usize, quorum: usize) -> Self {
+        Count {
+            votes: Vec::with_capacity(nodes),
+            yes: 0,
+            no: 0,
+            nodes,
+            quorum,
+        }
+    }
+
+    /// Counts node `i`'s vote; `true` once a majority said yes or can no longer say yes.
+    fn add(&mut self, i: usize, vote: Vote<T>) -> bool {
+        if matches!(vote, Vote::Yes(_)) {
+            self.yes += 1;
+        } else {
+            self.no += 1;
+        }
+        self.votes.push((i, vote));
+        self.yes >= self.quorum || self.no > self.nodes - self.quorum
     }
 }
 
@@ -795,5 +804,37 @@ impl Backend for RedlockBackend {
             }
             Ok(watch)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts `votes` (`y` yes, `n` no, `f` failed) over 5 nodes; answers after which vote the
+    /// count was decided, if any.
+    fn decided_after(votes: &str) -> Option<usize> {
+        let mut count = Count::new(5, 3);
+        votes.chars().enumerate().find_map(|(i, c)| {
+            let vote = match c {
+                'y' => Vote::Yes(()),
+                'n' => Vote::No(None),
+                _ => Vote::Failed("down".to_owned(), false),
+            };
+            count.add(i, vote).then_some(i + 1)
+        })
+    }
+
+    #[test]
+    fn a_count_is_decided_by_a_majority_either_way_and_not_before() {
+        assert_eq!(decided_after("yyy"), Some(3), "a majority said yes");
+        assert_eq!(decided_after("ynyny"), Some(5));
+        assert_eq!(
+            decided_after("nnn"),
+            Some(3),
+            "a majority can no longer say yes"
+        );
+        assert_eq!(decided_after("yfnf"), Some(4), "failures count against");
+        assert_eq!(decided_after("yynn"), None, "the fifth node decides");
     }
 }
