@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManagerConfig;
 
-use crate::backend::redis::conn::{self, Conn, Dedicated, Reconnect, ServerLink};
+use crate::backend::redis::conn::{self, Conn, Dedicated, Reconnect, ScriptCall, ServerLink};
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
@@ -323,16 +323,13 @@ impl DurableQueue {
         &self,
         on: &Conn,
         what: &str,
-        inv: &redis::ScriptInvocation<'_>,
+        inv: &ScriptCall<'_>,
     ) -> Result<T, LockError> {
         let mut conn = on.clone();
         let mut tries = 0;
         loop {
             tries += 1;
-            match self
-                .deadline_on(on, what, inv.invoke_async(&mut conn))
-                .await
-            {
+            match self.deadline_on(on, what, inv.invoke(&mut conn)).await {
                 Ok(v) => return Ok(v),
                 Err(e) if e.is_unavailable() && tries < RESEND_TRIES => {
                     tracing::debug!(error = %e, what, "dlock job queue: not answered; sending it again");
@@ -416,7 +413,7 @@ impl DurableQueue {
         delay: Duration,
     ) -> Result<String, LockError> {
         let id = crate::util::secure_token::<16>();
-        let mut inv = self.inner.enqueue.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.enqueue, 4);
         inv.key(self.key("due"))
             .key(self.key("inflight"))
             .key(self.key("jobs"))
@@ -466,13 +463,13 @@ impl DurableQueue {
             Ok(acked) => format!("{acked} of {want} replicas confirmed it in time"),
             Err(e) => format!("its replicas did not answer ({e})"),
         };
-        let mut inv = self.inner.withdraw.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.withdraw, 3);
         inv.key(self.key("due"))
             .key(self.key("jobs"))
             .key(self.key("attempts"))
             .arg(id);
         let outcome = match self
-            .deadline("withdraw", inv.invoke_async(&mut self.inner.conn.clone()))
+            .deadline("withdraw", inv.invoke(&mut self.inner.conn.clone()))
             .await
         {
             Ok(1) => "not queued (withdrawn)".to_owned(),
@@ -618,14 +615,14 @@ impl DurableQueue {
         let mut purged = 0;
         let mut conn = self.inner.conn.clone();
         for id in ids {
-            let mut inv = self.inner.purge.prepare_invoke();
+            let mut inv = ScriptCall::new(&self.inner.purge, 5);
             inv.key(self.key("dead"))
                 .key(self.key("jobs"))
                 .key(self.key("attempts"))
                 .key(self.key("reasons"))
                 .key(self.key("unknown"))
                 .arg(&id);
-            let n: i64 = self.deadline("purge", inv.invoke_async(&mut conn)).await?;
+            let n: i64 = self.deadline("purge", inv.invoke(&mut conn)).await?;
             if n == 1 {
                 event("purged", &JobInfo::new(id, "", 0));
                 purged += 1;
@@ -678,16 +675,14 @@ impl DurableQueue {
     /// in the dead-letter set. An operator's requeue is let in over `max_queued`.
     pub async fn requeue(&self, id: &str) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
-        let mut inv = self.inner.requeue.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.requeue, 5);
         inv.key(self.key("dead"))
             .key(self.key("due"))
             .key(self.key("attempts"))
             .key(self.key("reasons"))
             .key(self.key("unknown"))
             .arg(id);
-        let n: i64 = self
-            .deadline("requeue", inv.invoke_async(&mut conn))
-            .await?;
+        let n: i64 = self.deadline("requeue", inv.invoke(&mut conn)).await?;
         if n == 1 {
             event("requeued", &JobInfo::new(id, "", 0));
         }
@@ -699,7 +694,7 @@ impl DurableQueue {
     /// in all), and answered with the jobs it claimed — not left claimed by nobody until their
     /// claims expire, each having used an attempt without running.
     pub(super) async fn claim(&self, batch: usize) -> Result<Vec<Claimed>, LockError> {
-        let mut inv = self.inner.claim.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.claim, 9);
         let limits = &self.inner.limits;
         // Unique per claim call (128 random bits); the script appends the job's position.
         let token = crate::util::secure_token::<16>();
@@ -734,16 +729,14 @@ impl DurableQueue {
     /// Pushes the claim's deadline forward; `false` when the claim is no longer this one.
     pub(super) async fn heartbeat(&self, claim: &Claimed) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
-        let mut inv = self.inner.heartbeat.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.heartbeat, 3);
         inv.key(self.key("inflight"))
             .key(self.key("claims"))
             .key(self.key("unknown"))
             .arg(millis(self.inner.visibility))
             .arg(&claim.id)
             .arg(&claim.token);
-        let n: i64 = self
-            .deadline("heartbeat", inv.invoke_async(&mut conn))
-            .await?;
+        let n: i64 = self.deadline("heartbeat", inv.invoke(&mut conn)).await?;
         Ok(n == 1)
     }
 
@@ -763,7 +756,7 @@ impl DurableQueue {
             Counted::UnknownType(grace) => (2, grace),
         };
         let mut conn = self.inner.conn.clone();
-        let mut inv = self.inner.retry.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.retry, 7);
         inv.key(self.key("inflight"))
             .key(self.key("due"))
             .key(self.key("dead"))
@@ -778,7 +771,7 @@ impl DurableQueue {
             .arg(reason)
             .arg(how)
             .arg(millis(grace));
-        let n: i64 = self.deadline("retry", inv.invoke_async(&mut conn)).await?;
+        let n: i64 = self.deadline("retry", inv.invoke(&mut conn)).await?;
         Ok(match n {
             1 => Retried::DeadLettered,
             0 => Retried::Requeued,
@@ -791,7 +784,7 @@ impl DurableQueue {
     /// the claim is no longer this one (nothing changed).
     pub(super) async fn ack(&self, claim: &Claimed, result: &str) -> Result<bool, LockError> {
         let mut conn = self.inner.conn.clone();
-        let mut inv = self.inner.ack.prepare_invoke();
+        let mut inv = ScriptCall::new(&self.inner.ack, 6);
         inv.key(self.key("inflight"))
             .key(self.key("jobs"))
             .key(self.key("attempts"))
@@ -802,7 +795,7 @@ impl DurableQueue {
             .arg(result)
             .arg(millis(self.inner.retention).max(1))
             .arg(&claim.token);
-        let n: i64 = self.deadline("ack", inv.invoke_async(&mut conn)).await?;
+        let n: i64 = self.deadline("ack", inv.invoke(&mut conn)).await?;
         Ok(n == 1)
     }
 }

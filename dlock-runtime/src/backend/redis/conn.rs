@@ -100,7 +100,7 @@ pub(crate) struct ScriptCall<'s> {
 
 impl<'s> ScriptCall<'s> {
     /// A call of `script` with `keys` keys.
-    pub(super) fn new(script: &'s redis::Script, keys: usize) -> Self {
+    pub(crate) fn new(script: &'s redis::Script, keys: usize) -> Self {
         // Room for the usual call (`EVALSHA`, the SHA, the count, the keys and up to eight
         // arguments, a few hundred bytes in all), so that writing it does not reallocate.
         let mut cmd = Cmd::with_capacity(3 + keys + 8, 320);
@@ -113,7 +113,7 @@ impl<'s> ScriptCall<'s> {
     }
 
     /// Writes the next key.
-    pub(super) fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+    pub(crate) fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
         debug_assert!(
             self.keys_left > 0,
             "a script call given more keys than declared"
@@ -124,7 +124,7 @@ impl<'s> ScriptCall<'s> {
     }
 
     /// Writes the next argument (after every key).
-    pub(super) fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
+    pub(crate) fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
         debug_assert_eq!(self.keys_left, 0, "a script argument before all its keys");
         self.cmd.arg(arg);
         self
@@ -134,7 +134,7 @@ impl<'s> ScriptCall<'s> {
     /// first after a restart or `SCRIPT FLUSH`) is given it (`SCRIPT LOAD`), and the call is
     /// sent once more; on a cluster the link sends the script's text itself (see
     /// [`ClusterLink`]).
-    pub(super) async fn invoke<T: redis::FromRedisValue>(
+    pub(crate) async fn invoke<T: redis::FromRedisValue>(
         &self,
         conn: &mut impl ConnectionLike,
     ) -> RedisResult<T> {
