@@ -23,7 +23,9 @@ use redis::Script;
 // Lua shared with the lock scripts: parsing the lock's value, the next fencing token, the live
 // head of the waiter queue, passing a given-up lock on.
 use super::conn::ScriptCall;
-use super::scripts::{publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS};
+use super::scripts::{
+    publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS, QUEUE_SUFFIXES,
+};
 use super::{millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
 use crate::backend::{BoxFuture, OwnerToken};
@@ -150,18 +152,15 @@ return 1
     })
 });
 
-/// KEYS of every idempotency script: the lock, the record (and on a cluster the keys the
-/// scripts derive, see [`RedisBackend::declare_derived_keys`]).
+/// A call of an idempotency script: its KEYS are the lock, the record and, on a cluster, the
+/// keys the scripts derive (see [`RedisBackend::lock_call_with`]).
 fn lock_call<'s>(
     backend: &RedisBackend,
     script: &'s Script,
     resource: &ResourceName,
 ) -> ScriptCall<'s> {
-    let mut call = ScriptCall::new(script, 2 + backend.derived_keys());
-    call.key(resource.as_str())
-        .key(resource.with_suffix(RECORD_SUFFIX));
-    backend.declare_derived_keys(&mut call, resource);
-    call
+    let record = resource.with_suffix(RECORD_SUFFIX);
+    backend.lock_call_with(script, resource, Some(&record), &QUEUE_SUFFIXES)
 }
 
 fn malformed() -> LockError {

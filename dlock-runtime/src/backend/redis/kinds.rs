@@ -202,23 +202,9 @@ pub(super) fn extend_script() -> &'static Script {
 
 impl RedisBackend {
     /// A call of a kind's `script`: the lock's key, then, on a cluster, the keys the kinds'
-    /// scripts derive from it (see [`declare_derived_keys`](RedisBackend::declare_derived_keys)
-    /// for why).
+    /// scripts derive from it ([`lock_call_with`](RedisBackend::lock_call_with)).
     fn kind_call<'s>(&self, script: &'s Script, resource: &ResourceName) -> ScriptCall<'s> {
-        let derived = if self.is_cluster() {
-            1 + QUEUE_SUFFIXES.len()
-        } else {
-            0
-        };
-        let mut call = ScriptCall::new(script, 1 + derived);
-        call.key(resource.as_str());
-        if self.is_cluster() {
-            call.key(self.fence_key(resource));
-            for suffix in QUEUE_SUFFIXES {
-                call.key(resource.with_suffix(suffix));
-            }
-        }
-        call
+        self.lock_call_with(script, resource, None, &QUEUE_SUFFIXES)
     }
 
     pub(super) async fn acquire_kind_once(

@@ -745,42 +745,50 @@ impl RedisBackend {
         }
     }
 
-    /// How many keys [`declare_derived_keys`](Self::declare_derived_keys) declares.
-    fn derived_keys(&self) -> usize {
-        if self.is_cluster() {
-            1 + scripts::QUEUE_SUFFIXES.len()
+    /// A call of a lock's `script`: the lock's key, then, on a cluster, the keys the script
+    /// derives from it ([`lock_call_with`](Self::lock_call_with)).
+    fn lock_call<'s>(&self, script: &'s Script, resource: &ResourceName) -> ScriptCall<'s> {
+        self.lock_call_with(script, resource, None, &scripts::QUEUE_SUFFIXES)
+    }
+
+    /// A call of `script` on `resource`'s lock: the lock's key, then `extra` (a key of the
+    /// script's own), then, on a cluster, the keys the script derives — the slot's fencing
+    /// counter and the lock's queue keys, `<lock key>:<suffix>` for each of `queue`.
+    ///
+    /// Why a cluster needs the derived keys declared: the scripts still derive them (these
+    /// `KEYS` are for the cluster's routing), but while a slot is being resharded, Redis
+    /// routes a script by its declared keys only. Declaring just the lock's key let a script
+    /// that found it missing on the `MIGRATING` source be sent (`ASK`) to the `IMPORTING`
+    /// target and create the slot's fencing counter there while the source still had it —
+    /// the `MIGRATE` of the counter then failed (`BUSYKEY`) and the reshard stopped half-way
+    /// —, and a script running on the source failed ("non local key") on a derived key
+    /// already moved or not yet created. With every key declared, a script runs only on a
+    /// node that holds all of them, and is told `TRYAGAIN` (retried by the cluster client)
+    /// while they are split or missing during the move.
+    fn lock_call_with<'s>(
+        &self,
+        script: &'s Script,
+        resource: &ResourceName,
+        extra: Option<&str>,
+        queue: &[&str],
+    ) -> ScriptCall<'s> {
+        let derived = if self.is_cluster() {
+            1 + queue.len()
         } else {
             0
-        }
-    }
-
-    /// A call of a lock's `script`: the lock's key, then, on a cluster, the keys the script
-    /// derives from it ([`declare_derived_keys`](Self::declare_derived_keys)).
-    fn lock_call<'s>(&self, script: &'s Script, resource: &ResourceName) -> ScriptCall<'s> {
-        let mut call = ScriptCall::new(script, 1 + self.derived_keys());
+        };
+        let mut call = ScriptCall::new(script, 1 + usize::from(extra.is_some()) + derived);
         call.key(resource.as_str());
-        self.declare_derived_keys(&mut call, resource);
-        call
-    }
-
-    /// Declares, on a cluster, the keys a lock's scripts derive from its key — the slot's
-    /// fencing counter, the lock's queue list and entries — after the script's own `KEYS`
-    /// (the scripts still derive them; these `KEYS` are for the cluster's routing). While a
-    /// slot is being resharded, Redis routes a script by its declared keys only: declaring
-    /// just the lock's key let a script that found it missing on the `MIGRATING` source be
-    /// sent (`ASK`) to the `IMPORTING` target and create the slot's fencing counter there
-    /// while the source still had it — the `MIGRATE` of the counter then failed (`BUSYKEY`)
-    /// and the reshard stopped half-way —, and a script running on the source failed
-    /// ("non local key") on a derived key already moved or not yet created. With every key
-    /// declared, a script runs only on a node that holds all of them, and is told `TRYAGAIN`
-    /// (retried by the cluster client) while they are split or missing during the move.
-    fn declare_derived_keys(&self, call: &mut ScriptCall<'_>, resource: &ResourceName) {
+        if let Some(extra) = extra {
+            call.key(extra);
+        }
         if self.is_cluster() {
             call.key(self.fence_key(resource));
-            for suffix in scripts::QUEUE_SUFFIXES {
+            for suffix in queue {
                 call.key(resource.with_suffix(suffix));
             }
         }
+        call
     }
 
     /// This client's fencing floor (see [`Floor::clock`]), for scripts that may issue a token.
@@ -945,7 +953,7 @@ impl RedisBackend {
         redis_err(what, e)
     }
 
-    /// Runs a lock script (one that [declares](RedisBackend::declare_derived_keys) its derived
+    /// Runs a lock script (one that [declares](RedisBackend::lock_call_with) its derived
     /// keys on a cluster). While its slot is `MIGRATING`, Redis (7.0) checks every command a
     /// script runs against the slot's state: a script that empties a queue key (`LPOP` of its
     /// last waiter) and then reads it again fails there with "non local key", its earlier

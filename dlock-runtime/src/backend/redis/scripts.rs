@@ -52,7 +52,7 @@
 //! **On a cluster** the scripts declare, after their own `KEYS`, the keys they derive (the
 //! slot's fencing counter, the lock's queue list and entries): they still derive the names
 //! themselves, the declared keys are for the cluster's routing while the slot is resharded
-//! (see `RedisBackend::declare_derived_keys`). One server saves the extra arguments.
+//! (see `RedisBackend::lock_call_with`). One server saves the extra arguments.
 
 //! Replies are integers where the hot path is concerned (a Lua table or a formatted number
 //! costs the server more than the rest of an uncontended acquire).
