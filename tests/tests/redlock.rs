@@ -759,11 +759,21 @@ async fn unconfirmed_fence_raise_is_unavailable_not_contended() {
     wait_until_free(&locker, key, &deadline, every, "the key stays locked").await;
 }
 
-/// How many script calls (`EVALSHA`) a server has run.
 /// Every `EVALSHA` a node runs from now on, as the number of the `rl:one-trip:<n>` lock it
 /// names (read from `MONITOR`, so commands of other locks — a warm-up's release still landing —
-/// are not counted).
-struct ScriptCalls(tokio::sync::mpsc::UnboundedReceiver<usize>, Vec<[u32; 10]>);
+/// are not counted); an `EVALSHA` that names no lock (a fence raise) counts as [`OTHER`], and
+/// one with more than a plain try's arguments as [`LONG`].
+struct ScriptCalls(
+    tokio::sync::mpsc::UnboundedReceiver<usize>,
+    Vec<[u32; 10]>,
+    [u32; 2],
+);
+
+/// What [`ScriptCalls`] sends for a script call that names no lock.
+const OTHER: usize = usize::MAX;
+/// What [`ScriptCalls`] sends for a lock's script call with more words than an uncontended
+/// try's: the SHA, the key count, the key, and four arguments.
+const LONG: usize = usize::MAX - 1;
 
 impl ScriptCalls {
     async fn start(servers: &[RedisServer]) -> Self {
@@ -776,27 +786,43 @@ impl ScriptCalls {
                 use futures_util::StreamExt;
                 let mut lines = monitor.on_message::<String>();
                 while let Some(line) = lines.next().await {
-                    let digit = line
-                        .split_once("\"EVALSHA\"")
-                        .and_then(|(_, args)| args.split_once("one-trip:"))
+                    let Some((_, args)) = line.split_once("\"EVALSHA\"") else {
+                        continue;
+                    };
+                    let digit = args
+                        .split_once("one-trip:")
                         .and_then(|(_, rest)| rest.chars().next())
                         .and_then(|c| c.to_digit(10));
-                    if let Some(n) = digit {
-                        if tx.send(node * 10 + n as usize).is_err() {
-                            return;
-                        }
+                    let words = args.split("\" \"").count();
+                    let at = match digit {
+                        Some(_) if words > 7 => LONG,
+                        Some(n) => node * 10 + n as usize,
+                        None if args.contains(":{") => continue,
+                        None => OTHER,
+                    };
+                    if tx.send(at).is_err() {
+                        return;
                     }
                 }
             });
         }
-        ScriptCalls(rx, vec![[0; 10]; servers.len()])
+        ScriptCalls(rx, vec![[0; 10]; servers.len()], [0; 2])
+    }
+
+    fn count(&mut self, at: usize) {
+        match at {
+            OTHER => self.2[0] += 1,
+            LONG => self.2[1] += 1,
+            at => self.1[at / 10][at % 10] += 1,
+        }
     }
 
     /// Reads calls until, for every lock, every node ran at least one (the release reaches
     /// every node) and a majority ran one more (the acquire), or 2 s pass; then the calls per
-    /// node and lock. (Waiting only for one call per node stopped early when a node's release
-    /// of the last lock was still on its way after its acquire.)
-    async fn settle(mut self) -> Vec<[u32; 10]> {
+    /// node and lock, and the calls that named no lock and that were longer than a plain try.
+    /// (Waiting only for one call per node stopped early when a node's release of the last lock
+    /// was still on its way after its acquire.)
+    async fn settle(mut self) -> (Vec<[u32; 10]>, [u32; 2]) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
         let nodes = self.1.len();
         // Every node's release, and a majority's acquire.
@@ -807,14 +833,14 @@ impl ScriptCalls {
         };
         while !(0..10).all(|lock| expected(&self.1, lock)) {
             match tokio::time::timeout_at(deadline, self.0.recv()).await {
-                Ok(Some(at)) => self.1[at / 10][at % 10] += 1,
+                Ok(Some(at)) => self.count(at),
                 _ => break,
             }
         }
         while let Ok(at) = self.0.try_recv() {
-            self.1[at / 10][at % 10] += 1;
+            self.count(at);
         }
-        self.1
+        (self.1, self.2)
     }
 }
 
@@ -829,10 +855,11 @@ async fn pings(server: &RedisServer) -> u64 {
 
 /// Once the client's fencing floor is above the nodes' counters (after the first acquire),
 /// every node proposes the same token, so an uncontended acquire is one script call per node —
-/// no fence raise — and a release one more. No `PING` either: the last node's acquire, dropped
+/// no fence raise — and a release one more; the acquire carries a plain try's four arguments
+/// (each costs the server a Lua string). No `PING` either: the last node's acquire, dropped
 /// once the majority answered, is not taken for a sign of a silent connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn uncontended_acquire_is_one_round_trip_per_node() {
+async fn uncontended_acquire_is_one_short_round_trip_per_node() {
     let servers = start_many(3);
     let locker = redlock(&servers, Locker::builder()).await;
     let warm = locker.lock("rl:warm").acquire().await.unwrap();
@@ -858,7 +885,12 @@ async fn uncontended_acquire_is_one_round_trip_per_node() {
     // acquire whose majority was already in may drop a node's command before it was sent (a
     // loaded machine): that node then simply never had the lock. So every node ran, per lock,
     // its release and at most one acquire, and a majority (2 of 3) ran the acquire.
-    let calls = calls.settle().await;
+    let (calls, [other, long]) = calls.settle().await;
+    assert_eq!(other, 0, "fence raises (script calls naming no lock)");
+    assert_eq!(
+        long, 0,
+        "script calls with more than a plain try's arguments"
+    );
     for (s, before) in servers.iter().zip(pinged) {
         assert_eq!(pings(s).await, before, "a PING on the hot path");
     }

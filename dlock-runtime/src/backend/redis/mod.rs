@@ -1444,13 +1444,16 @@ impl RedisBackend {
     /// its servers.
     pub(crate) fn acquire_call(&self, args: &AcquireArgs<'_>, floor: Floor) -> ScriptCall<'_> {
         let mut call = self.lock_call(&self.inner.acquire, args.resource);
-        let (Floor::AtLeast(f) | Floor::Exactly(f)) = floor;
         call.arg(args.token.as_str())
             .arg(scripts::px(args.ttl))
-            .arg(self.fence_key(args.resource))
-            .arg(f);
+            .arg(self.fence_key(args.resource));
+        match floor {
+            Floor::AtLeast(f) => call.arg(f),
+            // Negated: the script's sign for "exactly".
+            Floor::Exactly(f) => call.arg(0i64.saturating_sub_unsigned(f)),
+        };
         // A plain try (the uncontended path) stops here: the script's mode defaults to try.
-        if args.mode != WaitMode::Try || matches!(floor, Floor::Exactly(_)) {
+        if args.mode != WaitMode::Try {
             let mode = match args.mode {
                 WaitMode::Try => "0",
                 WaitMode::Queue => "1",
@@ -1460,9 +1463,6 @@ impl RedisBackend {
                 // An entry must not outlive the lock's key (see `scripts::LINGER`).
                 .arg(millis(args.waiter_ttl.min(scripts::LINGER)))
                 .arg(millis(args.ttl));
-            if let Floor::Exactly(_) = floor {
-                call.arg("exact");
-            }
         }
         call
     }
