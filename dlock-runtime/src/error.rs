@@ -164,14 +164,32 @@ pub enum LockError {
 }
 
 impl LockError {
-    pub(crate) fn unavailable(message: impl Into<String>, source: Option<BoxError>) -> Self {
+    /// An [`Unavailable`](LockError::Unavailable) error (503): for a
+    /// [`Backend`](crate::backend::Backend) outside this crate whose store did not answer, or
+    /// failed in a way that can pass. `message` must hold no secret (it is logged and shown).
+    ///
+    /// ```
+    /// let e = dlock_runtime::LockError::unavailable("store timed out", None);
+    /// assert!(e.is_unavailable());
+    /// assert_eq!(e.status(), 503);
+    /// ```
+    pub fn unavailable(message: impl Into<String>, source: Option<BoxError>) -> Self {
         LockError::Unavailable {
             message: message.into(),
             source,
         }
     }
 
-    pub(crate) fn misconfigured(message: impl Into<String>, source: Option<BoxError>) -> Self {
+    /// A [`Misconfigured`](LockError::Misconfigured) error (500): for a
+    /// [`Backend`](crate::backend::Backend) outside this crate whose store refused in a way
+    /// retrying does not change (a permission, a missing table). `message` must hold no secret.
+    ///
+    /// ```
+    /// let e = dlock_runtime::LockError::misconfigured("no permission on the lock table", None);
+    /// assert!(e.is_misconfigured());
+    /// assert_eq!(e.status(), 500);
+    /// ```
+    pub fn misconfigured(message: impl Into<String>, source: Option<BoxError>) -> Self {
         LockError::Misconfigured {
             message: message.into(),
             source,

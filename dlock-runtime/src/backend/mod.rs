@@ -338,7 +338,10 @@ pub struct ExtendItem {
 
 /// A lock store. See the [module docs](self) for the contract; every method must be atomic
 /// with respect to the owner check, and must not wait longer than the backend's own command
-/// timeout (the [`Locker`](crate::Locker) adds its own deadline on top).
+/// timeout (the [`Locker`](crate::Locker) adds its own deadline on top). A store that did not
+/// answer, or failed in a way that can pass, is [`LockError::unavailable`] (503: waits through
+/// outages go on, a deferred job keeps its attempts); one that refused in a way retrying does
+/// not change is [`LockError::misconfigured`] (500).
 pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and errors (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
