@@ -228,7 +228,8 @@ impl DeferPolicy {
         self
     }
 
-    /// The wait before deferred attempt `attempt` (1-based).
+    /// The wait before deferred attempt `attempt` (1-based); at least a millisecond, whatever
+    /// the `delay` (zero included): a job is not tried in a busy loop.
     pub fn backoff(&self, attempt: u32) -> Duration {
         backoff(
             self.delay,
@@ -236,6 +237,7 @@ impl DeferPolicy {
             self.max_delay,
             Jitter::Equal,
         )
+        .max(MIN_RETRY_STEP)
     }
 }
 
@@ -290,7 +292,7 @@ mod tests {
     }
 
     /// A zero backoff would have a waiter whose notification does not come ask the backend in
-    /// a busy loop.
+    /// a busy loop (and a deferred job with a zero delay be tried in one).
     #[test]
     fn a_zero_backoff_still_waits_a_millisecond() {
         for jitter in [true, false] {
@@ -300,6 +302,11 @@ mod tests {
             for n in 0..50 {
                 assert_eq!(p.backoff_step(n), Duration::from_millis(1));
             }
+        }
+        // Nor a deferred job: a zero delay tried it in a busy loop while its lock was held.
+        let defer = DeferPolicy::new(Duration::ZERO, 3);
+        for attempt in 1..50 {
+            assert_eq!(defer.backoff(attempt), Duration::from_millis(1));
         }
     }
 

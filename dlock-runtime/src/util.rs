@@ -177,6 +177,12 @@ pub(crate) fn random_up_to(max: Duration) -> Duration {
 /// queue's task, and the job in hand lost).
 pub(crate) const MAX_BACKOFF_STEP: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The least pause before asking a backend that is down (a 503-class answer) again — a
+/// waiter waiting through an outage, a deferred job whose attempt found the backend down: one
+/// that refuses at once (nothing listening) is not asked in a busy loop, whatever the policy's
+/// backoff (a defer delay of zero included).
+pub(crate) const OUTAGE_PAUSE: Duration = Duration::from_millis(10);
+
 /// Where in a backoff step the wait falls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Jitter {

@@ -849,6 +849,85 @@ async fn a_lock_backend_outage_does_not_use_up_a_jobs_attempts() {
     assert!(record.starts_with("1:"), "ran as attempt 1: {record}");
 }
 
+/// A lock backend that answers every call at once that it is down (503): one that refuses
+/// fast (a Redis Cluster without a quorum, a server still loading its data), where a stopped
+/// server makes each attempt wait out its connection.
+struct Down;
+
+impl dlock_runtime::backend::Backend for Down {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    fn acquire<'a>(
+        &'a self,
+        _: dlock_runtime::backend::AcquireArgs<'a>,
+    ) -> dlock_runtime::backend::BoxFuture<
+        'a,
+        Result<dlock_runtime::backend::Attempt, dlock_runtime::LockError>,
+    > {
+        Box::pin(async { Err(dlock_runtime::LockError::unavailable("down", None)) })
+    }
+    fn release<'a>(
+        &'a self,
+        _: &'a dlock_runtime::key::ResourceName,
+        _: &'a dlock_runtime::backend::OwnerToken,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<bool, dlock_runtime::LockError>> {
+        Box::pin(async { Err(dlock_runtime::LockError::unavailable("down", None)) })
+    }
+    fn extend<'a>(
+        &'a self,
+        _: &'a dlock_runtime::key::ResourceName,
+        _: &'a dlock_runtime::backend::OwnerToken,
+        _: Duration,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<bool, dlock_runtime::LockError>> {
+        Box::pin(async { Err(dlock_runtime::LockError::unavailable("down", None)) })
+    }
+    fn abandon<'a>(
+        &'a self,
+        _: &'a dlock_runtime::key::ResourceName,
+        _: &'a dlock_runtime::backend::OwnerToken,
+    ) -> dlock_runtime::backend::BoxFuture<'a, Result<(), dlock_runtime::LockError>> {
+        Box::pin(async { Err(dlock_runtime::LockError::unavailable("down", None)) })
+    }
+}
+
+/// A job whose claims find its lock backend down is put back uncounted — and at least
+/// `OUTAGE_PAUSE` (10 ms) later, whatever its delay: its step never grows, and with a delay of
+/// zero, a lock backend that refuses at once had the workers claim the job in a busy loop for
+/// as long as the outage lasted (hundreds of claims in the window below).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_is_not_claimed_in_a_busy_loop_while_its_lock_backend_is_down() {
+    let (server, queue) = server_and_queue(
+        "outage-pace",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    )
+    .await;
+    let policy = DeferPolicy::new(Duration::ZERO, 2);
+    let id = enqueue(&queue, &record_job(&server, 11, "pace"), &policy)
+        .await
+        .unwrap();
+    let worker =
+        DurableWorker::new(queue.clone(), Locker::builder().build(Down)).register::<RecordJob>();
+    // Claims as fast as the worker can make them, over a window of time (nothing to wait for:
+    // the point is how many claims fit in it).
+    let start = std::time::Instant::now();
+    let mut claims = 0;
+    while start.elapsed() < Duration::from_millis(300) {
+        claims += worker.run_once().await.unwrap();
+    }
+    let took = start.elapsed();
+    // 10 ms apart as the server's clock counts them, in whole milliseconds: over 9 ms.
+    let most = took.as_millis() / 9 + 1;
+    assert!(
+        (1..=most).contains(&(claims as u128)),
+        "{claims} claims in {took:?} (at most {most})"
+    );
+    assert!(queue.dead_letters().await.unwrap().is_empty());
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+    assert_eq!(runs(&server, 11).await, 0);
+}
+
 /// A job whose type the claiming worker does not know — a rolling deploy: an instance of the
 /// new release queued it, one of the old release claimed it — is put back without using up an
 /// attempt, and runs (as attempt 1) once a worker that knows the type claims it. One that no

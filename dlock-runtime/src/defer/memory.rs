@@ -579,7 +579,10 @@ async fn run(mut task: Task) {
                         let wait = if draining.is_some() {
                             Duration::from_millis(10)
                         } else {
-                            job.policy.backoff(job.info.attempts + 1)
+                            let step = job.policy.backoff(job.info.attempts + 1);
+                            // Uncounted, the step never grows: a delay of zero (or near it)
+                            // asked the backend in a busy loop for as long as it was down.
+                            if counted { step } else { step.max(crate::util::OUTAGE_PAUSE) }
                         };
                         lock().pending.insert(job.info.id.clone(), job.info.clone());
                         event(key_log, "retried", &job.info);

@@ -272,14 +272,14 @@ impl DurableWorker {
         counted: Counted,
     ) {
         // A counted attempt waits the next attempt's step (`DeferPolicy::backoff` of attempt
-        // `n` is the wait before it); an uncounted one keeps its own attempt's pace.
-        let mut delay = match counted {
+        // `n` is the wait before it); an uncounted one keeps its own attempt's pace — at least
+        // `OUTAGE_PAUSE` apart: the step never grows, and a delay of zero (or near it) claimed
+        // the job in a busy loop for as long as its lock backend was down.
+        let delay = match counted {
             Counted::Attempt => policy.backoff(claim.attempt.saturating_add(1)),
-            Counted::Untried | Counted::UnknownType(_) => policy.backoff(claim.attempt),
+            Counted::Untried => policy.backoff(claim.attempt).max(crate::util::OUTAGE_PAUSE),
+            Counted::UnknownType(_) => policy.backoff(claim.attempt).max(UNKNOWN_TYPE_MIN_DELAY),
         };
-        if matches!(counted, Counted::UnknownType(_)) {
-            delay = delay.max(UNKNOWN_TYPE_MIN_DELAY);
-        }
         self.finish_failed(claim, info, delay, policy.max_attempts, reason, counted)
             .await;
     }

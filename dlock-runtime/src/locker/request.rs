@@ -619,10 +619,6 @@ async fn attempt_once(
     }
 }
 
-/// The least pause between attempts while waiting through an outage: a backend that refuses at
-/// once (nothing listening) is not asked in a busy loop, whatever the policy's backoff.
-const OUTAGE_PAUSE: Duration = Duration::from_millis(10);
-
 async fn wait_for(
     locker: &Locker,
     resource: ResourceName,
@@ -689,7 +685,7 @@ async fn wait_for(
             .map(|left| {
                 policy
                     .backoff_step(step)
-                    .max(OUTAGE_PAUSE)
+                    .max(crate::util::OUTAGE_PAUSE)
                     .min(refresh)
                     .min(left)
             });
@@ -1574,6 +1570,41 @@ mod tests {
         free.release().await.unwrap();
         let guard = waiter.await.unwrap().unwrap();
         guard.release().await.unwrap();
+    }
+
+    /// A deferred job whose attempts find the backend down (503) is tried again at least
+    /// `OUTAGE_PAUSE` apart, whatever its delay: such attempts are not counted, so the step
+    /// never grows, and a delay of zero asked the backend in a busy loop for as long as the
+    /// outage lasted (thousands of attempts in the window below).
+    #[tokio::test]
+    async fn a_deferred_job_is_not_tried_in_a_busy_loop_while_the_backend_is_down() {
+        let (locker, outage) = outage_locker();
+        let held = locker.lock("k").acquire().await.unwrap();
+        let out = locker
+            .lock("k")
+            .on_fail(OnFail::defer(Duration::ZERO, 3))
+            .run(async {})
+            .await;
+        assert!(out.unwrap_err().is_deferred());
+        // Before the queue's task runs (this test's runtime has one thread, and this task has
+        // not yielded since): every attempt of the job finds the backend down.
+        outage.unsent.store(1_000_000, Ordering::SeqCst);
+        let tried = || 1_000_000 - outage.unsent.load(Ordering::SeqCst);
+        let (start, at_start) = (Instant::now(), tried());
+        // A window of time to count attempts in (nothing to wait for: the point is how many
+        // attempts fit in it).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (n, took) = (tried() - at_start, start.elapsed());
+        // `OUTAGE_PAUSE` apart, on a timer of whole milliseconds: over 9 ms.
+        let most = took.as_millis() / (crate::util::OUTAGE_PAUSE.as_millis() - 1) + 1;
+        assert!(
+            (1..=most as usize).contains(&n),
+            "{n} attempts in {took:?} (at most {most})"
+        );
+        assert!(locker.defer_queue().dead_letters().is_empty());
+        assert_eq!(locker.defer_queue().pending().len(), 1);
+        outage.unsent.store(0, Ordering::SeqCst);
+        drop(held);
     }
 
     /// Deferred work runs under the options of the request it came from: here its minimum
