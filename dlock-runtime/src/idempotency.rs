@@ -223,6 +223,10 @@ impl IdempotencyRequest<'_> {
     /// One atomic step: replay, mismatch, in progress, or the lock for this attempt (see
     /// [`Begin`]).
     ///
+    /// [`LockError::Lost`] when the answer came after the lease it granted had run out (a
+    /// backend slower than the TTL, a frozen process): the lock is given back, as
+    /// [`acquire`](crate::LockRequest::acquire) does, and the next attempt may run.
+    ///
     /// Cancel-safe: dropping this future never leaves the key's lock held without an owner.
     pub async fn begin(self) -> Result<Begin, LockError> {
         let labels = self.locker.labels(self.name);
@@ -284,12 +288,22 @@ impl IdempotencyRequest<'_> {
                     auto_renew: self.auto_renew,
                     labels,
                 };
-                Begin::Run(IdempotentOperation {
+                let op = IdempotentOperation {
                     lease: flight.into_lease(grant, locker.id()),
                     locker: locker.clone(),
                     fingerprint: self.fingerprint,
                     retention,
-                })
+                };
+                if !op.is_held() {
+                    // The answer came after the lease it granted had run out (slower than the
+                    // TTL, or a frozen process): as with a guard, an operation that does not
+                    // hold the key's lock is never handed out — another attempt may already
+                    // be running it. Given back, in case the lock is still ours.
+                    let key = op.key().to_owned();
+                    let _ = op.abort().await;
+                    return Err(LockError::lost(&key));
+                }
+                Begin::Run(op)
             }
             BeginReply::Replay { record } => Begin::Replay(record),
             BeginReply::Mismatch => Begin::Mismatch,
@@ -522,6 +536,119 @@ mod tests {
         };
         assert!(op.fencing_token() > first);
         op.complete(b"x").await.unwrap();
+    }
+
+    /// The in-memory backend, whose `begin` answers `slow` late (after it ran).
+    struct SlowBegin {
+        inner: crate::backend::MemoryBackend,
+        slow: Duration,
+    }
+
+    impl crate::backend::Backend for SlowBegin {
+        fn name(&self) -> &'static str {
+            "slow-begin"
+        }
+
+        fn acquire<'a>(
+            &'a self,
+            args: crate::backend::AcquireArgs<'a>,
+        ) -> crate::backend::BoxFuture<'a, Result<crate::backend::Attempt, LockError>> {
+            self.inner.acquire(args)
+        }
+
+        fn release<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> crate::backend::BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.release(resource, token)
+        }
+
+        fn extend<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+            ttl: Duration,
+        ) -> crate::backend::BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.extend(resource, token, ttl)
+        }
+
+        fn abandon<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> crate::backend::BoxFuture<'a, Result<(), LockError>> {
+            self.inner.abandon(resource, token)
+        }
+
+        fn idempotency(&self) -> Option<&dyn crate::backend::IdempotencyStore> {
+            Some(self)
+        }
+    }
+
+    impl crate::backend::IdempotencyStore for SlowBegin {
+        fn begin<'a>(
+            &'a self,
+            args: crate::backend::idempotency::BeginArgs<'a>,
+        ) -> crate::backend::BoxFuture<'a, Result<crate::backend::idempotency::BeginReply, LockError>>
+        {
+            Box::pin(async move {
+                let reply = self.inner.begin(args).await;
+                tokio::time::sleep(self.slow).await;
+                reply
+            })
+        }
+
+        fn complete<'a>(
+            &'a self,
+            args: crate::backend::idempotency::CompleteArgs<'a>,
+        ) -> crate::backend::BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.complete(args)
+        }
+
+        fn abort<'a>(
+            &'a self,
+            resource: &'a crate::key::ResourceName,
+            token: &'a crate::backend::OwnerToken,
+        ) -> crate::backend::BoxFuture<'a, Result<bool, LockError>> {
+            self.inner.abort(resource, token)
+        }
+    }
+
+    /// A `begin` whose answer came after the lease it granted had run out is `Lost`, and the
+    /// lock is given back: it handed out an operation that did not hold the key's lock (as
+    /// `acquire` never hands out such a guard), and a second attempt, begun once the first's
+    /// lease was over, ran the operation beside it.
+    #[tokio::test]
+    async fn a_begin_answered_after_its_lease_ran_out_is_lost_and_gives_the_lock_back() {
+        let backend = SlowBegin {
+            inner: crate::backend::MemoryBackend::new(),
+            slow: Duration::from_millis(60),
+        };
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(5))
+            .build(backend);
+        let a = fp(&[b"a"]);
+        let begin = || {
+            locker
+                .idempotency("k", a)
+                .ttl(Duration::from_millis(20))
+                .begin()
+        };
+        let err = begin().await.unwrap_err();
+        assert!(err.is_lost(), "{err:?}");
+        // No record was stored: the next attempt is asked to run too (and is late again).
+        assert!(begin().await.unwrap_err().is_lost());
+        // An answer in time runs as before.
+        let fast = Locker::builder().build(SlowBegin {
+            inner: crate::backend::MemoryBackend::new(),
+            slow: Duration::ZERO,
+        });
+        let Begin::Run(op) = fast.idempotency("k", a).begin().await.unwrap() else {
+            panic!("an answer in time runs the operation")
+        };
+        assert!(op.is_held());
+        op.complete(b"done").await.unwrap();
     }
 
     /// The note of the attempt running on `key` (begun with a fingerprint other than `[8; 32]`)
