@@ -1372,3 +1372,133 @@ async fn waiters_hear_releases_after_their_lockers_runtime_shut_down() {
     )
     .await;
 }
+
+/// How many script calls (`EVALSHA`) the node on `port` has run.
+async fn evalsha_calls(port: u16) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut node_conn(port).await)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a count"))
+}
+
+/// A release that runs while its slot is being migrated (`CLUSTER SETSLOT … MIGRATING`, the
+/// keys still on the source, where the script then runs) hands the lock to its waiter — a
+/// lock's, and a semaphore's permit — and reports the release as done. Redis checks each
+/// command of a script against the slot's state, and a key the script has just emptied is
+/// "non local" there: the lock's release popped its only waiter off the queue and then failed,
+/// and its run again on the slot's new master found nobody to hand the lock to and deleted it
+/// (a newcomer took it); the semaphore's release removed its holder, failed, and was reported
+/// `Lost` (its run again found no holder). The scripts now stop before their first write while
+/// their slot migrates (`TRYAGAIN`, retried by the cluster client until the slot has moved).
+/// (Its own cluster: it changes the slot map.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_its_slot_migrates_still_hands_over() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+    let cluster = RedisCluster::start(3, 0);
+    let seed = cluster.nodes[0].port();
+    let connect = async || {
+        Locker::builder()
+            .prefix("mig")
+            .command_timeout(Duration::from_secs(5))
+            // No waiter refreshes its place (every 20 s) within the test: the only script
+            // calls on the slot are the ones it makes.
+            .waiter_ttl(Duration::from_secs(60))
+            .connect(&cluster.url())
+            .await
+            .unwrap()
+    };
+    let (holder, waiter, newcomer) = (connect().await, connect().await, connect().await);
+    let ttl = Duration::from_secs(30);
+    // Releases `held` (of `key`) while its slot is being moved to another master: the script
+    // reaches the source first, then the move completes.
+    let release_while_moving = async |key: &str, held: dlock_runtime::LockGuard| {
+        let slot = key_slot(seed, &resource_name(&holder, key)).await;
+        let from = RedisCluster::range_of(seed, slot).await.master;
+        let to = RedisCluster::range_of(seed, (slot + 8192) % 16384)
+            .await
+            .master;
+        assert_ne!(from, to);
+        let setslot = async |port: u16, state: &str, node: u16| {
+            let _: () = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(state)
+                .arg(redis_cluster::node_id(node).await)
+                .query_async(&mut node_conn(port).await)
+                .await
+                .unwrap();
+        };
+        setslot(to, "IMPORTING", from).await;
+        setslot(from, "MIGRATING", to).await;
+        let calls = evalsha_calls(from).await;
+        let release = tokio::spawn(held.release());
+        dlock_tests::wait::wait_for(
+            "the release to reach the migrating slot",
+            Duration::from_secs(5),
+            async || (evalsha_calls(from).await > calls).then_some(()),
+        )
+        .await;
+        cluster.move_slot(slot, from, to, 10).await.unwrap();
+        release.await.unwrap()
+    };
+
+    // A lock, its waiter a queued owner token (a waiter of a locker would also be woken by the
+    // loss of its subscription when the slot moves, and could take the freed lock first).
+    let key = "handoff";
+    let resource = holder.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let held = holder.lock(key).ttl(ttl).acquire().await.unwrap();
+    let first = held.fencing_token();
+    let next = OwnerToken::generate();
+    let queued = attempt_as(&waiter, &resource, &next, WaitMode::Queue, ttl)
+        .await
+        .unwrap();
+    assert!(matches!(queued, Attempt::Held { .. }), "{queued:?}");
+    release_while_moving(key, held)
+        .await
+        .unwrap_or_else(|e| panic!("the lock's release failed: {e}"));
+    assert!(
+        newcomer.lock(key).try_acquire().await.unwrap().is_none(),
+        "the release dropped its waiter and left the lock free"
+    );
+    match attempt_as(&waiter, &resource, &next, WaitMode::Try, ttl).await {
+        Ok(Attempt::Acquired { fencing_token }) => assert!(fencing_token > first),
+        other => panic!("the waiter does not hold the lock: {other:?}"),
+    }
+    dlock_runtime::conformance::abandon_as(&waiter, &resource, &next)
+        .await
+        .unwrap();
+
+    // A semaphore's permit, its waiter a locker's.
+    let key = "permits";
+    let held = holder.semaphore(key, 1).ttl(ttl).acquire().await.unwrap();
+    let queued = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .semaphore(key, 1)
+                .ttl(ttl)
+                .on_fail(OnFail::retry(Duration::from_secs(30)))
+                .acquire()
+                .await
+        }
+    });
+    dlock_tests::wait::wait_for("the waiter to queue", Duration::from_secs(5), async || {
+        (waiter.waiting() == 1).then_some(())
+    })
+    .await;
+    release_while_moving(key, held)
+        .await
+        .unwrap_or_else(|e| panic!("the permit's release failed: {e}"));
+    let next = tokio::time::timeout(Duration::from_secs(5), queued)
+        .await
+        .expect("the waiter was not let in")
+        .unwrap()
+        .unwrap();
+    next.release().await.unwrap();
+}

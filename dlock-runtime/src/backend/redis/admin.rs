@@ -63,6 +63,7 @@ return {v, pttl, fence, ws}
 /// Returns `{1 if a live lease was removed else 0, the counter after the raise}`.
 fn force_release(cluster: bool) -> Script {
     let text = [
+        scripts::SLOT_GUARD,
         "local fence_key, fence_floor = ARGV[1], tonumber(ARGV[2])\nlocal fence\n",
         scripts::NEXT_FENCE,
         r#"

@@ -25,6 +25,7 @@ use redis::Script;
 use super::conn::ScriptCall;
 use super::scripts::{
     publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS, QUEUE_SUFFIXES,
+    SLOT_GUARD,
 };
 use super::{millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -49,6 +50,7 @@ const RECORD_SUFFIX: &str = "idem";
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     script(&format!(
         r#"
+{SLOT_GUARD}
 local token, fence_key, fence_floor = ARGV[1], ARGV[5], tonumber(ARGV[6])
 {QUEUE_KEYS}
 local rec = redis.call('HMGET', KEYS[2], 'fp', 'res', 'tok')
@@ -114,6 +116,7 @@ static COMPLETE: LazyLock<[Script; 2]> = LazyLock::new(|| {
             &format!(
                 r#"
 {owner_check}
+{SLOT_GUARD}
 local fence_key, fence_floor = ARGV[2], tonumber(ARGV[6])
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'res', ARGV[4])
@@ -140,6 +143,7 @@ static ABORT: LazyLock<[Script; 2]> = LazyLock::new(|| {
             &format!(
                 r#"
 {owner_check}
+{SLOT_GUARD}
 local fence_key, fence_floor = ARGV[2], tonumber(ARGV[3])
 if redis.call('HGET', KEYS[2], 'tok') == ARGV[1] then redis.call('DEL', KEYS[2]) end
 {PASS_ON}

@@ -18,6 +18,7 @@ macro_rules! now_ms {
 /// `WAIT` after it (`DurableQueue::with_replicas`) counts the replicas that have the job even
 /// when the first try came over another connection.
 pub(crate) const ENQUEUE: &str = concat!(
+    slot_guard!(),
     r#"
 local queued = redis.call('HGET', KEYS[3], ARGV[1])
 if queued then
@@ -52,6 +53,7 @@ return 1
 /// 9 the batch (`batch:` .. ARGV[3]).
 /// Returns a flat list id, payload, attempt, claim token, ….
 pub(crate) const CLAIM: &str = concat!(
+    slot_guard!(),
     now_ms!(),
     r#"
 local kept = redis.call('LRANGE', KEYS[9], 0, -1)
@@ -146,6 +148,7 @@ return out
 /// Returns 1 when dead-lettered, 0 when re-queued, 2 when re-queued as the first claim that
 /// did not know its type, -1 when the claim is not this one.
 pub(crate) const RETRY: &str = concat!(
+    slot_guard!(),
     r#"
 if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[2] then return -1 end
 redis.call('HDEL', KEYS[5], ARGV[1])
@@ -187,7 +190,9 @@ return 0
 /// KEYS: 1 inflight, 2 jobs, 3 attempts, 4 status key, 5 claims, 6 unknown.
 /// ARGV: 1 id, 2 outcome, 3 retention ms, 4 claim token.
 /// Returns 1 when acknowledged, 0 when the claim is not this one.
-pub(crate) const ACK: &str = r#"
+pub(crate) const ACK: &str = concat!(
+    slot_guard!(),
+    r#"
 if redis.call('HGET', KEYS[5], ARGV[1]) ~= ARGV[4] then return 0 end
 redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -196,13 +201,15 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
 return 1
-"#;
+"#
+);
 
 /// Heartbeat, if claim ARGV[3] is still the job's: push its deadline to now + ARGV[1] ms. Only
 /// a worker that runs the job sends one, so it clears the job's unknown-type note.
 /// KEYS: 1 inflight, 2 claims, 3 unknown. ARGV: 1 visibility ms, 2 id, 3 claim token.
 /// Returns 1 if extended, 0 when the claim is not this one.
 pub(crate) const HEARTBEAT: &str = concat!(
+    slot_guard!(),
     r#"
 if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[3] then return 0 end
 redis.call('HDEL', KEYS[3], ARGV[2])
@@ -218,31 +225,38 @@ return 1
 /// `DurableQueue::with_replicas`). KEYS: 1 due, 2 jobs, 3 attempts.
 /// Returns 1 when withdrawn, 0 when the job is not there or was claimed already (nothing
 /// changed).
-pub(crate) const WITHDRAW: &str = r#"
+pub(crate) const WITHDRAW: &str = concat!(
+    slot_guard!(),
+    r#"
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 or redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
-"#;
+"#
+);
 
 /// Purge a dead letter for good: only if it is one (a job requeued or still queued keeps its
 /// payload and bookkeeping).
 /// KEYS: 1 dead, 2 jobs, 3 attempts, 4 reasons, 5 unknown. ARGV: 1 id. Returns 1 if it was a
 /// dead letter.
-pub(crate) const PURGE: &str = r#"
+pub(crate) const PURGE: &str = concat!(
+    slot_guard!(),
+    r#"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 return 1
-"#;
+"#
+);
 
 /// Requeue a dead letter with a fresh attempt budget (and grace for an unknown type), due now.
 /// KEYS: 1 dead, 2 due, 3 attempts, 4 reasons, 5 unknown. ARGV: 1 id. Returns 1 if it was a
 /// dead letter.
 pub(crate) const REQUEUE: &str = concat!(
+    slot_guard!(),
     r#"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[4], ARGV[1])

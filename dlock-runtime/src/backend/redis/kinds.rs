@@ -39,7 +39,9 @@ const QUEUE_SUFFIXES: [&str; 2] = ["q", "qe"];
 /// count `held` and writer flag `writer`, `fits(held, writer, x)` and
 /// `walk(target) -> admitted, held, writer, reached` over the queue's ready prefix. Needs
 /// `cap` (a number).
-const PRELUDE: &str = r#"
+const PRELUDE: &str = concat!(
+    slot_guard!(),
+    r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h, q, qe = KEYS[1], KEYS[1] .. ':q', KEYS[1] .. ':qe'
@@ -70,7 +72,8 @@ local function walk(target)
     end
   end
 end
-"#;
+"#
+);
 
 /// One acquire attempt of a permit or a read or write hold.
 ///

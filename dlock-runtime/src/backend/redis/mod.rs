@@ -79,6 +79,27 @@ use super::{
 use crate::key::{LockKind, ResourceName};
 use crate::LockError;
 
+/// Lua: stops a script, before its first write, while its slot is being migrated away from this
+/// node (Redis Cluster, `CLUSTER SETSLOT … MIGRATING`), with `TRYAGAIN`, which the cluster client
+/// retries until the slot has moved. Redis (7.0) checks every command a script runs against the
+/// slot's state: a key the script empties (the last waiter popped, the last holder removed, a
+/// record deleted to be written anew) is then missing on this node, and the next command on it
+/// fails with "non local key" — the script stopped half-way, its earlier writes kept (a waiter
+/// popped off the queue and never handed the lock; a permit freed and reported lost). A key
+/// that never exists (`KEYS[1]:~`, same slot) shows the state: a command on it fails only
+/// while the slot migrates. Elsewhere (one server, Sentinel, a stable slot) this is one
+/// `EXISTS` answering 0, so the uncontended lock paths, which delete nothing they touch again,
+/// go without it.
+macro_rules! slot_guard {
+    () => {
+        r#"
+if type(redis.pcall('EXISTS', KEYS[1] .. ':~')) == 'table' then
+  return redis.error_reply('TRYAGAIN the slot of this key is being migrated')
+end
+"#
+    };
+}
+
 mod admin;
 pub(crate) mod conn;
 mod idempotency;
@@ -955,12 +976,12 @@ impl RedisBackend {
 
     /// Runs a lock script (one that [declares](RedisBackend::lock_call_with) its derived
     /// keys on a cluster). While its slot is `MIGRATING`, Redis (7.0) checks every command a
-    /// script runs against the slot's state: a script that empties a queue key (`LPOP` of its
-    /// last waiter) and then reads it again fails there with "non local key", its earlier
-    /// writes kept. Those are always queue bookkeeping — every script grants, hands over or
-    /// deletes the lock in its last write — so it is run again, at most twice: the key now
-    /// missing, the cluster answers `TRYAGAIN` or `ASK` until the slot has moved, which the
-    /// cluster client follows.
+    /// script runs against the slot's state, and a script that empties a key and then touches
+    /// it again fails there with "non local key", its earlier writes kept: every script that
+    /// may do so stops before its first write while the slot migrates (`slot_guard!`,
+    /// answered `TRYAGAIN`, which the cluster client retries). Should one fail that way all the
+    /// same, it is run again, at most twice: a key now missing, the cluster answers `TRYAGAIN`
+    /// or `ASK` until the slot has moved, which the cluster client follows.
     async fn run_script<T: redis::FromRedisValue>(
         &self,
         what: &str,

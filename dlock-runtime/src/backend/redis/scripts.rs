@@ -204,6 +204,7 @@ end
 
 /// Lua shared with the idempotency scripts.
 pub(super) const PARSE_LOCK: &str = parse_lock!();
+pub(super) const SLOT_GUARD: &str = slot_guard!();
 pub(super) const QUEUE_KEYS: &str = queue_keys!();
 pub(super) const NEXT_FENCE: &str = next_fence!();
 pub(super) const QUEUE_HEAD: &str = queue_head!();
@@ -268,6 +269,9 @@ else
         r#"
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
+"#,
+        slot_guard!(),
+        r#"
 local mode, wttl, lease = ARGV[5] or '0', tonumber(ARGV[6]), tonumber(ARGV[7])
 local v = redis.call('GET', KEYS[1])
 "#,
@@ -338,6 +342,9 @@ if v == ARGV[1] then
   return 1
 end
 if not v then return 0 end
+"#,
+            slot_guard!(),
+            r#"
 local fence_key, fence_floor = ARGV[2], tonumber(ARGV[3])
 "#,
             parse_lock!(),
@@ -361,6 +368,7 @@ return 1
 pub(super) fn abandon(cluster: bool) -> Script {
     publishing(
         concat!(
+            slot_guard!(),
             r#"
 local token, fence_key, fence_floor = ARGV[1], ARGV[2], tonumber(ARGV[3])
 "#,
