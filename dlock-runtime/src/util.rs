@@ -177,6 +177,15 @@ pub(crate) fn random_up_to(max: Duration) -> Duration {
 /// queue's task, and the job in hand lost).
 pub(crate) const MAX_BACKOFF_STEP: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The longest timeout a backend keeps (`RedisOptions`, `EtcdOptions`, `ZkOptions`): a day. A
+/// longer one — `Duration::MAX` for "no deadline" — is taken as a day: the backends add and
+/// multiply their timeouts, and past this they overflowed (a panic).
+#[cfg_attr(
+    not(any(feature = "redis", feature = "etcd", feature = "zookeeper")),
+    allow(dead_code)
+)]
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The least pause before asking a backend that is down (a 503-class answer) again — a
 /// waiter waiting through an outage, a deferred job whose attempt found the backend down: one
 /// that refuses at once (nothing listening) is not asked in a busy loop, whatever the policy's

@@ -1429,3 +1429,22 @@ async fn credentials_for_a_cluster_without_auth_are_misconfigured() {
         started.elapsed()
     );
 }
+
+/// Timeouts given as `Duration::MAX` ("no deadline") are taken as a day: each call's deadline
+/// was `Instant::now() + timeout`, which overflowed — a panic at connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_past_a_day_are_a_day_not_a_panic() {
+    let url = etcd_server::shared().lock().unwrap().url();
+    let opts = EtcdOptions::default()
+        .command_timeout(Duration::MAX)
+        .connect_timeout(Duration::MAX);
+    let locker = Locker::builder().build(EtcdBackend::connect(&url, opts).await.unwrap());
+    let g = locker.lock("forever").acquire().await.unwrap();
+    assert!(locker
+        .lock("forever")
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_none());
+    g.release().await.unwrap();
+}

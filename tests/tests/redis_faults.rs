@@ -1736,3 +1736,41 @@ async fn a_listing_page_looks_at_a_bounded_number_of_keys() {
     assert_eq!(all[0].key, "listed");
     held.release().await.unwrap();
 }
+
+/// Timeouts given as `Duration::MAX` ("no deadline") are taken as a day: the backend adds its
+/// connect and command timeouts (and scales the command timeout for a replica wait), which
+/// overflowed — a panic at connect. Through `RedisOptions`, the locker's builder and Redlock's
+/// node timeout alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_past_a_day_are_a_day_not_a_panic() {
+    use dlock_runtime::backend::{RedisOptions, RedlockBackend, RedlockOptions};
+    let server = RedisServer::start();
+    let url = server.url();
+    let opts = RedisOptions::default()
+        .command_timeout(Duration::MAX)
+        .connect_timeout(Duration::MAX);
+    let lockers = [
+        Locker::builder().build(RedisBackend::connect(&url, opts).await.unwrap()),
+        Locker::builder()
+            .command_timeout(Duration::MAX)
+            .connect(&url)
+            .await
+            .unwrap(),
+        Locker::builder().build(
+            RedlockBackend::connect(
+                &[&url],
+                RedlockOptions::default()
+                    .node_timeout(Duration::MAX)
+                    .connect_timeout(Duration::MAX),
+            )
+            .await
+            .unwrap(),
+        ),
+    ];
+    for (i, locker) in lockers.iter().enumerate() {
+        let key = format!("forever:{i}");
+        let g = locker.lock(&key).acquire().await.unwrap();
+        assert!(locker.lock(&key).try_acquire().await.unwrap().is_none());
+        g.release().await.unwrap();
+    }
+}

@@ -1353,3 +1353,22 @@ async fn an_attempt_clears_a_long_line_of_dead_waiters() {
     assert_eq!(raw.list_children(&dir).await.unwrap().len(), 1);
     assert!(backend.release(&resource, &token).await.unwrap());
 }
+
+/// Timeouts given as `Duration::MAX` ("no deadline") are taken as a day.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_past_a_day_are_a_day_not_a_panic() {
+    use dlock_runtime::backend::{ZkBackend, ZkOptions};
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let opts = ZkOptions::default()
+        .command_timeout(Duration::MAX)
+        .connection_timeout(Duration::MAX);
+    let locker = Locker::builder().build(ZkBackend::connect(&url, opts).await.unwrap());
+    let g = locker.lock("forever").acquire().await.unwrap();
+    assert!(locker
+        .lock("forever")
+        .try_acquire()
+        .await
+        .unwrap()
+        .is_none());
+    g.release().await.unwrap();
+}

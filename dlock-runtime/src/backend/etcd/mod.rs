@@ -202,8 +202,8 @@ mod url;
 use self::pool::{call, Pool};
 use self::session::{Sessions, TokenKey};
 
-/// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s, key prefix
-/// `dlock`, no user, no TLS files.
+/// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s (either at most a
+/// day: a longer one is taken as a day), key prefix `dlock`, no user, no TLS files.
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct EtcdOptions {
@@ -245,13 +245,13 @@ impl EtcdOptions {
     /// How long one request to etcd may take before it fails with
     /// [`LockError::Unavailable`].
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+        self.command_timeout = timeout.min(crate::util::MAX_TIMEOUT);
         self
     }
 
     /// How long connecting may take.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.connect_timeout = timeout.min(crate::util::MAX_TIMEOUT);
         self
     }
 

@@ -125,7 +125,8 @@ const CLUSTER_RETRIES: u32 = 8;
 const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (5, 160);
 
 /// Connection settings of the Redis backend. Defaults: command timeout 1 s, connect timeout
-/// 1 s.
+/// 1 s. Either is at most a day: a longer one (`Duration::MAX` for "no deadline") is taken as
+/// a day.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RedisOptions {
@@ -154,6 +155,14 @@ impl RedisOptions {
     /// Sets [`connect_timeout`](RedisOptions::connect_timeout).
     pub fn connect_timeout(mut self, d: Duration) -> Self {
         self.connect_timeout = d;
+        self
+    }
+
+    /// These options with each timeout at most a day (`util::MAX_TIMEOUT`; the fields are
+    /// public, so the setters cannot be the place).
+    fn bounded(mut self) -> Self {
+        self.command_timeout = self.command_timeout.min(crate::util::MAX_TIMEOUT);
+        self.connect_timeout = self.connect_timeout.min(crate::util::MAX_TIMEOUT);
         self
     }
 }
@@ -562,6 +571,7 @@ impl RedisBackend {
         // vote, so there it only wakes the waiter.
         handoff: bool,
     ) -> Result<Self, LockError> {
+        let opts = opts.bounded();
         // The connection manager starts its task at once (`tokio::spawn`), which panics
         // outside a runtime.
         if tokio::runtime::Handle::try_current().is_err() {
@@ -617,6 +627,7 @@ impl RedisBackend {
     /// [`LockError::Misconfigured`] if a node refuses the sign-in (a wrong password or user).
     #[cfg(feature = "cluster")]
     pub async fn connect_cluster(urls: &[String], opts: RedisOptions) -> Result<Self, LockError> {
+        let opts = opts.bounded();
         let hub = ReleaseHub::new();
         // A grant published by a release only wakes the waiter: the pushes come on the
         // subscriptions' own connections, not in order with the answers to the waiter's
@@ -678,6 +689,7 @@ impl RedisBackend {
     /// names a live master within the connect timeout plus the command timeout.
     #[cfg(feature = "sentinel")]
     pub async fn connect_sentinel(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
+        let opts = opts.bounded();
         let parsed = sentinel::SentinelUrl::parse(url)?;
         let hub = ReleaseHub::new();
         let (me, push) = issued_push_handler(&hub, true);

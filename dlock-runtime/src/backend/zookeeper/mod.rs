@@ -173,7 +173,8 @@ type ZkError = zookeeper_client::Error;
 
 /// Settings of a [`ZkBackend`]. Defaults: command timeout 2 s, session timeout 30 s (what the
 /// server grants may differ), connection timeout a third of the command timeout (at most 1 s),
-/// node prefix `dlock`.
+/// node prefix `dlock`. The command and connection timeouts are at most a day (a longer one is
+/// taken as a day).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ZkOptions {
@@ -201,7 +202,7 @@ impl ZkOptions {
     /// How long one backend call (and connecting) may take before it fails with
     /// [`LockError::Unavailable`].
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+        self.command_timeout = timeout.min(crate::util::MAX_TIMEOUT);
         self
     }
 
@@ -219,7 +220,7 @@ impl ZkOptions {
     /// another server (keep it well below the command timeout, so a frozen server costs no
     /// more than one call).
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = Some(timeout);
+        self.connection_timeout = Some(timeout.min(crate::util::MAX_TIMEOUT));
         self
     }
 
