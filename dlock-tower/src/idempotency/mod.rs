@@ -171,8 +171,10 @@
 //!
 //! The draft defines `Idempotency-Key` as a Structured Field string
 //! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`); the bare form many clients send
-//! (`Idempotency-Key: 8e03978e-…`) is accepted too and means the same key. Keys must be
-//! printable ASCII and at most [`max_key_len`](IdempotencyLayer::max_key_len) bytes (default
+//! (`Idempotency-Key: 8e03978e-…`) is accepted too and means the same key. A quoted key's
+//! parameters (`"8e03…";v=1`) are ignored, but anything else after it — a second value
+//! (`"a", "b"`: two field lines a proxy joined, like a bare `a, b`), text that is not RFC 9651
+//! parameters — is a `400`, not the first value. Keys must be printable ASCII and at most [`max_key_len`](IdempotencyLayer::max_key_len) bytes (default
 //! [`DEFAULT_MAX_KEY_LEN`], 255, as common APIs use). Without an identity, all clients share one
 //! key space: keys must be unguessable (UUIDv4). With
 //! [`identity`](IdempotencyLayer::identity), one user's key can never replay, block or probe

@@ -15,8 +15,9 @@ use crate::Rejection;
 /// clients send the bare value (`Idempotency-Key: 8e03…`). Both are accepted and mean the same
 /// key: a quoted value is unescaped (`\"`, `\\`) and its parameters (`;…`) ignored; a bare
 /// value is taken as is. Either must be printable ASCII. Refused with 400: the header given
-/// more than once, a malformed quoted string, non-ASCII or control characters, an empty quoted
-/// string, and a key longer than `max_len` bytes.
+/// more than once (also as one line holding a list, `a, b`), a malformed quoted string or
+/// parameters, non-ASCII or control characters, an empty quoted string, and a key longer than
+/// `max_len` bytes.
 pub(crate) fn parse_key(
     headers: &HeaderMap,
     name: &HeaderName,
@@ -48,6 +49,11 @@ pub(crate) fn parse_key(
                 "`{name}` is not a valid Structured Field string (RFC 9651)"
             ))
         })?,
+        // A list: two field lines joined by a proxy (`a, b`), the same as the header given
+        // twice — not one key with a comma in it.
+        None if raw.contains(&b',') => {
+            return Err(invalid(&format!("`{name}` is given more than once")))
+        }
         // Printable ASCII, checked above.
         None => String::from_utf8_lossy(raw).into_owned(),
     };
@@ -61,8 +67,16 @@ pub(crate) fn parse_key(
 }
 
 /// The content of an sf-string after its opening quote; anything after the closing quote must
-/// be parameters (`;…`), which are ignored.
+/// be parameters (`;key` or `;key=value`, RFC 9651), which are ignored — not a second member
+/// (`"a", "b"`: two field lines joined) or other text.
 fn unquote(rest: &[u8]) -> Option<String> {
+    let (out, after) = string_body(rest)?;
+    parameters(after).then_some(out)
+}
+
+/// An sf-string's content up to its closing quote (the opening one already taken), unescaped,
+/// and what follows it.
+fn string_body(rest: &[u8]) -> Option<(String, &[u8])> {
     let mut out = String::with_capacity(rest.len());
     let mut bytes = rest.iter();
     loop {
@@ -71,14 +85,70 @@ fn unquote(rest: &[u8]) -> Option<String> {
                 c @ (b'"' | b'\\') => out.push(char::from(c)),
                 _ => return None,
             },
-            b'"' => break,
+            b'"' => return Some((out, bytes.as_slice())),
             c => out.push(char::from(c)),
         }
     }
-    match bytes.as_slice().trim_ascii_start() {
-        [] => Some(out),
-        [b';', ..] => Some(out),
-        _ => None,
+}
+
+/// Whether `s` is an sf-item's parameters and nothing else (RFC 9651 §4.2.3.2; the field's
+/// printable ASCII is checked before, its trailing spaces trimmed).
+fn parameters(mut s: &[u8]) -> bool {
+    let key_char = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit() || b"_-.*".contains(&c);
+    while let [b';', rest @ ..] = s {
+        s = rest.trim_ascii_start();
+        let [first, ..] = s else { return false };
+        if !(first.is_ascii_lowercase() || *first == b'*') {
+            return false;
+        }
+        let key_len = s.iter().take_while(|&&c| key_char(c)).count();
+        s = &s[key_len..];
+        if let [b'=', value @ ..] = s {
+            match bare_item(value) {
+                Some(rest) => s = rest,
+                None => return false,
+            }
+        }
+    }
+    s.is_empty()
+}
+
+/// What follows an sf-bare-item at the start of `s` (RFC 9651 §4.2.3.1), or `None` when none
+/// is there.
+fn bare_item(s: &[u8]) -> Option<&[u8]> {
+    let run = |s: &[u8], ok: fn(u8) -> bool| s.iter().take_while(|&&c| ok(c)).count();
+    let tchar = |c: u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(&c);
+    match s {
+        [b'"', rest @ ..] => string_body(rest).map(|(_, after)| after),
+        [b'?', b'0' | b'1', rest @ ..] => Some(rest),
+        [b':', rest @ ..] => {
+            let n = run(rest, |c| c.is_ascii_alphanumeric() || b"+/=".contains(&c));
+            rest[n..].strip_prefix(b":")
+        }
+        [b'@', rest @ ..] => number(rest),
+        [b'%', b'"', rest @ ..] => {
+            let n = run(rest, |c| c != b'"');
+            rest[n..].strip_prefix(b"\"")
+        }
+        [c, ..] if c.is_ascii_alphabetic() || *c == b'*' => Some(&s[run(s, tchar)..]),
+        _ => number(s),
+    }
+}
+
+/// What follows an sf-integer or sf-decimal at the start of `s`.
+fn number(s: &[u8]) -> Option<&[u8]> {
+    let s = s.strip_prefix(b"-").unwrap_or(s);
+    let int = s.iter().take_while(|c| c.is_ascii_digit()).count();
+    if int == 0 || int > 15 {
+        return None;
+    }
+    let s = &s[int..];
+    match s.strip_prefix(b".") {
+        None => Some(s),
+        Some(frac) => {
+            let n = frac.iter().take_while(|c| c.is_ascii_digit()).count();
+            (int <= 12 && (1..=3).contains(&n)).then(|| &frac[n..])
+        }
     }
 }
 
@@ -140,6 +210,26 @@ mod tests {
             Some("a\"b\\c")
         );
         assert_eq!(parse(&[b"\"abc\";v=1"]).unwrap().as_deref(), Some("abc"));
+        // Parameters of every kind of value are ignored.
+        for params in [
+            &b";a"[..],
+            b";a=1;b",
+            b"; a=-1.5",
+            b";a=\"x;y,z\"",
+            b";a=tok/en:1",
+            b";a=:aGk=:",
+            b";a=?0",
+            b";a=@1700000000",
+            b";a=%\"caf%c3%a9\"",
+            b";*b.c_d-e=*",
+        ] {
+            let field = [&b"\"abc\""[..], params].concat();
+            assert_eq!(
+                parse(&[&field]).unwrap().as_deref(),
+                Some("abc"),
+                "{params:?}"
+            );
+        }
     }
 
     #[test]
@@ -165,6 +255,27 @@ mod tests {
         }
         let err = parse(&[b"a", b"b"]).unwrap_err();
         assert!(err.body().contains("more than once"));
+        // Two field lines joined into one (a proxy may), or text after the parameters: not one
+        // key. (`"abc";x, "def"` was taken as the key `abc`, the second value dropped.)
+        for joined in [&b"\"abc\", \"def\""[..], b"\"abc\";x, \"def\"", b"abc, def"] {
+            let err = parse(&[joined]).unwrap_err();
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{joined:?}");
+        }
+        for bad in [
+            &b"\"abc\" ;x"[..],
+            b"\"abc\";X",
+            b"\"abc\";1a",
+            b"\"abc\";a=",
+            b"\"abc\";a=\"open",
+            b"\"abc\";a=?2",
+            b"\"abc\";a=1.2345",
+            b"\"abc\";a=1234567890123456",
+            b"\"abc\";a=:x",
+            b"\"abc\";a=1 b",
+        ] {
+            let err = parse(&[bad]).unwrap_err();
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        }
     }
 
     #[test]
