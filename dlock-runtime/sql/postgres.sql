@@ -66,7 +66,7 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
     epoch    bigint NOT NULL
 );
 
--- A new fencing token: epoch × 2^48 + the sequence's next value. A standby promoted after
+-- A new fencing token: epoch * 2^48 + the sequence's next value. A standby promoted after
 -- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
 -- but on a later timeline, so its epoch and tokens are larger than any the old primary issued.
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
@@ -145,7 +145,7 @@ CREATE INDEX IF NOT EXISTS dlock_queue_line ON dlock.dlock_queue (name, seq);
 
 -- The epoch row: the timeline now, and an epoch no lower than it nor than the high part of any
 -- token the locks and holders hold (version 3 used the timeline; a timeline() that answers 1
--- here — a role that may not read the WAL position — still does not take tokens back).
+-- here (a role that may not read the WAL position) still does not take tokens back).
 INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
   SELECT dlock.dlock_timeline(), greatest(dlock.dlock_timeline(),
     (SELECT coalesce(max(fence), 0) / 281474976710656 FROM dlock.dlock_locks),
@@ -163,7 +163,7 @@ LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(1684824939, hashtext(p_name))';
 CREATE OR REPLACE FUNCTION dlock.dlock_ms_until(t timestamptz) RETURNS bigint
 LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
 
--- The first live waiter of a lock (dropping expired entries): its token and handoff lease —
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease -
 -- the lease its entry notes, but ending no later than the entry would have (version 5): a
 -- waiter that died holds a handed-over lock no longer than its entry would have held up the
 -- line. A live waiter loses nothing: it asks again within a third of the waiter TTL of its

@@ -637,6 +637,35 @@ async fn a_refusal_for_good_is_misconfigured_and_ends_a_wait_through_outages_at_
     refused_at_once(&locker, "refused:k").await;
 }
 
+/// A key the database's encoding cannot store (a `LATIN1` database, a Cyrillic key: SQLSTATE
+/// `22P05`) is refused as `Misconfigured` (500): the same key fails the same way every time.
+/// It was `Unavailable` (503), so a wait through outages asked again until its deadline and a
+/// durable job with that key was put back for ever. Keys the encoding holds work as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_databases_encoding_cannot_store_is_misconfigured() {
+    let db = blocking(|| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        let db = server.create_database("latin");
+        let latin = format!("{db}_1");
+        server.psql(&format!(
+            "CREATE DATABASE {latin} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' \
+             TEMPLATE template0"
+        ));
+        latin
+    })
+    .await;
+    let locker = Locker::from_url(&direct_url(&db)).await.unwrap();
+    let err = locker.lock("ключ").try_acquire().await.unwrap_err();
+    assert!(err.is_misconfigured(), "{err}");
+    assert_eq!(err.status(), 500);
+    assert!(err.to_string().contains("encoding"), "{err}");
+    for key in ["plain", "café"] {
+        let g = locker.lock(key).try_acquire().await.unwrap();
+        g.expect("free").release().await.unwrap();
+    }
+}
+
 /// The schema check at connect took *any* error the database answered for "no schema": with
 /// `create_schema` off, a shutdown (`57P01`), a cancel (`57014`), a connection failure (class
 /// 08) or too many connections (`53300`) at that moment made `connect` fail as

@@ -385,6 +385,12 @@ fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
             Some(db) => format!("postgres {what}: error 54000: {}", db.message()),
             None => format!("postgres {what}: error 54000"),
         },
+        // A key (or record) with characters the database's encoding has no place for.
+        Some(code) if matches!(code.code(), "22P05" | "22021") => format!(
+            "postgres {what}: error {}: the database's encoding cannot store this key (create \
+             it with ENCODING 'UTF8')",
+            code.code()
+        ),
         Some(code) => format!("postgres {what}: error {}", code.code()),
         None if e.is_closed() => format!("postgres {what}: connection closed"),
         // The client's own errors (I/O, TLS, protocol) never quote the connection string.
@@ -398,9 +404,11 @@ fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
 /// (wrong credentials, no `pg_hba.conf` entry), class 42 (no privilege on the lock tables —
 /// `42501` — or a table, function or column missing: a schema not installed or dropped),
 /// `3D000` (no such database), `3F000` (no such schema), `0A000` (a feature the server or
-/// pooler does not support) and class 54 (a program limit: `54000` is how `next_fence`
+/// pooler does not support), class 54 (a program limit: `54000` is how `next_fence`
 /// reports fencing tokens exhausted — 2^48 grants on one epoch, or 2^15 epochs: never reached
-/// in practice, but never passing either, as every later grant fails the same way).
+/// in practice, but never passing either, as every later grant fails the same way), and
+/// `22P05`/`22021` (a key with characters the database's encoding cannot store: a `LATIN1`
+/// database and a Cyrillic key — the same key fails the same way every time).
 /// Everything else — connection errors (class 08), a standby's `25006` read-only answer,
 /// shutdowns (57), lock or statement timeouts, serialization failures, too many connections
 /// (53) — passes with a failover, a restart or load.
@@ -408,7 +416,7 @@ pub(crate) fn refused_for_good(sqlstate: &str) -> bool {
     sqlstate.starts_with("28")
         || sqlstate.starts_with("42")
         || sqlstate.starts_with("54")
-        || matches!(sqlstate, "3D000" | "3F000" | "0A000")
+        || matches!(sqlstate, "3D000" | "3F000" | "0A000" | "22P05" | "22021")
 }
 
 /// Whether a connection failed because TLS refused it (feature `postgres-tls`): the server's

@@ -182,7 +182,7 @@ CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
     epoch    bigint NOT NULL
 );
 
--- A new fencing token: epoch × 2^48 + the sequence's next value. A standby promoted after
+-- A new fencing token: epoch * 2^48 + the sequence's next value. A standby promoted after
 -- missing the latest grants (asynchronous replication) draws from a sequence that is behind,
 -- but on a later timeline, so its epoch and tokens are larger than any the old primary issued.
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
@@ -261,7 +261,7 @@ CREATE INDEX IF NOT EXISTS @p@queue_line ON @s@.@p@queue (name, seq);
 
 -- The epoch row: the timeline now, and an epoch no lower than it nor than the high part of any
 -- token the locks and holders hold (version 3 used the timeline; a timeline() that answers 1
--- here — a role that may not read the WAL position — still does not take tokens back).
+-- here (a role that may not read the WAL position) still does not take tokens back).
 INSERT INTO @s@.@p@fence_epoch (timeline, epoch)
   SELECT @s@.@p@timeline(), greatest(@s@.@p@timeline(),
     (SELECT coalesce(max(fence), 0) / 281474976710656 FROM @s@.@p@locks),
@@ -279,7 +279,7 @@ LANGUAGE sql AS 'SELECT pg_advisory_xact_lock(@k@, hashtext(p_name))';
 CREATE OR REPLACE FUNCTION @s@.@p@ms_until(t timestamptz) RETURNS bigint
 LANGUAGE sql AS 'SELECT greatest(0, ceil(extract(epoch FROM (t - clock_timestamp())) * 1000))::bigint';
 
--- The first live waiter of a lock (dropping expired entries): its token and handoff lease —
+-- The first live waiter of a lock (dropping expired entries): its token and handoff lease -
 -- the lease its entry notes, but ending no later than the entry would have (version 5): a
 -- waiter that died holds a handed-over lock no longer than its entry would have held up the
 -- line. A live waiter loses nothing: it asks again within a third of the waiter TTL of its
@@ -741,6 +741,16 @@ mod tests {
             file == ddl,
             "sql/postgres.sql differs from the DDL the backend runs; DLOCK_BLESS=1 rewrites it"
         );
+    }
+
+    /// The DDL is sent as one query, comments included, converted to the database's
+    /// encoding: a character a `LATIN1` database has no place for (an em dash in a comment)
+    /// failed the schema's creation there (`22P05`).
+    #[test]
+    fn the_ddl_is_ascii_so_it_installs_in_any_encoding() {
+        let ddl = render(DEFAULT_SCHEMA, DEFAULT_PREFIX);
+        let odd: Vec<&str> = ddl.lines().filter(|l| !l.is_ascii()).collect();
+        assert!(odd.is_empty(), "{odd:#?}");
     }
 
     #[test]
