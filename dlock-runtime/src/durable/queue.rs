@@ -8,6 +8,7 @@ use std::time::Duration;
 use redis::aio::ConnectionManagerConfig;
 
 use crate::backend::redis::conn::{self, Conn, Dedicated, Reconnect, ScriptCall, ServerLink};
+use crate::backend::redis::guarded_script;
 use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
@@ -177,14 +178,14 @@ impl DurableQueue {
                 retention: retention.min(MAX_RETENTION),
                 limits: QueueLimits::default(),
                 command_timeout,
-                enqueue: conn::script(ENQUEUE),
-                claim: conn::script(CLAIM),
-                retry: conn::script(RETRY),
-                ack: conn::script(ACK),
-                heartbeat: conn::script(HEARTBEAT),
-                requeue: conn::script(REQUEUE),
-                purge: conn::script(PURGE),
-                withdraw: conn::script(WITHDRAW),
+                enqueue: guarded_script(ENQUEUE, cluster),
+                claim: guarded_script(CLAIM, cluster),
+                retry: guarded_script(RETRY, cluster),
+                ack: guarded_script(ACK, cluster),
+                heartbeat: guarded_script(HEARTBEAT, cluster),
+                requeue: guarded_script(REQUEUE, cluster),
+                purge: guarded_script(PURGE, cluster),
+                withdraw: guarded_script(WITHDRAW, cluster),
             }),
         })
     }

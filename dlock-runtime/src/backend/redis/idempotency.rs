@@ -24,8 +24,8 @@ use redis::Script;
 // head of the waiter queue, passing a given-up lock on.
 use super::conn::ScriptCall;
 use super::scripts::{
-    publishing, script, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS, QUEUE_SUFFIXES,
-    SLOT_GUARD,
+    publishing, script_for, NEXT_FENCE, PARSE_LOCK, PASS_ON, QUEUE_HEAD, QUEUE_KEYS,
+    QUEUE_SUFFIXES, SLOT_GUARD,
 };
 use super::{millis, RedisBackend};
 use crate::backend::idempotency::{BeginArgs, BeginReply, CompleteArgs, IdempotencyStore};
@@ -47,9 +47,11 @@ const RECORD_SUFFIX: &str = "idem";
 /// * `{0, "<ms left>", m}` — held: the holder's lease left, or, when the lock is free but a
 ///   waiter is first in line, what that waiter's queue entry has left; `m` = `"1"` same
 ///   fingerprint, `"0"` different, `""` unknown.
-static BEGIN: LazyLock<Script> = LazyLock::new(|| {
-    script(&format!(
-        r#"
+static BEGIN: LazyLock<[Script; 2]> = LazyLock::new(|| {
+    [false, true].map(|cluster| {
+        script_for(
+            &format!(
+                r#"
 {SLOT_GUARD}
 local token, fence_key, fence_floor = ARGV[1], ARGV[5], tonumber(ARGV[6])
 {QUEUE_KEYS}
@@ -87,7 +89,10 @@ redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'tok', token)
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 return {{1, string.format('%.0f', fence), ''}}
 "#
-    ))
+            ),
+            cluster,
+        )
+    })
 });
 
 /// Lua: the owner check of `complete` and `abort`: returns 0 unless ARGV[1] holds a live lease;
@@ -175,7 +180,7 @@ impl IdempotencyStore for RedisBackend {
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>> {
         Box::pin(async move {
             self.issuer().await?;
-            let mut call = lock_call(self, &BEGIN, args.resource);
+            let mut call = lock_call(self, &BEGIN[usize::from(self.is_cluster())], args.resource);
             call.arg(args.token.as_str())
                 .arg(super::scripts::px(args.ttl))
                 .arg(args.fingerprint.to_hex())

@@ -26,7 +26,7 @@ use std::time::Duration;
 use redis::Script;
 
 use super::conn::ScriptCall;
-use super::scripts::{publishing, script, NEXT_FENCE};
+use super::scripts::{publishing, script, script_for, NEXT_FENCE};
 use super::{millis, RedisBackend};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken, WaitMode};
 use crate::key::ResourceName;
@@ -84,8 +84,10 @@ end
 /// holds: a fresh grant), else `-(ms until the first holder's lease or queue entry ends) - 1`
 /// (the line may move then: a waiter ahead that died blocks it until its entry ends), `0` when
 /// there is neither.
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    script(&format!(
+static ACQUIRE: LazyLock<[Script; 2]> = LazyLock::new(|| {
+    [false, true].map(|cluster| {
+        script_for(
+            &format!(
         r#"
 local token, excl, cap, mode = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3]), ARGV[4]
 local lease, wttl, fence_key, fence_floor = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
@@ -131,7 +133,10 @@ end
 if soonest then return -math.max(soonest - now, 1) - 1 end
 return 0
 "#
-    ))
+            ),
+            cluster,
+        )
+    })
 });
 
 /// Owner-checked release (with ARGV[3] = `1`, the undo of an acquire: also leaves the queue);
@@ -221,7 +226,7 @@ impl RedisBackend {
             _ => "2",
         };
         self.issuer().await?;
-        let mut call = self.kind_call(&ACQUIRE, args.resource);
+        let mut call = self.kind_call(&ACQUIRE[usize::from(self.is_cluster())], args.resource);
         call.arg(args.token.as_str())
             .arg(if kind.is_exclusive() { "1" } else { "0" })
             .arg(kind.capacity())

@@ -87,9 +87,9 @@ use crate::LockError;
 /// fails with "non local key" — the script stopped half-way, its earlier writes kept (a waiter
 /// popped off the queue and never handed the lock; a permit freed and reported lost). A key
 /// that never exists (`KEYS[1]:~`, same slot) shows the state: a command on it fails only
-/// while the slot migrates. Elsewhere (one server, Sentinel, a stable slot) this is one
-/// `EXISTS` answering 0, so the uncontended lock paths, which delete nothing they touch again,
-/// go without it.
+/// while the slot migrates. On a stable slot it is one `EXISTS` answering 0, so the
+/// uncontended lock paths, which delete nothing they touch again, go without it; and one
+/// server or Sentinel, where no slot migrates, never runs it ([`guarded_script`]).
 macro_rules! slot_guard {
     () => {
         r#"
@@ -98,6 +98,20 @@ if type(redis.pcall('EXISTS', KEYS[1] .. ':~')) == 'table' then
 end
 "#
     };
+}
+
+/// `text` as a script for a cluster (`cluster`) — with its [`slot_guard!`]s — or for one server
+/// or Sentinel, without them (no slot migrates there; each is a command per call).
+pub(crate) fn guarded_script(text: &str, cluster: bool) -> Script {
+    conn::script(&guarded_text(text, cluster))
+}
+
+fn guarded_text(text: &str, cluster: bool) -> std::borrow::Cow<'_, str> {
+    if cluster {
+        text.into()
+    } else {
+        text.replace(slot_guard!(), "").into()
+    }
 }
 
 mod admin;
@@ -740,7 +754,7 @@ impl RedisBackend {
                 conn,
                 hub,
                 subscribed: tokio::sync::Mutex::new(HashSet::new()),
-                acquire: scripts::acquire(),
+                acquire: scripts::acquire(cluster),
                 release: scripts::release(cluster),
                 abandon: scripts::abandon(cluster),
                 extend: scripts::extend(),
@@ -1858,6 +1872,24 @@ fn millis(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The slot guard is in a cluster's scripts only: one server or Sentinel, where no slot
+    /// migrates, does not pay its command on every call (the lock's acquire script differs
+    /// between the two; the guard alone leaves nothing on one server).
+    #[test]
+    fn only_a_clusters_scripts_guard_their_slot() {
+        let text = concat!("local a = 1\n", slot_guard!(), "return a\n");
+        assert_eq!(guarded_text(text, true), text);
+        assert_eq!(guarded_text(text, false), "local a = 1\nreturn a\n");
+        assert_ne!(
+            scripts::acquire(true).get_hash(),
+            scripts::acquire(false).get_hash()
+        );
+        assert_eq!(
+            guarded_script(scripts::SLOT_GUARD, false).get_hash(),
+            conn::script("").get_hash()
+        );
+    }
 
     /// The connection manager's task needs a runtime: made outside one, a lazy backend is a
     /// typed error, not a panic in `tokio::spawn`.

@@ -215,14 +215,23 @@ pub(super) fn script(text: &str) -> Script {
     super::conn::script(&text.replace("LINGER", LINGER_MS))
 }
 
-/// Like [`script`]; on a cluster (`cluster`), release notifications go out on the lock's
+/// Like [`script`], for a cluster (`cluster`: with its `slot_guard!`s) or one server or
+/// Sentinel (without them: see `super::guarded_script`).
+pub(super) fn script_for(text: &str, cluster: bool) -> Script {
+    super::guarded_script(&text.replace("LINGER", LINGER_MS), cluster)
+}
+
+/// Like [`script_for`]; on a cluster (`cluster`), release notifications go out on the lock's
 /// sharded channel (`SPUBLISH`, delivered by the slot's own nodes) instead of `PUBLISH`, which
 /// a cluster broadcasts to every node.
 pub(super) fn publishing(text: &str, cluster: bool) -> Script {
     if cluster {
-        script(&text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'"))
+        script_for(
+            &text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'"),
+            cluster,
+        )
     } else {
-        script(text)
+        script_for(text, cluster)
     }
 }
 
@@ -248,10 +257,11 @@ pub(super) fn px(lease: Duration) -> u64 {
 /// waiter's to take until then, and a waiter behind an entry left by a process that froze or
 /// died wakes when the entry lapses rather than on its next refresh (up to a third of its
 /// waiter TTL later).
-pub(super) fn acquire() -> Script {
-    script(concat!(
-        "local token, fence_key = ARGV[1], ARGV[3]\n",
-        r#"
+pub(super) fn acquire(cluster: bool) -> Script {
+    script_for(
+        concat!(
+            "local token, fence_key = ARGV[1], ARGV[3]\n",
+            r#"
 local fence
 local fence_floor = tonumber(ARGV[4])
 if fence_floor < 0 then
@@ -265,19 +275,19 @@ if fence_floor < 0 then
   end
 else
 "#,
-        next_fence!(),
-        r#"
+            next_fence!(),
+            r#"
 end
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return fence end
 "#,
-        slot_guard!(),
-        r#"
+            slot_guard!(),
+            r#"
 local mode, wttl, lease = ARGV[5] or '0', tonumber(ARGV[6]), tonumber(ARGV[7])
 local v = redis.call('GET', KEYS[1])
 "#,
-        queue_keys!(),
-        parse_lock!(),
-        r#"
+            queue_keys!(),
+            parse_lock!(),
+            r#"
 local left = redis.call('PTTL', KEYS[1]) - LINGER
 if left > 0 then
   if o == token then
@@ -288,8 +298,8 @@ if left > 0 then
     local nfl = fl
     if mode == '1' then
 "#,
-        enqueue!(),
-        r#"
+            enqueue!(),
+            r#"
       if not string.find(fl, 'q', 1, true) then nfl = 'q' .. fl end
     elseif not string.find(fl, 'b', 1, true) then
       nfl = fl .. 'b'
@@ -301,13 +311,13 @@ end
 local flags = fl
 if string.find(fl, 'q', 1, true) then
 "#,
-        queue_head!(),
-        r#"
+            queue_head!(),
+            r#"
   if head and head ~= token and mode ~= '2' then
     if mode == '1' then
 "#,
-        enqueue!(),
-        r#"
+            enqueue!(),
+            r#"
     end
     return -hleft - 1
   end
@@ -322,7 +332,9 @@ if flags ~= '' then nv = flags .. '|' .. token end
 redis.call('SET', KEYS[1], nv, 'PX', ARGV[2])
 return fence
 "#
-    ))
+        ),
+        cluster,
+    )
 }
 
 /// Owner-checked release: hands the lock to the first live waiter, or deletes it. Uncontended:
