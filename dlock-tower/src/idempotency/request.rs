@@ -248,18 +248,10 @@ mod tests {
             b"\"\"",
             b"caf\xc3\xa9",
             b"a\tb",
-        ] {
-            let err = parse(&[bad]).unwrap_err();
-            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad:?}");
-            assert!(err.body().contains("idempotency-key-invalid"), "{bad:?}");
-        }
-        let err = parse(&[b"a", b"b"]).unwrap_err();
-        assert!(err.body().contains("more than once"));
-        // Two field lines joined into one (a proxy may), or text after the key that is not
-        // parameters: not one key. (`"abc";x, "def"` was taken as the key `abc`, the second
-        // value dropped.)
-        for bad in [
-            &b"\"abc\", \"def\""[..],
+            // Two field lines joined into one (a proxy may), or text after the key that is not
+            // parameters: not one key. (`"abc";x, "def"` was taken as the key `abc`, the
+            // second value dropped.)
+            b"\"abc\", \"def\"",
             b"\"abc\";x, \"def\"",
             b"abc, def",
             b"\"abc\" ;x",
@@ -275,7 +267,14 @@ mod tests {
         ] {
             let err = parse(&[bad]).unwrap_err();
             assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+            assert!(err.body().contains("idempotency-key-invalid"), "{bad:?}");
         }
+        let err = parse(&[b"a", b"b"]).unwrap_err();
+        assert!(err.body().contains("more than once"));
+        assert!(parse(&[b"a, b"])
+            .unwrap_err()
+            .body()
+            .contains("more than once"));
     }
 
     #[test]
