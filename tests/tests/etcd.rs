@@ -802,6 +802,68 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     assert_eq!(backend.watch_tasks(), 0);
 }
 
+/// A waiter that stopped asking (no attempt and no abandon since: its task was stopped, its
+/// undo given up) leaves the lock's line once its waiter TTL has passed, even while another
+/// waiter of the same locker keeps asking all along. Those attempts are the keepalives of the
+/// waiters' session, and a keepalive first deletes the waiters past their time. Before, that
+/// deletion waited for no attempt of the locker to be in flight, which is never so during an
+/// attempt's own keepalive: the dead waiter stayed first in line, and the lock taken by
+/// nobody, for as long as any other waiter of its locker kept asking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_waiter_leaves_the_line_while_another_waiter_keeps_asking() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_renewed_as;
+
+    let url = etcd_server::shared().lock().unwrap().url();
+    let waiter_ttl = Duration::from_secs(1);
+    let a = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .waiter_ttl(waiter_ttl)
+        .connect(&url)
+        .await
+        .expect("connect to etcd");
+    let b = locker(&url).await;
+    let ttl = Duration::from_secs(30);
+    let stuck = dlock_runtime::conformance::unique_key("dead-waiter");
+    let other = dlock_runtime::conformance::unique_key("dead-waiter-other");
+    let resource = |key: &str| a.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let held = a.lock(&stuck).ttl(ttl).acquire().await.unwrap();
+    let other_held = b.lock(&other).ttl(ttl).acquire().await.unwrap();
+    let dead = OwnerToken::generate();
+    let queued_at = Instant::now();
+    let queued = attempt_renewed_as(&a, &resource(&stuck), &dead, WaitMode::Queue, ttl).await;
+    assert!(matches!(queued, Ok(Attempt::Held { .. })), "{queued:?}");
+    held.release().await.unwrap();
+    assert!(
+        try_take(&b, &stuck, ttl).await.is_err(),
+        "the dead waiter is first in line"
+    );
+    // Another waiter of `a`, for another lock, asks every 100 ms, as a waiting locker does.
+    let alive = OwnerToken::generate();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || {
+            let out = attempt_renewed_as(&a, &resource(&other), &alive, WaitMode::Queue, ttl)
+                .await
+                .map_err(|e| e.to_string())?;
+            assert!(matches!(out, Attempt::Held { .. }), "{out:?}");
+            try_take(&b, &stuck, ttl).await
+        },
+    )
+    .await;
+    assert!(
+        queued_at.elapsed() >= waiter_ttl,
+        "the dead waiter left the line {:?} after it queued, within its waiter TTL",
+        queued_at.elapsed()
+    );
+    g.release().await.unwrap();
+    dlock_runtime::conformance::abandon_as(&a, &resource(&other), &alive)
+        .await
+        .unwrap();
+    other_held.release().await.unwrap();
+}
+
 /// A locker whose waiters' fallback timers are 5 s (no jitter; a 30 s waiter TTL, so the
 /// queue refresh does not come sooner), the policy of its waits, and the lease of every lock:
 /// a waiter that gets the lock well within 5 s of its turn was woken by its watch.

@@ -21,7 +21,11 @@
 //!   out, a release that failed, or a try that lost). Before every keepalive of a session, the
 //!   unwanted keys on it and its waiters past their time are deleted; if that fails, there is
 //!   no keepalive, and the lease runs out. A key being released is left to its release's own
-//!   delete (deleted by a keepalive first, the release would answer "not the owner").
+//!   delete (deleted by a keepalive first, the release would answer "not the owner"), and a
+//!   waiter's key while an attempt of its own is under way (it may be admitted by it); other
+//!   attempts of the locker do not hold the deletion up — they are the waiters' session's
+//!   keepalives, and a dead waiter first in line would hold the lock up for as long as any
+//!   other waiter of its locker kept asking.
 //! * **A session is revoked only under no wanted key.** A key's registry entry names every
 //!   session a put or move of it may have used *before* the request is sent, and a session is
 //!   revoked only when no entry that is not unwanted names it.
@@ -43,8 +47,8 @@
 //!   registration writes the same value, which names the token and the registration), so a
 //!   delete that may still land (answered through a hedge while its sibling is out, or timed
 //!   out) keeps no name: it cannot touch the key of the name's next token, nor the next key of
-//!   the same token (registered again — a semaphore try that was not admitted, say — it gets
-//!   its old name back).
+//!   the same token (registered again — a semaphore try that was not admitted, a waiter pruned
+//!   as past its time — it may get its old name back, always with a new value).
 //! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
 //!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
@@ -160,6 +164,9 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
+    /// Attempts of the token under way that found it registered ([`Sessions::attempting`]):
+    /// while one is, its key is not deleted as a waiter past its time.
+    attempts: u32,
     /// Set while held by an `expire` (a release within a minimum hold), before its move to a
     /// lease of its own lands: nothing renews the key any more, and if the move never lands
     /// (every try failed or was cut off, and the background retries gave up) a pruning after
@@ -310,12 +317,6 @@ pub(super) struct Sessions {
     /// This locker's part of its keys' names (random, from the OS CSPRNG): no other locker's
     /// key can have the name of one of its keys.
     instance: String,
-    /// Attempts hold it shared; the deletion of waiters past their time holds it alone. A
-    /// waiter's key does not change when it becomes the holder, so a deletion decided while the
-    /// waiter was late and sent after its next attempt found it first would delete a held lock:
-    /// that deletion waits for no attempt to be in flight, and is skipped (until the next
-    /// keepalive) when one is.
-    gate: tokio::sync::RwLock<()>,
     /// Registrations so far: the last part of a key's value ([`Sessions::begin_put`]).
     registrations: AtomicU64,
 }
@@ -327,7 +328,6 @@ impl Default for Sessions {
             granting: tokio::sync::Mutex::default(),
             entries: Mutex::default(),
             instance: crate::util::secure_token::<16>(),
-            gate: tokio::sync::RwLock::default(),
             registrations: AtomicU64::new(0),
         }
     }
@@ -354,24 +354,41 @@ impl Sessions {
     /// many as this locker ever had keys of it at once: etcd keeps a deleted name in its index
     /// until the next compaction, and a name per acquisition would make every read of the
     /// lock's line slower with each acquisition until then.
+    ///
+    /// A token whose entry is still there but ended (unwanted, or being released: a try that
+    /// lost while a put of it may still land, a waiter deleted as past its time) is registered
+    /// again under the same name with a new value when `new` says where its key goes, and is
+    /// not registered otherwise (`Begun::Unknown`): a delete of its earlier key — a pruning's
+    /// or a release's, which may land after this put — compares the earlier value and leaves
+    /// the new key alone. Registered again with the same value, that late delete deleted the
+    /// key the token had just taken the lock with.
     #[must_use]
     fn begin_put(&self, key: &TokenKey, new: Option<&NewKey<'_>>, on: &[&Arc<Session>]) -> Begun {
         let mut reg = lock(&self.entries);
         if on.iter().any(|s| !s.usable()) {
             return Begun::Stale;
         }
+        // The value names the registration, not only the token: a token registered again (its
+        // entry gone or ended: released, not admitted, pruned) may get the name it had, and a
+        // delete of its earlier key that may still land must not match its new one.
+        let value_of = |new: &NewKey<'_>| {
+            let registration = self.registrations.fetch_add(1, Ordering::Relaxed);
+            format!("{}/{registration}", new.value).into_bytes()
+        };
         let e = match (reg.map.get_mut(key), new) {
+            (Some(e), new) if matches!(e.role, Role::Unwanted | Role::Releasing) => {
+                let Some(new) = new else {
+                    return Begun::Unknown;
+                };
+                e.value = value_of(new);
+                e
+            }
             (Some(e), _) => e,
             (None, None) => return Begun::Unknown,
             (None, Some(new)) => {
                 let slot = reg.take_slot(&key.0);
                 let own = super::kinds::slot_key(new.dir, new.kind, &self.instance, slot);
-                // The value names this registration, not only the token: a token registered
-                // again (its entry gone: released, not admitted, pruned) gets the name it had,
-                // and a delete of its earlier key that may still land must not match its new
-                // one.
-                let registration = self.registrations.fetch_add(1, Ordering::Relaxed);
-                let value = format!("{}/{registration}", new.value).into_bytes();
+                let value = value_of(new);
                 reg.map.entry(key.clone()).or_insert(Entry {
                     own,
                     value,
@@ -381,6 +398,7 @@ impl Sessions {
                     role: Role::Acquiring,
                     create: 0,
                     in_flight: 0,
+                    attempts: 0,
                     end_by: None,
                 })
             }
@@ -425,6 +443,22 @@ impl Sessions {
         if let Some(e) = lock(&self.entries).map.get_mut(key) {
             e.set(session, Role::Held);
             e.create = create;
+        }
+    }
+
+    /// An attempt of the token is under way: until the guard goes, its key is not deleted as a
+    /// waiter past its time ([`doomed`](Self::doomed)). A waiter's key does not change when it
+    /// becomes the holder, so a deletion decided while the waiter was late and landing after
+    /// its next attempt found the key first would delete a held lock. A token not registered
+    /// yet needs none: its key is `Acquiring` until its attempt says where it is, and an
+    /// attempt that queues it gives it a whole waiter TTL from then.
+    fn attempting<'a>(&'a self, key: &'a TokenKey) -> Attempting<'a> {
+        if let Some(e) = lock(&self.entries).map.get_mut(key) {
+            e.attempts += 1;
+        }
+        Attempting {
+            sessions: self,
+            key,
         }
     }
 
@@ -600,27 +634,35 @@ impl Sessions {
 
     /// The keys to delete before a keepalive of `s`, each with the transaction that deletes it
     /// if its value is still its token's: unwanted keys a put may have put on it, and its
-    /// waiters past their time.
-    fn doomed(&self, s: &Session, now: Instant, waiters: bool) -> Vec<(TokenKey, Txn)> {
-        lock(&self.entries)
-            .map
+    /// waiters past their time with no attempt under way ([`attempting`](Self::attempting)).
+    /// Such a waiter's registration ends here, before its delete is sent: its next attempt
+    /// queues it again, with a value the delete does not match.
+    fn doomed(&self, s: &Session, now: Instant) -> Vec<(TokenKey, Txn)> {
+        let mut reg = lock(&self.entries);
+        for e in reg.map.values_mut() {
+            if let Role::Waiting(until) = e.role {
+                if until <= now && e.attempts == 0 && e.session.id == s.id {
+                    e.role = Role::Unwanted;
+                }
+            }
+        }
+        reg.map
             .iter()
             .filter(|(_, e)| match e.role {
                 Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
-                Role::Waiting(until) => waiters && until <= now && e.session.id == s.id,
                 // Its own lease ends it; deleted here (on whichever session's pruning comes
                 // first) so that its name can be used again.
                 Role::Ending(until) => until <= now,
                 // Released within a minimum hold whose move never landed: the same.
                 Role::Held => e.end_by.is_some_and(|until| until <= now),
-                Role::Acquiring | Role::Releasing => false,
+                Role::Acquiring | Role::Releasing | Role::Waiting(_) => false,
             })
             .map(|(k, e)| (k.clone(), delete_if_valued(&e.own, &e.value)))
             .collect()
     }
 
-    /// `doomed` keys were deleted: waiters past their time become unwanted, and unwanted keys
-    /// whose names nothing can reach any more are forgotten.
+    /// `doomed` keys were deleted: keys past their end become unwanted, and unwanted keys whose
+    /// names nothing can reach any more are forgotten.
     fn pruned(&self, doomed: Vec<(TokenKey, Txn)>, now: Instant) {
         let mut reg = lock(&self.entries);
         for (k, _) in doomed {
@@ -628,7 +670,7 @@ impl Sessions {
                 continue;
             };
             let ended = match e.role {
-                Role::Waiting(until) | Role::Ending(until) => until <= now,
+                Role::Ending(until) => until <= now,
                 Role::Held => e.end_by.is_some_and(|until| until <= now),
                 _ => false,
             };
@@ -638,6 +680,22 @@ impl Sessions {
             if e.done() {
                 reg.remove(&k);
             }
+        }
+    }
+}
+
+/// An attempt under way ([`Sessions::attempting`]).
+struct Attempting<'a> {
+    sessions: &'a Sessions,
+    key: &'a TokenKey,
+}
+
+impl Drop for Attempting<'_> {
+    fn drop(&mut self) {
+        // A token's attempts come one at a time: an entry registered during this one (none
+        // was counted) has none counted.
+        if let Some(e) = lock(&self.sessions.entries).map.get_mut(self.key) {
+            e.attempts = e.attempts.saturating_sub(1);
         }
     }
 }
@@ -776,11 +834,8 @@ impl EtcdBackend {
 
     /// Deletes the keys that must not be kept alive with `s` (see the module docs).
     async fn prune(&self, s: &Session) -> Result<(), LockError> {
-        // Waiters past their time only while no attempt is in flight (see `Sessions::gate`);
-        // the guard lives until they are deleted and marked.
-        let gate = self.sessions.gate.try_write();
         let now = Instant::now();
-        let doomed = self.sessions.doomed(s, now, gate.is_ok());
+        let doomed = self.sessions.doomed(s, now);
         if doomed.is_empty() {
             return Ok(());
         }
@@ -792,7 +847,6 @@ impl EtcdBackend {
             self.txn(Txn::new().and_then(deletes)).await?;
         }
         self.sessions.pruned(doomed, now);
-        drop(gate);
         Ok(())
     }
 
@@ -847,9 +901,9 @@ impl EtcdBackend {
         &self,
         args: &AcquireArgs<'_>,
     ) -> Result<Attempt, LockError> {
-        // Shared with other attempts, exclusive of the deletion of late waiters.
-        let _attempt = self.sessions.gate.read().await;
         let key: TokenKey = (args.resource.shared(), args.token.clone());
+        // Its key, if queued already, is not deleted as late while this attempt is under way.
+        let _attempt = self.sessions.attempting(&key);
         let mut k = self.lock_dir(args.resource);
         let queue = args.mode == WaitMode::Queue;
         let kind = args.resource.kind();
@@ -1371,7 +1425,7 @@ mod tests {
         let key = held_on(&reg, &s);
         assert!(reg.leave(&key).is_some());
         assert!(
-            reg.doomed(&s, Instant::now(), true).is_empty(),
+            reg.doomed(&s, Instant::now()).is_empty(),
             "not pruned while its delete is on its way"
         );
         assert!(
@@ -1379,7 +1433,7 @@ mod tests {
             "not revoked while its delete is on its way"
         );
         reg.unwanted(&key);
-        let doomed = reg.doomed(&s, Instant::now(), true);
+        let doomed = reg.doomed(&s, Instant::now());
         assert_eq!(
             doomed.len(),
             1,
@@ -1401,12 +1455,9 @@ mod tests {
         let now = Instant::now();
         let until = now + Duration::from_secs(1);
         reg.ends_by(&key, until);
-        assert!(
-            reg.doomed(&s, now, true).is_empty(),
-            "deleted within its hold"
-        );
+        assert!(reg.doomed(&s, now).is_empty(), "deleted within its hold");
         assert!(!idle(&reg, &s), "its session revoked within its hold");
-        let doomed = reg.doomed(&s, until, true);
+        let doomed = reg.doomed(&s, until);
         assert_eq!(doomed.len(), 1, "kept after its hold");
         reg.pruned(doomed, until);
         assert!(!reg.is_registered(&key));
@@ -1434,7 +1485,7 @@ mod tests {
         );
         let next = token();
         assert_ne!(put(&reg, &next, &[&hold]), first, "its name was given away");
-        let doomed = reg.doomed(&hold, Instant::now(), true);
+        let doomed = reg.doomed(&hold, Instant::now());
         assert_eq!(doomed.len(), 1, "left to the holders' session's pruning");
         reg.pruned(doomed, Instant::now());
         assert!(!reg.is_registered(&key));
@@ -1452,7 +1503,7 @@ mod tests {
             sessions: &reg,
             key: &key,
         });
-        let doomed = reg.doomed(&s, Instant::now(), true);
+        let doomed = reg.doomed(&s, Instant::now());
         assert_eq!(doomed.len(), 1, "spared by prunings for good");
         reg.pruned(doomed, Instant::now());
         assert!(!reg.is_registered(&key));
@@ -1497,11 +1548,8 @@ mod tests {
         let s2 = session(2);
         assert_ne!(put(&reg, &b, &[&s2]), first, "the name stays taken");
         reg.end_put(&b, true, None);
-        assert!(
-            reg.doomed(&s2, now, true).is_empty(),
-            "not before the hold ends"
-        );
-        let doomed = reg.doomed(&s2, until, true);
+        assert!(reg.doomed(&s2, now).is_empty(), "not before the hold ends");
+        let doomed = reg.doomed(&s2, until);
         assert_eq!(doomed.len(), 1, "deleted by the first pruning after it");
         reg.pruned(doomed, until);
         assert!(!reg.is_registered(&a), "then forgotten: its name is free");
@@ -1569,7 +1617,7 @@ mod tests {
         reg.forget(&a);
         assert!(!reg.is_registered(&a), "kept for a delete that compares");
         assert!(
-            reg.doomed(&s, Instant::now(), true).is_empty(),
+            reg.doomed(&s, Instant::now()).is_empty(),
             "deleted again before a keepalive"
         );
         assert_eq!(held(&b), first, "the name is free");
@@ -1578,11 +1626,11 @@ mod tests {
         // keepalive, and then the name is free.
         assert!(reg.leave(&b).is_some());
         reg.unwanted(&b);
-        let doomed = reg.doomed(&s, Instant::now(), true);
+        let doomed = reg.doomed(&s, Instant::now());
         assert_eq!(doomed.len(), 1);
         reg.pruned(doomed, Instant::now());
         assert!(!reg.is_registered(&b));
-        assert!(reg.doomed(&s, Instant::now(), true).is_empty());
+        assert!(reg.doomed(&s, Instant::now()).is_empty());
         assert_eq!(held(&c), first);
     }
 
@@ -1624,6 +1672,86 @@ mod tests {
             panic!("not registered");
         };
         assert_eq!(same, again_value);
+    }
+
+    /// A waiter past its time is deleted before a keepalive of its session however many other
+    /// attempts of the locker are under way (they are that session's keepalives), but not while
+    /// an attempt of its own is (it may be admitted by it); deleted, its registration ends at
+    /// once, so its next attempt finds itself no longer waiting and queues again.
+    #[test]
+    fn a_late_waiter_is_deleted_unless_an_attempt_of_its_own_is_under_way() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let now = Instant::now();
+        let (late, other) = (token(), token());
+        put(&reg, &late, &[&s]);
+        reg.end_put(&late, true, None);
+        reg.set(&late, &s, Role::Waiting(now));
+        put(&reg, &other, &[&s]);
+        reg.end_put(&other, true, None);
+        reg.set(&other, &s, Role::Waiting(now + Duration::from_secs(5)));
+        let own = reg.attempting(&late);
+        let others = reg.attempting(&other);
+        assert!(
+            reg.doomed(&s, now).is_empty(),
+            "deleted while an attempt of its own is under way"
+        );
+        drop(own);
+        let doomed = reg.doomed(&s, now);
+        assert_eq!(doomed.len(), 1, "held up by another waiter's attempt");
+        assert_eq!(doomed[0].0, late);
+        assert!(
+            reg.waiting_on(&late).is_none(),
+            "still waiting once its delete was decided"
+        );
+        reg.pruned(doomed, now);
+        assert!(!reg.is_registered(&late));
+        drop(others);
+        assert!(reg.waiting_on(&other).is_some());
+    }
+
+    /// A token whose registration ended while its entry stays (a try that lost with a put of
+    /// it still out; a waiter whose deletion as past its time is on its way) and that asks
+    /// again is registered again with a new value: the earlier delete, which may land after the
+    /// new put, must not match the key the token has just taken the lock with. Only an attempt
+    /// (which says where a new key goes) registers it again.
+    #[test]
+    fn a_token_asking_again_after_its_registration_ended_writes_a_new_value() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let new = NewKey {
+            dir: b"dlock/r/",
+            kind: LockKind::Exclusive,
+            value: "1000:t".to_owned(),
+        };
+        let key = token();
+        let Begun::Put(name, first) = reg.begin_put(&key, Some(&new), &[&s]) else {
+            panic!("not registered");
+        };
+        // The put's fate is unknown, and the try lost: a suspect.
+        assert!(reg.leave(&key).is_some());
+        reg.forget(&key);
+        assert!(reg.is_registered(&key));
+        let doomed = reg.doomed(&s, Instant::now());
+        assert_eq!(doomed.len(), 1);
+        assert_eq!(reg.begin_put(&key, None, &[&session(2)]), Begun::Unknown);
+        let Begun::Put(again, second) = reg.begin_put(&key, Some(&new), &[&session(2)]) else {
+            panic!("not registered again");
+        };
+        assert_eq!(again, name, "its name is kept");
+        assert_ne!(
+            second, first,
+            "registered again with the value the late delete compares"
+        );
+        assert_eq!(
+            format!("{:?}", doomed[0].1),
+            format!("{:?}", delete_if_valued(&name, &first)),
+        );
+        // Asking again while registered (not ended) keeps the value.
+        let Begun::Put(_, same) = reg.begin_put(&key, Some(&new), &[&session(2)]) else {
+            panic!("not registered");
+        };
+        assert_eq!(same, second);
     }
 
     /// An idle retired session is revoked in the background. Until etcd answers the
