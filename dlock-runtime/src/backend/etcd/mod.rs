@@ -797,8 +797,29 @@ impl EtcdBackend {
         // A lease no longer remembered is revoked before the attempt goes on: a try of its
         // put still on its way would otherwise land after a later admission and move the key
         // back onto it (the admission revokes only the leases it remembers).
-        self.revoke(dropped).await?;
+        self.revoke_forgotten(resource, token, dropped).await?;
         Ok(id)
+    }
+
+    /// Revokes `ids`, leases of `token`'s that are no longer remembered. When that fails they
+    /// are remembered again, and the token's next attempt, admission or abandon revokes them:
+    /// forgotten, a try of a put on one still on its way could land after a later admission
+    /// and move the key back onto a lease that ends within the waiter TTL, and nothing would
+    /// revoke it.
+    async fn revoke_forgotten(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ids: Vec<i64>,
+    ) -> Result<(), LockError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let revoked = self.revoke(ids.clone()).await;
+        if revoked.is_err() {
+            remember_again(&self.leases, (resource.shared(), token.clone()), &ids);
+        }
+        revoked
     }
 
     /// Forgets `token`'s leases and revokes them (deleting whatever key is still on them).
@@ -810,7 +831,7 @@ impl EtcdBackend {
         token: &OwnerToken,
     ) -> Result<(), LockError> {
         let ids = self.take_leases(resource, token);
-        self.revoke(ids).await
+        self.revoke_forgotten(resource, token, ids).await
     }
 
     /// Forgets every lease of `token`'s but `keep`, and returns them.
@@ -1047,7 +1068,8 @@ impl EtcdBackend {
             // revoked lease fails, and one that landed before the revoke goes with it — then
             // check that the key is still on the lock's lease.
             let waiter_leases = self.keep_only_lease(args.resource, args.token, lease);
-            self.revoke(waiter_leases).await?;
+            self.revoke_forgotten(args.resource, args.token, waiter_leases)
+                .await?;
             let still_on = Txn::new().when([
                 Compare::create_revision(k.own.clone(), CompareOp::Equal, own_rev),
                 Compare::lease(k.own.clone(), CompareOp::Equal, lease),
@@ -1091,6 +1113,16 @@ impl EtcdBackend {
             remaining: self.remaining(head).await?,
         })
     }
+}
+
+/// Remembers `ids` among the leases of `key`'s acquisition again, before those it has (older
+/// first, as they were), each once.
+fn remember_again(leases: &Leases, key: (Arc<str>, OwnerToken), ids: &[i64]) {
+    let mut leases = leases.lock().unwrap_or_else(PoisonError::into_inner);
+    let list = leases.entry(key).or_default();
+    let kept = std::mem::take(list);
+    list.extend(ids.iter().copied().filter(|id| !kept.contains(id)));
+    list.extend(kept);
 }
 
 /// A transaction that moves the key `own` onto `lease` (value kept) if it exists with `create`
@@ -1535,6 +1567,23 @@ impl Backend for EtcdBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Leases an attempt forgot (over [`LEASES_KEPT`], or the waiter leases an admission
+    /// drops) whose revocation failed are remembered again, the oldest first and each once:
+    /// the token's next attempt drains them first and revokes them again, and an admission
+    /// or abandon takes them with the rest. Forgotten, a late put on one could move an admitted
+    /// key back onto a waiter lease, and nothing would revoke it.
+    #[test]
+    fn leases_whose_revocation_failed_are_remembered_again() {
+        let leases = Leases::default();
+        let key = (Arc::<str>::from("r"), OwnerToken::generate());
+        leases.lock().unwrap().insert(key.clone(), vec![4, 5]);
+        remember_again(&leases, key.clone(), &[1, 2, 4]);
+        assert_eq!(leases.lock().unwrap()[&key], [1, 2, 4, 5]);
+        let other = (Arc::<str>::from("r"), OwnerToken::generate());
+        remember_again(&leases, other.clone(), &[7]);
+        assert_eq!(leases.lock().unwrap()[&other], [7]);
+    }
 
     #[test]
     fn releases_before_the_lease_revoke_fix_are_told_apart() {
