@@ -1554,6 +1554,51 @@ async fn stalled_worker_cannot_ack_a_job_taken_over_and_stops_working_on_it() {
     assert!(queue.is_empty().await.unwrap());
 }
 
+/// A worker cut off from the queue's Redis — its heartbeats fail, none is refused — stops
+/// working on its job once the claim may be another worker's (the visibility timeout since the
+/// claim, or the latest heartbeat answered, was sent), and gives the job's lock back. Before,
+/// only a refused heartbeat stopped it: cut off, it worked on for as long as the cut lasted,
+/// keeping the job's lock (renewed through the lock backend it could still reach), so the
+/// worker that took the job over found the lock busy until the job was dead-lettered as
+/// "lock still busy" — while the first run went on — or, with the lock lost, ran it alongside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_from_the_queue_stops_its_job_when_the_claim_may_be_taken_over() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let visibility = Duration::from_millis(600);
+    let queue =
+        DurableQueue::connect_with(&proxy.url(), "cut-off", visibility, Duration::from_secs(60))
+            .await
+            .unwrap();
+    let locker = server.locker().await;
+    let mut job = record_job(&server, 41, "cut-off");
+    job.hang_always = true;
+    enqueue(&queue, &job, &DeferPolicy::new(Duration::from_millis(5), 3))
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue, locker.clone()).register::<RecordJob>();
+    let run = tokio::spawn(async move { worker.run_once().await });
+    wait_for("the job to start", Duration::from_secs(10), async || {
+        (runs(&server, 41).await == 1).then_some(())
+    })
+    .await;
+    proxy.cut(true);
+    // The job hangs for good: only the worker's giving it up ends `run_once`.
+    let ran = tokio::time::timeout(visibility * 5, run)
+        .await
+        .expect("the cut-off worker worked on past its claim's visibility timeout")
+        .unwrap();
+    assert_eq!(ran.unwrap(), 1);
+    let lock = locker
+        .lock("record:cut-off")
+        .ttl(Duration::from_secs(5))
+        .try_acquire()
+        .await
+        .unwrap();
+    assert!(lock.is_some(), "the job's lock was not given back");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_refuses_new_jobs_and_loses_none() {
     let (server, locker, queue) = start_queue("bounded").await;

@@ -31,9 +31,12 @@
 //! every third of the timeout. A worker that dies stops doing so; once the deadline passes, the
 //! next claim by any instance puts the job back and runs it again — or dead-letters it, when it
 //! has used up its `max_attempts` (a job that kills its worker every time ends there too).
-//! A worker that was only stalled (frozen, cut off) past the deadline finds its heartbeat
-//! refused when it wakes: it stops working on that job, and its acknowledgement or retry, if it
-//! gets that far, changes nothing — the job belongs to whoever claimed it next.
+//! A worker that was only stalled (frozen) past the deadline finds its heartbeat refused when
+//! it wakes: it stops working on that job, and its acknowledgement or retry, if it gets that
+//! far, changes nothing — the job belongs to whoever claimed it next. A worker cut off from the
+//! queue (its heartbeats fail rather than being refused) stops working on the job by its own
+//! clock, once the visibility timeout has passed since it sent the claim or the latest
+//! heartbeat that was answered: from then on the claim may be another worker's.
 //!
 //! An enqueue counts once the master has the job. A failover to a replica that had not yet
 //! received it loses the job; [`DurableQueue::with_replicas`] makes an enqueue count only once

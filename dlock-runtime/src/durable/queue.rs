@@ -80,6 +80,9 @@ pub(super) struct Claimed {
     pub(super) payload: String,
     pub(super) attempt: u32,
     pub(super) token: String,
+    /// When the claim was first sent: its deadline on the server is at least the visibility
+    /// timeout from then.
+    pub(super) sent: tokio::time::Instant,
 }
 
 /// How a claim that is put back counts (the retry script's ARGV[6]).
@@ -713,6 +716,7 @@ impl DurableQueue {
             .arg(&token)
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
+        let sent = tokio::time::Instant::now();
         let flat: Vec<String> = self
             .invoke_resending(&self.inner.conn, "claim", &inv)
             .await?;
@@ -723,6 +727,7 @@ impl DurableQueue {
                 payload: c[1].clone(),
                 attempt: c[2].parse().unwrap_or(1),
                 token: c[3].clone(),
+                sent,
             })
             .collect())
     }

@@ -484,8 +484,21 @@ impl DurableWorker {
                 return;
             }
         };
-        // Keep the claim alive while the job runs; stop the job if the claim is taken over.
-        let beat = self.queue.inner.visibility / 3;
+        // Keep the claim alive while the job runs; stop the job once the claim is taken over,
+        // or may be: its deadline on the server is at least the visibility timeout from when
+        // the claim, or the latest heartbeat answered, was sent. A worker cut off from the
+        // queue (every heartbeat failing, none refused) stops there too: another worker's
+        // claim may take the job over from then on, and its run must not overlap this one.
+        let visibility = self.queue.inner.visibility;
+        let beat = visibility / 3;
+        let mut claimed_until = claim.sent + visibility;
+        let mut next_beat = claim.sent + beat;
+        let beat_once = || async {
+            let sent = tokio::time::Instant::now();
+            (sent, self.queue.heartbeat(&claim).await)
+        };
+        let mut heartbeat = std::pin::pin!(futures_util::future::OptionFuture::from(None));
+        let mut beating = false;
         let limit = self.job_timeout;
         let overdue = async move {
             match limit {
@@ -505,17 +518,33 @@ impl DurableWorker {
                         let stopped: JobError = format!("it ran longer than its {limit:?} limit").into();
                         break Some(Ok(Err(stopped)));
                     }
-                    _ = tokio::time::sleep(beat) => match self.queue.heartbeat(&claim).await {
-                        Ok(true) => {}
-                        Ok(false) => break None,
-                        Err(e) => tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: heartbeat failed"),
-                    },
+                    () = tokio::time::sleep_until(claimed_until) => {
+                        tracing::warn!(
+                            job_id = %claim.id,
+                            "dlock job worker: no heartbeat was answered within the visibility timeout; the job may be another worker's now, so this run stops"
+                        );
+                        break None;
+                    }
+                    () = tokio::time::sleep_until(next_beat), if !beating => {
+                        heartbeat.set(Some(beat_once()).into());
+                        beating = true;
+                    }
+                    Some((sent, answer)) = &mut heartbeat, if beating => {
+                        beating = false;
+                        next_beat = tokio::time::Instant::now() + beat;
+                        match answer {
+                            Ok(true) => claimed_until = claimed_until.max(sent + visibility),
+                            Ok(false) => break None,
+                            Err(e) => tracing::warn!(error = %e, job_id = %claim.id, "dlock job worker: heartbeat failed"),
+                        }
+                    }
                 }
             }
         };
         let _ = guard.release().await;
         let Some(outcome) = outcome else {
-            // This worker stalled past the visibility timeout and another took the job over.
+            // This worker stalled past the visibility timeout (or was cut off from the queue
+            // for that long), and another took the job over or may.
             event("abandoned", &info(&env.key));
             return;
         };
