@@ -928,6 +928,49 @@ async fn a_job_is_not_claimed_in_a_busy_loop_while_its_lock_backend_is_down() {
     assert_eq!(runs(&server, 11).await, 0);
 }
 
+/// A worker asked to poll an empty queue with no interval at all waits 10 ms between claims:
+/// it claimed in a busy loop before, one claim script per answer (thousands in the window
+/// below), for as long as the queue stayed empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_poll_interval_does_not_claim_in_a_busy_loop() {
+    let (server, queue) =
+        server_and_queue("idle", Duration::from_secs(30), Duration::from_secs(60)).await;
+    let scripts = async || -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut server.conn().await)
+            .await
+            .unwrap();
+        info.lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let worker = DurableWorker::new(queue, server.locker().await)
+        .register::<RecordJob>()
+        .poll_interval(Duration::ZERO);
+    let before = scripts().await;
+    let start = std::time::Instant::now();
+    let running = run_in_background(worker);
+    // The point is how many claims fit in a window of time: nothing to wait for.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.stop().await;
+    let took = start.elapsed();
+    let claims = scripts().await - before;
+    let most = u64::try_from(took.as_millis() / 10).unwrap() + 2;
+    assert!(
+        (1..=most).contains(&claims),
+        "{claims} claims of an empty queue in {took:?} (at most {most})"
+    );
+}
+
 /// A job whose type the claiming worker does not know — a rolling deploy: an instance of the
 /// new release queued it, one of the old release claimed it — is put back without using up an
 /// attempt, and runs (as attempt 1) once a worker that knows the type claims it. One that no

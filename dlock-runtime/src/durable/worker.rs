@@ -26,6 +26,9 @@ const CLAIM_FAILURE_REPORT_EVERY: Duration = Duration::from_secs(60);
 /// back at the pace of its policy — every few milliseconds — for the whole deploy.
 const UNKNOWN_TYPE_MIN_DELAY: Duration = Duration::from_secs(1);
 
+/// The shortest [`DurableWorker::poll_interval`].
+const MIN_POLL: Duration = Duration::from_millis(10);
+
 /// A decoded job, waiting for its context (with the fencing token of its lock) to run.
 type Prepared = Box<dyn FnOnce(JobContext) -> BoxFuture<'static, Result<(), JobError>> + Send>;
 
@@ -112,9 +115,10 @@ impl DurableWorker {
         self
     }
 
-    /// How long to wait when no job is due.
+    /// How long to wait when no job is due; at least 10 ms (a zero interval claimed from an
+    /// empty queue in a busy loop, one script run per answer).
     pub fn poll_interval(mut self, d: Duration) -> Self {
-        self.poll = d;
+        self.poll = d.max(MIN_POLL);
         self
     }
 
