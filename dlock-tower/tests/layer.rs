@@ -652,6 +652,75 @@ async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_esc
     );
 }
 
+/// A `HEAD` takes the lock of the `GET` it is answered by: axum's `get` serves both with one
+/// handler, so with `matched_path` or `method_path` keys a `HEAD` while a `GET` of the same
+/// resource runs is refused. Keyed by its own method, it ran the locked handler alongside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_request_takes_the_lock_of_the_get_that_answers_it() {
+    let (open, gate_rx) = gate();
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
+    let report = move |headers: http::HeaderMap| {
+        let gate_rx = gate_rx.clone();
+        let entered_tx = entered_tx.clone();
+        async move {
+            if headers.contains_key("x-wait") {
+                entered_tx.send(()).unwrap();
+                wait_open(gate_rx).await;
+            }
+            "built"
+        }
+    };
+    for (name, app) in [
+        (
+            "matched_path",
+            Router::new()
+                .route("/reports/{month}", get(report.clone()))
+                .route_layer(
+                    DistributedLockLayer::new(Locker::memory(), key::matched_path()).ttl(TTL),
+                ),
+        ),
+        (
+            "method_path",
+            Router::new()
+                .route("/reports/{month}", get(report.clone()))
+                .route_layer(
+                    DistributedLockLayer::new(Locker::memory(), key::method_path()).ttl(TTL),
+                ),
+        ),
+    ] {
+        open.send(false).unwrap();
+        let waiting = bare(Method::GET, "/reports/2026-11", &[("x-wait", "1")]);
+        let first = tokio::spawn(app.clone().oneshot(waiting));
+        tokio::time::timeout(HANG, entered_rx.recv())
+            .await
+            .expect("the GET entered the handler")
+            .unwrap();
+        let res = app
+            .clone()
+            .oneshot(bare(Method::HEAD, "/reports/2026-11", &[]))
+            .await
+            .unwrap();
+        assert_eq!(
+            res.status(),
+            StatusCode::CONFLICT,
+            "{name}: a HEAD ran alongside"
+        );
+        open.send(true).unwrap();
+        let res = first.await.unwrap().unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{name}");
+        let res = app
+            .clone()
+            .oneshot(bare(Method::HEAD, "/reports/2026-11", &[]))
+            .await
+            .unwrap();
+        assert_eq!(
+            res.status(),
+            StatusCode::OK,
+            "{name}: a HEAD once the lock is free"
+        );
+    }
+}
+
 /// Missing, repeated, oversized and forged keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_and_invalid_keys() {

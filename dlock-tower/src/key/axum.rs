@@ -16,7 +16,9 @@ use crate::Rejection;
 
 /// Keys requests by method and the axum route template that matched:
 /// `route:<METHOD>:<template>`, e.g. `route:POST:/users/{id}/orders` for every user id. A
-/// request that matched no route (a fallback, or a layer outside the router) has no key.
+/// request that matched no route (a fallback, or a layer outside the router) has no key. A
+/// `HEAD` is keyed as a `GET`: axum's `get` serves it with the `GET` handler, so it takes that
+/// handler's lock.
 ///
 /// axum 0.8 sets the matched path before running both `Router::layer` and
 /// `Router::route_layer` middleware; `route_layer` also keeps a 404 a 404 instead of a
@@ -49,7 +51,7 @@ impl<B> ExtractKey<B> for MatchedPath {
     fn extract(&mut self, request: Request<B>) -> Self::Future {
         let key = request.extensions().get::<AxumMatchedPath>().map(|m| {
             Key::new("route")
-                .value(request.method().as_str())
+                .value(super::method_of(request.method()))
                 .value(m.as_str())
         });
         ready(Ok((request, key)))

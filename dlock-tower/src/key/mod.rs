@@ -83,6 +83,17 @@ pub use func::{from_fn, FromFn};
 pub use header::{header, Header};
 pub use path::{method_path, MethodPath};
 
+/// The method a key names: a `HEAD` request's is `GET`'s. Routers answer a `HEAD` with the
+/// `GET` handler (axum's `get` serves both), so it must take that handler's lock: keyed as
+/// `HEAD`, it ran the locked handler alongside a `GET` of the same resource.
+fn method_of(request_method: &http::Method) -> &str {
+    if request_method == http::Method::HEAD {
+        http::Method::GET.as_str()
+    } else {
+        request_method.as_str()
+    }
+}
+
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use self::axum::{

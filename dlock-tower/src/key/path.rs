@@ -7,7 +7,7 @@ use http::Request;
 use super::{combinators, ExtractKey, Extracted, Key};
 
 /// Keys requests by method and URI path (no query): `path:<METHOD>:<path>`. Every request has
-/// one. The path is the one the client sent — inside axum's `Router::nest`, with the `axum`
+/// one. A `HEAD` is keyed as a `GET`: routers answer it with the `GET` handler. The path is the one the client sent — inside axum's `Router::nest`, with the `axum`
 /// or the `admin` feature (both read axum's `OriginalUri`; turn one on across all instances at
 /// once, as it changes the keys of layers inside a nested router), the whole path, not the
 /// nested router's rest — spelled one way per resource, so
@@ -45,7 +45,7 @@ impl<B> ExtractKey<B> for MethodPath {
     fn extract(&mut self, request: Request<B>) -> Self::Future {
         let uri = crate::uri::original(request.uri(), request.extensions());
         let key = Key::new("path")
-            .value(request.method().as_str())
+            .value(super::method_of(request.method()))
             .value(&*crate::uri::normalised_path(uri.path()));
         ready(Ok((request, Some(key))))
     }
