@@ -277,9 +277,10 @@ fn expand_locked(
     let err_var = local("__dlock_err");
 
     let locker = match &args.locker {
-        // `&(expr)` plus method-call autoderef accepts both a `Locker` and a `&Locker` with the
-        // runtime's impls for `Locker` and `&Locker`, and never moves out of the expression
-        // (often a field of an argument that the body still needs).
+        // `&(expr)` plus method-call autoderef accepts a `Locker`, a `&Locker` and a smart
+        // pointer to one (`Arc<Locker>`) with the runtime's impls for `&Locker` and `&&Locker`,
+        // and never moves out of the expression (often a field of an argument that the body
+        // still needs).
         Some(expr) => {
             let span = expr.span().resolved_at(Span::mixed_site());
             quote_spanned! {span=>

@@ -113,16 +113,13 @@ impl Spec {
     }
 }
 
-/// `locker = <expr>` accepts a `Locker` or a reference to one.
+/// `locker = <expr>` accepts a `Locker`, a reference to one, or anything that derefs to one
+/// (`Arc<Locker>`, a `LazyLock<Locker>`): the expansion calls it on `&(expr)`, and method
+/// lookup derefs down to the `&Locker` impl. There is no impl for `Locker` by value: lookup
+/// would reach it first through a smart pointer, and moving out of one does not compile.
 pub trait IntoLocker {
     /// The locker handle.
     fn into_locker(self) -> Locker;
-}
-
-impl IntoLocker for Locker {
-    fn into_locker(self) -> Locker {
-        self
-    }
 }
 
 impl IntoLocker for &Locker {

@@ -1,8 +1,9 @@
-// `locker = <expr>`: any expression giving a `Locker` or a `&Locker`, evaluated before the body
-// takes ownership of the arguments, and without moving out of them (the body still uses
-// `state` after `state.locker` chose the locker).
+// `locker = <expr>`: any expression giving a `Locker`, a `&Locker` or something that derefs to
+// one (`Arc<Locker>`, `LazyLock<Locker>`), evaluated before the body takes ownership of the
+// arguments, and without moving out of them (the body still uses `state` after `state.locker`
+// chose the locker).
 
-use std::sync::OnceLock;
+use std::sync::{Arc, LazyLock, OnceLock};
 
 use dlock_runtime::{distributed_lock, Locker};
 
@@ -45,6 +46,27 @@ async fn built(id: u32) -> u32 {
     id
 }
 
+struct Shared {
+    locker: Arc<Locker>,
+}
+
+#[distributed_lock(key = "shared:<id>", locker = app.locker)]
+async fn shared(app: &Shared, id: u32) -> u32 {
+    id
+}
+
+static LAZY: LazyLock<Locker> = LazyLock::new(Locker::memory);
+
+#[distributed_lock(key = "lazy:<id>", locker = LAZY)]
+async fn lazy(id: u32) -> u32 {
+    id
+}
+
+#[distributed_lock(key = "boxed:<id>", locker = boxed)]
+async fn boxed(boxed: Box<Locker>, id: u32) -> u32 {
+    id
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     // No default locker is set: every call here names its own.
@@ -57,4 +79,10 @@ async fn main() {
     assert_eq!(by_ref(&state.locker, 3).await.unwrap(), 3);
     assert_eq!(call(4).await.unwrap(), 4);
     assert_eq!(built(5).await.unwrap(), 5);
+    let app = Shared {
+        locker: Arc::new(Locker::memory()),
+    };
+    assert_eq!(shared(&app, 6).await.unwrap(), 6);
+    assert_eq!(lazy(7).await.unwrap(), 7);
+    assert_eq!(boxed(Box::new(Locker::memory()), 8).await.unwrap(), 8);
 }
