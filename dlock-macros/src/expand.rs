@@ -24,7 +24,8 @@
 //! The key and the locker are evaluated before the body future is created, because the
 //! `async move` block takes ownership of the arguments. Nothing but the `run` future is held
 //! across the `.await`, and no `Send` bound is added: the function's future is `Send` exactly
-//! when the original body's is.
+//! when the original body's is and its output is too (the output is kept across the release's
+//! `.await`).
 
 use proc_macro2::{Span, TokenStream};
 use quote::{quote, quote_spanned, ToTokens};

@@ -123,8 +123,10 @@ use proc_macro::TokenStream;
 /// the method call a locked inherent method or free function.
 ///
 /// `?` and early `return`s in the body work as before. No `Send` bound is added: the function's
-/// future is `Send` when the body's is (axum handlers) and works when it is not (actix-web
-/// handlers).
+/// future is `Send` when the body's future and its output are (axum handlers) and works when it
+/// is not (actix-web handlers). The output counts, unlike in an unlocked `async fn`: it is kept
+/// while the lock is released, so a body returning a type that is not `Send` (a
+/// `Box<dyn Error>` without `+ Send + Sync`) makes a future that is not `Send` either.
 ///
 /// # Methods and handlers
 ///
