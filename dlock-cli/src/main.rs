@@ -77,8 +77,8 @@ enum Command {
         /// Only keys that start with this (as shown, e.g. `user:1%3A`, or literal text).
         #[arg(long, default_value = "")]
         prefix: String,
-        /// At most this many.
-        #[arg(long, default_value_t = 1000)]
+        /// At most this many (at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = parse_at_least_one)]
         limit: usize,
     },
     /// Free a lock whoever holds it (no owner check) and raise its fencing counter.
@@ -108,12 +108,12 @@ enum Command {
         /// Only keys that start with this (as shown, or literal text).
         #[arg(long, default_value = "")]
         prefix: String,
-        /// Time between refreshes.
-        #[arg(long, default_value = "1s", value_parser = parse_duration)]
+        /// Time between refreshes (100ms to 1day: each refresh scans the locks).
+        #[arg(long, default_value = "1s", value_parser = parse_interval)]
         interval: Duration,
-        /// Stop after this many refreshes.
-        #[arg(long)]
-        count: Option<u64>,
+        /// Stop after this many refreshes (at least 1).
+        #[arg(long, value_parser = parse_at_least_one)]
+        count: Option<usize>,
         /// Show every held lock, not only contended ones.
         #[arg(long)]
         all: bool,
@@ -158,6 +158,25 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
         return Err("must be from 1ms to 1day".into());
     }
     Ok(d)
+}
+
+/// `--interval`: from 100ms to a day. Each refresh scans up to 10,000 locks; a zero interval
+/// scanned the backend in a busy loop.
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(100) || d > MAX_TIMEOUT {
+        return Err("must be from 100ms to 1day".into());
+    }
+    Ok(d)
+}
+
+/// `--limit` and `--count`: a whole number of at least 1 (zero listed nothing and said "no
+/// locks", or refreshed once all the same).
+fn parse_at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("must be a whole number of at least 1".into()),
+    }
 }
 
 /// Why the command failed, and its exit code.
@@ -284,10 +303,18 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             all,
         } => {
             let admin = admin(&cli).await?;
-            let mut refreshes = 0u64;
+            let mut refreshes = 0usize;
             let clear = !cli.json && std::io::stdout().is_terminal();
+            // One Ctrl-C listener for the whole watch, awaited during the refreshes too: the
+            // first installs tokio's handler for good (SIGINT no longer ends the process), and
+            // one made anew after each refresh missed a Ctrl-C pressed during it.
+            let ctrl_c = tokio::signal::ctrl_c();
+            tokio::pin!(ctrl_c);
             loop {
-                let locks = admin.list_all(prefix, 10_000).await?;
+                let locks = tokio::select! {
+                    locks = admin.list_all(prefix, 10_000) => locks?,
+                    _ = &mut ctrl_c => break,
+                };
                 let shown: Vec<_> = locks
                     .into_iter()
                     .filter(|s| *all || !s.waiters.is_empty())
@@ -299,7 +326,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(*interval) => {}
-                    _ = tokio::signal::ctrl_c() => break,
+                    _ = &mut ctrl_c => break,
                 }
             }
         }

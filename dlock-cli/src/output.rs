@@ -189,10 +189,30 @@ pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
             j.id,
             j.attempts,
             j.key,
-            j.reason.as_deref().unwrap_or("")
+            printable(j.reason.as_deref().unwrap_or(""))
         );
     }
     out!("{} dead letter(s)", jobs.len());
+}
+
+/// `text` with its control characters escaped (`\u{1b}`): a reason quotes a job's error, which
+/// may hold request data, and raw it could drive the operator's terminal (an escape sequence
+/// that sets the window title or the clipboard).
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
 }
 
 pub(crate) fn print_done(what: &str, id: &str, json: bool) {

@@ -126,7 +126,7 @@ async fn locks_through_the_cli(url: &str, key: &str) {
             "--count",
             "2",
             "--interval",
-            "50ms",
+            "100ms",
             "--prefix",
             family,
         ],
@@ -376,6 +376,42 @@ async fn redis_jobs_list_dead_requeue_purge() {
     }
 }
 
+/// A dead letter's reason quotes the job's error, which may hold request data: `jobs dead`
+/// prints its control characters escaped, so none reaches the operator's terminal (an `OSC`
+/// sequence sets the window title or the clipboard). JSON escapes them anyway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letters_reason_cannot_drive_the_terminal() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let queue = DurableQueue::connect(&url, "esc").await.unwrap();
+    let job = RecordJob {
+        id: 7,
+        lock: "esc".into(),
+        record_url: url.clone(),
+        fail_with: Some("\u{1b}]0;pwned\u{7} boom".into()),
+        ..Default::default()
+    };
+    let policy = DeferPolicy::new(Duration::ZERO, 1);
+    queue
+        .enqueue(&job, &policy, Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), server.locker().await).register::<RecordJob>();
+    dlock_tests::wait::wait_for("a dead letter", Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        (!queue.dead_letters().await.unwrap().is_empty()).then_some(())
+    })
+    .await;
+    let out = dlock(Some(&url), &["jobs", "--queue", "esc", "dead"]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let printed = stdout(&out);
+    assert!(
+        !out.stdout.iter().any(|b| *b < 0x20 && *b != b'\n'),
+        "a control character reached the terminal: {printed:?}"
+    );
+    assert!(printed.contains("\\u{1b}]0;pwned\\u{7} boom"), "{printed}");
+}
+
 /// `--timeout` past what a wait can mean (it panicked multiplying it: exit 101) or zero is a
 /// usage error, exit 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,6 +430,78 @@ async fn a_timeout_out_of_range_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+/// Zero for `--limit` or `--count`, and a `--interval` under 100 ms, are usage errors (exit 2):
+/// `list --limit 0` said "no locks held" while locks were, `watch --count 0` refreshed once all
+/// the same, and `watch --interval 0s` scanned the backend in a busy loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_limits_and_counts_and_short_intervals_are_usage_errors() {
+    for (args, says) in [
+        (&["list", "--limit", "0"][..], "at least 1"),
+        (&["watch", "--count", "0"][..], "at least 1"),
+        (
+            &["watch", "--interval", "0s", "--count", "1"][..],
+            "from 100ms",
+        ),
+        (
+            &["watch", "--interval", "50ms", "--count", "1"][..],
+            "from 100ms",
+        ),
+    ] {
+        let out = dlock(Some("memory://"), args).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    for args in [
+        &["list", "--limit", "1"][..],
+        &["watch", "--interval", "100ms", "--count", "1"][..],
+    ] {
+        let out = dlock(Some("memory://"), args).await;
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+    }
+}
+
+/// Ctrl-C (SIGINT) while `watch` refreshes — here a refresh stuck on a frozen server — ends it
+/// at once, with success. The first Ctrl-C listener installs tokio's handler for good (SIGINT
+/// no longer ends the process), and `watch` listened only between refreshes: a Ctrl-C during
+/// one was lost, and it ran on until the refresh timed out (exit 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_during_a_refresh_ends_watch_at_once() {
+    use tokio::io::AsyncBufReadExt as _;
+
+    let mut server = RedisServer::start();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args(["--timeout", "20s", "watch", "--interval", "100ms"])
+        .env("DLOCK_URL", server.url())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.next_line().await.unwrap().is_some(),
+        "a first refresh"
+    );
+    server.pause();
+    // The next refresh starts 100 ms after the first and waits on the frozen server; nothing
+    // outside the process tells when it began, so give it three intervals.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = child.id().unwrap().to_string();
+    let sent = Instant::now();
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = tokio::time::timeout(Duration::from_secs(5), child.wait_with_output())
+        .await
+        .expect("watch ends at Ctrl-C during a refresh")
+        .unwrap();
+    server.resume();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(sent.elapsed() < Duration::from_secs(5));
+}
+
 /// Output piped into a reader that stops early (`dlock watch | head -n1`): `dlock` ends quietly
 /// with success. It panicked ("failed printing to stdout: Broken pipe", exit 101).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,7 +509,7 @@ async fn a_closed_stdout_ends_the_command_quietly() {
     use tokio::io::AsyncBufReadExt as _;
 
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
-        .args(["watch", "--interval", "10ms", "--count", "1000"])
+        .args(["watch", "--interval", "100ms", "--count", "1000"])
         .env("DLOCK_URL", "memory://")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())

@@ -32,6 +32,9 @@ pub struct RecordJob {
     pub hang_always: bool,
     /// Fail (return an error) on every attempt.
     pub always_fail: bool,
+    /// Fail with this error on every attempt.
+    #[serde(default)]
+    pub fail_with: Option<String>,
     /// Panic on every attempt.
     #[serde(default)]
     pub panic_always: bool,
@@ -61,6 +64,9 @@ impl Job for RecordJob {
         }
         if self.always_fail {
             return Err("this job always fails".into());
+        }
+        if let Some(error) = self.fail_with {
+            return Err(error.into());
         }
         let _: () = c
             .hset(
