@@ -199,6 +199,25 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     assert!(err.is_unavailable(), "{err}");
 }
 
+/// A job that ran before the shutdown is not in its report: `completed` counts the jobs the
+/// drain ran. Before, it counted every job since the queue started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_ran_before_the_shutdown_is_not_in_its_report() {
+    let locker = Locker::memory();
+    let held = locker.lock("k").acquire().await.unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let policy = OnFail::defer(Duration::from_millis(10), 100);
+    let err = defer_counting(&locker, "k", policy, &ran).await;
+    assert!(err.is_deferred(), "{err}");
+    held.release().await.unwrap();
+    wait_for("the job to run", Duration::from_secs(10), async || {
+        (ran.load(Ordering::SeqCst) == 1 && locker.defer_queue().pending().is_empty()).then_some(())
+    })
+    .await;
+    let report = locker.defer_queue().shutdown(Duration::from_secs(1)).await;
+    assert_eq!(report, dlock_runtime::defer::ShutdownReport::default());
+}
+
 /// `shutdown(Duration::MAX)` — "drain as long as it takes" — drains: the job whose lock is free
 /// runs, and the report says so. Before, the deadline overflowed an `Instant`: the queue's task
 /// panicked, the report came back empty, and the job ran afterwards on the fallback thread.

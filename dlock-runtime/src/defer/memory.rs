@@ -560,7 +560,10 @@ async fn run(mut task: Task) {
                 Ok((task, Outcome::Done(info))) => {
                     running_ids.remove(&task);
                     lock().pending.remove(&info.id);
-                    *completed += 1;
+                    // The report counts the jobs the drain ran, as `failed` does.
+                    if draining.is_some() {
+                        *completed += 1;
+                    }
                     event(key_log, "completed", &info);
                 }
                 Ok((task, Outcome::NotRun(mut job, why))) => {
