@@ -23,6 +23,17 @@ pub(crate) trait DeferredWork: Send + 'static {
     /// One attempt: `Ok(())` when the work ran, `Err((self, why))` when it did not (its lock
     /// was still busy, or the backend failed), to be tried again later.
     fn attempt(self: Box<Self>) -> BoxFuture<'static, Attempted>;
+
+    /// The work is a dead letter now: it lets go of what would keep its locker alive. Only a
+    /// handle of that locker can requeue it ([`DeferQueue::requeue`]), and held, a dead letter
+    /// kept a dropped locker — its backend connections, watchdog and this queue's task — alive
+    /// for the dead letter's whole retention.
+    fn dead(&mut self) {}
+
+    /// The dead letter is requeued: takes hold of its locker again. `false` when it is gone.
+    fn revive(&mut self) -> bool {
+        true
+    }
 }
 
 /// How an attempt went: `Err` gives the work back, with why it did not run.
@@ -102,6 +113,7 @@ impl Shared {
 
     fn push_dead(&mut self, mut job: PendingJob, reason: String) {
         job.info.reason = Some(reason);
+        job.work.dead();
         event(self.key_log, "dead_lettered", &job.info);
         self.pending.remove(&job.info.id);
         self.dead.push_back((job, Instant::now()));
@@ -287,13 +299,18 @@ impl DeferQueue {
         let Some((mut job, at)) = shared.dead.remove(pos) else {
             return false;
         };
+        if !job.work.revive() {
+            shared.dead.insert(pos, (job, at));
+            return false;
+        }
         job.info.attempts = 0;
         job.info.reason = None;
         let info = job.info.clone();
         let first = job.policy.backoff(1);
         // Under the lock, as in `push`: ahead of a shutdown that closes the queue.
         if let Err(mpsc::error::SendError(cmd)) = tx.send(Cmd::Push(job, first)) {
-            if let Cmd::Push(job, _) = cmd {
+            if let Cmd::Push(mut job, _) = cmd {
+                job.work.dead();
                 shared.dead.insert(pos, (job, at));
             }
             return false;

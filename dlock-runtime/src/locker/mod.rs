@@ -44,6 +44,23 @@ pub struct Locker {
     inner: Arc<Inner>,
 }
 
+/// A [`Locker`] that does not keep it alive (a dead letter's: see `LockedWork`).
+#[derive(Clone)]
+pub(crate) struct WeakLocker(std::sync::Weak<Inner>);
+
+impl Locker {
+    /// A handle that does not keep this locker alive.
+    pub(crate) fn downgrade(&self) -> WeakLocker {
+        WeakLocker(Arc::downgrade(&self.inner))
+    }
+}
+
+impl WeakLocker {
+    pub(crate) fn upgrade(&self) -> Option<Locker> {
+        self.0.upgrade().map(|inner| Locker { inner })
+    }
+}
+
 struct Inner {
     id: u64,
     backend: Arc<dyn Backend>,

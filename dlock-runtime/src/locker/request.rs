@@ -347,7 +347,7 @@ impl<'a> LockRequest<'a> {
             name,
             policy,
             Box::new(LockedWork {
-                locker: locker.clone(),
+                locker: Held::Live(locker.clone()),
                 key: key.clone(),
                 kind: self.kind,
                 ttl,
@@ -389,7 +389,7 @@ async fn run_under<F: Future>(locker: &Locker, guard: LockGuard, work: F) -> F::
 /// attempts when the work's turn comes, with the options of the request it came from (a
 /// deferred run is protected as an immediate one would have been).
 struct LockedWork {
-    locker: Locker,
+    locker: Held,
     key: LockKey,
     kind: LockKind,
     ttl: Duration,
@@ -400,12 +400,48 @@ struct LockedWork {
     work: BoxFuture<'static, ()>,
 }
 
+/// The locker of a [`LockedWork`]: held while the work may run, and not while it is a dead
+/// letter (nothing but a handle of the locker can requeue it).
+enum Held {
+    Live(Locker),
+    Parked(super::WeakLocker),
+}
+
+impl LockedWork {
+    /// The work's locker, held again if it was parked; `None` when it is gone.
+    fn live(&mut self) -> Option<Locker> {
+        if let Held::Parked(weak) = &self.locker {
+            self.locker = Held::Live(weak.upgrade()?);
+        }
+        match &self.locker {
+            Held::Live(locker) => Some(locker.clone()),
+            Held::Parked(_) => None,
+        }
+    }
+}
+
 impl crate::defer::DeferredWork for LockedWork {
-    fn attempt(self: Box<Self>) -> BoxFuture<'static, crate::defer::Attempted> {
+    fn dead(&mut self) {
+        if let Held::Live(locker) = &self.locker {
+            self.locker = Held::Parked(locker.downgrade());
+        }
+    }
+
+    fn revive(&mut self) -> bool {
+        self.live().is_some()
+    }
+
+    fn attempt(mut self: Box<Self>) -> BoxFuture<'static, crate::defer::Attempted> {
         use crate::defer::NotRun;
         Box::pin(async move {
-            let mut request = self
-                .locker
+            let Some(locker) = self.live() else {
+                let gone = LockError::unavailable("the locker of this deferred work is gone", None);
+                return Err((
+                    self as Box<dyn crate::defer::DeferredWork>,
+                    NotRun::Failed(gone),
+                ));
+            };
+            let mut request = locker
                 .request(self.key.clone(), self.kind)
                 .ttl(self.ttl)
                 .auto_renew(self.auto_renew)
@@ -415,14 +451,13 @@ impl crate::defer::DeferredWork for LockedWork {
             let attempt = request.try_acquire().await;
             match attempt {
                 Ok(Some(guard)) => {
-                    let LockedWork { locker, work, .. } = *self;
-                    run_under(&locker, guard, work).await;
+                    run_under(&locker, guard, self.work).await;
                     Ok(())
                 }
                 Ok(None) => Err((self as Box<dyn crate::defer::DeferredWork>, NotRun::Busy)),
                 Err(e) => {
                     tracing::debug!(
-                        error = %self.locker.trace_error(&e),
+                        error = %locker.trace_error(&e),
                         "dlock: deferred attempt could not reach the backend"
                     );
                     Err((
@@ -907,6 +942,65 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     use super::*;
+
+    /// A dead letter lets go of its locker: once every handle of a locker is dropped, the
+    /// locker goes (its backend connections, watchdog and queue task with it) even while its
+    /// in-process queue holds a dead letter, which only a handle of it could requeue. Before,
+    /// the dead letter kept the locker alive for its whole retention (7 days by default). A
+    /// dead letter requeued through a live handle runs as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_letter_does_not_keep_its_dropped_locker_alive() {
+        let locker = Locker::memory();
+        let ran = std::sync::Arc::new(AtomicUsize::new(0));
+        let held = locker.lock("k").acquire().await.unwrap();
+        let defer = || {
+            let ran = ran.clone();
+            locker
+                .lock("k")
+                .on_fail(OnFail::defer(Duration::from_millis(1), 1))
+                .run(async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                })
+        };
+        let dead_letter = async |locker: &Locker| {
+            tokio::time::timeout(Duration::from_secs(10), async {
+                loop {
+                    if let Some(job) = locker.defer_queue().dead_letters().pop() {
+                        return job;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await
+            .expect("a dead letter")
+        };
+        assert!(defer().await.unwrap_err().is_deferred());
+        let first = dead_letter(&locker).await;
+        held.release().await.unwrap();
+        // Requeued through a live handle, it runs.
+        assert!(locker.defer_queue().requeue(&first.id));
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while ran.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the requeued job ran");
+
+        let held = locker.lock("k").acquire().await.unwrap();
+        assert!(defer().await.unwrap_err().is_deferred());
+        dead_letter(&locker).await;
+        held.release().await.unwrap();
+        let weak = std::sync::Arc::downgrade(&locker.inner);
+        drop(locker);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while weak.strong_count() > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the dropped locker was kept alive by its dead letter");
+    }
 
     #[tokio::test]
     async fn a_by_hand_acquire_of_a_lock_the_task_holds_is_a_typed_error() {
