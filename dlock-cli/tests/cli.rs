@@ -28,6 +28,18 @@ async fn dlock(url: Option<&str>, args: &[&str]) -> Output {
     out
 }
 
+/// Starts `dlock <args>` against `url` with stdin closed and stdout and stderr piped.
+fn spawn(url: &str, args: &[&str]) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args(args)
+        .env("DLOCK_URL", url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -469,14 +481,10 @@ async fn ctrl_c_during_a_refresh_ends_watch_at_once() {
     use tokio::io::AsyncBufReadExt as _;
 
     let mut server = RedisServer::start();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
-        .args(["--timeout", "20s", "watch", "--interval", "100ms"])
-        .env("DLOCK_URL", server.url())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(
+        &server.url(),
+        &["--timeout", "20s", "watch", "--interval", "100ms"],
+    );
     let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
     assert!(
         lines.next_line().await.unwrap().is_some(),
@@ -508,14 +516,10 @@ async fn ctrl_c_during_a_refresh_ends_watch_at_once() {
 async fn a_closed_stdout_ends_the_command_quietly() {
     use tokio::io::AsyncBufReadExt as _;
 
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock"))
-        .args(["watch", "--interval", "100ms", "--count", "1000"])
-        .env("DLOCK_URL", "memory://")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(
+        "memory://",
+        &["watch", "--interval", "100ms", "--count", "1000"],
+    );
     let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next_line().await.unwrap();
     assert!(first.is_some(), "a first line");

@@ -119,6 +119,18 @@ async fn wait_open(mut rx: watch::Receiver<bool>) {
     rx.wait_for(|open| *open).await.expect("gate dropped");
 }
 
+/// A handler's first step: a request with `x-wait` says it entered, then waits for the gate.
+async fn pause_if_asked(
+    headers: &http::HeaderMap,
+    gate_rx: watch::Receiver<bool>,
+    entered: &mpsc::UnboundedSender<()>,
+) {
+    if headers.contains_key("x-wait") {
+        entered.send(()).unwrap();
+        wait_open(gate_rx).await;
+    }
+}
+
 /// 100 concurrent requests with one `Idempotency-Key`, over a real HTTP server: exactly one
 /// reaches the handler while it holds the lock; the other 99 get 409 with the holder's
 /// remaining lease as `Retry-After` and a problem+json body.
@@ -594,13 +606,9 @@ async fn method_path_keys_the_path_as_sent_inside_a_nest_and_undoes_needless_esc
     let (open, gate_rx) = gate();
     let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
     let orders = move |Extension(lock): Extension<LockInfo>, headers: http::HeaderMap| {
-        let gate_rx = gate_rx.clone();
-        let entered_tx = entered_tx.clone();
+        let (gate_rx, entered_tx) = (gate_rx.clone(), entered_tx.clone());
         async move {
-            if headers.contains_key("x-wait") {
-                entered_tx.send(()).unwrap();
-                wait_open(gate_rx).await;
-            }
+            pause_if_asked(&headers, gate_rx, &entered_tx).await;
             lock.key().to_owned()
         }
     };
@@ -660,13 +668,9 @@ async fn a_head_request_takes_the_lock_of_the_get_that_answers_it() {
     let (open, gate_rx) = gate();
     let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
     let report = move |headers: http::HeaderMap| {
-        let gate_rx = gate_rx.clone();
-        let entered_tx = entered_tx.clone();
+        let (gate_rx, entered_tx) = (gate_rx.clone(), entered_tx.clone());
         async move {
-            if headers.contains_key("x-wait") {
-                entered_tx.send(()).unwrap();
-                wait_open(gate_rx).await;
-            }
+            pause_if_asked(&headers, gate_rx, &entered_tx).await;
             "built"
         }
     };
@@ -695,26 +699,20 @@ async fn a_head_request_takes_the_lock_of_the_get_that_answers_it() {
             .await
             .expect("the GET entered the handler")
             .unwrap();
-        let res = app
-            .clone()
-            .oneshot(bare(Method::HEAD, "/reports/2026-11", &[]))
-            .await
-            .unwrap();
+        let head = async || {
+            let req = bare(Method::HEAD, "/reports/2026-11", &[]);
+            app.clone().oneshot(req).await.unwrap().status()
+        };
         assert_eq!(
-            res.status(),
+            head().await,
             StatusCode::CONFLICT,
             "{name}: a HEAD ran alongside"
         );
         open.send(true).unwrap();
         let res = first.await.unwrap().unwrap();
         assert_eq!(res.status(), StatusCode::OK, "{name}");
-        let res = app
-            .clone()
-            .oneshot(bare(Method::HEAD, "/reports/2026-11", &[]))
-            .await
-            .unwrap();
         assert_eq!(
-            res.status(),
+            head().await,
             StatusCode::OK,
             "{name}: a HEAD once the lock is free"
         );

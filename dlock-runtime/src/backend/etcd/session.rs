@@ -1363,6 +1363,15 @@ mod tests {
         (Arc::from("r"), OwnerToken::generate())
     }
 
+    /// Where an exclusive lock `r`'s new key goes, with the value `1000:t`.
+    fn exclusive_key() -> NewKey<'static> {
+        NewKey {
+            dir: b"dlock/r/",
+            kind: LockKind::Exclusive,
+            value: "1000:t".to_owned(),
+        }
+    }
+
     /// A new token's key, held on `s`.
     fn held_on(reg: &Sessions, s: &Arc<Session>) -> TokenKey {
         let key = token();
@@ -1643,11 +1652,7 @@ mod tests {
     fn a_token_registered_again_writes_a_value_its_earlier_delete_does_not_match() {
         let reg = Sessions::default();
         let s = session(1);
-        let new = NewKey {
-            dir: b"dlock/r/",
-            kind: LockKind::Exclusive,
-            value: "1000:t".to_owned(),
-        };
+        let new = exclusive_key();
         let key = token();
         let Begun::Put(first, first_value) = reg.begin_put(&key, Some(&new), &[&s]) else {
             panic!("not registered");
@@ -1719,11 +1724,7 @@ mod tests {
     fn a_token_asking_again_after_its_registration_ended_writes_a_new_value() {
         let reg = Sessions::default();
         let s = session(1);
-        let new = NewKey {
-            dir: b"dlock/r/",
-            kind: LockKind::Exclusive,
-            value: "1000:t".to_owned(),
-        };
+        let new = exclusive_key();
         let key = token();
         let Begun::Put(name, first) = reg.begin_put(&key, Some(&new), &[&s]) else {
             panic!("not registered");
