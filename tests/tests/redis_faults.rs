@@ -1737,6 +1737,44 @@ async fn a_listing_page_looks_at_a_bounded_number_of_keys() {
     held.release().await.unwrap();
 }
 
+/// Keys another program wrote under the locks' namespace do not break a listing or pass for
+/// locks: a name that is not UTF-8 (it failed every page, and the ops page answered 503 while
+/// Redis was up), a key of another type (`WRONGTYPE` for the read: the same), and a string
+/// with no expiry, which the acquire and force-release scripts count as free (an acquire takes
+/// its place) — it was listed as held, its value's first characters shown as an owner token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_keys_under_the_namespace_neither_break_a_listing_nor_pass_for_locks() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SET")
+        .arg(&b"dlock:{\xff}"[..])
+        .arg("x")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = conn.hset("dlock:{a-hash}", "f", "v").await.unwrap();
+    let _: () = conn
+        .set("dlock:{forever}", "0123456789abcdef")
+        .await
+        .unwrap();
+    let locker = redis.locker().await;
+    let held = locker.lock("listed").acquire().await.unwrap();
+    let admin = locker.admin().unwrap();
+    let all = admin.list_all("", 100).await.expect("a listing");
+    let keys: Vec<&str> = all.iter().map(|l| l.key.as_str()).collect();
+    assert_eq!(keys, ["listed"], "{all:?}");
+    let forever = admin.inspect("forever").await.unwrap();
+    assert!(forever.holder.is_none(), "{forever:?}");
+    let g = locker
+        .lock("forever")
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("a key with no expiry is no lock");
+    g.release().await.unwrap();
+    held.release().await.unwrap();
+}
+
 /// Timeouts given as `Duration::MAX` ("no deadline") are taken as a day: the backend adds its
 /// connect and command timeouts (and scales the command timeout for a replica wait), which
 /// overflowed — a panic at connect. Through `RedisOptions`, the locker's builder and Redlock's

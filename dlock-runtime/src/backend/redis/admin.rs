@@ -104,11 +104,19 @@ impl RedisBackend {
     async fn read_lock(&self, resource: &ResourceName) -> Result<LockState, LockError> {
         let mut call = self.lock_call(&INSPECT, resource);
         call.arg(self.fence_key(resource));
-        let (value, pttl, fence, waiters): (String, i64, String, Vec<String>) =
+        // Bytes, not text: a key another program wrote under the namespace may hold anything.
+        let (value, pttl, fence, waiters): (Vec<u8>, i64, Vec<u8>, Vec<Vec<u8>>) =
             self.run_script("inspect", &call).await?;
+        let (value, fence) = (
+            String::from_utf8_lossy(&value),
+            String::from_utf8_lossy(&fence),
+        );
         let linger = super::millis(Self::LINGER) as i64;
-        let owner = value.split_once('|').map_or(value.as_str(), |(_, o)| o);
-        let holder = (!value.is_empty() && (pttl > linger || pttl == -1)).then(|| Holder {
+        let owner = value.split_once('|').map_or(&*value, |(_, o)| o);
+        // Held as the acquire and force-release scripts count it: a lease left past the linger.
+        // A key with no expiry (`PTTL` -1) is not one of this library's locks (every lock has
+        // one), and an acquire takes its place.
+        let holder = (!value.is_empty() && pttl > linger).then(|| Holder {
             token_prefix: token_prefix(owner),
             fencing_token: None,
             ttl_left: Duration::from_millis(u64::try_from(pttl - linger).unwrap_or(0)),
@@ -119,8 +127,11 @@ impl RedisBackend {
             waiters: waiters
                 .chunks_exact(2)
                 .map(|w| Waiter {
-                    token_prefix: token_prefix(&w[0]),
-                    expires_in: w[1].parse().ok().map(Duration::from_millis),
+                    token_prefix: token_prefix(&String::from_utf8_lossy(&w[0])),
+                    expires_in: std::str::from_utf8(&w[1])
+                        .ok()
+                        .and_then(|ms| ms.parse().ok())
+                        .map(Duration::from_millis),
                 })
                 .collect(),
             fence_counter: fence.parse().ok(),
@@ -200,8 +211,15 @@ impl RedisBackend {
             #[cfg(not(feature = "cluster"))]
             Some(_) => unreachable!("nodes are listed on a cluster only"),
         };
-        let (next, keys): (String, Vec<String>) =
+        // Names as bytes: a key of another program that matches the pattern and is not UTF-8
+        // (no lock key is one) is passed over, not an error that failed every page for as long
+        // as it existed.
+        let (next, keys): (String, Vec<Vec<u8>>) =
             redis::from_redis_value(value).map_err(|e| super::redis_err("scan", e.into()))?;
+        let keys = keys
+            .into_iter()
+            .filter_map(|k| String::from_utf8(k).ok())
+            .collect();
         Ok((next.parse().unwrap_or(0), keys))
     }
 
@@ -244,12 +262,24 @@ impl RedisBackend {
         let reads =
             futures_util::future::join_all(reads.map(|r| async move { self.read_lock(&r).await }))
                 .await;
+        // A key that cannot be read as a lock (another program's key of another type under
+        // the namespace: `WRONGTYPE`) is passed over; only when every read failed is the page
+        // an error (the server is down, say).
         let mut locks = Vec::with_capacity(reads.len());
+        let (mut failed, mut answered) = (None, false);
         for r in reads {
-            let state = r?;
-            if state.is_active() {
-                locks.push(state);
+            match r {
+                Ok(state) => {
+                    answered = true;
+                    if state.is_active() {
+                        locks.push(state);
+                    }
+                }
+                Err(e) => failed = Some(e),
             }
+        }
+        if let Some(e) = failed.filter(|_| !answered) {
+            return Err(e);
         }
         Ok(LockPage {
             locks,
