@@ -87,12 +87,15 @@ impl AdminStore for MemoryBackend {
         resource: &'a ResourceName,
     ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
         let name = resource.as_str();
-        let (was_held, next) = self.with_entry(name, |e, now| {
+        // The fence is drawn under the entry's mutex, with the lock freed: an acquire that takes
+        // it next draws its token after this one (drawn after the mutex was let go, it could
+        // come after that acquire's, and a resource given it as its floor refused the new
+        // holder).
+        let (was_held, next, fence) = self.with_entry(name, |e, now| {
             let held = e.live_holder(now).is_some();
             e.holder = None;
-            (held, Self::next_waiter(e, now))
+            (held, Self::next_waiter(e, now), self.next_fence())
         });
-        let fence = self.next_fence();
         if was_held {
             self.inner
                 .hub
@@ -104,3 +107,4 @@ impl AdminStore for MemoryBackend {
         })))
     }
 }
+
