@@ -375,8 +375,8 @@ impl RedlockBackend {
     }
 
     /// Runs an owner-checked yes/no operation on every node and returns as soon as the outcome
-    /// is decided (a majority said yes, or can no longer say yes), so frozen nodes are not
-    /// waited for. The nodes' commands run on one task of their own and finish (or meet their
+    /// is decided (a majority said yes, or said no: [`Count::owner_checked`]), so frozen nodes
+    /// are not waited for once it is. The nodes' commands run on one task of their own and finish (or meet their
     /// node deadline) in the background: a release really reaches every node that answers,
     /// even after the caller has its answer or was dropped. (A dropped per-node future might
     /// never send its command.)
@@ -404,7 +404,7 @@ impl RedlockBackend {
                 let _ = tx.send(vote);
             }
         });
-        let mut count = Count::new(self.inner.nodes.len(), self.inner.quorum);
+        let mut count = Count::owner_checked(self.inner.nodes.len(), self.inner.quorum);
         while let Some((i, v)) = rx.recv().await {
             if count.add(i, v) {
                 break;
@@ -461,31 +461,59 @@ async fn vote<T>(
 struct Count<T> {
     votes: Vec<(usize, Vote<T>)>,
     yes: usize,
+    /// No votes and failures.
     no: usize,
+    /// No votes alone.
+    said_no: usize,
     nodes: usize,
     quorum: usize,
+    /// Whether a failure counts against a majority of yes ([`Count::owner_checked`]: not).
+    failures_decide: bool,
 }
 
 impl<T> Count<T> {
+    /// An acquire's count: decided once a majority said yes or can no longer say yes (a
+    /// failed node is not a yes; the attempt fails either way and is undone everywhere).
     fn new(nodes: usize, quorum: usize) -> Self {
         Count {
             votes: Vec::with_capacity(nodes),
             yes: 0,
             no: 0,
+            said_no: 0,
             nodes,
             quorum,
+            failures_decide: true,
         }
     }
 
-    /// Counts node `i`'s vote; `true` once a majority said yes or can no longer say yes.
+    /// An owner-checked operation's count (release, extend): decided once a majority said yes,
+    /// or said no. A failed node may hold the lock, so it decides nothing: counted against
+    /// the yes, a node failing fast beside one "no" made the answer "not the owner" — a lock
+    /// reported lost — whenever the node that would have said yes answered third.
+    fn owner_checked(nodes: usize, quorum: usize) -> Self {
+        Count {
+            failures_decide: false,
+            ..Count::new(nodes, quorum)
+        }
+    }
+
+    /// Counts node `i`'s vote; `true` once the votes decide the outcome.
     fn add(&mut self, i: usize, vote: Vote<T>) -> bool {
-        if matches!(vote, Vote::Yes(_)) {
-            self.yes += 1;
-        } else {
-            self.no += 1;
+        match vote {
+            Vote::Yes(_) => self.yes += 1,
+            Vote::No(_) => {
+                self.no += 1;
+                self.said_no += 1;
+            }
+            Vote::Failed(..) => self.no += 1,
         }
         self.votes.push((i, vote));
-        self.yes >= self.quorum || self.no > self.nodes - self.quorum
+        let against = if self.failures_decide {
+            self.no
+        } else {
+            self.said_no
+        };
+        self.yes >= self.quorum || against > self.nodes - self.quorum
     }
 }
 
@@ -814,7 +842,10 @@ mod tests {
     /// Counts `votes` (`y` yes, `n` no, `f` failed) over 5 nodes; answers after which vote the
     /// count was decided, if any.
     fn decided_after(votes: &str) -> Option<usize> {
-        let mut count = Count::new(5, 3);
+        decided(Count::new(5, 3), votes)
+    }
+
+    fn decided(mut count: Count<()>, votes: &str) -> Option<usize> {
         votes.chars().enumerate().find_map(|(i, c)| {
             let vote = match c {
                 'y' => Vote::Yes(()),
@@ -836,5 +867,20 @@ mod tests {
         );
         assert_eq!(decided_after("yfnf"), Some(4), "failures count against");
         assert_eq!(decided_after("yynn"), None, "the fifth node decides");
+    }
+
+    /// An owner-checked count (release, extend) is decided by a majority of yes or of no: a
+    /// failed node may hold the lock. Over 3 nodes, "failed, no" waits for the third node,
+    /// whose yes makes the outcome unknowable (an outage, tried again) rather than "not the
+    /// owner" (a lock reported lost while a majority may hold it).
+    #[test]
+    fn an_owner_checked_count_is_not_decided_by_failures() {
+        let over_3 = |votes| decided(Count::owner_checked(3, 2), votes);
+        assert_eq!(over_3("fn"), None, "the third node decides");
+        assert_eq!(over_3("fny"), None);
+        assert_eq!(over_3("fnn"), Some(3), "a majority said no");
+        assert_eq!(over_3("yy"), Some(2), "a majority said yes");
+        assert_eq!(over_3("ff"), None);
+        assert_eq!(decided(Count::new(3, 2), "fn"), Some(2), "an acquire's is");
     }
 }
