@@ -22,6 +22,28 @@ fn resource_of(node: &str) -> Option<String> {
     crate::util::percent_decode(node)
 }
 
+/// One page of a listing from the lock root's children `names`: the resources of the first
+/// `limit` (at least 1, as `Admin::list` asks) names under `prefix` after the node name
+/// `after`, in order, and the cursor to the next page (the last of them) when more are left.
+/// A name that does not decode (another program's node under the root) is no lock, and is
+/// passed over before the page is cut: counted in it, a page of such names had no resource to
+/// go on from, and the listing ended there with every later lock missing.
+fn page_of(
+    mut names: Vec<String>,
+    prefix: &str,
+    after: Option<&str>,
+    limit: usize,
+) -> (Vec<String>, Option<String>) {
+    names.retain(|n| n.starts_with(prefix) && after.is_none_or(|a| n.as_str() > a));
+    names.sort_unstable();
+    let mut resources: Vec<String> = names.iter().filter_map(|n| resource_of(n)).collect();
+    let limit = limit.max(1);
+    let more = resources.len() > limit;
+    resources.truncate(limit);
+    let cursor = more.then(|| resources.last().cloned()).flatten();
+    (resources, cursor)
+}
+
 /// The owner token part of a node name `<token>-<sequence>`.
 fn token_of(seen: &Seen) -> String {
     let name = &seen.child.name;
@@ -114,7 +136,7 @@ impl ZkBackend {
         let c = self.session.client().await?;
         let prefix = node_name(&name_prefix(namespace, key_prefix));
         let after = cursor.map(node_name);
-        let mut names: Vec<String> = self
+        let names = self
             .bounded("list", async {
                 match again(|| c.list_children(&self.base)).await {
                     Ok(k) => Ok(k),
@@ -122,17 +144,8 @@ impl ZkBackend {
                     Err(e) => Err(unavailable("getChildren", e)),
                 }
             })
-            .await?
-            .into_iter()
-            .filter(|n| n.starts_with(&prefix) && after.as_ref().is_none_or(|a| n > a))
-            .collect();
-        names.sort_unstable();
-        // `limit` 0 (the trait does not forbid it) is one lock, as `Admin::list` asks.
-        let limit = limit.max(1);
-        let more = names.len() > limit;
-        names.truncate(limit);
-        let resources: Vec<String> = names.iter().filter_map(|n| resource_of(n)).collect();
-        let cursor = more.then(|| resources.last().cloned()).flatten();
+            .await?;
+        let (resources, cursor) = page_of(names, &prefix, after.as_deref(), limit);
         let mut locks = Vec::with_capacity(resources.len());
         let now = self
             .bounded("list", async { self.server_now(&c).await })
@@ -198,5 +211,22 @@ mod tests {
         }
         assert_eq!(resource_of("bad%2"), None);
         assert_eq!(resource_of("bad%zz"), None);
+    }
+
+    /// A node under the root that does not decode (another program's) is passed over, not
+    /// counted in a page: a page of such names had no cursor, and the listing ended before the
+    /// locks after it.
+    #[test]
+    fn a_listing_goes_on_past_nodes_that_do_not_decode() {
+        let names = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let all = names(&["dlock:{%zz", "dlock:{b}", "dlock:{a}", "other:{c}"]);
+        let (page, cursor) = page_of(all.clone(), "dlock:{", None, 1);
+        assert_eq!(page, ["dlock:{a}"]);
+        let cursor = cursor.expect("a cursor: a lock is left");
+        let (page, cursor) = page_of(all.clone(), "dlock:{", Some(&node_name(&cursor)), 1);
+        assert_eq!(page, ["dlock:{b}"]);
+        assert_eq!(cursor, None);
+        let (page, cursor) = page_of(names(&["dlock:{%zz", "dlock:{%zy"]), "dlock:{", None, 1);
+        assert!(page.is_empty() && cursor.is_none());
     }
 }
