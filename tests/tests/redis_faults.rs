@@ -1528,6 +1528,21 @@ async fn a_connection_gone_silent_is_replaced() {
 /// that still have waiters. Its fallback timer (10 s) would take far longer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_hears_a_release_after_its_silent_connection_is_replaced() {
+    hears_the_release_after_a_silent_connection(false).await;
+}
+
+/// The same when the server still does not answer the connection made in its place: the
+/// subscription is tried again until it is answered. Before, a `SUBSCRIBE` that timed out on
+/// the new connection dropped the channel, and the waiter heard no release for the rest of its
+/// wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_hears_a_release_after_an_outage_outlasting_its_connections_replacement() {
+    hears_the_release_after_a_silent_connection(true).await;
+}
+
+/// A waiter's connection goes silent and is replaced (with `outlasting`, the new connection is
+/// made and its subscription times out before the outage ends); then the holder releases.
+async fn hears_the_release_after_a_silent_connection(outlasting: bool) {
     use dlock_tests::proxy::Proxy;
     let server = RedisServer::start();
     let proxy = Proxy::start(server.port()).await.unwrap();
@@ -1540,9 +1555,12 @@ async fn a_waiter_hears_a_release_after_its_silent_connection_is_replaced() {
     let key = "silent:waiter";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
     let evalsha_before = evalsha_calls(&server).await;
+    // Through outages: woken while the server does not answer, its attempt fails, and it
+    // waits on rather than answering 503.
     let policy = RetryPolicy::new(Duration::from_secs(30))
         .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false);
+        .jitter(false)
+        .through_outages(true);
     let wait = {
         let waiter = waiter.clone();
         tokio::spawn(async move {
@@ -1564,7 +1582,19 @@ async fn a_waiter_hears_a_release_after_its_silent_connection_is_replaced() {
 
     proxy.set_latency(Duration::from_secs(3600));
     let other = "silent:other";
+    let connections = proxy.accepted();
     unavailable_within(Duration::from_secs(1), waiter.lock(other).try_acquire()).await;
+    if outlasting {
+        wait_for(
+            "the replacement connection",
+            Duration::from_secs(5),
+            async || (proxy.accepted() > connections).then_some(()),
+        )
+        .await;
+        // Its subscription's 200 ms timeout runs out while the outage lasts: nothing outside
+        // the locker tells when, so three of them.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
     proxy.set_latency(Duration::ZERO);
     let g = poll_until(
         Duration::from_secs(3),

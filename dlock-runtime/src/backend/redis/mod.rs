@@ -1212,37 +1212,74 @@ async fn remake_subscriptions(inner: Weak<Inner>) {
 /// again to the channels of locks that still have local waiters, forgets the others, then
 /// wakes every waiter to re-check — releases published while no connection listened were
 /// missed.
+///
+/// A channel whose `SUBSCRIBE` fails while the connection counts as alive (one server's is
+/// always: it was replaced because the server did not answer, and may still not) is tried
+/// again after a pause (50 ms, doubling to 1 s) for as long as its lock has local waiters.
+/// Dropped, it stayed unsubscribed for the rest of those waiters' wait — nothing else
+/// subscribes a waiter that has its watch already — and every release was heard only by their
+/// fallback timers.
 async fn resubscribe_all(inner: Weak<Inner>) {
-    let Some(inner) = inner.upgrade() else { return };
-    let mut subscribed = inner.subscribed.lock().await;
-    let mut conn = inner.conn.clone();
-    let wanted = |channel: &String| {
-        channel
-            .strip_suffix(CHANNEL_SUFFIX)
-            .and_then(|r| r.strip_suffix(':'))
-            .is_some_and(|r| inner.hub.has_waiters(r))
-    };
-    let channels: Vec<String> = subscribed.drain().filter(wanted).collect();
-    let mut left = channels.into_iter();
-    while let Some(channel) = left.next() {
-        match tokio::time::timeout(inner.opts.command_timeout, conn.subscribe(&channel)).await {
-            Ok(Ok(())) => {
-                subscribed.insert(channel);
+    let mut pause = Duration::from_millis(50);
+    let mut again: Option<Vec<String>> = None;
+    loop {
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        let mut subscribed = strong.subscribed.lock().await;
+        let mut conn = strong.conn.clone();
+        let wanted = |channel: &String| {
+            channel
+                .strip_suffix(CHANNEL_SUFFIX)
+                .and_then(|r| r.strip_suffix(':'))
+                .is_some_and(|r| strong.hub.has_waiters(r))
+        };
+        let first = again.is_none();
+        let channels: Vec<String> = match again.take() {
+            None => subscribed.drain().filter(wanted).collect(),
+            // A waiter may have subscribed it meanwhile (`ensure_subscribed`).
+            Some(failed) => failed
+                .into_iter()
+                .filter(|c| wanted(c) && !subscribed.contains(c))
+                .collect(),
+        };
+        let (mut failed, mut heard) = (Vec::new(), false);
+        let mut left = channels.into_iter();
+        while let Some(channel) = left.next() {
+            match tokio::time::timeout(strong.opts.command_timeout, conn.subscribe(&channel)).await
+            {
+                Ok(Ok(())) => {
+                    subscribed.insert(channel);
+                    heard = true;
+                }
+                // The connection is gone again: the next one made subscribes to these (and
+                // `ensure_subscribed` does not take them for subscribed meanwhile).
+                _ if !conn.subscriptions_alive() => {
+                    subscribed.insert(channel);
+                    subscribed.extend(left);
+                    break;
+                }
+                // Not answered: the rest would not be either. Tried again after the pause.
+                _ => {
+                    failed.push(channel);
+                    failed.extend(left);
+                    break;
+                }
             }
-            // The connection is gone again: the next one made subscribes to these (and
-            // `ensure_subscribed` does not take them for subscribed meanwhile).
-            _ if !conn.subscriptions_alive() => {
-                subscribed.insert(channel);
-                subscribed.extend(left);
-                break;
-            }
-            // Not subscribed: the next waiter of this lock subscribes again; until then its
-            // waiters' timers wake them.
-            _ => {}
         }
+        drop(subscribed);
+        // Waiters re-check once, and again when a channel they missed releases on is heard.
+        if first || heard {
+            strong.hub.notify_all();
+        }
+        if failed.is_empty() {
+            return;
+        }
+        again = Some(failed);
+        drop(strong);
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
-    drop(subscribed);
-    inner.hub.notify_all();
 }
 
 /// A cluster node's connection dropped (a `Disconnection` push; a master killed or cut off):
