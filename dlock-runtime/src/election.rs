@@ -12,8 +12,11 @@ use crate::lease::LeaseProbe;
 use crate::util::{backoff, FailureStreak, Jitter};
 use crate::{IntoLockKey, LockError, LockKey, Locker, OnFail, RetryPolicy};
 
-/// How long one queued campaign attempt waits before it re-queues (it simply tries again).
-const CAMPAIGN_WAIT: Duration = Duration::from_secs(60);
+/// How long one queued campaign attempt waits before it re-queues (it simply tries again): a
+/// day, the longest wait a request takes. A candidate that re-queues goes to the back of the
+/// lock's line; every 60 s, as it once was, followers took turns at the back, and the next
+/// leader was whoever had re-queued least recently rather than who came first.
+const CAMPAIGN_WAIT: Duration = crate::util::MAX_TIMEOUT;
 /// The backoff between campaign attempts the backend did not answer.
 const ERROR_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
 /// How often a campaign the backend keeps refusing for good says so again at error level.
