@@ -6,8 +6,12 @@
 //!
 //! The router has **no authentication of its own**. It shows lock keys (which may carry
 //! identifiers from requests) and lets whoever reaches it requeue jobs. Mount it under a path
-//! that only operators reach — behind the same auth layer as your other admin routes, or on an
-//! internal listener — never on the public router as is.
+//! that only operators reach — behind the same auth layer as your other admin routes — never on
+//! the public router as is. An internal listener alone is not enough: it refuses cross-site
+//! posts, but a page an operator's browser opens can rebind its own host name to the internal
+//! address (DNS rebinding) and then reads and posts as same-origin; put authentication, or at
+//! least a check of the `Host` header against the names you serve it under, in front there
+//! too.
 //!
 //! ```
 //! # async fn f() {
