@@ -278,6 +278,21 @@ pub async fn refused_at_once(locker: &Locker, key: &str) {
     );
 }
 
+/// Asserts that `locker` takes `key`, refuses it to a second try while held, and releases it:
+/// for lockers whose timeouts were given as "never" (`Duration::MAX`), which must work as a
+/// day's and not overflow an `Instant`.
+///
+/// # Panics
+/// If any of the three fails.
+pub async fn locks_and_holds(locker: &Locker, key: &str) {
+    let g = locker.lock(key).acquire().await.unwrap();
+    assert!(
+        locker.lock(key).try_acquire().await.unwrap().is_none(),
+        "`{key}` taken twice"
+    );
+    g.release().await.unwrap();
+}
+
 /// Asserts that a barging waiter (`fair(false)`: not in the line) of `locker` is woken by the
 /// holder's release — within 2.5 s of it, where its fallback timer is 5 s (no jitter) — and
 /// gets the lock. `locker` should have a waiter TTL of 30 s or more, so that its queue refresh

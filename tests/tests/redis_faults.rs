@@ -1836,9 +1836,6 @@ async fn timeouts_past_a_day_are_a_day_not_a_panic() {
         ),
     ];
     for (i, locker) in lockers.iter().enumerate() {
-        let key = format!("forever:{i}");
-        let g = locker.lock(&key).acquire().await.unwrap();
-        assert!(locker.lock(&key).try_acquire().await.unwrap().is_none());
-        g.release().await.unwrap();
+        dlock_tests::wait::locks_and_holds(locker, &format!("forever:{i}")).await;
     }
 }

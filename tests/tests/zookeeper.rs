@@ -1363,12 +1363,5 @@ async fn timeouts_past_a_day_are_a_day_not_a_panic() {
         .command_timeout(Duration::MAX)
         .connection_timeout(Duration::MAX);
     let locker = Locker::builder().build(ZkBackend::connect(&url, opts).await.unwrap());
-    let g = locker.lock("forever").acquire().await.unwrap();
-    assert!(locker
-        .lock("forever")
-        .try_acquire()
-        .await
-        .unwrap()
-        .is_none());
-    g.release().await.unwrap();
+    dlock_tests::wait::locks_and_holds(&locker, "forever").await;
 }
