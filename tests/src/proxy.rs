@@ -16,6 +16,12 @@
 //!   forwarded on them either way and they stay open — a partition, or a load balancer or NAT
 //!   that forgot them, which sends no reset — while new connections are forwarded as usual.
 //!
+//! * **hold** every open connection ([`hold`](Proxy::hold)): what the client sends on them is
+//!   kept, in order, until [`deliver_held`](Proxy::deliver_held) delivers it to the server,
+//!   while the server's answers are never delivered — a partition that heals after the client
+//!   gave up on the connection, when TCP resends what it had sent. New connections are
+//!   forwarded as usual.
+//!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
 
@@ -55,6 +61,11 @@ struct Shared {
     refused: AtomicU64,
     /// Connections numbered below this one are silent ([`Proxy::silence`]).
     silent_below: AtomicU64,
+    /// Connections numbered below this one keep what their client sends until it is delivered
+    /// ([`Proxy::hold`]; 0 once delivered)…
+    held_below: tokio::sync::watch::Sender<u64>,
+    /// … and deliver nothing the server sends.
+    muted_below: AtomicU64,
 }
 
 impl Proxy {
@@ -72,6 +83,8 @@ impl Proxy {
             accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             silent_below: AtomicU64::new(0),
+            held_below: tokio::sync::watch::Sender::new(0),
+            muted_below: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Proxy {
@@ -123,9 +136,39 @@ impl Proxy {
             .len()
     }
 
+    /// Holds every connection open now: what their clients send from now on is kept, in
+    /// order, until [`deliver_held`](Proxy::deliver_held), and what the server sends on them is
+    /// never delivered. Connections accepted later are forwarded as usual. Returns how many
+    /// were held.
+    pub fn hold(&self) -> usize {
+        let next = self.shared.next_id.load(Ordering::Acquire);
+        self.shared.muted_below.store(next, Ordering::Release);
+        self.shared.held_below.send_replace(next);
+        self.shared
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Delivers to the server what the held connections' clients sent ([`hold`](Proxy::hold)),
+    /// in order — also on connections their clients closed since — then closes them.
+    pub fn deliver_held(&self) {
+        self.shared.held_below.send_replace(0);
+    }
+
     /// Accepts new connections again.
     pub fn allow(&self) {
         self.shared.refuse.store(false, Ordering::Release);
+    }
+
+    /// Connections open now (a held one until what it held was delivered).
+    pub fn open(&self) -> usize {
+        self.shared
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Connections accepted so far.
@@ -221,7 +264,12 @@ async fn pump(
     let reader = async move {
         loop {
             let mut buf = vec![0u8; 16 * 1024];
-            let n = from.read(&mut buf).await?;
+            let n = match from.read(&mut buf).await {
+                Ok(n) => n,
+                // A held connection's client went away: what it sent is still delivered.
+                Err(_) if !from_server && id < *shared.held_below.borrow() => 0,
+                Err(e) => return Err(e),
+            };
             if n == 0 {
                 return Ok::<(), io::Error>(());
             }
@@ -233,11 +281,17 @@ async fn pump(
         }
     };
     let writer = async {
+        let mut held = shared.held_below.subscribe();
         while let Some((due, buf)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
-            if id < shared.silent_below.load(Ordering::Acquire) {
+            let muted = from_server && id < shared.muted_below.load(Ordering::Acquire);
+            if muted || id < shared.silent_below.load(Ordering::Acquire) {
                 // Silenced: held open, nothing more delivered (not even a close).
                 std::future::pending::<()>().await;
+            }
+            if !from_server {
+                // Held: kept until delivered.
+                let _ = held.wait_for(|below| id >= *below).await;
             }
             to.write_all(&buf).await?;
             if from_server && shared.cut_after_reply.swap(false, Ordering::AcqRel) {

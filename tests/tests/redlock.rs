@@ -574,6 +574,120 @@ async fn an_undo_that_missed_a_majority_is_not_done() {
     servers[0].resume();
 }
 
+/// An undo a node did not confirm can land after a later attempt of the same token was
+/// granted there: sent on a connection that went silent and was replaced, and delivered when
+/// the partition heals. It cannot tell the two grants apart and empties the node, so the
+/// token's lock must not rest on that node: its "yes" to the same token counts as a failure
+/// until the token is done. Counted as a yes, the second attempt took the lock on node 0 and
+/// node 1, the late undo emptied node 0, and another owner then took nodes 0 and 2 — two
+/// owners at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
+    use dlock_runtime::backend::{Attempt, Backend as _, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{abandon_as, attempt_as};
+    use dlock_runtime::LockKey;
+    use dlock_tests::proxy::Proxy;
+    use dlock_tests::wait::wait_for;
+
+    let servers = start_many(3);
+    let proxy = Proxy::start(servers[0].port()).await.unwrap();
+    let nodes = [proxy.url(), servers[1].url(), servers[2].url()];
+    let opts = RedlockOptions::default().node_timeout(Duration::from_millis(100));
+    let backend = connect(&nodes, opts).await.unwrap();
+    let locker = Locker::builder().build(backend.clone());
+    let other = redlock_with(&servers, Locker::builder(), Duration::from_millis(100)).await;
+    let key = "rl:late-undo";
+    let resource = locker.resource(LockKey::new(key).unwrap());
+    let ttl = Duration::from_secs(30);
+    // Warm up: the scripts are loaded on every node, so each attempt is one command per node.
+    acquire_and_release(&locker, key).await;
+    acquire_and_release(&other, key).await;
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
+
+    // Someone else holds node 1 alone, and node 0's connection is cut off with what is sent
+    // on it kept: the first attempt is granted by node 2 only, and undone — on node 0 too,
+    // where the undo waits behind the attempt.
+    let _: () = servers[1]
+        .query(
+            redis::cmd("SET")
+                .arg(resource.as_str())
+                .arg("someone-else")
+                .arg("PX")
+                .arg(120_000),
+        )
+        .await;
+    let accepted = proxy.accepted();
+    assert!(proxy.hold() > 0, "the locker has a connection to node 0");
+    let token = OwnerToken::generate();
+    let first = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
+    assert!(matches!(first, Ok(Attempt::Held { .. })), "{first:?}");
+
+    // The locker replaces the silent connection (the next command makes the new one).
+    let probe = locker.resource(LockKey::new("rl:late-undo:probe").unwrap());
+    poll_until(Duration::from_secs(5), Duration::ZERO, async || {
+        let t = OwnerToken::generate();
+        let _ = attempt_as(&locker, &probe, &t, WaitMode::Try, ttl).await;
+        let _ = abandon_as(&locker, &probe, &t).await;
+        match proxy.accepted() > accepted {
+            true => Ok(()),
+            false => Err("node 0's connection was not replaced"),
+        }
+    })
+    .await;
+
+    // Node 1 frees, someone else holds node 2: the second attempt can rest on nodes 0 and 1
+    // only.
+    let _: () = servers[1]
+        .query(redis::cmd("DEL").arg(resource.as_str()))
+        .await;
+    let _: () = servers[2]
+        .query(
+            redis::cmd("SET")
+                .arg(resource.as_str())
+                .arg("someone-else")
+                .arg("PX")
+                .arg(120_000),
+        )
+        .await;
+    let second = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
+    let second_held = matches!(second, Ok(Attempt::Acquired { .. }));
+
+    // The partition heals: the first attempt and its undo reach node 0.
+    proxy.deliver_held();
+    wait_for(
+        "the held connection to be delivered and closed",
+        Duration::from_secs(5),
+        async || (proxy.open() <= 1).then_some(()),
+    )
+    .await;
+    let _: () = servers[2]
+        .query(redis::cmd("DEL").arg(resource.as_str()))
+        .await;
+    // Another owner tries until it gets the lock (it is free unless the second attempt took
+    // it) or the late undo has surely landed.
+    let mut got = None;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while got.is_none() && Instant::now() < deadline {
+        got = other.lock(key).ttl(ttl).try_acquire().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !(second_held && got.is_some()),
+        "two owners: the token's lock rested on node 0, which its late undo emptied"
+    );
+    assert!(
+        matches!(second, Ok(Attempt::Held { .. })),
+        "node 0's yes must not count while the undo may land: {second:?}"
+    );
+
+    // The token still takes the lock on the nodes its undo cannot reach.
+    got.expect("the lock was free").release().await.unwrap();
+    let third = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
+    assert!(matches!(third, Ok(Attempt::Acquired { .. })), "{third:?}");
+    assert!(backend.release(&resource, &token).await.unwrap());
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
+}
+
 /// Now, in µs since the epoch: the unit of fencing tokens drawn from a clock.
 fn now_us() -> u64 {
     std::time::SystemTime::now()

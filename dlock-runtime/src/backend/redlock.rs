@@ -29,7 +29,15 @@
 //!   come; the undo is queued behind it on the same connection), and waits for those undos, each
 //!   bounded by the node timeout: a later attempt of the same token must not overtake its undo
 //!   on a node (the undo would then take back that node's new vote). So while a node is frozen,
-//!   a failed attempt takes up to a node timeout. A majority that granted the lock only after
+//!   a failed attempt takes up to a node timeout. An undo a node did not confirm in that time
+//!   may still land later, after a later attempt of the same token was granted there: a
+//!   connection that went silent is replaced by a new one, but what was sent on the old one can
+//!   still arrive (a partition heals, TCP resends) — and the undo cannot tell the two grants
+//!   apart. So from then on, for as long as the token lives (until its release or abandon),
+//!   that node's "yes" to the same token counts as a failure, in acquires, extensions and
+//!   releases alike: the token's lock never rests on a node an old undo may still empty. (Its
+//!   lock may still sit there; it is extended and released with the others.) A majority that
+//!   granted the lock only after
 //!   its validity ran out answers `Unavailable` (the nodes are too slow for the TTL), not
 //!   "held".
 //! * **Extend / renewal** succeeds only if a majority extends within the validity window; the
@@ -80,8 +88,9 @@
 //! restart"). Otherwise a node that restarts empty can vote for a second owner while the first
 //! still holds the lock on the remaining minority.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
@@ -161,6 +170,13 @@ struct Inner {
     hub: Arc<ReleaseHub>,
     quorum: usize,
     opts: RedlockOptions,
+    /// Undos that may still land on a node (see the module docs): per lock and token, how many
+    /// of the token's undos each node has not confirmed. Counted up before an undo is sent and
+    /// down when its node confirms it, so an undo whose caller was dropped stays counted.
+    /// Removed when the token's release or abandon is done: no attempt of it comes after.
+    unsettled: Mutex<HashMap<(ResourceName, OwnerToken), Vec<u32>>>,
+    /// How many entries `unsettled` has: the hot path looks at the map only when some.
+    unsettled_len: AtomicUsize,
 }
 
 /// What one node said.
@@ -222,15 +238,7 @@ impl RedlockBackend {
             .iter()
             .map(|u| RedisBackend::redlock_node(u, node_opts.clone(), hub.clone()))
             .collect::<Result<Vec<_>, _>>()?;
-        let backend = RedlockBackend {
-            inner: Arc::new(Inner {
-                quorum: nodes.len() / 2 + 1,
-                nodes,
-                fence_seen: AtomicU64::new(0),
-                hub,
-                opts,
-            }),
-        };
+        let backend = RedlockBackend::over(nodes, hub, opts);
         let ping = |n: &RedisBackend| {
             let n = n.clone();
             let limit = backend.inner.opts.connect_timeout;
@@ -257,6 +265,21 @@ impl RedlockBackend {
         }
         backend.check_startup(&pinged)?;
         Ok(backend)
+    }
+
+    /// A backend over `nodes` (not connected yet), notifying through `hub`.
+    fn over(nodes: Vec<RedisBackend>, hub: Arc<ReleaseHub>, opts: RedlockOptions) -> Self {
+        RedlockBackend {
+            inner: Arc::new(Inner {
+                quorum: nodes.len() / 2 + 1,
+                nodes,
+                fence_seen: AtomicU64::new(0),
+                hub,
+                opts,
+                unsettled: Mutex::new(HashMap::new()),
+                unsettled_len: AtomicUsize::new(0),
+            }),
+        }
     }
 
     /// At least a majority of the nodes must have answered the startup `PING` (`pinged`, per
@@ -352,8 +375,14 @@ impl RedlockBackend {
 
     /// Runs `op` on every node concurrently and collects the votes — with `stop_early`, only
     /// until they decide the outcome (the remaining nodes' futures are dropped; their commands
-    /// are already queued on their connections).
-    async fn poll<'a, T, F>(&'a self, op: F, stop_early: bool) -> Vec<(usize, Vote<T>)>
+    /// are already queued on their connections). The "yes" of a node in `unsettled` counts as
+    /// a failure.
+    async fn poll<'a, T, F>(
+        &'a self,
+        op: F,
+        stop_early: bool,
+        unsettled: Option<&[bool]>,
+    ) -> Vec<(usize, Vote<T>)>
     where
         T: Send + 'a,
         F: Fn(&'a RedisBackend) -> BoxFuture<'a, Result<Answer<T>, LockError>>,
@@ -367,7 +396,7 @@ impl RedlockBackend {
             .collect();
         let mut count = Count::new(self.inner.nodes.len(), self.inner.quorum);
         while let Some((i, v)) = pending.next().await {
-            if count.add(i, v) && stop_early {
+            if count.add(i, discount(i, v, unsettled)) && stop_early {
                 break;
             }
         }
@@ -379,8 +408,12 @@ impl RedlockBackend {
     /// are not waited for once it is. The nodes' commands run on one task of their own and finish (or meet their
     /// node deadline) in the background: a release really reaches every node that answers,
     /// even after the caller has its answer or was dropped. (A dropped per-node future might
-    /// never send its command.)
-    async fn poll_owner_checked<F, Fut>(&self, op: F) -> Vec<(usize, Vote<()>)>
+    /// never send its command.) The "yes" of a node in `unsettled` counts as a failure.
+    async fn poll_owner_checked<F, Fut>(
+        &self,
+        op: F,
+        unsettled: Option<&[bool]>,
+    ) -> Vec<(usize, Vote<()>)>
     where
         F: Fn(RedisBackend) -> Fut,
         Fut: std::future::Future<Output = Result<bool, LockError>> + Send + 'static,
@@ -406,7 +439,7 @@ impl RedlockBackend {
         });
         let mut count = Count::owner_checked(self.inner.nodes.len(), self.inner.quorum);
         while let Some((i, v)) = rx.recv().await {
-            if count.add(i, v) {
+            if count.add(i, discount(i, v, unsettled)) {
                 break;
             }
         }
@@ -432,15 +465,105 @@ impl RedlockBackend {
         }
     }
 
-    /// Undoes `token`'s attempt on every node; answers how many nodes confirmed it.
+    /// Undoes `token`'s attempt on every node; answers how many nodes confirmed it. A node
+    /// whose answer did not come (a timeout, a connection lost) stays counted in
+    /// [`Inner::unsettled`]: the undo may still land there.
     async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) -> usize {
-        futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
-            tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token)).await
-        }))
-        .await
-        .into_iter()
-        .filter(|r| matches!(r, Ok(Ok(()))))
-        .count()
+        let key = (resource.clone(), token.clone());
+        self.settle(&key, |count| count.iter_mut().for_each(|c| *c += 1));
+        let confirmed: Vec<Undo> =
+            futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
+                tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token)).await
+            }))
+            .await
+            .into_iter()
+            .map(|r| match r {
+                Ok(Ok(())) => Undo::Done,
+                Ok(Err(e)) if server_replied(&e) => Undo::Refused,
+                _ => Undo::Unknown,
+            })
+            .collect();
+        self.settle(&key, |count| {
+            for (c, undo) in count.iter_mut().zip(&confirmed) {
+                *c -= u32::from(*undo != Undo::Unknown);
+            }
+        });
+        confirmed.iter().filter(|u| **u == Undo::Done).count()
+    }
+
+    /// Changes `key`'s entry in [`Inner::unsettled`] (made at zero when missing), and removes
+    /// it when no node is left unsettled.
+    fn settle(&self, key: &(ResourceName, OwnerToken), change: impl FnOnce(&mut [u32])) {
+        let mut map = self.unsettled_map();
+        let count = map
+            .entry(key.clone())
+            .or_insert_with(|| vec![0; self.inner.nodes.len()]);
+        change(count);
+        if count.iter().all(|c| *c == 0) {
+            map.remove(key);
+        }
+        self.inner.unsettled_len.store(map.len(), Ordering::Release);
+    }
+
+    /// The token is done (released or abandoned): no attempt of it comes after.
+    fn forget(&self, resource: &ResourceName, token: &OwnerToken) {
+        if self.inner.unsettled_len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut map = self.unsettled_map();
+        map.remove(&(resource.clone(), token.clone()));
+        self.inner.unsettled_len.store(map.len(), Ordering::Release);
+    }
+
+    fn unsettled_map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<(ResourceName, OwnerToken), Vec<u32>>> {
+        self.inner
+            .unsettled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The nodes an undo of `token` may still reach (see the module docs), if any.
+    fn unsettled(&self, resource: &ResourceName, token: &OwnerToken) -> Option<Vec<bool>> {
+        if self.inner.unsettled_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let map = self.unsettled_map();
+        let count = map.get(&(resource.clone(), token.clone()))?;
+        Some(count.iter().map(|c| *c > 0).collect())
+    }
+}
+
+/// How one node's undo went.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Undo {
+    Done,
+    /// The server answered with an error: it did not run, and will not later.
+    Refused,
+    /// No answer: it may run later.
+    Unknown,
+}
+
+/// Whether `e` is the server's own error reply (the command reached the server and was
+/// answered), not a timeout or a lost connection.
+fn server_replied(e: &LockError) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<redis::RedisError>())
+        .is_some_and(|e| e.code().is_some())
+}
+
+/// Why a node's "yes" did not count: an undo of an earlier attempt by the same token may
+/// still land on it.
+const UNSETTLED: &str = "an undo of an earlier attempt may still land";
+
+/// Node `i`'s vote, a failure instead of a "yes" when it is in `unsettled`.
+fn discount<T>(i: usize, vote: Vote<T>, unsettled: Option<&[bool]>) -> Vote<T> {
+    match vote {
+        Vote::Yes(_) if unsettled.is_some_and(|u| u.get(i).copied().unwrap_or(false)) => {
+            Vote::Failed(UNSETTLED.to_owned(), false)
+        }
+        vote => vote,
     }
 }
 
@@ -577,6 +700,7 @@ impl Backend for RedlockBackend {
                 floor,
             );
             let call = &call;
+            let unsettled = self.unsettled(resource, token);
             let votes = self
                 .poll(
                     |node| {
@@ -588,6 +712,7 @@ impl Backend for RedlockBackend {
                         })
                     },
                     true,
+                    unsettled.as_deref(),
                 )
                 .await;
             let granted: Vec<(usize, u64)> = votes
@@ -697,12 +822,17 @@ impl Backend for RedlockBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
+            let unsettled = self.unsettled(resource, token);
             let votes = self
-                .poll_owner_checked(|n| {
-                    let (r, t) = (resource.clone(), token.clone());
-                    async move { n.release(&r, &t).await }
-                })
+                .poll_owner_checked(
+                    |n| {
+                        let (r, t) = (resource.clone(), token.clone());
+                        async move { n.release(&r, &t).await }
+                    },
+                    unsettled.as_deref(),
+                )
                 .await;
+            self.forget(resource, token);
             let (yes, failed) = tally(&votes);
             // In the window by definition: a release has no validity to keep.
             self.verdict(yes, failed, true, || self.describe("release", &votes))
@@ -717,11 +847,15 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let start = Instant::now();
+            let unsettled = self.unsettled(resource, token);
             let votes = self
-                .poll_owner_checked(|n| {
-                    let (r, t) = (resource.clone(), token.clone());
-                    async move { n.extend(&r, &t, ttl).await }
-                })
+                .poll_owner_checked(
+                    |n| {
+                        let (r, t) = (resource.clone(), token.clone());
+                        async move { n.extend(&r, &t, ttl).await }
+                    },
+                    unsettled.as_deref(),
+                )
                 .await;
             let (yes, failed) = tally(&votes);
             let in_window = start.elapsed() + self.drift(ttl) < ttl;
@@ -749,14 +883,18 @@ impl Backend for RedlockBackend {
             let elapsed = start.elapsed();
             (0..items.len())
                 .map(|i| {
-                    let yes = per_node
-                        .iter()
-                        .filter(|r| matches!(r.get(i), Some(Ok(true))))
-                        .count();
-                    let failed = per_node
-                        .iter()
-                        .filter(|r| !matches!(r.get(i), Some(Ok(_))))
-                        .count();
+                    // Each node's answer for item `i`: `Some(true)` yes, `Some(false)` no,
+                    // `None` failed (an error, or the "yes" of a node an undo may still reach).
+                    let unsettled = self.unsettled(&items[i].resource, &items[i].token);
+                    let answers = per_node.iter().enumerate().map(|(n, r)| match r.get(i) {
+                        Some(Ok(true)) => {
+                            Some(true).filter(|_| !unsettled.as_ref().is_some_and(|u| u[n]))
+                        }
+                        Some(Ok(false)) => Some(false),
+                        _ => None,
+                    });
+                    let yes = answers.clone().filter(|a| *a == Some(true)).count();
+                    let failed = answers.filter(Option::is_none).count();
                     let refused = per_node
                         .iter()
                         .filter(|r| matches!(r.get(i), Some(Err(e)) if e.is_misconfigured()))
@@ -783,6 +921,7 @@ impl Backend for RedlockBackend {
             // when they are too many for the rest to make a quorum: then the undo is not done,
             // and the locker retries it in the background.
             let undone = self.undo_everywhere(resource, token).await;
+            self.forget(resource, token);
             let n = self.inner.nodes.len();
             if n - undone > n - self.inner.quorum {
                 return Err(LockError::unavailable(
@@ -854,6 +993,65 @@ mod tests {
             };
             count.add(i, vote).then_some(i + 1)
         })
+    }
+
+    /// The undos that may still land: counted up before an undo goes out and down as each node
+    /// answers it. A node whose answer did not come stays unsettled — its "yes" to the same
+    /// token counts as a failure — until the token is done, and then nothing is kept for it.
+    #[tokio::test]
+    async fn an_unanswered_undo_leaves_its_node_unsettled_until_the_token_is_done() {
+        let hub = ReleaseHub::new();
+        let nodes = (0..3)
+            .map(|_| {
+                // Never connected: the test sends nothing.
+                RedisBackend::redlock_node(
+                    "redis://127.0.0.1:1",
+                    RedisOptions::default(),
+                    hub.clone(),
+                )
+                .unwrap()
+            })
+            .collect();
+        let backend = RedlockBackend::over(nodes, hub, RedlockOptions::default());
+        let resource = ResourceName::new("t", crate::LockKey::new("k").unwrap());
+        let (token, other) = (OwnerToken::generate(), OwnerToken::generate());
+        let key = (resource.clone(), token.clone());
+        assert_eq!(backend.unsettled(&resource, &token), None);
+
+        // Two undos out; each node answers the first, node 1 not the second.
+        let up = |c: &mut [u32]| c.iter_mut().for_each(|c| *c += 1);
+        backend.settle(&key, up);
+        backend.settle(&key, up);
+        backend.settle(&key, |c| c.iter_mut().for_each(|c| *c -= 1));
+        backend.settle(&key, |c| {
+            c[0] -= 1;
+            c[2] -= 1;
+        });
+        let unsettled = backend.unsettled(&resource, &token);
+        assert_eq!(unsettled.as_deref(), Some(&[false, true, false][..]));
+        assert_eq!(backend.unsettled(&resource, &other), None, "per token");
+        let votes: Vec<Vote<()>> = (0..3)
+            .map(|i| discount(i, Vote::Yes(()), unsettled.as_deref()))
+            .collect();
+        assert!(matches!(
+            votes[..],
+            [Vote::Yes(()), Vote::Failed(..), Vote::Yes(())]
+        ));
+        assert!(matches!(
+            discount(1, Vote::<()>::No(None), unsettled.as_deref()),
+            Vote::No(None)
+        ));
+
+        // Released or abandoned: forgotten.
+        backend.forget(&resource, &token);
+        assert_eq!(backend.unsettled(&resource, &token), None);
+        assert!(backend.unsettled_map().is_empty());
+        assert_eq!(backend.inner.unsettled_len.load(Ordering::Acquire), 0);
+
+        // Every undo answered: nothing kept either.
+        backend.settle(&key, up);
+        backend.settle(&key, |c| c.iter_mut().for_each(|c| *c -= 1));
+        assert!(backend.unsettled_map().is_empty());
     }
 
     #[test]
