@@ -471,3 +471,53 @@ async fn cross_origin_posts_are_refused_and_the_page_cannot_be_framed() {
     assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
     assert!(csp.contains("form-action 'self'"), "{csp}");
 }
+
+/// With an allow-list of host names, a request naming another host — what a browser sends
+/// after DNS rebinding pointed the attacker's name at the page's address — is answered `421`,
+/// reads and changes alike, over a real server; the listed names (any port for a bare name,
+/// only its own for `name:port`) are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_allowed_host_names_are_served() {
+    let ops = dlock_tower::admin::OpsPage::new(dlock_runtime::Locker::memory())
+        .allowed_hosts(["ops.internal.example", "localhost:8081"])
+        .unwrap()
+        .router();
+    let (addr, _) = serve(Router::new().nest("/ops", ops)).await;
+    let base = format!("http://{addr}/ops");
+    let ask = |method: Method, path: &str, host: &str| {
+        let url = format!("{base}{path}");
+        let host = host.to_owned();
+        async move { request_with(method, url, &[("host", host.as_str())]).await }
+    };
+    for host in [
+        "evil.example",
+        "evil.example:8081",
+        "localhost",
+        "localhost:8082",
+        "127.0.0.1",
+    ] {
+        for (method, path) in [
+            (Method::GET, ""),
+            (Method::GET, "/api/locks"),
+            (Method::POST, "/api/jobs/1/requeue"),
+        ] {
+            let (status, _, body) = ask(method.clone(), path, host).await;
+            assert_eq!(
+                status,
+                StatusCode::MISDIRECTED_REQUEST,
+                "{method} {path} as {host}: {body}"
+            );
+        }
+    }
+    for host in [
+        "ops.internal.example",
+        "OPS.internal.example.:9000",
+        "localhost:8081",
+    ] {
+        let (status, _, body) = ask(Method::GET, "/api/locks", host).await;
+        assert_eq!(status, StatusCode::OK, "as {host}: {body}");
+        let (status, _, body) = ask(Method::GET, "", host).await;
+        assert_eq!(status, StatusCode::OK, "as {host}: {body}");
+        assert!(body.contains("<html"), "{body}");
+    }
+}

@@ -10,8 +10,8 @@
 //! the public router as is. An internal listener alone is not enough: it refuses cross-site
 //! posts, but a page an operator's browser opens can rebind its own host name to the internal
 //! address (DNS rebinding) and then reads and posts as same-origin; put authentication, or at
-//! least a check of the `Host` header against the names you serve it under, in front there
-//! too.
+//! least a check of the `Host` header against the names you serve it under
+//! ([`OpsPage::allowed_hosts`]), in front there too.
 //!
 //! ```
 //! # async fn f() {
@@ -63,6 +63,23 @@
 //! styles only, forms to its own origin), so it cannot be framed and clicked through by another
 //! site (clickjacking).
 //!
+//! # Host names
+//!
+//! [`OpsPage::allowed_hosts`] answers only requests whose `Host` (over HTTP/2, the URI's
+//! authority) names the page as you serve it — `421 Misdirected Request` to every other,
+//! reads included. A rebound name (`evil.example` resolving to your internal address) then
+//! reaches nothing. Without it, any `Host` is answered.
+//!
+//! ```
+//! # fn f() -> Result<(), dlock_runtime::LockError> {
+//! use dlock_tower::admin::OpsPage;
+//!
+//! let ops = OpsPage::new(dlock_runtime::Locker::memory())
+//!     .allowed_hosts(["ops.internal.example", "localhost:8081"])?
+//!     .router();
+//! # let _ = ops; Ok(()) }
+//! ```
+//!
 //! Lock data comes from the backend's inspection capability
 //! ([`Locker::admin`](dlock_runtime::Locker::admin)); a backend without it (Redlock) answers
 //! `501` on the lock endpoints. Contention is this process's own (the locker's ring of recent
@@ -98,13 +115,46 @@ pub fn router(locker: Locker) -> Router {
     OpsPage::new(locker).router()
 }
 
-/// The ops page's settings: the locker, and the durable queues whose jobs it shows.
+/// The ops page's settings: the locker, the durable queues whose jobs it shows, and the host
+/// names it answers under.
 #[derive(Clone, Debug)]
 pub struct OpsPage {
     locker: Locker,
     #[cfg(feature = "defer")]
     queues: Vec<dlock_runtime::durable::DurableQueue>,
     window: Duration,
+    /// `None`: any `Host`.
+    hosts: Option<Arc<[AllowedHost]>>,
+}
+
+/// One entry of [`OpsPage::allowed_hosts`]: a host name (lowercase, no final dot) and the port,
+/// when one was given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct AllowedHost {
+    name: String,
+    port: Option<u16>,
+}
+
+impl AllowedHost {
+    /// `host` or `host:port` (`[v6]:port` too); `None` for anything else.
+    fn parse(s: &str) -> Option<Self> {
+        if s.contains('@') {
+            return None;
+        }
+        let authority: axum::http::uri::Authority = s.parse().ok()?;
+        let name = authority.host();
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        (!name.is_empty()).then_some(AllowedHost {
+            name,
+            port: authority.port_u16(),
+        })
+    }
+
+    /// Whether `requested` (a request's `Host`) is this entry: the same name, and the same
+    /// port when the entry names one.
+    fn admits(&self, requested: &AllowedHost) -> bool {
+        self.name == requested.name && self.port.is_none_or(|p| requested.port == Some(p))
+    }
 }
 
 impl OpsPage {
@@ -115,7 +165,40 @@ impl OpsPage {
             #[cfg(feature = "defer")]
             queues: Vec::new(),
             window: Duration::from_secs(600),
+            hosts: None,
         }
+    }
+
+    /// Answers only requests whose `Host` is one of `hosts`, and `421 Misdirected Request` to
+    /// every other (see [Host names](self#host-names)): the defence against DNS rebinding where
+    /// the page has no authentication in front. Each entry is a host name or address, which
+    /// admits it on any port (`ops.example`, `10.0.0.5`, `[::1]`), or `host:port`, which
+    /// admits that port only (a browser leaves `:80` and `:443` out of `Host`: name those ports
+    /// by leaving the port off). Names compare without case and without a final dot. Calling it
+    /// again replaces the list; an empty list admits nothing.
+    ///
+    /// # Errors
+    /// [`LockError::Misconfigured`](dlock_runtime::LockError::Misconfigured) naming the first
+    /// entry that is not a host or `host:port` (a URL, a path, user info, spaces).
+    pub fn allowed_hosts<I, S>(mut self, hosts: I) -> Result<Self, dlock_runtime::LockError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let hosts = hosts
+            .into_iter()
+            .map(|h| {
+                let h = h.as_ref();
+                AllowedHost::parse(h).ok_or_else(|| {
+                    dlock_runtime::LockError::misconfigured(
+                        format!("ops page: allowed host `{h}` is not a host name or host:port"),
+                        None,
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.hosts = Some(hosts.into());
+        Ok(self)
     }
 
     /// Also shows (and requeues) the jobs of a durable queue (feature `defer`).
@@ -134,6 +217,7 @@ impl OpsPage {
 
     /// The router.
     pub fn router(self) -> Router {
+        let hosts = self.hosts.clone();
         Router::new()
             .route("/", get(html))
             .route("/api/locks", get(locks))
@@ -144,6 +228,7 @@ impl OpsPage {
             .route("/requeue/{id}", post(requeue_form))
             .with_state(Arc::new(self))
             .layer(middleware::from_fn(same_origin_only))
+            .layer(middleware::from_fn_with_state(hosts, host_allowed))
     }
 }
 
@@ -199,6 +284,30 @@ fn percent_decode(s: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Answers `421` to a request whose `Host` is not among the allowed ones, when there is a list
+/// ([`OpsPage::allowed_hosts`]); passes every other request on.
+async fn host_allowed(
+    State(hosts): State<Option<Arc<[AllowedHost]>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(hosts) = hosts {
+        let requested = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri().authority().map(|a| a.as_str()))
+            .and_then(AllowedHost::parse);
+        if !requested.is_some_and(|r| hosts.iter().any(|h| h.admits(&r))) {
+            return json_response(
+                StatusCode::MISDIRECTED_REQUEST,
+                &json!({ "error": "this host name does not serve the ops page" }),
+            );
+        }
+    }
+    next.run(req).await
 }
 
 /// Answers `403` to a request that changes something and that a browser sent from another
@@ -425,6 +534,40 @@ async fn html(State(ops): Ops, OriginalUri(uri): OriginalUri) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Entries: a name admits it on any port, `name:port` that port only; case and a final
+    /// dot do not matter; anything that is not a host or `host:port` is refused.
+    #[test]
+    fn allowed_hosts_admit_their_names_and_ports() {
+        let admits = |entry: &str, host: &str| {
+            AllowedHost::parse(entry)
+                .unwrap()
+                .admits(&AllowedHost::parse(host).unwrap())
+        };
+        assert!(admits("ops.example", "ops.example"));
+        assert!(admits("ops.example", "OPS.Example.:8080"));
+        assert!(admits("ops.example:8080", "ops.example:8080"));
+        assert!(!admits("ops.example:8080", "ops.example"));
+        assert!(!admits("ops.example:8080", "ops.example:8081"));
+        assert!(!admits("ops.example", "evil.example"));
+        assert!(!admits("ops.example", "ops.example.evil.example"));
+        assert!(admits("[::1]", "[::1]:9000"));
+        assert!(admits("10.0.0.5:81", "10.0.0.5:81"));
+        for bad in [
+            "",
+            "http://ops.example",
+            "ops.example/x",
+            "a b",
+            "user@ops.example",
+            ":80",
+        ] {
+            assert_eq!(AllowedHost::parse(bad), None, "{bad:?}");
+            let err = OpsPage::new(Locker::memory())
+                .allowed_hosts(["ok.example", bad])
+                .unwrap_err();
+            assert!(err.is_misconfigured(), "{err}");
+        }
+    }
 
     #[test]
     fn query_params_are_decoded() {
