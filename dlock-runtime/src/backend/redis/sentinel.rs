@@ -1091,6 +1091,23 @@ impl Shared {
                 made_on: watch_runtime(),
             },
         );
+        // Switched. What follows is done even when this call is cut short in the late
+        // subscriptions below (a check's `same_master` gives way to a new announcement): the
+        // issuer is noted at once, and the waiters are woken when this call ends either way —
+        // cut short, it skipped both, and the waiters slept on their timers.
+        if self.push.is_some() {
+            let mut issuers = self.issuers.lock().unwrap_or_else(PoisonError::into_inner);
+            issuers.push(issuer);
+            if issuers.len() > ISSUERS_KEPT {
+                issuers.remove(0);
+            }
+        }
+        if old.addr == addr {
+            tracing::warn!(master = %addr, "redis sentinel: the connection to the master went silent (no answer to PING); replaced by a new one");
+        } else {
+            tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
+        }
+        let _wake = WakeOnDrop(self.hub.as_ref().and_then(Weak::upgrade));
         // A waiter that subscribed while the channels above were being subscribed did so on
         // the connection this one replaces (it read `current` before the swap; its channel was
         // noted after `channels` was read): subscribed here too, or it would hear no release
@@ -1112,22 +1129,19 @@ impl Shared {
                 }
             }
         }
-        if self.push.is_some() {
-            let mut issuers = self.issuers.lock().unwrap_or_else(PoisonError::into_inner);
-            issuers.push(issuer);
-            if issuers.len() > ISSUERS_KEPT {
-                issuers.remove(0);
-            }
-        }
-        if old.addr == addr {
-            tracing::warn!(master = %addr, "redis sentinel: the connection to the master went silent (no answer to PING); replaced by a new one");
-        } else {
-            tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
-        }
-        if let Some(hub) = self.hub.as_ref().and_then(Weak::upgrade) {
+        Ok(())
+    }
+}
+
+/// Wakes every local waiter of the hub when dropped: they attempt again (after a switch, on
+/// the new master).
+struct WakeOnDrop(Option<Arc<ReleaseHub>>);
+
+impl Drop for WakeOnDrop {
+    fn drop(&mut self) {
+        if let Some(hub) = &self.0 {
             hub.notify_all();
         }
-        Ok(())
     }
 }
 
