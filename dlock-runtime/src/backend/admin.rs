@@ -43,6 +43,31 @@ pub(crate) fn name_prefix(namespace: &str, key_prefix: &str) -> String {
     }
 }
 
+/// How many locks of one listed page a store reads at once.
+#[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]
+pub(crate) const PAGE_READS: usize = 8;
+
+/// The active locks among `names`, in their order, read [`PAGE_READS`] at a time by `read`
+/// (one after the other, a page of 100 locks took 100 round trips inside the list's one
+/// deadline, and a slow store timed the listing out).
+#[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]
+pub(crate) async fn read_active<N, F, Fut>(
+    names: impl IntoIterator<Item = N>,
+    read: F,
+) -> Result<Vec<LockState>, LockError>
+where
+    F: FnMut(N) -> Fut,
+    Fut: std::future::Future<Output = Result<LockState, LockError>>,
+{
+    use futures_util::stream::{self, StreamExt as _, TryStreamExt as _};
+    let states: Vec<LockState> = stream::iter(names)
+        .map(read)
+        .buffered(PAGE_READS)
+        .try_collect()
+        .await?;
+    Ok(states.into_iter().filter(LockState::is_active).collect())
+}
+
 /// `impl AdminStore for $backend` over its inherent `read_lock(&str)`,
 /// `list_locks(namespace, key_prefix, cursor, limit)` and `force(&str)`.
 #[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]

@@ -145,13 +145,9 @@ impl EtcdBackend {
         }
         let cursor = (names.len() > limit).then(|| names[limit - 1].clone());
         names.truncate(limit);
-        let mut locks = Vec::with_capacity(names.len());
-        for name in &names {
-            let state = self.read_lock(name).await?;
-            if state.is_active() {
-                locks.push(state);
-            }
-        }
+        let locks =
+            super::super::admin::read_active(names, |n| async move { self.read_lock(&n).await })
+                .await?;
         Ok(LockPage { locks, cursor })
     }
 

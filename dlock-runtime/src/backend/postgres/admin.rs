@@ -102,13 +102,10 @@ impl PostgresBackend {
             .await?;
         let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
         let more = names.len() > limit;
-        let mut locks = Vec::new();
-        for name in names.iter().take(limit) {
-            let state = self.read_lock(name).await?;
-            if state.is_active() {
-                locks.push(state);
-            }
-        }
+        let page = names.iter().take(limit).cloned();
+        let locks =
+            super::super::admin::read_active(page, |n| async move { self.read_lock(&n).await })
+                .await?;
         Ok(LockPage {
             locks,
             cursor: more.then(|| names[limit - 1].clone()),

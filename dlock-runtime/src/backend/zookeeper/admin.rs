@@ -146,18 +146,14 @@ impl ZkBackend {
             })
             .await?;
         let (resources, cursor) = page_of(names, &prefix, after.as_deref(), limit);
-        let mut locks = Vec::with_capacity(resources.len());
         let now = self
             .bounded("list", async { self.server_now(&c).await })
             .await?;
-        for resource in &resources {
-            let state = self
-                .bounded("inspect", self.state_at(&c, resource, now))
-                .await?;
-            if state.is_active() {
-                locks.push(state);
-            }
-        }
+        let c = &c;
+        let locks = super::super::admin::read_active(resources, |r| async move {
+            self.bounded("inspect", self.state_at(c, &r, now)).await
+        })
+        .await?;
         Ok(LockPage { locks, cursor })
     }
 
