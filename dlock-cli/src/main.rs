@@ -4,7 +4,7 @@
 //! dlock --url redis://127.0.0.1:6379 inspect order:42
 //! dlock list --prefix order:            # SCAN, never KEYS
 //! dlock release order:42 --force        # asks on a terminal; --yes in scripts
-//! dlock jobs --queue emails dead        # list, dead, requeue <id>, purge <id>|--all
+//! dlock jobs --queue emails dead        # list, dead (first --limit), requeue <id>, purge
 //! dlock watch --count 10                # contended locks, refreshed
 //! ```
 //!
@@ -122,10 +122,18 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum JobsCommand {
-    /// Jobs queued or running.
-    List,
-    /// Dead-lettered jobs, with the reason.
-    Dead,
+    /// Jobs queued or running (the first `--limit`, due order first, then claim order).
+    List {
+        /// At most this many (at least 1); the count line says how many there are in all.
+        #[arg(long, default_value_t = 1000, value_parser = parse_at_least_one)]
+        limit: usize,
+    },
+    /// Dead-lettered jobs, with the reason (the first `--limit`, oldest first).
+    Dead {
+        /// At most this many (at least 1); the count line says how many there are in all.
+        #[arg(long, default_value_t = 1000, value_parser = parse_at_least_one)]
+        limit: usize,
+    },
     /// Put a dead-lettered job back, due now, with a fresh attempt budget.
     Requeue {
         /// The job id.
@@ -372,12 +380,12 @@ async fn jobs(cli: &Cli, queue: &str, command: &JobsCommand) -> Result<(), Failu
     .await?;
     let t = cli.timeout.saturating_mul(4);
     match command {
-        JobsCommand::List => {
-            let jobs = within(t, "list", q.pending()).await?;
+        JobsCommand::List { limit } => {
+            let jobs = within(t, "list", q.pending_first(*limit)).await?;
             output::print_jobs(&jobs, cli.json);
         }
-        JobsCommand::Dead => {
-            let dead = within(t, "dead", q.dead_letters()).await?;
+        JobsCommand::Dead { limit } => {
+            let dead = within(t, "dead", q.dead_letters_first(*limit)).await?;
             output::print_dead(&dead, cli.json);
         }
         JobsCommand::Requeue { id } => {

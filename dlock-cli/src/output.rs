@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use dlock_runtime::admin::{ForceReleased, LockState};
 use dlock_runtime::defer::JobInfo;
-use dlock_runtime::durable::JobStatus;
+use dlock_runtime::durable::{JobStatus, JobsPage};
 use serde_json::{json, Value};
 
 /// `println!` that, when stdout is closed (`dlock watch | head -n1`), ends the program quietly
@@ -155,12 +155,36 @@ fn job_json(j: &JobInfo) -> Value {
     })
 }
 
-pub(crate) fn print_jobs(jobs: &[(JobInfo, JobStatus)], json: bool) {
+/// The count line of a job listing: `<n> <what>`, or `first <n> of <total> <what> (--limit
+/// to see more)` when the listing was cut.
+fn job_count<T>(page: &JobsPage<T>, what: &str) -> String {
+    if page.truncated() {
+        format!(
+            "first {} of {} {what} (--limit to see more)",
+            page.jobs.len(),
+            page.total
+        )
+    } else {
+        format!("{} {what}", page.jobs.len())
+    }
+}
+
+/// With `--json`, a cut listing is still the array of the jobs shown; standard error says it
+/// was cut.
+fn note_cut<T>(page: &JobsPage<T>, what: &str) {
+    if page.truncated() {
+        eprintln!("{}", job_count(page, what));
+    }
+}
+
+pub(crate) fn print_jobs(page: &JobsPage<(JobInfo, JobStatus)>, json: bool) {
+    let jobs = &page.jobs;
     let state = |s: &JobStatus| match s {
         JobStatus::Running => "running",
         _ => "queued",
     };
     if json {
+        note_cut(page, "job(s)");
         return print_json(&Value::Array(
             jobs.iter()
                 .map(|(j, s)| {
@@ -175,11 +199,13 @@ pub(crate) fn print_jobs(jobs: &[(JobInfo, JobStatus)], json: bool) {
     for (j, s) in jobs {
         out!("{:<34} {:<8} {:>8}  {}", j.id, state(s), j.attempts, j.key);
     }
-    out!("{} job(s)", jobs.len());
+    out!("{}", job_count(page, "job(s)"));
 }
 
-pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
+pub(crate) fn print_dead(page: &JobsPage<JobInfo>, json: bool) {
+    let jobs = &page.jobs;
     if json {
+        note_cut(page, "dead letter(s)");
         return print_json(&Value::Array(jobs.iter().map(job_json).collect()));
     }
     out!("{:<34} {:>8}  {:<30} REASON", "ID", "ATTEMPTS", "KEY");
@@ -192,7 +218,7 @@ pub(crate) fn print_dead(jobs: &[JobInfo], json: bool) {
             printable(j.reason.as_deref().unwrap_or(""))
         );
     }
-    out!("{} dead letter(s)", jobs.len());
+    out!("{}", job_count(page, "dead letter(s)"));
 }
 
 /// `text` with its control characters escaped (`\u{1b}`): a reason quotes a job's error, which

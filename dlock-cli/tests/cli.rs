@@ -338,6 +338,38 @@ async fn redis_jobs_list_dead_requeue_purge() {
     assert_eq!(listed[0]["state"], "queued");
     assert_eq!(listed[0]["key"], "record:j2");
 
+    // `--limit` cuts the listing (due order first) and says how many there are in all.
+    let latest = queue
+        .enqueue(&job(3, false), &policy, ttl, Duration::from_secs(7200))
+        .await
+        .unwrap();
+    let out = dlock(Some(&url), &with(&["list", "--limit", "1"])).await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let cut: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    assert_eq!(cut.as_array().map(Vec::len), Some(1), "{cut}");
+    assert_eq!(cut[0]["id"], later.as_str());
+    assert!(
+        stderr(&out).contains("first 1 of 2 job(s)"),
+        "{}",
+        stderr(&out)
+    );
+    let out = dlock(
+        Some(&url),
+        &["jobs", "--queue", "mail", "list", "--limit", "1"],
+    )
+    .await;
+    let printed = stdout(&out);
+    assert!(printed.contains(later.as_str()), "{printed}");
+    assert!(!printed.contains(latest.as_str()), "{printed}");
+    assert!(
+        printed.contains("first 1 of 2 job(s) (--limit to see more)"),
+        "{printed}"
+    );
+    let out = dlock(Some(&url), &["jobs", "--queue", "mail", "list"]).await;
+    assert!(stdout(&out).contains("\n2 job(s)"), "{}", stdout(&out));
+    let out = dlock(Some(&url), &with(&["dead", "--limit", "0"])).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+
     let dead = json(&dlock(Some(&url), &with(&["dead"])).await);
     assert_eq!(dead[0]["id"], failing.as_str());
     assert!(
@@ -356,7 +388,7 @@ async fn redis_jobs_list_dead_requeue_purge() {
     );
     assert_eq!(requeued["requeued"], failing.as_str());
     assert!(queue.dead_letters().await.unwrap().is_empty());
-    assert_eq!(queue.len().await.unwrap(), 2);
+    assert_eq!(queue.len().await.unwrap(), 3);
 
     // Dead again, then purged (refused without --yes and without a terminal).
     dlock_tests::wait::wait_for("a dead letter again", Duration::from_secs(10), async || {

@@ -183,6 +183,10 @@ async fn json_endpoints_over_http() {
         .unwrap()
         .contains("always fails"));
     assert_eq!(mail["deferred"][0]["id"], f.deferred_id.as_str());
+    assert_eq!(
+        (mail["deferred_total"].as_u64(), mail["dead_total"].as_u64()),
+        (Some(1), Some(1))
+    );
 
     let (status, body) = request(
         Method::POST,
@@ -520,4 +524,56 @@ async fn only_the_allowed_host_names_are_served() {
         assert_eq!(status, StatusCode::OK, "as {host}: {body}");
         assert!(body.contains("<html"), "{body}");
     }
+}
+
+/// A queue with more jobs than the page shows (it refreshes itself every 5 s, and a dead-letter
+/// set can hold millions): the page and `/api/jobs` show the first 500 and say how many there
+/// are in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_job_list_is_cut_and_counted() {
+    let server = RedisServer::start();
+    let queue = DurableQueue::connect(&server.url(), "many").await.unwrap();
+    let policy = DeferPolicy::new(Duration::ZERO, 1);
+    let mut first = None;
+    for id in 0..501 {
+        let job = RecordJob {
+            id,
+            lock: format!("m{id}"),
+            record_url: server.url(),
+            ..Default::default()
+        };
+        let delay = Duration::from_secs(3600 + u64::from(id));
+        let enqueued = queue
+            .enqueue(&job, &policy, Duration::from_secs(5), delay)
+            .await
+            .unwrap();
+        first.get_or_insert(enqueued);
+    }
+    let ops = dlock_tower::admin::OpsPage::new(server.locker().await)
+        .durable_queue(queue.clone())
+        .router();
+    let (addr, _) = serve(Router::new().nest("/ops", ops)).await;
+    let jobs = get_json(format!("http://{addr}/ops/api/jobs")).await;
+    let many = jobs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["queue"] == "many")
+        .unwrap();
+    assert_eq!(many["deferred"].as_array().map(Vec::len), Some(500));
+    assert_eq!(many["deferred_total"], 501);
+    assert_eq!(many["deferred"][0]["id"], first.unwrap().as_str());
+    assert_eq!(
+        (
+            many["dead"].as_array().map(Vec::len),
+            many["dead_total"].as_u64()
+        ),
+        (Some(0), Some(0))
+    );
+    let (status, page) = request(Method::GET, format!("http://{addr}/ops")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        page.contains("first 500 of 501 deferred · 0 dead"),
+        "{page}"
+    );
 }

@@ -738,6 +738,64 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
     assert_eq!(dead[0].attempts, 3);
 }
 
+/// A listing reads its jobs hundreds a round trip (three `HMGET`s a batch, not three commands
+/// a job), in order across the batches, and can be cut at a limit that still says how many
+/// jobs there are in all: 1,201 delayed jobs, more than two batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_listings_read_in_batches_and_are_cut_at_their_limit() {
+    let (server, _locker, queue) = start_queue("listing").await;
+    let policy = DeferPolicy::new(Duration::ZERO, 1);
+    let mut ids = Vec::new();
+    for i in 0..1201u32 {
+        let job = record_job(&server, i, &format!("l{i}"));
+        // Due one second apart: the listing's order is the enqueue order.
+        let delay = Duration::from_secs(3600 + u64::from(i));
+        let id = queue
+            .enqueue(&job, &policy, Duration::from_secs(5), delay)
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    let calls = async |command: &str| -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut server.conn().await)
+            .await
+            .unwrap();
+        let field = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(field.as_str()))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    let (hmget, hget) = (calls("hmget").await, calls("hget").await);
+    let all = queue.pending().await.unwrap();
+    assert_eq!(
+        (calls("hmget").await - hmget, calls("hget").await - hget),
+        (9, 0),
+        "three batches of three HMGETs"
+    );
+    assert_eq!(all.len(), ids.len());
+    for (i, (info, status)) in all.iter().enumerate() {
+        assert_eq!(info.id, ids[i], "job {i}");
+        assert_eq!(info.key, format!("record:l{i}"), "job {i}");
+        assert_eq!(*status, JobStatus::Queued);
+    }
+    let first = queue.pending_first(1000).await.unwrap();
+    assert_eq!((first.jobs.len(), first.total), (1000, 1201));
+    assert!(first.truncated());
+    assert_eq!(first.jobs[999].0.id, ids[999]);
+    assert_eq!(first.jobs[..], all[..1000]);
+    let one = queue.pending_first(1).await.unwrap();
+    assert_eq!((one.jobs.len(), one.total), (1, 1201));
+    assert_eq!(one.jobs[0].0.id, ids[0]);
+    let whole = queue.pending_first(5000).await.unwrap();
+    assert_eq!((whole.jobs.len(), whole.total), (1201, 1201));
+    assert!(!whole.truncated());
+    let dead = queue.dead_letters_first(10).await.unwrap();
+    assert!(dead.jobs.is_empty() && dead.total == 0 && !dead.truncated());
+}
+
 /// A job that finished is acknowledged even when the queue's connection fails right then: the
 /// worker asks again until the queue answers (within the claim's visibility timeout). Once, it
 /// logged the failure and left the claim to expire, so the finished job ran again (or, on its

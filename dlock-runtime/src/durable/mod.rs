@@ -239,6 +239,24 @@ pub enum JobStatus {
     Unknown,
 }
 
+/// The first jobs of a listing, and how many there are in all
+/// ([`DurableQueue::dead_letters_first`], [`DurableQueue::pending_first`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct JobsPage<T> {
+    /// The jobs read, in the listing's order.
+    pub jobs: Vec<T>,
+    /// How many jobs the listing holds: more than `jobs.len()` when it was cut at the limit.
+    pub total: usize,
+}
+
+impl<T> JobsPage<T> {
+    /// Whether the listing holds more jobs than were read.
+    pub fn truncated(&self) -> bool {
+        self.total > self.jobs.len()
+    }
+}
+
 /// What [`DurableQueue::submit`] did.
 #[derive(Debug)]
 #[non_exhaustive]

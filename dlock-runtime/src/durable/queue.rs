@@ -11,7 +11,7 @@ use crate::backend::redis::conn::{self, Conn, Dedicated, Reconnect, ScriptCall, 
 use crate::backend::redis::guarded_script;
 use redis::{RedisError, Script};
 
-use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, Submitted};
+use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, JobsPage, Submitted};
 use crate::backend::redis::job_scripts::{
     ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY, WITHDRAW,
 };
@@ -33,6 +33,9 @@ const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
 /// How many times an unanswered enqueue or claim is sent (with the same job id, or claim
 /// token).
 const RESEND_TRIES: u64 = 3;
+
+/// How many jobs one round trip of a listing describes (three `HMGET`s of this many ids).
+const DESCRIBE_BATCH: usize = 500;
 
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
@@ -589,23 +592,45 @@ impl DurableQueue {
         Ok(self.len().await? == 0)
     }
 
-    /// The dead-letter set, oldest first, each with the reason it was dead-lettered.
+    /// The dead-letter set, oldest first, each with the reason it was dead-lettered. All of
+    /// it: see [`dead_letters_first`](Self::dead_letters_first) for a bounded read.
     pub async fn dead_letters(&self) -> Result<Vec<JobInfo>, LockError> {
-        let ids = self.ids("dead").await?;
-        self.describe(ids).await
+        Ok(self.dead_letters_first(usize::MAX).await?.jobs)
+    }
+
+    /// The first `limit` dead letters (oldest first), and how many there are in all: what a
+    /// page or a command shows of a dead-letter set that may hold millions.
+    pub async fn dead_letters_first(&self, limit: usize) -> Result<JobsPage<JobInfo>, LockError> {
+        let (ids, total) = self.first_ids("dead", limit).await?;
+        Ok(JobsPage {
+            jobs: self.describe(ids).await?,
+            total,
+        })
     }
 
     /// The jobs queued (waiting for their due time) or running (claimed by a worker), due
-    /// order first, then claim order: what an operator lists (`dlock jobs list`).
+    /// order first, then claim order: what an operator lists (`dlock jobs list`). All of
+    /// them: see [`pending_first`](Self::pending_first) for a bounded read.
     pub async fn pending(&self) -> Result<Vec<(JobInfo, JobStatus)>, LockError> {
-        let mut out = Vec::new();
+        Ok(self.pending_first(usize::MAX).await?.jobs)
+    }
+
+    /// The first `limit` jobs of [`pending`](Self::pending), and how many are queued or
+    /// running in all.
+    pub async fn pending_first(
+        &self,
+        limit: usize,
+    ) -> Result<JobsPage<(JobInfo, JobStatus)>, LockError> {
+        let mut jobs = Vec::new();
+        let mut total = 0;
         for (set, status) in [("due", JobStatus::Queued), ("inflight", JobStatus::Running)] {
-            let ids = self.ids(set).await?;
+            let (ids, in_set) = self.first_ids(set, limit - jobs.len()).await?;
+            total += in_set;
             for info in self.describe(ids).await? {
-                out.push((info, status.clone()));
+                jobs.push((info, status.clone()));
             }
         }
-        Ok(out)
+        Ok(JobsPage { jobs, total })
     }
 
     /// Deletes dead letters for good: the one with `id`, or all of them (`None`). Answers how
@@ -637,40 +662,73 @@ impl DurableQueue {
 
     /// The ids in the sorted set `set`, lowest score first.
     async fn ids(&self, set: &str) -> Result<Vec<String>, LockError> {
+        Ok(self.first_ids(set, usize::MAX).await?.0)
+    }
+
+    /// The first `limit` ids in the sorted set `set` (lowest score first), and how many it
+    /// holds.
+    async fn first_ids(&self, set: &str, limit: usize) -> Result<(Vec<String>, usize), LockError> {
+        if limit == 0 {
+            let mut conn = self.inner.conn.clone();
+            let total = self
+                .deadline(
+                    "list",
+                    redis::cmd("ZCARD")
+                        .arg(self.key(set))
+                        .query_async(&mut conn),
+                )
+                .await?;
+            return Ok((Vec::new(), total));
+        }
+        let last = i64::try_from(limit - 1).unwrap_or(i64::MAX);
         let mut conn = self.inner.conn.clone();
         self.deadline(
             "list",
-            redis::cmd("ZRANGE")
+            redis::pipe()
+                .cmd("ZRANGE")
                 .arg(self.key(set))
                 .arg(0)
-                .arg(-1)
+                .arg(last)
+                .cmd("ZCARD")
+                .arg(self.key(set))
                 .query_async(&mut conn),
         )
         .await
     }
 
-    /// Each job's key, attempts and dead-letter reason (if any).
+    /// Each job's key, attempts and dead-letter reason (if any), read [`DESCRIBE_BATCH`] jobs a
+    /// round trip (each round trip within its own deadline).
     async fn describe(&self, ids: Vec<String>) -> Result<Vec<JobInfo>, LockError> {
+        type Column<T> = Vec<Option<T>>;
         let mut conn = self.inner.conn.clone();
         let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            let (payload, attempts, reason): (Option<String>, Option<u32>, Option<String>) = self
+        for batch in ids.chunks(DESCRIBE_BATCH) {
+            let (payloads, attempts, reasons): (Column<String>, Column<u32>, Column<String>) = self
                 .deadline(
-                    "describe job",
+                    "describe jobs",
                     redis::pipe()
-                        .hget(self.key("jobs"), &id)
-                        .hget(self.key("attempts"), &id)
-                        .hget(self.key("reasons"), &id)
+                        .cmd("HMGET")
+                        .arg(self.key("jobs"))
+                        .arg(batch)
+                        .cmd("HMGET")
+                        .arg(self.key("attempts"))
+                        .arg(batch)
+                        .cmd("HMGET")
+                        .arg(self.key("reasons"))
+                        .arg(batch)
                         .query_async(&mut conn),
                 )
                 .await?;
-            let key = payload
-                .and_then(|p| serde_json::from_str::<Envelope>(&p).ok())
-                .map(|e| e.key)
-                .unwrap_or_default();
-            let mut info = JobInfo::new(id, key, attempts.unwrap_or(0));
-            info.reason = reason;
-            out.push(info);
+            let rows = payloads.into_iter().zip(attempts).zip(reasons);
+            for (id, ((payload, attempts), reason)) in batch.iter().zip(rows) {
+                let key = payload
+                    .and_then(|p| serde_json::from_str::<Envelope>(&p).ok())
+                    .map(|e| e.key)
+                    .unwrap_or_default();
+                let mut info = JobInfo::new(id.clone(), key, attempts.unwrap_or(0));
+                info.reason = reason;
+                out.push(info);
+            }
         }
         Ok(out)
     }

@@ -32,7 +32,7 @@
 //! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON) |
 //! | `GET /api/locks/<key>` | one lock (`<key>` percent-encoded like any path segment) |
 //! | `GET /api/contention?minutes=<n>` | this process's contended acquire attempts of the last `n` minutes (default 10), per key and per minute |
-//! | `GET /api/jobs` | the locker's in-process deferred jobs and dead letters, and those of the durable queues given to [`OpsPage::durable_queue`] |
+//! | `GET /api/jobs` | the locker's in-process deferred jobs and dead letters, and those of the durable queues given to [`OpsPage::durable_queue`]: the first 500 of each list, with `deferred_total` and `dead_total` counting them all |
 //! | `POST /api/jobs/<id>/requeue` | puts a dead letter back (`404` when there is none with that id) |
 //! | `POST /requeue/<id>` | the same for the page's button, answered with a redirect to the page |
 //!
@@ -104,6 +104,10 @@ mod page;
 
 /// How many locks the page and `/api/locks` show at most.
 const MAX_LOCKS: usize = 500;
+
+/// How many jobs of each list (deferred, dead) of each queue the page and `/api/jobs` show at
+/// most; `deferred_total` and `dead_total` count them all.
+const MAX_JOBS: usize = 500;
 
 /// The page's `Content-Security-Policy`: it loads nothing, styles itself inline, posts its
 /// forms to its own origin, and no other page may frame it.
@@ -404,19 +408,27 @@ impl OpsPage {
     async fn jobs(&self) -> Value {
         let queue = self.locker.defer_queue();
         #[cfg_attr(not(feature = "defer"), allow(unused_mut))]
+        let (pending, dead) = (queue.pending(), queue.dead_letters());
         let mut queues = vec![json!({
             "queue": "in-process",
-            "deferred": queue.pending().iter().map(job_json).collect::<Vec<_>>(),
-            "dead": queue.dead_letters().iter().map(job_json).collect::<Vec<_>>(),
+            "deferred": pending.iter().take(MAX_JOBS).map(job_json).collect::<Vec<_>>(),
+            "deferred_total": pending.len(),
+            "dead": dead.iter().take(MAX_JOBS).map(job_json).collect::<Vec<_>>(),
+            "dead_total": dead.len(),
         })];
         #[cfg(feature = "defer")]
         for q in &self.queues {
-            let (pending, dead) = (q.pending().await, q.dead_letters().await);
+            let (pending, dead) = (
+                q.pending_first(MAX_JOBS).await,
+                q.dead_letters_first(MAX_JOBS).await,
+            );
             queues.push(match (pending, dead) {
                 (Ok(p), Ok(d)) => json!({
                     "queue": q.name(),
-                    "deferred": p.iter().map(|(j, _)| job_json(j)).collect::<Vec<_>>(),
-                    "dead": d.iter().map(job_json).collect::<Vec<_>>(),
+                    "deferred": p.jobs.iter().map(|(j, _)| job_json(j)).collect::<Vec<_>>(),
+                    "deferred_total": p.total,
+                    "dead": d.jobs.iter().map(job_json).collect::<Vec<_>>(),
+                    "dead_total": d.total,
                 }),
                 (Err(e), _) | (_, Err(e)) => json!({ "queue": q.name(), "error": e.to_string() }),
             });

@@ -175,11 +175,16 @@ fn job_tables(h: &mut String, base: &str, queues: &Value) {
         }
         let deferred = q["deferred"].as_array().cloned().unwrap_or_default();
         let dead = q["dead"].as_array().cloned().unwrap_or_default();
+        // The lists are cut at the first 500: `<shown> of <total>` when one was.
+        let count = |shown: usize, total: &Value| match total.as_u64() {
+            Some(total) if total > shown as u64 => format!("first {shown} of {total}"),
+            _ => shown.to_string(),
+        };
         let _ = write!(
             h,
             "<p>{} deferred · {} dead</p>",
-            deferred.len(),
-            dead.len()
+            count(deferred.len(), &q["deferred_total"]),
+            count(dead.len(), &q["dead_total"])
         );
         if !deferred.is_empty() {
             h.push_str("<table><thead><tr><th>deferred job</th><th>key</th><th>attempts</th></tr></thead><tbody>");
