@@ -792,6 +792,8 @@ async fn durable_listings_read_in_batches_and_are_cut_at_their_limit() {
     let whole = queue.pending_first(5000).await.unwrap();
     assert_eq!((whole.jobs.len(), whole.total), (1201, 1201));
     assert!(!whole.truncated());
+    let none = queue.pending_first(0).await.unwrap();
+    assert_eq!((none.jobs.len(), none.total), (0, 1201));
     let dead = queue.dead_letters_first(10).await.unwrap();
     assert!(dead.jobs.is_empty() && dead.total == 0 && !dead.truncated());
 }

@@ -34,6 +34,12 @@ const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
 /// token).
 const RESEND_TRIES: u64 = 3;
 
+/// The `ZRANGE` stop index of the first `limit` members (`0` for a `limit` of 0, whose one
+/// member the caller drops: `ZRANGE` has no empty range from 0).
+fn last_index(limit: usize) -> isize {
+    isize::try_from(limit.saturating_sub(1)).unwrap_or(isize::MAX)
+}
+
 /// How many jobs one round trip of a listing describes (three `HMGET`s of this many ids).
 const DESCRIBE_BATCH: usize = 500;
 
@@ -578,7 +584,10 @@ impl DurableQueue {
         let (a, b): (usize, usize) = self
             .deadline(
                 "len",
+                // One transaction: read apart, a job moving between the sets in between was
+                // counted twice or not at all.
                 redis::pipe()
+                    .atomic()
                     .zcard(self.key("due"))
                     .zcard(self.key("inflight"))
                     .query_async(&mut conn),
@@ -621,16 +630,33 @@ impl DurableQueue {
         &self,
         limit: usize,
     ) -> Result<JobsPage<(JobInfo, JobStatus)>, LockError> {
-        let mut jobs = Vec::new();
-        let mut total = 0;
-        for (set, status) in [("due", JobStatus::Queued), ("inflight", JobStatus::Running)] {
-            let (ids, in_set) = self.first_ids(set, limit - jobs.len()).await?;
-            total += in_set;
+        // Both sets in one transaction (a job moving from one to the other is listed once).
+        let last = last_index(limit);
+        let mut conn = self.inner.conn.clone();
+        let (mut due, due_total, running, running_total): (Vec<String>, usize, Vec<String>, usize) =
+            self.deadline(
+                "list",
+                redis::pipe()
+                    .atomic()
+                    .zrange(self.key("due"), 0, last)
+                    .zcard(self.key("due"))
+                    .zrange(self.key("inflight"), 0, last)
+                    .zcard(self.key("inflight"))
+                    .query_async(&mut conn),
+            )
+            .await?;
+        due.truncate(limit);
+        let running: Vec<String> = running.into_iter().take(limit - due.len()).collect();
+        let mut jobs = Vec::with_capacity(due.len() + running.len());
+        for (ids, status) in [(due, JobStatus::Queued), (running, JobStatus::Running)] {
             for info in self.describe(ids).await? {
                 jobs.push((info, status.clone()));
             }
         }
-        Ok(JobsPage { jobs, total })
+        Ok(JobsPage {
+            jobs,
+            total: due_total + running_total,
+        })
     }
 
     /// Deletes dead letters for good: the one with `id`, or all of them (`None`). Answers how
@@ -666,34 +692,21 @@ impl DurableQueue {
     }
 
     /// The first `limit` ids in the sorted set `set` (lowest score first), and how many it
-    /// holds.
+    /// holds (one transaction).
     async fn first_ids(&self, set: &str, limit: usize) -> Result<(Vec<String>, usize), LockError> {
-        if limit == 0 {
-            let mut conn = self.inner.conn.clone();
-            let total = self
-                .deadline(
-                    "list",
-                    redis::cmd("ZCARD")
-                        .arg(self.key(set))
-                        .query_async(&mut conn),
-                )
-                .await?;
-            return Ok((Vec::new(), total));
-        }
-        let last = i64::try_from(limit - 1).unwrap_or(i64::MAX);
         let mut conn = self.inner.conn.clone();
-        self.deadline(
-            "list",
-            redis::pipe()
-                .cmd("ZRANGE")
-                .arg(self.key(set))
-                .arg(0)
-                .arg(last)
-                .cmd("ZCARD")
-                .arg(self.key(set))
-                .query_async(&mut conn),
-        )
-        .await
+        let (mut ids, total): (Vec<String>, usize) = self
+            .deadline(
+                "list",
+                redis::pipe()
+                    .atomic()
+                    .zrange(self.key(set), 0, last_index(limit))
+                    .zcard(self.key(set))
+                    .query_async(&mut conn),
+            )
+            .await?;
+        ids.truncate(limit);
+        Ok((ids, total))
     }
 
     /// Each job's key, attempts and dead-letter reason (if any), read [`DESCRIBE_BATCH`] jobs a
