@@ -152,7 +152,7 @@ impl Proxy {
     }
 
     /// Delivers to the server what the held connections' clients sent ([`hold`](Proxy::hold)),
-    /// in order — also on connections their clients closed since — then closes them.
+    /// in order — also on connections their clients closed since, which are then closed.
     pub fn deliver_held(&self) {
         self.shared.held_below.send_replace(0);
     }

@@ -607,48 +607,50 @@ async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
     // Someone else holds node 1 alone, and node 0's connection is cut off with what is sent
     // on it kept: the first attempt is granted by node 2 only, and undone — on node 0 too,
     // where the undo waits behind the attempt.
-    let _: () = servers[1]
-        .query(
-            redis::cmd("SET")
-                .arg(resource.as_str())
-                .arg("someone-else")
-                .arg("PX")
-                .arg(120_000),
-        )
-        .await;
+    let someone_else = redis::cmd("SET")
+        .arg(resource.as_str())
+        .arg("someone-else")
+        .arg("PX")
+        .arg(120_000)
+        .clone();
+    let _: () = servers[1].query(&someone_else).await;
     let accepted = proxy.accepted();
     assert!(proxy.hold() > 0, "the locker has a connection to node 0");
     let token = OwnerToken::generate();
     let first = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
     assert!(matches!(first, Ok(Attempt::Held { .. })), "{first:?}");
 
-    // The locker replaces the silent connection (the next command makes the new one).
+    // The locker replaces the silent connection (the next command makes the new one). Until a
+    // lock held elsewhere on node 1 can be taken on nodes 0 and 2: node 0 answers in time on
+    // the new connection (else the attempt below failed on node 0's silence, not its undo).
     let probe = locker.resource(LockKey::new("rl:late-undo:probe").unwrap());
+    let held_elsewhere = redis::cmd("SET")
+        .arg(probe.as_str())
+        .arg("someone-else")
+        .arg("PX")
+        .arg(120_000)
+        .clone();
+    let _: () = servers[1].query(&held_elsewhere).await;
     poll_until(Duration::from_secs(5), Duration::ZERO, async || {
         let t = OwnerToken::generate();
-        let _ = attempt_as(&locker, &probe, &t, WaitMode::Try, ttl).await;
+        let got = attempt_as(&locker, &probe, &t, WaitMode::Try, ttl).await;
         let _ = abandon_as(&locker, &probe, &t).await;
-        match proxy.accepted() > accepted {
-            true => Ok(()),
-            false => Err("node 0's connection was not replaced"),
+        match got {
+            Ok(Attempt::Acquired { .. }) => Ok(()),
+            _ => Err(format!(
+                "node 0 does not answer on a new connection: {got:?}"
+            )),
         }
     })
     .await;
+    assert!(proxy.accepted() > accepted, "a new connection to node 0");
 
     // Node 1 frees, someone else holds node 2: the second attempt can rest on nodes 0 and 1
     // only.
     let _: () = servers[1]
         .query(redis::cmd("DEL").arg(resource.as_str()))
         .await;
-    let _: () = servers[2]
-        .query(
-            redis::cmd("SET")
-                .arg(resource.as_str())
-                .arg("someone-else")
-                .arg("PX")
-                .arg(120_000),
-        )
-        .await;
+    let _: () = servers[2].query(&someone_else).await;
     let second = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
     let second_held = matches!(second, Ok(Attempt::Acquired { .. }));
 

@@ -33,11 +33,13 @@
 //!   may still land later, after a later attempt of the same token was granted there: a
 //!   connection that went silent is replaced by a new one, but what was sent on the old one can
 //!   still arrive (a partition heals, TCP resends) — and the undo cannot tell the two grants
-//!   apart. So from then on, for as long as the token lives (until its release or abandon),
-//!   that node's "yes" to the same token counts as a failure, in acquires, extensions and
-//!   releases alike: the token's lock never rests on a node an old undo may still empty. (Its
-//!   lock may still sit there; it is extended and released with the others.) A majority that
-//!   granted the lock only after
+//!   apart. So from then on that node's "yes" to the same token counts as a failure in the
+//!   token's acquires and extensions: the token's lock never rests on a node an old undo may
+//!   still empty. (Its lock may still sit there; it is extended and released with the others.)
+//!   This lasts until the token's release, or until nothing asked about it for 20 minutes (the
+//!   kernel stops resending an unanswered segment after about 15 by default); an undo that
+//!   failed with the server's answer, or could not be sent at all, never lands later and
+//!   counts for nothing. A majority that granted the lock only after
 //!   its validity ran out answers `Unavailable` (the nodes are too slow for the TTL), not
 //!   "held".
 //! * **Extend / renewal** succeeds only if a majority extends within the validity window; the
@@ -170,13 +172,8 @@ struct Inner {
     hub: Arc<ReleaseHub>,
     quorum: usize,
     opts: RedlockOptions,
-    /// Undos that may still land on a node (see the module docs): per lock and token, how many
-    /// of the token's undos each node has not confirmed. Counted up before an undo is sent and
-    /// down when its node confirms it, so an undo whose caller was dropped stays counted.
-    /// Removed when the token's release or abandon is done: no attempt of it comes after.
-    unsettled: Mutex<HashMap<(ResourceName, OwnerToken), Vec<u32>>>,
-    /// How many entries `unsettled` has: the hot path looks at the map only when some.
-    unsettled_len: AtomicUsize,
+    /// Undos that may still land on a node (see the module docs).
+    unsettled: Unsettled,
 }
 
 /// What one node said.
@@ -276,8 +273,7 @@ impl RedlockBackend {
                 fence_seen: AtomicU64::new(0),
                 hub,
                 opts,
-                unsettled: Mutex::new(HashMap::new()),
-                unsettled_len: AtomicUsize::new(0),
+                unsettled: Unsettled::default(),
             }),
         }
     }
@@ -467,90 +463,217 @@ impl RedlockBackend {
 
     /// Undoes `token`'s attempt on every node; answers how many nodes confirmed it. A node
     /// whose answer did not come (a timeout, a connection lost) stays counted in
-    /// [`Inner::unsettled`]: the undo may still land there.
+    /// [`Inner::unsettled`]: the undo may still land there. The undos run on a task of their
+    /// own: a caller dropped meanwhile (a deadline) leaves them counted only as long as they
+    /// are really on their way.
     async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) -> usize {
         let key = (resource.clone(), token.clone());
-        self.settle(&key, |count| count.iter_mut().for_each(|c| *c += 1));
-        let confirmed: Vec<Undo> =
-            futures_util::future::join_all(self.inner.nodes.iter().map(|n| async move {
-                tokio::time::timeout(self.inner.opts.node_timeout, n.abandon(resource, token)).await
-            }))
-            .await
-            .into_iter()
-            .map(|r| match r {
-                Ok(Ok(())) => Undo::Done,
-                Ok(Err(e)) if server_replied(&e) => Undo::Refused,
-                _ => Undo::Unknown,
-            })
-            .collect();
-        self.settle(&key, |count| {
-            for (c, undo) in count.iter_mut().zip(&confirmed) {
-                *c -= u32::from(*undo != Undo::Unknown);
-            }
-        });
-        confirmed.iter().filter(|u| **u == Undo::Done).count()
+        let me = self.clone();
+        let undo = async move {
+            me.inner.unsettled.up(&key, me.inner.nodes.len());
+            let limit = me.inner.opts.node_timeout;
+            let outcomes: Vec<Undo> =
+                futures_util::future::join_all(me.inner.nodes.iter().map(|n| async {
+                    match tokio::time::timeout(limit, n.abandon(&key.0, &key.1)).await {
+                        Ok(Ok(())) => Undo::Done,
+                        Ok(Err(e)) if did_not_run(&e) => Undo::NotRun,
+                        _ => Undo::Unknown,
+                    }
+                }))
+                .await;
+            me.inner.unsettled.down(&key, &outcomes);
+            outcomes.iter().filter(|u| **u == Undo::Done).count()
+        };
+        tokio::spawn(undo).await.unwrap_or(0)
+    }
+}
+
+/// Per lock and token, the nodes an undo of the token may still land on, by a count of its
+/// undos each node has not answered: counted up before the undos are sent and down as each is
+/// answered. Such a node's "yes" to the token counts as a failure (see the module docs).
+///
+/// An entry goes when its counts are back at zero, or when nothing asked about it for
+/// [`UNSETTLED_FOR`] (an undo sent on a connection that has been replaced since stops being
+/// resent by the kernel before then: Linux gives up after about 15 minutes by default,
+/// `tcp_retries2`), or as the least recently used beyond [`UNSETTLED_MAX`] entries. A token whose
+/// attempt found the lock held may never ask again (a `try_acquire`), so entries are not kept
+/// until the token's release.
+#[derive(Debug, Default)]
+struct Unsettled {
+    /// How many entries `map` has: the hot path looks at the map only when some.
+    len: AtomicUsize,
+    map: Mutex<UnsettledMap>,
+}
+
+#[derive(Debug, Default)]
+struct UnsettledMap {
+    entries: HashMap<(ResourceName, OwnerToken), UnsettledEntry>,
+    /// The size at which the next insertion sweeps out the entries nothing asked about lately.
+    sweep_at: usize,
+}
+
+#[derive(Debug)]
+struct UnsettledEntry {
+    /// Per node: the undos not answered.
+    count: Vec<u32>,
+    /// When the entry was last counted up or asked about.
+    touched: Instant,
+}
+
+/// How long an entry of [`Unsettled`] lasts without being asked about.
+const UNSETTLED_FOR: Duration = Duration::from_secs(20 * 60);
+
+/// How many entries [`Unsettled`] keeps at most.
+const UNSETTLED_MAX: usize = 65_536;
+
+impl Unsettled {
+    fn map(&self) -> std::sync::MutexGuard<'_, UnsettledMap> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Changes `key`'s entry in [`Inner::unsettled`] (made at zero when missing), and removes
-    /// it when no node is left unsettled.
-    fn settle(&self, key: &(ResourceName, OwnerToken), change: impl FnOnce(&mut [u32])) {
-        let mut map = self.unsettled_map();
-        let count = map
+    /// An undo of `key` goes to each of `nodes` nodes.
+    fn up(&self, key: &(ResourceName, OwnerToken), nodes: usize) {
+        self.up_at(key, nodes, Instant::now());
+    }
+
+    fn up_at(&self, key: &(ResourceName, OwnerToken), nodes: usize, now: Instant) {
+        let mut map = self.map();
+        let entry = map
+            .entries
             .entry(key.clone())
-            .or_insert_with(|| vec![0; self.inner.nodes.len()]);
-        change(count);
-        if count.iter().all(|c| *c == 0) {
-            map.remove(key);
+            .or_insert_with(|| UnsettledEntry {
+                count: vec![0; nodes],
+                touched: now,
+            });
+        entry
+            .count
+            .iter_mut()
+            .for_each(|c| *c = c.saturating_add(1));
+        entry.touched = now;
+        if map.entries.len() >= map.sweep_at.min(UNSETTLED_MAX + 1) {
+            map.sweep(now);
         }
-        self.inner.unsettled_len.store(map.len(), Ordering::Release);
+        self.len.store(map.entries.len(), Ordering::Release);
     }
 
-    /// The token is done (released or abandoned): no attempt of it comes after.
-    fn forget(&self, resource: &ResourceName, token: &OwnerToken) {
-        if self.inner.unsettled_len.load(Ordering::Acquire) == 0 {
+    /// The undos of `key` went as `outcomes` say (per node): those that ran, or never will,
+    /// are no longer counted.
+    fn down(&self, key: &(ResourceName, OwnerToken), outcomes: &[Undo]) {
+        let mut map = self.map();
+        let Some(entry) = map.entries.get_mut(key) else {
             return;
+        };
+        for (c, undo) in entry.count.iter_mut().zip(outcomes) {
+            if *undo != Undo::Unknown {
+                *c = c.saturating_sub(1);
+            }
         }
-        let mut map = self.unsettled_map();
-        map.remove(&(resource.clone(), token.clone()));
-        self.inner.unsettled_len.store(map.len(), Ordering::Release);
+        if entry.count.iter().all(|c| *c == 0) {
+            map.entries.remove(key);
+        }
+        self.len.store(map.entries.len(), Ordering::Release);
     }
 
-    fn unsettled_map(
+    /// The nodes an undo of `token` may still land on, if any.
+    fn get(&self, resource: &ResourceName, token: &OwnerToken) -> Option<Vec<bool>> {
+        self.get_at(resource, token, Instant::now())
+    }
+
+    fn get_at(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<(ResourceName, OwnerToken), Vec<u32>>> {
-        self.inner
-            .unsettled
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The nodes an undo of `token` may still reach (see the module docs), if any.
-    fn unsettled(&self, resource: &ResourceName, token: &OwnerToken) -> Option<Vec<bool>> {
-        if self.inner.unsettled_len.load(Ordering::Acquire) == 0 {
+        resource: &ResourceName,
+        token: &OwnerToken,
+        now: Instant,
+    ) -> Option<Vec<bool>> {
+        if self.len.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let map = self.unsettled_map();
-        let count = map.get(&(resource.clone(), token.clone()))?;
-        Some(count.iter().map(|c| *c > 0).collect())
+        let mut map = self.map();
+        let found = map.get(&(resource.clone(), token.clone()), now);
+        self.len.store(map.entries.len(), Ordering::Release);
+        found
+    }
+}
+
+impl Unsettled {
+    /// The nodes an undo may still land on, for each of `items` (one look at the map).
+    fn get_many(&self, items: &[ExtendItem]) -> Vec<Option<Vec<bool>>> {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        let mut map = self.map();
+        let found = items
+            .iter()
+            .map(|i| map.get(&(i.resource.clone(), i.token.clone()), now))
+            .collect();
+        self.len.store(map.entries.len(), Ordering::Release);
+        found
+    }
+
+    /// The token is done with `resource` (released): no attempt of it comes after.
+    fn forget(&self, resource: &ResourceName, token: &OwnerToken) {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut map = self.map();
+        map.entries.remove(&(resource.clone(), token.clone()));
+        self.len.store(map.entries.len(), Ordering::Release);
+    }
+}
+
+impl UnsettledMap {
+    /// `key`'s nodes an undo may still land on (the entry noted as asked about `now`), if any.
+    fn get(&mut self, key: &(ResourceName, OwnerToken), now: Instant) -> Option<Vec<bool>> {
+        let entry = self.entries.get_mut(key)?;
+        if now.saturating_duration_since(entry.touched) > UNSETTLED_FOR {
+            self.entries.remove(key);
+            return None;
+        }
+        entry.touched = now;
+        Some(entry.count.iter().map(|c| *c > 0).collect())
+    }
+
+    /// Drops the entries nothing asked about for [`UNSETTLED_FOR`]; past [`UNSETTLED_MAX`],
+    /// the least recently used down to three quarters of it. The next sweep comes when the map
+    /// has doubled, or gone past the maximum.
+    fn sweep(&mut self, now: Instant) {
+        self.entries
+            .retain(|_, e| now.saturating_duration_since(e.touched) <= UNSETTLED_FOR);
+        if self.entries.len() > UNSETTLED_MAX {
+            let mut touched: Vec<Instant> = self.entries.values().map(|e| e.touched).collect();
+            touched.sort_unstable();
+            let keep_from = touched[touched.len() - UNSETTLED_MAX / 4 * 3];
+            let before = self.entries.len();
+            self.entries.retain(|_, e| e.touched >= keep_from);
+            tracing::warn!(
+                dropped = before - self.entries.len(),
+                "redlock: too many tokens with undos on their way; the least recently used are no longer watched"
+            );
+        }
+        self.sweep_at = (self.entries.len() * 2).max(1024);
+        debug_assert!(self.entries.len() <= UNSETTLED_MAX);
     }
 }
 
 /// How one node's undo went.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Undo {
     Done,
-    /// The server answered with an error: it did not run, and will not later.
-    Refused,
+    /// It did not run and never will: the server answered with an error, or it could not be
+    /// sent (the connection was refused).
+    NotRun,
     /// No answer: it may run later.
     Unknown,
 }
 
-/// Whether `e` is the server's own error reply (the command reached the server and was
-/// answered), not a timeout or a lost connection.
-fn server_replied(e: &LockError) -> bool {
+/// Whether the command that failed with `e` did not run and never will: the server answered
+/// it with an error, or the connection was refused (nothing was sent) — not a timeout or a
+/// connection lost with the command on it.
+fn did_not_run(e: &LockError) -> bool {
     std::error::Error::source(e)
         .and_then(|s| s.downcast_ref::<redis::RedisError>())
-        .is_some_and(|e| e.code().is_some())
+        .is_some_and(|e| e.code().is_some() || e.is_connection_refusal())
 }
 
 /// Why a node's "yes" did not count: an undo of an earlier attempt by the same token may
@@ -700,7 +823,7 @@ impl Backend for RedlockBackend {
                 floor,
             );
             let call = &call;
-            let unsettled = self.unsettled(resource, token);
+            let unsettled = self.inner.unsettled.get(resource, token);
             let votes = self
                 .poll(
                     |node| {
@@ -822,17 +945,19 @@ impl Backend for RedlockBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
-            let unsettled = self.unsettled(resource, token);
+            // Every node's answer counts: an undo landing late can only delete what this
+            // release deleted.
             let votes = self
                 .poll_owner_checked(
                     |n| {
                         let (r, t) = (resource.clone(), token.clone());
                         async move { n.release(&r, &t).await }
                     },
-                    unsettled.as_deref(),
+                    None,
                 )
                 .await;
-            self.forget(resource, token);
+            // Released: no attempt of the token comes after.
+            self.inner.unsettled.forget(resource, token);
             let (yes, failed) = tally(&votes);
             // In the window by definition: a release has no validity to keep.
             self.verdict(yes, failed, true, || self.describe("release", &votes))
@@ -847,7 +972,7 @@ impl Backend for RedlockBackend {
     ) -> BoxFuture<'a, Result<bool, LockError>> {
         Box::pin(async move {
             let start = Instant::now();
-            let unsettled = self.unsettled(resource, token);
+            let unsettled = self.inner.unsettled.get(resource, token);
             let votes = self
                 .poll_owner_checked(
                     |n| {
@@ -881,15 +1006,14 @@ impl Backend for RedlockBackend {
             }))
             .await;
             let elapsed = start.elapsed();
+            let unsettled = self.inner.unsettled.get_many(items);
             (0..items.len())
                 .map(|i| {
                     // Each node's answer for item `i`: `Some(true)` yes, `Some(false)` no,
                     // `None` failed (an error, or the "yes" of a node an undo may still reach).
-                    let unsettled = self.unsettled(&items[i].resource, &items[i].token);
+                    let unsettled = unsettled.get(i).and_then(Option::as_ref);
                     let answers = per_node.iter().enumerate().map(|(n, r)| match r.get(i) {
-                        Some(Ok(true)) => {
-                            Some(true).filter(|_| !unsettled.as_ref().is_some_and(|u| u[n]))
-                        }
+                        Some(Ok(true)) => Some(true).filter(|_| !unsettled.is_some_and(|u| u[n])),
                         Some(Ok(false)) => Some(false),
                         _ => None,
                     });
@@ -920,8 +1044,9 @@ impl Backend for RedlockBackend {
             // A grant that lands late on nodes the undo did not reach blocks the others only
             // when they are too many for the rest to make a quorum: then the undo is not done,
             // and the locker retries it in the background.
+            // The entry in `unsettled` stays while an undo may still land: a caller may use
+            // the token again after an abandon (the trait does not forbid it).
             let undone = self.undo_everywhere(resource, token).await;
-            self.forget(resource, token);
             let n = self.inner.nodes.len();
             if n - undone > n - self.inner.quorum {
                 return Err(LockError::unavailable(
@@ -995,63 +1120,104 @@ mod tests {
         })
     }
 
-    /// The undos that may still land: counted up before an undo goes out and down as each node
-    /// answers it. A node whose answer did not come stays unsettled — its "yes" to the same
-    /// token counts as a failure — until the token is done, and then nothing is kept for it.
-    #[tokio::test]
-    async fn an_unanswered_undo_leaves_its_node_unsettled_until_the_token_is_done() {
-        let hub = ReleaseHub::new();
-        let nodes = (0..3)
-            .map(|_| {
-                // Never connected: the test sends nothing.
-                RedisBackend::redlock_node(
-                    "redis://127.0.0.1:1",
-                    RedisOptions::default(),
-                    hub.clone(),
-                )
-                .unwrap()
-            })
-            .collect();
-        let backend = RedlockBackend::over(nodes, hub, RedlockOptions::default());
-        let resource = ResourceName::new("t", crate::LockKey::new("k").unwrap());
-        let (token, other) = (OwnerToken::generate(), OwnerToken::generate());
-        let key = (resource.clone(), token.clone());
-        assert_eq!(backend.unsettled(&resource, &token), None);
+    fn key(n: usize) -> (ResourceName, OwnerToken) {
+        let key = crate::LockKey::new(&format!("k{n}")).unwrap();
+        (ResourceName::new("t", key), OwnerToken::generate())
+    }
+
+    /// The undos that may still land: counted up before they go out and down as each node
+    /// answers. A node whose answer did not come stays unsettled — its "yes" to the same token
+    /// counts as a failure — until the token is released; an entry whose counts are back at
+    /// zero is gone, and a late count down after the release re-creates nothing.
+    #[test]
+    fn an_unanswered_undo_leaves_its_node_unsettled_until_the_token_is_done() {
+        use Undo::{Done, NotRun, Unknown};
+        let unsettled = Unsettled::default();
+        let (k, other) = (key(1), key(2));
+        assert_eq!(unsettled.get(&k.0, &k.1), None);
 
         // Two undos out; each node answers the first, node 1 not the second.
-        let up = |c: &mut [u32]| c.iter_mut().for_each(|c| *c += 1);
-        backend.settle(&key, up);
-        backend.settle(&key, up);
-        backend.settle(&key, |c| c.iter_mut().for_each(|c| *c -= 1));
-        backend.settle(&key, |c| {
-            c[0] -= 1;
-            c[2] -= 1;
-        });
-        let unsettled = backend.unsettled(&resource, &token);
-        assert_eq!(unsettled.as_deref(), Some(&[false, true, false][..]));
-        assert_eq!(backend.unsettled(&resource, &other), None, "per token");
+        unsettled.up(&k, 3);
+        unsettled.up(&k, 3);
+        unsettled.down(&k, &[Done, NotRun, Done]);
+        unsettled.down(&k, &[Done, Unknown, NotRun]);
+        let nodes = unsettled.get(&k.0, &k.1);
+        assert_eq!(nodes.as_deref(), Some(&[false, true, false][..]));
+        assert_eq!(unsettled.get(&k.0, &other.1), None, "per token");
+        assert_eq!(unsettled.get(&other.0, &k.1), None, "per lock");
         let votes: Vec<Vote<()>> = (0..3)
-            .map(|i| discount(i, Vote::Yes(()), unsettled.as_deref()))
+            .map(|i| discount(i, Vote::Yes(()), nodes.as_deref()))
             .collect();
         assert!(matches!(
             votes[..],
             [Vote::Yes(()), Vote::Failed(..), Vote::Yes(())]
         ));
         assert!(matches!(
-            discount(1, Vote::<()>::No(None), unsettled.as_deref()),
+            discount(1, Vote::<()>::No(None), nodes.as_deref()),
             Vote::No(None)
         ));
 
-        // Released or abandoned: forgotten.
-        backend.forget(&resource, &token);
-        assert_eq!(backend.unsettled(&resource, &token), None);
-        assert!(backend.unsettled_map().is_empty());
-        assert_eq!(backend.inner.unsettled_len.load(Ordering::Acquire), 0);
+        // Released: forgotten; an undo still on its way then counts down nothing.
+        unsettled.up(&k, 3);
+        unsettled.forget(&k.0, &k.1);
+        assert_eq!(unsettled.get(&k.0, &k.1), None);
+        unsettled.down(&k, &[Done, Done, Done]);
+        assert!(unsettled.map().entries.is_empty());
+        assert_eq!(unsettled.len.load(Ordering::Acquire), 0);
 
-        // Every undo answered: nothing kept either.
-        backend.settle(&key, up);
-        backend.settle(&key, |c| c.iter_mut().for_each(|c| *c -= 1));
-        assert!(backend.unsettled_map().is_empty());
+        // Every undo answered: nothing kept.
+        unsettled.up(&k, 3);
+        unsettled.down(&k, &[Done, NotRun, Done]);
+        assert!(unsettled.map().entries.is_empty());
+    }
+
+    /// Entries do not pile up: one nothing asked about for `UNSETTLED_FOR` is gone (a token
+    /// whose attempt found the lock held may never ask again), and past `UNSETTLED_MAX` the
+    /// least recently used go.
+    #[test]
+    fn unsettled_entries_are_bounded_in_time_and_number() {
+        let unsettled = Unsettled::default();
+        let start = Instant::now();
+        let (old, fresh) = (key(1), key(2));
+        unsettled.up_at(&old, 3, start);
+        unsettled.up_at(&fresh, 3, start);
+        let later = start + UNSETTLED_FOR;
+        assert!(
+            unsettled.get_at(&fresh.0, &fresh.1, later).is_some(),
+            "asked: kept"
+        );
+        let past = later + Duration::from_secs(1);
+        assert_eq!(unsettled.get_at(&old.0, &old.1, past), None);
+        assert!(unsettled.get_at(&fresh.0, &fresh.1, past).is_some());
+
+        let keys: Vec<_> = (0..UNSETTLED_MAX + 1).map(|n| key(n + 10)).collect();
+        for (n, k) in keys.iter().enumerate() {
+            unsettled.up_at(k, 3, past + Duration::from_micros(n as u64));
+        }
+        let left = unsettled.map().entries.len();
+        assert!(left <= UNSETTLED_MAX, "{left}");
+        let newest = &keys[UNSETTLED_MAX];
+        let at = past + Duration::from_secs(1);
+        assert!(unsettled.get_at(&newest.0, &newest.1, at).is_some());
+        assert_eq!(
+            unsettled.get_at(&keys[0].0, &keys[0].1, at),
+            None,
+            "least recently used"
+        );
+    }
+
+    /// An undo that failed with the server's answer, or could not be sent, did not run and
+    /// never will; a timeout or a lost connection may have sent it.
+    #[test]
+    fn an_undo_refused_or_never_sent_is_settled() {
+        let io = |kind| {
+            let e = redis::RedisError::from(std::io::Error::new(kind, "x"));
+            LockError::unavailable("redis abandon", Some(Box::new(e)))
+        };
+        assert!(did_not_run(&io(std::io::ErrorKind::ConnectionRefused)));
+        assert!(!did_not_run(&io(std::io::ErrorKind::TimedOut)));
+        assert!(!did_not_run(&io(std::io::ErrorKind::BrokenPipe)));
+        assert!(!did_not_run(&LockError::unavailable("timeout", None)));
     }
 
     #[test]
