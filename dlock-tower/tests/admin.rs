@@ -513,6 +513,24 @@ async fn only_the_allowed_host_names_are_served() {
             );
         }
     }
+    // An absolute-form request names its host twice; each name must be allowed (a server may
+    // go by either).
+    let raw = async |target: &str, host: &str| {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!("GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).await.unwrap();
+        answer.lines().next().unwrap_or_default().to_owned()
+    };
+    let status = raw("http://evil.example/ops/api/locks", "localhost:8081").await;
+    assert!(status.contains(" 421 "), "{status}");
+    let status = raw("http://localhost:8081/ops/api/locks", "evil.example").await;
+    assert!(status.contains(" 421 "), "{status}");
+    let status = raw("http://localhost:8081/ops/api/locks", "localhost:8081").await;
+    assert!(status.contains(" 200 "), "{status}");
+
     for host in [
         "ops.internal.example",
         "OPS.internal.example.:9000",

@@ -65,8 +65,8 @@
 //!
 //! # Host names
 //!
-//! [`OpsPage::allowed_hosts`] answers only requests whose `Host` (over HTTP/2, the URI's
-//! authority) names the page as you serve it — `421 Misdirected Request` to every other,
+//! [`OpsPage::allowed_hosts`] answers only requests whose `Host` and URI authority (an
+//! absolute-form request, HTTP/2), each one given, name the page as you serve it — `421 Misdirected Request` to every other,
 //! reads included. A rebound name (`evil.example` resolving to your internal address) then
 //! reaches nothing. Without it, any `Host` is answered.
 //!
@@ -298,13 +298,19 @@ async fn host_allowed(
     next: Next,
 ) -> Response {
     if let Some(hosts) = hosts {
-        let requested = req
+        // Every name the request gives must be allowed, and it must give one: the `Host`
+        // header and the URI's authority (an absolute-form request, HTTP/2), which a server
+        // may prefer to `Host`.
+        let allowed = |name: &str| {
+            AllowedHost::parse(name).is_some_and(|r| hosts.iter().any(|h| h.admits(&r)))
+        };
+        let host = req
             .headers()
             .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri().authority().map(|a| a.as_str()))
-            .and_then(AllowedHost::parse);
-        if !requested.is_some_and(|r| hosts.iter().any(|h| h.admits(&r))) {
+            .map(|h| h.to_str().unwrap_or(""));
+        let authority = req.uri().authority().map(|a| a.as_str());
+        let named = host.is_some() || authority.is_some();
+        if !named || !host.is_none_or(allowed) || !authority.is_none_or(allowed) {
             return json_response(
                 StatusCode::MISDIRECTED_REQUEST,
                 &json!({ "error": "this host name does not serve the ops page" }),
