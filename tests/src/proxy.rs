@@ -22,6 +22,10 @@
 //!   gave up on the connection, when TCP resends what it had sent. New connections are
 //!   forwarded as usual.
 //!
+//! * **swallow Postgres cancel requests** ([`swallow_cancels`](Proxy::swallow_cancels)): a
+//!   connection that opens with a `CancelRequest` is closed without reaching the server — a
+//!   cancel that cannot help (a server stalled on I/O) or is lost.
+//!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
 
@@ -66,6 +70,10 @@ struct Shared {
     held_below: tokio::sync::watch::Sender<u64>,
     /// … and deliver nothing the server sends.
     muted_below: AtomicU64,
+    /// Close connections that open with a Postgres `CancelRequest` ([`Proxy::swallow_cancels`]).
+    swallow_cancels: AtomicBool,
+    /// Cancel requests swallowed so far.
+    swallowed: AtomicU64,
 }
 
 impl Proxy {
@@ -85,6 +93,8 @@ impl Proxy {
             silent_below: AtomicU64::new(0),
             held_below: tokio::sync::watch::Sender::new(0),
             muted_below: AtomicU64::new(0),
+            swallow_cancels: AtomicBool::new(false),
+            swallowed: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Proxy {
@@ -162,6 +172,18 @@ impl Proxy {
         self.shared.refuse.store(false, Ordering::Release);
     }
 
+    /// From now on, closes every connection that opens with a Postgres `CancelRequest`
+    /// instead of forwarding it (every connection's first 8 bytes are read before the server
+    /// is connected: only for clients that speak first, as Postgres clients do).
+    pub fn swallow_cancels(&self) {
+        self.shared.swallow_cancels.store(true, Ordering::Release);
+    }
+
+    /// Postgres cancel requests swallowed so far ([`swallow_cancels`](Proxy::swallow_cancels)).
+    pub fn swallowed(&self) -> u64 {
+        self.shared.swallowed.load(Ordering::Relaxed)
+    }
+
     /// Connections open now (a held one until what it held was delivered).
     pub fn open(&self) -> usize {
         self.shared
@@ -235,11 +257,34 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-async fn serve(client: TcpStream, shared: &Shared, id: u64) -> io::Result<()> {
-    let upstream =
+/// The first 8 bytes of a Postgres `CancelRequest`: its length (16) and code (80877102).
+const PG_CANCEL: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+
+/// A Postgres `SSLRequest`: its length (8) and code (80877103).
+const PG_SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
+
+async fn serve(mut client: TcpStream, shared: &Shared, id: u64) -> io::Result<()> {
+    let mut opening = Vec::new();
+    if shared.swallow_cancels.load(Ordering::Acquire) {
+        let mut first = [0u8; 8];
+        client.read_exact(&mut first).await?;
+        if first == PG_SSL_REQUEST {
+            // Answered here ("no TLS", as the test servers would): the client goes on in the
+            // clear with its startup or its cancel request.
+            client.write_all(b"N").await?;
+            client.read_exact(&mut first).await?;
+        }
+        if first == PG_CANCEL {
+            shared.swallowed.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        opening.extend_from_slice(&first);
+    }
+    let mut upstream =
         tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(shared.upstream))
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "upstream connect"))??;
+    upstream.write_all(&opening).await?;
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
     let (cr, cw) = client.into_split();

@@ -971,6 +971,89 @@ async fn two_connections(url: &str, limit: Duration) -> PostgresBackend {
     backend
 }
 
+/// A database too slow for the command timeout, its cancel requests lost: every call times
+/// out, and each timed-out call's connection is drained until its statement ends. The drained
+/// connections count against the pool — later calls wait for one of its slots and time out
+/// as unavailable — so the backend never has more connections than the pool's. Before, the
+/// pool made a new connection for each one taken out to drain: up to eleven times its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_calls_never_take_more_connections_than_the_pool() {
+    let proxy = Proxy::start(port()).await.unwrap();
+    let app = "dlock_slots";
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?application_name={app}",
+        proxy_port(&proxy)
+    );
+    let limit = Duration::from_millis(200);
+    let backend = two_connections(&url, limit).await;
+    let locker = Locker::builder()
+        .command_timeout(limit)
+        .try_build(backend.clone())
+        .unwrap();
+    proxy.swallow_cancels();
+    // Every statement on the locks table waits behind this session.
+    let blocker = client(&direct_url("postgres")).await;
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE dlock.dlock_locks IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let watcher = client(&direct_url("postgres")).await;
+    let connections = async || -> i64 {
+        watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                &[&app],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let callers: Vec<_> = (0..8)
+        .map(|i| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                let key = format!("slots:{i}");
+                let until = Instant::now() + Duration::from_millis(1200);
+                let mut unavailable = 0;
+                while Instant::now() < until {
+                    match locker.lock(key.as_str()).try_acquire().await {
+                        Err(e) if e.is_unavailable() => unavailable += 1,
+                        other => panic!("the table is locked: {other:?}"),
+                    }
+                }
+                unavailable
+            })
+        })
+        .collect();
+    let mut most = 0;
+    while callers.iter().any(|c| !c.is_finished()) {
+        most = most.max(connections().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for c in callers {
+        assert!(c.await.unwrap() > 0);
+    }
+    assert!(
+        proxy.swallowed() > 0,
+        "no call timed out with its statement running"
+    );
+    assert!(most <= 2, "{most} connections with a pool of 2");
+
+    // The statements end: the drains close their connections, and the backend works again.
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    let g = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || match locker.lock("slots:after").try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .await;
+    g.release().await.unwrap();
+    assert!(connections().await <= 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_call_never_hands_its_busy_connection_to_a_later_call() {
     let limit = Duration::from_millis(200);

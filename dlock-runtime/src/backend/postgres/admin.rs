@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
-use super::{pg_err, pool_err, PostgresBackend};
+use super::{pg_err, PostgresBackend};
 use crate::backend::admin::{
     key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState, Waiter,
 };
@@ -115,12 +115,7 @@ impl PostgresBackend {
     async fn force(&self, name: &str) -> Result<ForceReleased, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
-            let client = self
-                .inner
-                .pool
-                .get()
-                .await
-                .map_err(|e| pool_err("force release", e))?;
+            let client = self.pooled("force release").await?;
             // Stopped early (the timeout below), the connection leaves the pool (see
             // `flight`).
             let mut flight = self.in_flight(client, None);

@@ -27,14 +27,22 @@
 //! neither answers the cancel nor the query for that long is hung); past it the gate opens
 //! anyway and a grant that still commits later lives until its lease ends, as after a crash.
 //!
+//! **A drained connection still counts against the pool.** A call takes one of the backend's
+//! slots (as many as the pool's connections) before it takes a connection, and a drain keeps
+//! that slot until the connection is closed; a drain that starts also closes one idle pooled
+//! connection, if any. So the connections in use and being drained never exceed the pool's
+//! size: when a database is too slow for the command timeout, every call timing out, calls wait
+//! for a slot (and time out as unavailable) instead of each opening a new connection beside the
+//! ones still draining — up to eleven times the pool's connections per process before.
+//!
 //! The hot path pays nothing for this: no extra round trip, no task, only a flag cleared when
-//! the answer is in.
+//! the answer is in (and an uncontended semaphore permit per call).
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use deadpool_postgres::{ClientWrapper, Object};
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use deadpool_postgres::{ClientWrapper, Object, Pool};
+use tokio::sync::{Mutex, OwnedMutexGuard, OwnedSemaphorePermit};
 use tokio_postgres::{CancelToken, NoTls};
 
 use super::{Connector, Inner};
@@ -96,34 +104,43 @@ impl Drop for Gate {
     }
 }
 
+/// A pooled connection and the backend's slot it takes (see the module docs).
+pub(super) struct Pooled {
+    pub(super) client: Object,
+    pub(super) slot: OwnedSemaphorePermit,
+}
+
 /// A pooled connection with a statement (or a transaction) in flight, and the gate that must
 /// stay closed while it runs. [`done`](InFlight::done) when the answer is in; dropped before,
 /// the connection never returns to the pool and is drained (see the module docs).
 pub(super) struct InFlight {
-    client: Option<Object>,
+    client: Option<Pooled>,
     gate: Option<Gate>,
     cancel: Option<Connector>,
     limit: Duration,
+    pool: Pool,
 }
 
 impl InFlight {
     pub(super) fn new(
-        client: Object,
+        client: Pooled,
         gate: Option<Gate>,
         cancel: Option<Connector>,
         limit: Duration,
+        pool: Pool,
     ) -> Self {
         InFlight {
             client: Some(client),
             gate,
             cancel,
             limit,
+            pool,
         }
     }
 
     /// The connection.
     pub(super) fn client(&mut self) -> &mut ClientWrapper {
-        self.client.as_mut().expect("in flight until done")
+        &mut self.client.as_mut().expect("in flight until done").client
     }
 
     /// The answer is in: the connection goes back to the pool and the gate opens.
@@ -136,8 +153,8 @@ impl InFlight {
     /// batch may have left it inside an aborted transaction, where every statement fails
     /// until a `ROLLBACK`): it is closed, and the gate opens.
     pub(super) fn discard(&mut self) {
-        if let Some(object) = self.client.take() {
-            drop(Object::take(object));
+        if let Some(pooled) = self.client.take() {
+            drop(Object::take(pooled.client));
         }
         self.gate = None;
     }
@@ -145,28 +162,35 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let Some(object) = self.client.take() else {
+        let Some(Pooled { client, slot }) = self.client.take() else {
             return;
         };
-        let client = Object::take(object);
+        let client = Object::take(client);
+        // The drained connection keeps its slot; an idle one makes way for it.
+        let mut closing = 1;
+        let _ = self.pool.retain(|_, _| {
+            closing -= 1;
+            closing < 0
+        });
         let gate = self.gate.take();
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
-                rt.spawn(drain(client, gate, self.cancel.take(), self.limit));
+                rt.spawn(drain(client, gate, self.cancel.take(), self.limit, slot));
             }
             // No runtime: the connection task is gone with it; nothing can be awaited.
-            Err(_) => drop((client, gate)),
+            Err(_) => drop((client, gate, slot)),
         }
     }
 }
 
 /// Cancels what runs on `client`, waits (at most `limit`) until everything sent on it has
-/// ended, then closes it and opens `gate`.
+/// ended, then closes it, opens `gate` and gives its `slot` back.
 async fn drain(
     client: ClientWrapper,
     gate: Option<Gate>,
     cancel: Option<Connector>,
     limit: Duration,
+    slot: OwnedSemaphorePermit,
 ) {
     let token = client.cancel_token();
     tokio::spawn(tokio::time::timeout(limit, send_cancel(token, cancel)));
@@ -182,6 +206,7 @@ async fn drain(
     }
     drop(client);
     drop(gate);
+    drop(slot);
 }
 
 async fn send_cancel(token: CancelToken, cancel: Option<Connector>) {

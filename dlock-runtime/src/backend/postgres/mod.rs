@@ -196,7 +196,9 @@ pub struct PostgresOptions {
     /// Deadline of establishing a connection (and of the schema check at start).
     pub connect_timeout: Duration,
     /// Connections in the pool the backend makes (not used with
-    /// [`from_pool`](PostgresBackend::from_pool)).
+    /// [`from_pool`](PostgresBackend::from_pool), whose pool's size counts instead). Also the
+    /// most connections the backend uses at once, counting those it is still draining after a
+    /// call timed out with its statement running.
     pub pool_size: usize,
     /// Whether to `LISTEN` for release notifications.
     pub notifications: bool,
@@ -372,6 +374,13 @@ struct Inner {
     /// How the pool's connections are made, for cancel requests (`None`: a pool given to
     /// [`PostgresBackend::from_pool`]; cancel requests then go without TLS, best-effort).
     cancel: Option<Connector>,
+    /// One permit per connection of the pool, taken by a call for as long as its connection
+    /// is in use — and, when the call stops waiting for its statement, until the connection
+    /// has been drained (see [`flight`]). Without it a pool hands out a new connection for
+    /// each one detached to be drained, and a database too slow for the command timeout
+    /// (every call timing out, each drain lasting up to ten command timeouts) saw up to
+    /// eleven times the pool's connections per process.
+    slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// Maps a client error to [`LockError::Unavailable`], or to [`LockError::Misconfigured`] when
@@ -684,8 +693,10 @@ impl PostgresBackend {
                 opts.connect_timeout.saturating_add(opts.command_timeout),
             )
         });
+        let slots = Arc::new(tokio::sync::Semaphore::new(pool.status().max_size.max(1)));
         let backend = PostgresBackend {
             inner: Arc::new(Inner {
+                slots,
                 pool,
                 sql,
                 hub,
@@ -712,12 +723,7 @@ impl PostgresBackend {
 
     /// Checks the schema's version; runs the DDL if it is missing or older (and allowed to).
     async fn ensure_schema(&self) -> Result<(), LockError> {
-        let client = self
-            .inner
-            .pool
-            .get()
-            .await
-            .map_err(|e| pool_err("connect", e))?;
+        let client = self.pooled("connect").await?;
         // The caller's deadline may drop this: never hand the pool a busy connection.
         let mut flight = self.in_flight(client, None);
         let out = self.check_or_create_schema(flight.client()).await;
@@ -839,14 +845,13 @@ impl PostgresBackend {
                 )
             };
             let client = match sent {
-                None => self.inner.pool.get().await,
+                None => self.pooled(what).await?,
                 Some(mark) => tokio::select! {
                     biased;
                     () = mark.sealed() => return Err(given_up()),
-                    client = self.inner.pool.get() => client,
+                    client = self.pooled(what) => client?,
                 },
             };
-            let client = client.map_err(|e| pool_err(what, e))?;
             if sent.is_some_and(|mark| !mark.send()) {
                 return Err(given_up());
             }
@@ -884,18 +889,28 @@ impl PostgresBackend {
         &self.inner.sql
     }
 
+    /// A connection from the pool, with its slot ([`Inner::slots`]).
+    async fn pooled(&self, what: &str) -> Result<flight::Pooled, LockError> {
+        let slot = self
+            .inner
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| LockError::unavailable(format!("postgres {what}: pool closed"), None))?;
+        let client = self.inner.pool.get().await.map_err(|e| pool_err(what, e))?;
+        Ok(flight::Pooled { client, slot })
+    }
+
     /// `client` with a statement about to be sent (see [`flight::InFlight`]).
-    fn in_flight(
-        &self,
-        client: deadpool_postgres::Object,
-        gate: Option<flight::Gate>,
-    ) -> flight::InFlight {
+    fn in_flight(&self, client: flight::Pooled, gate: Option<flight::Gate>) -> flight::InFlight {
         let opts = &self.inner.opts;
         flight::InFlight::new(
             client,
             gate,
             self.inner.cancel.clone(),
             flight::drain_limit(opts.command_timeout),
+            self.inner.pool.clone(),
         )
     }
 
