@@ -26,6 +26,9 @@
 //! in the server's buffer still runs. The wait is bounded by [`drain_limit`] (a server that
 //! neither answers the cancel nor the query for that long is hung); past it the gate opens
 //! anyway and a grant that still commits later lives until its lease ends, as after a crash.
+//! A connection that breaks meanwhile (a reset, PgBouncer restarted) says nothing of its
+//! statement, which the server runs to its end: the gate then stays closed for the whole
+//! bound.
 //!
 //! **A drained connection still counts against the pool.** A call takes one of the backend's
 //! slots (as many as the pool's connections) before it takes a connection, and a drain keeps
@@ -193,16 +196,24 @@ async fn drain(
     slot: OwnedSemaphorePermit,
 ) {
     let token = client.cancel_token();
+    let until = tokio::time::Instant::now() + limit;
     tokio::spawn(tokio::time::timeout(limit, send_cancel(token, cancel)));
     // Answered after every statement sent before it; an error: cancelled (after the end of
     // the one before) or the connection is gone.
-    let ended = tokio::time::timeout(limit, client.batch_execute("")).await;
-    if ended.is_err() {
-        tracing::warn!(
+    match tokio::time::timeout_at(until, client.batch_execute("")).await {
+        Ok(Err(e)) if e.is_closed() => {
+            // The connection is gone, not the statement: the server runs it to its end (a
+            // session notices a vanished client only when it next talks to it, and PgBouncer
+            // waits for the server's transaction), and it may still commit a grant. The gate
+            // stays closed as long as a drain would have waited.
+            tokio::time::sleep_until(until).await;
+        }
+        Ok(_) => {}
+        Err(_) => tracing::warn!(
             ?limit,
             "postgres: a timed-out statement neither ended nor was cancelled in time; \
              closing its connection"
-        );
+        ),
     }
     drop(client);
     drop(gate);
