@@ -43,16 +43,17 @@ pub(crate) fn name_prefix(namespace: &str, key_prefix: &str) -> String {
     }
 }
 
-/// How many locks of one listed page a store reads at once.
+/// How many locks of one listed page a store reads at once, at most.
 #[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]
 pub(crate) const PAGE_READS: usize = 8;
 
-/// The active locks among `names`, in their order, read [`PAGE_READS`] at a time by `read`
-/// (one after the other, a page of 100 locks took 100 round trips inside the list's one
-/// deadline, and a slow store timed the listing out).
+/// The active locks among `names`, in their order, read `at_once` at a time by `read` (one
+/// after the other, a page of 100 locks took 100 round trips inside the list's one deadline,
+/// and a slow store timed the listing out).
 #[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]
 pub(crate) async fn read_active<N, F, Fut>(
     names: impl IntoIterator<Item = N>,
+    at_once: usize,
     read: F,
 ) -> Result<Vec<LockState>, LockError>
 where
@@ -62,7 +63,7 @@ where
     use futures_util::stream::{self, StreamExt as _, TryStreamExt as _};
     let states: Vec<LockState> = stream::iter(names)
         .map(read)
-        .buffered(PAGE_READS)
+        .buffered(at_once.max(1))
         .try_collect()
         .await?;
     Ok(states.into_iter().filter(LockState::is_active).collect())

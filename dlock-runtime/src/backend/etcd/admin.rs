@@ -145,9 +145,12 @@ impl EtcdBackend {
         }
         let cursor = (names.len() > limit).then(|| names[limit - 1].clone());
         names.truncate(limit);
-        let locks =
-            super::super::admin::read_active(names, |n| async move { self.read_lock(&n).await })
-                .await?;
+        let locks = super::super::admin::read_active(
+            names,
+            super::super::admin::PAGE_READS,
+            |n| async move { self.read_lock(&n).await },
+        )
+        .await?;
         Ok(LockPage { locks, cursor })
     }
 

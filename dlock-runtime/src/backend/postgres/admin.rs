@@ -103,9 +103,16 @@ impl PostgresBackend {
         let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
         let more = names.len() > limit;
         let page = names.iter().take(limit).cloned();
+        // A quarter of the pool at most: renewals and acquires keep the rest.
+        let at_once =
+            (self.inner.pool.status().max_size / 4).clamp(1, super::super::admin::PAGE_READS);
         let locks =
-            super::super::admin::read_active(page, |n| async move { self.read_lock(&n).await })
-                .await?;
+            super::super::admin::read_active(
+                page,
+                at_once,
+                |n| async move { self.read_lock(&n).await },
+            )
+            .await?;
         Ok(LockPage {
             locks,
             cursor: more.then(|| names[limit - 1].clone()),

@@ -150,9 +150,11 @@ impl ZkBackend {
             .bounded("list", async { self.server_now(&c).await })
             .await?;
         let c = &c;
-        let locks = super::super::admin::read_active(resources, |r| async move {
-            self.bounded("inspect", self.state_at(c, &r, now)).await
-        })
+        let locks = super::super::admin::read_active(
+            resources,
+            super::super::admin::PAGE_READS,
+            |r| async move { self.bounded("inspect", self.state_at(c, &r, now)).await },
+        )
         .await?;
         Ok(LockPage { locks, cursor })
     }
