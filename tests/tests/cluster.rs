@@ -1502,3 +1502,36 @@ async fn a_release_while_its_slot_migrates_still_hands_over() {
         .unwrap();
     next.release().await.unwrap();
 }
+
+/// A renewal batch that a master refuses for good (a lock's key holds another type:
+/// `WRONGTYPE`) answers `Misconfigured` for its locks, as on one server. It answered
+/// `Unavailable`: an outage, where the store had refused for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_batch_refused_for_good_is_misconfigured() {
+    use dlock_runtime::backend::{
+        Backend as _, ExtendItem, OwnerToken, RedisBackend, RedisOptions,
+    };
+    let seeds = redis_cluster::shared().lock().unwrap().urls();
+    let backend = RedisBackend::connect_cluster(&seeds, RedisOptions::default())
+        .await
+        .unwrap();
+    let locker = Locker::builder().build(backend.clone());
+    let resource = locker.resource(dlock_runtime::LockKey::new("renew:wrongtype").unwrap());
+    let mut c = redis::cluster::ClusterClient::new(seeds)
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let _: () = c.rpush(resource.as_str(), "not a lock").await.unwrap();
+    let items = [ExtendItem {
+        resource: resource.clone(),
+        token: OwnerToken::generate(),
+        ttl: Duration::from_secs(5),
+    }];
+    let out = backend.extend_many(&items).await;
+    let _: () = c.del(resource.as_str()).await.unwrap();
+    match &out[..] {
+        [Err(e)] => assert!(e.is_misconfigured(), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}

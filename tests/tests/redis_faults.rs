@@ -1839,3 +1839,36 @@ async fn timeouts_past_a_day_are_a_day_not_a_panic() {
         dlock_tests::wait::locks_and_holds(locker, &format!("forever:{i}")).await;
     }
 }
+
+/// A renewal batch the server refuses for good (a lock's key holds another type: `WRONGTYPE`)
+/// answers `Misconfigured` for its locks, as a single renewal does. A pipeline's error carries
+/// no code of its own, and the batch answered `Unavailable`: an outage, where the store had
+/// refused for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_batch_refused_for_good_is_misconfigured() {
+    use dlock_runtime::backend::{Backend as _, ExtendItem, OwnerToken, RedisOptions};
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url(), RedisOptions::default())
+        .await
+        .unwrap();
+    let locker = Locker::builder().build(backend.clone());
+    let resource = locker.resource(dlock_runtime::LockKey::new("renew:wrongtype").unwrap());
+    let _: () = server
+        .conn()
+        .await
+        .rpush(resource.as_str(), "not a lock")
+        .await
+        .unwrap();
+    let item = |resource| ExtendItem {
+        resource,
+        token: OwnerToken::generate(),
+        ttl: Duration::from_secs(5),
+    };
+    let free = locker.resource(dlock_runtime::LockKey::new("renew:free").unwrap());
+    let out = backend.extend_many(&[item(free), item(resource)]).await;
+    assert!(
+        out.iter()
+            .all(|r| r.as_ref().is_err_and(LockError::is_misconfigured)),
+        "{out:?}"
+    );
+}

@@ -520,9 +520,10 @@ where
             match run.await {
                 Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
                 Err(e) => {
-                    let msg = e.to_string();
+                    // Each item gets the batch's error, refusal for good or outage alike.
+                    let (msg, for_good) = (e.to_string(), e.is_misconfigured());
                     (0..chunk.len())
-                        .map(|_| Err(LockError::unavailable(msg.clone(), None)))
+                        .map(|_| Err(LockError::backend(msg.clone(), None, for_good)))
                         .collect()
                 }
             }

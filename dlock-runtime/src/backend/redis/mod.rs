@@ -477,15 +477,19 @@ fn redis_err(what: &str, e: RedisError) -> LockError {
 /// stay [`LockError::Unavailable`].
 pub(crate) fn refused_for_good(e: &RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
+    let for_good = |code: &str| matches!(code, "NOAUTH" | "WRONGPASS" | "WRONGTYPE" | "NOPERM");
     matches!(
         e.kind(),
         ErrorKind::AuthenticationFailed
             | ErrorKind::InvalidClientConfig
             | ErrorKind::Server(ServerErrorKind::NoPerm)
-    ) || matches!(
-        e.code(),
-        Some("NOAUTH" | "WRONGPASS" | "WRONGTYPE" | "NOPERM")
-    )
+    ) || e.code().is_some_and(for_good)
+        // A pipeline's error (a batch of renewals) has no code of its own: its commands' errors
+        // carry them.
+        || (e.code().is_none()
+            && e.clone()
+                .into_server_errors()
+                .is_some_and(|errors| errors.iter().any(|(_, s)| for_good(s.code()))))
 }
 
 impl RedisBackend {
@@ -1773,9 +1777,11 @@ impl RedisBackend {
                     }
                 }
                 Err(e) => {
-                    let msg = e.to_string();
+                    // Each item gets the batch's error, refusal for good or outage alike (a
+                    // misconfigured store reported as an outage was retried as one).
+                    let (msg, for_good) = (e.to_string(), e.is_misconfigured());
                     for &i in &idx {
-                        out[i] = Some(Err(LockError::unavailable(msg.clone(), None)));
+                        out[i] = Some(Err(LockError::backend(msg.clone(), None, for_good)));
                     }
                 }
             }
