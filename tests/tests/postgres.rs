@@ -971,6 +971,38 @@ async fn two_connections(url: &str, limit: Duration) -> PostgresBackend {
     backend
 }
 
+/// A fencing sequence that caches numbers per session (`CACHE 20`, set by a migration tool or
+/// by hand) would let a key's next token, drawn on another pooled connection, fall below its
+/// last: connecting refuses it as misconfigured, naming the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fencing_sequence_with_a_cache_is_misconfigured() {
+    let opts = || {
+        PostgresOptions::default()
+            .schema("dlock_cached")
+            .notifications(false)
+    };
+    let psql = |sql: &str| {
+        let server = shared();
+        let server = server.lock().unwrap_or_else(|e| e.into_inner());
+        server.psql(sql);
+    };
+    drop(
+        PostgresBackend::connect(&direct_url("postgres"), opts())
+            .await
+            .unwrap(),
+    );
+    psql("ALTER SEQUENCE dlock_cached.dlock_fence CACHE 20");
+    let err = PostgresBackend::connect(&direct_url("postgres"), opts())
+        .await
+        .expect_err("a cached fencing sequence");
+    assert!(err.is_misconfigured(), "{err}");
+    assert!(err.to_string().contains("CACHE 1"), "{err}");
+    psql("ALTER SEQUENCE dlock_cached.dlock_fence CACHE 1");
+    PostgresBackend::connect(&direct_url("postgres"), opts())
+        .await
+        .expect("CACHE 1 again");
+}
+
 /// A database too slow for the command timeout, its cancel requests lost: every call times
 /// out, and each timed-out call's connection is drained until its statement ends. The drained
 /// connections count against the pool — later calls wait for one of its slots and time out

@@ -761,7 +761,7 @@ impl PostgresBackend {
         let stale = schema::channel_is_digest(s, p) && self.inner.opts.create_schema;
         // A newer schema is never replaced by this client's older functions.
         if found.is_some_and(|v| v > schema::VERSION || (v == schema::VERSION && !stale)) {
-            return Ok(());
+            return self.check_fence_cache(client).await;
         }
         if !self.inner.opts.create_schema {
             return Err(LockError::misconfigured(
@@ -779,7 +779,36 @@ impl PostgresBackend {
         client
             .batch_execute(&ddl)
             .await
-            .map_err(|e| pg_err("create schema", e))
+            .map_err(|e| pg_err("create schema", e))?;
+        self.check_fence_cache(client).await
+    }
+
+    /// The fencing sequence must hand out its numbers one at a time (`CACHE 1`, as the schema
+    /// makes it): with a cache, each session draws from a block of its own, and a key's next
+    /// token, drawn on another pooled connection, can be lower than its last. Changed by hand
+    /// or by a migration tool, it is [`LockError::Misconfigured`].
+    async fn check_fence_cache(&self, client: &tokio_postgres::Client) -> Result<(), LockError> {
+        let (s, p) = (&self.inner.opts.schema, &self.inner.opts.table_prefix);
+        let sequence = format!("{p}fence");
+        let rows = client
+            .query_typed(
+                "SELECT cache_size FROM pg_catalog.pg_sequences \
+                 WHERE schemaname = $1 AND sequencename = $2",
+                &[(s, Type::TEXT), (&sequence, Type::TEXT)],
+            )
+            .await
+            .map_err(|e| pg_err("schema check", e))?;
+        match rows.first().and_then(|r| r.try_get::<_, i64>(0).ok()) {
+            Some(cache) if cache > 1 => Err(LockError::misconfigured(
+                format!(
+                    "postgres sequence `{s}.{sequence}` caches {cache} numbers per session: \
+                     fencing tokens would not increase per key (run `ALTER SEQUENCE \
+                     {s}.{sequence} CACHE 1`)"
+                ),
+                None,
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The options in force.
