@@ -253,7 +253,8 @@ impl PostgresOptions {
         self
     }
 
-    /// Sets [`table_prefix`](PostgresOptions::table_prefix).
+    /// Sets [`table_prefix`](PostgresOptions::table_prefix). Empty only in a schema of
+    /// dlock's own: an empty prefix in `public` is [`LockError::Misconfigured`] at connect.
     pub fn table_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.table_prefix = prefix.into();
         self
@@ -327,6 +328,16 @@ impl PostgresOptions {
         if !schema::valid_identifier(&self.table_prefix, 16, true) {
             return Err(LockError::misconfigured(
                 "postgres table prefix must match [a-z_][a-z0-9_]* or be empty (at most 16 bytes)",
+                None,
+            ));
+        }
+        // The schema's tables and functions are made `IF NOT EXISTS` and `OR REPLACE`: without
+        // a prefix, in the schema every application shares, they would take over an
+        // application's own `locks` or `queue` table (whose old rows the sweep then deletes)
+        // and replace its `release(text, text)`.
+        if self.table_prefix.is_empty() && self.schema == "public" {
+            return Err(LockError::misconfigured(
+                "postgres table prefix may be empty only in a schema of dlock's own, not `public`",
                 None,
             ));
         }
@@ -1379,5 +1390,22 @@ mod tests {
             .ddl()
             .unwrap_err();
         assert!(err.is_misconfigured(), "{err}");
+    }
+
+    /// No prefix in the schema every application shares: the DDL would take over an
+    /// application's own `locks` table and `release` function. In a schema of its own, or with
+    /// a prefix in `public`, it is fine.
+    #[test]
+    fn an_empty_prefix_in_public_is_misconfigured() {
+        let in_public = PostgresOptions::default().schema("public");
+        let err = in_public.clone().table_prefix("").ddl().unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
+        assert!(err.to_string().contains("public"), "{err}");
+        assert!(in_public.table_prefix("dlock_").ddl().is_ok());
+        assert!(PostgresOptions::default()
+            .schema("locking")
+            .table_prefix("")
+            .ddl()
+            .is_ok());
     }
 }
