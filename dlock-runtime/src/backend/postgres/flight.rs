@@ -32,9 +32,10 @@
 //!
 //! **A drained connection still counts against the pool.** A call takes one of the backend's
 //! slots (as many as the pool's connections) before it takes a connection, and a drain keeps
-//! that slot until the connection is closed; a drain that starts also closes one idle pooled
-//! connection, if any. So the connections in use and being drained never exceed the pool's
-//! size: when a database is too slow for the command timeout, every call timing out, calls wait
+//! that slot until the connection is closed. The pool makes a connection only when it has no
+//! idle one, so the connections in use, idle and being drained never exceed the pool's size
+//! (with [`from_pool`](super::PostgresBackend::from_pool), the slots are the pool's size when
+//! the backend was made, and the application's own use of the pool comes on top): when a database is too slow for the command timeout, every call timing out, calls wait
 //! for a slot (and time out as unavailable) instead of each opening a new connection beside the
 //! ones still draining — up to eleven times the pool's connections per process before.
 //!
@@ -44,7 +45,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use deadpool_postgres::{ClientWrapper, Object, Pool};
+use deadpool_postgres::{ClientWrapper, Object};
 use tokio::sync::{Mutex, OwnedMutexGuard, OwnedSemaphorePermit};
 use tokio_postgres::{CancelToken, NoTls};
 
@@ -121,7 +122,6 @@ pub(super) struct InFlight {
     gate: Option<Gate>,
     cancel: Option<Connector>,
     limit: Duration,
-    pool: Pool,
 }
 
 impl InFlight {
@@ -130,14 +130,12 @@ impl InFlight {
         gate: Option<Gate>,
         cancel: Option<Connector>,
         limit: Duration,
-        pool: Pool,
     ) -> Self {
         InFlight {
             client: Some(client),
             gate,
             cancel,
             limit,
-            pool,
         }
     }
 
@@ -169,12 +167,6 @@ impl Drop for InFlight {
             return;
         };
         let client = Object::take(client);
-        // The drained connection keeps its slot; an idle one makes way for it.
-        let mut closing = 1;
-        let _ = self.pool.retain(|_, _| {
-            closing -= 1;
-            closing < 0
-        });
         let gate = self.gate.take();
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
@@ -205,8 +197,14 @@ async fn drain(
             // The connection is gone, not the statement: the server runs it to its end (a
             // session notices a vanished client only when it next talks to it, and PgBouncer
             // waits for the server's transaction), and it may still commit a grant. The gate
-            // stays closed as long as a drain would have waited.
-            tokio::time::sleep_until(until).await;
+            // stays closed as long as a drain would have waited; the connection and its slot
+            // go now.
+            drop((client, slot));
+            if gate.is_some() {
+                tokio::time::sleep_until(until).await;
+            }
+            drop(gate);
+            return;
         }
         Ok(_) => {}
         Err(_) => tracing::warn!(

@@ -807,8 +807,18 @@ impl PostgresBackend {
                  WHERE schemaname = $1 AND sequencename = $2",
                 &[(s, Type::TEXT), (&sequence, Type::TEXT)],
             )
-            .await
-            .map_err(|e| pg_err("schema check", e))?;
+            .await;
+        let rows = match rows {
+            Ok(rows) => rows,
+            // No `pg_sequences` (before PostgreSQL 10) or no right to read it: not checked.
+            Err(e)
+                if e.code()
+                    .is_some_and(|c| matches!(c.code(), "42P01" | "42501")) =>
+            {
+                return Ok(())
+            }
+            Err(e) => return Err(pg_err("schema check", e)),
+        };
         match rows.first().and_then(|r| r.try_get::<_, i64>(0).ok()) {
             Some(cache) if cache > 1 => Err(LockError::misconfigured(
                 format!(
@@ -950,7 +960,6 @@ impl PostgresBackend {
             gate,
             self.inner.cancel.clone(),
             flight::drain_limit(opts.command_timeout),
-            self.inner.pool.clone(),
         )
     }
 
