@@ -17,10 +17,13 @@
 //!   runtime is released too: the task runs on the fallback thread (below) if it ran nowhere.
 //!
 //! Release and drop remove the guard from the schedule before the release script runs, and a
-//! release waits for a renewal already on its way (the guard's turn, below), so no renewal lands
-//! after it: a released lock is never renewed, and a release within a minimum hold, which only
-//! shortens the lease to the hold's rest, is not undone by a renewal to the full TTL. A
-//! release that goes to the background counts the hold's rest anew at each try.
+//! release (or a dropped guard's shortening within a minimum hold) waits for a renewal already
+//! on its way (the guard's turn, below), so no renewal lands after it: a released lock is never
+//! renewed, and a release within a minimum hold, which only shortens the lease to the hold's
+//! rest, is not undone by a renewal to the full TTL. A dropped guard's plain release does not
+//! wait for the turn: a renewal landing after it finds the key gone (renewals are
+//! owner-checked and never make a lock). A release that goes to the background counts the
+//! hold's rest anew at each try.
 //!
 //! * **User extends.** A guard's renewals, its user's [`extend`](crate::LockGuard::extend)
 //!   calls and its release take turns (one small async mutex per guard, tried — never awaited — by the
@@ -625,7 +628,7 @@ impl Watchdog {
                 // that no longer holds it.
                 Some(Ok(true)) if g.lost.is_cancelled() => {
                     g.labels.renewal(true);
-                    give_back.push(item);
+                    give_back.push((i, item));
                 }
                 Some(Ok(true)) => {
                     g.labels.renewal(true);
@@ -647,10 +650,21 @@ impl Watchdog {
                 }
             }
         }
-        for item in give_back {
-            let undo = self.backend.release(&item.resource, &item.token);
-            let _ = self.with_deadline("release", undo).await;
-        }
+        // The guards settled above let their turns go now; those whose locks are given back
+        // keep theirs until the release is answered (an extend of them waits for it). Held
+        // through the releases, a renewed guard's next batch found its turn taken until its
+        // local lease ended, and neither renewed it nor reported it lost.
+        let mut index = 0;
+        batch.turns.retain(|_| {
+            let keep = give_back.iter().any(|(i, _)| *i == index);
+            index += 1;
+            keep
+        });
+        // At once, not one after the other: each within the command timeout.
+        futures_util::future::join_all(give_back.iter().map(|(_, item)| {
+            self.with_deadline("release", self.backend.release(&item.resource, &item.token))
+        }))
+        .await;
         // Only now (`batch` dropped, its turns with it) may an extend of these guards go ahead.
     }
 }
