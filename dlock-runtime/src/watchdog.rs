@@ -328,11 +328,14 @@ impl Watchdog {
         }
     }
 
-    /// Takes the guard out of the renewal schedule (release, drop).
+    /// Takes the guard out of the renewal schedule (release, drop; the guard is `done` by then).
+    /// Under the schedule's lock, like [`schedule_at`](Self::schedule_at): outside it, a batch
+    /// rescheduling the guard at that moment (it read `done` unset) put it back after this, and
+    /// the released guard stayed in the schedule, counted as renewing, until it came due.
     pub(crate) fn unschedule(&self, state: &GuardState) {
+        let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
         let old = state.due.swap(NOT_SCHEDULED, Ordering::AcqRel);
         if old != NOT_SCHEDULED {
-            let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
             map.remove(&(old, state.id));
         }
     }
