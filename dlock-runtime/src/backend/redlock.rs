@@ -593,9 +593,7 @@ impl Unsettled {
         self.len.store(map.entries.len(), Ordering::Release);
         found
     }
-}
 
-impl Unsettled {
     /// The nodes an undo may still land on, for each of `items` (one look at the map).
     fn get_many(&self, items: &[ExtendItem]) -> Vec<Option<Vec<bool>>> {
         if self.len.load(Ordering::Acquire) == 0 {
