@@ -607,12 +607,16 @@ async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
     // Someone else holds node 1 alone, and node 0's connection is cut off with what is sent
     // on it kept: the first attempt is granted by node 2 only, and undone — on node 0 too,
     // where the undo waits behind the attempt.
-    let someone_else = redis::cmd("SET")
-        .arg(resource.as_str())
-        .arg("someone-else")
-        .arg("PX")
-        .arg(120_000)
-        .clone();
+    // Held by someone else on one node: a plain key, as a lock's value is its owner's token.
+    let held_by_another = |name: &str| {
+        redis::cmd("SET")
+            .arg(name)
+            .arg("someone-else")
+            .arg("PX")
+            .arg(120_000)
+            .clone()
+    };
+    let someone_else = held_by_another(resource.as_str());
     let _: () = servers[1].query(&someone_else).await;
     let accepted = proxy.accepted();
     assert!(proxy.hold() > 0, "the locker has a connection to node 0");
@@ -624,13 +628,7 @@ async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
     // lock held elsewhere on node 1 can be taken on nodes 0 and 2: node 0 answers in time on
     // the new connection (else the attempt below failed on node 0's silence, not its undo).
     let probe = locker.resource(LockKey::new("rl:late-undo:probe").unwrap());
-    let held_elsewhere = redis::cmd("SET")
-        .arg(probe.as_str())
-        .arg("someone-else")
-        .arg("PX")
-        .arg(120_000)
-        .clone();
-    let _: () = servers[1].query(&held_elsewhere).await;
+    let _: () = servers[1].query(&held_by_another(probe.as_str())).await;
     poll_until(Duration::from_secs(5), Duration::ZERO, async || {
         let t = OwnerToken::generate();
         let got = attempt_as(&locker, &probe, &t, WaitMode::Try, ttl).await;
