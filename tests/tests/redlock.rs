@@ -663,14 +663,20 @@ async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
     let _: () = servers[2]
         .query(redis::cmd("DEL").arg(resource.as_str()))
         .await;
-    // Another owner tries until it gets the lock (it is free unless the second attempt took
-    // it) or the late undo has surely landed.
-    let mut got = None;
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while got.is_none() && Instant::now() < deadline {
-        got = other.lock(key).ttl(ttl).try_acquire().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // Node 0 ends empty either way: the late undo took back what the late attempt granted
+    // (and, counted, the second attempt's grant). Then another owner tries: the lock is free
+    // unless the second attempt took it.
+    let deadline = Deadline::after(Duration::from_secs(5));
+    poll(
+        &deadline,
+        Duration::from_millis(5),
+        async || match lock_key_exists(&servers[0], resource.as_str()).await {
+            true => Err("the late undo has not landed on node 0"),
+            false => Ok(()),
+        },
+    )
+    .await;
+    let got = other.lock(key).ttl(ttl).try_acquire().await.unwrap();
     assert!(
         !(second_held && got.is_some()),
         "two owners: the token's lock rested on node 0, which its late undo emptied"

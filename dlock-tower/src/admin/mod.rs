@@ -66,8 +66,8 @@
 //! # Host names
 //!
 //! [`OpsPage::allowed_hosts`] answers only requests whose `Host` and URI authority (an
-//! absolute-form request, HTTP/2), each one given, name the page as you serve it — `421 Misdirected Request` to every other,
-//! reads included. A rebound name (`evil.example` resolving to your internal address) then
+//! absolute-form request, HTTP/2), each one given, name the page as you serve it — `421
+//! Misdirected Request` to every other, reads included. A rebound name (`evil.example` resolving to your internal address) then
 //! reaches nothing. Without it, any `Host` is answered.
 //!
 //! ```
@@ -173,8 +173,8 @@ impl OpsPage {
         }
     }
 
-    /// Answers only requests whose `Host` is one of `hosts`, and `421 Misdirected Request` to
-    /// every other (see [Host names](self#host-names)): the defence against DNS rebinding where
+    /// Answers only requests whose `Host` and URI authority (each one the request gives; it
+    /// must give one) are among `hosts`, and `421 Misdirected Request` to every other (see [Host names](self#host-names)): the defence against DNS rebinding where
     /// the page has no authentication in front. Each entry is a host name or address, which
     /// admits it on any port (`ops.example`, `10.0.0.5`, `[::1]`), or `host:port`, which
     /// admits that port only (a browser leaves `:80` and `:443` out of `Host`: name those ports
