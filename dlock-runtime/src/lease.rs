@@ -95,10 +95,6 @@ pub(crate) struct Lease {
     since: std::time::Instant,
     /// The final step was answered (or handed to the background): drop has nothing to do.
     settled: AtomicBool,
-    /// A minimum hold (`hold_at_least`): until this watchdog time (ns), the final step keeps
-    /// the lock — shortening its lease to what is left of the hold — instead of deleting it.
-    /// 0: none.
-    hold_until_ns: u64,
     /// The watch on this lease that the task's held locks carry ([`Lease::loss_watch`]).
     watch: std::sync::OnceLock<crate::context::Watch>,
 }
@@ -112,23 +108,25 @@ impl Lease {
             locker_id,
             since: std::time::Instant::now(),
             settled: AtomicBool::new(false),
-            hold_until_ns: 0,
             watch: std::sync::OnceLock::new(),
         }
     }
 
     /// Keeps the lock at least `hold` from now: a release before then leaves it to expire
     /// when the hold ends (see [`LockRequest::hold_at_least`](crate::LockRequest::hold_at_least)).
+    /// The hold lives in the guard state, so that the watchdog giving back a lock reported lost
+    /// keeps it too.
     pub(crate) fn hold_at_least(&mut self, hold: Duration) {
-        self.hold_until_ns = self
+        let until = self
             .watchdog
             .now_ns()
             .saturating_add(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX));
+        self.state.set_hold_until(until);
     }
 
     /// Drops the minimum hold: the final step deletes the lock.
     pub(crate) fn clear_hold(&mut self) {
-        self.hold_until_ns = 0;
+        self.state.set_hold_until(0);
     }
 
     /// What is left of the minimum hold, when it is long enough to be a lease
@@ -138,7 +136,7 @@ impl Lease {
     /// rest could free the lock up to 2 ms before the hold ends (seen in CI: 1.4998 s into a
     /// 1.5 s hold on Redis).
     pub(crate) fn hold_left(&self) -> Option<Duration> {
-        crate::util::hold_rest(self.hold_until_ns.saturating_sub(self.watchdog.now_ns()))
+        self.state.hold_left(self.watchdog.now_ns())
     }
 
     /// A view of this lease's state for another task (see [`LeaseProbe`]).

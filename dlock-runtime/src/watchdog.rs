@@ -77,6 +77,10 @@ pub(crate) struct GuardState {
     pub(crate) turn: Arc<AsyncMutex<()>>,
     /// Signalled whenever `lease_end` changes, so [`Watchdog::wait_lost`] re-arms its timer.
     lease_changed: Notify,
+    /// A minimum hold (`hold_at_least`): until this watchdog time (ns), a lock given up on —
+    /// released by its holder, or given back after it was reported lost — keeps its key, with
+    /// its lease shortened to what is left of the hold, instead of being deleted. 0: none.
+    hold_until_ns: AtomicU64,
     /// The lock's metric labels.
     pub(crate) labels: crate::metrics::Labels,
     /// How the key appears in events.
@@ -108,6 +112,17 @@ impl GuardState {
         self.set_ttl(ttl);
         let end = lease_end(sent_ns, ttl, margin).min(self.lease_end_ns());
         self.set_lease_end(end);
+    }
+
+    /// What is left of the minimum hold at watchdog time `now_ns`, when it is long enough to
+    /// be a lease (`util::hold_rest`); `None` once a release may delete the lock.
+    pub(crate) fn hold_left(&self, now_ns: u64) -> Option<Duration> {
+        let until = self.hold_until_ns.load(Ordering::Acquire);
+        crate::util::hold_rest(until.saturating_sub(now_ns))
+    }
+
+    pub(crate) fn set_hold_until(&self, until_ns: u64) {
+        self.hold_until_ns.store(until_ns, Ordering::Release);
     }
 
     fn set_ttl(&self, ttl: Duration) {
@@ -292,6 +307,7 @@ impl Watchdog {
             auto_renew,
             turn: Arc::new(AsyncMutex::new(())),
             lease_changed: Notify::new(),
+            hold_until_ns: AtomicU64::new(0),
             labels,
             key_log: self.key_log,
         });
@@ -425,8 +441,7 @@ impl Watchdog {
             // for the new TTL on behalf of a guard that no longer holds it.
             Ok(true) if state.lost.is_cancelled() => {
                 pending.armed = false;
-                let undo = self.backend.release(&state.resource, &state.token);
-                let _ = self.with_deadline("release", undo).await;
+                let _ = self.give_back(state).await;
                 Err(crate::LockError::lost(state.resource.key().as_str()))
             }
             Ok(true) => {
@@ -455,6 +470,25 @@ impl Watchdog {
             }
             // `pending` settles the unknown outcome on drop.
             Err(e) => Err(e),
+        }
+    }
+
+    /// Gives back (owner-checked) a lock that a renewal or an extend renewed after its guard
+    /// was reported lost: released, or — within a minimum hold — left to end when the hold
+    /// ends, as the holder's own release would have left it. The holder was told the lock was
+    /// lost, but the hold promises that nobody else takes it before the hold ends. Callers
+    /// hold the guard's turn.
+    async fn give_back(&self, state: &GuardState) -> Result<bool, crate::LockError> {
+        let (resource, token) = (&state.resource, &state.token);
+        match state.hold_left(self.now_ns()) {
+            Some(left) => {
+                let expire = self.backend.expire(resource, token, left);
+                self.with_deadline("expire", expire).await
+            }
+            None => {
+                let release = self.backend.release(resource, token);
+                self.with_deadline("release", release).await
+            }
         }
     }
 
@@ -664,10 +698,8 @@ impl Watchdog {
             keep
         });
         // At once, not one after the other: each within the command timeout.
-        futures_util::future::join_all(give_back.iter().map(|(_, item)| {
-            self.with_deadline("release", self.backend.release(&item.resource, &item.token))
-        }))
-        .await;
+        futures_util::future::join_all(give_back.iter().map(|(i, _)| self.give_back(&live[*i])))
+            .await;
         // Only now (`batch` dropped, its turns with it) may an extend of these guards go ahead.
     }
 }
@@ -966,6 +998,8 @@ mod tests {
         /// The first release signals this and never answers.
         stall_first_release: Option<Arc<Notify>>,
         stalled: AtomicBool,
+        /// Signalled as each `expire` (a release within a minimum hold) has been applied.
+        expired: Arc<Notify>,
     }
 
     /// An extend to `ttl` signals `entered`, waits for `go`, and is refused as invalid — or,
@@ -1035,6 +1069,18 @@ mod tests {
                 }
                 let out = self.inner.extend(r, t, ttl).await;
                 self.applied.lock().unwrap().push(ttl);
+                out
+            })
+        }
+        fn expire<'a>(
+            &'a self,
+            r: &'a ResourceName,
+            t: &'a OwnerToken,
+            left: Duration,
+        ) -> BoxFuture<'a, Result<bool, LockError>> {
+            Box::pin(async move {
+                let out = self.extend(r, t, left).await;
+                self.expired.notify_one();
                 out
             })
         }
@@ -1531,6 +1577,50 @@ mod tests {
             .expect("given back, the lock is free");
         assert!(!guard.is_held());
         drop(freed);
+    }
+
+    /// A lock given back after its guard was reported lost keeps its minimum hold: the give-back
+    /// only shortens the lease to what is left of the hold, as the holder's own release would.
+    /// Before, the give-back deleted it, and another owner took the lock before the hold ended
+    /// (a job meant to run once per hold ran twice).
+    #[tokio::test]
+    async fn a_lock_given_back_after_a_loss_keeps_its_minimum_hold() {
+        // The local lease is 40 % of the TTL (400 ms); the renewal due at 133 ms is answered
+        // 400 ms later, after the loss was reported, and the lock it renewed is given back.
+        let backend = Arc::new(Hooked {
+            late: Duration::from_millis(400),
+            margin_pct: 60,
+            ..Hooked::default()
+        });
+        let locker = Locker::builder().build(backend.clone());
+        let hold = Duration::from_secs(1);
+        let taken = Instant::now();
+        let guard = locker
+            .lock("held")
+            .ttl(hold)
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), guard.lost())
+            .await
+            .expect("the local lease ran out while the first renewal was unanswered");
+        tokio::time::timeout(Duration::from_secs(5), backend.expired.notified())
+            .await
+            .expect("the lock the late renewal renewed is left to end with the hold");
+        assert!(taken.elapsed() < hold, "the test ran past the hold");
+        let other = Locker::builder().build(backend.clone());
+        let early = other.lock("held").try_acquire().await.unwrap();
+        assert!(early.is_none(), "taken by another owner within the hold");
+        // Once the hold ends, the lock is free.
+        let next = other
+            .lock("held")
+            .on_fail(crate::OnFail::retry(Duration::from_secs(5)))
+            .acquire()
+            .await
+            .expect("free once the hold ends");
+        assert!(taken.elapsed() >= hold, "freed before the hold ended");
+        drop((guard, next));
     }
 
     fn runtime() -> tokio::runtime::Runtime {

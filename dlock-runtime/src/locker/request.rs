@@ -90,7 +90,10 @@ impl<'a> LockRequest<'a> {
     ///
     /// A release (or drop) before `hold` has passed does not delete the lock: it stops renewal
     /// and sets the lease (owner-checked) to what is left of `hold`, so the lock frees by itself
-    /// when the hold ends. After that, release is as usual. `hold` must not exceed the TTL
+    /// when the hold ends. After that, release is as usual. A lock the watchdog renewed after
+    /// its guard was reported lost, and so gives back, is kept to the hold the same way: the
+    /// holder was told it lost the lock, but no other owner takes it before the hold ends.
+    /// `hold` must not exceed the TTL
     /// ([`LockError::InvalidTtl`] otherwise). The rest is rounded up to the next whole
     /// millisecond plus one (servers count leases in whole milliseconds), on etcd to whole
     /// seconds.
