@@ -27,7 +27,7 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::{mpsc, watch, Barrier};
 use tokio::task::JoinSet;
 use tower::util::ServiceFn;
-use tower::{service_fn, ServiceBuilder, ServiceExt};
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 
 const TTL: Duration = Duration::from_secs(30);
 
@@ -302,6 +302,40 @@ async fn dropped_request_releases_its_lock() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     let tokens = tokens.lock().unwrap().clone();
     assert!(tokens[1] > tokens[0], "fencing tokens {tokens:?}");
+}
+
+/// With `cancel_on_lost(true)`, a service that answers with an error releases the lock as the
+/// error is returned, not when the caller drops the finished future: another request's lock on
+/// the key is taken while that future is still kept. Before, the loss watcher kept the guard
+/// alive, and the key stayed locked until the future was dropped (or the TTL ran out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_error_releases_the_lock_with_cancel_on_lost() {
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let svc = ServiceBuilder::new()
+        .layer(
+            DistributedLockLayer::new(locker.clone(), key::header("idempotency-key"))
+                .ttl(TTL)
+                .cancel_on_lost(true),
+        )
+        .service(service_fn(|_: Request<Body>| async {
+            Err::<Response<Body>, _>(std::io::Error::other("the service failed"))
+        }));
+    let mut svc = svc;
+    let ready = svc.ready().await.unwrap();
+    let mut answered = std::pin::pin!(ready.call(idem("fails")));
+    let err = answered.as_mut().await.expect_err("the service's error");
+    assert_eq!(err.to_string(), "the service failed");
+    // The finished future is still kept: the lock must be free all the same (woken by its
+    // release, long before the 30 s TTL).
+    let next = locker
+        .lock("hdr:idempotency-key:fails")
+        .on_fail(OnFail::retry(Duration::from_secs(5)))
+        .acquire()
+        .await
+        .expect("released when the error was returned");
+    next.release().await.unwrap();
+    drop(answered);
 }
 
 /// With the backend down, fail-closed answers 503 + Retry-After and fail-open calls the

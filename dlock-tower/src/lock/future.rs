@@ -179,7 +179,9 @@ where
                         Ok(response) => response,
                         Err(err) => {
                             this.state.set(State::Done);
-                            // Dropping the guard releases the lock in the background.
+                            // Dropping the guard releases the lock in the background — once
+                            // the loss watcher, which holds the other reference, goes first.
+                            this.lost.take();
                             this.guard.take();
                             return Poll::Ready(Err(err));
                         }
