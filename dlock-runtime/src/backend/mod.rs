@@ -717,7 +717,10 @@ impl ReleaseHub {
     }
 
     /// A release of `resource` happened. `next` names the waiter whose turn it is (fair
-    /// queue); `None` means nobody is queued, and one local (barging) waiter is woken.
+    /// queue); `None` means nobody is queued, and every local (barging) waiter is woken to try
+    /// again. Not only the first: the one that wins takes the lock without a waiter's flag (it
+    /// failed against nobody), and its release would tell nobody — the others, asleep on their
+    /// timers, heard of it up to a backoff step (about 1 s) late, on every release.
     pub fn notify(&self, resource: &str, next: Option<&str>) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(list) = keys.get(resource) else {
@@ -730,7 +733,7 @@ impl ReleaseHub {
                 }
             }
             None => {
-                if let Some((_, n)) = list.first() {
+                for (_, n) in list {
                     n.notify.notify_one();
                 }
             }

@@ -362,6 +362,75 @@ pub async fn release_wakes_waiter(store: &Store) {
     );
 }
 
+/// Two barging waiters (`fair(false)`) of one locker both hear each release: the one the
+/// first release lets in holds the lock, and its release lets the other in, long before that
+/// one's timer (10 s here). Before, on Redis, a release nobody was queued for woke only the
+/// first local waiter; it took the lock with no waiter's flag (nobody had failed against it
+/// yet), its release told nobody, and the other slept on its timer.
+pub async fn barging_waiters_hear_each_release(store: &Store) {
+    let backoff = if store.notifications {
+        Duration::from_secs(10)
+    } else {
+        Duration::from_millis(200)
+    };
+    let slow = || Locker::builder().waiter_ttl(Duration::from_secs(60));
+    let a = (store.locker)(slow()).await;
+    let b = (store.locker)(slow()).await;
+    let key = unique_key("barge");
+    let held = a
+        .lock(&key)
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let (got_tx, mut got) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let (b, key, got_tx) = (b.clone(), key.clone(), got_tx.clone());
+        waiters.push(tokio::spawn(async move {
+            let policy = RetryPolicy::new(Duration::from_secs(30))
+                .backoff(backoff, backoff)
+                .jitter(false)
+                .fair(false);
+            let g = b
+                .lock(&key)
+                .ttl(Duration::from_secs(30))
+                .on_fail(OnFail::Retry(policy))
+                .acquire()
+                .await
+                .unwrap();
+            got_tx.send((Instant::now(), g)).unwrap();
+        }));
+    }
+    wait_until("both waiters wait", Duration::from_secs(5), || {
+        b.waiting() == 2
+    })
+    .await;
+    held.release().await.unwrap();
+    let (_, first) = tokio::time::timeout(Duration::from_secs(25), got.recv())
+        .await
+        .expect("the first release lets a waiter in")
+        .unwrap();
+    let released = Instant::now();
+    first.release().await.unwrap();
+    eprintln!("DBG release took {:?}", released.elapsed());
+    let (at, second) = tokio::time::timeout(Duration::from_secs(25), got.recv())
+        .await
+        .expect("the second release lets the other waiter in")
+        .unwrap();
+    let gap = at - released;
+    assert!(
+        gap < Duration::from_secs(2),
+        "{}: the second barging waiter got the lock {gap:?} after the release, backoff is \
+         {backoff:?}",
+        store.name
+    );
+    second.release().await.unwrap();
+    for w in waiters {
+        w.await.unwrap();
+    }
+}
+
 /// Waiters are served in arrival order, across lockers (for non-FIFO backends: all are served).
 pub async fn waiters_are_served_in_order(store: &Store) {
     let (a, b) = store.pair().await;

@@ -444,6 +444,7 @@ pub async fn run_all(store: &Store) {
     locker_outlives_its_first_runtime(store).await;
     loss_is_reported(store).await;
     release_wakes_waiter(store).await;
+    barging_waiters_hear_each_release(store).await;
     waiters_are_served_in_order(store).await;
     dead_waiters_leave_the_queue(store).await;
     a_dead_waiters_handoff_ends_with_its_entry(store).await;
@@ -512,6 +513,7 @@ macro_rules! conformance_tests {
             locker_outlives_its_first_runtime,
             loss_is_reported,
             release_wakes_waiter,
+            barging_waiters_hear_each_release,
             waiters_are_served_in_order,
             dead_waiters_leave_the_queue,
             a_dead_waiters_handoff_ends_with_its_entry,

@@ -140,7 +140,7 @@ pub(super) async fn wait_admitted(
 ) -> Result<Turn, LockError> {
     let rev = match super::own_revision(pool, k, timeout).await? {
         Ok(rev) => rev,
-        Err(read) => return Ok(Turn::NoKey(read)),
+        Err(super::NoOwnKey { read, .. }) => return Ok(Turn::NoKey(read)),
     };
     let ahead = call(pool, timeout, "get", |c| {
         let mut kv = c.kv_client();

@@ -1291,25 +1291,48 @@ async fn next_message(
     Ok(msg)
 }
 
-/// The create revision of the own key of `k` — `Err` with the revision of the read when the
-/// key is gone.
+/// The create revision of the own key of `k` — `Err` when the key is gone, with the revision
+/// of the read and whether the lock had no key at all then (one transaction).
 async fn own_revision(
     pool: &Pool,
     k: &Keys,
     timeout: Duration,
-) -> Result<Result<i64, i64>, LockError> {
-    let mine = call(pool, timeout, "get", |c| {
+) -> Result<Result<i64, NoOwnKey>, LockError> {
+    let txn = Txn::new().and_then([
+        TxnOp::get(k.own.clone(), Some(GetOptions::new().with_keys_only())),
+        TxnOp::get(
+            k.dir.clone(),
+            Some(
+                GetOptions::new()
+                    .with_range(k.end.clone())
+                    .with_count_only(),
+            ),
+        ),
+    ]);
+    let resp = call(pool, timeout, "txn", |c| {
         let mut kv = c.kv_client();
-        let own = k.own.clone();
-        async move { kv.get(own, None).await }
+        let txn = txn.clone();
+        async move { kv.txn(txn).await }
     })
     .await?;
-    let read = mine.header().map_or(0, |h| h.revision());
-    Ok(mine
-        .kvs()
-        .first()
-        .map(KeyValue::create_revision)
-        .ok_or(read))
+    let read = resp.header().map_or(0, |h| h.revision());
+    let ops = resp.op_responses();
+    if let Some(own) = kinds::kvs_at(&ops, 0).first() {
+        return Ok(Ok(own.create_revision()));
+    }
+    let free = match ops.get(1) {
+        Some(TxnOpResponse::Get(r)) => r.count() == 0,
+        _ => false,
+    };
+    Ok(Err(NoOwnKey { read, free }))
+}
+
+/// What [`own_revision`] read when the own key was gone.
+pub(super) struct NoOwnKey {
+    /// The revision of the read.
+    pub(super) read: i64,
+    /// The lock had no key at all: it was free.
+    pub(super) free: bool,
 }
 
 /// Reads the predecessor of the own key of `k`: [`Turn::Now`] when there is none or the own
@@ -1337,7 +1360,11 @@ async fn wait_predecessor(
         let Some(rev) = *own_rev else {
             match own_revision(pool, k, timeout).await? {
                 Ok(rev) => *own_rev = Some(rev),
-                Err(read) => return Ok(Turn::NoKey(read)),
+                // A waiter with no key in the line that finds the lock free is woken at once:
+                // the release came between its attempt and this read (or the floor its watch
+                // was given), and a watch from the read on would wait for the next one.
+                Err(NoOwnKey { free: true, .. }) => return Ok(Turn::Now),
+                Err(NoOwnKey { read, .. }) => return Ok(Turn::NoKey(read)),
             }
             continue;
         };

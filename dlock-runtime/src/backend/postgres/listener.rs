@@ -244,9 +244,10 @@ mod tests {
             w1.notified().now_or_never().is_none(),
             "only the named waiter"
         );
-        // A barging wake-up names nobody: the first local waiter.
+        // A barging wake-up names nobody: every local waiter.
         deliver(&hub, &format!("{}\t", res.as_str()));
         assert!(w1.notified().now_or_never().is_some());
+        assert!(w2.notified().now_or_never().is_some());
         assert_eq!(w1.take_handoff(), None);
         // Another lock's release, or garbage, wakes nobody.
         deliver(&hub, "p:{other}\tx\t1");

@@ -12,7 +12,9 @@
 //! * Release and extend compare the owner token server side. A release with queued waiters
 //!   hands the lock to the first live one in the same script and publishes the grant on the
 //!   lock's channel, so that waiter holds the lock before it hears of it; a release nobody
-//!   waits for publishes nothing.
+//!   waits for publishes nothing. A barging waiter (`fair(false)`, Redlock) that found the lock
+//!   held marks it, and its release publishes an empty notification, which wakes every local
+//!   barging waiter of the lock (one wins; the others mark the winner's lock in turn).
 //! * Notifications arrive as RESP3 pushes on the same connection (a cluster: on its
 //!   subscriptions connection); subscriptions are per lock,
 //!   made when the first local waiter of that lock appears and dropped with the last one, and
@@ -34,7 +36,12 @@
 //!   one (`conn::ServerLink`), which subscribes again to the channels that still have waiters,
 //!   and every waiter is woken to re-check, as after a reconnect above. The command that timed
 //!   out is not sent again (it may have run) and fails with [`LockError::Unavailable`]; a
-//!   server that is really down stays so. Each command only reads which connection is current
+//!   server that is really down stays so. What was written on the replaced connection may
+//!   still reach the server once a partition heals (TCP resends it): an attempt that lands so
+//!   after its undo ran holds the lock for a token no guard holds until its TTL ends (or
+//!   leaves a queue entry until the waiter TTL ends, handed the lock for at most that long).
+//!   Bounded by the TTL, never two holders; Redlock, where a late undo could cost a majority,
+//!   counts such undos (`redlock::Unsettled`). Each command only reads which connection is current
 //!   (a shared lock's read).
 //! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
 //!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
