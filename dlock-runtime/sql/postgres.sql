@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 6 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 7 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -13,8 +13,8 @@ CREATE SCHEMA IF NOT EXISTS dlock;
 DO $$
 BEGIN
   IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
-    IF dlock.dlock_schema_version() > 6 THEN
-      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 6',
+    IF dlock.dlock_schema_version() > 7 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 7',
         dlock.dlock_schema_version();
     END IF;
   END IF;
@@ -153,7 +153,7 @@ INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
   ON CONFLICT DO NOTHING;
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 6';
+LANGUAGE sql IMMUTABLE AS 'SELECT 7';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void
@@ -326,7 +326,8 @@ RETURNS SETOF text LANGUAGE sql AS $$
   RETURNING k.name
 $$;
 
--- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
+-- Idempotency, step one. o_code: 1 granted (o_n = fencing token; also when the lock is already
+-- this token's: the call run again, its lease restarted), 2 replay (o_result),
 -- 3 mismatch, 0 held (o_n = lease left ms, or, free but a waiter first, what that waiter's
 -- entry has left (version 5; it was -2, no time); o_same = 1 same fingerprint, 0 different,
 -- NULL unknown).
@@ -342,7 +343,17 @@ BEGIN
     IF r.fingerprint = p_fp THEN o_code := 2; o_result := r.res; ELSE o_code := 3; END IF;
     RETURN;
   END IF;
-  SELECT owner, expires_at INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  SELECT owner, fence, expires_at INTO l FROM dlock.dlock_locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() AND l.owner = p_token THEN
+    -- This attempt's own lock (its begin run again; version 7): its lease restarts, as
+    -- durable as a grant.
+    PERFORM dlock.dlock_durable_commit();
+    UPDATE dlock.dlock_locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
+     WHERE name = p_name;
+    o_code := 1;
+    o_n := l.fence;
+    RETURN;
+  END IF;
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     o_code := 0;
     o_n := dlock.dlock_ms_until(l.expires_at);
@@ -365,6 +376,10 @@ BEGIN
   VALUES (p_name, p_fp, p_token, NULL, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
     SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, result = NULL, expires_at = EXCLUDED.expires_at;
+  -- Records that lapsed go here too (version 7): a locker used only for idempotency never
+  -- acquires, and its table grew by a record per key for ever. Twice acquire's rate: up to
+  -- 100 rows a sweep, so it removes more than the one record each begin may add.
+  IF random() < 0.02 THEN PERFORM dlock.dlock_sweep(); END IF;
   o_code := 1;
 END $$;
 

@@ -256,6 +256,63 @@ pub async fn idempotency_complete_is_owner_checked(store: &Store) {
     }
 }
 
+/// A `begin` sent again by the attempt whose lock it took (its first answer was lost: a
+/// connection reset, a cluster client sending it once more) is granted again, its lease
+/// restarted; another attempt still finds the key in progress. Before, on Redis, the second
+/// run answered "in progress" to the key's only request, and the lock it had taken was held by
+/// no attempt until its TTL ended.
+pub async fn idempotency_a_begin_sent_again_is_granted_again(store: &Store) {
+    use crate::backend::idempotency::{BeginArgs, BeginReply};
+    use crate::backend::OwnerToken;
+
+    let (a, b) = store.pair().await;
+    if !supported(store, &a).await {
+        return;
+    }
+    let key = unique_key("idem-again");
+    let resource = a.resource(crate::LockKey::new(&key).unwrap());
+    let token = OwnerToken::generate();
+    let fp = fingerprint("f");
+    let idem = a.backend().idempotency().expect("an idempotency store");
+    let args = || BeginArgs {
+        resource: &resource,
+        token: &token,
+        ttl: Duration::from_secs(10),
+        fingerprint: &fp,
+        retention: Duration::from_secs(60),
+        sent: None,
+    };
+    let first = idem.begin(args()).await.expect("begin");
+    assert!(
+        matches!(first, BeginReply::Acquired { .. }),
+        "[{}] the first begin: {first:?}",
+        store.name
+    );
+    let again = idem.begin(args()).await.expect("begin again");
+    assert!(
+        matches!(again, BeginReply::Acquired { .. }),
+        "[{}] the same attempt's begin, sent again: {again:?}",
+        store.name
+    );
+    match b
+        .idempotency(key.as_str(), fingerprint("f"))
+        .begin()
+        .await
+        .expect("begin")
+    {
+        Begin::InProgress { .. } => {}
+        other => panic!(
+            "[{}] another attempt: expected InProgress, got {other:?}",
+            store.name
+        ),
+    }
+    assert!(
+        idem.abort(&resource, &token).await.expect("abort"),
+        "[{}] the attempt's lock is its own",
+        store.name
+    );
+}
+
 /// An attempt whose local lease ran out before `complete` stores nothing, whatever the backend
 /// still finds (an etcd lease, whole seconds, outlives a 1.5 s local one): `complete` answers
 /// `Lost`, and `Lost` means the next attempt runs the operation again — never a replay of a

@@ -434,6 +434,7 @@ pub async fn run_all(store: &Store) {
     idempotency_runs_once_then_replays(store).await;
     idempotency_in_progress_abort_and_expiry(store).await;
     idempotency_complete_is_owner_checked(store).await;
+    idempotency_a_begin_sent_again_is_granted_again(store).await;
     idempotency_complete_after_the_local_lease_ran_out_stores_nothing(store).await;
     idempotency_behind_a_dead_waiter_is_told_when_the_line_may_move(store).await;
     mutual_exclusion(store).await;
@@ -536,6 +537,7 @@ macro_rules! conformance_tests {
             idempotency_runs_once_then_replays,
             idempotency_in_progress_abort_and_expiry,
             idempotency_complete_is_owner_checked,
+            idempotency_a_begin_sent_again_is_granted_again,
             idempotency_complete_after_the_local_lease_ran_out_stores_nothing,
             idempotency_behind_a_dead_waiter_is_told_when_the_line_may_move,
             semaphore_admits_at_most_permits,

@@ -303,6 +303,14 @@ impl IdempotencyStore for MemoryBackend {
                     BeginReply::Mismatch
                 };
             }
+            if let Some((holder, _)) = e.live_holder(now).filter(|(h, _)| h == args.token) {
+                // This attempt's own lock (its begin sent again): its lease restarts.
+                let holder = holder.clone();
+                e.holder = Some((holder, expiry(now, args.ttl)));
+                return BeginReply::Acquired {
+                    fencing_token: e.fence,
+                };
+            }
             if let Some((holder, exp)) = e.live_holder(now) {
                 let same_fingerprint = match record {
                     Some(Record {

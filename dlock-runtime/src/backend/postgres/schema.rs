@@ -98,11 +98,15 @@
 //! see *Durability of a grant*), and
 //! `next_fence` raises an exhausted token space as SQLSTATE `54000` (`program_limit_exceeded`,
 //! which the backend reports as [`LockError::Misconfigured`](crate::LockError::Misconfigured):
-//! retrying does not change it) rather than the generic `P0001`. The DDL refuses to run over a
+//! retrying does not change it) rather than the generic `P0001`. Version 7 changed one function
+//! body: `idem_begin` grants again a lock its own token holds (its call run again: its lease
+//! restarts, as `acquire`'s does) instead of answering it held, and sweeps lapsed rows as
+//! `acquire` does (at twice the rate), so a locker used only for idempotency no longer keeps
+//! every record it ever stored. The DDL refuses to run over a
 //! newer schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 6;
+pub(crate) const VERSION: i32 = 7;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -442,7 +446,8 @@ RETURNS SETOF text LANGUAGE sql AS $$
   RETURNING k.name
 $$;
 
--- Idempotency, step one. o_code: 1 granted (o_n = fencing token), 2 replay (o_result),
+-- Idempotency, step one. o_code: 1 granted (o_n = fencing token; also when the lock is already
+-- this token's: the call run again, its lease restarted), 2 replay (o_result),
 -- 3 mismatch, 0 held (o_n = lease left ms, or, free but a waiter first, what that waiter's
 -- entry has left (version 5; it was -2, no time); o_same = 1 same fingerprint, 0 different,
 -- NULL unknown).
@@ -458,7 +463,17 @@ BEGIN
     IF r.fingerprint = p_fp THEN o_code := 2; o_result := r.res; ELSE o_code := 3; END IF;
     RETURN;
   END IF;
-  SELECT owner, expires_at INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  SELECT owner, fence, expires_at INTO l FROM @s@.@p@locks WHERE name = p_name FOR UPDATE;
+  IF FOUND AND l.expires_at > clock_timestamp() AND l.owner = p_token THEN
+    -- This attempt's own lock (its begin run again; version 7): its lease restarts, as
+    -- durable as a grant.
+    PERFORM @s@.@p@durable_commit();
+    UPDATE @s@.@p@locks SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
+     WHERE name = p_name;
+    o_code := 1;
+    o_n := l.fence;
+    RETURN;
+  END IF;
   IF FOUND AND l.expires_at > clock_timestamp() THEN
     o_code := 0;
     o_n := @s@.@p@ms_until(l.expires_at);
@@ -481,6 +496,10 @@ BEGIN
   VALUES (p_name, p_fp, p_token, NULL, clock_timestamp() + p_retention_ms * interval '1 millisecond')
   ON CONFLICT (name) DO UPDATE
     SET fingerprint = EXCLUDED.fingerprint, owner = EXCLUDED.owner, result = NULL, expires_at = EXCLUDED.expires_at;
+  -- Records that lapsed go here too (version 7): a locker used only for idempotency never
+  -- acquires, and its table grew by a record per key for ever. Twice acquire's rate: up to
+  -- 100 rows a sweep, so it removes more than the one record each begin may add.
+  IF random() < 0.02 THEN PERFORM @s@.@p@sweep(); END IF;
   o_code := 1;
 END $$;
 

@@ -41,7 +41,8 @@ const RECORD_SUFFIX: &str = "idem";
 /// lease), 3 fingerprint, 4 retention ms, 5 the fencing counter's key, 6 the client's fencing
 /// floor.
 /// Returns `{code, data, extra}`:
-/// * `{1, "<fencing token>", ""}` — granted: the lock is set and the fingerprint noted;
+/// * `{1, "<fencing token>", ""}` — granted: the lock is set and the fingerprint noted (also
+///   when the lock is already this token's: the begin sent again; its lease restarts);
 /// * `{2, <stored result>, ""}` — a completed record with the same fingerprint;
 /// * `{3, "", ""}` — a completed record with a different fingerprint;
 /// * `{0, "<ms left>", m}` — held: the holder's lease left, or, when the lock is free but a
@@ -66,6 +67,16 @@ if v then
   {PARSE_LOCK}
   local left = redis.call('PTTL', KEYS[1]) - LINGER
   if left > 0 then
+    if o == token then
+      -- This attempt's own lock (its begin sent again after a lost answer): granted again,
+      -- with its lease restarted and a new fencing token, as an acquire is.
+      local fence
+      {NEXT_FENCE}
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+      redis.call('HSET', KEYS[2], 'fp', ARGV[3], 'tok', token)
+      redis.call('PEXPIRE', KEYS[2], ARGV[4])
+      return {{1, string.format('%.0f', fence), ''}}
+    end
     local m = ''
     if rec[3] and rec[3] == o then
       if rec[1] == ARGV[3] then m = '1' else m = '0' end
