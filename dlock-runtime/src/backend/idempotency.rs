@@ -156,9 +156,10 @@ pub struct CompleteArgs<'a> {
 /// its default (`None`) and the locker answers idempotency requests with a typed error.
 pub trait IdempotencyStore: Send + Sync {
     /// A completed record → [`BeginReply::Replay`] or [`BeginReply::Mismatch`]; else the lock is
-    /// held (or a waiter is ahead) → [`BeginReply::Held`]; else take the lock with
-    /// `args.token` for `args.ttl` with a new fencing token, note the fingerprint, and answer
-    /// [`BeginReply::Acquired`].
+    /// held by another token (or a waiter is ahead) → [`BeginReply::Held`]; else take the lock
+    /// with `args.token` for `args.ttl` with a new fencing token, note the fingerprint, and
+    /// answer [`BeginReply::Acquired`]. A lock `args.token` holds already (this begin sent
+    /// again after its answer was lost) is granted again, its lease restarted.
     fn begin<'a>(&'a self, args: BeginArgs<'a>) -> BoxFuture<'a, Result<BeginReply, LockError>>;
 
     /// If `args.token` still owns the lock: store the record with the retention period, release
