@@ -55,18 +55,24 @@
 //!
 //! # Crashes
 //!
-//! There is no state in which a key blocks forever or replays a result that was not stored:
+//! There is no state in which a key blocks forever (other than an operation that never ends,
+//! which its lease keeps renewed: bound it with a timeout) or replays a result that was not
+//! stored:
 //!
 //! * **Crash (or lost connection, or a frozen process) while the operation runs, or after it
 //!   ran but before `complete` reached the backend**: nothing renews the lease, so the lock
 //!   frees after its TTL; no record exists, so the next attempt runs the operation *again*.
 //!   The operation's side effects must therefore be safe to repeat: pass the
-//!   [fencing token](IdempotentOperation::fencing_token) to the resource you write (so it
-//!   rejects a stale holder and can recognise a repeat), or make the effect idempotent at the
-//!   resource (a unique constraint on the key). Until the TTL ends, attempts get
+//!   [fencing token](IdempotentOperation::fencing_token) to the resource you write, so it
+//!   rejects a stale holder — a token orders holders, it does not tell a repeat: the retry's
+//!   token is larger, and accepted — and make the effect idempotent at the resource (record the
+//!   key with the write, or a unique constraint on it). Until the TTL ends, attempts get
 //!   [`Begin::InProgress`].
 //! * **Crash after `complete` reached the backend**: the record and the lock's deletion are one
-//!   step, so the next attempt replays the stored result.
+//!   step, so the next attempt replays the stored result. A failover of a Redis master before
+//!   its replicas had the record loses it (asynchronous replication), and the next attempt runs
+//!   again, unless the request asks for [`replicas`](IdempotencyRequest::replicas): then
+//!   `complete` answers `Ok` only once that many replicas have it.
 //! * **A holder that lost its lock** (lease ran out while the backend was unreachable, and
 //!   another attempt took the key) cannot store a record: `complete` is owner-checked and
 //!   answers [`LockError::Lost`].
@@ -141,6 +147,7 @@ impl Locker {
             ttl: None,
             retention: DEFAULT_RETENTION,
             auto_renew: true,
+            replicas: None,
             name: crate::metrics::UNNAMED,
         }
     }
@@ -173,6 +180,7 @@ pub struct IdempotencyRequest<'a> {
     ttl: Option<Duration>,
     retention: Duration,
     auto_renew: bool,
+    replicas: Option<u32>,
     name: &'static str,
 }
 
@@ -184,6 +192,7 @@ impl fmt::Debug for IdempotencyRequest<'_> {
             .field("ttl", &self.ttl)
             .field("retention", &self.retention)
             .field("auto_renew", &self.auto_renew)
+            .field("replicas", &self.replicas)
             .field("name", &self.name)
             .finish()
     }
@@ -209,6 +218,24 @@ impl IdempotencyRequest<'_> {
     /// `false` the lock ends after one TTL, completed or not.
     pub fn auto_renew(mut self, on: bool) -> Self {
         self.auto_renew = on;
+        self
+    }
+
+    /// How many replicas must have the key's lock before the operation runs, and its record
+    /// before [`complete`](IdempotentOperation::complete) answers `Ok` (Redis — one server,
+    /// Sentinel, a cluster). Default: the locker's
+    /// ([`LockerBuilder::replicas`](crate::LockerBuilder::replicas)), 0.
+    ///
+    /// With `n > 0`, a granted begin is renewed and waited on as a lock with
+    /// [`LockRequest::replicas`](crate::LockRequest::replicas) is: when fewer than `n` replicas
+    /// acknowledge it in time, the lock is given back and `begin` answers
+    /// [`LockError::Unavailable`] (the operation did not run). `complete` stores the record and
+    /// releases the lock on a connection of its own and `WAIT`s there: when fewer acknowledge
+    /// it, it answers [`LockError::Unavailable`] — the record is on the master, but a failover
+    /// before it reached a replica would lose it, and a retry would then run the operation
+    /// again. Backends without replicas answer [`LockError::Unsupported`] at `begin`.
+    pub fn replicas(mut self, n: u32) -> Self {
+        self.replicas = Some(n);
         self
     }
 
@@ -275,6 +302,10 @@ impl IdempotencyRequest<'_> {
             .with_deadline("idempotency begin", store.begin(args))
             .instrument(span)
             .await?;
+        let replicas = self.replicas.unwrap_or_else(|| locker.default_replicas());
+        if replicas > 0 && matches!(reply, BeginReply::Acquired { .. }) {
+            acknowledged(locker, store, &mut flight, ttl, replicas).await?;
+        }
         // The reply is in: nothing is left to undo unless we hold the lock, and then the
         // operation takes over.
         flight.disarm();
@@ -293,6 +324,7 @@ impl IdempotencyRequest<'_> {
                     locker: locker.clone(),
                     fingerprint: self.fingerprint,
                     retention,
+                    replicas,
                 };
                 if !op.is_held() {
                     // The answer came after the lease it granted had run out (slower than the
@@ -316,6 +348,42 @@ impl IdempotencyRequest<'_> {
             },
         })
     }
+}
+
+/// Waits until `replicas` replicas have the lock a begin just took (renewed, then `WAIT`, as
+/// [`LockRequest::replicas`](crate::LockRequest::replicas) does). When fewer acknowledge it,
+/// or the backend cannot tell, the lock and the attempt's note are given back — at once, or
+/// by the armed undo in the background — and the error is returned: the operation does not run.
+async fn acknowledged(
+    locker: &Locker,
+    store: &dyn crate::backend::IdempotencyStore,
+    flight: &mut Undo<'_>,
+    ttl: Duration,
+    replicas: u32,
+) -> Result<(), LockError> {
+    let asked = locker
+        .backend()
+        .replicate(flight.resource(), flight.token(), ttl, replicas);
+    let err = match locker.with_deadline("replicate", asked).await {
+        Ok(acked) if acked >= replicas => return Ok(()),
+        Ok(acked) => LockError::unavailable(
+            format!(
+                "idempotency key `{}` reached {acked} of the {replicas} replicas asked for in time",
+                flight.resource().key()
+            ),
+            None,
+        ),
+        Err(e) => e,
+    };
+    let undo = store.abort(flight.resource(), flight.token());
+    if locker
+        .with_deadline("idempotency abort", undo)
+        .await
+        .is_ok()
+    {
+        flight.disarm();
+    }
+    Err(err)
 }
 
 /// The outcome of [`IdempotencyRequest::begin`].
@@ -357,6 +425,8 @@ pub struct IdempotentOperation {
     locker: Locker,
     fingerprint: Fingerprint,
     retention: Duration,
+    /// How many replicas must have the record (see [`IdempotencyRequest::replicas`]).
+    replicas: u32,
 }
 
 impl fmt::Debug for IdempotentOperation {
@@ -399,6 +469,7 @@ impl IdempotentOperation {
             fingerprint: &self.fingerprint,
             record,
             retention: self.retention,
+            replicas: self.replicas,
         };
         // An unknown outcome (`Err`) hands an owner-checked release to the background,
         // harmless if the record was stored (the lock is gone then). A local lease that ran

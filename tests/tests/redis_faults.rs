@@ -1870,3 +1870,96 @@ async fn a_renewal_batch_refused_for_good_is_misconfigured() {
         "{out:?}"
     );
 }
+
+/// `IdempotencyRequest::replicas(1)` (here from `LockerBuilder::replicas`) on one server with
+/// a replica: an operation runs once the replica has its lock, and `complete` answers `Ok`
+/// once the replica has the record. While the replica is frozen, a begin fails as unavailable
+/// and leaves no lock behind (the operation does not run), and a `complete` answers unavailable
+/// — the record is on the master only, and a failover could lose it. Before, `replicas` was
+/// ignored by idempotency: a record a failover lost was run again on the next retry (a second
+/// charge).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_with_replicas_counts_once_the_replica_has_the_lock_and_the_record() {
+    use dlock_runtime::idempotency::{Begin, Fingerprint, IdempotentOperation};
+    use dlock_runtime::LockKey;
+
+    let master = RedisServer::start();
+    let port = master.port().to_string();
+    let mut replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let locker = Locker::builder()
+        .command_timeout(Duration::from_millis(500))
+        .replicas(1)
+        .connect(&master.url())
+        .await
+        .unwrap();
+    let fingerprint = Fingerprint::builder().field("charge").finish();
+    let resource = |key: &str| {
+        locker
+            .resource(LockKey::new(key).unwrap())
+            .as_str()
+            .to_owned()
+    };
+    // Until the replica has synced, a begin is not acknowledged: asked again.
+    let run = async |key: &str| -> IdempotentOperation {
+        let deadline = Deadline::after(Duration::from_secs(10));
+        loop {
+            match locker.idempotency(key, fingerprint).begin().await {
+                Ok(Begin::Run(op)) => return op,
+                Err(e) if e.is_unavailable() => deadline.check(format!("never acknowledged: {e}")),
+                other => panic!("begin: {other:?}"),
+            }
+        }
+    };
+    let op = run("acked").await;
+    let on_replica: Option<String> = replica.conn().await.get(resource("acked")).await.unwrap();
+    assert!(
+        on_replica.is_some(),
+        "the operation ran before the replica had its lock"
+    );
+    op.complete(b"charged")
+        .await
+        .expect("an acknowledged record");
+    let record: Option<Vec<u8>> = replica
+        .conn()
+        .await
+        .hget(format!("{}:idem", resource("acked")), "res")
+        .await
+        .unwrap();
+    assert_eq!(
+        record.as_deref(),
+        Some(&b"charged"[..]),
+        "complete answered Ok before the replica had the record"
+    );
+
+    // Frozen: nothing is acknowledged any more.
+    let op = run("later").await;
+    replica.pause();
+    let err = locker
+        .idempotency("unacked", fingerprint)
+        .begin()
+        .await
+        .expect_err("an operation ran whose lock no replica had");
+    assert!(err.is_unavailable(), "{err}");
+    let left: Option<String> = master.conn().await.get(resource("unacked")).await.unwrap();
+    assert_eq!(
+        left, None,
+        "the unacknowledged begin's lock was not given back"
+    );
+    let err = op
+        .complete(b"charged")
+        .await
+        .expect_err("complete answered Ok for a record no replica had");
+    assert!(err.is_unavailable(), "{err}");
+    let stored: Option<Vec<u8>> = master
+        .conn()
+        .await
+        .hget(format!("{}:idem", resource("later")), "res")
+        .await
+        .unwrap();
+    assert_eq!(
+        stored.as_deref(),
+        Some(&b"charged"[..]),
+        "the master has it"
+    );
+    replica.resume();
+}

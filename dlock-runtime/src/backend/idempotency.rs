@@ -146,6 +146,13 @@ pub struct CompleteArgs<'a> {
     pub record: &'a [u8],
     /// How long the record is kept.
     pub retention: Duration,
+    /// How many replicas must have the record before `complete` answers `true` (0: none). A
+    /// store whose backend offers replica acknowledgement ([`Backend::replicate`](super::Backend::replicate))
+    /// waits for them and, when fewer acknowledge it, answers [`LockError::Unavailable`]: the
+    /// record is stored on the primary, and a failover may lose it. The begin step is
+    /// acknowledged by the locker itself (`replicate` after the grant); a store whose backend
+    /// cannot ([`LockError::Unsupported`]) never gets here with more than 0.
+    pub replicas: u32,
 }
 
 /// Where a backend keeps idempotency records, next to its locks.

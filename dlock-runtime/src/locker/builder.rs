@@ -62,7 +62,10 @@ impl LockerBuilder {
     }
 
     /// How many replicas must have a lock before it counts as taken, for requests that don't
-    /// say ([`LockRequest::replicas`](crate::LockRequest::replicas)). Default 0. Redis only (one
+    /// say ([`LockRequest::replicas`](crate::LockRequest::replicas); idempotency requests too,
+    /// for their key's lock and their record:
+    /// [`IdempotencyRequest::replicas`](crate::idempotency::IdempotencyRequest::replicas)).
+    /// Default 0. Redis only (one
     /// server, Sentinel, a cluster); other backends answer
     /// [`LockError::Unsupported`] when it is above 0. Replica acknowledgement covers exclusive
     /// locks only: above 0, a semaphore or read-write request (also one the attribute makes,

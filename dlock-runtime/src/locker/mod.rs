@@ -241,6 +241,11 @@ impl Locker {
         self.inner.config.key_log.error(err)
     }
 
+    /// How many replicas a request that does not say must reach ([`LockerBuilder::replicas`]).
+    pub(crate) fn default_replicas(&self) -> u32 {
+        self.inner.config.replicas
+    }
+
     pub(crate) fn key_log(&self) -> crate::key::KeyLog {
         self.inner.config.key_log
     }

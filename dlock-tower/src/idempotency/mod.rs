@@ -208,8 +208,9 @@
 //!   lease ([`ttl`](IdempotencyLayer::ttl), default 30 s) runs out, then the client's retry
 //!   runs the handler **again**: no record exists. Make the handler's effects safe to repeat —
 //!   pass the fencing token from [`LockInfo`](dlock_runtime::LockInfo) to the resource you
-//!   write (it refuses a stale holder and sees the repeat), or make the write idempotent there
-//!   (a unique constraint on the key).
+//!   write (it refuses a stale holder; a token orders holders and does not tell a repeat — the
+//!   retry's is larger), and make the write idempotent there (record the key with it, or a
+//!   unique constraint on the key).
 //! * **The process crashes after the response was stored**: storing the record and releasing
 //!   the lock are one atomic step, so retries get the replay.
 //! * **The lock is lost while the handler runs** (the backend was unreachable for longer than
@@ -240,7 +241,9 @@
 //!   # }
 //!   ```
 //!
-//! No state blocks a key forever or replays a response that was not stored for that key.
+//! No state blocks a key forever — except a handler that never returns, whose lease the
+//! watchdog keeps renewed: bound handlers with a timeout inside the layer — or replays a
+//! response that was not stored for that key.
 //!
 //! # Backends
 //!

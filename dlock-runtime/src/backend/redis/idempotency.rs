@@ -241,7 +241,24 @@ impl IdempotencyStore for RedisBackend {
                 .arg(args.record)
                 .arg(millis(args.retention))
                 .arg(self.floor());
-            let n: i64 = self.run_script("idempotency complete", &call).await?;
+            if args.replicas == 0 {
+                let n: i64 = self.run_script("idempotency complete", &call).await?;
+                return Ok(n == 1);
+            }
+            let (n, acked): (i64, u32) = self
+                .run_acknowledged("idempotency complete", &call, args.resource, args.replicas)
+                .await?;
+            if n == 1 && acked < args.replicas {
+                return Err(LockError::unavailable(
+                    format!(
+                        "idempotency record of `{}` stored, but {acked} of the {} replicas asked \
+                         for acknowledged it in time: a failover may lose it",
+                        args.resource.key(),
+                        args.replicas
+                    ),
+                    None,
+                ));
+            }
             Ok(n == 1)
         })
     }

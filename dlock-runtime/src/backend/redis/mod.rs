@@ -1725,29 +1725,44 @@ impl Backend for RedisBackend {
         replicas: u32,
     ) -> BoxFuture<'a, Result<u32, LockError>> {
         Box::pin(async move {
-            let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
             let mut renew = ScriptCall::new(&self.inner.extend, 1);
             renew
                 .key(resource.as_str())
                 .arg(token.as_str())
                 .arg(scripts::px(ttl));
-            // A timeout has this connection checked, not the backend's own.
-            let on = conn.clone();
-            let owned: i64 = self
-                .deadline_on(&on, "replicate", renew.invoke(&mut conn))
+            let (owned, acked): (i64, u32) = self
+                .run_acknowledged("replicate", &renew, resource, replicas)
                 .await?;
             if owned != 1 {
                 return Err(LockError::lost(resource.key().as_str()));
             }
-            let wait = self.inner.opts.command_timeout * 3 / 4;
-            let acked = conn::wait_replicas(&mut conn, resource.key().as_str(), replicas, wait);
-            let acked = self.deadline_on(&on, "wait for replicas", acked).await?;
-            Ok(u32::try_from(acked).unwrap_or(0))
+            Ok(acked)
         })
     }
 }
 
 impl RedisBackend {
+    /// Runs `call` on a connection of its own ([`conn::Dedicated`]: `WAIT` blocks the
+    /// connection it is sent on; on a cluster, to the lock's master), then `WAIT`s there for
+    /// `replicas` replicas, ¾ of the command timeout at most: the script's answer and how many
+    /// replicas have every write made so far on that connection — the script's included.
+    pub(crate) async fn run_acknowledged<T: redis::FromRedisValue>(
+        &self,
+        what: &str,
+        call: &ScriptCall<'_>,
+        resource: &ResourceName,
+        replicas: u32,
+    ) -> Result<(T, u32), LockError> {
+        let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
+        // A timeout has this connection checked, not the backend's own.
+        let on = conn.clone();
+        let answer: T = self.deadline_on(&on, what, call.invoke(&mut conn)).await?;
+        let wait = self.inner.opts.command_timeout * 3 / 4;
+        let acked = conn::wait_replicas(&mut conn, resource.key().as_str(), replicas, wait);
+        let acked = self.deadline_on(&on, "wait for replicas", acked).await?;
+        Ok((answer, u32::try_from(acked).unwrap_or(0)))
+    }
+
     /// A cluster's batch: a cluster pipeline holds one slot, so the renewals are grouped by
     /// slot, one pipeline per slot, at most `CLUSTER_PIPELINES` in flight. (One command per
     /// renewal instead measured 270 renewals/s for 100,000 locks: far too slow.)
