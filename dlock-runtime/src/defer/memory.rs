@@ -128,7 +128,11 @@ impl Shared {
 ///
 /// Jobs live in memory only: a crash or restart loses them. Use the durable queue when that
 /// matters. The queue's task starts on the runtime of the first deferral and moves to dlock's
-/// fallback thread, jobs and all, if that runtime shuts down first. The queue is bounded by its [`QueueLimits`] (set with
+/// fallback thread, jobs and all, if that runtime shuts down first — and stays there: from
+/// then on the deferred work runs on that one thread, which also renews the locks of every
+/// watchdog that moved there, so heavy or blocking deferred work can delay renewals. Defer
+/// from a runtime that outlives the locker (not a per-worker runtime that restarts, as
+/// actix-web's may). The queue is bounded by its [`QueueLimits`] (set with
 /// [`LockerBuilder::defer_limits`](crate::LockerBuilder::defer_limits)): a full queue refuses
 /// new work with [`LockError::QueueFull`], and dead letters are dropped after their retention
 /// or beyond their count bound, oldest first.

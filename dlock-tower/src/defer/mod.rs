@@ -33,7 +33,12 @@
 //!
 //! Delivery is at least once (see `dlock_runtime::defer`'s durable queue): a replay can run
 //! twice if its worker dies mid-request, so the handler should fence its writes with the
-//! [`LockInfo`](dlock_runtime::LockInfo) it finds in the request extensions.
+//! [`LockInfo`](dlock_runtime::LockInfo) it finds in the request extensions. A request can
+//! also run twice when the queue did not answer its enqueue in time (a slow link, a failover):
+//! the layer answers `503` with `Retry-After`, but the job may be queued all the same (its
+//! answer was lost), and a client that retries runs the request again — now, or as a second
+//! job. Make such handlers' effects idempotent at the resource (record a client-sent key with
+//! the write), since neither the lock nor the fencing token tells a repeat.
 //!
 //! Credential headers are not stored by default: `Authorization`, `Cookie`,
 //! `Proxy-Authorization`, and the API-key and token headers in common use (`X-Api-Key`,

@@ -165,6 +165,13 @@ impl IdempotencyLayer {
     /// but is **not** stored: the key is freed and a retry runs the handler again — set it
     /// above your largest response. Default:
     /// [`DEFAULT_MAX_RESPONSE_BODY`](super::DEFAULT_MAX_RESPONSE_BODY) (1 MiB).
+    ///
+    /// On etcd a record is one write, and etcd refuses a request over its
+    /// `--max-request-bytes` (1.5 MiB by default): above about 1.4 MiB, raise that too, or a
+    /// record that size fails to store (logged at `warn`) and its retries run again. Every
+    /// record also counts against etcd's storage quota (`--quota-backend-bytes`, 2 GiB by
+    /// default) until its retention ends and a compaction frees it; a full quota refuses every
+    /// write, locks included.
     pub fn max_response_body(mut self, bytes: usize) -> Self {
         Arc::make_mut(&mut self.shared).max_response_body = bytes;
         self

@@ -111,8 +111,11 @@ where
 /// The first extractor's key, or the second's when the first finds none. The second extractor
 /// sees the request the first one handed on. A rejection by the first is final.
 ///
-/// Made by the `or` method of every built-in extractor, or [`Or::new`] for closures. The two
-/// extractors' keys start with different literals, so they never collide with each other.
+/// Made by the `or` method of every built-in extractor, or [`Or::new`] for closures. Keys of
+/// two different built-in extractors start with different literals (`hdr:`, `path:`, …), so
+/// they never collide with each other; two of the same kind must differ in what follows — two
+/// headers by name, two [`extension`](super::extension)s by label (two types of one name in
+/// different modules share a default label: give one its own with `label`).
 ///
 /// ```
 /// use dlock_tower::key;

@@ -15,7 +15,10 @@ use super::{combinators, ExtractKey, Extracted, Key};
 ///
 /// The label defaults to `T`'s name without its module paths (`UserId` for
 /// `my_app::auth::UserId`, `Id<User>` for `my_app::Id<my_app::User>`: generic arguments are
-/// kept, so `Id<User>` and `Id<Order>` never share a lock). It is taken from [`std::any::type_name`], whose output the
+/// kept, so `Id<User>` and `Id<Order>` never share a lock). Two types of the same name in
+/// different modules (`session::UserId`, `api_key::UserId`) get the same default label, and
+/// their values one key space — user 7 and API key 7 one lock: give each its own with
+/// [`Extension::label`]. It is taken from [`std::any::type_name`], whose output the
 /// standard library does not promise to keep across compiler versions: when instances built
 /// by different compilers share a lock store, set a fixed label with
 /// [`Extension::label`].
