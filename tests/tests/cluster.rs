@@ -595,6 +595,73 @@ async fn a_waiter_hears_the_release_on_its_shards_promoted_replica() {
     .await;
 }
 
+/// A subscription on its way to a frozen master holds up only its own channel: while the
+/// `SUNSUBSCRIBE` of a waiter that left a lock on the frozen shard waits for its answer (up to
+/// the 4 s command timeout), a waiter of a lock on another shard subscribes, queues and is
+/// handed its lock at once. Before, one mutex over every channel was held across each round
+/// trip, and that waiter sat in its subscribe until the frozen shard's timed out. (Its own
+/// cluster: this test freezes a node.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_shard_holds_up_no_other_shards_subscriptions() {
+    use dlock_runtime::RetryPolicy;
+
+    let command_timeout = Duration::from_secs(4);
+    let (mut cluster, holder, seed) = cluster_of_its_own(command_timeout).await;
+    let waiter = Locker::builder()
+        .command_timeout(command_timeout)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let ((a, ra), (b, _)) = keys_on_two_masters(&holder, seed, "subs").await;
+    let ttl = Duration::from_secs(30);
+    let policy = || {
+        RetryPolicy::new(Duration::from_secs(60))
+            .backoff(Duration::from_secs(20), Duration::from_secs(20))
+            .jitter(false)
+    };
+    let held_a = holder.lock(a.as_str()).ttl(ttl).acquire().await.unwrap();
+    let held_b = holder.lock(b.as_str()).ttl(ttl).acquire().await.unwrap();
+    // A waiter of `a` (its channel subscribed on the shard about to freeze) leaves once the
+    // shard is frozen: its unsubscribe waits there for an answer that does not come.
+    let leaving = queued_waiter(&waiter, &a, ttl, policy()).await;
+    let frozen = cluster.index_of(ra.master);
+    cluster.nodes[frozen].pause();
+    leaving.abort();
+    assert!(leaving.await.unwrap_err().is_cancelled());
+    let started = Instant::now();
+    let wait = tokio::spawn({
+        let (waiter, b) = (waiter.clone(), b.clone());
+        async move {
+            waiter
+                .lock(b.as_str())
+                .ttl(ttl)
+                .on_fail(OnFail::Retry(policy()))
+                .acquire()
+                .await
+        }
+    });
+    poll_until(
+        Duration::from_secs(2),
+        Duration::from_millis(5),
+        async || {
+            (waiter.waiting() == 1)
+                .then_some(())
+                .ok_or("the waiter of the other shard is not subscribed and queued yet")
+        },
+    )
+    .await;
+    eprintln!("queued {:?} after it asked", started.elapsed());
+    release_and_hand_over(
+        held_b,
+        wait,
+        Duration::from_secs(2),
+        "the waiter of the other shard was not handed its lock",
+    )
+    .await;
+    cluster.nodes[frozen].resume();
+    drop(held_a);
+}
+
 /// `CLUSTER <args>` on the node on `port`; panics on an error reply.
 async fn cluster_cmd(port: u16, args: &[&str]) -> redis::Value {
     redis::cmd("CLUSTER")

@@ -70,9 +70,9 @@
 //!   master's slots go to the promoted replica. Until the failover they answer
 //!   [`LockError::Unavailable`]; the other shards are not affected.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManagerConfig;
@@ -214,9 +214,19 @@ impl std::fmt::Debug for RedisBackend {
 struct Inner {
     conn: Conn,
     hub: Arc<ReleaseHub>,
-    /// Channels this connection is subscribed to. Changes happen under this async mutex and
-    /// consult the hub, so a subscribe and an unsubscribe of one channel never reorder.
+    /// Channels this connection is subscribed to. Held only to read or change the set, never
+    /// across a round trip — except by [`resubscribe_all`]'s round over a new connection.
     subscribed: tokio::sync::Mutex<HashSet<String>>,
+    /// Per channel, the turn of its `SUBSCRIBE` or `UNSUBSCRIBE` on its way, held across the
+    /// round trip and deciding under it with the hub, so one channel's subscribe and
+    /// unsubscribe never overlap (nor reorder), while other channels' go on: a shard that does
+    /// not answer (a frozen master) delays only its own channels. An entry lives while its
+    /// turn is held or awaited ([`ChannelTurn`]).
+    channel_turns: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Goes up (under `subscribed`) whenever the set is emptied for a new connection or a
+    /// node's dropped one: a subscription sent before then may have gone to the connection
+    /// before, and is sent again rather than noted.
+    subs_epoch: AtomicU64,
     acquire: Script,
     release: Script,
     abandon: Script,
@@ -241,7 +251,62 @@ struct Inner {
     dedicated: conn::Dedicated,
 }
 
+/// A channel's turn ([`Inner::channel_turns`]); its entry goes with the last turn of it.
+struct ChannelTurn<'a> {
+    turns: &'a std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    channel: &'a str,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for ChannelTurn<'_> {
+    fn drop(&mut self) {
+        let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        self.held = None;
+        // Others waiting for the turn hold the mutex too: the entry stays for them.
+        if turns
+            .get(self.channel)
+            .is_some_and(|t| Arc::strong_count(t) == 1)
+        {
+            turns.remove(self.channel);
+        }
+    }
+}
+
 impl Inner {
+    /// Waits for `channel`'s turn (see [`Inner::channel_turns`]).
+    async fn channel_turn<'a>(&'a self, channel: &'a str) -> ChannelTurn<'a> {
+        // Made first: dropped while waiting, the wait (which holds the mutex) goes before it,
+        // and the entry with the last of them.
+        let mut turn = ChannelTurn {
+            turns: &self.channel_turns,
+            channel,
+            held: None,
+        };
+        let mutex = self
+            .channel_turns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(channel.to_owned())
+            .or_default()
+            .clone();
+        turn.held = Some(mutex.lock_owned().await);
+        turn
+    }
+
+    /// Whether a `SUBSCRIBE` or `UNSUBSCRIBE` of `channel` is on its way (or waits its turn).
+    fn channel_busy(&self, channel: &str) -> bool {
+        self.channel_turns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(channel)
+    }
+
+    /// The set of channels, emptied for a new connection: what it held.
+    fn take_subscribed(&self, subscribed: &mut HashSet<String>) -> Vec<String> {
+        self.subs_epoch.fetch_add(1, Ordering::AcqRel);
+        subscribed.drain().collect()
+    }
+
     /// See [`RedisBackend::granted`].
     fn granted(&self, counter: u64, over: Issuer) -> Result<u64, LockError> {
         if counter > MAX_COUNTER {
@@ -765,6 +830,8 @@ impl RedisBackend {
                 conn,
                 hub,
                 subscribed: tokio::sync::Mutex::new(HashSet::new()),
+                channel_turns: std::sync::Mutex::new(HashMap::new()),
+                subs_epoch: AtomicU64::new(0),
                 acquire: scripts::acquire(cluster),
                 release: scripts::release(cluster),
                 abandon: scripts::abandon(cluster),
@@ -928,18 +995,33 @@ impl RedisBackend {
         }
     }
 
-    /// Makes sure this connection is subscribed to `resource`'s release channel.
+    /// Makes sure this connection is subscribed to `resource`'s release channel. Under the
+    /// channel's turn only: a subscription to a shard that does not answer holds up no other
+    /// channel's.
     pub(crate) async fn ensure_subscribed(&self, resource: &ResourceName) -> Result<(), LockError> {
         let channel = resource.with_suffix(CHANNEL_SUFFIX);
-        let mut subscribed = self.inner.subscribed.lock().await;
-        // A cluster's subscriptions connection that died with its runtime took its
-        // subscriptions along: subscribing makes it anew (and `resubscribe_all` the rest).
-        if !subscribed.contains(&channel) || !self.inner.conn.subscriptions_alive() {
+        let _turn = self.inner.channel_turn(&channel).await;
+        loop {
+            let epoch = {
+                let subscribed = self.inner.subscribed.lock().await;
+                // A cluster's subscriptions connection that died with its runtime took its
+                // subscriptions along: subscribing makes it anew (and `resubscribe_all` the
+                // rest).
+                if subscribed.contains(&channel) && self.inner.conn.subscriptions_alive() {
+                    return Ok(());
+                }
+                self.inner.subs_epoch.load(Ordering::Acquire)
+            };
             let mut conn = self.inner.conn.clone();
             self.deadline("subscribe", conn.subscribe(&channel)).await?;
-            subscribed.insert(channel);
+            let mut subscribed = self.inner.subscribed.lock().await;
+            if self.inner.subs_epoch.load(Ordering::Acquire) == epoch {
+                subscribed.insert(channel.clone());
+                return Ok(());
+            }
+            // The set was emptied for a new connection meanwhile: this subscription may have
+            // gone to the one before. Once more.
         }
-        Ok(())
     }
 
     /// Drops the subscription to `resource`'s channel if no local waiter needs it any more
@@ -1075,14 +1157,18 @@ impl RedisBackend {
 
     async fn unsubscribe_if_unused(inner: Weak<Inner>, channel: String, resource: String) {
         let Some(inner) = inner.upgrade() else { return };
-        let mut subscribed = inner.subscribed.lock().await;
-        if inner.hub.has_waiters(&resource) || !subscribed.contains(&channel) {
-            return;
-        }
-        // Gone with a cluster's subscriptions connection: no connection is made to drop it.
-        if !inner.conn.subscriptions_alive() {
-            subscribed.remove(&channel);
-            return;
+        // A waiter that comes meanwhile waits for this turn, and subscribes after it.
+        let _turn = inner.channel_turn(&channel).await;
+        {
+            let mut subscribed = inner.subscribed.lock().await;
+            if inner.hub.has_waiters(&resource) || !subscribed.contains(&channel) {
+                return;
+            }
+            // Gone with a cluster's subscriptions connection: no connection is made to drop it.
+            if !inner.conn.subscriptions_alive() {
+                subscribed.remove(&channel);
+                return;
+            }
         }
         let mut conn = inner.conn.clone();
         let answered =
@@ -1092,7 +1178,7 @@ impl RedisBackend {
         // that the server dropped would never be subscribed again — the key's next waiters
         // would sleep through their handoffs. A subscription the server kept only brings a
         // stray notification, which is harmless; the next waiter subscribes again.
-        subscribed.remove(&channel);
+        inner.subscribed.lock().await.remove(&channel);
         match answered {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -1140,28 +1226,66 @@ async fn wake_after_reconnect(inner: Weak<Inner>) {
     }
 }
 
-/// Subscribes again to `resource`'s channel if it still has local waiters (its subscription
-/// was dropped by the server: the slot moved), then wakes the waiters to re-check: releases
-/// published meanwhile were missed.
+/// Subscribes again to `resource`'s channel while it has local waiters (its subscription was
+/// dropped by the server: the slot moved), then wakes the waiters to re-check: releases
+/// published meanwhile were missed. A `SUBSCRIBE` that fails (the slot's new master not
+/// answering yet) is tried again after a pause (50 ms, doubling to 1 s), the waiters woken
+/// again once it lands: given up after one try, the channel stayed unsubscribed for the rest
+/// of those waiters' wait, and every release was heard only by their fallback timers.
 async fn resubscribe(inner: Weak<Inner>, resource: String) {
-    let Some(inner) = inner.upgrade() else { return };
     let channel = format!("{resource}:{CHANNEL_SUFFIX}");
-    let mut subscribed = inner.subscribed.lock().await;
-    if !inner.hub.has_waiters(&resource) {
-        return;
-    }
-    let mut conn = inner.conn.clone();
-    match tokio::time::timeout(inner.opts.command_timeout, conn.subscribe(&channel)).await {
-        Ok(Ok(())) => {
-            subscribed.insert(channel);
+    let mut pause = Duration::from_millis(50);
+    let mut first = true;
+    loop {
+        let Some(me) = inner.upgrade() else { return };
+        let turn = me.channel_turn(&channel).await;
+        let epoch = {
+            let mut subscribed = me.subscribed.lock().await;
+            if !me.hub.has_waiters(&resource) {
+                // No longer subscribed, nor wanted.
+                subscribed.remove(&channel);
+                return;
+            }
+            // A later try, and a waiter subscribed it meanwhile (or a new connection's round
+            // did): done.
+            if !first && subscribed.contains(&channel) {
+                return;
+            }
+            me.subs_epoch.load(Ordering::Acquire)
+        };
+        let mut conn = me.conn.clone();
+        let ok = matches!(
+            tokio::time::timeout(me.opts.command_timeout, conn.subscribe(&channel)).await,
+            Ok(Ok(()))
+        );
+        let done = {
+            let mut subscribed = me.subscribed.lock().await;
+            if me.subs_epoch.load(Ordering::Acquire) != epoch {
+                // The set was emptied for a new connection meanwhile: this subscription may
+                // have gone to the one before. Done if that round subscribed the channel (it
+                // was in the set, unless a try here failed); else tried again.
+                subscribed.contains(&channel)
+            } else if ok {
+                subscribed.insert(channel.clone());
+                true
+            } else {
+                // Not taken for subscribed: a waiter that comes meanwhile subscribes itself.
+                subscribed.remove(&channel);
+                false
+            }
+        };
+        drop(turn);
+        if first || done {
+            me.hub.notify_all();
         }
-        // The next waiter of this lock subscribes again; until then the waiters' timers wake them.
-        _ => {
-            subscribed.remove(&channel);
+        if done {
+            return;
         }
+        first = false;
+        drop(me);
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
-    drop(subscribed);
-    inner.hub.notify_all();
 }
 
 /// What a cluster backend does when its subscriptions connection died with its runtime, or
@@ -1247,7 +1371,11 @@ async fn resubscribe_all(inner: Weak<Inner>) {
         };
         let first = again.is_none();
         let channels: Vec<String> = match again.take() {
-            None => subscribed.drain().filter(wanted).collect(),
+            None => strong
+                .take_subscribed(&mut subscribed)
+                .into_iter()
+                .filter(wanted)
+                .collect(),
             // A waiter may have subscribed it meanwhile (`ensure_subscribed`).
             Some(failed) => failed
                 .into_iter()
@@ -1353,7 +1481,8 @@ async fn resubscribe_after_disconnection(inner: Weak<Inner>, mut running: Runnin
         };
         // A drop told since the last round (the first one too): every channel again.
         if me.resubscribe_again.swap(false, Ordering::AcqRel) {
-            pending.extend(me.subscribed.lock().await.drain());
+            let mut subscribed = me.subscribed.lock().await;
+            pending.extend(me.take_subscribed(&mut subscribed));
         }
         pending.retain(wanted);
         if pending.is_empty() {
@@ -1706,10 +1835,12 @@ impl Backend for RedisBackend {
             return false;
         }
         let channel = resource.with_suffix(CHANNEL_SUFFIX);
-        self.inner
-            .subscribed
-            .try_lock()
-            .is_ok_and(|subscribed| subscribed.contains(&channel))
+        !self.inner.channel_busy(&channel)
+            && self
+                .inner
+                .subscribed
+                .try_lock()
+                .is_ok_and(|subscribed| subscribed.contains(&channel))
             && self.inner.conn.subscriptions_alive()
     }
 
