@@ -1886,8 +1886,9 @@ async fn idempotency_with_replicas_counts_once_the_replica_has_the_lock_and_the_
     let master = RedisServer::start();
     let port = master.port().to_string();
     let mut replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    // `WAIT`s ¾ of it: room for a loaded machine's replica to answer.
     let locker = Locker::builder()
-        .command_timeout(Duration::from_millis(500))
+        .command_timeout(Duration::from_secs(2))
         .replicas(1)
         .connect(&master.url())
         .await

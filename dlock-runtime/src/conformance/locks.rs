@@ -413,7 +413,6 @@ pub async fn barging_waiters_hear_each_release(store: &Store) {
         .unwrap();
     let released = Instant::now();
     first.release().await.unwrap();
-    eprintln!("DBG release took {:?}", released.elapsed());
     let (at, second) = tokio::time::timeout(Duration::from_secs(25), got.recv())
         .await
         .expect("the second release lets the other waiter in")
