@@ -54,6 +54,10 @@ impl LockInfo {
 pub(crate) trait LossWatch: Send + Sync {
     /// Resolves when the lock is known to be lost. Cancel-safe.
     fn lost(&self) -> futures_util::future::BoxFuture<'_, ()>;
+
+    /// Whether the lock is still held as far as this process can tell (not reported lost,
+    /// the local lease not run out, not released): a nested call re-enters only a held lock.
+    fn is_held(&self) -> bool;
 }
 
 /// A held lock's [`LossWatch`], shared by the scopes that show the lock.
@@ -97,14 +101,9 @@ pub fn held_locks() -> Vec<LockInfo> {
         .unwrap_or_default()
 }
 
-/// The current task's hold on `key` taken through `locker_id` that covers `kind`, if it has
-/// one: the same kind (a lock, a permit of the semaphore, a read or write hold), or a write
-/// hold when `kind` is a read.
-pub(crate) fn held_by_task(locker_id: u64, key: &LockKey, kind: LockKind) -> Option<LockInfo> {
-    reentered(locker_id, key, kind).map(|(info, _)| info)
-}
-
-/// [`held_by_task`], with the watch on the hold's lease.
+/// The current task's hold on `key` taken through `locker_id` that covers `kind`, with the
+/// watch on its lease, if it has one: the same kind (a lock, a permit of the semaphore, a read
+/// or write hold), or a write hold when `kind` is a read.
 pub(crate) fn reentered(
     locker_id: u64,
     key: &LockKey,
@@ -144,7 +143,26 @@ pub(crate) fn scope_all<F: Future>(
     held: Vec<(LockInfo, Watch)>,
     fut: F,
 ) -> impl Future<Output = F::Output> {
+    scope_nested(&[], locker_id, held, fut)
+}
+
+/// Runs `fut` with the task's held locks whose watches are among `reentered` (locks a nested
+/// call re-enters) moved to the end, then every lock of `held` added, in order: inside,
+/// [`current_lock`] is the nested call's lock — not the innermost other one — and no lock is
+/// listed twice.
+pub(crate) fn scope_nested<F: Future>(
+    reentered: &[Watch],
+    locker_id: u64,
+    held: Vec<(LockInfo, Watch)>,
+    fut: F,
+) -> impl Future<Output = F::Output> {
     let mut all: Vec<Entry> = HELD.try_with(|h| (**h).clone()).unwrap_or_default();
+    for probe in reentered {
+        if let Some(i) = all.iter().position(|e| Arc::ptr_eq(&e.probe, probe)) {
+            let entry = all.remove(i);
+            all.push(entry);
+        }
+    }
     all.extend(held.into_iter().map(|(info, probe)| Entry {
         locker_id,
         info,

@@ -91,8 +91,6 @@ pub(crate) struct Lease {
     state: Arc<GuardState>,
     watchdog: Arc<Watchdog>,
     locker_id: u64,
-    /// When the lock was granted, for `dlock_hold_seconds`.
-    since: std::time::Instant,
     /// The final step was answered (or handed to the background): drop has nothing to do.
     settled: AtomicBool,
     /// The watch on this lease that the task's held locks carry ([`Lease::loss_watch`]).
@@ -101,12 +99,11 @@ pub(crate) struct Lease {
 
 impl Lease {
     pub(crate) fn new(state: Arc<GuardState>, watchdog: Arc<Watchdog>, locker_id: u64) -> Self {
-        state.labels.held(true, None);
+        state.held_from_now();
         Lease {
             state,
             watchdog,
             locker_id,
-            since: std::time::Instant::now(),
             settled: AtomicBool::new(false),
             watch: std::sync::OnceLock::new(),
         }
@@ -313,7 +310,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.state.labels.held(false, Some(self.since.elapsed()));
+        self.state.held_until_now();
         if !self.settled.load(Ordering::Acquire) {
             self.stop();
             self.release_later();
@@ -333,6 +330,10 @@ pub(crate) struct LeaseProbe {
 impl crate::context::LossWatch for LeaseProbe {
     fn lost(&self) -> futures_util::future::BoxFuture<'_, ()> {
         Box::pin(LeaseProbe::lost(self))
+    }
+
+    fn is_held(&self) -> bool {
+        LeaseProbe::is_held(self)
     }
 }
 

@@ -25,7 +25,7 @@
 //! | `dlock_renewal_failures_total` | counter | `backend`, `name` | watchdog renewals that failed or timed out (retried until the lease runs out) |
 //! | `dlock_lost_total` | counter | `backend`, `name` | held locks reported lost (renewal refused, lease ran out) |
 //! | `dlock_handoff_seconds` | histogram | `backend`, `name` | for a waiter woken by a release: from the wake-up to holding the lock (a release that came while the waiter's own attempt was on its way: from that attempt) |
-//! | `dlock_jobs_total` | counter | `backend` (`memory` or `redis` queue), `name`, `event` | deferred jobs by event: `deferred`, `retried`, `dead_lettered`, `completed`, `requeued`, `dropped`, `abandoned` |
+//! | `dlock_jobs_total` | counter | `backend` (`memory` or `redis` queue), `name` (a durable job's type; `unregistered` for a type the worker does not know), `event` | deferred jobs by event: `deferred`, `retried`, `dead_lettered`, `completed`, `requeued`, `dropped`, `abandoned` |
 //! | `dlock_idempotency_total` | counter | `backend`, `name`, `outcome` | idempotency begins by outcome: `run` (first attempt), `replayed`, `conflict` (key reused with another payload), `in_progress` |
 //!
 //! Times are in seconds (`_seconds`). Call [`describe`] once after installing a recorder to
@@ -33,6 +33,10 @@
 
 /// The `name` label of locks that were not given one.
 pub const UNNAMED: &str = "unnamed";
+
+/// The `name` label of a durable job whose type no worker that claimed it registers (a newer
+/// release's, or one retired): one label for all of them, the type being stored data.
+pub const UNREGISTERED_JOB: &str = "unregistered";
 
 /// Counter: acquire calls sent to the backend.
 pub const ACQUIRE_ATTEMPTS: &str = "dlock_acquire_attempts_total";

@@ -164,7 +164,10 @@ impl MultiLockRequest<'_> {
     /// Every key in order; `once`: one attempt each (contention is `Contended`).
     async fn take(self, once: bool) -> Result<MultiGuard, LockError> {
         let locker = self.locker;
-        let keys = self.keys?;
+        // An invalid key list (each key's request counts its own outcome) counts here.
+        let keys = self
+            .keys
+            .inspect_err(|e| locker.labels(self.name).finished(Err(e), Instant::now()))?;
         let on_fail = self
             .on_fail
             .unwrap_or_else(|| locker.default_on_fail().clone());

@@ -179,6 +179,9 @@ pub struct Held {
     /// With `cancel_on_lost`: the keys re-entered (an outer call holds them) and their leases,
     /// whose loss cancels this body too.
     reentered: Vec<(LockKey, crate::context::Watch)>,
+    /// Every key re-entered, by its lease's watch: moved last in the body's scope, so that
+    /// [`current_lock`](crate::current_lock) there is this call's lock.
+    shown: Vec<crate::context::Watch>,
 }
 
 /// The first half of [`run_all`]: takes every key the current task does not hold yet (in the
@@ -192,30 +195,44 @@ where
     K: IntoIterator<Item = Result<LockKey, LockError>>,
 {
     let locker = locker?;
-    let keys = keys.into_iter().collect::<Result<Vec<_>, _>>()?;
-    let keys = crate::multi::canonical(keys)?;
-    // Re-entrant: keys this task already holds (an outer locked call) are not waited for —
-    // that would wait for ourselves.
-    let mut reentered = Vec::new();
-    let fresh: Vec<LockKey> = keys
+    // An invalid key (or the same key twice) counts as an `error` outcome, as a request's
+    // does. (No locker: no backend to label it with.)
+    let counted = |e: LockError| {
+        locker
+            .labels(spec.name)
+            .finished(Err(&e), std::time::Instant::now());
+        e
+    };
+    let keys = keys
         .into_iter()
-        .filter(
-            |key| match crate::context::reentered(locker.id(), key, spec.kind) {
-                Some((_, probe)) => {
-                    if spec.cancel_on_lost {
-                        reentered.push((key.clone(), probe));
-                    }
-                    false
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(counted)?;
+    let keys = crate::multi::canonical(keys).map_err(counted)?;
+    // Re-entrant: keys this task already holds (an outer locked call) are not waited for —
+    // that would wait for ourselves. A hold that is no longer held (lost, or its lease ran
+    // out) is not re-entered: the body would run without the lock, maybe beside its new
+    // owner.
+    let mut reentered = Vec::new();
+    let mut shown = Vec::new();
+    let mut fresh: Vec<LockKey> = Vec::new();
+    for key in keys {
+        match crate::context::reentered(locker.id(), &key, spec.kind) {
+            Some((_, probe)) if !probe.is_held() => return Err(LockError::lost(key.as_str())),
+            Some((_, probe)) => {
+                shown.push(probe.clone());
+                if spec.cancel_on_lost {
+                    reentered.push((key, probe));
                 }
-                None => true,
-            },
-        )
-        .collect();
+            }
+            None => fresh.push(key),
+        }
+    }
     let mut held = Held {
         locker: locker.clone(),
         guard: None,
         cancel_on_lost: spec.cancel_on_lost,
         reentered,
+        shown,
     };
     if fresh.is_empty() {
         return Ok(held);
@@ -252,26 +269,31 @@ where
 /// With `on_lost = "cancel"`, the body is cancelled when any of its keys is lost — those it
 /// took and those it re-entered (an outer call's, whatever that call's `on_lost`).
 pub async fn run_held<F: Future>(held: Held, body: F) -> Result<F::Output, LockError> {
+    let locker_id = held.locker.id();
     let Some(guard) = held.guard else {
+        let body = crate::context::scope_nested(&held.shown, locker_id, Vec::new(), body);
         if held.reentered.is_empty() {
             return Ok(body.await);
         }
         tokio::pin!(body);
+        // The loss first: a body woken after its lock was lost takes no further step.
         return tokio::select! {
             biased;
-            out = &mut body => Ok(out),
             key = reentered_lost(&held.reentered) => Err(LockError::lost(key.as_str())),
+            out = &mut body => Ok(out),
         };
     };
-    let scoped = crate::context::scope_all(held.locker.id(), guard.held(), body);
+    let scoped = crate::context::scope_nested(&held.shown, locker_id, guard.held(), body);
     let out = if held.cancel_on_lost {
         tokio::pin!(scoped);
-        // Dropping `scoped` on a loss cancels the body at its current await point.
+        // Dropping `scoped` on a loss cancels the body at its current await point; the loss
+        // is looked at first, so a body woken after its lock was lost (a process frozen past
+        // its lease) takes no further step.
         tokio::select! {
             biased;
-            out = &mut scoped => out,
             _ = guard.lost() => return Err(LockError::lost(guard.lost_key())),
             key = reentered_lost(&held.reentered) => return Err(LockError::lost(key.as_str())),
+            out = &mut scoped => out,
         }
     } else {
         scoped.await
@@ -313,9 +335,16 @@ where
     F::Output: Send + 'static,
 {
     let locker = locker?;
-    let key = key?;
-    if crate::context::held_by_task(locker.id(), &key, spec.kind).is_some() {
-        return Ok(body.await);
+    let key = key.inspect_err(|e| {
+        locker
+            .labels(spec.name)
+            .finished(Err(e), std::time::Instant::now())
+    })?;
+    if let Some((_, probe)) = crate::context::reentered(locker.id(), &key, spec.kind) {
+        if !probe.is_held() {
+            return Err(LockError::lost(key.as_str()));
+        }
+        return Ok(crate::context::scope_nested(&[probe], locker.id(), Vec::new(), body).await);
     }
     spec.request(&locker, key).run(body).await
 }

@@ -83,6 +83,11 @@ pub(crate) struct GuardState {
     hold_until_ns: AtomicU64,
     /// The lock's metric labels.
     pub(crate) labels: crate::metrics::Labels,
+    /// The loss was counted (`dlock_lost_total`) and logged: once, whoever reports it first.
+    loss_counted: AtomicBool,
+    /// Since when the lock counts in `dlock_locks_held`, while it does: from its lease's start
+    /// to its release, drop or loss, whichever comes first.
+    held_since: Mutex<Option<Instant>>,
     /// How the key appears in events.
     key_log: KeyLog,
 }
@@ -141,17 +146,45 @@ impl GuardState {
         if still_ours {
             Ok(())
         } else {
-            if !self.lost.is_cancelled() {
+            if !self.loss_counted.swap(true, Ordering::AcqRel) {
                 self.labels.lost();
+                self.held_until_now();
             }
             self.lost.cancel();
             Err(crate::LockError::lost(self.resource.key().as_str()))
         }
     }
 
+    /// The lock counts in `dlock_locks_held` from now on (its lease began).
+    pub(crate) fn held_from_now(&self) {
+        let mut since = self
+            .held_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if since.is_none() {
+            *since = Some(Instant::now());
+            self.labels.held(true, None);
+        }
+    }
+
+    /// The lock no longer counts in `dlock_locks_held` (released, dropped or lost), its hold
+    /// time recorded: once, whichever comes first.
+    pub(crate) fn held_until_now(&self) {
+        let since = self
+            .held_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(since) = since {
+            self.labels.held(false, Some(since.elapsed()));
+        }
+    }
+
     pub(crate) fn mark_lost(&self, why: &'static str) {
-        if !self.lost.is_cancelled() && !self.done.load(Ordering::Acquire) {
+        // Counted once: the watchdog and a task waiting for the loss may both report it.
+        if !self.done.load(Ordering::Acquire) && !self.loss_counted.swap(true, Ordering::AcqRel) {
             self.labels.lost();
+            self.held_until_now();
             tracing::warn!(
                 key = %self.key_log.show(self.resource.key().as_str()),
                 name = self.labels.name,
@@ -309,6 +342,8 @@ impl Watchdog {
             lease_changed: Notify::new(),
             hold_until_ns: AtomicU64::new(0),
             labels,
+            loss_counted: AtomicBool::new(false),
+            held_since: Mutex::new(None),
             key_log: self.key_log,
         });
         if auto_renew {

@@ -406,6 +406,88 @@ async fn a_nested_call_cancelled_on_loss_is_cancelled_when_the_lock_it_re_entere
     );
 }
 
+#[distributed_lock(key = "gone:<id>", ttl = "600ms", locker = locker)]
+async fn outer_that_outlives_its_lock(
+    locker: Locker,
+    id: u64,
+    gate: Arc<Gate>,
+) -> Result<Result<(), LockError>, LockError> {
+    let _ = gate.entered.send(());
+    gate.proceed.notified().await;
+    // The renewal finds the lock gone within a third of its 600 ms lease; from then on a
+    // by-hand acquire of the key in this task answers `Lost`, not `Reentrant`.
+    let key = format!("gone:{id}");
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        match locker.lock(key.as_str()).try_acquire().await {
+            Err(e) if e.is_lost() => break,
+            other => assert!(Instant::now() < until, "not reported lost: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(inner_after_the_loss(locker, id, gate).await)
+}
+
+#[distributed_lock(key = "gone:<id>", ttl = "600ms", locker = locker)]
+async fn inner_after_the_loss(locker: Locker, id: u64, gate: Arc<Gate>) {
+    // The side effect that must not run without the lock.
+    gate.ran.fetch_add(1, Ordering::SeqCst);
+}
+
+/// A nested call does not re-enter a lock the outer call has lost: it answers `Lost` and its
+/// body does not run (nor does a by-hand acquire of the key inside answer `Reentrant`). Before,
+/// the nested body ran with no lock at all — beside the lock's next owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_call_does_not_re_enter_a_lost_lock() {
+    let server = RedisServer::start();
+    let locker = server.locker().await;
+    let (entered, mut inside) = mpsc::unbounded_channel();
+    let gate = Arc::new(Gate {
+        entered,
+        proceed: Notify::new(),
+        ran: AtomicUsize::new(0),
+    });
+    let call = tokio::spawn(outer_that_outlives_its_lock(
+        locker.clone(),
+        9,
+        gate.clone(),
+    ));
+    inside.recv().await.expect("the outer body started");
+    // Take the lock away behind the outer call's back; its next renewal reports it lost.
+    let n: i64 = server.query(redis::cmd("DEL").arg("dlock:{gone:9}")).await;
+    assert_eq!(n, 1);
+    let other = Locker::from_url(&server.url()).await.unwrap();
+    let taken = other.lock("gone:9").try_acquire().await.unwrap();
+    assert!(taken.is_some(), "another owner takes the freed lock");
+    gate.proceed.notify_one();
+    let inner = call.await.unwrap().expect("the outer call ran");
+    let err = inner.expect_err("the nested call re-entered a lost lock");
+    assert!(err.is_lost(), "{err}");
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 0, "the nested body ran");
+}
+
+#[distributed_lock(key = ["pair:<a>", "pair:<b>"], locker = locker)]
+async fn both(locker: &Locker, a: u64, b: u64) -> Result<(String, usize), LockError> {
+    one(locker, a).await
+}
+
+#[distributed_lock(key = "pair:<id>", locker = locker)]
+async fn one(locker: &Locker, id: u64) -> (String, usize) {
+    let held = dlock_runtime::held_locks();
+    (current_lock().unwrap().key().to_owned(), held.len())
+}
+
+/// Inside a nested call that re-enters one of its outer call's locks, `current_lock()` is the
+/// nested call's lock, and no lock is listed twice. Before, it was the outer call's innermost
+/// other lock (`pair:2` inside `one(1)`): another key, another fencing token.
+#[tokio::test]
+async fn a_re_entered_lock_is_the_current_lock_of_the_nested_call() {
+    let locker = Locker::memory();
+    let (key, held) = both(&locker, 1, 2).await.unwrap();
+    assert_eq!(key, "pair:1");
+    assert_eq!(held, 2, "a lock listed twice");
+}
+
 #[derive(Debug)]
 enum AppError {
     Lock(LockError),

@@ -158,6 +158,44 @@ async fn lost_lock(locker: &Locker, key: &str, name: &'static str, ttl: u64) -> 
     guard
 }
 
+/// A lock stops counting in `dlock_locks_held` when it is lost, not when its guard is dropped
+/// later, and its hold time ends there; the loss counts once, however many report it (the
+/// watchdog, a task waiting for it, the final release). Before, a lost guard counted as held
+/// until dropped — its hold time growing — and a loss seen twice at once could count twice.
+#[test]
+fn a_lost_lock_stops_counting_as_held_when_it_is_lost() {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        runtime().block_on(async {
+            let locker = Locker::memory();
+            let l = [MEMORY, ("name", "gone")];
+            let guard = lost_lock(&locker, "gone:1", "gone", 50).await;
+            // Lost, the guard still alive.
+            let r = Recorded::of(&snap);
+            assert_eq!(
+                r.gauge(m::LOCKS_HELD, &l),
+                0.0,
+                "a lost lock counted as held"
+            );
+            assert_eq!(r.counter(m::LOST, &l), 1);
+            assert_eq!(
+                r.samples(m::HOLD, &l).len(),
+                1,
+                "the hold ended with the loss"
+            );
+            // Its release reports the loss again, and its drop ends the hold again: neither
+            // counts twice (a snapshot shows what was counted since the one before).
+            let err = guard.release().await.unwrap_err();
+            assert!(err.is_lost(), "{err}");
+            let r = Recorded::of(&snap);
+            assert_eq!(r.gauge(m::LOCKS_HELD, &l), 0.0);
+            assert_eq!(r.counter(m::LOST, &l), 0, "one loss counted twice");
+            assert!(r.samples(m::HOLD, &l).is_empty(), "a second hold time");
+        })
+    });
+}
+
 /// A scripted run on the in-memory backend — acquire, contend, time out, hand over to a
 /// waiter, lose a lease, renew, defer until dead-lettered, replay and conflict an idempotency
 /// key — and the exact values it must leave.
@@ -515,6 +553,32 @@ fn the_attribute_labels_its_locks_with_the_key_template() {
     let outcome = [MEMORY, ("name", "invoice:<id>"), ("outcome", "acquired")];
     assert_eq!(r.counter(m::ACQUIRE, &outcome), 2);
     assert_eq!(r.names_of(m::ACQUIRE), vec!["invoice:<id>".to_owned()]);
+}
+
+/// A call the attribute refuses before asking the backend — the same key twice in a key list,
+/// a key over the length limit — counts as an `error` outcome, as a request's invalid key
+/// does. Before, it was counted nowhere.
+#[test]
+fn the_attributes_invalid_keys_count_as_errors() {
+    #[dlock_runtime::distributed_lock(key = ["acct:<from>", "acct:<to>"], locker = locker)]
+    async fn transfer(locker: &Locker, from: u64, to: u64) -> u64 {
+        from + to
+    }
+    #[dlock_runtime::distributed_lock(key = "note:<text>", locker = locker)]
+    async fn note(locker: &Locker, text: String) -> usize {
+        text.len()
+    }
+    let ((), snap) = with_recorder(async {
+        let locker = Locker::memory();
+        let err = transfer(&locker, 7, 7).await.unwrap_err();
+        assert!(matches!(err, LockError::InvalidKey { .. }), "{err}");
+        let err = note(&locker, "x".repeat(100_000)).await.unwrap_err();
+        assert!(matches!(err, LockError::InvalidKey { .. }), "{err}");
+    });
+    let r = Recorded::of(&snap);
+    let error = |name| [MEMORY, ("name", name), ("outcome", "error")];
+    assert_eq!(r.counter(m::ACQUIRE, &error("acct:<from> + acct:<to>")), 1);
+    assert_eq!(r.counter(m::ACQUIRE, &error("note:<text>")), 1);
 }
 
 // ---- tracing ----

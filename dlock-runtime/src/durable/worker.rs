@@ -397,7 +397,9 @@ impl DurableWorker {
                 "no worker that claimed it knew the job type `{}` within {:?}",
                 env.kind, self.unknown_type_grace
             );
-            let info = info(&env.key).named(env.kind.clone());
+            // Its metric's `name` is fixed: the type comes from stored data, and a label per
+            // unknown type would grow without bound (the type is in the reason and the log).
+            let info = info(&env.key).named(crate::metrics::UNREGISTERED_JOB);
             let counted = Counted::UnknownType(self.unknown_type_grace);
             self.put_back(&claim, &info, &policy, &reason, counted)
                 .await;

@@ -165,8 +165,11 @@ impl<'a> LockRequest<'a> {
             LockKind::Read | LockKind::Write => LockKind::Read,
             kind => kind,
         };
-        if crate::context::held_by_task(locker.id(), &key, probe).is_some() {
-            return Err(LockError::reentrant(key.as_str()));
+        match crate::context::reentered(locker.id(), &key, probe) {
+            // Lost (or its lease ran out): what the task would re-enter is gone.
+            Some((_, watch)) if !watch.is_held() => return Err(LockError::lost(key.as_str())),
+            Some(_) => return Err(LockError::reentrant(key.as_str())),
+            None => {}
         }
         let resource = locker.resource(key.clone()).with_kind(self.kind);
         Ok((key, ttl, resource))
