@@ -89,6 +89,20 @@ pub async fn semaphore_barging_waiter_is_woken_by_a_release(store: &Store) {
     g.release().await.unwrap();
 }
 
+/// Two barging waiters of one locker for a permit of a semaphore of one both hear each
+/// release: the first release lets one in, and its release the other, long before its timer.
+/// Before, on etcd, a waiter whose attempt lost just before the permit was freed watched from a
+/// revision read after it, and slept on its timer.
+pub async fn semaphore_barging_waiters_hear_each_release(store: &Store) {
+    if !offered(store).await {
+        return;
+    }
+    super::locks::barging_pair_hears_each_release(store, "sem-barge2", |l: &Locker, k: &str| {
+        l.semaphore(k, 1)
+    })
+    .await;
+}
+
 /// A semaphore of 3 admits 3 holders across lockers and refuses a 4th until one releases;
 /// under contention (2 lockers × 6 tasks × 10 rounds) never more than 3 are inside.
 pub async fn semaphore_admits_at_most_permits(store: &Store) {

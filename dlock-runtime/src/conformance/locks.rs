@@ -368,6 +368,17 @@ pub async fn release_wakes_waiter(store: &Store) {
 /// first local waiter; it took the lock with no waiter's flag (nobody had failed against it
 /// yet), its release told nobody, and the other slept on its timer.
 pub async fn barging_waiters_hear_each_release(store: &Store) {
+    barging_pair_hears_each_release(store, "barge", |l: &Locker, k: &str| l.lock(k)).await;
+}
+
+/// Two barging waiters of one locker for what `take` asks of a key (a lock, a permit of a
+/// semaphore of one), behind a holder: the first release lets one in, and its release the
+/// other, within 2 s (their timers: 10 s).
+pub(super) async fn barging_pair_hears_each_release(
+    store: &Store,
+    name: &str,
+    take: for<'a> fn(&'a Locker, &str) -> crate::LockRequest<'a>,
+) {
     let backoff = if store.notifications {
         Duration::from_secs(10)
     } else {
@@ -376,9 +387,8 @@ pub async fn barging_waiters_hear_each_release(store: &Store) {
     let slow = || Locker::builder().waiter_ttl(Duration::from_secs(60));
     let a = (store.locker)(slow()).await;
     let b = (store.locker)(slow()).await;
-    let key = unique_key("barge");
-    let held = a
-        .lock(&key)
+    let key = unique_key(name);
+    let held = take(&a, &key)
         .ttl(Duration::from_secs(30))
         .acquire()
         .await
@@ -392,8 +402,7 @@ pub async fn barging_waiters_hear_each_release(store: &Store) {
                 .backoff(backoff, backoff)
                 .jitter(false)
                 .fair(false);
-            let g = b
-                .lock(&key)
+            let g = take(&b, &key)
                 .ttl(Duration::from_secs(30))
                 .on_fail(OnFail::Retry(policy))
                 .acquire()
@@ -420,7 +429,7 @@ pub async fn barging_waiters_hear_each_release(store: &Store) {
     let gap = at - released;
     assert!(
         gap < Duration::from_secs(2),
-        "{}: the second barging waiter got the lock {gap:?} after the release, backoff is \
+        "{}: the second barging waiter ({name}) got in {gap:?} after the release, backoff is \
          {backoff:?}",
         store.name
     );

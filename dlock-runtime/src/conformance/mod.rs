@@ -466,6 +466,7 @@ pub async fn run_all(store: &Store) {
     semaphore_admits_at_most_permits(store).await;
     semaphore_waiters_are_served_in_order(store).await;
     semaphore_barging_waiter_is_woken_by_a_release(store).await;
+    semaphore_barging_waiters_hear_each_release(store).await;
     semaphore_dead_holders_expire(store).await;
     rw_readers_share_writers_exclude(store).await;
     rw_waiting_writer_blocks_new_readers(store).await;
@@ -543,6 +544,7 @@ macro_rules! conformance_tests {
             semaphore_admits_at_most_permits,
             semaphore_waiters_are_served_in_order,
             semaphore_barging_waiter_is_woken_by_a_release,
+            semaphore_barging_waiters_hear_each_release,
             semaphore_dead_holders_expire,
             rw_readers_share_writers_exclude,
             rw_waiting_writer_blocks_new_readers,

@@ -36,7 +36,9 @@
 
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, KeyValue, SortOrder, SortTarget, TxnOpResponse};
+use etcd_client::{
+    EventType, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
+};
 
 use super::next_message;
 use super::pool::{call, Pool};
@@ -81,6 +83,22 @@ pub(super) fn admitted(kind: LockKind, dir_len: usize, line: &[KeyValue], own: &
         writer |= exclusive;
     }
     false
+}
+
+/// Whether a key of `kind` put now at the end of `line` (the name's keys in create-revision
+/// order) would be in its ready prefix: every key of the line fits beside those before it,
+/// and one more of `kind` beside them all.
+fn admits_one_more(kind: LockKind, dir_len: usize, line: &[KeyValue]) -> bool {
+    let (mut held, mut writer) = (0u64, false);
+    for kv in line {
+        let exclusive = is_writer(dir_len, kv.key());
+        if !fits(held, writer, exclusive, kind.capacity()) {
+            return false;
+        }
+        held += 1;
+        writer |= exclusive;
+    }
+    fits(held, writer, kind.is_exclusive(), kind.capacity())
 }
 
 /// How an attempt reads the line: a lock needs its head only, a kind every key in order.
@@ -138,22 +156,39 @@ pub(super) async fn wait_admitted(
     k: &Keys,
     timeout: Duration,
 ) -> Result<Turn, LockError> {
-    let rev = match super::own_revision(pool, k, timeout).await? {
-        Ok(rev) => rev,
-        Err(super::NoOwnKey { read, .. }) => return Ok(Turn::NoKey(read)),
-    };
-    let ahead = call(pool, timeout, "get", |c| {
+    // One transaction: the own key and the line, so that no deletion falls between the two
+    // reads unseen (a queued waiter whose key went there waited for the next one).
+    let txn = Txn::new().and_then([
+        TxnOp::get(k.own.clone(), Some(GetOptions::new().with_keys_only())),
+        TxnOp::get(
+            k.dir.clone(),
+            Some(line_options(kind, &k.end).with_keys_only()),
+        ),
+    ]);
+    let resp = call(pool, timeout, "txn", |c| {
         let mut kv = c.kv_client();
-        let options = GetOptions::new()
-            .with_range(k.end.clone())
-            .with_max_create_revision(rev - 1)
-            .with_keys_only();
-        let dir = k.dir.clone();
-        async move { kv.get(dir, Some(options)).await }
+        let txn = txn.clone();
+        async move { kv.txn(txn).await }
     })
     .await?;
-    let dir_len = k.dir.len();
-    let mut keys: Vec<Vec<u8>> = ahead.kvs().iter().map(|kv| kv.key().to_vec()).collect();
+    let read = resp.header().map_or(0, |h| h.revision());
+    let ops = resp.op_responses();
+    let (line, dir_len) = (kvs_at(&ops, 1), k.dir.len());
+    let Some(own) = kvs_at(&ops, 0).first() else {
+        // No key in the line (a barging waiter): woken at once when a key put now would be
+        // admitted — a release came between its attempt and this read (or the floor its watch
+        // was given), and a watch from the read on would wait for the next one.
+        if admits_one_more(kind, dir_len, line) {
+            return Ok(Turn::Now);
+        }
+        return Ok(Turn::NoKey(read));
+    };
+    let rev = own.create_revision();
+    let mut keys: Vec<Vec<u8>> = line
+        .iter()
+        .filter(|kv| kv.create_revision() < rev)
+        .map(|kv| kv.key().to_vec())
+        .collect();
     let fits_now = |keys: &[Vec<u8>]| {
         let writers = keys.iter().any(|key| is_writer(dir_len, key));
         let exclusive = kind.is_exclusive();
@@ -162,7 +197,7 @@ pub(super) async fn wait_admitted(
     if fits_now(&keys) {
         return Ok(Turn::Now);
     }
-    let from = ahead.header().map_or(0, |h| h.revision()) + 1;
+    let from = read + 1;
     let mut stream = super::watch_deletions(pool, &k.dir, Some(&k.end), from, timeout).await?;
     loop {
         let msg = next_message(&mut stream).await?;
