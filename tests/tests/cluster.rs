@@ -628,7 +628,6 @@ async fn a_frozen_shard_holds_up_no_other_shards_subscriptions() {
     cluster.nodes[frozen].pause();
     leaving.abort();
     assert!(leaving.await.unwrap_err().is_cancelled());
-    let started = Instant::now();
     let wait = tokio::spawn({
         let (waiter, b) = (waiter.clone(), b.clone());
         async move {
@@ -650,7 +649,6 @@ async fn a_frozen_shard_holds_up_no_other_shards_subscriptions() {
         },
     )
     .await;
-    eprintln!("queued {:?} after it asked", started.elapsed());
     release_and_hand_over(
         held_b,
         wait,

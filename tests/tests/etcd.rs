@@ -1503,3 +1503,90 @@ async fn timeouts_past_a_day_are_a_day_not_a_panic() {
     let locker = Locker::builder().build(EtcdBackend::connect(&url, opts).await.unwrap());
     dlock_tests::wait::locks_and_holds(&locker, "forever").await;
 }
+
+/// Two barging waiters (`fair(false)`) for a permit of a full semaphore wait quietly while it
+/// stays full: no attempt at all in 2 s once both wait. Before, each losing try put its key and
+/// deleted it again, and a barging waiter's watch woke it on any deletion — so the two woke
+/// each other (and each itself) for as long as the permit was taken, with two etcd writes a
+/// turn.
+#[test]
+fn barging_permit_waiters_wait_quietly_while_the_semaphore_is_full() {
+    use dlock_runtime::{Locker, OnFail, RetryPolicy};
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+    // The attempts counted since the snapshot before (a snapshot takes what it shows).
+    let attempts = |snapshot: &Snapshotter| -> u64 {
+        snapshot
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| {
+                key.key().name() == dlock_runtime::metrics::ACQUIRE_ATTEMPTS
+                    && key.key().labels().any(|l| l.value() == "barging")
+            })
+            .map(|(.., value)| match value {
+                DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum()
+    };
+    let url = etcd_server::shared().lock().unwrap().url();
+    let recorder = DebuggingRecorder::new();
+    let snapshot = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let holder = Locker::from_url(&url).await.unwrap();
+                // Waiters ask again a third of the waiter TTL after their last attempt, their
+                // entry's refresh: 20 s here.
+                let waiter = Locker::builder()
+                    .waiter_ttl(Duration::from_secs(60))
+                    .connect(&url)
+                    .await
+                    .unwrap();
+                let key = "quiet:sem";
+                let held = holder.semaphore(key, 1).acquire().await.unwrap();
+                let mut waiting = Vec::new();
+                for _ in 0..2 {
+                    let waiter = waiter.clone();
+                    waiting.push(tokio::spawn(async move {
+                        let policy = RetryPolicy::new(Duration::from_secs(30))
+                            .backoff(Duration::from_secs(10), Duration::from_secs(10))
+                            .jitter(false)
+                            .fair(false);
+                        let g = waiter
+                            .semaphore(key, 1)
+                            .name("barging")
+                            .on_fail(OnFail::Retry(policy))
+                            .acquire()
+                            .await
+                            .unwrap();
+                        g.release().await.unwrap();
+                    }));
+                }
+                dlock_tests::wait::wait_for("both waiters", Duration::from_secs(5), async || {
+                    (waiter.waiting() == 2).then_some(())
+                })
+                .await;
+                // Their attempts so far (each: the first, and the one after it subscribed) and
+                // the wake-ups those caused settle; then 2 s with the semaphore still full —
+                // the span over which attempts are counted, not a synchronisation.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let before = attempts(&snapshot);
+                assert!(before >= 4, "{before} attempts before the quiet span");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let quiet = attempts(&snapshot);
+                assert_eq!(
+                    quiet, 0,
+                    "{quiet} attempts of two waiters in 2 s while the semaphore stayed full"
+                );
+                held.release().await.unwrap();
+                for w in waiting {
+                    w.await.unwrap();
+                }
+            })
+    });
+}

@@ -88,10 +88,10 @@ pub(super) fn admitted(kind: LockKind, dir_len: usize, line: &[KeyValue], own: &
 /// Whether a key of `kind` put now at the end of `line` (the name's keys in create-revision
 /// order) would be in its ready prefix: every key of the line fits beside those before it,
 /// and one more of `kind` beside them all.
-fn admits_one_more(kind: LockKind, dir_len: usize, line: &[KeyValue]) -> bool {
+fn admits_one_more(kind: LockKind, dir_len: usize, line: &[Vec<u8>]) -> bool {
     let (mut held, mut writer) = (0u64, false);
-    for kv in line {
-        let exclusive = is_writer(dir_len, kv.key());
+    for key in line {
+        let exclusive = is_writer(dir_len, key);
         if !fits(held, writer, exclusive, kind.capacity()) {
             return false;
         }
@@ -148,8 +148,8 @@ impl EtcdBackend {
 }
 
 /// Returns [`Turn::Now`] once the own key fits beside the keys ahead of it or is deleted (the
-/// waiter must ask again), or [`Turn::NoKey`] when there is none (a barging waiter); the watch
-/// loop of a permit's or hold's waiter (see the module docs).
+/// waiter must ask again), or — when it has none (a barging waiter) — once a key put then would
+/// fit; the watch loop of a permit's or hold's waiter (see the module docs).
 pub(super) async fn wait_admitted(
     pool: &Pool,
     kind: LockKind,
@@ -177,11 +177,32 @@ pub(super) async fn wait_admitted(
     let Some(own) = kvs_at(&ops, 0).first() else {
         // No key in the line (a barging waiter): woken at once when a key put now would be
         // admitted — a release came between its attempt and this read (or the floor its watch
-        // was given), and a watch from the read on would wait for the next one.
-        if admits_one_more(kind, dir_len, line) {
+        // was given), and a watch from the read on would wait for the next one. Else woken
+        // when a deletion makes room in the line as read here, not on any deletion: a barging
+        // try that loses puts its key and deletes it again, and waking on that deletion had
+        // two barging waiters wake each other (and one itself) for as long as the line was
+        // full, with two writes a turn.
+        let mut keys: Vec<Vec<u8>> = line.iter().map(|kv| kv.key().to_vec()).collect();
+        if admits_one_more(kind, dir_len, &keys) {
             return Ok(Turn::Now);
         }
-        return Ok(Turn::NoKey(read));
+        let mut stream =
+            super::watch_deletions(pool, &k.dir, Some(&k.end), read + 1, timeout).await?;
+        loop {
+            let msg = next_message(&mut stream).await?;
+            for e in msg.events() {
+                if e.event_type() == EventType::Delete {
+                    if let Some(key) = e.kv().map(KeyValue::key) {
+                        keys.retain(|a| a.as_slice() != key);
+                    }
+                }
+            }
+            // A key put after the read is not in `keys`: room seen here may be gone, and the
+            // attempt then finds the line full and watches again from a new read.
+            if admits_one_more(kind, dir_len, &keys) {
+                return Ok(Turn::Now);
+            }
+        }
     };
     let rev = own.create_revision();
     let mut keys: Vec<Vec<u8>> = line

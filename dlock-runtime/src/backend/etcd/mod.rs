@@ -213,7 +213,13 @@ pub struct EtcdOptions {
     user: Option<(String, String)>,
     tls_ca: Option<std::path::PathBuf>,
     tls_identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    keep_alive: Duration,
 }
+
+/// How often an HTTP/2 ping goes to a member while streams are open, by default. etcd refuses
+/// pings closer together than its `--grpc-keepalive-min-time` (5 s by default) and, after a
+/// few, resets the connection — every watch and lease keepalive stream on it.
+const KEEP_ALIVE: Duration = Duration::from_secs(6);
 
 impl Default for EtcdOptions {
     fn default() -> Self {
@@ -224,6 +230,7 @@ impl Default for EtcdOptions {
             user: None,
             tls_ca: None,
             tls_identity: None,
+            keep_alive: KEEP_ALIVE,
         }
     }
 }
@@ -237,11 +244,25 @@ impl fmt::Debug for EtcdOptions {
             .field("user", &self.user.as_ref().map(|(u, _)| u))
             .field("tls_ca", &self.tls_ca)
             .field("tls_identity", &self.tls_identity.as_ref().map(|(c, _)| c))
+            .field("keep_alive", &self.keep_alive)
             .finish_non_exhaustive()
     }
 }
 
 impl EtcdOptions {
+    /// How often a member is pinged (HTTP/2) while a watch or lease keepalive stream is open to
+    /// it; one that does not answer within 1 s is taken for dead, and its streams are opened
+    /// again on another member. Default 6 s: a member frozen (or cut off) under a waiter's
+    /// watch is left within 7 s — requests, hedged on another member after a fifth of the
+    /// command timeout, do not wait for it. Lower it only together with the servers'
+    /// `--grpc-keepalive-min-time` (5 s by default): etcd resets a connection that pings more
+    /// often, and with it every watch on it (waiters then ask again at each reset, about every
+    /// 2 s). Clamped to 100 ms – 1 h.
+    pub fn keep_alive(mut self, interval: Duration) -> Self {
+        self.keep_alive = interval.clamp(Duration::from_millis(100), Duration::from_secs(3600));
+        self
+    }
+
     /// How long one request to etcd may take before it fails with
     /// [`LockError::Unavailable`].
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
@@ -508,8 +529,11 @@ impl EtcdBackend {
         // second timer and a `grpc-timeout` header per request cost the client 2 % of a lock.
         let mut connect = ConnectOptions::new()
             .with_connect_timeout(opts.connect_timeout)
-            // A frozen member's connection is found dead (and left out) within 1.5 s.
-            .with_keep_alive(Duration::from_millis(500), Duration::from_secs(1))
+            // A frozen member's connection is found dead (and left out) within the interval
+            // and 1 s (see `EtcdOptions::keep_alive`: etcd resets a connection pinged more
+            // often than its minimum, 5 s by default — it was pinged every 500 ms, and every
+            // watch died about every 2 s).
+            .with_keep_alive(opts.keep_alive, Duration::from_secs(1))
             .with_require_leader(true);
         if let Some((u, p)) = &opts.user {
             // etcd's tokens expire (5 min by default): fetch a new one when one does.

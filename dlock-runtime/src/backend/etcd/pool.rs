@@ -55,7 +55,7 @@ const MAX_TRIES: usize = 3;
 
 /// The clients, one per member.
 pub(super) struct Pool {
-    members: Vec<Member>,
+    members: Vec<Arc<Member>>,
     suspect_until: Mutex<Vec<Option<Instant>>>,
     next: AtomicUsize,
 }
@@ -72,6 +72,8 @@ pub(super) struct Member {
     reconnecting: tokio::sync::Mutex<()>,
     /// How many times the client was made anew.
     reconnects: AtomicU64,
+    /// A check of the connection ([`Member::check_silent`]) is under way.
+    checking: AtomicBool,
 }
 
 /// A client, and whether the runtime its channel's tasks run on shut down.
@@ -122,7 +124,51 @@ impl Member {
             conn: RwLock::new(Conn::watched(client)),
             reconnecting: tokio::sync::Mutex::new(()),
             reconnects: AtomicU64::new(0),
+            checking: AtomicBool::new(false),
         })
+    }
+
+    /// After a try went unanswered: asks the member's status on its connection within
+    /// `limit`; unanswered there, on a new connection too — and if the member answers on that
+    /// one, it replaces the old, which had gone silent (a NAT or load balancer that forgot it,
+    /// a partition that healed: no reset, no close, every request on it timing out). The
+    /// streams on the old one (watches, lease keepalives) break with it and are opened again
+    /// on the new one. A member that answers on neither (frozen, down) keeps its connection:
+    /// tonic reconnects it when it comes back. Its HTTP/2 pings would find a silent connection
+    /// too, but only within `EtcdOptions::keep_alive` and a second (7 s by default) — longer
+    /// than a short lease; they cannot be more frequent than etcd allows. One check at a time.
+    pub(super) async fn check_silent(self: Arc<Self>, limit: Duration) {
+        if self.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let status = |client: &Client| {
+            let mut m = client.maintenance_client();
+            async move { m.status().await }
+        };
+        let on_old = self.with_live(status);
+        let silent = match on_old {
+            // Dead (its runtime shut down): made anew on its next use anyway.
+            None => false,
+            Some(asked) => tokio::time::timeout(limit, asked).await.is_err(),
+        };
+        if silent {
+            let connect = Client::connect([self.endpoint.as_str()], Some(self.options.clone()));
+            if let Ok(Ok(client)) = tokio::time::timeout(self.connect_timeout, connect).await {
+                if let Ok(Ok(_)) = tokio::time::timeout(limit, status(&client)).await {
+                    let old = std::mem::replace(
+                        &mut *self.conn.write().unwrap_or_else(PoisonError::into_inner),
+                        Conn::watched(client),
+                    );
+                    drop(old);
+                    self.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        endpoint = %self.endpoint,
+                        "etcd: this member's connection went silent; it was replaced"
+                    );
+                }
+            }
+        }
+        self.checking.store(false, Ordering::Release);
     }
 
     /// `f` of the client, unless the client is dead (`None`).
@@ -195,7 +241,7 @@ impl Pool {
     pub(super) fn new(members: Vec<Member>) -> Self {
         let n = members.len();
         Pool {
-            members,
+            members: members.into_iter().map(Arc::new).collect(),
             suspect_until: Mutex::new(vec![None; n]),
             next: AtomicUsize::new(0),
         }
@@ -347,6 +393,10 @@ pub(super) async fn call_tracked<T, F: Future<Output = Result<T, etcd_client::Er
                 for &(i, at) in &pending {
                     if now - at >= hedge_after {
                         pool.suspect(i);
+                        // Its connection may have gone silent: checked aside (once at a time).
+                        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                            rt.spawn(pool.members[i].clone().check_silent(timeout));
+                        }
                     }
                 }
                 if pending.len() < MAX_TRIES {
