@@ -233,7 +233,9 @@ impl IdempotencyRequest<'_> {
     /// releases the lock on a connection of its own and `WAIT`s there: when fewer acknowledge
     /// it, it answers [`LockError::Unavailable`] — the record is on the master, but a failover
     /// before it reached a replica would lose it, and a retry would then run the operation
-    /// again. Backends without replicas answer [`LockError::Unsupported`] at `begin`.
+    /// again. Backends without replicas answer [`LockError::Unsupported`] at a `begin` that
+    /// would run the operation (a replay, a mismatch or an attempt in progress is answered as
+    /// usual).
     pub fn replicas(mut self, n: u32) -> Self {
         self.replicas = Some(n);
         self

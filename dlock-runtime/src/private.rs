@@ -217,7 +217,9 @@ where
     let mut fresh: Vec<LockKey> = Vec::new();
     for key in keys {
         match crate::context::reentered(locker.id(), &key, spec.kind) {
-            Some((_, probe)) if !probe.is_held() => return Err(LockError::lost(key.as_str())),
+            Some((_, probe)) if !probe.is_held() => {
+                return Err(counted(LockError::lost(key.as_str())))
+            }
             Some((_, probe)) => {
                 shown.push(probe.clone());
                 if spec.cancel_on_lost {
@@ -335,14 +337,16 @@ where
     F::Output: Send + 'static,
 {
     let locker = locker?;
-    let key = key.inspect_err(|e| {
+    let counted = |e: LockError| {
         locker
             .labels(spec.name)
-            .finished(Err(e), std::time::Instant::now())
-    })?;
+            .finished(Err(&e), std::time::Instant::now());
+        e
+    };
+    let key = key.map_err(counted)?;
     if let Some((_, probe)) = crate::context::reentered(locker.id(), &key, spec.kind) {
         if !probe.is_held() {
-            return Err(LockError::lost(key.as_str()));
+            return Err(counted(LockError::lost(key.as_str())));
         }
         return Ok(crate::context::scope_nested(&[probe], locker.id(), Vec::new(), body).await);
     }

@@ -1620,15 +1620,16 @@ mod tests {
     /// (a job meant to run once per hold ran twice).
     #[tokio::test]
     async fn a_lock_given_back_after_a_loss_keeps_its_minimum_hold() {
-        // The local lease is 40 % of the TTL (400 ms); the renewal due at 133 ms is answered
-        // 400 ms later, after the loss was reported, and the lock it renewed is given back.
+        // The local lease is 40 % of the TTL (800 ms); the renewal due at 267 ms is answered
+        // 700 ms later, after the loss was reported, and the lock it renewed is given back
+        // about a second before the hold ends.
         let backend = Arc::new(Hooked {
-            late: Duration::from_millis(400),
+            late: Duration::from_millis(700),
             margin_pct: 60,
             ..Hooked::default()
         });
         let locker = Locker::builder().build(backend.clone());
-        let hold = Duration::from_secs(1);
+        let hold = Duration::from_secs(2);
         let taken = Instant::now();
         let guard = locker
             .lock("held")

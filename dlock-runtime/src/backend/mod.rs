@@ -89,7 +89,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -582,6 +582,9 @@ struct Slot {
     notify: Notify,
     /// The fencing token of a lock handed to this waiter by a release (0: none).
     handoff: AtomicU64,
+    /// The waiter barges (not in a fair line): a release nobody was queued for wakes it with
+    /// every other barging waiter ([`ReleaseHub::notify`]).
+    barging: AtomicBool,
 }
 
 /// A registered waiter: resolves [`notified`](Watch::notified) when it is this waiter's turn.
@@ -612,6 +615,11 @@ impl Watch {
     /// Waits for a notification. A notification that arrived before this call is not lost.
     pub async fn notified(&self) {
         self.slot.notify.notified().await;
+    }
+
+    /// Marks the waiter as barging (see [`ReleaseHub::notify`]).
+    pub(crate) fn set_barging(&self) {
+        self.slot.barging.store(true, Ordering::Release);
     }
 
     /// Takes a notification that has arrived and not yet been waited for, without waiting:
@@ -656,8 +664,8 @@ impl Drop for Watch {
 }
 
 /// The local side of release notifications: resource name → this process's waiters. A
-/// backend feeds it release events ([`ReleaseHub::notify`]); it wakes exactly one local waiter
-/// per event. Shared by the memory, Redis and Postgres backends.
+/// backend feeds it release events ([`ReleaseHub::notify`]); it wakes the local waiter an
+/// event names, or the barging ones. Shared by the memory, Redis and Postgres backends.
 #[derive(Debug, Default)]
 pub struct ReleaseHub {
     keys: Mutex<WaiterMap>,
@@ -717,10 +725,12 @@ impl ReleaseHub {
     }
 
     /// A release of `resource` happened. `next` names the waiter whose turn it is (fair
-    /// queue); `None` means nobody is queued, and every local (barging) waiter is woken to try
-    /// again. Not only the first: the one that wins takes the lock without a waiter's flag (it
-    /// failed against nobody), and its release would tell nobody — the others, asleep on their
-    /// timers, heard of it up to a backoff step (about 1 s) late, on every release.
+    /// queue); `None` means nobody is queued, and every local barging waiter is woken to try
+    /// again (the first local waiter when none is marked barging). Every one, not only the
+    /// first: the one that wins takes the lock without a waiter's flag (it failed against
+    /// nobody), and its release would tell nobody — the others, asleep on their timers, heard
+    /// of it up to a backoff step (about 1 s) late, on every release. Waiters in a fair line
+    /// are not woken by it: their turn is named.
     pub fn notify(&self, resource: &str, next: Option<&str>) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(list) = keys.get(resource) else {
@@ -733,7 +743,16 @@ impl ReleaseHub {
                 }
             }
             None => {
-                for (_, n) in list {
+                let mut barging = list
+                    .iter()
+                    .filter(|(_, n)| n.barging.load(Ordering::Acquire))
+                    .peekable();
+                if barging.peek().is_none() {
+                    if let Some((_, n)) = list.first() {
+                        n.notify.notify_one();
+                    }
+                }
+                for (_, n) in barging {
                     n.notify.notify_one();
                 }
             }

@@ -745,6 +745,9 @@ async fn wait_for(
                 // as below.
                 let watched = locker.backend().watch(flight.resource(), flight.token());
                 if let Ok(w) = locker.with_deadline("subscribe", watched).await {
+                    if !fifo {
+                        w.set_barging();
+                    }
                     watch = Some(w);
                 }
             }
@@ -804,7 +807,12 @@ async fn wait_for(
                     )
                     .await;
                 match subscribed {
-                    Ok(w) => watch = Some(w),
+                    Ok(w) => {
+                        if !fifo {
+                            w.set_barging();
+                        }
+                        watch = Some(w);
+                    }
                     Err(err) => {
                         outage_pause(outage(err, step, false)?, watch.as_ref()).await;
                         step = step.saturating_add(1);

@@ -244,11 +244,16 @@ mod tests {
             w1.notified().now_or_never().is_none(),
             "only the named waiter"
         );
-        // A barging wake-up names nobody: every local waiter.
+        // A barging wake-up names nobody: the first local waiter when none barges ...
         deliver(&hub, &format!("{}\t", res.as_str()));
         assert!(w1.notified().now_or_never().is_some());
-        assert!(w2.notified().now_or_never().is_some());
+        assert!(w2.notified().now_or_never().is_none());
         assert_eq!(w1.take_handoff(), None);
+        // ... else every barging one, and no other.
+        w2.set_barging();
+        deliver(&hub, &format!("{}\t", res.as_str()));
+        assert!(w2.notified().now_or_never().is_some());
+        assert!(w1.notified().now_or_never().is_none());
         // Another lock's release, or garbage, wakes nobody.
         deliver(&hub, "p:{other}\tx\t1");
         deliver(&hub, "garbage");

@@ -1247,8 +1247,11 @@ async fn resubscribe(inner: Weak<Inner>, resource: String) {
                 return;
             }
             // A later try, and a waiter subscribed it meanwhile (or a new connection's round
-            // did): done.
+            // did): done — the waiters re-check, as releases were missed until then.
             if !first && subscribed.contains(&channel) {
+                drop(subscribed);
+                drop(turn);
+                me.hub.notify_all();
                 return;
             }
             me.subs_epoch.load(Ordering::Acquire)
@@ -1497,29 +1500,41 @@ async fn resubscribe_after_disconnection(inner: Weak<Inner>, mut running: Runnin
             continue;
         }
         let limit = me.opts.command_timeout;
+        let inner_ref = &me;
         let asks = pending.drain().map(|channel| {
-            let mut conn = me.conn.clone();
+            let mut conn = inner_ref.conn.clone();
             async move {
+                // In the channel's turn, noted before an unsubscribe's answer is in: one that
+                // went out first could land after this subscription.
+                let turn = inner_ref.channel_turn(&channel).await;
+                let epoch = inner_ref.subs_epoch.load(Ordering::Acquire);
                 let ok = matches!(
                     tokio::time::timeout(limit, conn.subscribe(&channel)).await,
                     Ok(Ok(()))
                 );
-                (channel, ok)
+                let mut subscribed = inner_ref.subscribed.lock().await;
+                let heard = if !ok || inner_ref.subs_epoch.load(Ordering::Acquire) != epoch {
+                    // Not answered, or the set was emptied for a new connection meanwhile
+                    // (this subscription may have gone to the one before): asked again.
+                    false
+                } else {
+                    // (A channel whose waiters left meanwhile is not kept: a later waiter
+                    // subscribes.)
+                    wanted(&channel) && subscribed.insert(channel.clone())
+                };
+                let again = !ok || inner_ref.subs_epoch.load(Ordering::Acquire) != epoch;
+                drop(subscribed);
+                drop(turn);
+                (channel, again, heard)
             }
         });
         let answers = futures_util::future::join_all(asks).await;
         let mut heard = false;
-        {
-            let mut subscribed = me.subscribed.lock().await;
-            for (channel, ok) in answers {
-                if !ok {
-                    pending.insert(channel);
-                } else if wanted(&channel) && subscribed.insert(channel) {
-                    // (A channel whose waiters left meanwhile is not kept: its unsubscribe
-                    // may have gone out before this subscription; a later waiter subscribes.)
-                    heard = true;
-                }
+        for (channel, again, noted) in answers {
+            if again {
+                pending.insert(channel);
             }
+            heard |= noted;
         }
         if heard {
             me.hub.notify_all();
@@ -1887,7 +1902,21 @@ impl RedisBackend {
         let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
         // A timeout has this connection checked, not the backend's own.
         let on = conn.clone();
-        let answer: T = self.deadline_on(&on, what, call.invoke(&mut conn)).await?;
+        let mut sent = Sent::new(&on);
+        let mut answered = call.invoke::<T>(&mut conn).await;
+        // Never sent (a cluster connection whose runtime shut down as it was sent): once more,
+        // on the connection made in its place, as `run_granting` does. One whose answer was
+        // lost is not sent again: it may have run.
+        if let Err(e) = &answered {
+            if conn.never_sent(e) {
+                answered = call.invoke::<T>(&mut conn).await;
+            }
+        }
+        sent.answered();
+        let answer = answered.map_err(|e| {
+            on.failed(&e);
+            redis_err(what, e)
+        })?;
         let wait = self.inner.opts.command_timeout * 3 / 4;
         let acked = conn::wait_replicas(&mut conn, resource.key().as_str(), replicas, wait);
         let acked = self.deadline_on(&on, "wait for replicas", acked).await?;
