@@ -335,7 +335,7 @@ async fn a_service_error_releases_the_lock_with_cancel_on_lost() {
         .await
         .expect("released when the error was returned");
     next.release().await.unwrap();
-    drop(answered);
+    // (`answered`, pinned on this stack, lives to here.)
 }
 
 /// With the backend down, fail-closed answers 503 + Retry-After and fail-open calls the
