@@ -132,11 +132,21 @@ impl BackendKind {
         BackendKind::Sentinel,
     ];
 
-    /// Whether it is a consensus store (`etcd`, `zookeeper`): a lock on it survives every
-    /// store fault, so any overlap of two holders not explained by a frozen holder fails the
-    /// run (see [`PhaseReport::overlaps_unpaused`](crate::report::PhaseReport)).
-    pub(crate) fn consensus(self) -> bool {
-        matches!(self, BackendKind::Etcd | BackendKind::Zookeeper)
+    /// The fault kinds that lose locks on the lock servers themselves: a standalone Redis
+    /// restarted empty (Redlock: one node of five, so that a majority may be had twice), a
+    /// Redis master killed or frozen whose promoted replica missed the latest writes
+    /// (replication is asynchronous). An overlap of two live holders charged to one of them is
+    /// expected of the backend; under any other fault, or before the first, it fails the run
+    /// (see [`PhaseReport::overlaps_unpaused`](crate::report::PhaseReport)). PostgreSQL keeps
+    /// its locks through a restart, and a consensus store (`etcd`, `zookeeper`) through every
+    /// store fault.
+    pub(crate) fn lossy_faults(self) -> &'static [FaultKind] {
+        use FaultKind::*;
+        match self {
+            BackendKind::Redis | BackendKind::Redlock => &[Restart],
+            BackendKind::Cluster | BackendKind::Sentinel => &[MasterKill, MasterPause],
+            BackendKind::Postgres | BackendKind::Etcd | BackendKind::Zookeeper => &[],
+        }
     }
 
     /// How long after its last renewal a holder's (or waiter's) key of a lease of `ttl` may

@@ -17,9 +17,10 @@
 //!   timeout before the section's own entry (a process frozen while its lock was being granted
 //!   enters only when it wakes, once the acquire's answer is read). The holder outlived its lease, which no lease can prevent and fencing
 //!   makes harmless. Every other overlap (`overlaps_unpaused`) means the lock service itself let two
-//!   holders in — allowed of Redis under a failover (asynchronous replication), never of a
-//!   consensus store, where it fails the run; each is charged to the latest fault that
-//!   started before the second writer entered.
+//!   holders in (a live section ends a margin before its lease does: see the worker); each is
+//!   charged to the latest fault that started before the second writer entered. It is expected
+//!   only under a fault that loses locks on the server (a Redis restarted empty, a failover:
+//!   `BackendKind::lossy_faults`), and fails the run otherwise, on every backend.
 //! * **stale write rejected** (`stale_writes_rejected`): a write refused by the token check
 //!   (`w`). `stale_reads_rejected` likewise for reads (`b`). `would_be_lost_updates`: refused
 //!   writes whose read was no longer current — each one a lost update that fencing prevented.
@@ -109,8 +110,10 @@ pub(crate) struct PhaseReport {
     pub(crate) max_stall: Stall,
     /// The backend's liveness bound (ms): `max_stall.after_ms` must not exceed it.
     pub(crate) stall_bound_ms: u64,
-    /// A consensus store's phase: `overlaps_unpaused` must be 0.
-    pub(crate) consensus: bool,
+    /// Of `overlaps_unpaused`, those charged to a fault that loses locks on the server
+    /// ([`BackendKind::lossy_faults`](crate::config::BackendKind::lossy_faults)): expected.
+    /// The rest, less `overlaps_server_bug`, must be 0.
+    pub(crate) overlaps_lossy: u64,
     /// Per fault: the stalls charged to it.
     pub(crate) fault_stalls: Vec<Stall>,
     /// Pause faults injected.
@@ -125,6 +128,9 @@ pub(crate) struct PhaseReport {
     pub(crate) queues_left: u64,
     /// Worker processes that exited on their own, unexpectedly.
     pub(crate) worker_crashes: u64,
+    /// Faults after which some key made no progress within the liveness bound and 5 s (must
+    /// be 0).
+    pub(crate) unrecovered: u64,
     /// Sum of the workers' client-side counters (workers that were killed are missing).
     pub(crate) client: HashMap<String, u64>,
 }

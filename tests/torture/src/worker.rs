@@ -12,6 +12,14 @@
 //!    lengthens it back to the full TTL — never beyond, so the liveness bound still holds. A
 //!    failed extend is treated like a loss (outcome `abort`);
 //! 4. check `guard.is_held()` one last time (outcome `abort` if not);
+//!
+//!    A section also keeps a **margin** of its lease: the longest commit window plus
+//!    [`END_SLACK`] (a fifth of the TTL if less). One acquired with less left is released unread (`short_leases`); one whose
+//!    lease comes within the margin of its end while it works (renewals failing), or at the last
+//!    check, ends as `abort` (`margin_aborts`, counted in `lost_aborts` too). A live section then ends — its write and its
+//!    end record on the resource — before its lease, and an overlap of two live holders is the
+//!    lock service's doing: it fails the run, except under a fault that loses locks on the
+//!    server (see the coordinator's report);
 //! 5. the **commit window**: the write is on its way to the resource (a few ms, modelling
 //!    serialisation and the network). Nothing can check the lock any more: a process frozen
 //!    here (GC pause, SIGSTOP) sends its write right after it wakes, without knowing it slept.
@@ -147,6 +155,8 @@ struct Stats {
     extend_shorter: AtomicU64,
     extend_longer: AtomicU64,
     extend_failed: AtomicU64,
+    short_leases: AtomicU64,
+    margin_aborts: AtomicU64,
     /// Acquire error messages (digits stripped) and how often each was seen.
     errors: std::sync::Mutex<BTreeMap<String, u64>>,
 }
@@ -157,7 +167,8 @@ impl Stats {
         format!(
             "worker id={id} acquired={} cs={} fenced_reads={} fenced_writes={} lost_aborts={} \
              acquire_unavailable={} acquire_timeout={} acquire_other={} release_lost={} \
-             release_err={} resource_err={} extend_shorter={} extend_longer={} extend_failed={}",
+             release_err={} resource_err={} extend_shorter={} extend_longer={} extend_failed={} \
+             short_leases={} margin_aborts={}",
             g(&self.acquired),
             g(&self.cs_ok),
             g(&self.fenced_reads),
@@ -172,6 +183,8 @@ impl Stats {
             g(&self.extend_shorter),
             g(&self.extend_longer),
             g(&self.extend_failed),
+            g(&self.short_leases),
+            g(&self.margin_aborts),
         )
     }
 }
@@ -313,6 +326,10 @@ impl Trace {
     }
 }
 
+/// Of a section's lease margin, beyond its longest commit window: time for its write and its
+/// end record to reach the resource — this, or a fifth of the TTL if less.
+const END_SLACK: Duration = Duration::from_millis(200);
+
 struct Task {
     trace: Arc<Trace>,
     cfg: WorkerConfig,
@@ -329,6 +346,7 @@ impl Task {
         let pid = std::process::id();
         let ttl = Duration::from_millis(self.cfg.ttl_ms);
         let wait = Duration::from_millis(self.cfg.wait_ms);
+        let margin = Duration::from_millis(self.cfg.commit_ms.1) + END_SLACK.min(ttl / 5);
         let mut stop = self.stop.clone();
         while !*self.stop.borrow() {
             let key = format!("k{}", self.rng.below(u64::from(self.cfg.keys)));
@@ -376,6 +394,11 @@ impl Task {
             let token = guard.fencing_token();
             (self.trace).line(&self.writer, &key, format_args!("acquired {token}"));
             let w = self.writer.as_str();
+            if guard.remaining() < margin {
+                self.stats.short_leases.fetch_add(1, Ordering::Relaxed);
+                self.release(guard).await;
+                continue;
+            }
 
             // Fenced read.
             let read = match self.resource.begin(&key, token, w, pid).await {
@@ -400,8 +423,16 @@ impl Task {
                     biased;
                     _ = guard.lost() => true,
                     _ = tokio::time::sleep(work) => false,
+                    _ = tokio::time::sleep(guard.remaining().saturating_sub(margin)) => {
+                        self.stats.margin_aborts.fetch_add(1, Ordering::Relaxed);
+                        true
+                    }
                 };
-            if lost || !guard.is_held() {
+            let short = !lost && guard.is_held() && guard.remaining() < margin;
+            if short {
+                self.stats.margin_aborts.fetch_add(1, Ordering::Relaxed);
+            }
+            if lost || short || !guard.is_held() {
                 self.stats.lost_aborts.fetch_add(1, Ordering::Relaxed);
                 self.end(&key, token, "abort").await;
                 self.release(guard).await;
