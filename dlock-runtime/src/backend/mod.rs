@@ -574,6 +574,33 @@ impl IntoBackend for Box<dyn Backend> {
 /// unsubscribes then).
 pub type OnLastWaiter = Box<dyn Fn(&str) + Send + Sync>;
 
+/// Background watch tasks of a backend's waiters, by (resource, owner token), each with what
+/// the backend keeps beside its task.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) type WatchTasks<V> = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), V>>>;
+
+/// An [`OnLastWaiter`] that aborts the watch tasks of the resource's waiters that are gone.
+/// Only those: it runs after the hub let go of its lock, and a waiter that registered since
+/// (its task spawned, or being spawned) is waiting again and keeps its task — aborted, it
+/// would wake only on its fallback timer.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) fn abort_gone_watch_tasks<V: Send + 'static>(
+    tasks: WatchTasks<V>,
+    hub: Arc<ReleaseHub>,
+    task: fn(&V) -> &tokio::task::AbortHandle,
+) -> OnLastWaiter {
+    Box::new(move |res: &str| {
+        let mut w = tasks.lock().unwrap_or_else(PoisonError::into_inner);
+        w.retain(|(r, t), v| {
+            let keep = &**r != res || hub.is_waiting(res, t);
+            if !keep {
+                task(v).abort();
+            }
+            keep
+        });
+    })
+}
+
 type WaiterMap = HashMap<Arc<str>, Vec<(OwnerToken, Arc<Slot>)>>;
 
 /// One registered waiter's mailbox.
@@ -814,6 +841,38 @@ impl ReleaseHub {
 mod tests {
     use super::*;
     use crate::LockKey;
+
+    /// The last waiter of a resource leaves; before its `on_last` runs, a new waiter
+    /// registers and spawns its watch task. `on_last` aborts the task of the waiter that left,
+    /// never the new one's (aborted, the new waiter would wake only on its fallback timer).
+    #[cfg(any(feature = "etcd", feature = "zookeeper"))]
+    #[tokio::test]
+    async fn the_last_waiters_cleanup_spares_a_waiter_that_came_since() {
+        let hub = ReleaseHub::new();
+        let tasks: WatchTasks<tokio::task::AbortHandle> = Arc::default();
+        let res = ResourceName::new("p", LockKey::new("k").unwrap());
+        let (gone, new) = (OwnerToken::generate(), OwnerToken::generate());
+        let on_last = abort_gone_watch_tasks(tasks.clone(), hub.clone(), |h| h);
+        let pending = || tokio::spawn(std::future::pending::<()>());
+        let (gone_task, new_task) = (pending(), pending());
+        let (_watch, _) = hub.register(&res, &new, None);
+        {
+            let mut w = tasks.lock().unwrap();
+            w.insert((res.shared(), gone.clone()), gone_task.abort_handle());
+            w.insert((res.shared(), new.clone()), new_task.abort_handle());
+        }
+        on_last(res.as_str());
+        assert!(gone_task.await.unwrap_err().is_cancelled());
+        tokio::task::yield_now().await;
+        assert!(!new_task.is_finished());
+        let left: Vec<_> = tasks
+            .lock()
+            .unwrap()
+            .keys()
+            .map(|(_, t)| t.clone())
+            .collect();
+        assert_eq!(left, [new]);
+    }
 
     #[tokio::test]
     async fn a_send_mark_sealed_before_the_send_keeps_the_attempt_unsent() {

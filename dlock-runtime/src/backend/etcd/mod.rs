@@ -366,7 +366,7 @@ impl TlsFiles {
 }
 
 /// Background watch tasks, by (resource, owner token), with the own key each watches for.
-type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (AbortHandle, Vec<u8>)>>>;
+type Watchers = super::WatchTasks<(AbortHandle, Vec<u8>)>;
 
 /// The leases an acquisition's attempts put its key on, by (resource, owner token): what
 /// [`Backend::abandon`] revokes so that an attempt still in flight cannot put the key back.
@@ -1594,17 +1594,8 @@ impl Backend for EtcdBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            let watchers = self.watchers.clone();
-            let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
-                let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
-                w.retain(|(r, _), (h, _)| {
-                    let keep = &**r != res;
-                    if !keep {
-                        h.abort();
-                    }
-                    keep
-                });
-            });
+            let on_last =
+                super::abort_gone_watch_tasks(self.watchers.clone(), self.hub.clone(), |v| &v.0);
             let (watch, _first) = self.hub.register(resource, token, Some(on_last));
             // The task reads the line once it runs, after this returned: a waiter with no key
             // in it (barging) would miss a release made before that read.

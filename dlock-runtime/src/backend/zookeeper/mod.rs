@@ -728,10 +728,9 @@ struct Own {
     version: i32,
 }
 
-/// Predecessor watch tasks by (resource, owner token), with the predecessor's name.
 /// Each queued (or barging) waiter's watch task: by lock and owner token, the node it watches,
 /// the session it watches on, and the task.
-type Watchers = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), (String, i64, AbortHandle)>>>;
+type Watchers = super::WatchTasks<(String, i64, AbortHandle)>;
 
 /// Abandons that got no answer (no server, or no answer in time): each attempt's node
 /// directory, by lock and owner token. The `create` of the attempt they undo may still be
@@ -1873,17 +1872,8 @@ impl Backend for ZkBackend {
         token: &'a OwnerToken,
     ) -> BoxFuture<'a, Result<Watch, LockError>> {
         Box::pin(async move {
-            let watchers = self.watchers.clone();
-            let on_last: super::OnLastWaiter = Box::new(move |res: &str| {
-                let mut w = watchers.lock().unwrap_or_else(PoisonError::into_inner);
-                w.retain(|(r, _), (_, _, h)| {
-                    let keep = &**r != res;
-                    if !keep {
-                        h.abort();
-                    }
-                    keep
-                });
-            });
+            let on_last =
+                super::abort_gone_watch_tasks(self.watchers.clone(), self.hub.clone(), |v| &v.2);
             let (watch, _first) = self.hub.register(resource, token, Some(on_last));
             Ok(watch)
         })
