@@ -1383,6 +1383,122 @@ async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_k
     assert!(names().await.is_empty());
 }
 
+/// A barging waiter's attempt whose first try went a slow way — answered "held" through a
+/// hedge — is still on its way when the waiter asks again (registered again, with a new value)
+/// and when the holder releases: it lands on the empty line, a key at the waiter's name that
+/// nobody wants, at the head of the line, on the session that the locker's other renewed
+/// locks of its TTL class keep alive. The locker deletes it (its prunings know every value its
+/// puts may have written), and the lock is free again for others within about a second.
+/// (Pruned by the latest value alone, it stayed for as long as the session lived: the lock
+/// was held by nobody for as long as the locker held any other lock of the class.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_renewed_as;
+    use etcd_client::{Client, EventType, WatchOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let (slow, fast) = slow_and_fast().await;
+    // Tries hedged after 400 ms.
+    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
+    let b = locker(&member).await;
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let run = dlock_runtime::conformance::unique_key("late-barging-put");
+    let ttl = Duration::from_secs(1);
+    // Keeps the session of the class alive: renewed by its watchdog.
+    let keep = a
+        .lock(format!("{run}-keep"))
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
+    let key = format!("{run}-r");
+    let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+    let dir = lock_dir(&a, &key);
+    let token = OwnerToken::generate();
+    let mut events = None;
+    for i in 0..10 {
+        let held = b.lock(&key).ttl(ttl).acquire().await.unwrap();
+        slow.hold();
+        let started = Instant::now();
+        let first = attempt_renewed_as(&a, &resource, &token, WaitMode::Barge, ttl)
+            .await
+            .unwrap();
+        assert!(matches!(first, Attempt::Held { .. }), "{first:?}");
+        if started.elapsed() < Duration::from_millis(400) {
+            // Went the fast way: nothing is on its way.
+            slow.deliver_held();
+            held.release().await.unwrap();
+            continue;
+        }
+        // The slow way is under suspicion now: this goes the fast way.
+        let again = attempt_renewed_as(&a, &resource, &token, WaitMode::Barge, ttl)
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Attempt::Held { .. }),
+            "attempt {i}: {again:?}"
+        );
+        let mut watch = raw
+            .watch_client()
+            .watch(dir.as_str(), Some(WatchOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        held.release().await.unwrap();
+        // The first try lands on the empty line.
+        slow.deliver_held();
+        let mut late = None;
+        while late.is_none() {
+            let msg = tokio::time::timeout(Duration::from_secs(5), watch.message())
+                .await
+                .expect("the release and the late put")
+                .unwrap()
+                .expect("a watch event");
+            late = msg.events().iter().find_map(|e| {
+                let kv = e.kv()?;
+                (e.event_type() == EventType::Put
+                    && kv.value_str().unwrap_or("").contains(token.as_str()))
+                .then(|| kv.key().to_vec())
+            });
+        }
+        events = Some((watch, late.unwrap()));
+        break;
+    }
+    let (mut watch, late) = events.expect("no attempt was answered through a hedge");
+    let landed = Instant::now();
+    let next = b
+        .lock(&key)
+        .ttl(ttl)
+        .on_fail(dlock_runtime::OnFail::Retry(
+            dlock_runtime::RetryPolicy::new(Duration::from_secs(5)),
+        ))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the lock was still held by the late put {:?} after it landed: {e}",
+                landed.elapsed()
+            )
+        });
+    // Its deletion was seen (another locker's key may have joined the line meanwhile).
+    let mut deleted = false;
+    while !deleted {
+        let msg = tokio::time::timeout(Duration::from_secs(1), watch.message())
+            .await
+            .expect("the late put's deletion")
+            .unwrap()
+            .expect("a watch event");
+        deleted = msg.events().iter().any(|e| {
+            e.event_type() == EventType::Delete && e.kv().is_some_and(|kv| kv.key() == late)
+        });
+    }
+    assert!(keep.is_held(), "the session's other lock was lost");
+    next.release().await.unwrap();
+    keep.release().await.unwrap();
+}
+
 /// A lock that is not renewed (`auto_renew(false)`), waited for in line: each attempt puts the
 /// waiter's key on a waiter lease (seconds), and the attempt that is admitted moves it onto a
 /// lease of the lock's TTL. A try of a put sent the slow way (and hedged on the fast one) that

@@ -48,7 +48,10 @@
 //!   delete that may still land (answered through a hedge while its sibling is out, or timed
 //!   out) keeps no name: it cannot touch the key of the name's next token, nor the next key of
 //!   the same token (registered again — a semaphore try that was not admitted, a waiter pruned
-//!   as past its time — it may get its old name back, always with a new value).
+//!   as past its time — it may get its old name back, always with a new value). A put of an
+//!   earlier registration still on its way may land after that, where the name is free, with
+//!   the earlier value: a key nobody wants. The entry keeps such values, and prunings delete the
+//!   key by any of them, as does the token's next attempt that finds it at its name.
 //! * **Loss.** A renewal is a keepalive (when needed) and a read of the batch's keys: a key
 //!   that is gone or on another lease, or a session whose lease etcd no longer has, is a lost
 //!   lock; an error keeps the watchdog retrying until the local lease clock runs out.
@@ -78,6 +81,13 @@ pub(super) type TokenKey = (Arc<str>, OwnerToken);
 /// At most this many operations per transaction (etcd's default limit is 128).
 const OPS_PER_TXN: usize = 64;
 
+/// An entry remembers at most this many earlier values of its key ([`Entry::stale`]).
+const STALE_VALUES_KEPT: usize = 8;
+
+/// Retired sessions left with no wanted key are looked for at most this often, by the
+/// acquisitions ([`Sessions::stranded`]).
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
 /// A revocation of an idle session is tried this many times ([`EtcdBackend::revoke_idle`]).
 const REVOKE_TRIES: u32 = 3;
 
@@ -104,8 +114,14 @@ pub(super) struct Session {
     stream: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
     /// No new key goes on it (a suspect may land on it).
     retired: AtomicBool,
-    /// etcd no longer has the lease.
+    /// Not to be used or kept alive any more: its revocation was asked for, or etcd no longer
+    /// has the lease.
     dead: AtomicBool,
+    /// A revocation of it is under way ([`EtcdBackend::revoke_idle`]).
+    revoking: AtomicBool,
+    /// etcd no longer has the lease: it answered the revocation, or a keepalive found it gone
+    /// ([`Sessions::gone`]).
+    gone: AtomicBool,
 }
 
 impl Session {
@@ -164,6 +180,14 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
+    /// Earlier values of the key — of registrations of this token before `value`'s, with a
+    /// put still in flight when the next one began (the newest [`STALE_VALUES_KEPT`]). Such a
+    /// put may land later, where the name is free: a key nobody wants, which a delete
+    /// comparing `value` would never match — in the line, it would hold the lock up for as
+    /// long as its session lived, and a session that other locks of its class keep alive
+    /// lives for as long as they do. Prunings delete it by these values too, and an attempt
+    /// of the token that finds it at its name deletes it at once.
+    stale: Vec<Vec<u8>>,
     /// Attempts of the token under way that found it registered ([`Sessions::attempting`]):
     /// while one is, its key is not deleted as a waiter past its time.
     attempts: u32,
@@ -319,6 +343,8 @@ pub(super) struct Sessions {
     instance: String,
     /// Registrations so far: the last part of a key's value ([`Sessions::begin_put`]).
     registrations: AtomicU64,
+    /// When the next [`stranded`](Sessions::stranded) sweep is due.
+    next_sweep: Mutex<Option<Instant>>,
 }
 
 impl Default for Sessions {
@@ -329,6 +355,7 @@ impl Default for Sessions {
             entries: Mutex::default(),
             instance: crate::util::secure_token::<16>(),
             registrations: AtomicU64::new(0),
+            next_sweep: Mutex::new(None),
         }
     }
 }
@@ -380,7 +407,13 @@ impl Sessions {
                 let Some(new) = new else {
                     return Begun::Unknown;
                 };
-                e.value = value_of(new);
+                let old = std::mem::replace(&mut e.value, value_of(new));
+                if e.in_flight > 0 {
+                    if e.stale.len() == STALE_VALUES_KEPT {
+                        e.stale.remove(0);
+                    }
+                    e.stale.push(old);
+                }
                 e
             }
             (Some(e), _) => e,
@@ -398,6 +431,7 @@ impl Sessions {
                     role: Role::Acquiring,
                     create: 0,
                     in_flight: 0,
+                    stale: Vec::new(),
                     attempts: 0,
                     end_by: None,
                 })
@@ -507,6 +541,14 @@ impl Sessions {
         }
     }
 
+    /// Whether `kv` is a key an earlier registration of the token put at its name, with a
+    /// value nothing wants any more ([`Entry::stale`]).
+    fn is_stale(&self, key: &TokenKey, kv: &KeyValue) -> bool {
+        lock(&self.entries).map.get(key).is_some_and(|e| {
+            kv.key() == e.own && e.stale.iter().any(|v| v.as_slice() == kv.value())
+        })
+    }
+
     /// The name of a registered token's key.
     pub(super) fn name_of(&self, key: &TokenKey) -> Option<Vec<u8>> {
         lock(&self.entries).map.get(key).map(|e| e.own.clone())
@@ -577,7 +619,11 @@ impl Sessions {
         let reg = lock(&self.entries);
         candidates
             .iter()
-            .filter(|s| s.retired.load(Ordering::Acquire) && !s.dead.load(Ordering::Acquire))
+            .filter(|s| {
+                s.retired.load(Ordering::Acquire)
+                    && !s.revoking.load(Ordering::Acquire)
+                    && !s.gone.load(Ordering::Acquire)
+            })
             .filter(|s| !reg.map.values().any(|e| e.wanted_on(s.id)))
             .cloned()
             .collect()
@@ -592,9 +638,38 @@ impl Sessions {
     fn revoking(&self, candidates: &[Arc<Session>]) -> Vec<Arc<Session>> {
         let idle = self.idle_retired(candidates);
         for s in &idle {
+            s.revoking.store(true, Ordering::Release);
             self.dying(s);
         }
         idle
+    }
+
+    /// When a sweep is due (at most once per `every`): the sessions an unwanted key may be on,
+    /// for [`EtcdBackend::revoke_idle`] to revoke those retired ones no wanted key is on. A
+    /// retired session is revoked when a key that leaves names it; one whose last wanted key
+    /// left another way — a release whose delete failed, a waiter pruned as past its time, a
+    /// key moved off the waiters' session to the holders' — or whose revocation failed every
+    /// try was left alone for good, and with it the suspects that may land on it: kept in the
+    /// registry, their names taken, for the life of the process.
+    fn stranded(&self, every: Duration) -> Vec<Arc<Session>> {
+        let now = Instant::now();
+        {
+            let mut next = lock(&self.next_sweep);
+            if next.is_some_and(|at| now < at) {
+                return Vec::new();
+            }
+            *next = Some(now + every);
+        }
+        let reg = lock(&self.entries);
+        let mut out: Vec<Arc<Session>> = Vec::new();
+        for e in reg.map.values().filter(|e| e.role == Role::Unwanted) {
+            for t in &e.touched {
+                if !out.iter().any(|o| o.id == t.id) {
+                    out.push(t.clone());
+                }
+            }
+        }
+        out
     }
 
     /// The session is not to be used or kept alive any more.
@@ -609,6 +684,7 @@ impl Sessions {
     /// The session's lease is gone (expired, or revoked as etcd answered): suspects of it
     /// alone are forgotten.
     fn gone(&self, s: &Session) {
+        s.gone.store(true, Ordering::Release);
         self.dying(s);
         let mut reg = lock(&self.entries);
         let mut gone = Vec::new();
@@ -633,8 +709,9 @@ impl Sessions {
     }
 
     /// The keys to delete before a keepalive of `s`, each with the transaction that deletes it
-    /// if its value is still its token's: unwanted keys a put may have put on it, and its
-    /// waiters past their time with no attempt under way ([`attempting`](Self::attempting)).
+    /// if its value is still its token's: unwanted keys a put may have put on it (by each value
+    /// a put of it may have written, [`Entry::stale`]), and its waiters past their time with
+    /// no attempt under way ([`attempting`](Self::attempting)).
     /// Such a waiter's registration ends here, before its delete is sent: its next attempt
     /// queues it again, with a value the delete does not match.
     fn doomed(&self, s: &Session, now: Instant) -> Vec<(TokenKey, Txn)> {
@@ -646,19 +723,30 @@ impl Sessions {
                 }
             }
         }
-        reg.map
-            .iter()
-            .filter(|(_, e)| match e.role {
-                Role::Unwanted => e.touched.iter().any(|t| t.id == s.id),
+        let mut doomed = Vec::new();
+        for (k, e) in &reg.map {
+            let delete = match e.role {
+                Role::Unwanted if e.touched.iter().any(|t| t.id == s.id) => {
+                    // Its earlier values too, tried one after another in one transaction
+                    // (two deletes of one key side by side would be one too many for etcd).
+                    e.stale
+                        .iter()
+                        .fold(delete_if_valued(&e.own, &e.value), |then, v| {
+                            delete_if_valued(&e.own, v).or_else([TxnOp::txn(then)])
+                        })
+                }
                 // Its own lease ends it; deleted here (on whichever session's pruning comes
                 // first) so that its name can be used again.
-                Role::Ending(until) => until <= now,
+                Role::Ending(until) if until <= now => delete_if_valued(&e.own, &e.value),
                 // Released within a minimum hold whose move never landed: the same.
-                Role::Held => e.end_by.is_some_and(|until| until <= now),
-                Role::Acquiring | Role::Releasing | Role::Waiting(_) => false,
-            })
-            .map(|(k, e)| (k.clone(), delete_if_valued(&e.own, &e.value)))
-            .collect()
+                Role::Held if e.end_by.is_some_and(|until| until <= now) => {
+                    delete_if_valued(&e.own, &e.value)
+                }
+                _ => continue,
+            };
+            doomed.push((k.clone(), delete));
+        }
+        doomed
     }
 
     /// `doomed` keys were deleted: keys past their end become unwanted, and unwanted keys whose
@@ -730,6 +818,7 @@ fn delete_if_valued(own: &[u8], value: &[u8]) -> Txn {
 impl EtcdBackend {
     /// The usable session of `secs`, alive for at least `need` from now.
     async fn session(&self, secs: i64, need: Duration) -> Result<Arc<Session>, LockError> {
+        self.revoke_idle(&self.sessions.stranded(SWEEP_EVERY));
         let cur = lock(&self.sessions.current).get(&secs).cloned();
         if let Some(s) = cur.filter(|s| s.usable()) {
             if self.keep_fresh(&s, need).await? && s.usable() {
@@ -750,6 +839,8 @@ impl EtcdBackend {
             stream: tokio::sync::Mutex::new(None),
             retired: AtomicBool::new(false),
             dead: AtomicBool::new(false),
+            revoking: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
         });
         lock(&self.sessions.current).insert(secs, s.clone());
         Ok(s)
@@ -855,15 +946,16 @@ impl EtcdBackend {
     /// on such a session keep their names until etcd answers the revocation
     /// ([`Sessions::revoking`]); one that failed is tried again after the session's class
     /// (by then the lease has run out, unless a leader change renewed it: etcd answers "not
-    /// found", which is as good), up to [`REVOKE_TRIES`] times — after that, those suspects
-    /// keep their names for good.
+    /// found", which is as good), up to [`REVOKE_TRIES`] times — after that, until a later
+    /// sweep ([`Sessions::stranded`]) takes the session up again.
     fn revoke_idle(&self, candidates: &[Arc<Session>]) {
         let idle = self.sessions.revoking(candidates);
         if idle.is_empty() {
             return;
         }
         // Run to the end even if this runtime shuts down first (it moves to the fallback
-        // thread): cut off, the suspects on these sessions would keep their names for good.
+        // thread): cut off, the suspects on these sessions would keep their names until a
+        // sweep.
         let this = self.clone();
         crate::util::spawn_to_the_end(Arc::new(move || {
             let (this, idle) = (this.clone(), idle.clone());
@@ -879,12 +971,12 @@ impl EtcdBackend {
                 match self.revoke(vec![s.id]).await {
                     Ok(()) => {
                         self.sessions.gone(s);
-                        return;
+                        break;
                     }
                     Err(e) if tried == REVOKE_TRIES => {
                         tracing::debug!(
                             error = %e,
-                            "etcd: revoking an unused session failed; it expires"
+                            "etcd: revoking an unused session failed; a later sweep tries again"
                         );
                     }
                     Err(_) => {
@@ -892,6 +984,8 @@ impl EtcdBackend {
                     }
                 }
             }
+            // A later sweep takes it up again unless it is gone ([`Sessions::stranded`]).
+            s.revoking.store(false, Ordering::Release);
         });
         futures_util::future::join_all(each).await;
     }
@@ -1017,11 +1111,19 @@ impl EtcdBackend {
                 .take_head(args, &key, h.create_revision(), h.lease())
                 .await;
         }
+        let stale = match head {
+            Some(h) => self.delete_stale(&key, h).await,
+            None => false,
+        };
         // A try that lost leaves nothing behind (and if a put of it may still land, it is a
         // suspect from now on).
         self.drop_unput(&key);
         Ok(Attempt::Held {
-            remaining: self.remaining(head).await?,
+            remaining: if stale {
+                None
+            } else {
+                self.remaining(head).await?
+            },
         })
     }
 
@@ -1043,13 +1145,16 @@ impl EtcdBackend {
         };
         if !is_own(own, &k.own, value) {
             // A key at the token's name that its puts did not write (the join puts only where
-            // no key is): not its place in the line. Nothing of the token is on it; the
-            // registration goes, so a later attempt queues afresh and its waiter, with no key
-            // in the line, is woken by the next delete rather than by this key's turn.
-            tracing::warn!(
-                backend = "etcd",
-                "a key at a waiter's name was not written by it; it is left alone"
-            );
+            // no key is): not its place in the line. The registration goes, so a later attempt
+            // queues afresh and its waiter, with no key in the line, is woken by the next
+            // delete rather than by this key's turn. A key an earlier registration of the
+            // token put there is deleted (that delete wakes it); any other is left alone.
+            if !self.delete_stale(key, own).await {
+                tracing::warn!(
+                    backend = "etcd",
+                    "a key at a waiter's name was not written by it; it is left alone"
+                );
+            }
             self.drop_unput(key);
             return Ok(Attempt::Held {
                 remaining: self.remaining(head).await?,
@@ -1149,6 +1254,19 @@ impl EtcdBackend {
     /// Ends the registration of a token none of whose keys is in place (a try that lost, a
     /// name another key holds): no delete is sent, as there is nothing of it to delete (and
     /// if a put of it may still land, it is a suspect from now on).
+    /// Deletes `kv` (if its value is still the one read) when an earlier registration of the
+    /// token put it ([`Entry::stale`]): a key nobody wants, in the line. Whether it was one;
+    /// a delete that fails is left to the prunings.
+    async fn delete_stale(&self, key: &TokenKey, kv: &KeyValue) -> bool {
+        if !self.sessions.is_stale(key, kv) {
+            return false;
+        }
+        if let Err(e) = self.txn(delete_if_valued(kv.key(), kv.value())).await {
+            tracing::debug!(backend = "etcd", error = %e, "deleting an earlier key of a waiter failed");
+        }
+        true
+    }
+
     fn drop_unput(&self, key: &TokenKey) {
         if self.sessions.leave(key).is_some() {
             let touched = self.sessions.forget(key);
@@ -1343,6 +1461,8 @@ mod tests {
             stream: tokio::sync::Mutex::new(None),
             retired: AtomicBool::new(false),
             dead: AtomicBool::new(false),
+            revoking: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
         })
     }
 
@@ -1753,6 +1873,93 @@ mod tests {
             panic!("not registered");
         };
         assert_eq!(same, second);
+    }
+
+    /// A retired session whose last wanted key left some way that revokes nothing (here: its
+    /// holder's key marked unwanted, as a release whose delete failed leaves it), or whose
+    /// revocation failed every try, is found by the next sweep — at most one per period — and
+    /// revoked then; one being revoked, or gone, is not.
+    #[test]
+    fn a_sweep_finds_retired_sessions_left_with_no_wanted_key() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let holder = held_on(&reg, &s);
+        // A suspect on the same session: its put's fate unknown, its try lost.
+        let suspect = token();
+        put(&reg, &suspect, &[&s]);
+        assert!(reg.leave(&suspect).is_some());
+        reg.forget(&suspect);
+        assert!(
+            s.retired.load(Ordering::Acquire),
+            "a suspect retires its sessions"
+        );
+        let every = Duration::from_secs(60);
+        let found = reg.stranded(every);
+        assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), [1]);
+        assert!(reg.revoking(&found).is_empty(), "the holder's key is on it");
+        assert!(reg.leave(&holder).is_some());
+        reg.unwanted(&holder);
+        assert!(reg.stranded(every).is_empty(), "one sweep per period");
+        *lock(&reg.next_sweep) = None;
+        let found = reg.stranded(every);
+        assert_eq!(reg.revoking(&found).len(), 1, "left with no wanted key");
+        assert!(
+            reg.revoking(&found).is_empty(),
+            "its revocation is under way"
+        );
+        // Every try failed.
+        s.revoking.store(false, Ordering::Release);
+        assert_eq!(reg.revoking(&found).len(), 1, "taken up again");
+        reg.gone(&s);
+        s.revoking.store(false, Ordering::Release);
+        *lock(&reg.next_sweep) = None;
+        let found = reg.stranded(every);
+        assert!(reg.revoking(&found).is_empty(), "gone");
+        assert!(
+            !reg.is_registered(&suspect),
+            "the suspect goes with its session"
+        );
+    }
+
+    /// A token registered again while a put of its earlier registration is in flight: that put
+    /// may land where the name is free, with the earlier value. Once the token leaves, its
+    /// prunings delete the key by either value (one after the other, in one transaction).
+    #[test]
+    fn a_pruning_deletes_a_key_by_every_value_a_put_of_it_may_have_written() {
+        let reg = Sessions::default();
+        let s = session(1);
+        let new = exclusive_key();
+        let key = token();
+        let Begun::Put(name, first) = reg.begin_put(&key, Some(&new), &[&s]) else {
+            panic!("not registered");
+        };
+        assert!(reg.leave(&key).is_some());
+        reg.forget(&key);
+        // (`s` is retired now: a suspect may land on it.)
+        let s2 = session(2);
+        let Begun::Put(_, second) = reg.begin_put(&key, Some(&new), &[&s2]) else {
+            panic!("not registered again");
+        };
+        reg.end_put(&key, true, None);
+        assert!(reg.leave(&key).is_some());
+        reg.forget(&key);
+        let doomed = reg.doomed(&s, Instant::now());
+        assert_eq!(doomed.len(), 1);
+        let either =
+            delete_if_valued(&name, &first).or_else([TxnOp::txn(delete_if_valued(&name, &second))]);
+        assert_eq!(format!("{:?}", doomed[0].1), format!("{either:?}"));
+        // A registration whose puts were all answered leaves no earlier value behind.
+        let (settled, s3) = (token(), session(3));
+        let Begun::Put(..) = reg.begin_put(&settled, Some(&new), &[&s3]) else {
+            panic!("not registered");
+        };
+        reg.end_put(&settled, true, None);
+        assert!(reg.leave(&settled).is_some());
+        reg.forget(&settled);
+        let Begun::Put(..) = reg.begin_put(&settled, Some(&new), &[&s3]) else {
+            panic!("not registered again");
+        };
+        assert!(lock(&reg.entries).map[&settled].stale.is_empty());
     }
 
     /// An idle retired session is revoked in the background. Until etcd answers the
