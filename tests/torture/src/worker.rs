@@ -418,16 +418,23 @@ impl Task {
             // Work, watching for loss like a careful user; sometimes changing the lease.
             let work = self.rng.millis(self.cfg.work_ms.0, self.cfg.work_ms.1);
             let lease_ok = change_lease(&mut self.rng, &self.stats, &guard, ttl).await;
-            let lost = !lease_ok
-                || tokio::select! {
-                    biased;
-                    _ = guard.lost() => true,
-                    _ = tokio::time::sleep(work) => false,
-                    _ = tokio::time::sleep(guard.remaining().saturating_sub(margin)) => {
-                        self.stats.margin_aborts.fetch_add(1, Ordering::Relaxed);
-                        true
+            let lost = !lease_ok || {
+                let worked = tokio::time::sleep(work);
+                tokio::pin!(worked);
+                loop {
+                    // Renewals may push the margin's instant back while this works.
+                    let near_end = tokio::time::sleep(guard.remaining().saturating_sub(margin));
+                    tokio::select! {
+                        biased;
+                        _ = guard.lost() => break true,
+                        _ = &mut worked => break false,
+                        _ = near_end => if guard.remaining() < margin {
+                            self.stats.margin_aborts.fetch_add(1, Ordering::Relaxed);
+                            break true;
+                        },
                     }
-                };
+                }
+            };
             let short = !lost && guard.is_held() && guard.remaining() < margin;
             if short {
                 self.stats.margin_aborts.fetch_add(1, Ordering::Relaxed);

@@ -168,8 +168,10 @@
 //! (module `session`) knows which puts are unsettled (cancelled, timed out, or answered through
 //! a hedge while the first try was still out); such a token stays a suspect after its release,
 //! the sessions it used are retired (new acquisitions get a new session), the suspect's key is
-//! deleted again before every keepalive of those sessions, and a retired session is revoked
-//! once nothing held or waiting is on it. For keys on leases of their own, `abandon` revokes
+//! deleted again before every keepalive of those sessions (by each value its puts may have
+//! written: the same token asking again writes a new one), and a retired session is revoked
+//! once nothing held or waiting is on it (when a key leaves it, or at the latest by a sweep
+//! the acquisitions make every 5 s). For keys on leases of their own, `abandon` revokes
 //! the leases the acquisition's attempts used: a put on a revoked lease fails, and revoking
 //! deletes whatever key is still on it.
 

@@ -82,7 +82,7 @@ pub(super) type TokenKey = (Arc<str>, OwnerToken);
 const OPS_PER_TXN: usize = 64;
 
 /// An entry remembers at most this many earlier values of its key ([`Entry::stale`]).
-const STALE_VALUES_KEPT: usize = 8;
+const STALE_VALUES_KEPT: usize = 32;
 
 /// Retired sessions left with no wanted key are looked for at most this often, by the
 /// acquisitions ([`Sessions::stranded`]).
@@ -180,8 +180,11 @@ struct Entry {
     create: i64,
     /// Puts sent whose fate is unknown.
     in_flight: u32,
-    /// Earlier values of the key — of registrations of this token before `value`'s, with a
-    /// put still in flight when the next one began (the newest [`STALE_VALUES_KEPT`]). Such a
+    /// Of those, the current registration's (`value`'s): a token's attempts come one at a
+    /// time, so every put settled ([`Sessions::end_put`]) is one of the current registration.
+    unsettled: u32,
+    /// Earlier values of the key — of registrations of this token before `value`'s that left
+    /// a put unsettled (the newest [`STALE_VALUES_KEPT`]). Such a
     /// put may land later, where the name is free: a key nobody wants, which a delete
     /// comparing `value` would never match — in the line, it would hold the lock up for as
     /// long as its session lived, and a session that other locks of its class keep alive
@@ -408,7 +411,7 @@ impl Sessions {
                     return Begun::Unknown;
                 };
                 let old = std::mem::replace(&mut e.value, value_of(new));
-                if e.in_flight > 0 {
+                if std::mem::take(&mut e.unsettled) > 0 {
                     if e.stale.len() == STALE_VALUES_KEPT {
                         e.stale.remove(0);
                     }
@@ -431,6 +434,7 @@ impl Sessions {
                     role: Role::Acquiring,
                     create: 0,
                     in_flight: 0,
+                    unsettled: 0,
                     stale: Vec::new(),
                     attempts: 0,
                     end_by: None,
@@ -441,6 +445,7 @@ impl Sessions {
             e.role = Role::Acquiring;
         }
         e.in_flight += 1;
+        e.unsettled += 1;
         for s in on {
             if !e.touched.iter().any(|t| t.id == s.id) {
                 e.touched.push((*s).clone());
@@ -459,6 +464,7 @@ impl Sessions {
         if let Some(e) = lock(&self.entries).map.get_mut(key) {
             if settled {
                 e.in_flight = e.in_flight.saturating_sub(1);
+                e.unsettled = e.unsettled.saturating_sub(1);
             }
             if let Some((session, create)) = held {
                 e.set(session, Role::Held);
@@ -727,8 +733,9 @@ impl Sessions {
         for (k, e) in &reg.map {
             let delete = match e.role {
                 Role::Unwanted if e.touched.iter().any(|t| t.id == s.id) => {
-                    // Its earlier values too, tried one after another in one transaction
-                    // (two deletes of one key side by side would be one too many for etcd).
+                    // Its earlier values too, one after another in one transaction (a
+                    // transaction's compares all hold or not: one per value, each the next's
+                    // `else`).
                     e.stale
                         .iter()
                         .fold(delete_if_valued(&e.own, &e.value), |then, v| {
@@ -1251,9 +1258,6 @@ impl EtcdBackend {
         moved
     }
 
-    /// Ends the registration of a token none of whose keys is in place (a try that lost, a
-    /// name another key holds): no delete is sent, as there is nothing of it to delete (and
-    /// if a put of it may still land, it is a suspect from now on).
     /// Deletes `kv` (if its value is still the one read) when an earlier registration of the
     /// token put it ([`Entry::stale`]): a key nobody wants, in the line. Whether it was one;
     /// a delete that fails is left to the prunings.
@@ -1267,6 +1271,9 @@ impl EtcdBackend {
         true
     }
 
+    /// Ends the registration of a token none of whose keys is in place (a try that lost, a
+    /// name another key holds): no delete is sent, as there is nothing of it to delete (and
+    /// if a put of it may still land, it is a suspect from now on).
     fn drop_unput(&self, key: &TokenKey) {
         if self.sessions.leave(key).is_some() {
             let touched = self.sessions.forget(key);
@@ -1923,7 +1930,9 @@ mod tests {
 
     /// A token registered again while a put of its earlier registration is in flight: that put
     /// may land where the name is free, with the earlier value. Once the token leaves, its
-    /// prunings delete the key by either value (one after the other, in one transaction).
+    /// prunings delete the key by either value (one after the other, in one transaction) —
+    /// however many registrations whose puts were all answered came in between: only a
+    /// registration that left a put unsettled leaves its value behind.
     #[test]
     fn a_pruning_deletes_a_key_by_every_value_a_put_of_it_may_have_written() {
         let reg = Sessions::default();
@@ -1935,31 +1944,23 @@ mod tests {
         };
         assert!(reg.leave(&key).is_some());
         reg.forget(&key);
-        // (`s` is retired now: a suspect may land on it.)
-        let s2 = session(2);
-        let Begun::Put(_, second) = reg.begin_put(&key, Some(&new), &[&s2]) else {
-            panic!("not registered again");
-        };
-        reg.end_put(&key, true, None);
-        assert!(reg.leave(&key).is_some());
-        reg.forget(&key);
+        let mut last = Vec::new();
+        for i in 0..STALE_VALUES_KEPT + 2 {
+            // (The sessions it used are retired as it leaves: a suspect may land on them.)
+            let fresh = session(2 + i as i64);
+            let Begun::Put(_, value) = reg.begin_put(&key, Some(&new), &[&fresh]) else {
+                panic!("not registered again");
+            };
+            reg.end_put(&key, true, None);
+            assert!(reg.leave(&key).is_some());
+            reg.forget(&key);
+            last = value;
+        }
         let doomed = reg.doomed(&s, Instant::now());
         assert_eq!(doomed.len(), 1);
         let either =
-            delete_if_valued(&name, &first).or_else([TxnOp::txn(delete_if_valued(&name, &second))]);
+            delete_if_valued(&name, &first).or_else([TxnOp::txn(delete_if_valued(&name, &last))]);
         assert_eq!(format!("{:?}", doomed[0].1), format!("{either:?}"));
-        // A registration whose puts were all answered leaves no earlier value behind.
-        let (settled, s3) = (token(), session(3));
-        let Begun::Put(..) = reg.begin_put(&settled, Some(&new), &[&s3]) else {
-            panic!("not registered");
-        };
-        reg.end_put(&settled, true, None);
-        assert!(reg.leave(&settled).is_some());
-        reg.forget(&settled);
-        let Begun::Put(..) = reg.begin_put(&settled, Some(&new), &[&s3]) else {
-            panic!("not registered again");
-        };
-        assert!(lock(&reg.entries).map[&settled].stale.is_empty());
     }
 
     /// An idle retired session is revoked in the background. Until etcd answers the
