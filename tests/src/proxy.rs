@@ -70,6 +70,10 @@ struct Shared {
     held_below: tokio::sync::watch::Sender<u64>,
     /// … and deliver nothing the server sends.
     muted_below: AtomicU64,
+    /// Bytes the held connections' clients sent since [`Proxy::hold`].
+    held_bytes: AtomicU64,
+    /// The pause after each held chunk delivered ([`Proxy::deliver_held_spaced`]), µs.
+    held_gap_us: AtomicU64,
     /// Close connections that open with a Postgres `CancelRequest` ([`Proxy::swallow_cancels`]).
     swallow_cancels: AtomicBool,
     /// Cancel requests swallowed so far.
@@ -93,6 +97,8 @@ impl Proxy {
             silent_below: AtomicU64::new(0),
             held_below: tokio::sync::watch::Sender::new(0),
             muted_below: AtomicU64::new(0),
+            held_bytes: AtomicU64::new(0),
+            held_gap_us: AtomicU64::new(0),
             swallow_cancels: AtomicBool::new(false),
             swallowed: AtomicU64::new(0),
         });
@@ -151,6 +157,7 @@ impl Proxy {
     /// never delivered. Connections accepted later are forwarded as usual. Returns how many
     /// were held.
     pub fn hold(&self) -> usize {
+        self.shared.held_bytes.store(0, Ordering::Release);
         let next = self.shared.next_id.load(Ordering::Acquire);
         self.shared.muted_below.store(next, Ordering::Release);
         self.shared.held_below.send_replace(next);
@@ -161,9 +168,26 @@ impl Proxy {
             .len()
     }
 
+    /// How many bytes the held connections' clients have sent since [`hold`](Proxy::hold)
+    /// (kept until [`deliver_held`](Proxy::deliver_held)): what tells a request held from a
+    /// ping.
+    pub fn held_bytes(&self) -> u64 {
+        self.shared.held_bytes.load(Ordering::Acquire)
+    }
+
     /// Delivers to the server what the held connections' clients sent ([`hold`](Proxy::hold)),
     /// in order — also on connections their clients closed since, which are then closed.
     pub fn deliver_held(&self) {
+        self.shared.held_below.send_replace(0);
+    }
+
+    /// [`deliver_held`](Proxy::deliver_held), pausing `gap` after each chunk the client sent
+    /// in one write: a request held, and its cancellation sent when the client gave up on it,
+    /// reach the server `gap` apart, as over a slow network — the server applies the request
+    /// before it hears of the cancellation (delivered back to back, it may drop it).
+    pub fn deliver_held_spaced(&self, gap: Duration) {
+        let gap = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX);
+        self.shared.held_gap_us.store(gap, Ordering::Release);
         self.shared.held_below.send_replace(0);
     }
 
@@ -305,7 +329,7 @@ async fn pump(
     id: u64,
     from_server: bool,
 ) -> io::Result<()> {
-    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
     let reader = async move {
         loop {
             let mut buf = vec![0u8; 16 * 1024];
@@ -319,26 +343,38 @@ async fn pump(
                 return Ok::<(), io::Error>(());
             }
             buf.truncate(n);
+            let held = !from_server && id < *shared.held_below.borrow();
+            if held {
+                shared.held_bytes.fetch_add(n as u64, Ordering::AcqRel);
+            }
             let delay = Duration::from_micros(shared.latency_us.load(Ordering::Acquire));
-            if tx.send((Instant::now() + delay, buf)).is_err() {
+            if tx.send((Instant::now() + delay, buf, held)).is_err() {
                 return Ok(());
             }
         }
     };
     let writer = async {
         let mut held = shared.held_below.subscribe();
-        while let Some((due, buf)) = rx.recv().await {
+        while let Some((due, buf, was_held)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
             let muted = from_server && id < shared.muted_below.load(Ordering::Acquire);
             if muted || id < shared.silent_below.load(Ordering::Acquire) {
                 // Silenced: held open, nothing more delivered (not even a close).
                 std::future::pending::<()>().await;
             }
+            let mut gap = Duration::ZERO;
             if !from_server {
                 // Held: kept until delivered.
                 let _ = held.wait_for(|below| id >= *below).await;
+                if was_held {
+                    gap = Duration::from_micros(shared.held_gap_us.load(Ordering::Acquire));
+                }
             }
             to.write_all(&buf).await?;
+            if !gap.is_zero() {
+                to.flush().await?;
+                tokio::time::sleep(gap).await;
+            }
             if from_server && shared.cut_after_reply.swap(false, Ordering::AcqRel) {
                 to.flush().await?;
                 shared.cut_all(true);

@@ -1427,8 +1427,8 @@ async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
             .await
             .unwrap();
         assert!(matches!(first, Attempt::Held { .. }), "{first:?}");
-        if started.elapsed() < Duration::from_millis(400) {
-            // Went the fast way: nothing is on its way.
+        if started.elapsed() < Duration::from_millis(400) || slow.held_bytes() <= 200 {
+            // Went the fast way (or only a ping or keepalive was held): nothing is on its way.
             slow.deliver_held();
             held.release().await.unwrap();
             continue;
@@ -1447,8 +1447,8 @@ async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
             .await
             .unwrap();
         held.release().await.unwrap();
-        // The first try lands on the empty line.
-        slow.deliver_held();
+        // The first try lands on the empty line (applied before its cancellation arrives).
+        slow.deliver_held_spaced(Duration::from_millis(300));
         let mut late = None;
         while late.is_none() {
             let msg = tokio::time::timeout(Duration::from_secs(5), watch.message())
@@ -1496,6 +1496,117 @@ async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
     }
     assert!(keep.is_held(), "the session's other lock was lost");
     next.release().await.unwrap();
+    keep.release().await.unwrap();
+}
+
+/// A permit try whose first try went a slow way — answered "not admitted" through a hedge — is
+/// still on its way when its waiter asks again and is admitted (registered again, with a new
+/// value; its key on a new session, the first one retired). The late try, landing beside the
+/// admitted key, must leave it alone. It used to put its earlier value over it, on the retired
+/// session — which nothing renews once the class's other locks are gone: the permit's key
+/// would have moved onto a lease that ends while its holder's guard says held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{abandon_as, attempt_renewed_as, resource_as};
+    use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+
+    let member = etcd_server::shared().lock().unwrap().url();
+    let (slow, fast) = slow_and_fast().await;
+    // Tries hedged after 400 ms.
+    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
+    let b = locker(&member).await;
+    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let run = dlock_runtime::conformance::unique_key("late-permit-try");
+    let ttl = Duration::from_secs(1);
+    // Keeps the first session alive (renewed by its watchdog), so the late try can land.
+    let keep = a
+        .lock(format!("{run}-keep"))
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
+    let key = format!("{run}-s");
+    let kind = dlock_runtime::LockKind::Semaphore { permits: 1 };
+    let resource = resource_as(&a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
+    let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
+    let dir = format!("dlock/{name}/");
+    let token = OwnerToken::generate();
+    let mut checked = false;
+    for i in 0..10 {
+        let held = b.semaphore(&key, 1).ttl(ttl).acquire().await.unwrap();
+        slow.hold();
+        let started = Instant::now();
+        let first = attempt_renewed_as(&a, &resource, &token, WaitMode::Barge, ttl)
+            .await
+            .unwrap();
+        assert!(
+            matches!(first, Attempt::Held { .. }),
+            "attempt {i}: {first:?}"
+        );
+        // Answered through the hedge while the first try, a transaction (hundreds of bytes,
+        // where a keepalive or a ping is tens), is held on the slow way.
+        let hedged = started.elapsed() >= Duration::from_millis(400) && slow.held_bytes() > 200;
+        held.release().await.unwrap();
+        if !hedged {
+            slow.deliver_held();
+            continue;
+        }
+        // The slow way is under suspicion now: this goes the fast way.
+        let again = attempt_renewed_as(&a, &resource, &token, WaitMode::Barge, ttl)
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Attempt::Acquired { .. }),
+            "attempt {i}: {again:?}"
+        );
+        let admitted = raw
+            .kv_client()
+            .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        let [kv] = admitted.kvs() else {
+            panic!("not one key: {:?}", admitted.kvs());
+        };
+        let mut watch = raw
+            .watch_client()
+            .watch(
+                dir.as_str(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(admitted.header().unwrap().revision() + 1),
+                ),
+            )
+            .await
+            .unwrap();
+        // The first try lands (delivered now; etcd applies it within milliseconds): no
+        // write of the admitted key may follow within a second. (Its cancellation, sent when the
+        // hedge answered, follows it 300 ms later, as over a slow network.)
+        slow.deliver_held_spaced(Duration::from_millis(300));
+        let quiet = tokio::time::Instant::now() + Duration::from_secs(1);
+        while let Ok(msg) = tokio::time::timeout_at(quiet, watch.message()).await {
+            let msg = msg.unwrap().expect("the watch ended");
+            let put = msg
+                .events()
+                .iter()
+                .find(|e| e.event_type() == EventType::Put);
+            assert!(
+                put.is_none(),
+                "the late try wrote over the admitted key {:?}: {:?}",
+                kv.key_str(),
+                put.and_then(|e| e.kv())
+                    .map(|kv| (kv.value_str().ok().map(str::to_owned), kv.lease()))
+            );
+        }
+        checked = true;
+        abandon_as(&a, &resource, &token).await.unwrap();
+        break;
+    }
+    assert!(checked, "no try was answered through a hedge");
+    assert!(keep.is_held(), "the session's other lock was lost");
     keep.release().await.unwrap();
 }
 

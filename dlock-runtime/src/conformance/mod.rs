@@ -146,6 +146,17 @@ impl Store {
     }
 }
 
+/// The resource a request of `kind` for `key` on `locker` locks (a semaphore's or a
+/// read-write lock's is not the lock's of the same key): for [`attempt_as`] and a backend's own
+/// tests.
+pub fn resource_as(
+    locker: &Locker,
+    key: crate::LockKey,
+    kind: crate::LockKind,
+) -> crate::key::ResourceName {
+    locker.resource(key).with_kind(kind)
+}
+
 /// One acquire attempt by `token` on `resource` (its kind included), straight to `locker`'s
 /// backend — what the locker sends, without its deadline, watchdog or undo: for checks, and a
 /// backend's own tests, that must ask as a given owner (again after a lost answer, say).

@@ -17,8 +17,9 @@
 //!   transaction; granted when the own key is in the ready prefix.
 //! * `Try` and `Barge` (the same here: a newcomer cannot pass a waiter's key): an uncontended
 //!   attempt puts the key only if the directory is empty, like a lock; otherwise it puts the
-//!   key anyway, reads the line in the same transaction, and deletes the key again when it
-//!   was not admitted. Such a key is briefly in the line behind the holders: a waiter that
+//!   key anyway (unless a key with its name is there that is not its own: one an earlier
+//!   registration of its token put, which it deletes), reads the line in the same
+//!   transaction, and deletes the key again when it was not admitted. Such a key is briefly in the line behind the holders: a waiter that
 //!   queued behind it in that moment waits for its deletion (which its watch sees).
 //! * Fencing: the own key's create revision, as for locks. Grants follow create order (the
 //!   ready prefix only grows at its end), so a writer's token is above every token granted on

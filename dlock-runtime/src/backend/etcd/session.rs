@@ -547,11 +547,15 @@ impl Sessions {
         }
     }
 
-    /// Whether `kv` is a key an earlier registration of the token put at its name, with a
-    /// value nothing wants any more ([`Entry::stale`]).
+    /// Whether `kv` is a key an earlier registration of the token put at its name: its value
+    /// names the token, and is not the current registration's. Nothing wants it (a token's
+    /// registrations come one after another): a put of one that landed late
+    /// ([`Entry::stale`]), or a key whose delete failed before the token asked again.
     fn is_stale(&self, key: &TokenKey, kv: &KeyValue) -> bool {
         lock(&self.entries).map.get(key).is_some_and(|e| {
-            kv.key() == e.own && e.stale.iter().any(|v| v.as_slice() == kv.value())
+            kv.key() == e.own
+                && kv.value() != e.value.as_slice()
+                && super::noted(kv.value()).1 == Some(key.1.as_str())
         })
     }
 
@@ -1056,7 +1060,23 @@ impl EtcdBackend {
         let build = || {
             let head = TxnOp::get(k.dir.clone(), Some(line_options(kind, &k.end)));
             let otherwise = if try_kind {
-                vec![put_on(hold.id), head, TxnOp::get(k.own.clone(), None)]
+                // Where no key has its name, or where its own key is (moved to `hold`, its
+                // place kept) — never over a key an earlier registration of the token put: a
+                // try of that one landing after the token asked again and was admitted would
+                // move the holder's key onto that try's session, which nothing keeps alive.
+                let mine = Txn::new()
+                    .when([Compare::create_revision(k.own.clone(), CompareOp::Equal, 0)])
+                    .and_then([put_on(hold.id)])
+                    .or_else([TxnOp::txn(
+                        Txn::new()
+                            .when([Compare::value(
+                                k.own.clone(),
+                                CompareOp::Equal,
+                                value.as_slice(),
+                            )])
+                            .and_then([put_on(hold.id)]),
+                    )]);
+                vec![TxnOp::txn(mine), head, TxnOp::get(k.own.clone(), None)]
             } else if queue {
                 // Join the queue on the waiters' session, unless already in it (a put would
                 // then move the key to another lease; the create revision, the place, stays).
@@ -1097,7 +1117,10 @@ impl EtcdBackend {
         if try_kind {
             let line = kvs_at(&ops, 1);
             if let Some(own) = kvs_at(&ops, 2).first() {
-                if admitted(kind, k.dir.len(), line, &k.own) {
+                if !is_own(own, &k.own, &value) {
+                    // Not put: a key an earlier registration of the token put is there.
+                    self.delete_stale(&key, own).await;
+                } else if admitted(kind, k.dir.len(), line, &k.own) {
                     return self
                         .take_head(args, &key, own.create_revision(), own.lease())
                         .await;
@@ -1259,8 +1282,9 @@ impl EtcdBackend {
     }
 
     /// Deletes `kv` (if its value is still the one read) when an earlier registration of the
-    /// token put it ([`Entry::stale`]): a key nobody wants, in the line. Whether it was one;
-    /// a delete that fails is left to the prunings.
+    /// token put it ([`is_stale`](Sessions::is_stale)): a key nobody wants, at the token's
+    /// name. Whether it was one; a delete that fails is left to the prunings (which know the
+    /// values of late puts) or the next attempt.
     async fn delete_stale(&self, key: &TokenKey, kv: &KeyValue) -> bool {
         if !self.sessions.is_stale(key, kv) {
             return false;
