@@ -571,7 +571,11 @@ async fn releases_cut_off_before_their_answer_leave_no_key_on_a_kept_session() {
 /// The directory of the lock `key`'s keys, as the backend lays them out (`%` and `/` of the
 /// resource name encoded).
 fn lock_dir(locker: &Locker, key: &str) -> String {
-    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    resource_dir(&locker.resource(dlock_runtime::LockKey::new(key).unwrap()))
+}
+
+/// The etcd directory of a resource's keys.
+fn resource_dir(resource: &dlock_runtime::key::ResourceName) -> String {
     let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
     format!("dlock/{name}/")
 }
@@ -1383,6 +1387,49 @@ async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_k
     assert!(names().await.is_empty());
 }
 
+/// What the late-try tests share: a locker `a` over a `slow` and a `fast` path to the one
+/// member (tries hedged after 400 ms), another locker `b` and a raw client straight to it, a
+/// run name, a TTL of 1 s, and a lock of `a` of that TTL class (`keep`) whose renewals keep the
+/// class's session alive: a late try may land on it.
+struct LateTries {
+    slow: dlock_tests::proxy::Proxy,
+    _fast: dlock_tests::proxy::Proxy,
+    a: Locker,
+    b: Locker,
+    raw: etcd_client::Client,
+    run: String,
+    ttl: Duration,
+    keep: dlock_runtime::LockGuard,
+}
+
+async fn late_tries(name: &str) -> LateTries {
+    let member = etcd_server::shared().lock().unwrap().url();
+    let (slow, fast) = slow_and_fast().await;
+    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
+    let b = locker(&member).await;
+    let raw = etcd_client::Client::connect([member.replacen("etcd://", "http://", 1)], None)
+        .await
+        .unwrap();
+    let run = dlock_runtime::conformance::unique_key(name);
+    let ttl = Duration::from_secs(1);
+    let keep = a
+        .lock(format!("{run}-keep"))
+        .ttl(ttl)
+        .acquire()
+        .await
+        .unwrap();
+    LateTries {
+        slow,
+        _fast: fast,
+        a,
+        b,
+        raw,
+        run,
+        ttl,
+        keep,
+    }
+}
+
 /// A barging waiter's attempt whose first try went a slow way — answered "held" through a
 /// hedge — is still on its way when the waiter asks again (registered again, with a new value)
 /// and when the holder releases: it lands on the empty line, a key at the waiter's name that
@@ -1395,25 +1442,18 @@ async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_k
 async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
     use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
     use dlock_runtime::conformance::attempt_renewed_as;
-    use etcd_client::{Client, EventType, WatchOptions};
+    use etcd_client::{EventType, WatchOptions};
 
-    let member = etcd_server::shared().lock().unwrap().url();
-    let (slow, fast) = slow_and_fast().await;
-    // Tries hedged after 400 ms.
-    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
-    let b = locker(&member).await;
-    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
-        .await
-        .unwrap();
-    let run = dlock_runtime::conformance::unique_key("late-barging-put");
-    let ttl = Duration::from_secs(1);
-    // Keeps the session of the class alive: renewed by its watchdog.
-    let keep = a
-        .lock(format!("{run}-keep"))
-        .ttl(ttl)
-        .acquire()
-        .await
-        .unwrap();
+    let LateTries {
+        slow,
+        a,
+        b,
+        raw,
+        run,
+        ttl,
+        keep,
+        _fast,
+    } = late_tries("late-barging-put").await;
     let key = format!("{run}-r");
     let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
     let dir = lock_dir(&a, &key);
@@ -1509,30 +1549,22 @@ async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
 async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
     use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
     use dlock_runtime::conformance::{abandon_as, attempt_renewed_as, resource_as};
-    use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+    use etcd_client::{EventType, GetOptions, WatchOptions};
 
-    let member = etcd_server::shared().lock().unwrap().url();
-    let (slow, fast) = slow_and_fast().await;
-    // Tries hedged after 400 ms.
-    let a = over_two_paths(&slow, &fast, Duration::from_secs(2)).await;
-    let b = locker(&member).await;
-    let raw = Client::connect([member.replacen("etcd://", "http://", 1)], None)
-        .await
-        .unwrap();
-    let run = dlock_runtime::conformance::unique_key("late-permit-try");
-    let ttl = Duration::from_secs(1);
-    // Keeps the first session alive (renewed by its watchdog), so the late try can land.
-    let keep = a
-        .lock(format!("{run}-keep"))
-        .ttl(ttl)
-        .acquire()
-        .await
-        .unwrap();
+    let LateTries {
+        slow,
+        a,
+        b,
+        raw,
+        run,
+        ttl,
+        keep,
+        _fast,
+    } = late_tries("late-permit-try").await;
     let key = format!("{run}-s");
     let kind = dlock_runtime::LockKind::Semaphore { permits: 1 };
     let resource = resource_as(&a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
-    let name = resource.as_str().replace('%', "%25").replace('/', "%2F");
-    let dir = format!("dlock/{name}/");
+    let dir = resource_dir(&resource);
     let token = OwnerToken::generate();
     let mut checked = false;
     for i in 0..10 {
