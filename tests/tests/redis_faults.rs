@@ -1844,31 +1844,67 @@ async fn timeouts_past_a_day_are_a_day_not_a_panic() {
 /// answers `Misconfigured` for its locks, as a single renewal does. A pipeline's error carries
 /// no code of its own, and the batch answered `Unavailable`: an outage, where the store had
 /// refused for good.
+///
+/// And only for the bad key's lock: the locks renewed in the same pipeline (the watchdog's
+/// renewals due within a few ms of each other go in one) are renewed. Before, one bad key
+/// failed the whole pipeline — every lock of it was retried as the pipeline until its local
+/// lease ran out and reported lost, though each renewal of it had run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_renewal_batch_refused_for_good_is_misconfigured() {
-    use dlock_runtime::backend::{Backend as _, ExtendItem, OwnerToken, RedisOptions};
+async fn a_renewal_batch_refused_for_good_is_misconfigured_for_the_bad_key_alone() {
+    use dlock_runtime::backend::{
+        Attempt, Backend as _, ExtendItem, OwnerToken, RedisOptions, WaitMode,
+    };
+    use dlock_runtime::conformance::attempt_as;
     let server = RedisServer::start();
     let backend = RedisBackend::connect(&server.url(), RedisOptions::default())
         .await
         .unwrap();
     let locker = Locker::builder().build(backend.clone());
-    let resource = locker.resource(dlock_runtime::LockKey::new("renew:wrongtype").unwrap());
+    let resource = |key: &str| locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let bad = resource("renew:wrongtype");
     let _: () = server
         .conn()
         .await
-        .rpush(resource.as_str(), "not a lock")
+        .rpush(bad.as_str(), "not a lock")
         .await
         .unwrap();
-    let item = |resource| ExtendItem {
-        resource,
-        token: OwnerToken::generate(),
-        ttl: Duration::from_secs(5),
-    };
-    let out = backend.extend_many(&[item(resource)]).await;
+    let ttl = Duration::from_secs(5);
+    let mut items = Vec::new();
+    for key in ["renew:a", "renew:b"] {
+        let (resource, token) = (resource(key), OwnerToken::generate());
+        let taken = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl)
+            .await
+            .unwrap();
+        assert!(matches!(taken, Attempt::Acquired { .. }), "{taken:?}");
+        items.push(ExtendItem {
+            resource,
+            token,
+            ttl: Duration::from_secs(30),
+        });
+    }
+    items.insert(
+        1,
+        ExtendItem {
+            resource: bad,
+            token: OwnerToken::generate(),
+            ttl,
+        },
+    );
+    let out = backend.extend_many(&items).await;
     assert!(
-        matches!(&out[..], [Err(e)] if e.is_misconfigured()),
+        matches!(&out[..], [Ok(true), Err(e), Ok(true)] if e.is_misconfigured()),
         "{out:?}"
     );
+    // Taken for 5 s, renewed for 30 (a lock's key outlives its lease by a minute).
+    let mut conn = server.conn().await;
+    for item in [&items[0], &items[2]] {
+        let left: i64 = conn.pttl(item.resource.as_str()).await.unwrap();
+        assert!(
+            left > 80_000,
+            "{} not renewed: {left} ms left",
+            item.resource.as_str()
+        );
+    }
 }
 
 /// `IdempotencyRequest::replicas(1)` (here from `LockerBuilder::replicas`) on one server with

@@ -503,7 +503,8 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// Runs a batched renewal in chunks of `size`, the chunks concurrently; a chunk that fails
-/// fails each of its items with the chunk's error. `batch` answers one `bool` per item.
+/// fails each of its items with the chunk's error. `batch` answers one result per item (a
+/// renewal the store refused alone fails alone).
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) async fn extend_in_chunks<'a, F, Fut>(
     items: &'a [ExtendItem],
@@ -512,13 +513,13 @@ pub(crate) async fn extend_in_chunks<'a, F, Fut>(
 ) -> Vec<Result<bool, LockError>>
 where
     F: Fn(&'a [ExtendItem]) -> Fut,
-    Fut: Future<Output = Result<Vec<bool>, LockError>>,
+    Fut: Future<Output = Result<Vec<Result<bool, LockError>>, LockError>>,
 {
     let chunks = items.chunks(size).map(|chunk| {
         let run = batch(chunk);
         async move {
             match run.await {
-                Ok(v) => v.into_iter().map(Ok).collect::<Vec<_>>(),
+                Ok(v) => v,
                 Err(e) => {
                     // Each item gets the batch's error, refusal for good or outage alike.
                     let (msg, for_good) = (e.to_string(), e.is_misconfigured());

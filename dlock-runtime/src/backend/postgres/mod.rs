@@ -1167,7 +1167,11 @@ impl Backend for PostgresBackend {
         items: &'a [ExtendItem],
     ) -> BoxFuture<'a, Vec<Result<bool, LockError>>> {
         Box::pin(async move {
-            super::extend_in_chunks(items, EXTEND_CHUNK, |chunk| self.extend_batch(chunk)).await
+            super::extend_in_chunks(items, EXTEND_CHUNK, |chunk| async move {
+                let held = self.extend_batch(chunk).await?;
+                Ok(held.into_iter().map(Ok).collect())
+            })
+            .await
         })
     }
 

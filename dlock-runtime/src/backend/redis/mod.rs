@@ -1802,11 +1802,7 @@ impl Backend for RedisBackend {
             if self.is_cluster() {
                 return self.extend_per_slot(items).await;
             }
-            super::extend_in_chunks(items, PIPELINE_CHUNK, |chunk| async move {
-                let replies = self.extend_chunk(chunk).await?;
-                Ok(replies.into_iter().map(|n| n == 1).collect())
-            })
-            .await
+            super::extend_in_chunks(items, PIPELINE_CHUNK, |chunk| self.extend_chunk(chunk)).await
         })
     }
 
@@ -1954,8 +1950,8 @@ impl RedisBackend {
         while let Some((idx, res)) = done.next().await {
             match res {
                 Ok(v) => {
-                    for (&i, n) in idx.iter().zip(v) {
-                        out[i] = Some(Ok(n == 1));
+                    for (&i, r) in idx.iter().zip(v) {
+                        out[i] = Some(r);
                     }
                 }
                 Err(e) => {
@@ -1973,9 +1969,21 @@ impl RedisBackend {
             .collect()
     }
 
-    async fn extend_chunk(&self, chunk: &[ExtendItem]) -> Result<Vec<i64>, LockError> {
+    /// One pipeline of renewals: each renewal's own answer — a key that makes its script fail
+    /// (`WRONGTYPE`: something else wrote at a lock's name) fails its own renewal, not the
+    /// others of the pipeline (which ran; their locks would have been reported lost when their
+    /// local leases ran out, renewal after renewal failing with the bad key's error). The
+    /// pipeline's own failure (no answer, a connection lost) fails them all.
+    async fn extend_chunk(
+        &self,
+        chunk: &[ExtendItem],
+    ) -> Result<Vec<Result<bool, LockError>>, LockError> {
+        type Replies = Vec<redis::RedisResult<i64>>;
+        let no_script =
+            |e: &RedisError| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript);
         let build = |with_body: bool| {
             let mut pipe = redis::pipe();
+            pipe.ignore_errors();
             for item in chunk {
                 // A semaphore's or read-write lock's lease is its holder's score, not a `PX`.
                 let (script, lease) = match item.resource.kind() {
@@ -1990,19 +1998,34 @@ impl RedisBackend {
             }
             pipe
         };
+        let each = |replies: Replies| {
+            replies
+                .into_iter()
+                .map(|r| match r {
+                    Ok(n) => Ok(n == 1),
+                    Err(e) => Err(self.failed("extend", e)),
+                })
+                .collect()
+        };
         let mut conn = self.inner.conn.clone();
         let mut sent = Sent::new(&self.inner.conn);
         let first = tokio::time::timeout(
             self.inner.opts.command_timeout,
-            build(false).query_async::<Vec<i64>>(&mut conn),
+            build(false).query_async::<Replies>(&mut conn),
         )
         .await;
         sent.answered();
+        let lost_scripts = match &first {
+            Ok(Ok(v)) => v.iter().any(|r| r.as_ref().is_err_and(no_script)),
+            Ok(Err(e)) => no_script(e),
+            Err(_) => false,
+        };
         match first {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e))
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-            {
+            Err(_) => {
+                self.inner.conn.timed_out();
+                Err(LockError::unavailable("redis extend timed out", None))
+            }
+            Ok(_) if lost_scripts => {
                 // The server lost its script cache (a restart, a failover, `SCRIPT FLUSH`; a
                 // renewal that ran is harmless to run again). On a cluster, once more with the
                 // scripts' text (`EVAL`), which reaches the very node that lacks them, the
@@ -2010,21 +2033,20 @@ impl RedisBackend {
                 // server, load them and retry once.
                 if self.is_cluster() {
                     return self
-                        .deadline("extend", build(true).query_async::<Vec<i64>>(&mut conn))
-                        .await;
+                        .deadline("extend", build(true).query_async::<Replies>(&mut conn))
+                        .await
+                        .map(each);
                 }
                 for script in [&self.inner.extend, kinds::extend_script()] {
                     self.deadline("script load", script.load_async(&mut conn))
                         .await?;
                 }
-                self.deadline("extend", build(false).query_async::<Vec<i64>>(&mut conn))
+                self.deadline("extend", build(false).query_async::<Replies>(&mut conn))
                     .await
+                    .map(each)
             }
+            Ok(Ok(v)) => Ok(each(v)),
             Ok(Err(e)) => Err(self.failed("extend", e)),
-            Err(_) => {
-                self.inner.conn.timed_out();
-                Err(LockError::unavailable("redis extend timed out", None))
-            }
         }
     }
 }
