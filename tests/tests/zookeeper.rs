@@ -1055,6 +1055,85 @@ async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_do
     blocker.release().await.unwrap();
 }
 
+/// Every attempt of a wait the client had no server for leaves a `create` it keeps until it has
+/// one again; when the wait's undo gets no answer either, each of those nodes lands once the
+/// client is back — and the task that settles unanswered undos deletes every one of them. It
+/// deleted the first it found and took the attempt as settled: the others stayed, the first in
+/// line holding the lock up for its TTL, on a lock nobody asked again for as long as the
+/// session lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_undo_settles_every_node_its_attempts_left() {
+    use dlock_runtime::backend::{OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{abandon_as, attempt_as};
+
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let timeout = Duration::from_millis(500);
+    let backend = ZkBackend::connect(
+        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
+        ZkOptions::default().command_timeout(timeout),
+    )
+    .await
+    .expect("connect to ZooKeeper");
+    let a = Locker::builder()
+        .command_timeout(timeout)
+        .build(backend.clone());
+    let key = format!("unsettled-all-{}", std::process::id());
+    // Holds the lock, so its directory stays and the attempts' nodes land behind it.
+    let b = locker(&url).await;
+    let blocker = b
+        .lock(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let resource = a.resource(LockKey::new(&key).unwrap());
+    let dir = format!("/dlock/{}", resource.as_str());
+    proxy.cut(true);
+    // From now on the client keeps requests until it has a server again.
+    wait_for(
+        "the client to see the cut",
+        Duration::from_secs(10),
+        async || (!backend.connected()).then_some(()),
+    )
+    .await;
+    let token = OwnerToken::generate();
+    let ttl = Duration::from_secs(15);
+    for _ in 0..2 {
+        let err = attempt_as(&a, &resource, &token, WaitMode::Queue, ttl)
+            .await
+            .expect_err("an attempt answered without a server");
+        assert!(err.is_unavailable(), "{err}");
+    }
+    abandon_as(&a, &resource, &token)
+        .await
+        .expect_err("an undo answered without a server");
+    assert_eq!(backend.unsettled(), 1);
+    proxy.allow();
+    wait_for(
+        "the attempt to be settled",
+        Duration::from_secs(15),
+        async || (backend.unsettled() == 0).then_some(()),
+    )
+    .await;
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let left: Vec<String> = raw
+        .list_children(&dir)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|name| name.starts_with(token.as_str()))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "nodes of the settled attempt left: {left:?}"
+    );
+    blocker.release().await.unwrap();
+}
+
 /// The local lease of a lock never counts on more than ¾ of the negotiated session timeout:
 /// the leader expires a session one session timeout after it last heard of it, and for a
 /// client served by a follower that can be up to half a tick (at most a quarter of the session

@@ -834,22 +834,31 @@ async fn settle(mut task: Settler) {
             unsettled.attempts().clear();
             continue;
         }
-        if c.state() == SessionState::SyncConnected {
+        // The server first catches up with the leader: one this session moved to may not have
+        // applied yet a `create` that was on its way to the last one, and its look-up would
+        // miss the node.
+        let synced = matches!(
+            tokio::time::timeout(limit, again(|| c.sync("/"))).await,
+            Ok(Ok(()))
+        );
+        if synced && c.state() == SessionState::SyncConnected {
             for (key, dir) in left {
                 let found = tokio::time::timeout(limit, ZkBackend::find_by_token(&c, &dir, &key.1));
+                // Settled once no node of the token is left: each attempt of a wait may have
+                // left one (their `create`s queued while the session had no server, all
+                // applied once it has one), so a node deleted is looked for again.
                 let settled = match found.await {
                     Ok(Ok(None)) => true,
                     Ok(Ok(Some((name, _)))) => {
                         let path = format!("{dir}/{name}");
                         let deleted = tokio::time::timeout(limit, c.delete(&path, None));
-                        let done = matches!(deleted.await, Ok(Ok(()) | Err(ZkError::NoNode)));
-                        if done {
+                        if matches!(deleted.await, Ok(Ok(()) | Err(ZkError::NoNode))) {
                             tracing::debug!(
-                                "zookeeper: deleted the node of an attempt whose undo had no \
+                                "zookeeper: deleted a node of an attempt whose undo had no \
                                  answer"
                             );
                         }
-                        done
+                        false
                     }
                     _ => false,
                 };
@@ -1837,7 +1846,12 @@ impl Backend for ZkBackend {
                     // attempt knew: an earlier attempt's `create` whose answer never came (cut
                     // off by the command timeout) left one that keeps its place — the lock,
                     // if it was first — and nothing else would delete it before its lease ran
-                    // out. The token names this acquisition only, so each is this undo's.
+                    // out. The token names this acquisition only, so each is this undo's. The
+                    // server first catches up with the leader: after a move to another server,
+                    // a `create` sent to the last one may not be applied on this one yet.
+                    if let Err(e) = again(|| c.sync("/")).await {
+                        return Err(unavailable("sync", e));
+                    }
                     let kids = match again(|| c.list_children(&dir)).await {
                         Ok(kids) => kids,
                         Err(ZkError::NoNode) => Vec::new(),
