@@ -398,8 +398,11 @@ pub trait Backend: Send + Sync + 'static {
         self.extend(resource, token, left)
     }
 
-    /// Extends many locks in one go (the watchdog's batch). The default runs
-    /// [`extend`](Backend::extend) for each item concurrently; network backends pipeline.
+    /// Extends many locks in one go (the watchdog's batch): one answer per item, in order. The
+    /// default runs [`extend`](Backend::extend) for each item concurrently; network backends
+    /// pipeline. A renewal the store refuses on its own (a key of another type) should fail
+    /// alone: the watchdog retries a failed renewal until the lock's local lease runs out, and
+    /// reports it lost then.
     fn extend_many<'a>(
         &'a self,
         items: &'a [ExtendItem],
