@@ -946,6 +946,67 @@ async fn waiters_are_woken_by_releases_after_the_runtime_that_built_their_locker
     g2.release().await.unwrap();
 }
 
+/// A backend whose session goes through a `proxy` (session timeout 10 s, command timeout
+/// `timeout`), and a lock `key` (in `dir`) that another locker holds (`blocker`), so that its
+/// directory stays and the nodes of attempts land behind it.
+struct CutOff {
+    url: String,
+    proxy: Proxy,
+    backend: ZkBackend,
+    timeout: Duration,
+    key: String,
+    dir: String,
+    blocker: dlock_runtime::LockGuard,
+    _holder: Locker,
+}
+
+async fn behind_a_proxy(tag: &str) -> CutOff {
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let timeout = Duration::from_millis(500);
+    let backend = ZkBackend::connect(
+        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
+        ZkOptions::default().command_timeout(timeout),
+    )
+    .await
+    .expect("connect to ZooKeeper");
+    let key = format!("{tag}-{}", std::process::id());
+    let holder = locker(&url).await;
+    let blocker = holder
+        .lock(key.as_str())
+        .ttl(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap();
+    let dir = format!(
+        "/dlock/{}",
+        holder.resource(LockKey::new(&key).unwrap()).as_str()
+    );
+    CutOff {
+        url,
+        proxy,
+        backend,
+        timeout,
+        key,
+        dir,
+        blocker,
+        _holder: holder,
+    }
+}
+
+/// Cuts `backend`'s session off at `proxy`: from then on its client keeps requests until it
+/// has a server again.
+async fn cut(proxy: &Proxy, backend: &ZkBackend) {
+    proxy.cut(true);
+    wait_for(
+        "the client to see the cut",
+        Duration::from_secs(10),
+        async || (!backend.connected()).then_some(()),
+    )
+    .await;
+}
+
 /// An undo that got no answer (the client had no server) is settled by the backend's one task
 /// for such attempts, which deletes the attempt's node once the client, back, has sent the
 /// `create` it kept. That task ran on the runtime of the undo; when that runtime shut down, the
@@ -958,29 +1019,16 @@ async fn waiters_are_woken_by_releases_after_the_runtime_that_built_their_locker
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_down() {
-    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
-    let url = zookeeper_server::shared().lock().unwrap().url();
-    let proxy = Proxy::start(server).await.unwrap();
-    let timeout = Duration::from_millis(500);
-    let backend = ZkBackend::connect(
-        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
-        ZkOptions::default().command_timeout(timeout),
-    )
-    .await
-    .expect("connect to ZooKeeper");
-    let key = format!("unsettled-{}", std::process::id());
-    // Holds the lock, so its directory stays and the try's node lands behind it.
-    let b = locker(&url).await;
-    let blocker = b
-        .lock(key.as_str())
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
-    let dir = format!(
-        "/dlock/{}",
-        b.resource(LockKey::new(&key).unwrap()).as_str()
-    );
+    let CutOff {
+        url,
+        proxy,
+        backend,
+        timeout,
+        key,
+        dir,
+        blocker,
+        _holder,
+    } = behind_a_proxy("unsettled").await;
     let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
         .await
         .expect("a raw client");
@@ -988,14 +1036,7 @@ async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_do
         .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
         .await
         .expect("a recursive watch");
-    proxy.cut(true);
-    // From now on the client keeps requests until it has a server again.
-    wait_for(
-        "the client to see the cut",
-        Duration::from_secs(10),
-        async || (!backend.connected()).then_some(()),
-    )
-    .await;
+    cut(&proxy, &backend).await;
     let first = std::thread::spawn({
         let (backend, key) = (backend.clone(), key.clone());
         move || {
@@ -1066,38 +1107,21 @@ async fn an_unanswered_undo_settles_every_node_its_attempts_left() {
     use dlock_runtime::backend::{OwnerToken, WaitMode};
     use dlock_runtime::conformance::{abandon_as, attempt_as};
 
-    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
-    let url = zookeeper_server::shared().lock().unwrap().url();
-    let proxy = Proxy::start(server).await.unwrap();
-    let timeout = Duration::from_millis(500);
-    let backend = ZkBackend::connect(
-        &format!("zk://127.0.0.1:{}?session_timeout_ms=10000", proxy.port()),
-        ZkOptions::default().command_timeout(timeout),
-    )
-    .await
-    .expect("connect to ZooKeeper");
+    let CutOff {
+        url,
+        proxy,
+        backend,
+        timeout,
+        key,
+        dir,
+        blocker,
+        _holder,
+    } = behind_a_proxy("unsettled-all").await;
     let a = Locker::builder()
         .command_timeout(timeout)
         .build(backend.clone());
-    let key = format!("unsettled-all-{}", std::process::id());
-    // Holds the lock, so its directory stays and the attempts' nodes land behind it.
-    let b = locker(&url).await;
-    let blocker = b
-        .lock(key.as_str())
-        .ttl(Duration::from_secs(30))
-        .acquire()
-        .await
-        .unwrap();
     let resource = a.resource(LockKey::new(&key).unwrap());
-    let dir = format!("/dlock/{}", resource.as_str());
-    proxy.cut(true);
-    // From now on the client keeps requests until it has a server again.
-    wait_for(
-        "the client to see the cut",
-        Duration::from_secs(10),
-        async || (!backend.connected()).then_some(()),
-    )
-    .await;
+    cut(&proxy, &backend).await;
     let token = OwnerToken::generate();
     let ttl = Duration::from_secs(15);
     for _ in 0..2 {
