@@ -125,10 +125,8 @@ where
         }
         Err(e) => return Rejection::unreadable_body(e).into_response(),
     };
-    let headers = parts
-        .headers
-        .iter()
-        .filter(|(name, _)| shared.stores(name))
+    let headers = shared
+        .stored_headers(&parts.headers)
         .map(|(name, value)| (name.as_str().to_owned(), hex(value.as_bytes())))
         .collect();
     let job = ReplayRequest::new(

@@ -91,8 +91,10 @@ impl<K> DeferLayer<K> {
     /// Stores (and so replays) a credential header that is left out by default: any of the
     /// module's list — `Authorization`, `Cookie`, `Proxy-Authorization`, `X-Api-Key`,
     /// `Api-Key`, `X-Auth-Token`, `X-Access-Token`, `X-Amz-Security-Token`, `X-Goog-Api-Key`,
-    /// `X-CSRF-Token`, `X-XSRF-Token` (see [the module docs](crate::defer)). Its value then
-    /// sits in the queue's Redis for as long as the job lives, dead letters included. Headers
+    /// `X-CSRF-Token`, `X-XSRF-Token`, and the ones authenticating proxies set:
+    /// `X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
+    /// `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data` (see [the module docs](crate::defer)).
+    /// Its value then sits in the queue's Redis for as long as the job lives, dead letters included. Headers
     /// outside that list are stored anyway (unless [excluded](Self::exclude_header)); naming
     /// one here has no effect.
     pub fn store_header(mut self, name: HeaderName) -> Self {

@@ -3,8 +3,8 @@
 //!
 //! [`DeferLayer`] takes the request's lock like [`DistributedLockLayer`](crate::DistributedLockLayer)
 //! (one attempt). If the lock is free it calls the inner service under the lock. If it is busy it
-//! stores the request — method, URI, headers (minus hop-by-hop ones) and body (up to a limit;
-//! larger is `413`) — as a job in a [`DurableQueue`] and answers
+//! stores the request — method, URI, headers (minus hop-by-hop ones, those its `Connection`
+//! names included) and body (up to a limit; larger is `413`) — as a job in a [`DurableQueue`] and answers
 //!
 //! ```text
 //! 202 Accepted
@@ -43,8 +43,10 @@
 //! Credential headers are not stored by default: `Authorization`, `Cookie`,
 //! `Proxy-Authorization`, and the API-key and token headers in common use (`X-Api-Key`,
 //! `Api-Key`, `X-Auth-Token`, `X-Access-Token`, `X-Amz-Security-Token`, `X-Goog-Api-Key`,
-//! `X-CSRF-Token`, `X-XSRF-Token`) are left out of the stored request (so the replay runs
-//! without them) unless you opt a header in by name with [`DeferLayer::store_header`] — it
+//! `X-CSRF-Token`, `X-XSRF-Token`), and those that authenticating proxies set
+//! (`X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
+//! `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data`) are left out of the stored request (so the
+//! replay runs without them) unless you opt a header in by name with [`DeferLayer::store_header`] — it
 //! then sits in your Redis for as long as the job lives (a dead letter for the queue's
 //! dead-letter retention, 7 days by default). List your own with
 //! [`DeferLayer::exclude_header`]. **The URI is stored as sent**, query string included: a
@@ -82,9 +84,10 @@ pub use self::layer::DeferLayer;
 pub use self::replay::{replay_worker, status_response, ReplayRequest, Replayer};
 pub use self::service::Defer;
 
-const HOP_BY_HOP: [&str; 7] = [
+const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
+    "proxy-connection",
     "proxy-authenticate",
     "te",
     "trailer",
@@ -95,7 +98,7 @@ const HOP_BY_HOP: [&str; 7] = [
 /// Headers that carry credentials: never stored unless opted in with
 /// [`DeferLayer::store_header`]. The standard ones, and the API-key and token headers in
 /// common use.
-const CREDENTIALS: [HeaderName; 11] = [
+const CREDENTIALS: [HeaderName; 16] = [
     header::AUTHORIZATION,
     header::COOKIE,
     header::PROXY_AUTHORIZATION,
@@ -107,6 +110,13 @@ const CREDENTIALS: [HeaderName; 11] = [
     HeaderName::from_static("x-goog-api-key"),
     HeaderName::from_static("x-csrf-token"),
     HeaderName::from_static("x-xsrf-token"),
+    // Set by authenticating proxies in front of the service (oauth2-proxy, Cloudflare Access,
+    // AWS ALB): each is the user's token or a signed assertion of who they are.
+    HeaderName::from_static("x-forwarded-access-token"),
+    HeaderName::from_static("x-auth-request-access-token"),
+    HeaderName::from_static("cf-access-jwt-assertion"),
+    HeaderName::from_static("x-amzn-oidc-accesstoken"),
+    HeaderName::from_static("x-amzn-oidc-data"),
 ];
 
 /// Configuration shared by the layer and every service and future it makes.
@@ -148,15 +158,41 @@ impl Shared {
         self.ttl.unwrap_or_else(|| self.locker.default_ttl())
     }
 
-    pub(crate) fn stores(&self, name: &HeaderName) -> bool {
-        stores(name, &self.excluded, &self.stored_credentials)
+    /// The headers of a request that go into its stored copy (see [`stores`]).
+    pub(crate) fn stored_headers<'a>(
+        &'a self,
+        headers: &'a http::HeaderMap,
+    ) -> impl Iterator<Item = (&'a HeaderName, &'a http::HeaderValue)> + 'a {
+        let named = connection_named(headers);
+        headers
+            .iter()
+            .filter(move |(name, _)| stores(name, &named, &self.excluded, &self.stored_credentials))
     }
 }
 
-/// Whether header `name` goes into a stored request: not hop-by-hop, not excluded, and not a
-/// credential unless opted in.
-fn stores(name: &HeaderName, excluded: &[HeaderName], opted_in: &[HeaderName]) -> bool {
+/// The headers a request's `Connection` header names: hop-by-hop for that one request
+/// (RFC 9110 §7.6.1), whatever their names.
+fn connection_named(headers: &http::HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
+/// Whether header `name` goes into a stored request: not hop-by-hop (by the list, or named by
+/// the request's `Connection`), not excluded, and not a credential unless opted in.
+fn stores(
+    name: &HeaderName,
+    connection_named: &[String],
+    excluded: &[HeaderName],
+    opted_in: &[HeaderName],
+) -> bool {
     !HOP_BY_HOP.contains(&name.as_str())
+        && !connection_named.iter().any(|n| n == name.as_str())
         && !excluded.contains(name)
         && (!CREDENTIALS.contains(name) || opted_in.contains(name))
 }
@@ -173,18 +209,42 @@ mod tests {
             header::AUTHORIZATION,
             header::COOKIE,
             header::PROXY_AUTHORIZATION,
+            HeaderName::from_static("x-forwarded-access-token"),
+            HeaderName::from_static("cf-access-jwt-assertion"),
         ] {
-            assert!(!stores(&name, &excluded, &none), "{name} stored by default");
+            assert!(
+                !stores(&name, &[], &excluded, &none),
+                "{name} stored by default"
+            );
         }
-        assert!(stores(&header::CONTENT_TYPE, &excluded, &none));
+        assert!(stores(&header::CONTENT_TYPE, &[], &excluded, &none));
         assert!(!stores(
             &HeaderName::from_static("x-secret"),
+            &[],
             &excluded,
             &none
         ));
-        assert!(!stores(&header::CONNECTION, &excluded, &none));
+        assert!(!stores(&header::CONNECTION, &[], &excluded, &none));
         let opted = [header::AUTHORIZATION];
-        assert!(stores(&header::AUTHORIZATION, &excluded, &opted));
-        assert!(!stores(&header::COOKIE, &excluded, &opted));
+        assert!(stores(&header::AUTHORIZATION, &[], &excluded, &opted));
+        assert!(!stores(&header::COOKIE, &[], &excluded, &opted));
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_not_stored() {
+        let mut h = http::HeaderMap::new();
+        h.append(header::CONNECTION, "keep-alive, X-Hop".parse().unwrap());
+        h.append(header::CONNECTION, "x-other".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        h.insert("x-other", "1".parse().unwrap());
+        h.insert("proxy-connection", "keep-alive".parse().unwrap());
+        h.insert("x-kept", "1".parse().unwrap());
+        let named = connection_named(&h);
+        let kept: Vec<_> = h
+            .iter()
+            .filter(|(n, _)| stores(n, &named, &[], &[]))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(kept, ["x-kept"]);
     }
 }
