@@ -417,6 +417,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Undoes whatever an acquire with `token` may have done: releases the lock if the token
     /// owns it, removes the token from the waiter queue, and notifies the next waiter if that
     /// freed the way. Harmless when the token never reached the backend.
+    ///
+    /// An `abandon` that fails may be finished later by the backend (ZooKeeper deletes the
+    /// token's nodes once it has a server again): do not reuse the token for a new acquire
+    /// after a failed `abandon` — draw a new one ([`OwnerToken::generate`]), as the
+    /// [`Locker`](crate::Locker) does for every acquisition.
     fn abandon<'a>(
         &'a self,
         resource: &'a ResourceName,

@@ -99,7 +99,10 @@ impl IdempotencyLayer {
 
     /// Scopes keys by the `T` an earlier layer (authentication) put in the request extensions:
     /// the lock key becomes `idem:<T's Display>:<key>`, so one user can never replay, block or
-    /// probe another user's request by sending the same key. A request without a `T` is
+    /// probe another user's request by sending the same key. The scope is `T`'s text, not `T`:
+    /// layers on one locker with identity types that print alike share keys unless their
+    /// lockers have different [prefixes](dlock_runtime::LockerBuilder::prefix) (see
+    /// [the key](super#the-key)). A request without a `T` is
     /// refused with `401` unless [`missing_identity`](IdempotencyLayer::missing_identity) says
     /// otherwise. Default: no identity (every client shares one key space, so keys must be
     /// unguessable, e.g. UUIDv4).

@@ -178,7 +178,13 @@
 //! [`DEFAULT_MAX_KEY_LEN`], 255, as common APIs use). Without an identity, all clients share one
 //! key space: keys must be unguessable (UUIDv4). With
 //! [`identity`](IdempotencyLayer::identity), one user's key can never replay, block or probe
-//! another user's request. Keys go through the runtime's collision-free key encoding, so no
+//! another user's request. The scope is the identity's text and the locker's
+//! [prefix](dlock_runtime::LockerBuilder::prefix), not its type: two layers on one locker
+//! whose identity types can print the same text (a `UserId(7)` and an `ApiKeyId(7)`) share
+//! a key space — give each its own locker prefix, or an
+//! [`identity_fn`](IdempotencyLayer::identity_fn) that marks its kind (`format!("user:{id}")`).
+//! (The type is not part of the key so that keys, and the records stored under them, stay the
+//! same when a type is renamed or moved.) Keys go through the runtime's collision-free key encoding, so no
 //! identity/key pair can forge another's lock key. A request that lacks the identity is refused
 //! with `401` ([`MissingIdentity::Reject`]) rather than falling back to the shared key space,
 //! where its key could meet another client's — unless you choose
