@@ -84,8 +84,22 @@ impl Drop for Task {
     }
 }
 
+/// The pause before reconnecting `LISTEN`: the shortest (20 ms) after the first drop and
+/// after a session that listened for a while (1 s) — a healthy one —, else the last pause
+/// doubled, up to 1 s. Before, it kept doubling over the life of the process, and every
+/// reconnect after a few drops waited 1 s; a session dropped as soon as it listens keeps
+/// doubling, so a server that ends each session is not asked again every 20 ms.
+fn reconnect_pause(last: Option<Duration>, listened_for: Option<Duration>) -> Duration {
+    const FIRST: Duration = Duration::from_millis(20);
+    const LONGEST: Duration = Duration::from_secs(1);
+    match last {
+        Some(last) if listened_for.is_none_or(|d| d < LONGEST) => (last * 2).min(LONGEST),
+        _ => FIRST,
+    }
+}
+
 async fn run(mut task: Task) {
-    let mut pause = Duration::from_millis(20);
+    let mut pause = None;
     let Task {
         config,
         connector,
@@ -96,6 +110,7 @@ async fn run(mut task: Task) {
     } = &task;
     let Some(up) = task.up.as_ref() else { return };
     loop {
+        let began = tokio::time::Instant::now();
         tokio::select! {
             _ = up.closed() => break,
             _ = async {
@@ -106,16 +121,17 @@ async fn run(mut task: Task) {
                 }
             } => {}
         }
-        up.send_replace(false);
+        let listened_for = up.send_replace(false).then(|| began.elapsed());
         if hub.strong_count() == 0 {
             break;
         }
         tracing::warn!("postgres LISTEN connection lost; reconnecting");
+        let next = reconnect_pause(pause, listened_for);
+        pause = Some(next);
         tokio::select! {
             _ = up.closed() => break,
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(next) => {}
         }
-        pause = (pause * 2).min(Duration::from_secs(1));
     }
     task.up = None;
 }
@@ -229,6 +245,25 @@ mod tests {
     use crate::key::ResourceName;
     use crate::LockKey;
     use futures_util::FutureExt as _;
+
+    #[test]
+    fn a_healthy_session_resets_the_reconnect_pause() {
+        let ms = Duration::from_millis;
+        let mut last = None;
+        let mut pauses = Vec::new();
+        // Six drops of sessions that never listened: 20 ms doubling up to 1 s.
+        for _ in 0..7 {
+            let p = reconnect_pause(last, None);
+            pauses.push(p.as_millis());
+            last = Some(p);
+        }
+        assert_eq!(pauses, [20, 40, 80, 160, 320, 640, 1000]);
+        // Dropped after listening for a minute: back to the shortest.
+        assert_eq!(reconnect_pause(last, Some(Duration::from_secs(60))), ms(20));
+        // Dropped as soon as it listened: still doubling (and capped).
+        assert_eq!(reconnect_pause(last, Some(ms(5))), ms(1000));
+        assert_eq!(reconnect_pause(Some(ms(80)), Some(ms(5))), ms(160));
+    }
 
     #[test]
     fn payloads_wake_the_named_waiter() {
