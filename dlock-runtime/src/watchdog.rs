@@ -10,7 +10,12 @@
 //!   answers "not the owner" is lost at once; one whose extend fails keeps trying until its
 //!   local lease clock (`last successful renewal + TTL`, measured from when the request was
 //!   *sent*) runs out, and is then lost — which also catches a process that was frozen past its
-//!   lease: on waking, the lease is checked before anything is sent.
+//!   lease: on waking, the lease is checked before anything is sent. The lease clock counts
+//!   time the machine spent suspended (`CLOCK_BOOTTIME` on Linux and Android; elsewhere
+//!   `Instant`, which stops then), and the task looks at the schedule at least every
+//!   [`SUSPEND_CHECK`]: timers run on `Instant` and fire late by the time suspended, so without
+//!   it a guard woke "held" by a lease the server had let run out, and told no one until its
+//!   next renewal was due.
 //! * **Releases from `Drop`.** `LockGuard::drop` and the drop of a cancelled acquire cannot
 //!   await; they send the owner-checked release (or abandon) to this task over an unbounded
 //!   channel, which never blocks the dropping thread. A guard dropped on a thread with no
@@ -50,6 +55,34 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, ExtendItem, OwnerToken};
 use crate::key::{KeyLog, ResourceName};
+
+/// How long a suspend of the machine may go unnoticed by a guard's [`lost`] and the renewal
+/// schedule: the background task looks at the schedule at least this often while guards are
+/// in it, and a [`lost`] of a guard the watchdog does not renew checks its lease this often.
+///
+/// [`lost`]: crate::LockGuard::lost
+pub(crate) const SUSPEND_CHECK: Duration = Duration::from_secs(1);
+
+/// The lease clock, in ns from an arbitrary start: `CLOCK_BOOTTIME` on Linux and Android,
+/// which keeps counting while the machine is suspended. `Instant` (`CLOCK_MONOTONIC`) stops
+/// then: a laptop's lid closed or a VM hibernated for a minute, a guard woke still "held" by a
+/// lease the server had let run out while it slept, and told no one until its next renewal
+/// was answered "not the owner". Elsewhere `Instant` (documented).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub(crate) fn lease_clock_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    (t.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_nsec as u64)
+}
+
+/// The lease clock, in ns from an arbitrary start (`Instant`: stops while the machine is
+/// suspended on this platform).
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+pub(crate) fn lease_clock_ns() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
 
 /// Guards due within this window are renewed in the same batch (a guard whose renewal interval
 /// is under four windows joins at most a quarter of its interval early: [`Watchdog::early_ns`]).
@@ -233,7 +266,11 @@ pub(crate) enum Cmd {
 
 /// Shared between the [`Locker`](crate::Locker) and its background task.
 pub(crate) struct Watchdog {
-    epoch: Instant,
+    /// The lease clock's reading when the watchdog was made ([`lease_clock_ns`]).
+    epoch: u64,
+    /// Time the tests pretend the machine spent suspended: added to the lease clock only.
+    #[cfg(test)]
+    suspended_ns: AtomicU64,
     schedule: Mutex<BTreeMap<(u64, u64), Arc<GuardState>>>,
     /// When the background task looks at the schedule next, at the latest (`NOT_SCHEDULED`:
     /// only when woken). Read and written under `schedule`'s mutex. It may be earlier than
@@ -279,7 +316,9 @@ impl Watchdog {
         key_log: KeyLog,
     ) -> Arc<Self> {
         Arc::new(Watchdog {
-            epoch: Instant::now(),
+            epoch: lease_clock_ns(),
+            #[cfg(test)]
+            suspended_ns: AtomicU64::new(0),
             schedule: Mutex::new(BTreeMap::new()),
             wakes_at: AtomicU64::new(NOT_SCHEDULED),
             in_batch: AtomicUsize::new(0),
@@ -305,12 +344,34 @@ impl Watchdog {
         &self.backend
     }
 
+    /// The lease clock, in ns since this watchdog was made: it counts the time the machine
+    /// spent suspended (see [`lease_clock_ns`]).
     pub(crate) fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        let now = lease_clock_ns().saturating_sub(self.epoch);
+        #[cfg(test)]
+        let now = now + self.suspended_ns.load(Ordering::Relaxed);
+        now
     }
 
+    /// The timer instant of lease-clock time `ns`: as far from now as `ns` is from
+    /// [`now_ns`](Self::now_ns). Timers run on `Instant`, which stops while the machine is
+    /// suspended: one set before a suspend fires that much late (the task looks at the
+    /// schedule at least every [`SUSPEND_CHECK`] for that reason).
     pub(crate) fn instant_at(&self, ns: u64) -> Instant {
-        self.epoch + Duration::from_nanos(ns)
+        let (now_ns, now) = (self.now_ns(), Instant::now());
+        if ns >= now_ns {
+            now + Duration::from_nanos(ns - now_ns)
+        } else {
+            now.checked_sub(Duration::from_nanos(now_ns - ns))
+                .unwrap_or(now)
+        }
+    }
+
+    /// The tests' machine suspend: the lease clock jumps by `d`; timers do not see it.
+    #[cfg(test)]
+    pub(crate) fn suspend_for_test(&self, d: Duration) {
+        self.suspended_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// A new guard's state; registered for renewal when `auto_renew`.
@@ -426,10 +487,18 @@ impl Watchdog {
             // Registered before the lease end is read: a change after the read wakes us.
             changed.as_mut().enable();
             let end = state.lease_end_ns();
+            // A renewed guard is in the schedule, which the task looks at every
+            // `SUSPEND_CHECK` and marks lost past its lease; any other looks for itself, so
+            // that a suspend past its lease is noticed as soon (the timer alone fires late by
+            // the time suspended).
+            let mut at = self.instant_at(end);
+            if !state.auto_renew {
+                at = at.min(Instant::now() + SUSPEND_CHECK);
+            }
             tokio::select! {
                 _ = state.lost.cancelled() => return,
                 _ = &mut changed => {}
-                _ = tokio::time::sleep_until(self.instant_at(end).into()) => {
+                _ = tokio::time::sleep_until(at.into()) => {
                     if self.now_ns() >= state.lease_end_ns() {
                         state.mark_lost("the local lease ran out");
                         return;
@@ -856,7 +925,10 @@ async fn run(mut host: Host) {
                 if !due.is_empty() {
                     tokio::spawn(e.clone().renew(due));
                 }
-                next.map(|ns| e.instant_at(ns))
+                // At least every `SUSPEND_CHECK` while guards are scheduled: after a suspend,
+                // their renewals are due by the lease clock long before the timer says so,
+                // and those past their lease are reported lost (before anything is sent).
+                next.map(|ns| e.instant_at(ns).min(Instant::now() + SUSPEND_CHECK))
             }
             // The locker is gone; only queued releases remain to be sent.
             None => None,
@@ -1147,6 +1219,81 @@ mod tests {
         ) -> BoxFuture<'a, Result<(), LockError>> {
             self.inner.abandon(r, t)
         }
+    }
+
+    /// A suspend of the machine past a guard's lease (the lease clock jumps; timers, on
+    /// `Instant`, do not) is a loss at once on waking: `is_held` says no, and `lost` resolves
+    /// within `SUSPEND_CHECK` — for a renewed guard (the task's look at the schedule) and one
+    /// the watchdog does not renew (its own check) alike. With timers alone both waited for
+    /// the time suspended to pass again: the renewed guard until its renewal, due 10 s on,
+    /// and the other for the rest of its 30 s lease.
+    #[tokio::test]
+    async fn a_suspend_past_the_lease_is_a_loss_on_waking() {
+        let locker = Locker::memory();
+        for (key, renew) in [("renewed", true), ("not-renewed", false)] {
+            let guard = locker
+                .lock(key)
+                .ttl(Duration::from_secs(30))
+                .auto_renew(renew)
+                .acquire()
+                .await
+                .unwrap();
+            let lost = guard.lost();
+            tokio::pin!(lost);
+            assert!(futures_util::poll!(&mut lost).is_pending(), "{key}");
+            locker.watchdog().suspend_for_test(Duration::from_secs(60));
+            assert!(
+                !guard.is_held(),
+                "{key}: held after a suspend past its lease"
+            );
+            assert_eq!(guard.remaining(), Duration::ZERO, "{key}");
+            tokio::time::timeout(SUSPEND_CHECK * 3, lost)
+                .await
+                .unwrap_or_else(|_| panic!("{key}: not lost within 3 s of waking"));
+        }
+    }
+
+    /// A suspend shorter than what is left of the lease loses nothing: the renewal, due by the
+    /// lease clock, is sent on waking and renews the lock.
+    #[tokio::test]
+    async fn a_suspend_within_the_lease_renews_on_waking() {
+        let backend = Hooked::default();
+        let (arrived, applied) = (backend.batch_arrived.clone(), backend.applied.clone());
+        let locker = Locker::builder().build(backend);
+        let guard = locker
+            .lock("k")
+            .ttl(Duration::from_secs(30))
+            .acquire()
+            .await
+            .unwrap();
+        // The task sleeps until the renewal's due time (10 s on) before the machine does.
+        let planned = locker.watchdog().now_ns() + 9_000_000_000;
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while locker.watchdog().wakes_at.load(Ordering::Relaxed) < planned {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the watchdog's task planned the renewal");
+        locker.watchdog().suspend_for_test(Duration::from_secs(15));
+        assert!(guard.is_held());
+        tokio::time::timeout(SUSPEND_CHECK * 3, arrived.notified())
+            .await
+            .expect("a renewal within 3 s of waking");
+        // Signalled as the batch arrived: its answer settles the guard on the task's turn.
+        guard.extend(Duration::from_secs(30)).await.unwrap();
+        assert_eq!(
+            applied.lock().unwrap().len(),
+            2,
+            "the renewal, then the extend"
+        );
+        assert!(guard.is_held());
+        assert!(
+            guard.remaining() > Duration::from_secs(20),
+            "{:?}",
+            guard.remaining()
+        );
+        guard.release().await.unwrap();
     }
 
     /// Renewals come every third of the local lease, not of the TTL: with a margin of 70 %
