@@ -22,6 +22,11 @@
 //!   gave up on the connection, when TCP resends what it had sent. New connections are
 //!   forwarded as usual.
 //!
+//! * **stall** every open connection ([`stall`](Proxy::stall)) until [`heal`](Proxy::heal):
+//!   what either side sends on them is kept, in order, and delivered when the partition heals
+//!   — TCP's resends, after the client may have given up on the connection and made another.
+//!   New connections are forwarded as usual.
+//!
 //! * **swallow Postgres cancel requests** ([`swallow_cancels`](Proxy::swallow_cancels)): a
 //!   connection that opens with a `CancelRequest` is closed without reaching the server — a
 //!   cancel that cannot help (a server stalled on I/O) or is lost.
@@ -72,6 +77,9 @@ struct Shared {
     muted_below: AtomicU64,
     /// Bytes the held connections' clients sent since [`Proxy::hold`].
     held_bytes: AtomicU64,
+    /// Connections numbered below this one keep what either side sends until healed
+    /// ([`Proxy::stall`]; 0 once healed).
+    stalled_below: tokio::sync::watch::Sender<u64>,
     /// The pause after each held chunk delivered ([`Proxy::deliver_held_spaced`]), µs.
     held_gap_us: AtomicU64,
     /// Close connections that open with a Postgres `CancelRequest` ([`Proxy::swallow_cancels`]).
@@ -96,6 +104,7 @@ impl Proxy {
             refused: AtomicU64::new(0),
             silent_below: AtomicU64::new(0),
             held_below: tokio::sync::watch::Sender::new(0),
+            stalled_below: tokio::sync::watch::Sender::new(0),
             muted_below: AtomicU64::new(0),
             held_bytes: AtomicU64::new(0),
             held_gap_us: AtomicU64::new(0),
@@ -189,6 +198,21 @@ impl Proxy {
         let gap = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX);
         self.shared.held_gap_us.store(gap, Ordering::Release);
         self.shared.held_below.send_replace(0);
+    }
+
+    /// Stalls every connection open now: what either side sends on them from now on is kept,
+    /// in order, until [`heal`](Proxy::heal); they stay open. Connections accepted later are
+    /// forwarded as usual. Returns how many were stalled.
+    pub fn stall(&self) -> usize {
+        let next = self.shared.next_id.load(Ordering::Acquire);
+        self.shared.stalled_below.send_replace(next);
+        self.open()
+    }
+
+    /// Delivers, both ways and in order, what the stalled connections kept
+    /// ([`stall`](Proxy::stall)), and forwards them as usual from then on.
+    pub fn heal(&self) {
+        self.shared.stalled_below.send_replace(0);
     }
 
     /// Accepts new connections again.
@@ -355,6 +379,7 @@ async fn pump(
     };
     let writer = async {
         let mut held = shared.held_below.subscribe();
+        let mut stalled = shared.stalled_below.subscribe();
         while let Some((due, buf, was_held)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
             let muted = from_server && id < shared.muted_below.load(Ordering::Acquire);
@@ -362,6 +387,8 @@ async fn pump(
                 // Silenced: held open, nothing more delivered (not even a close).
                 std::future::pending::<()>().await;
             }
+            // Stalled: kept until healed.
+            let _ = stalled.wait_for(|below| id >= *below).await;
             let mut gap = Duration::ZERO;
             if !from_server {
                 // Held: kept until delivered.

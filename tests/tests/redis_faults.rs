@@ -1619,6 +1619,136 @@ async fn hears_the_release_after_a_silent_connection(outlasting: bool) {
     guard.release().await.unwrap();
 }
 
+/// A grant published to a waiter over a connection that was replaced since is not taken as
+/// the lock: the waiter's connection stalls (a partition: nothing either way, no reset), the
+/// holder releases and the server hands the lock to it, publishing the grant on that
+/// connection; the handed lease lapses and another client takes the lock; the waiter's
+/// connection is replaced, and on the new one the waiter asks and is told "held". Then the
+/// partition heals and the old connection — kept open by redis-rs until the answers to the
+/// commands that timed out on it come — delivers the grant. It is news of a lease long lapsed,
+/// out of order with the answers on the new connection: taken as a handoff, the waiter got a
+/// guard (with the older fencing token) while the other client held the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_heard_on_a_replaced_connection_does_not_make_a_second_holder() {
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    let (holder, other) = (server.locker().await, server.locker().await);
+    let waiter = Locker::builder()
+        .command_timeout(Duration::from_millis(500))
+        .waiter_ttl(Duration::from_secs(60))
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let key = "replaced:grant";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let evalsha_before = evalsha_calls(&server).await;
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false)
+        .through_outages(true);
+    let mut wait = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::Retry(policy);
+            let ttl = Duration::from_secs(1);
+            waiter.lock(key).ttl(ttl).on_fail(retry).acquire().await
+        })
+    };
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        async || {
+            let asleep =
+                waiter.waiting() != 0 && evalsha_calls(&server).await >= evalsha_before + 2;
+            asleep.then_some(()).ok_or("never queued")
+        },
+    )
+    .await;
+
+    assert_eq!(
+        proxy.stall(),
+        1,
+        "one connection, for commands and the channel"
+    );
+    held.release().await.unwrap();
+    // The lease handed to the waiter (its 1 s TTL) lapses; the other client takes the lock.
+    let taken = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || match other.lock(key).ttl(LONG).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("still handed to the waiter"),
+            Err(e) => panic!("{e}"),
+        },
+    )
+    .await;
+    assert_eq!(
+        proxy.accepted(),
+        1,
+        "the waiter's connection replaced too early"
+    );
+
+    // The waiter's client keeps using its connection: commands time out on it, it is found
+    // silent and replaced, and the last commands sent on it keep it open for a while.
+    let load = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            for i in 0.. {
+                let waiter = waiter.clone();
+                tokio::spawn(async move {
+                    if let Ok(Some(g)) = waiter
+                        .lock(format!("replaced:load:{i}"))
+                        .try_acquire()
+                        .await
+                    {
+                        let _ = g.release().await;
+                    }
+                });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    wait_for(
+        "the waiter's connection replaced",
+        Duration::from_secs(5),
+        async || (proxy.accepted() >= 2).then_some(()),
+    )
+    .await;
+    load.abort();
+    // On the new connection the waiter asks (woken with every local waiter), is told "held"
+    // and queued again.
+    let queue = format!("dlock:{{{key}}}:q");
+    wait_for(
+        "the waiter queued again on its new connection",
+        Duration::from_secs(5),
+        async || {
+            let len: u64 = server.query(redis::cmd("LLEN").arg(&queue)).await;
+            (len == 1).then_some(())
+        },
+    )
+    .await;
+    assert!(!wait.is_finished(), "{:?}", (&mut wait).await);
+
+    // The partition heals: the old connection, still open, delivers the grant.
+    proxy.heal();
+    let early = tokio::time::timeout(Duration::from_secs(1), &mut wait).await;
+    assert!(
+        early.is_err(),
+        "the waiter took the lock while the other client held it: {:?}",
+        early.map(|r| r.unwrap().map(|g| g.fencing_token()))
+    );
+    let fence = taken.fencing_token();
+    taken.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter never heard of the release")
+        .unwrap()
+        .unwrap();
+    assert!(guard.fencing_token() > fence);
+    guard.release().await.unwrap();
+}
+
 /// The connections of their own that `.replicas(1)` sends `WAIT` on are replaced when they go
 /// silent, like the locker's own connection: each is checked (a `PING`) once a renewal timed
 /// out on it, and made anew if that gets no answer either. Before, they were plain managers,

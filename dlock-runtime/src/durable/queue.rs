@@ -214,7 +214,7 @@ impl DurableQueue {
             .set_connection_timeout(Some(command_timeout))
             .set_response_timeout(Some(command_timeout))
             .set_number_of_retries(2);
-        let mut conn = ServerLink::new(client.clone(), config, command_timeout)
+        let mut conn = ServerLink::new(client.clone(), config, None, command_timeout)
             .map(Conn::Server)
             .map_err(|e| redis_err("connect", e))?;
         tokio::time::timeout(

@@ -23,12 +23,12 @@
 //! the link check the cluster's view, and make the client read the slot map again once the
 //! master was failed over ([`ClusterLink::suspect`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use redis::{Cmd, Pipeline, PushInfo, RedisFuture, RedisResult, Value};
 
 use crate::LockError;
 #[cfg(feature = "cluster")]
@@ -38,7 +38,6 @@ use {
     redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
     redis::RedisError,
     std::collections::{HashMap, HashSet},
-    std::sync::atomic::AtomicU64,
 };
 
 /// A script the crate runs. Every one is made here (`clippy.toml` forbids `Script::new`
@@ -380,7 +379,7 @@ impl Dedicated {
                     .set_response_timeout(Some(self.command_timeout))
                     .set_number_of_retries(2)
                     .set_max_delay(self.connect_timeout);
-                ServerLink::new((**client).clone(), config, self.command_timeout)
+                ServerLink::new((**client).clone(), config, None, self.command_timeout)
                     .map(Conn::Server)
                     .map_err(|e| super::redis_err("connect", e))
             }
@@ -649,10 +648,21 @@ impl Clone for ServerLink {
     }
 }
 
+/// Where a [`ServerLink`]'s pushes go, told whether the connection each came on is the one
+/// commands are sent on now (`false`: one replaced since, which may still deliver what the
+/// server wrote to it before a partition healed — out of order with the answers on the new
+/// one, so it must not hand a lock over; see `on_push`).
+pub(crate) type LinkPush = Arc<dyn Fn(PushInfo, bool) + Send + Sync>;
+
 struct Server {
     client: redis::Client,
-    /// The settings of every connection made, the push handler included.
+    /// The settings of every connection made, without the push handler.
     config: ConnectionManagerConfig,
+    /// Where the pushes of every connection made go ([`LinkPush`]).
+    push: Option<LinkPush>,
+    /// The generation of the connection commands are sent on now (as in `current`; read by
+    /// the push handlers, which must not wait for the lock).
+    live: Arc<AtomicU64>,
     /// How long the check's `PING` waits for its answer (the command timeout).
     probe: Duration,
     current: RwLock<ServerConn>,
@@ -691,13 +701,20 @@ impl ServerLink {
     pub(crate) fn new(
         client: redis::Client,
         config: ConnectionManagerConfig,
+        push: Option<LinkPush>,
         probe: Duration,
     ) -> RedisResult<ServerLink> {
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
+        let live = Arc::new(AtomicU64::new(0));
+        let conn = ConnectionManager::new_lazy_with_config(
+            client.clone(),
+            config_for(&config, push.as_ref(), &live, 0),
+        )?;
         Ok(ServerLink {
             shared: Arc::new(Server {
                 client,
                 config,
+                push,
+                live,
                 probe,
                 current: RwLock::new(ServerConn {
                     conn,
@@ -801,18 +818,40 @@ fn remake(server: &Server, generation: u64, why: Remade) {
     }
 }
 
+/// The settings of connection `generation`: `config`, with a push handler that tells `push`
+/// whether that connection is still the one commands go on (`live`).
+fn config_for(
+    config: &ConnectionManagerConfig,
+    push: Option<&LinkPush>,
+    live: &Arc<AtomicU64>,
+    generation: u64,
+) -> ConnectionManagerConfig {
+    let Some(push) = push else {
+        return config.clone();
+    };
+    let (push, live) = (push.clone(), live.clone());
+    config.clone().set_push_sender(move |p: PushInfo| {
+        push(p, live.load(Ordering::Acquire) == generation);
+        Ok::<(), redis::aio::SendError>(())
+    })
+}
+
 /// Replaces connection `generation` of `server` by a new one (made on first use, on this
 /// runtime). `false`: not replaced (another call did, or no manager could be made).
 fn remake_server(server: &Server, generation: u64, why: Remade) -> bool {
-    let conn =
-        match ConnectionManager::new_lazy_with_config(server.client.clone(), server.config.clone())
-        {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = ?e.kind(), "redis: could not replace a silent connection");
-                return false;
-            }
-        };
+    let config = config_for(
+        &server.config,
+        server.push.as_ref(),
+        &server.live,
+        generation + 1,
+    );
+    let conn = match ConnectionManager::new_lazy_with_config(server.client.clone(), config) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = ?e.kind(), "redis: could not replace a silent connection");
+            return false;
+        }
+    };
     let old = {
         let mut cur = server
             .current
@@ -821,6 +860,8 @@ fn remake_server(server: &Server, generation: u64, why: Remade) -> bool {
         if cur.generation != generation {
             return false;
         }
+        // Under the lock: no command goes on the new connection before its pushes count.
+        server.live.store(generation + 1, Ordering::Release);
         std::mem::replace(
             &mut *cur,
             ServerConn {

@@ -41,8 +41,14 @@
 //!   after its undo ran holds the lock for a token no guard holds until its TTL ends (or
 //!   leaves a queue entry until the waiter TTL ends, handed the lock for at most that long).
 //!   Bounded by the TTL, never two holders; Redlock, where a late undo could cost a majority,
-//!   counts such undos (`redlock::Unsettled`). Each command only reads which connection is current
-//!   (a shared lock's read).
+//!   counts such undos (`redlock::Unsettled`). The other way, what the server wrote to the
+//!   replaced connection may reach this client then too, while a command still waiting on it
+//!   keeps it open: a grant a release published to a waiter before its last attempt was
+//!   answered on the new connection. Taken as a handoff it made a second holder (that lease
+//!   had lapsed and the lock was someone else's); a push tells whether its connection is
+//!   still the current one (behind Sentinel: by its issuer number), and a grant from one that
+//!   is not only wakes the waiter, which asks. Each command only reads which connection is
+//!   current (a shared lock's read).
 //! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
 //!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
 //!   runtime dropped). Each is a `conn::ClusterLink`, made anew on the runtime of its next
@@ -307,6 +313,19 @@ impl Inner {
         subscribed.drain().collect()
     }
 
+    /// Whether a push under issuer number `over` came from the connection commands go to now
+    /// (Sentinel: each master followed, and each connection made anew to one when it went
+    /// silent, takes a number of its own; one made anew because its runtime shut down keeps
+    /// the number, but the old one went with that runtime. Elsewhere `None`, and the
+    /// connection tells: `conn::LinkPush`).
+    fn is_current(&self, over: Issuer) -> bool {
+        match (over, &self.conn) {
+            #[cfg(feature = "sentinel")]
+            (Some(issuer), Conn::Sentinel(c)) => c.issuer_now() == issuer,
+            _ => true,
+        }
+    }
+
     /// See [`RedisBackend::granted`].
     fn granted(&self, counter: u64, over: Issuer) -> Result<u64, LockError> {
         if counter > MAX_COUNTER {
@@ -398,8 +417,9 @@ fn now_us() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// The push handler of a backend's connection, and where it finds the backend (set once the
-/// backend exists: the handler is needed to make the connection the backend holds).
+/// The push handler of a cluster backend's connections, and where it finds the backend (set
+/// once the backend exists: the handler is needed to make the connection the backend holds).
+#[cfg(feature = "cluster")]
 #[allow(clippy::type_complexity)]
 fn push_handler(
     hub: &Arc<ReleaseHub>,
@@ -410,26 +430,41 @@ fn push_handler(
 ) {
     let (me, handler) = issued_push_handler(hub, handoff);
     (me, move |push: PushInfo| {
-        handler(push, None);
+        handler(push, None, true);
         Ok::<(), redis::aio::SendError>(())
     })
 }
 
-/// [`push_handler`] for connections that tell which issuer number each push is under
-/// (Sentinel: see [`Issuer`]).
+/// The push handler of one server's link, which tells whether each push came on the
+/// connection commands go on now ([`conn::LinkPush`]).
+fn link_push_handler(
+    hub: &Arc<ReleaseHub>,
+    handoff: bool,
+) -> (Arc<OnceLock<Weak<Inner>>>, conn::LinkPush) {
+    let (me, handler) = issued_push_handler(hub, handoff);
+    (
+        me,
+        Arc::new(move |push: PushInfo, current: bool| handler(push, None, current)),
+    )
+}
+
+/// The push handler of a backend's connections, told which issuer number each push is under
+/// (Sentinel: see [`Issuer`]) and whether its connection is the one commands go on now, and
+/// where it finds the backend (set once the backend exists: the handler is needed to make the
+/// connection the backend holds).
 #[allow(clippy::type_complexity)]
 fn issued_push_handler(
     hub: &Arc<ReleaseHub>,
     handoff: bool,
 ) -> (
     Arc<OnceLock<Weak<Inner>>>,
-    impl Fn(PushInfo, Issuer) + Send + Sync + 'static,
+    impl Fn(PushInfo, Issuer, bool) + Send + Sync + 'static,
 ) {
     let push_hub = Arc::downgrade(hub);
     let me: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
     let push_me = me.clone();
-    let handler = move |push: PushInfo, issuer: Issuer| {
-        on_push(&push_hub, &push_me, handoff, push, issuer);
+    let handler = move |push: PushInfo, issuer: Issuer, current: bool| {
+        on_push(&push_hub, &push_me, handoff, push, issuer, current);
     };
     (me, handler)
 }
@@ -681,16 +716,15 @@ impl RedisBackend {
         let info = info.set_redis_settings(settings);
         let client = redis::Client::open(info).map_err(|e| redis_err("client", e))?;
 
-        let (me, push) = push_handler(&hub, handoff);
+        let (me, push) = link_push_handler(&hub, handoff);
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(opts.connect_timeout))
             .set_response_timeout(Some(opts.command_timeout))
             .set_number_of_retries(2)
             .set_max_delay(opts.connect_timeout)
-            .set_push_sender(push)
             .set_automatic_resubscription();
         let probe = opts.command_timeout;
-        let conn = conn::ServerLink::new(client.clone(), config, probe)
+        let conn = conn::ServerLink::new(client.clone(), config, Some(push), probe)
             .map_err(|e| redis_err("connect", e))?;
         // A silent connection replaced: the new one is subscribed to nothing.
         let me_remade = me.clone();
@@ -1567,6 +1601,7 @@ fn on_push(
     handoff: bool,
     push: PushInfo,
     issuer: Issuer,
+    current: bool,
 ) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
@@ -1592,6 +1627,16 @@ fn on_push(
                 _ if payload.is_empty() => hub.notify(resource, None),
                 Some((token, fence)) => match fence.parse::<u64>() {
                     Ok(fence) if handoff => match me.get().and_then(Weak::upgrade) {
+                        // Only from the connection the waiters' attempts are answered on now:
+                        // in order with those answers (see `Backend`'s module docs). One
+                        // replaced since (gone silent; Sentinel: another master, or the same
+                        // one's silent connection) may deliver, once a partition heals, a grant
+                        // published before the waiter's last attempt was answered on the new
+                        // one — a lease that lapsed, maybe taken by another since. Woken, the
+                        // waiter asks, and is granted the lock if it is still its own.
+                        Some(inner) if !(current && inner.is_current(issuer)) => {
+                            hub.notify(resource, Some(token))
+                        }
                         Some(inner) => match inner.granted(fence, issuer) {
                             Ok(fence) => hub.hand_over(resource, token, fence),
                             // No token to hand over: the waiter asks, and is told why.

@@ -74,7 +74,7 @@ const ANNOUNCEMENTS: [&str; 2] = ["+promoted-slave", "+switch-master"];
 
 /// A push handler shared by every connection this backend makes to a master; it is told the
 /// issuer number of the master the push came from.
-pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer) + Send + Sync>;
+pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer, bool) + Send + Sync>;
 
 /// How many of the issuer numbers of earlier masters a connection keeps clear of.
 const ISSUERS_KEPT: usize = 64;
@@ -393,6 +393,16 @@ impl SentinelConn {
         self.shared.current().issuer
     }
 
+    /// The issuer number of the connection commands go to now (read only: unlike
+    /// [`issuer`](Self::issuer), never makes a connection anew).
+    pub(super) fn issuer_now(&self) -> u64 {
+        self.shared
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .issuer
+    }
+
     /// The issuer number of the master the last reply on this handle came from.
     pub(super) fn replied_issuer(&self) -> super::Issuer {
         self.replied
@@ -415,7 +425,9 @@ fn connect_to(
         config = config
             .set_push_sender(move |p: PushInfo| {
                 let issuer = issuer.load(Ordering::Acquire);
-                push(p, (issuer != u64::MAX).then_some(issuer));
+                // Whether the connection is the one commands go on now is the backend's to
+                // tell, by the issuer number (`RedisBackend`'s push handler).
+                push(p, (issuer != u64::MAX).then_some(issuer), true);
                 Ok::<(), redis::aio::SendError>(())
             })
             .set_automatic_resubscription();
