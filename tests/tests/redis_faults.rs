@@ -1730,13 +1730,24 @@ async fn a_grant_heard_on_a_replaced_connection_does_not_make_a_second_holder() 
     .await;
     assert!(!wait.is_finished(), "{:?}", (&mut wait).await);
 
-    // The partition heals: the old connection, still open, delivers the grant.
+    // The partition heals: the old connection, still open, delivers the grant. Woken by it
+    // (its own timer is 10 s off), the waiter asks again: its queue entry is refreshed.
+    let entries = format!("dlock:{{{key}}}:qw");
+    let entry: Vec<String> = server.query(redis::cmd("HGETALL").arg(&entries)).await;
     proxy.heal();
-    let early = tokio::time::timeout(Duration::from_secs(1), &mut wait).await;
+    wait_for(
+        "the waiter woken by the grant from the old connection",
+        Duration::from_secs(2),
+        async || {
+            let now: Vec<String> = server.query(redis::cmd("HGETALL").arg(&entries)).await;
+            (now != entry || wait.is_finished()).then_some(())
+        },
+    )
+    .await;
     assert!(
-        early.is_err(),
+        !wait.is_finished(),
         "the waiter took the lock while the other client held it: {:?}",
-        early.map(|r| r.unwrap().map(|g| g.fencing_token()))
+        (&mut wait).await.unwrap().map(|g| g.fencing_token())
     );
     let fence = taken.fencing_token();
     taken.release().await.unwrap();
