@@ -297,7 +297,8 @@ impl Lease {
             Some(left) => Cmd::Expire(
                 resource,
                 token,
-                tokio::time::Instant::now() + left,
+                crate::watchdog::lease_clock_ns()
+                    .saturating_add(u64::try_from(left.as_nanos()).unwrap_or(u64::MAX)),
                 // Not `left`: a backend still down when the hold ends would leave the lock to
                 // its TTL; the retries go on, and release it then.
                 self.state.ttl(),

@@ -13,9 +13,12 @@
 //!   lease: on waking, the lease is checked before anything is sent. The lease clock counts
 //!   time the machine spent suspended (`CLOCK_BOOTTIME` on Linux and Android; elsewhere
 //!   `Instant`, which stops then), and the task looks at the schedule at least every
-//!   [`SUSPEND_CHECK`]: timers run on `Instant` and fire late by the time suspended, so without
-//!   it a guard woke "held" by a lease the server had let run out, and told no one until its
-//!   next renewal was due.
+//!   [`SUSPEND_CHECK`] while there are guards to renew: timers run on `Instant` and fire late
+//!   by the time suspended, so without it a guard woke "held" by a lease the server had let run
+//!   out, and told no one until its next renewal was due. A look that finds the lease clock
+//!   ahead of the timers' has every `lost` check its lease (a guard whose renewal is on its
+//!   way is in no schedule); a `lost` of a guard the watchdog does not renew checks for itself
+//!   as often. A minimum hold's end goes to the background release by the lease clock too.
 //! * **Releases from `Drop`.** `LockGuard::drop` and the drop of a cancelled acquire cannot
 //!   await; they send the owner-checked release (or abandon) to this task over an unbounded
 //!   channel, which never blocks the dropping thread. A guard dropped on a thread with no
@@ -62,6 +65,11 @@ use crate::key::{KeyLog, ResourceName};
 ///
 /// [`lost`]: crate::LockGuard::lost
 pub(crate) const SUSPEND_CHECK: Duration = Duration::from_secs(1);
+
+/// How far the lease clock may run ahead of the timers' between two looks of the background
+/// task before the task takes it for a suspend of the machine and has each `lost` check its
+/// lease again.
+const SUSPEND_JUMP: Duration = Duration::from_millis(50);
 
 /// The lease clock, in ns from an arbitrary start: `CLOCK_BOOTTIME` on Linux and Android,
 /// which keeps counting while the machine is suspended. `Instant` (`CLOCK_MONOTONIC`) stops
@@ -258,7 +266,9 @@ pub(crate) enum Cmd {
     Expire(
         ResourceName,
         OwnerToken,
-        tokio::time::Instant,
+        // When the hold ends, by the lease clock ([`lease_clock_ns`]): a retry after a
+        // suspend does not keep the lock the time suspended past it.
+        u64,
         Duration,
         Arc<AsyncMutex<()>>,
     ),
@@ -271,6 +281,12 @@ pub(crate) struct Watchdog {
     /// Time the tests pretend the machine spent suspended: added to the lease clock only.
     #[cfg(test)]
     suspended_ns: AtomicU64,
+    /// Looks of the background task that found a guard to renew.
+    #[cfg(test)]
+    looks_with_guards: AtomicU64,
+    /// Told when the background task finds the machine was suspended: every `wait_lost`
+    /// checks its lease again.
+    resumed: Notify,
     schedule: Mutex<BTreeMap<(u64, u64), Arc<GuardState>>>,
     /// When the background task looks at the schedule next, at the latest (`NOT_SCHEDULED`:
     /// only when woken). Read and written under `schedule`'s mutex. It may be earlier than
@@ -319,6 +335,9 @@ impl Watchdog {
             epoch: lease_clock_ns(),
             #[cfg(test)]
             suspended_ns: AtomicU64::new(0),
+            #[cfg(test)]
+            looks_with_guards: AtomicU64::new(0),
+            resumed: Notify::new(),
             schedule: Mutex::new(BTreeMap::new()),
             wakes_at: AtomicU64::new(NOT_SCHEDULED),
             in_batch: AtomicUsize::new(0),
@@ -357,8 +376,8 @@ impl Watchdog {
     /// [`now_ns`](Self::now_ns). Timers run on `Instant`, which stops while the machine is
     /// suspended: one set before a suspend fires that much late (the task looks at the
     /// schedule at least every [`SUSPEND_CHECK`] for that reason).
-    pub(crate) fn instant_at(&self, ns: u64) -> Instant {
-        let (now_ns, now) = (self.now_ns(), Instant::now());
+    pub(crate) fn instant_at(&self, ns: u64) -> tokio::time::Instant {
+        let (now_ns, now) = (self.now_ns(), tokio::time::Instant::now());
         if ns >= now_ns {
             now + Duration::from_nanos(ns - now_ns)
         } else {
@@ -487,18 +506,25 @@ impl Watchdog {
             // Registered before the lease end is read: a change after the read wakes us.
             changed.as_mut().enable();
             let end = state.lease_end_ns();
-            // A renewed guard is in the schedule, which the task looks at every
-            // `SUSPEND_CHECK` and marks lost past its lease; any other looks for itself, so
-            // that a suspend past its lease is noticed as soon (the timer alone fires late by
-            // the time suspended).
+            let resumed = self.resumed.notified();
+            tokio::pin!(resumed);
+            resumed.as_mut().enable();
+            if self.now_ns() >= end {
+                state.mark_lost("the local lease ran out");
+                return;
+            }
+            // The timer fires late by the time the machine was suspended. The task, which
+            // looks at least every `SUSPEND_CHECK` while a guard is renewed, tells of a
+            // suspend (`resumed`); a guard it does not renew looks for itself as often.
             let mut at = self.instant_at(end);
             if !state.auto_renew {
-                at = at.min(Instant::now() + SUSPEND_CHECK);
+                at = at.min(tokio::time::Instant::now() + SUSPEND_CHECK);
             }
             tokio::select! {
                 _ = state.lost.cancelled() => return,
                 _ = &mut changed => {}
-                _ = tokio::time::sleep_until(at.into()) => {
+                _ = &mut resumed => {}
+                _ = tokio::time::sleep_until(at) => {
                     if self.now_ns() >= state.lease_end_ns() {
                         state.mark_lost("the local lease ran out");
                         return;
@@ -656,7 +682,9 @@ impl Watchdog {
 
     /// Removes and returns every guard due by now (plus the batching window), and the next
     /// due time after that, which the task sleeps until (noted in `wakes_at`).
-    fn take_due(self: &Arc<Self>) -> (Batch, Option<u64>) {
+    /// The guards due now (as a batch), when the task looks next at the latest, and whether
+    /// any guard is left to renew (scheduled, or in a batch).
+    fn take_due(self: &Arc<Self>) -> (Batch, Option<u64>, bool) {
         let now = self.now_ns();
         let limit = now + BATCH_WINDOW.as_nanos() as u64;
         let mut map = self.schedule.lock().unwrap_or_else(PoisonError::into_inner);
@@ -681,13 +709,18 @@ impl Watchdog {
         });
         self.wakes_at
             .store(next.unwrap_or(NOT_SCHEDULED), Ordering::Relaxed);
+        let guards = !map.is_empty() || self.in_batch.load(Ordering::Acquire) != 0;
+        #[cfg(test)]
+        if guards {
+            self.looks_with_guards.fetch_add(1, Ordering::Relaxed);
+        }
         let batch = Batch {
             watchdog: self.clone(),
             guards: due,
             turns: Vec::new(),
             settled: false,
         };
-        (batch, next)
+        (batch, next, guards)
     }
 
     /// How early a guard may join a batch: the batching window, but at most a quarter of its
@@ -918,24 +951,42 @@ impl Drop for Host {
 }
 
 async fn run(mut host: Host) {
+    // The lease clock and the timers' clock at the last look: the lease clock ahead by more
+    // than `SUSPEND_JUMP` since is a suspend of the machine.
+    let mut last_look: Option<(u64, tokio::time::Instant)> = None;
     loop {
         let next = match host.watchdog.upgrade() {
             Some(e) => {
-                let (due, next) = e.take_due();
+                let (due, next, guards) = e.take_due();
+                let look = (e.now_ns(), tokio::time::Instant::now());
+                if let Some((ns, at)) = last_look {
+                    let timers = look.1.saturating_duration_since(at).as_nanos() as u64;
+                    if look.0.saturating_sub(ns) > timers + SUSPEND_JUMP.as_nanos() as u64 {
+                        // Each `lost` checks its lease again (a renewal on its way may take
+                        // up to the command timeout to settle the guard).
+                        e.resumed.notify_waiters();
+                    }
+                }
+                last_look = Some(look);
                 if !due.is_empty() {
                     tokio::spawn(e.clone().renew(due));
                 }
-                // At least every `SUSPEND_CHECK` while guards are scheduled: after a suspend,
-                // their renewals are due by the lease clock long before the timer says so,
-                // and those past their lease are reported lost (before anything is sent).
-                next.map(|ns| e.instant_at(ns).min(Instant::now() + SUSPEND_CHECK))
+                // At least every `SUSPEND_CHECK` while there are guards to renew: after a
+                // suspend, their renewals are due by the lease clock long before the timer
+                // says so, and those past their lease are reported lost (before anything is
+                // sent).
+                let cap = guards.then(|| look.1 + SUSPEND_CHECK);
+                match (next.map(|ns| e.instant_at(ns)), cap) {
+                    (Some(at), Some(cap)) => Some(at.min(cap)),
+                    (at, cap) => at.or(cap),
+                }
             }
             // The locker is gone; only queued releases remain to be sent.
             None => None,
         };
         let sleep = async {
             match next {
-                Some(at) => tokio::time::sleep_until(at.into()).await,
+                Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
         };
@@ -1042,8 +1093,7 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
                 tokio::time::timeout(command_timeout, backend.abandon(r, t)).await,
             ),
             Cmd::Expire(r, t, until, ..) => {
-                let left = until.saturating_duration_since(tokio::time::Instant::now());
-                let left = crate::util::hold_rest(u64::try_from(left.as_nanos()).unwrap_or(0));
+                let left = crate::util::hold_rest(until.saturating_sub(lease_clock_ns()));
                 (
                     "expire",
                     tokio::time::timeout(command_timeout, async {
@@ -1238,9 +1288,14 @@ mod tests {
                 .acquire()
                 .await
                 .unwrap();
+            if renew {
+                until_looked_at(locker.watchdog()).await;
+            }
             let lost = guard.lost();
             tokio::pin!(lost);
             assert!(futures_util::poll!(&mut lost).is_pending(), "{key}");
+            // `lost` waits on its timer (and, not renewed, its own look).
+            tokio::task::yield_now().await;
             locker.watchdog().suspend_for_test(Duration::from_secs(60));
             assert!(
                 !guard.is_held(),
@@ -1266,15 +1321,8 @@ mod tests {
             .acquire()
             .await
             .unwrap();
-        // The task sleeps until the renewal's due time (10 s on) before the machine does.
-        let planned = locker.watchdog().now_ns() + 9_000_000_000;
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while locker.watchdog().wakes_at.load(Ordering::Relaxed) < planned {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the watchdog's task planned the renewal");
+        // The task sleeps until its next look before the machine does.
+        until_looked_at(locker.watchdog()).await;
         locker.watchdog().suspend_for_test(Duration::from_secs(15));
         assert!(guard.is_held());
         tokio::time::timeout(SUSPEND_CHECK * 3, arrived.notified())
@@ -1294,6 +1342,55 @@ mod tests {
             guard.remaining()
         );
         guard.release().await.unwrap();
+    }
+
+    /// A suspend while a renewal is on its way — its answer may take up to the command
+    /// timeout, here 30 s — is a loss within `SUSPEND_CHECK` of waking all the same: the task
+    /// tells every `lost` to check its lease. Before, `lost` waited for its timer, the rest of
+    /// the 9 s lease (and the guard is in no schedule while its batch is out).
+    #[tokio::test]
+    async fn a_suspend_during_a_renewal_is_a_loss_on_waking() {
+        let gated = Gated::default();
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(30))
+            .build(Hooked {
+                gated: Some(gated.clone()),
+                ..Hooked::default()
+            });
+        let guard = locker
+            .lock("k")
+            .ttl(Duration::from_secs(9))
+            .acquire()
+            .await
+            .unwrap();
+        // The first renewal (due 3 s on) arrives and waits at the gate.
+        tokio::time::timeout(Duration::from_secs(10), gated.arrived.notified())
+            .await
+            .expect("a renewal");
+        until_looked_at(locker.watchdog()).await;
+        let lost = guard.lost();
+        tokio::pin!(lost);
+        assert!(futures_util::poll!(&mut lost).is_pending());
+        tokio::task::yield_now().await;
+        locker.watchdog().suspend_for_test(Duration::from_secs(60));
+        assert!(!guard.is_held());
+        tokio::time::timeout(SUSPEND_CHECK * 3, lost)
+            .await
+            .expect("not lost within 3 s of waking");
+        gated.gate.notify_one();
+    }
+
+    /// Waits (at most 5 s) until the watchdog's task has looked at its schedule again with a
+    /// guard in it: it then sleeps on a timer set before the test's suspend.
+    async fn until_looked_at(watchdog: &Watchdog) {
+        let before = watchdog.looks_with_guards.load(Ordering::Relaxed);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while watchdog.looks_with_guards.load(Ordering::Relaxed) == before {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the watchdog's task looked at its schedule");
     }
 
     /// Renewals come every third of the local lease, not of the TTL: with a margin of 70 %

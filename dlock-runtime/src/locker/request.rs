@@ -759,7 +759,7 @@ async fn wait_for(
                     // woke on its timer, or had just subscribed) freed the lock the attempt
                     // took: a handoff too, counted from when the attempt was sent.
                     if woken.is_none() && watch.as_ref().is_some_and(Watch::take_notification) {
-                        woken = Some(locker.watchdog().instant_at(asked_ns));
+                        woken = Some(locker.watchdog().instant_at(asked_ns).into_std());
                     }
                     break 'granted grant;
                 }

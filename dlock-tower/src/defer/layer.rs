@@ -94,9 +94,9 @@ impl<K> DeferLayer<K> {
     /// `X-CSRF-Token`, `X-XSRF-Token`, and the ones authenticating proxies set:
     /// `X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
     /// `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data` (see [the module docs](crate::defer)).
-    /// Its value then sits in the queue's Redis for as long as the job lives, dead letters included. Headers
-    /// outside that list are stored anyway (unless [excluded](Self::exclude_header)); naming
-    /// one here has no effect.
+    /// Its value then sits in the queue's Redis for as long as the job lives, dead letters
+    /// included. Headers outside that list are stored anyway (unless
+    /// [excluded](Self::exclude_header)); naming one here has no effect.
     pub fn store_header(mut self, name: HeaderName) -> Self {
         Arc::make_mut(&mut self.shared)
             .stored_credentials

@@ -4,7 +4,8 @@
 //! [`DeferLayer`] takes the request's lock like [`DistributedLockLayer`](crate::DistributedLockLayer)
 //! (one attempt). If the lock is free it calls the inner service under the lock. If it is busy it
 //! stores the request — method, URI, headers (minus hop-by-hop ones, those its `Connection`
-//! names included) and body (up to a limit; larger is `413`) — as a job in a [`DurableQueue`] and answers
+//! names included) and body (up to a limit; larger is `413`) — as a job in a [`DurableQueue`]
+//! and answers
 //!
 //! ```text
 //! 202 Accepted
@@ -46,8 +47,8 @@
 //! `X-CSRF-Token`, `X-XSRF-Token`), and those that authenticating proxies set
 //! (`X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
 //! `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data`) are left out of the stored request (so the
-//! replay runs without them) unless you opt a header in by name with [`DeferLayer::store_header`] — it
-//! then sits in your Redis for as long as the job lives (a dead letter for the queue's
+//! replay runs without them) unless you opt a header in by name with
+//! [`DeferLayer::store_header`] — it then sits in your Redis for as long as the job lives (a dead letter for the queue's
 //! dead-letter retention, 7 days by default). List your own with
 //! [`DeferLayer::exclude_header`]. **The URI is stored as sent**, query string included: a
 //! token in the query (`?access_token=…`) is stored with it — keep credentials out of the URIs

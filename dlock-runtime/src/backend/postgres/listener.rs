@@ -251,7 +251,7 @@ mod tests {
         let ms = Duration::from_millis;
         let mut last = None;
         let mut pauses = Vec::new();
-        // Six drops of sessions that never listened: 20 ms doubling up to 1 s.
+        // Drops of sessions that never listened: 20 ms doubling up to 1 s.
         for _ in 0..7 {
             let p = reconnect_pause(last, None);
             pauses.push(p.as_millis());
