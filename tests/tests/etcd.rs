@@ -1642,6 +1642,105 @@ async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
     keep.release().await.unwrap();
 }
 
+/// A permit that is not renewed (`auto_renew(false)`), taken by a try whose first try went a
+/// slow way — admitted through a hedge, both tries on the attempt's lease — then extended
+/// (moved onto a lease of the new TTL). The first try, landing late, must not move the key
+/// back onto the attempt's lease: etcd would delete it at the old TTL and admit the next
+/// holder while this one's guard says held for the new one. The admission now revokes the
+/// token's other leases and the extend the ones before its own, so the late put fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease() {
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{abandon_as, attempt_as, extend_as, resource_as};
+    use etcd_client::{EventType, GetOptions, WatchOptions};
+
+    let LateTries {
+        slow,
+        a,
+        b: _,
+        raw,
+        run,
+        ttl,
+        keep,
+        _fast,
+    } = late_tries("late-try-extend").await;
+    let key = format!("{run}-s");
+    let kind = dlock_runtime::LockKind::Semaphore { permits: 1 };
+    let resource = resource_as(&a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
+    let dir = resource_dir(&resource);
+    let mut checked = false;
+    for i in 0..10 {
+        let token = OwnerToken::generate();
+        slow.hold();
+        let started = Instant::now();
+        let first = attempt_as(&a, &resource, &token, WaitMode::Barge, ttl)
+            .await
+            .unwrap();
+        assert!(
+            matches!(first, Attempt::Acquired { .. }),
+            "attempt {i}: {first:?}"
+        );
+        // Answered through the hedge while the first try, a transaction (hundreds of bytes,
+        // where a keepalive or a ping is tens), is held on the slow way.
+        let hedged = started.elapsed() >= Duration::from_millis(400) && slow.held_bytes() > 200;
+        if !hedged {
+            // The attempt's first request (the lease grant) went the slow way, or neither did:
+            // tries go round robin, so the next attempt's put may. A member hedged away from
+            // is passed over for 2 s (`SUSPECT_FOR`), which nothing outside tells the end of.
+            slow.deliver_held();
+            abandon_as(&a, &resource, &token).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2100)).await;
+            continue;
+        }
+        assert!(extend_as(&a, &resource, &token, Duration::from_secs(30))
+            .await
+            .unwrap());
+        let extended = raw
+            .kv_client()
+            .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        let [kv] = extended.kvs() else {
+            panic!("not one key: {:?}", extended.kvs());
+        };
+        let mut watch = raw
+            .watch_client()
+            .watch(
+                dir.as_str(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(extended.header().unwrap().revision() + 1),
+                ),
+            )
+            .await
+            .unwrap();
+        // The first try lands (etcd applies it within milliseconds; its cancellation follows
+        // 300 ms later, as over a slow network): no write of the key may follow in a second.
+        slow.deliver_held_spaced(Duration::from_millis(300));
+        let quiet = tokio::time::Instant::now() + Duration::from_secs(1);
+        while let Ok(msg) = tokio::time::timeout_at(quiet, watch.message()).await {
+            let msg = msg.unwrap().expect("the watch ended");
+            let put = msg
+                .events()
+                .iter()
+                .find(|e| e.event_type() == EventType::Put);
+            assert!(
+                put.is_none(),
+                "the late try moved the extended key {:?} off its lease {}: {:?}",
+                kv.key_str(),
+                kv.lease(),
+                put.and_then(|e| e.kv()).map(|kv| kv.lease())
+            );
+        }
+        checked = true;
+        abandon_as(&a, &resource, &token).await.unwrap();
+        break;
+    }
+    assert!(checked, "no try was answered through a hedge");
+    keep.release().await.unwrap();
+}
+
 /// A lock that is not renewed (`auto_renew(false)`), waited for in line: each attempt puts the
 /// waiter's key on a waiter lease (seconds), and the attempt that is admitted moves it onto a
 /// lease of the lock's TTL. A try of a put sent the slow way (and hedged on the fast one) that

@@ -194,6 +194,17 @@ pub async fn abandon_as(
     locker.backend().abandon(resource, token).await
 }
 
+/// An extend of `token`'s hold on `resource` to `ttl`, straight to `locker`'s backend (see
+/// [`attempt_as`]): what a guard's `extend` sends.
+pub async fn extend_as(
+    locker: &Locker,
+    resource: &crate::key::ResourceName,
+    token: &crate::backend::OwnerToken,
+    ttl: Duration,
+) -> Result<bool, crate::LockError> {
+    locker.backend().extend(resource, token, ttl).await
+}
+
 async fn attempt_with(
     locker: &Locker,
     resource: &crate::key::ResourceName,

@@ -46,11 +46,12 @@ impl Locker {
     /// Many readers or one writer hold it at once. Waiting is FIFO across both modes, so a
     /// waiting writer blocks readers that arrive after it (a stream of readers cannot starve
     /// writers), and a writer's release wakes every reader queued at the head. Fencing tokens:
-    /// every read or write hold gets a token greater than every token issued on the lock
-    /// before; a writer's is therefore greater than the token of every reader or writer that
-    /// held before it — a resource that records the highest token it has seen rejects a stale
-    /// holder of either mode —, while concurrent readers have distinct tokens that only order
-    /// their arrival. A backend without read-write locks (Redlock) answers
+    /// a writer's token is greater than the token of every reader or writer that held before
+    /// it — a resource that records the highest token it has seen rejects a stale holder of
+    /// either mode —, while readers have distinct tokens that only order their arrival (on
+    /// etcd a reader's token is drawn when it joins the queue, so of two readers admitted
+    /// together the one granted second may carry the lower token; on the other backends each
+    /// hold's token is also greater than every token issued on the lock before it). A backend without read-write locks (Redlock) answers
     /// [`LockError::Unsupported`](crate::LockError::Unsupported). A read-write lock and a lock
     /// on the same key are independent.
     ///

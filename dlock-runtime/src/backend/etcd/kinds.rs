@@ -137,6 +137,18 @@ impl EtcdBackend {
         let line = kvs_at(&ops, 1);
         if admitted(kind, k.dir.len(), line, &k.own) {
             let create = kvs_at(&ops, 2).first().map_or(0, KeyValue::create_revision);
+            // A put is unconditional here: a try of an earlier attempt's put still on its way
+            // (one that timed out, a hedged try's first one) would land after this admission
+            // and move the key onto that attempt's lease, which ends sooner — deleting the
+            // key while this holder's guard says held, and admitting the next. So the
+            // token's other leases are revoked first (a put on a revoked lease fails), and the
+            // key must still be on this one.
+            if !self
+                .keep_only_on(args.resource, args.token, &k.own, lease)
+                .await?
+            {
+                return Ok(Attempt::Held { remaining: None });
+            }
             return Ok(Attempt::Acquired {
                 fencing_token: create.unsigned_abs(),
             });

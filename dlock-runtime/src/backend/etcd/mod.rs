@@ -750,13 +750,8 @@ impl EtcdBackend {
             .map(|r| noted.map_or(r, |n| r.min(n))))
     }
 
-    /// Moves the own key onto a fresh lease of `ttl` if it still exists with `create`
-    /// revision (0: whatever its create revision).
-    async fn relet(&self, own: &[u8], create: i64, ttl: Duration) -> Result<bool, LockError> {
-        let lease = self.grant(ttl).await?;
-        self.relet_on(own, create, lease).await
-    }
-
+    /// Moves the own key onto `lease` if it still exists with `create` revision (0: whatever
+    /// its create revision).
     async fn relet_on(&self, own: &[u8], create: i64, lease: i64) -> Result<bool, LockError> {
         Ok(self.txn(relet_txn(own, create, lease)).await?.succeeded())
     }
@@ -858,6 +853,22 @@ impl EtcdBackend {
     ) -> Result<(), LockError> {
         let ids = self.take_leases(resource, token);
         self.revoke_forgotten(resource, token, ids).await
+    }
+
+    /// Revokes every lease of `token`'s but `keep` (a try of a put on one still on its way
+    /// fails, and a key one landed already goes with it) and tells whether the own key is
+    /// still on `keep`.
+    async fn keep_only_on(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        own: &[u8],
+        keep: i64,
+    ) -> Result<bool, LockError> {
+        let others = self.keep_only_lease(resource, token, keep);
+        self.revoke_forgotten(resource, token, others).await?;
+        let still_on = Txn::new().when([Compare::lease(own.to_vec(), CompareOp::Equal, keep)]);
+        Ok(self.txn(still_on).await?.succeeded())
     }
 
     /// Forgets every lease of `token`'s but `keep`, and returns them.
@@ -1499,8 +1510,17 @@ impl Backend for EtcdBackend {
                 // On a session but not held (a release is on its way): not the owner.
                 return Ok(false);
             }
+            // Not on a session (`auto_renew(false)`): onto a lease of its own, remembered,
+            // and the token's earlier ones revoked — a try of the acquire's put (or relet)
+            // still on its way would otherwise land after this and move the key back onto
+            // the acquire's lease, which ends at the old TTL.
             let k = self.keys(resource, token);
-            self.relet(&k.own, 0, ttl).await
+            let lease = self.grant_for(resource, token, ttl).await?;
+            if !self.relet_on(&k.own, 0, lease).await? {
+                self.revoke_later(vec![lease]);
+                return Ok(false);
+            }
+            self.keep_only_on(resource, token, &k.own, lease).await
         })
     }
 
