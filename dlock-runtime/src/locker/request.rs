@@ -780,7 +780,9 @@ async fn wait_for(
             // pushes come on the attempt's connection, in order, so one that came first was
             // published before the attempt ran; taken, it made a second holder once its lease
             // had lapsed and another waiter had the lock. Backends whose notifications come on
-            // another connection only wake the waiter (see `Backend`'s module docs).
+            // another connection only wake the waiter (see `Backend`'s module docs). (redis-rs's
+            // connection manager hands pushes to a task of its own: one read just before this
+            // answer may still be on its way to the hub — see the Redis backend's docs.)
             if let Some(w) = &watch {
                 let _ = w.take_handoff();
             }

@@ -49,6 +49,15 @@
 //!   still the current one (behind Sentinel: by its issuer number), and a grant from one that
 //!   is not only wakes the waiter, which asks. Each command only reads which connection is
 //!   current (a shared lock's read).
+//!
+//!   **Known limit.** redis-rs's connection manager (1.8) passes pushes to a task of its own,
+//!   while an answer goes straight to its caller: a grant read from the connection just before
+//!   the answer to the waiter's next attempt may reach the waiter after that answer, when the
+//!   waiter no longer takes it for stale. It then counts the handed lease from that attempt.
+//!   That is a second holder only if the grant was published a whole lease before the attempt
+//!   ran — the connection silent that long without a command timing out on it (which would
+//!   replace it), then both delivered together — and the push task runs after the waiter's.
+//!   The fencing token still orders the two (the stale grant's is the lower).
 //! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
 //!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
 //!   runtime dropped). Each is a `conn::ClusterLink`, made anew on the runtime of its next
