@@ -1391,6 +1391,55 @@ async fn a_release_answered_through_a_hedge_frees_its_name_and_spares_the_next_k
 /// member (tries hedged after 400 ms), another locker `b` and a raw client straight to it, a
 /// run name, a TTL of 1 s, and a lock of `a` of that TTL class (`keep`) whose renewals keep the
 /// class's session alive: a late try may land on it.
+/// Delivers what `slow` held — a try still on its way, and 300 ms later its cancellation, as
+/// over a slow network — and checks that no key of `dir` is written within a second (etcd
+/// applies a try within milliseconds): the one key there, the admitted holder's, stays as it
+/// is, on its lease.
+async fn late_try_writes_nothing(
+    raw: &etcd_client::Client,
+    dir: &str,
+    slow: &dlock_tests::proxy::Proxy,
+) {
+    use etcd_client::{EventType, GetOptions, WatchOptions};
+    let now = raw
+        .kv_client()
+        .get(dir, Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let [kv] = now.kvs() else {
+        panic!("not one key: {:?}", now.kvs());
+    };
+    let mut watch = raw
+        .watch_client()
+        .watch(
+            dir,
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(now.header().unwrap().revision() + 1),
+            ),
+        )
+        .await
+        .unwrap();
+    slow.deliver_held_spaced(Duration::from_millis(300));
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(1);
+    while let Ok(msg) = tokio::time::timeout_at(quiet, watch.message()).await {
+        let msg = msg.unwrap().expect("the watch ended");
+        let put = msg
+            .events()
+            .iter()
+            .find(|e| e.event_type() == EventType::Put);
+        assert!(
+            put.is_none(),
+            "the late try wrote over the held key {:?} (on lease {}): {:?}",
+            kv.key_str(),
+            kv.lease(),
+            put.and_then(|e| e.kv())
+                .map(|kv| (kv.value_str().ok().map(str::to_owned), kv.lease()))
+        );
+    }
+}
+
 struct LateTries {
     slow: dlock_tests::proxy::Proxy,
     _fast: dlock_tests::proxy::Proxy,
@@ -1549,7 +1598,6 @@ async fn a_waiters_late_put_after_it_asked_again_does_not_hold_the_lock_up() {
 async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
     use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
     use dlock_runtime::conformance::{abandon_as, attempt_renewed_as, resource_as};
-    use etcd_client::{EventType, GetOptions, WatchOptions};
 
     let LateTries {
         slow,
@@ -1594,45 +1642,7 @@ async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
             matches!(again, Attempt::Acquired { .. }),
             "attempt {i}: {again:?}"
         );
-        let admitted = raw
-            .kv_client()
-            .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
-            .await
-            .unwrap();
-        let [kv] = admitted.kvs() else {
-            panic!("not one key: {:?}", admitted.kvs());
-        };
-        let mut watch = raw
-            .watch_client()
-            .watch(
-                dir.as_str(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(admitted.header().unwrap().revision() + 1),
-                ),
-            )
-            .await
-            .unwrap();
-        // The first try lands (delivered now; etcd applies it within milliseconds): no
-        // write of the admitted key may follow within a second. (Its cancellation, sent when the
-        // hedge answered, follows it 300 ms later, as over a slow network.)
-        slow.deliver_held_spaced(Duration::from_millis(300));
-        let quiet = tokio::time::Instant::now() + Duration::from_secs(1);
-        while let Ok(msg) = tokio::time::timeout_at(quiet, watch.message()).await {
-            let msg = msg.unwrap().expect("the watch ended");
-            let put = msg
-                .events()
-                .iter()
-                .find(|e| e.event_type() == EventType::Put);
-            assert!(
-                put.is_none(),
-                "the late try wrote over the admitted key {:?}: {:?}",
-                kv.key_str(),
-                put.and_then(|e| e.kv())
-                    .map(|kv| (kv.value_str().ok().map(str::to_owned), kv.lease()))
-            );
-        }
+        late_try_writes_nothing(&raw, &dir, &slow).await;
         checked = true;
         abandon_as(&a, &resource, &token).await.unwrap();
         break;
@@ -1652,7 +1662,6 @@ async fn a_permit_tries_late_put_leaves_the_admitted_key_alone() {
 async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease() {
     use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
     use dlock_runtime::conformance::{abandon_as, attempt_as, extend_as, resource_as};
-    use etcd_client::{EventType, GetOptions, WatchOptions};
 
     let LateTries {
         slow,
@@ -1695,44 +1704,7 @@ async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease(
         assert!(extend_as(&a, &resource, &token, Duration::from_secs(30))
             .await
             .unwrap());
-        let extended = raw
-            .kv_client()
-            .get(dir.as_str(), Some(GetOptions::new().with_prefix()))
-            .await
-            .unwrap();
-        let [kv] = extended.kvs() else {
-            panic!("not one key: {:?}", extended.kvs());
-        };
-        let mut watch = raw
-            .watch_client()
-            .watch(
-                dir.as_str(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(extended.header().unwrap().revision() + 1),
-                ),
-            )
-            .await
-            .unwrap();
-        // The first try lands (etcd applies it within milliseconds; its cancellation follows
-        // 300 ms later, as over a slow network): no write of the key may follow in a second.
-        slow.deliver_held_spaced(Duration::from_millis(300));
-        let quiet = tokio::time::Instant::now() + Duration::from_secs(1);
-        while let Ok(msg) = tokio::time::timeout_at(quiet, watch.message()).await {
-            let msg = msg.unwrap().expect("the watch ended");
-            let put = msg
-                .events()
-                .iter()
-                .find(|e| e.event_type() == EventType::Put);
-            assert!(
-                put.is_none(),
-                "the late try moved the extended key {:?} off its lease {}: {:?}",
-                kv.key_str(),
-                kv.lease(),
-                put.and_then(|e| e.kv()).map(|kv| kv.lease())
-            );
-        }
+        late_try_writes_nothing(&raw, &dir, &slow).await;
         checked = true;
         abandon_as(&a, &resource, &token).await.unwrap();
         break;

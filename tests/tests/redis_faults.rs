@@ -540,6 +540,31 @@ async fn asleep(server: &RedisServer, waiter: &Locker, calls_before: u64) {
     .await;
 }
 
+/// A wait for `key` (held by another client) on `waiter` with a lease of `ttl`, through
+/// outages — woken while the server does not answer, its attempt fails, and it waits on
+/// rather than answering 503 — with a 10 s backoff; spawned, and returned once asleep.
+async fn patient_wait(
+    server: &RedisServer,
+    waiter: &Locker,
+    key: &'static str,
+    ttl: Duration,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
+    let calls_before = evalsha_calls(server).await;
+    let policy = RetryPolicy::new(Duration::from_secs(30))
+        .backoff(Duration::from_secs(10), Duration::from_secs(10))
+        .jitter(false)
+        .through_outages(true);
+    let wait = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let retry = OnFail::Retry(policy);
+            waiter.lock(key).ttl(ttl).on_fail(retry).acquire().await
+        })
+    };
+    asleep(server, waiter, calls_before).await;
+    wait
+}
+
 /// How many script calls (`EVALSHA`) the server has run.
 async fn evalsha_calls(server: &RedisServer) -> u64 {
     server.calls("evalsha").await
@@ -1554,31 +1579,7 @@ async fn hears_the_release_after_a_silent_connection(outlasting: bool) {
         .unwrap();
     let key = "silent:waiter";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let evalsha_before = evalsha_calls(&server).await;
-    // Through outages: woken while the server does not answer, its attempt fails, and it
-    // waits on rather than answering 503.
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false)
-        .through_outages(true);
-    let wait = {
-        let waiter = waiter.clone();
-        tokio::spawn(async move {
-            let retry = OnFail::Retry(policy);
-            waiter.lock(key).ttl(LONG).on_fail(retry).acquire().await
-        })
-    };
-    // Queued, subscribed, and done with the attempt after the subscription: asleep.
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(5),
-        async || {
-            let asleep =
-                waiter.waiting() != 0 && evalsha_calls(&server).await >= evalsha_before + 2;
-            asleep.then_some(()).ok_or("never queued")
-        },
-    )
-    .await;
+    let wait = patient_wait(&server, &waiter, key, LONG).await;
 
     proxy.set_latency(Duration::from_secs(3600));
     let other = "silent:other";
@@ -1642,29 +1643,7 @@ async fn a_grant_heard_on_a_replaced_connection_does_not_make_a_second_holder() 
         .unwrap();
     let key = "replaced:grant";
     let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
-    let evalsha_before = evalsha_calls(&server).await;
-    let policy = RetryPolicy::new(Duration::from_secs(30))
-        .backoff(Duration::from_secs(10), Duration::from_secs(10))
-        .jitter(false)
-        .through_outages(true);
-    let mut wait = {
-        let waiter = waiter.clone();
-        tokio::spawn(async move {
-            let retry = OnFail::Retry(policy);
-            let ttl = Duration::from_secs(1);
-            waiter.lock(key).ttl(ttl).on_fail(retry).acquire().await
-        })
-    };
-    poll_until(
-        Duration::from_secs(5),
-        Duration::from_millis(5),
-        async || {
-            let asleep =
-                waiter.waiting() != 0 && evalsha_calls(&server).await >= evalsha_before + 2;
-            asleep.then_some(()).ok_or("never queued")
-        },
-    )
-    .await;
+    let mut wait = patient_wait(&server, &waiter, key, Duration::from_secs(1)).await;
 
     assert_eq!(
         proxy.stall(),
