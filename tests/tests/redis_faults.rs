@@ -867,6 +867,59 @@ async fn release_hands_the_lock_to_the_queued_waiter_without_another_attempt() {
     assert_eq!(server.calls("publish").await, 1, "one grant, nothing else");
 }
 
+/// A grant that reaches a waiter after the answer to its next attempt — redis-rs's connection
+/// manager passes pushes to a task of its own, so one read just before an answer may reach the
+/// waiter after it — is not taken if it was published before that attempt ran: its lease had
+/// lapsed by then, and the lock may be another's. Here such a grant (a fencing counter below
+/// the one the waiter's attempt drew) is published while another client holds the lock; taken,
+/// the waiter had a guard beside that holder. It only wakes the waiter, which asks and waits on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_older_than_the_waiters_last_answer_only_wakes_it() {
+    let server = RedisServer::start();
+    let (holder, waiter) = holder_and_waiter(&server).await;
+    let key = "handoff:late";
+    let held = holder.lock(key).ttl(LONG).acquire().await.unwrap();
+    let old = fence_counter(&server, &holder).await;
+    let mut wait = patient_wait(&server, &waiter, key, LONG).await;
+    let lock_key = format!("{}:{{{key}}}", holder.prefix());
+    let token: String = server
+        .query(redis::cmd("LINDEX").arg(format!("{lock_key}:q")).arg(0))
+        .await;
+    let entries = format!("{lock_key}:qw");
+    let entry: Vec<String> = server.query(redis::cmd("HGETALL").arg(&entries)).await;
+    let heard: u64 = server
+        .query(
+            redis::cmd("PUBLISH")
+                .arg(format!("{lock_key}:ch"))
+                .arg(format!("{token}:{old}")),
+        )
+        .await;
+    assert_eq!(heard, 1, "the waiter's connection is subscribed");
+    wait_for(
+        "the waiter woken by the late grant, asking again",
+        Duration::from_secs(5),
+        async || {
+            let now: Vec<String> = server.query(redis::cmd("HGETALL").arg(&entries)).await;
+            (now != entry || wait.is_finished()).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        !wait.is_finished(),
+        "the waiter took a grant older than its last answer while another held the lock: {:?}",
+        (&mut wait).await.unwrap().map(|g| g.fencing_token())
+    );
+    let fence = held.fencing_token();
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("the waiter slept through the handoff")
+        .unwrap()
+        .unwrap();
+    assert!(guard.fencing_token() > fence);
+    guard.release().await.unwrap();
+}
+
 /// A second waiter of the same process on the same lock watches before its first attempt
 /// (the lock's channel is subscribed already) and sleeps on that attempt's answer: one script
 /// call, not the attempt again that a first waiter sends after subscribing. It misses no

@@ -30,7 +30,10 @@
 //!   (above). Hand over only when the news reaches the waiter in order with the answers to its
 //!   attempts (Redis: pushes on the connection the attempts use): the locker takes a handoff
 //!   that comes after an attempt's answer as made after that attempt, and counts its lease
-//!   from that attempt. Notifications on a connection of their own can come late, after an
+//!   from that attempt. Where the news of a grant may reach the hub after the answer to a
+//!   later attempt although it came first (redis-rs passes pushes to a task of its own), the
+//!   backend tells the hub, with that answer, the lowest fencing token a grant made after the
+//!   attempt can carry ([`ReleaseHub::set_floor`]): a grant below it only wakes the waiter. Notifications on a connection of their own can come late, after an
 //!   attempt that found the handed-over lease lapsed and the lock another's; such a backend
 //!   wakes the waiter instead ([`ReleaseHub::notify`]), which asks and is granted what is
 //!   already its own (Postgres, and Redis Cluster, whose subscriptions have connections of
@@ -618,6 +621,9 @@ struct Slot {
     notify: Notify,
     /// The fencing token of a lock handed to this waiter by a release (0: none).
     handoff: AtomicU64,
+    /// Grants with a fencing token at or below this are older than the waiter's last attempt
+    /// ([`ReleaseHub::set_floor`]): they only wake it.
+    floor: AtomicU64,
     /// The waiter barges (not in a fair line): a release nobody was queued for wakes it with
     /// every other barging waiter ([`ReleaseHub::notify`]).
     barging: AtomicBool,
@@ -798,14 +804,42 @@ impl ReleaseHub {
     /// A release of `resource` handed the lock to the waiter `token` with `fencing_token`
     /// (direct handoff): that waiter is woken and finds the grant in
     /// [`Watch::take_handoff`]. Nothing happens when `token` is not a local waiter.
+    ///
+    /// A grant at or below the waiter's [floor](ReleaseHub::set_floor) — published before its
+    /// last attempt ran, and heard after that attempt's answer — only wakes it: that lease
+    /// lapsed before the attempt found the lock held.
     pub fn hand_over(&self, resource: &str, token: &str, fencing_token: u64) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(list) = keys.get(resource) else {
             return;
         };
         if let Some((_, n)) = list.iter().find(|(t, _)| t.as_str() == token) {
-            n.handoff.store(fencing_token.max(1), Ordering::Release);
+            if fencing_token > n.floor.load(Ordering::Acquire) {
+                n.handoff.store(fencing_token.max(1), Ordering::Release);
+            }
             n.notify.notify_one();
+        }
+    }
+
+    /// The waiter `token` of `resource` had an attempt answered "held" that drew `floor` from
+    /// the fencing counter (as a fencing token: any grant published before that attempt ran
+    /// carries a token at or below it). A grant at or below it, noted or still to come, is
+    /// older than the answer — heard late, its lease had lapsed when the attempt ran, and the
+    /// lock may be another's — and only wakes the waiter. For a backend whose notifications
+    /// may reach the hub after the answer to a later request on the same connection
+    /// (redis-rs's connection manager passes pushes to a task of its own).
+    pub fn set_floor(&self, resource: &str, token: &str, floor: u64) {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(list) = keys.get(resource) else {
+            return;
+        };
+        if let Some((_, n)) = list.iter().find(|(t, _)| t.as_str() == token) {
+            n.floor.fetch_max(floor, Ordering::AcqRel);
+            let _ = n
+                .handoff
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |noted| {
+                    (noted != 0 && noted <= floor).then_some(0)
+                });
         }
     }
 
@@ -850,6 +884,31 @@ impl ReleaseHub {
 mod tests {
     use super::*;
     use crate::LockKey;
+
+    /// A grant at or below a waiter's floor — noted before the floor was set, or heard after —
+    /// only wakes it; one above is taken.
+    #[tokio::test]
+    async fn a_grant_at_or_below_the_floor_only_wakes_the_waiter() {
+        use futures_util::FutureExt as _;
+        let hub = ReleaseHub::new();
+        let res = ResourceName::new("p", LockKey::new("k").unwrap());
+        let token = OwnerToken::generate();
+        let (watch, _) = hub.register(&res, &token, None);
+        let (r, t) = (res.as_str(), token.as_str());
+        hub.hand_over(r, t, 100);
+        hub.set_floor(r, t, 150);
+        assert_eq!(watch.take_handoff(), None, "noted before the floor");
+        assert!(watch.notified().now_or_never().is_some());
+        hub.hand_over(r, t, 150);
+        assert_eq!(watch.take_handoff(), None, "heard after the floor");
+        assert!(
+            watch.notified().now_or_never().is_some(),
+            "woken all the same"
+        );
+        hub.set_floor(r, t, 120);
+        hub.hand_over(r, t, 151);
+        assert_eq!(watch.take_handoff(), Some(151), "a floor never goes down");
+    }
 
     /// The last waiter of a resource leaves; before its `on_last` runs, a new waiter
     /// registers and spawns its watch task. `on_last` aborts the task of the waiter that left,

@@ -782,7 +782,8 @@ async fn wait_for(
             // had lapsed and another waiter had the lock. Backends whose notifications come on
             // another connection only wake the waiter (see `Backend`'s module docs). (redis-rs's
             // connection manager hands pushes to a task of its own: one read just before this
-            // answer may still be on its way to the hub — see the Redis backend's docs.)
+            // answer may still be on its way to the hub; the Redis backend tells the hub how
+            // old a grant may be and still be stale — `ReleaseHub::set_floor`.)
             if let Some(w) = &watch {
                 let _ = w.take_handoff();
             }

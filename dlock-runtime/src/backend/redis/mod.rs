@@ -50,14 +50,12 @@
 //!   is not only wakes the waiter, which asks. Each command only reads which connection is
 //!   current (a shared lock's read).
 //!
-//!   **Known limit.** redis-rs's connection manager (1.8) passes pushes to a task of its own,
-//!   while an answer goes straight to its caller: a grant read from the connection just before
-//!   the answer to the waiter's next attempt may reach the waiter after that answer, when the
-//!   waiter no longer takes it for stale. It then counts the handed lease from that attempt.
-//!   That is a second holder only if the grant was published a whole lease before the attempt
-//!   ran — the connection silent that long without a command timing out on it (which would
-//!   replace it), then both delivered together — and the push task runs after the waiter's.
-//!   The fencing token still orders the two (the stale grant's is the lower).
+//!   On the current connection too, redis-rs's connection manager (1.8) passes pushes to a
+//!   task of its own while an answer goes straight to its caller: a grant read just before
+//!   the answer to the waiter's next attempt may reach the waiter after that answer. So a
+//!   queued attempt answered "held" also answers the fencing counter it drew, and a grant at
+//!   or below it — published before the attempt ran, its lease lapsed by then — only wakes
+//!   the waiter (`ReleaseHub::set_floor`).
 //! * A cluster's connections (redis-rs's cluster client) run on a task of the runtime they were
 //!   made on and never reconnect once it shuts down (an actix-web worker restarting, a set-up
 //!   runtime dropped). Each is a `conn::ClusterLink`, made anew on the runtime of its next
@@ -356,6 +354,29 @@ impl Inner {
         );
         Ok((counter << RedisBackend::ISSUER_BITS)
             | (issuer & ((1 << RedisBackend::ISSUER_BITS) - 1)))
+    }
+}
+
+/// An acquire script's answer (see `scripts::acquire`): the shared encoding
+/// ([`Attempt::from_reply`]), and the fencing counter a queued attempt answered "held" drew.
+struct AcquireReply(i64, Option<u64>);
+
+impl redis::FromRedisValue for AcquireReply {
+    fn from_redis_value(v: redis::Value) -> Result<Self, redis::ParsingError> {
+        match v {
+            redis::Value::Array(items) => {
+                let mut items = items.into_iter();
+                let (Some(reply), Some(counter), None) = (items.next(), items.next(), items.next())
+                else {
+                    return Err("an acquire answer of other than two items".into());
+                };
+                Ok(AcquireReply(
+                    i64::from_redis_value(reply)?,
+                    Some(u64::from_redis_value(counter)?),
+                ))
+            }
+            v => Ok(AcquireReply(i64::from_redis_value(v)?, None)),
+        }
     }
 }
 
@@ -1728,7 +1749,7 @@ impl RedisBackend {
         &self,
         args: AcquireArgs<'_>,
         floor: Floor,
-    ) -> Result<(Attempt, Issuer), LockError> {
+    ) -> Result<(Attempt, Issuer, Option<u64>), LockError> {
         self.run_acquire(&self.acquire_call(&args, floor)).await
     }
 
@@ -1760,14 +1781,30 @@ impl RedisBackend {
         call
     }
 
-    /// Sends an acquire [`call`](Self::acquire_call): the attempt, and the issuer number of the
-    /// connection its reply came over.
+    /// Sends an acquire [`call`](Self::acquire_call): the attempt, the issuer number of the
+    /// connection its reply came over, and — a queued attempt answered "held" — the fencing
+    /// counter it drew (see `scripts::acquire`).
     pub(crate) async fn run_acquire(
         &self,
         call: &ScriptCall<'_>,
-    ) -> Result<(Attempt, Issuer), LockError> {
-        let (reply, issuer): (i64, _) = self.run_granting("acquire", call).await?;
-        Ok((Attempt::from_reply(reply), issuer))
+    ) -> Result<(Attempt, Issuer, Option<u64>), LockError> {
+        let (reply, issuer): (AcquireReply, _) = self.run_granting("acquire", call).await?;
+        Ok((Attempt::from_reply(reply.0), issuer, reply.1))
+    }
+
+    /// A queued attempt of `token` was answered "held" after drawing `counter`: grants
+    /// published before it carry lower tokens, and only wake the waiter if they reach it after
+    /// this answer ([`ReleaseHub::set_floor`]).
+    fn note_drawn(&self, resource: &ResourceName, token: &OwnerToken, counter: u64) {
+        if counter > MAX_COUNTER {
+            return;
+        }
+        // Above every issuer number's token of this counter: a grant's issuer may be another
+        // master's (Sentinel); the counter is what orders grants.
+        let floor = (counter << RedisBackend::ISSUER_BITS) | ((1 << RedisBackend::ISSUER_BITS) - 1);
+        self.inner
+            .hub
+            .set_floor(resource.as_str(), token.as_str(), floor);
     }
 }
 
@@ -1801,12 +1838,18 @@ impl Backend for RedisBackend {
         Box::pin(async move {
             self.issuer().await?;
             let seen = &self.inner.fence_seen;
+            let (resource, token) = (args.resource, args.token);
             Ok(
                 match self.acquire_with_floor(args, Floor::clock(seen)).await? {
-                    (Attempt::Acquired { fencing_token }, issuer) => Attempt::Acquired {
+                    (Attempt::Acquired { fencing_token }, issuer, _) => Attempt::Acquired {
                         fencing_token: self.granted(fencing_token, issuer)?,
                     },
-                    (held, _) => held,
+                    (held, _, drawn) => {
+                        if let Some(counter) = drawn {
+                            self.note_drawn(resource, token, counter);
+                        }
+                        held
+                    }
                 },
             )
         })

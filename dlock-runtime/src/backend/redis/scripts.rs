@@ -256,7 +256,10 @@ pub(super) fn px(lease: Duration) -> u64 {
 /// queue entry) - 1` when it is free but another waiter is first in line: the lock is that
 /// waiter's to take until then, and a waiter behind an entry left by a process that froze or
 /// died wakes when the entry lapses rather than on its next refresh (up to a third of its
-/// waiter TTL later).
+/// waiter TTL later). Queued (mode `1`), a held answer is `{that, counter}`: the fencing
+/// counter this attempt drew. Every grant a release published before the attempt ran carries
+/// a lower one, so the waiter can tell a grant that reaches it late from a fresh one
+/// (`ReleaseHub::set_floor`).
 pub(super) fn acquire(cluster: bool) -> Script {
     script_for(
         concat!(
@@ -306,6 +309,7 @@ if left > 0 then
     end
     if nfl ~= fl then redis.call('SET', KEYS[1], nfl .. '|' .. o, 'KEEPTTL') end
   end
+  if mode == '1' then return {-left - 1, fence} end
   return -left - 1
 end
 local flags = fl
@@ -318,6 +322,7 @@ if string.find(fl, 'q', 1, true) then
 "#,
             enqueue!(),
             r#"
+      return {-hleft - 1, fence}
     end
     return -hleft - 1
   end
