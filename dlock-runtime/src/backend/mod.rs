@@ -32,8 +32,9 @@
 //!   that comes after an attempt's answer as made after that attempt, and counts its lease
 //!   from that attempt. Where the news of a grant may reach the hub after the answer to a
 //!   later attempt although it came first (redis-rs passes pushes to a task of its own), the
-//!   backend tells the hub, with that answer, the lowest fencing token a grant made after the
-//!   attempt can carry ([`ReleaseHub::set_floor`]): a grant below it only wakes the waiter. Notifications on a connection of their own can come late, after an
+//!   backend gives the hub, with that answer, a fencing token that every grant made before
+//!   the attempt is at or below and every one made after is above
+//!   ([`ReleaseHub::set_floor`]): a grant at or below it only wakes the waiter. Notifications on a connection of their own can come late, after an
 //!   attempt that found the handed-over lease lapsed and the lock another's; such a backend
 //!   wakes the waiter instead ([`ReleaseHub::notify`]), which asks and is granted what is
 //!   already its own (Postgres, and Redis Cluster, whose subscriptions have connections of
@@ -906,8 +907,10 @@ mod tests {
             "woken all the same"
         );
         hub.set_floor(r, t, 120);
+        hub.hand_over(r, t, 140);
+        assert_eq!(watch.take_handoff(), None, "a floor never goes down");
         hub.hand_over(r, t, 151);
-        assert_eq!(watch.take_handoff(), Some(151), "a floor never goes down");
+        assert_eq!(watch.take_handoff(), Some(151));
     }
 
     /// The last waiter of a resource leaves; before its `on_last` runs, a new waiter
