@@ -1414,7 +1414,7 @@ async fn a_late_handoff_notification_is_not_a_grant() {
     let hang = Duration::from_secs(5);
 
     let key = "handoff:late:k";
-    let ttl = Duration::from_millis(150);
+    let ttl = Duration::from_millis(400);
     let retry = OnFail::Retry(
         RetryPolicy::new(Duration::from_secs(20))
             .backoff(Duration::from_millis(5), Duration::from_millis(10)),
@@ -1446,19 +1446,22 @@ async fn a_late_handoff_notification_is_not_a_grant() {
         (others.waiting() == 1).then_some(())
     })
     .await;
-    // The release hands the lock to W, whose notification comes a second late; the 150 ms
+    // The release hands the lock to W, whose notification comes a second late; the 400 ms
     // handoff lease lapses and X, next in line, takes the lock (renewed while held).
     proxy.set_latency(Duration::from_secs(1));
     let admin = others.admin().unwrap();
     let line = admin.inspect(key).await.unwrap().waiters;
     assert_eq!(line.len(), 2, "W and X wait: {line:?}");
+    let released = tokio::time::Instant::now();
     holder.release().await.unwrap();
     // The release handed the lock to W, first in line (else the set-up outlived W's queue
-    // entry, and this test checks nothing).
+    // entry, and this test checks nothing). Read within W's handoff lease, the lock is W's;
+    // read after it (a slow machine), it may have lapsed — but not gone to anyone else.
     let state = admin.inspect(key).await.unwrap();
+    let read_within = released.elapsed() < ttl;
     let to = state.holder.map(|h| h.token_prefix);
     assert!(
-        to.as_ref() == Some(&line[0].token_prefix) || to.is_none(),
+        to.as_ref() == Some(&line[0].token_prefix) || (to.is_none() && !read_within),
         "the lock went to {to:?}, not W ({})",
         line[0].token_prefix
     );

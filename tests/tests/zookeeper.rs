@@ -1121,6 +1121,13 @@ async fn an_unanswered_undo_settles_every_node_its_attempts_left() {
         .command_timeout(timeout)
         .build(backend.clone());
     let resource = a.resource(LockKey::new(&key).unwrap());
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let mut events = raw
+        .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
+        .await
+        .expect("a recursive watch");
     cut(&proxy, &backend).await;
     let token = OwnerToken::generate();
     let ttl = Duration::from_secs(15);
@@ -1135,15 +1142,39 @@ async fn an_unanswered_undo_settles_every_node_its_attempts_left() {
         .expect_err("an undo answered without a server");
     assert_eq!(backend.unsettled(), 1);
     proxy.allow();
+    // Both attempts' nodes land once the client is back, and both are deleted (the renewals
+    // of the blocker's node come as events too: one deadline for the lot).
+    let own = format!("{dir}/{}", token.as_str());
+    let landed = tokio::time::timeout(Duration::from_secs(15), async {
+        let mut created = std::collections::HashSet::new();
+        let mut deleted = std::collections::HashSet::new();
+        while created.len() < 2 || deleted != created {
+            let event = events.changed().await;
+            if !event.path.starts_with(&own) {
+                continue;
+            }
+            match event.event_type {
+                zookeeper_client::EventType::NodeCreated => {
+                    created.insert(event.path);
+                }
+                zookeeper_client::EventType::NodeDeleted => {
+                    deleted.insert(event.path);
+                }
+                _ => {}
+            }
+        }
+        created
+    })
+    .await;
+    let created = landed
+        .expect("the two attempts' nodes, created once the client was back, were not both deleted");
+    assert_eq!(created.len(), 2, "{created:?}");
     wait_for(
         "the attempt to be settled",
         Duration::from_secs(15),
         async || (backend.unsettled() == 0).then_some(()),
     )
     .await;
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
     let left: Vec<String> = raw
         .list_children(&dir)
         .await
@@ -1319,6 +1350,70 @@ async fn a_token_asking_again_after_a_lost_create_keeps_the_place_it_took() {
     );
     let kids = lost.raw.list_children(&lost.dir).await.unwrap();
     assert_eq!(kids.len(), 2, "its node and the waiter's: {kids:?}");
+}
+
+/// A `create` whose answer is lost looks for the token's node by its name — and may find one
+/// an earlier attempt of the token made (a `create` the command timeout cut off, landed all
+/// the same), whose lease counts from that attempt's time. Granted as it was, the ensemble
+/// ended that lease before this attempt's local lease (counted from this attempt's sending),
+/// and let another client in beside the holder. The lease is written afresh first: the node's
+/// version and modification time move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_found_after_a_lost_create_is_granted_with_a_fresh_lease() {
+    use dlock_runtime::backend::{Attempt, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let lost = lost_create("lost-found", false).await;
+    let path = format!("{}/{}", lost.dir, lost.taken);
+    let (_, before) = lost
+        .raw
+        .get_data(&path)
+        .await
+        .expect("the lost create's node");
+    assert_eq!(before.version, 0, "written since its create: {before:?}");
+    // The next attempt's `create` is held on its way, then its connection cut: the client,
+    // back on a new one, finds the earlier attempt's node by the token.
+    let proxy = &lost._proxy;
+    proxy.hold();
+    let attempt = tokio::spawn({
+        let (a, resource, mine, ttl) = (
+            lost.a.clone(),
+            lost.resource.clone(),
+            lost.mine.clone(),
+            lost.ttl,
+        );
+        async move { attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await }
+    });
+    // A `create` (its path alone is longer than a ping).
+    wait_for(
+        "the create on its way",
+        Duration::from_secs(5),
+        async || (proxy.held_bytes() > 80).then_some(()),
+    )
+    .await;
+    proxy.cut(false);
+    let granted = tokio::time::timeout(Duration::from_secs(15), attempt)
+        .await
+        .expect("the attempt, once the client is back")
+        .unwrap();
+    assert_eq!(
+        granted.unwrap_or_else(|e| panic!("{e}")),
+        Attempt::Acquired {
+            fencing_token: before.czxid.unsigned_abs()
+        },
+        "the earlier attempt's node holds the lock"
+    );
+    let (_, after) = lost.raw.get_data(&path).await.expect("the node is kept");
+    assert!(
+        after.version > before.version && after.mtime > before.mtime,
+        "granted on the lease of the earlier attempt's create: {before:?} → {after:?}"
+    );
+    let kids = lost.raw.list_children(&lost.dir).await.unwrap();
+    assert_eq!(
+        kids,
+        std::slice::from_ref(&lost.taken),
+        "one node of the token"
+    );
 }
 
 /// A barging waiter (`fair(false)`) is woken by the holder's release — its attempt, which

@@ -103,6 +103,9 @@
 //! by the command timeout and landed all the same leaves a node the backend does not know of:
 //! the token's next attempt keeps the earliest such node of the current session (its place in
 //! line, the lock if it is first, with that node's fencing token) and deletes the newer one.
+//! Kept, or found by the token after a `create` whose own answer was lost, such a node has
+//! its lease written afresh before it counts (it may be an earlier attempt's, with the lease
+//! of that attempt's time).
 //! One answer can be ambiguous: a release whose `delete` was applied but not answered, sent
 //! again, finds the node gone and answers "not the owner" (the guard reports a lost lock,
 //! after the lock was in fact released). A node gone by then may as well have been deleted by
@@ -1320,13 +1323,17 @@ impl ZkBackend {
     }
 
     /// Creates the own child of `token` in `dir` (and `dir`, as a container node, if missing).
+    /// `true` beside its stat when this request made it; `false` when the answer was lost and
+    /// a node of the token was found instead — this request's, or one an earlier attempt of
+    /// the token made whose answer the command timeout cut off, with the lease of that
+    /// attempt's time.
     async fn create_own(
         &self,
         c: &Client,
         dir: &str,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<(String, Stat), LockError> {
+    ) -> Result<(String, Stat, bool), LockError> {
         let path = format!("{dir}/{}-", token.as_str());
         let data = lease_data(lease);
         loop {
@@ -1334,7 +1341,7 @@ impl ZkBackend {
             match c.create(&path, &data, &opts).await {
                 Ok((stat, seq)) => {
                     self.session.granted(lease);
-                    return Ok((format!("{}-{seq}", token.as_str()), stat));
+                    return Ok((format!("{}-{seq}", token.as_str()), stat, true));
                 }
                 Err(e) if lost_connection(&e) => {
                     // The create may have been applied: look for the node by its token
@@ -1342,7 +1349,7 @@ impl ZkBackend {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     if let Some((name, stat)) = Self::find_by_token(c, dir, token).await? {
                         self.session.granted(lease);
-                        return Ok((name, stat));
+                        return Ok((name, stat, false));
                     }
                 }
                 Err(ZkError::NoNode) => {
@@ -1475,9 +1482,25 @@ impl ZkBackend {
         let (mut own, mut stat, mut has_ttl) = match known {
             Some(own) => own,
             None => {
-                let (name, stat) = self.create_own(&c, &dir, args.token, args.ttl).await?;
+                let (name, stat, made) = self.create_own(&c, &dir, args.token, args.ttl).await?;
                 self.note(&c, mine, &name, args.ttl, &stat);
-                (name, Some(stat), true)
+                if made {
+                    (name, Some(stat), true)
+                } else {
+                    // Found by its token after a lost answer: its lease may count from an
+                    // earlier attempt's create (cut off by the command timeout, landed all the
+                    // same) — granted as it was, the ensemble ended it before this attempt's
+                    // local lease, and let another in beside this holder. Written afresh, as a
+                    // new node's would be (a waiter's lease when queued, else the lock's).
+                    let lease = if queue { args.waiter_ttl } else { args.ttl };
+                    match self.set_lease(&c, mine, &dir, &name, lease).await? {
+                        Some(stat) => (name, Some(stat), !queue),
+                        None => {
+                            self.forget(args.resource, args.token);
+                            return Ok(Attempt::Held { remaining: None });
+                        }
+                    }
+                }
             }
         };
         let mut own_path = format!("{dir}/{own}");
