@@ -960,6 +960,24 @@ struct CutOff {
     _holder: Locker,
 }
 
+/// A client straight to the ensemble at `url`, and a recursive watch on `dir` through it.
+async fn watching(
+    url: &str,
+    dir: &str,
+) -> (
+    zookeeper_client::Client,
+    zookeeper_client::PersistentWatcher,
+) {
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    let events = raw
+        .watch(dir, zookeeper_client::AddWatchMode::PersistentRecursive)
+        .await
+        .expect("a recursive watch");
+    (raw, events)
+}
+
 async fn behind_a_proxy(tag: &str) -> CutOff {
     let server = zookeeper_server::shared().lock().unwrap().client_port(0);
     let url = zookeeper_server::shared().lock().unwrap().url();
@@ -1029,13 +1047,7 @@ async fn an_unanswered_undo_is_settled_after_the_runtime_it_was_noted_on_shut_do
         blocker,
         _holder,
     } = behind_a_proxy("unsettled").await;
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
-    let mut events = raw
-        .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
-        .await
-        .expect("a recursive watch");
+    let (_raw, mut events) = watching(&url, &dir).await;
     cut(&proxy, &backend).await;
     let first = std::thread::spawn({
         let (backend, key) = (backend.clone(), key.clone());
@@ -1121,13 +1133,7 @@ async fn an_unanswered_undo_settles_every_node_its_attempts_left() {
         .command_timeout(timeout)
         .build(backend.clone());
     let resource = a.resource(LockKey::new(&key).unwrap());
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
-    let mut events = raw
-        .watch(&dir, zookeeper_client::AddWatchMode::PersistentRecursive)
-        .await
-        .expect("a recursive watch");
+    let (raw, mut events) = watching(&url, &dir).await;
     cut(&proxy, &backend).await;
     let token = OwnerToken::generate();
     let ttl = Duration::from_secs(15);
