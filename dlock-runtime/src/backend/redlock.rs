@@ -468,9 +468,14 @@ impl RedlockBackend {
     /// are really on their way.
     async fn undo_everywhere(&self, resource: &ResourceName, token: &OwnerToken) -> usize {
         let key = (resource.clone(), token.clone());
+        // Counted up before this returns to its caller: the undo runs on even if the caller is
+        // dropped at the await below, and the same token's next attempt (a retry after a cut-off
+        // acquire) must count a "yes" from a node it may still land on as a failure. Counted up
+        // in the task, a retry polled before the task first ran would take the lock on nodes the
+        // undo then empties — a holder without a majority.
+        self.inner.unsettled.up(&key, self.inner.nodes.len());
         let me = self.clone();
         let undo = async move {
-            me.inner.unsettled.up(&key, me.inner.nodes.len());
             let limit = me.inner.opts.node_timeout;
             let outcomes: Vec<Undo> =
                 futures_util::future::join_all(me.inner.nodes.iter().map(|n| async {
@@ -1116,6 +1121,41 @@ mod tests {
             };
             count.add(i, vote).then_some(i + 1)
         })
+    }
+
+    /// An undo's caller dropped at its first await (an acquire cut off by the locker's
+    /// deadline): the undo runs on, and its nodes count as unsettled already — before the task
+    /// sending it first ran — so that a retry with the same token, polled first, cannot count a
+    /// "yes" the undo may then take back.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_undo_counts_its_nodes_unsettled_before_its_caller_can_go_on() {
+        use futures_util::FutureExt;
+        let hub = ReleaseHub::new();
+        let nodes = (0..3)
+            .map(|_| {
+                // Nothing listens there: the undo, when it runs, fails on every node.
+                RedisBackend::redlock_node(
+                    "redis://127.0.0.1:1",
+                    RedisOptions::default(),
+                    hub.clone(),
+                )
+                .unwrap()
+            })
+            .collect();
+        let backend = RedlockBackend::over(nodes, hub, RedlockOptions::default());
+        let (resource, token) = key(1);
+        assert!(
+            backend
+                .undo_everywhere(&resource, &token)
+                .now_or_never()
+                .is_none(),
+            "the undo waits for its nodes"
+        );
+        assert_eq!(
+            backend.inner.unsettled.get(&resource, &token),
+            Some(vec![true; 3]),
+            "counted before the task sending the undo first ran"
+        );
     }
 
     fn key(n: usize) -> (ResourceName, OwnerToken) {

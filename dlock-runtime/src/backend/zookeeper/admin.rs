@@ -58,6 +58,33 @@ struct Judged {
     waiters: Vec<Seen>,
 }
 
+impl Judged {
+    /// Judges the nodes of a listing as read one by one (`None`: deleted after the listing).
+    /// A deleted node is not ahead of anything: when the head's node went between the listing
+    /// and its read (a release, an expiry, a force), the next node is the lowest and holds —
+    /// counted as a waiter, the lock read "free" while that node's owner held it.
+    fn of(seen: Vec<Option<Seen>>, now: i64) -> Self {
+        let mut live = seen
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .filter(|(_, s)| !s.expired(now));
+        let mut holder = None;
+        let mut waiters = Vec::new();
+        if let Some((i, s)) = live.next() {
+            // Only the lowest node holds; an expired one ahead makes the lock free until the
+            // next attempt deletes it.
+            if i == 0 {
+                holder = Some(s);
+            } else {
+                waiters.push(s);
+            }
+        }
+        waiters.extend(live.map(|(_, s)| s));
+        Self { holder, waiters }
+    }
+}
+
 impl ZkBackend {
     /// The ensemble's clock: the `mtime` of an empty write to the lock root.
     async fn server_now(&self, c: &Client) -> Result<i64, LockError> {
@@ -75,24 +102,7 @@ impl ZkBackend {
             Err(e) => return Err(unavailable("getChildren", e)),
         };
         let seen = Self::read(c, &dir, &kids.iter().collect::<Vec<_>>()).await?;
-        let mut live = seen
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, s)| Some((i, s?)))
-            .filter(|(_, s)| !s.expired(now));
-        let mut holder = None;
-        let mut waiters = Vec::new();
-        if let Some((i, s)) = live.next() {
-            // Only the lowest node holds; an expired one ahead makes the lock free until the
-            // next attempt deletes it.
-            if i == 0 {
-                holder = Some(s);
-            } else {
-                waiters.push(s);
-            }
-        }
-        waiters.extend(live.map(|(_, s)| s));
-        Ok(Judged { holder, waiters })
+        Ok(Judged::of(seen, now))
     }
 
     async fn state_at(&self, c: &Client, resource: &str, now: i64) -> Result<LockState, LockError> {
@@ -226,5 +236,51 @@ mod tests {
         assert_eq!(cursor, None);
         let (page, cursor) = page_of(names(&["dlock:{%zz", "dlock:{%zy"]), "dlock:{", None, 1);
         assert!(page.is_empty() && cursor.is_none());
+    }
+
+    /// A node as read: made at sequence `order`, its lease `lease` ms from `mtime`.
+    fn node(order: i64, mtime: i64, lease: i64) -> Option<Seen> {
+        Some(Seen {
+            child: super::super::Child {
+                name: format!("ab{order}-{order:010}"),
+                order,
+            },
+            lease: Some(lease),
+            stat: zookeeper_client::Stat {
+                czxid: order,
+                mzxid: order,
+                pzxid: order,
+                ctime: mtime,
+                mtime,
+                version: 0,
+                cversion: 0,
+                aversion: 0,
+                ephemeral_owner: 1,
+                data_length: 3,
+                num_children: 0,
+            },
+        })
+    }
+
+    fn orders(nodes: &[Seen]) -> Vec<i64> {
+        nodes.iter().map(|s| s.child.order).collect()
+    }
+
+    /// The head's node deleted between the listing and its read (a release): the next node is
+    /// the lowest and is the holder. Before, it was counted a waiter and the lock read "free"
+    /// (and a force release answered "was not held") while that node's owner held it.
+    #[test]
+    fn a_head_deleted_after_the_listing_leaves_the_next_node_holding() {
+        let judged = Judged::of(vec![None, node(2, 1_000, 500), node(3, 1_000, 500)], 1_100);
+        assert_eq!(judged.holder.map(|s| s.child.order), Some(2));
+        assert_eq!(orders(&judged.waiters), [3]);
+        // An expired node ahead still stands in line until an attempt deletes it: the lock is
+        // free and the live nodes behind it wait.
+        let judged = Judged::of(vec![node(1, 0, 100), node(2, 1_000, 500)], 1_100);
+        assert!(judged.holder.is_none());
+        assert_eq!(orders(&judged.waiters), [2]);
+        let judged = Judged::of(vec![None, node(2, 0, 100), node(3, 1_000, 500)], 1_100);
+        assert!(judged.holder.is_none());
+        assert_eq!(orders(&judged.waiters), [3]);
     }
 }
