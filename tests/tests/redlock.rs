@@ -1093,3 +1093,90 @@ async fn a_majority_granting_after_the_validity_is_unavailable_not_held() {
         .unwrap()
         .is_some());
 }
+
+/// Three nodes behind proxies (the acquire script loaded through them), and a locker over them.
+async fn behind_proxies(
+    servers: &[RedisServer],
+    node_timeout: Duration,
+) -> (Vec<dlock_tests::proxy::Proxy>, RedlockBackend, Locker) {
+    let mut proxies = Vec::new();
+    for s in servers {
+        proxies.push(dlock_tests::proxy::Proxy::start(s.port()).await.unwrap());
+    }
+    let urls: Vec<String> = proxies.iter().map(dlock_tests::proxy::Proxy::url).collect();
+    let opts = RedlockOptions::default().node_timeout(node_timeout);
+    let backend = connect(&urls, opts).await.unwrap();
+    let locker = Locker::builder().try_build(backend.clone()).unwrap();
+    let g = locker.lock("rl:warm-up").acquire().await.unwrap();
+    g.release().await.unwrap();
+    (proxies, backend, locker)
+}
+
+/// A majority grants the lock in time, but their tokens differ and the raise of the lower
+/// ones — a second round trip — ends after the validity: a 503, undone everywhere. It was
+/// answered "acquired", and the guard started with its lease already over: work run under a
+/// lock the nodes may have let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_raise_ending_after_the_validity_is_unavailable_not_held() {
+    let servers = start_many(3);
+    let (proxies, _backend, locker) = behind_proxies(&servers, Duration::from_millis(500)).await;
+    let key = "rl:late-raise";
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    // Three different proposals: whichever two nodes grant, one is raised.
+    let base = now_us() + 3_600_000_000;
+    for (i, s) in servers.iter().enumerate() {
+        let ahead = base + i as u64 * 3_600_000_000;
+        put_counters(&mut s.conn().await, &locker, &resource, ahead).await;
+    }
+    for p in &proxies {
+        p.set_latency(Duration::from_millis(40));
+    }
+    // The grant takes one round trip (80 ms) of the 150 ms TTL, with 4 ms of drift; the raise
+    // takes another.
+    let err = locker
+        .lock(key)
+        .ttl(Duration::from_millis(150))
+        .try_acquire()
+        .await
+        .expect_err("granted, but its token confirmed after the validity");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(err.to_string().contains("too slowly"), "{err}");
+    for p in &proxies {
+        p.set_latency(Duration::ZERO);
+    }
+    // Undone on every node: free at once.
+    assert!(locker.lock(key).try_acquire().await.unwrap().is_some());
+}
+
+/// A lock's last step (a release before its minimum hold ends) sets a rest shorter than the
+/// nodes' round trip: the lock is ours, and lets go by itself when the rest ends. It was
+/// answered "not ours" — a guard's release reported the lock lost — because the validity an
+/// extend claims had run out before the answers came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_step_shorter_than_the_round_trip_is_not_a_loss() {
+    use dlock_runtime::backend::{Attempt, Backend, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
+
+    let servers = start_many(3);
+    let (proxies, backend, locker) = behind_proxies(&servers, Duration::from_millis(500)).await;
+    let key = "rl:short-rest";
+    let resource = locker.resource(dlock_runtime::LockKey::new(key).unwrap());
+    let token = OwnerToken::generate();
+    let ttl = Duration::from_secs(10);
+    let got = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
+    assert!(matches!(got, Ok(Attempt::Acquired { .. })), "{got:?}");
+    for p in &proxies {
+        p.set_latency(Duration::from_millis(20));
+    }
+    // A 40 ms round trip for a 20 ms rest.
+    let kept = backend
+        .expire(&resource, &token, Duration::from_millis(20))
+        .await;
+    assert!(matches!(kept, Ok(true)), "{kept:?}");
+    for p in &proxies {
+        p.set_latency(Duration::ZERO);
+    }
+    let deadline = Deadline::after(Duration::from_secs(5));
+    let every = Duration::from_millis(10);
+    wait_until_free(&locker, key, &deadline, every, "the rest ends by itself").await;
+}

@@ -461,6 +461,54 @@ impl RedlockBackend {
         }
     }
 
+    /// Whether a lock of `ttl` whose attempt started at `start` has validity left, less the
+    /// clock drift.
+    fn valid_still(&self, ttl: Duration, start: Instant) -> bool {
+        ttl.checked_sub(start.elapsed())
+            .and_then(|v| v.checked_sub(self.drift(ttl)))
+            .is_some_and(|v| !v.is_zero())
+    }
+
+    /// Sets `token`'s lease to `ttl` on every node (owner-checked): a renewal (`keep`, whose
+    /// majority must answer within the validity it claims) or a last step ([`Backend::expire`]).
+    async fn set_lease(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ttl: Duration,
+        keep: bool,
+    ) -> Result<bool, LockError> {
+        let start = Instant::now();
+        let unsettled = self.inner.unsettled.get(resource, token);
+        let votes = self
+            .poll_owner_checked(
+                |n| {
+                    let (r, t) = (resource.clone(), token.clone());
+                    async move { n.extend(&r, &t, ttl).await }
+                },
+                unsettled.as_deref(),
+            )
+            .await;
+        let (yes, failed) = tally(&votes);
+        let in_window = !keep || start.elapsed() + self.drift(ttl) < ttl;
+        let what = if keep { "extend" } else { "expire" };
+        self.verdict(yes, failed, in_window, || self.describe(what, &votes))
+    }
+
+    /// A majority granted the lock (and confirmed its token), but too late: nobody holds it,
+    /// the nodes are slow for this TTL. Not "held by another" (a 409 naming no holder).
+    fn too_slow(&self, ttl: Duration, start: Instant) -> LockError {
+        LockError::unavailable(
+            format!(
+                "redlock acquire: a majority granted the lock after {:?}, leaving none of its \
+                 {ttl:?} TTL (less {:?} of clock drift): the nodes answer too slowly for this TTL",
+                start.elapsed(),
+                self.drift(ttl)
+            ),
+            None,
+        )
+    }
+
     /// Undoes `token`'s attempt on every node; answers how many nodes confirmed it. A node
     /// whose answer did not come (a timeout, a connection lost) stays counted in
     /// [`Inner::unsettled`]: the undo may still land there. The undos run on a task of their
@@ -848,10 +896,7 @@ impl Backend for RedlockBackend {
                     _ => None,
                 })
                 .collect();
-            let validity = ttl
-                .checked_sub(start.elapsed())
-                .and_then(|v| v.checked_sub(self.drift(ttl)));
-            if granted.len() >= self.inner.quorum && validity.is_some_and(|v| !v.is_zero()) {
+            if granted.len() >= self.inner.quorum && self.valid_still(ttl, start) {
                 // Raise every granting node to the majority's maximum, so that any later
                 // majority (which shares a node with this one) issues a larger token.
                 let max = granted.iter().map(|(_, t)| *t).max().unwrap_or(0);
@@ -886,13 +931,19 @@ impl Backend for RedlockBackend {
                 .into_iter()
                 .filter(|ok| *ok)
                 .count();
-                if raised >= self.inner.quorum {
+                // The raise is a second round trip: the validity may have run out meanwhile
+                // (slow nodes, a short TTL). Granted then, the guard would start with its
+                // lease over — work run under a lock the nodes may already have let go.
+                if raised >= self.inner.quorum && self.valid_still(ttl, start) {
                     return Ok(Attempt::Acquired { fencing_token: max });
+                }
+                self.undo_everywhere(resource, token).await;
+                if raised >= self.inner.quorum {
+                    return Err(self.too_slow(ttl, start));
                 }
                 // A majority granted the lock but its token is not on a majority: the outcome
                 // is not "someone else holds it" but "the nodes could not be reached".
                 tracing::warn!(raised, "redlock: fencing token not confirmed by a majority");
-                self.undo_everywhere(resource, token).await;
                 return Err(LockError::unavailable(
                     format!(
                         "redlock acquire: the fencing token was confirmed by {raised} of {} nodes, quorum {}",
@@ -907,16 +958,7 @@ impl Backend for RedlockBackend {
             if granted.len() >= self.inner.quorum {
                 // A majority granted it, but too late: nobody holds it, the nodes are slow
                 // for this TTL. Not "held by another" (a 409 naming no holder).
-                return Err(LockError::unavailable(
-                    format!(
-                        "redlock acquire: a majority granted the lock after {:?}, leaving none \
-                         of its {ttl:?} TTL (less {:?} of clock drift): the nodes answer too \
-                         slowly for this TTL",
-                        start.elapsed(),
-                        self.drift(ttl)
-                    ),
-                    None,
-                ));
+                return Err(self.too_slow(ttl, start));
             }
             // Unavailable when the nodes that failed are too many for a majority, whatever
             // the others say; otherwise someone holds it. The nodes not waited for (the
@@ -973,22 +1015,19 @@ impl Backend for RedlockBackend {
         token: &'a OwnerToken,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, LockError>> {
-        Box::pin(async move {
-            let start = Instant::now();
-            let unsettled = self.inner.unsettled.get(resource, token);
-            let votes = self
-                .poll_owner_checked(
-                    |n| {
-                        let (r, t) = (resource.clone(), token.clone());
-                        async move { n.extend(&r, &t, ttl).await }
-                    },
-                    unsettled.as_deref(),
-                )
-                .await;
-            let (yes, failed) = tally(&votes);
-            let in_window = start.elapsed() + self.drift(ttl) < ttl;
-            self.verdict(yes, failed, in_window, || self.describe("extend", &votes))
-        })
+        Box::pin(self.set_lease(resource, token, ttl, true))
+    }
+
+    fn expire<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        token: &'a OwnerToken,
+        left: Duration,
+    ) -> BoxFuture<'a, Result<bool, LockError>> {
+        // The lock's last step: the nodes let it go by themselves `left` from their answers.
+        // No validity is claimed past it, so a rest shorter than the round trip (a release
+        // just before a minimum hold ends) is no loss: a majority said the lock was ours.
+        Box::pin(self.set_lease(resource, token, left, false))
     }
 
     fn extend_many<'a>(
