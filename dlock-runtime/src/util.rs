@@ -270,10 +270,11 @@ pub(crate) fn whole_ms_margin(ttl: Duration, clock_ms: u64) -> Duration {
 }
 
 /// The lease that keeps a lock until a minimum hold with `left_ns` to go ends
-/// (`Lease::hold_left`).
+/// (`Lease::hold_left`): `None` once it has ended, and at least [`MIN_TTL`] (the shortest
+/// lease a backend takes) — a few milliseconds too long rather than too short.
 pub(crate) fn hold_rest(left_ns: u64) -> Option<Duration> {
     let ms = left_ns.div_ceil(1_000_000).saturating_add(1);
-    Some(Duration::from_millis(ms)).filter(|_| Duration::from_nanos(left_ns) >= MIN_TTL)
+    (left_ns > 0).then(|| Duration::from_millis(ms).max(MIN_TTL))
 }
 
 #[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]

@@ -96,7 +96,8 @@ impl<'a> LockRequest<'a> {
     /// `hold` must not exceed the TTL
     /// ([`LockError::InvalidTtl`] otherwise). The rest is rounded up to the next whole
     /// millisecond plus one (servers count leases in whole milliseconds), on etcd to whole
-    /// seconds.
+    /// seconds, and kept at least [`MIN_TTL`](crate::MIN_TTL): the lock never frees before
+    /// the hold ends.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
