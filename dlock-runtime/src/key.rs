@@ -114,6 +114,8 @@ pub struct KeyBuilder {
     out: String,
     raw_len: usize,
     too_long: bool,
+    /// A value's `Display` returned an error: what it wrote is a part of the value only.
+    cut_short: bool,
 }
 
 impl KeyBuilder {
@@ -129,7 +131,9 @@ impl KeyBuilder {
     }
 
     /// Appends one interpolated value, formatted with `Display` and encoded so that it cannot
-    /// contain the `:` separator.
+    /// contain the `:` separator. A `Display` that fails makes [`finish`](Self::finish) an
+    /// error: the part it wrote is not the value, and two values cut short alike would share
+    /// a key.
     pub fn value<T: fmt::Display + ?Sized>(&mut self, value: &T) -> &mut Self {
         if self.too_long {
             return self;
@@ -138,17 +142,25 @@ impl KeyBuilder {
             builder: self,
             value: true,
         };
-        // An error here only means the input passed the length limit; `finish` reports it.
-        let _ = write!(enc, "{value}");
+        // Past the length limit the encoder fails too; `finish` reports that as such.
+        if write!(enc, "{value}").is_err() && !self.too_long {
+            self.cut_short = true;
+        }
         self
     }
 
-    /// Validates the key: non-empty, input within [`MAX_KEY_INPUT_LEN`]; digests long keys.
+    /// Validates the key: non-empty, input within [`MAX_KEY_INPUT_LEN`], every value formatted
+    /// whole; digests long keys.
     pub fn finish(&mut self) -> Result<LockKey, LockError> {
         if self.too_long {
             return Err(LockError::invalid_key(format!(
                 "key input longer than {MAX_KEY_INPUT_LEN} bytes"
             )));
+        }
+        if self.cut_short {
+            return Err(LockError::invalid_key(
+                "a key value's Display implementation returned an error",
+            ));
         }
         if self.out.is_empty() {
             return Err(LockError::invalid_key("key is empty"));
@@ -454,6 +466,33 @@ impl ResourceName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `Display` that writes part of its value, then fails.
+    struct Cut(&'static str);
+
+    impl fmt::Display for Cut {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.0)?;
+            Err(fmt::Error)
+        }
+    }
+
+    /// A value whose `Display` fails is an invalid key, not the part it wrote: two values
+    /// whose formatting fails after the same prefix shared a key (and so a lock).
+    #[test]
+    fn a_value_whose_display_fails_is_an_invalid_key() {
+        let err = KeyBuilder::new()
+            .lit("user:")
+            .value(&Cut("4"))
+            .finish()
+            .unwrap_err();
+        assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
+        assert!(err.to_string().contains("Display"), "{err}");
+        // A value past the length limit is still reported as too long.
+        let long = "x".repeat(MAX_KEY_INPUT_LEN + 1);
+        let err = KeyBuilder::new().value(&long).finish().unwrap_err();
+        assert!(err.to_string().contains("longer than"), "{err}");
+    }
 
     #[test]
     fn keys_are_redacted_to_a_stable_keyed_hash_unless_plain() {
