@@ -298,7 +298,8 @@ impl Election {
     /// only after this one stopped), and returns once that is done. `Ok(())` also when not
     /// leading; [`LockError::Lost`] when the lease had been lost already; the release's error
     /// when the backend did not answer (it is then retried in the background, and the TTL ends
-    /// the lock at the latest). Later calls return `Ok(())`.
+    /// the lock at the latest). Later calls return `Ok(())`. Cancel-safe: a call dropped
+    /// before the campaign ended leaves the next call waiting for it.
     pub async fn resign(&self) -> Result<(), LockError> {
         let stop = self
             .stop
@@ -309,15 +310,19 @@ impl Election {
             let _ = stop.send(());
         }
         let mut task = self.task.lock().await;
-        match task.take() {
-            Some(handle) => handle.await.unwrap_or_else(|e| {
-                Err(LockError::unavailable(
-                    format!("election `{}`: campaign task ended: {e}", self.name),
-                    None,
-                ))
-            }),
-            None => Ok(()),
-        }
+        let Some(handle) = task.as_mut() else {
+            return Ok(());
+        };
+        // Kept until the task has ended: a call dropped here leaves the next one waiting for
+        // it (taken before, the next call answered `Ok(())` at once, the lock still held).
+        let ended = handle.await;
+        *task = None;
+        ended.unwrap_or_else(|e| {
+            Err(LockError::unavailable(
+                format!("election `{}`: campaign task ended: {e}", self.name),
+                None,
+            ))
+        })
     }
 }
 
@@ -482,6 +487,23 @@ mod tests {
         assert_eq!(b.term(), Some(t2));
         b.resign().await.unwrap();
         b.resign().await.unwrap(); // again: nothing to do
+    }
+
+    /// A `resign` dropped before the campaign task ended (a shutdown deadline): the next call
+    /// still waits for the task, so that when it returns the lock is released. It returned
+    /// `Ok(())` at once, the lock still held, the task still on its way.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_resign_after_a_dropped_one_returns_once_the_lock_is_released() {
+        use futures_util::FutureExt;
+        let (x, y) = pair();
+        let a = x.elect("el:resign-dropped").ttl(TTL).start().unwrap();
+        leads(&a).await;
+        // Polled once, then dropped: the campaign task has been told to stop, not run since.
+        assert!(a.resign().now_or_never().is_none());
+        a.resign().await.unwrap();
+        assert!(!a.is_leader());
+        let next = y.lock("el:resign-dropped").try_acquire().await.unwrap();
+        assert!(next.is_some(), "released when resign returned");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
