@@ -337,6 +337,16 @@ impl LockError {
         matches!(self, LockError::Unavailable { .. })
     }
 
+    /// Whether a deferred job whose lock could not be taken for this error used up one of its
+    /// attempts: every error but an outage ([`Unavailable`](LockError::Unavailable)), which
+    /// the defer queues wait out however long it lasts. `Lost` is a 503 too — a grant whose
+    /// answer came after the lease it granted: the job's TTL too short for the backend — but
+    /// may never change: not counted, such a job went round for good instead of reaching the
+    /// dead letters.
+    pub(crate) fn uses_a_job_attempt(&self) -> bool {
+        !self.is_unavailable()
+    }
+
     /// The backend refused the request in a way retrying does not change
     /// ([`Misconfigured`](LockError::Misconfigured)).
     pub fn is_misconfigured(&self) -> bool {
@@ -608,6 +618,15 @@ impl From<LockError> for std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_outage_leaves_a_deferred_job_untried() {
+        assert!(!LockError::unavailable("down", None).uses_a_job_attempt());
+        // A 503 as well, but no outage: it counts, and the job reaches the dead letters.
+        assert_eq!(LockError::lost("job:1").status(), 503);
+        assert!(LockError::lost("job:1").uses_a_job_attempt());
+        assert!(LockError::misconfigured("refused", None).uses_a_job_attempt());
+    }
 
     #[test]
     fn an_io_error_keeps_the_lock_error_under_its_kind() {

@@ -589,9 +589,9 @@ async fn run(mut task: Task) {
                 }
                 Ok((task, Outcome::NotRun(mut job, why))) => {
                     running_ids.remove(&task);
-                    // An outage (503) does not use up an attempt, as in the durable queue: the
-                    // job is tried again at the pace of its current attempt.
-                    let counted = !matches!(&why, NotRun::Failed(e) if e.status() == 503);
+                    // An outage does not use up an attempt, as in the durable queue: the job
+                    // is tried again at the pace of its current attempt.
+                    let counted = !matches!(&why, NotRun::Failed(e) if !e.uses_a_job_attempt());
                     job.info.attempts += u32::from(counted);
                     if counted && job.info.attempts >= job.policy.max_attempts {
                         let reason = match why {

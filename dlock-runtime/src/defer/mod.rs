@@ -6,9 +6,11 @@
 //!   202). When the job's turn comes it makes one attempt at the lock; if the lock is still
 //!   busy it is deferred again with exponential backoff and jitter, up to `max_attempts`, and
 //!   then moved to the dead-letter set, which can be listed and re-queued. An attempt the lock
-//!   backend did not answer (a 503 error: an outage) does not count — the job is tried again at
-//!   the same pace until the backend is back — while any other failure (a refusal for good,
-//!   [`LockError::Misconfigured`](crate::LockError::Misconfigured)) counts, and the dead letter
+//!   backend did not answer ([`LockError::Unavailable`](crate::LockError::Unavailable): an
+//!   outage) does not count — the job is tried again at the same pace until the backend is
+//!   back — while any other failure (a refusal for good,
+//!   [`LockError::Misconfigured`](crate::LockError::Misconfigured), or `Lost`: a grant that
+//!   came after its lease, the job's TTL too short for the backend) counts, and the dead letter
 //!   says which ([`JobInfo::reason`]).
 //! * [`DeferQueue`] — the in-process queue (the default, one per [`Locker`](crate::Locker)),
 //!   built on tokio-util's `DelayQueue`. It holds closures and futures, so it serves

@@ -59,7 +59,7 @@
 //! [`QueueLimits::dead_letter_retention`] (7 days by default); the queue holds at most
 //! [`QueueLimits::max_queued`] jobs (see [`DurableQueue::with_limits`]).
 //!
-//! A claim whose lock backend did not answer (a 503-class error: down, failing over) does not
+//! A claim whose lock backend did not answer ([`LockError::Unavailable`]: down, failing over) does not
 //! count as an attempt: the job was not tried, so it is put back at the pace of its current
 //! attempt until the backend answers, and an outage of the lock backend never uses up a job's
 //! attempts. One of the *queue's* Redis (often the same server) can: a claim whose job cannot

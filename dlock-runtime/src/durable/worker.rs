@@ -456,16 +456,19 @@ impl DurableWorker {
                     .await;
                 return;
             }
-            // The lock backend is down (503): the job was not tried.
-            Err(e) if e.status() == 503 => {
-                let reason = format!("its lock backend did not answer: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Untried)
-                    .await;
-                return;
-            }
             Err(e) => {
-                let reason = format!("its lock could not be taken: {e}");
-                self.put_back(&claim, &info(&env.key), &policy, &reason, Counted::Attempt)
+                let (counted, reason) = if e.uses_a_job_attempt() {
+                    (
+                        Counted::Attempt,
+                        format!("its lock could not be taken: {e}"),
+                    )
+                } else {
+                    (
+                        Counted::Untried,
+                        format!("its lock backend did not answer: {e}"),
+                    )
+                };
+                self.put_back(&claim, &info(&env.key), &policy, &reason, counted)
                     .await;
                 return;
             }
