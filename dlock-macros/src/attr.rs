@@ -447,9 +447,14 @@ impl Args {
             }),
             Some(Strategy::Skip) => OnFail::Skip,
         };
+        // An invalid `ttl` has its own error: the hold is not checked against the default in
+        // its place (a second error, about a ttl the user did not write).
+        let ttl_invalid = ttl.is_invalid();
         let ttl = ttl.value().unwrap_or(DEFAULT_TTL);
         let hold_at_least = hold_at_least.value().and_then(|(lit, hold)| {
-            errors.ok(surface::check_hold(&lit, hold, ttl))?;
+            if !ttl_invalid {
+                errors.ok(surface::check_hold(&lit, hold, ttl))?;
+            }
             Some(hold)
         });
         let fallback_span = fallback.span();
