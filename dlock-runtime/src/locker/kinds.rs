@@ -45,7 +45,11 @@ impl Locker {
     ///
     /// Many readers or one writer hold it at once. Waiting is FIFO across both modes, so a
     /// waiting writer blocks readers that arrive after it (a stream of readers cannot starve
-    /// writers), and a writer's release wakes every reader queued at the head. Fencing tokens:
+    /// writers), and a writer's release wakes every reader queued at the head. That holds for a
+    /// writer that waits in line — [`OnFail::Retry`](crate::OnFail::Retry) with fair waiting,
+    /// the default: a `try_acquire` (or `on_fail = "reject"`) and a barging waiter
+    /// ([`RetryPolicy::fair(false)`](crate::RetryPolicy::fair)) get in only when no reader
+    /// holds, which readers that overlap may never allow. Fencing tokens:
     /// a writer's token is greater than the token of every reader or writer that held before
     /// it — a resource that records the highest token it has seen rejects a stale holder of
     /// either mode —, while readers have distinct tokens that only order their arrival (on

@@ -264,6 +264,10 @@ impl<'a> LockRequest<'a> {
     /// invalid key) are returned as usual. Combine with [`hold_at_least`](Self::hold_at_least)
     /// so that an instance whose clock is a little behind does not run the same tick again.
     ///
+    /// ShedLock's `lockAtMostFor` — a lock that ends after a fixed time, even while its job still
+    /// runs — is [`auto_renew(false)`](Self::auto_renew) with that TTL: renewed (the default),
+    /// the lock lasts as long as `work` does, and ends within one TTL only if this process dies.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), dlock_runtime::LockError> {
     /// use std::time::Duration;
