@@ -953,6 +953,25 @@ fn connecting_to_a_redis_that_evicts_keys_is_a_warning() {
     assert!(warnings("noeviction").is_empty());
 }
 
+/// A Redlock node that may evict keys can evict its vote for a held lock — one node less for
+/// the next taker's majority: connecting to Redlock warns for such a node as for one server.
+/// (Its nodes were not checked.)
+#[test]
+fn a_redlock_node_that_evicts_keys_is_a_warning() {
+    let server = RedisServer::start();
+    let warnings = |policy| {
+        warnings_at_connect(&server, policy, async |url| {
+            let url = url.replacen("redis://", "redlock://", 1);
+            Locker::builder().connect(&url).await.unwrap();
+        })
+    };
+    let evicting = warnings("volatile-ttl");
+    assert_eq!(evicting.len(), 1, "{evicting:?}");
+    assert!(evicting[0].name.contains("evicts keys"), "{evicting:?}");
+    assert_eq!(evicting[0].field("policy"), Some("volatile-ttl"));
+    assert!(warnings("noeviction").is_empty());
+}
+
 /// A durable job queue on a Redis that may evict keys can lose queued jobs, their claims and
 /// the records that keep a resent enqueue from queueing twice, without an error: connecting
 /// the queue to one whose `maxmemory-policy` is not `noeviction` is one `WARN` naming the

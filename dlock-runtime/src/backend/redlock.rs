@@ -261,6 +261,15 @@ impl RedlockBackend {
             .await;
         }
         backend.check_startup(&pinged)?;
+        // A node that may evict keys can evict its vote for a held lock: a majority for the
+        // next taker with one node less. Each node that answered is checked (one warning each).
+        let answered = backend.inner.nodes.iter().zip(&pinged);
+        futures_util::future::join_all(
+            answered
+                .filter(|(_, r)| r.is_ok())
+                .map(|(n, _)| n.check_eviction_policy()),
+        )
+        .await;
         Ok(backend)
     }
 

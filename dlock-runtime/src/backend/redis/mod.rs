@@ -676,7 +676,7 @@ impl RedisBackend {
     /// too), and the next locker is granted a lock that is still held. One `CONFIG GET` at
     /// connect; a server that refuses it (an ACL, a managed Redis without `CONFIG`) is not
     /// checked.
-    async fn check_eviction_policy(&self) {
+    pub(crate) async fn check_eviction_policy(&self) {
         if self.is_cluster() {
             return; // a keyless command reaches one node of many: not a check of the cluster
         }
