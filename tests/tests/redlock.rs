@@ -1055,43 +1055,11 @@ async fn a_drift_factor_out_of_range_is_misconfigured_not_a_panic() {
 /// naming no holder — and the lock was left to its TTL on the nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_majority_granting_after_the_validity_is_unavailable_not_held() {
-    use dlock_tests::proxy::Proxy;
-
     let servers = start_many(3);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port()).await.unwrap());
-    }
-    let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let opts = RedlockOptions::default().node_timeout(Duration::from_millis(500));
-    let locker = Locker::builder()
-        .try_build(connect(&urls, opts).await.unwrap())
-        .unwrap();
-    // Warm up: the script is loaded on every node.
-    let g = locker.lock("rl:late").acquire().await.unwrap();
-    g.release().await.unwrap();
-    for p in &proxies {
-        p.set_latency(Duration::from_millis(30));
-    }
+    let (proxies, _backend, locker) = behind_proxies(&servers, Duration::from_millis(500)).await;
     // A round trip takes 60 ms; the TTL is 50 ms.
-    let err = locker
-        .lock("rl:late")
-        .ttl(Duration::from_millis(50))
-        .try_acquire()
-        .await
-        .expect_err("granted after its validity: no lock, and not held by another");
-    assert!(err.is_unavailable(), "{err}");
-    assert!(err.to_string().contains("too slowly"), "{err}");
-    for p in &proxies {
-        p.set_latency(Duration::ZERO);
-    }
-    // Undone on every node: free at once.
-    assert!(locker
-        .lock("rl:late")
-        .try_acquire()
-        .await
-        .unwrap()
-        .is_some());
+    let (latency, ttl) = (Duration::from_millis(30), Duration::from_millis(50));
+    too_slow_and_undone(&proxies, &locker, "rl:late", latency, ttl).await;
 }
 
 /// Three nodes behind proxies (the acquire script loaded through them), and a locker over them.
@@ -1112,6 +1080,32 @@ async fn behind_proxies(
     (proxies, backend, locker)
 }
 
+/// With every node `latency` away (each way), a try of `key` for `ttl` is a 503 — granted, but
+/// too late for its validity — and undone on every node: free at once afterwards.
+async fn too_slow_and_undone(
+    proxies: &[dlock_tests::proxy::Proxy],
+    locker: &Locker,
+    key: &str,
+    latency: Duration,
+    ttl: Duration,
+) {
+    for p in proxies {
+        p.set_latency(latency);
+    }
+    let err = locker
+        .lock(key)
+        .ttl(ttl)
+        .try_acquire()
+        .await
+        .expect_err("granted after its validity: no lock, and not held by another");
+    assert!(err.is_unavailable(), "{err}");
+    assert!(err.to_string().contains("too slowly"), "{err}");
+    for p in proxies {
+        p.set_latency(Duration::ZERO);
+    }
+    assert!(locker.lock(key).try_acquire().await.unwrap().is_some());
+}
+
 /// A majority grants the lock in time, but their tokens differ and the raise of the lower
 /// ones — a second round trip — ends after the validity: a 503, undone everywhere. It was
 /// answered "acquired", and the guard started with its lease already over: work run under a
@@ -1128,24 +1122,10 @@ async fn a_fence_raise_ending_after_the_validity_is_unavailable_not_held() {
         let ahead = base + i as u64 * 3_600_000_000;
         put_counters(&mut s.conn().await, &locker, &resource, ahead).await;
     }
-    for p in &proxies {
-        p.set_latency(Duration::from_millis(40));
-    }
     // The grant takes one round trip (80 ms) of the 150 ms TTL, with 4 ms of drift; the raise
     // takes another.
-    let err = locker
-        .lock(key)
-        .ttl(Duration::from_millis(150))
-        .try_acquire()
-        .await
-        .expect_err("granted, but its token confirmed after the validity");
-    assert!(err.is_unavailable(), "{err}");
-    assert!(err.to_string().contains("too slowly"), "{err}");
-    for p in &proxies {
-        p.set_latency(Duration::ZERO);
-    }
-    // Undone on every node: free at once.
-    assert!(locker.lock(key).try_acquire().await.unwrap().is_some());
+    let (latency, ttl) = (Duration::from_millis(40), Duration::from_millis(150));
+    too_slow_and_undone(&proxies, &locker, key, latency, ttl).await;
 }
 
 /// A lock's last step (a release before its minimum hold ends) sets a rest shorter than the

@@ -246,19 +246,7 @@ mod tests {
                 order,
             },
             lease: Some(lease),
-            stat: zookeeper_client::Stat {
-                czxid: order,
-                mzxid: order,
-                pzxid: order,
-                ctime: mtime,
-                mtime,
-                version: 0,
-                cversion: 0,
-                aversion: 0,
-                ephemeral_owner: 1,
-                data_length: 3,
-                num_children: 0,
-            },
+            stat: super::super::stat_at(order, mtime),
         })
     }
 

@@ -1917,6 +1917,24 @@ impl Backend for ZkBackend {
     }
 }
 
+/// A lock node's `Stat` as a test reads it: made at zxid `zxid`, written last at `mtime`.
+#[cfg(test)]
+pub(super) fn stat_at(zxid: i64, mtime: i64) -> Stat {
+    Stat {
+        czxid: zxid,
+        mzxid: zxid,
+        pzxid: zxid,
+        ctime: mtime,
+        mtime,
+        version: 0,
+        cversion: 0,
+        aversion: 0,
+        ephemeral_owner: 1,
+        data_length: 3,
+        num_children: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1986,17 +2004,8 @@ mod tests {
     #[test]
     fn leases_expire_by_the_servers_mtime() {
         let stat = Stat {
-            czxid: 1,
-            mzxid: 1,
-            pzxid: 1,
             ctime: 0,
-            mtime: 1_000,
-            version: 0,
-            cversion: 0,
-            aversion: 0,
-            ephemeral_owner: 1,
-            data_length: 3,
-            num_children: 0,
+            ..stat_at(1, 1_000)
         };
         let seen = Seen {
             child: Child {
