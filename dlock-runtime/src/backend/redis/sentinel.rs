@@ -5,7 +5,12 @@
 //! the master named under the latest configuration epoch wins: a sentinel that has not heard of
 //! a failover yet still names the old master, under an older epoch, and believing the first
 //! sentinel that answers (as redis-rs's `Sentinel` does) followed it back to the old master. A
-//! node is used only once it says it is a master (`ROLE`).
+//! node is used only once it says it is a master (`ROLE`). Nor does a check go back to an older
+//! epoch than the one followed last: when only a sentinel that missed the failover answers (the
+//! others partitioned away, with the old master on its side still taking writes), its view
+//! names the old master — followed, this connection took locks there beside the new master's
+//! holders. Such a view is followed only when a majority of the sentinels give it (sentinels
+//! deployed anew, whose epochs start over).
 //!
 //! **Following a failover.** The connection to the master is a redis-rs `ConnectionManager`, as on
 //! one server. Two things start a failover check (never more than one at a time per connection; one
@@ -240,6 +245,9 @@ struct Shared {
     push: Option<PushFn>,
     /// The issuer numbers of the masters followed so far, the latest last.
     issuers: Mutex<Vec<u64>>,
+    /// The latest configuration epoch under which the master followed was named: a check does
+    /// not go back to a master named under an older one (see the module docs).
+    epoch: AtomicU64,
     /// The release channels subscribed through this connection (re-subscribed on a switch).
     channels: Mutex<HashSet<String>>,
     /// A failover check is under way.
@@ -280,7 +288,7 @@ impl SentinelConn {
     ) -> Result<Self, LockError> {
         let sentinels = Sentinels::connect(url, connect_timeout, command_timeout).await?;
         let limit = connect_timeout + command_timeout;
-        let master = sentinels.lookup(limit).await?;
+        let Found { master, .. } = sentinels.lookup(limit).await?;
         let config = manager_config(connect_timeout, command_timeout);
         let client = sentinels.client(&master)?;
         let (mut conn, cell) = connect_to(&client, &config, push.as_ref())?;
@@ -311,6 +319,7 @@ impl SentinelConn {
             shared: Shared::new(
                 sentinels,
                 current,
+                master.epoch,
                 config,
                 push,
                 vec![issuer],
@@ -338,6 +347,7 @@ impl SentinelConn {
                     made_on: watch_runtime(),
                     ..current
                 },
+                s.epoch.load(Ordering::Acquire),
                 config,
                 None,
                 Vec::new(),
@@ -517,6 +527,36 @@ fn pick(views: &[View]) -> Option<&View> {
         .or_else(|| at_latest.next())
 }
 
+/// What a look-up found: the master to follow, and whether a majority of all the sentinels
+/// named it under that epoch.
+struct Found {
+    master: View,
+    by_majority: bool,
+}
+
+impl Found {
+    /// The master to follow among `views` ([`pick`]), and whether at least `majority` of them
+    /// name it under its epoch.
+    fn among(views: &[View], majority: usize) -> Option<Found> {
+        let master = pick(views)?;
+        let named_by = views
+            .iter()
+            .filter(|v| (v.epoch, &v.ip, v.port) == (master.epoch, &master.ip, master.port))
+            .count();
+        Some(Found {
+            master: master.clone(),
+            by_majority: named_by >= majority,
+        })
+    }
+
+    /// Whether a check that followed a master named under `followed` (an epoch) may follow
+    /// this one: not when it was named under an older epoch by fewer than a majority — a
+    /// sentinel that missed the failover followed last (see the module docs).
+    fn may_follow(&self, followed: u64) -> bool {
+        self.master.epoch >= followed || self.by_majority
+    }
+}
+
 impl Sentinels {
     /// A connection to every sentinel of `url`, each subscribed to the [`ANNOUNCEMENTS`] (those
     /// that answer now; the others once they do), and the task that keeps them so.
@@ -639,7 +679,7 @@ impl Sentinels {
     /// with a password of its own, see [`SentinelUrl::sentinel_auth`]) or an unknown master
     /// name — the answer is [`LockError::Misconfigured`]; otherwise, with no master named,
     /// [`LockError::Unavailable`].
-    async fn lookup(&self, limit: Duration) -> Result<View, LockError> {
+    async fn lookup(&self, limit: Duration) -> Result<Found, LockError> {
         let mut asks: FuturesUnordered<_> = self
             .conns
             .iter()
@@ -681,8 +721,8 @@ impl Sentinels {
                 Asked::Failed => {}
             }
         }
-        if let Some(view) = pick(&views) {
-            return Ok(view.clone());
+        if let Some(found) = Found::among(&views, majority) {
+            return Ok(found);
         }
         if refused.len() == self.conns.len() {
             refused.sort_unstable();
@@ -918,6 +958,7 @@ impl Shared {
     fn new(
         sentinels: Arc<Sentinels>,
         current: Current,
+        epoch: u64,
         config: ConnectionManagerConfig,
         push: Option<PushFn>,
         issuers: Vec<u64>,
@@ -931,6 +972,7 @@ impl Shared {
             config,
             push,
             issuers: Mutex::new(issuers),
+            epoch: AtomicU64::new(epoch),
             channels: Mutex::new(HashSet::new()),
             checking: AtomicBool::new(false),
             recheck: AtomicBool::new(false),
@@ -1171,14 +1213,29 @@ async fn check(shared: Weak<Shared>) {
             .lookup(s.connect_timeout + s.command_timeout)
             .await;
         let current = s.current();
+        let followed = s.epoch.load(Ordering::Acquire);
         let done = match found {
-            Ok(master) if master.addr() != current.addr => {
+            // Named under an older epoch than the master followed, by too few sentinels to
+            // count: a sentinel that missed the failover. Asked again, as for no answer.
+            Ok(found) if !found.may_follow(followed) => {
+                tracing::debug!(
+                    named = %found.master.addr(),
+                    epoch = found.master.epoch,
+                    followed,
+                    "redis sentinel: a master named under an older epoch than the one followed is not followed back"
+                );
+                false
+            }
+            Ok(Found { master, .. }) if master.addr() != current.addr => {
                 let switched = match s.sentinels.client(&master) {
                     Ok(client) => s.switch_to(client, master.addr()).await,
                     Err(e) => Err(e),
                 };
                 match switched {
-                    Ok(()) => true,
+                    Ok(()) => {
+                        s.epoch.store(master.epoch, Ordering::Release);
+                        true
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "redis sentinel: the new master did not answer yet");
                         false
@@ -1188,7 +1245,10 @@ async fn check(shared: Weak<Shared>) {
             // The same master: done once it answers, unless a failover is announced first
             // (the old master may come back, empty, at the same address: a killed one
             // restarted; waiting for it to answer then kept the connection there).
-            Ok(master) => {
+            Ok(Found { master, .. }) => {
+                // Its epoch may have been raised since it was followed (a promoted replica is
+                // named before the epoch is: see `View::parse`).
+                s.epoch.fetch_max(master.epoch, Ordering::AcqRel);
                 tokio::select! {
                     answers = s.same_master(&current, &master) => answers,
                     () = s.announced.notified() => {
@@ -1352,6 +1412,30 @@ mod tests {
         assert_eq!(pick(&[down.clone(), old.clone(), new.clone()]), Some(&new));
         assert_eq!(pick(&[down.clone(), old.clone()]), Some(&down));
         assert_eq!(pick(&[]), None);
+    }
+
+    /// After a failover to the master named under epoch 4, a check does not follow the old
+    /// master back when only a sentinel that missed the failover names it (epoch 3) — the
+    /// others partitioned away — but does when a majority of the three do (sentinels deployed
+    /// anew, their epochs started over), and follows any master named under epoch 4 or later.
+    #[test]
+    fn an_older_epoch_is_followed_back_only_by_a_majority() {
+        let (old, new) = (view(1, 3, false), view(2, 4, false));
+        let followed = 4;
+        let stale = Found::among(std::slice::from_ref(&old), 2).unwrap();
+        assert_eq!(stale.master, old);
+        assert!(!stale.may_follow(followed));
+        let reset = Found::among(&[old.clone(), old.clone()], 2).unwrap();
+        assert!(reset.may_follow(followed));
+        assert!(Found::among(std::slice::from_ref(&new), 2)
+            .unwrap()
+            .may_follow(followed));
+        assert!(Found::among(&[view(3, 5, false)], 2)
+            .unwrap()
+            .may_follow(followed));
+        // A majority is of the master named, under its epoch: two different answers are not.
+        let split = Found::among(&[old.clone(), view(3, 3, false)], 2).unwrap();
+        assert!(!split.by_majority);
     }
 
     /// The replies of a sentinel, as RESP3 gives them, and the failover announcements of this
