@@ -1215,9 +1215,11 @@ async fn check(shared: Weak<Shared>) {
         let current = s.current();
         let followed = s.epoch.load(Ordering::Acquire);
         let done = match found {
-            // Named under an older epoch than the master followed, by too few sentinels to
-            // count: a sentinel that missed the failover. Asked again, as for no answer.
-            Ok(found) if !found.may_follow(followed) => {
+            // Another master, named under an older epoch than the one followed, by too few
+            // sentinels to count: a sentinel that missed the failover. Asked again, as for no
+            // answer. (The master followed, named under an older epoch by a sentinel that lags,
+            // is still the same master.)
+            Ok(found) if found.master.addr() != current.addr && !found.may_follow(followed) => {
                 tracing::debug!(
                     named = %found.master.addr(),
                     epoch = found.master.epoch,
