@@ -656,7 +656,10 @@ async fn handoff_after_release(
 /// gave up while the master was down. The fault harness found lockers running on the fallback
 /// after a master kill (handoff gaps of 100–490 ms instead of 0–4 ms, and a key stalled past
 /// the liveness bound): the unsubscribe that could not reach the dead master was forgotten by
-/// the connection but not by the backend, so the channel was never subscribed again.
+/// the connection but not by the backend, so the channel was never subscribed again. The reverse
+/// holds too: the new master is not subscribed to that channel, which nobody waits on (a
+/// connection that kept the channels whose unsubscribe failed subscribed them on every master it
+/// followed, for good).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_notifications_reach_waiters_after_a_failover() {
     let mut deployment = RedisSentinel::start();
@@ -687,7 +690,7 @@ async fn release_notifications_reach_waiters_after_a_failover() {
     subscribed(old_port, "notified").await;
     deployment.servers[old].stop();
     gave_up.abort();
-    deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    let new_master = deployment.wait_failover_from(old_port, Duration::from_secs(30));
     // The holder's lock (on the dead master alone) is gone with it.
     drop(holder);
     for locker in [&holding, &waiting] {
@@ -697,6 +700,21 @@ async fn release_notifications_reach_waiters_after_a_failover() {
             .await
             .unwrap();
     }
+    // Both lockers follow the new master, having subscribed on it the channels they kept
+    // before switching. The one whose waiter left is not among them: kept because the dead
+    // master could not confirm the unsubscribe, it was subscribed on every master followed
+    // from then on, for nobody.
+    let n: Vec<(String, i64)> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg("dlock:{notified}:ch")
+        .query_async(&mut node_conn(new_master).await)
+        .await
+        .unwrap();
+    assert_eq!(
+        n.first().map(|(_, subscribers)| *subscribers),
+        Some(0),
+        "the new master has subscribers to a channel nobody waits on"
+    );
     // The old master comes back (empty, calling itself master until the sentinels demote it).
     deployment.servers[old].restart();
     // A waiter of the lock: its locker is subscribed to the lock's channel on the new master.

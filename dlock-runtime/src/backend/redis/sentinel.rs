@@ -20,16 +20,17 @@
 //! commands fail — the connection is refused, dropped or times out, or the node answers `READONLY`
 //! (a demoted master) or `MASTERDOWN`. The check asks the sentinels for the master again; if they
 //! name another node, it connects to it, subscribes there to every release channel this connection
-//! had, switches, and wakes the local waiters to re-check (releases published during the failover
-//! never reached them). The failing command itself is reported as unavailable (503): the caller's
-//! next attempt goes to the new master. While the sentinels still name the same node, the check
-//! retries with backoff until that node answers again or a limit passes; an announcement cuts that
-//! wait short (a killed master restarted at once comes back empty at the same address, and the
-//! connection, which reconnects by itself, would otherwise have stayed there until the wait ended).
-//! A `PING` that gets no answer at all may mean this connection went silent (a partition, a load
-//! balancer or NAT that forgot it: no reset, no close, and the manager reconnects only on those)
-//! while the master serves: the check then makes a new connection to the same master and switches
-//! to it if the master answers there, as it would to a new master.
+//! had (those whose subscribe the master confirmed and no unsubscribe followed, answered or not,
+//! and those being subscribed), switches, and wakes the local waiters to re-check (releases
+//! published during the failover never reached them). The failing command itself is reported as
+//! unavailable (503): the caller's next attempt goes to the new master. While the sentinels still
+//! name the same node, the check retries with backoff until that node answers again or a limit
+//! passes; an announcement cuts that wait short (a killed master restarted at once comes back empty
+//! at the same address, and the connection, which reconnects by itself, would otherwise have stayed
+//! there until the wait ended). A `PING` that gets no answer at all may mean this connection went
+//! silent (a partition, a load balancer or NAT that forgot it: no reset, no close, and the manager
+//! reconnects only on those) while the master serves: the check then makes a new connection to the
+//! same master and switches to it if the master answers there, as it would to a new master.
 //!
 //! The announcement matters because a failover does not always break the old master's
 //! connections: after `SENTINEL FAILOVER`, or when a master frozen past the down-after time
@@ -249,7 +250,7 @@ struct Shared {
     /// not go back to a master named under an older one (see the module docs).
     epoch: AtomicU64,
     /// The release channels subscribed through this connection (re-subscribed on a switch).
-    channels: Mutex<HashSet<String>>,
+    channels: Channels,
     /// A failover check is under way.
     checking: AtomicBool,
     /// A check was asked for since the running one last asked the sentinels.
@@ -358,31 +359,29 @@ impl SentinelConn {
         })
     }
     /// Subscribes to a release channel on the current master (and remembers it for the next).
+    /// Noted before it is sent, so a switch meanwhile subscribes it on the new master too;
+    /// forgotten again unless the master confirmed it (or an earlier subscribe did). A
+    /// subscribe that failed, or whose caller gave up on it (its deadline), is one the backend
+    /// does not count either: the lock's next waiter subscribes again. Kept, the channel was
+    /// subscribed on every master followed from then on, for good.
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
-        self.shared
-            .channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(channel.to_owned());
+        let noted = self.shared.channels.note(channel);
         let r = self.shared.current().conn.subscribe(channel).await;
+        if r.is_ok() {
+            noted.confirmed();
+        }
         self.shared.after(&r);
         r
     }
 
-    /// The reverse of [`subscribe`](SentinelConn::subscribe). The channel is forgotten only
-    /// once the master confirmed: the backend counts a channel whose unsubscribe failed (a
-    /// master down) as still subscribed and never subscribes it again, so the next master must
-    /// get it too. (A channel forgotten here but not there left the lock's waiters without
-    /// notifications after every failover: they ran on their fallback timers.)
+    /// The reverse of [`subscribe`](SentinelConn::subscribe). The channel is forgotten before
+    /// the master is asked, whatever it answers, as the backend forgets it: an unsubscribe that
+    /// failed or timed out (a master down or frozen) may have been run, and the lock's next
+    /// waiter subscribes again. Kept, it was subscribed on every master followed from then on,
+    /// for nobody.
     pub(super) async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        self.shared.channels.forget(channel);
         let r = self.shared.current().conn.unsubscribe(channel).await;
-        if r.is_ok() {
-            self.shared
-                .channels
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(channel);
-        }
         self.shared.after(&r);
         r
     }
@@ -973,7 +972,7 @@ impl Shared {
             push,
             issuers: Mutex::new(issuers),
             epoch: AtomicU64::new(epoch),
-            channels: Mutex::new(HashSet::new()),
+            channels: Channels::default(),
             checking: AtomicBool::new(false),
             recheck: AtomicBool::new(false),
             announced: Arc::new(tokio::sync::Notify::new()),
@@ -991,12 +990,7 @@ impl Shared {
 
     /// The release channels subscribed through this connection.
     fn channels(&self) -> Vec<String> {
-        self.channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect()
+        self.channels.all()
     }
 
     /// The connection to the master now, made anew first if the runtime it was made on shut
@@ -1167,7 +1161,7 @@ impl Shared {
         // noted after `channels` was read): subscribed here too, or it would hear no release
         // on the new master. One that read `current` after the swap is subscribed twice,
         // which is harmless.
-        let before: std::collections::HashSet<&String> = channels.iter().collect();
+        let before: HashSet<&String> = channels.iter().collect();
         for channel in self.channels().iter().filter(|c| !before.contains(c)) {
             match tokio::time::timeout(self.command_timeout, late_conn.subscribe(channel)).await {
                 Ok(Ok(())) => {}
@@ -1184,6 +1178,85 @@ impl Shared {
             }
         }
         Ok(())
+    }
+}
+
+/// The release channels subscribed, or being subscribed, through one [`SentinelConn`]: what a
+/// switch subscribes on the new master.
+#[derive(Default)]
+struct Channels(Mutex<HashMap<String, Noted>>);
+
+/// What is known of one channel's subscriptions.
+#[derive(Default)]
+struct Noted {
+    /// Subscribes of it under way.
+    pending: u32,
+    /// A subscribe of it was confirmed since it was last forgotten.
+    confirmed: bool,
+}
+
+impl Channels {
+    fn all(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Notes `channel` for a subscribe under way. Dropped without
+    /// [`confirmed`](Subscribing::confirmed) (the subscribe failed, or was given up), it is
+    /// forgotten again — unless another subscribe of it is still under way or was confirmed.
+    fn note(&self, channel: &str) -> Subscribing<'_> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        all.entry(channel.to_owned()).or_default().pending += 1;
+        Subscribing {
+            channels: self,
+            channel: channel.to_owned(),
+            confirmed: false,
+        }
+    }
+
+    fn forget(&self, channel: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(channel);
+    }
+
+    /// One subscribe of `channel` ended, `confirmed` or not.
+    fn ended(&self, channel: &str, confirmed: bool) {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        // Forgotten meanwhile (unsubscribed): a confirmation came last, and stands.
+        let noted = all.entry(channel.to_owned()).or_insert(Noted {
+            pending: 1,
+            confirmed: false,
+        });
+        noted.pending = noted.pending.saturating_sub(1);
+        noted.confirmed |= confirmed;
+        if noted.pending == 0 && !noted.confirmed {
+            all.remove(channel);
+        }
+    }
+}
+
+/// A subscribe under way (see [`Channels::note`]).
+struct Subscribing<'a> {
+    channels: &'a Channels,
+    channel: String,
+    confirmed: bool,
+}
+
+impl Subscribing<'_> {
+    fn confirmed(mut self) {
+        self.confirmed = true;
+    }
+}
+
+impl Drop for Subscribing<'_> {
+    fn drop(&mut self) {
+        self.channels.ended(&self.channel, self.confirmed);
     }
 }
 
@@ -1333,6 +1406,56 @@ impl ConnectionLike for SentinelConn {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A switch subscribes on the new master what `Channels` holds. A subscribe that failed, or
+    /// that its caller gave up on (dropped at its deadline), is forgotten: the backend does not
+    /// count it, and kept it was subscribed on every master followed, for good. One confirmed
+    /// stays while a later subscribe of it fails; an unsubscribe forgets it whatever it answers.
+    #[test]
+    fn only_confirmed_subscriptions_are_remembered_for_the_next_master() {
+        let channels = Channels::default();
+        let held = |c: &Channels| {
+            let mut all = c.all();
+            all.sort();
+            all
+        };
+        // Noted while under way: a switch meanwhile subscribes it on the new master too.
+        let failed = channels.note("a");
+        assert_eq!(held(&channels), ["a"]);
+        drop(failed);
+        assert!(
+            held(&channels).is_empty(),
+            "a failed subscribe is forgotten"
+        );
+
+        channels.note("b").confirmed();
+        assert_eq!(held(&channels), ["b"]);
+        drop(channels.note("b"));
+        assert_eq!(held(&channels), ["b"], "a confirmed one stays");
+
+        // Two under way at once (a resubscription round and a waiter's): the one that fails
+        // does not take back the one that is confirmed, whichever ends first.
+        let (first, second) = (channels.note("c"), channels.note("c"));
+        drop(first);
+        assert_eq!(held(&channels), ["b", "c"], "still under way");
+        second.confirmed();
+        let (first, second) = (channels.note("d"), channels.note("d"));
+        first.confirmed();
+        drop(second);
+        assert_eq!(held(&channels), ["b", "c", "d"]);
+
+        channels.forget("b");
+        assert_eq!(held(&channels), ["c", "d"]);
+        // Unsubscribed while a subscribe was under way: that subscribe's answer decides.
+        let late = channels.note("c");
+        channels.forget("c");
+        drop(late);
+        assert_eq!(held(&channels), ["d"]);
+        let late = channels.note("d");
+        channels.forget("d");
+        late.confirmed();
+        assert_eq!(held(&channels), ["d"]);
+    }
 
     #[test]
     fn urls_name_the_sentinels_the_master_and_the_servers_credentials() {
