@@ -541,6 +541,95 @@ async fn a_hung_node_does_not_hold_up_a_waiters_subscription() {
     drop(mute);
 }
 
+/// Subscribers to `resource`'s release channel on `server`.
+async fn subscribers(server: &RedisServer, resource: &str) -> i64 {
+    let n: Vec<(String, i64)> = server
+        .query(
+            redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(format!("{resource}:ch")),
+        )
+        .await;
+    n.first().map_or(0, |(_, subscribers)| *subscribers)
+}
+
+/// A waiter's subscription that a node ran after its caller gave up on it — the node frozen
+/// when it was sent, it runs it when it wakes; the waiter cancelled meanwhile (its request's
+/// client went away) — is dropped with the lock's last local waiter, like the others. It was
+/// not: the backend dropped only the subscriptions it saw confirmed, so a node kept one for
+/// every lock whose waiter was cut off that way, for the life of the process (and redis-rs,
+/// which tracks what the server confirms, subscribed them again on every new connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_a_node_ran_after_its_waiter_left_is_dropped() {
+    let mut servers = start_many(3);
+    // The waiter's attempt, answered "held" by the two live nodes, waits for its undo on the
+    // frozen one for the node timeout, which has the connection checked (a `PING` within the
+    // node timeout): long enough for the node to be woken before that check gives up on it,
+    // once the waiter has subscribed. The connection stays, and its subscriptions with it.
+    let opts = RedlockOptions::default().node_timeout(Duration::from_secs(2));
+    let locker = async || {
+        let backend = connect(&urls(&servers), opts.clone()).await.unwrap();
+        Locker::builder()
+            .command_timeout(Duration::from_secs(5))
+            .try_build(backend)
+            .unwrap()
+    };
+    let (a, b) = (locker().await, locker().await);
+    let resource = "dlock:{latesub}";
+    // Its connections are made before the node freezes.
+    acquire_and_release(&b, "latesub-warm").await;
+    let held = a.lock("latesub").acquire().await.unwrap();
+    servers[2].pause();
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move {
+            b.lock("latesub")
+                .on_fail(OnFail::retry(Duration::from_secs(10)))
+                .acquire()
+                .await
+        }
+    });
+    // Subscribed on the live nodes: its `SUBSCRIBE` to the frozen one is on its way too.
+    for server in &servers[..2] {
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(5),
+            async || match subscribers(server, resource).await {
+                0 => Err("the waiter has not subscribed"),
+                _ => Ok(()),
+            },
+        )
+        .await;
+    }
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    servers[2].resume();
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || match servers[2].calls("subscribe").await {
+            0 => Err("the frozen node never ran the waiter's SUBSCRIBE"),
+            _ => Ok(()),
+        },
+    )
+    .await;
+    // The last local waiter is gone: no node keeps the lock's channel, the late one included.
+    for (i, server) in servers.iter().enumerate() {
+        poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(10),
+            async || match subscribers(server, resource).await {
+                0 => Ok(()),
+                n => Err(format!(
+                    "node {i} keeps {n} subscribers to a lock nobody waits on"
+                )),
+            },
+        )
+        .await;
+    }
+    held.release().await.unwrap();
+}
+
 /// An undo that did not reach enough nodes for the others to make a quorum is not done: it
 /// answers `Unavailable`, so the locker keeps retrying it in the background (it answered `Ok`
 /// whatever the nodes said, and a grant landing late on a majority stayed to its TTL).

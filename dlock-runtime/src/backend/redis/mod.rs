@@ -230,6 +230,15 @@ struct Inner {
     /// Channels this connection is subscribed to. Held only to read or change the set, never
     /// across a round trip — except by [`resubscribe_all`]'s round over a new connection.
     subscribed: tokio::sync::Mutex<HashSet<String>>,
+    /// Channels whose `SUBSCRIBE` was sent but not seen confirmed — it failed, timed out, or
+    /// its caller gave up on it (a waiter cancelled while it was on its way, a Redlock node
+    /// past the node timeout) — while local waiters of the lock remain: the server may have
+    /// run it, and redis-rs, which tracks the subscriptions the server confirms, subscribes
+    /// them again whenever it reconnects. Unsubscribed like the subscribed ones when the
+    /// lock's last local waiter leaves; changed only under the channel's turn. (Before, such a
+    /// subscription stayed for the life of the process: one for every lock whose waiter was
+    /// cut off that way.)
+    strays: std::sync::Mutex<HashSet<String>>,
     /// Per channel, the turn of its `SUBSCRIBE` or `UNSUBSCRIBE` on its way, held across the
     /// round trip and deciding under it with the hub, so one channel's subscribe and
     /// unsubscribe never overlap (nor reorder), while other channels' go on: a shard that does
@@ -262,6 +271,43 @@ struct Inner {
     resubscribe_again: AtomicBool,
     /// Connections of their own for `WAIT` (`.replicas(n)`).
     dedicated: conn::Dedicated,
+}
+
+/// A `SUBSCRIBE` on its way (see [`Inner::strays`]): dropped unconfirmed, its channel is
+/// noted as a stray; confirmed, it is not one any more.
+struct Stray<'a> {
+    inner: &'a Inner,
+    channel: &'a str,
+    confirmed: bool,
+}
+
+impl<'a> Stray<'a> {
+    fn sending(inner: &'a Inner, channel: &'a str) -> Self {
+        Stray {
+            inner,
+            channel,
+            confirmed: false,
+        }
+    }
+
+    fn confirmed(mut self) {
+        self.confirmed = true;
+    }
+}
+
+impl Drop for Stray<'_> {
+    fn drop(&mut self) {
+        let mut strays = self
+            .inner
+            .strays
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.confirmed {
+            strays.remove(self.channel);
+        } else {
+            strays.insert(self.channel.to_owned());
+        }
+    }
 }
 
 /// A channel's turn ([`Inner::channel_turns`]); its entry goes with the last turn of it.
@@ -894,6 +940,7 @@ impl RedisBackend {
                 conn,
                 hub,
                 subscribed: tokio::sync::Mutex::new(HashSet::new()),
+                strays: std::sync::Mutex::new(HashSet::new()),
                 channel_turns: std::sync::Mutex::new(HashMap::new()),
                 subs_epoch: AtomicU64::new(0),
                 acquire: scripts::acquire(cluster),
@@ -1077,7 +1124,9 @@ impl RedisBackend {
                 self.inner.subs_epoch.load(Ordering::Acquire)
             };
             let mut conn = self.inner.conn.clone();
+            let stray = Stray::sending(&self.inner, &channel);
             self.deadline("subscribe", conn.subscribe(&channel)).await?;
+            stray.confirmed();
             let mut subscribed = self.inner.subscribed.lock().await;
             if self.inner.subs_epoch.load(Ordering::Acquire) == epoch {
                 subscribed.insert(channel.clone());
@@ -1225,7 +1274,15 @@ impl RedisBackend {
         let _turn = inner.channel_turn(&channel).await;
         {
             let mut subscribed = inner.subscribed.lock().await;
-            if inner.hub.has_waiters(&resource) || !subscribed.contains(&channel) {
+            if inner.hub.has_waiters(&resource) {
+                return;
+            }
+            let stray = inner
+                .strays
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&channel);
+            if !stray && !subscribed.contains(&channel) {
                 return;
             }
             // Gone with a cluster's subscriptions connection: no connection is made to drop it.
