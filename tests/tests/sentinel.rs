@@ -733,6 +733,84 @@ async fn release_notifications_reach_waiters_after_a_failover() {
     }
 }
 
+/// A failover with the waiters of many locks waiting: the locker subscribes every one of the
+/// locks' channels on the new master (many `SUBSCRIBE`s on their way at once), and each waiter is
+/// handed its lock there by the release's notification, not by its fallback re-check 10 s later.
+/// The locks are held with the replica's acknowledgement, so they survive the failover and their
+/// waiters wait on through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_of_many_locks_hear_their_releases_after_a_failover() {
+    const LOCKS: usize = 300;
+    let mut deployment = RedisSentinel::start();
+    let connect = async || {
+        Locker::builder()
+            .command_timeout(Duration::from_millis(500))
+            .waiter_ttl(Duration::from_secs(30))
+            .connect(&deployment.url())
+            .await
+            .unwrap()
+    };
+    let (holding, waiting) = (connect().await, connect().await);
+    let old = deployment.master_index();
+    let old_port = deployment.servers[old].port();
+    let keys: Vec<&'static str> = (0..LOCKS)
+        .map(|i| &*Box::leak(format!("many-{i}").into_boxed_str()))
+        .collect();
+    let mut holders = Vec::with_capacity(LOCKS);
+    for &key in &keys {
+        let deadline = Deadline::after(Duration::from_secs(10));
+        holders.push(loop {
+            match holding.lock(key).replicas(1).acquire().await {
+                Ok(g) => break g,
+                // A replica that did not answer `WAIT` in time (a loaded machine).
+                Err(e) if e.is_unavailable() => deadline.check(format!("never acknowledged: {e}")),
+                Err(e) => panic!("acquire {key}: {e}"),
+            }
+        });
+    }
+    // Waiting through the outage: an attempt that meets the dead master does not end them.
+    let waiters: Vec<_> = keys
+        .iter()
+        .map(|&key| {
+            let waiting = waiting.clone();
+            let policy = RetryPolicy::new(Duration::from_secs(60)).through_outages(true);
+            tokio::spawn(async move {
+                waiting
+                    .lock(key)
+                    .on_fail(OnFail::Retry(policy))
+                    .acquire()
+                    .await
+            })
+        })
+        .collect();
+    for &key in &keys {
+        queued(old_port, key).await;
+        subscribed(old_port, key).await;
+    }
+
+    deployment.servers[old].stop();
+    let new_master = deployment.wait_failover_from(old_port, Duration::from_secs(30));
+    // Only the waiting locker has waiters of these locks, so a subscriber is its connection.
+    for &key in &keys {
+        subscribed(new_master, key).await;
+    }
+    let gone = waiters.iter().filter(|w| w.is_finished()).count();
+    assert_eq!(gone, 0, "{gone} waiters ended during the failover");
+    // The holding locker follows too (on the announcement, or its first failing command).
+    taken_once_followed(&holding, "probe", Duration::from_secs(5))
+        .await
+        .release()
+        .await
+        .unwrap();
+    for ((holder, waiter), key) in holders.into_iter().zip(waiters).zip(&keys) {
+        holder.release().await.unwrap();
+        let handed = tokio::time::timeout(Duration::from_secs(2), waiter)
+            .await
+            .unwrap_or_else(|_| panic!("the waiter of {key} missed its release's notification"));
+        handed.unwrap().unwrap().release().await.unwrap();
+    }
+}
+
 /// Connections to the master that went silent — a partition, a load balancer or NAT that forgot
 /// them: no reset, no close, so the kernel keeps them for many minutes — are replaced while the
 /// sentinels still name the same master: the failover check `PING`s the connection a command

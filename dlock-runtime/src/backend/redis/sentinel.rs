@@ -85,6 +85,9 @@ pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer, bool) + Send + Sync
 /// How many of the issuer numbers of earlier masters a connection keeps clear of.
 const ISSUERS_KEPT: usize = 64;
 
+/// How many `SUBSCRIBE`s a switch has on their way at once (see [`subscribe_each`]).
+const SUBSCRIBES_IN_FLIGHT: usize = 128;
+
 /// The parts of a
 /// `redis+sentinel://[user:pass@]s1:p1,s2:p2/<master>[/<db>][?sentinel_username=…&sentinel_password=…]`
 /// URL (`rediss+sentinel://` for TLS to the sentinels and the servers).
@@ -1122,13 +1125,14 @@ impl Shared {
             self.current().issuer
         };
         let channels = self.channels();
-        for channel in &channels {
-            tokio::time::timeout(self.command_timeout, conn.subscribe(channel))
-                .await
+        let mut subscribing = subscribe_each(&conn, &channels, self.command_timeout);
+        while let Some(answer) = subscribing.next().await {
+            answer
                 .map_err(|_| LockError::unavailable("redis subscribe timed out", None))?
                 .map_err(|e| super::redis_err("subscribe", e))?;
         }
-        let mut late_conn = conn.clone();
+        drop(subscribing);
+        let late_conn = conn.clone();
         let old = std::mem::replace(
             &mut *self.current.write().unwrap_or_else(PoisonError::into_inner),
             Current {
@@ -1162,8 +1166,14 @@ impl Shared {
         // on the new master. One that read `current` after the swap is subscribed twice,
         // which is harmless.
         let before: HashSet<&String> = channels.iter().collect();
-        for channel in self.channels().iter().filter(|c| !before.contains(c)) {
-            match tokio::time::timeout(self.command_timeout, late_conn.subscribe(channel)).await {
+        let late: Vec<String> = self
+            .channels()
+            .into_iter()
+            .filter(|c| !before.contains(c))
+            .collect();
+        let mut subscribing = subscribe_each(&late_conn, &late, self.command_timeout);
+        while let Some(answer) = subscribing.next().await {
+            match answer {
                 Ok(Ok(())) => {}
                 // Its waiters are woken below and attempt again; they run on their timers
                 // until the next switch subscribes it.
@@ -1179,6 +1189,23 @@ impl Shared {
         }
         Ok(())
     }
+}
+
+/// Subscribes `conn` to each of `channels`, each within `limit`, with up to
+/// [`SUBSCRIBES_IN_FLIGHT`] on their way at once over the one connection; yields each answer as
+/// it comes (dropped, it stops the rest). One after another, a switch took a round trip per
+/// channel — and the commands sent meanwhile still went to the old master, and failed.
+fn subscribe_each<'a>(
+    conn: &'a ConnectionManager,
+    channels: &'a [String],
+    limit: Duration,
+) -> impl futures_util::Stream<Item = Result<RedisResult<()>, tokio::time::error::Elapsed>> + 'a {
+    futures_util::stream::iter(channels)
+        .map(move |channel| {
+            let mut conn = conn.clone();
+            async move { tokio::time::timeout(limit, conn.subscribe(channel)).await }
+        })
+        .buffer_unordered(SUBSCRIBES_IN_FLIGHT)
 }
 
 /// The release channels subscribed, or being subscribed, through one [`SentinelConn`]: what a
