@@ -212,6 +212,72 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     servers[3].resume();
 }
 
+/// A failed attempt does not wait for its undo on a frozen node once a majority confirmed it:
+/// a `try_acquire` of a held lock answers "held" in a round trip, not after the node timeout
+/// (every failed attempt waited for every node's undo, so while a node was frozen, a 409 took
+/// the node timeout). The same token's next attempt does not count the frozen node, whose undo
+/// may still land there: a waiter takes the lock from the two nodes that are up once it frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_node_does_not_hold_up_a_held_answer() {
+    let mut servers = start_many(3);
+    let node_timeout = Duration::from_secs(2);
+    let opts = RedlockOptions::default().node_timeout(node_timeout);
+    let locker = async || {
+        let backend = connect(&urls(&servers), opts.clone()).await.unwrap();
+        Locker::builder()
+            .command_timeout(Duration::from_secs(5))
+            .try_build(backend)
+            .unwrap()
+    };
+    let (a, b) = (locker().await, locker().await);
+    // Its connections are made before the node freezes.
+    acquire_and_release(&b, "rl:frozen-held-warm").await;
+    let held = a.lock("rl:frozen-held").acquire().await.unwrap();
+    servers[2].pause();
+    for _ in 0..2 {
+        let start = Instant::now();
+        let answer = b.lock("rl:frozen-held").try_acquire().await;
+        let took = start.elapsed();
+        assert!(matches!(answer, Ok(None)), "{answer:?}");
+        assert!(
+            took < node_timeout,
+            "\"held\" was answered after {took:?}: the attempt waited for the frozen node"
+        );
+    }
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move {
+            b.lock("rl:frozen-held")
+                .on_fail(OnFail::retry(Duration::from_secs(20)))
+                .acquire()
+                .await
+        }
+    });
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || {
+            if b.waiting() >= 1 {
+                Ok(())
+            } else if waiter.is_finished() {
+                Err("the waiter ended".to_owned())
+            } else {
+                Err("not waiting".to_owned())
+            }
+        },
+    )
+    .await;
+    let token = held.fencing_token();
+    held.release().await.unwrap();
+    let g = waiter
+        .await
+        .unwrap()
+        .expect("the waiter takes the lock from the live majority");
+    assert!(g.fencing_token() > token);
+    servers[2].resume();
+    g.release().await.unwrap();
+}
+
 /// Nodes that refuse for good (an ACL without the lock keys): one of three does not stop the
 /// lock (the other two are a majority); when every failed node refused, the answer is
 /// `Misconfigured` (500), and a wait through outages ends with it at once instead of

@@ -26,22 +26,24 @@
 //!   `drift = TTL × drift_factor + 2 ms` (`drift_factor` 0.01 by default, as the Redis
 //!   documentation suggests); if no validity is left, it counts as a failure. A failed attempt
 //!   undoes itself on **every** node, including those that did not answer (their reply may still
-//!   come; the undo is queued behind it on the same connection), and waits for those undos, each
-//!   bounded by the node timeout: a later attempt of the same token must not overtake its undo
-//!   on a node (the undo would then take back that node's new vote). So while a node is frozen,
-//!   a failed attempt takes up to a node timeout. An undo a node did not confirm in that time
-//!   may still land later, after a later attempt of the same token was granted there: a
-//!   connection that went silent is replaced by a new one, but what was sent on the old one can
-//!   still arrive (a partition heals, TCP resends) — and the undo cannot tell the two grants
-//!   apart. So from then on that node's "yes" to the same token counts as a failure in the
-//!   token's acquires and extensions: the token's lock never rests on a node an old undo may
-//!   still empty. (Its lock may still sit there; it is extended and released with the others.)
-//!   This lasts until the token's release, or until nothing asked about it for 20 minutes (the
-//!   kernel stops resending an unanswered segment after about 15 by default); an undo that
-//!   failed with the server's answer, or could not be sent at all, never lands later and
-//!   counts for nothing. A majority that granted the lock only after
-//!   its validity ran out answers `Unavailable` (the nodes are too slow for the TTL), not
-//!   "held".
+//!   come; the undo is queued behind it on the same connection), each bounded by the node timeout.
+//!   The attempt answers once the nodes that answered it have answered their undo (nothing is left
+//!   on them); the same token's next attempt waits for the others' first: it must not overtake its
+//!   undo on a node (the undo would then take back that node's new vote). So while a node is
+//!   frozen, a failed attempt still answers in two round trips (a `try_acquire` of a held lock, a
+//!   409), and a waiter's next attempt, which comes after a release's notification or a timer,
+//!   waits at most what is left of the node timeout. An undo a node did not confirm in that time
+//!   may still land later, after a later attempt of the same token was granted there: a connection
+//!   that went silent is replaced by a new one, but what was sent on the old one can still arrive
+//!   (a partition heals, TCP resends) — and the undo cannot tell the two grants apart. So from then
+//!   on that node's "yes" to the same token counts as a failure in the token's acquires and
+//!   extensions: the token's lock never rests on a node an old undo may still empty. (Its lock may
+//!   still sit there; it is extended and released with the others.) This lasts until the token's
+//!   release, or until nothing asked about it for 20 minutes (the kernel stops resending an
+//!   unanswered segment after about 15 by default); an undo that failed with the server's answer,
+//!   or could not be sent at all, never lands later and counts for nothing. A majority that granted
+//!   the lock only after its validity ran out answers `Unavailable` (the nodes are too slow for the
+//!   TTL), not "held".
 //! * **Extend / renewal** succeeds only if a majority extends within the validity window; the
 //!   watchdog uses it, and a guard is lost when a majority can no longer be renewed.
 //! * **Release** goes to every node; notifications from any node wake local waiters.
@@ -174,6 +176,9 @@ struct Inner {
     opts: RedlockOptions,
     /// Undos that may still land on a node (see the module docs).
     unsettled: Unsettled,
+    /// The undos of failed attempts on their way, which the same token's next attempt waits
+    /// for (see [`RedlockBackend::undo_failed`]).
+    undoing: Undoing,
 }
 
 /// What one node said.
@@ -283,6 +288,7 @@ impl RedlockBackend {
                 hub,
                 opts,
                 unsettled: Unsettled::default(),
+                undoing: Undoing::default(),
             }),
         }
     }
@@ -531,22 +537,146 @@ impl RedlockBackend {
         // in the task, a retry polled before the task first ran would take the lock on nodes the
         // undo then empties — a holder without a majority.
         self.inner.unsettled.up(&key, self.inner.nodes.len());
+        tokio::spawn(self.clone().undo_counted(key, None))
+            .await
+            .unwrap_or(0)
+    }
+
+    /// [`undo_everywhere`](Self::undo_everywhere) for a failed attempt, waiting only for the
+    /// undos of the nodes that `answered` the attempt: the others' — nodes frozen, slow, or
+    /// not waited for once the outcome was decided — go on, and the same token's next attempt
+    /// waits for them first (see [`Undoing`]). Waiting for every node here, a frozen one held
+    /// up every failed attempt for the node timeout — a `try_acquire` of a held lock answered
+    /// "held" only then — where the next attempt, if any, comes after a release's notification
+    /// or a timer, by when those undos have usually ended.
+    async fn undo_failed(&self, resource: &ResourceName, token: &OwnerToken, answered: &[bool]) {
+        let key = (resource.clone(), token.clone());
+        // Counted up, and noted as on its way, before this returns to its caller (see
+        // `undo_everywhere`).
+        self.inner.unsettled.up(&key, self.inner.nodes.len());
+        let end = self.inner.undoing.begin(self, &key);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let me = self.clone();
-        let undo = async move {
-            let limit = me.inner.opts.node_timeout;
-            let outcomes: Vec<Undo> =
-                futures_util::future::join_all(me.inner.nodes.iter().map(|n| async {
-                    match tokio::time::timeout(limit, n.abandon(&key.0, &key.1)).await {
+        tokio::spawn(async move {
+            // Dropped also if this task is cut off (its runtime shut down): the next attempt
+            // then goes on, and the undos counted up stay counted.
+            let _end = end;
+            me.undo_counted(key, Some(tx)).await;
+        });
+        let mut left = answered.iter().filter(|a| **a).count();
+        while left > 0 {
+            match rx.recv().await {
+                Some(i) if answered.get(i) == Some(&true) => left -= 1,
+                Some(_) => {}
+                None => break,
+            }
+        }
+    }
+
+    /// The undos of an attempt counted up in [`Inner::unsettled`]: sent to every node, each
+    /// within the node timeout, and counted down once all have ended; each node's number is
+    /// sent to `report` as its undo ends. Answers how many nodes confirmed it.
+    async fn undo_counted(
+        self,
+        key: (ResourceName, OwnerToken),
+        report: Option<tokio::sync::mpsc::UnboundedSender<usize>>,
+    ) -> usize {
+        let limit = self.inner.opts.node_timeout;
+        let mut outcomes = vec![Undo::Unknown; self.inner.nodes.len()];
+        let mut pending: FuturesUnordered<_> = (self.inner.nodes.iter().enumerate())
+            .map(|(i, n)| {
+                let key = &key;
+                async move {
+                    let outcome = match tokio::time::timeout(limit, n.abandon(&key.0, &key.1)).await
+                    {
                         Ok(Ok(())) => Undo::Done,
                         Ok(Err(e)) if did_not_run(&e) => Undo::NotRun,
                         _ => Undo::Unknown,
-                    }
-                }))
-                .await;
-            me.inner.unsettled.down(&key, &outcomes);
-            outcomes.iter().filter(|u| **u == Undo::Done).count()
-        };
-        tokio::spawn(undo).await.unwrap_or(0)
+                    };
+                    (i, outcome)
+                }
+            })
+            .collect();
+        while let Some((i, outcome)) = pending.next().await {
+            outcomes[i] = outcome;
+            if let Some(report) = &report {
+                let _ = report.send(i);
+            }
+        }
+        drop(pending);
+        self.inner.unsettled.down(&key, &outcomes);
+        outcomes.iter().filter(|u| **u == Undo::Done).count()
+    }
+}
+
+/// Per lock and token, the undo of a failed attempt that is on its way
+/// ([`RedlockBackend::undo_failed`]): the same token's next attempt waits until it has ended, so
+/// it never overtakes the undo on a node (which would then take back that node's new vote). An
+/// entry lives while its undo is on its way, at most a node timeout.
+#[derive(Debug, Default)]
+struct Undoing {
+    /// How many entries `map` has: the hot path looks at the map only when some.
+    len: AtomicUsize,
+    map: Mutex<HashMap<(ResourceName, OwnerToken), tokio::sync::watch::Receiver<()>>>,
+}
+
+impl Undoing {
+    /// Notes `key`'s undo as on its way, until the returned end is dropped.
+    fn begin(&self, backend: &RedlockBackend, key: &(ResourceName, OwnerToken)) -> UndoEnd {
+        let (tx, rx) = tokio::sync::watch::channel(());
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        // One an earlier attempt's undo left (its next attempt was cut off while waiting for
+        // it, and this one did not wait): this attempt's undo is queued behind it on each node,
+        // so waiting for this one waits for both.
+        map.insert(key.clone(), rx.clone());
+        self.len.store(map.len(), Ordering::Release);
+        UndoEnd {
+            backend: backend.clone(),
+            key: key.clone(),
+            rx,
+            _tx: tx,
+        }
+    }
+
+    /// Waits until no undo of `token`'s attempts on `resource` is on its way.
+    async fn wait(&self, resource: &ResourceName, token: &OwnerToken) {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let on_its_way = self
+            .map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(resource.clone(), token.clone()))
+            .cloned();
+        if let Some(mut rx) = on_its_way {
+            // Nothing is ever sent: the channel closes when the undo has ended.
+            let _ = rx.changed().await;
+        }
+    }
+}
+
+/// The end of an undo on its way ([`Undoing::begin`]): dropped, its entry goes, and the
+/// attempts waiting for it go on.
+struct UndoEnd {
+    backend: RedlockBackend,
+    key: (ResourceName, OwnerToken),
+    rx: tokio::sync::watch::Receiver<()>,
+    _tx: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for UndoEnd {
+    fn drop(&mut self) {
+        let undoing = &self.backend.inner.undoing;
+        let mut map = undoing.map.lock().unwrap_or_else(PoisonError::into_inner);
+        // Not a later attempt's entry, which replaced this one.
+        if map
+            .get(&self.key)
+            .is_some_and(|rx| rx.same_channel(&self.rx))
+        {
+            map.remove(&self.key);
+        }
+        undoing.len.store(map.len(), Ordering::Release);
     }
 }
 
@@ -864,6 +994,8 @@ impl Backend for RedlockBackend {
 
     fn acquire<'a>(&'a self, args: AcquireArgs<'a>) -> BoxFuture<'a, Result<Attempt, LockError>> {
         Box::pin(async move {
+            // After the undo of this token's last attempt, if it is still on its way.
+            self.inner.undoing.wait(args.resource, args.token).await;
             let start = Instant::now();
             // Per-node FIFO queues could disagree on who is first: barge instead.
             let mode = match args.mode {
@@ -962,8 +1094,12 @@ impl Backend for RedlockBackend {
                     None,
                 ));
             }
-            // Failed: undo on every node, answered or not.
-            self.undo_everywhere(resource, token).await;
+            // Failed: undo on every node, answered or not (waiting for those that answered).
+            let mut answered = vec![false; self.inner.nodes.len()];
+            for (i, v) in &votes {
+                answered[*i] = !matches!(v, Vote::Failed(..));
+            }
+            self.undo_failed(resource, token, &answered).await;
             if granted.len() >= self.inner.quorum {
                 // A majority granted it, but too late: nobody holds it, the nodes are slow
                 // for this TTL. Not "held by another" (a 409 naming no holder).
