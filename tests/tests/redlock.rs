@@ -212,6 +212,36 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
     servers[3].resume();
 }
 
+/// Two lockers over `servers` with `node_timeout`, whose own deadline (5 s) is past it: an
+/// attempt waiting for a frozen node ends at the node timeout, not at the locker's.
+async fn patient_lockers(servers: &[RedisServer], node_timeout: Duration) -> (Locker, Locker) {
+    let opts = RedlockOptions::default().node_timeout(node_timeout);
+    let locker = async || {
+        let backend = connect(&urls(servers), opts.clone()).await.unwrap();
+        Locker::builder()
+            .command_timeout(Duration::from_secs(5))
+            .try_build(backend)
+            .unwrap()
+    };
+    (locker().await, locker().await)
+}
+
+/// A task of `locker` waiting up to `wait` for `key`.
+fn wait_in_background(
+    locker: &Locker,
+    key: &'static str,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>> {
+    let locker = locker.clone();
+    tokio::spawn(async move {
+        locker
+            .lock(key)
+            .on_fail(OnFail::retry(wait))
+            .acquire()
+            .await
+    })
+}
+
 /// A failed attempt does not wait for its undo on a frozen node once a majority confirmed it:
 /// a `try_acquire` of a held lock answers "held" in a round trip, not after the node timeout
 /// (every failed attempt waited for every node's undo, so while a node was frozen, a 409 took
@@ -221,15 +251,7 @@ async fn two_of_five_paused_still_acquires_without_waiting_for_them() {
 async fn a_frozen_node_does_not_hold_up_a_held_answer() {
     let mut servers = start_many(3);
     let node_timeout = Duration::from_secs(2);
-    let opts = RedlockOptions::default().node_timeout(node_timeout);
-    let locker = async || {
-        let backend = connect(&urls(&servers), opts.clone()).await.unwrap();
-        Locker::builder()
-            .command_timeout(Duration::from_secs(5))
-            .try_build(backend)
-            .unwrap()
-    };
-    let (a, b) = (locker().await, locker().await);
+    let (a, b) = patient_lockers(&servers, node_timeout).await;
     // Its connections are made before the node freezes.
     acquire_and_release(&b, "rl:frozen-held-warm").await;
     let held = a.lock("rl:frozen-held").acquire().await.unwrap();
@@ -244,15 +266,7 @@ async fn a_frozen_node_does_not_hold_up_a_held_answer() {
             "\"held\" was answered after {took:?}: the attempt waited for the frozen node"
         );
     }
-    let waiter = tokio::spawn({
-        let b = b.clone();
-        async move {
-            b.lock("rl:frozen-held")
-                .on_fail(OnFail::retry(Duration::from_secs(20)))
-                .acquire()
-                .await
-        }
-    });
+    let waiter = wait_in_background(&b, "rl:frozen-held", Duration::from_secs(20));
     poll_until(
         Duration::from_secs(10),
         Duration::from_millis(10),
@@ -577,15 +591,7 @@ async fn a_hung_node_does_not_hold_up_a_waiters_subscription() {
     };
     let (a, b) = (locker().await, locker().await);
     let held = a.lock("rl:hung").acquire().await.unwrap();
-    let waiter = tokio::spawn({
-        let b = b.clone();
-        async move {
-            b.lock("rl:hung")
-                .on_fail(OnFail::retry(Duration::from_secs(10)))
-                .acquire()
-                .await
-        }
-    });
+    let waiter = wait_in_background(&b, "rl:hung", Duration::from_secs(10));
     // Counted as waiting once subscribed (and asked again since).
     let start = Instant::now();
     while b.waiting() == 0 {
@@ -628,33 +634,17 @@ async fn subscribers(server: &RedisServer, resource: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_a_node_ran_after_its_waiter_left_is_dropped() {
     let mut servers = start_many(3);
-    // The waiter's attempt, answered "held" by the two live nodes, waits for its undo on the
-    // frozen one for the node timeout, which has the connection checked (a `PING` within the
-    // node timeout): long enough for the node to be woken before that check gives up on it,
-    // once the waiter has subscribed. The connection stays, and its subscriptions with it.
-    let opts = RedlockOptions::default().node_timeout(Duration::from_secs(2));
-    let locker = async || {
-        let backend = connect(&urls(&servers), opts.clone()).await.unwrap();
-        Locker::builder()
-            .command_timeout(Duration::from_secs(5))
-            .try_build(backend)
-            .unwrap()
-    };
-    let (a, b) = (locker().await, locker().await);
+    // A node timeout long enough that the waiter's undo and `SUBSCRIBE` on the frozen node are
+    // still on their way when the waiter is cancelled and the node woken, and that the
+    // connection check the cut-off `SUBSCRIBE` may start (a `PING` within the node timeout) is
+    // answered: the connection stays, and its subscriptions with it.
+    let (a, b) = patient_lockers(&servers, Duration::from_secs(2)).await;
     let resource = "dlock:{latesub}";
     // Its connections are made before the node freezes.
     acquire_and_release(&b, "latesub-warm").await;
     let held = a.lock("latesub").acquire().await.unwrap();
     servers[2].pause();
-    let waiter = tokio::spawn({
-        let b = b.clone();
-        async move {
-            b.lock("latesub")
-                .on_fail(OnFail::retry(Duration::from_secs(10)))
-                .acquire()
-                .await
-        }
-    });
+    let waiter = wait_in_background(&b, "latesub", Duration::from_secs(10));
     // Subscribed on the live nodes: its `SUBSCRIBE` to the frozen one is on its way too.
     for server in &servers[..2] {
         poll_until(

@@ -650,6 +650,17 @@ async fn handoff_after_release(
     took
 }
 
+/// A locker of `deployment` whose waiters re-check on their own only every 10 s (a 30 s waiter
+/// TTL): a waiter handed its lock sooner heard the release's notification.
+async fn notified_locker(deployment: &RedisSentinel) -> Locker {
+    Locker::builder()
+        .command_timeout(Duration::from_millis(500))
+        .waiter_ttl(Duration::from_secs(30))
+        .connect(&deployment.url())
+        .await
+        .unwrap()
+}
+
 /// After a failover the locker subscribes to the release channels on the new master: a waiter
 /// is handed the lock by the release's notification, not by its fallback re-check (which, with
 /// this locker's 30 s waiter TTL, comes 10 s later) — also for a lock whose last local waiter
@@ -663,15 +674,10 @@ async fn handoff_after_release(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_notifications_reach_waiters_after_a_failover() {
     let mut deployment = RedisSentinel::start();
-    let connect = async || {
-        Locker::builder()
-            .command_timeout(Duration::from_millis(500))
-            .waiter_ttl(Duration::from_secs(30))
-            .connect(&deployment.url())
-            .await
-            .unwrap()
-    };
-    let (holding, waiting) = (connect().await, connect().await);
+    let (holding, waiting) = (
+        notified_locker(&deployment).await,
+        notified_locker(&deployment).await,
+    );
     let quick = Duration::from_secs(2);
     let old = deployment.master_index();
     let old_port = deployment.servers[old].port();
@@ -742,15 +748,10 @@ async fn release_notifications_reach_waiters_after_a_failover() {
 async fn waiters_of_many_locks_hear_their_releases_after_a_failover() {
     const LOCKS: usize = 300;
     let mut deployment = RedisSentinel::start();
-    let connect = async || {
-        Locker::builder()
-            .command_timeout(Duration::from_millis(500))
-            .waiter_ttl(Duration::from_secs(30))
-            .connect(&deployment.url())
-            .await
-            .unwrap()
-    };
-    let (holding, waiting) = (connect().await, connect().await);
+    let (holding, waiting) = (
+        notified_locker(&deployment).await,
+        notified_locker(&deployment).await,
+    );
     let old = deployment.master_index();
     let old_port = deployment.servers[old].port();
     let keys: Vec<&'static str> = (0..LOCKS)
