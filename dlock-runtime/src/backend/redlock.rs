@@ -537,7 +537,11 @@ impl RedlockBackend {
         // in the task, a retry polled before the task first ran would take the lock on nodes the
         // undo then empties — a holder without a majority.
         self.inner.unsettled.up(&key, self.inner.nodes.len());
-        tokio::spawn(self.clone().undo_counted(key, None))
+        // Noted as on its way too: a caller cut off at the await below (its deadline) may
+        // attempt again with the same token.
+        let end = self.inner.undoing.begin(self, &key);
+        let me = self.clone();
+        tokio::spawn(async move { end.after(me.undo_counted(key, None)).await })
             .await
             .unwrap_or(0)
     }
@@ -557,12 +561,7 @@ impl RedlockBackend {
         let end = self.inner.undoing.begin(self, &key);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let me = self.clone();
-        tokio::spawn(async move {
-            // Dropped also if this task is cut off (its runtime shut down): the next attempt
-            // then goes on, and the undos counted up stay counted.
-            let _end = end;
-            me.undo_counted(key, Some(tx)).await;
-        });
+        tokio::spawn(end.after(me.undo_counted(key, Some(tx))));
         let mut left = answered.iter().filter(|a| **a).count();
         while left > 0 {
             match rx.recv().await {
@@ -625,15 +624,16 @@ impl Undoing {
     fn begin(&self, backend: &RedlockBackend, key: &(ResourceName, OwnerToken)) -> UndoEnd {
         let (tx, rx) = tokio::sync::watch::channel(());
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        // One an earlier attempt's undo left (its next attempt was cut off while waiting for
-        // it, and this one did not wait): this attempt's undo is queued behind it on each node,
-        // so waiting for this one waits for both.
-        map.insert(key.clone(), rx.clone());
+        // One an earlier undo of the token left (an attempt cut off while it waited for it, an
+        // abandon): this one ends after it too (see `UndoEnd::after`), so waiting for this one
+        // waits for both, also where a node's connection was replaced in between.
+        let earlier = map.insert(key.clone(), rx.clone());
         self.len.store(map.len(), Ordering::Release);
         UndoEnd {
             backend: backend.clone(),
             key: key.clone(),
             rx,
+            earlier,
             _tx: tx,
         }
     }
@@ -662,7 +662,22 @@ struct UndoEnd {
     backend: RedlockBackend,
     key: (ResourceName, OwnerToken),
     rx: tokio::sync::watch::Receiver<()>,
+    /// The undo of the token this one replaced in the map, if it was still on its way.
+    earlier: Option<tokio::sync::watch::Receiver<()>>,
     _tx: tokio::sync::watch::Sender<()>,
+}
+
+impl UndoEnd {
+    /// Runs `undo`, then waits for the earlier undo of the token, if any, and ends. Dropped
+    /// before (its task cut off: the runtime shut down), it ends all the same: the attempts
+    /// waiting for it go on, and the undos counted up stay counted.
+    async fn after<T>(mut self, undo: impl std::future::Future<Output = T>) -> T {
+        let out = undo.await;
+        if let Some(earlier) = &mut self.earlier {
+            let _ = earlier.changed().await;
+        }
+        out
+    }
 }
 
 impl Drop for UndoEnd {

@@ -352,6 +352,30 @@ impl Inner {
         turn
     }
 
+    /// A `SUBSCRIBE` of `channel` that may have run but is not noted as subscribed (not
+    /// answered in time, or its lock's waiters left meanwhile): a stray (see
+    /// [`Inner::strays`]), unsubscribed with the lock's last local waiter — at once if none is
+    /// left. Called by the tasks that subscribe again on their own, in the channel's turn or
+    /// holding `subscribed`.
+    fn note_stray(self: &Arc<Self>, channel: &str) {
+        self.strays
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(channel.to_owned());
+        let resource = channel
+            .strip_suffix(CHANNEL_SUFFIX)
+            .and_then(|r| r.strip_suffix(':'));
+        if let (Some(resource), Ok(rt)) = (resource, tokio::runtime::Handle::try_current()) {
+            if !self.hub.has_waiters(resource) {
+                rt.spawn(RedisBackend::unsubscribe_if_unused(
+                    Arc::downgrade(self),
+                    channel.to_owned(),
+                    resource.to_owned(),
+                ));
+            }
+        }
+    }
+
     /// Whether a `SUBSCRIBE` or `UNSUBSCRIBE` of `channel` is on its way (or waits its turn).
     fn channel_busy(&self, channel: &str) -> bool {
         self.channel_turns
@@ -1126,14 +1150,17 @@ impl RedisBackend {
             let mut conn = self.inner.conn.clone();
             let stray = Stray::sending(&self.inner, &channel);
             self.deadline("subscribe", conn.subscribe(&channel)).await?;
-            stray.confirmed();
             let mut subscribed = self.inner.subscribed.lock().await;
             if self.inner.subs_epoch.load(Ordering::Acquire) == epoch {
+                // Noted as subscribed before it is no longer a stray: cut off in between
+                // (waiting for the set), it would be neither, and stay subscribed for good.
                 subscribed.insert(channel.clone());
+                stray.confirmed();
                 return Ok(());
             }
             // The set was emptied for a new connection meanwhile: this subscription may have
-            // gone to the one before. Once more.
+            // gone to the one before (a stray, should redis-rs subscribe it there again). Once
+            // more.
         }
     }
 
@@ -1395,6 +1422,7 @@ async fn resubscribe(inner: Weak<Inner>, resource: String) {
             } else {
                 // Not taken for subscribed: a waiter that comes meanwhile subscribes itself.
                 subscribed.remove(&channel);
+                me.note_stray(&channel);
                 false
             }
         };
@@ -1524,6 +1552,7 @@ async fn resubscribe_all(inner: Weak<Inner>) {
                 }
                 // Not answered: the rest would not be either. Tried again after the pause.
                 _ => {
+                    strong.note_stray(&channel);
                     failed.push(channel);
                     failed.extend(left);
                     break;
@@ -1637,11 +1666,15 @@ async fn resubscribe_after_disconnection(inner: Weak<Inner>, mut running: Runnin
                 let heard = if !ok || inner_ref.subs_epoch.load(Ordering::Acquire) != epoch {
                     // Not answered, or the set was emptied for a new connection meanwhile
                     // (this subscription may have gone to the one before): asked again.
+                    inner_ref.note_stray(&channel);
                     false
+                } else if wanted(&channel) {
+                    subscribed.insert(channel.clone())
                 } else {
-                    // (A channel whose waiters left meanwhile is not kept: a later waiter
-                    // subscribes.)
-                    wanted(&channel) && subscribed.insert(channel.clone())
+                    // Its waiters left meanwhile: not kept (a later waiter subscribes), and
+                    // dropped again.
+                    inner_ref.note_stray(&channel);
+                    false
                 };
                 let again = !ok || inner_ref.subs_epoch.load(Ordering::Acquire) != epoch;
                 drop(subscribed);
