@@ -235,7 +235,8 @@ struct Inner {
     /// past the node timeout) — while local waiters of the lock remain: the server may have
     /// run it, and redis-rs, which tracks the subscriptions the server confirms, subscribes
     /// them again whenever it reconnects. Unsubscribed like the subscribed ones when the
-    /// lock's last local waiter leaves; changed only under the channel's turn. (Before, such a
+    /// lock's last local waiter leaves; changed under the channel's turn or holding
+    /// `subscribed` (which `unsubscribe_if_unused` takes to look at both). (Before, such a
     /// subscription stayed for the life of the process: one for every lock whose waiter was
     /// cut off that way.)
     strays: std::sync::Mutex<HashSet<String>>,
