@@ -358,3 +358,25 @@ impl<F: FnOnce()> Drop for OnDrop<F> {
         }
     }
 }
+
+/// Releases `held` and answers the guard `waiter` — a task waiting for the same lock — gets:
+/// within 2 s of the release (its fallback re-check comes far later: it heard the release's
+/// notification).
+///
+/// # Panics
+/// When the waiter has no lock 3 s after the release, or got it after 2 s, or failed.
+pub async fn handed_on_release(
+    held: dlock_runtime::LockGuard,
+    waiter: tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, dlock_runtime::LockError>>,
+) -> dlock_runtime::LockGuard {
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let guard = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the waiter never heard of the release")
+        .unwrap()
+        .unwrap();
+    let took = released.elapsed();
+    assert!(took < Duration::from_secs(2), "woken after {took:?}");
+    guard
+}

@@ -145,6 +145,9 @@ mod scripts;
 pub(crate) mod sentinel;
 
 const CHANNEL_SUFFIX: &str = "ch";
+/// How many `SUBSCRIBE`s a round that subscribes again to every channel — on a new
+/// connection, or Sentinel's new master — has on their way at once over one connection.
+pub(super) const SUBSCRIBES_IN_FLIGHT: usize = 128;
 const PIPELINE_CHUNK: usize = 512;
 
 /// How often the cluster client retries a command the cluster answered with `TRYAGAIN`,
@@ -1508,6 +1511,7 @@ async fn remake_subscriptions(inner: Weak<Inner>) {
 /// subscribes a waiter that has its watch already — and every release was heard only by their
 /// fallback timers.
 async fn resubscribe_all(inner: Weak<Inner>) {
+    use futures_util::StreamExt as _;
     let mut pause = Duration::from_millis(50);
     let mut again: Option<Vec<String>> = None;
     loop {
@@ -1515,7 +1519,7 @@ async fn resubscribe_all(inner: Weak<Inner>) {
             return;
         };
         let mut subscribed = strong.subscribed.lock().await;
-        let mut conn = strong.conn.clone();
+        let conn = strong.conn.clone();
         let wanted = |channel: &String| {
             channel
                 .strip_suffix(CHANNEL_SUFFIX)
@@ -1536,28 +1540,45 @@ async fn resubscribe_all(inner: Weak<Inner>) {
                 .collect(),
         };
         let (mut failed, mut heard) = (Vec::new(), false);
-        let mut left = channels.into_iter();
-        while let Some(channel) = left.next() {
-            match tokio::time::timeout(strong.opts.command_timeout, conn.subscribe(&channel)).await
-            {
-                Ok(Ok(())) => {
-                    subscribed.insert(channel);
-                    heard = true;
+        // Many at once: one after another, thousands of waited-on locks took a round trip
+        // each before any waiter was woken. The first not answered stops the round: the rest
+        // would not be answered either.
+        let limit = strong.opts.command_timeout;
+        let mut confirmed = vec![false; channels.len()];
+        // (Owned: a future borrowing the list is not `Send` for every lifetime.)
+        let mut answers = futures_util::stream::iter(channels.clone().into_iter().enumerate())
+            .map(|(i, channel)| {
+                let mut conn = conn.clone();
+                async move {
+                    let ok = matches!(
+                        tokio::time::timeout(limit, conn.subscribe(&channel)).await,
+                        Ok(Ok(()))
+                    );
+                    (i, ok)
                 }
+            })
+            .buffer_unordered(SUBSCRIBES_IN_FLIGHT);
+        while let Some((i, ok)) = answers.next().await {
+            if !ok {
+                break;
+            }
+            confirmed[i] = true;
+        }
+        drop(answers);
+        let gone = !conn.subscriptions_alive();
+        for (channel, confirmed) in channels.into_iter().zip(confirmed) {
+            if confirmed {
+                subscribed.insert(channel);
+                heard = true;
+            } else if gone {
                 // The connection is gone again: the next one made subscribes to these (and
                 // `ensure_subscribed` does not take them for subscribed meanwhile).
-                _ if !conn.subscriptions_alive() => {
-                    subscribed.insert(channel);
-                    subscribed.extend(left);
-                    break;
-                }
-                // Not answered: the rest would not be either. Tried again after the pause.
-                _ => {
-                    strong.note_stray(&channel);
-                    failed.push(channel);
-                    failed.extend(left);
-                    break;
-                }
+                subscribed.insert(channel);
+            } else {
+                // Not answered, or not sent (the round stopped first): tried again after the
+                // pause. One sent may still run.
+                strong.note_stray(&channel);
+                failed.push(channel);
             }
         }
         drop(subscribed);

@@ -85,9 +85,6 @@ pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer, bool) + Send + Sync
 /// How many of the issuer numbers of earlier masters a connection keeps clear of.
 const ISSUERS_KEPT: usize = 64;
 
-/// How many `SUBSCRIBE`s a switch has on their way at once (see [`subscribe_each`]).
-const SUBSCRIBES_IN_FLIGHT: usize = 128;
-
 /// The parts of a
 /// `redis+sentinel://[user:pass@]s1:p1,s2:p2/<master>[/<db>][?sentinel_username=…&sentinel_password=…]`
 /// URL (`rediss+sentinel://` for TLS to the sentinels and the servers).
@@ -1192,7 +1189,7 @@ impl Shared {
 }
 
 /// Subscribes `conn` to each of `channels`, each within `limit`, with up to
-/// [`SUBSCRIBES_IN_FLIGHT`] on their way at once over the one connection; yields each answer as
+/// [`SUBSCRIBES_IN_FLIGHT`](super::SUBSCRIBES_IN_FLIGHT) on their way at once over the one connection; yields each answer as
 /// it comes (dropped, it stops the rest). One after another, a switch took a round trip per
 /// channel — and the commands sent meanwhile still went to the old master, and failed.
 fn subscribe_each<'a>(
@@ -1205,7 +1202,7 @@ fn subscribe_each<'a>(
             let mut conn = conn.clone();
             async move { tokio::time::timeout(limit, conn.subscribe(channel)).await }
         })
-        .buffer_unordered(SUBSCRIBES_IN_FLIGHT)
+        .buffer_unordered(super::SUBSCRIBES_IN_FLIGHT)
 }
 
 /// The release channels subscribed, or being subscribed, through one [`SentinelConn`]: what a
