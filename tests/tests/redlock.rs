@@ -831,8 +831,11 @@ async fn a_late_undo_cannot_empty_a_node_the_same_tokens_lock_rests_on() {
         "node 0's yes must not count while the undo may land: {second:?}"
     );
 
-    // The token still takes the lock on the nodes its undo cannot reach.
+    // The token still takes the lock on the nodes its undo cannot reach — once the other
+    // owner's release reached every node (it answers once a majority did; the last node's
+    // "held" beside node 0's discounted "yes" left the token short of a majority).
     got.expect("the lock was free").release().await.unwrap();
+    assert_cleared_everywhere(&servers, resource.as_str()).await;
     let third = attempt_as(&locker, &resource, &token, WaitMode::Try, ttl).await;
     assert!(matches!(third, Ok(Attempt::Acquired { .. })), "{third:?}");
     assert!(backend.release(&resource, &token).await.unwrap());
