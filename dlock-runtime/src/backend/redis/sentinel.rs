@@ -249,7 +249,8 @@ struct Shared {
     /// The latest configuration epoch under which the master followed was named: a check does
     /// not go back to a master named under an older one (see the module docs).
     epoch: AtomicU64,
-    /// The release channels subscribed through this connection (re-subscribed on a switch).
+    /// The release channels subscribed, or being subscribed, through this connection
+    /// (subscribed again on a switch).
     channels: Channels,
     /// A failover check is under way.
     checking: AtomicBool,
@@ -361,8 +362,9 @@ impl SentinelConn {
     /// Subscribes to a release channel on the current master (and remembers it for the next).
     /// Noted before it is sent, so a switch meanwhile subscribes it on the new master too;
     /// forgotten again unless the master confirmed it (or an earlier subscribe did). A
-    /// subscribe that failed, or whose caller gave up on it (its deadline), is one the backend
-    /// does not count either: the lock's next waiter subscribes again. Kept, the channel was
+    /// subscribe that failed, or whose caller gave up on it (its deadline), the backend does
+    /// not count as subscribed either (it unsubscribes it as a stray with the lock's last
+    /// waiter, and the lock's next waiter subscribes again). Kept here, the channel was
     /// subscribed on every master followed from then on, for good.
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
         let noted = self.shared.channels.note(channel);
