@@ -26,8 +26,10 @@ pub struct RedisSentinel {
     pub servers: Vec<RedisServer>,
     /// The three sentinels.
     pub sentinels: Vec<RedisServer>,
-    /// `(proxy port, master port)` when the sentinels reach the first master through a proxy
-    /// ([`RedisSentinel::start_behind_proxy`]): they name the proxy's port.
+    /// `(proxy port, data node's port)` when the sentinels reach a data node through a proxy
+    /// ([`RedisSentinel::start_behind_proxy`]: the first master,
+    /// [`RedisSentinel::start_with_replica_behind_proxy`]: the replica): they name the proxy's
+    /// port.
     proxied: Option<(u16, u16)>,
 }
 
@@ -72,6 +74,38 @@ impl RedisSentinel {
         (deployment, proxy)
     }
 
+    /// Starts a deployment like [`start`](RedisSentinel::start) whose replica the sentinels —
+    /// and so, once it is promoted, every client that asks them for the master — reach through
+    /// a [`Proxy`] in front of it (the replica announces the proxy's port), with the sentinels
+    /// calling a node down after `down_after`. A test can then slow down what clients send to the
+    /// promoted replica ([`Proxy::set_latency`], best before the failover) while it watches the
+    /// replica directly. Needs a multi-thread runtime: the proxy forwards on it while this
+    /// waits for the deployment.
+    ///
+    /// # Panics
+    /// If a server or the proxy does not start, or the deployment is not ready within 30 s.
+    pub async fn start_with_replica_behind_proxy(down_after: Duration) -> (Self, Proxy) {
+        let master = RedisServer::start_with(&[]);
+        let replica = RedisServer::start_with(&[]);
+        let proxy = Proxy::start(replica.port()).await.expect("start the proxy");
+        for (name, value) in [
+            ("replica-announce-ip", "127.0.0.1".to_owned()),
+            ("replica-announce-port", proxy.port().to_string()),
+        ] {
+            let () = replica
+                .query(redis::cmd("CONFIG").arg("SET").arg(name).arg(value))
+                .await;
+        }
+        let () = replica
+            .query(redis::cmd("REPLICAOF").arg("127.0.0.1").arg(master.port()))
+            .await;
+        let proxied = Some((proxy.port(), replica.port()));
+        let deployment = tokio::task::block_in_place(|| {
+            Self::with_replica(master, replica, proxied, None, down_after, false)
+        });
+        (deployment, proxy)
+    }
+
     /// A replica of `master` and three sentinels monitoring it at `monitored` (its own port if
     /// none).
     fn around(
@@ -87,6 +121,27 @@ impl RedisSentinel {
         } else {
             RedisServer::start_with(&extra)
         };
+        let proxied = monitored.map(|p| (p, master.port()));
+        Self::with_replica(
+            master,
+            replica,
+            proxied,
+            monitored,
+            down_after,
+            owned_by_thread,
+        )
+    }
+
+    /// `master`, its `replica` and three sentinels monitoring the master at `monitored` (its
+    /// own port if none); `proxied` is a proxy's port and the data node's behind it.
+    fn with_replica(
+        master: RedisServer,
+        replica: RedisServer,
+        proxied: Option<(u16, u16)>,
+        monitored: Option<u16>,
+        down_after: Duration,
+        owned_by_thread: bool,
+    ) -> Self {
         let monitored_port = monitored.unwrap_or(master.port());
         let config = format!(
             "sentinel resolve-hostnames no\n\
@@ -100,7 +155,7 @@ impl RedisSentinel {
             .map(|_| RedisServer::start_sentinel(&config, owned_by_thread))
             .collect();
         let deployment = RedisSentinel {
-            proxied: monitored.map(|p| (p, master.port())),
+            proxied,
             servers: vec![master, replica],
             sentinels,
         };

@@ -320,10 +320,22 @@ impl RedisServer {
     /// counting calls that failed (an `EVALSHA` answered `NOSCRIPT` before the script is
     /// loaded).
     pub async fn calls(&self, command: &str) -> u64 {
-        let info: String = self.query(redis::cmd("INFO").arg("commandstats")).await;
+        self.try_calls(command).await.expect("INFO commandstats")
+    }
+
+    /// [`calls`](RedisServer::calls), or why the server could not be asked (a connection
+    /// refused or reset while the sentinels reconfigure it).
+    pub async fn try_calls(&self, command: &str) -> Result<u64, redis::RedisError> {
+        let mut conn = redis::Client::open(self.url())?
+            .get_multiplexed_async_connection()
+            .await?;
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut conn)
+            .await?;
         let prefix = format!("cmdstat_{command}:");
         let Some(stats) = info.lines().find_map(|l| l.strip_prefix(prefix.as_str())) else {
-            return 0;
+            return Ok(0);
         };
         let field = |name: &str| -> u64 {
             stats
@@ -331,7 +343,7 @@ impl RedisServer {
                 .find_map(|kv| kv.strip_prefix(name))
                 .map_or(0, |n| n.parse().unwrap())
         };
-        field("calls=") - field("failed_calls=")
+        Ok(field("calls=") - field("failed_calls="))
     }
 
     /// How many times the server answered `command` with an error: rejected before it ran (an

@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use dlock_runtime::backend::{RedisBackend, RedisOptions};
 use dlock_runtime::conformance::Store;
 use dlock_runtime::{Locker, OnFail, RetryPolicy};
 use dlock_tests::redis_sentinel::{self, RedisSentinel};
@@ -810,6 +811,170 @@ async fn waiters_of_many_locks_hear_their_releases_after_a_failover() {
             .unwrap_or_else(|_| panic!("the waiter of {key} missed its release's notification"));
         handed.unwrap().unwrap().release().await.unwrap();
     }
+}
+
+/// The release channels subscribed on the data node on `port` (its own pub/sub, not the
+/// sentinels').
+/// Connecting may fail while the sentinels reconfigure the node (a broken pipe).
+async fn release_channels(port: u16) -> Result<Vec<String>, String> {
+    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| e.to_string())?;
+    redis::cmd("PUBSUB")
+        .arg("CHANNELS")
+        .arg("dlock:*")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Locks whose last waiters leave while the locker is switching to a new master: the switch
+/// subscribes on the new master the channels the connection had, and the waiters' unsubscribes
+/// went to the old master — so the new master kept subscriptions nobody needed (and sent their
+/// notifications to the locker) until the next switch. The switch now hands such channels to the
+/// backend, which unsubscribes them, each in its turn; a new waiter of one of those locks is
+/// still handed it by the release's notification.
+///
+/// The promoted replica is reached through a proxy that slows the switch's `SUBSCRIBE`s down,
+/// and the waiters leave once the first of them reached the replica (watched directly). Checked:
+/// the old master ran the waiters' unsubscribes before the locker followed the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_whose_waiters_leave_during_a_switch_are_not_left_subscribed_on_the_new_master() {
+    const LOCKS: usize = 400;
+    let (deployment, proxy) =
+        RedisSentinel::start_with_replica_behind_proxy(Duration::from_secs(5)).await;
+    let old = &deployment.servers[0];
+    let replica = deployment.servers[1].port();
+    let timeout = Duration::from_secs(3);
+    let backend = RedisBackend::connect_sentinel(
+        &deployment.url(),
+        RedisOptions::default().command_timeout(timeout),
+    )
+    .await
+    .unwrap();
+    let waiting = Locker::builder()
+        .command_timeout(timeout)
+        .waiter_ttl(Duration::from_secs(30))
+        .build(backend.clone());
+    let holding = notified_locker(&deployment).await;
+    let keys: Vec<&'static str> = (0..LOCKS)
+        .map(|i| &*Box::leak(format!("left-{i}").into_boxed_str()))
+        .collect();
+    let mut holders = Vec::with_capacity(LOCKS);
+    for &key in &keys {
+        holders.push(
+            holding
+                .lock(key)
+                .ttl(Duration::from_secs(60))
+                .acquire()
+                .await
+                .unwrap(),
+        );
+    }
+    let waiters: Vec<_> = keys.iter().map(|&key| wait_for(&waiting, key)).collect();
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+        async || match release_channels(old.port()).await?.len() {
+            LOCKS => Ok(()),
+            n => Err(format!("{n} of {LOCKS} channels subscribed on the master")),
+        },
+    )
+    .await;
+    let unsubscribes = old.calls("unsubscribe").await;
+    let old_addr = format!("127.0.0.1:{}", old.port());
+    assert_eq!(backend.sentinel_master(), Some(old_addr.clone()));
+
+    // Four rounds of `SUBSCRIBE`s (128 at once), each 200 ms longer.
+    proxy.set_latency(Duration::from_millis(100));
+    let sentinel = deployment.sentinels[0].port();
+    let _: () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(redis_sentinel::MASTER_NAME)
+        .query_async(&mut node_conn(sentinel).await)
+        .await
+        .expect("SENTINEL FAILOVER");
+    poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(2),
+        async || match release_channels(replica).await?.len() {
+            0 => Err("the switch subscribed nothing on the promoted replica yet".to_owned()),
+            _ => Ok(()),
+        },
+    )
+    .await;
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    for waiter in waiters {
+        assert!(waiter.await.unwrap_err().is_cancelled());
+    }
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(5),
+        async || match old
+            .try_calls("unsubscribe")
+            .await
+            .map_err(|e| e.to_string())?
+            - unsubscribes
+        {
+            n if n >= LOCKS as u64 => Ok(()),
+            n => Err(format!("the old master ran {n} of {LOCKS} unsubscribes")),
+        },
+    )
+    .await;
+    assert_eq!(
+        backend.sentinel_master(),
+        Some(old_addr),
+        "the locker followed the new master before the waiters left: nothing was tested"
+    );
+
+    let promoted = format!("127.0.0.1:{}", proxy.port());
+    poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(10),
+        async || match backend.sentinel_master() {
+            Some(m) if m == promoted => Ok(()),
+            other => Err(format!("the locker follows {other:?}")),
+        },
+    )
+    .await;
+    proxy.set_latency(Duration::ZERO);
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match release_channels(replica).await?.len() {
+            0 => Ok(()),
+            n => Err(format!(
+                "the new master keeps {n} subscriptions to channels nobody waits on"
+            )),
+        },
+    )
+    .await;
+
+    taken_once_followed(&holding, "probe", Duration::from_secs(5))
+        .await
+        .release()
+        .await
+        .unwrap();
+    for holder in holders {
+        holder.release().await.unwrap();
+    }
+    // The cancelled waiters' places in the queues outlive them by the waiter TTL (their leaving
+    // went to the old master), and a release hands the lock to the first of them: cleared for
+    // one lock, as that TTL would.
+    let _: i64 = redis::cmd("DEL")
+        .arg(&["dlock:{left-0}", "dlock:{left-0}:q", "dlock:{left-0}:qw"])
+        .query_async(&mut node_conn(replica).await)
+        .await
+        .unwrap();
+    let handoff = handoff_after_release(&holding, &waiting, replica, keys[0]).await;
+    assert!(
+        handoff < Duration::from_secs(2),
+        "a waiter of a lock unsubscribed after the switch took {handoff:?}: it missed the notification"
+    );
 }
 
 /// Connections to the master that went silent — a partition, a load balancer or NAT that forgot

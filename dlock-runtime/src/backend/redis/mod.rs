@@ -359,8 +359,8 @@ impl Inner {
     /// A `SUBSCRIBE` of `channel` that may have run but is not noted as subscribed (not
     /// answered in time, or its lock's waiters left meanwhile): a stray (see
     /// [`Inner::strays`]), unsubscribed with the lock's last local waiter — at once if none is
-    /// left. Called by the tasks that subscribe again on their own, in the channel's turn or
-    /// holding `subscribed`.
+    /// left. Called by the tasks that subscribe again on their own and for the channels a
+    /// Sentinel switch subscribed for nobody, in the channel's turn or holding `subscribed`.
     fn note_stray(self: &Arc<Self>, channel: &str) {
         self.strays
             .lock()
@@ -378,6 +378,28 @@ impl Inner {
                 ));
             }
         }
+    }
+
+    /// [`note_stray`](Inner::note_stray) for each of `channels`, in its turn (spawned on the
+    /// current runtime; a no-op without one): the channels a Sentinel switch subscribed on the
+    /// new master after their last local waiter left (see `sentinel::Switched`).
+    #[cfg(feature = "sentinel")]
+    fn note_strays_in_turn(self: &Arc<Self>, channels: Vec<String>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = Arc::downgrade(self);
+        rt.spawn(async move {
+            let Some(inner) = inner.upgrade() else { return };
+            futures_util::future::join_all(channels.iter().map(|channel| {
+                let inner = &inner;
+                async move {
+                    let _turn = inner.channel_turn(channel).await;
+                    inner.note_stray(channel);
+                }
+            }))
+            .await;
+        });
     }
 
     /// Whether a `SUBSCRIBE` or `UNSUBSCRIBE` of `channel` is on its way (or waits its turn).
@@ -932,6 +954,12 @@ impl RedisBackend {
         .await?;
         // The first master's issuer number, taken by the connection (see [`Issuer`]).
         let first = conn.issuer();
+        let me_strays = me.clone();
+        conn.on_stray(Box::new(move |channels| {
+            if let Some(inner) = me_strays.get().and_then(Weak::upgrade) {
+                inner.note_strays_in_turn(channels);
+            }
+        }));
         let backend = Self::with_conn(
             Conn::Sentinel(conn),
             opts,

@@ -82,6 +82,10 @@ const ANNOUNCEMENTS: [&str; 2] = ["+promoted-slave", "+switch-master"];
 /// issuer number of the master the push came from.
 pub(super) type PushFn = Arc<dyn Fn(PushInfo, super::Issuer, bool) + Send + Sync>;
 
+/// Where a switch hands the channels it subscribed on the new master whose last waiter left
+/// meanwhile (see [`Switched`]).
+pub(super) type StrayFn = Box<dyn Fn(Vec<String>) + Send + Sync>;
+
 /// How many of the issuer numbers of earlier masters a connection keeps clear of.
 const ISSUERS_KEPT: usize = 64;
 
@@ -261,6 +265,9 @@ struct Shared {
     announced: Arc<tokio::sync::Notify>,
     /// Where the local waiters are woken after a switch (none for dedicated connections).
     hub: Option<Weak<ReleaseHub>>,
+    /// Where a switch hands the channels it subscribed for nobody (see [`Switched`]; unset for
+    /// dedicated connections, which subscribe nothing).
+    on_stray: OnceLock<StrayFn>,
     connect_timeout: Duration,
     command_timeout: Duration,
 }
@@ -386,6 +393,12 @@ impl SentinelConn {
         let r = self.shared.current().conn.unsubscribe(channel).await;
         self.shared.after(&r);
         r
+    }
+
+    /// Where a switch hands the channels it subscribed on the new master after their last
+    /// waiter left (see [`Switched`]): the backend unsubscribes them in their turns. Set once.
+    pub(super) fn on_stray(&self, f: StrayFn) {
+        let _ = self.shared.on_stray.set(f);
     }
 
     /// A command on this connection got no answer before its caller's deadline: a failover
@@ -979,6 +992,7 @@ impl Shared {
             recheck: AtomicBool::new(false),
             announced: Arc::new(tokio::sync::Notify::new()),
             hub,
+            on_stray: OnceLock::new(),
             connect_timeout,
             command_timeout,
         });
@@ -1159,17 +1173,24 @@ impl Shared {
             tracing::warn!(from = %old.addr, to = %addr, "redis sentinel: following the master");
         }
         let _wake = WakeOnDrop(self.hub.as_ref().and_then(Weak::upgrade));
+        // When this call ends, or is cut short: what this switch subscribed here for nobody
+        // goes to the backend.
+        let mut switched = Switched {
+            shared: self,
+            subscribed: channels,
+        };
         // A waiter that subscribed while the channels above were being subscribed did so on
         // the connection this one replaces (it read `current` before the swap; its channel was
         // noted after `channels` was read): subscribed here too, or it would hear no release
         // on the new master. One that read `current` after the swap is subscribed twice,
         // which is harmless.
-        let before: HashSet<&String> = channels.iter().collect();
+        let before: HashSet<&String> = switched.subscribed.iter().collect();
         let late: Vec<String> = self
             .channels()
             .into_iter()
             .filter(|c| !before.contains(c))
             .collect();
+        switched.subscribed.extend(late.iter().cloned());
         let mut subscribing = subscribe_each(&late_conn, &late, self.command_timeout);
         while let Some(answer) = subscribing.next().await {
             match answer {
@@ -1187,6 +1208,41 @@ impl Shared {
             }
         }
         Ok(())
+    }
+}
+
+/// The channels a switch subscribed on the new master, from the moment it switched. One that
+/// is no longer noted when the switch ends (or is cut short) lost its last waiter meanwhile:
+/// the waiter's `UNSUBSCRIBE` went to the old master, or reached the new connection before the
+/// switch's `SUBSCRIBE`, so the new master keeps a subscription nobody needs, and its
+/// notifications, until the next switch. Handed to the backend ([`SentinelConn::on_stray`]),
+/// which unsubscribes each in the channel's turn — or, should a waiter of the lock have come
+/// meanwhile, with that lock's last waiter. (Forgetting it here instead would race a new
+/// waiter's `SUBSCRIBE`, which holds the backend's turn, not this connection's.) An extra
+/// `UNSUBSCRIBE` of a channel the new master already dropped is harmless.
+struct Switched<'a> {
+    shared: &'a Shared,
+    subscribed: Vec<String>,
+}
+
+impl Drop for Switched<'_> {
+    fn drop(&mut self) {
+        let Some(report) = self.shared.on_stray.get() else {
+            return;
+        };
+        let noted: HashSet<String> = self.shared.channels().into_iter().collect();
+        let strays: Vec<String> = self
+            .subscribed
+            .drain(..)
+            .filter(|c| !noted.contains(c))
+            .collect();
+        if !strays.is_empty() {
+            tracing::debug!(
+                channels = strays.len(),
+                "redis sentinel: a switch subscribed channels whose last waiter left meanwhile"
+            );
+            report(strays);
+        }
     }
 }
 
