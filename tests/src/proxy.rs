@@ -8,9 +8,10 @@
 //! * **cut** every open connection at once (both sockets closed, what a network partition or
 //!   a middlebox reset looks like to both ends), and optionally **refuse** new connections for
 //!   a while (accepted and closed at once), so clients see their reconnects fail too;
-//! * **cut right after the next reply** ([`cut_after_next_reply`](Proxy::cut_after_next_reply)):
-//!   the next chunk the server sends is delivered, then every connection is cut and new ones
-//!   are refused — a partition that falls exactly between two commands.
+//! * **cut right after the next reply** ([`cut_after_next_reply`](Proxy::cut_after_next_reply),
+//!   or the next few: [`cut_after_replies`](Proxy::cut_after_replies)): the next chunk the
+//!   server sends is delivered, then every connection is cut and new ones are refused — a
+//!   partition that falls exactly between two commands.
 //!
 //! * **silence** every open connection for good ([`silence`](Proxy::silence)): nothing more is
 //!   forwarded on them either way and they stay open — a partition, or a load balancer or NAT
@@ -61,7 +62,8 @@ struct Shared {
     upstream: SocketAddr,
     latency_us: AtomicU64,
     refuse: AtomicBool,
-    cut_after_reply: AtomicBool,
+    /// Chunks any server is yet to send before every connection is cut (0: no cut coming).
+    cut_after_replies: AtomicU64,
     conns: Mutex<HashMap<u64, AbortHandle>>,
     next_id: AtomicU64,
     /// Connections accepted since start (for the report).
@@ -97,7 +99,7 @@ impl Proxy {
             upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
             latency_us: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
-            cut_after_reply: AtomicBool::new(false),
+            cut_after_replies: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             accepted: AtomicU64::new(0),
@@ -145,7 +147,14 @@ impl Proxy {
     /// Delivers the next chunk any server sends, then cuts every connection and refuses new
     /// ones until [`allow`](Proxy::allow).
     pub fn cut_after_next_reply(&self) {
-        self.shared.cut_after_reply.store(true, Ordering::Release);
+        self.cut_after_replies(1);
+    }
+
+    /// Like [`cut_after_next_reply`](Proxy::cut_after_next_reply), after the next `n` chunks
+    /// the servers send (as the proxy reads them: one per answer when the client waits for
+    /// each, as a ZooKeeper client does for its session's answer and then its first ping's).
+    pub fn cut_after_replies(&self, n: u64) {
+        self.shared.cut_after_replies.store(n, Ordering::Release);
     }
 
     /// Silences every connection open now, for good: what either side sends from now on is
@@ -402,7 +411,13 @@ async fn pump(
                 to.flush().await?;
                 tokio::time::sleep(gap).await;
             }
-            if from_server && shared.cut_after_reply.swap(false, Ordering::AcqRel) {
+            let last = from_server
+                && shared.cut_after_replies.fetch_update(
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                    |n| n.checked_sub(1),
+                ) == Ok(1);
+            if last {
                 to.flush().await?;
                 shared.cut_all(true);
             }

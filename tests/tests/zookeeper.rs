@@ -946,6 +946,108 @@ async fn waiters_are_woken_by_releases_after_the_runtime_that_built_their_locker
     g2.release().await.unwrap();
 }
 
+/// A session whose task went with the runtime it ran on is resumed on the next call, and used
+/// once its server synced with the leader. When the client lost its server right after the
+/// resume answered, for longer than the session timeout, the session expired unsynced — and
+/// every later call tried to sync it again, which fails at once ("session expired"), so the
+/// backend answered 503 for as long as the process ran. It now opens a new session, as when
+/// the resume itself finds the session expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_session_that_expires_before_it_is_synced_is_replaced() {
+    let server = zookeeper_server::shared().lock().unwrap().client_port(0);
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    let proxy = Proxy::start(server).await.unwrap();
+    let key = format!("unsynced-{}", std::process::id());
+    let timeout = Duration::from_millis(500);
+    // Long enough that the resume below comes well before the server expires the session of
+    // the runtime that shut down.
+    let session = Duration::from_secs(4);
+    let proxied = format!(
+        "zk://127.0.0.1:{}?session_timeout_ms={}",
+        proxy.port(),
+        session.as_millis()
+    );
+    // Made on a runtime of its own, which shuts down with the session's task; the lock it took
+    // (not renewed, its lease longer than the test needs) goes only with the session.
+    let (backend, held, dir) = tokio::task::spawn_blocking({
+        let key = key.clone();
+        move || {
+            let first = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            let made = first.block_on(async move {
+                let backend =
+                    ZkBackend::connect(&proxied, ZkOptions::default().command_timeout(timeout))
+                        .await
+                        .expect("connect to ZooKeeper");
+                let locker = Locker::builder()
+                    .command_timeout(timeout)
+                    .build(backend.clone());
+                let held = locker
+                    .lock(key.as_str())
+                    .ttl(session * 2)
+                    .auto_renew(false)
+                    .acquire()
+                    .await
+                    .unwrap();
+                let dir = format!(
+                    "/dlock/{}",
+                    locker.resource(LockKey::new(&key).unwrap()).as_str()
+                );
+                (backend, held, dir)
+            });
+            drop(first);
+            made
+        }
+    })
+    .await
+    .unwrap();
+    let expired = backend.session_id();
+    let a = Locker::builder()
+        .command_timeout(timeout)
+        .build(backend.clone());
+    // The resume's answers (the session's, then its first ping's) get through; then the client
+    // has no server.
+    proxy.cut_after_replies(2);
+    let err = a
+        .lock("unsynced-probe")
+        .ttl(timeout)
+        .try_acquire()
+        .await
+        .expect_err("a lock taken on a session its server never synced");
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(backend.session_id(), expired, "the session was not resumed");
+    // The server expires the session: its node goes.
+    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client");
+    poll_until(session * 3, Duration::from_millis(50), async || {
+        match raw.list_children(&dir).await {
+            Ok(nodes) if nodes.is_empty() => Ok(()),
+            Err(zookeeper_client::Error::NoNode) => Ok(()),
+            Ok(nodes) => Err(format!("the lock's nodes are still there: {nodes:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    proxy.allow();
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || match a.lock("unsynced-probe").ttl(timeout).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => Err("held".to_owned()),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    assert_ne!(backend.session_id(), expired);
+    g.release().await.unwrap();
+    // The lock taken on the expired session is gone with it.
+    assert!(held.release().await.is_err());
+}
+
 /// A backend whose session goes through a `proxy` (session timeout 10 s, command timeout
 /// `timeout`), and a lock `key` (in `dir`) that another locker holds (`blocker`), so that its
 /// directory stays and the nodes of attempts land behind it.

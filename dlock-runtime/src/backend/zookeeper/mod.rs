@@ -515,18 +515,41 @@ impl Session {
     ///
     /// The server keeps a session whose client went silent until the session timeout, so the
     /// session normally lives on, with every node of it: locks held and places in queues stay
-    /// this backend's, and renewals go on. If it expired meanwhile, its nodes are gone: a new
-    /// session is opened, and the renewals of its locks answer "not the owner" (their guards
+    /// this backend's, and renewals go on. If it expired meanwhile (or expires after the resume,
+    /// before its server synced), its nodes are gone: a new session is opened, and the renewals of its locks answer "not the owner" (their guards
     /// are lost), as after any expiry. A resumed session is used once its server has synced
     /// with the leader: it may lag behind the writes the session made through the old client
     /// (the client library resumes with no zxid and leaves that to a `sync`). Never dropped
     /// unused: the last client of a session closes it when dropped.
     async fn revive(&self, c: Arc<Conn>) -> Result<Arc<Conn>, LockError> {
-        if c.mark.load(Ordering::Acquire) == UNSYNCED {
-            self.sync(&c).await?;
-            return Ok(c);
-        }
         let id = c.session_id();
+        if c.mark.load(Ordering::Acquire) == UNSYNCED {
+            match self.sync(&c).await {
+                Ok(()) => return Ok(c),
+                // Resumed, then without a server until the session expired (cut off right
+                // after the resume answered): it never comes back, and syncing it fails at
+                // once, for good. A new one, as when the resume itself finds it expired.
+                Err(_) if c.state().is_terminated() => {
+                    tracing::warn!(
+                        session = %id,
+                        "zookeeper: the resumed session expired before its server synced (its \
+                         nodes are gone); opening a new one"
+                    );
+                    let fresh = Arc::new(Conn::new(
+                        Self::open(&self.hosts, &self.opts).await?,
+                        LIVE,
+                        self.hub.clone(),
+                    ));
+                    drop(c);
+                    self.install(
+                        &mut self.client.lock().unwrap_or_else(PoisonError::into_inner),
+                        fresh.clone(),
+                    );
+                    return Ok(fresh);
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let fresh = match Self::connect(&self.hosts, &self.opts, Some(c.session().clone())).await? {
             Ok(resumed) => {
                 tracing::warn!(
