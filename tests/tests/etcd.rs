@@ -806,6 +806,90 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     assert_eq!(backend.watch_tasks(), 0);
 }
 
+/// A lock that is not renewed (`auto_renew(false)`) and is released within its minimum hold is
+/// not deleted: its key moves to a lease of what is left of the hold (`expire`). The backend
+/// remembers an acquisition's leases until its release or abandon, and that move remembered
+/// one more, but no release or abandon follows it: one entry per such lock, for the life of
+/// the locker. The same for an `expire` that found the key gone. Both now leave nothing
+/// remembered, and the key still stays until the hold ends (its lease is forgotten, not
+/// revoked). Renewed locks, on sessions, are not in those books at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_released_within_their_hold_leave_no_lease_remembered() {
+    let url = etcd_server::shared().lock().unwrap().url();
+    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
+        .await
+        .unwrap();
+    let a = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .build(backend.clone());
+    let other = locker(&url).await;
+    let run = dlock_runtime::conformance::unique_key("hold-leases");
+    // Longer than the whole run takes, so every key is still held when checked.
+    let (ttl, hold) = (Duration::from_secs(60), Duration::from_secs(50));
+    // 200 locks, 20 at a time; the first key of each batch is checked held after its release.
+    for batch in 0..10 {
+        let keys: Vec<String> = (0..20).map(|i| format!("{run}-{batch}-{i}")).collect();
+        let takes = keys.iter().map(|key| {
+            let (a, key) = (a.clone(), key.clone());
+            tokio::spawn(async move {
+                let g = a
+                    .lock(&key)
+                    .ttl(ttl)
+                    .auto_renew(false)
+                    .hold_at_least(hold)
+                    .acquire()
+                    .await
+                    .unwrap();
+                g.release().await.unwrap();
+            })
+        });
+        for take in futures_util::future::join_all(takes).await {
+            take.unwrap();
+        }
+        assert!(
+            other.lock(&keys[0]).try_acquire().await.unwrap().is_none(),
+            "{} freed before its hold ended",
+            keys[0]
+        );
+    }
+    // Released within the hold after the key was deleted: the expire finds it gone.
+    for i in 0..5 {
+        let key = format!("{run}-gone-{i}");
+        let g = a
+            .lock(&key)
+            .ttl(ttl)
+            .auto_renew(false)
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+        assert_eq!(backend.delete_lock(resource.as_str()).await.unwrap(), 1);
+        let err = g.release().await.unwrap_err();
+        assert!(err.is_lost(), "{err}");
+    }
+    // Renewed locks released within the hold: on a session, never remembered.
+    for i in 0..5 {
+        let g = a
+            .lock(format!("{run}-renewed-{i}"))
+            .ttl(ttl)
+            .hold_at_least(hold)
+            .acquire()
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match backend.remembered_leases() {
+            0 => Ok(()),
+            n => Err(format!("leases of {n} acquisitions still remembered")),
+        },
+    )
+    .await;
+}
+
 /// A waiter that stopped asking (no attempt and no abandon since: its task was stopped, its
 /// undo given up) leaves the lock's line once its waiter TTL has passed, even while another
 /// waiter of the same locker keeps asking all along. Those attempts are the keepalives of the

@@ -372,6 +372,7 @@ type Watchers = super::WatchTasks<(AbortHandle, Vec<u8>)>;
 
 /// The leases an acquisition's attempts put its key on, by (resource, owner token): what
 /// [`Backend::abandon`] revokes so that an attempt still in flight cannot put the key back.
+/// An entry goes with the acquisition's release, abandon, or `expire` (`forget_expired`).
 type Leases = Arc<Mutex<HashMap<(Arc<str>, OwnerToken), Vec<i64>>>>;
 
 /// How many of an acquisition's latest leases are remembered: the one its key is on and those
@@ -685,6 +686,16 @@ impl EtcdBackend {
             .len()
     }
 
+    /// How many acquisitions this backend remembers leases of (keys on leases of their own:
+    /// [`Leases`]). For tests.
+    #[doc(hidden)]
+    pub fn remembered_leases(&self) -> usize {
+        self.leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// How many times a member's client was made anew because the runtime it ran on shut
     /// down (module docs, *Runtimes*). For tests.
     #[doc(hidden)]
@@ -880,6 +891,28 @@ impl EtcdBackend {
         let others = list.iter().copied().filter(|id| *id != keep).collect();
         *list = vec![keep];
         others
+    }
+
+    /// After `expire` moved (or failed to move) the key of `token`'s, not on a session, onto a
+    /// lease of the rest of its hold: no release or abandon follows for the token, so its
+    /// leases are forgotten here, or they would be remembered for the life of the backend.
+    /// Moved (`Ok(true)`): only the lease the key now rests on is left (the move revoked the
+    /// others, `keep_only_on`), and it must stay to the end of the hold — forgotten, not
+    /// revoked; a try of the move landing late puts the key on that same lease. Gone
+    /// (`Ok(false)`): no key of the token's is on them, and revoking them makes a put of an
+    /// earlier attempt still on its way fail. An error keeps them: the expire is retried in
+    /// the background (or ends in a release), and that try revokes this one's leases.
+    fn forget_expired(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ended: &Result<bool, LockError>,
+    ) {
+        match ended {
+            Ok(true) => drop(self.take_leases(resource, token)),
+            Ok(false) => self.revoke_later(self.take_leases(resource, token)),
+            Err(_) => {}
+        }
     }
 
     fn take_leases(&self, resource: &ResourceName, token: &OwnerToken) -> Vec<i64> {
@@ -1538,7 +1571,9 @@ impl Backend for EtcdBackend {
                 return ended;
             }
             // Not on a session (`auto_renew(false)`: on a lease of its own already).
-            self.extend(resource, token, left).await
+            let ended = self.extend(resource, token, left).await;
+            self.forget_expired(resource, token, &ended);
+            ended
         })
     }
 
