@@ -1,4 +1,4 @@
--- dlock: the Postgres backend's schema, version 7 (schema "dlock", table prefix "dlock_").
+-- dlock: the Postgres backend's schema, version 8 (schema "dlock", table prefix "dlock_").
 --
 -- The backend runs exactly this on first use (PostgresOptions::create_schema, on by default).
 -- Teams that run their own migrations apply this file instead and turn create_schema off; the
@@ -13,8 +13,8 @@ CREATE SCHEMA IF NOT EXISTS dlock;
 DO $$
 BEGIN
   IF to_regprocedure('dlock.dlock_schema_version()') IS NOT NULL THEN
-    IF dlock.dlock_schema_version() > 7 THEN
-      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 7',
+    IF dlock.dlock_schema_version() > 8 THEN
+      RAISE EXCEPTION 'dlock: schema "dlock" (prefix "dlock_") is at version %, newer than this client''s 8',
         dlock.dlock_schema_version();
     END IF;
   END IF;
@@ -50,6 +50,24 @@ LANGUAGE sql AS $$
     THEN set_config('synchronous_commit', 'local', true) END;
 $$;
 
+-- Refuses a transaction that is not READ COMMITTED (version 8). The functions take a lock's
+-- advisory lock, then read what the transactions before them committed; under REPEATABLE READ
+-- or SERIALIZABLE their reads come from a snapshot taken before that wait, so a semaphore or a
+-- read-write lock was granted beside holders it could not see (a writer beside a reader, two
+-- holders of one permit), and every contended exclusive lock failed to serialise. The level is
+-- the database's, the role's or the connection's default_transaction_isolation; refused at every
+-- grant (next_fence), as SQLSTATE 0A000 (feature_not_supported, which the backend reports as
+-- misconfigured: retrying does not change it).
+CREATE OR REPLACE FUNCTION dlock.dlock_read_committed() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+    RAISE EXCEPTION 'dlock: the lock functions need READ COMMITTED, and this transaction is %: set default_transaction_isolation to ''read committed'' for the role dlock connects as (ALTER ROLE ... SET) or in its connection options',
+      upper(current_setting('transaction_isolation'))
+      USING ERRCODE = 'feature_not_supported';
+  END IF;
+END $$;
+
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
 -- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
@@ -72,7 +90,8 @@ CREATE TABLE IF NOT EXISTS dlock.dlock_fence_epoch (
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
--- Every grant draws its token here, so here its transaction is made to commit durably
+-- Every grant draws its token here, so here its transaction is refused unless it is READ
+-- COMMITTED (version 8, read_committed) and made to commit durably
 -- (version 6, durable_commit): with synchronous_commit off (server, database, role or
 -- connection options), a crash right after the answer would lose the grant and the sequence's
 -- advance, and the next grant would go to another owner with the same token.
@@ -80,6 +99,7 @@ CREATE OR REPLACE FUNCTION dlock.dlock_next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('dlock.dlock_fence'); tl bigint := dlock.dlock_timeline(); e bigint;
 BEGIN
+  PERFORM dlock.dlock_read_committed();
   PERFORM dlock.dlock_durable_commit();
   SELECT epoch INTO e FROM dlock.dlock_fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
@@ -153,7 +173,7 @@ INSERT INTO dlock.dlock_fence_epoch (timeline, epoch)
   ON CONFLICT DO NOTHING;
 
 CREATE OR REPLACE FUNCTION dlock.dlock_schema_version() RETURNS integer
-LANGUAGE sql IMMUTABLE AS 'SELECT 7';
+LANGUAGE sql IMMUTABLE AS 'SELECT 8';
 
 -- Serialises every grant of one lock name (see the module docs).
 CREATE OR REPLACE FUNCTION dlock.dlock_serialise(p_name text) RETURNS void

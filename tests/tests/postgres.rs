@@ -373,7 +373,57 @@ async fn a_version_3_schema_is_upgraded_in_place_and_its_tokens_go_on() {
         server.psql_in(&db, "SELECT dlock.dlock_schema_version()")
     })
     .await;
-    assert_eq!(version, "7");
+    assert_eq!(version, "8");
+}
+
+/// The lock functions need `READ COMMITTED`: they wait for a lock's advisory lock, then read
+/// what the transactions before them committed. Under `REPEATABLE READ` (a database's, role's
+/// or connection's `default_transaction_isolation`) their reads come from a snapshot taken
+/// before that wait, and a semaphore or read-write lock was granted beside holders the
+/// snapshot could not see — two holders of one permit, a writer beside a reader — with no
+/// error. Every grant under another level is now refused as misconfigured, naming the level,
+/// and takes nothing; `SERIALIZABLE` too (every contended grant failed to serialise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_outside_read_committed_is_refused_as_misconfigured() {
+    for level in ["repeatable read", "serializable"] {
+        let db = blocking(move || {
+            let server = shared();
+            let server = server.lock().unwrap_or_else(|e| e.into_inner());
+            let db = server.create_database("isolation");
+            server.psql(&format!(
+                "ALTER DATABASE {db} SET default_transaction_isolation = '{level}'"
+            ));
+            db
+        })
+        .await;
+        let (locker, _) = locker_at(&direct_url(&db), Duration::from_secs(2)).await;
+        let attempts = [
+            locker.lock("iso:lock").try_acquire().await,
+            locker.semaphore("iso:sem", 1).try_acquire().await,
+            locker.rw("iso:rw").write().try_acquire().await,
+            locker.rw("iso:rw").read().try_acquire().await,
+        ];
+        for (i, attempt) in attempts.into_iter().enumerate() {
+            let err = attempt.expect_err("granted outside READ COMMITTED");
+            assert!(err.is_misconfigured(), "{level}, attempt {i}: {err}");
+            let text = err.to_string();
+            assert!(
+                text.contains("need READ COMMITTED") && text.contains(&level.to_uppercase()),
+                "{level}, attempt {i}: {text}"
+            );
+        }
+        let taken = blocking(move || {
+            let server = shared();
+            let server = server.lock().unwrap_or_else(|e| e.into_inner());
+            server.psql_in(
+                &db,
+                "SELECT (SELECT count(*) FROM dlock.dlock_locks) \
+                 + (SELECT count(*) FROM dlock.dlock_holders)",
+            )
+        })
+        .await;
+        assert_eq!(taken, "0", "{level}: rows of refused grants");
+    }
 }
 
 /// A locker used only for idempotency sweeps the records that lapsed: 500 lapsed rows go

@@ -120,8 +120,14 @@
 //! `dlock-runtime/sql/postgres.sql` ([`PostgresOptions::ddl`] renders it for other names). The
 //! file lists the privileges the backend needs. Tables are logged: locks survive a database
 //! restart (their leases keep running by the database's clock). Rows of holders that died are
-//! swept in small batches by later acquires. The functions expect the default isolation level,
-//! `READ COMMITTED` (each statement sees what committed before it).
+//! swept in small batches by later acquires. The functions need the default isolation level,
+//! `READ COMMITTED` (each statement sees what committed before it): a grant in a transaction
+//! under another level — a database's, role's or connection's `default_transaction_isolation`
+//! — is refused with [`LockError::Misconfigured`] (schema version 8). Under `REPEATABLE READ`
+//! a semaphore or read-write lock was granted beside holders its snapshot could not see. Where
+//! the database defaults to another level, set `read committed` for the role the backend
+//! connects as (`ALTER ROLE … SET default_transaction_isolation = 'read committed'`) or in
+//! its connection options.
 //!
 //! # Transaction-scoped locks
 //!
@@ -398,25 +404,31 @@ struct Inner {
 /// the database refused for good ([`refused_for_good`]) or TLS did ([`tls_refused`]), naming
 /// the SQLSTATE when the database answered (never the connection string).
 fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
-    let detail = match e.code() {
-        // The schema's own refusal (`next_fence`): its message names the epoch and sequence,
-        // and is what an operator needs to read.
-        Some(code) if code.code() == "54000" => match e.as_db_error() {
-            Some(db) => format!("postgres {what}: error 54000: {}", db.message()),
-            None => format!("postgres {what}: error 54000"),
-        },
+    let own = e
+        .as_db_error()
+        .filter(|db| db.code().code() == "54000" || db.message().starts_with("dlock: "));
+    let detail = match (e.code(), own) {
+        // The schema's own refusals (`next_fence`'s tokens exhausted, naming the epoch and
+        // sequence; `read_committed`'s isolation level, naming the level and what to set): what
+        // an operator needs to read.
+        (Some(code), Some(db)) => {
+            format!("postgres {what}: error {}: {}", code.code(), db.message())
+        }
         // A key (or record) with characters the database's encoding has no place for.
-        Some(code) if matches!(code.code(), "22P05" | "22021") => format!(
+        (Some(code), None) if matches!(code.code(), "22P05" | "22021") => format!(
             "postgres {what}: error {}: the database's encoding cannot store this key (create \
              it with ENCODING 'UTF8')",
             code.code()
         ),
-        Some(code) => format!("postgres {what}: error {}", code.code()),
-        None if e.is_closed() => format!("postgres {what}: connection closed"),
+        (Some(code), None) => format!("postgres {what}: error {}", code.code()),
+        (None, _) if e.is_closed() => format!("postgres {what}: connection closed"),
         // The client's own errors (I/O, TLS, protocol) never quote the connection string.
-        None => format!("postgres {what}: {e}"),
+        (None, _) => format!("postgres {what}: {e}"),
     };
-    let permanent = e.code().is_some_and(|c| refused_for_good(c.code())) || tls_refused(&e);
+    let permanent = e
+        .as_db_error()
+        .is_some_and(|db| refused_for_good(db.code().code(), db.routine()))
+        || tls_refused(&e);
     LockError::backend(detail, Some(Box::new(e)), permanent)
 }
 
@@ -424,18 +436,26 @@ fn pg_err(what: &str, e: tokio_postgres::Error) -> LockError {
 /// (wrong credentials, no `pg_hba.conf` entry), class 42 (no privilege on the lock tables —
 /// `42501` — or a table, function or column missing: a schema not installed or dropped),
 /// `3D000` (no such database), `3F000` (no such schema), `0A000` (a feature the server or
-/// pooler does not support), class 54 (a program limit: `54000` is how `next_fence`
+/// pooler does not support; also how `read_committed` refuses a grant under another isolation
+/// level than `READ COMMITTED`), class 54 (a program limit: `54000` is how `next_fence`
 /// reports fencing tokens exhausted — 2^48 grants on one epoch, or 2^15 epochs: never reached
 /// in practice, but never passing either, as every later grant fails the same way), and
 /// `22P05`/`22021` (a key with characters the database's encoding cannot store: a `LATIN1`
 /// database and a Cyrillic key — the same key fails the same way every time).
 /// Everything else — connection errors (class 08), a standby's `25006` read-only answer,
 /// shutdowns (57), lock or statement timeouts, serialization failures, too many connections
-/// (53) — passes with a failover, a restart or load.
-pub(crate) fn refused_for_good(sqlstate: &str) -> bool {
+/// (53) — passes with a failover, a restart or load. So does one `54000`: the NOTIFY queue
+/// full (raised in `PreCommit_Notify`, the server's `routine`, which unlike the message is
+/// never translated), refusing every commit that notifies — a release, an abandon, a handoff
+/// with waiters — while the slowest listening session of the whole server has not read on (a
+/// stalled listener, or a session that ran `LISTEN` left in an open transaction); it passes
+/// once that session reads on or ends. As a refusal for good it ended waits through outages
+/// at once and answered 500.
+pub(crate) fn refused_for_good(sqlstate: &str, routine: Option<&str>) -> bool {
+    let notify_queue_full = sqlstate == "54000" && routine == Some("PreCommit_Notify");
     sqlstate.starts_with("28")
         || sqlstate.starts_with("42")
-        || sqlstate.starts_with("54")
+        || (sqlstate.starts_with("54") && !notify_queue_full)
         || matches!(sqlstate, "3D000" | "3F000" | "0A000" | "22P05" | "22021")
 }
 
@@ -1388,10 +1408,19 @@ mod tests {
 
     #[test]
     fn exhausted_tokens_are_a_refusal_for_good() {
-        assert!(refused_for_good("54000"));
-        assert!(!refused_for_good("P0001"));
-        assert!(!refused_for_good("57P01"));
-        assert!(!refused_for_good("08006"));
+        assert!(refused_for_good("54000", Some("exec_stmt_raise")));
+        assert!(!refused_for_good("P0001", Some("exec_stmt_raise")));
+        assert!(!refused_for_good("57P01", None));
+        assert!(!refused_for_good("08006", None));
+    }
+
+    /// A full NOTIFY queue (`54000` from `PreCommit_Notify`) passes once the listener that
+    /// holds it back reads on: unavailable, not misconfigured. (Not reproduced on a server:
+    /// the queue holds 8 GB before PostgreSQL 17's `max_notify_queue_pages`.)
+    #[test]
+    fn a_full_notify_queue_is_no_refusal_for_good() {
+        assert!(!refused_for_good("54000", Some("PreCommit_Notify")));
+        assert!(refused_for_good("54001", Some("PreCommit_Notify")));
     }
 
     #[test]

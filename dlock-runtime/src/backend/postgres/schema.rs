@@ -26,7 +26,10 @@
 //! application's own advisory locks — and reads the lock's row `FOR UPDATE`. A fencing token is
 //! drawn (`next_fence`) only under that lock, after the previous grant of the key committed, so
 //! tokens of one key are strictly increasing (two names with the same 32-bit hash only take
-//! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices).
+//! turns). `extend` is a single owner-checked `UPDATE` (the row lock suffices). All of it
+//! relies on `READ COMMITTED`, where each statement sees what committed before it, also after
+//! waiting for the advisory lock: `next_fence` refuses a grant in any other transaction
+//! (`read_committed`, version 8).
 //!
 //! **Fencing across a failover.** A token is an epoch × 2^48 plus the sequence's next value;
 //! the epoch follows the server's WAL timeline. With asynchronous replication a standby can be
@@ -102,11 +105,15 @@
 //! body: `idem_begin` grants again a lock its own token holds (its call run again: its lease
 //! restarts, as `acquire`'s does) instead of answering it held, and sweeps lapsed rows as
 //! `acquire` does (at twice the rate), so a locker used only for idempotency no longer keeps
-//! every record it ever stored. The DDL refuses to run over a
+//! every record it ever stored. Version 8 added `read_committed` and changed `next_fence`,
+//! which calls it: a grant in a transaction that is not `READ COMMITTED` (a database's, role's
+//! or connection's `default_transaction_isolation`) is refused as SQLSTATE `0A000`
+//! ([`LockError::Misconfigured`](crate::LockError::Misconfigured)) instead of reading from a
+//! snapshot taken before the lock's advisory lock was granted. The DDL refuses to run over a
 //! newer schema; a client of an older version uses a newer schema as it is.
 
 /// Version of the schema below; [`render`] records it in `<s>.<p>schema_version()`.
-pub(crate) const VERSION: i32 = 7;
+pub(crate) const VERSION: i32 = 8;
 
 /// The class id of the backend's internal advisory locks (`'dlck'`), the first `int4`.
 pub(crate) const ADVISORY_CLASS: i32 = 0x646c_636b;
@@ -170,6 +177,24 @@ LANGUAGE sql AS $$
     THEN set_config('synchronous_commit', 'local', true) END;
 $$;
 
+-- Refuses a transaction that is not READ COMMITTED (version 8). The functions take a lock's
+-- advisory lock, then read what the transactions before them committed; under REPEATABLE READ
+-- or SERIALIZABLE their reads come from a snapshot taken before that wait, so a semaphore or a
+-- read-write lock was granted beside holders it could not see (a writer beside a reader, two
+-- holders of one permit), and every contended exclusive lock failed to serialise. The level is
+-- the database's, the role's or the connection's default_transaction_isolation; refused at every
+-- grant (next_fence), as SQLSTATE 0A000 (feature_not_supported, which the backend reports as
+-- misconfigured: retrying does not change it).
+CREATE OR REPLACE FUNCTION @s@.@p@read_committed() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+    RAISE EXCEPTION 'dlock: the lock functions need READ COMMITTED, and this transaction is %: set default_transaction_isolation to ''read committed'' for the role dlock connects as (ALTER ROLE ... SET) or in its connection options',
+      upper(current_setting('transaction_isolation'))
+      USING ERRCODE = 'feature_not_supported';
+  END IF;
+END $$;
+
 -- The high part of fencing tokens (version 4): the timeline last seen and the epoch in use.
 -- The epoch goes up by as much as the timeline on a promotion, and by one when the data turns
 -- up on a server whose timeline is lower (a promoted server's data restored on a new cluster,
@@ -192,7 +217,8 @@ CREATE TABLE IF NOT EXISTS @s@.@p@fence_epoch (
 -- The epoch row is written only when the timeline moved; of two grants that find it moved, the
 -- second waits for the first's update, then finds it done (and takes the row's epoch through a
 -- no-op update).
--- Every grant draws its token here, so here its transaction is made to commit durably
+-- Every grant draws its token here, so here its transaction is refused unless it is READ
+-- COMMITTED (version 8, read_committed) and made to commit durably
 -- (version 6, durable_commit): with synchronous_commit off (server, database, role or
 -- connection options), a crash right after the answer would lose the grant and the sequence's
 -- advance, and the next grant would go to another owner with the same token.
@@ -200,6 +226,7 @@ CREATE OR REPLACE FUNCTION @s@.@p@next_fence() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE n bigint := nextval('@s@.@p@fence'); tl bigint := @s@.@p@timeline(); e bigint;
 BEGIN
+  PERFORM @s@.@p@read_committed();
   PERFORM @s@.@p@durable_commit();
   SELECT epoch INTO e FROM @s@.@p@fence_epoch WHERE one AND timeline = tl;
   IF NOT FOUND THEN
