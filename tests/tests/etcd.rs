@@ -757,18 +757,24 @@ async fn a_key_at_a_waiters_name_that_it_did_not_write_is_not_its_place() {
     g.release().await.unwrap();
 }
 
+/// A backend on `url` the test can look into, and a locker over it.
+async fn inspected_locker(url: &str) -> (EtcdBackend, Locker) {
+    let backend = EtcdBackend::connect(url, EtcdOptions::default())
+        .await
+        .unwrap();
+    let locker = Locker::builder()
+        .command_timeout(COMMAND_TIMEOUT)
+        .build(backend.clone());
+    (backend, locker)
+}
+
 /// A waiter's watch task leaves the backend's books once its waiter is woken, even while the
 /// lock still has other local waiters (when the last one leaves, all of the lock's go at once):
 /// a lock that always has waiters kept one entry per waiter it served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     let url = etcd_server::shared().lock().unwrap().url();
-    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
-        .await
-        .unwrap();
-    let a = Locker::builder()
-        .command_timeout(COMMAND_TIMEOUT)
-        .build(backend.clone());
+    let (backend, a) = inspected_locker(&url).await;
     let key = dlock_runtime::conformance::unique_key("watch-tasks");
     let ttl = Duration::from_secs(30);
     let held = a.lock(&key).ttl(ttl).acquire().await.unwrap();
@@ -816,12 +822,7 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_released_within_their_hold_leave_no_lease_remembered() {
     let url = etcd_server::shared().lock().unwrap().url();
-    let backend = EtcdBackend::connect(&url, EtcdOptions::default())
-        .await
-        .unwrap();
-    let a = Locker::builder()
-        .command_timeout(COMMAND_TIMEOUT)
-        .build(backend.clone());
+    let (backend, a) = inspected_locker(&url).await;
     let other = locker(&url).await;
     let run = dlock_runtime::conformance::unique_key("hold-leases");
     // Longer than the whole run takes, so every key is still held when checked.

@@ -310,6 +310,18 @@ async fn has_subscriber(port: u16) -> bool {
         .any(|l| l.split(' ').any(|f| f.starts_with("sub=") && f != "sub=0"))
 }
 
+/// Asks a sentinel of `deployment` for a failover while the master still serves
+/// (`SENTINEL FAILOVER`).
+async fn failover(deployment: &RedisSentinel) {
+    let sentinel = deployment.sentinels[0].port();
+    let _: () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(redis_sentinel::MASTER_NAME)
+        .query_async(&mut node_conn(sentinel).await)
+        .await
+        .expect("SENTINEL FAILOVER");
+}
+
 async fn failover_followed_while_the_old_master_serves(first_runtime_shut_down: bool) {
     let deployment = RedisSentinel::start();
     let command_timeout = Duration::from_millis(500);
@@ -374,13 +386,7 @@ async fn failover_followed_while_the_old_master_serves(first_runtime_shut_down: 
     let token = before.fencing_token();
     before.release().await.unwrap();
 
-    let sentinel = deployment.sentinels[0].port();
-    let _: () = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(redis_sentinel::MASTER_NAME)
-        .query_async(&mut node_conn(sentinel).await)
-        .await
-        .expect("SENTINEL FAILOVER");
+    failover(&deployment).await;
     let promoted = deployment.wait_failover_from(old_port, Duration::from_secs(30));
     let switched = Instant::now();
 
@@ -889,13 +895,7 @@ async fn locks_whose_waiters_leave_during_a_switch_are_not_left_subscribed_on_th
 
     // Four rounds of `SUBSCRIBE`s (128 at once), each 200 ms longer.
     proxy.set_latency(Duration::from_millis(100));
-    let sentinel = deployment.sentinels[0].port();
-    let _: () = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(redis_sentinel::MASTER_NAME)
-        .query_async(&mut node_conn(sentinel).await)
-        .await
-        .expect("SENTINEL FAILOVER");
+    failover(&deployment).await;
     poll_until(
         Duration::from_secs(30),
         Duration::from_millis(2),
