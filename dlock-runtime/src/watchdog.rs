@@ -1111,6 +1111,14 @@ async fn background_release(backend: Arc<dyn Backend>, command_timeout: Duration
                 tracing::trace!(op, "dlock background release");
                 break;
             }
+            // A refusal retrying cannot fix (an ACL without the lock keys, a role without the
+            // schema's privileges) is refused the same way until someone changes the backend:
+            // retried to the end of the lease, every request refused that way (each one's
+            // undo) left a task sending one a second, for as long as the TTL.
+            Ok(Err(err)) if err.is_misconfigured() => {
+                tracing::debug!(op, error = %err, "dlock background release refused for good; the TTL ends the lock");
+                break;
+            }
             Ok(Err(err)) => err.to_string(),
             Err(_) => "timed out".to_owned(),
         };

@@ -1172,6 +1172,10 @@ mod tests {
         /// The owner token of every acquire attempt, in order.
         tokens: std::sync::Mutex<Vec<String>>,
         hand_over: std::sync::atomic::AtomicBool,
+        /// While set, attempts and abandons are refused for good (`Misconfigured`, an ACL
+        /// without the lock keys); `refused_abandons` counts the abandons refused.
+        refused: std::sync::atomic::AtomicBool,
+        refused_abandons: AtomicUsize,
         hub: std::sync::Arc<crate::backend::ReleaseHub>,
         subscribed: std::sync::Mutex<Option<crate::backend::OwnerToken>>,
     }
@@ -1193,6 +1197,9 @@ mod tests {
             Box::pin(async move {
                 tokio::task::yield_now().await;
                 let slot = args.sent.expect("an acquire attempt has a send slot");
+                if self.refused.load(Ordering::SeqCst) {
+                    return Err(LockError::misconfigured("NOPERM", None));
+                }
                 if take_one(&self.unsent) {
                     slot.hold();
                     return Err(LockError::unavailable("connection refused", None));
@@ -1272,6 +1279,10 @@ mod tests {
         ) -> BoxFuture<'a, Result<(), LockError>> {
             if take_one(&self.failed_abandons) {
                 return Box::pin(async { Err(LockError::unavailable("no answer", None)) });
+            }
+            if self.refused.load(Ordering::SeqCst) {
+                self.refused_abandons.fetch_add(1, Ordering::SeqCst);
+                return Box::pin(async { Err(LockError::misconfigured("NOPERM", None)) });
             }
             Box::pin(async move {
                 let out = self.inner.abandon(resource, token).await;
@@ -1419,6 +1430,26 @@ mod tests {
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().expect("woken by the release");
         guard.release().await.unwrap();
+    }
+
+    /// A backend that refuses for good (an ACL without the lock keys, a role without the
+    /// schema's privileges): the refused attempt's undo, sent in the background, is refused the
+    /// same way and given up at once. Retried until the lease's end, every refused request left
+    /// a task sending it every second for as long as the TTL — at a thousand requests a second,
+    /// tens of thousands of tasks and as many commands a second while the refusal lasted.
+    #[tokio::test(start_paused = true)]
+    async fn an_undo_refused_for_good_is_not_retried() {
+        let (locker, outage) = outage_locker();
+        outage.refused.store(true, Ordering::SeqCst);
+        let err = locker
+            .lock("k")
+            .ttl(Duration::from_secs(10))
+            .try_acquire()
+            .await
+            .expect_err("taken from a backend that refuses");
+        assert!(err.is_misconfigured(), "{err}");
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(outage.refused_abandons.load(Ordering::SeqCst), 1);
     }
 
     /// Replicas that do not acknowledge a grant in time, and a give-back of the grant whose
