@@ -254,7 +254,7 @@ impl Lease {
     /// none can land after the step, and undo a release's shortened lease), then runs the
     /// future `step` makes — owner-checked, answering whether the lock was still ours — under
     /// the command deadline. `step` is called only then, told whether the local lease still
-    /// held when it was called (a step that would do more than release — store a record — does
+    /// held when this was called (a step that would do more than release — store a record — does
     /// only the release when it did not): a backend that does its work when called (the memory
     /// backend) still works after renewal stopped. Answered: the lease is
     /// settled ([`LockError::Lost`] if it was not ours, or if the local lease had run out
@@ -269,14 +269,18 @@ impl Lease {
     where
         F: Future<Output = Result<bool, LockError>>,
     {
+        // A lease that had run out before this call is lost, whatever the backend answers: a
+        // backend may find the lock still this owner's (nobody took it since), but the holder
+        // was told it was lost, and ran without the lock's protection. Judged now, not after
+        // the wait below: a renewal on its way that the backend applied but answers after the
+        // local lease's end is not counted (this lease is settling), and the lock was this
+        // owner's all along — judged after the wait, a release made while held answered `Lost`
+        // (and an idempotent operation's `complete` stored nothing, so it ran again).
+        let held_until_now = self.is_held();
         self.stop();
         // A renewal batch holds the turn from before its `done` check until its answer is in,
         // within the command timeout; the batches after `stop` leave this lock alone.
         let _turn = self.state.turn.lock().await;
-        // A lease that had run out before the step was sent is lost, whatever the backend
-        // answers: a backend may find the lock still this owner's (nobody took it since), but the
-        // holder was told it was lost, and ran without the lock's protection.
-        let held_until_now = self.is_held();
         let res = self
             .watchdog
             .with_deadline(what, step(held_until_now))

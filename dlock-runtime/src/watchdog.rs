@@ -1866,6 +1866,34 @@ mod tests {
         drop(freed);
     }
 
+    /// A release made while the lock is held, with a renewal on its way that the backend applied
+    /// but answers only after the local lease's end (a slow backend): the release waits for that
+    /// answer (so no renewal lands after it), and the lock was this owner's all along —
+    /// released, `Ok`. It answered `Lost`: whether the lease held was judged after that wait,
+    /// and the late renewal's answer was not counted (the guard was already settling); for an
+    /// idempotent operation's `complete`, nothing was stored and the next attempt ran the
+    /// operation again.
+    #[tokio::test]
+    async fn a_release_while_held_is_not_lost_to_a_renewal_answered_late() {
+        // The renewal due at 300 ms is applied then, and answered at 1,000 ms: after the
+        // 900 ms local lease, before the 1,200 ms lease it gave the lock.
+        let backend = Arc::new(Hooked {
+            late: Duration::from_millis(700),
+            ..Hooked::default()
+        });
+        let locker = Locker::builder().build(backend.clone());
+        let guard = locker
+            .lock("late-answer")
+            .ttl(Duration::from_millis(900))
+            .acquire()
+            .await
+            .unwrap();
+        backend.batch_arrived.notified().await;
+        assert!(guard.is_held());
+        let released = guard.release().await;
+        assert!(released.is_ok(), "{released:?}");
+    }
+
     /// A lock given back after its guard was reported lost keeps its minimum hold: the give-back
     /// only shortens the lease to what is left of the hold, as the holder's own release would.
     /// Before, the give-back deleted it, and another owner took the lock before the hold ended
