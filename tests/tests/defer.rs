@@ -199,6 +199,39 @@ async fn shutdown_drains_or_reports_exactly_what_was_dropped() {
     assert!(err.is_unavailable(), "{err}");
 }
 
+/// A drain tries every job until it has run or its time is up, and a lock that is busy
+/// meanwhile does not use up a job's attempts: jobs of one key, started together by the drain,
+/// wait for each other. Each busy attempt counted, so with the default five attempts, retried
+/// every 10 ms, the jobs waiting for their sibling were dead-lettered and dropped within
+/// 50 ms, with most of the drain's time left and the lock free a moment later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_busy_lock_without_using_up_its_jobs_attempts() {
+    let locker = Locker::memory();
+    let held = locker.lock("k").acquire().await.unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _ in 0..3 {
+        let r = ran.clone();
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::defer(Duration::from_secs(1), 5))
+            .run(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                r.fetch_add(1, Ordering::SeqCst);
+            })
+            .await
+            .unwrap_err();
+        assert!(err.is_deferred(), "{err}");
+    }
+    held.release().await.unwrap();
+    let report = locker.defer_queue().shutdown(Duration::from_secs(10)).await;
+    assert_eq!(report.completed, 3, "{report:?}");
+    assert!(
+        report.dropped.is_empty() && report.failed.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 3);
+}
+
 /// A job that ran before the shutdown is not in its report: `completed` counts the jobs the
 /// drain ran. Before, it counted every job since the queue started.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -325,7 +325,8 @@ impl DeferQueue {
     }
 
     /// Stops accepting jobs and drains: every pending job is tried at once (and retried with a
-    /// short step) until it has run or `within` has passed. Jobs still pending then, and
+    /// short step) until it has run or `within` has passed; a lock busy meanwhile uses up none
+    /// of a job's attempts. Jobs still pending then, and
     /// dead letters, are dropped and listed in the report ([`ShutdownReport::dropped`]); a job
     /// whose work panicked during the drain is listed in [`ShutdownReport::failed`].
     pub async fn shutdown(&self, within: Duration) -> ShutdownReport {
@@ -590,8 +591,15 @@ async fn run(mut task: Task) {
                 Ok((task, Outcome::NotRun(mut job, why))) => {
                     running_ids.remove(&task);
                     // An outage does not use up an attempt, as in the durable queue: the job
-                    // is tried again at the pace of its current attempt.
-                    let counted = !matches!(&why, NotRun::Failed(e) if !e.uses_a_job_attempt());
+                    // is tried again at the pace of its current attempt. Nor does a busy lock
+                    // during a drain, which tries every job until it has run or its time is up:
+                    // counted, jobs of one key that the drain started together (retried every
+                    // 10 ms) used up their attempts within 50 ms while a sibling held the lock,
+                    // and were dropped with most of the drain's time left.
+                    let counted = match &why {
+                        NotRun::Busy => draining.is_none(),
+                        NotRun::Failed(e) => e.uses_a_job_attempt(),
+                    };
                     job.info.attempts += u32::from(counted);
                     if counted && job.info.attempts >= job.policy.max_attempts {
                         let reason = match why {
