@@ -793,16 +793,7 @@ async fn wait_for(
                 let _ = w.take_handoff();
             }
             if now >= deadline {
-                // Leave the queue before reporting, so the caller's next move sees it gone.
-                let undo = locker.backend().abandon(flight.resource(), flight.token());
-                if locker.with_deadline("abandon", undo).await.is_ok() {
-                    flight.disarm();
-                }
-                return Err(LockError::timeout(
-                    flight.resource().key().as_str(),
-                    now - start,
-                    remaining,
-                ));
+                return Err(time_out(locker, &mut flight, now - start, remaining).await);
             }
             let Some(w) = &watch else {
                 // Subscribe, then attempt again at once: a release between the first attempt
@@ -825,6 +816,13 @@ async fn wait_for(
                         outage_pause(outage(err, step, false)?, watch.as_ref()).await;
                         step = step.saturating_add(1);
                     }
+                }
+                // No attempt starts after the deadline, which subscribing may have passed
+                // (asked again then, a slow backend stretched the wait by three command
+                // timeouts: the subscription, the attempt, and leaving the queue).
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(time_out(locker, &mut flight, now - start, remaining).await);
                 }
                 continue 'ask;
             };
@@ -897,6 +895,21 @@ async fn wait_for(
             }
         }
     }
+}
+
+/// Leaves the queue before reporting, so the caller's next move sees it gone, and answers the
+/// wait's timeout (`remaining`: the holder's lease left, as the last attempt saw it).
+async fn time_out(
+    locker: &Locker,
+    flight: &mut Undo<'_>,
+    waited: Duration,
+    remaining: Option<Duration>,
+) -> LockError {
+    let undo = locker.backend().abandon(flight.resource(), flight.token());
+    if locker.with_deadline("abandon", undo).await.is_ok() {
+        flight.disarm();
+    }
+    LockError::timeout(flight.resource().key().as_str(), waited, remaining)
 }
 
 /// Sleeps an outage pause; a subscribed waiter also wakes when notified (a release, a
@@ -1176,6 +1189,10 @@ mod tests {
         /// without the lock keys); `refused_abandons` counts the abandons refused.
         refused: std::sync::atomic::AtomicBool,
         refused_abandons: AtomicUsize,
+        /// How long each attempt, watch and abandon takes (a slow backend); when each attempt
+        /// started is noted in `started`.
+        slow: std::sync::Mutex<Duration>,
+        started: std::sync::Mutex<Vec<tokio::time::Instant>>,
         hub: std::sync::Arc<crate::backend::ReleaseHub>,
         subscribed: std::sync::Mutex<Option<crate::backend::OwnerToken>>,
     }
@@ -1195,6 +1212,12 @@ mod tests {
             args: AcquireArgs<'a>,
         ) -> BoxFuture<'a, Result<Attempt, LockError>> {
             Box::pin(async move {
+                self.started
+                    .lock()
+                    .unwrap()
+                    .push(tokio::time::Instant::now());
+                let slow = *self.slow.lock().unwrap();
+                tokio::time::sleep(slow).await;
                 tokio::task::yield_now().await;
                 let slot = args.sent.expect("an acquire attempt has a send slot");
                 if self.refused.load(Ordering::SeqCst) {
@@ -1284,7 +1307,9 @@ mod tests {
                 self.refused_abandons.fetch_add(1, Ordering::SeqCst);
                 return Box::pin(async { Err(LockError::misconfigured("NOPERM", None)) });
             }
+            let slow = *self.slow.lock().unwrap();
             Box::pin(async move {
+                tokio::time::sleep(slow).await;
                 let out = self.inner.abandon(resource, token).await;
                 (self.abandoned.lock().unwrap()).push(token.as_str().to_owned());
                 self.abandon_seen.notify_one();
@@ -1305,7 +1330,11 @@ mod tests {
                 let (watch, _) = self.hub.register(resource, token, None);
                 return Box::pin(async { Ok(watch) });
             }
-            self.inner.watch(resource, token)
+            let slow = *self.slow.lock().unwrap();
+            Box::pin(async move {
+                tokio::time::sleep(slow).await;
+                self.inner.watch(resource, token).await
+            })
         }
 
         fn replicate<'a>(
@@ -1430,6 +1459,51 @@ mod tests {
         held.release().await.unwrap();
         let guard = waiter.await.unwrap().expect("woken by the release");
         guard.release().await.unwrap();
+    }
+
+    /// No attempt starts after a wait's deadline, so a slow backend stretches the wait past it
+    /// by up to two command timeouts (an attempt on its way, then leaving the queue). An
+    /// attempt answered "held" before the deadline was followed by the subscription, and then
+    /// by one more attempt, already past the deadline: three.
+    #[tokio::test]
+    async fn no_attempt_starts_after_the_deadline_once_subscribed() {
+        let outage = std::sync::Arc::new(Outage::default());
+        let timeout = Duration::from_secs(1);
+        let locker = Locker::builder()
+            .command_timeout(timeout)
+            .build(outage.clone());
+        let held = locker.lock("k").acquire().await.unwrap();
+        // The attempt is answered "held" at 600 ms, the subscription at 1,200 ms: past the
+        // 1 s deadline.
+        *outage.slow.lock().unwrap() = Duration::from_millis(600);
+        outage.started.lock().unwrap().clear();
+        let start = tokio::time::Instant::now();
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::Retry(RetryPolicy::new(timeout)))
+            .acquire()
+            .await
+            .expect_err("the lock is held throughout");
+        assert!(err.is_timeout(), "{err}");
+        let late: Vec<Duration> = outage
+            .started
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| *t - start)
+            .filter(|&at| at >= timeout)
+            .collect();
+        assert!(
+            late.is_empty(),
+            "attempts started past the deadline: {late:?}"
+        );
+        assert!(
+            start.elapsed() <= timeout * 3,
+            "the wait ended {:?} after it began",
+            start.elapsed()
+        );
+        *outage.slow.lock().unwrap() = Duration::ZERO;
+        held.release().await.unwrap();
     }
 
     /// A backend that refuses for good (an ACL without the lock keys, a role without the
