@@ -1384,6 +1384,50 @@ async fn reaper_dead_letters_a_job_whose_claims_keep_expiring() {
     assert!(queue.is_empty().await.unwrap());
 }
 
+/// A stored job that is not UTF-8 (a foreign writer, corruption) is dead-lettered at once as
+/// one that does not decode, and the job claimed with it runs; the dead-letter listing shows
+/// it. The claim's answer was read as text: one such job failed the whole answer, every time
+/// it was sent again — its batch claimed, none of it run, until the claims expired — and the
+/// listing failed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_job_that_is_not_utf8_is_dead_lettered_and_its_batch_runs() {
+    let (server, locker, queue) = start_queue("not-utf8").await;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 3);
+    let good = enqueue(&queue, &record_job(&server, 21, "utf8"), &policy)
+        .await
+        .unwrap();
+    // Behind the queue's back: an envelope with a byte that is not UTF-8, due now.
+    let mut envelope = br#"{"type":"record","key":"utf8","max_attempts":3,"delay_ms":5,"max_delay_ms":5,"ttl_ms":5000,"data":{"id":""#.to_vec();
+    envelope.extend_from_slice(b"\xff\"}}");
+    let mut conn = server.conn().await;
+    let _: () = conn
+        .hset("dlock:{jobs:not-utf8}:jobs", "bad", envelope)
+        .await
+        .unwrap();
+    let _: () = conn
+        .zadd("dlock:{jobs:not-utf8}:due", "bad", 0)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone()).register::<RecordJob>();
+    assert_eq!(worker.run_once().await.unwrap(), 2);
+    assert_completes(
+        "the good job to run",
+        Duration::from_secs(5),
+        &queue,
+        &good,
+        "done 21",
+    )
+    .await;
+    let dead = queue.dead_letters().await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].id, "bad");
+    let reason = dead[0].reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("does not decode: it is not UTF-8"),
+        "{reason}"
+    );
+}
+
 /// Same name as `RecordJob`, another shape of data: what an older worker finds after a newer
 /// release changed the type's fields (or a corrupted payload). Its id is a string that must
 /// never reach a log or a dead-letter reason.

@@ -86,7 +86,9 @@ impl fmt::Debug for DurableQueue {
 /// One claimed job, as the claim script hands it out.
 pub(super) struct Claimed {
     pub(super) id: String,
-    pub(super) payload: String,
+    /// The stored envelope; not UTF-8 (a foreign writer, corruption), the error — the job is
+    /// dead-lettered as one that does not decode, and its batch-mates run.
+    pub(super) payload: Result<String, std::string::FromUtf8Error>,
     pub(super) attempt: u32,
     pub(super) token: String,
     /// When the claim was first sent: its deadline on the server is at least the visibility
@@ -716,8 +718,9 @@ impl DurableQueue {
         let mut conn = self.inner.conn.clone();
         let mut out = Vec::with_capacity(ids.len());
         for batch in ids.chunks(DESCRIBE_BATCH) {
-            let (payloads, attempts, reasons): (Column<String>, Column<u32>, Column<String>) = self
-                .deadline(
+            // Payloads as bytes: one that is not UTF-8 failed the whole listing.
+            let (payloads, attempts, reasons): (Column<Vec<u8>>, Column<u32>, Column<String>) =
+                self.deadline(
                     "describe jobs",
                     redis::pipe()
                         .cmd("HMGET")
@@ -735,7 +738,7 @@ impl DurableQueue {
             let rows = payloads.into_iter().zip(attempts).zip(reasons);
             for (id, ((payload, attempts), reason)) in batch.iter().zip(rows) {
                 let key = payload
-                    .and_then(|p| serde_json::from_str::<Envelope>(&p).ok())
+                    .and_then(|p| serde_json::from_slice::<Envelope>(&p).ok())
                     .map(|e| e.key)
                     .unwrap_or_default();
                 let mut info = JobInfo::new(id.clone(), key, attempts.unwrap_or(0));
@@ -788,16 +791,19 @@ impl DurableQueue {
             .arg(millis(limits.dead_letter_retention))
             .arg(limits.max_dead_letters);
         let sent = tokio::time::Instant::now();
-        let flat: Vec<String> = self
+        // Read as bytes: one stored envelope that is not UTF-8 failed the whole reply, every
+        // time it was resent — the batch claimed, none of it run, until the claims expired.
+        let flat: Vec<Vec<u8>> = self
             .invoke_resending(&self.inner.conn, "claim", &inv)
             .await?;
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         Ok(flat
             .chunks_exact(4)
             .map(|c| Claimed {
-                id: c[0].clone(),
-                payload: c[1].clone(),
-                attempt: c[2].parse().unwrap_or(1),
-                token: c[3].clone(),
+                id: text(&c[0]),
+                payload: String::from_utf8(c[1].clone()),
+                attempt: text(&c[2]).parse().unwrap_or(1),
+                token: text(&c[3]),
                 sent,
             })
             .collect())

@@ -377,13 +377,18 @@ impl DurableWorker {
 
     async fn process(&self, claim: Claimed) {
         let info = |key: &str| JobInfo::new(claim.id.clone(), key, claim.attempt);
-        let env: Envelope = match serde_json::from_str(&claim.payload) {
+        let decoded = match &claim.payload {
+            Ok(payload) => serde_json::from_str(payload).map_err(|e| super::decode_error(&e)),
+            Err(e) => Err(format!(
+                "it is not UTF-8 (byte {} of {})",
+                e.utf8_error().valid_up_to(),
+                e.as_bytes().len()
+            )),
+        };
+        let env: Envelope = match decoded {
             Ok(e) => e,
-            Err(e) => {
-                let reason = format!(
-                    "the stored job does not decode: {}",
-                    super::decode_error(&e)
-                );
+            Err(why) => {
+                let reason = format!("the stored job does not decode: {why}");
                 self.dead_letter(&claim, &info(""), &reason).await;
                 return;
             }
