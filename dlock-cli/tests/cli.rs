@@ -205,6 +205,34 @@ async fn redis_locks() {
     locks_through_the_cli(&server.url(), "order:42").await;
 }
 
+/// The read-only commands take no issuer number (`RedisBackend::ISSUER_BITS`): a monitoring
+/// job running `dlock list` every few seconds used one per run, and after 2,048 of them two
+/// live applications' backends could share one — tokens two masters issued from one counter
+/// value during a split no longer told apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_take_no_issuer_number() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let locker = server.locker().await;
+    let guard = locker.lock("watched").acquire().await.unwrap();
+    let issuers = || async {
+        let n: Option<u64> = server.query(redis::cmd("GET").arg("dlock:issuers")).await;
+        n
+    };
+    let before = issuers().await;
+    assert_eq!(before, Some(1), "the application's grant took one");
+    for args in [
+        &["--json", "list"][..],
+        &["--json", "inspect", "watched"],
+        &["--json", "watch", "--count", "1"],
+    ] {
+        let out = dlock(Some(&url), args).await;
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    }
+    assert_eq!(issuers().await, before);
+    guard.release().await.unwrap();
+}
+
 /// The keys of `locks` as `list --json` gives them, sorted.
 fn keys(locks: &Value) -> Vec<String> {
     let mut keys: Vec<String> = locks

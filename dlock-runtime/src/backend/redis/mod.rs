@@ -613,6 +613,26 @@ pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
     limit: Duration,
     avoid: &[u64],
 ) -> Result<u64, LockError> {
+    issuers(conn, limit, 1, avoid).await
+}
+
+/// What connecting asks (see [`RedisBackend::connect`]): `INCRBY dlock:issuers 0`, answered as
+/// [`take_issuer`]'s `INCR` is — a cluster node named as one server (`MOVED`), a replica named
+/// by mistake (`READONLY`), a server still loading — without taking a number.
+pub(super) async fn check_issuers<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    limit: Duration,
+) -> Result<(), LockError> {
+    issuers(conn, limit, 0, &[]).await.map(drop)
+}
+
+/// `INCRBY dlock:issuers <by>` as [`take_issuer`] describes it.
+async fn issuers<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    limit: Duration,
+    by: u64,
+    avoid: &[u64],
+) -> Result<u64, LockError> {
     use redis::{ErrorKind, ServerErrorKind};
     let mask = (1 << RedisBackend::ISSUER_BITS) - 1;
     let deadline = tokio::time::Instant::now() + limit;
@@ -620,8 +640,8 @@ pub(super) async fn take_issuer<C: redis::aio::ConnectionLike + Send>(
     let mut pause = Duration::from_millis(5);
     let mut taken_tries = 0;
     while taken_tries < 4 {
-        let mut incr = redis::cmd("INCR");
-        incr.arg(ISSUERS_KEY);
+        let mut incr = redis::cmd("INCRBY");
+        incr.arg(ISSUERS_KEY).arg(by);
         let answer = tokio::time::timeout_at(deadline, incr.query_async::<u64>(conn)).await;
         let e = match answer {
             Ok(Ok(n)) => {
@@ -735,8 +755,10 @@ impl RedisBackend {
     /// The low bits of a fencing token this backend hands out that name the backend it was
     /// granted to: a token is `counter × 2^ISSUER_BITS + issuer`, where `counter` is what the
     /// scripts issue (see the key layout in `backend::redis::scripts`) and `issuer` is this
-    /// backend's number, `INCR dlock:issuers` modulo `2^ISSUER_BITS` when it first needs one
-    /// (a random number when the server's ACL refuses that command, `NOPERM`).
+    /// backend's number, `INCR dlock:issuers` modulo `2^ISSUER_BITS` when it first needs one —
+    /// its first call that may be granted a token, not its connect, so read-only clients take
+    /// none (a random number when the server's ACL refuses that command, `NOPERM`). Behind
+    /// Sentinel every connection takes one on each master it follows.
     ///
     /// Tokens are ordered by their counter first, so the order they are granted in is their
     /// numeric order as before; the issuer only separates tokens that two masters issued from
@@ -757,9 +779,12 @@ impl RedisBackend {
     /// sign-in (a wrong password or user) — whatever the timeouts.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, LockError> {
         let backend = Self::build(url, opts, ReleaseHub::new(), true)?;
-        // Establish the connection now, so a wrong URL or a down server fails at startup; the
-        // round trip also takes this backend's issuer number.
-        if let Err(e) = backend.issuer().await {
+        // Establish the connection now, so a wrong URL, a down server, a cluster node or a
+        // replica fails at startup (`check_issuers`). The issuer number waits for the first
+        // call that may be granted a token: taken here, every read-only client (an operator's
+        // `dlock list` every few seconds, a health check) used one up, and after
+        // 2^ISSUER_BITS of them two live backends could share a number.
+        if let Err(e) = backend.check_issuers().await {
             return Err(backend.refused_at_sign_in(e).await);
         }
         backend.check_eviction_policy().await;
@@ -923,7 +948,8 @@ impl RedisBackend {
             &me,
             conn::Reconnect::Cluster(Box::new(plain)),
         );
-        backend.issuer().await?;
+        // Connected (see `connect`: the issuer number waits for the first grant).
+        backend.check_issuers().await?;
         Ok(backend)
     }
 
@@ -1101,6 +1127,16 @@ impl RedisBackend {
     }
 
     /// This backend's issuer number, taken from the server on first use (one `INCR`).
+    /// [`check_issuers`] on this backend's connection (what connecting asks).
+    async fn check_issuers(&self) -> Result<(), LockError> {
+        let mut conn = self.inner.conn.clone();
+        let limit = self.inner.opts.connect_timeout + self.inner.opts.command_timeout;
+        check_issuers(&mut conn, limit).await.inspect_err(|_| {
+            // Perhaps a timeout on a silent connection (a check is only a `PING`).
+            self.inner.conn.timed_out();
+        })
+    }
+
     pub(crate) async fn issuer(&self) -> Result<u64, LockError> {
         let issuer = self.inner.issuer.load(Ordering::Acquire);
         if issuer != NO_ISSUER {
