@@ -65,7 +65,8 @@
 //!   from the request extensions (`Extension<LockInfo>` in axum).
 //! * [`DeferLayer`] (feature `defer`): when a request's lock is busy, `202 Accepted` with a job id and a status
 //!   location; the request is stored in the durable Redis queue and replayed through the
-//!   application when the lock frees ([`defer`]).
+//!   application when the lock frees ([`defer`]). The `202` carries the [`Deferred`] mark, so
+//!   an [`IdempotencyLayer`] outside does not store it as the key's response.
 //! * [`IdempotencyLayer`] / [`Idempotency`]: the `Idempotency-Key` header (IETF draft). The
 //!   first request with a key runs and its response is stored atomically with the key's lock;
 //!   retries get the stored response byte for byte, a key reused with another payload `422`,
@@ -155,6 +156,7 @@ pub mod admin;
 #[cfg(feature = "defer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "defer")))]
 pub mod defer;
+mod deferred;
 mod hex;
 pub mod idempotency;
 pub mod key;
@@ -164,6 +166,7 @@ mod uri;
 
 #[cfg(feature = "defer")]
 pub use defer::DeferLayer;
+pub use deferred::Deferred;
 pub use idempotency::{Idempotency, IdempotencyLayer, MissingIdentity};
 pub use lock::{DistributedLock, DistributedLockLayer, FailMode, MissingKey};
 pub use rejection::Rejection;

@@ -18,7 +18,12 @@
 //!    `cancelled_request_frees_the_key_without_a_record`, `backend_down_fails_closed_or_open`,
 //!    `redlock_is_refused_with_a_clear_error`; in memory: `memory_backend_basic_flow`;
 //!    the record is stored even when the response future is dropped after the handler
-//!    returned: `response_future_dropped_after_the_handler_returned_still_stores_the_record`.
+//!    returned: `response_future_dropped_after_the_handler_returned_still_stores_the_record`;
+//! 9. stacked with the lock layers: a deferred `202` is not stored and the replay runs the
+//!    handler once: `a_deferred_request_is_not_the_keys_outcome_and_its_replay_runs_the_handler_once`;
+//!    a lock or defer layer outside is not released while the handler runs:
+//!    `a_lock_layer_outside_is_not_released_while_a_given_up_handler_runs`,
+//!    `a_defer_layer_outside_is_not_released_while_a_given_up_handler_runs`.
 //!
 //! Handlers block on signals the test controls (a watch-channel gate, an mpsc "entered"
 //! signal), never on sleeps; the only waits on the clock are for a lease to run out, which is
@@ -1358,4 +1363,345 @@ async fn in_flight_drains_once_a_given_up_handlers_response_is_stored() {
     assert!(retry.replayed());
     assert_eq!(h.calls(), 1);
     server.abort();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stacked with the lock layers.
+
+/// An `IdempotencyLayer` outside a `DeferLayer` (the app's `.route_layer(defer)
+/// .route_layer(idempotency)`): a request whose resource is busy is answered `202` and queued,
+/// and that `202` is not the key's stored outcome — the replay, through the app without the
+/// defer layer (the idempotency layer and its identity still in it), runs the handler once,
+/// with the resource's lock in its extensions, and stores its real response, which the
+/// client's retry then gets. A retry while the job waits is deferred again, not answered with
+/// a stored `202`; its job replays the first one's stored response. Once, the `202` was stored
+/// as the key's response: the replay was answered with it, the handler never ran, and the job
+/// was recorded completed with the result "202".
+#[cfg(feature = "defer")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_request_is_not_the_keys_outcome_and_its_replay_runs_the_handler_once() {
+    use dlock_runtime::defer::DeferPolicy;
+    use dlock_runtime::durable::JobStatus;
+    use dlock_tests::jobs::{run_in_background, start_queue};
+    use dlock_tests::wait::poll_until;
+    use dlock_tower::defer::replay_worker;
+    use dlock_tower::{key, DeferLayer};
+
+    const ACCOUNT_LOCK: &str = "hdr:x-account:acct-1";
+    let (_redis, locker, queue) = start_queue("idempotent-defer").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<(String, Option<String>)>();
+    let policy =
+        DeferPolicy::new(Duration::from_millis(20), 100).max_delay(Duration::from_millis(50));
+    let idempotency = IdempotencyLayer::new(locker.clone())
+        .ttl(TTL)
+        .identity::<UserId>();
+    // The app; the worker replays through it without the defer layer.
+    let app = |deferring: bool| {
+        let (calls, seen) = (calls.clone(), seen_tx.clone());
+        let routes = Router::new().route(
+            "/orders",
+            post(move |lock: Option<Extension<LockInfo>>, body: String| {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                seen.send((body, lock.map(|Extension(l)| l.key().to_owned())))
+                    .unwrap();
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        );
+        let routes = match deferring {
+            true => routes.route_layer(
+                DeferLayer::new(locker.clone(), key::header("x-account"), queue.clone())
+                    .policy(policy.clone()),
+            ),
+            false => routes,
+        };
+        routes
+            .route_layer(idempotency.clone())
+            .layer(tower::util::MapRequestLayer::new(user_from_header::<Body>))
+    };
+    let (addr, server) = serve(app(true)).await;
+    let http = Http::new(addr);
+    let order = |key: &str, body: &str| {
+        post_with(key, body)
+            .path("/orders")
+            .header("x-account", "acct-1")
+            .header("x-user", "7")
+    };
+    let job_of = |reply: &Reply| {
+        assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+        assert!(
+            !reply.replayed(),
+            "a stored 202 was replayed: {}",
+            reply.text()
+        );
+        let location = reply.headers["location"].to_str().unwrap();
+        location.rsplit('/').next().unwrap().to_owned()
+    };
+
+    // The account is busy: both orders are deferred, and the retry of the second is deferred
+    // again (its key holds no record).
+    let held = locker.lock(ACCOUNT_LOCK).acquire().await.unwrap();
+    let once = job_of(&http.send(order("k-once", "order #1")).await);
+    let retried = job_of(&http.send(order("k-retried", "order #2")).await);
+    let retry = http.send(order("k-retried", "order #2")).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the account is busy");
+
+    let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app(false))
+        .poll_interval(Duration::from_millis(10));
+    let w = run_in_background(worker);
+    held.release().await.unwrap();
+    let result = async |job: &str| {
+        poll_until(
+            Duration::from_secs(10),
+            Duration::ZERO,
+            async || match queue.status(job).await.unwrap() {
+                JobStatus::Completed { result } => Ok(result),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .await
+    };
+    // The jobs for one account run one at a time, in either order.
+    let results = [result(&once).await, result(&retried).await];
+    assert_eq!(
+        (results, calls.load(Ordering::SeqCst)),
+        ([Some("201".to_owned()), Some("201".to_owned())], 2),
+        "the replays of the deferred requests must run the handler, once per key (job \
+         results, handler calls)"
+    );
+    // The retry while the job waited was another job, which ran the handler or (when it ran
+    // second) replayed the stored response.
+    let again = job_of(&retry);
+    assert_ne!(again, retried);
+    assert_eq!(result(&again).await.as_deref(), Some("201"));
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "each order ran once");
+    // One of the retried key's two jobs ran the handler, the other replayed its response.
+    let mut seen: Vec<_> = std::iter::from_fn(|| seen_rx.try_recv().ok()).collect();
+    seen.sort();
+    let account = Some(ACCOUNT_LOCK.to_owned());
+    assert_eq!(
+        seen,
+        [
+            ("order #1".to_owned(), account.clone()),
+            ("order #2".to_owned(), account)
+        ],
+        "the replayed handler sees the resource's lock, not the idempotency key's"
+    );
+
+    // The clients' retries now get the stored responses.
+    let mut texts = Vec::new();
+    for (key, body) in [("k-once", "order #1"), ("k-retried", "order #2")] {
+        let reply = http.send(order(key, body)).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+        assert!(reply.replayed());
+        texts.push(reply.text());
+    }
+    texts.sort();
+    assert_eq!(texts, ["order 1", "order 2"]);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    w.stop().await;
+    server.abort();
+}
+
+/// What a [`guarded`] handler reports.
+#[derive(Debug)]
+enum Step {
+    /// Request `key` entered, with `lock` in its extensions and `held` visible to
+    /// `held_locks()`.
+    Entered {
+        key: String,
+        lock: Option<String>,
+        held: Vec<String>,
+    },
+    /// Request `key`'s handler ended: `finished`, or dropped where it waited.
+    Left { key: String, finished: bool },
+}
+
+#[derive(Clone)]
+struct Guarded {
+    active: Arc<AtomicUsize>,
+    max: Arc<AtomicUsize>,
+    steps: mpsc::UnboundedSender<Step>,
+    gate: watch::Receiver<bool>,
+}
+
+/// Counts the handlers inside at once (`max`), reports entering and leaving (also when
+/// dropped), and waits for the gate.
+async fn guarded(
+    State(g): State<Guarded>,
+    lock: Option<Extension<LockInfo>>,
+    headers: HeaderMap,
+) -> StatusCode {
+    struct Leaving(Guarded, String, bool);
+    impl Drop for Leaving {
+        fn drop(&mut self) {
+            self.0.active.fetch_sub(1, Ordering::SeqCst);
+            let key = std::mem::take(&mut self.1);
+            let _ = self.0.steps.send(Step::Left {
+                key,
+                finished: self.2,
+            });
+        }
+    }
+    let key = headers[KEY_HEADER].to_str().unwrap().to_owned();
+    let inside = g.active.fetch_add(1, Ordering::SeqCst) + 1;
+    g.max.fetch_max(inside, Ordering::SeqCst);
+    let mut leaving = Leaving(g.clone(), key.clone(), false);
+    let held = dlock_runtime::held_locks();
+    g.steps
+        .send(Step::Entered {
+            key,
+            lock: lock.map(|Extension(l)| l.key().to_owned()),
+            held: held.iter().map(|l| l.key().to_owned()).collect(),
+        })
+        .unwrap();
+    // (A gate dropped: the test is over.)
+    let _ = g.gate.clone().wait_for(|open| *open).await;
+    leaving.2 = true;
+    StatusCode::CREATED
+}
+
+/// The client of request `a` hangs up while its handler runs under the lock `outer_key` of a
+/// layer `stack` puts outside the idempotency layer; request `b` for the same lock (another
+/// idempotency key) must not run its handler until `a`'s has ended.
+async fn an_outer_lock_covers_the_handler_until_it_ends(
+    stack: impl FnOnce(Router<Guarded>) -> Router<Guarded>,
+    locker: &Locker,
+    outer_key: &str,
+) {
+    use tokio::io::AsyncWriteExt as _;
+
+    let (open, gate) = watch::channel(false);
+    let (steps_tx, mut steps) = mpsc::unbounded_channel();
+    let g = Guarded {
+        active: Arc::new(AtomicUsize::new(0)),
+        max: Arc::new(AtomicUsize::new(0)),
+        steps: steps_tx,
+        gate,
+    };
+    let app = stack(Router::new().route("/work", post(guarded))).with_state(g.clone());
+    let (addr, server) = serve(app).await;
+    let http = Http::new(addr);
+    let work = |key: &str| {
+        post_with(key, "")
+            .path("/work")
+            .header("x-account", "acct-1")
+    };
+    let mut next = async || {
+        tokio::time::timeout(HANG, steps.recv())
+            .await
+            .expect("a handler step in time")
+            .unwrap()
+    };
+
+    // `a`, on a connection of its own, hangs up once its handler runs.
+    let mut a = tokio::net::TcpStream::connect(addr).await.unwrap();
+    a.write_all(
+        b"POST /work HTTP/1.1\r\nhost: test\r\nidempotency-key: a\r\nx-account: acct-1\r\n\
+          content-length: 0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let entered_a = next().await;
+    assert!(
+        matches!(&entered_a, Step::Entered { key, .. } if key == "a"),
+        "{entered_a:?}"
+    );
+    drop(a);
+
+    // Once the outer lock is free, `b` takes it.
+    dlock_tests::wait::poll_until(HANG, Duration::from_millis(5), async || {
+        match locker.lock(outer_key).try_acquire().await.unwrap() {
+            Some(guard) => {
+                guard.release().await.unwrap();
+                Ok(())
+            }
+            None => Err("the outer lock is still held"),
+        }
+    })
+    .await;
+    let b = {
+        let http = http.clone();
+        let call = work("b");
+        tokio::spawn(async move { http.send(call).await })
+    };
+    let mut before_b = Vec::new();
+    loop {
+        match next().await {
+            Step::Entered { key, .. } if key == "b" => break,
+            step => before_b.push(step),
+        }
+    }
+    assert_eq!(
+        g.max.load(Ordering::SeqCst),
+        1,
+        "b's handler ran while a's did, under one lock; before b: {before_b:?}"
+    );
+    assert!(
+        matches!(&before_b[..], [Step::Left { key, finished: false }] if key == "a"),
+        "a's handler was cut off with its outer lock: {before_b:?}"
+    );
+    open.send(true).unwrap();
+    assert_eq!(b.await.unwrap().status, StatusCode::CREATED);
+    let Step::Entered { lock, held, .. } = entered_a else {
+        unreachable!()
+    };
+    assert_eq!(
+        lock.as_deref(),
+        Some(outer_key),
+        "the handler sees the outer lock's LockInfo"
+    );
+    let idem = lock_key(None, "a").unwrap();
+    assert_eq!(
+        held,
+        [outer_key, idem.as_str()],
+        "held_locks(): the outer lock, then the key's"
+    );
+
+    // `a`'s key was released without a record: the client's retry runs the handler.
+    let retry = http.send(work("a")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert!(!retry.replayed());
+    server.abort();
+}
+
+/// A `DistributedLockLayer` outside the idempotency layer keeps its mutual exclusion when a
+/// client goes away: the handler runs in the request's future (as with
+/// `cancel_on_disconnect(true)`), so it is cut off before the outer lock is released, and the
+/// next request for the lock waits for it; the handler sees the outer lock's `LockInfo` and
+/// both locks in `held_locks()`. Once, the idempotency layer ran the handler in a task of its
+/// own: the outer lock was released at the hang-up while the handler ran on, the next request
+/// ran beside it (two inside at once), and the handler saw the idempotency key's `LockInfo`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_layer_outside_is_not_released_while_a_given_up_handler_runs() {
+    use dlock_tower::{key, DistributedLockLayer};
+
+    let locker = Locker::memory();
+    let l = locker.clone();
+    let stack = move |routes: Router<Guarded>| {
+        routes
+            .route_layer(IdempotencyLayer::new(l.clone()).ttl(TTL))
+            .route_layer(
+                DistributedLockLayer::new(l, key::header("x-account"))
+                    .ttl(TTL)
+                    .on_fail(OnFail::retry(HANG)),
+            )
+    };
+    an_outer_lock_covers_the_handler_until_it_ends(stack, &locker, "hdr:x-account:acct-1").await;
+}
+
+/// The same with a `DeferLayer` outside the idempotency layer.
+#[cfg(feature = "defer")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_defer_layer_outside_is_not_released_while_a_given_up_handler_runs() {
+    use dlock_tower::{key, DeferLayer};
+
+    let (_redis, locker, queue) = dlock_tests::jobs::start_queue("outer-defer").await;
+    let l = locker.clone();
+    let stack = move |routes: Router<Guarded>| {
+        routes
+            .route_layer(IdempotencyLayer::new(l.clone()).ttl(TTL))
+            .route_layer(DeferLayer::new(l, key::header("x-account"), queue))
+    };
+    an_outer_lock_covers_the_handler_until_it_ends(stack, &locker, "hdr:x-account:acct-1").await;
 }

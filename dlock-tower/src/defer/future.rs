@@ -148,6 +148,8 @@ where
             );
             let mut res = Response::new(R::from(body));
             *res.status_mut() = StatusCode::ACCEPTED;
+            // Not the request's outcome: an idempotency layer outside must not store it.
+            res.extensions_mut().insert(crate::Deferred::new(job_id));
             res.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),

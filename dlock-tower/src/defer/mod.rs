@@ -15,6 +15,15 @@
 //! {"status":202,"title":"Accepted","job_id":"…","status_url":"<status path>/<job id>"}
 //! ```
 //!
+//! with a [`Deferred`](crate::Deferred) response extension (the job id): an
+//! [`IdempotencyLayer`](crate::IdempotencyLayer) outside this layer does not store that `202`
+//! as the key's outcome, so the replay, which goes through the idempotency layer, runs the
+//! handler once and stores its response (see
+//! [deferred requests](crate::idempotency#deferred-requests), also for a layer with an
+//! identity: the replay must be authenticated again). Put the idempotency layer outside this
+//! one. Inside, it runs the handler in this layer's future, so a client that goes away cuts
+//! the handler off before the lock is released, and the retry runs it again.
+//!
 //! A request without a key gets `400` ([`MissingKey::Reject`](crate::MissingKey), the default)
 //! or passes through without a lock ([`MissingKey::PassThrough`](crate::MissingKey)); when the
 //! lock backend is down the layer answers `503` ([`FailMode::Closed`](crate::FailMode), the

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use dlock_runtime::idempotency::{Begin, IdempotentOperation};
+use dlock_runtime::LockInfo;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use tower_service::Service;
@@ -25,7 +26,8 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 /// Once the key is taken, the inner service's future, reading the response body and storing
 /// the record run in a spawned task that finishes even if this future is dropped (a client
 /// that went away): the retry gets the replay. With
-/// [`cancel_on_disconnect(true)`](super::IdempotencyLayer::cancel_on_disconnect) it owns the
+/// [`cancel_on_disconnect(true)`](super::IdempotencyLayer::cancel_on_disconnect), or when a
+/// lock is held outside the layer ([why](super#with-the-lock-and-defer-layers)), it owns the
 /// key's lock (an [`IdempotentOperation`]) while the inner service runs: dropping it then drops
 /// the inner service's future and releases the lock in the background **without** a record,
 /// so the client's retry runs the handler again; only the storing runs in a task.
@@ -333,11 +335,21 @@ where
         Err(err) => return Ok(reject(Rejection::from(err))),
     };
 
-    // The handler runs with the lock visible in its extensions and to `current_lock()`.
-    request.extensions_mut().insert(op.info());
+    // A lock taken outside this layer (a lock or defer layer, a replay worker) shows in the
+    // task's scope and in the extensions. It is released when this future is dropped, so the
+    // handler must not outlive it; its `LockInfo` is the one the handler fences with.
+    let outer_info = request.extensions().get::<LockInfo>().is_some();
+    let outer_lock = outer_info || dlock_runtime::current_lock().is_some();
+    // The handler runs with the key's lock visible to `current_lock()` (innermost), and in its
+    // extensions unless an outer lock's is there.
+    if !outer_info {
+        request.extensions_mut().insert(op.info());
+    }
     let call = op.in_scope(|| inner.call(request));
-    let handled = if shared.cancel_on_disconnect {
-        // Dropping this future drops the handler's; only the storing is detached.
+    let handled = if shared.cancel_on_disconnect || outer_lock {
+        // Dropping this future drops the handler's (before an outer lock is released); only
+        // the storing is detached. A detached handler would run on after the outer lock was
+        // released, beside the next request that takes it, and outside its scope.
         handle(op, call, shared.clone(), true).await?
     } else {
         // Once the key is taken the handler runs to its end, also if this future is dropped
@@ -371,7 +383,8 @@ where
 
 /// What became of the handler's response.
 enum Handled<B: Body> {
-    /// Not to be stored (its status, or a declared length over the limit): handed on as is.
+    /// Not to be stored (its status, a [`Deferred`](crate::Deferred) mark, or a declared
+    /// length over the limit): handed on as is.
     Unstored(Response<B>),
     /// Read (up to the limit) and stored, or not stored with what was read.
     Read(http::response::Parts, Collected<B>),
@@ -403,7 +416,12 @@ where
         }
     };
     let (head, body) = response.into_parts();
-    if !is_storable(head.status) || body.size_hint().lower() > shared.max_response_body as u64 {
+    // A deferred request's `202` is not its outcome: its replay runs the handler.
+    let deferred = head.extensions.get::<crate::Deferred>().is_some();
+    if deferred
+        || !is_storable(head.status)
+        || body.size_hint().lower() > shared.max_response_body as u64
+    {
         abort(op, &shared).await;
         return Ok(Ok(Handled::Unstored(Response::from_parts(head, body))));
     }

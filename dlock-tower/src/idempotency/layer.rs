@@ -199,7 +199,9 @@ impl IdempotencyLayer {
     /// with the response future and the key freed without a record; the retry runs the
     /// handler again. With the default, put layers that bound handlers (a timeout, a
     /// concurrency limit) inside this one: outside, they no longer bound a handler whose
-    /// client went away.
+    /// client went away. When a lock is held outside this layer (a lock or defer layer
+    /// wrapping it), the handler is cancelled with it whatever this setting: see
+    /// [with the lock and defer layers](super#with-the-lock-and-defer-layers).
     pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
         Arc::make_mut(&mut self.shared).cancel_on_disconnect = cancel;
         self

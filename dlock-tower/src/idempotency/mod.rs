@@ -87,8 +87,9 @@
 //!    a different fingerprint); else take the lock — a normal lock with an owner token, a
 //!    fencing token and a lease renewed by the watchdog — noting the fingerprint.
 //! 4. Call the handler, with the lock's [`LockInfo`](dlock_runtime::LockInfo) (key, fencing
-//!    token) in the request extensions and visible to
-//!    [`current_lock`](dlock_runtime::current_lock).
+//!    token) visible to [`current_lock`](dlock_runtime::current_lock) and in the request
+//!    extensions — unless a lock layer outside put its own there (see
+//!    [with the lock and defer layers](#with-the-lock-and-defer-layers)).
 //! 5. A storable response (below) is read in full and **completed**, one atomic step: store
 //!    the status, the replay-safe headers and the body with the fingerprint for the retention
 //!    period (default 24 h) *and* release the lock. A response that is not storable releases
@@ -137,6 +138,9 @@
 //! Not stored — the key is freed and the client's retry runs the handler again:
 //!
 //! * every `5xx`, and `1xx`: the server failed; the outcome is not final;
+//! * a response marked [`Deferred`](crate::Deferred) — the `202` of a
+//!   [`DeferLayer`](crate::DeferLayer) inside this one: the request was queued, not run (see
+//!   [deferred requests](#deferred-requests));
 //! * `408 Request Timeout`, `425 Too Early`, `429 Too Many Requests`: they say "try again";
 //! * `409 Conflict` and `423 Locked`: a conflict with the resource's current state, which the
 //!   retry may not meet;
@@ -193,7 +197,8 @@
 //! # Crashes and cancellation
 //!
 //! * **The client disconnects** (or a timeout layer outside gives up) **while the handler
-//!   runs**: the handler runs to its end anyway — in a tokio task of its own, started once
+//!   runs**, and no lock is held outside this layer (else see the next point): the handler
+//!   runs to its end anyway — in a tokio task of its own, started once
 //!   the key is taken — and its response is stored, so the client's retry gets `409` while it
 //!   runs and then the replay. Cut off between two effects (the card charged, the ledger not
 //!   yet written), it would run again from the start on the retry. The task is instrumented
@@ -206,6 +211,11 @@
 //!   outside no longer bounds a handler whose client went away (the timeout answers, the
 //!   permit is freed, the handler runs on). Inside, a timeout still ends a hung handler — its
 //!   error response is not stored, so the key is freed — and a limit still counts it.
+//! * **The same with a lock held outside this layer** (a
+//!   [`DistributedLockLayer`](crate::DistributedLockLayer) or
+//!   [`DeferLayer`](crate::DeferLayer) wrapping it, a replay worker): the handler is cut off
+//!   with the outer lock, as with `cancel_on_disconnect(true)`, and the retry runs it again —
+//!   see [with the lock and defer layers](#with-the-lock-and-defer-layers).
 //! * **The client disconnects after the handler returned** (while the layer reads the response
 //!   body or stores the record): storing runs in its own tokio task and finishes anyway, so
 //!   the client's retry gets the stored response — the case `Idempotency-Key` exists for.
@@ -251,6 +261,63 @@
 //! watchdog keeps renewed: bound handlers with a timeout inside the layer — or replays a
 //! response that was not stored for that key.
 //!
+//! # With the lock and defer layers
+//!
+//! **Put this layer outside them**: in axum, `.route_layer(lock_or_defer_layer)` first, then
+//! `.route_layer(idempotency_layer)`. A duplicate is then answered (`409`, the replay, `422`)
+//! before it waits for the resource's lock, a handler whose client went away runs to its end
+//! *with* the resource's lock (the lock layer's future runs in the handler's task), and a
+//! deferred request is handled as below.
+//!
+//! **A lock layer outside this one** releases its lock when its response future is dropped
+//! (the client went away), so the handler must not outlive that future: a handler left
+//! running in a task of its own would run beside the next request that takes the lock. When
+//! a lock is held outside — the request carries a [`LockInfo`](dlock_runtime::LockInfo) in
+//! its extensions, or [`current_lock`](dlock_runtime::current_lock) is `Some` where this
+//! layer's future runs (a [`DistributedLockLayer`](crate::DistributedLockLayer), a
+//! [`DeferLayer`](crate::DeferLayer), a defer replay worker, a `#[distributed_lock]`
+//! function calling the service) — the handler runs in this layer's response future, as with
+//! [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect) whatever that
+//! setting: dropped with the outer future, before the outer lock is released; the key is then
+//! released without a record and the client's retry runs the handler again. Only the
+//! storing of a returned response still runs in a task of its own. The handler finds the
+//! outer lock's `LockInfo` in its extensions — the resource's, to fence writes with — while
+//! `current_lock()` is the key's lock and [`held_locks`](dlock_runtime::held_locks) lists
+//! both, the outer one first. A lock held outside that shows in neither place (a middleware
+//! of your own that keeps a guard without [`with_lock`](dlock_runtime::with_lock)) is not
+//! seen: put such a layer inside this one.
+//!
+//! ## Deferred requests
+//!
+//! A [`DeferLayer`](crate::DeferLayer) inside this one answers a request whose resource is
+//! busy with `202 Accepted` and queues it. That `202` carries the
+//! [`Deferred`](crate::Deferred) mark and is not stored: the key is released without a
+//! record. The replay worker sends the request through the application without the
+//! `DeferLayer` — with this layer — so the replay takes the key, runs the handler and stores
+//! its response (the job's result is that status). Until then:
+//!
+//! * a retry while the resource is still busy is deferred again: another job, another
+//!   `202`. The jobs run one at a time (they take the resource's lock); the first runs the
+//!   handler and the other replays its stored response;
+//! * a retry once the resource is free, before the job ran, runs the handler at once and
+//!   stores its response; the job then replays it;
+//! * a retry while the replay runs gets `409`, then the stored response.
+//!
+//! The handler runs once per key either way (but for the queue's at-least-once delivery: a
+//! replay whose worker died mid-handler runs again, see [`defer`](crate::defer)).
+//!
+//! **Identity**: the replay carries only what the queue stored — the request's headers
+//! without its credentials — and no extensions but the lock. With an
+//! [`identity`](IdempotencyLayer::identity), the application the worker replays through must
+//! authenticate the replay to the same identity (store the credential header with
+//! [`DeferLayer::store_header`](crate::DeferLayer::store_header), or an auth layer of the
+//! worker's own that trusts another stored header); the handler needs the identity anyway.
+//! Otherwise this layer answers the replay `401` ([`MissingIdentity::Reject`]): the handler
+//! does not run and the job is recorded completed with the result `401`. With
+//! [`MissingIdentity::SharedSpace`] the replay's key is the unscoped `idem:<key>`, not
+//! `idem:<identity>:<key>`, so the client's retry does not find its record and runs the
+//! handler a second time.
+//!
 //! # Backends
 //!
 //! Records live in the same backend as the lock, atomic with it: Redis (one server, a Cluster
@@ -263,7 +330,8 @@
 //! # Where to put it
 //!
 //! After authentication (so the identity is in the extensions) and around the handlers that
-//! need it, e.g. `Router::route_layer` on the payment routes. The layer reads whole request
+//! need it, e.g. `Router::route_layer` on the payment routes — outside a lock or defer layer
+//! on them ([above](#with-the-lock-and-defer-layers)). The layer reads whole request
 //! and response bodies of covered requests into memory (both bounded); do not put it in front
 //! of streaming responses. The response body type becomes [`ResponseBody<B>`] around the inner
 //! service's `B`, which axum and hyper accept as they accept `B`.
@@ -329,12 +397,13 @@ pub fn fingerprint(method: &Method, uri: &Uri, body: &[u8]) -> Fingerprint {
 }
 
 /// The handlers (with the storing of their responses) that an [`IdempotencyLayer`] runs in
-/// tasks of their own — all of them, unless
-/// [`cancel_on_disconnect`](IdempotencyLayer::cancel_on_disconnect) — counted from their start
-/// to the end of their storing (or the release of their key). From
-/// [`IdempotencyLayer::in_flight`]; clones count the same tasks. See
-/// [crashes and cancellation](self#crashes-and-cancellation) for why a shutdown waits for
-/// them.
+/// tasks of their own, counted from their start to the end of their storing (or the release
+/// of their key): all of them, unless
+/// [`cancel_on_disconnect`](IdempotencyLayer::cancel_on_disconnect) or a lock held outside the
+/// layer ([why](self#with-the-lock-and-defer-layers)) keeps the handler in the response
+/// future — then only the storing. From [`IdempotencyLayer::in_flight`]; clones count the same
+/// tasks. See [crashes and cancellation](self#crashes-and-cancellation) for why a shutdown
+/// waits for them.
 #[derive(Clone, Default)]
 pub struct InFlight {
     inner: Arc<InFlightInner>,

@@ -23,6 +23,13 @@
 //! In axum, read the lock with `Extension<LockInfo>` (or `Option<Extension<LockInfo>>` behind
 //! a layer that may pass requests through without a lock).
 //!
+//! **With an [`IdempotencyLayer`](crate::IdempotencyLayer)**, put this layer inside it (in
+//! axum, `route_layer` this one first): a handler whose client went away then runs to its end
+//! with this lock held. Outside it, the idempotency layer sees this lock and runs the handler
+//! in the request's future, so a client that goes away cuts the handler off before this lock
+//! is released (and the retry runs it again); the handler finds this layer's `LockInfo` in its
+//! extensions. See [with the lock and defer layers](crate::idempotency#with-the-lock-and-defer-layers).
+//!
 //! **Streaming bodies**: the lock covers the inner service's work up to the moment it returns
 //! the response *head*. A response body that is produced lazily (a stream) keeps running after
 //! the lock is released; do the work that needs the lock before returning the response.
