@@ -55,8 +55,11 @@
 //! `Api-Key`, `X-Auth-Token`, `X-Access-Token`, `X-Amz-Security-Token`, `X-Goog-Api-Key`,
 //! `X-CSRF-Token`, `X-XSRF-Token`), and those that authenticating proxies set
 //! (`X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
-//! `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data`) are left out of the stored request (so the
-//! replay runs without them) unless you opt a header in by name with
+//! `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data`), and every header whose name contains
+//! `token`, `secret`, `jwt`, `authorization`, `api-key`, `apikey`, `password`, `cookie`,
+//! `credential` or `session` (Azure App Service's `X-MS-TOKEN-AAD-*`, Google IAP's
+//! `X-Goog-IAP-JWT-Assertion`, GitLab's `Private-Token`, `X-Vault-Token`, …) are left out of
+//! the stored request (so the replay runs without them) unless you opt a header in by name with
 //! [`DeferLayer::store_header`] — it then sits in your Redis for as long as the job lives (a dead letter for the queue's
 //! dead-letter retention, 7 days by default). List your own with
 //! [`DeferLayer::exclude_header`]. **The URI is stored as sent**, query string included: a
@@ -204,7 +207,32 @@ fn stores(
     !HOP_BY_HOP.contains(&name.as_str())
         && !connection_named.iter().any(|n| n == name.as_str())
         && !excluded.contains(name)
-        && (!CREDENTIALS.contains(name) || opted_in.contains(name))
+        && (!is_credential(name) || opted_in.contains(name))
+}
+
+/// Words that mark a header as a credential wherever they appear in its name: what the list
+/// above does not name — `X-MS-TOKEN-AAD-REFRESH-TOKEN` (Azure App Service authentication),
+/// `X-Goog-IAP-JWT-Assertion` (Google IAP), `X-Pomerium-Jwt-Assertion`, `Private-Token` and
+/// `X-Gitlab-Token` (GitLab), `X-Vault-Token`, a `X-Client-Secret` or `X-Session-Id` of the
+/// application's own. Before, only the list was left out, and those were stored in Redis for
+/// as long as the job lived (dead letters: 7 days by default).
+const CREDENTIAL_WORDS: [&str; 10] = [
+    "token",
+    "secret",
+    "jwt",
+    "authorization",
+    "api-key",
+    "apikey",
+    "password",
+    "cookie",
+    "credential",
+    "session",
+];
+
+/// Whether header `name` carries a credential: on the list, or named with one of the words.
+fn is_credential(name: &HeaderName) -> bool {
+    // Header names are lowercase.
+    CREDENTIALS.contains(name) || CREDENTIAL_WORDS.iter().any(|w| name.as_str().contains(w))
 }
 
 #[cfg(test)]
@@ -238,6 +266,45 @@ mod tests {
         let opted = [header::AUTHORIZATION];
         assert!(stores(&header::AUTHORIZATION, &[], &excluded, &opted));
         assert!(!stores(&header::COOKIE, &[], &excluded, &opted));
+    }
+
+    /// The credential headers of authenticating proxies and services not on the list, and
+    /// the application's own named like them, are left out too; other headers are stored.
+    #[test]
+    fn headers_named_like_credentials_are_not_stored() {
+        for name in [
+            "x-ms-token-aad-access-token",
+            "x-ms-token-aad-id-token",
+            "x-ms-token-aad-refresh-token",
+            "x-goog-iap-jwt-assertion",
+            "x-pomerium-jwt-assertion",
+            "private-token",
+            "x-gitlab-token",
+            "x-vault-token",
+            "x-client-secret",
+            "x-session-id",
+            "x-password",
+            "x-upstream-authorization",
+            "x-partner-api-key",
+            "x-service-credentials",
+        ] {
+            let name = HeaderName::from_static(name);
+            assert!(!stores(&name, &[], &[], &[]), "{name} stored by default");
+            assert!(
+                stores(&name, &[], &[], std::slice::from_ref(&name)),
+                "{name} not stored when opted in"
+            );
+        }
+        for name in [
+            "content-type",
+            "x-request-id",
+            "x-user",
+            "idempotency-key",
+            "accept",
+        ] {
+            let name = HeaderName::from_static(name);
+            assert!(stores(&name, &[], &[], &[]), "{name} left out");
+        }
     }
 
     #[test]
