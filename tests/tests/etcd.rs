@@ -812,6 +812,22 @@ async fn a_woken_waiters_watch_task_is_not_kept_while_others_wait() {
     assert_eq!(backend.watch_tasks(), 0);
 }
 
+/// `key`, taken by `a` with a lease of `ttl` it does not renew and a minimum hold of `hold`.
+async fn held_unrenewed(
+    a: &Locker,
+    key: &str,
+    ttl: Duration,
+    hold: Duration,
+) -> dlock_runtime::LockGuard {
+    a.lock(key)
+        .ttl(ttl)
+        .auto_renew(false)
+        .hold_at_least(hold)
+        .acquire()
+        .await
+        .unwrap()
+}
+
 /// A lock that is not renewed (`auto_renew(false)`) and is released within its minimum hold is
 /// not deleted: its key moves to a lease of what is left of the hold (`expire`). The backend
 /// remembers an acquisition's leases until its release or abandon, and that move remembered
@@ -833,14 +849,7 @@ async fn locks_released_within_their_hold_leave_no_lease_remembered() {
         let takes = keys.iter().map(|key| {
             let (a, key) = (a.clone(), key.clone());
             tokio::spawn(async move {
-                let g = a
-                    .lock(&key)
-                    .ttl(ttl)
-                    .auto_renew(false)
-                    .hold_at_least(hold)
-                    .acquire()
-                    .await
-                    .unwrap();
+                let g = held_unrenewed(&a, &key, ttl, hold).await;
                 g.release().await.unwrap();
             })
         });
@@ -856,14 +865,7 @@ async fn locks_released_within_their_hold_leave_no_lease_remembered() {
     // Released within the hold after the key was deleted: the expire finds it gone.
     for i in 0..5 {
         let key = format!("{run}-gone-{i}");
-        let g = a
-            .lock(&key)
-            .ttl(ttl)
-            .auto_renew(false)
-            .hold_at_least(hold)
-            .acquire()
-            .await
-            .unwrap();
+        let g = held_unrenewed(&a, &key, ttl, hold).await;
         let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
         assert_eq!(backend.delete_lock(resource.as_str()).await.unwrap(), 1);
         let err = g.release().await.unwrap_err();
