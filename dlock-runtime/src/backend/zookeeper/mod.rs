@@ -516,8 +516,9 @@ impl Session {
     /// The server keeps a session whose client went silent until the session timeout, so the
     /// session normally lives on, with every node of it: locks held and places in queues stay
     /// this backend's, and renewals go on. If it expired meanwhile (or expires after the resume,
-    /// before its server synced), its nodes are gone: a new session is opened, and the renewals of its locks answer "not the owner" (their guards
-    /// are lost), as after any expiry. A resumed session is used once its server has synced
+    /// before its server synced), its nodes are gone: a new session is opened, and the renewals
+    /// of its locks answer "not the owner" (their guards are lost), as after any expiry. A
+    /// resumed session is used once its server has synced
     /// with the leader: it may lag behind the writes the session made through the old client
     /// (the client library resumes with no zxid and leaves that to a `sync`). Never dropped
     /// unused: the last client of a session closes it when dropped.
