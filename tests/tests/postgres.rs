@@ -914,6 +914,50 @@ async fn unreachable_database_is_a_typed_503_within_the_timeout() {
     }
 }
 
+/// A connection that takes longer to make than the command timeout leaves a call (here two
+/// round trips — TLS negotiation and start-up — where a statement takes one; TLS and SCRAM
+/// over a long link take more) is still made once its caller gave up, and goes to the pool for
+/// the next call. Before, the caller's timeout dropped it half-made, and once the pool's
+/// connections were gone every call timed out making one, for as long as the link was slow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_slower_to_make_than_the_command_timeout_are_made_for_the_next_call() {
+    let proxy = Proxy::start(port()).await.unwrap();
+    let via = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        proxy_port(&proxy)
+    );
+    let limit = Duration::from_millis(500);
+    let (locker, _) = locker_at(&via, limit).await;
+    // A round trip of 300 ms: a statement fits in the command timeout, a new connection not.
+    proxy.set_latency(Duration::from_millis(150));
+    proxy.cut(false);
+    let mut answers = Vec::new();
+    for n in 0..8 {
+        let out = locker
+            .lock(format!("slowlink:{n}").as_str())
+            .try_acquire()
+            .await;
+        match out {
+            Ok(guard) => {
+                let guard = guard.expect("a free lock");
+                guard.release().await.expect("release");
+                answers.push("ok".to_owned());
+                break;
+            }
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e:?}");
+                answers.push(e.to_string());
+            }
+        }
+    }
+    assert_eq!(
+        answers.last().map(String::as_str),
+        Some("ok"),
+        "no call over the slow link was answered: {answers:#?}"
+    );
+    assert!(answers.len() <= 4, "answered only after {answers:#?}");
+}
+
 /// A `LISTEN` connection whose peer goes silent (every byte held: a partition, a middlebox that
 /// forgot the connection) is found dead within two intervals of its empty-query check and
 /// made again: `is_listening` turns `false`, then `true`, and a waiter over the backend is

@@ -32,15 +32,19 @@
 //!
 //! **A drained connection still counts against the pool.** A call takes one of the backend's
 //! slots (as many as the pool's connections) before it takes a connection, and a drain keeps
-//! that slot until the connection is closed. The pool makes a connection only when it has no
-//! idle one, so the connections in use, idle and being drained never exceed the pool's size
-//! (with [`from_pool`](super::PostgresBackend::from_pool), the slots are the pool's size when
-//! the backend was made, and the application's own use of the pool comes on top): when a database is too slow for the command timeout, every call timing out, calls wait
-//! for a slot (and time out as unavailable) instead of each opening a new connection beside the
-//! ones still draining — up to eleven times the pool's connections per process before.
+//! that slot until the connection is closed; so does a connection being made, until it is made
+//! — also when its caller gave up on it, as it is then made to its end and goes to the pool
+//! for the next call. The pool makes a connection only when it has no idle one, so the
+//! connections in use, idle, being made and being drained never exceed the pool's size (with
+//! [`from_pool`](super::PostgresBackend::from_pool), the slots are the pool's size when the
+//! backend was made, and the application's own use of the pool comes on top): when a database
+//! is too slow for the command timeout, every call timing out, calls wait for a slot (and time
+//! out as unavailable) instead of each opening a new connection beside the ones still draining
+//! — up to eleven times the pool's connections per process before.
 //!
-//! The hot path pays nothing for this: no extra round trip, no task, only a flag cleared when
-//! the answer is in (and an uncontended semaphore permit per call).
+//! The hot path pays no extra round trip for this: a flag cleared when the answer is in, an
+//! uncontended semaphore permit and the task that takes the connection from the pool (see
+//! `PostgresBackend::pooled`).
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;

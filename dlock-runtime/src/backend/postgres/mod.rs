@@ -968,8 +968,22 @@ impl PostgresBackend {
             .acquire_owned()
             .await
             .map_err(|_| LockError::unavailable(format!("postgres {what}: pool closed"), None))?;
-        let client = self.inner.pool.get().await.map_err(|e| pool_err(what, e))?;
-        Ok(flight::Pooled { client, slot })
+        // Got in a task of its own, which holds the slot: a connection still being made when
+        // its caller gives up (the command timeout, a dropped request) is made to its end and
+        // goes to the pool for the next call. Made in the caller, it was dropped half-made:
+        // where making one takes longer than the command timeout leaves (TLS and
+        // authentication over a long link take several round trips, a statement one), every
+        // call timed out making a connection once the pool's were gone — for good — and after
+        // a database restart each reconnect that came too late began again, while the
+        // restarted server made the connections only to see them closed.
+        let pool = self.inner.pool.clone();
+        tokio::spawn(async move {
+            let client = pool.get().await?;
+            Ok(flight::Pooled { client, slot })
+        })
+        .await
+        .map_err(|e| LockError::unavailable(format!("postgres {what}: pool task: {e}"), None))?
+        .map_err(|e| pool_err(what, e))
     }
 
     /// `client` with a statement about to be sent (see [`flight::InFlight`]).
