@@ -958,6 +958,36 @@ async fn connections_slower_to_make_than_the_command_timeout_are_made_for_the_ne
     assert!(answers.len() <= 4, "answered only after {answers:#?}");
 }
 
+/// Through PgBouncer in transaction pooling, a `LISTEN` made on the main URL (notifications
+/// on, no `notify_url`) hears nothing other sessions send: PgBouncer hands the `LISTEN` and
+/// every later statement to server connections the session does not keep. The session finds
+/// it out when it starts (the probe it sends itself through the pool does not come) and does
+/// not count as listening; a session on a direct `notify_url` hears the same probe and does.
+/// Before, `is_listening` said `true` and every waiter slept to its fallback timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_session_through_transaction_pooling_is_found_deaf() {
+    let url = shared_bouncer().url("postgres");
+    let opts = PostgresOptions::default()
+        .schema("bounced_deaf")
+        .command_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500));
+    let deaf = PostgresBackend::connect(&url, opts.clone())
+        .await
+        .expect("connect");
+    let heard = PostgresBackend::connect(&url, opts.notify_url(direct_url("postgres")))
+        .await
+        .expect("connect");
+    until_listening(&[&heard], Duration::from_secs(10)).await;
+    wait_for(
+        "the deaf session's probe to lapse",
+        Duration::from_secs(10),
+        async || (deaf.listen_probes_unheard() > 0).then_some(()),
+    )
+    .await;
+    assert!(!deaf.is_listening(), "a deaf session says it listens");
+    assert_eq!(heard.listen_probes_unheard(), 0);
+}
+
 /// A `LISTEN` connection whose peer goes silent (every byte held: a partition, a middlebox that
 /// forgot the connection) is found dead within two intervals of its empty-query check and
 /// made again: `is_listening` turns `false`, then `true`, and a waiter over the backend is

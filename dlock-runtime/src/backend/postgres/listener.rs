@@ -3,10 +3,18 @@
 //! Payloads (sent by `pg_notify` in the functions of `schema`, delivered after the releasing
 //! transaction committed): `<lock name>\t<waiter token>\t<fencing token>` when a release handed
 //! the lock to that waiter (which is woken, not handed the grant: see [`deliver`]),
-//! `<lock name>\t` to wake one barging waiter. The task reconnects with
-//! backoff when the connection drops, or when it does not answer an empty query within the
-//! connect plus command timeout (asked once per that interval, at most hourly: a peer gone
-//! silent is found in two). Each time `LISTEN` is active — the first time too — it wakes every
+//! `<lock name>\t` to wake one barging waiter. Before a session counts as listening, it asks
+//! whether it hears what other sessions send: a notification sent through the backend's pool
+//! (as a release's is) to a channel only this session listens on must come within the connect
+//! plus command timeout. One that does not — the session goes through PgBouncer in
+//! transaction pooling, which hands `LISTEN` and the notifications to server connections the
+//! session does not keep, or `notify_url` names another database — is logged (`WARN`, with
+//! the fix) and made again after 30 s; meanwhile `is_listening` says `false` and waiters run
+//! on their timers. Before, such a session said it listened and heard nothing.
+//!
+//! The task reconnects with backoff when the connection drops, or when it does not answer an
+//! empty query within the connect plus command timeout (asked once per that interval, at most
+//! hourly: a peer gone silent is found in two). Each time `LISTEN` is active — the first time too — it wakes every
 //! local waiter once: notifications sent while it was down were missed, and the backend's
 //! `watch` answers at once without waiting for `LISTEN`, so a waiter registered meanwhile may
 //! have missed a release. It ends when the backend is dropped. It starts on the runtime the
@@ -21,7 +29,7 @@ use tokio::sync::watch;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{AsyncMessage, NoTls, Socket};
 
-use super::Connector;
+use super::{Connector, Inner, PostgresBackend};
 use crate::backend::ReleaseHub;
 
 /// Starts the task; the receiver tells whether `LISTEN` is active, and dropping every receiver
@@ -31,6 +39,7 @@ pub(super) fn spawn(
     connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
+    backend: Weak<Inner>,
     limit: Duration,
 ) -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
@@ -39,6 +48,7 @@ pub(super) fn spawn(
         connector,
         channel,
         hub,
+        backend,
         limit,
         up: Some(tx),
     }));
@@ -56,6 +66,8 @@ struct Task {
     connector: Connector,
     channel: String,
     hub: Weak<ReleaseHub>,
+    /// The backend, whose pool sends the probe (see the module docs).
+    backend: Weak<Inner>,
     limit: Duration,
     /// `None` once the task returned.
     up: Option<watch::Sender<bool>>,
@@ -78,6 +90,7 @@ impl Drop for Task {
             connector: self.connector.clone(),
             channel: std::mem::take(&mut self.channel),
             hub: self.hub.clone(),
+            backend: self.backend.clone(),
             limit: self.limit,
             up: Some(up),
         }));
@@ -98,6 +111,18 @@ fn reconnect_pause(last: Option<Duration>, listened_for: Option<Duration>) -> Du
     }
 }
 
+/// The pause before a session found deaf (see the module docs) is made again: its cause is the
+/// set-up, which a reconnect every second would not change.
+const DEAF_PAUSE: Duration = Duration::from_secs(30);
+
+/// How a session ended.
+enum Ended {
+    /// The connection failed, or did not answer.
+    Lost,
+    /// It listened, and did not hear the probe sent to it.
+    Deaf,
+}
+
 async fn run(mut task: Task) {
     let mut pause = None;
     let Task {
@@ -105,28 +130,50 @@ async fn run(mut task: Task) {
         connector,
         channel,
         hub,
+        backend,
         limit,
         ..
     } = &task;
     let Some(up) = task.up.as_ref() else { return };
+    let ears = Ears {
+        channel,
+        probe: format!("dlock_probe_{}", crate::util::secure_token::<8>()),
+        hub,
+        backend,
+        limit: *limit,
+    };
     loop {
         let began = tokio::time::Instant::now();
-        tokio::select! {
+        let ended = tokio::select! {
             _ = up.closed() => break,
-            _ = async {
+            ended = async {
                 match connector {
-                    Connector::Plain => session(config, NoTls, channel, hub, *limit, up).await,
+                    Connector::Plain => session(config, NoTls, &ears, up).await,
                     #[cfg(feature = "postgres-tls")]
-                    Connector::Tls(t) => session(config, t.clone(), channel, hub, *limit, up).await,
+                    Connector::Tls(t) => session(config, t.clone(), &ears, up).await,
                 }
-            } => {}
-        }
+            } => ended,
+        };
         let listened_for = up.send_replace(false).then(|| began.elapsed());
         if hub.strong_count() == 0 {
             break;
         }
-        tracing::warn!("postgres LISTEN connection lost; reconnecting");
-        let next = reconnect_pause(pause, listened_for);
+        let next = match ended {
+            Ended::Lost => {
+                tracing::warn!("postgres LISTEN connection lost; reconnecting");
+                reconnect_pause(pause, listened_for)
+            }
+            Ended::Deaf => {
+                tracing::warn!(
+                    "postgres LISTEN session does not hear notifications sent through the \
+                     pool (through PgBouncer in transaction pooling? a notify_url naming \
+                     another database?): waiters run on their timers; give the backend a \
+                     direct notify_url, or turn notifications off; asking again in {:?}",
+                    DEAF_PAUSE
+                );
+                DEAF_PAUSE
+            }
+        };
         pause = Some(next);
         tokio::select! {
             _ = up.closed() => break,
@@ -136,44 +183,106 @@ async fn run(mut task: Task) {
     task.up = None;
 }
 
-/// One connection's life: connect, `LISTEN`, dispatch until it fails.
+/// What a session listens on and reports to.
+struct Ears<'a> {
+    channel: &'a str,
+    /// The channel only this task's sessions listen on (see the module docs).
+    probe: String,
+    hub: &'a Weak<ReleaseHub>,
+    backend: &'a Weak<Inner>,
+    limit: Duration,
+}
+
+impl Ears<'_> {
+    /// Dispatches what comes on the connection until `fut` ends (`Err` if the connection ends
+    /// first), noting in `heard` a notification on the probe channel — and, `until_heard`,
+    /// ending there (`Ok(None)`).
+    async fn pump<F: std::future::Future>(
+        &self,
+        messages: &mut (impl futures_util::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>>
+                  + Unpin),
+        heard: &mut bool,
+        until_heard: bool,
+        fut: F,
+    ) -> Result<Option<F::Output>, ()> {
+        tokio::pin!(fut);
+        loop {
+            tokio::select! {
+                r = &mut fut => return Ok(Some(r)),
+                m = messages.next() => match m {
+                    Some(Ok(AsyncMessage::Notification(n))) if n.channel() == self.probe => {
+                        *heard = true;
+                        if until_heard {
+                            return Ok(None);
+                        }
+                    }
+                    Some(Ok(m)) => dispatch(self.hub, m),
+                    _ => return Err(()),
+                },
+            }
+        }
+    }
+
+    /// Sends the probe through the backend's pool.
+    async fn send_probe(&self) -> bool {
+        let Some(inner) = self.backend.upgrade() else {
+            return false;
+        };
+        let backend = PostgresBackend { inner };
+        let sql = format!("NOTIFY \"{}\"", self.probe);
+        backend.call("listen probe", &sql, &[]).await.is_ok()
+    }
+}
+
+/// One connection's life: connect, `LISTEN`, ask whether it hears other sessions, dispatch
+/// until it fails.
 async fn session<T>(
     config: &tokio_postgres::Config,
     tls: T,
-    channel: &str,
-    hub: &Weak<ReleaseHub>,
-    limit: Duration,
+    ears: &Ears<'_>,
     up: &watch::Sender<bool>,
-) where
+) -> Ended
+where
     T: MakeTlsConnect<Socket>,
     T::Stream: Send,
     <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
 {
+    let limit = ears.limit;
     let Ok(Ok((client, mut conn))) = tokio::time::timeout(limit, config.connect(tls)).await else {
-        return;
+        return Ended::Lost;
     };
     let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
-    let listen = format!("LISTEN \"{channel}\"");
-    let listened = {
-        let listen = tokio::time::timeout(limit, client.batch_execute(&listen));
-        tokio::pin!(listen);
-        loop {
-            tokio::select! {
-                r = &mut listen => break matches!(r, Ok(Ok(()))),
-                m = messages.next() => match m {
-                    Some(Ok(m)) => dispatch(hub, m),
-                    _ => return,
-                },
+    let mut heard = false;
+    let listen = format!("LISTEN \"{}\"; LISTEN \"{}\"", ears.channel, ears.probe);
+    let listen = tokio::time::timeout(limit, client.batch_execute(&listen));
+    let Ok(Some(Ok(Ok(())))) = ears.pump(&mut messages, &mut heard, false, listen).await else {
+        return Ended::Lost;
+    };
+    // The probe is heard within the limit after its sending was answered (a release's
+    // notification, too, may come after the releasing statement's answer).
+    let Ok(Some(true)) = ears
+        .pump(&mut messages, &mut heard, false, ears.send_probe())
+        .await
+    else {
+        return Ended::Lost;
+    };
+    if !heard {
+        let wait = tokio::time::sleep(limit);
+        match ears.pump(&mut messages, &mut heard, true, wait).await {
+            Err(()) => return Ended::Lost,
+            Ok(_) if heard => {}
+            Ok(_) => {
+                if let Some(inner) = ears.backend.upgrade() {
+                    (inner.probes_unheard).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                return Ended::Deaf;
             }
         }
-    };
-    if !listened {
-        return;
     }
     up.send_replace(true);
     // Every waiter registered now may have missed a release while LISTEN was down or not yet
     // up (a watch does not wait for it): each asks once more. None, mostly, the first time.
-    if let Some(hub) = hub.upgrade() {
+    if let Some(hub) = ears.hub.upgrade() {
         hub.notify_all();
         tracing::debug!("postgres LISTEN up; local waiters woken to re-check");
     }
@@ -187,31 +296,19 @@ async fn session<T>(
     let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            m = messages.next() => match m {
-                Some(Ok(m)) => dispatch(hub, m),
-                _ => break,
-            },
-            _ = check.tick() => {
-                let ping = tokio::time::timeout(limit, client.batch_execute(""));
-                tokio::pin!(ping);
-                let alive = loop {
-                    tokio::select! {
-                        r = &mut ping => break matches!(r, Ok(Ok(()))),
-                        m = messages.next() => match m {
-                            Some(Ok(m)) => dispatch(hub, m),
-                            _ => break false,
-                        },
-                    }
-                };
-                if !alive {
-                    tracing::warn!("postgres LISTEN connection did not answer within {limit:?}");
-                    break;
-                }
-            }
+        if ears
+            .pump(&mut messages, &mut heard, false, check.tick())
+            .await
+            .is_err()
+        {
+            return Ended::Lost;
         }
+        let ping = tokio::time::timeout(limit, client.batch_execute(""));
+        let Ok(Some(Ok(Ok(())))) = ears.pump(&mut messages, &mut heard, false, ping).await else {
+            tracing::warn!("postgres LISTEN connection did not answer within {limit:?}");
+            return Ended::Lost;
+        };
     }
-    drop(client);
 }
 
 fn dispatch(hub: &Weak<ReleaseHub>, message: AsyncMessage) {

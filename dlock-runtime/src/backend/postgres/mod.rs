@@ -110,7 +110,12 @@
 //! [`Locker::from_url`](crate::Locker::from_url)), or turn notifications off
 //! (`dlock_notify=off`): waiters then wake on their timers (a handoff waits at most one backoff
 //! step, bounded by a third of the waiter TTL). With notifications on and no notify URL, the
-//! main URL is used for `LISTEN`: do not do that through PgBouncer in transaction pooling.
+//! main URL is used for `LISTEN`: do not do that through PgBouncer in transaction pooling —
+//! the session then hears nothing other sessions send, which it finds out when it starts (a
+//! probe sent through the pool to a channel only it listens on does not come): it logs a
+//! `WARN` saying so, [`is_listening`](PostgresBackend::is_listening) stays `false`, waiters
+//! run on their timers, and it is tried again every 30 s. The same goes for a `notify_url`
+//! naming another database than the pool's.
 //!
 //! # Schema
 //!
@@ -398,6 +403,8 @@ struct Inner {
     /// (every call timing out, each drain lasting up to ten command timeouts) saw up to
     /// eleven times the pool's connections per process.
     slots: Arc<tokio::sync::Semaphore>,
+    /// `LISTEN` sessions that did not hear their probe (see `listener`).
+    probes_unheard: std::sync::atomic::AtomicU64,
 }
 
 /// Maps a client error to [`LockError::Unavailable`], or to [`LockError::Misconfigured`] when
@@ -715,18 +722,21 @@ impl PostgresBackend {
     ) -> Result<Self, LockError> {
         let sql = schema::Statements::new(&opts.schema, &opts.table_prefix);
         let hub = ReleaseHub::new();
-        let listening = notify.map(|(config, connector)| {
-            listener::spawn(
-                config,
-                connector,
-                schema::channel(&opts.schema, &opts.table_prefix),
-                Arc::downgrade(&hub),
-                opts.connect_timeout.saturating_add(opts.command_timeout),
-            )
-        });
         let slots = Arc::new(tokio::sync::Semaphore::new(pool.status().max_size.max(1)));
-        let backend = PostgresBackend {
-            inner: Arc::new(Inner {
+        // Cyclic: the listener sends its probe through the backend's pool (and holds it only
+        // while it does).
+        let inner = Arc::new_cyclic(|me| {
+            let listening = notify.map(|(config, connector)| {
+                listener::spawn(
+                    config,
+                    connector,
+                    schema::channel(&opts.schema, &opts.table_prefix),
+                    Arc::downgrade(&hub),
+                    me.clone(),
+                    opts.connect_timeout.saturating_add(opts.command_timeout),
+                )
+            });
+            Inner {
                 slots,
                 pool,
                 sql,
@@ -735,8 +745,10 @@ impl PostgresBackend {
                 listening,
                 gates: Mutex::new(HashMap::new()),
                 cancel,
-            }),
-        };
+                probes_unheard: Default::default(),
+            }
+        });
+        let backend = PostgresBackend { inner };
         // Saturating: either may be `Duration::MAX` ("no deadline"), and `+` would panic.
         let opts = &backend.inner.opts;
         let limit = opts.connect_timeout.saturating_add(opts.command_timeout);
@@ -862,9 +874,19 @@ impl PostgresBackend {
         &self.inner.pool
     }
 
-    /// Whether the `LISTEN` connection is up now (always `false` without notifications).
+    /// Whether the `LISTEN` connection is up now and hears what other sessions send (always
+    /// `false` without notifications). A session that hears nothing of a probe sent to it
+    /// through the pool — made through PgBouncer in transaction pooling, or on another database
+    /// than the pool's — is not up: it logs a `WARN` and is made again every 30 s.
     pub fn is_listening(&self) -> bool {
         self.inner.listening.as_ref().is_some_and(|l| *l.borrow())
+    }
+
+    /// How many `LISTEN` sessions did not hear the probe sent to them (see
+    /// [`is_listening`](Self::is_listening)); for tests.
+    #[doc(hidden)]
+    pub fn listen_probes_unheard(&self) -> u64 {
+        (self.inner.probes_unheard).load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Frees the lock named `resource` (a [`ResourceName`] string such as `dlock:{order:1}`)
