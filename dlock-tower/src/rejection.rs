@@ -21,6 +21,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 /// | the key is invalid (oversized, empty, not UTF-8, repeated header) | 400 | `urn:dlock:problem:lock-invalid-key` |
 /// | the key is missing and [`MissingKey::Reject`](crate::MissingKey::Reject) | 400 | `urn:dlock:problem:lock-key-missing` |
 /// | [`IdempotencyLayer`](crate::IdempotencyLayer): an identity is configured and the request has none ([`MissingIdentity::Reject`](crate::MissingIdentity::Reject)) | 401 | `urn:dlock:problem:idempotency-identity-missing` |
+/// | [`IdempotencyLayer`](crate::IdempotencyLayer): the request's identity cannot be formatted (its `Display` returned an error) | 500 | `urn:dlock:problem:idempotency-identity-unformattable` |
 /// | the body is over [`body_digest`](crate::key::body_digest)'s limit | 413 | `urn:dlock:problem:body-too-large` |
 /// | the lock is busy and the defer queue is full ([`LockError::QueueFull`], [`DeferLayer`](crate::DeferLayer)) | 503 + `Retry-After` | `urn:dlock:problem:defer-queue-full` |
 ///

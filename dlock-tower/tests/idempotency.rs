@@ -844,6 +844,50 @@ async fn a_services_call_sees_the_lock_before_its_future_runs() {
     assert_eq!(&body[..], b"true");
 }
 
+/// An identity whose `Display` fails is answered `500` (problem
+/// `idempotency-identity-unformattable`) without running the handler — under
+/// `MissingIdentity::SharedSpace` too, which must not take it for a request without one.
+/// Before, `to_string` panicked inside the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_that_cannot_be_formatted_is_answered_500() {
+    use tower::ServiceBuilder;
+
+    #[derive(Clone)]
+    struct Unprintable;
+    impl std::fmt::Display for Unprintable {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("user-")?;
+            Err(std::fmt::Error)
+        }
+    }
+    let calls = Arc::new(AtomicUsize::new(0));
+    for missing in [MissingIdentity::Reject, MissingIdentity::SharedSpace] {
+        let calls = calls.clone();
+        let svc = ServiceBuilder::new()
+            .layer(
+                IdempotencyLayer::new(Locker::memory())
+                    .ttl(TTL)
+                    .identity::<Unprintable>()
+                    .missing_identity(missing),
+            )
+            .service(tower::service_fn(move |_: Request<Body>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Ok::<_, Infallible>(Response::new(Body::from("ran"))))
+            }));
+        let mut req = post_with("unprintable", "{}").build::<Body>("");
+        req.extensions_mut().insert(Unprintable);
+        let res = svc.oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(
+            body.contains("urn:dlock:problem:idempotency-identity-unformattable"),
+            "{body}"
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler ran");
+}
+
 /// A request cancelled while the handler runs releases the key without a record (well before
 /// the TTL): the next request with the key runs the handler instead of replaying anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -265,8 +265,15 @@ where
     let identity = match shared.identity.as_ref() {
         None => None,
         Some(identity) => match identity(request.extensions()) {
-            Some(id) => Some(id),
-            None => match shared.missing_identity {
+            Ok(Some(id)) => Some(id),
+            Err(fmt::Error) => {
+                return Ok(reject(internal(
+                    "idempotency-identity-unformattable",
+                    "the request's identity could not be formatted (its Display implementation \
+                     returned an error)",
+                )))
+            }
+            Ok(None) => match shared.missing_identity {
                 MissingIdentity::SharedSpace => None,
                 MissingIdentity::RejectWith(status) => return Ok(reject(identity_missing(status))),
                 _ => return Ok(reject(identity_missing(StatusCode::UNAUTHORIZED))),

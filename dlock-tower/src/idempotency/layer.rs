@@ -104,15 +104,25 @@ impl IdempotencyLayer {
     /// lockers have different [prefixes](dlock_runtime::LockerBuilder::prefix) (see
     /// [the key](super#the-key)). A request without a `T` is
     /// refused with `401` unless [`missing_identity`](IdempotencyLayer::missing_identity) says
-    /// otherwise. Default: no identity (every client shares one key space, so keys must be
+    /// otherwise; one whose `T` cannot be formatted (its `Display` returns an error) with
+    /// `500`, whatever that says. Default: no identity (every client shares one key space, so keys must be
     /// unguessable, e.g. UUIDv4).
-    pub fn identity<T>(self) -> Self
+    pub fn identity<T>(mut self) -> Self
     where
         T: fmt::Display + Send + Sync + 'static,
     {
-        self.identity_fn(|extensions: &http::Extensions| {
-            extensions.get::<T>().map(|id| id.to_string())
-        })
+        Arc::make_mut(&mut self.shared).identity =
+            Some(Arc::new(|extensions: &http::Extensions| {
+                // Not `to_string`, which panics when `Display` fails: such a request is answered
+                // 500, never put in another identity's key space or the shared one.
+                let Some(id) = extensions.get::<T>() else {
+                    return Ok(None);
+                };
+                let mut out = String::new();
+                fmt::write(&mut out, format_args!("{id}"))?;
+                Ok(Some(out))
+            }));
+        self
     }
 
     /// Like [`identity`](IdempotencyLayer::identity), with a function of the request
@@ -121,7 +131,8 @@ impl IdempotencyLayer {
     where
         F: Fn(&http::Extensions) -> Option<String> + Send + Sync + 'static,
     {
-        Arc::make_mut(&mut self.shared).identity = Some(Arc::new(f));
+        Arc::make_mut(&mut self.shared).identity =
+            Some(Arc::new(move |e: &http::Extensions| Ok(f(e))));
         self
     }
 

@@ -463,7 +463,10 @@ impl Drop for InFlightTicket {
     }
 }
 
-type Identity = Arc<dyn Fn(&http::Extensions) -> Option<String> + Send + Sync>;
+/// A request's identity: `Ok(None)` when it has none, `Err` when it has one that could not be
+/// formatted (its `Display` failed).
+type Identity =
+    Arc<dyn Fn(&http::Extensions) -> Result<Option<String>, std::fmt::Error> + Send + Sync>;
 
 /// What the layer does with a request that lacks the configured
 /// [`identity`](IdempotencyLayer::identity) (no effect without one).

@@ -175,6 +175,9 @@ pub struct Key {
     segments: Vec<Segment>,
     /// Bytes of input so far, as the runtime's `KeyBuilder` counts them (separators included).
     raw_len: usize,
+    /// A value's `Display` failed before the length limit: its segment holds only what came
+    /// before the error, which other values may share (see [`value`](Key::value)).
+    cut_short: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +195,7 @@ impl Key {
         let prefix = prefix.into();
         Key {
             raw_len: prefix.len(),
+            cut_short: false,
             segments: vec![Segment::Lit(prefix)],
         }
     }
@@ -208,7 +212,8 @@ impl Key {
     /// Appends a value segment: `value`'s `Display` output, encoded so that it cannot contain
     /// the `:` separator. At most [`MAX_KEY_INPUT_LEN`] bytes of key input are copied; longer
     /// input makes [`to_lock_key`](Key::to_lock_key) fail with
-    /// [`LockError::InvalidKey`].
+    /// [`LockError::InvalidKey`] — as does a `Display` that returns an error: what it wrote
+    /// before the error, which another value may write whole, is no key.
     #[must_use]
     pub fn value<T: fmt::Display + ?Sized>(mut self, value: &T) -> Self {
         self.raw_len += 1;
@@ -222,7 +227,10 @@ impl Key {
             out: String::new(),
             cap,
         };
-        let _ = write!(out, "{value}");
+        // Past the limit `Bounded` fails too, and `to_lock_key` reports that as such.
+        if write!(out, "{value}").is_err() && out.out.len() < cap {
+            self.cut_short = true;
+        }
         self.raw_len += out.out.len();
         self.segments.push(Segment::Value(out.out.into_boxed_str()));
         self
@@ -232,6 +240,7 @@ impl Key {
     #[must_use]
     pub fn and(mut self, other: Key) -> Self {
         self.raw_len += 1 + other.raw_len;
+        self.cut_short |= other.cut_short;
         self.segments.extend(other.segments);
         self
     }
@@ -246,6 +255,11 @@ impl Key {
             return Err(LockError::invalid_key(format!(
                 "key input longer than {MAX_KEY_INPUT_LEN} bytes"
             )));
+        }
+        if self.cut_short {
+            return Err(LockError::invalid_key(
+                "a key value's Display implementation returned an error",
+            ));
         }
         let mut b = LockKey::builder();
         for (i, seg) in self.segments.iter().enumerate() {
@@ -373,6 +387,28 @@ mod tests {
         assert!(joined.to_lock_key().unwrap_err().is_invalid());
         let lit = at_limit.lit("z");
         assert!(lit.to_lock_key().unwrap_err().is_invalid());
+    }
+
+    /// A `Display` that fails part-way wrote only a prefix, which another value may write
+    /// whole: the key is invalid, not that value's. Before, `"ab"` then an error made the
+    /// same key as `"ab"`.
+    #[test]
+    fn a_value_whose_display_fails_makes_the_key_invalid_not_alike() {
+        struct Fails;
+        impl fmt::Display for Fails {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("ab")?;
+                Err(fmt::Error)
+            }
+        }
+        assert!(Key::new("v").value("ab").to_lock_key().is_ok());
+        let err = Key::new("v").value(&Fails).to_lock_key().unwrap_err();
+        assert!(err.is_invalid(), "{err}");
+        assert_eq!(err.status(), 400);
+        assert!(err.to_string().contains("Display"), "{err}");
+        // Joined, or followed by more values, it still is.
+        let joined = Key::new("w").and(Key::new("v").value(&Fails)).value("c");
+        assert!(joined.to_lock_key().unwrap_err().is_invalid());
     }
 
     #[test]
