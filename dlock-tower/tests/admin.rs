@@ -143,6 +143,51 @@ async fn get_json(url: String) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// Past 500 locks, `/api/locks` answers the first 500 and says it cut them
+/// (`x-dlock-truncated: 500`), and the page says there are more; at 500, neither. Before, both
+/// cut at 500 without a word, and a client could not tell the first 500 from all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_lock_list_says_it_was_cut() {
+    let locker = dlock_runtime::Locker::memory();
+    let ttl = Duration::from_secs(60);
+    let mut held = Vec::new();
+    for n in 0..501 {
+        let key = format!("many:{n:03}");
+        held.push(locker.lock(key.as_str()).ttl(ttl).acquire().await.unwrap());
+    }
+    let (addr, _) =
+        serve(Router::new().nest("/ops", dlock_tower::admin::OpsPage::new(locker).router())).await;
+    let base = format!("http://{addr}/ops");
+    let look = async || {
+        let (status, headers, body) =
+            request_with(Method::GET, format!("{base}/api/locks"), &[]).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let listed = serde_json::from_str::<Value>(&body).unwrap();
+        let cut = headers
+            .get("x-dlock-truncated")
+            .map(|v| v.to_str().unwrap().to_owned());
+        let (_, page) = request(Method::GET, base.clone()).await;
+        (listed.as_array().unwrap().len(), cut, page)
+    };
+    let (listed, cut, page) = look().await;
+    assert_eq!(listed, 500);
+    assert_eq!(cut.as_deref(), Some("500"));
+    assert!(
+        page.contains(r#"<span id="lock-count">500</span>"#),
+        "{page}"
+    );
+    assert!(page.contains("there are more"), "the page does not say so");
+    held.pop().unwrap().release().await.unwrap();
+    let (listed, cut, page) = look().await;
+    assert_eq!(listed, 500);
+    assert_eq!(cut, None);
+    assert!(
+        page.contains(r#"<span id="lock-count">500</span>"#),
+        "{page}"
+    );
+    assert!(!page.contains("there are more"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_endpoints_over_http() {
     let f = fixture().await;

@@ -29,7 +29,7 @@
 //! | route | answers |
 //! |---|---|
 //! | `GET /` | (the path the router is nested at, e.g. `/ops/dlock`) the HTML page: server-rendered, no JavaScript, no external resources; refreshes itself every 5 s |
-//! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON) |
+//! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON): the first 500; when there are more, the answer says so in the header `x-dlock-truncated: 500` (narrow it with `prefix`, or page through them all with `dlock list`) |
 //! | `GET /api/locks/<key>` | one lock (`<key>` percent-encoded like any path segment) |
 //! | `GET /api/contention?minutes=<n>` | this process's contended acquire attempts of the last `n` minutes (default 10), per key and per minute |
 //! | `GET /api/jobs` | the locker's in-process deferred jobs and dead letters, and those of the durable queues given to [`OpsPage::durable_queue`]: the first 500 of each list, with `deferred_total` and `dead_total` counting them all |
@@ -104,6 +104,9 @@ mod page;
 
 /// How many locks the page and `/api/locks` show at most.
 const MAX_LOCKS: usize = 500;
+
+/// The header of a `/api/locks` answer cut at [`MAX_LOCKS`]: how many it holds.
+const TRUNCATED: http::HeaderName = http::HeaderName::from_static("x-dlock-truncated");
 
 /// How many jobs of each list (deferred, dead) of each queue the page and `/api/jobs` show at
 /// most; `deferred_total` and `dead_total` count them all.
@@ -372,8 +375,10 @@ fn without_default_port<'a>(authority: &'a str, scheme: &str) -> &'a str {
 }
 
 impl OpsPage {
+    /// The first [`MAX_LOCKS`] locks under `prefix` — and one more when there are more, so
+    /// that the answer can say it was cut.
     async fn held(&self, prefix: &str) -> Result<Vec<LockState>, dlock_runtime::LockError> {
-        self.locker.admin()?.list_all(prefix, MAX_LOCKS).await
+        self.locker.admin()?.list_all(prefix, MAX_LOCKS + 1).await
     }
 
     /// Contention of the window: per key (count, last seen), most contended first, and per
@@ -464,7 +469,18 @@ fn job_json(j: &JobInfo) -> Value {
 async fn locks(State(ops): Ops, uri: Uri) -> Response {
     let prefix = query_param(&uri, "prefix").unwrap_or_default();
     match ops.held(&prefix).await {
-        Ok(locks) => json_response(StatusCode::OK, &json!(locks)),
+        Ok(mut locks) => {
+            // Cut where the page cuts, and said: before, a client could not tell the first 500
+            // from all of them.
+            let cut = locks.len() > MAX_LOCKS;
+            locks.truncate(MAX_LOCKS);
+            let mut res = json_response(StatusCode::OK, &json!(locks));
+            if cut {
+                res.headers_mut()
+                    .insert(TRUNCATED, http::HeaderValue::from(MAX_LOCKS));
+            }
+            res
+        }
         Err(e) => error_response(&e),
     }
 }

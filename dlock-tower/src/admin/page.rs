@@ -84,13 +84,20 @@ fn locks(h: &mut String, held: &Result<Vec<LockState>, LockError>) {
             h.push_str("<p class=\"muted\">No lock is held or waited for.</p>")
         }
         Ok(locks) => {
+            // `held` brings one more than it shows when there are more.
+            let shown = locks.len().min(super::MAX_LOCKS);
+            let more = if locks.len() > shown {
+                " — the first ones only: there are more (narrow them with <code>/api/locks?prefix=</code>, \
+                 or list them all with <code>dlock list</code>)"
+            } else {
+                ""
+            };
             let _ = write!(
                 h,
-                "<p><span id=\"lock-count\">{}</span> lock(s)</p><table><thead><tr><th>key</th><th>holder</th>\
+                "<p><span id=\"lock-count\">{shown}</span> lock(s){more}</p><table><thead><tr><th>key</th><th>holder</th>\
                  <th>fencing token</th><th>lease left</th><th>waiters (in order)</th></tr></thead><tbody>",
-                locks.len()
             );
-            for s in locks {
+            for s in &locks[..shown] {
                 let (holder, fence, lease) = match &s.holder {
                     Some(x) => (
                         format!("<code>{}…</code>", escape(&x.token_prefix)),
