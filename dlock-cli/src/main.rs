@@ -117,6 +117,9 @@ enum Command {
         /// Show every held lock, not only contended ones.
         #[arg(long)]
         all: bool,
+        /// Read at most this many locks per refresh (at least 1); a refresh cut there says so.
+        #[arg(long, default_value_t = 10_000, value_parser = parse_at_least_one)]
+        scan: usize,
     },
 }
 
@@ -309,6 +312,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             interval,
             count,
             all,
+            scan,
         } => {
             let admin = admin(&cli).await?;
             let mut refreshes = 0usize;
@@ -319,15 +323,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let ctrl_c = tokio::signal::ctrl_c();
             tokio::pin!(ctrl_c);
             loop {
-                let locks = tokio::select! {
-                    locks = admin.list_all(prefix, 10_000) => locks?,
+                // One more than `scan`, to tell a refresh that saw every lock from one cut
+                // short (before, the locks past 10,000 were left out without a word).
+                let mut locks = tokio::select! {
+                    locks = admin.list_all(prefix, scan.saturating_add(1)) => locks?,
                     _ = &mut ctrl_c => break,
                 };
+                let cut = (locks.len() > *scan).then_some(*scan);
+                locks.truncate(*scan);
                 let shown: Vec<_> = locks
                     .into_iter()
                     .filter(|s| *all || !s.waiters.is_empty())
                     .collect();
-                output::print_watch(&shown, cli.json, clear);
+                output::print_watch(&shown, cut, cli.json, clear);
                 refreshes += 1;
                 if count.is_some_and(|c| refreshes >= c) {
                     break;

@@ -115,18 +115,31 @@ pub(crate) fn print_list(locks: &[LockState], json: bool, footer: bool) {
     }
 }
 
-pub(crate) fn print_watch(locks: &[LockState], json: bool, clear: bool) {
+/// One refresh of `watch`; `cut`: the refresh read only that many locks of more.
+pub(crate) fn print_watch(locks: &[LockState], cut: Option<usize>, json: bool, clear: bool) {
     let now = humantime::format_rfc3339_seconds(SystemTime::now());
     if json {
-        return print_json(&json!({
+        let mut v = json!({
             "at": now.to_string(),
             "locks": locks.iter().map(state_json).collect::<Vec<_>>(),
-        }));
+        });
+        if let Some(scanned) = cut {
+            v["scanned"] = json!(scanned);
+            v["truncated"] = json!(true);
+        }
+        return print_json(&v);
     }
     if clear {
         out_raw("\x1b[2J\x1b[H");
     }
-    out!("{now}  {} contended lock(s)", locks.len());
+    match cut {
+        None => out!("{now}  {} contended lock(s)", locks.len()),
+        Some(scanned) => out!(
+            "{now}  {} contended lock(s) among the first {scanned} locks only: there are more \
+             (narrow them with --prefix, or raise --scan)",
+            locks.len()
+        ),
+    }
     print_list(locks, false, false);
     out!();
 }

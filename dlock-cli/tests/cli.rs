@@ -233,6 +233,44 @@ async fn read_only_commands_take_no_issuer_number() {
     guard.release().await.unwrap();
 }
 
+/// A `watch` refresh that read only `--scan` locks of more says so (JSON: `"truncated": true`,
+/// `"scanned"`; text: "there are more"); one that read them all does not. Before, the locks
+/// past the first 10,000 were left out without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_refresh_cut_at_its_scan_limit_says_so() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let locker = server.locker().await;
+    let mut held = Vec::new();
+    for key in ["scan:a", "scan:b", "scan:c"] {
+        held.push(locker.lock(key).acquire().await.unwrap());
+    }
+    let watch = |scan: &'static str, json: bool| {
+        let url = url.clone();
+        async move {
+            let mut args = vec!["watch", "--all", "--count", "1", "--scan", scan];
+            if json {
+                args.insert(0, "--json");
+            }
+            let out = dlock(Some(&url), &args).await;
+            assert!(out.status.success(), "{out:?}");
+            String::from_utf8(out.stdout).unwrap()
+        }
+    };
+    let cut: Value = serde_json::from_str(&watch("2", true).await).unwrap();
+    assert_eq!(cut["truncated"], true, "{cut}");
+    assert_eq!(cut["scanned"], 2, "{cut}");
+    assert_eq!(cut["locks"].as_array().unwrap().len(), 2, "{cut}");
+    let whole: Value = serde_json::from_str(&watch("3", true).await).unwrap();
+    assert!(whole.get("truncated").is_none(), "{whole}");
+    assert_eq!(whole["locks"].as_array().unwrap().len(), 3, "{whole}");
+    assert!(watch("2", false).await.contains("there are more"));
+    assert!(!watch("3", false).await.contains("there are more"));
+    for guard in held {
+        guard.release().await.unwrap();
+    }
+}
+
 /// The keys of `locks` as `list --json` gives them, sorted.
 fn keys(locks: &Value) -> Vec<String> {
     let mut keys: Vec<String> = locks
