@@ -10,12 +10,14 @@
 //! transaction pooling, which hands `LISTEN` and the notifications to server connections the
 //! session does not keep, or `notify_url` names another database — is logged (`WARN`, with
 //! the fix) and made again after 30 s; meanwhile `is_listening` says `false` and waiters run
-//! on their timers. Before, such a session said it listened and heard nothing.
+//! on their timers. Before, such a session said it listened and heard nothing. Once a session
+//! of the task heard its probe, the set-up delivers: a later probe unheard in time (a database
+//! too busy) is a lost connection, made again with the usual backoff.
 //!
 //! The task reconnects with backoff when the connection drops, or when it does not answer an
 //! empty query within the connect plus command timeout (asked once per that interval, at most
-//! hourly: a peer gone silent is found in two). Each time `LISTEN` is active — the first time too — it wakes every
-//! local waiter once: notifications sent while it was down were missed, and the backend's
+//! hourly: a peer gone silent is found in two). Each time `LISTEN` is active — the first time
+//! too — it wakes every local waiter once: notifications sent while it was down were missed, and the backend's
 //! `watch` answers at once without waiting for `LISTEN`, so a waiter registered meanwhile may
 //! have missed a release. It ends when the backend is dropped. It starts on the runtime the
 //! backend is connected on and moves to the fallback thread if that runtime shuts down first
@@ -125,6 +127,8 @@ enum Ended {
 
 async fn run(mut task: Task) {
     let mut pause = None;
+    // Whether a session of this task heard its probe (see `Ended::Deaf`).
+    let mut heard_once = false;
     let Task {
         config,
         connector,
@@ -155,12 +159,22 @@ async fn run(mut task: Task) {
             } => ended,
         };
         let listened_for = up.send_replace(false).then(|| began.elapsed());
+        heard_once |= listened_for.is_some();
         if hub.strong_count() == 0 {
             break;
         }
         let next = match ended {
             Ended::Lost => {
                 tracing::warn!("postgres LISTEN connection lost; reconnecting");
+                reconnect_pause(pause, listened_for)
+            }
+            // Once heard, the set-up delivers: a probe unheard later came too late (a
+            // database too busy, just restarted), and waiting 30 s would leave waiters on their
+            // timers for nothing.
+            Ended::Deaf if heard_once => {
+                tracing::warn!(
+                    "postgres LISTEN session did not hear its probe in time; reconnecting"
+                );
                 reconnect_pause(pause, listened_for)
             }
             Ended::Deaf => {
