@@ -105,8 +105,8 @@ impl IdempotencyLayer {
     /// [the key](super#the-key)). A request without a `T` is
     /// refused with `401` unless [`missing_identity`](IdempotencyLayer::missing_identity) says
     /// otherwise; one whose `T` cannot be formatted (its `Display` returns an error) with
-    /// `500`, whatever that says. Default: no identity (every client shares one key space, so keys must be
-    /// unguessable, e.g. UUIDv4).
+    /// `500`, whatever that says. Default: no identity (every client shares one key space, so
+    /// keys must be unguessable, e.g. UUIDv4).
     pub fn identity<T>(mut self) -> Self
     where
         T: fmt::Display + Send + Sync + 'static,

@@ -17,11 +17,11 @@
 //! The task reconnects with backoff when the connection drops, or when it does not answer an
 //! empty query within the connect plus command timeout (asked once per that interval, at most
 //! hourly: a peer gone silent is found in two). Each time `LISTEN` is active — the first time
-//! too — it wakes every local waiter once: notifications sent while it was down were missed, and the backend's
-//! `watch` answers at once without waiting for `LISTEN`, so a waiter registered meanwhile may
-//! have missed a release. It ends when the backend is dropped. It starts on the runtime the
-//! backend is connected on and moves to the fallback thread if that runtime shuts down first
-//! ([`Task`]).
+//! too — it wakes every local waiter once: notifications sent while it was down were missed,
+//! and the backend's `watch` answers at once without waiting for `LISTEN`, so a waiter
+//! registered meanwhile may have missed a release. It ends when the backend is dropped. It
+//! starts on the runtime the backend is connected on and moves to the fallback thread if that
+//! runtime shuts down first ([`Task`]).
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
