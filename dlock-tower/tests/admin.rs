@@ -155,8 +155,9 @@ async fn a_cut_lock_list_says_it_was_cut() {
         let key = format!("many:{n:03}");
         held.push(locker.lock(key.as_str()).ttl(ttl).acquire().await.unwrap());
     }
-    let (addr, _) =
-        serve(Router::new().nest("/ops", dlock_tower::admin::OpsPage::new(locker).router())).await;
+    // Every page load lists the locks anew.
+    let ops = dlock_tower::admin::OpsPage::new(locker).listing_spacing(Duration::ZERO);
+    let (addr, _) = serve(Router::new().nest("/ops", ops.router())).await;
     let base = format!("http://{addr}/ops");
     let look = async || {
         let (status, headers, body) =
@@ -186,6 +187,91 @@ async fn a_cut_lock_list_says_it_was_cut() {
         "{page}"
     );
     assert!(!page.contains("there are more"));
+}
+
+/// The `SCAN` calls the Redis at `url` has answered.
+async fn scans(url: &str) -> u64 {
+    let mut conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_scan:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// A lock listing reads the whole keyspace on Redis (`SCAN`), and every open page reloads
+/// itself: page loads within the listing spacing — in a row and at once — share one listing
+/// (the server's `SCAN` count moves for the first only), say how old it is, and the page
+/// refreshes itself as often as it lists; `/api/locks` lists anew on every call. (Every page
+/// load listed the keyspace.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn page_loads_within_the_listing_spacing_share_one_listing() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let locker = server.locker().await;
+    let ttl = Duration::from_secs(60);
+    let _a = locker.lock("spaced:a").ttl(ttl).acquire().await.unwrap();
+    let ops = dlock_tower::admin::OpsPage::new(locker.clone())
+        .listing_spacing(Duration::from_secs(60))
+        .router();
+    let (addr, _) = serve(Router::new().nest("/ops", ops)).await;
+    let page = format!("http://{addr}/ops");
+
+    let before = scans(&url).await;
+    let (status, first) = request(Method::GET, page.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    assert!(first.contains(r#"data-key="spaced:a""#), "{first}");
+    assert!(!first.contains("listed-ago"), "{first}");
+    assert!(
+        first.contains(r#"<meta http-equiv="refresh" content="60">"#),
+        "the page refreshes as often as it lists: {first}"
+    );
+    let one_listing = scans(&url).await - before;
+    assert!(one_listing > 0, "the first load listed nothing");
+
+    // Taken after the listing: not on the pages that show it again.
+    let _b = locker.lock("spaced:b").ttl(ttl).acquire().await.unwrap();
+    // Time passes, for the page to tell the listing's age.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let at_once: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(request(Method::GET, page.clone())))
+        .collect();
+    for load in at_once {
+        let (status, body) = load.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.contains(r#"data-key="spaced:a""#), "{body}");
+        assert!(!body.contains(r#"data-key="spaced:b""#), "{body}");
+        assert!(
+            body.contains(r#"id="listed-ago">as listed 1 s ago"#),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        scans(&url).await - before,
+        one_listing,
+        "page loads within the spacing listed the keyspace again"
+    );
+
+    let listed = get_json(format!("{page}/api/locks")).await;
+    let keys: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys.len(), 2, "{listed}");
+    assert!(keys.contains(&"spaced:b"), "{listed}");
+    assert!(
+        scans(&url).await - before > one_listing,
+        "/api/locks did not list"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,7 +28,7 @@
 //!
 //! | route | answers |
 //! |---|---|
-//! | `GET /` | (the path the router is nested at, e.g. `/ops/dlock`) the HTML page: server-rendered, no JavaScript, no external resources; refreshes itself every 5 s |
+//! | `GET /` | (the path the router is nested at, e.g. `/ops/dlock`) the HTML page: server-rendered, no JavaScript, no external resources; refreshes itself every 5 s, or as often as it lists the locks when that is rarer ([`OpsPage::listing_spacing`]: page loads share one listing) |
 //! | `GET /api/locks?prefix=<key prefix>` | the held or waited-for locks (`dlock_runtime::admin::LockState`, JSON): the first 500; when there are more, the answer says so in the header `x-dlock-truncated: 500` (narrow it with `prefix`, or page through them all with `dlock list`) |
 //! | `GET /api/locks/<key>` | one lock (`<key>` percent-encoded like any path segment) |
 //! | `GET /api/contention?minutes=<n>` | this process's contended acquire attempts of the last `n` minutes (default 10), per key and per minute |
@@ -132,7 +132,31 @@ pub struct OpsPage {
     window: Duration,
     /// `None`: any `Host`.
     hosts: Option<Arc<[AllowedHost]>>,
+    /// The least time between two lock listings of the page ([`OpsPage::listing_spacing`]).
+    spacing: Duration,
+    /// The page's last lock listing, shared by the page loads that follow within its spacing.
+    listed: Arc<tokio::sync::Mutex<Option<Listed>>>,
 }
+
+/// A lock listing of the page: the locks (one more than shown when there are more), when it
+/// was read and how long that took.
+#[derive(Debug)]
+struct Listed {
+    locks: Arc<Vec<LockState>>,
+    at: std::time::Instant,
+    took: Duration,
+}
+
+/// How many times as long as a listing took the page waits before the next one (at least its
+/// [spacing](OpsPage::listing_spacing)): the open pages keep the store busy for a tenth of the
+/// time at most, however many there are.
+const LISTING_DUTY: u32 = 10;
+
+/// The longest time between two lock listings of the page, and between two of its refreshes.
+const MAX_SPACING: Duration = Duration::from_secs(300);
+
+/// How often the page refreshes itself at most.
+const PAGE_REFRESH: Duration = Duration::from_secs(5);
 
 /// One entry of [`OpsPage::allowed_hosts`]: a host name (lowercase, no final dot) and the port,
 /// when one was given.
@@ -173,7 +197,21 @@ impl OpsPage {
             queues: Vec::new(),
             window: Duration::from_secs(600),
             hosts: None,
+            spacing: Duration::from_secs(2),
+            listed: Arc::default(),
         }
+    }
+
+    /// The least time between two listings of the locks by the page (default 2 s; at most
+    /// 5 min). Listing reads the store's whole keyspace on Redis (`SCAN`), and every open page
+    /// reloads itself: the page lists at most once per `max(spacing, 10 × the last listing's
+    /// duration)`, and page loads within that — every tab's, and the refreshes — show the last
+    /// listing and say how old it is; concurrent loads wait for the one listing. The page
+    /// refreshes itself every `max(5 s, that time)`. `/api/locks` lists anew on every call.
+    /// `Duration::ZERO`: every page load lists anew, as `/api/locks` does.
+    pub fn listing_spacing(mut self, spacing: Duration) -> Self {
+        self.spacing = spacing.min(MAX_SPACING);
+        self
     }
 
     /// Answers only requests whose `Host` and URI authority (each one the request gives; it
@@ -381,6 +419,55 @@ impl OpsPage {
         self.locker.admin()?.list_all(prefix, MAX_LOCKS + 1).await
     }
 
+    /// The page's lock listing: the last one while it is within its spacing (see
+    /// [`OpsPage::listing_spacing`]), else a new one (a failed one is not kept), and how old
+    /// it is.
+    async fn held_for_page(
+        &self,
+    ) -> (
+        Result<Arc<Vec<LockState>>, dlock_runtime::LockError>,
+        Duration,
+    ) {
+        if self.spacing.is_zero() {
+            return (self.held("").await.map(Arc::new), Duration::ZERO);
+        }
+        // Held through the listing: concurrent loads wait for it and share it.
+        let mut last = self.listed.lock().await;
+        if let Some(l) = last.as_ref() {
+            let age = l.at.elapsed();
+            if age < self.next_listing_after(l.took) {
+                return (Ok(l.locks.clone()), age);
+            }
+        }
+        let started = std::time::Instant::now();
+        let listed = self.held("").await.map(Arc::new);
+        if let Ok(locks) = &listed {
+            *last = Some(Listed {
+                locks: locks.clone(),
+                at: started,
+                took: started.elapsed(),
+            });
+        }
+        (listed, Duration::ZERO)
+    }
+
+    /// How long after a listing that took `took` the page lists again.
+    fn next_listing_after(&self, took: Duration) -> Duration {
+        took.saturating_mul(LISTING_DUTY)
+            .clamp(self.spacing, MAX_SPACING.max(self.spacing))
+    }
+
+    /// How often the page refreshes itself: every 5 s, or as often as it lists, when that is
+    /// rarer (whole seconds).
+    async fn page_refresh(&self) -> u64 {
+        if self.spacing.is_zero() {
+            return PAGE_REFRESH.as_secs();
+        }
+        let took = self.listed.lock().await.as_ref().map(|l| l.took);
+        let every = took.map_or(self.spacing, |t| self.next_listing_after(t));
+        every.max(PAGE_REFRESH).as_secs_f64().ceil() as u64
+    }
+
     /// Contention of the window: per key (count, last seen), most contended first, and per
     /// minute (oldest first).
     fn contention(&self, window: Duration) -> Value {
@@ -547,12 +634,18 @@ async fn requeue_form(
 }
 
 async fn html(State(ops): Ops, OriginalUri(uri): OriginalUri) -> Response {
-    let held = ops.held("").await;
+    let (held, age) = ops.held_for_page().await;
+    let refresh = ops.page_refresh().await;
     let contention = ops.contention(ops.window);
     let jobs = ops.jobs().await;
     // The page's own path, wherever the router is nested, for its forms.
     let base = format!("{}/", uri.path().trim_end_matches('/'));
-    let body = page::render(&ops.locker, &base, &held, &contention, &jobs);
+    let listing = page::Listing {
+        held: &held,
+        age,
+        refresh,
+    };
+    let body = page::render(&ops.locker, &base, &listing, &contention, &jobs);
     (
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
@@ -568,6 +661,32 @@ async fn html(State(ops): Ops, OriginalUri(uri): OriginalUri) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The page lists again after ten times as long as its last listing took, at least its
+    /// spacing and at most 5 min; it refreshes itself as often, and every 5 s at most.
+    #[tokio::test]
+    async fn the_page_lists_and_refreshes_less_often_the_longer_a_listing_takes() {
+        let ops = OpsPage::new(Locker::memory());
+        let ms = Duration::from_millis;
+        assert_eq!(ops.next_listing_after(ms(10)), ms(2000));
+        assert_eq!(ops.next_listing_after(ms(700)), ms(7000));
+        assert_eq!(ops.next_listing_after(ms(60_000)), MAX_SPACING);
+        assert_eq!(ops.page_refresh().await, 5, "before any listing");
+        let listed = |took| Listed {
+            locks: Arc::default(),
+            at: std::time::Instant::now(),
+            took,
+        };
+        *ops.listed.lock().await = Some(listed(ms(300)));
+        assert_eq!(ops.page_refresh().await, 5);
+        *ops.listed.lock().await = Some(listed(ms(1250)));
+        assert_eq!(ops.page_refresh().await, 13);
+        let spaced = OpsPage::new(Locker::memory()).listing_spacing(Duration::from_secs(30));
+        assert_eq!(spaced.next_listing_after(ms(10)), ms(30_000));
+        assert_eq!(spaced.page_refresh().await, 30);
+        let capped = OpsPage::new(Locker::memory()).listing_spacing(Duration::from_secs(3600));
+        assert_eq!(capped.next_listing_after(ms(10)), MAX_SPACING);
+    }
 
     /// Entries: a name admits it on any port, `name:port` that port only; case and a final
     /// dot do not matter; anything that is not a host or `host:port` is refused.

@@ -3,6 +3,7 @@
 //! HTML-escaped.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_runtime::admin::LockState;
@@ -47,11 +48,20 @@ fn str_of<'a>(v: &'a Value, field: &str) -> &'a str {
     v[field].as_str().unwrap_or("")
 }
 
+/// The page's lock listing: the locks (or why not), how old the listing is (a page load within
+/// the listing spacing shows the last one), and how often the page refreshes itself.
+pub(super) struct Listing<'a> {
+    pub(super) held: &'a Result<Arc<Vec<LockState>>, LockError>,
+    pub(super) age: Duration,
+    /// Seconds.
+    pub(super) refresh: u64,
+}
+
 /// The page; `base` is its own path with a trailing `/` (the forms post to `<base>requeue/<id>`).
 pub(super) fn render(
     locker: &Locker,
     base: &str,
-    held: &Result<Vec<LockState>, LockError>,
+    listing: &Listing<'_>,
     contention: &Value,
     jobs: &Value,
 ) -> String {
@@ -59,24 +69,33 @@ pub(super) fn render(
     let _ = write!(
         h,
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <meta http-equiv=\"refresh\" content=\"5\"><title>dlock ops</title>\
+         <meta http-equiv=\"refresh\" content=\"{}\"><title>dlock ops</title>\
          <style>{STYLE}</style></head><body>\
          <header><h1>dlock ops</h1><p>backend <b id=\"backend\">{}</b> · namespace <code>{}</code> · {}</p></header>\
          <div class=\"warn\">Operators only: this page has no authentication of its own — it must be mounted behind yours.</div><main>",
+        listing.refresh,
         escape(locker.backend_name()),
         escape(locker.prefix()),
         humantime::format_rfc3339_seconds(std::time::SystemTime::now()),
     );
-    locks(&mut h, held);
+    locks(&mut h, listing);
     contended(&mut h, contention);
     job_tables(&mut h, base, jobs);
     h.push_str("</main></body></html>");
     h
 }
 
-fn locks(h: &mut String, held: &Result<Vec<LockState>, LockError>) {
+fn locks(h: &mut String, listing: &Listing<'_>) {
     h.push_str("<section id=\"locks\"><h2>Held locks</h2>");
-    match held {
+    if listing.age >= Duration::from_secs(1) {
+        // The last listing, shown again within the listing spacing.
+        let _ = write!(
+            h,
+            "<p class=\"muted\" id=\"listed-ago\">as listed {} s ago</p>",
+            listing.age.as_secs()
+        );
+    }
+    match listing.held {
         Err(e) => {
             let _ = write!(h, "<p class=\"err\">{}</p>", escape(&e.to_string()));
         }
