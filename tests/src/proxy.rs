@@ -79,6 +79,8 @@ struct Shared {
     muted_below: AtomicU64,
     /// Bytes the held connections' clients sent since [`Proxy::hold`].
     held_bytes: AtomicU64,
+    /// What the held connections' clients sent since the last hold, in the order read.
+    held_data: Mutex<Vec<u8>>,
     /// Connections numbered below this one keep what either side sends until healed
     /// ([`Proxy::stall`]; 0 once healed).
     stalled_below: tokio::sync::watch::Sender<u64>,
@@ -109,6 +111,7 @@ impl Proxy {
             stalled_below: tokio::sync::watch::Sender::new(0),
             muted_below: AtomicU64::new(0),
             held_bytes: AtomicU64::new(0),
+            held_data: Mutex::new(Vec::new()),
             held_gap_us: AtomicU64::new(0),
             swallow_cancels: AtomicBool::new(false),
             swallowed: AtomicU64::new(0),
@@ -176,6 +179,11 @@ impl Proxy {
     /// were held.
     pub fn hold(&self) -> usize {
         self.shared.held_bytes.store(0, Ordering::Release);
+        self.shared
+            .held_data
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
         let next = self.shared.next_id.load(Ordering::Acquire);
         self.shared.muted_below.store(next, Ordering::Release);
         self.shared.held_below.send_replace(next);
@@ -191,6 +199,18 @@ impl Proxy {
     /// ping.
     pub fn held_bytes(&self) -> u64 {
         self.shared.held_bytes.load(Ordering::Acquire)
+    }
+
+    /// Whether what the held connections' clients sent since [`hold`](Proxy::hold) holds
+    /// `needle` (a key or token a request carries as it is: etcd's gRPC sends keys unencoded):
+    /// what tells a request about one key held from others.
+    pub fn held_contains(&self, needle: &[u8]) -> bool {
+        let data = self
+            .shared
+            .held_data
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        !needle.is_empty() && data.windows(needle.len()).any(|w| w == needle)
     }
 
     /// Delivers to the server what the held connections' clients sent ([`hold`](Proxy::hold)),
@@ -379,6 +399,11 @@ async fn pump(
             let held = !from_server && id < *shared.held_below.borrow();
             if held {
                 shared.held_bytes.fetch_add(n as u64, Ordering::AcqRel);
+                shared
+                    .held_data
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .extend_from_slice(&buf);
             }
             let delay = Duration::from_micros(shared.latency_us.load(Ordering::Acquire));
             if tx.send((Instant::now() + delay, buf, held)).is_err() {

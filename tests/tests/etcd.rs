@@ -1527,6 +1527,23 @@ async fn late_try_writes_nothing(
     }
 }
 
+/// The seconds left on the lease of the one key of `dir`.
+async fn lease_left_of_the_key(raw: &etcd_client::Client, dir: &str) -> i64 {
+    let now = raw
+        .kv_client()
+        .get(dir, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let [kv] = now.kvs() else {
+        panic!("not one key: {:?}", now.kvs());
+    };
+    raw.lease_client()
+        .time_to_live(kv.lease(), None)
+        .await
+        .unwrap()
+        .ttl()
+}
+
 struct LateTries {
     slow: dlock_tests::proxy::Proxy,
     _fast: dlock_tests::proxy::Proxy,
@@ -1798,8 +1815,23 @@ async fn an_unrenewed_permit_tries_late_put_leaves_the_admitted_key_alone() {
 /// token's other leases and the extend the ones before its own, so the late put fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease() {
-    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::{abandon_as, attempt_as, extend_as, resource_as};
+    a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease("late-try-extend", false).await;
+}
+
+/// As above, renewed by a batch (`extend_many`: what the watchdog sends for a lock not on a
+/// session — one taken with `auto_renew(false)` and renewed later, an idempotency record's):
+/// the key moves onto the batch's lease, shared by the batch's keys, and the move revokes the
+/// token's own leases, so the late put fails. (It moved the key back onto the attempt's lease.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_try_after_a_batch_renewal_leaves_an_unrenewed_permit_on_its_new_lease() {
+    a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease("late-try-batch", true).await;
+}
+
+async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &str, batch: bool) {
+    use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{
+        abandon_as, attempt_as, extend_as, extend_many_as, resource_as,
+    };
 
     let LateTries {
         slow,
@@ -1810,7 +1842,7 @@ async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease(
         ttl,
         keep,
         _fast,
-    } = late_tries("late-try-extend").await;
+    } = late_tries(name).await;
     let key = format!("{run}-s");
     let kind = dlock_runtime::LockKind::Semaphore { permits: 1 };
     let resource = resource_as(&a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
@@ -1827,9 +1859,11 @@ async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease(
             matches!(first, Attempt::Acquired { .. }),
             "attempt {i}: {first:?}"
         );
-        // Answered through the hedge while the first try, a transaction (hundreds of bytes,
-        // where a keepalive or a ping is tens), is held on the slow way.
-        let hedged = started.elapsed() >= Duration::from_millis(400) && slow.held_bytes() > 200;
+        // Answered through the hedge while the first try, a transaction carrying the key
+        // (named by the token), is held on the slow way — not only the lease grant, a status
+        // check, a cancellation, or the renewal of `keep`.
+        let hedged = started.elapsed() >= Duration::from_millis(400)
+            && slow.held_contains(token.as_str().as_bytes());
         if !hedged {
             // The attempt's first request (the lease grant) went the slow way, or neither did:
             // tries go round robin, so the next attempt's put may. A member hedged away from
@@ -1839,15 +1873,99 @@ async fn a_late_try_after_an_extend_leaves_an_unrenewed_permit_on_its_new_lease(
             tokio::time::sleep(Duration::from_millis(2100)).await;
             continue;
         }
-        assert!(extend_as(&a, &resource, &token, Duration::from_secs(30))
-            .await
-            .unwrap());
+        let ttl = Duration::from_secs(30);
+        if batch {
+            let item = ExtendItem {
+                resource: resource.clone(),
+                token: token.clone(),
+                ttl,
+            };
+            let renewed = extend_many_as(&a, &[item]).await;
+            assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
+        } else {
+            assert!(extend_as(&a, &resource, &token, ttl).await.unwrap());
+        }
         late_try_writes_nothing(&raw, &dir, &slow).await;
+        let left = lease_left_of_the_key(&raw, &dir).await;
+        assert!(
+            left >= 20,
+            "the permit's key is on a lease of {left} s left"
+        );
         checked = true;
         abandon_as(&a, &resource, &token).await.unwrap();
         break;
     }
     assert!(checked, "no try was answered through a hedge");
+    keep.release().await.unwrap();
+}
+
+/// A lock not on a session (`auto_renew(false)`, renewed later by the watchdog's batches)
+/// renewed by a batch whose re-let went a slow way — answered through a hedge, both tries
+/// moving the key onto the batch's lease — and then by a later batch. The first batch's slow
+/// try, landing late, must not move the key back onto its lease (granted earlier, of a
+/// shorter TTL here): etcd would delete the key before the end the holder was told of. A re-let
+/// now requires that the key was not written since its lease was granted. (It moved it back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_re_let_of_an_earlier_batch_leaves_the_key_on_the_later_lease() {
+    use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{abandon_as, attempt_as, extend_many_as};
+
+    let LateTries {
+        slow,
+        a,
+        b: _,
+        raw,
+        run,
+        ttl,
+        keep,
+        _fast,
+    } = late_tries("late-batch-re-let").await;
+    let key = format!("{run}-l");
+    let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+    let dir = resource_dir(&resource);
+    let batch = |token: &OwnerToken, ttl| {
+        vec![ExtendItem {
+            resource: resource.clone(),
+            token: token.clone(),
+            ttl,
+        }]
+    };
+    let mut checked = false;
+    for i in 0..10 {
+        let token = OwnerToken::generate();
+        let first = attempt_as(&a, &resource, &token, WaitMode::Try, ttl)
+            .await
+            .unwrap();
+        assert!(
+            matches!(first, Attempt::Acquired { .. }),
+            "attempt {i}: {first:?}"
+        );
+        slow.hold();
+        let started = Instant::now();
+        let renewed = extend_many_as(&a, &batch(&token, Duration::from_secs(5))).await;
+        assert!(matches!(renewed[..], [Ok(true)]), "batch {i}: {renewed:?}");
+        // Answered through the hedge while the re-let, a transaction carrying the key (named
+        // by the token), is held on the slow way — not only the lease grant, a status check, a
+        // cancellation, or the renewal of `keep`.
+        let hedged = started.elapsed() >= Duration::from_millis(400)
+            && slow.held_contains(token.as_str().as_bytes());
+        if !hedged {
+            slow.deliver_held();
+            abandon_as(&a, &resource, &token).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2100)).await;
+            continue;
+        }
+        // The slow way is under suspicion now: this batch goes the fast way.
+        let renewed = extend_many_as(&a, &batch(&token, Duration::from_secs(30))).await;
+        assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
+        late_try_writes_nothing(&raw, &dir, &slow).await;
+        let left = lease_left_of_the_key(&raw, &dir).await;
+        assert!(left >= 20, "the key is on a lease of {left} s left");
+        checked = true;
+        abandon_as(&a, &resource, &token).await.unwrap();
+        break;
+    }
+    assert!(checked, "no re-let was answered through a hedge");
     keep.release().await.unwrap();
 }
 

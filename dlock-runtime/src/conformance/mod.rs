@@ -205,6 +205,15 @@ pub async fn extend_as(
     locker.backend().extend(resource, token, ttl).await
 }
 
+/// A batch renewal of `items`, straight to `locker`'s backend (see [`attempt_as`]): what the
+/// locker's watchdog sends.
+pub async fn extend_many_as(
+    locker: &Locker,
+    items: &[crate::backend::ExtendItem],
+) -> Vec<Result<bool, crate::LockError>> {
+    locker.backend().extend_many(items).await
+}
+
 async fn attempt_with(
     locker: &Locker,
     resource: &crate::key::ResourceName,

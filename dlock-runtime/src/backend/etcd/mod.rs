@@ -52,7 +52,12 @@
 //! lease of the waiter TTL and reads the head in the same transaction, then moves the key to a
 //! lease of the lock's TTL (guarded by the key's create revision); `Try` creates it on a lease
 //! of the TTL if the lock is free; [`extend`](Backend::extend) moves the key to a fresh lease
-//! (which can also shorten it).
+//! (which can also shorten it) and revokes the token's earlier ones. Renewed later by the
+//! watchdog's batches ([`extend_many`](Backend::extend_many)), such a key moves onto a lease
+//! granted for the batch and shared by its keys, which is never revoked: a re-let (a batch's,
+//! an `extend`'s) requires the key not written since its lease was granted (a late re-let of
+//! an earlier move must not move it back onto a lease that ends sooner), and the first batch
+//! revokes the token's own leases (a late put on one would move it back too).
 //!
 //! * [`watch`](Backend::watch): a task per local waiter reads its predecessor (the key with the
 //!   greatest create revision below its own) and watches only that key's deletion, from the
@@ -130,8 +135,10 @@
 //!
 //! Repeating a request is safe: a put of the own key keeps its create revision (and a queued
 //! put that lands after its key was admitted and moved onto the lock's lease fails: the
-//! waiter leases are revoked first), a re-let and a delete are idempotent, a repeated try finds its own key at the head and keeps it, an extra
-//! lease expires unused, and a put that lands after its lock was released is a suspect (see
+//! waiter leases are revoked first), a re-let and a delete are idempotent (a batch's re-let
+//! that finds the key already on its lease answers renewed), a repeated try finds its own key
+//! at the head and keeps it, an extra lease expires unused, and a put that lands after its
+//! lock was released is a suspect (see
 //! *Cancellation*); a repeated idempotency `begin` whose first try took the lock finds its own
 //! key at the head and takes that as its answer, and a repeated `complete` whose first try
 //! stored the record finds the record on the lease it granted for it and answers "stored" (a
@@ -721,6 +728,22 @@ impl EtcdBackend {
         Ok(resp.id())
     }
 
+    /// A lease of `ttl`, and the store's revision when it was granted: a key last written at or
+    /// before that revision is on a lease granted before this one.
+    async fn grant_at(&self, ttl: Duration) -> Result<(i64, i64), LockError> {
+        let resp = self
+            .call("lease grant", |c| {
+                let mut lease = c.lease_client();
+                async move { lease.grant(lease_secs(ttl), None).await }
+            })
+            .await?;
+        let revision = resp.header().map(|h| h.revision());
+        let revision = revision.ok_or_else(|| {
+            LockError::unavailable("etcd lease grant answered without a revision", None)
+        })?;
+        Ok((resp.id(), revision))
+    }
+
     async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, LockError> {
         self.txn_tracked(|| txn.clone()).await.0
     }
@@ -759,6 +782,46 @@ impl EtcdBackend {
             .filter(|s| *s > 0)
             .map(Duration::from_secs)
             .map(|r| noted.map_or(r, |n| r.min(n))))
+    }
+
+    /// Moves the own key `own` (of a token not on a session) onto `lease`, granted at store
+    /// revision `granted_at`, if it exists and was not written since: a later move wrote it
+    /// after that grant, so a try of this one landing late leaves it where that move put it
+    /// (not back on a lease granted earlier, which ends sooner). `Ok(false)`: the key is gone.
+    /// Written after the grant (a late try of an earlier move, which the next one moves on):
+    /// an error. Already on `lease` (a try of this very move): moved.
+    async fn relet_since(
+        &self,
+        own: &[u8],
+        lease: i64,
+        granted_at: i64,
+    ) -> Result<bool, LockError> {
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(own, CompareOp::Greater, 0),
+                Compare::mod_revision(own, CompareOp::Less, granted_at + 1),
+            ])
+            .and_then([TxnOp::put(
+                own,
+                "",
+                Some(PutOptions::new().with_lease(lease).with_ignore_value()),
+            )])
+            .or_else([TxnOp::get(own, Some(GetOptions::new().with_keys_only()))]);
+        let resp = self.txn(txn).await?;
+        if resp.succeeded() {
+            return Ok(true);
+        }
+        match resp.op_responses().first().and_then(first_kv) {
+            None => Ok(false),
+            // Moved by a try of this very re-let (a hedged sibling, or a repeat after a lost
+            // answer).
+            Some(kv) if kv.lease() == lease => Ok(true),
+            Some(_) => Err(LockError::unavailable(
+                "etcd: the key was written after this renewal's lease was granted \
+                 (a late try of an earlier renewal); the next renewal moves it",
+                None,
+            )),
+        }
     }
 
     /// Moves the own key onto `lease` if it still exists with `create` revision (0: whatever
@@ -816,7 +879,18 @@ impl EtcdBackend {
         token: &OwnerToken,
         ttl: Duration,
     ) -> Result<i64, LockError> {
-        let id = self.grant(ttl).await?;
+        Ok(self.grant_for_at(resource, token, ttl).await?.0)
+    }
+
+    /// [`grant_for`](Self::grant_for), with the store's revision when it was granted
+    /// ([`grant_at`](Self::grant_at)).
+    async fn grant_for_at(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<(i64, i64), LockError> {
+        let (id, granted_at) = self.grant_at(ttl).await?;
         let dropped = {
             let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
             let list = leases
@@ -830,7 +904,7 @@ impl EtcdBackend {
         // put still on its way would otherwise land after a later admission and move the key
         // back onto it (the admission revokes only the leases it remembers).
         self.revoke_forgotten(resource, token, dropped).await?;
-        Ok(id)
+        Ok((id, granted_at))
     }
 
     /// Revokes `ids`, leases of `token`'s that are no longer remembered. When that fails they
@@ -962,7 +1036,7 @@ impl EtcdBackend {
 
     /// Renews locks that are not on a session (idempotency records, locks taken before
     /// renewal was asked for): one lease per distinct TTL for the whole batch, and the keys
-    /// moved onto it.
+    /// moved onto it ([`relet_batch`](Self::relet_batch)).
     async fn relet_many(&self, items: &[ExtendItem]) -> Vec<Result<bool, LockError>> {
         // One lease per distinct TTL for the whole batch.
         let mut secs: Vec<i64> = items.iter().map(|i| lease_secs(i.ttl)).collect();
@@ -970,11 +1044,11 @@ impl EtcdBackend {
         secs.dedup();
         let grants = futures_util::future::join_all(
             secs.iter()
-                .map(|s| self.grant(Duration::from_secs(s.unsigned_abs()))),
+                .map(|s| self.grant_at(Duration::from_secs(s.unsigned_abs()))),
         )
         .await;
         // A failed grant fails every item of its TTL (by message: `LockError` is not `Clone`).
-        let leases: HashMap<i64, Result<i64, String>> = secs
+        let leases: HashMap<i64, Result<(i64, i64), String>> = secs
             .into_iter()
             .zip(grants.into_iter().map(|g| g.map_err(|e| e.to_string())))
             .collect();
@@ -982,16 +1056,65 @@ impl EtcdBackend {
             let lease = leases.get(&lease_secs(i.ttl)).cloned();
             async move {
                 match lease {
-                    Some(Ok(lease)) => {
-                        let k = self.keys(&i.resource, &i.token);
-                        self.relet_on(&k.own, 0, lease).await
-                    }
+                    Some(Ok(lease)) => self.relet_batch(&i.resource, &i.token, lease).await,
                     Some(Err(e)) => Err(LockError::unavailable(e, None)),
                     None => Err(LockError::unavailable("etcd lease grant missing", None)),
                 }
             }
         }))
         .await
+    }
+
+    /// Moves the own key of `token`'s (not on a session) onto a batch's `lease`, granted at
+    /// store revision `granted_at`. Two kinds of late try must not move it back afterwards,
+    /// onto a lease granted earlier, which ends before the one the holder was told of:
+    ///
+    /// * a re-let of an earlier batch (a hedged try, or one cut off by the batch's deadline):
+    ///   each re-let requires that the key was not written since its lease was granted — a
+    ///   later move wrote it after that, so the earlier one fails. When this one fails so
+    ///   while the key exists (an earlier one landed after this lease was granted), it is an
+    ///   error, and the next renewal, on a lease granted after that write, moves it;
+    /// * a put on one of the token's own leases (an attempt's, an `extend`'s, an idempotency
+    ///   `begin`'s): those are revoked once the key is off them, and the key is checked to be
+    ///   on `lease` still (a put that landed in between went with its lease: not held).
+    ///
+    /// A batch lease is shared by the batch's keys: it is never remembered for a token, and
+    /// never revoked.
+    async fn relet_batch(
+        &self,
+        resource: &ResourceName,
+        token: &OwnerToken,
+        (lease, granted_at): (i64, i64),
+    ) -> Result<bool, LockError> {
+        let own = self.keys(resource, token).own;
+        if !self.relet_since(&own, lease, granted_at).await? {
+            return Ok(false);
+        }
+        let key = token_key(resource, token);
+        let mine = self
+            .leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .cloned()
+            .unwrap_or_default();
+        if mine.is_empty() {
+            return Ok(true);
+        }
+        // Still remembered until revoked: a renewal cut off before that revokes them next time
+        // (or the release does).
+        self.revoke(mine.clone()).await?;
+        {
+            let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(list) = leases.get_mut(&key) {
+                list.retain(|id| !mine.contains(id));
+                if list.is_empty() {
+                    leases.remove(&key);
+                }
+            }
+        }
+        let still_on = Txn::new().when([Compare::lease(own, CompareOp::Equal, lease)]);
+        Ok(self.txn(still_on).await?.succeeded())
     }
 
     /// The store's revision now (one read), for a watch of a waiter with no key in the line:
@@ -1548,8 +1671,10 @@ impl Backend for EtcdBackend {
             // still on its way would otherwise land after this and move the key back onto
             // the acquire's lease, which ends at the old TTL.
             let k = self.keys(resource, token);
-            let lease = self.grant_for(resource, token, ttl).await?;
-            if !self.relet_on(&k.own, 0, lease).await? {
+            let (lease, granted_at) = self.grant_for_at(resource, token, ttl).await?;
+            // Guarded as a batch's re-let is: a try of this move landing after a later move
+            // (a batch's, whose lease is never revoked) must not move the key back.
+            if !self.relet_since(&k.own, lease, granted_at).await? {
                 self.revoke_later(vec![lease]);
                 return Ok(false);
             }
