@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use dlock_runtime::admin::{key_as_shown, Admin};
-use dlock_runtime::durable::DurableQueue;
+use dlock_runtime::durable::{DurableQueue, QueueOptions};
 use dlock_runtime::{LockError, Locker};
 
 mod output;
@@ -54,7 +54,8 @@ struct Cli {
     /// The lockers' namespace prefix (`LockerBuilder::prefix`).
     #[arg(long, default_value = "dlock", global = true)]
     namespace: String,
-    /// How long to wait for the backend (connecting, and each call), from 1ms to 1day.
+    /// How long to wait for the backend (connecting, and each call), from 1ms to 1day; also
+    /// the job queue's command timeout (`QueueOptions::command_timeout`, at most 60s).
     #[arg(long, default_value = "3s", value_parser = parse_timeout, global = true)]
     timeout: Duration,
     /// Print JSON instead of text.
@@ -380,10 +381,12 @@ async fn jobs(cli: &Cli, queue: &str, command: &JobsCommand) -> Result<(), Failu
         );
         confirm(&format!("Delete {what} for good?"), *yes)?;
     }
+    // `--timeout` is the queue's command timeout too (at most the 60 s a queue takes).
+    let options = QueueOptions::default().command_timeout(cli.timeout.min(Duration::from_secs(60)));
     let q = within(
         cli.timeout,
         "the connection",
-        DurableQueue::connect(url, queue),
+        DurableQueue::connect_options(url, queue, options),
     )
     .await?;
     let t = cli.timeout.saturating_mul(4);

@@ -889,6 +889,52 @@ async fn a_finished_job_is_acknowledged_through_a_failed_connection() {
     assert_eq!(runs(&server, 21).await, 1);
 }
 
+/// A queue's Redis a slow link away (700 ms each way: every command takes 1.4 s): with the
+/// default 1 s command timeout, nothing gets through — connecting or enqueueing answers
+/// `Unavailable` (503), in time — and with `QueueOptions::command_timeout(5 s)` the queue
+/// connects, enqueues and reads the job's status. (The command timeout was fixed at 1 s.)
+/// A timeout of zero or over 60 s is a typed refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_a_slow_link_away_works_with_a_longer_command_timeout() {
+    use dlock_runtime::durable::QueueOptions;
+    use dlock_tests::proxy::Proxy;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await.unwrap();
+    proxy.set_latency(Duration::from_millis(700));
+    let job = record_job(&server, 31, "slow-link");
+    let policy = DeferPolicy::new(Duration::from_millis(5), 1);
+
+    let started = std::time::Instant::now();
+    let by_default = match DurableQueue::connect(&proxy.url(), "slow").await {
+        Ok(queue) => enqueue(&queue, &job, &policy).await.map(drop),
+        Err(e) => Err(e),
+    };
+    let err = by_default.expect_err("a command of 1.4 s answered within a 1 s timeout");
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(err.status(), 503);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the default queue took {:?} to give up",
+        started.elapsed()
+    );
+
+    let options = QueueOptions::default().command_timeout(Duration::from_secs(5));
+    let queue = DurableQueue::connect_options(&proxy.url(), "slow", options)
+        .await
+        .unwrap();
+    assert_eq!(queue.command_timeout(), Duration::from_secs(5));
+    let id = enqueue(&queue, &job, &policy).await.unwrap();
+    assert_eq!(queue.status(&id).await.unwrap(), JobStatus::Queued);
+
+    for bad in [Duration::ZERO, Duration::from_secs(61)] {
+        let options = QueueOptions::default().command_timeout(bad);
+        let err = DurableQueue::connect_options(&server.url(), "slow", options)
+            .await
+            .expect_err("a command timeout out of range");
+        assert!(err.is_misconfigured(), "{bad:?}: {err}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purging_a_job_that_is_not_a_dead_letter_leaves_it_to_run() {
     let (server, locker, queue) = start_queue("purge").await;

@@ -89,7 +89,7 @@ use crate::{BoxError, DeferPolicy, LockError, LockKey};
 mod queue;
 mod worker;
 
-pub use queue::DurableQueue;
+pub use queue::{DurableQueue, QueueOptions};
 pub use worker::DurableWorker;
 
 #[cfg(doc)]

@@ -30,6 +30,58 @@ const MAX_VISIBILITY: Duration = Duration::from_secs(86_400);
 /// acknowledgement that stores the outcome has deleted the job by then.
 const MAX_RETENTION: Duration = Duration::from_secs(3650 * 86_400);
 
+/// The longest command timeout a queue takes ([`QueueOptions::command_timeout`]).
+const MAX_COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How [`DurableQueue::connect_options`] connects. Defaults: visibility timeout 30 s, outcome
+/// retention 24 h, command timeout 1 s.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueOptions {
+    /// How long a claimed job may go without a heartbeat before another worker may run it (at
+    /// least 100 ms, at most a day; a running job's worker renews it every third of it). Keep
+    /// it at three command timeouts or more: a claim or heartbeat answered late can outlive a
+    /// shorter one, and the job is re-queued with an attempt counted.
+    pub visibility: Duration,
+    /// How long a job's outcome is kept for [`DurableQueue::status`] (at most ten years).
+    pub retention: Duration,
+    /// How long each command to the queue's Redis may take before it counts as unanswered —
+    /// also the connect and `PING` timeouts (more than zero, at most 60 s). Raise it for a
+    /// Redis a slow link away, or whose latency spikes past 1 s: an enqueue unanswered in time
+    /// is sent again (three tries), then answered `Unavailable`.
+    pub command_timeout: Duration,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        QueueOptions {
+            visibility: Duration::from_secs(30),
+            retention: Duration::from_secs(86_400),
+            command_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl QueueOptions {
+    /// Sets [`visibility`](QueueOptions::visibility).
+    pub fn visibility(mut self, d: Duration) -> Self {
+        self.visibility = d;
+        self
+    }
+
+    /// Sets [`retention`](QueueOptions::retention).
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// Sets [`command_timeout`](QueueOptions::command_timeout).
+    pub fn command_timeout(mut self, d: Duration) -> Self {
+        self.command_timeout = d;
+        self
+    }
+}
+
 /// How many times an unanswered enqueue or claim is sent (with the same job id, or claim
 /// token).
 const RESEND_TRIES: u64 = 3;
@@ -127,15 +179,10 @@ impl DurableQueue {
     /// `sentinel`, the master of a Sentinel-monitored group
     /// (`redis+sentinel://s1:p1,s2:p2/<master-name>`, followed through a failover). Defaults:
     /// visibility timeout 30 s, outcome retention 24 h, command timeout 1 s,
-    /// [`QueueLimits::default`].
+    /// [`QueueLimits::default`] ([`connect_options`](DurableQueue::connect_options) sets the
+    /// first three).
     pub async fn connect(url: &str, name: &str) -> Result<Self, LockError> {
-        Self::connect_with(
-            url,
-            name,
-            Duration::from_secs(30),
-            Duration::from_secs(86_400),
-        )
-        .await
+        Self::connect_options(url, name, QueueOptions::default()).await
     }
 
     /// Like [`connect`](DurableQueue::connect) with an explicit visibility timeout (how long a
@@ -143,13 +190,58 @@ impl DurableQueue {
     /// 100 ms and at most a day — a running job's worker renews it every third of it; keep it
     /// at 3 s or more: under three of the queue's 1 s command timeouts, a claim or heartbeat
     /// answered late can outlive it, and the job is re-queued with an attempt counted) and
-    /// outcome retention (at most ten years).
+    /// outcome retention (at most ten years). See [`QueueOptions`].
     pub async fn connect_with(
         url: &str,
         name: &str,
         visibility: Duration,
         retention: Duration,
     ) -> Result<Self, LockError> {
+        let options = QueueOptions::default()
+            .visibility(visibility)
+            .retention(retention);
+        Self::connect_options(url, name, options).await
+    }
+
+    /// Like [`connect`](DurableQueue::connect) with [`QueueOptions`]: the visibility timeout,
+    /// the outcome retention and the command timeout.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), dlock_runtime::LockError> {
+    /// use std::time::Duration;
+    /// use dlock_runtime::durable::{DurableQueue, QueueOptions};
+    ///
+    /// // A Redis in another region: commands may take 3 s before they count as unanswered.
+    /// let options = QueueOptions::default()
+    ///     .command_timeout(Duration::from_secs(3))
+    ///     .visibility(Duration::from_secs(60));
+    /// let queue = DurableQueue::connect_options("redis://jobs.example:6379", "orders", options)
+    ///     .await?;
+    /// # let _ = queue; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`LockError::Misconfigured`] for a command timeout of zero or over 60 s; as
+    /// [`connect`](DurableQueue::connect) otherwise.
+    pub async fn connect_options(
+        url: &str,
+        name: &str,
+        options: QueueOptions,
+    ) -> Result<Self, LockError> {
+        let QueueOptions {
+            visibility,
+            retention,
+            command_timeout,
+        } = options;
+        if command_timeout.is_zero() || command_timeout > MAX_COMMAND_TIMEOUT {
+            return Err(LockError::misconfigured(
+                format!(
+                    "job queue command timeout {command_timeout:?}: must be more than zero \
+                     and at most {MAX_COMMAND_TIMEOUT:?}"
+                ),
+                None,
+            ));
+        }
         if name.is_empty()
             || name
                 .chars()
@@ -159,7 +251,6 @@ impl DurableQueue {
                 "queue name must be non-empty, without braces or whitespace",
             ));
         }
-        let command_timeout = Duration::from_secs(1);
         let cluster = conn::is_cluster_url(url);
         let (mut conn, reconnect) = if cluster {
             Self::cluster_conn(url, command_timeout).await?
@@ -288,7 +379,8 @@ impl DurableQueue {
     /// not yet received the job loses it, although [`enqueue`](Self::enqueue) answered `Ok`.
     ///
     /// With `n > 0`, each enqueue is sent with the `WAIT` after it on a connection of their own
-    /// (`WAIT` blocks its connection) and waits up to ¾ of the command timeout (1 s) for the
+    /// (`WAIT` blocks its connection) and waits up to ¾ of the command timeout (1 s by
+    /// default, [`QueueOptions::command_timeout`]) for the
     /// replicas. When fewer answer in time, the job is withdrawn — unless a worker has claimed
     /// it already — and the enqueue fails with [`LockError::Unavailable`]: as for an enqueue
     /// that was not answered, the job may or may not be queued (a failover right then can
@@ -323,6 +415,11 @@ impl DurableQueue {
     /// The visibility timeout.
     pub fn visibility_timeout(&self) -> Duration {
         self.inner.visibility
+    }
+
+    /// The command timeout ([`QueueOptions::command_timeout`]).
+    pub fn command_timeout(&self) -> Duration {
+        self.inner.command_timeout
     }
 
     fn key(&self, suffix: &str) -> String {
