@@ -122,6 +122,15 @@ impl BackendKind {
         BackendKind::Zookeeper,
     ];
 
+    /// The stream of the run's random numbers this backend's phase draws from: its place in
+    /// [`ALL`](Self::ALL), whichever backends a run takes, so that `--seed N --backend B`
+    /// repeats the schedule of B's phase in any run with seed N (it was forked by the place in
+    /// the run's list: a run of one backend drew another schedule).
+    pub(crate) fn stream(self) -> u64 {
+        let at = Self::ALL.iter().position(|&k| k == self);
+        at.expect("every backend is in ALL") as u64 + 1
+    }
+
     /// The backends of `--smoke` (the `cargo test`): all but the consensus stores, whose
     /// 3-member clusters and JVMs would double its time.
     pub(crate) const SMOKE: [BackendKind; 5] = [
@@ -502,7 +511,8 @@ modes:
   (none)     the long mode: as --quick with 20 rounds per backend (release checks)
 
 options:
-  --seed N                 repeat a run's fault schedule (printed at the start and the end)
+  --seed N                 repeat a run's fault schedule (printed at the start and the end);
+                           with --backend B, the schedule of B's phase in any run of seed N
   --backend B[,B...]       redis, redlock, postgres, cluster, sentinel, etcd, zookeeper; `all` (the
                            default; --smoke: all but etcd and zookeeper) or `both` (redis,redlock)
   --procs N  --tasks N  --keys N

@@ -1309,8 +1309,8 @@ pub(crate) async fn run(cfg: Config) -> i32 {
     let root = Rng::new(cfg.seed);
     let mut reports = Vec::new();
     let mut errors = Vec::new();
-    for (i, &backend) in cfg.backends.iter().enumerate() {
-        let result = match Phase::start(&cfg, backend, root.fork(i as u64 + 1)).await {
+    for &backend in &cfg.backends {
+        let result = match Phase::start(&cfg, backend, phase_rng(&root, backend)).await {
             Ok(phase) => phase.run().await,
             Err(e) => Err(e),
         };
@@ -1471,4 +1471,36 @@ fn phase_line(r: &PhaseReport) -> String {
         r.worker_crashes,
         r.unrecovered,
     )
+}
+
+/// The random numbers of `backend`'s phase in a run whose root is `root`: its backend's stream
+/// ([`BackendKind::stream`]), whichever other backends the run takes.
+fn phase_rng(root: &Rng, backend: BackendKind) -> Rng {
+    root.fork(backend.stream())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A phase draws the same numbers alone (`--seed N --backend B`) as in a run of every
+    /// backend with that seed — and, in a run of every backend, the numbers it drew before
+    /// (forked by its place in the list), so that the seeds of earlier runs still repeat them.
+    #[test]
+    fn a_phase_draws_the_same_numbers_alone_as_in_a_run_of_every_backend() {
+        let root = Rng::new(902_281_025);
+        for (i, &backend) in BackendKind::ALL.iter().enumerate() {
+            let in_full_run = root.fork(i as u64 + 1).next_u64();
+            assert_eq!(
+                phase_rng(&root, backend).next_u64(),
+                in_full_run,
+                "{backend:?}"
+            );
+        }
+        assert_ne!(
+            phase_rng(&root, BackendKind::Postgres).next_u64(),
+            root.fork(1).next_u64(),
+            "a run of Postgres alone drew the first backend's numbers"
+        );
+    }
 }

@@ -16,6 +16,7 @@
 //! cargo run --release -p dlock-torture -- --quick     # about 5 minutes, exits non-zero on failure
 //! cargo run --release -p dlock-torture                # the long mode, for release checks
 //! cargo run --release -p dlock-torture -- --seed 42   # repeat a run's fault schedule
+//! cargo run --release -p dlock-torture -- --quick --seed 42 --backend etcd   # one phase of it
 //! ```
 //!
 //! The last line printed is a `summary: key=value …` line. See `tests/README.md` for what each
