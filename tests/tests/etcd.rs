@@ -1829,50 +1829,20 @@ async fn a_late_try_after_a_batch_renewal_leaves_an_unrenewed_permit_on_its_new_
 
 async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &str, batch: bool) {
     use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::{
-        abandon_as, attempt_as, extend_as, extend_many_as, resource_as,
-    };
+    use dlock_runtime::conformance::{attempt_as, extend_as, extend_many_as, resource_as};
 
-    let LateTries {
-        slow,
-        a,
-        b: _,
-        raw,
-        run,
-        ttl,
-        keep,
-        _fast,
-    } = late_tries(name).await;
-    let key = format!("{run}-s");
+    let late = late_tries(name).await;
+    let key = format!("{}-s", late.run);
     let kind = dlock_runtime::LockKind::Semaphore { permits: 1 };
-    let resource = resource_as(&a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
-    let dir = resource_dir(&resource);
-    let mut checked = false;
-    for i in 0..10 {
-        let token = OwnerToken::generate();
-        slow.hold();
-        let started = Instant::now();
-        let first = attempt_as(&a, &resource, &token, WaitMode::Barge, ttl)
+    let resource = resource_as(&late.a, dlock_runtime::LockKey::new(&key).unwrap(), kind);
+    let (a, ttl) = (&late.a, late.ttl);
+    let first = async |token: &OwnerToken| {
+        let first = attempt_as(a, &resource, token, WaitMode::Barge, ttl)
             .await
             .unwrap();
-        assert!(
-            matches!(first, Attempt::Acquired { .. }),
-            "attempt {i}: {first:?}"
-        );
-        // Answered through the hedge while the first try, a transaction carrying the key
-        // (named by the token), is held on the slow way — not only the lease grant, a status
-        // check, a cancellation, or the renewal of `keep`.
-        let hedged = started.elapsed() >= Duration::from_millis(400)
-            && slow.held_contains(token.as_str().as_bytes());
-        if !hedged {
-            // The attempt's first request (the lease grant) went the slow way, or neither did:
-            // tries go round robin, so the next attempt's put may. A member hedged away from
-            // is passed over for 2 s (`SUSPECT_FOR`), which nothing outside tells the end of.
-            slow.deliver_held();
-            abandon_as(&a, &resource, &token).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(2100)).await;
-            continue;
-        }
+        assert!(matches!(first, Attempt::Acquired { .. }), "{first:?}");
+    };
+    let renew = async |token: &OwnerToken| {
         let ttl = Duration::from_secs(30);
         if batch {
             let item = ExtendItem {
@@ -1880,23 +1850,63 @@ async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &st
                 token: token.clone(),
                 ttl,
             };
-            let renewed = extend_many_as(&a, &[item]).await;
+            let renewed = extend_many_as(a, &[item]).await;
             assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
         } else {
-            assert!(extend_as(&a, &resource, &token, ttl).await.unwrap());
+            assert!(extend_as(a, &resource, token, ttl).await.unwrap());
         }
-        late_try_writes_nothing(&raw, &dir, &slow).await;
-        let left = lease_left_of_the_key(&raw, &dir).await;
-        assert!(
-            left >= 20,
-            "the permit's key is on a lease of {left} s left"
-        );
-        checked = true;
-        abandon_as(&a, &resource, &token).await.unwrap();
-        break;
+    };
+    let nothing = async |_: &OwnerToken| {};
+    a_late_write_after_a_renewal_changes_nothing(&late, &resource, nothing, first, renew).await;
+    late.keep.release().await.unwrap();
+}
+
+/// The loop the late-renewal tests share. For a new token of `late.a`'s: `setup` (not held),
+/// then `first` — an attempt or a renewal of the token's hold on `resource` — with the slow
+/// path held, until `first` is answered through a hedge while a request carrying the token's
+/// key is held there (else the held requests are delivered, the token's hold abandoned, and
+/// the next token waits out the slow path's suspicion); then `renew` (onto a lease of 30 s),
+/// and the held requests delivered: the late write must write nothing
+/// (`late_try_writes_nothing`), and the key stays on a lease of 20 s or more.
+async fn a_late_write_after_a_renewal_changes_nothing(
+    late: &LateTries,
+    resource: &dlock_runtime::key::ResourceName,
+    setup: impl AsyncFn(&dlock_runtime::backend::OwnerToken),
+    first: impl AsyncFn(&dlock_runtime::backend::OwnerToken),
+    renew: impl AsyncFn(&dlock_runtime::backend::OwnerToken),
+) {
+    use dlock_runtime::backend::OwnerToken;
+    use dlock_runtime::conformance::abandon_as;
+
+    let dir = resource_dir(resource);
+    for _ in 0..10 {
+        let token = OwnerToken::generate();
+        setup(&token).await;
+        late.slow.hold();
+        let started = Instant::now();
+        first(&token).await;
+        // Answered through the hedge while a try of it, a transaction carrying the key (named
+        // by the token), is held on the slow way — not only a lease grant, a status check, a
+        // cancellation, or the renewal of `keep`.
+        let hedged = started.elapsed() >= Duration::from_millis(400)
+            && late.slow.held_contains(token.as_str().as_bytes());
+        if !hedged {
+            // Tries go round robin, so the next token's may go the slow way. A member hedged
+            // away from is passed over for 2 s (`SUSPECT_FOR`), which nothing outside tells
+            // the end of.
+            late.slow.deliver_held();
+            abandon_as(&late.a, resource, &token).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2100)).await;
+            continue;
+        }
+        renew(&token).await;
+        late_try_writes_nothing(&late.raw, &dir, &late.slow).await;
+        let left = lease_left_of_the_key(&late.raw, &dir).await;
+        assert!(left >= 20, "the key is on a lease of {left} s left");
+        abandon_as(&late.a, resource, &token).await.unwrap();
+        return;
     }
-    assert!(checked, "no try was answered through a hedge");
-    keep.release().await.unwrap();
+    panic!("no try was answered through a hedge while one carrying the key was held");
 }
 
 /// A lock not on a session (`auto_renew(false)`, renewed later by the watchdog's batches)
@@ -1908,65 +1918,32 @@ async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_re_let_of_an_earlier_batch_leaves_the_key_on_the_later_lease() {
     use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::{abandon_as, attempt_as, extend_many_as};
+    use dlock_runtime::conformance::{attempt_as, extend_many_as};
 
-    let LateTries {
-        slow,
-        a,
-        b: _,
-        raw,
-        run,
-        ttl,
-        keep,
-        _fast,
-    } = late_tries("late-batch-re-let").await;
-    let key = format!("{run}-l");
-    let resource = a.resource(dlock_runtime::LockKey::new(&key).unwrap());
-    let dir = resource_dir(&resource);
-    let batch = |token: &OwnerToken, ttl| {
-        vec![ExtendItem {
+    let late = late_tries("late-batch-re-let").await;
+    let key = format!("{}-l", late.run);
+    let resource = late.a.resource(dlock_runtime::LockKey::new(&key).unwrap());
+    let (a, ttl) = (&late.a, late.ttl);
+    let batch = async |token: &OwnerToken, ttl| {
+        let item = ExtendItem {
             resource: resource.clone(),
             token: token.clone(),
             ttl,
-        }]
+        };
+        let renewed = extend_many_as(a, &[item]).await;
+        assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
     };
-    let mut checked = false;
-    for i in 0..10 {
-        let token = OwnerToken::generate();
-        let first = attempt_as(&a, &resource, &token, WaitMode::Try, ttl)
+    let take = async |token: &OwnerToken| {
+        let first = attempt_as(a, &resource, token, WaitMode::Try, ttl)
             .await
             .unwrap();
-        assert!(
-            matches!(first, Attempt::Acquired { .. }),
-            "attempt {i}: {first:?}"
-        );
-        slow.hold();
-        let started = Instant::now();
-        let renewed = extend_many_as(&a, &batch(&token, Duration::from_secs(5))).await;
-        assert!(matches!(renewed[..], [Ok(true)]), "batch {i}: {renewed:?}");
-        // Answered through the hedge while the re-let, a transaction carrying the key (named
-        // by the token), is held on the slow way — not only the lease grant, a status check, a
-        // cancellation, or the renewal of `keep`.
-        let hedged = started.elapsed() >= Duration::from_millis(400)
-            && slow.held_contains(token.as_str().as_bytes());
-        if !hedged {
-            slow.deliver_held();
-            abandon_as(&a, &resource, &token).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(2100)).await;
-            continue;
-        }
-        // The slow way is under suspicion now: this batch goes the fast way.
-        let renewed = extend_many_as(&a, &batch(&token, Duration::from_secs(30))).await;
-        assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
-        late_try_writes_nothing(&raw, &dir, &slow).await;
-        let left = lease_left_of_the_key(&raw, &dir).await;
-        assert!(left >= 20, "the key is on a lease of {left} s left");
-        checked = true;
-        abandon_as(&a, &resource, &token).await.unwrap();
-        break;
-    }
-    assert!(checked, "no re-let was answered through a hedge");
-    keep.release().await.unwrap();
+        assert!(matches!(first, Attempt::Acquired { .. }), "{first:?}");
+    };
+    let first = async |token: &OwnerToken| batch(token, Duration::from_secs(5)).await;
+    // The slow way is under suspicion now: this batch goes the fast way.
+    let later = async |token: &OwnerToken| batch(token, Duration::from_secs(30)).await;
+    a_late_write_after_a_renewal_changes_nothing(&late, &resource, take, first, later).await;
+    late.keep.release().await.unwrap();
 }
 
 /// A lock that is not renewed (`auto_renew(false)`), waited for in line: each attempt puts the
