@@ -1828,8 +1828,8 @@ async fn a_late_try_after_a_batch_renewal_leaves_an_unrenewed_permit_on_its_new_
 }
 
 async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &str, batch: bool) {
-    use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::{attempt_as, extend_as, extend_many_as, resource_as};
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::{attempt_as, extend_as, resource_as};
 
     let late = late_tries(name).await;
     let key = format!("{}-s", late.run);
@@ -1845,13 +1845,7 @@ async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &st
     let renew = async |token: &OwnerToken| {
         let ttl = Duration::from_secs(30);
         if batch {
-            let item = ExtendItem {
-                resource: resource.clone(),
-                token: token.clone(),
-                ttl,
-            };
-            let renewed = extend_many_as(a, &[item]).await;
-            assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
+            renewed_by_a_batch(a, &resource, token, ttl).await;
         } else {
             assert!(extend_as(a, &resource, token, ttl).await.unwrap());
         }
@@ -1859,6 +1853,23 @@ async fn a_late_try_after_a_renewal_leaves_the_permit_on_its_new_lease(name: &st
     let nothing = async |_: &OwnerToken| {};
     a_late_write_after_a_renewal_changes_nothing(&late, &resource, nothing, first, renew).await;
     late.keep.release().await.unwrap();
+}
+
+/// Renews `token`'s hold on `resource` to `ttl` by a batch of one (`extend_many`: what the
+/// watchdog sends), which must answer renewed.
+async fn renewed_by_a_batch(
+    a: &Locker,
+    resource: &dlock_runtime::key::ResourceName,
+    token: &dlock_runtime::backend::OwnerToken,
+    ttl: Duration,
+) {
+    let item = dlock_runtime::backend::ExtendItem {
+        resource: resource.clone(),
+        token: token.clone(),
+        ttl,
+    };
+    let renewed = dlock_runtime::conformance::extend_many_as(a, &[item]).await;
+    assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
 }
 
 /// The loop the late-renewal tests share. For a new token of `late.a`'s: `setup` (not held),
@@ -1917,22 +1928,14 @@ async fn a_late_write_after_a_renewal_changes_nothing(
 /// now requires that the key was not written since its lease was granted. (It moved it back.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_re_let_of_an_earlier_batch_leaves_the_key_on_the_later_lease() {
-    use dlock_runtime::backend::{Attempt, ExtendItem, OwnerToken, WaitMode};
-    use dlock_runtime::conformance::{attempt_as, extend_many_as};
+    use dlock_runtime::backend::{Attempt, OwnerToken, WaitMode};
+    use dlock_runtime::conformance::attempt_as;
 
     let late = late_tries("late-batch-re-let").await;
     let key = format!("{}-l", late.run);
     let resource = late.a.resource(dlock_runtime::LockKey::new(&key).unwrap());
     let (a, ttl) = (&late.a, late.ttl);
-    let batch = async |token: &OwnerToken, ttl| {
-        let item = ExtendItem {
-            resource: resource.clone(),
-            token: token.clone(),
-            ttl,
-        };
-        let renewed = extend_many_as(a, &[item]).await;
-        assert!(matches!(renewed[..], [Ok(true)]), "{renewed:?}");
-    };
+    let batch = async |token: &OwnerToken, ttl| renewed_by_a_batch(a, &resource, token, ttl).await;
     let take = async |token: &OwnerToken| {
         let first = attempt_as(a, &resource, token, WaitMode::Try, ttl)
             .await
