@@ -4,13 +4,14 @@
 //! dlock --url redis://127.0.0.1:6379 inspect order:42
 //! dlock list --prefix order:            # SCAN, never KEYS
 //! dlock release order:42 --force        # asks on a terminal; --yes in scripts
+//! dlock release order:42 --force --if-holder 3fa4b2c1   # only while that owner holds it
 //! dlock jobs --queue emails dead        # list, dead (first --limit), requeue <id>, purge
 //! dlock watch --count 10                # contended locks, refreshed
 //! ```
 //!
 //! The backend comes from `--url` or `DLOCK_URL` (the URLs of `Locker::from_url`). Exit codes:
 //! 0 success, 1 the operation did not happen (nothing to requeue, a `release --force` of a lock
-//! nobody held, confirmation declined), 2 bad usage, a bad URL, or a backend that does not
+//! nobody held or, with `--if-holder`, held by another owner, confirmation declined), 2 bad usage, a bad URL, or a backend that does not
 //! answer within `--timeout`. `--json` prints machine-readable output (one JSON document, or one
 //! per refresh for `watch`).
 //!
@@ -39,8 +40,8 @@ Keys: a key or --prefix is taken as `list` and `inspect` show it (encoded: `user
 character, or `#` but a long key's digest marker — and as a literal key otherwise (`\"a b\"`, \
 `100%`).
 
-Exit codes: 0 done; 1 not done (no such dead letter, `release --force` of a lock nobody held, \
-confirmation declined); 2 bad usage, a bad URL, or a backend that does not answer within \
+Exit codes: 0 done; 1 not done (no such dead letter, `release --force` of a lock nobody held \
+or, with --if-holder, held by another owner, confirmation declined); 2 bad usage, a bad URL, or a backend that does not answer within \
 --timeout.";
 
 /// Inspect and operate dlock locks and durable jobs.
@@ -84,13 +85,19 @@ enum Command {
     },
     /// Free a lock whoever holds it (no owner check) and raise its fencing counter.
     ///
-    /// Exits 1 ("`<key>` was not held") when nobody held it.
+    /// Exits 1 ("`<key>` was not held") when nobody held it, and with `--if-holder` when
+    /// another owner holds it ("held by `<prefix>…`, not ...": nothing released).
     Release {
         /// The lock's key, as `list` shows it or as the application names it.
         key: String,
         /// Required: this skips the owner check.
         #[arg(long)]
         force: bool,
+        /// Release only while the holder is this owner: the token prefix `inspect` shows
+        /// (checked and released in one step, so a lock that changed hands since is left to
+        /// its new holder).
+        #[arg(long, value_name = "TOKEN_PREFIX")]
+        if_holder: Option<String>,
         /// Do not ask for confirmation (needed without a terminal).
         #[arg(long)]
         yes: bool,
@@ -284,7 +291,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let locks = admin.list_all(prefix, *limit).await?;
             output::print_list(&locks, cli.json, true);
         }
-        Command::Release { key, force, yes } => {
+        Command::Release {
+            key,
+            force,
+            if_holder,
+            yes,
+        } => {
             if !force {
                 return Err(Failure::Usage(
                     "`release` frees a lock whoever holds it (no owner check): pass --force".into(),
@@ -294,15 +306,31 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 &format!("Force-release `{key}`? Its holder loses the lock at its next renewal."),
                 *yes,
             )?;
+            if let Some(h) = if_holder {
+                let hex = h.bytes().all(|b| b.is_ascii_hexdigit());
+                if h.is_empty() || h.len() > 32 || !hex {
+                    return Err(Failure::Usage(format!(
+                        "--if-holder `{h}`: an owner token's prefix is 1 to 32 hex digits, \
+                         as `inspect` shows it"
+                    )));
+                }
+            }
             let admin = admin(&cli).await?;
-            let out = within(
-                cli.timeout.saturating_mul(2),
-                "the release",
-                admin.force_release(key_as_shown(key)?),
-            )
-            .await?;
+            let key_shown = key_as_shown(key)?;
+            let release = async {
+                match if_holder {
+                    Some(h) => admin.force_release_held_by(key_shown, h).await,
+                    None => admin.force_release(key_shown).await,
+                }
+            };
+            let out = within(cli.timeout.saturating_mul(2), "the release", release).await?;
             output::print_released(key, &out, cli.json);
             // Freeing nothing is not what was asked for: a script must not go on as if it had.
+            if let (Some(other), Some(h)) = (&out.other_holder, if_holder) {
+                return Err(Failure::NotDone(format!(
+                    "`{key}` is held by `{other}…`, not by `{h}…`: nothing released"
+                )));
+            }
             if !out.was_held {
                 return Err(Failure::NotDone(format!("`{key}` was not held")));
             }

@@ -174,8 +174,29 @@ async fn locks_through_the_cli(url: &str, key: &str) {
         "still the same holder"
     );
 
-    let released = json(&dlock(Some(url), &["--json", "release", key, "--force", "--yes"]).await);
-    assert_eq!(released["was_held"], true);
+    // `--if-holder` naming another owner: nothing released, the holder named (exit 1); not a
+    // token prefix: bad usage.
+    let other = if prefix.starts_with('0') { "1" } else { "0" };
+    let release_if = |holder| ["release", key, "--force", "--yes", "--if-holder", holder];
+    let out = dlock(Some(url), &release_if(other)).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("held by `{prefix}…`, not by `{other}…`")),
+        "{}",
+        stderr(&out)
+    );
+    let out = dlock(Some(url), &release_if("xyz")).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let state = json(&dlock(Some(url), &["--json", "inspect", key]).await);
+    assert_eq!(state["holder"]["token_prefix"], prefix, "released: {state}");
+
+    // Naming the holder `inspect` showed: released.
+    let [release, rest @ ..] = release_if(prefix);
+    let mut args = vec!["--json", release];
+    args.extend(rest);
+    let released = json(&dlock(Some(url), &args).await);
+    assert_eq!(released["was_held"], true, "{released}");
+    assert_eq!(released["other_holder"], Value::Null, "{released}");
     let next = tokio::time::timeout(Duration::from_secs(15), waiter)
         .await
         .expect("the waiter gets the lock")

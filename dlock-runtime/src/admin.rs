@@ -14,8 +14,13 @@
 //! assert_eq!(holder.fencing_token, Some(guard.fencing_token()));
 //! assert_eq!(holder.token_prefix.len(), 8); // never the whole owner token
 //!
-//! // Frees it whoever holds it, and raises the fencing counter past the holder's token.
-//! let freed = admin.force_release("report:2026-11").await?;
+//! // Only while the holder inspected still holds it: another owner's prefix releases nothing.
+//! let spared = admin.force_release_held_by("report:2026-11", "0123abcd").await?;
+//! assert!(!spared.was_held);
+//! assert_eq!(spared.other_holder.as_ref(), Some(&holder.token_prefix));
+//!
+//! // Frees it while that holder holds it, and raises the fencing counter past its token.
+//! let freed = admin.force_release_held_by("report:2026-11", &holder.token_prefix).await?;
 //! assert!(freed.was_held && freed.fence.unwrap() > guard.fencing_token());
 //! # Ok(()) }
 //! ```
@@ -26,7 +31,9 @@
 //! [`LockError::Unsupported`].
 //!
 //! **Force-release skips the owner check** — the only operation in dlock that does — and is
-//! meant for incidents. Expose it (and everything here) only behind your own authentication.
+//! meant for incidents. Name the holder you inspected
+//! ([`Admin::force_release_held_by`]) so that a lock that changed hands meanwhile stays with
+//! its new holder. Expose it (and everything here) only behind your own authentication.
 //!
 //! # Keys as shown
 //!
@@ -146,6 +153,50 @@ impl Admin {
             backend = self.locker.backend_name(),
             was_held = out.was_held,
             "lock force-released by an operator"
+        );
+        Ok(out)
+    }
+
+    /// [`force_release`](Self::force_release), only while the lock on `key` is held by the
+    /// owner whose token starts with `holder` — the token prefix [`inspect`](Self::inspect)
+    /// shows ([`TOKEN_PREFIX_LEN`] hex digits; more or fewer will do). The check and the
+    /// release are one step in the store, so a lock that changed hands since it was inspected
+    /// — its holder released it, or it expired and another took it — is left to its new
+    /// holder: nothing is released, and
+    /// [`ForceReleased::other_holder`] names the holder found (`None`, with `was_held` `false`,
+    /// when the lock is free).
+    ///
+    /// # Errors
+    /// [`LockError::Misconfigured`] for a `holder` that is not 1 to 32 hex digits;
+    /// [`LockError::Unsupported`] for a store without it (every backend of this crate with an
+    /// admin has it).
+    pub async fn force_release_held_by(
+        &self,
+        key: impl IntoLockKey,
+        holder: &str,
+    ) -> Result<ForceReleased, LockError> {
+        let hex = holder.bytes().all(|b| b.is_ascii_hexdigit());
+        if holder.is_empty() || holder.len() > 32 || !hex {
+            return Err(LockError::misconfigured(
+                format!("holder `{holder}`: an owner token's prefix is 1 to 32 hex digits"),
+                None,
+            ));
+        }
+        let holder = holder.to_ascii_lowercase();
+        let resource = self.locker.resource(key.into_lock_key()?);
+        let out = self
+            .locker
+            .with_deadline(
+                "force release",
+                self.store().force_release_held_by(&resource, &holder),
+            )
+            .await?;
+        tracing::warn!(
+            target: "dlock::admin",
+            backend = self.locker.backend_name(),
+            was_held = out.was_held,
+            spared = out.other_holder.is_some(),
+            "lock force-released by an operator, if held by the owner named"
         );
         Ok(out)
     }

@@ -1,8 +1,9 @@
 //! The inspection capability of a backend, for operators: what a lock looks like in the store,
 //! which locks a namespace holds, and freeing a stuck lock by hand. Optional —
 //! [`Backend::admin`](super::Backend::admin) returns `None` by default — and read-mostly:
-//! [`AdminStore::force_release`] is the only write, and the only operation in dlock that frees
-//! a lock **without checking its owner token**. It exists for incidents (a holder that hangs
+//! [`AdminStore::force_release`] (and its conditional form,
+//! [`AdminStore::force_release_held_by`]) is the only write, and the only operation in dlock
+//! that frees a lock **without checking its owner token**. It exists for incidents (a holder that hangs
 //! on to a lock it will never use); the holder learns at its next renewal (its guard reports
 //! [`LockError::Lost`]), and the store's fencing counter is raised so
 //! that the next holder's token is above every token issued before — a resource that checks
@@ -70,7 +71,8 @@ where
 }
 
 /// `impl AdminStore for $backend` over its inherent `read_lock(&str)`,
-/// `list_locks(namespace, key_prefix, cursor, limit)` and `force(&str)`.
+/// `list_locks(namespace, key_prefix, cursor, limit)` and `force(&str, Option<&str>)` (the
+/// holder a conditional release requires).
 #[cfg(any(feature = "postgres", feature = "etcd", feature = "zookeeper"))]
 macro_rules! admin_store_via {
     ($backend:ty) => {
@@ -105,7 +107,18 @@ macro_rules! admin_store_via {
                 'a,
                 Result<$crate::backend::admin::ForceReleased, $crate::LockError>,
             > {
-                Box::pin(self.force(resource.as_str()))
+                Box::pin(self.force(resource.as_str(), None))
+            }
+
+            fn force_release_held_by<'a>(
+                &'a self,
+                resource: &'a $crate::key::ResourceName,
+                holder: &'a str,
+            ) -> $crate::backend::BoxFuture<
+                'a,
+                Result<$crate::backend::admin::ForceReleased, $crate::LockError>,
+            > {
+                Box::pin(self.force(resource.as_str(), Some(holder)))
             }
         }
     };
@@ -199,6 +212,27 @@ pub struct ForceReleased {
     /// holder's revision is above every revision so far by construction; ZooKeeper: likewise
     /// its node's `czxid`).
     pub fence: Option<u64>,
+    /// A conditional release ([`AdminStore::force_release_held_by`]) that found the lock held
+    /// by another owner: that holder's token prefix. Nothing was released (`was_held` is
+    /// `false`, `fence` `None`).
+    pub other_holder: Option<String>,
+}
+
+impl ForceReleased {
+    /// Nothing released: the lock was held by the owner whose token prefix is `holder`, not
+    /// the one asked for.
+    pub(crate) fn spared(holder: String) -> Self {
+        ForceReleased {
+            other_holder: Some(holder),
+            ..ForceReleased::default()
+        }
+    }
+}
+
+/// Whether `token` (an owner token, or what a store keeps that starts with it) is the owner
+/// `holder` names: its first characters.
+pub(crate) fn is_holder(token: &str, holder: &str) -> bool {
+    !holder.is_empty() && token.starts_with(holder)
 }
 
 /// A store's inspection capability (see the [module docs](self)). Every call is bounded by the
@@ -228,6 +262,24 @@ pub trait AdminStore: Send + Sync {
         &'a self,
         resource: &'a ResourceName,
     ) -> BoxFuture<'a, Result<ForceReleased, LockError>>;
+
+    /// [`force_release`](Self::force_release), only while the lock is held by the owner whose
+    /// token starts with `holder` (a token prefix as [`inspect`](Self::inspect) shows it): held
+    /// by another, nothing is released and [`ForceReleased::other_holder`] names that one;
+    /// free, nothing is released. The check and the release are one step in the store, so a
+    /// lock that changed hands after it was inspected is never taken from its new holder.
+    /// Default: [`LockError::Unsupported`].
+    fn force_release_held_by<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        holder: &'a str,
+    ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
+        let _ = (resource, holder);
+        Box::pin(std::future::ready(Err(LockError::unsupported(
+            "admin",
+            "a force release only while a given owner holds the lock",
+        ))))
+    }
 }
 
 /// Durations as milliseconds, times as milliseconds since the Unix epoch.

@@ -177,3 +177,73 @@ pub async fn admin_inspect_list_force_release(store: &Store) {
     }
     read.release().await.expect("release");
 }
+
+/// `force_release_held_by` releases only while the owner it names holds the lock: after the
+/// lock changed hands (its holder released it and another took it), a release naming the
+/// holder an operator saw leaves the new one its lock and names it; naming the new holder (its
+/// token prefix as `inspect` shows it) releases the lock; a free lock is left alone; a holder
+/// that is not hex is refused.
+pub async fn admin_force_release_held_by_spares_another_holder(store: &Store) {
+    let (a, b) = store.pair().await;
+    let Ok(admin) = b.admin() else {
+        return; // `admin_inspect_list_force_release` checks that the store says so
+    };
+    let key = unique_key("admin-held-by");
+    let ttl = Duration::from_secs(20);
+    let shown = async || {
+        let state = admin.inspect(key.as_str()).await.expect("inspect");
+        state.holder.expect("a holder").token_prefix
+    };
+    let first = a.lock(&key).ttl(ttl).acquire().await.expect("acquire");
+    let seen = shown().await;
+    first.release().await.expect("release");
+    let second = b.lock(&key).ttl(ttl).acquire().await.expect("acquire");
+    let now = shown().await;
+    assert_ne!(seen, now, "{}: two owners, one token prefix", store.name);
+
+    let spared = admin
+        .force_release_held_by(key.as_str(), &seen)
+        .await
+        .expect("force release");
+    assert!(!spared.was_held, "{}: {spared:?}", store.name);
+    assert_eq!(spared.fence, None, "{}", store.name);
+    assert_eq!(
+        spared.other_holder.as_deref(),
+        Some(now.as_str()),
+        "{}",
+        store.name
+    );
+    assert!(
+        second.extend(ttl).await.is_ok(),
+        "{}: the new holder lost its lock",
+        store.name
+    );
+
+    let freed = admin
+        .force_release_held_by(key.as_str(), &now.to_ascii_uppercase())
+        .await
+        .expect("force release");
+    assert!(freed.was_held, "{}: {freed:?}", store.name);
+    assert_eq!(freed.other_holder, None, "{}", store.name);
+    assert!(
+        second.extend(ttl).await.is_err(),
+        "{}: the holder named still extends",
+        store.name
+    );
+    let free = admin
+        .force_release_held_by(key.as_str(), &now)
+        .await
+        .expect("force release");
+    assert!(
+        !free.was_held && free.other_holder.is_none(),
+        "{}: {free:?}",
+        store.name
+    );
+    for bad in ["", "xyz", &"a".repeat(33)] {
+        let err = admin
+            .force_release_held_by(key.as_str(), bad)
+            .await
+            .expect_err("not a token prefix");
+        assert!(err.is_misconfigured(), "{}: {bad:?}: {err}", store.name);
+    }
+}

@@ -508,6 +508,7 @@ pub async fn run_all(store: &Store) {
     kinds_an_attempt_by_the_holder_is_granted_again(store).await;
     kinds_a_waiter_behind_a_dead_one_is_told_when_the_line_may_move(store).await;
     admin_inspect_list_force_release(store).await;
+    admin_force_release_held_by_spares_another_holder(store).await;
     election_leadership_moves_on_resign_and_drop(store).await;
     election_recampaigns_after_loss(store).await;
 }
@@ -586,6 +587,7 @@ macro_rules! conformance_tests {
             kinds_an_attempt_by_the_holder_is_granted_again,
             kinds_a_waiter_behind_a_dead_one_is_told_when_the_line_may_move,
             admin_inspect_list_force_release,
+            admin_force_release_held_by_spares_another_holder,
         );
     };
     (@each $make:path; $($check:ident),* $(,)?) => {

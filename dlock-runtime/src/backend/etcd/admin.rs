@@ -9,7 +9,8 @@ use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarge
 
 use super::{range_end, EtcdBackend};
 use crate::backend::admin::{
-    key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState, Waiter,
+    is_holder, key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState,
+    Waiter,
 };
 use crate::LockError;
 
@@ -53,12 +54,7 @@ impl EtcdBackend {
     async fn read_lock(&self, resource: &str) -> Result<LockState, LockError> {
         let dir_len = self.dir(resource).len();
         let keys = self.lock_keys(resource).await?;
-        // A key on a session notes its token in its value (its name is the locker's and is
-        // reused); a key on a lease of its own is named by its token.
-        let token = |kv: &KeyValue| match super::noted(kv.value()).1 {
-            Some(token) => token_prefix(token),
-            None => token_prefix(&String::from_utf8_lossy(&kv.key()[dir_len..])),
-        };
+        let token = |kv: &KeyValue| token_prefix(&owner_of(kv, dir_len));
         let holder = match keys.first() {
             Some(kv) => Some(Holder {
                 token_prefix: token(kv),
@@ -154,13 +150,23 @@ impl EtcdBackend {
         Ok(LockPage { locks, cursor })
     }
 
-    async fn force(&self, resource: &str) -> Result<ForceReleased, LockError> {
+    /// A force release of `resource`; with `holder`, only while that owner holds it: the head
+    /// key read is that owner's, and its delete is guarded by its create revision (still there,
+    /// it still holds: no key can come ahead of it).
+    async fn force(
+        &self,
+        resource: &str,
+        holder: Option<&str>,
+    ) -> Result<ForceReleased, LockError> {
         let Some(head) = self.lock_keys(resource).await?.into_iter().next() else {
-            return Ok(ForceReleased {
-                was_held: false,
-                fence: None,
-            });
+            return Ok(ForceReleased::default());
         };
+        if let Some(want) = holder {
+            let owner = owner_of(&head, self.dir(resource).len());
+            if !is_holder(&owner, want) {
+                return Ok(ForceReleased::spared(token_prefix(&owner)));
+            }
+        }
         let key = head.key().to_vec();
         let txn = Txn::new()
             .when([Compare::create_revision(
@@ -172,8 +178,18 @@ impl EtcdBackend {
         let deleted = self.txn(txn).await?.succeeded();
         Ok(ForceReleased {
             was_held: deleted,
-            fence: None,
+            ..ForceReleased::default()
         })
+    }
+}
+
+/// The owner token of a lock's key `kv` (its directory `dir_len` bytes long): a key on a
+/// session notes it in its value (its name is the locker's and is reused); a key on a lease of
+/// its own is named by it.
+fn owner_of(kv: &KeyValue, dir_len: usize) -> String {
+    match super::noted(kv.value()).1 {
+        Some(token) => token.to_owned(),
+        None => String::from_utf8_lossy(kv.key().get(dir_len..).unwrap_or_default()).into_owned(),
     }
 }
 

@@ -4,7 +4,8 @@ use std::time::Instant;
 
 use super::{Entry, MemoryBackend};
 use crate::backend::admin::{
-    name_prefix, token_prefix, AdminStore, ForceReleased, Holder, LockPage, LockState, Waiter,
+    is_holder, name_prefix, token_prefix, AdminStore, ForceReleased, Holder, LockPage, LockState,
+    Waiter,
 };
 use crate::backend::{BoxFuture, OwnerToken};
 use crate::key::ResourceName;
@@ -86,24 +87,54 @@ impl AdminStore for MemoryBackend {
         &'a self,
         resource: &'a ResourceName,
     ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
+        Box::pin(std::future::ready(Ok(self.force(resource, None))))
+    }
+
+    fn force_release_held_by<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        holder: &'a str,
+    ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
+        Box::pin(std::future::ready(Ok(self.force(resource, Some(holder)))))
+    }
+}
+
+impl MemoryBackend {
+    /// A force release of `resource`; with `holder`, only while that owner holds it.
+    fn force(&self, resource: &ResourceName, holder: Option<&str>) -> ForceReleased {
         let name = resource.as_str();
         // The fence is drawn under the entry's mutex, with the lock freed: an acquire that takes
         // it next draws its token after this one (drawn after the mutex was let go, it could
         // come after that acquire's, and a resource given it as its floor refused the new
         // holder).
-        let (was_held, next, fence) = self.with_entry(name, |e, now| {
-            let held = e.live_holder(now).is_some();
+        let done = self.with_entry(name, |e, now| {
+            let live = e.live_holder(now).map(|(t, _)| t.as_str());
+            if let Some(want) = holder {
+                match live {
+                    None => return Err(ForceReleased::default()),
+                    Some(t) if !is_holder(t, want) => {
+                        return Err(ForceReleased::spared(token_prefix(t)))
+                    }
+                    Some(_) => {}
+                }
+            }
+            let held = live.is_some();
             e.holder = None;
-            (held, Self::next_waiter(e, now), self.next_fence())
+            Ok((held, Self::next_waiter(e, now), self.next_fence()))
         });
+        let (was_held, next, fence) = match done {
+            Ok(done) => done,
+            Err(untouched) => return untouched,
+        };
         if was_held {
             self.inner
                 .hub
                 .notify(name, next.as_ref().map(OwnerToken::as_str));
         }
-        Box::pin(std::future::ready(Ok(ForceReleased {
+        ForceReleased {
             was_held,
             fence: Some(fence),
-        })))
+            other_holder: None,
+        }
     }
 }

@@ -11,7 +11,8 @@ use tokio_postgres::types::Type;
 
 use super::{pg_err, PostgresBackend};
 use crate::backend::admin::{
-    key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState, Waiter,
+    is_holder, key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState,
+    Waiter,
 };
 use crate::LockError;
 
@@ -119,14 +120,15 @@ impl PostgresBackend {
         })
     }
 
-    async fn force(&self, name: &str) -> Result<ForceReleased, LockError> {
+    /// A force release of `name`; with `holder`, only while that owner holds it.
+    async fn force(&self, name: &str, holder: Option<&str>) -> Result<ForceReleased, LockError> {
         let limit = self.inner.opts.command_timeout;
         let run = async {
             let client = self.pooled("force release").await?;
             // Stopped early (the timeout below), the connection leaves the pool (see
             // `flight`).
             let mut flight = self.in_flight(client, None);
-            let out = self.force_on(flight.client(), name).await;
+            let out = self.force_on(flight.client(), name, holder).await;
             flight.done();
             out
         };
@@ -139,11 +141,13 @@ impl PostgresBackend {
         }
     }
 
-    /// The force-release transaction on `client`.
+    /// The force-release transaction on `client` (with `holder`, conditional on that owner:
+    /// the lock's row is read `FOR UPDATE` before anything is written).
     async fn force_on(
         &self,
         client: &mut deadpool_postgres::ClientWrapper,
         name: &str,
+        holder: Option<&str>,
     ) -> Result<ForceReleased, LockError> {
         let tx = client
             .transaction()
@@ -159,7 +163,7 @@ impl PostgresBackend {
         let lock = tx
             .query_typed(
                 &format!(
-                    "SELECT expires_at > clock_timestamp(), barged FROM {} \
+                    "SELECT expires_at > clock_timestamp(), barged, owner FROM {} \
                      WHERE name = $1 FOR UPDATE",
                     self.object("locks")
                 ),
@@ -167,6 +171,24 @@ impl PostgresBackend {
             )
             .await
             .map_err(err)?;
+        if let Some(want) = holder {
+            let live_owner = lock
+                .first()
+                .filter(|row| row.get::<_, bool>(0))
+                .map(|row| row.get::<_, &str>(2));
+            let untouched = match live_owner {
+                None => Some(ForceReleased::default()),
+                Some(owner) if !is_holder(owner, want) => {
+                    Some(ForceReleased::spared(token_prefix(owner)))
+                }
+                Some(_) => None,
+            };
+            if let Some(untouched) = untouched {
+                // Nothing written: the transaction ends as it began.
+                tx.rollback().await.map_err(err)?;
+                return Ok(untouched);
+            }
+        }
         let fence: i64 = tx
             .query_typed(&format!("SELECT {}()", self.object("next_fence")), &[])
             .await
@@ -189,6 +211,7 @@ impl PostgresBackend {
         Ok(ForceReleased {
             was_held,
             fence: u64::try_from(fence).ok(),
+            other_holder: None,
         })
     }
 }

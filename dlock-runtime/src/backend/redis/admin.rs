@@ -59,17 +59,31 @@ return {v, pttl, fence, ws}
 /// The force-release script: raise the counter, then what a release by the holder
 /// does (hand the lock to the first live waiter, or delete it).
 ///
-/// KEYS as [`INSPECT`]. ARGV: 1 the fencing counter's key, 2 the client's fencing floor.
-/// Returns `{1 if a live lease was removed else 0, the counter after the raise}`.
+/// KEYS as [`INSPECT`]. ARGV: 1 the fencing counter's key, 2 the client's fencing floor, 3 the
+/// holder required (a token prefix; `''`: any). Returns `{1 if a live lease was removed else 0,
+/// the counter after the raise, ''}`; when a holder is required and the lock is free, `{0, -1,
+/// ''}`, and held by another, `{2, -1, its token's first 8 characters}` — nothing changed, the
+/// counter not raised.
 fn force_release(cluster: bool) -> Script {
     let text = [
         scripts::SLOT_GUARD,
         "local fence_key, fence_floor = ARGV[1], tonumber(ARGV[2])\nlocal fence\n",
+        r#"
+local want = ARGV[3]
+if want ~= '' then
+  local cur = redis.call('GET', KEYS[1])
+  if not cur or redis.call('PTTL', KEYS[1]) <= LINGER then return {0, -1, ''} end
+  local owner = cur
+  local bar = string.find(cur, '|', 1, true)
+  if bar then owner = string.sub(cur, bar + 1) end
+  if string.sub(owner, 1, #want) ~= want then return {2, -1, string.sub(owner, 1, 8)} end
+end
+"#,
         scripts::NEXT_FENCE,
         r#"
 local raised = fence
 local v = redis.call('GET', KEYS[1])
-if not v then return {0, raised} end
+if not v then return {0, raised, ''} end
 local held = 0
 if redis.call('PTTL', KEYS[1]) > LINGER then held = 1 end
 "#,
@@ -77,7 +91,7 @@ if redis.call('PTTL', KEYS[1]) > LINGER then held = 1 end
         scripts::QUEUE_KEYS,
         scripts::PASS_ON,
         r#"
-return {held, raised}
+return {held, raised, ''}
 "#,
     ]
     .concat();
@@ -310,26 +324,59 @@ impl AdminStore for RedisBackend {
         &'a self,
         resource: &'a ResourceName,
     ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
+        Box::pin(self.force(resource, ""))
+    }
+
+    fn force_release_held_by<'a>(
+        &'a self,
+        resource: &'a ResourceName,
+        holder: &'a str,
+    ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
         Box::pin(async move {
-            #[cfg(feature = "cluster")]
-            let script = if self.is_cluster() {
-                &*FORCE_CLUSTER
-            } else {
-                &*FORCE_ONE
-            };
-            #[cfg(not(feature = "cluster"))]
-            let script = &*FORCE_ONE;
-            self.issuer().await?;
-            let mut call = self.lock_call(script, resource);
-            call.arg(self.fence_key(resource)).arg(self.floor());
-            let ((held, counter), issuer): ((i64, u64), _) =
-                self.run_granting("force release", &call).await?;
-            // As a token (`RedisBackend::ISSUER_BITS`): above every token issued before, below
-            // every one issued after (none when the counter is past the tokens' range).
-            Ok(ForceReleased {
-                was_held: held == 1,
-                fence: self.granted(counter, issuer).ok(),
-            })
+            if holder.is_empty() {
+                // `''` is "any holder" to the script.
+                return Ok(ForceReleased::default());
+            }
+            self.force(resource, holder).await
+        })
+    }
+}
+
+impl RedisBackend {
+    /// A force release of `resource`; with a `holder` (not `""`), only while that owner holds
+    /// it.
+    async fn force(
+        &self,
+        resource: &ResourceName,
+        holder: &str,
+    ) -> Result<ForceReleased, LockError> {
+        #[cfg(feature = "cluster")]
+        let script = if self.is_cluster() {
+            &*FORCE_CLUSTER
+        } else {
+            &*FORCE_ONE
+        };
+        #[cfg(not(feature = "cluster"))]
+        let script = &*FORCE_ONE;
+        self.issuer().await?;
+        let mut call = self.lock_call(script, resource);
+        call.arg(self.fence_key(resource))
+            .arg(self.floor())
+            .arg(holder);
+        let ((held, counter, other), issuer): ((i64, i64, Vec<u8>), _) =
+            self.run_granting("force release", &call).await?;
+        if held == 2 {
+            return Ok(ForceReleased::spared(
+                String::from_utf8_lossy(&other).into_owned(),
+            ));
+        }
+        // As a token (`RedisBackend::ISSUER_BITS`): above every token issued before, below
+        // every one issued after (none when the counter is past the tokens' range).
+        let fence = u64::try_from(counter).ok();
+        Ok(ForceReleased {
+            was_held: held == 1,
+            fence: fence.and_then(|c| self.granted(c, issuer).ok()),
+            other_holder: None,
         })
     }
 }

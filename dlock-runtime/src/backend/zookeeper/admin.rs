@@ -13,7 +13,8 @@ use zookeeper_client::Client;
 
 use super::{again, node_name, sorted, unavailable, Seen, ZkBackend, ZkError};
 use crate::backend::admin::{
-    key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState, Waiter,
+    is_holder, key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState,
+    Waiter,
 };
 use crate::LockError;
 
@@ -169,22 +170,34 @@ impl ZkBackend {
         Ok(LockPage { locks, cursor })
     }
 
-    async fn force(&self, resource: &str) -> Result<ForceReleased, LockError> {
-        let was_held = self
-            .bounded("force release", self.delete_holder(resource))
-            .await?;
-        Ok(ForceReleased {
-            was_held,
-            fence: None,
-        })
+    /// A force release of `resource`; with `want`, only while that owner holds it (its node,
+    /// named by its token, is the holder's, and the delete is guarded as below).
+    async fn force(&self, resource: &str, want: Option<&str>) -> Result<ForceReleased, LockError> {
+        self.bounded("force release", self.delete_holder(resource, want))
+            .await
     }
 
-    /// Deletes the holder's node, if the lock has a live holder; whether it did.
-    async fn delete_holder(&self, resource: &str) -> Result<bool, LockError> {
+    /// Deletes the holder's node, if the lock has a live holder (`want`'s, when given).
+    async fn delete_holder(
+        &self,
+        resource: &str,
+        want: Option<&str>,
+    ) -> Result<ForceReleased, LockError> {
         let c = self.session.client().await?;
         let now = self.server_now(&c).await?;
         let Some(holder) = self.judge(&c, resource, now).await?.holder else {
-            return Ok(false);
+            return Ok(ForceReleased::default());
+        };
+        if let Some(want) = want {
+            let name = &holder.child.name;
+            let owner = name.split_once('-').map_or(name.as_str(), |(t, _)| t);
+            if !is_holder(owner, want) {
+                return Ok(ForceReleased::spared(token_of(&holder)));
+            }
+        }
+        let released = |was_held| ForceReleased {
+            was_held,
+            ..ForceReleased::default()
         };
         let path = format!("{}/{}", self.dir(resource), holder.child.name);
         let mut version = holder.stat.version;
@@ -192,14 +205,14 @@ impl ZkBackend {
         // read again and deleted while it is still the node seen (same czxid).
         loop {
             match again(|| c.delete(&path, Some(version))).await {
-                Ok(()) => return Ok(true),
-                Err(ZkError::NoNode) => return Ok(false),
+                Ok(()) => return Ok(released(true)),
+                Err(ZkError::NoNode) => return Ok(released(false)),
                 Err(ZkError::BadVersion) => {}
                 Err(e) => return Err(unavailable("delete", e)),
             }
             match again(|| c.get_data(&path)).await {
                 Ok((_, stat)) if stat.czxid == holder.stat.czxid => version = stat.version,
-                Ok(_) | Err(ZkError::NoNode) => return Ok(false),
+                Ok(_) | Err(ZkError::NoNode) => return Ok(released(false)),
                 Err(e) => return Err(unavailable("getData", e)),
             }
         }
