@@ -11,8 +11,8 @@
 //!
 //! The backend comes from `--url` or `DLOCK_URL` (the URLs of `Locker::from_url`). Exit codes:
 //! 0 success, 1 the operation did not happen (nothing to requeue, a `release --force` of a lock
-//! nobody held or, with `--if-holder`, held by another owner, confirmation declined), 2 bad usage, a bad URL, or a backend that does not
-//! answer within `--timeout`. `--json` prints machine-readable output (one JSON document, or one
+//! nobody held or, with `--if-holder`, held by another owner, confirmation declined), 2 bad
+//! usage, a bad URL, or a backend that does not answer within `--timeout`. `--json` prints machine-readable output (one JSON document, or one
 //! per refresh for `watch`).
 //!
 //! Keys are shown encoded (`LockKey::as_str`: `user:1%3A2` for a key built from the value
@@ -41,8 +41,8 @@ character, or `#` but a long key's digest marker — and as a literal key otherw
 `100%`).
 
 Exit codes: 0 done; 1 not done (no such dead letter, `release --force` of a lock nobody held \
-or, with --if-holder, held by another owner, confirmation declined); 2 bad usage, a bad URL, or a backend that does not answer within \
---timeout.";
+or, with --if-holder, held by another owner, confirmation declined); 2 bad usage, a bad URL, \
+or a backend that does not answer within --timeout.";
 
 /// Inspect and operate dlock locks and durable jobs.
 #[derive(Debug, Parser)]

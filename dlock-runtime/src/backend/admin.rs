@@ -3,8 +3,8 @@
 //! [`Backend::admin`](super::Backend::admin) returns `None` by default — and read-mostly:
 //! [`AdminStore::force_release`] (and its conditional form,
 //! [`AdminStore::force_release_held_by`]) is the only write, and the only operation in dlock
-//! that frees a lock **without checking its owner token**. It exists for incidents (a holder that hangs
-//! on to a lock it will never use); the holder learns at its next renewal (its guard reports
+//! that frees a lock **without checking its owner token**. It exists for incidents (a holder
+//! that hangs on to a lock it will never use); the holder learns at its next renewal (its guard reports
 //! [`LockError::Lost`]), and the store's fencing counter is raised so
 //! that the next holder's token is above every token issued before — a resource that checks
 //! fencing tokens then refuses the old holder's late writes.
