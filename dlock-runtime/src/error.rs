@@ -17,6 +17,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | [`Unavailable`](LockError::Unavailable) | the backend did not answer in time, or failed in a way that can pass (a failover, a restart, overload) | 503 + `Retry-After` |
 /// | [`Misconfigured`](LockError::Misconfigured) | the backend refused in a way retrying does not change: authentication failed, no permission, the database or schema missing, the key holding other data | 500 |
 /// | [`QueueFull`](LockError::QueueFull) | the lock was busy and the defer queue is at its bound | 503 + `Retry-After` |
+/// | [`JobTooLarge`](LockError::JobTooLarge) | the work to defer is over the durable queue's bound for one job | 413 |
 /// | [`InvalidKey`](LockError::InvalidKey) | empty, oversized or malformed key | 400 |
 /// | [`InvalidTtl`](LockError::InvalidTtl) | zero or absurd TTL | 500 |
 /// | [`InvalidPermits`](LockError::InvalidPermits) | a semaphore of zero permits | 500 |
@@ -104,6 +105,21 @@ pub enum LockError {
         queue: String,
         /// When to try again (the queue's drain is not predictable; one second by default).
         retry_after: Duration,
+    },
+    /// The work should have been deferred, but its stored form is larger than the durable
+    /// queue takes (`defer::QueueLimits::max_job_bytes`). Nothing was queued; trying again
+    /// does not change that: HTTP 413.
+    #[error("the job for lock `{key}` is {bytes} bytes, over the {max} bytes defer queue `{queue}` takes")]
+    #[non_exhaustive]
+    JobTooLarge {
+        /// The logical key.
+        key: String,
+        /// The queue's name.
+        queue: String,
+        /// The size of the job's stored form.
+        bytes: usize,
+        /// The queue's bound.
+        max: usize,
     },
     /// The key is empty, too long or otherwise unusable.
     #[error("invalid lock key: {reason}")]
@@ -253,6 +269,16 @@ impl LockError {
         }
     }
 
+    #[cfg_attr(not(feature = "durable"), allow(dead_code))]
+    pub(crate) fn job_too_large(key: &str, queue: &str, bytes: usize, max: usize) -> Self {
+        LockError::JobTooLarge {
+            key: key.to_owned(),
+            queue: queue.to_owned(),
+            bytes,
+            max,
+        }
+    }
+
     pub(crate) fn unsupported(backend: &'static str, what: impl Into<String>) -> Self {
         LockError::Unsupported {
             backend,
@@ -300,6 +326,7 @@ impl LockError {
             | LockError::Timeout { key, .. }
             | LockError::Deferred { key, .. }
             | LockError::QueueFull { key, .. }
+            | LockError::JobTooLarge { key, .. }
             | LockError::Lost { key } => Some(key),
             _ => None,
         }
@@ -358,6 +385,12 @@ impl LockError {
         matches!(self, LockError::QueueFull { .. })
     }
 
+    /// The work to defer was over the durable queue's bound for one job
+    /// ([`JobTooLarge`](LockError::JobTooLarge)).
+    pub fn is_job_too_large(&self) -> bool {
+        matches!(self, LockError::JobTooLarge { .. })
+    }
+
     /// The key or TTL was refused before anything was sent.
     pub fn is_invalid(&self) -> bool {
         matches!(
@@ -410,6 +443,7 @@ impl LockError {
             | LockError::Lost { .. }
             | LockError::QueueFull { .. } => 503,
             LockError::InvalidKey { .. } => 400,
+            LockError::JobTooLarge { .. } => 413,
             LockError::InvalidTtl { .. }
             | LockError::InvalidPermits { .. }
             | LockError::NoLocker
@@ -465,6 +499,7 @@ impl LockError {
             LockError::Unavailable { .. } => ("lock-backend-unavailable", "Service Unavailable"),
             LockError::Lost { .. } => ("lock-lost", "Service Unavailable"),
             LockError::QueueFull { .. } => ("defer-queue-full", "Service Unavailable"),
+            LockError::JobTooLarge { .. } => ("defer-job-too-large", "Payload Too Large"),
             LockError::InvalidKey { .. } => ("lock-invalid-key", "Bad Request"),
             LockError::InvalidTtl { .. } => ("lock-invalid-ttl", "Internal Server Error"),
             LockError::InvalidPermits { .. } => ("lock-invalid-permits", "Internal Server Error"),
@@ -491,6 +526,9 @@ impl LockError {
             LockError::QueueFull { .. } => {
                 "the resource is busy and the queue for deferred work is full; try again later"
                     .to_owned()
+            }
+            LockError::JobTooLarge { max, .. } => {
+                format!("the work's stored form is over the {max} bytes the defer queue takes")
             }
             LockError::InvalidKey { reason } => format!("invalid lock key: {reason}"),
             LockError::InvalidTtl { .. }
@@ -550,7 +588,8 @@ mod axum_impl {
     use axum_core::response::{IntoResponse, Response};
     use http::{header, HeaderValue, StatusCode};
 
-    /// 409/503/400/500 with `Retry-After` and an `application/problem+json` body.
+    /// 409/503/400/413/500 with `Retry-After` and an `application/problem+json` body (202
+    /// with a plain JSON body for a deferred job).
     impl IntoResponse for LockError {
         fn into_response(self) -> Response {
             let status =
@@ -575,7 +614,8 @@ mod actix_impl {
     use actix_web::http::{header, StatusCode};
     use actix_web::{HttpResponse, ResponseError};
 
-    /// 409/503/400/500 with `Retry-After` and an `application/problem+json` body.
+    /// 409/503/400/413/500 with `Retry-After` and an `application/problem+json` body (202
+    /// with a plain JSON body for a deferred job).
     impl ResponseError for LockError {
         fn status_code(&self) -> StatusCode {
             StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
@@ -596,7 +636,7 @@ mod actix_impl {
 /// `-> io::Result<T>`, or `?` in one): the `LockError` is kept whole as the error's inner
 /// error (`get_ref`, `into_inner`), under the kind that fits — `WouldBlock` for a lock held
 /// ([`Contended`](LockError::Contended)), `TimedOut` for a wait that reached its deadline,
-/// `InvalidInput` for a bad key, TTL or argument, `Unsupported`, and `Other` for the rest.
+/// `InvalidInput` for a bad key, TTL or argument or a job too large to defer, `Unsupported`, and `Other` for the rest.
 impl From<LockError> for std::io::Error {
     fn from(err: LockError) -> Self {
         use std::io::ErrorKind;
@@ -604,7 +644,7 @@ impl From<LockError> for std::io::Error {
             ErrorKind::TimedOut
         } else if err.is_contended() {
             ErrorKind::WouldBlock
-        } else if err.is_invalid() {
+        } else if err.is_invalid() || err.is_job_too_large() {
             ErrorKind::InvalidInput
         } else if err.is_unsupported() {
             ErrorKind::Unsupported
@@ -638,6 +678,10 @@ mod tests {
                 ErrorKind::TimedOut,
             ),
             (LockError::invalid_key("empty"), ErrorKind::InvalidInput),
+            (
+                LockError::job_too_large("k", "q", 2, 1),
+                ErrorKind::InvalidInput,
+            ),
             (
                 LockError::unsupported("memory", "replica acknowledgement"),
                 ErrorKind::Unsupported,
@@ -691,6 +735,14 @@ mod tests {
         assert!(full
             .problem_json()
             .starts_with("{\"type\":\"urn:dlock:problem:defer-queue-full\""));
+        let large = LockError::job_too_large("k", "orders", 5000, 4096);
+        assert_eq!(large.status(), 413);
+        assert_eq!(large.retry_after_secs(), None);
+        assert_eq!(large.key(), Some("k"));
+        assert!(large.is_job_too_large() && !large.is_queue_full() && !large.is_invalid());
+        assert!(large.problem_json().starts_with(
+            "{\"type\":\"urn:dlock:problem:defer-job-too-large\",\"title\":\"Payload Too Large\",\"status\":413,"
+        ));
         let refused = LockError::backend("redis lock: NOPERM", None, true);
         assert_eq!(refused.status(), 500);
         assert!(refused.is_misconfigured() && !refused.is_unavailable());

@@ -24,6 +24,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 /// | [`IdempotencyLayer`](crate::IdempotencyLayer): the request's identity cannot be formatted (its `Display` returned an error) | 500 | `urn:dlock:problem:idempotency-identity-unformattable` |
 /// | the body is over [`body_digest`](crate::key::body_digest)'s limit | 413 | `urn:dlock:problem:body-too-large` |
 /// | the lock is busy and the defer queue is full ([`LockError::QueueFull`], [`DeferLayer`](crate::DeferLayer)) | 503 + `Retry-After` | `urn:dlock:problem:defer-queue-full` |
+/// | the lock is busy and the request, stored, is over the defer queue's bound for one job ([`LockError::JobTooLarge`], [`DeferLayer`](crate::DeferLayer)) | 413 | `urn:dlock:problem:defer-job-too-large` |
 ///
 /// ```
 /// use dlock_tower::Rejection;

@@ -1075,7 +1075,8 @@ async fn defer_layer_inside_a_nest_replays_to_the_path_the_client_sent() {
 }
 
 /// Deferred requests are stored without credentials unless opted in by name; a full queue
-/// answers 503 + `Retry-After` and keeps what it holds; a stored request that cannot be
+/// answers 503 + `Retry-After` and keeps what it holds, a request over its bound for one job
+/// 413 without storing it; a stored request that cannot be
 /// rebuilt is dead-lettered at once with the reason.
 #[cfg(feature = "defer")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1101,10 +1102,20 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
     );
     let layer = || defer_layer(&locker, queue.clone());
     // Two stacks over one queue: the default, and one that opts `Authorization` in.
-    let served = Router::new().merge(app.clone().layer(layer())).route(
-        "/opted-in",
-        post(|| async { StatusCode::CREATED }).layer(layer().store_header(AUTHORIZATION)),
-    );
+    // And one whose queue takes jobs of at most 4 KiB: a 3,000-byte body, 6,000 stored.
+    let small_jobs = queue
+        .clone()
+        .with_limits(QueueLimits::default().max_queued(1).max_job_bytes(4096));
+    let served = Router::new()
+        .merge(app.clone().layer(layer()))
+        .route(
+            "/opted-in",
+            post(|| async { StatusCode::CREATED }).layer(layer().store_header(AUTHORIZATION)),
+        )
+        .route(
+            "/small-jobs",
+            post(|| async { StatusCode::CREATED }).layer(defer_layer(&locker, small_jobs)),
+        );
     let (addr, _server) = serve(served).await;
     let client = client();
     let send = |path: &'static str, key: &'static str| {
@@ -1153,6 +1164,27 @@ async fn defer_layer_keeps_credentials_out_bounds_the_queue_and_dead_letters_cor
         .await
         .contains("urn:dlock:problem:defer-queue-full"));
     assert_eq!(queue.len().await.unwrap(), 1);
+
+    // A request over the queue's bound for one job (under the layer's body limit) gets 413,
+    // before the full queue is asked, and nothing is stored.
+    let _held_big = hold(&locker, "k-big").await;
+    let res = client
+        .request(
+            Request::post(format!("http://{addr}/small-jobs"))
+                .header("idempotency-key", "k-big")
+                .body(Full::from(vec![b'a'; 3000]))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(res.headers().get(RETRY_AFTER).is_none());
+    assert_eq!(res.headers()[CONTENT_TYPE], PROBLEM_JSON);
+    assert!(text(res)
+        .await
+        .contains("urn:dlock:problem:defer-job-too-large"));
+    assert_eq!(queue.len().await.unwrap(), 1);
+    assert!(!stored_payloads().await.contains(&"61".repeat(3000)));
 
     // The replay runs without the credentials it was not allowed to keep.
     let worker = replay_worker::<_, Body, _>(queue.clone(), locker.clone(), app.clone())

@@ -771,6 +771,28 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
     assert_eq!(dead[0].attempts, 3);
 }
 
+/// A job's error is kept as its dead letter's reason up to 4 KiB, cut at a character boundary
+/// and marked: an error that quotes a large input does not put all of it into Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_failure_reason_is_kept_cut_to_four_kib() {
+    let (server, locker, queue) = start_queue("long-reason").await;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 1);
+    let job = RecordJob {
+        fail_with: Some("é".repeat(5000)),
+        ..record_job(&server, 8, "long-reason")
+    };
+    enqueue(&queue, &job, &policy).await.unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker).register::<RecordJob>();
+    let dead = run_until_dead_letter("dead letter", &worker, &queue).await;
+    let reason = dead[0].reason.as_deref().unwrap_or_default();
+    assert!(
+        (4090..=4096).contains(&reason.len()),
+        "{} bytes kept",
+        reason.len()
+    );
+    assert!(reason.starts_with("the job failed: éé") && reason.ends_with("é…"));
+}
+
 /// A listing reads its jobs hundreds a round trip (three `HMGET`s a batch, not three commands
 /// a job), in order across the batches, and can be cut at a limit that still says how many
 /// jobs there are in all: 1,201 delayed jobs, more than two batches.
@@ -1885,6 +1907,64 @@ async fn full_queue_refuses_new_jobs_and_loses_none() {
     enqueue(&queue, &record_job(&server, 3, "b3"), &policy)
         .await
         .unwrap();
+}
+
+/// A job is refused when its stored form is over `max_job_bytes` — one byte over, not at it —
+/// with a 413 that names the sizes, by `enqueue` and by `submit` alike, and nothing is queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_over_the_byte_bound_is_refused_and_nothing_is_queued() {
+    let (server, locker, queue) = start_queue("sized").await;
+    let policy = DeferPolicy::new(Duration::from_millis(5), 5);
+    let job = |id| RecordJob {
+        fail_with: Some("x".repeat(2000)),
+        ..record_job(&server, id, "sized")
+    };
+    // Under the default bound it is queued; its stored form is the size the bound counts.
+    let id = enqueue(&queue, &job(1), &policy).await.unwrap();
+    let stored: String = server
+        .conn()
+        .await
+        .hget("dlock:{jobs:sized}:jobs", &id)
+        .await
+        .unwrap();
+    let size = stored.len();
+    assert!(size > 2000, "{size}");
+
+    let at = queue
+        .clone()
+        .with_limits(QueueLimits::default().max_job_bytes(size));
+    enqueue(&at, &job(2), &policy).await.unwrap();
+    assert_eq!(queue.len().await.unwrap(), 2);
+
+    let under = queue.with_limits(QueueLimits::default().max_job_bytes(size - 1));
+    let err = enqueue(&under, &job(3), &policy).await.unwrap_err();
+    assert!(err.is_job_too_large(), "{err}");
+    assert_eq!(err.status(), 413);
+    assert_eq!(err.retry_after_secs(), None);
+    assert_eq!(err.key(), Some("record:sized"));
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("{size} bytes")) && text.contains(&format!("{} bytes", size - 1)),
+        "{text}"
+    );
+    assert!(err
+        .problem_json()
+        .contains("urn:dlock:problem:defer-job-too-large"));
+    // `submit` with a busy lock answers the same way.
+    let _held = locker.lock("record:sized").acquire().await.unwrap();
+    let err = under
+        .submit(&locker, job(4), &policy, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(err.is_job_too_large(), "{err}");
+    assert_eq!(under.len().await.unwrap(), 2, "a refused job was queued");
+    let stored: HashMap<String, String> = server
+        .conn()
+        .await
+        .hgetall("dlock:{jobs:sized}:jobs")
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 2, "a refused job's payload was stored");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

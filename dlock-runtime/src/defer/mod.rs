@@ -30,7 +30,11 @@
 //! 503 + `Retry-After`, and drops nothing already queued; a dead letter an operator requeues
 //! is let in over the bound), and dead letters are kept for
 //! `dead_letter_retention` (7 days by default) and at most `max_dead_letters` of them (the
-//! oldest go first); after that a dead letter's payload and bookkeeping are deleted.
+//! oldest go first); after that a dead letter's payload and bookkeeping are deleted. The
+//! durable queue also bounds each job: a job whose stored form (its JSON with the policy) is
+//! over `max_job_bytes` (4 MiB by default) is refused with
+//! [`LockError::JobTooLarge`](crate::LockError::JobTooLarge), 413, and nothing is queued. (The
+//! in-process queue holds futures, not bytes: the bound does not apply to it.)
 //!
 //! In the durable queue, a job that panics is a failed attempt like one that returns an error:
 //! the panic is caught and logged with the job's id, and the worker goes on with its other
@@ -109,7 +113,8 @@ impl JobInfo {
 }
 
 /// The bounds of a defer queue (see the [module docs](self#bounds)). Defaults: 100 000 queued
-/// jobs, dead letters kept 7 days, at most 10 000 of them.
+/// jobs, dead letters kept 7 days, at most 10 000 of them, and (in the durable queue) jobs of
+/// at most 4 MiB.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct QueueLimits {
@@ -120,6 +125,12 @@ pub struct QueueLimits {
     pub dead_letter_retention: Duration,
     /// The most dead letters kept; beyond it the oldest are deleted.
     pub max_dead_letters: usize,
+    /// The largest job the durable queue takes, in bytes of its stored form (the job's JSON
+    /// and its policy); a larger one answers
+    /// [`LockError::JobTooLarge`](crate::LockError::JobTooLarge) (413) and is not queued. The
+    /// default, 4 MiB, holds a `dlock_tower::DeferLayer` request at its default body limit
+    /// (1 MiB, stored hex-encoded) with its headers. Not used by the in-process queue.
+    pub max_job_bytes: usize,
 }
 
 impl Default for QueueLimits {
@@ -128,6 +139,7 @@ impl Default for QueueLimits {
             max_queued: 100_000,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             max_dead_letters: 10_000,
+            max_job_bytes: 4 << 20,
         }
     }
 }
@@ -148,6 +160,12 @@ impl QueueLimits {
     /// Sets [`max_dead_letters`](QueueLimits::max_dead_letters).
     pub fn max_dead_letters(mut self, n: usize) -> Self {
         self.max_dead_letters = n;
+        self
+    }
+
+    /// Sets [`max_job_bytes`](QueueLimits::max_job_bytes) (at least 1).
+    pub fn max_job_bytes(mut self, bytes: usize) -> Self {
+        self.max_job_bytes = bytes.max(1);
         self
     }
 }

@@ -206,7 +206,8 @@ impl JobContext {
     }
 
     /// Records a short outcome (e.g. an HTTP status) that [`DurableQueue::status`] reports as
-    /// [`JobStatus::Completed`]'s `result` for the retention period.
+    /// [`JobStatus::Completed`]'s `result` for the retention period (up to 4 KiB: a longer one
+    /// is cut at a character boundary and ends in `…`).
     pub fn set_result(&self, result: impl Into<String>) {
         *self
             .result

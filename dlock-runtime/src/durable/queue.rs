@@ -86,6 +86,23 @@ impl QueueOptions {
 /// token).
 const RESEND_TRIES: u64 = 3;
 
+/// The most bytes of a job's dead-letter reason or recorded result the queue keeps: a job's
+/// error message or result may carry whatever data it had, and is kept with the job's status
+/// for the retention period (a reason with the dead letter, for the dead-letter retention).
+const MAX_NOTE_BYTES: usize = 4096;
+
+/// `note` cut to [`MAX_NOTE_BYTES`] at a character boundary, ending in `…` when cut.
+fn clipped(note: &str) -> std::borrow::Cow<'_, str> {
+    if note.len() <= MAX_NOTE_BYTES {
+        return note.into();
+    }
+    let mut cut = MAX_NOTE_BYTES - '…'.len_utf8();
+    while !note.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &note[..cut]).into()
+}
+
 /// The `ZRANGE` stop index of the first `limit` members (`0` for a `limit` of 0, whose one
 /// member the caller drops: `ZRANGE` has no empty range from 0).
 fn last_index(limit: usize) -> isize {
@@ -362,9 +379,9 @@ impl DurableQueue {
         ))
     }
 
-    /// This queue with other bounds: the most jobs queued or running, and how long and how
-    /// many dead letters are kept. Every instance should use the same limits; each enforces its
-    /// own when it enqueues (the bound) or claims (dead-letter clean-up).
+    /// This queue with other bounds: the most jobs queued or running, the largest job, and how
+    /// long and how many dead letters are kept. Every instance should use the same limits;
+    /// each enforces its own when it enqueues (the bounds) or claims (dead-letter clean-up).
     pub fn with_limits(self, limits: QueueLimits) -> Self {
         let mut inner = Arc::unwrap_or_clone(self.inner);
         inner.limits = limits;
@@ -485,11 +502,12 @@ impl DurableQueue {
     }
 
     /// Queues `job` to run after `delay` under `policy` (its lock held with lease `ttl`).
-    /// Returns the job id, or [`LockError::QueueFull`] when the queue holds
-    /// [`QueueLimits::max_queued`] jobs already. An enqueue the queue does not answer (a
-    /// timeout, a dropped connection) is sent again with the same job id (three tries in
-    /// all), which is never queued twice; `Unavailable` means none of them was answered (the job may
-    /// or may not be queued).
+    /// Returns the job id, [`LockError::QueueFull`] when the queue holds
+    /// [`QueueLimits::max_queued`] jobs already, or [`LockError::JobTooLarge`] when the job's
+    /// stored form is over [`QueueLimits::max_job_bytes`] (then nothing is sent). An enqueue
+    /// the queue does not answer (a timeout, a dropped connection) is sent again with the same
+    /// job id (three tries in all), which is never queued twice; `Unavailable` means none of
+    /// them was answered (the job may or may not be queued).
     pub async fn enqueue<J: Job>(
         &self,
         job: &J,
@@ -514,6 +532,25 @@ impl DurableQueue {
             ttl_ms: millis(crate::util::validate_ttl(ttl)?),
         };
         let payload = serde_json::to_string(&env).expect("an envelope of JSON values serializes");
+        let max = self.inner.limits.max_job_bytes;
+        if payload.len() > max {
+            tracing::warn!(
+                target: "dlock::defer",
+                event = "too_large",
+                queue = "redis",
+                name = %self.inner.name,
+                key = %crate::key::KeyLog::default().show(key.as_str()),
+                job_type = J::NAME,
+                bytes = payload.len(),
+                max_job_bytes = max,
+            );
+            return Err(LockError::job_too_large(
+                key.as_str(),
+                &self.inner.name,
+                payload.len(),
+                max,
+            ));
+        }
         self.enqueue_raw(&payload, &key, J::NAME, delay).await
     }
 
@@ -948,7 +985,7 @@ impl DurableQueue {
             .arg(&claim.token)
             .arg(millis(delay))
             .arg(max_attempts)
-            .arg(reason)
+            .arg(&*clipped(reason))
             .arg(how)
             .arg(millis(grace));
         let n: i64 = self.deadline("retry", inv.invoke(&mut conn)).await?;
@@ -972,10 +1009,29 @@ impl DurableQueue {
             .key(self.key("claims"))
             .key(self.key("unknown"))
             .arg(&claim.id)
-            .arg(result)
+            .arg(&*clipped(result))
             .arg(millis(self.inner.retention).max(1))
             .arg(&claim.token);
         let n: i64 = self.deadline("ack", inv.invoke(&mut conn)).await?;
         Ok(n == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{clipped, MAX_NOTE_BYTES};
+
+    #[test]
+    fn a_long_note_is_cut_at_a_character_boundary_and_says_so() {
+        let short = "x".repeat(MAX_NOTE_BYTES);
+        assert_eq!(clipped(&short), short.as_str());
+        for pad in 0..4 {
+            // `é` is two bytes: some cuts fall inside one.
+            let long = format!("{}{}", "x".repeat(pad), "é".repeat(MAX_NOTE_BYTES));
+            let cut = clipped(&long);
+            assert!(cut.len() <= MAX_NOTE_BYTES, "{pad}: {}", cut.len());
+            assert!(cut.len() >= MAX_NOTE_BYTES - 4, "{pad}: {}", cut.len());
+            assert!(cut.ends_with('…') && long.starts_with(cut.trim_end_matches('…')));
+        }
     }
 }

@@ -76,7 +76,10 @@ impl<K> DeferLayer<K> {
     }
 
     /// The largest request body that is stored for a replay; a larger one gets `413`.
-    /// Default: 1 MiB.
+    /// Default: 1 MiB. The body is stored hex-encoded, with the URI and stored headers (their
+    /// values hex-encoded too), so a limit of 2 MiB or more needs the queue's
+    /// [`max_job_bytes`](dlock_runtime::defer::QueueLimits::max_job_bytes) (4 MiB) raised to
+    /// over twice the limit and the headers, or the larger requests get `413` from the queue.
     pub fn body_limit(mut self, bytes: usize) -> Self {
         Arc::make_mut(&mut self.shared).body_limit = bytes;
         self
