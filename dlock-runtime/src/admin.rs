@@ -76,7 +76,7 @@ impl Locker {
 }
 
 impl Admin {
-    fn store(&self) -> &dyn AdminStore {
+    pub(crate) fn store(&self) -> &dyn AdminStore {
         self.locker
             .backend()
             .admin()

@@ -267,8 +267,9 @@ pub trait AdminStore: Send + Sync {
     /// token starts with `holder` (a token prefix as [`inspect`](Self::inspect) shows it): held
     /// by another, nothing is released and [`ForceReleased::other_holder`] names that one;
     /// free, nothing is released. The check and the release are one step in the store, so a
-    /// lock that changed hands after it was inspected is never taken from its new holder.
-    /// Default: [`LockError::Unsupported`].
+    /// lock that changed hands after it was inspected is never taken from its new holder. An
+    /// empty `holder` names no owner: nothing is released ([`Admin`](crate::admin::Admin)
+    /// refuses it before asking). Default: [`LockError::Unsupported`].
     fn force_release_held_by<'a>(
         &'a self,
         resource: &'a ResourceName,

@@ -213,6 +213,19 @@ pub async fn admin_force_release_held_by_spares_another_holder(store: &Store) {
         "{}",
         store.name
     );
+    // Asked of the store directly, an empty holder names nobody: nothing is released.
+    let nobody = admin
+        .store()
+        .force_release_held_by(&b.resource(LockKey::new(&key).expect("key")), "")
+        .await
+        .expect("force release");
+    assert!(!nobody.was_held, "{}: {nobody:?}", store.name);
+    assert_eq!(
+        nobody.other_holder.as_deref(),
+        Some(now.as_str()),
+        "{}",
+        store.name
+    );
     assert!(
         second.extend(ttl).await.is_ok(),
         "{}: the new holder lost its lock",

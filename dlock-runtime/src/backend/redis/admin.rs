@@ -334,8 +334,13 @@ impl AdminStore for RedisBackend {
     ) -> BoxFuture<'a, Result<ForceReleased, LockError>> {
         Box::pin(async move {
             if holder.is_empty() {
-                // `''` is "any holder" to the script.
-                return Ok(ForceReleased::default());
+                // `''` is "any holder" to the script; here it names nobody, as in the other
+                // stores: nothing is released, and a holder is named.
+                let state = self.read_lock(resource).await?;
+                return Ok(match state.holder {
+                    Some(h) => ForceReleased::spared(h.token_prefix),
+                    None => ForceReleased::default(),
+                });
             }
             self.force(resource, holder).await
         })
