@@ -772,9 +772,23 @@ async fn durable_job_past_max_attempts_is_dead_lettered_and_can_be_requeued() {
 }
 
 /// A job's error is kept as its dead letter's reason up to 4 KiB, cut at a character boundary
-/// and marked: an error that quotes a large input does not put all of it into Redis.
+/// and marked: an error that quotes a large input does not put all of it into Redis. So is the
+/// result a finished job records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_long_failure_reason_is_kept_cut_to_four_kib() {
+async fn a_long_failure_reason_or_result_is_kept_cut_to_four_kib() {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct LongResult;
+    impl Job for LongResult {
+        const NAME: &'static str = "long-result";
+        fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> {
+            dlock_runtime::LockKey::new("long-result")
+        }
+        async fn run(self, ctx: JobContext) -> Result<(), JobError> {
+            ctx.set_result("é".repeat(5000));
+            Ok(())
+        }
+    }
+
     let (server, locker, queue) = start_queue("long-reason").await;
     let policy = DeferPolicy::new(Duration::from_millis(5), 1);
     let job = RecordJob {
@@ -791,6 +805,23 @@ async fn a_long_failure_reason_is_kept_cut_to_four_kib() {
         reason.len()
     );
     assert!(reason.starts_with("the job failed: éé") && reason.ends_with("é…"));
+
+    let id = queue
+        .enqueue(&LongResult, &policy, Duration::from_secs(5), Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = worker.register::<LongResult>();
+    let result = wait_for("the job to finish", Duration::from_secs(10), async || {
+        worker.run_once().await.unwrap();
+        match queue.status(&id).await.unwrap() {
+            JobStatus::Completed { result } => Some(result.unwrap_or_default()),
+            _ => None,
+        }
+    })
+    .await;
+    // 4,093 bytes of `é`s cut to a whole character, and the 3 of `…`.
+    assert_eq!(result.len(), 4092 + 3, "{} bytes kept", result.len());
+    assert!(result.starts_with("éé") && result.ends_with("é…"));
 }
 
 /// A listing reads its jobs hundreds a round trip (three `HMGET`s a batch, not three commands
