@@ -636,7 +636,8 @@ mod actix_impl {
 /// `-> io::Result<T>`, or `?` in one): the `LockError` is kept whole as the error's inner
 /// error (`get_ref`, `into_inner`), under the kind that fits — `WouldBlock` for a lock held
 /// ([`Contended`](LockError::Contended)), `TimedOut` for a wait that reached its deadline,
-/// `InvalidInput` for a bad key, TTL or argument or a job too large to defer, `Unsupported`, and `Other` for the rest.
+/// `InvalidInput` for a bad key, TTL or argument or a job too large to defer, `Unsupported`,
+/// and `Other` for the rest.
 impl From<LockError> for std::io::Error {
     fn from(err: LockError) -> Self {
         use std::io::ErrorKind;

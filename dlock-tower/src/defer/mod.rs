@@ -76,11 +76,11 @@
 //! The queue is bounded ([`QueueLimits::max_queued`](dlock_runtime::defer::QueueLimits)): when it
 //! is full, a busy request gets `503 Service Unavailable` with `Retry-After` (problem type
 //! `urn:dlock:problem:defer-queue-full`) and nothing already queued is lost. Each job is
-//! bounded too ([`QueueLimits::max_job_bytes`](dlock_runtime::defer::QueueLimits), 4 MiB): a busy request
-//! whose stored form — its body hex-encoded, with its URI and stored headers — is larger gets
-//! `413` (`urn:dlock:problem:defer-job-too-large`) and is not queued; the default holds a
-//! request at the default body limit. Raise both together. A stored request
-//! that cannot be rebuilt (corrupt data) is dead-lettered at once with the reason.
+//! bounded too ([`QueueLimits::max_job_bytes`](dlock_runtime::defer::QueueLimits), 4 MiB): a
+//! busy request whose stored form — its body hex-encoded, with its URI and stored headers — is
+//! larger gets `413` (`urn:dlock:problem:defer-job-too-large`) and is not queued; the default
+//! holds a request at the default body limit. Raise both together. A stored request that
+//! cannot be rebuilt (corrupt data) is dead-lettered at once with the reason.
 
 use std::time::Duration;
 
