@@ -32,6 +32,15 @@
 //!   connection that opens with a `CancelRequest` is closed without reaching the server — a
 //!   cancel that cannot help (a server stalled on I/O) or is lost.
 //!
+//! * **pause new connections** ([`pause_new`](Proxy::pause_new)) until
+//!   [`resume_new`](Proxy::resume_new): a connection made meanwhile is accepted and nothing
+//!   it sends reaches the server until then — a server too busy to take connections (its
+//!   listen queue full, forking slowly) while the connections it has work.
+//!
+//! It also counts **connections being made**: open, and not yet answered by the server (for
+//! Postgres, from the client's connect to the server's first reply to its startup), and the
+//! most there were at once ([`peak_unanswered`](Proxy::peak_unanswered)).
+//!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
 
@@ -90,6 +99,12 @@ struct Shared {
     swallow_cancels: AtomicBool,
     /// Cancel requests swallowed so far.
     swallowed: AtomicU64,
+    /// New connections wait before reaching the server ([`Proxy::pause_new`]).
+    new_paused: tokio::sync::watch::Sender<bool>,
+    /// Connections open that the server has not answered yet.
+    unanswered: AtomicU64,
+    /// The most `unanswered` has been since start or the last reset.
+    peak_unanswered: AtomicU64,
 }
 
 impl Proxy {
@@ -115,6 +130,9 @@ impl Proxy {
             held_gap_us: AtomicU64::new(0),
             swallow_cancels: AtomicBool::new(false),
             swallowed: AtomicU64::new(0),
+            new_paused: tokio::sync::watch::Sender::new(false),
+            unanswered: AtomicU64::new(0),
+            peak_unanswered: AtomicU64::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(Proxy {
@@ -275,6 +293,30 @@ impl Proxy {
         self.shared.accepted.load(Ordering::Relaxed)
     }
 
+    /// From now on, a new connection is accepted and what it sends is kept from the server
+    /// until [`resume_new`](Proxy::resume_new); open connections are forwarded as usual.
+    pub fn pause_new(&self) {
+        self.shared.new_paused.send_replace(true);
+    }
+
+    /// Ends [`pause_new`](Proxy::pause_new): the connections it kept reach the server.
+    pub fn resume_new(&self) {
+        self.shared.new_paused.send_replace(false);
+    }
+
+    /// The most connections there were at once that were open and not yet answered by the
+    /// server (being made), since start or [`reset_peak_unanswered`](Proxy::reset_peak_unanswered).
+    pub fn peak_unanswered(&self) -> u64 {
+        self.shared.peak_unanswered.load(Ordering::Acquire)
+    }
+
+    /// Starts [`peak_unanswered`](Proxy::peak_unanswered) again from the connections being made
+    /// now.
+    pub fn reset_peak_unanswered(&self) {
+        let now = self.shared.unanswered.load(Ordering::Acquire);
+        self.shared.peak_unanswered.store(now, Ordering::Release);
+    }
+
     /// Connections refused so far (accepted and closed at once, while refusing).
     pub fn refused(&self) -> u64 {
         self.shared.refused.load(Ordering::Relaxed)
@@ -340,7 +382,42 @@ const PG_CANCEL: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
 /// A Postgres `SSLRequest`: its length (8) and code (80877103).
 const PG_SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
 
+/// A connection counted as being made until the server first answers on it, or it ends.
+struct Unanswered<'a> {
+    shared: &'a Shared,
+    answered: AtomicBool,
+}
+
+impl<'a> Unanswered<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        let now = shared.unanswered.fetch_add(1, Ordering::AcqRel) + 1;
+        shared.peak_unanswered.fetch_max(now, Ordering::AcqRel);
+        Unanswered {
+            shared,
+            answered: AtomicBool::new(false),
+        }
+    }
+
+    fn answered(&self) {
+        if !self.answered.swap(true, Ordering::AcqRel) {
+            self.shared.unanswered.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        self.answered();
+    }
+}
+
 async fn serve(mut client: TcpStream, shared: &Shared, id: u64) -> io::Result<()> {
+    let unanswered = Unanswered::new(shared);
+    let _ = shared
+        .new_paused
+        .subscribe()
+        .wait_for(|paused| !paused)
+        .await;
     let mut opening = Vec::new();
     if shared.swallow_cancels.load(Ordering::Acquire) {
         let mut first = [0u8; 8];
@@ -369,19 +446,21 @@ async fn serve(mut client: TcpStream, shared: &Shared, id: u64) -> io::Result<()
     // The first direction to end (EOF delivered, or an error) ends the connection: Redis
     // clients and servers do not half-close.
     tokio::select! {
-        r = pump(cr, uw, shared, id, false) => r,
-        r = pump(ur, cw, shared, id, true) => r,
+        r = pump(cr, uw, shared, id, None) => r,
+        r = pump(ur, cw, shared, id, Some(&unanswered)) => r,
     }
 }
 
 /// Forwards `from` to `to`, each chunk delayed by the latency in force when it was read.
+/// `unanswered`: `from` is the server, and its first byte answers the connection.
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &Shared,
     id: u64,
-    from_server: bool,
+    unanswered: Option<&Unanswered<'_>>,
 ) -> io::Result<()> {
+    let from_server = unanswered.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>, bool)>();
     let reader = async move {
         loop {
@@ -394,6 +473,9 @@ async fn pump(
             };
             if n == 0 {
                 return Ok::<(), io::Error>(());
+            }
+            if let Some(u) = unanswered {
+                u.answered();
             }
             buf.truncate(n);
             let held = !from_server && id < *shared.held_below.borrow();

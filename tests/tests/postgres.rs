@@ -958,6 +958,119 @@ async fn connections_slower_to_make_than_the_command_timeout_are_made_for_the_ne
     assert!(answers.len() <= 4, "answered only after {answers:#?}");
 }
 
+/// A locker over a pool of 8 connections reached through a proxy, made `at_once` at a time,
+/// without notifications (no `LISTEN` connection), with `limit` as every timeout.
+async fn pool_of_8_via_proxy(schema: &str, at_once: usize, limit: Duration) -> (Proxy, Locker) {
+    let proxy = Proxy::start(port()).await.unwrap();
+    let via = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port());
+    let opts = PostgresOptions::default()
+        .schema(schema)
+        .pool_size(8)
+        .connects_at_once(at_once)
+        .notifications(false)
+        .command_timeout(limit)
+        .connect_timeout(limit);
+    let backend = PostgresBackend::connect(&via, opts).await.expect("connect");
+    let locker = Locker::builder()
+        .command_timeout(limit)
+        .try_build(backend)
+        .expect("locker");
+    (proxy, locker)
+}
+
+/// A pool is made, and made again after every connection was lost (a database restart or a
+/// reset, as the clients see it), at most [`connects_at_once`](PostgresOptions::connects_at_once)
+/// connections at a time — counted at a proxy as connections open that the server has not
+/// answered yet — while a burst of calls that finds no idle connection is answered in full.
+/// Before, each call made its own connection: a burst of 8 had 7 or 8 being made at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_is_made_a_few_connections_at_a_time() {
+    let (proxy, locker) = pool_of_8_via_proxy("made_few", 2, Duration::from_secs(10)).await;
+    // A round trip of 100 ms: every connection is being made for that long at least, so the
+    // burst's calls all want one at the same time.
+    proxy.set_latency(Duration::from_millis(50));
+    for round in ["cold", "after every connection was cut"] {
+        proxy.reset_peak_unanswered();
+        let burst = (0..8).map(|n| {
+            let locker = locker.clone();
+            async move {
+                // A connection cut an instant ago may still look open to the pool: its call
+                // fails as unavailable, and the next one makes a new connection.
+                for _ in 0..3 {
+                    match locker
+                        .lock(format!("madefew:{n}").as_str())
+                        .try_acquire()
+                        .await
+                    {
+                        Ok(guard) => {
+                            let guard = guard.expect("a free lock");
+                            guard.release().await.expect("release");
+                            return;
+                        }
+                        Err(e) => assert!(e.is_unavailable(), "{e:?}"),
+                    }
+                }
+                panic!("call {n} was not answered in 3 tries ({round})");
+            }
+        });
+        futures_util::future::join_all(burst).await;
+        let peak = proxy.peak_unanswered();
+        assert!(
+            (1..=2).contains(&peak),
+            "{peak} connections were being made at once ({round})"
+        );
+        proxy.cut(false);
+    }
+}
+
+/// A call that finds no idle connection while the turn to make one is taken takes a connection
+/// that goes back to the pool first, rather than waiting for the turn: with one connection
+/// made at a time and that one hanging (the server takes no new connections, as when it is
+/// forking slowly), a burst of calls is served by the connection the pool had. With the bound
+/// alone every call waited behind the hanging connection to make its own; without it each
+/// made its own, and hung on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_to_make_a_connection_takes_one_that_came_back() {
+    // Made with one connection (the schema check's), idle in the pool.
+    let (proxy, locker) = pool_of_8_via_proxy("made_back", 1, Duration::from_secs(60)).await;
+    let opened = proxy.accepted();
+    proxy.pause_new();
+    let (tx, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    for n in 0..8 {
+        let (locker, tx) = (locker.clone(), tx.clone());
+        tokio::spawn(async move {
+            let guard = locker
+                .lock(format!("madeback:{n}").as_str())
+                .try_acquire()
+                .await
+                .expect("acquire")
+                .expect("a free lock");
+            guard.release().await.expect("release");
+            let _ = tx.send(n);
+        });
+    }
+    // At most one call makes a connection (its turn), and it hangs; the others are answered.
+    for seen in 0..7 {
+        tokio::time::timeout(Duration::from_secs(20), answered.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{seen} of 8 calls answered while {} connection(s) hang being made",
+                    proxy.accepted() - opened
+                )
+            });
+    }
+    assert!(
+        proxy.accepted() - opened <= 1,
+        "{} connections made at once",
+        proxy.accepted() - opened
+    );
+    proxy.resume_new();
+    tokio::time::timeout(Duration::from_secs(20), answered.recv())
+        .await
+        .expect("the last call, once its connection could be made");
+}
+
 /// Through PgBouncer in transaction pooling, a `LISTEN` made on the main URL (notifications
 /// on, no `notify_url`) hears nothing other sessions send: PgBouncer hands the `LISTEN` and
 /// every later statement to server connections the session does not keep. The session finds

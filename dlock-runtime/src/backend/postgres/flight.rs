@@ -50,9 +50,10 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use deadpool_postgres::{ClientWrapper, Object};
-use tokio::sync::{Mutex, OwnedMutexGuard, OwnedSemaphorePermit};
+use tokio::sync::{Mutex, OwnedMutexGuard};
 use tokio_postgres::{CancelToken, NoTls};
 
+use super::connecting::Slot;
 use super::{Connector, Inner};
 use crate::backend::OwnerToken;
 
@@ -114,8 +115,9 @@ impl Drop for Gate {
 
 /// A pooled connection and the backend's slot it takes (see the module docs).
 pub(super) struct Pooled {
+    // Dropped in this order: the connection goes back to the pool before the slot says so.
     pub(super) client: Object,
-    pub(super) slot: OwnedSemaphorePermit,
+    pub(super) slot: Slot,
 }
 
 /// A pooled connection with a statement (or a transaction) in flight, and the gate that must
@@ -189,7 +191,7 @@ async fn drain(
     gate: Option<Gate>,
     cancel: Option<Connector>,
     limit: Duration,
-    slot: OwnedSemaphorePermit,
+    slot: Slot,
 ) {
     let token = client.cancel_token();
     let until = tokio::time::Instant::now() + limit;

@@ -77,6 +77,11 @@
 //!   [`PostgresOptions::command_timeout`]; an unreachable or hung database is
 //!   [`LockError::Unavailable`] (503), never a hang. Connection strings may carry passwords:
 //!   errors never quote them.
+//! * **Connections are made a few at a time**: at most
+//!   [`connects_at_once`](PostgresOptions::connects_at_once) (2) of the pool's, and a call that
+//!   finds none idle while others are being made takes whichever comes first, its turn to make
+//!   one or a connection going back to the pool — so after a database restart a process does
+//!   not remake its whole pool at once against the restarted server (see `connecting`).
 //! * **A call given up is not forgotten**: a statement whose answer the caller stopped waiting
 //!   for (the command timeout, or a dropped future) still runs on the server, so its
 //!   connection never goes back to the pool; it gets a cancel request and is closed once the
@@ -166,6 +171,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
+use self::connecting::{GatedConnect, Making};
 use super::{
     AcquireArgs, Attempt, Backend, BoxFuture, ExtendItem, OwnerToken, ReleaseHub, SendMark,
     SendSlot, WaitMode, Watch,
@@ -177,6 +183,7 @@ pub use deadpool_postgres;
 pub use tokio_postgres;
 
 mod admin;
+mod connecting;
 mod flight;
 mod idempotency;
 mod kinds;
@@ -189,8 +196,8 @@ pub mod xact;
 pub use self::xact::{lock_in_transaction, try_lock_in_transaction, xact_lock_id};
 
 /// Settings of the Postgres backend. Defaults: schema `dlock`, table prefix `dlock_`, create
-/// the schema on first use, command timeout 1 s, connect timeout 1 s, pool of 16 connections,
-/// notifications on over the main URL.
+/// the schema on first use, command timeout 1 s, connect timeout 1 s, pool of 16 connections
+/// made at most 2 at a time, notifications on over the main URL.
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct PostgresOptions {
@@ -211,6 +218,15 @@ pub struct PostgresOptions {
     /// most connections the backend uses at once, counting those it is still draining after a
     /// call timed out with its statement running.
     pub pool_size: usize,
+    /// Connections of the pool being made at once, at most (not used with
+    /// [`from_pool`](PostgresBackend::from_pool), whose pool makes its own). A call that finds
+    /// no idle connection while that many are being made waits, within its command timeout,
+    /// for whichever comes first: its turn to make one, or a connection going back to the pool
+    /// (a connection it gave up on is still made, for the next call). After a database restart
+    /// every process would otherwise remake its whole pool at once against the restarted
+    /// server; also, against a server that does not answer, a process sends this many
+    /// connection attempts at a time, not one per call.
+    pub connects_at_once: usize,
     /// Whether to `LISTEN` for release notifications.
     pub notifications: bool,
     /// A direct connection string for `LISTEN` (when the main one goes through PgBouncer in
@@ -234,6 +250,7 @@ impl std::fmt::Debug for PostgresOptions {
             .field("command_timeout", &self.command_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("pool_size", &self.pool_size)
+            .field("connects_at_once", &self.connects_at_once)
             .field("notifications", &self.notifications)
             .field("notify_url", &self.notify_url.as_ref().map(|_| ".."))
             .finish()
@@ -249,6 +266,7 @@ impl Default for PostgresOptions {
             command_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(1),
             pool_size: 16,
+            connects_at_once: 2,
             notifications: true,
             notify_url: None,
             #[cfg(feature = "postgres-tls")]
@@ -292,6 +310,12 @@ impl PostgresOptions {
     /// Sets [`pool_size`](PostgresOptions::pool_size) (at least 1).
     pub fn pool_size(mut self, n: usize) -> Self {
         self.pool_size = n.max(1);
+        self
+    }
+
+    /// Sets [`connects_at_once`](PostgresOptions::connects_at_once) (at least 1).
+    pub fn connects_at_once(mut self, n: usize) -> Self {
+        self.connects_at_once = n.max(1);
         self
     }
 
@@ -396,6 +420,9 @@ struct Inner {
     /// How the pool's connections are made, for cancel requests (`None`: a pool given to
     /// [`PostgresBackend::from_pool`]; cancel requests then go without TLS, best-effort).
     cancel: Option<Connector>,
+    /// How many of the pool's connections are made at once (`None`: a pool given to
+    /// [`PostgresBackend::from_pool`], which makes its own; see [`connecting`]).
+    making: Option<Arc<Making>>,
     /// One permit per connection of the pool, taken by a call for as long as its connection
     /// is in use — and, when the call stops waiting for its statement, until the connection
     /// has been drained (see [`flight`]). Without it a pool hands out a new connection for
@@ -639,14 +666,20 @@ impl Connector {
         }
     }
 
-    fn manager(&self, config: tokio_postgres::Config) -> Manager {
+    /// The pool's manager: connections made as `self` says, as `making` lets them.
+    fn manager(&self, config: tokio_postgres::Config, making: Arc<Making>) -> Manager {
         let mc = ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         };
         match self {
-            Connector::Plain => Manager::from_config(config, NoTls, mc),
+            Connector::Plain => {
+                Manager::from_connect(config, GatedConnect { tls: NoTls, making }, mc)
+            }
             #[cfg(feature = "postgres-tls")]
-            Connector::Tls(t) => Manager::from_config(config, t.clone(), mc),
+            Connector::Tls(t) => {
+                let tls = t.clone();
+                Manager::from_connect(config, GatedConnect { tls, making }, mc)
+            }
         }
     }
 }
@@ -678,12 +711,15 @@ impl PostgresBackend {
             (Some(u), true) => Some(Self::notify_config(u, &opts)?),
             (None, true) => Some((config.clone(), connector.clone())),
         };
-        let manager = connector.manager(config);
+        let making = Making::new(opts.connects_at_once);
+        let manager = connector.manager(config, making.clone());
         let pool = Pool::builder(manager)
             .max_size(opts.pool_size)
+            // For `Making::get`'s zero create timeout (no timeout is set by default).
+            .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| LockError::misconfigured(format!("postgres pool: {e}"), None))?;
-        Self::start(pool, notify, Some(connector), opts).await
+        Self::start(pool, notify, Some(connector), Some(making), opts).await
     }
 
     /// A backend over a pool the service already has (its connections are shared, not
@@ -696,7 +732,7 @@ impl PostgresBackend {
             (Some(u), true) => Some(Self::notify_config(u, &opts)?),
             _ => None,
         };
-        Self::start(pool, notify, None, opts).await
+        Self::start(pool, notify, None, None, opts).await
     }
 
     fn notify_config(
@@ -718,6 +754,7 @@ impl PostgresBackend {
         pool: Pool,
         notify: Option<(tokio_postgres::Config, Connector)>,
         cancel: Option<Connector>,
+        making: Option<Arc<Making>>,
         opts: PostgresOptions,
     ) -> Result<Self, LockError> {
         let sql = schema::Statements::new(&opts.schema, &opts.table_prefix);
@@ -745,6 +782,7 @@ impl PostgresBackend {
                 listening,
                 gates: Mutex::new(HashMap::new()),
                 cancel,
+                making,
                 probes_unheard: Default::default(),
             }
         });
@@ -999,8 +1037,13 @@ impl PostgresBackend {
         // a database restart each reconnect that came too late began again, while the
         // restarted server made the connections only to see them closed.
         let pool = self.inner.pool.clone();
+        let making = self.inner.making.clone();
         tokio::spawn(async move {
-            let client = pool.get().await?;
+            let client = match &making {
+                Some(m) => m.get(&pool).await?,
+                None => pool.get().await?,
+            };
+            let slot = connecting::Slot::new(slot, making);
             Ok(flight::Pooled { client, slot })
         })
         .await
