@@ -349,6 +349,12 @@ impl EtcdCluster {
         }
     }
 
+    /// The value of the gauge or counter `name` (without labels) that member `i` reports on
+    /// its `/metrics`, if it answers.
+    pub fn metric(&self, i: usize, name: &str) -> Option<f64> {
+        metric(self.members[i].client_port, name)
+    }
+
     /// Freezes member `i` (SIGSTOP): its connections stay open, nothing is answered.
     pub fn pause(&mut self, i: usize) {
         self.signal(i, "-STOP");
@@ -505,6 +511,15 @@ fn get(port: u16, path: &str) -> Option<String> {
         .then(|| body.to_owned())
 }
 
+/// The value of the metric `name` (without labels) on the member on `port`'s `/metrics`.
+fn metric(port: u16, name: &str) -> Option<f64> {
+    let metrics = get(port, "/metrics")?;
+    let line = metrics
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))?;
+    line.split_whitespace().nth(1)?.parse::<f64>().ok()
+}
+
 /// The first `"<field>":"<number>"` in a gateway JSON body (uint64s are JSON strings).
 fn number_field(body: &str, field: &str) -> Option<u64> {
     let rest = body.split(&format!("\"{field}\":\"")).nth(1)?;
@@ -596,14 +611,11 @@ impl Quorum for EtcdCluster {
     }
 
     fn leases_revoked(&self, i: usize) -> Option<u64> {
-        let metrics = get(self.members[i].client_port, "/metrics")?;
-        let line = (metrics.lines())
-            .find(|l| l.starts_with("etcd_debugging_server_lease_expired_total "))?;
-        line.split_whitespace()
-            .nth(1)?
-            .parse::<f64>()
-            .ok()
-            .map(|n| n as u64)
+        metric(
+            self.members[i].client_port,
+            "etcd_debugging_server_lease_expired_total",
+        )
+        .map(|n| n as u64)
     }
 
     fn heal(&mut self) {

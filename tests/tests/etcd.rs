@@ -2086,3 +2086,119 @@ fn barging_permit_waiters_wait_quietly_while_the_semaphore_is_full() {
             })
     });
 }
+
+/// etcd's count of open watch streams, and of the watches on them.
+const WATCH_STREAMS: &str = "etcd_debugging_mvcc_watch_stream_total";
+const WATCHES: &str = "etcd_debugging_mvcc_watcher_total";
+
+/// A waiter of `locker` waiting (up to a minute) for `key`, which it releases once it has it.
+fn served_in_turn(locker: &Locker, key: &str) -> tokio::task::JoinHandle<()> {
+    let (locker, key) = (locker.clone(), key.to_owned());
+    tokio::spawn(async move {
+        let g = locker
+            .lock(&key)
+            .on_fail(dlock_runtime::OnFail::retry(Duration::from_secs(60)))
+            .acquire()
+            .await
+            .expect("served in turn");
+        g.release().await.unwrap();
+    })
+}
+
+/// A locker's waiters watch over one watch stream: 24 waiters on 8 locks keep 24 watches on
+/// the member and one stream (each waiter opened a stream of its own: 24 of them). A watch is
+/// cancelled on the server once its waiter is gone — the lock's waiters all left, or all
+/// served — and the stream stays for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lockers_waiters_share_one_watch_stream() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let cluster = EtcdCluster::start();
+    let (holder, waiter) = (locker(&cluster.url()).await, locker(&cluster.url()).await);
+    let gauge = |name| cluster.metric(0, name).map(|v| v as i64);
+    let keys: Vec<String> = (0..8).map(|i| format!("one-stream-{i}")).collect();
+    let mut held = Vec::new();
+    for k in &keys {
+        held.push(holder.lock(k).acquire().await.unwrap());
+    }
+    let mut gone: Vec<Vec<_>> = keys
+        .iter()
+        .map(|k| (0..3).map(|_| served_in_turn(&waiter, k)).collect())
+        .collect();
+    wait_for("24 waiters watching", Duration::from_secs(20), async || {
+        (waiter.waiting() == 24 && gauge(WATCHES) == Some(24)).then_some(())
+    })
+    .await;
+    assert_eq!(gauge(WATCH_STREAMS), Some(1), "watch streams open");
+
+    // Every waiter of three locks leaves: their 9 watches go from the server.
+    let stay = gone.split_off(3);
+    for w in gone.iter().flatten() {
+        w.abort();
+    }
+    wait_for("15 watches left", Duration::from_secs(20), async || {
+        (waiter.waiting() == 15 && gauge(WATCHES) == Some(15)).then_some(())
+    })
+    .await;
+    for g in held {
+        g.release().await.unwrap();
+    }
+    for w in stay.into_iter().flatten() {
+        tokio::time::timeout(Duration::from_secs(30), w)
+            .await
+            .expect("every waiter served")
+            .unwrap();
+    }
+    wait_for("no watch left", Duration::from_secs(20), async || {
+        (gauge(WATCHES) == Some(0)).then_some(())
+    })
+    .await;
+    assert_eq!(gauge(WATCH_STREAMS), Some(1), "the stream is kept");
+}
+
+/// A member that freezes under the locker's watch stream does not leave its waiters watching
+/// nothing: asked for its progress, the stream says nothing within the command timeout, and its
+/// watches go onto a new stream on another member — they stayed on the frozen one until the
+/// connection's HTTP/2 keepalive (here a minute) gave up. The waiter is served once the lock
+/// frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_stream_on_a_frozen_member_moves_to_another() {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = EtcdCluster::start_cluster();
+    let opts = EtcdOptions::default()
+        .command_timeout(COMMAND_TIMEOUT)
+        .keep_alive(Duration::from_secs(60));
+    let connect = async || {
+        let backend = EtcdBackend::connect(&cluster.url(), opts.clone())
+            .await
+            .unwrap();
+        Locker::builder()
+            .command_timeout(COMMAND_TIMEOUT)
+            .build(backend)
+    };
+    let (holder, waiter) = (connect().await, connect().await);
+    let held = holder.lock("frozen-stream").acquire().await.unwrap();
+    let served = served_in_turn(&waiter, "frozen-stream");
+    let on = wait_for("the waiter's watch", Duration::from_secs(10), async || {
+        (0..cluster.len()).find(|&i| cluster.metric(i, WATCHES) == Some(1.0))
+    })
+    .await;
+    cluster.pause(on);
+    let moved = wait_for(
+        "the watch on another member",
+        Duration::from_secs(20),
+        async || {
+            (0..cluster.len()).filter(|&i| i != on).find(|&i| {
+                cluster.metric(i, WATCHES) == Some(1.0)
+                    && cluster.metric(i, WATCH_STREAMS) == Some(1.0)
+            })
+        },
+    )
+    .await;
+    assert_ne!(moved, on);
+    cluster.resume(on);
+    held.release().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("the waiter is served")
+        .unwrap();
+}

@@ -37,11 +37,8 @@
 
 use std::time::Duration;
 
-use etcd_client::{
-    EventType, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-};
+use etcd_client::{GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse};
 
-use super::next_message;
 use super::pool::{call, Pool};
 use super::{EtcdBackend, Keys, Turn};
 use crate::backend::{AcquireArgs, Attempt, OwnerToken};
@@ -165,6 +162,7 @@ impl EtcdBackend {
 /// fit; the watch loop of a permit's or hold's waiter (see the module docs).
 pub(super) async fn wait_admitted(
     pool: &Pool,
+    watches: &super::watches::Watches,
     kind: LockKind,
     k: &Keys,
     timeout: Duration,
@@ -199,16 +197,10 @@ pub(super) async fn wait_admitted(
         if admits_one_more(kind, dir_len, &keys) {
             return Ok(Turn::Now);
         }
-        let mut stream =
-            super::watch_deletions(pool, &k.dir, Some(&k.end), read + 1, timeout).await?;
+        let mut watch = watches.watch(&k.dir, Some(&k.end), read + 1).await?;
         loop {
-            let msg = next_message(&mut stream).await?;
-            for e in msg.events() {
-                if e.event_type() == EventType::Delete {
-                    if let Some(key) = e.kv().map(KeyValue::key) {
-                        keys.retain(|a| a.as_slice() != key);
-                    }
-                }
+            for key in watch.deleted().await? {
+                keys.retain(|a| *a != key);
             }
             // A key put after the read is not in `keys`: room seen here may be gone, and the
             // attempt then finds the line full and watches again from a new read.
@@ -232,20 +224,13 @@ pub(super) async fn wait_admitted(
         return Ok(Turn::Now);
     }
     let from = read + 1;
-    let mut stream = super::watch_deletions(pool, &k.dir, Some(&k.end), from, timeout).await?;
+    let mut watch = watches.watch(&k.dir, Some(&k.end), from).await?;
     loop {
-        let msg = next_message(&mut stream).await?;
-        for e in msg.events() {
-            let Some(key) = e.kv().map(KeyValue::key) else {
-                continue;
-            };
-            if e.event_type() != EventType::Delete {
-                continue;
-            }
-            if key == k.own.as_slice() {
+        for key in watch.deleted().await? {
+            if key == k.own {
                 return Ok(Turn::Now);
             }
-            keys.retain(|a| a.as_slice() != key);
+            keys.retain(|a| *a != key);
         }
         if fits_now(&keys) {
             return Ok(Turn::Now);

@@ -67,9 +67,13 @@
 //!   next attempt queues it anew). A waiter without a key in the line (a barging one) is woken
 //!   when any key of the lock is deleted. A task ends when it wakes its waiter; an attempt of a
 //!   local waiter that finds the lock held again starts a new one (for its new key, if it
-//!   queued anew), and one that takes the lock stops it. Each waiting waiter costs one gRPC
-//!   watch stream while it waits (the streams share the one HTTP/2 connection to the member);
-//!   multiplexing all of a locker's watches over one stream is not done yet.
+//!   queued anew), and one that takes the lock stops it. The watches of all of a locker's
+//!   waiters ride on one gRPC watch stream (module `watches`: one create request per watch,
+//!   each with an id the backend picks, cancelled on the server when its waiter is done) —
+//!   each used to open a stream of its own, and a member kept a stream per waiting waiter.
+//!   A stream that fails takes its watches with it, and their tasks read and watch again on
+//!   a new one; a stream on a member that froze is found out by asking it for its progress
+//!   when quiet, and given up within the command timeout.
 //!
 //! Semaphores and read-write locks use the same keys, leases and paths (module `kinds`): a
 //! writer's key is marked, and the holders are the ready prefix of the keys in create-revision
@@ -162,8 +166,9 @@
 //! also says which requests are repeated). A member that is merely down is not dead: its
 //! requests fail with [`LockError::Unavailable`] as before. What ran over the old client comes
 //! back over the new one: a session's keepalive stream fails at its next keepalive and is
-//! reopened, and a waiter's watch stream fails, so its task (on the waiter's runtime) reads the
-//! line again and watches anew — the waiter is woken by a release as before. Revocations
+//! reopened, and the locker's watch stream (whose task runs on the runtime of the watch that
+//! opened it) fails, so every waiter's task reads its line again and watches anew, on a stream
+//! opened on the runtime at hand — the waiter is woken by a release as before. Revocations
 //! running in the background when their runtime shuts down start again on the fallback thread
 //! (as the locker's watchdog does).
 //!
@@ -189,8 +194,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
-    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse,
 };
 use tokio::task::AbortHandle;
 
@@ -207,9 +212,11 @@ mod kinds;
 mod pool;
 mod session;
 mod url;
+mod watches;
 
 use self::pool::{call, Pool};
 use self::session::{Sessions, TokenKey};
+use self::watches::Watches;
 
 /// Settings of an [`EtcdBackend`]. Defaults: command and connect timeout 2 s (either at most a
 /// day: a longer one is taken as a day), key prefix `dlock`, no user, no TLS files.
@@ -395,6 +402,8 @@ pub struct EtcdBackend {
     endpoints: Arc<str>,
     hub: Arc<ReleaseHub>,
     watchers: Watchers,
+    /// The one watch stream every local waiter's watch rides on (module `watches`).
+    watches: Arc<Watches>,
     leases: Leases,
     sessions: Arc<Sessions>,
 }
@@ -584,8 +593,10 @@ impl EtcdBackend {
                 refused,
             ));
         }
+        let pool = Arc::new(Pool::new(members));
         let backend = EtcdBackend {
-            pool: Arc::new(Pool::new(members)),
+            watches: Arc::new(Watches::new(pool.clone(), opts.command_timeout)),
+            pool,
             opts,
             endpoints: shown,
             hub: ReleaseHub::new(),
@@ -1149,7 +1160,7 @@ impl EtcdBackend {
         let name = resource.shared();
         let own = k.own.clone();
         let turn = watch_turn(
-            self.pool.clone(),
+            self.watches.clone(),
             self.hub.clone(),
             (name.clone(), token.clone()),
             k,
@@ -1374,7 +1385,7 @@ enum Turn {
 /// or, when the waiter has no key in the line, a key of the lock was deleted. A backend error
 /// wakes the waiter too (its attempt may find the lock free) while the loop goes on.
 async fn watch_turn(
-    pool: Arc<Pool>,
+    watches: Arc<Watches>,
     hub: Arc<ReleaseHub>,
     (resource, token): (Arc<str>, OwnerToken),
     k: Keys,
@@ -1382,13 +1393,16 @@ async fn watch_turn(
     kind: LockKind,
     mut floor: Option<i64>,
 ) {
+    let pool = watches.pool();
     let mut backoff = Duration::from_millis(20);
     // The own key's create revision, read once: it never changes while the key lives.
     let mut own_rev = None;
     loop {
         let turn = match kind {
-            LockKind::Exclusive => wait_predecessor(&pool, &k, &mut own_rev, timeout).await,
-            kind => kinds::wait_admitted(&pool, kind, &k, timeout).await,
+            LockKind::Exclusive => {
+                wait_predecessor(pool, &watches, &k, &mut own_rev, timeout).await
+            }
+            kind => kinds::wait_admitted(pool, &watches, kind, &k, timeout).await,
         };
         let first_floor = floor.take();
         let woken = match turn {
@@ -1397,7 +1411,7 @@ async fn watch_turn(
                 // From the revision read before the waiter was told it waits, if earlier (only
                 // on the first turn: a later one follows the task's own reads).
                 let from = first_floor.map_or(revision, |f| f.min(revision));
-                deleted_after(&pool, &k, from, timeout).await
+                deleted_after(&watches, &k, from).await
             }
             Ok(Turn::Again) => {
                 backoff = Duration::from_millis(20);
@@ -1420,68 +1434,9 @@ async fn watch_turn(
 
 /// Returns once a key of the lock of `k` is deleted after `revision` (a release, a lease that
 /// ran out, a waiter that left).
-async fn deleted_after(
-    pool: &Pool,
-    k: &Keys,
-    revision: i64,
-    timeout: Duration,
-) -> Result<(), LockError> {
-    let mut stream = watch_deletions(pool, &k.dir, Some(&k.end), revision + 1, timeout).await?;
-    next_deletion(&mut stream).await
-}
-
-/// A watch of the deletions of `key` — of the keys from `key` up to `range_end`, if given —
-/// from revision `from` on.
-async fn watch_deletions(
-    pool: &Pool,
-    key: &[u8],
-    range_end: Option<&[u8]>,
-    from: i64,
-    timeout: Duration,
-) -> Result<etcd_client::WatchStream, LockError> {
-    call(pool, timeout, "watch", |c| {
-        let mut watch = c.watch_client();
-        let mut options = WatchOptions::new()
-            .with_start_revision(from)
-            .with_filters([WatchFilterType::NoPut]);
-        if let Some(end) = range_end {
-            options = options.with_range(end.to_vec());
-        }
-        let key = key.to_vec();
-        async move { watch.watch(key, Some(options)).await }
-    })
-    .await
-}
-
-/// Returns once a message of `stream` carries a deletion.
-async fn next_deletion(stream: &mut etcd_client::WatchStream) -> Result<(), LockError> {
-    loop {
-        let msg = next_message(stream).await?;
-        if msg
-            .events()
-            .iter()
-            .any(|e| e.event_type() == EventType::Delete)
-        {
-            return Ok(());
-        }
-    }
-}
-
-/// The next message of a watch stream; an error when the stream fails, ends or is cancelled.
-async fn next_message(
-    stream: &mut etcd_client::WatchStream,
-) -> Result<etcd_client::WatchResponse, LockError> {
-    let msg = stream
-        .message()
-        .await
-        .map_err(|e| LockError::unavailable("etcd watch stream failed", Some(Box::new(e))))?;
-    let Some(msg) = msg else {
-        return Err(LockError::unavailable("etcd watch stream ended", None));
-    };
-    if msg.canceled() {
-        return Err(LockError::unavailable("etcd watch cancelled", None));
-    }
-    Ok(msg)
+async fn deleted_after(watches: &Watches, k: &Keys, revision: i64) -> Result<(), LockError> {
+    let mut watch = watches.watch(&k.dir, Some(&k.end), revision + 1).await?;
+    watch.deleted().await.map(drop)
 }
 
 /// The create revision of the own key of `k` — `Err` when the key is gone, with the revision
@@ -1537,6 +1492,7 @@ pub(super) struct NoOwnKey {
 /// is read anew.
 async fn wait_predecessor(
     pool: &Pool,
+    watches: &Watches,
     k: &Keys,
     own_rev: &mut Option<i64>,
     timeout: Duration,
@@ -1587,8 +1543,8 @@ async fn wait_predecessor(
             }
         }
     };
-    let mut stream = watch_deletions(pool, &pred_key, None, header_rev + 1, timeout).await?;
-    next_deletion(&mut stream).await?;
+    let mut watch = watches.watch(&pred_key, None, header_rev + 1).await?;
+    watch.deleted().await?;
     Ok(Turn::Again)
 }
 

@@ -437,6 +437,67 @@ pub(super) async fn ask_each<T, F: Future<Output = Result<T, etcd_client::Error>
     futures_util::future::join_all(asks).await
 }
 
+/// Opens a stream with `request` on one member, within `timeout`: one try at a time, each on
+/// a member picked as [`call`] picks them and given [`per_try`] (a stream is not hedged: two
+/// would both stay open). Answers the member's number with the stream, so that its holder can
+/// put the member under suspicion when the stream goes silent ([`Pool::suspect_member`]).
+pub(super) async fn open_on_one<T, F: Future<Output = Result<T, etcd_client::Error>>>(
+    pool: &Pool,
+    timeout: Duration,
+    what: &'static str,
+    mut request: impl FnMut(&Client) -> F,
+) -> Result<(usize, T), LockError> {
+    let deadline = Instant::now() + timeout;
+    let mut last: Option<etcd_client::Error> = None;
+    loop {
+        let i = pool.pick(&[]);
+        let until = (Instant::now() + per_try(timeout)).min(deadline);
+        let opened = tokio::time::timeout_at(until, async {
+            pool.members[i].open(until, &mut request).await?.await
+        })
+        .await;
+        match opened {
+            Ok(Ok(stream)) => {
+                pool.trust(i);
+                return Ok((i, stream));
+            }
+            Ok(Err(e)) if !retryable(&e) => {
+                let permanent = refused_for_good(&e);
+                return Err(LockError::backend(
+                    format!("etcd {what} failed"),
+                    Some(Box::new(e)),
+                    permanent,
+                ));
+            }
+            Ok(Err(e)) => {
+                if auth_outdated(&e) {
+                    pool.members[i].sign_in_again();
+                }
+                pool.suspect(i);
+                last = Some(e);
+            }
+            Err(_) => pool.suspect(i),
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let source = last.map(|e| Box::new(e) as crate::BoxError);
+            return Err(LockError::unavailable(
+                format!("etcd {what}: no member opened it within {timeout:?}"),
+                source,
+            ));
+        }
+        // Every member failing at once (none up): not a busy loop until the deadline.
+        tokio::time::sleep_until((now + Duration::from_millis(10)).min(deadline)).await;
+    }
+}
+
+impl Pool {
+    /// Puts member `i` under suspicion: a stream on it went silent.
+    pub(super) fn suspect_member(&self, i: usize) {
+        self.suspect(i);
+    }
+}
+
 /// Picks the member of a new try (see [`Pool::pick`]) and makes its request on the member's
 /// live client, connecting anew first if the client's runtime shut down; the try counts in
 /// `pending` from then on. An `Err`: no live client could be made before `until`.
