@@ -1071,6 +1071,37 @@ async fn a_call_waiting_to_make_a_connection_takes_one_that_came_back() {
         .expect("the last call, once its connection could be made");
 }
 
+/// A connection the server takes and never answers (a wedged postmaster, a proxy that drops
+/// everything) gives its turn back within ten connect timeouts: tokio-postgres's connect timeout
+/// bounds only the socket's connect, and a connect past it kept its turn for good — with one
+/// turn, every later call waited for it and was answered `Unavailable`, also once the database
+/// took new connections again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_is_never_answered_gives_its_turn_back() {
+    let (proxy, locker) = pool_of_8_via_proxy("made_hung", 1, Duration::from_millis(500)).await;
+    // The pool's connection goes, and the next one is taken and never answered.
+    proxy.cut(false);
+    proxy.pause_new();
+    let opened = proxy.accepted();
+    let err = locker.lock("madehung").try_acquire().await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    wait_for(
+        "the call's connection",
+        Duration::from_secs(10),
+        async || (proxy.accepted() > opened).then_some(()),
+    )
+    .await;
+    // That connection stays unanswered for good; new ones reach the database. Its turn comes
+    // back ten connect timeouts (5 s) after it was asked for.
+    proxy.silence();
+    proxy.resume_new();
+    wait_for("a call answered", Duration::from_secs(20), async || {
+        let guard = locker.lock("madehung").try_acquire().await.ok()??;
+        guard.release().await.ok()
+    })
+    .await;
+}
+
 /// Through PgBouncer in transaction pooling, a `LISTEN` made on the main URL (notifications
 /// on, no `notify_url`) hears nothing other sessions send: PgBouncer hands the `LISTEN` and
 /// every later statement to server connections the session does not keep. The session finds

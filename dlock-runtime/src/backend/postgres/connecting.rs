@@ -15,6 +15,14 @@
 //! much as the first: a bound alone queued every call behind its own connection while the
 //! first ones made sat idle in the pool.
 //!
+//! A turn is held for one connect, bounded as a whole by ten connect timeouts per host (the
+//! connect timeout bounds the socket's connect; TLS, the startup message and authentication
+//! come after it): a server that takes a connection and never answers does not keep a turn,
+//! and a connection slow to make is still made. The pool is the backend's, but [`pool`](super::PostgresBackend::pool)
+//! lends it out: a connection the application gets from it is made in a turn too, and one it
+//! gives back wakes no call waiting for its turn (the call takes the connection when its turn
+//! comes, finding it idle).
+//!
 //! Measured with the fault harness, 12 restarts per run (`CHANGELOG.md` has the commands):
 //! with 12 worker processes (192 connections), the longest stall after a restart went from
 //! 5.8–6.9 s to 2.5–3.2 s and the longest gap in service from 20–25 s to 3–4 s, with twice the
@@ -109,6 +117,9 @@ impl Making {
     }
 }
 
+/// How many connect timeouts a whole connect may take per host (see [`GatedConnect`]).
+const WHOLE_CONNECT: usize = 10;
+
 /// The pool's connect: as tokio-postgres's, in a turn of [`Making`] — the one the caller took,
 /// or one it waits for.
 pub(super) struct GatedConnect<T> {
@@ -134,7 +145,7 @@ where
         let config = config.clone();
         let turns = self.making.turns.clone();
         Box::pin(async move {
-            // Held until the connection is made or has failed (its connect timeout bounds it).
+            // Held until the connection is made or has failed, within the connect timeout.
             let _turn = match TURN.try_with(Cell::take).ok().flatten() {
                 Some(Turn::Taken(turn)) => turn,
                 Some(Turn::IdleOnly) => std::future::pending().await,
@@ -144,7 +155,24 @@ where
                     .await
                     .expect("the turns are never closed"),
             };
-            let (client, connection) = config.connect(tls).await?;
+            // tokio-postgres's connect timeout bounds each socket's connect, not what follows
+            // (TLS, the startup message, authentication): a server that takes the connection
+            // and never answers (a wedged postmaster, a proxy that drops everything) held the
+            // turn for good, and with it every later connection of the backend. The whole
+            // connect gets ten connect timeouts for each host it may try: a connection that is
+            // slow to make (a long link, a server busy after a restart) is still made.
+            let connect = config.connect(tls);
+            let (client, connection) = match config.get_connect_timeout() {
+                Some(&limit) => {
+                    let hosts = config.get_hosts().len().max(1);
+                    let tries =
+                        u32::try_from(hosts.saturating_mul(WHOLE_CONNECT)).unwrap_or(u32::MAX);
+                    tokio::time::timeout(limit.saturating_mul(tries), connect)
+                        .await
+                        .map_err(|_| tokio_postgres::Error::__private_api_timeout())??
+                }
+                None => connect.await?,
+            };
             let task = tokio::spawn(async move {
                 if let Err(e) = connection.await {
                     tracing::debug!("postgres pooled connection ended: {e}");

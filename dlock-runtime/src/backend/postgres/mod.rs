@@ -211,7 +211,10 @@ pub struct PostgresOptions {
     pub create_schema: bool,
     /// Deadline of every call, including waiting for a pooled connection.
     pub command_timeout: Duration,
-    /// Deadline of establishing a connection (and of the schema check at start).
+    /// Deadline of a connection's socket connect (per host the URL names) and of the schema
+    /// check at start; a pooled connection is made within ten of them in all (TLS, the startup
+    /// message and authentication included), so a server that takes a connection and never
+    /// answers does not hold up the pool. A `connect_timeout` in the URL takes its place.
     pub connect_timeout: Duration,
     /// Connections in the pool the backend makes (not used with
     /// [`from_pool`](PostgresBackend::from_pool), whose pool's size counts instead). Also the
