@@ -270,10 +270,11 @@ pub enum Submitted {
 
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Envelope {
+    /// First: a listing reads only the start of a stored job (module `queue`, `describe`).
+    key: String,
     #[serde(rename = "type")]
     kind: String,
     data: serde_json::Value,
-    key: String,
     max_attempts: u32,
     delay_ms: u64,
     max_delay_ms: u64,

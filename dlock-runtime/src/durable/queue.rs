@@ -13,7 +13,7 @@ use redis::{RedisError, Script};
 
 use super::{event, millis, redis_err, Envelope, Job, JobContext, JobStatus, JobsPage, Submitted};
 use crate::backend::redis::job_scripts::{
-    ACK, CLAIM, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY, WITHDRAW,
+    ACK, CLAIM, DESCRIBE, ENQUEUE, HEARTBEAT, PURGE, REQUEUE, RETRY, WITHDRAW,
 };
 use crate::defer::{JobInfo, QueueLimits};
 use crate::{DeferPolicy, LockError, LockKey, Locker};
@@ -109,8 +109,38 @@ fn last_index(limit: usize) -> isize {
     isize::try_from(limit.saturating_sub(1)).unwrap_or(isize::MAX)
 }
 
-/// How many jobs one round trip of a listing describes (three `HMGET`s of this many ids).
+/// How many jobs one round trip of a listing describes at most (one `DESCRIBE` script call).
 const DESCRIBE_BATCH: usize = 500;
+/// How much of a stored job a listing reads: the envelope's first field, the lock key (at most
+/// 12 KiB encoded, `key::MAX_KEY_INPUT_LEN` × 3). A job's whole copy can be megabytes (a
+/// deferred request's body): 500 of them were one reply of up to 2 GiB, which outran the
+/// command timeout and held the queue's connection (claims, heartbeats, acks) behind it.
+const DESCRIBE_HEAD: usize = 16 * 1024;
+/// How many bytes of stored jobs one `DESCRIBE` call may copy on the server to read their
+/// starts (a few milliseconds of `memcpy`); a call describes one job at least.
+const DESCRIBE_COPY_BUDGET: usize = 32 * 1024 * 1024;
+
+/// The lock key of a stored job from the start of its copy (`head`, see [`DESCRIBE_HEAD`]):
+/// the envelope's first field — or, for a whole copy, wherever it is (one stored by an earlier
+/// release, which wrote the key after the job's data: only a copy that fits in the head is
+/// read whole, and a longer one's key is not known to a listing, which shows it empty).
+fn key_of(head: Option<&[u8]>) -> String {
+    let Some(head) = head else {
+        return String::new();
+    };
+    if let Ok(env) = serde_json::from_slice::<Envelope>(head) {
+        return env.key;
+    }
+    let Some(rest) = head.strip_prefix(br#"{"key":"#) else {
+        return String::new();
+    };
+    // The key's JSON string, and nothing after it.
+    serde_json::Deserializer::from_slice(rest)
+        .into_iter::<String>()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_default()
+}
 
 /// A durable delay queue in Redis (see the [module docs](super)). Cheap to clone.
 #[derive(Clone)]
@@ -139,6 +169,7 @@ pub(super) struct QueueInner {
     requeue: Script,
     purge: Script,
     withdraw: Script,
+    describe: Script,
 }
 
 impl fmt::Debug for DurableQueue {
@@ -308,6 +339,7 @@ impl DurableQueue {
                 requeue: guarded_script(REQUEUE, cluster),
                 purge: guarded_script(PURGE, cluster),
                 withdraw: guarded_script(WITHDRAW, cluster),
+                describe: guarded_script(DESCRIBE, cluster),
             }),
         })
     }
@@ -845,40 +877,48 @@ impl DurableQueue {
         Ok((ids, total))
     }
 
-    /// Each job's key, attempts and dead-letter reason (if any), read [`DESCRIBE_BATCH`] jobs a
-    /// round trip (each round trip within its own deadline).
+    /// Each job's key, attempts and dead-letter reason (if any): up to [`DESCRIBE_BATCH`] jobs
+    /// a round trip (each within its own deadline), reading only the start of each stored job
+    /// ([`DESCRIBE_HEAD`], within [`DESCRIBE_COPY_BUDGET`] a call).
     async fn describe(&self, ids: Vec<String>) -> Result<Vec<JobInfo>, LockError> {
-        type Column<T> = Vec<Option<T>>;
         let mut conn = self.inner.conn.clone();
         let mut out = Vec::with_capacity(ids.len());
-        for batch in ids.chunks(DESCRIBE_BATCH) {
-            // Payloads as bytes: one that is not UTF-8 failed the whole listing.
-            let (payloads, attempts, reasons): (Column<Vec<u8>>, Column<u32>, Column<String>) =
-                self.deadline(
-                    "describe jobs",
-                    redis::pipe()
-                        .cmd("HMGET")
-                        .arg(self.key("jobs"))
-                        .arg(batch)
-                        .cmd("HMGET")
-                        .arg(self.key("attempts"))
-                        .arg(batch)
-                        .cmd("HMGET")
-                        .arg(self.key("reasons"))
-                        .arg(batch)
-                        .query_async(&mut conn),
-                )
+        let mut rest = &ids[..];
+        while !rest.is_empty() {
+            let batch = &rest[..rest.len().min(DESCRIBE_BATCH)];
+            let mut inv = ScriptCall::new(&self.inner.describe, 3);
+            inv.key(self.key("jobs"))
+                .key(self.key("attempts"))
+                .key(self.key("reasons"))
+                .arg(DESCRIBE_HEAD)
+                .arg(DESCRIBE_COPY_BUDGET);
+            for id in batch {
+                inv.arg(id);
+            }
+            // As bytes: a stored job that is not UTF-8 failed the whole listing.
+            let flat: Vec<Option<Vec<u8>>> = self
+                .deadline("describe jobs", inv.invoke(&mut conn))
                 .await?;
-            let rows = payloads.into_iter().zip(attempts).zip(reasons);
-            for (id, ((payload, attempts), reason)) in batch.iter().zip(rows) {
-                let key = payload
-                    .and_then(|p| serde_json::from_slice::<Envelope>(&p).ok())
-                    .map(|e| e.key)
-                    .unwrap_or_default();
-                let mut info = JobInfo::new(id.clone(), key, attempts.unwrap_or(0));
-                info.reason = reason;
+            let rows = flat.chunks_exact(3);
+            let described = rows.len().min(batch.len());
+            if described == 0 {
+                return Err(LockError::unavailable(
+                    "job queue describe jobs: an empty answer",
+                    None,
+                ));
+            }
+            for (id, row) in batch.iter().zip(rows) {
+                let attempts = row[1]
+                    .as_deref()
+                    .and_then(|a| std::str::from_utf8(a).ok()?.parse().ok());
+                let mut info =
+                    JobInfo::new(id.clone(), key_of(row[0].as_deref()), attempts.unwrap_or(0));
+                info.reason = row[2]
+                    .as_deref()
+                    .map(|r| String::from_utf8_lossy(r).into_owned());
                 out.push(info);
             }
+            rest = &rest[described..];
         }
         Ok(out)
     }
@@ -1019,7 +1059,23 @@ impl DurableQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::{clipped, MAX_NOTE_BYTES};
+    use super::{clipped, key_of, MAX_NOTE_BYTES};
+
+    /// A listing's key of a stored job: from the start of a copy the envelope begins with its
+    /// key (cut anywhere after the key, escapes and all), from a whole copy of an earlier
+    /// release's layout (the key after the data), and empty for what it cannot tell.
+    #[test]
+    fn a_stored_jobs_key_is_read_from_the_start_of_its_copy() {
+        let whole = br#"{"key":"a:\"b\"","type":"t","data":{"x":"key"},"max_attempts":1,"delay_ms":0,"max_delay_ms":0,"ttl_ms":1}"#;
+        assert_eq!(key_of(Some(whole)), r#"a:"b""#);
+        assert_eq!(key_of(Some(&whole[..20])), r#"a:"b""#);
+        let earlier = br#"{"type":"t","data":{"key":"no"},"key":"k:1","max_attempts":1,"delay_ms":0,"max_delay_ms":0,"ttl_ms":1}"#;
+        assert_eq!(key_of(Some(earlier)), "k:1");
+        assert_eq!(key_of(Some(&earlier[..40])), "");
+        assert_eq!(key_of(Some(&whole[..12])), "", "the key itself cut off");
+        assert_eq!(key_of(Some(b"\xff\xfe")), "");
+        assert_eq!(key_of(None), "");
+    }
 
     #[test]
     fn a_long_note_is_cut_at_a_character_boundary_and_says_so() {

@@ -269,3 +269,31 @@ redis.call('ZADD', KEYS[2], now, ARGV[1])
 return 1
 "#
 );
+
+/// Describe jobs for a listing: for each id of ARGV[3..] in turn, the first ARGV[1] bytes of its
+/// stored copy (the envelope puts the lock key first), its attempt count and its dead-letter
+/// reason — `false` for what is missing. A job's copy can be megabytes and only its key is
+/// wanted: the copy is never sent whole, and the script stops before copying more than ARGV[2]
+/// bytes into Lua (`HSTRLEN` first; at least one job), so one call never holds the server up
+/// for long. The caller asks again for the ids after those answered.
+/// KEYS: 1 jobs, 2 attempts, 3 reasons. ARGV: 1 prefix bytes, 2 copy budget bytes, 3.. ids.
+/// Returns a flat list prefix, attempts, reason, … (three entries per job described).
+pub(crate) const DESCRIBE: &str = concat!(
+    slot_guard!(),
+    r#"
+local keep, budget, copied = tonumber(ARGV[1]), tonumber(ARGV[2]), 0
+local out = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local size = redis.call('HSTRLEN', KEYS[1], id)
+  if i > 3 and copied + size > budget then break end
+  copied = copied + size
+  local head = false
+  if size > 0 then head = string.sub(redis.call('HGET', KEYS[1], id), 1, keep) end
+  table.insert(out, head)
+  table.insert(out, redis.call('HGET', KEYS[2], id) or false)
+  table.insert(out, redis.call('HGET', KEYS[3], id) or false)
+end
+return out
+"#
+);
