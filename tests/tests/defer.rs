@@ -949,6 +949,96 @@ async fn a_listing_reads_only_the_start_of_each_stored_job() {
     assert_eq!(listed, keys);
 }
 
+/// A job that notes each attempt's start (`started:<attempt>`) and runs until the key
+/// `release` exists, then notes its end (`finished:<attempt>`).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct UntilReleased {
+    record_url: String,
+}
+
+impl Job for UntilReleased {
+    const NAME: &'static str = "until-released";
+
+    fn lock_key(&self) -> Result<dlock_runtime::LockKey, dlock_runtime::LockError> {
+        dlock_runtime::LockKey::new("until-released")
+    }
+
+    async fn run(self, ctx: JobContext) -> Result<(), JobError> {
+        let client = redis::Client::open(self.record_url.as_str())?;
+        let mut c = client.get_multiplexed_async_connection().await?;
+        let _: () = c.set(format!("started:{}", ctx.attempt()), 1).await?;
+        while !c.exists::<_, bool>("release").await? {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _: () = c.set(format!("finished:{}", ctx.attempt()), 1).await?;
+        Ok(())
+    }
+}
+
+/// A job whose lock is lost while it runs stops, as a failed attempt, and runs again under
+/// the lock taken anew: here an operator force-releases it, and the worker's next renewal
+/// finds it gone. The same stop covers a worker whose machine slept past the lease — its
+/// claim's clock does not count the sleep, the lease clock does. The run went on without its
+/// lock (until its claim was taken over, or for good while its heartbeats were answered), and
+/// another worker could hold the lock and run the job beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_lock_is_lost_stops_and_runs_again() {
+    let (server, queue) = server_and_queue(
+        "lock-lost",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    )
+    .await;
+    let locker = server.locker().await;
+    let job = UntilReleased {
+        record_url: server.url(),
+    };
+    let policy = DeferPolicy::new(Duration::from_millis(10), 5);
+    let id = queue
+        .enqueue(&job, &policy, Duration::from_millis(600), Duration::ZERO)
+        .await
+        .unwrap();
+    let worker = DurableWorker::new(queue.clone(), locker.clone())
+        .register::<UntilReleased>()
+        .poll_interval(Duration::from_millis(10));
+    let running = run_in_background(worker);
+    let mut c = server.conn().await;
+    let set = async |c: &mut redis::aio::MultiplexedConnection, key: &str| {
+        c.exists::<_, bool>(key).await.unwrap()
+    };
+    wait_for("the first run", Duration::from_secs(10), async || {
+        set(&mut c, "started:1").await.then_some(())
+    })
+    .await;
+    let released = locker
+        .admin()
+        .unwrap()
+        .force_release("until-released")
+        .await
+        .unwrap();
+    assert!(released.was_held, "{released:?}");
+    wait_for("the second run", Duration::from_secs(10), async || {
+        set(&mut c, "started:2").await.then_some(())
+    })
+    .await;
+    let _: () = c.set("release", 1).await.unwrap();
+    wait_for(
+        "the second run to end",
+        Duration::from_secs(10),
+        async || {
+            matches!(
+                queue.status(&id).await.unwrap(),
+                JobStatus::Completed { .. }
+            )
+            .then_some(())
+        },
+    )
+    .await;
+    assert!(set(&mut c, "finished:2").await);
+    assert!(!set(&mut c, "finished:1").await, "the first run went on");
+    running.stop().await;
+}
+
 /// A job that finished is acknowledged even when the queue's connection fails right then: the
 /// worker asks again until the queue answers (within the claim's visibility timeout). Once, it
 /// logged the failure and left the claim to expire, so the finished job ran again (or, on its

@@ -36,7 +36,11 @@
 //! far, changes nothing — the job belongs to whoever claimed it next. A worker cut off from the
 //! queue (its heartbeats fail rather than being refused) stops working on the job by its own
 //! clock, once the visibility timeout has passed since it sent the claim or the latest
-//! heartbeat that was answered: from then on the claim may be another worker's.
+//! heartbeat that was answered: from then on the claim may be another worker's. And a job
+//! whose lock is lost while it runs (its lease ran out by the lease clock — the worker froze,
+//! or its machine slept, which the claim's clock does not count —, or a renewal found it
+//! taken, by a force release say) stops at once, as a failed attempt: another worker may hold
+//! the lock and run the job by then.
 //!
 //! An enqueue counts once the master has the job. A failover to a replica that had not yet
 //! received it loses the job; [`DurableQueue::with_replicas`] makes an enqueue count only once
@@ -48,7 +52,8 @@
 //! froze, or was cut off from Redis) for longer than the visibility timeout while running it, or
 //! before it could acknowledge it (a failed acknowledgement is sent again for up to the
 //! visibility timeout): that window is the at-least-once window. The job's lock narrows the
-//! damage (the two runs do not overlap while the first still holds the lock), and
+//! damage (the two runs do not overlap while the first still holds the lock, and the first
+//! stops once it knows it lost the lock), and
 //! [`JobContext::fencing_token`] lets the job's writes reject the stale run; [`JobContext::attempt`] tells a job it is being retried.
 //!
 //! A job whose lock is busy, or which returns an error or panics, is put back with the policy's

@@ -520,16 +520,31 @@ impl DurableWorker {
                 None => std::future::pending().await,
             }
         };
+        // The job's lock lost (its lease ran out by the lease clock — the worker stalled, the
+        // machine slept —, or a renewal found it taken): the job stops. Its claim's clock does
+        // not count a suspended machine's sleep (tokio's `Instant`), and another worker may
+        // hold the lock and run the job by now; a run that went on beside it was the very
+        // overlap the lock is for.
+        let lost = guard.lost();
         let outcome = {
             let work = std::panic::AssertUnwindSafe(crate::with_lock(&guard, run)).catch_unwind();
             tokio::pin!(work);
             tokio::pin!(overdue);
+            tokio::pin!(lost);
             loop {
                 tokio::select! {
                     out = &mut work => break Some(out),
                     () = &mut overdue => {
                         let limit = limit.unwrap_or_default();
                         let stopped: JobError = format!("it ran longer than its {limit:?} limit").into();
+                        break Some(Ok(Err(stopped)));
+                    }
+                    () = &mut lost => {
+                        tracing::warn!(
+                            job_id = %claim.id,
+                            "dlock job worker: the job's lock was lost while it ran; this run stops"
+                        );
+                        let stopped: JobError = "its lock was lost while it ran".into();
                         break Some(Ok(Err(stopped)));
                     }
                     () = tokio::time::sleep_until(claimed_until) => {
