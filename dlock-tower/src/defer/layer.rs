@@ -98,9 +98,11 @@ impl<K> DeferLayer<K> {
     /// `X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
     /// `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data` — or any header whose name contains
     /// `token`, `secret`, `jwt`, `authorization`, `api-key`, `apikey`, `password`, `cookie`,
-    /// `credential` or `session` (see [the module docs](crate::defer)). Its value then sits in
-    /// the queue's Redis for as long as the job lives, dead letters included. Other headers are
-    /// stored anyway (unless [excluded](Self::exclude_header)); naming one here has no effect.
+    /// `credential`, `session`, `auth-key`, `access-key`, `private-key`, `master-key`,
+    /// `subscription-key` or `functions-key` (see [the module docs](crate::defer)). Its value
+    /// then sits in the queue's Redis for as long as the job lives, dead letters included.
+    /// Other headers are stored anyway (unless [excluded](Self::exclude_header)); naming one
+    /// here has no effect.
     pub fn store_header(mut self, name: HeaderName) -> Self {
         Arc::make_mut(&mut self.shared)
             .stored_credentials

@@ -57,7 +57,8 @@
 //! (`X-Forwarded-Access-Token`, `X-Auth-Request-Access-Token`, `Cf-Access-Jwt-Assertion`,
 //! `X-Amzn-Oidc-AccessToken`, `X-Amzn-Oidc-Data`), and every header whose name contains
 //! `token`, `secret`, `jwt`, `authorization`, `api-key`, `apikey`, `password`, `cookie`,
-//! `credential` or `session` (Azure App Service's `X-MS-TOKEN-AAD-*`, Google IAP's
+//! `credential`, `session`, `auth-key`, `access-key`, `private-key`, `master-key`,
+//! `subscription-key` or `functions-key` (Azure App Service's `X-MS-TOKEN-AAD-*`, Google IAP's
 //! `X-Goog-IAP-JWT-Assertion`, GitLab's `Private-Token`, `X-Vault-Token`, …) are left out of
 //! the stored request (so the replay runs without them) unless you opt a header in by name with
 //! [`DeferLayer::store_header`] — it then sits in your Redis for as long as the job lives (a dead letter for the queue's
@@ -220,7 +221,13 @@ fn stores(
 /// `X-Gitlab-Token` (GitLab), `X-Vault-Token`, a `X-Client-Secret` or `X-Session-Id` of the
 /// application's own. Before, only the list was left out, and those were stored in Redis for
 /// as long as the job lived (dead letters: 7 days by default).
-const CREDENTIAL_WORDS: [&str; 10] = [
+///
+/// And the key headers of hosted services named otherwise: `X-Auth-Key` (Cloudflare's global
+/// API key), `Ocp-Apim-Subscription-Key` (Azure API Management), `X-Functions-Key` (Azure
+/// Functions), an `X-Access-Key`, `X-Master-Key` or `X-Private-Key` — not every name with
+/// "key" in it: `Idempotency-Key` is stored on purpose, and a routing or partition key is the
+/// request's own data.
+const CREDENTIAL_WORDS: [&str; 16] = [
     "token",
     "secret",
     "jwt",
@@ -231,6 +238,12 @@ const CREDENTIAL_WORDS: [&str; 10] = [
     "cookie",
     "credential",
     "session",
+    "auth-key",
+    "access-key",
+    "private-key",
+    "master-key",
+    "subscription-key",
+    "functions-key",
 ];
 
 /// Whether header `name` carries a credential: on the list, or named with one of the words.
@@ -291,6 +304,12 @@ mod tests {
             "x-upstream-authorization",
             "x-partner-api-key",
             "x-service-credentials",
+            "x-auth-key",
+            "ocp-apim-subscription-key",
+            "x-functions-key",
+            "x-access-key",
+            "x-master-key",
+            "x-private-key",
         ] {
             let name = HeaderName::from_static(name);
             assert!(!stores(&name, &[], &[], &[]), "{name} stored by default");
@@ -304,6 +323,7 @@ mod tests {
             "x-request-id",
             "x-user",
             "idempotency-key",
+            "x-partition-key",
             "accept",
         ] {
             let name = HeaderName::from_static(name);
