@@ -2090,6 +2090,9 @@ fn barging_permit_waiters_wait_quietly_while_the_semaphore_is_full() {
 /// etcd's count of open watch streams, and of the watches on them.
 const WATCH_STREAMS: &str = "etcd_debugging_mvcc_watch_stream_total";
 const WATCHES: &str = "etcd_debugging_mvcc_watcher_total";
+/// The watch streams a member ever started, and the messages it received on them.
+const WATCH_STREAMS_STARTED: &str = r#"grpc_server_started_total{grpc_method="Watch",grpc_service="etcdserverpb.Watch",grpc_type="bidi_stream"}"#;
+const WATCH_MESSAGES: &str = r#"grpc_server_msg_received_total{grpc_method="Watch",grpc_service="etcdserverpb.Watch",grpc_type="bidi_stream"}"#;
 
 /// A waiter of `locker` waiting (up to a minute) for `key`, which it releases once it has it.
 fn served_in_turn(locker: &Locker, key: &str) -> tokio::task::JoinHandle<()> {
@@ -2106,9 +2109,9 @@ fn served_in_turn(locker: &Locker, key: &str) -> tokio::task::JoinHandle<()> {
 }
 
 /// A locker's waiters watch over one watch stream: 24 waiters on 8 locks keep 24 watches on
-/// the member and one stream (each waiter opened a stream of its own: 24 of them). A watch is
-/// cancelled on the server once its waiter is gone — the lock's waiters all left, or all
-/// served — and the stream stays for the next.
+/// the member and one stream (each waiter opened a stream of its own: 24 of them), which its
+/// probes keep while nothing happens. A watch is cancelled on the server once its waiter is
+/// gone — the lock's waiters all left, or all served — and the stream stays for the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lockers_waiters_share_one_watch_stream() {
     let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
@@ -2129,6 +2132,22 @@ async fn a_lockers_waiters_share_one_watch_stream() {
     })
     .await;
     assert_eq!(gauge(WATCH_STREAMS), Some(1), "watch streams open");
+    // Quiet (nothing written): the stream is probed now and then, a watch created and cancelled
+    // again each time, and stays — a probe etcd did not answer would have it given up, and
+    // every waiter read and watch again on a new one.
+    let received =
+        |cluster: &EtcdCluster| cluster.metric(0, WATCH_MESSAGES).map_or(0, |v| v as u64);
+    let before = received(&cluster);
+    wait_for("three probes", Duration::from_secs(20), async || {
+        (received(&cluster) >= before + 6).then_some(())
+    })
+    .await;
+    assert_eq!(
+        cluster.metric(0, WATCH_STREAMS_STARTED),
+        Some(1.0),
+        "streams started"
+    );
+    assert_eq!(gauge(WATCHES), Some(24), "watches");
 
     // Every waiter of three locks leaves: their 9 watches go from the server.
     let stay = gone.split_off(3);
@@ -2156,7 +2175,7 @@ async fn a_lockers_waiters_share_one_watch_stream() {
 }
 
 /// A member that freezes under the locker's watch stream does not leave its waiters watching
-/// nothing: asked for its progress, the stream says nothing within the command timeout, and its
+/// nothing: probed, the stream says nothing within the command timeout, and its
 /// watches go onto a new stream on another member — they stayed on the frozen one until the
 /// connection's HTTP/2 keepalive (here a minute) gave up. The waiter is served once the lock
 /// frees.

@@ -72,8 +72,8 @@
 //!   each with an id the backend picks, cancelled on the server when its waiter is done) —
 //!   each used to open a stream of its own, and a member kept a stream per waiting waiter.
 //!   A stream that fails takes its watches with it, and their tasks read and watch again on
-//!   a new one; a stream on a member that froze is found out by asking it for its progress
-//!   when quiet, and given up within the command timeout.
+//!   a new one; a stream on a member that froze is found out by probing it when quiet (a
+//!   watch created and cancelled), and given up within the command timeout.
 //!
 //! Semaphores and read-write locks use the same keys, leases and paths (module `kinds`): a
 //! writer's key is marked, and the holders are the ready prefix of the keys in create-revision
@@ -595,7 +595,11 @@ impl EtcdBackend {
         }
         let pool = Arc::new(Pool::new(members));
         let backend = EtcdBackend {
-            watches: Arc::new(Watches::new(pool.clone(), opts.command_timeout)),
+            watches: Arc::new(Watches::new(
+                pool.clone(),
+                opts.command_timeout,
+                &opts.prefix,
+            )),
             pool,
             opts,
             endpoints: shown,

@@ -13,14 +13,18 @@
 //! each of their streams would have: each waiter's task reads its line again and watches anew,
 //! on a new stream. **A member that freezes** keeps the stream open and says nothing: while
 //! watches are on it, a stream that has been quiet for [`super::pool::per_try`] of the command
-//! timeout is asked for its progress (etcd answers at once), and one that still says nothing
-//! within the command timeout is given up and its member put under suspicion, so the new
-//! stream goes to another member. (A watch on a stream of its own on that member waited for
-//! its waiter's fallback timer.) **A refused watch** (a permission the user lacks, an auth
-//! token the member no longer takes) fails alone, and the stream takes no new watches: the next
-//! one opens a stream on a client that signs in again.
+//! timeout is probed — a watch of a key no lock uses (`<prefix>/%watch-probe`), created and
+//! cancelled again, which etcd answers at once (a progress request may go unanswered while a
+//! waiter's watch starts past the current revision, etcd-io/etcd#20229) — and one that still
+//! says nothing within the command timeout is given up and its member put under suspicion, so
+//! the new stream goes to another member. (A watch on a stream of its own on that member
+//! waited for its waiter's fallback timer.) **A refused watch** (a permission the user lacks,
+//! an auth token the member no longer takes) fails alone — etcd answers creates in order, and
+//! from 3.5.5 on answers a refused one with watch id -1, so the task keeps the creates it has
+//! not seen answered —, and the stream takes no new watches: the next one opens a stream on a
+//! client that signs in again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -42,8 +46,11 @@ pub(super) struct Watches {
     current: Mutex<Option<Stream>>,
     /// Held while a stream is opened: the watches that find none meanwhile wait for it.
     opening: tokio::sync::Mutex<()>,
-    /// The next watch id (etcd takes 0 as "pick one").
-    next_id: AtomicI64,
+    /// The next watch id (etcd takes 0 and -1 as "pick one"), shared with the streams' tasks
+    /// for their probes.
+    next_id: Arc<AtomicI64>,
+    /// The key a probe watches ([`Task`]): one no lock's key can be.
+    probe_key: Vec<u8>,
 }
 
 /// A handle on the task that owns a stream.
@@ -97,13 +104,17 @@ impl Drop for Watch {
 }
 
 impl Watches {
-    pub(super) fn new(pool: Arc<Pool>, timeout: Duration) -> Self {
+    /// The watches of a backend whose keys are under `prefix` (`<prefix>/<encoded resource>/…`).
+    pub(super) fn new(pool: Arc<Pool>, timeout: Duration, prefix: &str) -> Self {
+        // A resource's `%` is encoded as `%25`: no lock's directory starts `%w`.
+        let probe_key = format!("{prefix}/%watch-probe").into_bytes();
         Watches {
             pool,
             timeout,
             current: Mutex::new(None),
             opening: tokio::sync::Mutex::new(()),
-            next_id: AtomicI64::new(1),
+            next_id: Arc::new(AtomicI64::new(1)),
+            probe_key,
         }
     }
 
@@ -161,6 +172,9 @@ impl Watches {
                 timeout: self.timeout,
                 retired: retired.clone(),
                 watching: HashMap::from([(id, tx)]),
+                unanswered: VecDeque::from([id]),
+                next_id: self.next_id.clone(),
+                probe_key: self.probe_key.clone(),
             };
             tokio::spawn(task.run(stream, requests));
             *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(Stream {
@@ -214,6 +228,11 @@ struct Task {
     timeout: Duration,
     retired: Arc<AtomicBool>,
     watching: HashMap<i64, mpsc::UnboundedSender<Deleted>>,
+    /// The creates sent and not yet answered, oldest first: etcd answers them in order, and
+    /// answers a refused one (etcd ≥ 3.5.5) with watch id -1 instead of its own.
+    unanswered: VecDeque<i64>,
+    next_id: Arc<AtomicI64>,
+    probe_key: Vec<u8>,
 }
 
 impl Task {
@@ -225,7 +244,10 @@ impl Task {
         let (mut requests, mut responses) = stream.split();
         let quiet = pool::per_try(self.timeout);
         let mut heard = Instant::now();
-        // When progress was asked of a quiet stream, until something comes.
+        // When a quiet stream was probed, until something comes. A probe is a watch of a key
+        // no lock uses, cancelled once created: etcd answers a create at once, where it may
+        // hold back the answer to a progress request (etcd-io/etcd#20229: while a watch on the
+        // stream starts past the current revision, as a waiter's does until the next write).
         let mut asked: Option<Instant> = None;
         let mut tick = tokio::time::interval(quiet);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -242,10 +264,11 @@ impl Task {
                             // The first watch after a quiet spell: is the stream still there?
                             if asked.is_none() && heard.elapsed() >= quiet {
                                 asked = Some(Instant::now());
-                                if let Err(e) = self.within(requests.request_progress()).await {
+                                if let Err(e) = self.probe(&mut requests).await {
                                     break e;
                                 }
                             }
+                            self.unanswered.push_back(id);
                             self.within(requests.watch(key, Some(options))).await
                         }
                         Command::Cancel(id) => match self.watching.remove(&id) {
@@ -261,7 +284,12 @@ impl Task {
                     Ok(Some(m)) => {
                         heard = Instant::now();
                         asked = None;
-                        self.deliver(&m);
+                        if let Some(probe) = self.deliver(&m) {
+                            // A probe's answer: its watch goes again.
+                            if let Err(e) = self.within(requests.cancel(probe)).await {
+                                break e;
+                            }
+                        }
                     }
                     Ok(None) => break "the stream ended".to_owned(),
                     Err(e) => break format!("the stream failed: {e}"),
@@ -279,7 +307,7 @@ impl Task {
                         Some(_) => {}
                         None if heard.elapsed() >= quiet => {
                             asked = Some(Instant::now());
-                            if let Err(e) = self.within(requests.request_progress()).await {
+                            if let Err(e) = self.probe(&mut requests).await {
                                 break e;
                             }
                         }
@@ -314,10 +342,33 @@ impl Task {
         }
     }
 
+    /// Sends a probe: a create of a watch of the probe key from now on, which etcd answers at
+    /// once (the answer is cancelled when it comes, see [`deliver`](Self::deliver)).
+    async fn probe(
+        &mut self,
+        requests: &mut etcd_client::WatchRequestSender,
+    ) -> Result<(), String> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.unanswered.push_back(id);
+        let options = WatchOptions::new()
+            .with_filters([WatchFilterType::NoPut])
+            .with_watch_id(id);
+        self.within(requests.watch(self.probe_key.clone(), Some(options)))
+            .await
+    }
+
     /// Hands the deletions of message `m` to its watch, or ends the watch the server
-    /// cancelled.
-    fn deliver(&mut self, m: &etcd_client::WatchResponse) {
-        let id = m.watch_id();
+    /// cancelled. Answers the id of a probe's watch that was created (to be cancelled).
+    fn deliver(&mut self, m: &etcd_client::WatchResponse) -> Option<i64> {
+        let mut id = m.watch_id();
+        if m.created() {
+            id = answered(&mut self.unanswered, id)?;
+            if !m.canceled() && !self.watching.contains_key(&id) {
+                // A probe's (or a watch whose waiter left meanwhile: cancelling it twice is
+                // harmless).
+                return Some(id);
+            }
+        }
         if m.canceled() {
             let reason = m.cancel_reason();
             if !reason.is_empty() {
@@ -336,7 +387,7 @@ impl Task {
                     None,
                 )));
             }
-            return;
+            return None;
         }
         let keys: Vec<Vec<u8>> = m
             .events()
@@ -345,11 +396,44 @@ impl Task {
             .filter_map(|e| e.kv().map(|kv| kv.key().to_vec()))
             .collect();
         if keys.is_empty() {
-            return;
+            return None;
         }
         if let Some(deleted) = self.watching.get(&id) {
             // A watch dropped meanwhile is cancelled by its own drop.
             let _ = deleted.send(Ok(keys));
         }
+        None
+    }
+}
+
+/// The create a `created` answer with watch id `id` answers, taken off `unanswered` (oldest
+/// first): its own, or — an id below 0, a refusal from etcd ≥ 3.5.5 — the oldest.
+fn answered(unanswered: &mut VecDeque<i64>, id: i64) -> Option<i64> {
+    if id < 0 {
+        return unanswered.pop_front();
+    }
+    unanswered.retain(|u| *u != id);
+    Some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// etcd answers a stream's creates in order, a refused one (from 3.5.5 on) with id -1: the
+    /// refusal is the oldest unanswered create's, so its waiter is told (it was left waiting,
+    /// its watch never answered, the -1 matching no watch).
+    #[test]
+    fn a_refused_create_is_the_oldest_unanswered_one() {
+        let mut unanswered = VecDeque::from([4, 5, 6]);
+        assert_eq!(answered(&mut unanswered, 4), Some(4));
+        assert_eq!(answered(&mut unanswered, -1), Some(5));
+        assert_eq!(answered(&mut unanswered, 6), Some(6));
+        assert!(unanswered.is_empty());
+        assert_eq!(answered(&mut unanswered, -1), None);
+        // An answer out of the expected order (never seen) takes only its own.
+        let mut unanswered = VecDeque::from([7, 8]);
+        assert_eq!(answered(&mut unanswered, 8), Some(8));
+        assert_eq!(answered(&mut unanswered, -1), Some(7));
     }
 }
