@@ -629,6 +629,62 @@ async fn axum_path_params_key_across_routes() {
     assert_eq!(text(res).await, "params:a:x%20y:b:z");
 }
 
+/// A query parameter keys its value as the handler's form decoding reads it: over HTTP,
+/// `?account=7`, `?account=%37`, `?acc%6Funt=7` and `?x=1&account=7` are one account and one
+/// lock (a closure over the raw query, the example the docs gave, made them four locks, and
+/// let four requests for one account in at once); `?account=7&account=8` is refused, and
+/// another account is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_parameter_keys_its_decoded_value_over_http() {
+    use axum::extract::Extension;
+
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let (open, gate_rx) = gate();
+    let (entered_tx, mut entered_rx) = mpsc::unbounded_channel::<()>();
+    let pay = move |Extension(lock): Extension<LockInfo>| {
+        let (gate_rx, entered_tx) = (gate_rx.clone(), entered_tx.clone());
+        async move {
+            entered_tx.send(()).unwrap();
+            wait_open(gate_rx).await;
+            lock.key().to_owned()
+        }
+    };
+    let app = Router::new()
+        .route("/pay", post(pay))
+        .route_layer(DistributedLockLayer::new(locker, key::query("account")).ttl(TTL));
+    let (addr, server) = serve(app).await;
+    let client = client();
+    let send = |query: &str| {
+        let req = Request::post(format!("http://{addr}/pay?{query}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let client = client.clone();
+        async move {
+            tokio::time::timeout(HANG, client.request(req))
+                .await
+                .expect("an answer while the first request holds its lock")
+                .expect("http request")
+        }
+    };
+    let paying = tokio::spawn(send("account=7"));
+    tokio::time::timeout(HANG, entered_rx.recv())
+        .await
+        .expect("the first request in the handler");
+    for same in ["account=%37", "acc%6Funt=7", "x=1&account=7"] {
+        let res = send(same).await;
+        assert_problem(&res, StatusCode::CONFLICT);
+    }
+    let res = send("account=7&account=8").await;
+    assert_problem(&res, StatusCode::BAD_REQUEST);
+    open.send(true).unwrap();
+    let res = send("account=8").await;
+    assert_eq!(text(res).await, "query:account:8");
+    let res = paying.await.unwrap();
+    assert_eq!(text(res).await, "query:account:7");
+    server.abort();
+}
+
 /// `method_path` keys by the path the client sent: inside axum's `nest` the whole path (the
 /// nested router sees only its rest, so every tenant's `/orders` shared one lock), with escaped
 /// escapes written one way (`/tenants/%61%40b` reaches tenant `a@b`'s handler, so it must take

@@ -14,16 +14,22 @@ use super::{combinators, ExtractKey, Extracted, Key};
 /// For an asynchronous extractor, or one that rejects or rebuilds the request, pass a closure
 /// `FnMut(Request<B>) -> impl Future<Output = Extracted<B>>` directly (see [`ExtractKey`]).
 ///
+/// Key on what the handler reads, decoded as it decodes it: a closure over the raw query text
+/// gives `?account=7` and `?account=%37` two keys for one account (use [`query`](super::query)
+/// for a query parameter).
+///
 /// ```
 /// use dlock_tower::key::{self, Key};
 ///
-/// // One lock per `?account=` query value.
-/// let account = key::from_fn(|req: &http::Request<String>| {
-///     let query = req.uri().query()?;
-///     let account = query.split('&').find_map(|kv| kv.strip_prefix("account="))?;
-///     Some(Key::new("account").value(account))
+/// // One lock per API client, whose id an authentication layer put in the request.
+/// #[derive(Clone)]
+/// struct ClientId(u64);
+///
+/// let per_client = key::from_fn(|req: &http::Request<String>| {
+///     let ClientId(id) = req.extensions().get::<ClientId>()?;
+///     Some(Key::new("client").value(id))
 /// });
-/// # let _ = account;
+/// # let _ = per_client;
 /// ```
 pub fn from_fn<F>(f: F) -> FromFn<F> {
     FromFn { f }

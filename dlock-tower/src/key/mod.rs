@@ -8,6 +8,7 @@
 //! | extractor | key | none when |
 //! |---|---|---|
 //! | [`header("idempotency-key")`](header) | `hdr:idempotency-key:<value>` | the header is absent or empty |
+//! | [`query("account")`](query) | `query:account:<value, form-decoded>` | the parameter is absent or empty |
 //! | [`method_path()`](method_path) | `path:<METHOD>:<URI path, escapes normalised>` | never |
 //! | [`matched_path()`](matched_path) (feature `axum`) | `route:<METHOD>:<route template>` | no axum route matched |
 //! | [`path_params()`](path_params) (feature `axum`) | `params:<name>:<value>:…` | no axum route matched |
@@ -49,11 +50,15 @@
 //! // The idempotency key if there is one, else the tenant header.
 //! let idem = key::header("idempotency-key").or(key::header("x-tenant"));
 //!
-//! // A synchronous closure.
-//! let by_query = key::from_fn(|req: &http::Request<String>| {
-//!     req.uri().query().map(|q| Key::new("query").value(q))
+//! // One lock per `?account=` value, decoded as the handler's `Query` decodes it.
+//! let by_account = key::query("account");
+//!
+//! // A synchronous closure: every piece of request data goes into `value`.
+//! let by_tenant = key::from_fn(|req: &http::Request<String>| {
+//!     let tenant = req.extensions().get::<UserId>()?;
+//!     Some(Key::new("tenant").value(tenant))
 //! });
-//! # let _ = (per_user_and_route, idem, by_query);
+//! # let _ = (per_user_and_route, idem, by_account, by_tenant);
 //! ```
 
 use std::borrow::Cow;
@@ -72,6 +77,7 @@ mod extension;
 mod func;
 mod header;
 mod path;
+mod query;
 
 #[cfg(feature = "axum")]
 mod axum;
@@ -82,6 +88,7 @@ pub use extension::{extension, Extension};
 pub use func::{from_fn, FromFn};
 pub use header::{header, Header};
 pub use path::{method_path, MethodPath};
+pub use query::{query, Query};
 
 /// The method a key names: a `HEAD` request's is `GET`'s. Routers answer a `HEAD` with the
 /// `GET` handler (axum's `get` serves both), so it must take that handler's lock: keyed as
