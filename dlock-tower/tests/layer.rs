@@ -304,6 +304,46 @@ async fn dropped_request_releases_its_lock() {
     assert!(tokens[1] > tokens[0], "fencing tokens {tokens:?}");
 }
 
+/// A handler that panics releases its lock: over a real server, the panic ends its connection's
+/// task (the client sees the connection close) and drops the request's future with the guard
+/// in it; the next request on the key is let in at once, not refused until the 30 s TTL ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_releases_its_lock() {
+    let redis = RedisServer::start();
+    let locker = redis.locker().await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                assert!(n > 0, "the first request's handler panics");
+                "second"
+            }
+        }
+    };
+    let app = Router::new().route("/work", post(handler)).route_layer(
+        DistributedLockLayer::new(locker, key::header("idempotency-key"))
+            .ttl(TTL)
+            .on_fail(OnFail::Reject),
+    );
+    let (addr, server) = serve(app).await;
+    let client = client();
+    let send = || {
+        let req = Request::post(format!("http://{addr}/work"))
+            .header("idempotency-key", "panics")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        tokio::time::timeout(HANG, client.request(req))
+    };
+    let first = send().await.expect("an answer or a closed connection");
+    assert!(first.is_err(), "the panicking handler answered: {first:?}");
+    let res = send().await.expect("an answer").expect("http request");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(text(res).await, "second");
+    server.abort();
+}
+
 /// With `cancel_on_lost(true)`, a service that answers with an error releases the lock as the
 /// error is returned, not when the caller drops the finished future: another request's lock on
 /// the key is taken while that future is still kept. Before, the loss watcher kept the guard
