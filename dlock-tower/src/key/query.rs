@@ -6,6 +6,7 @@ use std::future::{ready, Ready};
 use http::Request;
 
 use super::{combinators, ExtractKey, Extracted, Key};
+use crate::uri::form_decoded;
 use crate::Rejection;
 
 /// Keys requests by the value of the query parameter `name`, decoded as a form (`+` is a space,
@@ -80,31 +81,6 @@ impl<B> ExtractKey<B> for Query {
     fn extract(&mut self, request: Request<B>) -> Self::Future {
         ready(self.key(&request).map(|key| (request, key)))
     }
-}
-
-/// `text` decoded as `application/x-www-form-urlencoded` does: `+` is a space and `%XX` the
-/// byte `XX`; a `%` not followed by two hex digits stays as it is.
-fn form_decoded(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: Option<&u8>| b.and_then(|b| (*b as char).to_digit(16));
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' => match (hex(bytes.get(i + 1)), hex(bytes.get(i + 2))) {
-                (Some(h), Some(l)) => {
-                    // Two hex digits: at most 0xff.
-                    out.push(u8::try_from(h * 16 + l).unwrap_or(u8::MAX));
-                    i += 2;
-                }
-                _ => out.push(b'%'),
-            },
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    out
 }
 
 #[cfg(test)]
