@@ -595,11 +595,7 @@ impl EtcdBackend {
         }
         let pool = Arc::new(Pool::new(members));
         let backend = EtcdBackend {
-            watches: Arc::new(Watches::new(
-                pool.clone(),
-                opts.command_timeout,
-                &opts.prefix,
-            )),
+            watches: Arc::new(Watches::new(pool.clone(), opts.command_timeout)),
             pool,
             opts,
             endpoints: shown,

@@ -13,7 +13,7 @@
 //! each of their streams would have: each waiter's task reads its line again and watches anew,
 //! on a new stream. **A member that freezes** keeps the stream open and says nothing: while
 //! watches are on it, a stream that has been quiet for [`super::pool::per_try`] of the command
-//! timeout is probed — a watch of a key no lock uses (`<prefix>/%watch-probe`), created and
+//! timeout is probed — a second watch of a key one of its watches watches, created and
 //! cancelled again, which etcd answers at once (a progress request may go unanswered while a
 //! waiter's watch starts past the current revision, etcd-io/etcd#20229) — and one that still
 //! says nothing within the command timeout is given up and its member put under suspicion, so
@@ -49,8 +49,6 @@ pub(super) struct Watches {
     /// The next watch id (etcd takes 0 and -1 as "pick one"), shared with the streams' tasks
     /// for their probes.
     next_id: Arc<AtomicI64>,
-    /// The key a probe watches ([`Task`]): one no lock's key can be.
-    probe_key: Vec<u8>,
 }
 
 /// A handle on the task that owns a stream.
@@ -104,17 +102,13 @@ impl Drop for Watch {
 }
 
 impl Watches {
-    /// The watches of a backend whose keys are under `prefix` (`<prefix>/<encoded resource>/…`).
-    pub(super) fn new(pool: Arc<Pool>, timeout: Duration, prefix: &str) -> Self {
-        // A resource's `%` is encoded as `%25`: no lock's directory starts `%w`.
-        let probe_key = format!("{prefix}/%watch-probe").into_bytes();
+    pub(super) fn new(pool: Arc<Pool>, timeout: Duration) -> Self {
         Watches {
             pool,
             timeout,
             current: Mutex::new(None),
             opening: tokio::sync::Mutex::new(()),
             next_id: Arc::new(AtomicI64::new(1)),
-            probe_key,
         }
     }
 
@@ -171,10 +165,15 @@ impl Watches {
                 member,
                 timeout: self.timeout,
                 retired: retired.clone(),
-                watching: HashMap::from([(id, tx)]),
+                watching: HashMap::from([(
+                    id,
+                    Watched {
+                        key: key.clone(),
+                        deleted: tx,
+                    },
+                )]),
                 unanswered: VecDeque::from([id]),
                 next_id: self.next_id.clone(),
-                probe_key: self.probe_key.clone(),
             };
             tokio::spawn(task.run(stream, requests));
             *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(Stream {
@@ -227,12 +226,17 @@ struct Task {
     member: usize,
     timeout: Duration,
     retired: Arc<AtomicBool>,
-    watching: HashMap<i64, mpsc::UnboundedSender<Deleted>>,
+    watching: HashMap<i64, Watched>,
     /// The creates sent and not yet answered, oldest first: etcd answers them in order, and
     /// answers a refused one (etcd ≥ 3.5.5) with watch id -1 instead of its own.
     unanswered: VecDeque<i64>,
     next_id: Arc<AtomicI64>,
-    probe_key: Vec<u8>,
+}
+
+/// A watch on the stream: the key it watches (from), and where its deletions go.
+struct Watched {
+    key: Vec<u8>,
+    deleted: mpsc::UnboundedSender<Deleted>,
 }
 
 impl Task {
@@ -244,8 +248,8 @@ impl Task {
         let (mut requests, mut responses) = stream.split();
         let quiet = pool::per_try(self.timeout);
         let mut heard = Instant::now();
-        // When a quiet stream was probed, until something comes. A probe is a watch of a key
-        // no lock uses, cancelled once created: etcd answers a create at once, where it may
+        // When a quiet stream was probed, until something comes. A probe is a second watch of
+        // a watched key, cancelled once created: etcd answers a create at once, where it may
         // hold back the answer to a progress request (etcd-io/etcd#20229: while a watch on the
         // stream starts past the current revision, as a waiter's does until the next write).
         let mut asked: Option<Instant> = None;
@@ -260,7 +264,13 @@ impl Task {
                     };
                     let sent = match command {
                         Command::Create { id, key, options, deleted } => {
-                            self.watching.insert(id, deleted);
+                            self.watching.insert(
+                                id,
+                                Watched {
+                                    key: key.clone(),
+                                    deleted,
+                                },
+                            );
                             // The first watch after a quiet spell: is the stream still there?
                             if asked.is_none() && heard.elapsed() >= quiet {
                                 asked = Some(Instant::now());
@@ -318,8 +328,8 @@ impl Task {
         };
         self.retired.store(true, Ordering::Release);
         tracing::debug!(reason = %why, watches = self.watching.len(), "etcd watch stream given up");
-        for (_, deleted) in self.watching.drain() {
-            let _ = deleted.send(Err(LockError::unavailable(
+        for (_, watched) in self.watching.drain() {
+            let _ = watched.deleted.send(Err(LockError::unavailable(
                 format!("etcd watch stream: {why}"),
                 None,
             )));
@@ -342,19 +352,23 @@ impl Task {
         }
     }
 
-    /// Sends a probe: a create of a watch of the probe key from now on, which etcd answers at
-    /// once (the answer is cancelled when it comes, see [`deliver`](Self::deliver)).
+    /// Sends a probe: a create of a second watch, from now on, of a key one of the stream's
+    /// watches watches (one the user may read, whatever its permissions), which etcd answers at
+    /// once (the answer is cancelled when it comes, see [`deliver`](Self::deliver)). Nothing to
+    /// probe without a watch.
     async fn probe(
         &mut self,
         requests: &mut etcd_client::WatchRequestSender,
     ) -> Result<(), String> {
+        let Some(key) = self.watching.values().next().map(|w| w.key.clone()) else {
+            return Ok(());
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.unanswered.push_back(id);
         let options = WatchOptions::new()
             .with_filters([WatchFilterType::NoPut])
             .with_watch_id(id);
-        self.within(requests.watch(self.probe_key.clone(), Some(options)))
-            .await
+        self.within(requests.watch(key, Some(options))).await
     }
 
     /// Hands the deletions of message `m` to its watch, or ends the watch the server
@@ -376,13 +390,13 @@ impl Task {
                 // a client that signs in again if need be.
                 self.retired.store(true, Ordering::Release);
             }
-            if let Some(deleted) = self.watching.remove(&id) {
+            if let Some(watched) = self.watching.remove(&id) {
                 let why = match (reason, m.compact_revision()) {
                     ("", c) if c > 0 => format!("compacted up to revision {c}"),
                     ("", _) => "cancelled".to_owned(),
                     (r, _) => r.to_owned(),
                 };
-                let _ = deleted.send(Err(LockError::unavailable(
+                let _ = watched.deleted.send(Err(LockError::unavailable(
                     format!("etcd watch ended: {why}"),
                     None,
                 )));
@@ -398,9 +412,9 @@ impl Task {
         if keys.is_empty() {
             return None;
         }
-        if let Some(deleted) = self.watching.get(&id) {
+        if let Some(watched) = self.watching.get(&id) {
             // A watch dropped meanwhile is cancelled by its own drop.
-            let _ = deleted.send(Ok(keys));
+            let _ = watched.deleted.send(Ok(keys));
         }
         None
     }
