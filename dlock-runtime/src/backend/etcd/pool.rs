@@ -273,7 +273,9 @@ impl Pool {
             .unwrap_or(start % n)
     }
 
-    fn suspect(&self, i: usize) {
+    /// Puts member `i` under suspicion (a try or a stream on it failed or went silent): new
+    /// tries go to other members for a while.
+    pub(super) fn suspect(&self, i: usize) {
         self.suspect_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner)[i] = Some(Instant::now() + SUSPECT_FOR);
@@ -440,7 +442,7 @@ pub(super) async fn ask_each<T, F: Future<Output = Result<T, etcd_client::Error>
 /// Opens a stream with `request` on one member, within `timeout`: one try at a time, each on
 /// a member picked as [`call`] picks them and given [`per_try`] (a stream is not hedged: two
 /// would both stay open). Answers the member's number with the stream, so that its holder can
-/// put the member under suspicion when the stream goes silent ([`Pool::suspect_member`]).
+/// put the member under suspicion when the stream goes silent ([`Pool::suspect`]).
 pub(super) async fn open_on_one<T, F: Future<Output = Result<T, etcd_client::Error>>>(
     pool: &Pool,
     timeout: Duration,
@@ -488,13 +490,6 @@ pub(super) async fn open_on_one<T, F: Future<Output = Result<T, etcd_client::Err
         }
         // Every member failing at once (none up): not a busy loop until the deadline.
         tokio::time::sleep_until((now + Duration::from_millis(10)).min(deadline)).await;
-    }
-}
-
-impl Pool {
-    /// Puts member `i` under suspicion: a stream on it went silent.
-    pub(super) fn suspect_member(&self, i: usize) {
-        self.suspect(i);
     }
 }
 

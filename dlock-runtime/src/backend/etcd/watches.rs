@@ -311,7 +311,7 @@ impl Task {
                     }
                     match asked {
                         Some(at) if at.elapsed() >= self.timeout => {
-                            self.pool.suspect_member(self.member);
+                            self.pool.suspect(self.member);
                             break format!("the member said nothing for {:?}", self.timeout);
                         }
                         Some(_) => {}
@@ -346,7 +346,7 @@ impl Task {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(format!("a request could not be sent: {e}")),
             Err(_) => {
-                self.pool.suspect_member(self.member);
+                self.pool.suspect(self.member);
                 Err(format!("a request was not taken within {:?}", self.timeout))
             }
         }
