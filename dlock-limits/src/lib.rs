@@ -44,6 +44,11 @@ pub const DEFAULT_DEFER_DELAY: Duration = Duration::from_secs(1);
 /// `DeferPolicy::default().max_attempts` and the attribute's default `max_attempts`.
 pub const DEFAULT_DEFER_MAX_ATTEMPTS: u32 = 5;
 
+/// The longest raw input a lock key may have: 4096 bytes of literal text and formatted values,
+/// before encoding. Longer input is refused (`LockError::InvalidKey` at run time; the attribute
+/// refuses a key whose literal text alone is longer).
+pub const MAX_KEY_INPUT_LEN: usize = 4096;
+
 // The defaults lie within the limits.
 const _: () = {
     assert!(MIN_TTL.as_nanos() <= DEFAULT_TTL.as_nanos());

@@ -37,7 +37,7 @@ use crate::attr::{Args, Key, Kind, OnFail, OnLost};
 use crate::errors::Errors;
 use crate::function::{check_signature, Bindings, Body, LockedFn};
 use crate::key_template::{Field, Placeholder, Segment};
-use crate::output::{fake_return, output, wrap_output, Output};
+use crate::output::{fake_return, opaque_output, output, wrap_output, Output};
 
 /// Expands `#[distributed_lock(args)] item`.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
@@ -53,6 +53,17 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> syn::Result<TokenS
                 cfg,
                 "`fallback` cannot be used with a `#[cfg]` parameter: the fallback is called \
                  with every parameter, and which ones exist would depend on the configuration",
+            ));
+        }
+    }
+    if let (Some(args), Some(opaque)) = (&args, opaque_output(&function.sig)) {
+        if args.fallback.is_some() {
+            errors.push(syn::Error::new_spanned(
+                opaque,
+                "with `fallback`, name the return type instead of an `impl Trait` (e.g. \
+                 `axum::response::Response`, and `.into_response()` in the body): the body \
+                 and the fallback must return the same type, and each function's \
+                 `impl Trait` is a type of its own",
             ));
         }
     }
@@ -113,11 +124,15 @@ fn one_key(
         match segment {
             Segment::Lit(text) => {
                 let text = syn::LitStr::new(text, ours);
-                stmts.extend(quote_spanned!(ours=> #builder.lit(#text);));
+                stmts.extend(
+                    quote_spanned!(ours=> #private::KeyBuilder::lit(&mut #builder, #text);),
+                );
             }
             Segment::Value(placeholder) => {
                 match placeholder_expr(placeholder, sig, bindings, user, lit_span) {
-                    Ok(value) => stmts.extend(quote_spanned!(ours=> #builder.value(&#value);)),
+                    Ok(value) => stmts.extend(
+                        quote_spanned!(ours=> #private::KeyBuilder::value(&mut #builder, &#value);),
+                    ),
                     Err(error) => errors.push(error),
                 }
             }
@@ -126,7 +141,7 @@ fn one_key(
     quote! {
         let mut #builder = #private::KeyBuilder::new();
         #stmts
-        #builder.finish()
+        #private::KeyBuilder::finish(&mut #builder)
     }
 }
 

@@ -142,6 +142,21 @@ impl Template {
         }
 
         check_separators(&segments, &mut errors);
+        let literal_len: usize = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Lit(text) => text.len(),
+                Segment::Value(_) => 0,
+            })
+            .sum();
+        if literal_len > dlock_limits::MAX_KEY_INPUT_LEN {
+            errors.push(format!(
+                "the key's literal text is {literal_len} bytes long: a key may have at most {} \
+                 bytes of input, literal text and values together, so every call would fail \
+                 with `LockError::InvalidKey`",
+                dlock_limits::MAX_KEY_INPUT_LEN
+            ));
+        }
         if errors.is_empty() {
             Ok(Template { segments })
         } else {
@@ -299,6 +314,26 @@ mod tests {
     #[test]
     fn literal_only() {
         assert_eq!(parse("report:daily"), vec![lit("report:daily")]);
+    }
+
+    #[test]
+    fn literal_text_over_the_key_input_limit_is_refused() {
+        let limit = dlock_limits::MAX_KEY_INPUT_LEN;
+        let longest = format!("{}:<id>", "k".repeat(limit - 1));
+        assert_eq!(
+            parse(&longest),
+            vec![
+                lit(&format!("{}:", "k".repeat(limit - 1))),
+                value("id", &[])
+            ]
+        );
+        let over = format!("{}:<id>", "k".repeat(limit));
+        let message = error(&over);
+        assert!(
+            message.contains(&format!("{} bytes long", limit + 1))
+                && message.contains(&format!("at most {limit}")),
+            "{message}"
+        );
     }
 
     #[test]

@@ -59,7 +59,7 @@ use proc_macro::TokenStream;
 /// | `key = [..]` | a list of key templates, `key = ["account:<from>", "account:<to>"]`: every key is locked, all-or-nothing, in a canonical order (deadlock-free whatever order callers name them in) and released together; not with `on_fail = "defer"`; templates must differ, and keys equal at run time are `LockError::InvalidKey` (400) | — |
 /// | `on_fail = "skip"` | for scheduled jobs: one attempt; when the lock is held the function returns at once, without running, `()`, `None`, `Ok(())` or `Ok(None)` — only those return types (`()`, `Option<T>`, `Result<(), E>`, `Result<Option<T>, E>`) compile | — |
 /// | `hold_at_least` | keep the lock this long after it was taken, even when the body returns sooner (the lease is cut to the rest of it instead of deleting the lock), so an instance whose clock lags does not run the same tick again; at most `ttl` | — |
-/// | `fallback` | the path of an `async fn` called instead of returning the error when the lock is not acquired: with every name the parameters bind (`self` first, by value, in order) and then the `LockError`; it returns the function's return type as written (`T` for a non-`Result` `T`). Not with `skip` or `defer` | — |
+/// | `fallback` | the path of an `async fn` called instead of returning the error when the lock is not acquired: with every name the parameters bind (`self` first, by value, in order) and then the `LockError`; it returns the function's return type as written (`T` for a non-`Result` `T`), so that type is named, not an `impl Trait`. Not with `skip` or `defer` | — |
 ///
 /// These defaults and the `ttl` range are the runtime's own (a `Locker`'s default TTL,
 /// `RetryPolicy::default()`, `DeferPolicy::default()`, `dlock_runtime::MIN_TTL` and `MAX_TTL`):

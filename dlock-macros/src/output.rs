@@ -123,10 +123,10 @@ fn body_output_type(sig: &Signature) -> Option<(Span, TokenStream)> {
         ReturnType::Type(_, ty) => {
             let mut ty = (**ty).clone();
             erase_impl_trait(&mut ty);
-            match ty {
+            match peel_groups(&ty) {
                 Type::Infer(_) => None,
                 Type::Never(never) => Some((never.span(), never_type(never.span()))),
-                ty => Some((ty.span(), ty.into_token_stream())),
+                _ => Some((ty.span(), ty.into_token_stream())),
             }
         }
     }
@@ -160,6 +160,25 @@ pub(crate) fn fake_return(sig: &Signature) -> TokenStream {
     }
 }
 
+/// The declared return type when it names an `impl Trait` somewhere (`-> impl IntoResponse`,
+/// `-> Result<impl Serialize, E>`): a `fallback` cannot return the same type, since every
+/// function's `impl Trait` is a type of its own.
+pub(crate) fn opaque_output(sig: &Signature) -> Option<&Type> {
+    match &sig.output {
+        ReturnType::Type(_, ty) if erase_impl_trait(&mut (**ty).clone()) => Some(ty),
+        _ => None,
+    }
+}
+
+/// `ty` without the invisible groups around it: a return type written through a
+/// `macro_rules!` as a `$ret:ty` fragment arrives as one (`!` among them).
+fn peel_groups(mut ty: &Type) -> &Type {
+    while let Type::Group(group) = ty {
+        ty = &group.elem;
+    }
+    ty
+}
+
 /// What `-> !` is written as where the never type cannot be (a type argument, a `let`'s type:
 /// unstable there): `Infallible`, which a body that never returns coerces to.
 fn never_type(span: Span) -> TokenStream {
@@ -175,7 +194,7 @@ pub(crate) fn wrap_output(sig: &Signature, private: &TokenStream) -> Signature {
             let span = sig.paren_token.span.close();
             (Token![->](span), quote_spanned!(span=> ()), span)
         }
-        ReturnType::Type(arrow, ty) => match &**ty {
+        ReturnType::Type(arrow, ty) => match peel_groups(ty) {
             Type::Never(never) => (*arrow, never_type(never.span()), never.span()),
             ty => (*arrow, ty.to_token_stream(), ty.span()),
         },

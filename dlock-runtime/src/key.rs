@@ -30,8 +30,9 @@ use sha2::{Digest, Sha256};
 use crate::LockError;
 
 /// Largest accepted raw key input, in bytes (literal text plus formatted values, before
-/// encoding). Longer input is a [`LockError::InvalidKey`].
-pub const MAX_KEY_INPUT_LEN: usize = 4096;
+/// encoding). Longer input is a [`LockError::InvalidKey`]; `#[distributed_lock]` refuses at
+/// compile time a key whose literal text alone is longer.
+pub const MAX_KEY_INPUT_LEN: usize = dlock_limits::MAX_KEY_INPUT_LEN;
 
 /// Encoded keys longer than this many bytes are shortened to a prefix plus a SHA-256 digest.
 pub const DIGEST_THRESHOLD: usize = 200;

@@ -13,6 +13,21 @@ async fn worker(locker: Locker, id: u32, tx: tokio::sync::mpsc::UnboundedSender<
     }
 }
 
+// The same written through a `macro_rules!` that takes the return type as a `ty` fragment:
+// the `!` arrives wrapped in an invisible group and is still the never type.
+macro_rules! forever {
+    ($name:ident -> $ret:ty $body:block) => {
+        #[distributed_lock(key = "forever", on_fail = "reject", locker = locker)]
+        async fn $name(locker: Locker) -> $ret $body
+    };
+}
+
+forever!(forwarded -> ! {
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+    }
+});
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let locker = Locker::memory();
@@ -25,4 +40,8 @@ async fn main() {
     assert_eq!(rx.recv().await, Some(1));
     assert!(locker.lock("worker:1").try_acquire().await.unwrap().is_none());
     running.abort();
+    let held = locker.lock("forever").acquire().await.unwrap();
+    let refused: Result<Infallible, LockError> = forwarded(locker.clone()).await;
+    assert!(refused.unwrap_err().is_contended());
+    held.release().await.unwrap();
 }
