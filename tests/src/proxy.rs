@@ -41,13 +41,16 @@
 //! Postgres, from the client's connect to the server's first reply to its startup), and the
 //! most there were at once ([`peak_unanswered`](Proxy::peak_unanswered)).
 //!
+//! * **retarget** new connections to another server ([`retarget`](Proxy::retarget)), the open
+//!   ones staying where they are: a virtual IP or DNS name moved in a failover.
+//!
 //! When the upstream server is down (restarted), new connections are closed at once, and
 //! when the server closes a connection the proxy closes the client side.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -68,7 +71,8 @@ pub struct Proxy {
 
 #[derive(Debug)]
 struct Shared {
-    upstream: SocketAddr,
+    /// The loopback port new connections are forwarded to ([`Proxy::retarget`]).
+    upstream_port: AtomicU16,
     latency_us: AtomicU64,
     refuse: AtomicBool,
     /// Chunks any server is yet to send before every connection is cut (0: no cut coming).
@@ -113,7 +117,7 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
         let shared = Arc::new(Shared {
-            upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
+            upstream_port: AtomicU16::new(upstream_port),
             latency_us: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             cut_after_replies: AtomicU64::new(0),
@@ -140,6 +144,13 @@ impl Proxy {
             shared,
             accept,
         })
+    }
+
+    /// Forwards new connections to `127.0.0.1:<port>` from now on, while the open ones stay on
+    /// the server they were made to — what a virtual IP or a DNS name moved to a promoted
+    /// replica looks like to a client.
+    pub fn retarget(&self, port: u16) {
+        self.shared.upstream_port.store(port, Ordering::Release);
     }
 
     /// `redis://127.0.0.1:<proxy port>`: what workers connect to.
@@ -434,10 +445,15 @@ async fn serve(mut client: TcpStream, shared: &Shared, id: u64) -> io::Result<()
         }
         opening.extend_from_slice(&first);
     }
-    let mut upstream =
-        tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(shared.upstream))
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "upstream connect"))??;
+    let mut upstream = tokio::time::timeout(
+        Duration::from_secs(1),
+        TcpStream::connect(SocketAddr::from((
+            [127, 0, 0, 1],
+            shared.upstream_port.load(Ordering::Acquire),
+        ))),
+    )
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "upstream connect"))??;
     upstream.write_all(&opening).await?;
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);

@@ -1611,6 +1611,53 @@ async fn a_connection_gone_silent_is_replaced() {
     g.release().await.unwrap();
 }
 
+/// A failover behind one address (a managed primary's DNS name, a virtual IP, a Kubernetes
+/// Service): the old primary is demoted to a replica and keeps its clients' connections, the
+/// address now leads to the promoted one. The first write refused with `READONLY` has the
+/// connection replaced, so locks are taken on the new primary at once. Before, the connection
+/// stayed on the demoted server (it answers `PING`, so it never looked silent) and every lock
+/// call failed as unavailable until the connection happened to drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_demoted_behind_its_address_is_left_for_the_promoted_one() {
+    use dlock_tests::proxy::Proxy;
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let replicate = |of: Option<u16>| {
+        let mut cmd = redis::cmd("REPLICAOF");
+        match of {
+            Some(port) => cmd.arg("127.0.0.1").arg(port),
+            None => cmd.arg("NO").arg("ONE"),
+        };
+        cmd
+    };
+    let proxy = Proxy::start(old.port()).await.unwrap();
+    let locker = fast_fail().connect(&proxy.url()).await.unwrap();
+    let key = "demoted:primary";
+    let g = locker.lock(key).try_acquire().await.unwrap().expect("free");
+    g.release().await.unwrap();
+
+    // The failover: `new` leads, `old` follows it, and the address moves to `new`. The
+    // locker's connection stays open, on `old`.
+    let _: () = new.query(&replicate(None)).await;
+    let _: () = old.query(&replicate(Some(new.port()))).await;
+    proxy.retarget(new.port());
+    let refused = locker.lock(key).try_acquire().await.unwrap_err();
+    assert!(refused.is_unavailable(), "{refused}");
+    let g = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || match locker.lock(key).try_acquire().await {
+            Ok(Some(g)) => Ok(g),
+            Ok(None) => panic!("nobody holds {key}"),
+            Err(e) => Err(format!("still on the demoted server: {e}")),
+        },
+    )
+    .await;
+    // On the promoted server, under its own fencing counter: a lock there, none on `old`.
+    let on_new: Vec<String> = new.query(redis::cmd("KEYS").arg("*demoted*")).await;
+    assert!(!on_new.is_empty(), "the lock is not on the promoted server");
+    g.release().await.unwrap();
+}
+
 /// A waiter queued before its connection went silent hears of the release that hands it the
 /// lock once the connection was replaced: the new connection subscribes again to the channels
 /// that still have waiters. Its fallback timer (10 s) would take far longer.

@@ -10,9 +10,11 @@
 //! closed, and Sentinel's connection with it. It does not when the connection goes silent (a
 //! partition, a load balancer or NAT that forgot it: no reset, no close): every command then
 //! times out, which it does not take for a lost connection, until the kernel gives up on the
-//! socket — many minutes. The backend's connection to one server is therefore a
-//! [`ServerLink`], which replaces a connection that a command timed out on and that does not
-//! answer a `PING` either (see there). The cluster client follows a cluster's failovers and
+//! socket — many minutes. Nor does it when the server turns into a replica (a failover behind
+//! one address: the demoted primary keeps its clients). The backend's connection to one server
+//! is therefore a [`ServerLink`], which replaces a connection that a command timed out on and
+//! that does not answer a `PING` either, and one a write was refused on as a replica
+//! (`READONLY`: see [`ServerLink::demoted`]). The cluster client follows a cluster's failovers and
 //! lost nodes, but it lives on a task of the runtime it was made on, and once that runtime
 //! shuts down it is gone for good: a [`ClusterLink`] makes it anew on the runtime of its next
 //! use (see there). What it does not follow by itself is a node gone silent (a frozen master:
@@ -242,7 +244,17 @@ impl Conn {
     /// a failure by itself; a cluster's reconnects a node's connection that dropped, but not one
     /// that went silent, and checks whether a master was failed over
     /// ([`ClusterLink::suspect`]).
+    ///
+    /// A write refused because the server is a replica (`READONLY`, `MASTERDOWN`) has one
+    /// server's connection replaced ([`ServerLink::demoted`]): behind a name or address that a
+    /// failover moved to the promoted replica, a new connection reaches the new primary.
     pub(crate) fn failed(&self, e: &redis::RedisError) {
+        if refused_by_a_replica(e) {
+            if let Some(c) = self.server() {
+                c.demoted();
+            }
+            return;
+        }
         if !e.is_timeout() {
             return;
         }
@@ -602,6 +614,21 @@ impl ConnectionLike for Conn {
 /// See [`Conn::cut_off`].
 const CUT_OFF_AFTER: Duration = Duration::from_millis(100);
 
+/// The least time between two replacements of one server's connection for a write a replica
+/// refused ([`ServerLink::demoted`]): a server demoted for good behind an address that did not
+/// move costs a new connection a second, not one per refused command.
+const DEMOTED_RECHECK: Duration = Duration::from_secs(1);
+
+/// Whether `e` is a write refused because the server is a replica (or a replica cut off from
+/// its master): `READONLY`, `MASTERDOWN`, or a script's error that wraps `READONLY`.
+pub(super) fn refused_by_a_replica(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+    ) || e.to_string().contains("READONLY")
+}
+
 /// The backend's connection to one server: a redis-rs `ConnectionManager`, replaced when it
 /// went silent, or when the runtime it was made on shut down.
 ///
@@ -668,6 +695,8 @@ struct Server {
     current: RwLock<ServerConn>,
     /// A check is under way.
     checking: AtomicBool,
+    /// When the connection was last replaced for a replica's refusal ([`ServerLink::demoted`]).
+    demoted_at: std::sync::Mutex<Option<std::time::Instant>>,
     on_remade: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
@@ -693,6 +722,7 @@ impl ServerConn {
 enum Remade {
     Silent,
     RuntimeGone,
+    Demoted,
 }
 
 impl ServerLink {
@@ -722,6 +752,7 @@ impl ServerLink {
                     made_on: crate::util::on_runtime_shutdown(|| {}),
                 }),
                 checking: AtomicBool::new(false),
+                demoted_at: std::sync::Mutex::new(None),
                 on_remade: OnceLock::new(),
             }),
             conn: None,
@@ -767,6 +798,36 @@ impl ServerLink {
         // (else `checking` stayed set, and no silent connection was replaced again).
         let weak = Arc::downgrade(&self.shared);
         crate::util::spawn_to_the_end(Arc::new(move || Box::pin(check_server(weak.clone()))));
+    }
+}
+
+impl ServerLink {
+    /// A write was refused because the server is a replica: the primary it was failed over,
+    /// and the address this link connects to may lead to the promoted one now (a managed
+    /// primary's DNS name, a virtual IP, a Kubernetes Service), while this connection stays on
+    /// the demoted server, which keeps its clients. redis-rs reconnects only on a lost
+    /// connection, and the demoted server answers `PING`, so the connection is replaced here
+    /// — at most once per [`DEMOTED_RECHECK`]. The refused command is not sent again (the
+    /// caller's error stands); the next one goes on the new connection. Without a runtime,
+    /// nothing.
+    pub(super) fn demoted(&self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        {
+            let mut at = self
+                .shared
+                .demoted_at
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let now = std::time::Instant::now();
+            if at.is_some_and(|t| now.duration_since(t) < DEMOTED_RECHECK) {
+                return;
+            }
+            *at = Some(now);
+        }
+        let generation = self.shared.read().generation;
+        remake(&self.shared, generation, Remade::Demoted);
     }
 }
 
@@ -879,6 +940,10 @@ fn remake_server(server: &Server, generation: u64, why: Remade) -> bool {
         ),
         Remade::RuntimeGone => tracing::debug!(
             "redis connection made on a runtime that shut down; replaced by a new one"
+        ),
+        Remade::Demoted => tracing::warn!(
+            "redis server refused a write as a replica (READONLY: failed over?); connection \
+             replaced by a new one"
         ),
     }
     true

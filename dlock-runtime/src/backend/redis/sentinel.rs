@@ -915,17 +915,12 @@ fn gone(watch: &Option<Arc<RuntimeWatch>>) -> bool {
 
 /// Whether `e` is how commands fail while a master fails over.
 fn failover_like(e: &RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
     e.is_io_error()
         || e.is_connection_refusal()
         || e.is_connection_dropped()
         || e.is_timeout()
-        || matches!(
-            e.kind(),
-            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
-        )
         // A script that writes on a demoted master fails with READONLY inside its error.
-        || e.to_string().contains("READONLY")
+        || super::conn::refused_by_a_replica(e)
 }
 
 /// Whether a reply is a demoted (or cut-off) master's refusal.
