@@ -10,10 +10,10 @@
 //!     let __dlock_key = { let mut __dlock_kb = KeyBuilder::new(); …lit/value calls…; __dlock_kb.finish() };
 //!     let __dlock_locker = default_locker();  // or Ok({ use IntoLocker as _; (&(expr)).into_locker() })
 //!     let __dlock_spec = Spec::new(ttl).name("<key template>").retry(wait)…;
-//!     let __dlock_body = async move {
+//!     let __dlock_body = ::core::pin::pin!(async move {   // by value with on_fail = "defer"
 //!         if false { let __dlock_fake_return: Ret = loop {}; return __dlock_fake_return; }
 //!         { original body }
-//!     };
+//!     });
 //!     match run(__dlock_locker, __dlock_key, __dlock_spec, __dlock_body).await {
 //!         Ok(out) => out,
 //!         Err(err) => <Ret as FromLockError>::from_lock_error(err),
@@ -22,8 +22,9 @@
 //! ```
 //!
 //! The key and the locker are evaluated before the body future is created, because the
-//! `async move` block takes ownership of the arguments. Nothing but the `run` future is held
-//! across the `.await`, and no `Send` bound is added: the function's future is `Send` exactly
+//! `async move` block takes ownership of the arguments. The body is pinned where it is made and
+//! the runtime polls it through `Pin<&mut _>`, so its state is kept once (see `expand`). Nothing
+//! but the body and the `run` future is held across the `.await`, and no `Send` bound is added: the function's future is `Send` exactly
 //! when the original body's is and its output is too (the output is kept across the release's
 //! `.await`).
 
@@ -336,6 +337,7 @@ fn expand_locked(
             spec.extend(quote!(.through_outages()));
         }
     }
+    let deferrable = matches!(args.on_fail, OnFail::Defer(_));
     let (run_fn, defer_checks) = match &args.on_fail {
         OnFail::Defer(defer) => {
             // Spelled out even when not given: the runtime's `DeferPolicy` default is the same
@@ -377,6 +379,16 @@ fn expand_locked(
             #fake_return
             #block
         }
+    };
+    // Pinned where it is made, and the runtime given `Pin<&mut _>`: the body's state is kept
+    // once, in this function's future. Given by value, every async layer it passes through
+    // (`run`, `run_held`, the task-local scope) kept a copy of its own — about five times the
+    // body per locked call, so that three nested locked calls made a half-megabyte future and
+    // overflowed a debug build's 2 MiB stack. A deferred body goes to the queue by value.
+    let body_future = if deferrable {
+        body_future
+    } else {
+        quote!(::core::pin::pin!(#body_future))
     };
 
     let held_var = local("__dlock_held");
@@ -572,14 +584,14 @@ mod tests {
         );
         for expected in [
             "async fn pay (Path (id) : Path < u64 >) -> Result < u32 , AppError >",
-            "__dlock_kb . lit (\"order:\") ;",
-            "__dlock_kb . value (& id) ;",
+            ":: dlock_runtime :: __private :: KeyBuilder :: lit (& mut __dlock_kb , \"order:\") ;",
+            ":: dlock_runtime :: __private :: KeyBuilder :: value (& mut __dlock_kb , & id) ;",
             ":: dlock_runtime :: __private :: default_locker ()",
             "Spec :: new (:: dlock_runtime :: __private :: Duration :: new (1u64 , 500000000u32))",
             ". retry (:: dlock_runtime :: __private :: Duration :: new (5u64 , 0u32))",
             ". cancel_on_lost () . message (\"busy\")",
-            "let __dlock_body = async move { # [allow (",
-            "if false { let __dlock_fake_return : Result < u32 , AppError > = loop { } ; return __dlock_fake_return ; } { Ok (id) } } ;",
+            "let __dlock_body = :: core :: pin :: pin ! (async move { # [allow (",
+            "if false { let __dlock_fake_return : Result < u32 , AppError > = loop { } ; return __dlock_fake_return ; } { Ok (id) } }) ;",
             "< Result < u32 , AppError > as :: dlock_runtime :: __private :: FromLockError > :: from_lock_error (__dlock_err)",
         ] {
             assert!(out.contains(expected), "missing `{expected}` in\n{out}");
@@ -616,8 +628,8 @@ mod tests {
         );
         for expected in [
             "pub async fn job (& self , n : (u8 ,)) -> :: core :: result :: Result < () , my :: dlock :: __private :: LockError >",
-            "__dlock_kb . value (& self . tenant) ;",
-            "__dlock_kb . value (& n . 0) ;",
+            "KeyBuilder :: value (& mut __dlock_kb , & self . tenant) ;",
+            "KeyBuilder :: value (& mut __dlock_kb , & n . 0) ;",
             "use my :: dlock :: __private :: IntoLocker as _ ; (& (& self . locker)) . into_locker ()",
             "let __dlock_fake_return : () = loop { } ;",
         ] {
@@ -641,7 +653,7 @@ mod tests {
             out.contains("{ # ! [allow (unused)] let __dlock_key"),
             "{out}"
         );
-        assert!(out.contains("} { let x = 1 ; } } ;"), "{out}");
+        assert!(out.contains("} { let x = 1 ; } }) ;"), "{out}");
     }
 
     #[test]
