@@ -60,16 +60,60 @@ pub(crate) trait LossWatch: Send + Sync {
     fn is_held(&self) -> bool;
 }
 
-/// A held lock's [`LossWatch`], shared by the scopes that show the lock.
-pub(crate) type Watch = Arc<dyn LossWatch>;
+/// A held lock as the scopes that show it see it: its lease's [`LossWatch`], and the turns of
+/// the nested calls that re-enter it ([`Turns`]). Made once per lease ([`watch`]).
+pub(crate) struct Shown {
+    lease: Box<dyn LossWatch>,
+    turns: Turns,
+}
+
+impl Shown {
+    /// See [`LossWatch::lost`].
+    pub(crate) fn lost(&self) -> futures_util::future::BoxFuture<'_, ()> {
+        self.lease.lost()
+    }
+
+    /// See [`LossWatch::is_held`].
+    pub(crate) fn is_held(&self) -> bool {
+        self.lease.is_held()
+    }
+}
+
+/// A held lock's [`Shown`], shared by the scopes that show the lock.
+pub(crate) type Watch = Arc<Shown>;
+
+/// The [`Watch`] of a lease.
+pub(crate) fn watch(lease: impl LossWatch + 'static) -> Watch {
+    Arc::new(Shown {
+        lease: Box::new(lease),
+        turns: Turns::default(),
+    })
+}
+
+/// The turns of the nested calls that re-enter one hold, one level deep: a call that re-enters
+/// takes a turn for its body's run — alone (a lock, a permit, a write hold), or beside other
+/// readers (a read hold) — so that two calls nested side by side in one body (`join!`,
+/// `select!`, a `FuturesUnordered`) do not run at once on a key that lets one call at a time
+/// run, as two tasks would not. Inside its body, the hold it re-entered has turns of its own,
+/// so a call nested in it re-enters without waiting for itself.
+pub(crate) type Turns = Arc<tokio::sync::RwLock<()>>;
+
+/// A turn taken ([`Turns`]): held for the body's run, given back when dropped.
+pub(crate) enum Turn {
+    Shared(#[allow(dead_code)] tokio::sync::OwnedRwLockReadGuard<()>),
+    Alone(#[allow(dead_code)] tokio::sync::OwnedRwLockWriteGuard<()>),
+}
 
 /// One lock the task holds: the locker it was taken through, what it is, and a watch on its
-/// lease, so that a nested call that re-enters it can be cancelled when it is lost.
+/// lease, so that a nested call that re-enters it can be cancelled when it is lost; and the
+/// turns of the calls that re-enter it here ([`Turns`]: the lease's own at the level the lock
+/// was taken, a call's own inside a call that re-entered it).
 #[derive(Clone)]
 struct Entry {
     locker_id: u64,
     info: LockInfo,
     probe: Watch,
+    turns: Turns,
 }
 
 type Held = Arc<Vec<Entry>>;
@@ -108,7 +152,7 @@ pub(crate) fn reentered(
     locker_id: u64,
     key: &LockKey,
     kind: LockKind,
-) -> Option<(LockInfo, Watch)> {
+) -> Option<(LockInfo, Watch, Turns)> {
     let covers = |held: LockKind| {
         held == kind
             || (held == LockKind::Write && kind == LockKind::Read)
@@ -120,7 +164,7 @@ pub(crate) fn reentered(
     HELD.try_with(|h| {
         h.iter()
             .find(|e| e.locker_id == locker_id && e.info.lock_key() == key && covers(e.info.kind))
-            .map(|e| (e.info.clone(), e.probe.clone()))
+            .map(|e| (e.info.clone(), e.probe.clone(), e.turns.clone()))
     })
     .ok()
     .flatten()
@@ -147,7 +191,8 @@ pub(crate) fn scope_all<F: Future>(
 }
 
 /// Runs `fut` with the task's held locks whose watches are among `reentered` (locks a nested
-/// call re-enters) moved to the end, then every lock of `held` added, in order: inside,
+/// call re-enters) moved to the end, each with turns of its own ([`Turns`]: the call took one
+/// of the level it re-entered), then every lock of `held` added, in order: inside,
 /// [`current_lock`] is the nested call's lock — not the innermost other one — and no lock is
 /// listed twice.
 pub(crate) fn scope_nested<F: Future>(
@@ -160,12 +205,16 @@ pub(crate) fn scope_nested<F: Future>(
     for probe in reentered {
         if let Some(i) = all.iter().position(|e| Arc::ptr_eq(&e.probe, probe)) {
             let entry = all.remove(i);
-            all.push(entry);
+            all.push(Entry {
+                turns: Turns::default(),
+                ..entry
+            });
         }
     }
     all.extend(held.into_iter().map(|(info, probe)| Entry {
         locker_id,
         info,
+        turns: probe.turns.clone(),
         probe,
     }));
     HELD.scope(Arc::new(all), fut)
@@ -182,6 +231,7 @@ pub(crate) fn in_scope<R>(
     all.push(Entry {
         locker_id,
         info,
+        turns: probe.turns.clone(),
         probe,
     });
     HELD.sync_scope(Arc::new(all), f)

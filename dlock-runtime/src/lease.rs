@@ -232,7 +232,7 @@ impl Lease {
     /// first scope that shows it).
     pub(crate) fn loss_watch(&self) -> crate::context::Watch {
         self.watch
-            .get_or_init(|| Arc::new(self.probe()) as crate::context::Watch)
+            .get_or_init(|| crate::context::watch(self.probe()))
             .clone()
     }
 

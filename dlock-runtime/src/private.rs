@@ -182,6 +182,46 @@ pub struct Held {
     /// Every key re-entered, by its lease's watch: moved last in the body's scope, so that
     /// [`current_lock`](crate::current_lock) there is this call's lock.
     shown: Vec<crate::context::Watch>,
+    /// The turns taken of the holds re-entered, given back when the body is done.
+    _turns: Vec<crate::context::Turn>,
+}
+
+/// Takes a turn of a hold a call re-enters ([`Turns`](crate::context::Turns)) as the call's
+/// strategy takes a lock: at once or [`LockError::Contended`] (`reject`, `skip`), waiting up
+/// to the retry's deadline from `started` ([`LockError::Timeout`]), or waiting (`defer`: the
+/// deferred job would wait for the lock too). Alone, unless the call reads.
+async fn take_turn(
+    turns: crate::context::Turns,
+    key: &LockKey,
+    spec: &Spec,
+    started: tokio::time::Instant,
+) -> Result<crate::context::Turn, LockError> {
+    use crate::context::Turn;
+    let shared = spec.kind == LockKind::Read;
+    let now = || -> Option<Turn> {
+        if shared {
+            turns.clone().try_read_owned().ok().map(Turn::Shared)
+        } else {
+            turns.clone().try_write_owned().ok().map(Turn::Alone)
+        }
+    };
+    if let Some(turn) = now() {
+        return Ok(turn);
+    }
+    let wait = async {
+        if shared {
+            Turn::Shared(turns.clone().read_owned().await)
+        } else {
+            Turn::Alone(turns.clone().write_owned().await)
+        }
+    };
+    match &spec.on_fail {
+        OnFail::Reject => Err(LockError::contended(key.as_str(), None)),
+        OnFail::Retry(policy) => tokio::time::timeout_at(started + policy.wait, wait)
+            .await
+            .map_err(|_| LockError::timeout(key.as_str(), started.elapsed(), None)),
+        OnFail::Defer(_) => Ok(wait.await),
+    }
 }
 
 /// The first half of [`run_all`]: takes every key the current task does not hold yet (in the
@@ -212,15 +252,25 @@ where
     // that would wait for ourselves. A hold that is no longer held (lost, or its lease ran
     // out) is not re-entered: the body would run without the lock, maybe beside its new
     // owner.
+    // A call that re-enters takes a turn of the hold it re-enters, so that calls nested side
+    // by side take turns as tasks would (see `context::Turns`); in canonical order, like the
+    // locks themselves.
     let mut reentered = Vec::new();
     let mut shown = Vec::new();
+    let mut turns = Vec::new();
     let mut fresh: Vec<LockKey> = Vec::new();
+    let started = tokio::time::Instant::now();
     for key in keys {
         match crate::context::reentered(locker.id(), &key, spec.kind) {
-            Some((_, probe)) if !probe.is_held() => {
+            Some((_, probe, _)) if !probe.is_held() => {
                 return Err(counted(LockError::lost(key.as_str())))
             }
-            Some((_, probe)) => {
+            Some((_, probe, of)) => {
+                turns.push(take_turn(of, &key, &spec, started).await.map_err(counted)?);
+                // The turn may have come after the lock was lost.
+                if !probe.is_held() {
+                    return Err(counted(LockError::lost(key.as_str())));
+                }
                 shown.push(probe.clone());
                 if spec.cancel_on_lost {
                     reentered.push((key, probe));
@@ -235,6 +285,7 @@ where
         cancel_on_lost: spec.cancel_on_lost,
         reentered,
         shown,
+        _turns: turns,
     };
     if fresh.is_empty() {
         return Ok(held);
@@ -344,7 +395,10 @@ where
         e
     };
     let key = key.map_err(counted)?;
-    if let Some((_, probe)) = crate::context::reentered(locker.id(), &key, spec.kind) {
+    if let Some((_, probe, turns)) = crate::context::reentered(locker.id(), &key, spec.kind) {
+        let _turn = take_turn(turns, &key, &spec, tokio::time::Instant::now())
+            .await
+            .map_err(counted)?;
         if !probe.is_held() {
             return Err(counted(LockError::lost(key.as_str())));
         }

@@ -506,6 +506,143 @@ async fn a_re_entered_lock_is_the_current_lock_of_the_nested_call() {
     assert_eq!(held, 2, "a lock listed twice");
 }
 
+/// How many bodies of the calls nested side by side below run at once, at most.
+#[derive(Default)]
+struct Sides {
+    inside: AtomicUsize,
+    most: AtomicUsize,
+    ran: AtomicUsize,
+}
+
+impl Sides {
+    /// A body's run: counted in, then yields a few times (so that `join!` polls the other side
+    /// meanwhile); [`out`](Self::out) counts it out.
+    async fn run(&self) {
+        let now = self.inside.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn out(&self) {
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        self.ran.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[distributed_lock(key = "side:<id>", on_fail = "retry", wait = "5s", locker = locker)]
+async fn two_sides(locker: &Locker, id: u64, sides: &Sides) -> Result<((), ()), LockError> {
+    Ok(tokio::join!(
+        async { side(locker, id, sides).await.unwrap() },
+        async { side(locker, id, sides).await.unwrap() },
+    ))
+}
+
+#[distributed_lock(key = "side:<id>", on_fail = "retry", wait = "5s", locker = locker)]
+async fn side(locker: &Locker, id: u64, sides: &Sides) {
+    sides.run().await;
+    // Nested in this side: re-enters at once (it does not wait for its own side).
+    let token = deeper(locker, id).await.unwrap();
+    assert_eq!(token, current_lock().unwrap().fencing_token());
+    sides.out();
+}
+
+#[distributed_lock(key = "side:<id>", locker = locker)]
+async fn deeper(locker: &Locker, id: u64) -> u64 {
+    current_lock().unwrap().fencing_token()
+}
+
+/// Two calls nested side by side in one locked body (`join!`) on the key it holds take turns,
+/// as two tasks would: one body runs at a time, and a call nested in either re-enters at once.
+/// Before, both re-entered the outer call's lock and ran at once — two read-modify-writes of
+/// one account interleaved under "its" lock.
+#[tokio::test]
+async fn calls_nested_side_by_side_take_turns_on_a_re_entered_lock() {
+    let locker = Locker::memory();
+    let sides = Sides::default();
+    two_sides(&locker, 1, &sides).await.unwrap();
+    assert_eq!(sides.ran.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        sides.most.load(Ordering::SeqCst),
+        1,
+        "the two sides ran at once"
+    );
+    assert!(locker.lock("side:1").try_acquire().await.unwrap().is_some());
+}
+
+type Outcome = Result<(), LockError>;
+
+#[distributed_lock(key = "side:<id>", locker = locker)]
+async fn two_rejecting_sides(
+    locker: &Locker,
+    id: u64,
+    sides: &Sides,
+) -> Result<(Outcome, Outcome), LockError> {
+    Ok(tokio::join!(
+        rejecting_side(locker, id, sides),
+        rejecting_side(locker, id, sides)
+    ))
+}
+
+#[distributed_lock(key = "side:<id>", on_fail = "reject", locker = locker)]
+async fn rejecting_side(locker: &Locker, id: u64, sides: &Sides) {
+    sides.run().await;
+    sides.out();
+}
+
+/// With `on_fail = "reject"`, the second of two calls nested side by side finds the key's turn
+/// taken and is refused (`Contended`), as a call in another task would be.
+#[tokio::test]
+async fn a_rejecting_call_beside_another_on_a_re_entered_lock_is_refused() {
+    let locker = Locker::memory();
+    let sides = Sides::default();
+    let (first, second) = two_rejecting_sides(&locker, 2, &sides).await.unwrap();
+    first.unwrap();
+    assert!(second.unwrap_err().is_contended());
+    assert_eq!(sides.ran.load(Ordering::SeqCst), 1);
+}
+
+#[distributed_lock(key = "rw:<id>", mode = "write", locker = locker)]
+async fn writer_of_two_sides(
+    locker: &Locker,
+    id: u64,
+    sides: &Sides,
+) -> Result<((), (), ()), LockError> {
+    Ok(tokio::join!(
+        async { reading_side(locker, id, sides).await.unwrap() },
+        async { reading_side(locker, id, sides).await.unwrap() },
+        async { writing_side(locker, id, sides).await.unwrap() },
+    ))
+}
+
+#[distributed_lock(key = "rw:<id>", mode = "read", on_fail = "retry", wait = "5s", locker = locker)]
+async fn reading_side(locker: &Locker, id: u64, sides: &Sides) {
+    sides.run().await;
+    sides.out();
+}
+
+#[distributed_lock(key = "rw:<id>", mode = "write", on_fail = "retry", wait = "5s", locker = locker)]
+async fn writing_side(locker: &Locker, id: u64, sides: &Sides) {
+    sides.run().await;
+    sides.out();
+}
+
+/// Reads nested side by side in a write hold run together, and a write nested beside them
+/// runs alone, as readers and a writer of a read-write lock would in separate tasks.
+#[tokio::test]
+async fn reads_nested_side_by_side_share_their_turn_and_a_write_beside_them_waits() {
+    let locker = Locker::memory();
+    let sides = Sides::default();
+    writer_of_two_sides(&locker, 3, &sides).await.unwrap();
+    assert_eq!(sides.ran.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        sides.most.load(Ordering::SeqCst),
+        2,
+        "the two reads did not run together, or the write ran beside them"
+    );
+}
+
 #[derive(Debug)]
 enum AppError {
     Lock(LockError),

@@ -168,7 +168,7 @@ impl<'a> LockRequest<'a> {
         };
         match crate::context::reentered(locker.id(), &key, probe) {
             // Lost (or its lease ran out): what the task would re-enter is gone.
-            Some((_, watch)) if !watch.is_held() => return Err(LockError::lost(key.as_str())),
+            Some((_, watch, _)) if !watch.is_held() => return Err(LockError::lost(key.as_str())),
             Some(_) => return Err(LockError::reentrant(key.as_str())),
             None => {}
         }
