@@ -80,8 +80,9 @@ impl LockGuard {
 
     /// Sets the lease to `ttl` from now (owner-checked), and makes `ttl` the lease the watchdog
     /// renews from now on. Fails with [`LockError::Lost`] if the lock is no longer ours — also
-    /// when [`lost`](LockGuard::lost) resolved while the extend was on its way (the local lease
-    /// ran out first), whatever the backend answered.
+    /// when the local lease has run out ([`is_held`](LockGuard::is_held) is false; nothing is
+    /// sent), and when [`lost`](LockGuard::lost) resolved while the extend was on its way (the
+    /// local lease ran out first), whatever the backend answered: a lock once lost stays lost.
     ///
     /// `ttl` may be shorter than the current lease: after `extend` returns, the backend's
     /// expiry, the local lease ([`is_held`](LockGuard::is_held), [`remaining`](LockGuard::remaining),

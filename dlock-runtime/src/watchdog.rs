@@ -547,6 +547,14 @@ impl Watchdog {
         if state.lost.is_cancelled() {
             return Err(crate::LockError::lost(state.resource.key().as_str()));
         }
+        if !self.is_held(state) {
+            // The local lease ran out, though nothing awaited `lost()` to say so yet: lost, as a
+            // renewal batch and a release would find it. The backend may still keep the lock a
+            // margin longer; an extend must not bring it back (the holder may already have been
+            // told, by `is_held()`, and run on unprotected).
+            state.mark_lost("the local lease ran out before the extend");
+            return Err(crate::LockError::lost(state.resource.key().as_str()));
+        }
         let sent = self.now_ns();
         let margin = self.backend.lease_margin(ttl);
         // Until the answer is in, the outcome is unknown (also if this future is dropped).
@@ -1628,6 +1636,44 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), released.notified())
             .await
             .expect("the lock the late extend renewed is given back, not kept for its TTL");
+    }
+
+    /// An extend after the local lease ran out is `Lost`, also when nothing awaited `lost()`
+    /// (so the loss was not reported yet) and the backend still keeps the lock (its lease is a
+    /// margin longer): the guard stays lost. Before, it sent the extend, and the backend's
+    /// "renewed" made `is_held()` true again — after it had answered false, and where a release
+    /// would have answered `Lost`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_extend_after_the_local_lease_ran_out_is_lost() {
+        let backend = Hooked {
+            margin_pct: 50,
+            ..Hooked::default()
+        };
+        let locker = Locker::builder()
+            .command_timeout(Duration::from_secs(10))
+            .build(backend);
+        let guard = locker
+            .lock("ran-out")
+            .ttl(Duration::from_millis(600))
+            .auto_renew(false)
+            .acquire()
+            .await
+            .unwrap();
+        // No signal short of `lost()`, which would report the loss: look until the local lease
+        // (300 ms) has run out; the backend keeps the lock until 600 ms.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while guard.is_held() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the local lease ran out");
+        let err = guard.extend(Duration::from_secs(5)).await.unwrap_err();
+        assert!(err.is_lost(), "{err}");
+        assert!(!guard.is_held(), "the extend brought the lease back");
+        tokio::time::timeout(Duration::from_secs(1), guard.lost())
+            .await
+            .expect("lost() resolves");
     }
 
     /// A renewal batch that finds a guard's turn taken (an extend on its way, or the batch

@@ -35,6 +35,10 @@ impl LockerBuilder {
     }
 
     /// The deadline of every backend call (acquire attempt, release, extend, renewal batch).
+    /// More than zero: there is no "no timeout" (zero is [`LockError::Misconfigured`] when
+    /// the locker is built, as every call would time out). Keep it well below the TTLs of
+    /// renewed locks — a third or less: a renewal whose answer never comes is given up after
+    /// it, and the next must still go out within the lease.
     pub fn command_timeout(mut self, d: Duration) -> Self {
         self.config.command_timeout = d;
         self
@@ -96,7 +100,8 @@ impl LockerBuilder {
     /// Builds a locker over `backend`.
     ///
     /// # Panics
-    /// If the prefix is invalid (use [`try_build`](LockerBuilder::try_build) to get an error).
+    /// If the prefix is invalid or the command timeout zero (use
+    /// [`try_build`](LockerBuilder::try_build) to get an error).
     pub fn build(self, backend: impl IntoBackend) -> Locker {
         match self.try_build(backend) {
             Ok(l) => l,
@@ -104,11 +109,10 @@ impl LockerBuilder {
         }
     }
 
-    /// Builds a locker over `backend`, or reports an invalid prefix.
+    /// Builds a locker over `backend`, or reports an invalid prefix
+    /// ([`LockError::InvalidKey`]) or a zero command timeout ([`LockError::Misconfigured`]).
     pub fn try_build(self, backend: impl IntoBackend) -> Result<Locker, LockError> {
-        if let Some(reason) = self.prefix_error {
-            return Err(LockError::invalid_key(reason));
-        }
+        self.check()?;
         let backend = backend.into_backend();
         let watchdog = Watchdog::new(
             backend.clone(),
@@ -130,6 +134,21 @@ impl LockerBuilder {
         })
     }
 
+    /// The settings no locker can work with.
+    fn check(&self) -> Result<(), LockError> {
+        if let Some(reason) = &self.prefix_error {
+            return Err(LockError::invalid_key(reason.clone()));
+        }
+        if self.config.command_timeout.is_zero() {
+            return Err(LockError::misconfigured(
+                "command_timeout must be more than zero: it bounds every backend call, and a \
+                 zero deadline would fail them all (there is no \"no timeout\")",
+                None,
+            ));
+        }
+        Ok(())
+    }
+
     /// Builds a locker over a fresh in-process store.
     pub fn memory(self) -> Result<Locker, LockError> {
         self.try_build(MemoryBackend::new())
@@ -146,6 +165,8 @@ impl LockerBuilder {
 
     /// Connects to the backend named by `url` (see [`Locker::from_url`]).
     pub async fn connect(self, url: &str) -> Result<Locker, LockError> {
+        // Before connecting: with a zero timeout the connect itself would fail, as unavailable.
+        self.check()?;
         let scheme = url.split_once("://").map(|(s, _)| s).unwrap_or("");
         match scheme {
             "memory" => self.memory(),

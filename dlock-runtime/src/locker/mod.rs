@@ -393,6 +393,23 @@ mod tests {
         assert!(err.is_invalid(), "{err}");
     }
 
+    /// A zero command timeout ("no timeout" in many configuration files) is refused when the
+    /// locker is built, before any connect: every backend call would time out at once. Before,
+    /// it was taken, and only the memory backend (whose calls are ready at once) worked.
+    #[tokio::test]
+    async fn a_zero_command_timeout_is_misconfigured() {
+        let zero = || Locker::builder().command_timeout(Duration::ZERO);
+        let err = zero().memory().unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
+        assert!(err.to_string().contains("command_timeout"), "{err}");
+        let err = zero().connect("redis://127.0.0.1:1").await.unwrap_err();
+        assert!(err.is_misconfigured(), "{err}");
+        assert!(zero()
+            .command_timeout(Duration::from_millis(1))
+            .memory()
+            .is_ok());
+    }
+
     #[tokio::test]
     async fn unknown_url_scheme_is_a_typed_error() {
         let err = Locker::from_url("zookeeper://x").await.unwrap_err();
