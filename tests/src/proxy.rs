@@ -41,6 +41,9 @@
 //! Postgres, from the client's connect to the server's first reply to its startup), and the
 //! most there were at once ([`peak_unanswered`](Proxy::peak_unanswered)).
 //!
+//! * **cut one connection after a reply** ([`cut_after_reply_to`](Proxy::cut_after_reply_to)):
+//!   the connection a request went out on is reset right after its answer is delivered.
+//!
 //! * **retarget** new connections to another server ([`retarget`](Proxy::retarget)), the open
 //!   ones staying where they are: a virtual IP or DNS name moved in a failover.
 //!
@@ -73,6 +76,13 @@ pub struct Proxy {
 struct Shared {
     /// The loopback port new connections are forwarded to ([`Proxy::retarget`]).
     upstream_port: AtomicU16,
+    /// [`Proxy::cut_after_reply_to`]: the bytes to look for in what clients send, and how
+    /// many more sightings until the one that arms the cut.
+    cut_on: Mutex<Option<(Vec<u8>, u32)>>,
+    /// The connection to cut once the server's next chunk on it is delivered (0: none).
+    cut_conn: AtomicU64,
+    /// The chunk its client sent that armed the cut ([`Proxy::cut_request`]).
+    cut_request: Mutex<Vec<u8>>,
     latency_us: AtomicU64,
     refuse: AtomicBool,
     /// Chunks any server is yet to send before every connection is cut (0: no cut coming).
@@ -118,6 +128,9 @@ impl Proxy {
         let port = listener.local_addr()?.port();
         let shared = Arc::new(Shared {
             upstream_port: AtomicU16::new(upstream_port),
+            cut_on: Mutex::new(None),
+            cut_conn: AtomicU64::new(0),
+            cut_request: Mutex::new(Vec::new()),
             latency_us: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             cut_after_replies: AtomicU64::new(0),
@@ -144,6 +157,29 @@ impl Proxy {
             shared,
             accept,
         })
+    }
+
+    /// Cuts the one connection on which a client sends `needle` for the `nth` time (counting
+    /// from 1, over all connections) right after the server's next chunk on it is delivered —
+    /// a reset that falls between a request's answer and what its client sends next on that
+    /// connection. Other connections, and new ones, are forwarded as usual.
+    pub fn cut_after_reply_to(&self, needle: &[u8], nth: u32) {
+        *self
+            .shared
+            .cut_on
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some((needle.to_vec(), nth.max(1)));
+    }
+
+    /// What the client sent, in the one read, that armed the last
+    /// [`cut_after_reply_to`](Proxy::cut_after_reply_to): the request the cut falls after, and
+    /// whatever its client wrote with it.
+    pub fn cut_request(&self) -> Vec<u8> {
+        self.shared
+            .cut_request
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Forwards new connections to `127.0.0.1:<port>` from now on, while the open ones stay on
@@ -494,6 +530,22 @@ async fn pump(
                 u.answered();
             }
             buf.truncate(n);
+            if !from_server {
+                let mut cut_on = shared.cut_on.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some((needle, left)) = cut_on.as_mut() {
+                    if buf.windows(needle.len()).any(|w| w == needle.as_slice()) {
+                        *left -= 1;
+                        if *left == 0 {
+                            *cut_on = None;
+                            *shared
+                                .cut_request
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner) = buf.clone();
+                            shared.cut_conn.store(id, Ordering::Release);
+                        }
+                    }
+                }
+            }
             let held = !from_server && id < *shared.held_below.borrow();
             if held {
                 shared.held_bytes.fetch_add(n as u64, Ordering::AcqRel);
@@ -543,6 +595,16 @@ async fn pump(
             if last {
                 to.flush().await?;
                 shared.cut_all(true);
+            }
+            if from_server
+                && shared
+                    .cut_conn
+                    .compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                // Ends this connection (both sides) at once: see `cut_after_reply_to`.
+                to.flush().await?;
+                return Err(io::Error::other("cut after a reply"));
             }
         }
         to.shutdown().await

@@ -1867,6 +1867,50 @@ async fn connections_for_wait_gone_silent_are_replaced() {
     acknowledged_again(&locker, "silent:acked", 8, Duration::from_secs(3)).await;
 }
 
+/// `.replicas(1)` counts a replica only for the write it waits for: the `WAIT` goes out with
+/// that write, in one write on its connection, before the write's answer — nothing can come
+/// between them. Before, it was sent apart, after the answer, and could go on a connection
+/// made in place of the first (a reset in between, Sentinel's switch, a cluster's `ASK`),
+/// where it counted no write and answered at once with the replicas connected: a lock "on 1
+/// replica" that no replica had. Here the connection is reset right after the write's answer
+/// while the only replica is frozen (it acknowledges nothing), and the acquire fails every
+/// time — the pipeline lost its second answer. (On the old code it failed as well: redis-rs
+/// sent the late `WAIT` on the reset connection, not a new one; the write's own request is
+/// what tells the two apart.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_never_counts_for_a_write_on_another_connection() {
+    use dlock_tests::proxy::Proxy;
+    let master = RedisServer::start();
+    let port = master.port().to_string();
+    let mut replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let proxy = Proxy::start(master.port()).await.unwrap();
+    let locker = fast_fail().connect(&proxy.url()).await.unwrap();
+    // The replica in sync, and every connection for `WAIT` made and used.
+    for _ in 0..8 {
+        dlock_tests::wait::acknowledged_acquire(&locker, "cut:warm", "before").await;
+    }
+    replica.pause();
+    for round in 0..8 {
+        let key = format!("cut:acked:{round}:");
+        // The key's first sighting is the acquire on the locker's own connection; its second,
+        // the acknowledged write on a connection for `WAIT`, which is reset after its answer.
+        proxy.cut_after_reply_to(key.as_bytes(), 2);
+        let acquired = locker.lock(&key).replicas(1).acquire().await;
+        assert!(
+            acquired.is_err(),
+            "round {round}: acknowledged by one replica, which is frozen"
+        );
+        let request = proxy.cut_request();
+        let with = |needle: &[u8]| request.windows(needle.len()).any(|w| w == needle);
+        assert!(
+            with(b"EVALSHA") && with(b"WAIT"),
+            "round {round}: the write and its WAIT left apart: {:?}",
+            String::from_utf8_lossy(&request)
+        );
+    }
+    replica.resume();
+}
+
 /// A reconnect that redis-rs's connection manager began on a runtime that then shut down holds
 /// that runtime's timers (its back-off between connection attempts): polled on another runtime
 /// — by the next command, in a request handler — it panicked ("A Tokio 1.x context was found,

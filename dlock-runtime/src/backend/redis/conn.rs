@@ -148,6 +148,76 @@ impl<'s> ScriptCall<'s> {
             r => r,
         }
     }
+
+    /// Sends the call and `WAIT <replicas> <wait>` right after it as one pipeline — one write,
+    /// on one connection, to one node — and answers the script's answer and how many replicas
+    /// have every write made on that connection so far, the script's included. Sent apart,
+    /// the `WAIT` could go on another connection than the script (one made anew in between —
+    /// a reset, Sentinel's switch to a new master, a cluster's `ASK` sending the script
+    /// elsewhere), where it counts no write of the script's and answers at once with the
+    /// replicas connected: an acknowledgement of a write no replica had. A server that lacks
+    /// the script (`NOSCRIPT`) is given it, or on a cluster sent its text (`EVAL`), and the
+    /// pipeline sent once more: the first pipeline's `WAIT` counted nothing new.
+    pub(crate) async fn invoke_acknowledged<T: redis::FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        replicas: u32,
+        wait: Duration,
+    ) -> RedisResult<(T, i64)> {
+        debug_assert_eq!(self.keys_left, 0, "a script call sent without all its keys");
+        let no_script = |e: &redis::RedisError| {
+            e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+        };
+        let mut call = self.cmd.clone();
+        for resend in [false, true] {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            pipe.add_command(call.clone());
+            pipe.cmd("WAIT").arg(replicas).arg(super::millis(wait));
+            let replies: Vec<RedisResult<Value>> = pipe.query_async(conn).await?;
+            let mut replies = replies.into_iter();
+            let (Some(answer), Some(acked)) = (replies.next(), replies.next()) else {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::Client,
+                    "a script and WAIT pipeline answered short",
+                )));
+            };
+            match answer {
+                Err(e) if no_script(&e) && !resend => {
+                    if conn.is_cluster() {
+                        call = self.with_body().unwrap_or(call);
+                    } else {
+                        self.script.load_async(conn).await?;
+                    }
+                }
+                answer => {
+                    let answer = redis::from_redis_value(answer?)?;
+                    return Ok((answer, redis::from_redis_value(acked?)?));
+                }
+            }
+        }
+        unreachable!("the loop returns on its second pass")
+    }
+
+    /// This call as `EVAL <script's text> …` (for a cluster node that lacks the script), if the
+    /// text is known.
+    fn with_body(&self) -> Option<Cmd> {
+        #[cfg(feature = "cluster")]
+        {
+            let text = script_body(self.script.get_hash())?;
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(&*text);
+            // After `EVALSHA <sha>`: the number of keys, the keys, the arguments.
+            for arg in self.cmd.args_iter().skip(2) {
+                if let redis::Arg::Simple(bytes) = arg {
+                    cmd.arg(bytes);
+                }
+            }
+            Some(cmd)
+        }
+        #[cfg(not(feature = "cluster"))]
+        None
+    }
 }
 
 /// One server or a cluster. Cheap to clone.

@@ -246,7 +246,7 @@ impl IdempotencyStore for RedisBackend {
                 return Ok(n == 1);
             }
             let (n, acked): (i64, u32) = self
-                .run_acknowledged("idempotency complete", &call, args.resource, args.replicas)
+                .run_acknowledged("idempotency complete", &call, args.replicas)
                 .await?;
             if n == 1 && acked < args.replicas {
                 return Err(LockError::unavailable(

@@ -2145,9 +2145,8 @@ impl Backend for RedisBackend {
                 .key(resource.as_str())
                 .arg(token.as_str())
                 .arg(scripts::px(ttl));
-            let (owned, acked): (i64, u32) = self
-                .run_acknowledged("replicate", &renew, resource, replicas)
-                .await?;
+            let (owned, acked): (i64, u32) =
+                self.run_acknowledged("replicate", &renew, replicas).await?;
             if owned != 1 {
                 return Err(LockError::lost(resource.key().as_str()));
             }
@@ -2158,37 +2157,40 @@ impl Backend for RedisBackend {
 
 impl RedisBackend {
     /// Runs `call` on a connection of its own ([`conn::Dedicated`]: `WAIT` blocks the
-    /// connection it is sent on; on a cluster, to the lock's master), then `WAIT`s there for
-    /// `replicas` replicas, ¾ of the command timeout at most: the script's answer and how many
-    /// replicas have every write made so far on that connection — the script's included.
+    /// connection it is sent on; on a cluster, to the lock's master), with a `WAIT` for
+    /// `replicas` replicas right behind it in one pipeline, ¾ of the command timeout at most
+    /// ([`ScriptCall::invoke_acknowledged`]: sent apart, the `WAIT` could count another
+    /// connection's writes): the script's answer and how many replicas have every write made
+    /// so far on that connection — the script's included.
     pub(crate) async fn run_acknowledged<T: redis::FromRedisValue>(
         &self,
         what: &str,
         call: &ScriptCall<'_>,
-        resource: &ResourceName,
         replicas: u32,
     ) -> Result<(T, u32), LockError> {
         let mut conn = self.inner.dedicated.get(&self.inner.conn).await?;
         // A timeout has this connection checked, not the backend's own.
         let on = conn.clone();
+        let wait = self.inner.opts.command_timeout * 3 / 4;
         let mut sent = Sent::new(&on);
-        let mut answered = call.invoke::<T>(&mut conn).await;
+        let mut answered = call
+            .invoke_acknowledged::<T>(&mut conn, replicas, wait)
+            .await;
         // Never sent (a cluster connection whose runtime shut down as it was sent): once more,
         // on the connection made in its place, as `run_granting` does. One whose answer was
         // lost is not sent again: it may have run.
         if let Err(e) = &answered {
             if conn.never_sent(e) {
-                answered = call.invoke::<T>(&mut conn).await;
+                answered = call
+                    .invoke_acknowledged::<T>(&mut conn, replicas, wait)
+                    .await;
             }
         }
         sent.answered();
-        let answer = answered.map_err(|e| {
+        let (answer, acked) = answered.map_err(|e| {
             on.failed(&e);
             redis_err(what, e)
         })?;
-        let wait = self.inner.opts.command_timeout * 3 / 4;
-        let acked = conn::wait_replicas(&mut conn, resource.key().as_str(), replicas, wait);
-        let acked = self.deadline_on(&on, "wait for replicas", acked).await?;
         Ok((answer, u32::try_from(acked).unwrap_or(0)))
     }
 
