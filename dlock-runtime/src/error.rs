@@ -592,9 +592,7 @@ mod axum_impl {
     /// with a plain JSON body for a deferred job).
     impl IntoResponse for LockError {
         fn into_response(self) -> Response {
-            let status =
-                StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut res = (status, self.problem_json()).into_response();
+            let mut res = (status_of(&self), self.problem_json()).into_response();
             let headers = res.headers_mut();
             headers.insert(
                 header::CONTENT_TYPE,
@@ -604,6 +602,34 @@ mod axum_impl {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
             }
             res
+        }
+    }
+
+    fn status_of(err: &LockError) -> StatusCode {
+        StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// For handlers (and `#[distributed_lock]` functions) returning `Result<T, Response>`:
+    /// the whole response, as [`IntoResponse`] makes it.
+    impl From<LockError> for Response {
+        fn from(err: LockError) -> Self {
+            err.into_response()
+        }
+    }
+
+    /// For handlers returning `Result<T, StatusCode>`: the status alone (409, 503, …), without
+    /// `Retry-After` or the problem body — return `Response` (or `LockError`) to keep them.
+    impl From<LockError> for StatusCode {
+        fn from(err: LockError) -> Self {
+            status_of(&err)
+        }
+    }
+
+    /// For handlers returning `Result<T, (StatusCode, String)>`: the status and the error's
+    /// message (its `Display`; no `Retry-After`).
+    impl From<LockError> for (StatusCode, String) {
+        fn from(err: LockError) -> Self {
+            (status_of(&err), err.to_string())
         }
     }
 }

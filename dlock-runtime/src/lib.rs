@@ -68,7 +68,7 @@
 //! | `tls` | no | `rediss://` |
 //! | `postgres` | no | the Postgres backend (`postgres://`), `backend::postgres` (tokio-postgres, deadpool-postgres) |
 //! | `postgres-tls` | no | TLS for it per the URL's `sslmode` (rustls) |
-//! | `axum` | no | `impl IntoResponse for LockError` |
+//! | `axum` | no | `impl IntoResponse for LockError`, and `From<LockError>` for `Response`, `StatusCode` and `(StatusCode, String)` (handlers returning `Result<T, StatusCode>`, …) |
 //! | `actix` | no | `impl actix_web::ResponseError for LockError` |
 //! | `metrics` | no | [`metrics`]: counters, gauges and histograms through the `metrics` crate facade |
 

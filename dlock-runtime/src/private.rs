@@ -447,7 +447,7 @@ pub fn skip_held<T: Skipped>(outcome: Result<T, LockError>) -> Result<T, LockErr
 #[diagnostic::on_unimplemented(
     message = "`#[distributed_lock]` cannot return a `LockError` as `{Self}`",
     label = "the error type of this `Result` needs `impl From<dlock_runtime::LockError>`",
-    note = "add `impl From<dlock_runtime::LockError> for YourError`, or return a non-`Result` type (it becomes `Result<T, LockError>`)"
+    note = "add `impl From<dlock_runtime::LockError> for YourError`, or return a non-`Result` type (it becomes `Result<T, LockError>`); with feature `axum`, `Response`, `StatusCode` and `(StatusCode, String)` are converted already, and for other foreign types (which that impl cannot be written for) wrap them in a type of your own"
 )]
 pub trait FromLockError {
     /// The conversion.

@@ -112,8 +112,38 @@ mod axum_app {
         format!("{id}")
     }
 
+    // The usual axum handler shapes with an error type of axum's: the lock's refusal becomes
+    // that error (feature `axum` converts it), not a compile error asking for a `From` impl the
+    // orphan rule forbids.
+    #[distributed_lock(key = "order:<id>", locker = app.locker)]
+    async fn cancel(
+        State(app): State<Arc<App>>,
+        Path(id): Path<u64>,
+    ) -> Result<String, axum::http::StatusCode> {
+        Ok(format!("{id}"))
+    }
+
+    #[distributed_lock(key = "order:<id>", locker = app.locker)]
+    async fn refund(
+        State(app): State<Arc<App>>,
+        Path(id): Path<u64>,
+    ) -> Result<String, axum::response::Response> {
+        Ok(format!("{id}"))
+    }
+
+    #[distributed_lock(key = "order:<id>", locker = app.locker)]
+    async fn ship(
+        State(app): State<Arc<App>>,
+        Path(id): Path<u64>,
+    ) -> Result<String, (axum::http::StatusCode, String)> {
+        Ok(format!("{id}"))
+    }
+
     pub(super) async fn serve(app: Arc<App>) -> String {
         let router = Router::new()
+            .route("/orders/{id}/cancel", post(cancel))
+            .route("/orders/{id}/refund", post(refund))
+            .route("/orders/{id}/ship", post(ship))
             .route("/orders/{id}/submit", post(submit))
             .route("/orders/{id}/pay", post(pay))
             .route("/jobs/{id}", post(long_job))
@@ -199,6 +229,32 @@ async fn reject_runs_one_of_50_duplicates(locker: Locker) {
     assert_eq!(ok[0].body.split(':').next(), Some("7"));
     for r in replies.iter().filter(|r| r.status != 200) {
         assert_conflict(r, Some("this order is already being submitted"));
+    }
+}
+
+/// Handlers returning axum's own error types — `Result<_, StatusCode>`, `Result<_, Response>`,
+/// `Result<_, (StatusCode, String)>` — answer a held lock with 409 over HTTP: the status alone,
+/// the whole problem response (`Retry-After` included), and the status with the error's
+/// message. Before, they did not compile: the attribute needs `From<LockError>` for the error
+/// type, which the orphan rule keeps an application from writing for axum's types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_handlers_with_axums_error_types_answer_409() {
+    let (app, _entered) = app(Locker::memory());
+    let base = axum_app::serve(app.clone()).await;
+    let client = client();
+    let held = app.locker.lock("order:5").acquire().await.unwrap();
+    let status = post(&client, &format!("{base}/orders/5/cancel")).await;
+    assert_eq!(status.status, 409, "{status:?}");
+    assert!(status.body.is_empty(), "{status:?}");
+    let response = post(&client, &format!("{base}/orders/5/refund")).await;
+    assert_conflict(&response, None);
+    let with_message = post(&client, &format!("{base}/orders/5/ship")).await;
+    assert_eq!(with_message.status, 409, "{with_message:?}");
+    assert!(with_message.body.contains("order:5"), "{with_message:?}");
+    held.release().await.unwrap();
+    for path in ["cancel", "refund", "ship"] {
+        let done = post(&client, &format!("{base}/orders/5/{path}")).await;
+        assert_eq!((done.status, done.body.as_str()), (200, "5"), "{path}");
     }
 }
 

@@ -513,7 +513,9 @@ pub(crate) async fn evicting_policy(conn: &mut Conn, timeout: Duration) -> Optio
 /// `WAIT replicas <wait>` on `conn`, the connection that made the writes it waits for: the
 /// number of replicas that have every write this connection made so far. On a cluster it is
 /// sent to the master of the slot of hash tag `tag`, on the connection that carried the
-/// writes to it.
+/// writes to it. (The durable queue's; the lock backend sends its `WAIT`s with their writes:
+/// [`ScriptCall::invoke_acknowledged`].)
+#[cfg(feature = "durable")]
 pub(crate) async fn wait_replicas(
     conn: &mut Conn,
     tag: &str,
