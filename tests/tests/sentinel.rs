@@ -475,6 +475,42 @@ async fn replicas_on_a_backend_without_them_is_unsupported() {
     assert!(locker.lock("r").try_acquire().await.unwrap().is_some());
 }
 
+/// A data-node user without the `@dangerous` commands (`+@all -@dangerous`, a common
+/// hardening) connects through Sentinel and takes locks: the check that the named node is a
+/// master reads the role from `HELLO` when `ROLE` (in `@dangerous`) is refused. Before,
+/// connecting failed as `Misconfigured` (`NOPERM` for `ROLE`), though every command the locks
+/// use was allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_dangerous_commands_connects_through_sentinel() {
+    let master = RedisServer::start();
+    let mut hardened = redis::cmd("ACL");
+    hardened.arg(
+        "SETUSER hardened reset on >pw ~* &* +@all -@dangerous"
+            .split(' ')
+            .collect::<Vec<_>>(),
+    );
+    let () = master.query(&hardened).await;
+    let config = format!(
+        "sentinel resolve-hostnames no\nsentinel monitor hardened 127.0.0.1 {} 1\n",
+        master.port()
+    );
+    let sentinel = RedisServer::start_sentinel(&config, false);
+    let url = format!(
+        "redis+sentinel://hardened:pw@127.0.0.1:{}/hardened",
+        sentinel.port()
+    );
+    let locker = Locker::builder()
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("connect as a user without @dangerous: {e}"));
+    let guard = locker.lock("hardened").acquire().await.unwrap();
+    let held: i64 = master
+        .query(redis::cmd("EXISTS").arg("dlock:{hardened}"))
+        .await;
+    assert_eq!(held, 1, "the lock is not on the master");
+    guard.release().await.unwrap();
+}
+
 /// Sentinels with a password of their own (`requirepass`, ACL users): the locker signs in to
 /// them with the URL's `sentinel_password` (and `sentinel_username`), apart from the data
 /// nodes' credentials in the userinfo. Without them, with a wrong one, or with a master name

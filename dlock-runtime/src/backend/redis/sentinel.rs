@@ -886,20 +886,49 @@ async fn keep_alive(sentinels: Weak<Sentinels>) {
 }
 
 /// Fails unless the node on `conn` says it is a master (`ROLE`): a sentinel may name a node
-/// that has not taken the role yet, or has lost it.
+/// that has not taken the role yet, or has lost it. `ROLE` is in the `@dangerous` category,
+/// which hardened ACL users lack (`+@all -@dangerous`, a common default): refused
+/// (`NOPERM`), the role is read from `HELLO 3`'s reply instead (`@fast @connection`; this
+/// connection speaks RESP3 already, so it changes nothing).
 async fn ensure_master(conn: &mut ConnectionManager, limit: Duration) -> Result<(), LockError> {
-    let role = redis::cmd("ROLE");
-    match tokio::time::timeout(limit, role.query_async::<Vec<Value>>(conn)).await {
-        Ok(Ok(r)) if matches!(r.first(), Some(Value::BulkString(b)) if b == b"master") => Ok(()),
-        Ok(Ok(_)) => Err(LockError::unavailable(
+    let deadline = tokio::time::Instant::now() + limit;
+    let timed_out = || LockError::unavailable(format!("redis: no answer within {limit:?}"), None);
+    let master =
+        match tokio::time::timeout_at(deadline, redis::cmd("ROLE").query_async::<Vec<Value>>(conn))
+            .await
+        {
+            Ok(Ok(r)) => matches!(r.first(), Some(Value::BulkString(b)) if b == b"master"),
+            Ok(Err(e)) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                let mut hello = redis::cmd("HELLO");
+                hello.arg(3);
+                match tokio::time::timeout_at(deadline, hello.query_async::<Value>(conn)).await {
+                    Ok(Ok(Value::Map(fields))) => fields.iter().any(|(k, v)| {
+                        text(k).as_deref() == Some("role") && text(v).as_deref() == Some("master")
+                    }),
+                    Ok(Ok(_)) => false,
+                    Ok(Err(e)) => return Err(super::redis_err("hello", e)),
+                    Err(_) => return Err(timed_out()),
+                }
+            }
+            Ok(Err(e)) => return Err(super::redis_err("role", e)),
+            Err(_) => return Err(timed_out()),
+        };
+    if master {
+        Ok(())
+    } else {
+        Err(LockError::unavailable(
             "redis sentinel: the node the sentinels name is not a master (yet)",
             None,
-        )),
-        Ok(Err(e)) => Err(super::redis_err("role", e)),
-        Err(_) => Err(LockError::unavailable(
-            format!("redis: no answer within {limit:?}"),
-            None,
-        )),
+        ))
+    }
+}
+
+/// A reply's text, if it is one.
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
     }
 }
 
