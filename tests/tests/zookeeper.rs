@@ -346,6 +346,158 @@ async fn a_node_left_to_its_lease_is_deleted_by_its_owner_after_the_lease() {
     assert_eq!(backend.own_nodes(), 0, "records of own nodes are left");
 }
 
+/// A lock's directory goes with its last node: every release sends a `delete` of it right behind
+/// its own node's (not awaited). Many distinct keys (a lock per order id) held at once, then
+/// released: none of their directories is left, at once — not a minute later, a few at a
+/// time. Before, only the child was deleted and the directory, a container node, was left to
+/// the server's cleanup, which runs every `znode.container.checkIntervalMs` (60 s by default, 1 s
+/// on the test server) and deletes at most `znode.container.maxPerMinute` (10,000) a minute,
+/// one every 6 ms: at 1,000 new keys a second, 50,000 more directories every minute, without
+/// bound. Taken again at once, a key finds its directory gone and makes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locks_directory_goes_with_its_last_node() {
+    const KEYS: usize = 500;
+    let url = zookeeper_server::shared().lock().unwrap().url();
+    // A lock space of this test's own: its lock root holds only its keys.
+    let chroot = format!("/tidy-{}", std::process::id());
+    let (backend, l) = zk_locker(&format!("{url}{chroot}")).await;
+    let raw = raw_client(&url).await;
+    let root = format!("{chroot}/dlock");
+    let ttl = Duration::from_secs(20);
+    let guards = futures_util::future::try_join_all(
+        (0..KEYS).map(|i| l.lock(format!("order-{i}")).ttl(ttl).acquire()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(raw.list_children(&root).await.unwrap().len(), KEYS);
+    futures_util::future::try_join_all(guards.into_iter().map(|g| g.release()))
+        .await
+        .unwrap();
+    // The session's requests are applied in order: once a later one is answered, so are the
+    // directories' deletes sent with the releases (a look-up of a lock that has no directory
+    // writes nothing).
+    assert_eq!(backend.delete_lock("no-such-lock").await.unwrap(), 0);
+    let released = Instant::now();
+    // The server's own cleanup deletes at most one container every 6 ms: within this bound,
+    // fewer than half of them.
+    poll_until(
+        Duration::from_millis(1000),
+        Duration::from_millis(20),
+        async || match raw.list_children(&root).await.unwrap().len() {
+            0 => Ok(()),
+            left => Err(format!(
+                "{left} of {KEYS} lock directories left {:?} after their locks were released",
+                released.elapsed()
+            )),
+        },
+    )
+    .await;
+    // Taken again right after: the directory is made again, and goes again.
+    for _ in 0..3 {
+        let g = try_take(&l, "order-0", ttl).await.expect("free");
+        g.release().await.unwrap();
+    }
+    assert_eq!(backend.delete_lock("no-such-lock").await.unwrap(), 0);
+    let left = raw.list_children(&root).await.unwrap();
+    assert!(left.is_empty(), "left: {left:?}");
+}
+
+/// The directory of a contended lock stays while waiters are queued in it: the holder's
+/// `delete` of it, and that of a try that found the lock held, are refused (`NotEmpty`), and
+/// nothing breaks — each waiter is granted the lock in turn, with a greater fencing token, and
+/// the last release takes the directory with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_locks_directory_stays_while_waiters_are_queued() {
+    let server = zookeeper_server::shared().lock().unwrap().url();
+    let chroot = format!("/tidy-queued-{}", std::process::id());
+    let url = format!("{server}{chroot}");
+    let raw = raw_client(&server).await;
+    let key = "contended";
+    let ttl = Duration::from_secs(20);
+    let holder = locker(&url).await;
+    let held = holder.lock(key).ttl(ttl).acquire().await.unwrap();
+    let dir = format!(
+        "{chroot}/dlock/{}",
+        holder.resource(LockKey::new(key).unwrap()).as_str()
+    );
+    let queued = async |n: usize| {
+        poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            async || match raw.list_children(&dir).await {
+                Ok(kids) if kids.len() == n => Ok(()),
+                Ok(kids) => Err(format!("{} nodes, not {n}: {kids:?}", kids.len())),
+                Err(e) => Err(format!("listing the lock's directory: {e}")),
+            },
+        )
+        .await
+    };
+    // Two waiters, queued in this order; each says when it is granted, and releases when told.
+    let mut waiters = Vec::new();
+    for n in [2, 3] {
+        let (granted_tx, granted) = tokio::sync::oneshot::channel();
+        let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let w = locker(&url).await;
+        let task = tokio::spawn(async move {
+            let g = w
+                .lock(key)
+                .ttl(ttl)
+                .on_fail(OnFail::Retry(RetryPolicy::new(Duration::from_secs(30))))
+                .acquire()
+                .await
+                .expect("a queued waiter is granted the lock");
+            let _ = granted_tx.send(g.fencing_token());
+            let _ = release_rx.await;
+            g.release()
+                .await
+                .expect("the waiter's lock is its own to release");
+        });
+        queued(n).await;
+        waiters.push((granted, release, task));
+    }
+    // A try finds the lock held; it deletes its own node, and its delete of the directory is
+    // refused.
+    let other = locker(&url).await;
+    assert!(other.lock(key).try_acquire().await.unwrap().is_none());
+    queued(3).await;
+
+    let mut last = held.fencing_token();
+    held.release().await.unwrap();
+    for (i, (granted, release, task)) in waiters.into_iter().enumerate() {
+        let token = tokio::time::timeout(Duration::from_secs(10), granted)
+            .await
+            .unwrap_or_else(|_| panic!("waiter {i} was not granted the lock within 10 s"))
+            .expect("the waiter's task ended");
+        assert!(token > last, "fencing: {token} after {last}");
+        last = token;
+        // The directory stays with the nodes of this holder and of the waiters behind it.
+        queued(2 - i).await;
+        release.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the waiter's release within 10 s")
+            .unwrap();
+    }
+    // The last release took the directory with it (the server's own cleanup, every second on
+    // the test server, could too, but rarely this soon).
+    poll_until(
+        Duration::from_millis(300),
+        Duration::from_millis(10),
+        async || match raw.check_stat(&dir).await {
+            Ok(None) => Ok(()),
+            Ok(Some(stat)) => Err(format!(
+                "the lock's directory is left ({} children) after its last release",
+                stat.num_children
+            )),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    // And the lock works on: taken and released again, its directory made and deleted again.
+    let g = try_take(&other, key, ttl).await.expect("free");
+    g.release().await.unwrap();
+}
+
 /// A node of a token that the backend does not know of — made by an attempt whose answer was
 /// lost and that was not found again, or left by a delete that failed — would hold the lock
 /// (or the queue) for that token with nobody knowing: the token's next attempt deletes it and
@@ -362,14 +514,14 @@ async fn a_stray_node_of_a_token_is_deleted_by_its_next_attempt() {
     let token = OwnerToken::generate();
     let ttl = Duration::from_secs(30);
     let ask = || attempt_as(&a, &resource, &token, WaitMode::Try, ttl);
-    // The lock's directory exists once a node was made in it.
+    // The lock's directory is made with a first node.
     let first = ask().await.unwrap();
     assert!(matches!(first, Attempt::Acquired { .. }), "{first:?}");
     assert!(backend.release(&resource, &token).await.unwrap());
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
+    let raw = raw_client(&url).await;
     let dir = format!("/dlock/{}", resource.as_str());
+    // It went with the release; made again for the stray node.
+    remake_dir(&raw, &dir).await;
     let opts = zookeeper_client::CreateMode::EphemeralSequential
         .with_acls(zookeeper_client::Acls::anyone_all());
     let stray = format!("{dir}/{}-", token.as_str());
@@ -565,6 +717,142 @@ async fn leader_kill_keeps_locks_and_acquires_keep_working() {
     );
     held.release().await.unwrap();
     assert!(try_take(&b, "held", ttl).await.is_ok());
+}
+
+/// A raw client of the ensemble or server at `url` (`zk://…`), to look at what the backend
+/// leaves in ZooKeeper.
+async fn raw_client(url: &str) -> zookeeper_client::Client {
+    zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
+        .await
+        .expect("a raw client")
+}
+
+/// The epoch (the leader's term) a zxid was written in.
+fn epoch(zxid: i64) -> i64 {
+    zxid >> 32
+}
+
+/// Makes the lock directory `dir` again, as the backend makes it (a container node), for a
+/// test that puts nodes in it by hand: a lock's directory goes with the last node that leaves
+/// it. Waits (bounded) until the release that emptied it has deleted it — its `delete` is sent
+/// on the releasing locker's connection, and could otherwise land after this `create`.
+async fn remake_dir(raw: &zookeeper_client::Client, dir: &str) {
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || match raw.check_stat(dir).await {
+            Ok(None) => Ok(()),
+            Ok(Some(stat)) => Err(format!(
+                "the lock's directory {dir} stays ({} children) after its last release",
+                stat.num_children
+            )),
+            Err(e) => Err(e.to_string()),
+        },
+    )
+    .await;
+    let opts =
+        zookeeper_client::CreateMode::Container.with_acls(zookeeper_client::Acls::anyone_all());
+    raw.create(dir, &[], &opts)
+        .await
+        .unwrap_or_else(|e| panic!("making the lock's directory {dir} again: {e}"));
+}
+
+/// A holder's node left to its lease (`auto_renew(false)`, a short TTL) while the leader is
+/// restarted: the node was last written under the old leader, whose wall clock stamped its
+/// `mtime`. A contender in the new epoch does not judge that lease by the new leader's clock:
+/// it starts the lease again (writes the node's data back, so the new leader stamps it) and
+/// takes the lock a whole TTL after its first attempt — not before, and not never.
+///
+/// Before, a lease was judged by comparing the node's `mtime` with the contender's own write's,
+/// stamped by different leaders after an election. Here the servers share one clock, so the
+/// contender got the lock when the old lease ended by that clock — before a TTL had passed since
+/// it first asked; with a new leader whose clock ran 50 ms ahead of the old one's, a waiter
+/// deleted a live holder's node 50 ms early (the margin is 1 ms for TTLs up to ¾ of the session
+/// timeout): two holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_written_under_an_old_leader_is_started_again_not_judged_across_clocks() {
+    let mut zk = Faults::take().await;
+    let url = zk.url();
+    let a = locker(&url).await;
+    // Up to ¾ of the (30 s) session timeout: the lease margin is one millisecond.
+    let ttl = Duration::from_secs(10);
+    let key = "old-epoch";
+    let held = a
+        .lock(key)
+        .ttl(ttl)
+        .auto_renew(false)
+        .acquire()
+        .await
+        .unwrap();
+    let taken = Instant::now();
+    let dir = format!("/dlock/{}", a.resource(LockKey::new(key).unwrap()).as_str());
+    let raw = raw_client(&url).await;
+    let kids = raw.list_children(&dir).await.unwrap();
+    assert_eq!(kids.len(), 1, "{kids:?}");
+    let node = format!("{dir}/{}", kids[0]);
+    let (_, written) = raw.get_data(&node).await.unwrap();
+    drop(raw);
+
+    let leader = zk.wait_leader(Duration::from_secs(10));
+    tokio::task::block_in_place(|| zk.restart(leader));
+    let restarted = taken.elapsed();
+    let raw = raw_client(&url).await;
+    let probe = raw.set_data("/dlock", &[], None).await.unwrap();
+    assert!(
+        epoch(probe.mzxid) > epoch(written.mzxid),
+        "restarting the leader made no new epoch: {:#x} then {:#x}",
+        written.mzxid,
+        probe.mzxid
+    );
+    let still = raw.check_stat(&node).await.unwrap();
+    let still = still.expect("the holder's node went with the restart (its session expired?)");
+    assert_eq!(
+        still.mzxid, written.mzxid,
+        "the holder's node was written since it was taken"
+    );
+
+    let b = locker(&url).await;
+    let asked = Instant::now();
+    let policy = RetryPolicy::new(ttl * 3).through_outages(true);
+    let g = tokio::time::timeout(
+        ttl * 3,
+        b.lock(key)
+            .ttl(ttl)
+            .on_fail(OnFail::Retry(policy))
+            .acquire(),
+    )
+    .await
+    .expect("the contender was never granted the lock after the holder's restarted lease")
+    .expect("the contender's wait failed");
+    let granted = asked.elapsed();
+    eprintln!(
+        "leader restarted {restarted:?} into a {ttl:?} lease; the contender asked {:?} after \
+         the lock was taken and was granted {granted:?} later",
+        asked - taken
+    );
+    // The lease started again with the contender's first attempt, after `asked`: the next
+    // holder is let in a whole TTL later (less the millisecond `mtime`s are counted in).
+    assert!(
+        granted + Duration::from_millis(20) >= ttl,
+        "the contender was granted {granted:?} after it first asked in the new epoch, {:?} \
+         after the lock was taken: the lease of a node written under the old leader was \
+         judged by the new leader's clock, not started again ({ttl:?})",
+        taken.elapsed()
+    );
+    // Judged again once the restarted lease ran out (a waiter asks again within its backoff,
+    // at most 1 s): not held up for good.
+    assert!(
+        granted < ttl + Duration::from_secs(3),
+        "the contender was granted {granted:?} after it first asked: long after the restarted \
+         {ttl:?} lease"
+    );
+    assert!(g.fencing_token() > held.fencing_token());
+    assert!(
+        raw.check_stat(&node).await.unwrap().is_none(),
+        "the holder's node is left"
+    );
+    g.release().await.unwrap();
+    let _ = held.release().await;
 }
 
 /// One server of three frozen (SIGSTOP, a minority, not the leader): locks are taken, renewed
@@ -1379,12 +1667,16 @@ async fn lost_create(tag: &str, hold: bool) -> LostCreate {
     let key = format!("{tag}-{}", std::process::id());
     let resource = a.resource(LockKey::new(&key).unwrap());
     let ttl = Duration::from_secs(20);
-    // The lock's directory exists (a node was made in it), so the `create` is the one call.
+    // The lock's directory exists (a node was made in it; made again after the release that
+    // took it away), so the `create` is the one call.
+    let dir = format!("/dlock/{}", resource.as_str());
+    let raw = raw_client(&url).await;
     let held = b.lock(key.as_str()).ttl(ttl).acquire().await.unwrap();
     let held = match hold {
         true => Some(held),
         false => {
             held.release().await.unwrap();
+            remake_dir(&raw, &dir).await;
             None
         }
     };
@@ -1394,10 +1686,6 @@ async fn lost_create(tag: &str, hold: bool) -> LostCreate {
     proxy.set_latency(Duration::from_millis(800));
     let lost = attempt_as(&a, &resource, &mine, WaitMode::Queue, ttl).await;
     assert!(lost.is_err(), "answered through 1.6 s of latency: {lost:?}");
-    let dir = format!("/dlock/{}", resource.as_str());
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
     let taken = poll_until(
         Duration::from_secs(5),
         Duration::from_millis(20),
@@ -1630,14 +1918,14 @@ async fn an_attempt_clears_a_long_line_of_dead_waiters() {
     let url = zookeeper_server::shared().lock().unwrap().url();
     let (backend, a) = zk_locker(&url).await;
     let key = format!("dead-line-{}", std::process::id());
-    // The lock's directory exists once a node was made in it.
+    // The lock's directory is made with a first node, goes with its release, and is made
+    // again for the dead waiters.
     let made = a.lock(key.as_str()).try_acquire().await.unwrap();
     made.expect("free").release().await.unwrap();
     let resource = a.resource(LockKey::new(&key).unwrap());
     let dir = format!("/dlock/{}", resource.as_str());
-    let raw = zookeeper_client::Client::connect(url.trim_start_matches("zk://"))
-        .await
-        .expect("a raw client");
+    let raw = raw_client(&url).await;
+    remake_dir(&raw, &dir).await;
     let opts = zookeeper_client::CreateMode::EphemeralSequential
         .with_acls(zookeeper_client::Acls::anyone_all());
     for _ in 0..20 {

@@ -3,15 +3,19 @@
 //! (node data, counted from its `mtime`) has run out by the ensemble's clock; later nodes whose
 //! lease still runs are the waiters in line. The ensemble's "now" is the `mtime` of one write:
 //! an empty `setData` on the lock root (ZooKeeper has no other clock a client can read, and a
-//! client's own clock is never trusted). Locks are listed from the children of the lock root;
-//! a force release deletes only the holder's node, guarded by its `czxid`, so the next waiter's
-//! predecessor watch fires and it takes the lock as after a release. The next holder's fencing
-//! token — its node's `czxid` — is above the old holder's by construction, so there is no
-//! counter to raise (`ForceReleased::fence` is `None`).
+//! client's own clock is never trusted). As in an attempt, a lease is judged only when that
+//! write and the node's last one were made in the same epoch, by one leader's clock (see
+//! `Seen`): a node last written under an earlier leader is live, with its whole lease left —
+//! what it has once the next attempt starts it again. An inspection writes nothing to a lock's
+//! nodes, so it does not start such a lease itself. Locks are listed from the children of the
+//! lock root; a force release deletes only the holder's node, guarded by its `czxid`, so the
+//! next waiter's predecessor watch fires and it takes the lock as after a release. The next
+//! holder's fencing token — its node's `czxid` — is above the old holder's by construction, so
+//! there is no counter to raise (`ForceReleased::fence` is `None`).
 
 use zookeeper_client::Client;
 
-use super::{again, node_name, sorted, unavailable, Seen, ZkBackend, ZkError};
+use super::{again, node_name, sorted, unavailable, Now, Seen, ZkBackend, ZkError};
 use crate::backend::admin::{
     is_holder, key_of, name_prefix, token_prefix, ForceReleased, Holder, LockPage, LockState,
     Waiter,
@@ -64,7 +68,7 @@ impl Judged {
     /// A deleted node is not ahead of anything: when the head's node went between the listing
     /// and its read (a release, an expiry, a force), the next node is the lowest and holds —
     /// counted as a waiter, the lock read "free" while that node's owner held it.
-    fn of(seen: Vec<Option<Seen>>, now: i64) -> Self {
+    fn of(seen: Vec<Option<Seen>>, now: Now) -> Self {
         let mut live = seen
             .into_iter()
             .flatten()
@@ -87,15 +91,15 @@ impl Judged {
 }
 
 impl ZkBackend {
-    /// The ensemble's clock: the `mtime` of an empty write to the lock root.
-    async fn server_now(&self, c: &Client) -> Result<i64, LockError> {
+    /// The ensemble's clock: the `mtime` (and epoch) of an empty write to the lock root.
+    async fn server_now(&self, c: &Client) -> Result<Now, LockError> {
         match again(|| c.set_data(&self.base, &[], None)).await {
-            Ok(stat) => Ok(stat.mtime),
+            Ok(stat) => Ok(Now::of(&stat)),
             Err(e) => Err(unavailable("setData (clock)", e)),
         }
     }
 
-    async fn judge(&self, c: &Client, resource: &str, now: i64) -> Result<Judged, LockError> {
+    async fn judge(&self, c: &Client, resource: &str, now: Now) -> Result<Judged, LockError> {
         let dir = self.dir(resource);
         let kids = match again(|| c.list_children(&dir)).await {
             Ok(k) => sorted(k),
@@ -106,7 +110,7 @@ impl ZkBackend {
         Ok(Judged::of(seen, now))
     }
 
-    async fn state_at(&self, c: &Client, resource: &str, now: i64) -> Result<LockState, LockError> {
+    async fn state_at(&self, c: &Client, resource: &str, now: Now) -> Result<LockState, LockError> {
         let judged = self.judge(c, resource, now).await?;
         Ok(LockState {
             key: key_of(resource).to_owned(),
@@ -272,16 +276,34 @@ mod tests {
     /// (and a force release answered "was not held") while that node's owner held it.
     #[test]
     fn a_head_deleted_after_the_listing_leaves_the_next_node_holding() {
-        let judged = Judged::of(vec![None, node(2, 1_000, 500), node(3, 1_000, 500)], 1_100);
+        let now = Now {
+            mtime: 1_100,
+            epoch: 0,
+        };
+        let judged = Judged::of(vec![None, node(2, 1_000, 500), node(3, 1_000, 500)], now);
         assert_eq!(judged.holder.map(|s| s.child.order), Some(2));
         assert_eq!(orders(&judged.waiters), [3]);
         // An expired node ahead still stands in line until an attempt deletes it: the lock is
         // free and the live nodes behind it wait.
-        let judged = Judged::of(vec![node(1, 0, 100), node(2, 1_000, 500)], 1_100);
+        let judged = Judged::of(vec![node(1, 0, 100), node(2, 1_000, 500)], now);
         assert!(judged.holder.is_none());
         assert_eq!(orders(&judged.waiters), [2]);
-        let judged = Judged::of(vec![None, node(2, 0, 100), node(3, 1_000, 500)], 1_100);
+        let judged = Judged::of(vec![None, node(2, 0, 100), node(3, 1_000, 500)], now);
         assert!(judged.holder.is_none());
         assert_eq!(orders(&judged.waiters), [3]);
+    }
+
+    /// After a leader change, a holder's node last written under the old leader is judged as
+    /// an attempt judges it: live (its lease is started again, never judged by two leaders'
+    /// clocks), so it is the holder, whatever its `mtime`.
+    #[test]
+    fn a_node_of_an_earlier_epoch_still_holds() {
+        let now = Now {
+            mtime: 1_100,
+            epoch: 1,
+        };
+        let judged = Judged::of(vec![node(1, 0, 100), node(2, 1_000, 500)], now);
+        assert_eq!(judged.holder.map(|s| s.child.order), Some(1));
+        assert_eq!(orders(&judged.waiters), [2]);
     }
 }

@@ -5,14 +5,18 @@
 //! # Layout and recipe
 //!
 //! Every lock is a directory node `<chroot>/dlock/<resource>` (the resource string
-//! percent-encoded to a valid node name), created on first use as a *container* node, which the
-//! server deletes by itself once its last child is gone (ZooKeeper ≥ 3.5.3) — a lock leaves no
-//! node behind. Every acquisition creates its own **ephemeral sequential** child
-//! `<owner token>-<sequence>` (the token in the name is Curator's "protected mode": the node can
-//! always be found by its owner, also when the answer to its `create` was lost). The child with
-//! the lowest sequence holds the lock; every other child is a waiter, in arrival order (fair
-//! FIFO, [`Backend::fifo`] is `true`), and each waiter watches only its predecessor (no herd,
-//! no polling).
+//! percent-encoded to a valid node name), created on first use as a *container* node
+//! (ZooKeeper ≥ 3.5.3). Whoever deletes its own child — a release, an undo, a try that found
+//! the lock held — also sends a `delete` of the directory right behind it (not awaited; the
+//! server refuses it while any child is left), so the last to leave deletes it and a lock
+//! leaves no node behind. The server's own cleanup of empty containers is only the backstop:
+//! it runs once a minute, deletes at most 10,000 a minute, and never one that never had a
+//! child, which for a lock per order id is far too slow. Every acquisition creates its own
+//! **ephemeral sequential** child `<owner token>-<sequence>` (the token in the name is
+//! Curator's "protected mode": the node can always be found by its owner, also when the answer
+//! to its `create` was lost). The child with the lowest sequence holds the lock; every other
+//! child is a waiter, in arrival order (fair FIFO, [`Backend::fifo`] is `true`), and each
+//! waiter watches only its predecessor (no herd, no polling).
 //!
 //! * [`WaitMode::Try`] / [`WaitMode::Barge`]: create the own child (or find the one an earlier
 //!   attempt by the same token made: a holder asking again is granted again, its lease
@@ -23,8 +27,9 @@
 //! * [`WaitMode::Queue`]: create the own child once (later attempts find it), list; the
 //!   lowest → `Acquired`; otherwise stay queued and watch the predecessor's node.
 //! * [`release`](Backend::release): delete the own child (its name holds the secret owner
-//!   token, so its existence is the owner check). [`abandon`](Backend::abandon): the same, for
-//!   a child found by its token if the `create`'s answer never arrived.
+//!   token, so its existence is the owner check), then the directory if that left it empty.
+//!   [`abandon`](Backend::abandon): the same, for a child found by its token if the
+//!   `create`'s answer never arrived.
 //! * [`watch`](Backend::watch): registers the waiter in the [`ReleaseHub`]; the attempt that
 //!   finds it queued sets a ZooKeeper watch on its predecessor's node, and its deletion (or a
 //!   session event) wakes exactly that waiter. A data change of the predecessor (its own
@@ -48,7 +53,7 @@
 //! `auto_renew(false)`) inside a living process would hold its lock forever. So every node also
 //! carries a **lease in its data** (its length in milliseconds), counted from the node's
 //! `mtime` — the time the ensemble's leader stamped on the last write to it, so the lease is
-//! judged by ZooKeeper's clock, never a client's:
+//! judged by ZooKeeper's clock, never a client's — and only by **one leader's** clock:
 //!
 //! * a holder's node carries the lock's TTL; renewal ([`extend`](Backend::extend)) rewrites it
 //!   (`setData`, which also restamps `mtime`), and can shorten it;
@@ -58,6 +63,19 @@
 //!   that got there first wins. A holder that died thus stops blocking others after its TTL, as
 //!   on every backend, and its session takes its node away after the session timeout in any
 //!   case;
+//! * the two `mtime`s are compared only when both writes were made in the same epoch
+//!   (`zxid >> 32`, one per leader), so both were stamped by the same leader's wall clock. After
+//!   a leader change, a node last written under the old leader is not expired, however old its
+//!   `mtime`: the first attempt that reads it in the new epoch writes its data back unchanged
+//!   (guarded by its version), which starts its lease again under the new leader, and later
+//!   attempts judge it from there. Comparing the clocks of two servers let a new leader whose
+//!   clock ran ahead of the old one's end a living holder's lease early by the difference —
+//!   with a margin of one millisecond ([`Backend::lease_margin`]), a second holder. A holder
+//!   that dies across a leader change thus frees its lock a lease after the first attempt that
+//!   reads its node in the new epoch: later than its own lease ended, never earlier. The
+//!   holder's local lease clock still counts from its last renewal. What remains assumed is
+//!   that one leader's wall clock does not step forward during a lease (see
+//!   [`Backend::lease_margin`]);
 //! * a node of a living session whose lease ended (a lock released with a minimum hold is left
 //!   to its lease, a release that never landed, a guard leaked with renewal off) is deleted by
 //!   its own backend a session timeout after its lease ended, at the first write it makes after
@@ -153,7 +171,7 @@
 //! Inspection for operators ([`Backend::admin`]) is implemented in `admin.rs`: nodes judged
 //! as an attempt judges them, by the ensemble's clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::ops::Deref;
@@ -884,6 +902,7 @@ async fn settle(mut task: Settler) {
                                 "zookeeper: deleted a node of an attempt whose undo had no \
                                  answer"
                             );
+                            send_rmdir(&c, &dir);
                         }
                         false
                     }
@@ -898,6 +917,60 @@ async fn settle(mut task: Settler) {
     }
 }
 
+/// Lock directories whose last node may be this backend's own, just released (their delete
+/// sent with the release: [`send_rmdir`]): a hint for [`ZkBackend::create_own`] to send the
+/// directory's `create` with its first try there. A hint is only that — one wrong costs a
+/// refused `create` sent along with the child's (waiters were left in the directory), one
+/// missing a round trip — so at most [`TIDIED_HINTS`] are kept, and all are dropped when that
+/// many are.
+#[derive(Default)]
+struct Tidied(Mutex<HashSet<String>>);
+
+/// How many [`Tidied`] hints a backend keeps at most.
+const TIDIED_HINTS: usize = 1024;
+
+impl Tidied {
+    fn dirs(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn note(&self, dir: &str) {
+        let mut dirs = self.dirs();
+        if dirs.len() >= TIDIED_HINTS {
+            dirs.clear();
+        }
+        dirs.insert(dir.to_owned());
+    }
+
+    /// Whether `dir` was noted (the note is used up).
+    fn take(&self, dir: &str) -> bool {
+        self.dirs().remove(dir)
+    }
+}
+
+/// Sends a `delete` of the lock directory `dir`, whose last node may just have gone, and does
+/// not wait for the answer.
+///
+/// Why: a lock's directory is a container node, which the server deletes by itself once
+/// empty, but only every `znode.container.checkIntervalMs` (60 s by default), at most
+/// `znode.container.maxPerMinute` (10,000) a minute, and never one that never had a child. A
+/// lock per order id at more than about 170 new keys a second left directories piling up
+/// without bound, in the ensemble's memory and in every snapshot, and the lock root's listing
+/// outgrew `jute.maxbuffer`. The containers stay, as the backstop for a delete that was lost.
+///
+/// Safe at any time: ZooKeeper refuses it (`NotEmpty`) while any node is left — a holder's, a
+/// queued waiter's, a try's —, so it never takes a lock or a place in line from anyone, and a
+/// `create` into a directory deleted meanwhile finds it gone and makes it again
+/// ([`ZkBackend::create_own`]). `NoNode` when another got there first. Both answers, and any
+/// other, are dropped.
+///
+/// Off the caller's path: the client sends a request when it is called (its documented
+/// behaviour; the future only awaits the answer), and the server applies it after the requests
+/// the session sent before — the own node's `delete` —, so no round trip is added.
+fn send_rmdir(c: &Client, dir: &str) {
+    drop(c.delete(dir, None));
+}
+
 /// Locks in ZooKeeper. See the [module docs](self) for the recipe, fencing and leases.
 #[derive(Clone)]
 pub struct ZkBackend {
@@ -908,6 +981,7 @@ pub struct ZkBackend {
     owned: Owned,
     watchers: Watchers,
     unsettled: Arc<Unsettled>,
+    tidied: Arc<Tidied>,
 }
 
 impl fmt::Debug for ZkBackend {
@@ -1049,7 +1123,42 @@ fn refused_for_good(e: &ZkError) -> bool {
     )
 }
 
+/// The epoch of a zxid: the leader's term the write was made in (its upper 32 bits). One
+/// leader proposes every write of an epoch, and stamps each one's `mtime` by its own wall
+/// clock; a new leader starts a new epoch.
+fn epoch(zxid: i64) -> i64 {
+    zxid >> 32
+}
+
+/// The ensemble's "now" for expiry checks: the `mtime` of the observer's own write (of this
+/// attempt, or an inspection's empty write to the lock root) and the epoch it was made in.
+#[derive(Clone, Copy, Debug)]
+struct Now {
+    mtime: i64,
+    epoch: i64,
+}
+
+impl Now {
+    fn of(stat: &Stat) -> Self {
+        Now {
+            mtime: stat.mtime,
+            epoch: epoch(stat.mzxid),
+        }
+    }
+}
+
 /// A node read for an expiry check: where it is, its lease and its stat.
+///
+/// A lease is judged only against a "now" of the same epoch as the node's last write
+/// (`mzxid`): both `mtime`s were then stamped by one leader's clock. The leaders of two epochs
+/// are two machines whose wall clocks differ by whatever NTP left between them (tens of ms are
+/// common), while a lease shorter than ¾ of the session timeout has a margin of one
+/// millisecond ([`Backend::lease_margin`]): judged across a leader change, a new leader whose
+/// clock runs ahead ended a living holder's lease early by the difference, and let a second
+/// holder in. A node last written in an earlier epoch is not expired, however old its
+/// `mtime`: its lease is started again in the current epoch ([`ZkBackend::restart_stale`])
+/// and judged by the current leader's clock from then on. Its holder loses nothing: its own
+/// local lease counts from its last answered renewal, before that restart.
 struct Seen {
     child: Child,
     lease: Option<i64>,
@@ -1057,15 +1166,35 @@ struct Seen {
 }
 
 impl Seen {
-    fn expired(&self, now: i64) -> bool {
-        self.lease
-            .is_some_and(|l| self.stat.mtime.saturating_add(l) <= now)
+    /// Whether the node's last write was stamped by the same leader as `now`.
+    fn same_clock(&self, now: Now) -> bool {
+        epoch(self.stat.mzxid) == now.epoch
     }
 
-    fn remaining(&self, now: i64) -> Option<Duration> {
+    /// Whether its lease has run out by `now`: never across epochs (see [`Seen`]).
+    fn expired(&self, now: Now) -> bool {
+        self.same_clock(now)
+            && self
+                .lease
+                .is_some_and(|l| self.stat.mtime.saturating_add(l) <= now.mtime)
+    }
+
+    /// Its lease left at `now`; for a node of another epoch, its whole lease (the most it has
+    /// left once it is started again in the current one).
+    fn remaining(&self, now: Now) -> Option<Duration> {
         let l = self.lease?;
-        let left = self.stat.mtime.saturating_add(l).saturating_sub(now).max(0);
-        Some(Duration::from_millis(left.unsigned_abs()))
+        let left = if self.same_clock(now) {
+            self.stat.mtime.saturating_add(l).saturating_sub(now.mtime)
+        } else {
+            l
+        };
+        Some(Duration::from_millis(left.max(0).unsigned_abs()))
+    }
+
+    /// Whether its lease was last written in an epoch before `now`'s: to be started again in
+    /// the current one before it can be judged.
+    fn stale(&self, now: Now) -> bool {
+        self.lease.is_some() && epoch(self.stat.mzxid) < now.epoch
     }
 }
 
@@ -1113,6 +1242,7 @@ impl ZkBackend {
             owned: Arc::default(),
             watchers: Arc::default(),
             unsettled: Arc::default(),
+            tidied: Arc::default(),
         })
     }
 
@@ -1152,6 +1282,7 @@ impl ZkBackend {
                     Err(e) => return Err(unavailable("delete", e)),
                 }
             }
+            send_rmdir(&c, &dir);
             Ok(n)
         })
         .await
@@ -1282,7 +1413,10 @@ impl ZkBackend {
             for (path, version) in stale {
                 // Gone already, written since, or no answer: left to the next attempt on
                 // the lock or to the session's end.
-                let _ = tokio::time::timeout(limit, c.delete(&path, Some(version))).await;
+                let deleted = tokio::time::timeout(limit, c.delete(&path, Some(version))).await;
+                if let (Ok(Ok(())), Some((dir, _))) = (deleted, path.rsplit_once('/')) {
+                    send_rmdir(&c, dir);
+                }
             }
         });
     }
@@ -1351,6 +1485,14 @@ impl ZkBackend {
     /// a node of the token was found instead — this request's, or one an earlier attempt of
     /// the token made whose answer the command timeout cut off, with the lease of that
     /// attempt's time.
+    ///
+    /// A missing directory is normal: the last node to leave a lock deletes it
+    /// ([`send_rmdir`]), on this backend or another. Its `create` and the child's are then sent
+    /// together, the child's right behind it without waiting for its answer (the client sends a
+    /// request when it is called, and the server applies a session's requests in order): one
+    /// round trip, not two. From the first try so when this backend released the lock there
+    /// lately ([`Tidied`]): a lock taken again by the same backend soon after its release costs
+    /// no more round trips than when its directory stayed.
     async fn create_own(
         &self,
         c: &Client,
@@ -1360,9 +1502,23 @@ impl ZkBackend {
     ) -> Result<(String, Stat, bool), LockError> {
         let path = format!("{dir}/{}-", token.as_str());
         let data = lease_data(lease);
+        let opts = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+        let dir_opts = CreateMode::Container.with_acls(Acls::anyone_all());
+        let mut mkdir = self.tidied.take(dir);
         loop {
-            let opts = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
-            match c.create(&path, &data, &opts).await {
+            // Sent in this order: the directory's create (when it is to be made) is applied
+            // before the child's.
+            let container = mkdir.then(|| c.create(dir, &[], &dir_opts));
+            let made = c.create(&path, &data, &opts);
+            let (dir_made, made) = match container {
+                Some(container) => {
+                    let (d, m) = futures_util::future::join(container, made).await;
+                    (Some(d), m)
+                }
+                None => (None, made.await),
+            };
+            mkdir = false;
+            match made {
                 Ok((stat, seq)) => {
                     self.session.granted(lease);
                     return Ok((format!("{}-{seq}", token.as_str()), stat, true));
@@ -1377,19 +1533,21 @@ impl ZkBackend {
                     }
                 }
                 Err(ZkError::NoNode) => {
-                    // The lock's directory does not exist (first use, or the server removed the
-                    // empty container): create it and try again.
-                    let opts = CreateMode::Container.with_acls(Acls::anyone_all());
-                    match again(|| c.create(dir, &[], &opts)).await {
-                        Ok(_) | Err(ZkError::NodeExists) => {}
-                        Err(ZkError::NoNode) => {
+                    // The lock's directory does not exist (first use, the last node to leave
+                    // it deleted it, or the server removed the empty container): made with the
+                    // next try. Unless it was just tried and the lock root is what is missing.
+                    match dir_made {
+                        None | Some(Ok(_) | Err(ZkError::NodeExists)) => {}
+                        Some(Err(ZkError::NoNode)) => {
                             let opts = CreateMode::Persistent.with_acls(Acls::anyone_all());
                             c.mkdir(&self.base, &opts)
                                 .await
                                 .map_err(|e| unavailable("creating the lock root", e))?;
                         }
-                        Err(e) => return Err(unavailable("create", e)),
+                        Some(Err(e)) if lost_connection(&e) => {}
+                        Some(Err(e)) => return Err(unavailable("create", e)),
                     }
+                    mkdir = true;
                 }
                 Err(e) => return Err(unavailable("create", e)),
             }
@@ -1470,6 +1628,52 @@ impl ZkBackend {
             }
         });
         futures_util::future::try_join_all(reads).await
+    }
+
+    /// Starts again, in the current epoch, the lease of every node of `seen` last written in an
+    /// epoch before `now`'s ([`Seen::stale`]), so that the current leader's clock judges it
+    /// from then on: its data is written back unchanged, guarded by the version read, and the
+    /// new stat (`mtime`, `mzxid`) taken for its own. A version that no longer matches means
+    /// the node was written meanwhile — renewed by its owner, or started again by another
+    /// observer — and it stays as read: not expired, with its whole lease left, until the next
+    /// attempt reads it again. A node gone meanwhile becomes `None`.
+    ///
+    /// The observer's next attempt judges the restarted lease: [`Seen::remaining`] reports it
+    /// whole, and a waiter asks again by then (or at its next refresh), so one that died after
+    /// a leader change frees its lock a lease after the first attempt that saw it in the new
+    /// epoch, never later. The data change wakes no waiter: a predecessor watch re-arms on it.
+    async fn restart_stale(
+        c: &Client,
+        dir: &str,
+        seen: &mut [Option<Seen>],
+        now: Now,
+    ) -> Result<(), LockError> {
+        let restarts = seen.iter().enumerate().filter_map(|(i, s)| {
+            let s = s.as_ref().filter(|s| s.stale(now))?;
+            let path = format!("{dir}/{}", s.child.name);
+            let data = s.lease?.to_string().into_bytes();
+            let version = s.stat.version;
+            Some(async move {
+                match again(|| c.set_data(&path, &data, Some(version))).await {
+                    Ok(stat) => Ok((i, Some(Some(stat)))),
+                    Err(ZkError::BadVersion) => Ok((i, Some(None))),
+                    Err(ZkError::NoNode) => Ok((i, None)),
+                    Err(e) => Err(unavailable("setData (lease restart)", e)),
+                }
+            })
+        });
+        for (i, outcome) in futures_util::future::try_join_all(restarts).await? {
+            match outcome {
+                Some(Some(stat)) => {
+                    if let Some(s) = &mut seen[i] {
+                        s.stat = stat;
+                    }
+                }
+                Some(None) => {}
+                None => seen[i] = None,
+            }
+        }
+        Ok(())
     }
 
     /// Deletes an expired node, unless it was renewed since it was read.
@@ -1623,7 +1827,9 @@ impl ZkBackend {
                     }
                 }
             }
-            let now = stat.map_or(0, |s| s.mtime);
+            // The ensemble's "now": the `mtime` and epoch of this attempt's own last write
+            // (there is always one by here; without, nothing would count as expired).
+            let now = stat.as_ref().map_or(Now { mtime: 0, epoch: 0 }, Now::of);
             // A try must find every node ahead dead; a queued waiter needs only its
             // predecessor gone (the head is read for the holder's remaining lease).
             let ahead: Vec<&Child> = if queue {
@@ -1635,7 +1841,8 @@ impl ZkBackend {
             } else {
                 kids[..pos].iter().collect()
             };
-            let seen = Self::read(&c, &dir, &ahead).await?;
+            let mut seen = Self::read(&c, &dir, &ahead).await?;
+            Self::restart_stale(&c, &dir, &mut seen, now).await?;
             let mut cleared = 0;
             for s in seen.iter().flatten().filter(|s| s.expired(now)) {
                 Self::delete_expired(&c, &dir, s).await?;
@@ -1669,6 +1876,9 @@ impl ZkBackend {
                     Ok(()) | Err(ZkError::NoNode) => self.forget(args.resource, args.token),
                     Err(e) => return Err(unavailable("delete", e)),
                 }
+                // Refused while the nodes ahead are there; the last of them may have gone
+                // meanwhile, its own attempt to delete the directory refused for this node.
+                send_rmdir(&c, &dir);
                 // A barging waiter (not in line) is woken when the first live node — the
                 // holder's — goes, as a queued one is by its predecessor's.
                 if args.mode == WaitMode::Barge {
@@ -1801,12 +2011,23 @@ impl Backend for ZkBackend {
         "zookeeper"
     }
 
+    /// A lease is whole milliseconds from a node's `mtime` (the leader's clock, in whole
+    /// milliseconds), as on Redis: the part of `ttl` below a millisecond, and one more. And
+    /// the local lease never counts on more than ¾ of the session timeout (see the module
+    /// docs: the leader may have last heard of the session up to half a tick — at most a
+    /// quarter of the session timeout — before the client's last answered request).
+    ///
+    /// No allowance for clocks: a lease is judged only by the leader that stamped its last
+    /// write (never across a leader change: see the [module docs](self)), so the skew between
+    /// servers does not count, and — as for the Redis server's clock — that leader's wall
+    /// clock is assumed not to step during a lease. A forward step of it (an NTP step, a VM
+    /// resumed) ends every lease it judges early by the step while its holder still counts
+    /// it, and can let a second holder in; keep the servers' clocks slewed, not stepped, and
+    /// check fencing tokens at the resource. A rate error of that clock counts as on Redis:
+    /// 100 ppm over a 10 s lease is the whole millisecond of margin that a TTL up to ¾ of the
+    /// session timeout has (the request's way to the leader, counted by the holder and not by
+    /// the leader, adds to it).
     fn lease_margin(&self, ttl: Duration) -> Duration {
-        // A lease is whole milliseconds from a node's `mtime` (the leader's clock, in whole
-        // milliseconds), as on Redis. And the local lease never counts on more than ¾ of the
-        // session timeout (see the module docs: the leader may have last heard of the session
-        // up to half a tick — at most a quarter of the session timeout — before the client's
-        // last answered request).
         ttl.saturating_sub(local_lease_cap(self.session.timeout()))
             .max(crate::util::whole_ms_margin(ttl, 1))
     }
@@ -1840,6 +2061,11 @@ impl Backend for ZkBackend {
                 Err(e) => return Err(unavailable("delete", e)),
             };
             self.forget(resource, token);
+            // The lock is often taken again by this backend soon (a lock per user, per
+            // account): its next `create` there makes the directory first, in the same round
+            // trip. Not noted after a try or an undo, which leave the nodes ahead in place.
+            send_rmdir(&c, &dir);
+            self.tidied.note(&dir);
             Ok(released)
         }))
     }
@@ -1900,17 +2126,23 @@ impl Backend for ZkBackend {
                         return Err(unavailable("sync", e));
                     }
                     let kids = match again(|| c.list_children(&dir)).await {
-                        Ok(kids) => kids,
-                        Err(ZkError::NoNode) => Vec::new(),
+                        Ok(kids) => Some(kids),
+                        Err(ZkError::NoNode) => None,
                         Err(e) => return Err(unavailable("getChildren", e)),
                     };
-                    for name in kids.iter().filter(|k| owned_by(k, token)) {
+                    for name in kids.iter().flatten().filter(|k| owned_by(k, token)) {
                         match again(|| c.delete(&format!("{dir}/{name}"), None)).await {
                             Ok(()) | Err(ZkError::NoNode) => {}
                             Err(e) => return Err(unavailable("delete", e)),
                         }
                     }
                     self.forget(resource, token);
+                    // Also when the attempt left no node: one cut off between making the
+                    // directory and its own node left the directory empty, and the server
+                    // never removes a container that never had a child.
+                    if kids.is_some() {
+                        send_rmdir(&c, &dir);
+                    }
                     Ok(())
                 })
                 .await;
@@ -2039,9 +2271,47 @@ mod tests {
             lease: lease_of(b"300"),
             stat,
         };
-        assert!(!seen.expired(1_299));
-        assert!(seen.expired(1_300));
-        assert_eq!(seen.remaining(1_100), Some(Duration::from_millis(200)));
+        let at = |mtime| Now { mtime, epoch: 0 };
+        assert!(!seen.expired(at(1_299)));
+        assert!(seen.expired(at(1_300)));
+        assert_eq!(seen.remaining(at(1_100)), Some(Duration::from_millis(200)));
+        assert!(!seen.stale(at(1_300)));
         assert_eq!(lease_of(b"x"), None);
+    }
+
+    /// A lease is judged only by the leader that stamped it: a node last written in an earlier
+    /// epoch (under another leader, with another wall clock) is not expired however far the
+    /// new leader's `mtime` is past its own, has its whole lease left, and is to be started
+    /// again; one written in a later epoch than the observer's write is not judged either.
+    /// Before, a new leader whose clock ran ahead ended a living holder's lease early.
+    #[test]
+    fn leases_are_not_judged_across_epochs() {
+        let in_epoch = |epoch: i64, mtime: i64| Seen {
+            child: Child {
+                name: "x-1".into(),
+                order: 1,
+            },
+            lease: lease_of(b"300"),
+            stat: stat_at((epoch << 32) | 7, mtime),
+        };
+        let now = Now {
+            mtime: 10_000,
+            epoch: 2,
+        };
+        let old = in_epoch(1, 1_000);
+        assert!(!old.expired(now), "judged by two leaders' clocks");
+        assert!(old.stale(now));
+        assert_eq!(old.remaining(now), Some(Duration::from_millis(300)));
+        let newer = in_epoch(3, 1_000);
+        assert!(!newer.expired(now) && !newer.stale(now));
+        let same = in_epoch(2, 9_700);
+        assert!(same.expired(now) && !same.stale(now));
+        assert_eq!(Now::of(&stat_at((2 << 32) | 9, 5)).epoch, 2);
+        // A node without a lease lives with its session: nothing to start again.
+        let no_lease = Seen {
+            lease: None,
+            ..in_epoch(1, 1_000)
+        };
+        assert!(!no_lease.stale(now) && !no_lease.expired(now));
     }
 }
