@@ -475,6 +475,24 @@ async fn replicas_on_a_backend_without_them_is_unsupported() {
     assert!(locker.lock("r").try_acquire().await.unwrap().is_some());
 }
 
+/// Runs `ACL SETUSER <rule…>` (`rules`, split at spaces) on `server`.
+async fn set_user(server: &RedisServer, rules: &str) {
+    let mut setuser = redis::cmd("ACL");
+    setuser
+        .arg("SETUSER")
+        .arg(rules.split(' ').collect::<Vec<_>>());
+    let () = server.query(&setuser).await;
+}
+
+/// A sentinel of its own monitoring `master` under `name` (quorum 1).
+fn sentinel_of(master: &RedisServer, name: &str) -> RedisServer {
+    let config = format!(
+        "sentinel resolve-hostnames no\nsentinel monitor {name} 127.0.0.1 {} 1\n",
+        master.port()
+    );
+    RedisServer::start_sentinel(&config, false)
+}
+
 /// A data-node user without the `@dangerous` commands (`+@all -@dangerous`, a common
 /// hardening) connects through Sentinel and takes locks: the check that the named node is a
 /// master reads the role from `HELLO` when `ROLE` (in `@dangerous`) is refused. Before,
@@ -483,18 +501,8 @@ async fn replicas_on_a_backend_without_them_is_unsupported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_without_dangerous_commands_connects_through_sentinel() {
     let master = RedisServer::start();
-    let mut hardened = redis::cmd("ACL");
-    hardened.arg(
-        "SETUSER hardened reset on >pw ~* &* +@all -@dangerous"
-            .split(' ')
-            .collect::<Vec<_>>(),
-    );
-    let () = master.query(&hardened).await;
-    let config = format!(
-        "sentinel resolve-hostnames no\nsentinel monitor hardened 127.0.0.1 {} 1\n",
-        master.port()
-    );
-    let sentinel = RedisServer::start_sentinel(&config, false);
+    set_user(&master, "hardened reset on >pw ~* &* +@all -@dangerous").await;
+    let sentinel = sentinel_of(&master, "hardened");
     let url = format!(
         "redis+sentinel://hardened:pw@127.0.0.1:{}/hardened",
         sentinel.port()
@@ -519,32 +527,10 @@ async fn a_user_without_dangerous_commands_connects_through_sentinel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinels_with_a_password_of_their_own_are_signed_in_to() {
     let master = RedisServer::start();
-    let mut app = redis::cmd("ACL");
-    app.arg(
-        "SETUSER app reset on >data-pw ~* &* +@all"
-            .split(' ')
-            .collect::<Vec<_>>(),
-    );
-    let () = master.query(&app).await;
-    let config = format!(
-        "sentinel resolve-hostnames no\nsentinel monitor authed 127.0.0.1 {} 1\n",
-        master.port()
-    );
-    let sentinel = RedisServer::start_sentinel(&config, false);
-    let mut watch = redis::cmd("ACL");
-    watch.arg(
-        "SETUSER watch on >watch-pw +@all"
-            .split(' ')
-            .collect::<Vec<_>>(),
-    );
-    let () = sentinel.query(&watch).await;
-    let mut default = redis::cmd("ACL");
-    default.arg(
-        "SETUSER default resetpass >sentinel-pw"
-            .split(' ')
-            .collect::<Vec<_>>(),
-    );
-    let () = sentinel.query(&default).await;
+    set_user(&master, "app reset on >data-pw ~* &* +@all").await;
+    let sentinel = sentinel_of(&master, "authed");
+    set_user(&sentinel, "watch on >watch-pw +@all").await;
+    set_user(&sentinel, "default resetpass >sentinel-pw").await;
 
     let url = |name: &str, query: &str| {
         format!(
