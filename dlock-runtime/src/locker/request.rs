@@ -671,7 +671,11 @@ async fn wait_for(
     take: Take,
     policy: RetryPolicy,
 ) -> Result<LockGuard, LockError> {
-    let start = Instant::now();
+    // The deadline on tokio's clock, which the sleeps below are on: under a paused clock (a
+    // test's `start_paused`) the wait ends by that clock. On the real clock it never did — the
+    // runtime moved its clock through every sleep at once, and the waiter asked in a loop
+    // until the real deadline.
+    let start = tokio::time::Instant::now();
     // A wait past what the clock can count (`Duration::MAX` for "as long as it takes") waits
     // a century instead of overflowing.
     let deadline = start
@@ -725,7 +729,7 @@ async fn wait_for(
     let outage = |err: LockError, step: u32, lost_too: bool| {
         let retry = policy.through_outages && (err.is_unavailable() || (lost_too && err.is_lost()));
         let pause = retry
-            .then(|| deadline.checked_duration_since(Instant::now()))
+            .then(|| deadline.checked_duration_since(tokio::time::Instant::now()))
             .flatten()
             .filter(|left| !left.is_zero())
             .map(|left| {
@@ -778,7 +782,7 @@ async fn wait_for(
                     continue 'ask;
                 }
             };
-            let now = Instant::now();
+            let now = tokio::time::Instant::now();
             // A handoff noted before this answer came is stale: had it still stood when the
             // attempt reached the backend, the attempt would have found the lock this
             // waiter's and been granted it. On one Redis server (or Sentinel's master) the
@@ -820,7 +824,7 @@ async fn wait_for(
                 // No attempt starts after the deadline, which subscribing may have passed
                 // (asked again then, a slow backend stretched the wait by three command
                 // timeouts: the subscription, the attempt, and leaving the queue).
-                let now = Instant::now();
+                let now = tokio::time::Instant::now();
                 if now >= deadline {
                     return Err(time_out(locker, &mut flight, now - start, remaining).await);
                 }
@@ -1117,6 +1121,40 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(out, Some(Some("job".to_owned())));
+    }
+
+    /// A wait under tokio's paused clock (a test's `start_paused`) ends by that clock:
+    /// `retry(10 s)` against a held lock times out after 10 s of the test's time, having asked
+    /// a handful of times. Before, its deadline was on the real clock while it slept on tokio's:
+    /// the runtime moved its clock through every sleep at once, and the waiter asked in a loop
+    /// for 10 real seconds — hundreds of thousands of attempts.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_under_a_paused_clock_ends_by_that_clock() {
+        let (locker, outage) = outage_locker();
+        let held = locker
+            .lock("k")
+            .ttl(Duration::from_secs(60))
+            .auto_renew(false)
+            .acquire()
+            .await
+            .unwrap();
+        let before = outage.attempts.load(Ordering::SeqCst);
+        let start = tokio::time::Instant::now();
+        let err = locker
+            .lock("k")
+            .on_fail(OnFail::retry(Duration::from_secs(10)))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert!(
+            start.elapsed() >= Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        let asked = outage.attempts.load(Ordering::SeqCst) - before;
+        assert!(asked < 100, "{asked} attempts in a 10 s wait");
+        drop(held);
     }
 
     /// `Locker::waiting` counts a waiter only once a release would wake it: after it
