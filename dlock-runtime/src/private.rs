@@ -217,9 +217,15 @@ async fn take_turn(
     };
     match &spec.on_fail {
         OnFail::Reject => Err(LockError::contended(key.as_str(), None)),
-        OnFail::Retry(policy) => tokio::time::timeout_at(started + policy.wait, wait)
-            .await
-            .map_err(|_| LockError::timeout(key.as_str(), started.elapsed(), None)),
+        OnFail::Retry(policy) => {
+            // `Duration::MAX` ("as long as it takes"): a century, as a lock's wait.
+            let deadline = started
+                .checked_add(policy.wait)
+                .unwrap_or_else(|| started + crate::util::CENTURY);
+            tokio::time::timeout_at(deadline, wait)
+                .await
+                .map_err(|_| LockError::timeout(key.as_str(), started.elapsed(), None))
+        }
         OnFail::Defer(_) => Ok(wait.await),
     }
 }
@@ -482,6 +488,22 @@ mod tests {
             !ran.load(std::sync::atomic::Ordering::SeqCst),
             "body ran without a lock"
         );
+    }
+
+    /// A call that re-enters a hold whose turn a call beside it has, with a retry that waits
+    /// "as long as it takes" (`Duration::MAX`), waits for the turn (its deadline a century
+    /// away, not an overflow).
+    #[tokio::test]
+    async fn a_turn_waited_for_without_end_does_not_overflow() {
+        let turns = crate::context::Turns::default();
+        let taken = turns.clone().try_write_owned().unwrap();
+        let spec = Spec::new(Duration::from_secs(1)).retry(Duration::MAX);
+        let key = LockKey::new("k").unwrap();
+        let waiting = take_turn(turns, &key, &spec, tokio::time::Instant::now());
+        tokio::pin!(waiting);
+        assert!(futures_util::poll!(waiting.as_mut()).is_pending());
+        drop(taken);
+        assert!(waiting.await.is_ok());
     }
 
     #[tokio::test]
